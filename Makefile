@@ -1,0 +1,114 @@
+# BarqTrain build. `make` builds build/{loaderd,loaderctl,trainer}; `make test` runs every test
+# (unit tests in C with cmocka, plain and under ASan+UBSan, then process-level pytest);
+# `make demo` runs the main job end to end on SmolLM2-135M-Instruct.
+# Sources are picked up by wildcard: drop a file into a part's folder and it is built.
+
+CC      ?= gcc
+PYTHON  ?= python3
+PREFIX  ?= /usr/local
+SYSCONFDIR ?= /etc
+BUILD   ?= build
+
+WARN    := -std=c17 -Wall -Wextra -Werror -Wshadow -Wno-unused-parameter
+DEFS    := -D_GNU_SOURCE
+OPT     ?= -O2 -g -march=native
+SAN     := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+CFLAGS_COMMON := $(WARN) $(DEFS) -pthread -fopenmp -I. $(shell pkg-config --cflags libuv jansson libzstd libpcre2-8 libsystemd 2>/dev/null) -I/usr/include/x86_64-linux-gnu/openblas-pthread
+LDLIBS  := -luv -lzstd -ljansson -lopenblas -lpcre2-8 -lsystemd -lm -lpthread -fopenmp
+TESTLIBS := -lcmocka
+
+MODEL   := models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+LIB_SRC := $(wildcard common/*.c) $(wildcard proto/*.c) $(wildcard kernels/cpu/*.c) \
+           $(filter-out loaderd/main.c loaderd/loaderctl.c,$(wildcard loaderd/*.c)) \
+           $(filter-out trainer/main.c,$(wildcard trainer/*.c))
+TEST_SRC := $(wildcard tests/unit/test_*.c)
+TESTUTIL_SRC := $(wildcard tests/unit/util/*.c)
+TOOL_SRC := $(wildcard tests/tools/*.c)
+HDRS := $(wildcard common/*.h proto/*.h kernels/*.h kernels/cpu/*.h loaderd/*.h trainer/*.h tests/unit/util/*.h)
+
+# ---- variant rules: $(1) = output dir, $(2) = flags ----
+define VARIANT
+$(1)/obj/%.o: %.c $(HDRS)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS_COMMON) $(2) -c $$< -o $$@
+
+$(1)/libbarq.a: $$(patsubst %.c,$(1)/obj/%.o,$$(LIB_SRC))
+	@mkdir -p $$(dir $$@)
+	rm -f $$@ && ar rcs $$@ $$^
+
+$(1)/loaderd: $(1)/obj/loaderd/main.o $(1)/libbarq.a
+	$$(CC) $(2) -o $$@ $$^ $$(LDLIBS)
+$(1)/loaderctl: $(1)/obj/loaderd/loaderctl.o $(1)/libbarq.a
+	$$(CC) $(2) -o $$@ $$^ $$(LDLIBS)
+$(1)/trainer: $(1)/obj/trainer/main.o $(1)/libbarq.a
+	$$(CC) $(2) -o $$@ $$^ $$(LDLIBS)
+
+$(1)/tests/%: $(1)/obj/tests/unit/%.o $$(patsubst %.c,$(1)/obj/%.o,$$(TESTUTIL_SRC)) $(1)/libbarq.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $(2) -o $$@ $$^ $$(LDLIBS) $$(TESTLIBS)
+$(1)/tools/%: $(1)/obj/tests/tools/%.o $(1)/libbarq.a
+	@mkdir -p $$(dir $$@)
+	$$(CC) $(2) -o $$@ $$^ $$(LDLIBS)
+endef
+
+$(eval $(call VARIANT,$(BUILD),$(OPT)))
+$(eval $(call VARIANT,$(BUILD)/asan,$(SAN)))
+
+BINS       := $(BUILD)/loaderd $(BUILD)/loaderctl $(BUILD)/trainer
+TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
+TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
+TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
+BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
+
+.PHONY: all setup model test unit unit-asan pytest demo install clean bench shards
+.SECONDARY:
+
+all: $(BINS) $(TOOLS)
+
+setup:
+	@bash scripts/setup.sh
+
+model: $(MODEL)
+$(MODEL):
+	@bash scripts/fetch-model
+
+shards:
+	@bash scripts/make-shards data/demo
+
+unit: $(TESTS)
+	@bash tests/run-unit.sh $(BUILD)/tests $(TESTS)
+
+unit-asan: $(TESTS_ASAN)
+	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+		bash tests/run-unit.sh $(BUILD)/asan/tests $(TESTS_ASAN)
+
+pytest: all $(BINS_ASAN)
+	@BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py
+
+# `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests.
+test: setup
+	@$(MAKE) --no-print-directory model
+	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory unit
+	@$(MAKE) --no-print-directory unit-asan
+	@$(MAKE) --no-print-directory pytest
+
+demo: setup
+	@$(MAKE) --no-print-directory model
+	@$(MAKE) --no-print-directory all
+	@bash scripts/demo.sh
+
+bench: setup
+	@$(MAKE) --no-print-directory model all
+	@bash tests/bench/run.sh
+
+install: $(BINS)
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/systemd/system $(DESTDIR)$(SYSCONFDIR)/loaderd
+	install -m 0755 $(BINS) $(DESTDIR)$(PREFIX)/bin/
+	sed 's#@BINDIR@#$(PREFIX)/bin#g; s#@SYSCONFDIR@#$(SYSCONFDIR)#g' scripts/loaderd.service > $(DESTDIR)$(PREFIX)/lib/systemd/system/loaderd.service
+	chmod 0644 $(DESTDIR)$(PREFIX)/lib/systemd/system/loaderd.service
+	test -e $(DESTDIR)$(SYSCONFDIR)/loaderd/loaderd.json || install -m 0644 scripts/loaderd.example.json $(DESTDIR)$(SYSCONFDIR)/loaderd/loaderd.json
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,102 @@
+/* BarqTrain numeric kernels: the backend-neutral API. This header is the CPU (fp32) reference
+ * backend's API, implemented in kernels/cpu/ (OpenBLAS sgemm for matmuls, threads via OpenMP
+ * where it pays). All tensors are row-major, contiguous, fp32 unless stated; M = number of
+ * tokens (B*T flattened). Weights follow torch.nn.Linear: W[out, in].
+ * Functions with `beta` compute out = op(...) + beta * out (beta 0 overwrites). */
+#ifndef BT_KERNELS_H
+#define BT_KERNELS_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- linear algebra ---- */
+/* Y[M,N] = X[M,K] @ W[N,K]^T + beta*Y */
+void bt_linear_fwd(float *Y, const float *X, const float *W, int M, int K, int N, float beta);
+/* dX[M,K] = dY[M,N] @ W[N,K] + beta*dX */
+void bt_linear_bwd_x(float *dX, const float *dY, const float *W, int M, int K, int N, float beta);
+/* dW[N,K] = dY[M,N]^T @ X[M,K] + beta*dW */
+void bt_linear_bwd_w(float *dW, const float *dY, const float *X, int M, int K, int N, float beta);
+
+/* ---- NF4 with double quantisation (bitsandbytes layout; ../shared/research/kernels.md §1) ----
+ * blocksize 64 over the flattened tensor; packed byte j holds element 2j in the high nibble and
+ * 2j+1 in the low nibble; absmax per 64-block is mean-centred (offset) and quantised with the
+ * signed 8-bit dynamic map (create_dynamic_map(signed=True)) in blocks of 256 with one fp32
+ * nested_absmax each. Dequant: absmax[b] = code8[absmax_q[b]] * nested_absmax[b/256] + offset;
+ * x[i] = NF4[nibble(i)] * absmax[i/64]. */
+#define BT_NF4_BLOCKSIZE 64
+#define BT_NF4_NESTED_BLOCKSIZE 256
+typedef struct {
+    int64_t n;              /* elements (multiple of 64) */
+    int64_t rows, cols;     /* logical shape [out, in] */
+    uint8_t *packed;        /* [n/2] */
+    uint8_t *absmax_q;      /* [n/64] */
+    float *nested_absmax;   /* [ceil(n/64/256)] */
+    float offset;
+} bt_nf4;
+extern const float bt_nf4_code[16];        /* bitsandbytes get_4bit_type("nf4") */
+float bt_dynamic_code8(int idx);            /* create_dynamic_map(signed=True)[idx], idx 0..255 */
+/* Quantise W[rows, cols] (rows*cols multiple of 64). Allocates q's buffers (free with
+ * bt_nf4_free). Reproduces bitsandbytes quantize_4bit(nf4, blocksize=64, compress_statistics=True). */
+int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols);
+/* Dequantise rows [r0, r0+nr) into out[nr, cols]. */
+void bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out);
+void bt_nf4_free(bt_nf4 *q);
+/* Y[M,N] = X[M,K] @ deq(Wq)[N,K]^T + beta*Y, dequantising tile by tile (no full fp32 copy).
+ * scratch: at least bt_nf4_scratch_floats(K) floats. */
+size_t bt_nf4_scratch_floats(int K);
+void bt_nf4_linear_fwd(float *Y, const float *X, const bt_nf4 *Wq, int M, int K, int N, float beta,
+                       float *scratch);
+/* dX[M,K] = dY[M,N] @ deq(Wq)[N,K] + beta*dX */
+void bt_nf4_linear_bwd_x(float *dX, const float *dY, const bt_nf4 *Wq, int M, int K, int N,
+                         float beta, float *scratch);
+
+/* ---- RMSNorm (Zhang & Sennrich 2019; HF LlamaRMSNorm: y = w * x * rsqrt(mean(x^2) + eps)) ---- */
+/* x,y [M,D]; w [D]; rstd [M] saved for backward. */
+void bt_rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w, int M, int D, float eps);
+/* dx [M,D] (overwritten); dw [D] accumulated into if non-NULL. */
+void bt_rmsnorm_bwd(float *dx, float *dw, const float *dy, const float *x, const float *w,
+                    const float *rstd, int M, int D);
+
+/* ---- RoPE, HF "rotate_half" layout (pairs (i, i+D/2)); theta^(-2i/D); position p is
+ * position_ids[m] * pos_scale (pos_scale = 1/interpolation factor, 1.0 = none) ---- */
+/* x [M, H, D] rotated in place. */
+void bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale);
+/* dx [M, H, D] in place: applies the inverse rotation (transpose). */
+void bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale);
+
+/* ---- causal attention over packed variable-length segments, GQA ----
+ * q [M, Hq, D], k,v [M, Hkv, D], Hq % Hkv == 0 (query head h uses kv head h / (Hq/Hkv)).
+ * cu_seqlens [n_seq+1] over M; token i attends to j in its own segment with j <= i.
+ * out [M, Hq, D]; lse [M, Hq] (natural-log logsumexp of the scaled scores) saved for backward. */
+void bt_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
+                 const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
+/* dq [M,Hq,D], dk, dv [M,Hkv,D] overwritten. */
+void bt_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                 const float *lse, const float *q, const float *k, const float *v,
+                 const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
+
+/* ---- SwiGLU: h = silu(gate) * up (Shazeer 2020; HF LlamaMLP) ---- */
+void bt_swiglu_fwd(float *h, const float *gate, const float *up, int64_t n);
+void bt_swiglu_bwd(float *dgate, float *dup, const float *dh, const float *gate, const float *up, int64_t n);
+
+/* ---- embedding ---- */
+/* out[M, D] = table[ids[m], :] */
+void bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M, int D);
+
+/* ---- fused linear + cross-entropy, chunked (Liger FLCE / Apple CCE idea; never holds
+ * [M x V] logits: at most chunk_rows x V at a time) ----
+ * logits = X[M,D] @ W[V,D]^T; targets[m] in [0,V) or -100 (ignored).
+ * Returns the SUM of per-token losses over non-ignored tokens (log-sum-exp in fp32 with max
+ * subtraction); *n_valid gets their count. If dX != NULL: dX[M,D] = grad_scale * dLoss_sum/dX
+ * (overwritten). workspace: at least bt_linear_ce_workspace_floats(chunk_rows, V) floats. */
+size_t bt_linear_ce_workspace_floats(int chunk_rows, int V);
+double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, const int32_t *targets,
+                    int M, int D, int V, int chunk_rows, float grad_scale, float *workspace);
+
+/* ---- optimiser (torch.optim.AdamW, decoupled weight decay, bias-corrected; step is 1-based) ---- */
+void bt_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
+                   float beta2, float eps, float weight_decay, int64_t step);
+/* sum of squares (double accumulation) */
+double bt_sumsq(const float *x, int64_t n);
+void bt_scale(float *x, int64_t n, float s);
+
+#endif

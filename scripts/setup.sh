@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# BarqTrain one-stop set-up: installs the Debian packages and Python test tools the build,
+# the tests and the demo need. Idempotent: does nothing when everything is present.
+# Used by `make setup` (and so by `make demo`, `make test`) and by .ci/run.
+set -euo pipefail
+
+DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
+          libopenblas-dev libcmocka-dev libpcre2-dev libsystemd-dev dict-foldoc unzip)
+PY_PKGS=("pytest==8.3.3")
+
+missing=()
+for p in "${DEB_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+for spec in "${PY_PKGS[@]}"; do
+  mod=${spec%%=*}
+  if ! "$PY" -c "import $mod" 2>/dev/null; then
+    echo "setup: installing Python package $spec"
+    "$PY" -m pip install -q --disable-pip-version-check "$spec"
+  fi
+done
+echo "setup: ok"
