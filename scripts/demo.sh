@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The main job, end to end, on the real default: real shards (FOLDOC + alpaca seed tasks) ->
+# loaderd (foreground, private socket) -> trainer QLoRA-fine-tunes SmolLM2-135M-Instruct on CPU
+# -> held-out loss before/after and the PEFT adapter. Run through `make demo` (which installs,
+# fetches the model and builds first). Extra trainer overrides: DEMO_SET="steps=10 lr=1e-3".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+run=runs/demo
+mkdir -p "$run"
+t0=$(date +%s)
+
+scripts/make-shards data/demo
+
+sock="$root/$run/loaderd.sock"
+cat > "$run/loaderd.json" <<JSON
+{
+  "socket": "$sock",
+  "socket_mode": "0660",
+  "data_roots": ["$root/data"],
+  "model_roots": ["$root/models"],
+  "tokenizer_threads": 2
+}
+JSON
+
+rm -f "$sock"
+build/loaderd --config "$run/loaderd.json" --foreground 2> "$run/loaderd.log" &
+ld_pid=$!
+status_pid=""
+cleanup() {
+  [ -n "$status_pid" ] && kill "$status_pid" 2>/dev/null || true
+  if kill -0 "$ld_pid" 2>/dev/null; then
+    kill -TERM "$ld_pid" 2>/dev/null || true
+    wait "$ld_pid" 2>/dev/null || true
+  fi
+}
+trap cleanup EXIT
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+[ -S "$sock" ] || { echo "demo: loaderd did not start; see $run/loaderd.log" >&2; cat "$run/loaderd.log" >&2; exit 1; }
+echo "demo: loaderd listening on $sock (watch it live: build/loaderctl --socket $sock watch)"
+
+# Snapshot loaderd's live status every 30 s while the trainer runs.
+( while sleep 30; do
+    { date -u +%H:%M:%S; build/loaderctl --socket "$sock" status 2>&1; echo; } >> "$run/loaderctl-status.log"
+  done ) &
+status_pid=$!
+
+sets=(--set "socket=$sock")
+for kv in ${DEMO_SET:-}; do sets+=(--set "$kv"); done
+build/trainer train --config scripts/job.demo.json "${sets[@]}" 2>&1 | tee "$run/trainer.log"
+
+echo
+echo "demo: loaderd status at the end of training:"
+build/loaderctl --socket "$sock" status || true
+kill "$status_pid" 2>/dev/null || true; status_pid=""
+kill -TERM "$ld_pid"; wait "$ld_pid" || { echo "demo: loaderd exited with an error; see $run/loaderd.log" >&2; exit 1; }
+t1=$(date +%s)
+echo "demo: loaderd stopped cleanly; live status snapshots in $run/loaderctl-status.log"
+echo "demo: wall time $(( (t1 - t0) / 60 ))m$(( (t1 - t0) % 60 ))s"
