@@ -1,4 +1,3 @@
-#define _GNU_SOURCE
 #include "bt_common.h"
 
 #include <errno.h>
@@ -34,10 +33,13 @@ const char *bt_strerror(int err) {
 }
 
 int bt_fail(int err, const char *fmt, ...) {
+    /* Format into a local buffer first: callers may pass bt_last_error() as an argument. */
+    char tmp[sizeof g_err];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
+    memcpy(g_err, tmp, sizeof g_err);
     return err;
 }
 
