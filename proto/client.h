@@ -19,23 +19,36 @@
 #define BT_DEFAULT_SOCKET "/run/loaderd/loaderd.sock"
 
 typedef struct bt_client bt_client;
+/* Threading: next/release (the ring) and report (the socket) may run on two different threads;
+ * close must not overlap any other call. Errors leave a message in bt_last_error. */
 
-/* Connect to `socket_path`, send an attach with `job_json` (a JSON object text: the job spec),
- * rank/world, optional resume state (NULL = start), receive and map the ring.
+/* Connect to `socket_path` (NULL: $LOADERD_SOCKET, else BT_DEFAULT_SOCKET), send an attach with `job_json` (a JSON object text: the job spec),
+ * rank/world, optional resume state (NULL = start; else BT_RESUME_STATE_BYTES bytes copied from
+ * a batch header), receive the ring memfd (SCM_RIGHTS) and map it (bt_ring_attach checks it).
+ * Relative "shards" patterns and "tokenizer" path are made absolute against the caller's cwd
+ * (loaderd resolves them in its own cwd otherwise). Waits up to 120 s for the reply.
  * Errors: BT_ERR_IO (connect), BT_ERR_FORMAT (bad reply), BT_ERR_INVALID (loaderd refused:
  * its message is in bt_last_error). */
 int bt_client_attach(bt_client **out, const char *socket_path, const char *job_json, int rank,
                      int world_size, const uint8_t *resume_state);
-/* Wait for the next batch (timeout_ms, -1 forever). 0: *v points at it (valid until release),
- * 1: end of data, <0 error (timeout, loaderd gone, invalid batch). */
+/* Wait for the next batch (timeout_ms, -1 forever). 0: *v points at it (valid until release;
+ * a next without release releases the previous batch), already checked with bt_batch_validate
+ * (against B, T and the vocabulary), job id and consecutive step numbers;
+ * 1: end of data; <0: BT_ERR_TIMEOUT, BT_ERR_CLOSED (loaderd stopped the stream early),
+ * BT_ERR_FORMAT (invalid batch: the message names the violation). */
 int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms);
 void bt_client_release(bt_client *c);
-/* Send a progress report (best-effort; errors are returned, not fatal). */
+/* Send a progress report and wait (up to 5 s) for loaderd's answer (best-effort; errors are
+ * returned, not fatal). Non-finite loss / tokens_per_s are sent as null. */
 int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per_s);
 uint32_t bt_client_job_id(const bt_client *c);
 uint32_t bt_client_B(const bt_client *c);
 uint32_t bt_client_T(const bt_client *c);
-/* Detach (closes the ring and the socket) and free. */
+/* Vocabulary size loaderd's tokenizer reported at attach (token ids are checked against it);
+ * 0 when unknown. */
+int32_t bt_client_vocab(const bt_client *c);
+/* Detach (sets the ring's consumer-closed flag, sends detach, closes the ring and the socket)
+ * and free. NULL is a no-op. */
 void bt_client_close(bt_client *c);
 
 #endif

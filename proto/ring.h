@@ -37,27 +37,41 @@ typedef struct {
     uint8_t *slots;
     size_t map_bytes;
     int fd;          /* owned: closed by bt_ring_close */
+    /* Private copies (never re-read from the peer-writable header): geometry validated at
+     * create/attach, and this side's own counter (producer: head, consumer: tail). */
+    uint32_t n_slots, B, T;
+    size_t slot_bytes;
+    uint64_t pos;
+    int err;         /* bt_err of the last NULL from acquire/peek (BT_ERR_TIMEOUT/CLOSED/FORMAT) */
 } bt_ring;
 
 /* Producer side: memfd_create + ftruncate + seals + mmap + header init.
- * On success r->fd is the memfd (send it with SCM_RIGHTS). */
+ * On success r->fd is the memfd (send it with SCM_RIGHTS). n_slots in [1, 4096]; B*T <= 2^28.
+ * Errors: BT_ERR_INVALID (geometry), BT_ERR_IO (memfd/ftruncate/seal/mmap, errno text). */
 int bt_ring_create(bt_ring *r, uint32_t n_slots, uint32_t B, uint32_t T);
-/* Consumer side: map a received fd (takes ownership of fd) and validate the header against
- * the fd size (a lying header is BT_ERR_FORMAT). */
+/* Consumer side: map a received fd (takes ownership of fd, closed on failure too) and validate
+ * the header against the fd size (a lying header is BT_ERR_FORMAT; a fd without F_SEAL_SHRINK
+ * is refused, since a peer could truncate it under us and cause SIGBUS). */
 int bt_ring_attach(bt_ring *r, int fd);
 void bt_ring_close(bt_ring *r);
 
-/* Producer: wait (up to timeout_ms, -1 forever) for a free slot; returns it or NULL on
- * timeout (BT_ERR_TIMEOUT in bt_last_error) or when the consumer closed. */
+/* Producer: wait (up to timeout_ms, -1 forever, 0 = poll) for a free slot; returns it (slot_bytes
+ * bytes, owned by the producer until commit) or NULL: BT_ERR_TIMEOUT on timeout, BT_ERR_CLOSED
+ * when the consumer closed, BT_ERR_FORMAT when the consumer wrote an impossible tail
+ * (message in bt_last_error, code in r->err). */
 void *bt_ring_producer_acquire(bt_ring *r, int timeout_ms);
 void bt_ring_producer_commit(bt_ring *r);
 void bt_ring_producer_close(bt_ring *r);
-/* Consumer: wait for a filled slot; NULL on timeout or when the producer closed and the ring
- * is empty. */
+/* Consumer: wait for a filled slot (valid until release); NULL with r->err = BT_ERR_TIMEOUT on
+ * timeout, BT_ERR_CLOSED when the producer closed and the ring is empty, BT_ERR_FORMAT when the
+ * producer wrote an impossible head. */
 void *bt_ring_consumer_peek(bt_ring *r, int timeout_ms);
 void bt_ring_consumer_release(bt_ring *r);
 void bt_ring_consumer_close(bt_ring *r);
-/* Slots currently filled (head - tail). */
+/* Slots currently filled (head - tail), clamped to [0, n_slots]. */
 uint32_t bt_ring_fill(const bt_ring *r);
+/* Whether the producer / consumer has set its closed flag (1) or not (0). */
+int bt_ring_producer_closed(const bt_ring *r);
+int bt_ring_consumer_closed(const bt_ring *r);
 
 #endif

@@ -1,0 +1,244 @@
+"""Shared fixtures for BarqTrain's process-level tests.
+
+Paths: binaries come from $BT_BUILD (default "build", relative to the repository root; the
+ASan+UBSan variants live in $BT_BUILD/asan), the model from $BT_MODEL (default
+models/SmolLM2-135M-Instruct.Q4_1.gguf). Tests run from anywhere.
+
+Fixtures:
+  bins           -> Bins: .path(name, asan=False), .have(name, asan=False)
+  model_path     -> absolute path of the GGUF model (skips the test when it is missing)
+  sock_path      -> a short, fresh Unix socket path under /tmp (sun_path is 108 bytes)
+  notify_socket  -> NotifySocket: an AF_UNIX datagram socket standing in for systemd's
+                    $NOTIFY_SOCKET (.path, .wait_for("READY=1", timeout))
+  loaderd        -> factory: loaderd(config: dict, asan=None, notify=True, args=(), wait=True,
+                    env=None) -> Loaderd (asan=None: the ASan build when it exists),
+                    started and READY; every daemon still running at the end is stopped with
+                    SIGTERM and must exit 0
+  chat_line(u, a) / write_shard(path, lines) helpers are plain functions importable from
+  conftest (`from conftest import chat_line`).
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
+MODEL = os.path.join(ROOT, os.environ.get("BT_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+# ASan: leaks are errors (exit code != 0), UBSan stops at the first report.
+SAN_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=23",
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=24",
+}
+
+
+def chat_line(user, assistant):
+    """One chat-format JSONL record."""
+    return json.dumps({"messages": [{"role": "user", "content": user},
+                                    {"role": "assistant", "content": assistant}]})
+
+
+def write_shard(path, lines):
+    """Write lines (str or bytes) as a .jsonl file; a .zst suffix compresses with zstd(1)."""
+    data = b"".join((l if isinstance(l, bytes) else l.encode()) + b"\n" for l in lines)
+    path = str(path)
+    if path.endswith(".zst"):
+        subprocess.run(["zstd", "-q", "-f", "-o", path], input=data, check=True)
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
+    return path
+
+
+class Bins:
+    def __init__(self, build):
+        self.build = build
+
+    def path(self, name, asan=False):
+        return os.path.join(self.build, "asan", name) if asan else os.path.join(self.build, name)
+
+    def have(self, name, asan=False):
+        return os.access(self.path(name, asan), os.X_OK)
+
+
+@pytest.fixture(scope="session")
+def bins():
+    return Bins(BUILD)
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    if not os.path.exists(MODEL):
+        pytest.skip(f"model {MODEL} not present (make model)")
+    return MODEL
+
+
+@pytest.fixture
+def sock_path():
+    d = tempfile.mkdtemp(prefix="bt-", dir="/tmp")
+    yield os.path.join(d, "ld.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class NotifySocket:
+    """Receives sd_notify datagrams like systemd does."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="bt-n-", dir="/tmp")
+        self.path = os.path.join(self.dir, "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.messages = []
+
+    def wait_for(self, needle, timeout=20.0, proc=None):
+        """Wait until a datagram containing `needle` arrives; returns its text."""
+        for m in self.messages:
+            if needle in m:
+                return m
+        end = time.time() + timeout
+        while time.time() < end:
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"process exited ({proc.returncode}) before sending {needle!r}")
+            self.sock.settimeout(0.2)
+            try:
+                m = self.sock.recv(65536).decode(errors="replace")
+            except socket.timeout:
+                continue
+            self.messages.append(m)
+            if needle in m:
+                return m
+        raise AssertionError(f"no {needle!r} notification within {timeout}s; got {self.messages}")
+
+    def close(self):
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def notify_socket():
+    n = NotifySocket()
+    yield n
+    n.close()
+
+
+class Loaderd:
+    """A running loaderd. .sock, .proc, .log_text(), .request(obj), .ctl(*args), .stop()."""
+
+    def __init__(self, bins, cfg_path, sock, asan, notify, log_path, args=(), extra_env=None):
+        self.bins, self.sock, self.asan, self.notify = bins, sock, asan, notify
+        self.cfg_path, self.log_path = cfg_path, log_path
+        env = dict(os.environ)
+        env.update(SAN_ENV)
+        env.update(extra_env or {})
+        if notify is not None:
+            env["NOTIFY_SOCKET"] = notify.path
+        else:
+            env.pop("NOTIFY_SOCKET", None)
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([bins.path("loaderd", asan), "--config", cfg_path, "--foreground", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout=30.0):
+        if self.notify is not None:
+            self.notify.wait_for("READY=1", timeout, self.proc)
+        else:
+            end = time.time() + timeout
+            while not os.path.exists(self.sock):
+                assert self.proc.poll() is None, self.log_text()
+                assert time.time() < end, "loaderd did not create its socket\n" + self.log_text()
+                time.sleep(0.05)
+        return self
+
+    def log_text(self):
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(self.sock)
+        return s
+
+    def request(self, obj, sock=None):
+        """Send one request (dict, "v" added) and return the decoded reply."""
+        own = sock is None
+        s = self.connect() if own else sock
+        msg = dict(obj)
+        msg.setdefault("v", 1)
+        s.sendall(json.dumps(msg).encode() + b"\n")
+        line = read_line(s)
+        if own:
+            s.close()
+        return json.loads(line)
+
+    def ctl(self, *args, timeout=30):
+        return subprocess.run([self.bins.path("loaderctl"), "--socket", self.sock, *args],
+                              capture_output=True, text=True, timeout=timeout)
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("loaderd did not stop\n" + self.log_text())
+        self.log.close()
+        return rc
+
+
+def read_line(s, limit=64 << 20):
+    """Read one '\\n'-terminated line from a stream socket (bytes, without the newline)."""
+    buf = b""
+    while b"\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise ConnectionError("connection closed before a full line: %r" % buf[:200])
+        buf += chunk
+        if len(buf) > limit:
+            raise ValueError("line too long")
+    return buf.split(b"\n", 1)[0]
+
+
+@pytest.fixture
+def loaderd(bins, tmp_path, sock_path):
+    """Factory starting loaderd with a config dict ("socket" defaults to a fresh tmp path)."""
+    started = []
+
+    def start(config=None, asan=None, notify=True, args=(), wait=True, env=None):
+        if asan is None:
+            asan = bins.have("loaderd", asan=True)
+        if not bins.have("loaderd", asan):
+            pytest.skip(f"{bins.path('loaderd', asan)} not built")
+        cfg = {"socket": sock_path}
+        cfg.update(config or {})
+        cfg_path = str(tmp_path / f"loaderd-{len(started)}.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        n = NotifySocket() if notify else None
+        d = Loaderd(bins, cfg_path, cfg["socket"], asan, n, str(tmp_path / f"loaderd-{len(started)}.log"), args, env)
+        started.append(d)
+        if wait:
+            d.wait_ready()
+        return d
+
+    yield start
+    failures = []
+    for d in started:
+        if d.proc.poll() is None:
+            rc = d.stop()
+            if rc != 0:
+                failures.append(f"loaderd exited {rc} at teardown\n{d.log_text()[-4000:]}")
+        if d.notify is not None:
+            d.notify.close()
+    assert not failures, "\n".join(failures)
