@@ -15,6 +15,13 @@ void bt_linear_fwd(float *Y, const float *X, const float *W, int M, int K, int N
 void bt_linear_bwd_x(float *dX, const float *dY, const float *W, int M, int K, int N, float beta);
 /* dW[N,K] = dY[M,N]^T @ X[M,K] + beta*dW */
 void bt_linear_bwd_w(float *dW, const float *dY, const float *X, int M, int K, int N, float beta);
+/* General row-major GEMM, C[M,N] = alpha * op(A) @ op(B) + beta*C, op = transpose when trans* != 0
+ * (A is [M,K] or, transposed, [K,M]; B is [K,N] or [N,K]; lda/ldb/ldc are row strides). Same
+ * threading as every kernel here: OpenBLAS is kept at one thread for the whole process and the
+ * GEMM is split over OpenMP threads (kernels/cpu/blas_par.c says why). Use this instead of calling
+ * cblas_sgemm directly. */
+void bt_sgemm(int transA, int transB, int M, int N, int K, float alpha, const float *A, int lda,
+              const float *B, int ldb, float beta, float *C, int ldc);
 
 /* ---- NF4 with double quantisation (bitsandbytes layout; ../shared/research/kernels.md §1) ----
  * blocksize 64 over the flattened tensor; packed byte j holds element 2j in the high nibble and
@@ -98,5 +105,15 @@ void bt_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, floa
 /* sum of squares (double accumulation) */
 double bt_sumsq(const float *x, int64_t n);
 void bt_scale(float *x, int64_t n, float s);
+
+/* ---- process set-up (kernels/cpu/blas_env.c) ----
+ * OpenBLAS 0.3.21 mis-detects recent x86 CPUs and then runs ~8x slower; the kernel family can
+ * only be forced through OPENBLAS_CORETYPE before the library loads. */
+/* "SkylakeX" on AVX-512 CPUs, "Haswell" on AVX2+FMA, NULL otherwise (leave OpenBLAS's choice). */
+const char *bt_openblas_coretype_for_cpu(void);
+/* Call first thing in main(): if OPENBLAS_CORETYPE is unset and the CPU has a better kernel
+ * family, set it and re-exec /proc/self/exe with the same argv (returns only when nothing needs
+ * doing, or when the exec fails, with a warning). BT_NO_BLAS_REEXEC=1 disables it. */
+void bt_openblas_env_reexec(char **argv);
 
 #endif

@@ -1,0 +1,48 @@
+/* Private helpers for kernels/cpu: a vectorisable expf and small utilities. Not part of the public
+ * kernel API. */
+#ifndef BT_KERNELS_CPU_MATH_H
+#define BT_KERNELS_CPU_MATH_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for fp32, written so that GCC vectorises it inside `#pragma omp simd` loops (glibc's
+ * expf is a scalar call under -std=c17 without -ffast-math). Algorithm and coefficients: Cephes
+ * expf.c (S. Moshier): n = round(x*log2(e)) (by the 1.5*2^23 trick, exact for |n| < 2^22),
+ * r = x - n*ln2 (Cody-Waite split C1 + C2), exp(r) by a degree-6 minimax polynomial, times 2^n
+ * built in the exponent bits. Relative error <= ~2e-7 (about 2 ulp) on [-87.3, 88]; x < -87.3
+ * (including -inf) returns exactly 0; x > 88 is clamped to 88 (exp(88) = 1.65e38); NaN -> NaN. */
+static inline float bt_expf(float x)
+{
+    /* clamp with compares (fminf/fmaxf are libm calls under strict IEEE); NaN maps to -88 here
+     * and is restored at the end, so no NaN reaches the float->int conversion */
+    float xc = x > -88.0f ? x : -88.0f;
+    xc = xc < 88.0f ? xc : 88.0f;
+    const float t = xc * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    float res = y * scale;
+    res = x < -87.3f ? 0.0f : res;
+    return x != x ? x : res;
+}
+
+/* Number of OpenMP threads a parallel region would use here (1 without OpenMP). */
+int bt_cpu_max_threads(void);
+
+/* Set OpenBLAS to one thread (once per process; blas_par.c explains why). Every kernel that calls
+ * BLAS goes through bt_sgemm, which calls this first. */
+void bt_cpu_blas_init(void);
+
+#endif

@@ -1,0 +1,103 @@
+/* Fused linear + cross-entropy, chunked over tokens so that at most chunk_rows x V logits exist at
+ * a time (Liger Kernel FusedLinearCrossEntropy, src/liger_kernel/ops/fused_linear_cross_entropy.py;
+ * Apple Cut Cross-Entropy, arXiv 2411.09009; see ../shared/research/kernels.md §3.2-3.4).
+ * Per chunk: logits = X_c W^T (bt_sgemm), per row max / log-sum-exp with max subtraction,
+ * loss = lse - logit[target]; gradient dlogits = (softmax - onehot) * grad_scale written over the
+ * logits, then dX_c = dlogits W (bt_sgemm). Matches torch.nn.functional.cross_entropy
+ * (reduction="sum", ignore_index=-100) on logits = X @ W^T. */
+#include "kernels/kernels.h"
+#include "kernels/cpu/cpu_math.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Floats of workspace bt_linear_ce needs: the chunk_rows x V logits block plus chunk_rows per-row
+ * losses (as doubles, 2 floats each). */
+size_t bt_linear_ce_workspace_floats(int chunk_rows, int V)
+{
+    if (chunk_rows <= 0 || V <= 0)
+        return 0;
+    return (size_t)chunk_rows * (size_t)V + 2 * (size_t)chunk_rows;
+}
+
+/* X [M, D], W [V, D] fp32 (W is the lm_head / tied embedding, read only); targets [M] int32.
+ * A target outside [0, V) (including -100, the ignore index) is ignored: no loss, zero gradient
+ * row, not counted; validating labels is the data pipeline's job, this kernel never reads out of
+ * bounds. Returns the sum over counted rows of (lse - logit[target]) in double (per-row values
+ * computed in fp32 logits with the exp-sum accumulated in double, summed in row order, so the
+ * result does not depend on the thread count); *n_valid (if non-NULL) gets the count.
+ * If dX != NULL, dX [M, D] is overwritten with grad_scale * d(loss sum)/dX (rows of ignored
+ * targets get 0); the caller passes e.g. grad_scale = 1/n_valid_total for a mean loss.
+ * chunk_rows > 0 rows of logits are processed per step (any value; need not divide M);
+ * workspace >= bt_linear_ce_workspace_floats(chunk_rows, V) floats, caller owned.
+ * No gradient for W (the base lm_head is frozen under LoRA). */
+double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, const int32_t *targets,
+                    int M, int D, int V, int chunk_rows, float grad_scale, float *workspace)
+{
+    if (n_valid)
+        *n_valid = 0;
+    if (M <= 0 || V <= 0 || chunk_rows <= 0)
+        return 0.0;
+    float *logits = workspace;
+    /* per-row losses as doubles after the logits; only 4-byte aligned, so accessed with memcpy */
+    unsigned char *row_loss = (unsigned char *)(workspace + (size_t)chunk_rows * V);
+    double total = 0.0;
+    int count = 0;
+    for (int r0 = 0; r0 < M; r0 += chunk_rows) {
+        const int cr = M - r0 < chunk_rows ? M - r0 : chunk_rows;
+        bt_sgemm(0, 1, cr, V, D, 1.0f, X + (size_t)r0 * D, D,
+                    W, D, 0.0f, logits, V);
+#pragma omp parallel for schedule(static)
+        for (int r = 0; r < cr; r++) {
+            float *row = logits + (size_t)r * V;
+            const int32_t t = targets[r0 + r];
+            double loss = 0.0;
+            if (t >= 0 && t < V) {
+                float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+                for (int j = 0; j < V; j++)
+                    mx = row[j] > mx ? row[j] : mx;
+                const float target_logit = row[t];
+                double sum = 0.0;
+                if (dX) {
+#pragma omp simd reduction(+ : sum)
+                    for (int j = 0; j < V; j++) {
+                        float e = bt_expf(row[j] - mx);
+                        row[j] = e;
+                        sum += (double)e;
+                    }
+                } else {
+#pragma omp simd reduction(+ : sum)
+                    for (int j = 0; j < V; j++)
+                        sum += (double)bt_expf(row[j] - mx);
+                }
+                const double lse = (double)mx + log(sum);
+                loss = lse - (double)target_logit;
+                if (dX) {
+                    const float c = (float)((double)grad_scale / sum);
+#pragma omp simd
+                    for (int j = 0; j < V; j++)
+                        row[j] *= c;
+                    row[t] -= grad_scale;
+                }
+            } else if (dX) {
+                memset(row, 0, (size_t)V * sizeof(float));
+            }
+            memcpy(row_loss + (size_t)r * sizeof(double), &loss, sizeof loss);
+        }
+        for (int r = 0; r < cr; r++) {
+            double l;
+            memcpy(&l, row_loss + (size_t)r * sizeof(double), sizeof l);
+            if (targets[r0 + r] >= 0 && targets[r0 + r] < V) {
+                total += l;
+                count++;
+            }
+        }
+        if (dX)
+            bt_sgemm(0, 0, cr, D, V, 1.0f, logits, V, W, D,
+                        0.0f, dX + (size_t)r0 * D, D);
+    }
+    if (n_valid)
+        *n_valid = count;
+    return total;
+}

@@ -1,0 +1,52 @@
+/* SwiGLU activation (Shazeer 2020, "GLU Variants Improve Transformer", arXiv 2002.05202; HF
+ * LlamaMLP: down(act_fn(gate(x)) * up(x)) with act_fn = SiLU) and the token embedding lookup. */
+#include "kernels/kernels.h"
+#include "kernels/cpu/cpu_math.h"
+
+#include <omp.h>
+#include <string.h>
+
+int bt_cpu_max_threads(void)
+{
+    return omp_get_max_threads();
+}
+
+/* h[i] = silu(gate[i]) * up[i], silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); n fp32 elements,
+ * any shape (elementwise); h may alias neither input. exp via bt_expf (~2 ulp). */
+void bt_swiglu_fwd(float *h, const float *gate, const float *up, int64_t n)
+{
+#pragma omp parallel for simd schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i];
+        float sig = 1.0f / (1.0f + bt_expf(-g));
+        h[i] = g * sig * up[i];
+    }
+}
+
+/* Backward of bt_swiglu_fwd: with s = sigmoid(g),
+ *   dgate = dh * up * s * (1 + g*(1 - s))   (d silu/dg = s + g*s*(1-s)),
+ *   dup   = dh * g * s.
+ * dgate, dup [n] overwritten; each element's inputs are read before its outputs are written, so
+ * dgate/dup may alias dh, gate or up (elementwise in-place use). */
+void bt_swiglu_bwd(float *dgate, float *dup, const float *dh, const float *gate, const float *up,
+                   int64_t n)
+{
+#pragma omp parallel for simd schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i];
+        float s = 1.0f / (1.0f + bt_expf(-g));
+        float d = dh[i];
+        dgate[i] = d * up[i] * (s * (1.0f + g * (1.0f - s)));
+        dup[i] = d * (g * s);
+    }
+}
+
+/* out[m, :] = table[ids[m], :] for m < M; table [vocab, D] fp32; ids must lie in [0, vocab) (the
+ * caller validates token ids against the vocabulary; this function has no vocab size to check).
+ * Rows are copied in parallel. */
+void bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M, int D)
+{
+#pragma omp parallel for schedule(static) if ((int64_t)M * D >= 65536)
+    for (int m = 0; m < M; m++)
+        memcpy(out + (size_t)m * D, table + (size_t)ids[m] * D, (size_t)D * sizeof(float));
+}
