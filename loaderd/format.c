@@ -78,6 +78,130 @@ static int get_str(const json_t *obj, const char *key, const char **s, size_t *n
     return 0;
 }
 
+/* ---------------------------------------------------------------- chat templates */
+
+const char *ld_chat_tpl_name(ld_chat_tpl t) {
+    return t == LD_TPL_AUTO ? "auto" : t == LD_TPL_CHATML ? "chatml" : t == LD_TPL_LLAMA3 ? "llama3" : "unknown";
+}
+
+static int has_chatml(const bt_tokenizer *t) {
+    return bt_tokenizer_find(t, "<|im_start|>") >= 0 && bt_tokenizer_find(t, "<|im_end|>") >= 0;
+}
+static int has_llama3(const bt_tokenizer *t) {
+    return bt_tokenizer_find(t, "<|begin_of_text|>") >= 0 && bt_tokenizer_find(t, "<|start_header_id|>") >= 0 &&
+           bt_tokenizer_find(t, "<|end_header_id|>") >= 0 && bt_tokenizer_find(t, "<|eot_id|>") >= 0;
+}
+
+int ld_chat_tpl_resolve(const bt_tokenizer *tok, ld_chat_tpl want, ld_chat_tpl *out) {
+    if (want == LD_TPL_AUTO) {
+        const char *ct = bt_tokenizer_chat_template(tok);
+        if (ct && strstr(ct, "<|im_start|>")) want = LD_TPL_CHATML;
+        else if (ct && strstr(ct, "<|start_header_id|>")) want = LD_TPL_LLAMA3;
+        else if (has_chatml(tok)) want = LD_TPL_CHATML;
+        else if (has_llama3(tok)) want = LD_TPL_LLAMA3;
+        else
+            return bt_fail(BT_ERR_UNSUPPORTED, "chat template: the tokenizer's chat_template is neither ChatML nor "
+                           "Llama-3 and it has neither <|im_start|>/<|im_end|> nor the Llama-3 header tokens");
+    }
+    if (want == LD_TPL_CHATML && !has_chatml(tok))
+        return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"chatml\": the tokenizer has no <|im_start|>/<|im_end|>");
+    if (want == LD_TPL_LLAMA3 && !has_llama3(tok))
+        return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"llama3\": the tokenizer lacks <|begin_of_text|>, "
+                       "<|start_header_id|>, <|end_header_id|> or <|eot_id|>");
+    if (want != LD_TPL_CHATML && want != LD_TPL_LLAMA3)
+        return bt_fail(BT_ERR_UNSUPPORTED, "chat template %d unknown", (int)want);
+    *out = want;
+    return BT_OK;
+}
+
+/* Input bytes a token produced by bt_tokenize (parse_special = 0) covers: user-defined tokens are
+ * matched literally (their piece text), every other token covers the bytes it decodes to
+ * (same rule as common/chat.c). */
+static size_t src_len(const bt_tokenizer *t, int32_t id) {
+    if (bt_tokenizer_token_type(t, id) == 4) return strlen(bt_tokenizer_piece(t, id));
+    size_t n = 0;
+    bt_tokenizer_token_bytes(t, id, &n);
+    return n;
+}
+
+static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+/* Llama-3 rendering (see format.h). Appends to ids/mask; on error they may hold a partial
+ * document (the caller rolls back). */
+static int llama3_encode(const bt_tokenizer *t, const bt_chat_msg *msgs, size_t n, bt_ids *ids, bt_ids *mask) {
+    int32_t bot = bt_tokenizer_find(t, "<|begin_of_text|>"), sh = bt_tokenizer_find(t, "<|start_header_id|>"),
+            eh = bt_tokenizer_find(t, "<|end_header_id|>"), eot = bt_tokenizer_find(t, "<|eot_id|>");
+    if (bot < 0 || sh < 0 || eh < 0 || eot < 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "format: tokenizer lacks the Llama-3 chat tokens");
+    bt_ids tmp = {0};
+    char *run = NULL;
+    size_t run_cap = 0;
+    int rc = 0;
+    bt_ids_push(ids, bot);
+    bt_ids_push(mask, 0);
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        int train = strcmp(msgs[i].role, "assistant") == 0;
+        bt_ids_push(ids, sh);
+        bt_ids_push(mask, 0);
+        tmp.n = 0;
+        rc = bt_tokenize(t, msgs[i].role, strlen(msgs[i].role), 0, &tmp);
+        if (rc < 0) break;
+        for (size_t k = 0; k < tmp.n; k++) {
+            bt_ids_push(ids, tmp.v[k]);
+            bt_ids_push(mask, 0);
+        }
+        bt_ids_push(ids, eh);
+        bt_ids_push(mask, 0);
+        const char *c = msgs[i].content;
+        size_t cn = msgs[i].content_len;
+        while (cn && is_ws(c[0])) c++, cn--;
+        while (cn && is_ws(c[cn - 1])) cn--;
+        if (cn + 3 > run_cap) {
+            run_cap = cn + 3;
+            char *nr = realloc(run, run_cap);
+            if (!nr) {
+                rc = bt_fail(BT_ERR_NOMEM, "format: out of memory (%zu bytes)", run_cap);
+                break;
+            }
+            run = nr;
+        }
+        run[0] = run[1] = '\n';
+        if (cn) memcpy(run + 2, c, cn);
+        tmp.n = 0;
+        rc = bt_tokenize(t, run, cn + 2, 0, &tmp);
+        if (rc < 0) break;
+        size_t off = 0;
+        for (size_t k = 0; k < tmp.n; k++) {
+            off += src_len(t, tmp.v[k]);
+            bt_ids_push(ids, tmp.v[k]);
+            bt_ids_push(mask, train && off > 2 ? 1 : 0);
+        }
+        bt_ids_push(ids, eot);
+        bt_ids_push(mask, train ? 1 : 0);
+    }
+    free(run);
+    bt_ids_free(&tmp);
+    return rc;
+}
+
+/* Render msgs with cfg's template; prepend BOS when asked and not already there. */
+static int render_chat(const ld_format_cfg *cfg, const bt_chat_msg *msgs, size_t n, bt_ids *ids, bt_ids *mask) {
+    size_t n0 = ids->n;
+    int rc = cfg->tpl == LD_TPL_LLAMA3 ? llama3_encode(cfg->tok, msgs, n, ids, mask)
+                                       : bt_chat_encode(cfg->tok, BT_CHAT_CHATML, msgs, (int)n, ids, mask);
+    if (rc < 0) return rc;
+    int32_t bos = bt_tokenizer_bos(cfg->tok);
+    if (cfg->add_bos && bos >= 0 && (ids->n == n0 || ids->v[n0] != bos)) {
+        bt_ids_push(ids, 0);
+        bt_ids_push(mask, 0);
+        memmove(ids->v + n0 + 1, ids->v + n0, (ids->n - n0 - 1) * sizeof *ids->v);
+        memmove(mask->v + n0 + 1, mask->v + n0, (mask->n - n0 - 1) * sizeof *mask->v);
+        ids->v[n0] = bos;
+        mask->v[n0] = 0;
+    }
+    return 0;
+}
+
 #define MAX_STACK_MSGS 16
 
 static int format_chat(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids, bt_ids *mask,
@@ -121,7 +245,7 @@ static int format_chat(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
     }
     if (rc == 0 && !trained)
         rc = bad(reason, LD_BAD_EMPTY, msg, msglen, "no assistant message with content");
-    if (rc == 0) rc = bt_chat_encode(cfg->tok, BT_CHAT_CHATML, msgs, (int)n, ids, mask);
+    if (rc == 0) rc = render_chat(cfg, msgs, n, ids, mask);
     if (msgs != stack) free(msgs);
     return rc;
 }
@@ -156,7 +280,7 @@ static int format_alpaca(const ld_format_cfg *cfg, const json_t *root, bt_ids *i
     }
     user[un] = 0;
     bt_chat_msg msgs[2] = {{"user", user, un}, {"assistant", out, out_n}};
-    int rc = bt_chat_encode(cfg->tok, BT_CHAT_CHATML, msgs, 2, ids, mask);
+    int rc = render_chat(cfg, msgs, 2, ids, mask);
     free(user);
     return rc;
 }
@@ -170,10 +294,12 @@ static int format_text(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
                       g == 1 ? "missing" : "expected string, got ", tn);
     if (n == 0) return bad(reason, LD_BAD_EMPTY, msg, msglen, "\"%s\" is empty", key);
     size_t n0 = ids->n;
+    int32_t bos = bt_tokenizer_bos(cfg->tok), eos = bt_tokenizer_eos(cfg->tok);
+    if (cfg->add_bos && bos >= 0) bt_ids_push(ids, bos); /* the text itself cannot hold a BOS:
+                                                           special strings are not parsed */
     int rc = bt_tokenize(cfg->tok, s, n, 0, ids);
     if (rc != BT_OK) return rc;
-    int32_t eos = bt_tokenizer_eos(cfg->tok);
-    if (eos >= 0) bt_ids_push(ids, eos);
+    if (eos >= 0 && (ids->n == n0 || ids->v[ids->n - 1] != eos)) bt_ids_push(ids, eos);
     for (size_t i = n0; i < ids->n; i++) bt_ids_push(mask, 1);
     return 0;
 }
@@ -206,7 +332,10 @@ int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_id
     json_decref(root);
     if (rc == 0 && ids->n - n0 != mask->n - m0)
         rc = bt_fail(BT_ERR_FORMAT, "format: %zu ids but %zu mask entries", ids->n - n0, mask->n - m0);
-    if (rc == 0 && cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T) {
+    if (rc == 0 && cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T && cfg->overlong_drop) {
+        rc = bad(reason, LD_BAD_OVERLONG, msg, msglen, "%zu tokens, longer than seq_len %u (overlong: drop)",
+                 ids->n - n0, cfg->T);
+    } else if (rc == 0 && cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T) {
         ids->n = n0 + cfg->T;
         mask->n = m0 + cfg->T;
         *truncated = 1;

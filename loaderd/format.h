@@ -1,20 +1,36 @@
 /* loaderd formats: one JSONL line -> token ids + 0/1 loss mask.
- *   chat   {"messages":[{"role":"...","content":"..."}, ...]}  rendered with bt_chat_encode
- *          (ChatML, common/chat.h): loss on assistant contents and their <|im_end|>.
+ *   chat   {"messages":[{"role":"...","content":"..."}, ...]}  multi-turn; loss on every
+ *          assistant turn's content and its end-of-turn token, nothing else. Templates:
+ *          ChatML  via bt_chat_encode (common/chat.h): "<|im_start|>role\ncontent<|im_end|>\n",
+ *                  SmolLM2's default system message first when there is none.
+ *          Llama-3 (Meta-Llama-3-8B-Instruct tokenizer_config.json chat_template):
+ *                  "<|begin_of_text|>" then per message
+ *                  "<|start_header_id|>" role "<|end_header_id|>" "\n\n" trim(content) "<|eot_id|>"
+ *                  (Jinja `trim`: leading/trailing " \t\n\r\f\v" removed; no default system
+ *                  message). Special tokens are inserted by id; role and content are tokenized
+ *                  with parse_special = 0 (data cannot inject control tokens); the run
+ *                  "\n\n"+content is tokenized as one piece, as HF does between two special
+ *                  tokens, and a token is trained on iff it covers at least one content byte.
  *   alpaca {"instruction":"...","input":"..."?,"output":"..."}  rendered as the chat
  *          [user: instruction + ("\n\n" + input if input is non-empty), assistant: output]
  *          through the same template (Stanford Alpaca's fields, rendered the way TRL/axolotl
  *          render instruction data for chat models).
- *   text   {<text_field>:"..."}  tokenized without special-token parsing, EOS appended (when the
- *          tokenizer has one), every token carries loss.
+ *   text   {<text_field>:"..."}  tokenized without special-token parsing, every token carries
+ *          loss; BOS prepended when cfg->add_bos and the tokenizer has one, EOS appended once
+ *          (when the tokenizer has one).
+ * BOS is never doubled: chat/alpaca get a BOS in front only when cfg->add_bos is set and the
+ * rendered template does not already start with it (Llama-3's starts with <|begin_of_text|>,
+ * the BOS of Llama-3 tokenizers); chat/alpaca get no extra EOS (the end-of-turn token ends the
+ * document, as in HF apply_chat_template).
  * Other keys are ignored. The raw line is checked for valid UTF-8 first (so invalid bytes count
  * as `utf8`, not as the `json` error jansson would give), then parsed with jansson
  * (JSON_ALLOW_NUL: "\u0000" inside strings is kept, lengths are explicit everywhere).
  * A document is `empty` when it has no token with loss after its first token (e.g. chat without
  * an assistant message with content, alpaca with an empty output, text "").
- * chat/alpaca documents longer than T tokens are cut to their first T tokens (*truncated = 1);
- * one that then has no loss left is `empty`. text documents are never cut here (the packer
- * splits them). Thread-safe (the tokenizer is immutable). */
+ * chat/alpaca documents longer than cfg->T tokens are cut to their first T tokens (*truncated = 1)
+ * or, with cfg->overlong_drop, rejected as `overlong`; a cut one with no loss left is `empty`.
+ * text documents are never cut here (the packer splits them). Thread-safe (the tokenizer is
+ * immutable). */
 #ifndef LD_FORMAT_H
 #define LD_FORMAT_H
 #include <stddef.h>
@@ -28,7 +44,19 @@ typedef struct {
     const char *text_field;  /* LD_FMT_TEXT: key of the text (NULL = "text") */
     const bt_tokenizer *tok; /* borrowed */
     uint32_t T;              /* chat/alpaca truncation length in tokens; 0 = none */
+    ld_chat_tpl tpl;         /* LD_TPL_CHATML (0) or LD_TPL_LLAMA3 (resolved, never AUTO) */
+    int add_bos;             /* prepend the tokenizer's BOS (if any and not already there) */
+    int overlong_drop;       /* chat/alpaca longer than T: 1 = reject as LD_BAD_OVERLONG */
 } ld_format_cfg;
+
+/* Resolve the chat template to use with tok: want = LD_TPL_CHATML / LD_TPL_LLAMA3 is checked
+ * (the tokenizer must have that template's special tokens); LD_TPL_AUTO picks from the
+ * tokenizer's chat_template string ("<|im_start|>" -> ChatML, "<|start_header_id|>" ->
+ * Llama-3), else from which special tokens exist (ChatML first). Returns 0 with *out set, or
+ * BT_ERR_UNSUPPORTED naming the missing tokens. */
+int ld_chat_tpl_resolve(const bt_tokenizer *tok, ld_chat_tpl want, ld_chat_tpl *out);
+/* "auto", "chatml", "llama3"; "unknown" otherwise. */
+const char *ld_chat_tpl_name(ld_chat_tpl t);
 
 /* Offset of the first byte of s[0..n) that is not part of well-formed UTF-8 (Unicode 15
  * Table 3-7: no overlongs, no surrogates, <= U+10FFFF), or n if all of it is valid. */
@@ -37,7 +65,8 @@ size_t ld_utf8_check(const uint8_t *s, size_t n);
 /* Format and tokenize one line (`len` bytes, no newline, need not be NUL-terminated).
  * On success returns 0 and appends the document to ids (token ids, int32 in [0, vocab)) and
  * mask (same length, 0/1); *truncated says whether it was cut to cfg->T.
- * A bad line returns 1 with *reason = LD_BAD_JSON / LD_BAD_UTF8 / LD_BAD_FIELD / LD_BAD_EMPTY,
+ * A bad line returns 1 with *reason = LD_BAD_JSON / LD_BAD_UTF8 / LD_BAD_FIELD / LD_BAD_EMPTY /
+ * LD_BAD_OVERLONG,
  * a short description in msg (msglen bytes, NUL-terminated) and ids/mask left as they were.
  * Internal failures (tokenizer error, out of memory) return the negative bt_err. */
 int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids,

@@ -1,4 +1,5 @@
-/* loaderd job spec: JSON object text -> ld_job_spec (see pipeline.h, proto/client.h). */
+/* loaderd job spec: JSON object text -> ld_job_spec (keys and rules: pipeline.h,
+ * ld_job_spec_parse; transport: proto/client.h). */
 #include <jansson.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -27,6 +28,13 @@ static int spec_err(char *err, size_t errlen, const char *fmt, ...) {
 void ld_job_spec_free(ld_job_spec *spec) {
     if (!spec) return;
     free(spec->name);
+    for (int d = 0; d < spec->n_datasets; d++) {
+        ld_dataset_spec *ds = &spec->datasets[d];
+        for (int i = 0; i < ds->n_shards; i++) free(ds->shards[i]);
+        free(ds->shards);
+        free(ds->text_field);
+    }
+    free(spec->datasets);
     for (int i = 0; i < spec->n_shards; i++) free(spec->shards[i]);
     free(spec->shards);
     free(spec->text_field);
@@ -57,6 +65,70 @@ static int get_string(json_t *v, const char *key, char **out, char *err, size_t 
     return 0;
 }
 
+/* Array of glob strings at key `key` -> *out / *n (owned). */
+static int get_shards(json_t *v, const char *key, char ***out, int *n, char *err, size_t errlen) {
+    if (!json_is_array(v) || json_array_size(v) == 0 || json_array_size(v) > 100000)
+        return spec_err(err, errlen, "\"%s\": expected a non-empty array of glob strings", key);
+    size_t m = json_array_size(v);
+    *out = bt_xcalloc(m, sizeof(char *));
+    for (size_t i = 0; i < m; i++) {
+        char k2[96];
+        snprintf(k2, sizeof k2, "%s[%zu]", key, i);
+        *n = (int)i + 1;
+        int rc = get_string(json_array_get(v, i), k2, &(*out)[i], err, errlen);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+static int get_format(json_t *v, const char *key, ld_format *out, char *err, size_t errlen) {
+    const char *f = json_string_value(v);
+    if (f && strcmp(f, "chat") == 0) *out = LD_FMT_CHAT;
+    else if (f && strcmp(f, "alpaca") == 0) *out = LD_FMT_ALPACA;
+    else if (f && strcmp(f, "text") == 0) *out = LD_FMT_TEXT;
+    else return spec_err(err, errlen, "\"%s\": expected \"chat\", \"alpaca\" or \"text\"", key);
+    return 0;
+}
+
+/* One entry of "datasets" (its keys are named "datasets[i].key" in errors). */
+static int get_dataset(json_t *o, size_t idx, ld_dataset_spec *ds, char *err, size_t errlen) {
+    char k[96];
+    snprintf(k, sizeof k, "datasets[%zu]", idx);
+    if (!json_is_object(o))
+        return spec_err(err, errlen, "\"%s\": expected an object {shards, format, text_field?, weight?}", k);
+    ds->weight = 1.0;
+    int have_shards = 0, have_format = 0, rc = 0;
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v) {
+        snprintf(k, sizeof k, "datasets[%zu].%s", idx, key);
+        if (strcmp(key, "shards") == 0) {
+            rc = get_shards(v, k, &ds->shards, &ds->n_shards, err, errlen);
+            have_shards = 1;
+        } else if (strcmp(key, "format") == 0) {
+            rc = get_format(v, k, &ds->format, err, errlen);
+            have_format = 1;
+        } else if (strcmp(key, "text_field") == 0) {
+            rc = get_string(v, k, &ds->text_field, err, errlen);
+        } else if (strcmp(key, "weight") == 0) {
+            double w = json_number_value(v);
+            if (!json_is_number(v) || !(w > 0) || w > 1e12)
+                rc = spec_err(err, errlen, "\"%s\": expected a number in (0, 1e12]", k);
+            ds->weight = w;
+        } else {
+            rc = spec_err(err, errlen, "unknown key \"%s\" (allowed: shards, format, text_field, weight)", k);
+        }
+        if (rc) return rc;
+    }
+    snprintf(k, sizeof k, "datasets[%zu]", idx);
+    if (!have_shards) return spec_err(err, errlen, "\"%s.shards\": required", k);
+    if (!have_format) return spec_err(err, errlen, "\"%s.format\": required (\"chat\", \"alpaca\" or \"text\")", k);
+    if (ds->text_field && ds->format != LD_FMT_TEXT)
+        return spec_err(err, errlen, "\"%s.text_field\": only valid with \"format\": \"text\"", k);
+    if (!ds->text_field) ds->text_field = bt_xstrdup("text");
+    return 0;
+}
+
 int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_t errlen) {
     memset(spec, 0, sizeof *spec);
     if (err && errlen) err[0] = 0;
@@ -70,6 +142,7 @@ int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_
     spec->world_size = 1;
     spec->n_threads = 2;
     spec->format = LD_FMT_CHAT;
+    spec->chat_template = LD_TPL_AUTO;
     int have_shards = 0, have_format = 0, have_T = 0, have_B = 0, rc = 0;
     uint64_t u;
     const char *key;
@@ -78,26 +151,32 @@ int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_
         if (strcmp(key, "name") == 0) {
             rc = get_string(v, key, &spec->name, err, errlen);
         } else if (strcmp(key, "shards") == 0) {
-            if (!json_is_array(v) || json_array_size(v) == 0 || json_array_size(v) > 100000) {
-                rc = spec_err(err, errlen, "\"shards\": expected a non-empty array of glob strings");
-                break;
-            }
-            size_t n = json_array_size(v);
-            spec->shards = bt_xcalloc(n, sizeof(char *));
-            for (size_t i = 0; i < n && rc == 0; i++) {
-                char k2[32];
-                snprintf(k2, sizeof k2, "shards[%zu]", i);
-                rc = get_string(json_array_get(v, i), k2, &spec->shards[i], err, errlen);
-                if (rc == 0) spec->n_shards = (int)i + 1;
-            }
+            rc = get_shards(v, key, &spec->shards, &spec->n_shards, err, errlen);
             have_shards = 1;
         } else if (strcmp(key, "format") == 0) {
-            const char *f = json_string_value(v);
-            if (f && strcmp(f, "chat") == 0) spec->format = LD_FMT_CHAT;
-            else if (f && strcmp(f, "alpaca") == 0) spec->format = LD_FMT_ALPACA;
-            else if (f && strcmp(f, "text") == 0) spec->format = LD_FMT_TEXT;
-            else rc = spec_err(err, errlen, "\"format\": expected \"chat\", \"alpaca\" or \"text\"");
+            rc = get_format(v, key, &spec->format, err, errlen);
             have_format = 1;
+        } else if (strcmp(key, "datasets") == 0) {
+            if (!json_is_array(v) || json_array_size(v) == 0 || json_array_size(v) > LD_MAX_DATASETS) {
+                rc = spec_err(err, errlen, "\"datasets\": expected an array of 1..%d objects", LD_MAX_DATASETS);
+                break;
+            }
+            spec->datasets = bt_xcalloc(json_array_size(v), sizeof *spec->datasets);
+            for (size_t i = 0; i < json_array_size(v) && rc == 0; i++) {
+                spec->n_datasets = (int)i + 1;
+                rc = get_dataset(json_array_get(v, i), i, &spec->datasets[i], err, errlen);
+            }
+        } else if (strcmp(key, "chat_template") == 0) {
+            const char *t = json_string_value(v);
+            if (t && strcmp(t, "auto") == 0) spec->chat_template = LD_TPL_AUTO;
+            else if (t && strcmp(t, "chatml") == 0) spec->chat_template = LD_TPL_CHATML;
+            else if (t && strcmp(t, "llama3") == 0) spec->chat_template = LD_TPL_LLAMA3;
+            else rc = spec_err(err, errlen, "\"chat_template\": expected \"auto\", \"chatml\" or \"llama3\"");
+        } else if (strcmp(key, "overlong") == 0) {
+            const char *t = json_string_value(v);
+            if (t && strcmp(t, "truncate") == 0) spec->overlong_drop = 0;
+            else if (t && strcmp(t, "drop") == 0) spec->overlong_drop = 1;
+            else rc = spec_err(err, errlen, "\"overlong\": expected \"truncate\" or \"drop\"");
         } else if (strcmp(key, "text_field") == 0) {
             rc = get_string(v, key, &spec->text_field, err, errlen);
         } else if (strcmp(key, "tokenizer") == 0) {
@@ -123,14 +202,19 @@ int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_
             rc = get_uint(v, key, 1, 1u << 16, &u, err, errlen); /* used by the server */
         } else {
             rc = spec_err(err, errlen, "unknown key \"%s\" (allowed: name, shards, format, text_field, "
-                          "tokenizer, seq_len, micro_batch_size, seed, epochs, tokenizer_threads, "
-                          "ring_slots)", key);
+                          "datasets, tokenizer, seq_len, micro_batch_size, seed, epochs, tokenizer_threads, "
+                          "chat_template, overlong, ring_slots)", key);
         }
         if (rc) break;
     }
     json_decref(root);
-    if (rc == 0 && !have_shards) rc = spec_err(err, errlen, "\"shards\": required");
-    if (rc == 0 && !have_format) rc = spec_err(err, errlen, "\"format\": required (\"chat\", \"alpaca\" or \"text\")");
+    if (rc == 0 && spec->n_datasets && (have_shards || have_format || spec->text_field))
+        rc = spec_err(err, errlen, "\"datasets\": give either \"datasets\" or \"shards\"/\"format\"/\"text_field\", "
+                      "not both");
+    if (rc == 0 && !spec->n_datasets && !have_shards)
+        rc = spec_err(err, errlen, "\"shards\": required (or \"datasets\")");
+    if (rc == 0 && !spec->n_datasets && !have_format)
+        rc = spec_err(err, errlen, "\"format\": required (\"chat\", \"alpaca\" or \"text\")");
     if (rc == 0 && !spec->tokenizer) rc = spec_err(err, errlen, "\"tokenizer\": required (path of a .gguf)");
     if (rc == 0 && !have_T) rc = spec_err(err, errlen, "\"seq_len\": required");
     if (rc == 0 && !have_B) rc = spec_err(err, errlen, "\"micro_batch_size\": required");
@@ -144,6 +228,6 @@ int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_
         return rc;
     }
     if (!spec->name) spec->name = bt_xstrdup("job");
-    if (!spec->text_field) spec->text_field = bt_xstrdup("text");
+    if (!spec->text_field && !spec->n_datasets) spec->text_field = bt_xstrdup("text");
     return BT_OK;
 }

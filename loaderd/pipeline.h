@@ -1,13 +1,32 @@
-/* loaderd's data pipeline for one (job, rank): shards -> documents -> tokens -> packed batches.
- * mmap -> zstd streaming decode (plain .jsonl also accepted) -> lines -> jansson parse ->
- * format (chat template / alpaca / text) -> tokenize on n_threads workers (results
- * re-sequenced by document index) -> pack rows of T with document boundaries -> batches of B.
- * Documents are assigned to ranks by global line index % world_size == rank, where the index
- * counts the non-blank lines of an epoch across the sorted shards (over-long lines included), so
- * a rank parses and tokenizes only its own lines.
+/* loaderd's data pipeline for one (job, rank): datasets of shards -> documents -> tokens ->
+ * packed batches. read(2) -> zstd streaming decode (plain .jsonl also accepted) -> lines ->
+ * jansson parse -> format (chat template / alpaca / text) -> tokenize on n_threads workers
+ * (results re-sequenced by position) -> pack rows of T with document boundaries -> batches of B.
+ *
+ * Datasets and mixing. A job has 1..LD_MAX_DATASETS datasets, each a sorted list of shards with
+ * its own format, text field and weight. Their lines are merged into one stream by smooth weighted
+ * round robin (nginx's SWRR: every pick adds each weight to its dataset's credit and takes the
+ * dataset with the largest credit, ties to the lowest index, which then pays the total weight):
+ * deterministic, exact proportions over every W = sum of integer weights picks, and the schedule
+ * restarts with each epoch. Weights are relative; they are rounded to integers 1..1000 relative
+ * to the largest (a weight below 1/2000 of the largest counts as 1/1000).
+ * Epochs are those of the FIRST dataset: an epoch ends when dataset 0 has given all its lines;
+ * the other datasets meanwhile continue where they are and wrap around (a new pass with its own
+ * pass number) whenever they run out, so a small secondary dataset is repeated and a large one is
+ * only partly seen per epoch. Put the dataset that defines an epoch first.
+ *
+ * Ranks. Every rank reads, parses and tokenizes every line (world_size x the tokenize work of a
+ * partitioned reader, the price of exact balance without talking to other ranks): documents are
+ * gathered in windows (a pure function of the window's start), each window is packed once with
+ * best-fit decreasing and its shuffled rows are dealt round robin: rank r gets rows r, r + W,
+ * r + 2W, ... A window's row count is padded up to a multiple of W with all-padding rows, so
+ * every rank gets the same number of rows from every window, hence the same number of batches
+ * per epoch and overall; every document lands in exactly one rank's rows.
+ *
  * Bad lines (malformed JSON, invalid UTF-8, missing/wrongly typed fields, empty documents,
- * over-long lines, truncated zstd frames) are skipped, counted by reason and logged with
- * file and line (rate-limited). Deterministic: batch i is a pure function of the spec. */
+ * over-long lines, dropped over-long documents, corrupt or truncated zstd frames, unreadable or
+ * shrinking shards) are skipped, counted by reason and logged with file and line (rate-limited).
+ * Deterministic: batch i of rank r is a pure function of (spec, tokenizer, seed, W, T, B, i). */
 #ifndef LD_PIPELINE_H
 #define LD_PIPELINE_H
 #include <stdatomic.h>
@@ -25,20 +44,41 @@ typedef enum {
     LD_BAD_EMPTY,         /* document renders to no trainable tokens */
     LD_BAD_TOO_LONG,      /* line longer than the limit (16 MiB) */
     LD_BAD_ZSTD,          /* corrupt or truncated zstd data (rest of that shard skipped) */
-    LD_BAD_IO,            /* shard unreadable */
+    LD_BAD_IO,            /* shard unreadable, missing at run time, or shrank while being read */
+    LD_BAD_OVERLONG,      /* chat/alpaca document longer than T dropped (overlong: "drop") */
     LD_BAD_N
 } ld_bad_reason;
-/* Static name of a reason: "json", "utf8", "field", "empty", "too_long", "zstd", "io";
+/* Static name of a reason: "json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong";
  * "unknown" outside [0, LD_BAD_N). */
 const char *ld_bad_reason_name(int reason);
 
+#define LD_MAX_DATASETS 16
+
+typedef enum { LD_TPL_AUTO = -1, LD_TPL_CHATML = 0, LD_TPL_LLAMA3 = 1 } ld_chat_tpl;
+
+/* One dataset of a job (key "datasets"). */
 typedef struct {
-    char *name;
     char **shards;      /* glob patterns, expanded and sorted at pipeline creation */
     int n_shards;
     ld_format format;
     char *text_field;   /* for LD_FMT_TEXT, default "text" */
+    double weight;      /* > 0, relative mixing weight (default 1) */
+} ld_dataset_spec;
+
+typedef struct {
+    char *name;
+    /* Datasets: when n_datasets > 0 they are used and the four single-dataset fields below are
+     * ignored; otherwise shards/format/text_field form one dataset of weight 1 (the old keys). */
+    ld_dataset_spec *datasets;
+    int n_datasets;
+    char **shards;
+    int n_shards;
+    ld_format format;
+    char *text_field;
     char *tokenizer;    /* path of the .gguf holding the vocabulary */
+    ld_chat_tpl chat_template; /* LD_TPL_AUTO (what the parser defaults to): from the tokenizer,
+                                  see format.h; a zeroed spec means LD_TPL_CHATML */
+    int overlong_drop;  /* chat/alpaca documents longer than T: 0 truncate (default), 1 drop */
     uint32_t T, B;
     uint64_t seed;
     uint32_t rank, world_size;
@@ -47,47 +87,63 @@ typedef struct {
 } ld_job_spec;
 
 /* Parse a job spec JSON object text (keys as in proto/client.h) into *spec (owned; free with
- * ld_job_spec_free). Required: shards, format, tokenizer, seq_len (16..2^20), micro_batch_size
- * (>= 1, B*T <= 2^24). Optional: name ("job"), text_field ("text"; format "text" only), seed
- * (0..2^63-1, default 0), epochs (default 0 = endless), tokenizer_threads (1..256, default 2),
- * ring_slots (1..65536, checked and ignored here). rank = 0, world_size = 1 (the caller sets
- * them from the attach request). BT_ERR_INVALID naming the key for unknown keys / wrong types /
- * bad values; the message also goes to err (errlen bytes, may be NULL). *spec is zeroed on error. */
+ * ld_job_spec_free). Required: tokenizer, seq_len (16..2^20), micro_batch_size (>= 1,
+ * B*T <= 2^24), and either shards + format (one dataset; text_field optional, format "text" only)
+ * or datasets: [{shards: [...], format, text_field?, weight? (> 0, default 1)}, ...]
+ * (1..16 entries, not together with shards/format/text_field). Optional: name ("job"), seed
+ * (0..2^63-1, default 0), epochs (default 0 = endless; counted on the first dataset),
+ * tokenizer_threads (1..256, default 2), chat_template ("auto" default | "chatml" | "llama3"),
+ * overlong ("truncate" default | "drop"), ring_slots (1..65536, checked and ignored here).
+ * rank = 0, world_size = 1 (the caller sets them from the attach request). BT_ERR_INVALID naming
+ * the key (e.g. "datasets[1].weight") for unknown keys / wrong types / bad values; the message
+ * also goes to err (errlen bytes, may be NULL). *spec is zeroed on error. */
 int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_t errlen);
 void ld_job_spec_free(ld_job_spec *spec);
 
 /* Live counters, updated by the pipeline (relaxed atomics), read by status/metrics. */
 typedef struct {
-    _Atomic uint64_t docs;          /* documents accepted */
+    _Atomic uint64_t docs;          /* documents accepted (all ranks' documents: every rank
+                                       parses every line; per rank see batch header n_docs) */
     _Atomic uint64_t tokens;        /* tokens produced into rows (real, non-padding) */
     _Atomic uint64_t slot_tokens;   /* B*T per emitted batch */
     _Atomic uint64_t labelled;      /* tokens with loss */
     _Atomic uint64_t batches;
-    _Atomic uint64_t truncated;     /* documents truncated to T */
+    _Atomic uint64_t truncated;     /* documents truncated to T (overlong: "truncate") */
+    _Atomic uint64_t split;         /* text documents longer than T split into pieces */
+    _Atomic uint64_t pad_rows;      /* all-padding rows emitted by this rank (window rows padded
+                                       to a multiple of world_size, the last batch's tail) */
+    _Atomic uint64_t windows;       /* packing windows built */
     _Atomic uint64_t lines;         /* lines read (all ranks' lines: every rank reads every shard) */
     _Atomic uint64_t blank;         /* blank (whitespace-only) lines skipped; they get no index */
     _Atomic uint64_t bad[LD_BAD_N];
+    _Atomic uint64_t dataset_docs[LD_MAX_DATASETS];  /* documents accepted per dataset */
+    _Atomic uint32_t dataset_pass[LD_MAX_DATASETS];  /* current pass (epoch) of each dataset */
     _Atomic uint32_t epoch;
 } ld_stats;
 
 typedef struct ld_pipeline ld_pipeline;
 
 /* Create (spawns one reader thread and spec->n_threads tokenize threads). tok is borrowed (must
- * outlive the pipeline). Shard globs are expanded with glob(3), sorted and deduplicated; a
- * pattern matching nothing is BT_ERR_NOTFOUND naming the pattern.
+ * outlive the pipeline). Shard globs are expanded with glob(3), sorted and deduplicated per
+ * dataset; a pattern matching nothing is BT_ERR_NOTFOUND naming the pattern. The chat template
+ * (chat/alpaca datasets) is resolved here (BT_ERR_UNSUPPORTED if the tokenizer has none of the
+ * template's special tokens); BOS insertion follows the GGUF key tokenizer.ggml.add_bos_token of
+ * spec->tokenizer when that names a readable .gguf (else no BOS is added; see format.h).
  * resume_state: NULL to start from the beginning, else the state from a batch header
  * (BT_RESUME_STATE_BYTES): the next batches are exactly those that followed that batch in the
- * original run. BT_ERR_INVALID if it was written for another spec (shards, format, text field,
- * T, B, seed, rank or world size differ). Resuming replays the epoch's shards from their start,
- * decoding but not parsing the lines before the window that holds the next row.
+ * original run, whatever the thread count. BT_ERR_INVALID if it was written for another spec
+ * (datasets, shards, formats, text fields, weights, template, overlong policy, T, B, seed, rank
+ * or world size differ). Resuming reopens every dataset at its recorded pass and line, decoding
+ * but not parsing the lines before them, and rebuilds the window that holds the next row.
  * stats is borrowed and updated live (NULL: internal counters). BT_ERR_* with message in
  * bt_last_error. */
 int ld_pipeline_new(ld_pipeline **out, const ld_job_spec *spec, const bt_tokenizer *tok,
                     const uint8_t *resume_state, ld_stats *stats);
 /* Fill the next batch into v (a view over a slot of bt_batch_slot_bytes(B,T)): all header
  * fields (magic, version, step, counts, checksum, resume_state; job_id/rank as given) and arrays.
- * Blocks until the data is ready. Rows come from windows of about 64*T tokens packed with
- * best-fit decreasing and shuffled by (seed, epoch, window); when the last epoch ends, the rows
+ * Blocks until the data is ready. Rows come from windows of about 256*T tokens (at most 2^22
+ * tokens or 65536 documents; a window never spans epochs) packed with best-fit decreasing,
+ * shuffled by (seed, epoch, window start) and dealt to ranks; when the last epoch ends, the rows
  * left are emitted (missing rows of the last batch are all padding), then an END_OF_DATA batch:
  * flags set, n_docs = n_real_tokens = 0, every row one padding segment, epoch = epochs.
  * Returns 0, or 1 after writing an END_OF_DATA batch when epochs are exhausted (again on every

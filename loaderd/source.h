@@ -1,5 +1,8 @@
 /* loaderd shard source: one shard file -> a stream of lines with (file, line number).
- * The file is mapped read-only (bt_map_open). If it starts with a zstd frame magic
+ * The file is read with read(2) into heap buffers (never mmap: a shard truncated by someone else
+ * while we read it would raise SIGBUS on the mapped pages past the new end; read(2) just returns
+ * fewer bytes). At most the size seen at open is read; a shard that ends early (truncated while
+ * being read) or a read error is reported once as LD_SRC_IO. If it starts with a zstd frame magic
  * (28 B5 2F FD, RFC 8878 §3.1.1) or a skippable-frame magic (0x184D2A50..5F little-endian,
  * RFC 8878 §3.1.2) it is decoded with libzstd's streaming API (ZSTD_decompressStream; several
  * concatenated frames and skippable frames are handled by libzstd); otherwise it is plain JSONL.
@@ -26,10 +29,14 @@ enum {
     LD_SRC_TOO_LONG = 2, /* a line over the limit was skipped; *line_no is its number */
     LD_SRC_ZSTD = 3,     /* corrupt/truncated zstd; *line_no = number of the line it broke; the
                             message is in bt_last_error(); every later call returns LD_SRC_END */
+    LD_SRC_IO = 4,       /* read error, or the file shrank below its size at open while being
+                            read; *line_no = number of the line it broke (a partial line pending
+                            is dropped with it); message in bt_last_error(); then LD_SRC_END */
 };
 
 /* Open `path` (copied). max_line: byte limit of one line (0 = LD_SOURCE_MAX_LINE).
- * Errors: BT_ERR_IO (open/mmap failed, message names the path), BT_ERR_NOMEM. */
+ * Errors: BT_ERR_IO (open/fstat/read failed or not a regular file; message names the path),
+ * BT_ERR_NOMEM. Holds one fd until ld_source_close (a shard deleted after open stays readable). */
 int ld_source_open(ld_source **out, const char *path, size_t max_line);
 /* Next line. On LD_SRC_LINE, *line points at `*len` bytes (no '\n', no trailing '\r', not
  * NUL-terminated) valid until the next call or ld_source_close; *line_no is 1-based.

@@ -8,9 +8,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/bt_common.h"
 #include "common/chat.h"
+#include "common/gguf.h"
 #include "common/tokenizer.h"
 #include "loaderd/format.h"
 
@@ -45,7 +47,7 @@ typedef struct {
 static res run(ld_format fmt, uint32_t T, const char *line) {
     res r;
     memset(&r, 0, sizeof r);
-    ld_format_cfg cfg = {fmt, fmt == LD_FMT_TEXT ? "body" : NULL, g_tok, T};
+    ld_format_cfg cfg = {fmt, fmt == LD_FMT_TEXT ? "body" : NULL, g_tok, T, LD_TPL_CHATML, 0, 0};
     /* pre-existing content must be kept on success and failure */
     bt_ids_push(&r.ids, 42);
     bt_ids_push(&r.mask, 0);
@@ -242,6 +244,165 @@ static void test_alpaca(void **state) {
     expect_bad(LD_FMT_ALPACA, "{\"instruction\":\"x\xf5\",\"output\":\"y\"}", LD_BAD_UTF8);
 }
 
+/* A Llama-3-style tokenizer: SmolLM2's vocabulary and merges plus the four Llama-3 chat tokens
+ * (control), BOS = <|begin_of_text|>, add_bos_token = true, a Llama-3 chat_template string. */
+static bt_tokenizer *llama3_tokenizer(char *path, size_t pathlen) {
+    bt_gguf *g = NULL;
+    assert_int_equal(bt_gguf_open(&g, model_path()), BT_OK);
+    bt_str *toks;
+    uint64_t n;
+    assert_int_equal(bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n), BT_OK);
+    const void *tt;
+    uint64_t ntt;
+    bt_gguf_vtype et;
+    assert_int_equal(bt_gguf_get_num_arr(g, "tokenizer.ggml.token_type", &et, &tt, &ntt), BT_OK);
+    assert_int_equal(ntt, n);
+    static const char *extra[4] = {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+    bt_str *all = malloc((n + 4) * sizeof *all);
+    int32_t *types = malloc((n + 4) * sizeof *types);
+    memcpy(all, toks, n * sizeof *all);
+    for (uint64_t i = 0; i < n; i++) memcpy(&types[i], (const char *)tt + 4 * i, 4);
+    for (int k = 0; k < 4; k++) {
+        all[n + k].ptr = extra[k];
+        all[n + k].len = strlen(extra[k]);
+        types[n + k] = 3;
+    }
+    bt_gguf_writer *w = bt_gguf_writer_new();
+    assert_int_equal(bt_gguf_w_copy_kv(w, g, "tokenizer.ggml.model"), BT_OK);
+    assert_int_equal(bt_gguf_w_copy_kv(w, g, "tokenizer.ggml.pre"), BT_OK);
+    assert_int_equal(bt_gguf_w_copy_kv(w, g, "tokenizer.ggml.merges"), BT_OK);
+    assert_int_equal(bt_gguf_w_str_arr(w, "tokenizer.ggml.tokens", all, n + 4), BT_OK);
+    assert_int_equal(bt_gguf_w_num_arr(w, "tokenizer.ggml.token_type", BT_GGUF_I32, types, n + 4), BT_OK);
+    assert_int_equal(bt_gguf_w_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)n), BT_OK);
+    assert_int_equal(bt_gguf_w_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)n + 3), BT_OK);
+    assert_int_equal(bt_gguf_w_bool(w, "tokenizer.ggml.add_bos_token", 1), BT_OK);
+    const char *ct = "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+                     "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}";
+    assert_int_equal(bt_gguf_w_str(w, "tokenizer.chat_template", ct, strlen(ct)), BT_OK);
+    snprintf(path, pathlen, "/tmp/bt_test_format_llama3_%d.gguf", (int)getpid());
+    assert_int_equal(bt_gguf_writer_write(w, path), BT_OK);
+    bt_gguf_writer_free(w);
+    free(all), free(types), free(toks);
+    bt_gguf_close(g);
+    bt_tokenizer *t = NULL;
+    if (bt_tokenizer_load(&t, path) != BT_OK) fail_msg("llama3 tokenizer: %s", bt_last_error());
+    return t;
+}
+
+/* Masked tokens decoded, concatenated. */
+static char *masked_text(const bt_tokenizer *t, const bt_ids *ids, const bt_ids *mask, size_t from) {
+    bt_ids sel = {0};
+    for (size_t i = from; i < ids->n; i++)
+        if (mask->v[i]) bt_ids_push(&sel, ids->v[i]);
+    char *s;
+    size_t len;
+    assert_int_equal(bt_detokenize(t, sel.v, sel.n, 1, &s, &len), BT_OK);
+    bt_ids_free(&sel);
+    return s;
+}
+
+static void test_llama3_template(void **state) {
+    (void)state;
+    char path[128];
+    bt_tokenizer *t = llama3_tokenizer(path, sizeof path);
+    ld_chat_tpl tpl = LD_TPL_AUTO;
+    /* the template string decides (this vocabulary also has the ChatML tokens) */
+    assert_int_equal(ld_chat_tpl_resolve(t, LD_TPL_AUTO, &tpl), BT_OK);
+    assert_int_equal(tpl, LD_TPL_LLAMA3);
+    assert_int_equal(ld_chat_tpl_resolve(g_tok, LD_TPL_AUTO, &tpl), BT_OK);
+    assert_int_equal(tpl, LD_TPL_CHATML);
+    assert_int_equal(ld_chat_tpl_resolve(g_tok, LD_TPL_LLAMA3, &tpl), BT_ERR_UNSUPPORTED);
+    const char *line = "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+                       "{\"role\":\"user\",\"content\":\"Hi there\"},{\"role\":\"assistant\",\"content\":\"  Hello!\\n\"},"
+                       "{\"role\":\"user\",\"content\":\"More <|eot_id|>\"},{\"role\":\"assistant\",\"content\":\"Sure.\"}]}";
+    for (int add_bos = 0; add_bos <= 1; add_bos++) {
+        ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, LD_TPL_LLAMA3, add_bos, 0};
+        bt_ids ids = {0}, mask = {0};
+        int trunc, reason;
+        char msg[128];
+        assert_int_equal(ld_format_line(&cfg, line, strlen(line), &ids, &mask, &trunc, &reason, msg, sizeof msg), 0);
+        char *s;
+        size_t len;
+        assert_int_equal(bt_detokenize(t, ids.v, ids.n, 1, &s, &len), BT_OK);
+        assert_string_equal(s, "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                               "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+                               "<|start_header_id|>user<|end_header_id|>\n\nMore <|eot_id|><|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\nSure.<|eot_id|>");
+        free(s);
+        /* BOS once (the template's), the literal "<|eot_id|>" in user text is text, not the token */
+        int n_bos = 0, n_eot = 0;
+        for (size_t i = 0; i < ids.n; i++) {
+            n_bos += ids.v[i] == bt_tokenizer_bos(t);
+            n_eot += ids.v[i] == bt_tokenizer_find(t, "<|eot_id|>");
+        }
+        assert_int_equal(n_bos, 1);
+        assert_int_equal(ids.v[0], bt_tokenizer_bos(t));
+        assert_int_equal(n_eot, 5);
+        char *m = masked_text(t, &ids, &mask, 0);
+        assert_string_equal(m, "Hello!<|eot_id|>Sure.<|eot_id|>"); /* loss on both assistant turns */
+        free(m);
+        bt_ids_free(&ids), bt_ids_free(&mask);
+    }
+    bt_tokenizer_free(t);
+    unlink(path);
+}
+
+static void test_bos_eos_overlong(void **state) {
+    (void)state;
+    int32_t bos = bt_tokenizer_bos(g_tok), eos = bt_tokenizer_eos(g_tok);
+    assert_true(bos >= 0 && eos >= 0);
+    const char *line = "{\"body\":\"hello world\"}";
+    for (int add_bos = 0; add_bos <= 1; add_bos++) {
+        ld_format_cfg cfg = {LD_FMT_TEXT, "body", g_tok, 0, LD_TPL_CHATML, add_bos, 0};
+        bt_ids ids = {0}, mask = {0};
+        int trunc, reason;
+        char msg[128];
+        assert_int_equal(ld_format_line(&cfg, line, strlen(line), &ids, &mask, &trunc, &reason, msg, sizeof msg), 0);
+        assert_int_equal(ids.v[0] == bos, add_bos);
+        assert_int_equal(ids.v[ids.n - 1], eos);
+        assert_true(ids.n < 2 || ids.v[ids.n - 2] != eos);
+        bt_ids_free(&ids), bt_ids_free(&mask);
+        /* chat with add_bos: one BOS in front of the ChatML rendering */
+        ld_format_cfg cc = {LD_FMT_CHAT, NULL, g_tok, 0, LD_TPL_CHATML, add_bos, 0};
+        const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\",\"content\":\"a\"}]}";
+        assert_int_equal(ld_format_line(&cc, chat, strlen(chat), &ids, &mask, &trunc, &reason, msg, sizeof msg), 0);
+        int n_bos = 0;
+        for (size_t i = 0; i < ids.n; i++) n_bos += ids.v[i] == bos;
+        if (bos == bt_tokenizer_find(g_tok, "<|im_start|>")) { /* SmolLM2: the rendering starts with BOS */
+            assert_int_equal(ids.v[0], bos);
+            assert_int_equal(n_bos, 3); /* system, user, assistant headers; none added */
+        } else {
+            assert_int_equal(ids.v[0] == bos, add_bos);
+            assert_int_equal(n_bos, add_bos);
+        }
+        bt_ids_free(&ids), bt_ids_free(&mask);
+    }
+    /* overlong: "drop" rejects, "truncate" cuts */
+    char chat[4096];
+    int k = snprintf(chat, sizeof chat, "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"},"
+                                        "{\"role\":\"assistant\",\"content\":\"");
+    for (int w = 0; w < 200; w++) k += snprintf(chat + k, sizeof chat - (size_t)k, "w%d ", w);
+    snprintf(chat + k, sizeof chat - (size_t)k, "\"}]}");
+    for (int drop = 0; drop <= 1; drop++) {
+        ld_format_cfg cfg = {LD_FMT_CHAT, NULL, g_tok, 64, LD_TPL_CHATML, 0, drop};
+        bt_ids ids = {0}, mask = {0};
+        int trunc = -1, reason = -1;
+        char msg[128];
+        int rc = ld_format_line(&cfg, chat, strlen(chat), &ids, &mask, &trunc, &reason, msg, sizeof msg);
+        if (drop) {
+            assert_int_equal(rc, 1);
+            assert_int_equal(reason, LD_BAD_OVERLONG);
+            assert_int_equal(ids.n, 0);
+        } else {
+            assert_int_equal(rc, 0);
+            assert_int_equal(trunc, 1);
+            assert_int_equal(ids.n, 64);
+        }
+        bt_ids_free(&ids), bt_ids_free(&mask);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8_check),
@@ -249,6 +410,8 @@ int main(void) {
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_truncation),
         cmocka_unit_test(test_alpaca),
+        cmocka_unit_test(test_llama3_template),
+        cmocka_unit_test(test_bos_eos_overlong),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
