@@ -1,68 +1,31 @@
-/* Byte-level BPE tokenizer (GPT-2 family) built from GGUF tokenizer.ggml.* metadata.
+/* Byte-level BPE tokenizer core: vocabulary and merge tables, added-token splitting, BPE, encode
+ * and decode. Builders: tokenizer_gguf.c (GGUF tokenizer.ggml.*), tokenizer_json.c (Hugging Face
+ * tokenizer.json); normalizers and pre-tokenizers: tokenizer_pre.c.
  *
- * Reference behaviour: Hugging Face tokenizers (tokenizers/src/models/bpe/{model,word}.rs,
- * pre_tokenizers/{byte_level,digits}.rs, tokenizer/added_vocabulary.rs) configured as SmolLM2's
- * tokenizer.json; parity is checked against fixtures produced by
- * tests/reference/gen_tokenizer_fixtures.py (tokenizers 0.20.3).
+ * Reference behaviour: Hugging Face tokenizers 0.20.3 (tokenizers/src/tokenizer/{mod,
+ * added_vocabulary}.rs, models/bpe/{model,word}.rs, pre_tokenizers/, decoders/byte_level.rs).
+ * Parity is checked against fixtures produced by tests/reference/gen_tokenizer_fixtures.py.
  *
- * Pipeline of bt_tokenize:
+ * Pipeline of bt_tokenize (HF Tokenizer::encode with add_special_tokens = false):
  *   1. invalid UTF-8 -> U+FFFD per maximal invalid subpart (Python bytes.decode("utf-8",
  *      errors="replace"), Unicode 15 §3.9 "U+FFFD Substitution of Maximal Subparts");
- *   2. added tokens, leftmost-longest (HF AddedVocabulary): control tokens (token_type 3) only
- *      when parse_special, user-defined tokens (token_type 4) always (HF non-special added tokens);
- *   3. pre-tokenisation of the text between them: for "smollm" every \p{N} code point is its own
- *      piece (HF Digits(individual_digits=true) splits on Rust char::is_numeric = Nd|Nl|No),
- *      then the GPT-2 regex (HF ByteLevel(use_regex=true)) on each remaining run;
- *   4. BPE per piece: one symbol per byte, repeatedly merge the adjacent pair of lowest merge
- *      rank (leftmost on ties) with a binary heap, as HF word.rs merge_all.
+ *   2. added tokens with normalized = false are split out of the raw text (HF
+ *      AddedVocabulary::extract_and_normalize, split_trie): leftmost-longest non-overlapping
+ *      matches (aho-corasick MatchKind::LeftmostLongest); a special token found while
+ *      parse_special == 0 (HF encode_special_tokens = true) or a single_word token not on word
+ *      boundaries is skipped, and matching resumes after it; lstrip/rstrip absorb whitespace;
+ *   3. every remaining run is normalized (tokenizer_pre.c), then added tokens with
+ *      normalized = true are split out of it the same way (split_normalized_trie);
+ *   4. each remaining run is pre-tokenized (tokenizer_pre.c) and every piece is BPE-encoded:
+ *      ignore_merges -> a piece that is itself a vocabulary token is emitted whole; else one
+ *      symbol per byte, repeatedly merge the adjacent pair of lowest rank (leftmost on ties)
+ *      with a binary heap (HF word.rs merge_all).
  *
- * The GPT-2 regex is run by PCRE2 (UTF + UCP + JIT). HF runs it with Oniguruma, whose \s is
- * Unicode White_Space (U+0009..U+000D, U+0085, \p{Z}); PCRE2's UCP \s lacks U+0085, so the
- * pattern below spells the class out explicitly.
- *
- * Thread safety: the tokenizer is immutable after creation; every call allocates its own
- * scratch (match data, symbol and heap arrays). */
-#include "common/tokenizer.h"
+ * Thread safety: a tokenizer is immutable after creation; each call allocates its own scratch. */
+#include "common/tokenizer_internal.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "common/bt_common.h"
-
-/* GGUF token types (llama.cpp llama_token_type / gguf-py TokenType). */
-enum { TT_NORMAL = 1, TT_UNKNOWN = 2, TT_CONTROL = 3, TT_USER = 4, TT_UNUSED = 5, TT_BYTE = 6 };
-enum { PRE_GPT2 = 0, PRE_SMOLLM = 1 };
-
-/* White_Space as Oniguruma's Unicode \s (see header comment). */
-#define WS "\\t\\n\\x0B\\f\\r\\x{85}\\p{Z}"
-/* GPT-2 pattern: openai/gpt-2 src/encoder.py, HF pre_tokenizers/byte_level.rs. */
-static const char GPT2_PATTERN[] =
-    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^" WS "\\p{L}\\p{N}]+|[" WS "]+(?![^" WS
-    "])|[" WS "]+";
-
-struct bt_tokenizer {
-    int32_t n_vocab;
-    char *pieces;       /* NUL-terminated vocabulary strings, concatenated */
-    uint32_t *piece_off; /* [n_vocab + 1] offsets into pieces */
-    uint8_t *raw;       /* decoded bytes of each token, concatenated */
-    uint32_t *raw_off;  /* [n_vocab + 1] */
-    uint8_t *type;      /* [n_vocab] token types */
-    int32_t *vslot;     /* vocabulary hash: open addressing, -1 empty */
-    uint32_t vmask;
-    uint64_t *mkey;     /* merge hash: key (a << 32 | b), UINT64_MAX empty */
-    int32_t *mrank, *mnew;
-    uint32_t mmask;
-    int32_t byte_id[256]; /* id of each single-byte token, -1 if absent */
-    int32_t *spec;        /* added-token ids sorted by (first byte, length desc) */
-    uint32_t spec_first[257]; /* spec[spec_first[b] .. spec_first[b+1]) start with byte b */
-    int32_t n_spec;
-    int pre_kind;
-    char *pre, *chat_template;
-    int32_t bos, eos, pad;
-    pcre2_code *re, *re_num;
-};
 
 /* ---- small helpers ---- */
 
@@ -95,8 +58,7 @@ static void byte_map(uint32_t b2u[256], int16_t u2b[512]) {
     }
 }
 
-/* Decodes one UTF-8 code point at s[*i] (s valid for n bytes); returns it, or -1 if invalid. */
-static int32_t utf8_next(const uint8_t *s, size_t n, size_t *i) {
+int32_t bt_tok_utf8_next(const uint8_t *s, size_t n, size_t *i) {
     uint8_t c = s[*i];
     if (c < 0x80) { (*i)++; return c; }
     int len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 0;
@@ -110,9 +72,8 @@ static int32_t utf8_next(const uint8_t *s, size_t n, size_t *i) {
     return (int32_t)cp;
 }
 
-/* Length of the maximal valid-UTF-8 prefix check at s[i]: returns the sequence length (1..4) if
- * a complete valid sequence starts at i, else -(number of bytes forming the maximal invalid
- * subpart, >= 1). Ranges per Unicode Table 3-7 (Well-Formed UTF-8 Byte Sequences). */
+/* Length of the valid sequence at s[i] (1..4), else -(bytes in the maximal invalid subpart).
+ * Ranges per Unicode Table 3-7 (Well-Formed UTF-8 Byte Sequences). */
 static int utf8_seq(const uint8_t *s, size_t n, size_t i) {
     uint8_t c = s[i];
     if (c < 0x80) return 1;
@@ -133,6 +94,17 @@ static int utf8_seq(const uint8_t *s, size_t n, size_t i) {
         if (d < l || d > h) return -k;
     }
     return len;
+}
+
+int bt_tok_utf8_valid(const uint8_t *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        if (s[i] < 0x80) { i++; continue; }
+        int r = utf8_seq(s, n, i);
+        if (r < 0) return 0;
+        i += (size_t)r;
+    }
+    return 1;
 }
 
 /* If text is valid UTF-8 returns 0 and leaves *out NULL; else builds a malloc'd copy with each
@@ -169,21 +141,19 @@ static int utf8_sanitize(const char *text, size_t len, char **out, size_t *out_l
     return 0;
 }
 
-static uint32_t hash_bytes(const char *s, size_t n) {
+static uint32_t hash_bytes(const void *s, size_t n) {
     uint64_t h = bt_fnv1a64(BT_FNV64_INIT, s, n);
     return (uint32_t)(h ^ (h >> 32));
 }
 
-static uint32_t hash_pair(uint64_t key) {
-    return (uint32_t)((key * 0x9E3779B97F4A7C15ULL) >> 32);
-}
+static uint32_t hash_pair(uint64_t key) { return (uint32_t)((key * 0x9E3779B97F4A7C15ULL) >> 32); }
 
 static const char *piece_of(const bt_tokenizer *t, int32_t id) { return t->pieces + t->piece_off[id]; }
 static uint32_t piece_len(const bt_tokenizer *t, int32_t id) {
     return t->piece_off[id + 1] - t->piece_off[id] - 1;
 }
 
-static int32_t vocab_find(const bt_tokenizer *t, const char *s, size_t n) {
+int32_t bt_tok_vocab_find(const bt_tokenizer *t, const char *s, size_t n) {
     uint32_t h = hash_bytes(s, n) & t->vmask;
     for (;;) {
         int32_t id = t->vslot[h];
@@ -193,7 +163,18 @@ static int32_t vocab_find(const bt_tokenizer *t, const char *s, size_t n) {
     }
 }
 
-/* Merge lookup: returns the slot index or -1. */
+/* Model-vocabulary token whose byte-level string maps to exactly these raw bytes, -1 if none. */
+static int32_t raw_find(const bt_tokenizer *t, const uint8_t *s, size_t n) {
+    uint32_t h = hash_bytes(s, n) & t->rmask;
+    for (;;) {
+        int32_t id = t->rslot[h];
+        if (id < 0) return -1;
+        uint32_t a = t->raw_off[id], b = t->raw_off[id + 1];
+        if (b - a == n && memcmp(t->raw + a, s, n) == 0) return id;
+        h = (h + 1) & t->rmask;
+    }
+}
+
 static inline int32_t merge_find(const bt_tokenizer *t, int32_t a, int32_t b) {
     uint64_t key = (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
     uint32_t h = hash_pair(key) & t->mmask;
@@ -213,206 +194,46 @@ static uint32_t pow2_at_least(uint64_t n) {
 
 /* ---- construction ---- */
 
+bt_tokenizer *bt_tok_new(void) {
+    bt_tokenizer *t = bt_xcalloc(1, sizeof *t);
+    t->bos = t->eos = t->pad = t->unk = -1;
+    for (int b = 0; b < 256; b++) t->byte_id[b] = -1;
+    return t;
+}
+
 void bt_tokenizer_free(bt_tokenizer *t) {
     if (!t) return;
     free(t->pieces);
     free(t->piece_off);
     free(t->raw);
     free(t->raw_off);
+    free(t->byte_ok);
     free(t->type);
     free(t->vslot);
+    free(t->rslot);
     free(t->mkey);
     free(t->mrank);
     free(t->mnew);
-    free(t->spec);
+    for (int32_t i = 0; i < t->n_added; i++) free(t->added[i].text);
+    free(t->added);
+    free(t->set_raw.idx);
+    free(t->set_norm.idx);
+    bt_tok_pre_free(t);
+    pcre2_code_free(t->re_word);
     free(t->pre);
     free(t->chat_template);
-    pcre2_code_free(t->re);
-    pcre2_code_free(t->re_num);
     free(t);
 }
 
-static int read_int_elem(bt_gguf_vtype ty, const void *data, uint64_t i, int64_t *out) {
-    const uint8_t *p = data;
-    switch (ty) {
-    case BT_GGUF_U8: { uint8_t v; memcpy(&v, p + i, 1); *out = v; return 0; }
-    case BT_GGUF_I8: { int8_t v; memcpy(&v, p + i, 1); *out = v; return 0; }
-    case BT_GGUF_U16: { uint16_t v; memcpy(&v, p + i * 2, 2); *out = v; return 0; }
-    case BT_GGUF_I16: { int16_t v; memcpy(&v, p + i * 2, 2); *out = v; return 0; }
-    case BT_GGUF_U32: { uint32_t v; memcpy(&v, p + i * 4, 4); *out = v; return 0; }
-    case BT_GGUF_I32: { int32_t v; memcpy(&v, p + i * 4, 4); *out = v; return 0; }
-    case BT_GGUF_I64: { int64_t v; memcpy(&v, p + i * 8, 8); *out = v; return 0; }
-    case BT_GGUF_U64: {
-        uint64_t v; memcpy(&v, p + i * 8, 8);
-        if (v > INT64_MAX) return -1;
-        *out = (int64_t)v; return 0;
-    }
-    default: return -1;
-    }
-}
-
-/* Optional special id key: -1 when absent, or (with a warning, as llama.cpp tolerates) when
- * outside the vocabulary, e.g. converters writing 0xFFFFFFFF for "none"; BT_ERR_FORMAT when
- * the value is not an integer. */
-static int get_opt_id(const bt_gguf *g, const char *key, int32_t n_vocab, int32_t *out) {
-    uint64_t v;
-    *out = -1;
-    int rc = bt_gguf_get_u64(g, key, &v);
-    if (rc == BT_ERR_NOTFOUND) return 0;
-    if (rc < 0) {
-        int64_t sv;
-        if (bt_gguf_get_i64(g, key, &sv) == 0) { /* negative: "none" */
-            bt_log(BT_LOG_WARN, "tokenizer", "%s = %lld ignored (no such token)", key, (long long)sv);
-            return 0;
-        }
-        return rc;
-    }
-    if (v >= (uint64_t)n_vocab) {
-        bt_log(BT_LOG_WARN, "tokenizer", "%s = %llu outside vocabulary [0, %d): ignored", key,
-               (unsigned long long)v, n_vocab);
-        return 0;
-    }
-    *out = (int32_t)v;
-    return 0;
-}
-
-static char *dup_str(bt_str s) {
-    char *p = bt_xmalloc(s.len + 1);
-    memcpy(p, s.ptr, s.len);
-    p[s.len] = 0;
-    return p;
-}
-
-static int compile_re(pcre2_code **out, const char *pat) {
-    int err;
-    PCRE2_SIZE eoff;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
-                                   &err, &eoff, NULL);
-    if (!re) {
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(err, msg, sizeof msg);
-        return bt_fail(BT_ERR_INVALID, "tokenizer: regex compile failed at %zu: %s", (size_t)eoff,
-                       (char *)msg);
-    }
-    /* JIT is an optimisation: pcre2_match falls back to the interpreter if it is unavailable. */
-    (void)pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
-    *out = re;
-    return 0;
-}
-
-static int build_specials(bt_tokenizer *t) {
-    int32_t n = 0;
-    for (int32_t i = 0; i < t->n_vocab; i++)
-        if ((t->type[i] == TT_CONTROL || t->type[i] == TT_USER) && piece_len(t, i) > 0) n++;
-    t->spec = bt_xmalloc(((size_t)n + 1) * sizeof *t->spec);
-    n = 0;
-    for (int32_t i = 0; i < t->n_vocab; i++)
-        if ((t->type[i] == TT_CONTROL || t->type[i] == TT_USER) && piece_len(t, i) > 0)
-            t->spec[n++] = i;
-    t->n_spec = n;
-    /* Insertion sort by (first byte asc, length desc, id asc): n is small (tens), and qsort
-     * would need a global context. Length-descending order gives the longest match first. */
-    for (int32_t i = 1; i < n; i++) {
-        int32_t v = t->spec[i], j = i - 1;
-        while (j >= 0) {
-            int32_t u = t->spec[j];
-            uint8_t fu = (uint8_t)piece_of(t, u)[0], fv = (uint8_t)piece_of(t, v)[0];
-            uint32_t lu = piece_len(t, u), lv = piece_len(t, v);
-            int gt = fu > fv || (fu == fv && (lu < lv || (lu == lv && u > v)));
-            if (!gt) break;
-            t->spec[j + 1] = u;
-            j--;
-        }
-        t->spec[j + 1] = v;
-    }
-    int32_t k = 0;
-    for (int b = 0; b < 256; b++) {
-        t->spec_first[b] = (uint32_t)k;
-        while (k < n && (uint8_t)piece_of(t, t->spec[k])[0] == b) k++;
-    }
-    t->spec_first[256] = (uint32_t)n;
-    return 0;
-}
-
-static int utf8_valid(const uint8_t *s, size_t n) {
-    size_t i = 0;
-    while (i < n) {
-        int r = utf8_seq(s, n, i);
-        if (r < 0) return 0;
-        i += (size_t)r;
-    }
-    return 1;
-}
-
-int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
-    if (!out || !g) return bt_fail(BT_ERR_INVALID, "tokenizer_from_gguf: NULL argument");
-    *out = NULL;
-    bt_str s;
-    int rc = bt_gguf_get_str(g, "tokenizer.ggml.model", &s);
-    if (rc < 0) return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.model key") : rc;
-    if (s.len != 4 || memcmp(s.ptr, "gpt2", 4) != 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: model \"%.*s\" unsupported (only \"gpt2\" byte-level BPE)",
-                       (int)(s.len > 64 ? 64 : s.len), s.ptr);
-    int pre_kind;
-    rc = bt_gguf_get_str(g, "tokenizer.ggml.pre", &s);
-    if (rc < 0)
-        return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.pre key (pre-tokeniser unknown)") : rc;
-    if (s.len == 6 && memcmp(s.ptr, "smollm", 6) == 0) pre_kind = PRE_SMOLLM;
-    else if (s.len == 4 && memcmp(s.ptr, "gpt2", 4) == 0) pre_kind = PRE_GPT2;
-    else
-        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: pre-tokeniser \"%.*s\" unsupported (smollm, gpt2)",
-                       (int)(s.len > 64 ? 64 : s.len), s.ptr);
-    bt_str pre_name = s;
-
-    bt_str *toks = NULL, *merges = NULL;
-    uint64_t n_tok = 0, n_merge = 0;
-    rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n_tok);
-    if (rc < 0) return rc;
-    bt_tokenizer *t = bt_xcalloc(1, sizeof *t);
-    t->pre_kind = pre_kind;
-    t->pre = dup_str(pre_name);
-    if (n_tok == 0 || n_tok > (uint64_t)INT32_MAX / 2) {
-        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.tokens has %llu entries", (unsigned long long)n_tok);
-        goto fail;
-    }
-    int32_t n = (int32_t)n_tok;
-    t->n_vocab = n;
-
-    /* token types (optional: absent means all normal, as llama.cpp) */
-    t->type = bt_xmalloc((size_t)n);
-    memset(t->type, TT_NORMAL, (size_t)n);
-    {
-        bt_gguf_vtype et;
-        const void *data;
-        uint64_t cnt;
-        rc = bt_gguf_get_num_arr(g, "tokenizer.ggml.token_type", &et, &data, &cnt);
-        if (rc == 0) {
-            if (cnt != n_tok) {
-                rc = bt_fail(BT_ERR_FORMAT, "tokenizer: token_type has %llu entries, tokens %llu",
-                             (unsigned long long)cnt, (unsigned long long)n_tok);
-                goto fail;
-            }
-            for (uint64_t i = 0; i < cnt; i++) {
-                int64_t v;
-                if (read_int_elem(et, data, i, &v) < 0 || v < 0 || v > 255) {
-                    rc = bt_fail(BT_ERR_FORMAT, "tokenizer: token_type[%llu] invalid (element type %d)",
-                                 (unsigned long long)i, (int)et);
-                    goto fail;
-                }
-                t->type[i] = (uint8_t)v;
-            }
-        } else if (rc != BT_ERR_NOTFOUND) {
-            goto fail;
-        }
-    }
-
-    /* pieces and their raw bytes */
+int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8_t *types, const uint8_t *in_model) {
     uint64_t total = 0;
-    for (int32_t i = 0; i < n; i++) total += toks[i].len + 1;
-    if (total > UINT32_MAX) {
-        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: vocabulary strings total %llu bytes", (unsigned long long)total);
-        goto fail;
-    }
+    for (int32_t i = 0; i < n; i++) total += (toks[i].ptr ? toks[i].len : 0) + 1;
+    if (n <= 0 || total > UINT32_MAX)
+        return bt_fail(BT_ERR_FORMAT, "tokenizer: vocabulary of %d tokens, %llu string bytes", n,
+                       (unsigned long long)total);
+    t->n_vocab = n;
+    t->type = bt_xmalloc((size_t)n);
+    t->byte_ok = bt_xcalloc((size_t)n, 1);
     t->pieces = bt_xmalloc(total);
     t->piece_off = bt_xmalloc(((size_t)n + 1) * sizeof *t->piece_off);
     t->raw = bt_xmalloc(total);
@@ -423,18 +244,20 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
     uint32_t po = 0, ro = 0;
     for (int32_t i = 0; i < n; i++) {
         const uint8_t *p = (const uint8_t *)toks[i].ptr;
-        size_t len = toks[i].len;
+        size_t len = p ? toks[i].len : 0;
+        t->type[i] = !p ? TT_UNUSED : types ? types[i] : TT_NORMAL;
         t->piece_off[i] = po;
-        memcpy(t->pieces + po, p, len);
+        if (len) memcpy(t->pieces + po, p, len);
         t->pieces[po + len] = 0;
         po += (uint32_t)len + 1;
-        /* HF ByteLevel decoder: every char through the byte decoder, else the raw text. */
+        /* HF ByteLevel decoder (decoders/byte_level.rs decode_chain): every char through the
+         * byte decoder, or, if one char is outside the alphabet, the token's raw UTF-8 text. */
         t->raw_off[i] = ro;
         size_t j = 0;
         uint32_t r0 = ro;
         int ok = 1;
         while (j < len) {
-            int32_t cp = utf8_next(p, len, &j);
+            int32_t cp = bt_tok_utf8_next(p, len, &j);
             if (cp < 0 || cp >= 512 || u2b[cp] < 0) { ok = 0; break; }
             t->raw[ro++] = (uint8_t)u2b[cp];
         }
@@ -443,19 +266,34 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
             memcpy(t->raw + ro, p, len);
             ro += (uint32_t)len;
         }
+        t->byte_ok[i] = (uint8_t)(ok && len > 0);
     }
     t->piece_off[n] = po;
     t->raw_off[n] = ro;
 
-    /* vocabulary hash; on duplicate strings the first id wins */
+    /* piece hash; on duplicate strings the first id wins */
     t->vmask = pow2_at_least((uint64_t)n * 2) - 1;
     t->vslot = bt_xmalloc(((size_t)t->vmask + 1) * sizeof *t->vslot);
     memset(t->vslot, 0xFF, ((size_t)t->vmask + 1) * sizeof *t->vslot);
+    t->rmask = t->vmask;
+    t->rslot = bt_xmalloc(((size_t)t->rmask + 1) * sizeof *t->rslot);
+    memset(t->rslot, 0xFF, ((size_t)t->rmask + 1) * sizeof *t->rslot);
     for (int32_t i = 0; i < n; i++) {
-        if (vocab_find(t, piece_of(t, i), piece_len(t, i)) >= 0) continue;
-        uint32_t h = hash_bytes(piece_of(t, i), piece_len(t, i)) & t->vmask;
-        while (t->vslot[h] >= 0) h = (h + 1) & t->vmask;
-        t->vslot[h] = i;
+        if (t->type[i] == TT_UNUSED && !toks[i].ptr) continue;
+        if (bt_tok_vocab_find(t, piece_of(t, i), piece_len(t, i)) < 0) {
+            uint32_t h = hash_bytes(piece_of(t, i), piece_len(t, i)) & t->vmask;
+            while (t->vslot[h] >= 0) h = (h + 1) & t->vmask;
+            t->vslot[h] = i;
+        }
+        if (t->byte_ok[i] && (!in_model || in_model[i])) {
+            const uint8_t *r = t->raw + t->raw_off[i];
+            size_t rl = t->raw_off[i + 1] - t->raw_off[i];
+            if (raw_find(t, r, rl) < 0) {
+                uint32_t h = hash_bytes(r, rl) & t->rmask;
+                while (t->rslot[h] >= 0) h = (h + 1) & t->rmask;
+                t->rslot[h] = i;
+            }
+        }
     }
     for (int b = 0; b < 256; b++) {
         char u[4];
@@ -463,115 +301,93 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
         uint32_t cp = b2u[b];
         if (cp < 0x80) { u[0] = (char)cp; ul = 1; }
         else { u[0] = (char)(0xC0 | (cp >> 6)); u[1] = (char)(0x80 | (cp & 0x3F)); ul = 2; }
-        t->byte_id[b] = vocab_find(t, u, ul);
+        t->byte_id[b] = bt_tok_vocab_find(t, u, ul);
     }
+    return 0;
+}
 
-    /* merges: "A B" in the byte alphabet; rank = index; later duplicates overwrite earlier ones
-     * (HF BPE builder collects into a HashMap) */
-    rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.merges", &merges, &n_merge);
-    if (rc < 0) goto fail;
-    if (n_merge == 0 || n_merge > (uint64_t)INT32_MAX / 4) {
-        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.merges has %llu entries", (unsigned long long)n_merge);
-        goto fail;
-    }
+int bt_tok_set_merges(bt_tokenizer *t, uint64_t n_merge, const bt_str *ma, const bt_str *mb) {
+    if (n_merge == 0 || n_merge > (uint64_t)INT32_MAX / 4)
+        return bt_fail(BT_ERR_FORMAT, "tokenizer: %llu merges (a BPE vocabulary needs at least one)",
+                       (unsigned long long)n_merge);
     t->mmask = pow2_at_least(n_merge * 2) - 1;
     t->mkey = bt_xmalloc(((size_t)t->mmask + 1) * sizeof *t->mkey);
     memset(t->mkey, 0xFF, ((size_t)t->mmask + 1) * sizeof *t->mkey);
     t->mrank = bt_xmalloc(((size_t)t->mmask + 1) * sizeof *t->mrank);
     t->mnew = bt_xmalloc(((size_t)t->mmask + 1) * sizeof *t->mnew);
-    {
-        char *cat = NULL;
-        size_t cat_cap = 0;
-        for (uint64_t m = 0; m < n_merge; m++) {
-            const char *p = merges[m].ptr;
-            size_t len = merges[m].len;
-            const char *sp = memchr(p, ' ', len);
-            if (!sp || sp == p || (size_t)(sp - p) + 1 >= len || memchr(sp + 1, ' ', len - (size_t)(sp - p) - 1)) {
-                free(cat);
-                rc = bt_fail(BT_ERR_FORMAT, "tokenizer: merge %llu \"%.*s\" is not \"A B\"", (unsigned long long)m,
-                             (int)(len > 64 ? 64 : len), p);
-                goto fail;
-            }
-            size_t la = (size_t)(sp - p), lb = len - la - 1;
-            int32_t a = vocab_find(t, p, la), b = vocab_find(t, sp + 1, lb);
-            if (len > cat_cap) { cat_cap = len * 2; cat = bt_xrealloc(cat, cat_cap); }
-            memcpy(cat, p, la);
-            memcpy(cat + la, sp + 1, lb);
-            int32_t c = vocab_find(t, cat, la + lb);
-            if (a < 0 || b < 0 || c < 0) {
-                free(cat);
-                rc = bt_fail(BT_ERR_FORMAT, "tokenizer: merge %llu \"%.*s\": %s not in the vocabulary",
-                             (unsigned long long)m, (int)(len > 64 ? 64 : len), p,
-                             a < 0 ? "left part" : b < 0 ? "right part" : "merged token");
-                goto fail;
-            }
-            uint64_t key = (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
-            uint32_t h = hash_pair(key) & t->mmask;
-            while (t->mkey[h] != UINT64_MAX && t->mkey[h] != key) h = (h + 1) & t->mmask;
-            t->mkey[h] = key;
-            t->mrank[h] = (int32_t)m;
-            t->mnew[h] = c;
+    char *cat = NULL;
+    size_t cat_cap = 0;
+    for (uint64_t m = 0; m < n_merge; m++) {
+        size_t la = ma[m].len, lb = mb[m].len;
+        int32_t a = bt_tok_vocab_find(t, ma[m].ptr, la), b = bt_tok_vocab_find(t, mb[m].ptr, lb);
+        if (la + lb > cat_cap) { cat_cap = (la + lb) * 2; cat = bt_xrealloc(cat, cat_cap); }
+        memcpy(cat, ma[m].ptr, la);
+        memcpy(cat + la, mb[m].ptr, lb);
+        int32_t c = bt_tok_vocab_find(t, cat, la + lb);
+        if (a < 0 || b < 0 || c < 0) {
+            free(cat);
+            return bt_fail(BT_ERR_FORMAT, "tokenizer: merge %llu \"%.*s\" \"%.*s\": %s not in the vocabulary",
+                           (unsigned long long)m, (int)(la > 64 ? 64 : la), ma[m].ptr, (int)(lb > 64 ? 64 : lb),
+                           mb[m].ptr, a < 0 ? "left part" : b < 0 ? "right part" : "merged token");
         }
-        free(cat);
+        uint64_t key = (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
+        uint32_t h = hash_pair(key) & t->mmask;
+        while (t->mkey[h] != UINT64_MAX && t->mkey[h] != key) h = (h + 1) & t->mmask;
+        t->mkey[h] = key;
+        t->mrank[h] = (int32_t)m;
+        t->mnew[h] = c;
     }
-
-    /* special ids */
-    if ((rc = get_opt_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos)) < 0) goto fail;
-    if ((rc = get_opt_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos)) < 0) goto fail;
-    if ((rc = get_opt_id(g, "tokenizer.ggml.padding_token_id", n, &t->pad)) < 0) goto fail;
-    rc = bt_gguf_get_str(g, "tokenizer.chat_template", &s);
-    if (rc == 0) t->chat_template = dup_str(s);
-    else if (rc != BT_ERR_NOTFOUND) goto fail;
-
-    /* added tokens must be valid UTF-8 to be matched (so splits fall on character boundaries) */
-    for (int32_t i = 0; i < n; i++)
-        if ((t->type[i] == TT_CONTROL || t->type[i] == TT_USER) &&
-            !utf8_valid((const uint8_t *)piece_of(t, i), piece_len(t, i)))
-            t->type[i] = TT_UNUSED;
-    if ((rc = build_specials(t)) < 0) goto fail;
-    if ((rc = compile_re(&t->re, GPT2_PATTERN)) < 0) goto fail;
-    if ((rc = compile_re(&t->re_num, "\\p{N}")) < 0) goto fail;
-
-    free(toks);
-    free(merges);
-    *out = t;
+    free(cat);
     return 0;
-fail:
-    free(toks);
-    free(merges);
-    bt_tokenizer_free(t);
-    return rc;
 }
 
-int bt_tokenizer_load(bt_tokenizer **out, const char *path) {
-    if (!out || !path) return bt_fail(BT_ERR_INVALID, "tokenizer_load: NULL argument");
-    *out = NULL;
-    bt_gguf *g = NULL;
-    int rc = bt_gguf_open(&g, path);
-    if (rc < 0) return rc;
-    rc = bt_tokenizer_from_gguf(out, g);
-    bt_gguf_close(g);
-    return rc;
+static void build_set(bt_tokenizer *t, bt_added_set *set, int normalized) {
+    int32_t n = 0;
+    set->idx = bt_xmalloc(((size_t)t->n_added + 1) * sizeof *set->idx);
+    for (int32_t i = 0; i < t->n_added; i++)
+        if (t->added[i].len > 0 && (t->added[i].normalized != 0) == normalized) set->idx[n++] = i;
+    set->n = n;
+    /* insertion sort by (first byte asc, length desc, position asc); n is small (<= thousands) */
+    for (int32_t i = 1; i < n; i++) {
+        int32_t v = set->idx[i], j = i - 1;
+        const bt_added *av = &t->added[v];
+        while (j >= 0) {
+            const bt_added *au = &t->added[set->idx[j]];
+            uint8_t fu = (uint8_t)au->text[0], fv = (uint8_t)av->text[0];
+            int gt = fu > fv || (fu == fv && (au->len < av->len || (au->len == av->len && set->idx[j] > v)));
+            if (!gt) break;
+            set->idx[j + 1] = set->idx[j];
+            j--;
+        }
+        set->idx[j + 1] = v;
+    }
+    int32_t k = 0;
+    for (int b = 0; b < 256; b++) {
+        set->first[b] = (uint32_t)k;
+        while (k < n && (uint8_t)t->added[set->idx[k]].text[0] == b) k++;
+    }
+    set->first[256] = (uint32_t)n;
 }
 
-/* ---- encoding ---- */
+int bt_tok_build_added(bt_tokenizer *t) {
+    for (int32_t i = 0; i < t->n_added; i++)
+        if (!bt_tok_utf8_valid((const uint8_t *)t->added[i].text, t->added[i].len)) t->added[i].len = 0;
+    build_set(t, &t->set_raw, 0);
+    build_set(t, &t->set_norm, 1);
+    return bt_tok_init_word_re(t);
+}
 
-typedef struct {
+/* ---- BPE ---- */
+
+struct bt_sym {
     int32_t id, prev, next; /* id < 0: merged into its left neighbour */
-} sym_t;
+};
 
-typedef struct {
+struct bt_merge {
     int32_t rank, pos, new_id;
-} merge_t;
-
-typedef struct {
-    const bt_tokenizer *t;
-    pcre2_match_data *md;
-    sym_t *sym;
-    merge_t *heap;
-    size_t cap; /* sym has cap entries, heap 3 * cap */
-    bt_ids *out;
-} enc_ctx;
+};
+typedef struct bt_sym sym_t;
+typedef struct bt_merge merge_t;
 
 static inline int merge_less(const merge_t *a, const merge_t *b) {
     return a->rank < b->rank || (a->rank == b->rank && a->pos < b->pos);
@@ -608,12 +424,18 @@ static inline void push_pair(const bt_tokenizer *t, merge_t *heap, size_t *hn, i
     if (m >= 0) heap_push(heap, hn, (merge_t){t->mrank[m], pos, t->mnew[m]});
 }
 
-/* BPE of one pre-token (HF models/bpe/word.rs merge_all): lowest rank first, leftmost on ties.
- * Bytes without a single-byte token are dropped (HF BPE with unk_token = None). */
-static void bpe_word(enc_ctx *c, const uint8_t *w, size_t n) {
+/* HF models/bpe/model.rs tokenize_with_cache + merge_word, word.rs merge_all (dropout none):
+ * ignore_merges whole-piece lookup first; bytes without a single-byte token become unk_token
+ * (consecutive ones fused when fuse_unk) or are dropped when there is no unk_token. */
+void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     const bt_tokenizer *t = c->t;
-    if (n == 1) {
-        if (t->byte_id[w[0]] >= 0) bt_ids_push(c->out, t->byte_id[w[0]]);
+    if (n == 0) return;
+    if (t->ignore_merges) {
+        int32_t id = raw_find(t, w, n);
+        if (id >= 0) { bt_ids_push(c->out, id); return; }
+    }
+    if (n == 1 && t->byte_id[w[0]] >= 0) {
+        bt_ids_push(c->out, t->byte_id[w[0]]);
         return;
     }
     if (n > c->cap) {
@@ -625,9 +447,17 @@ static void bpe_word(enc_ctx *c, const uint8_t *w, size_t n) {
     }
     sym_t *sym = c->sym;
     int32_t k = 0;
+    int prev_unk = 0;
     for (size_t i = 0; i < n; i++) {
         int32_t id = t->byte_id[w[i]];
-        if (id < 0) continue;
+        if (id < 0) {
+            if (t->unk < 0) continue;
+            if (prev_unk && t->fuse_unk) continue;
+            id = t->unk;
+            prev_unk = 1;
+        } else {
+            prev_unk = 0;
+        }
         sym[k] = (sym_t){id, k - 1, k + 1};
         k++;
     }
@@ -641,7 +471,7 @@ static void bpe_word(enc_ctx *c, const uint8_t *w, size_t n) {
         if (s->id < 0 || s->next < 0) continue;
         sym_t *r = &sym[s->next];
         int32_t m = merge_find(t, s->id, r->id);
-        if (m < 0 || t->mnew[m] != top.new_id) continue; /* stale entry */
+        if (m < 0 || t->mnew[m] != top.new_id || t->mrank[m] != top.rank) continue; /* stale */
         s->id = top.new_id;
         r->id = -1;
         s->next = r->next;
@@ -652,66 +482,100 @@ static void bpe_word(enc_ctx *c, const uint8_t *w, size_t n) {
     for (int32_t i = 0; i >= 0; i = sym[i].next) bt_ids_push(c->out, sym[i].id);
 }
 
-/* GPT-2 regex pieces of s[0..n) (a run without \p{N} for "smollm"); every match and every
- * unmatched gap is a piece (HF SplitDelimiterBehavior::Isolated). */
-static int regex_split(enc_ctx *c, const char *s, size_t n) {
-    size_t off = 0;
-    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md);
-    while (off < n) {
-        int rc = pcre2_match(c->t->re, (PCRE2_SPTR)s, n, off, PCRE2_NO_UTF_CHECK, c->md, NULL);
-        if (rc == PCRE2_ERROR_NOMATCH) {
-            bpe_word(c, (const uint8_t *)s + off, n - off);
-            return 0;
-        }
-        if (rc < 0) {
-            PCRE2_UCHAR msg[256];
-            pcre2_get_error_message(rc, msg, sizeof msg);
-            return bt_fail(BT_ERR_RANGE, "tokenizer: regex match failed at byte %zu: %s", off, (char *)msg);
-        }
-        size_t b = ov[0], e = ov[1];
-        if (b > off) bpe_word(c, (const uint8_t *)s + off, b - off);
-        if (e == b) { /* empty match (not produced by the built-in patterns): emit one char */
-            size_t j = b;
-            utf8_next((const uint8_t *)s, n, &j);
-            e = j > b ? j : b + 1;
-        }
-        bpe_word(c, (const uint8_t *)s + b, e - b);
-        off = e;
-    }
-    return 0;
+/* ---- added tokens ---- */
+
+/* Rust char::is_whitespace (Unicode White_Space). */
+static int is_white(int32_t cp) {
+    return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+           cp == 0x3000;
 }
 
-/* Pre-tokenise and encode one run of text between added tokens. */
-static int encode_run(enc_ctx *c, const char *s, size_t n) {
-    if (n == 0) return 0;
-    if (c->t->pre_kind != PRE_SMOLLM) return regex_split(c, s, n);
-    /* HF Digits(individual_digits=true): each numeric char is its own piece. ASCII digits are
-     * found directly; non-ASCII code points are classified with PCRE2 \p{N}. */
-    size_t start = 0, i = 0;
-    while (i < n) {
-        uint8_t b = (uint8_t)s[i];
-        size_t clen;
-        if (b < 0x80) {
-            if (b < '0' || b > '9') { i++; continue; }
-            clen = 1;
-        } else {
-            size_t j = i;
-            utf8_next((const uint8_t *)s, n, &j);
-            clen = j - i;
-            int rc = pcre2_match(c->t->re_num, (PCRE2_SPTR)s + i, clen, 0,
-                                 PCRE2_NO_UTF_CHECK | PCRE2_ANCHORED, c->md, NULL);
-            if (rc == PCRE2_ERROR_NOMATCH) { i = j; continue; }
-            if (rc < 0) return bt_fail(BT_ERR_RANGE, "tokenizer: \\p{N} match failed (%d)", rc);
+/* Start of the char ending at s[end) (end > 0). */
+static size_t char_start_before(const char *s, size_t end) {
+    size_t i = end - 1;
+    while (i > 0 && ((uint8_t)s[i] & 0xC0) == 0x80) i--;
+    return i;
+}
+
+/* Rust regex \w on the char at s[a..b). */
+static int is_word_char(bt_enc_ctx *c, const char *s, size_t a, size_t b) {
+    return pcre2_match(c->t->re_word, (PCRE2_SPTR)s + a, b - a, 0, PCRE2_NO_UTF_CHECK | PCRE2_ANCHORED, c->md,
+                       NULL) >= 0;
+}
+
+static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_special);
+
+/* HF AddedVocabulary::find_matches over one split, then the gaps go on to the next stage
+ * (pass 0: normalisation and pass 1; pass 1: pre-tokenisation). */
+static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const char *s, size_t n, int parse_special) {
+    const bt_tokenizer *t = c->t;
+    size_t start_offset = 0, i = 0;
+    int rc = 0;
+    if (set->n > 0) {
+        while (i < n) {
+            uint32_t lo = set->first[(uint8_t)s[i]], hi = set->first[(uint8_t)s[i] + 1];
+            const bt_added *a = NULL;
+            for (uint32_t k = lo; k < hi; k++) {
+                const bt_added *e = &t->added[set->idx[k]];
+                if (e->len <= n - i && memcmp(s + i, e->text, e->len) == 0) { a = e; break; }
+            }
+            if (!a) { i++; continue; }
+            size_t start = i, stop = i + a->len;
+            i = stop; /* non-overlapping: the search resumes after this match */
+            if (a->special && !parse_special) continue;
+            if (a->single_word) {
+                int start_space = start == 0 || !is_word_char(c, s, char_start_before(s, start), start);
+                int stop_space = 1;
+                if (stop < n) {
+                    size_t j = stop;
+                    bt_tok_utf8_next((const uint8_t *)s, n, &j);
+                    stop_space = !is_word_char(c, s, stop, j);
+                }
+                if (!start_space || !stop_space) continue;
+            }
+            if (a->lstrip) {
+                size_t ns = start;
+                while (ns > 0) {
+                    size_t cs = char_start_before(s, ns), j = cs;
+                    if (!is_white(bt_tok_utf8_next((const uint8_t *)s, n, &j))) break;
+                    ns = cs;
+                }
+                start = ns > start_offset ? ns : start_offset;
+            }
+            if (a->rstrip) {
+                while (stop < n) {
+                    size_t j = stop;
+                    if (!is_white(bt_tok_utf8_next((const uint8_t *)s, n, &j))) break;
+                    stop = j;
+                }
+            }
+            if (start_offset < start) {
+                rc = pass == 0 ? run_normalized(c, s + start_offset, start - start_offset, parse_special)
+                               : bt_tok_pre_run(c, 0, s + start_offset, start - start_offset);
+                if (rc < 0) return rc;
+            }
+            bt_ids_push(c->out, a->id);
+            start_offset = stop;
         }
-        if (i > start) {
-            int rc = regex_split(c, s + start, i - start);
-            if (rc < 0) return rc;
-        }
-        bpe_word(c, (const uint8_t *)s + i, clen);
-        i += clen;
-        start = i;
     }
-    return start < n ? regex_split(c, s + start, n - start) : 0;
+    if (start_offset < n)
+        rc = pass == 0 ? run_normalized(c, s + start_offset, n - start_offset, parse_special)
+                       : bt_tok_pre_run(c, 0, s + start_offset, n - start_offset);
+    return rc;
+}
+
+static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_special) {
+    char *norm = NULL;
+    size_t nl = 0;
+    if (c->t->n_norm) {
+        int rc = bt_tok_normalize(c->t, s, n, &norm, &nl);
+        if (rc < 0) return rc;
+        if (norm) { s = norm; n = nl; }
+    }
+    int rc = added_split(c, &c->t->set_norm, 1, s, n, parse_special);
+    free(norm);
+    return rc;
 }
 
 int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out) {
@@ -725,33 +589,17 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
     int rc = utf8_sanitize(text, len, &clean, &clen);
     if (rc < 0) return rc;
     if (clean) { text = clean; len = clen; }
-    enc_ctx c = {.t = t, .out = out};
-    c.md = pcre2_match_data_create_from_pattern(t->re, NULL);
+    bt_enc_ctx c = {.t = t, .out = out};
+    c.md = pcre2_match_data_create(4, NULL);
     if (!c.md) {
         free(clean);
         return bt_fail(BT_ERR_NOMEM, "tokenize: pcre2 match data allocation failed");
     }
-    const uint8_t *s = (const uint8_t *)text;
-    size_t seg = 0, i = 0;
-    while (i < len && rc == 0) {
-        uint32_t lo = t->spec_first[s[i]], hi = t->spec_first[s[i] + 1];
-        int32_t hit = -1;
-        for (uint32_t k = lo; k < hi; k++) {
-            int32_t id = t->spec[k];
-            if (!parse_special && t->type[id] != TT_USER) continue;
-            uint32_t pl = piece_len(t, id);
-            if (pl <= len - i && memcmp(s + i, piece_of(t, id), pl) == 0) { hit = id; break; }
-        }
-        if (hit < 0) { i++; continue; }
-        rc = encode_run(&c, text + seg, i - seg);
-        bt_ids_push(out, hit);
-        i += piece_len(t, hit);
-        seg = i;
-    }
-    if (rc == 0) rc = encode_run(&c, text + seg, len - seg);
+    rc = added_split(&c, &t->set_raw, 0, text, len, parse_special);
     pcre2_match_data_free(c.md);
     free(c.sym);
     free(c.heap);
+    for (int i = 0; i < BT_TOK_MAX_PRE; i++) free(c.pbuf[i]);
     free(clean);
     if (rc < 0) out->n = n0; /* nothing appended on failure */
     return rc;
@@ -791,7 +639,11 @@ int32_t bt_tokenizer_vocab_size(const bt_tokenizer *t) { return t ? t->n_vocab :
 
 int32_t bt_tokenizer_find(const bt_tokenizer *t, const char *piece) {
     if (!t || !piece) return -1;
-    return vocab_find(t, piece, strlen(piece));
+    size_t n = strlen(piece);
+    for (int32_t i = 0; i < t->n_added; i++) /* HF token_to_id: added vocabulary first */
+        if (t->added[i].len == n && !t->added[i].normalized && memcmp(t->added[i].text, piece, n) == 0)
+            return t->added[i].id;
+    return bt_tok_vocab_find(t, piece, n);
 }
 
 const char *bt_tokenizer_piece(const bt_tokenizer *t, int32_t id) {

@@ -1,13 +1,15 @@
-/* Byte-level BPE tokenizer (GPT-2 family) built from a GGUF vocabulary.
- * Algorithm: HF tokenizers ByteLevel BPE (bytes -> GPT-2 byte-to-unicode alphabet, merges by
- * rank, lowest rank first) after pre-tokenisation by regex (PCRE2 with UTF + UCP).
- * Pre-tokenisers by tokenizer.ggml.pre (llama.cpp src/llama-vocab.cpp):
- *   "smollm" (and "gpt2"-with-digits): split each \p{N} individually, then the GPT-2 pattern
- *   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
- *   "gpt2": the GPT-2 pattern alone.
- * Added tokens are matched as whole strings before pre-tokenisation, leftmost then longest, as HF
- * added_tokens do: control tokens (token_type 3) only when parse_special is set, user-defined
- * tokens (token_type 4) always. Parity: tests/fixtures/tokenizer (tokenizers 0.20.3).
+/* Byte-level BPE tokenizer with exact Hugging Face `tokenizers` semantics (parity target:
+ * tokenizers 0.20.3; fixtures from tests/reference/gen_tokenizer_fixtures.py).
+ * Sources: a GGUF's tokenizer.ggml.* metadata, or a Hugging Face tokenizer.json (plain or
+ * zstd-compressed; a model directory means its tokenizer.json, with tokenizer_config.json for
+ * bos/eos/pad and chat_template).
+ * Pipeline (HF Tokenizer::encode, add_special_tokens = false): invalid UTF-8 replaced; added
+ * tokens split out (HF AddedVocabulary: leftmost-longest; special ones only when parse_special,
+ * non-special ones always; lstrip/rstrip/single_word/normalized honoured); normalizer (NFC, NFD,
+ * NFKC, NFKD via utf8proc); pre-tokenizers (Split with Oniguruma patterns run on PCRE2, Digits,
+ * ByteLevel); BPE (merge ranks, ignore_merges). Families covered by fixtures: SmolLM2
+ * (Digits + GPT-2 regex), Llama 3 (cl100k Split, ignore_merges), Qwen2 (NFC, Split with single
+ * digits). Details: tokenizer.c (core), tokenizer_pre.c, tokenizer_gguf.c, tokenizer_json.c.
  * A bt_tokenizer is immutable after creation: every function below is thread-safe. */
 #ifndef BT_TOKENIZER_H
 #define BT_TOKENIZER_H
@@ -30,22 +32,41 @@ void bt_ids_free(bt_ids *a);
  * token_type, pre, bos/eos/unknown/padding ids, chat_template). The GGUF may be closed
  * afterwards (everything is copied); *out is owned by the caller (bt_tokenizer_free), NULL on
  * failure. Merges are "A B" strings, rank = index (later duplicates win, as HF's merge map).
+ * Pre types (tokenizer_gguf.c): gpt2, smollm, llama-bpe/llama3 (ignore_merges), qwen2 (NFC).
+ * Control tokens (type 3) are HF special added tokens, user-defined ones (type 4) non-special.
  * Errors: BT_ERR_UNSUPPORTED for other tokenizer models/pre types; BT_ERR_NOTFOUND for a missing
  * model/pre/tokens/merges key; BT_ERR_FORMAT for zero merges, a merge whose parts or result are
  * not in the vocabulary, a token_type count differing from the token count. A bos/eos/pad id
  * outside the vocabulary is logged and treated as absent (-1). Added tokens whose text is not
  * valid UTF-8 are never matched. */
 int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g);
-/* Convenience: open the file, build, close. */
+/* Build from the text of a Hugging Face tokenizer.json (json, len bytes; UTF-8) and optionally
+ * its tokenizer_config.json (config may be NULL): supported components and defaults are listed
+ * in tokenizer_json.c. Vocabulary size = largest id in model.vocab or added_tokens + 1; ids
+ * used by neither are holes (token type 5, empty text). Token types: 1 model tokens, 3 special
+ * added tokens, 4 non-special added tokens. bos/eos: tokenizer_config.json bos_token/eos_token,
+ * else the special tokens a TemplateProcessing post_processor puts before/after $A, else -1;
+ * pad: tokenizer_config.json pad_token or -1. *out owned by the caller, NULL on failure.
+ * Errors: BT_ERR_FORMAT (malformed JSON, missing model/vocab/merges, merge parts not in the
+ * vocabulary, conflicting ids), BT_ERR_UNSUPPORTED (model other than BPE, byte_fallback,
+ * dropout, unsupported normalizer/pre-tokenizer/decoder or regex construct; the message names
+ * it), BT_ERR_INVALID (NULL arguments). */
+int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, const char *config, size_t config_len);
+/* Load by content: a file starting with "GGUF" -> bt_tokenizer_from_gguf; otherwise a
+ * tokenizer.json, plain or zstd-compressed (frame magic 28 B5 2F FD); a directory -> its
+ * tokenizer.json. A tokenizer_config.json in the same directory is read for bos/eos/pad and
+ * chat_template. Errors: BT_ERR_IO (missing/unreadable), those of the builders. */
 int bt_tokenizer_load(bt_tokenizer **out, const char *path);
 void bt_tokenizer_free(bt_tokenizer *t);
 
-/* Encode `len` bytes of UTF-8 `text`, appending ids to *out. Adds no BOS/EOS. Invalid UTF-8 is
- * first replaced, one U+FFFD per maximal invalid subpart (Python bytes.decode("utf-8",
- * errors="replace"); HF tokenizers only accept valid strings), so decoding gives that text back.
- * With parse_special == 0 control-token strings are ordinary text; user-defined tokens
- * (token_type 4, HF non-special added tokens) are always matched. BT_ERR_INVALID on NULL t/out
- * (text may be NULL when len == 0), BT_ERR_NOMEM. Thread-safe. */
+/* Encode `len` bytes of UTF-8 `text`, appending int32 ids to *out (HF encode(text,
+ * add_special_tokens=False)). Adds no BOS/EOS. Invalid UTF-8 is first replaced, one U+FFFD per
+ * maximal invalid subpart (Python bytes.decode("utf-8", errors="replace"); HF tokenizers only
+ * accept valid strings), so decoding gives that text back (normalizers aside). With
+ * parse_special == 0 special-token strings are ordinary text (HF encode_special_tokens = True);
+ * non-special added tokens (token_type 4) are always matched. BT_ERR_INVALID on NULL t/out
+ * (text may be NULL when len == 0), BT_ERR_RANGE (input > 2 GiB), BT_ERR_NOMEM; on error
+ * nothing is appended. Thread-safe. */
 int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out);
 /* Decode ids to a malloc'd NUL-terminated byte string (*out, *out_len without the NUL; caller
  * frees). HF ByteLevel decoder byte mapping, but the raw bytes are returned (no lossy UTF-8
@@ -69,9 +90,12 @@ int bt_tokenizer_token_type(const bt_tokenizer *t, int32_t id);
 int32_t bt_tokenizer_bos(const bt_tokenizer *t); /* -1 if none */
 int32_t bt_tokenizer_eos(const bt_tokenizer *t);
 int32_t bt_tokenizer_pad(const bt_tokenizer *t);
-/* The chat template string from the GGUF (NULL if none). */
+/* The chat template (GGUF tokenizer.chat_template or tokenizer_config.json chat_template; NULL
+ * if none). */
 const char *bt_tokenizer_chat_template(const bt_tokenizer *t);
-/* Pre-tokeniser name ("smollm", "gpt2", ...). */
+/* Pre-tokeniser family: the GGUF pre name ("smollm", "gpt2", "llama-bpe", "qwen2"), or for a
+ * tokenizer.json "smollm", "gpt2", "llama3", "qwen2" when the pipeline is exactly that family's,
+ * else "custom". */
 const char *bt_tokenizer_pre(const bt_tokenizer *t);
 
 #endif

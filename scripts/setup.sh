@@ -5,7 +5,8 @@
 set -euo pipefail
 
 DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
-          libopenblas-dev libcmocka-dev libpcre2-dev libsystemd-dev dict-foldoc unzip)
+          libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev
+          systemd clang dict-foldoc unzip)
 PY_PKGS=("pytest==8.3.3")
 
 missing=()

@@ -1,0 +1,212 @@
+/* Byte-level BPE tokenizer from GGUF tokenizer.ggml.* metadata (llama.cpp gguf-py conventions:
+ * tokens, token_type, merges "A B", pre, bos/eos/padding ids, chat_template).
+ * The pre-tokenizer name selects the Hugging Face pipeline the model's tokenizer.json uses
+ * (llama.cpp src/llama-vocab.cpp pre types; HF tokenizer.json of each family):
+ *   "gpt2"               ByteLevel(use_regex = true)
+ *   "smollm"             Digits(individual_digits = true), ByteLevel(use_regex = true)
+ *   "llama-bpe"/"llama3" Split(Llama-3 pattern, Isolated), ByteLevel(use_regex = false);
+ *                        BPE ignore_merges = true
+ *   "qwen2"              NFC; Split(Qwen2 pattern, Isolated), ByteLevel(use_regex = false)
+ * Added tokens: control tokens (type 3) are HF special tokens, user-defined tokens (type 4)
+ * non-special ones; none normalized, stripped or single-word (as llama.cpp converts them). */
+#include "common/tokenizer_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+
+static int read_int_elem(bt_gguf_vtype ty, const void *data, uint64_t i, int64_t *out) {
+    const uint8_t *p = data;
+    switch (ty) {
+    case BT_GGUF_U8: { uint8_t v; memcpy(&v, p + i, 1); *out = v; return 0; }
+    case BT_GGUF_I8: { int8_t v; memcpy(&v, p + i, 1); *out = v; return 0; }
+    case BT_GGUF_U16: { uint16_t v; memcpy(&v, p + i * 2, 2); *out = v; return 0; }
+    case BT_GGUF_I16: { int16_t v; memcpy(&v, p + i * 2, 2); *out = v; return 0; }
+    case BT_GGUF_U32: { uint32_t v; memcpy(&v, p + i * 4, 4); *out = v; return 0; }
+    case BT_GGUF_I32: { int32_t v; memcpy(&v, p + i * 4, 4); *out = v; return 0; }
+    case BT_GGUF_I64: { int64_t v; memcpy(&v, p + i * 8, 8); *out = v; return 0; }
+    case BT_GGUF_U64: {
+        uint64_t v; memcpy(&v, p + i * 8, 8);
+        if (v > INT64_MAX) return -1;
+        *out = (int64_t)v; return 0;
+    }
+    default: return -1;
+    }
+}
+
+/* Optional special id key: -1 when absent, or (with a warning, as llama.cpp tolerates) when
+ * outside the vocabulary, e.g. converters writing 0xFFFFFFFF for "none"; BT_ERR_FORMAT when
+ * the value is not an integer. */
+static int get_opt_id(const bt_gguf *g, const char *key, int32_t n_vocab, int32_t *out) {
+    uint64_t v;
+    *out = -1;
+    int rc = bt_gguf_get_u64(g, key, &v);
+    if (rc == BT_ERR_NOTFOUND) return 0;
+    if (rc < 0) {
+        int64_t sv;
+        if (bt_gguf_get_i64(g, key, &sv) == 0) { /* negative: "none" */
+            bt_log(BT_LOG_WARN, "tokenizer", "%s = %lld ignored (no such token)", key, (long long)sv);
+            return 0;
+        }
+        return rc;
+    }
+    if (v >= (uint64_t)n_vocab) {
+        bt_log(BT_LOG_WARN, "tokenizer", "%s = %llu outside vocabulary [0, %d): ignored", key,
+               (unsigned long long)v, n_vocab);
+        return 0;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+static char *dup_str(bt_str s) {
+    char *p = bt_xmalloc(s.len + 1);
+    memcpy(p, s.ptr, s.len);
+    p[s.len] = 0;
+    return p;
+}
+
+/* Sets the pre-tokenizer pipeline of a GGUF pre type; BT_ERR_UNSUPPORTED for other names. */
+static int set_pre(bt_tokenizer *t, bt_str s) {
+#define IS(lit) (s.len == sizeof(lit) - 1 && memcmp(s.ptr, lit, s.len) == 0)
+    int rc = 0;
+    if (IS("gpt2") || IS("smollm")) {
+        if (IS("smollm")) t->pre_steps[t->n_pre++] = (bt_pre_step){.kind = PRE_DIGITS, .behavior = BEH_ISOLATED};
+        bt_pre_step *p = &t->pre_steps[t->n_pre++];
+        *p = (bt_pre_step){.kind = PRE_BYTELEVEL};
+        rc = bt_tok_compile_onig(&p->re, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0);
+    } else if (IS("llama-bpe") || IS("llama3") || IS("qwen2")) {
+        const char *pat = IS("qwen2") ? BT_TOK_QWEN2_PATTERN : BT_TOK_LLAMA3_PATTERN;
+        if (IS("qwen2")) t->norm[t->n_norm++] = NORM_NFC;
+        else t->ignore_merges = 1;
+        bt_pre_step *p = &t->pre_steps[t->n_pre++];
+        *p = (bt_pre_step){.kind = PRE_SPLIT, .behavior = BEH_ISOLATED};
+        rc = bt_tok_compile_onig(&p->re, pat, strlen(pat), 0);
+        t->pre_steps[t->n_pre++] = (bt_pre_step){.kind = PRE_BYTELEVEL};
+    } else {
+        return bt_fail(BT_ERR_UNSUPPORTED,
+                       "tokenizer: pre-tokeniser \"%.*s\" unsupported (gpt2, smollm, llama-bpe, llama3, qwen2)",
+                       (int)(s.len > 64 ? 64 : s.len), s.ptr);
+    }
+#undef IS
+    if (rc == 0) t->pre = dup_str(s);
+    return rc;
+}
+
+int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
+    if (!out || !g) return bt_fail(BT_ERR_INVALID, "tokenizer_from_gguf: NULL argument");
+    *out = NULL;
+    bt_str s;
+    int rc = bt_gguf_get_str(g, "tokenizer.ggml.model", &s);
+    if (rc < 0) return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.model key") : rc;
+    if (s.len != 4 || memcmp(s.ptr, "gpt2", 4) != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: model \"%.*s\" unsupported (only \"gpt2\" byte-level BPE)",
+                       (int)(s.len > 64 ? 64 : s.len), s.ptr);
+    bt_str pre_name;
+    rc = bt_gguf_get_str(g, "tokenizer.ggml.pre", &pre_name);
+    if (rc < 0)
+        return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.pre key (pre-tokeniser unknown)") : rc;
+
+    bt_str *toks = NULL, *merges = NULL, *ma = NULL, *mb = NULL;
+    uint64_t n_tok = 0, n_merge = 0;
+    uint8_t *types = NULL;
+    bt_tokenizer *t = bt_tok_new();
+    if ((rc = set_pre(t, pre_name)) < 0) goto fail;
+    if ((rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n_tok)) < 0) goto fail;
+    if (n_tok == 0 || n_tok > (uint64_t)INT32_MAX / 2) {
+        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.tokens has %llu entries", (unsigned long long)n_tok);
+        goto fail;
+    }
+    int32_t n = (int32_t)n_tok;
+
+    /* token types (optional: absent means all normal, as llama.cpp) */
+    types = bt_xmalloc((size_t)n);
+    memset(types, TT_NORMAL, (size_t)n);
+    {
+        bt_gguf_vtype et;
+        const void *data;
+        uint64_t cnt;
+        rc = bt_gguf_get_num_arr(g, "tokenizer.ggml.token_type", &et, &data, &cnt);
+        if (rc == 0) {
+            if (cnt != n_tok) {
+                rc = bt_fail(BT_ERR_FORMAT, "tokenizer: token_type has %llu entries, tokens %llu",
+                             (unsigned long long)cnt, (unsigned long long)n_tok);
+                goto fail;
+            }
+            for (uint64_t i = 0; i < cnt; i++) {
+                int64_t v;
+                if (read_int_elem(et, data, i, &v) < 0 || v < 0 || v > 255) {
+                    rc = bt_fail(BT_ERR_FORMAT, "tokenizer: token_type[%llu] invalid (element type %d)",
+                                 (unsigned long long)i, (int)et);
+                    goto fail;
+                }
+                types[i] = (uint8_t)v;
+            }
+        } else if (rc != BT_ERR_NOTFOUND) {
+            goto fail;
+        }
+    }
+    if ((rc = bt_tok_set_vocab(t, n, toks, types, NULL)) < 0) goto fail;
+
+    /* merges: "A B" in the byte alphabet, rank = index */
+    if ((rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.merges", &merges, &n_merge)) < 0) goto fail;
+    if (n_merge > (uint64_t)INT32_MAX / 4) {
+        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.merges has %llu entries", (unsigned long long)n_merge);
+        goto fail;
+    }
+    ma = bt_xmalloc(((size_t)n_merge + 1) * sizeof *ma);
+    mb = bt_xmalloc(((size_t)n_merge + 1) * sizeof *mb);
+    for (uint64_t m = 0; m < n_merge; m++) {
+        const char *p = merges[m].ptr;
+        size_t len = merges[m].len;
+        const char *sp = memchr(p, ' ', len);
+        if (!sp || sp == p || (size_t)(sp - p) + 1 >= len || memchr(sp + 1, ' ', len - (size_t)(sp - p) - 1)) {
+            rc = bt_fail(BT_ERR_FORMAT, "tokenizer: merge %llu \"%.*s\" is not \"A B\"", (unsigned long long)m,
+                         (int)(len > 64 ? 64 : len), p);
+            goto fail;
+        }
+        ma[m] = (bt_str){p, (size_t)(sp - p)};
+        mb[m] = (bt_str){sp + 1, len - (size_t)(sp - p) - 1};
+    }
+    if ((rc = bt_tok_set_merges(t, n_merge, ma, mb)) < 0) goto fail;
+
+    /* special ids */
+    if ((rc = get_opt_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos)) < 0) goto fail;
+    if ((rc = get_opt_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos)) < 0) goto fail;
+    if ((rc = get_opt_id(g, "tokenizer.ggml.padding_token_id", n, &t->pad)) < 0) goto fail;
+    rc = bt_gguf_get_str(g, "tokenizer.chat_template", &s);
+    if (rc == 0) t->chat_template = dup_str(s);
+    else if (rc != BT_ERR_NOTFOUND) goto fail;
+
+    /* added tokens: control and user-defined tokens with valid UTF-8 text */
+    t->added = bt_xmalloc(((size_t)n + 1) * sizeof *t->added);
+    for (int32_t i = 0; i < n; i++) {
+        if (types[i] != TT_CONTROL && types[i] != TT_USER) continue;
+        if (!bt_tok_utf8_valid((const uint8_t *)toks[i].ptr, toks[i].len)) {
+            t->type[i] = TT_UNUSED;
+            continue;
+        }
+        bt_added *a = &t->added[t->n_added++];
+        memset(a, 0, sizeof *a);
+        a->id = i;
+        a->text = dup_str(toks[i]);
+        a->len = (uint32_t)toks[i].len;
+        a->special = types[i] == TT_CONTROL;
+    }
+    if ((rc = bt_tok_build_added(t)) < 0) goto fail;
+    free(toks);
+    free(merges);
+    free(ma);
+    free(mb);
+    free(types);
+    *out = t;
+    return 0;
+fail:
+    free(toks);
+    free(merges);
+    free(ma);
+    free(mb);
+    free(types);
+    bt_tokenizer_free(t);
+    return rc;
+}

@@ -1,0 +1,139 @@
+/* Internal layout shared by the tokenizer sources (not a public header):
+ *   tokenizer.c       core: vocabulary/merges tables, added-token splitting, BPE, encode/decode
+ *   tokenizer_pre.c   normalizers (utf8proc), regex translation (Oniguruma -> PCRE2), pre-tokenizers
+ *   tokenizer_gguf.c  builder from GGUF tokenizer.ggml.* metadata
+ *   tokenizer_json.c  builder from a Hugging Face tokenizer.json (+ tokenizer_config.json)
+ * Reference implementation everywhere: Hugging Face tokenizers 0.20.3 (tokenizers/src/...). */
+#ifndef BT_TOKENIZER_INTERNAL_H
+#define BT_TOKENIZER_INTERNAL_H
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/bt_common.h"
+#include "common/tokenizer.h"
+
+/* GGUF token types (llama.cpp llama_token_type / gguf-py TokenType). */
+enum { TT_NORMAL = 1, TT_UNKNOWN = 2, TT_CONTROL = 3, TT_USER = 4, TT_UNUSED = 5, TT_BYTE = 6 };
+
+/* Normalizers (HF normalizers/unicode.rs). */
+enum { NORM_NFC = 1, NORM_NFD, NORM_NFKC, NORM_NFKD };
+
+/* Pre-tokenizer steps (HF pre_tokenizers/{split,digits,byte_level}.rs). */
+enum { PRE_SPLIT = 1, PRE_DIGITS, PRE_BYTELEVEL };
+
+/* HF SplitDelimiterBehavior (tokenizer/normalizer.rs). */
+enum { BEH_REMOVED = 0, BEH_ISOLATED, BEH_MERGED_PREV, BEH_MERGED_NEXT, BEH_CONTIGUOUS };
+
+#define BT_TOK_MAX_NORM 8
+#define BT_TOK_MAX_PRE 8
+
+typedef struct {
+    int kind;
+    int behavior;         /* PRE_SPLIT, PRE_DIGITS (Isolated or Contiguous) */
+    int invert;           /* PRE_SPLIT */
+    int add_prefix_space; /* PRE_BYTELEVEL */
+    pcre2_code *re;       /* PRE_SPLIT; PRE_BYTELEVEL with use_regex (GPT-2 pattern); else NULL */
+} bt_pre_step;
+
+/* One added token (HF AddedToken). text is what is matched: the content, or for normalized
+ * tokens the content passed through the normalizer. */
+typedef struct {
+    int32_t id;
+    uint32_t len;
+    char *text;
+    uint8_t special, lstrip, rstrip, single_word, normalized;
+} bt_added;
+
+/* A set of added tokens to match, ordered by (first byte asc, length desc): the first entry
+ * matching at a position is the longest one there. */
+typedef struct {
+    int32_t *idx; /* indexes into bt_tokenizer.added */
+    int32_t n;
+    uint32_t first[257];
+} bt_added_set;
+
+struct bt_tokenizer {
+    int32_t n_vocab;
+    char *pieces;        /* NUL-terminated token strings (byte-level alphabet), concatenated */
+    uint32_t *piece_off; /* [n_vocab + 1] */
+    uint8_t *raw;        /* bytes each token decodes to, concatenated */
+    uint32_t *raw_off;   /* [n_vocab + 1] */
+    uint8_t *byte_ok;    /* [n_vocab] 1 if the piece maps fully through the byte alphabet */
+    uint8_t *type;       /* [n_vocab] TT_* */
+    int32_t *vslot;      /* piece-string hash, open addressing, -1 empty */
+    uint32_t vmask;
+    int32_t *rslot;      /* raw-bytes hash over byte_ok tokens (ignore_merges lookups) */
+    uint32_t rmask;
+    uint64_t *mkey;      /* merge hash: key (a << 32 | b), UINT64_MAX empty */
+    int32_t *mrank, *mnew;
+    uint32_t mmask;
+    int32_t byte_id[256]; /* id of each single-byte token, -1 if absent */
+    int32_t unk;          /* BPE unk_token id or -1 */
+    int fuse_unk, ignore_merges;
+    bt_added *added;
+    int32_t n_added;
+    bt_added_set set_raw, set_norm; /* matched before / after normalisation */
+    int norm[BT_TOK_MAX_NORM];
+    int n_norm;
+    bt_pre_step pre_steps[BT_TOK_MAX_PRE];
+    int n_pre;
+    pcre2_code *re_word; /* one Rust-regex \w char (single_word checks) */
+    char *pre, *chat_template;
+    int32_t bos, eos, pad;
+};
+
+/* Per-call scratch. */
+typedef struct {
+    const bt_tokenizer *t;
+    pcre2_match_data *md;
+    struct bt_sym *sym;
+    struct bt_merge *heap;
+    size_t cap;
+    char *pbuf[BT_TOK_MAX_PRE]; /* ByteLevel add_prefix_space copies, per step */
+    size_t pcap[BT_TOK_MAX_PRE];
+    bt_ids *out;
+} bt_enc_ctx;
+
+/* ---- tokenizer.c ---- */
+/* Decodes one UTF-8 code point at s[*i] (valid UTF-8 assumed); advances *i; -1 if invalid. */
+int32_t bt_tok_utf8_next(const uint8_t *s, size_t n, size_t *i);
+int bt_tok_utf8_valid(const uint8_t *s, size_t n);
+/* Empty tokenizer: bos/eos/pad/unk = -1. */
+bt_tokenizer *bt_tok_new(void);
+/* Vocabulary of n ids: pieces[i] (NULL ptr = hole, typed TT_UNUSED), types[i] (NULL = all
+ * TT_NORMAL), in_model[i] (NULL = all) marks ids of the BPE model vocabulary (ignore_merges
+ * lookups). Builds piece/raw tables, hashes and the byte-token map. BT_ERR_FORMAT on a
+ * string table over 4 GiB. */
+int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *pieces, const uint8_t *types,
+                     const uint8_t *in_model);
+/* Merges: pair m is (a[m], b[m]), rank m; later duplicates win (HF builds a HashMap).
+ * BT_ERR_FORMAT for zero merges or a part/result missing from the vocabulary. */
+int bt_tok_set_merges(bt_tokenizer *t, uint64_t n, const bt_str *a, const bt_str *b);
+/* Lookup by piece string, -1 if absent. */
+int32_t bt_tok_vocab_find(const bt_tokenizer *t, const char *s, size_t n);
+/* After t->added is filled (texts owned by t): builds the two match sets. */
+int bt_tok_build_added(bt_tokenizer *t);
+/* Byte-level BPE of one pre-token (raw bytes), appending ids to c->out. */
+void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n);
+
+/* ---- tokenizer_pre.c ---- */
+/* Compiles an Oniguruma pattern (HF Split / ByteLevel) into PCRE2 with Oniguruma semantics
+ * (see tokenizer_pre.c). BT_ERR_UNSUPPORTED for constructs without an exact translation. */
+int bt_tok_compile_onig(pcre2_code **out, const char *pat, size_t len, int literal);
+/* The GPT-2 pattern HF ByteLevel(use_regex=true) applies (pre_tokenizers/byte_level.rs). */
+extern const char BT_TOK_GPT2_PATTERN[];
+extern const char BT_TOK_LLAMA3_PATTERN[];
+extern const char BT_TOK_QWEN2_PATTERN[];
+/* Compiles t->re_word. */
+int bt_tok_init_word_re(bt_tokenizer *t);
+/* Applies t's normalizers to s[0..n) (valid UTF-8). *out NULL when unchanged, else a malloc'd
+ * buffer (*out_len bytes). BT_ERR_NOMEM / BT_ERR_FORMAT (utf8proc failure). */
+int bt_tok_normalize(const bt_tokenizer *t, const char *s, size_t n, char **out, size_t *out_len);
+/* Pre-tokenizes s[0..n) from step `step` on and BPE-encodes every resulting piece. */
+int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n);
+/* Frees the regexes of the steps. */
+void bt_tok_pre_free(bt_tokenizer *t);
+
+#endif

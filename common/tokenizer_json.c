@@ -1,0 +1,514 @@
+/* Byte-level BPE tokenizer from a Hugging Face tokenizer.json (tokenizers 0.20.3 serialization,
+ * tokenizers/src/tokenizer/serialization.rs), plus the file-type dispatch of bt_tokenizer_load.
+ *
+ * Supported (anything else fails with BT_ERR_UNSUPPORTED naming the key):
+ *   model           BPE: vocab, merges as "a b" strings or ["a", "b"] pairs, ignore_merges,
+ *                   unk_token, fuse_unk; dropout null/0, byte_fallback false,
+ *                   continuing_subword_prefix / end_of_word_suffix null or ""
+ *   normalizer      null, NFC, NFD, NFKC, NFKD, Sequence of those
+ *   pre_tokenizer   Sequence of Split (Regex | String pattern, any behavior, invert),
+ *                   Digits (individual_digits), ByteLevel (add_prefix_space, use_regex), which must
+ *                   come last (the vocabulary is byte-level)
+ *   decoder         ByteLevel (null is accepted: bt_detokenize returns raw bytes either way)
+ *   added_tokens    id, content, special, single_word, lstrip, rstrip, normalized (defaults as HF
+ *                   AddedToken: false, except normalized = !special)
+ *   post_processor  only read for BOS/EOS: the special tokens a TemplateProcessing "single"
+ *                   template puts before / after $A (nothing is ever added by bt_tokenize)
+ * tokenizer_config.json (next to tokenizer.json) supplies bos/eos/pad tokens and chat_template. */
+#include "common/tokenizer_internal.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#define LOGC "tokenizer"
+
+static int jfail(const char *key, const char *what) {
+    return bt_fail(BT_ERR_FORMAT, "tokenizer.json: %s: %s", key, what);
+}
+
+/* Optional bool member: default when absent or null; BT_ERR_FORMAT when not a bool. */
+static int get_bool(json_t *o, const char *key, int def, int *out) {
+    json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v)) { *out = def; return 0; }
+    if (!json_is_boolean(v)) return jfail(key, "not a boolean");
+    *out = json_is_true(v);
+    return 0;
+}
+
+static const char *type_of(json_t *o) {
+    json_t *ty = json_object_get(o, "type");
+    return json_is_string(ty) ? json_string_value(ty) : NULL;
+}
+
+static int parse_normalizer(bt_tokenizer *t, json_t *n) {
+    if (!n || json_is_null(n)) return 0;
+    const char *ty = type_of(n);
+    if (!ty) return jfail("normalizer", "no \"type\"");
+    if (strcmp(ty, "Sequence") == 0) {
+        json_t *arr = json_object_get(n, "normalizers");
+        if (!json_is_array(arr)) return jfail("normalizer.normalizers", "not an array");
+        for (size_t i = 0; i < json_array_size(arr); i++) {
+            int rc = parse_normalizer(t, json_array_get(arr, i));
+            if (rc < 0) return rc;
+        }
+        return 0;
+    }
+    int kind = strcmp(ty, "NFC") == 0 ? NORM_NFC : strcmp(ty, "NFD") == 0 ? NORM_NFD
+             : strcmp(ty, "NFKC") == 0 ? NORM_NFKC : strcmp(ty, "NFKD") == 0 ? NORM_NFKD : 0;
+    if (!kind)
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: normalizer \"%s\" unsupported (NFC, NFD, NFKC, NFKD, Sequence)",
+                       ty);
+    if (t->n_norm >= BT_TOK_MAX_NORM) return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: more than %d normalizers", BT_TOK_MAX_NORM);
+    t->norm[t->n_norm++] = kind;
+    return 0;
+}
+
+typedef struct {
+    int known_split; /* 1 llama3 pattern, 2 qwen2 pattern, -1 other */
+} fam_t;
+
+static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
+    if (!p || json_is_null(p))
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer null unsupported (a byte-level BPE needs ByteLevel)");
+    const char *ty = type_of(p);
+    if (!ty) return jfail("pre_tokenizer", "no \"type\"");
+    if (strcmp(ty, "Sequence") == 0) {
+        json_t *arr = json_object_get(p, "pretokenizers");
+        if (!json_is_array(arr)) return jfail("pre_tokenizer.pretokenizers", "not an array");
+        for (size_t i = 0; i < json_array_size(arr); i++) {
+            int rc = parse_pre(t, json_array_get(arr, i), fam);
+            if (rc < 0) return rc;
+        }
+        return 0;
+    }
+    if (t->n_pre >= BT_TOK_MAX_PRE) return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: more than %d pre-tokenizers", BT_TOK_MAX_PRE);
+    if (t->n_pre > 0 && t->pre_steps[t->n_pre - 1].kind == PRE_BYTELEVEL)
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre-tokenizer \"%s\" after ByteLevel unsupported", ty);
+    bt_pre_step *s = &t->pre_steps[t->n_pre];
+    memset(s, 0, sizeof *s);
+    int rc;
+    if (strcmp(ty, "ByteLevel") == 0) {
+        int use_regex;
+        s->kind = PRE_BYTELEVEL;
+        if ((rc = get_bool(p, "add_prefix_space", 1, &s->add_prefix_space)) < 0) return rc;
+        if ((rc = get_bool(p, "use_regex", 1, &use_regex)) < 0) return rc;
+        if (use_regex && (rc = bt_tok_compile_onig(&s->re, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0)) < 0)
+            return rc;
+    } else if (strcmp(ty, "Digits") == 0) {
+        int ind;
+        if ((rc = get_bool(p, "individual_digits", 0, &ind)) < 0) return rc;
+        s->kind = PRE_DIGITS;
+        s->behavior = ind ? BEH_ISOLATED : BEH_CONTIGUOUS;
+        fam->known_split = -1 + (fam->known_split == 0 && t->n_pre == 0) * 11; /* 10: leading Digits */
+    } else if (strcmp(ty, "Split") == 0) {
+        static const char *const names[] = {"Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
+        json_t *pat = json_object_get(p, "pattern"), *beh = json_object_get(p, "behavior");
+        json_t *re = json_is_object(pat) ? json_object_get(pat, "Regex") : NULL;
+        json_t *str = json_is_object(pat) ? json_object_get(pat, "String") : NULL;
+        if (!json_is_string(re) && !json_is_string(str)) return jfail("Split.pattern", "not {\"Regex\": s} or {\"String\": s}");
+        if (!json_is_string(beh)) return jfail("Split.behavior", "not a string");
+        s->kind = PRE_SPLIT;
+        s->behavior = -1;
+        for (int k = 0; k < 5; k++)
+            if (strcmp(json_string_value(beh), names[k]) == 0) s->behavior = k;
+        if (s->behavior < 0)
+            return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: Split behavior \"%s\" unknown", json_string_value(beh));
+        if ((rc = get_bool(p, "invert", 0, &s->invert)) < 0) return rc;
+        json_t *ps = re ? re : str;
+        const char *src = json_string_value(ps);
+        size_t len = json_string_length(ps);
+        if ((rc = bt_tok_compile_onig(&s->re, src, len, str != NULL)) < 0) return rc;
+        int known = 0;
+        if (re && !s->invert && s->behavior == BEH_ISOLATED) {
+            if (len == strlen(BT_TOK_LLAMA3_PATTERN) && memcmp(src, BT_TOK_LLAMA3_PATTERN, len) == 0) known = 1;
+            if (len == strlen(BT_TOK_QWEN2_PATTERN) && memcmp(src, BT_TOK_QWEN2_PATTERN, len) == 0) known = 2;
+        }
+        fam->known_split = fam->known_split == 0 && known ? known : -1;
+    } else {
+        return bt_fail(BT_ERR_UNSUPPORTED,
+                       "tokenizer.json: pre-tokenizer \"%s\" unsupported (Sequence, Split, Digits, ByteLevel)", ty);
+    }
+    t->n_pre++;
+    return 0;
+}
+
+/* bos/eos/pad given as "text", {"content": "text"} or null. */
+static int32_t config_token(const bt_tokenizer *t, json_t *cfg, const char *key, int32_t def) {
+    json_t *v = json_object_get(cfg, key);
+    if (json_is_object(v)) v = json_object_get(v, "content");
+    if (!json_is_string(v)) return def;
+    int32_t id = bt_tokenizer_find(t, json_string_value(v));
+    if (id < 0) bt_log(BT_LOG_WARN, LOGC, "tokenizer_config.json: %s \"%s\" is not a token: ignored", key, json_string_value(v));
+    return id >= 0 ? id : def;
+}
+
+/* TemplateProcessing "single": special tokens before / after the $A sequence. */
+static void post_processor_ids(json_t *pp, int32_t *bos, int32_t *eos) {
+    if (!json_is_object(pp)) return;
+    const char *ty = type_of(pp);
+    if (!ty) return;
+    if (strcmp(ty, "Sequence") == 0) {
+        json_t *arr = json_object_get(pp, "processors");
+        for (size_t i = 0; i < json_array_size(arr); i++) post_processor_ids(json_array_get(arr, i), bos, eos);
+        return;
+    }
+    if (strcmp(ty, "TemplateProcessing") != 0) return;
+    json_t *single = json_object_get(pp, "single"), *st = json_object_get(pp, "special_tokens");
+    int seen_a = 0;
+    for (size_t i = 0; i < json_array_size(single); i++) {
+        json_t *e = json_array_get(single, i);
+        if (json_object_get(e, "Sequence")) { seen_a = 1; continue; }
+        json_t *sp = json_object_get(e, "SpecialToken");
+        json_t *name = json_object_get(sp, "id");
+        if (!json_is_string(name)) continue;
+        json_t *ids = json_object_get(json_object_get(st, json_string_value(name)), "ids");
+        json_t *id0 = json_array_get(ids, 0);
+        if (!json_is_integer(id0) || json_integer_value(id0) < 0 || json_integer_value(id0) > INT32_MAX) continue;
+        if (!seen_a && *bos < 0) *bos = (int32_t)json_integer_value(id0);
+        if (seen_a && *eos < 0) *eos = (int32_t)json_integer_value(id0);
+    }
+}
+
+static int str_of(json_t *v, bt_str *out) {
+    if (!json_is_string(v)) return -1;
+    out->ptr = json_string_value(v);
+    out->len = json_string_length(v);
+    return 0;
+}
+
+int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, const char *config, size_t config_len) {
+    if (!out || (!json && len)) return bt_fail(BT_ERR_INVALID, "tokenizer_from_json: NULL argument");
+    *out = NULL;
+    json_error_t jerr;
+    json_t *root = json_loadb(json ? json : "", len, JSON_ALLOW_NUL, &jerr);
+    if (!root) return bt_fail(BT_ERR_FORMAT, "tokenizer.json: line %d: %s", jerr.line, jerr.text);
+    json_t *cfg = NULL;
+    if (config && config_len) {
+        cfg = json_loadb(config, config_len, JSON_ALLOW_NUL, &jerr);
+        if (!cfg) {
+            json_decref(root);
+            return bt_fail(BT_ERR_FORMAT, "tokenizer_config.json: line %d: %s", jerr.line, jerr.text);
+        }
+    }
+    bt_tokenizer *t = bt_tok_new();
+    bt_str *pieces = NULL, *ma = NULL, *mb = NULL;
+    uint8_t *types = NULL, *in_model = NULL;
+    int rc = 0;
+    fam_t fam = {0};
+    json_t *model = json_object_get(root, "model");
+    if (!json_is_object(root) || !json_is_object(model)) { rc = jfail("model", "missing or not an object"); goto done; }
+    const char *mty = type_of(model);
+    if (mty && strcmp(mty, "BPE") != 0) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model \"%s\" unsupported (only byte-level BPE)", mty);
+        goto done;
+    }
+    {
+        json_t *d = json_object_get(model, "dropout");
+        if (d && !json_is_null(d) && !(json_is_number(d) && json_number_value(d) == 0.0)) {
+            rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.dropout unsupported (must be null)");
+            goto done;
+        }
+        static const char *const empty_keys[] = {"continuing_subword_prefix", "end_of_word_suffix"};
+        for (int k = 0; k < 2; k++) {
+            json_t *v = json_object_get(model, empty_keys[k]);
+            if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0)) {
+                rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.%s unsupported (must be null or \"\")", empty_keys[k]);
+                goto done;
+            }
+        }
+        int bf;
+        if ((rc = get_bool(model, "byte_fallback", 0, &bf)) < 0) goto done;
+        if (bf) { rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.byte_fallback = true unsupported"); goto done; }
+        if ((rc = get_bool(model, "fuse_unk", 0, &t->fuse_unk)) < 0) goto done;
+        if ((rc = get_bool(model, "ignore_merges", 0, &t->ignore_merges)) < 0) goto done;
+    }
+    if ((rc = parse_normalizer(t, json_object_get(root, "normalizer"))) < 0) goto done;
+    if ((rc = parse_pre(t, json_object_get(root, "pre_tokenizer"), &fam)) < 0) goto done;
+    if (t->n_pre == 0 || t->pre_steps[t->n_pre - 1].kind != PRE_BYTELEVEL) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer has no ByteLevel step (needed by a byte-level BPE)");
+        goto done;
+    }
+    {
+        json_t *dec = json_object_get(root, "decoder");
+        const char *dty = json_is_object(dec) ? type_of(dec) : NULL;
+        if (dec && !json_is_null(dec) && (!dty || strcmp(dty, "ByteLevel") != 0)) {
+            rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: decoder \"%s\" unsupported (ByteLevel)", dty ? dty : "?");
+            goto done;
+        }
+    }
+
+    /* id space: model vocabulary and added tokens */
+    json_t *vocab = json_object_get(model, "vocab"), *added = json_object_get(root, "added_tokens");
+    if (!json_is_object(vocab) || json_object_size(vocab) == 0) { rc = jfail("model.vocab", "missing or empty"); goto done; }
+    if (added && !json_is_null(added) && !json_is_array(added)) { rc = jfail("added_tokens", "not an array"); goto done; }
+    int64_t max_id = -1;
+    const char *key;
+    size_t klen;
+    json_t *val;
+    json_object_keylen_foreach(vocab, key, klen, val) {
+        if (!json_is_integer(val) || json_integer_value(val) < 0 || json_integer_value(val) >= INT32_MAX / 2) {
+            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: model.vocab[\"%.*s\"]: id not an integer in [0, 2^30)",
+                         (int)(klen > 64 ? 64 : klen), key);
+            goto done;
+        }
+        if (json_integer_value(val) > max_id) max_id = json_integer_value(val);
+    }
+    for (size_t i = 0; i < json_array_size(added); i++) {
+        json_t *id = json_object_get(json_array_get(added, i), "id");
+        if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= INT32_MAX / 2) {
+            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: added_tokens[%zu].id not an integer in [0, 2^30)", i);
+            goto done;
+        }
+        if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
+    }
+    int32_t n = (int32_t)max_id + 1;
+    pieces = bt_xcalloc((size_t)n, sizeof *pieces);
+    types = bt_xmalloc((size_t)n);
+    in_model = bt_xcalloc((size_t)n, 1);
+    memset(types, TT_NORMAL, (size_t)n);
+    json_object_keylen_foreach(vocab, key, klen, val) {
+        int32_t id = (int32_t)json_integer_value(val);
+        if (pieces[id].ptr) {
+            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: model.vocab: id %d given to two tokens", id);
+            goto done;
+        }
+        pieces[id] = (bt_str){key, klen};
+        in_model[id] = 1;
+    }
+    /* added tokens: an existing vocabulary string keeps its id (HF AddedVocabulary::add_tokens) */
+    size_t n_add = json_array_size(added);
+    t->added = bt_xcalloc(n_add + 1, sizeof *t->added);
+    for (size_t i = 0; i < n_add; i++) {
+        json_t *a = json_array_get(added, i);
+        bt_str content;
+        if (str_of(json_object_get(a, "content"), &content) < 0 || content.len == 0) {
+            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: added_tokens[%zu].content missing or empty", i);
+            goto done;
+        }
+        bt_added *e = &t->added[t->n_added];
+        int sp, lstrip, rstrip, sw, norm;
+        if ((rc = get_bool(a, "special", 0, &sp)) < 0 || (rc = get_bool(a, "lstrip", 0, &lstrip)) < 0 ||
+            (rc = get_bool(a, "rstrip", 0, &rstrip)) < 0 || (rc = get_bool(a, "single_word", 0, &sw)) < 0 ||
+            (rc = get_bool(a, "normalized", !sp, &norm)) < 0)
+            goto done;
+        int32_t id = (int32_t)json_integer_value(json_object_get(a, "id"));
+        json_t *vv = json_object_getn(vocab, content.ptr, content.len);
+        if (vv && json_integer_value(vv) != id) {
+            bt_log(BT_LOG_WARN, LOGC, "tokenizer.json: added token \"%.*s\" has id %d but vocabulary id %d: using %d",
+                   (int)(content.len > 64 ? 64 : content.len), content.ptr, id, (int)json_integer_value(vv),
+                   (int)json_integer_value(vv));
+            id = (int32_t)json_integer_value(vv);
+        }
+        if (pieces[id].ptr && !(pieces[id].len == content.len && memcmp(pieces[id].ptr, content.ptr, content.len) == 0)) {
+            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: added token \"%.*s\" id %d already holds \"%.*s\"",
+                         (int)(content.len > 64 ? 64 : content.len), content.ptr, id,
+                         (int)(pieces[id].len > 64 ? 64 : pieces[id].len), pieces[id].ptr);
+            goto done;
+        }
+        pieces[id] = content;
+        types[id] = sp ? TT_CONTROL : TT_USER;
+        e->id = id;
+        e->special = (uint8_t)sp;
+        e->lstrip = (uint8_t)lstrip;
+        e->rstrip = (uint8_t)rstrip;
+        e->single_word = (uint8_t)sw;
+        e->normalized = (uint8_t)norm;
+        char *nt = NULL;
+        size_t nl = 0;
+        if (norm && (rc = bt_tok_normalize(t, content.ptr, content.len, &nt, &nl)) < 0) goto done;
+        if (!nt) {
+            nt = bt_xmalloc(content.len + 1);
+            memcpy(nt, content.ptr, content.len);
+            nt[content.len] = 0;
+            nl = content.len;
+        }
+        e->text = nt;
+        e->len = (uint32_t)nl;
+        t->n_added++;
+    }
+    if ((rc = bt_tok_set_vocab(t, n, pieces, types, in_model)) < 0) goto done;
+
+    /* merges */
+    json_t *merges = json_object_get(model, "merges");
+    if (!json_is_array(merges)) { rc = jfail("model.merges", "missing or not an array"); goto done; }
+    size_t nm = json_array_size(merges);
+    ma = bt_xmalloc((nm + 1) * sizeof *ma);
+    mb = bt_xmalloc((nm + 1) * sizeof *mb);
+    for (size_t m = 0; m < nm; m++) {
+        json_t *e = json_array_get(merges, m);
+        if (json_is_array(e) && json_array_size(e) == 2 && str_of(json_array_get(e, 0), &ma[m]) == 0 &&
+            str_of(json_array_get(e, 1), &mb[m]) == 0)
+            continue;
+        bt_str s;
+        if (str_of(e, &s) == 0) { /* HF model/bpe/serialization.rs: split on the first space */
+            const char *sp = memchr(s.ptr, ' ', s.len);
+            if (sp && sp != s.ptr && sp + 1 < s.ptr + s.len && !memchr(sp + 1, ' ', s.len - (size_t)(sp - s.ptr) - 1)) {
+                ma[m] = (bt_str){s.ptr, (size_t)(sp - s.ptr)};
+                mb[m] = (bt_str){sp + 1, s.len - (size_t)(sp - s.ptr) - 1};
+                continue;
+            }
+        }
+        rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: model.merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", m);
+        goto done;
+    }
+    if ((rc = bt_tok_set_merges(t, nm, ma, mb)) < 0) goto done;
+    {
+        json_t *unk = json_object_get(model, "unk_token");
+        if (json_is_string(unk)) {
+            t->unk = bt_tok_vocab_find(t, json_string_value(unk), json_string_length(unk));
+            if (t->unk < 0) { rc = jfail("model.unk_token", "not in the vocabulary"); goto done; }
+        }
+    }
+    if ((rc = bt_tok_build_added(t)) < 0) goto done;
+
+    /* special ids: post-processor template, then tokenizer_config.json */
+    post_processor_ids(json_object_get(root, "post_processor"), &t->bos, &t->eos);
+    if (t->bos >= n) t->bos = -1;
+    if (t->eos >= n) t->eos = -1;
+    if (cfg) {
+        t->bos = config_token(t, cfg, "bos_token", t->bos);
+        t->eos = config_token(t, cfg, "eos_token", t->eos);
+        t->pad = config_token(t, cfg, "pad_token", t->pad);
+        json_t *tpl = json_object_get(cfg, "chat_template");
+        if (json_is_array(tpl)) { /* [{"name": "default", "template": ...}, ...] */
+            json_t *pick = NULL;
+            for (size_t i = 0; i < json_array_size(tpl); i++) {
+                json_t *nm2 = json_object_get(json_array_get(tpl, i), "name");
+                if (json_is_string(nm2) && strcmp(json_string_value(nm2), "default") == 0) pick = json_array_get(tpl, i);
+            }
+            tpl = pick ? json_object_get(pick, "template") : NULL;
+        }
+        if (json_is_string(tpl)) t->chat_template = bt_xstrdup(json_string_value(tpl));
+    }
+    {
+        const char *name = "custom";
+        const bt_pre_step *last = &t->pre_steps[t->n_pre - 1];
+        if (last->add_prefix_space || t->n_norm > (fam.known_split == 2)) name = "custom";
+        else if (t->n_pre == 1 && last->re) name = "gpt2";
+        else if (t->n_pre == 2 && last->re && fam.known_split == 10 && t->pre_steps[0].behavior == BEH_ISOLATED) name = "smollm";
+        else if (t->n_pre == 2 && !last->re && fam.known_split == 1 && t->n_norm == 0) name = "llama3";
+        else if (t->n_pre == 2 && !last->re && fam.known_split == 2 && t->n_norm == 1 && t->norm[0] == NORM_NFC) name = "qwen2";
+        t->pre = bt_xstrdup(name);
+    }
+done:
+    free(pieces);
+    free(types);
+    free(in_model);
+    free(ma);
+    free(mb);
+    json_decref(root);
+    json_decref(cfg);
+    if (rc < 0) {
+        bt_tokenizer_free(t);
+        return rc;
+    }
+    *out = t;
+    return 0;
+}
+
+/* ---- file loading ---- */
+
+/* Reads a whole file; zstd frames (magic 28 B5 2F FD) are decompressed. *out malloc'd. */
+static int read_maybe_zstd(const char *path, char **out, size_t *out_len) {
+    *out = NULL;
+    *out_len = 0;
+    bt_map m;
+    int rc = bt_map_open(&m, path);
+    if (rc < 0) return rc;
+    static const uint8_t zmagic[4] = {0x28, 0xB5, 0x2F, 0xFD};
+    if (m.size >= 4 && memcmp(m.data, zmagic, 4) == 0) {
+        ZSTD_DStream *ds = ZSTD_createDStream();
+        if (!ds) { bt_map_close(&m); return bt_fail(BT_ERR_NOMEM, "tokenizer: zstd context"); }
+        size_t cap = m.size * 4 + 4096, n = 0;
+        char *buf = bt_xmalloc(cap);
+        ZSTD_inBuffer in = {m.data, m.size, 0};
+        size_t r = 1;
+        while (in.pos < in.size || r != 0) {
+            if (n == cap) {
+                if (cap > ((size_t)1 << 31)) { r = (size_t)-1; break; }
+                cap *= 2;
+                buf = bt_xrealloc(buf, cap);
+            }
+            ZSTD_outBuffer ob = {buf, cap, n};
+            size_t before = in.pos;
+            r = ZSTD_decompressStream(ds, &ob, &in);
+            if (ZSTD_isError(r)) break;
+            int progress = ob.pos != n || in.pos != before;
+            n = ob.pos;
+            if (!progress && ob.pos < cap) { r = (size_t)-1; break; } /* truncated frame */
+            if (r == 0 && in.pos == in.size) break;
+        }
+        ZSTD_freeDStream(ds);
+        bt_map_close(&m);
+        if (r != 0) {
+            free(buf);
+            return bt_fail(BT_ERR_FORMAT, "tokenizer: %s: corrupt or truncated zstd data", path);
+        }
+        *out = buf;
+        *out_len = n;
+        return 0;
+    }
+    char *buf = bt_xmalloc(m.size + 1);
+    if (m.size) memcpy(buf, m.data, m.size);
+    buf[m.size] = 0;
+    *out = buf;
+    *out_len = m.size;
+    bt_map_close(&m);
+    return 0;
+}
+
+int bt_tokenizer_load(bt_tokenizer **out, const char *path) {
+    if (!out || !path) return bt_fail(BT_ERR_INVALID, "tokenizer_load: NULL argument");
+    *out = NULL;
+    struct stat st;
+    if (stat(path, &st) != 0) return bt_fail(BT_ERR_IO, "tokenizer: %s: %s", path, strerror(errno));
+    char file[PATH_MAX], cfgp[PATH_MAX];
+    if (S_ISDIR(st.st_mode)) {
+        if ((size_t)snprintf(file, sizeof file, "%s/tokenizer.json", path) >= sizeof file)
+            return bt_fail(BT_ERR_INVALID, "tokenizer: path too long");
+    } else {
+        if (strlen(path) >= sizeof file) return bt_fail(BT_ERR_INVALID, "tokenizer: path too long");
+        strcpy(file, path);
+        /* GGUF by magic */
+        FILE *f = fopen(path, "rb");
+        if (!f) return bt_fail(BT_ERR_IO, "tokenizer: %s: %s", path, strerror(errno));
+        char magic[4] = {0};
+        size_t got = fread(magic, 1, 4, f);
+        fclose(f);
+        if (got == 4 && memcmp(magic, "GGUF", 4) == 0) {
+            bt_gguf *g = NULL;
+            int rc = bt_gguf_open(&g, path);
+            if (rc < 0) return rc;
+            rc = bt_tokenizer_from_gguf(out, g);
+            bt_gguf_close(g);
+            return rc;
+        }
+    }
+    char *json = NULL, *cfg = NULL;
+    size_t jl = 0, cl = 0;
+    int rc = read_maybe_zstd(file, &json, &jl);
+    if (rc < 0) return rc;
+    /* tokenizer_config.json next to the tokenizer.json, if any */
+    const char *slash = strrchr(file, '/');
+    size_t dl = slash ? (size_t)(slash - file) + 1 : 0;
+    if (dl + sizeof "tokenizer_config.json" <= sizeof cfgp) {
+        memcpy(cfgp, file, dl);
+        strcpy(cfgp + dl, "tokenizer_config.json");
+        if (access(cfgp, R_OK) == 0 && (rc = read_maybe_zstd(cfgp, &cfg, &cl)) < 0) {
+            free(json);
+            return rc;
+        }
+    }
+    rc = bt_tokenizer_from_json(out, json, jl, cfg, cl);
+    if (rc < 0 && !bt_last_error()[0]) rc = bt_fail(rc, "tokenizer: %s: not a GGUF or tokenizer.json", file);
+    free(json);
+    free(cfg);
+    return rc;
+}

@@ -1,0 +1,471 @@
+/* Normalizers and pre-tokenizers of the byte-level BPE tokenizer (see tokenizer_internal.h).
+ *
+ * Normalizers: NFC, NFD, NFKC, NFKD (HF normalizers/unicode.rs) via utf8proc (utf8proc_map with
+ * UTF8PROC_STABLE | COMPOSE / DECOMPOSE [| COMPAT], the same flags as utf8proc_NFC & co.).
+ *
+ * Pre-tokenizers (HF pre_tokenizers/{split,digits,byte_level}.rs, tokenizer/pattern.rs,
+ * tokenizer/normalizer.rs NormalizedString::split): every step splits each piece of the previous
+ * step into (offsets, is_match) events that cover it, combines them per SplitDelimiterBehavior
+ * and passes the non-empty results on; the last step is ByteLevel, whose byte mapping is done by
+ * the BPE tables (vocabulary held as raw bytes).
+ *
+ * Regexes: HF compiles Split and ByteLevel patterns with Oniguruma (onig crate, default syntax);
+ * they run here on PCRE2 (UTF, UCP, MULTILINE, newline LF, JIT) after a translation that keeps
+ * Oniguruma's meaning where PCRE2 differs (checked against tokenizers 0.20.3):
+ *   \s  Oniguruma: \t\n\v\f\r, U+0085, \p{Z}; PCRE2 UCP \s lacks U+0085    -> spelled out
+ *   \w  Oniguruma: \p{L}\p{M}\p{N}\p{Pc}; PCRE2 10.42 UCP: \p{L}\p{N}_     -> spelled out
+ *   \b \B  defined on \w                                                     -> lookarounds
+ *   \h \H  Oniguruma: hex digit (PCRE2: horizontal space)                    -> [0-9a-fA-F]
+ *   \v  Oniguruma: U+000B (PCRE2: vertical space class)                      -> \x0B
+ *   \uHHHH                                                                    -> \x{HHHH}
+ *   {,n}  Oniguruma: {0,n} (PCRE2 10.42: literal)                             -> {0,n}
+ *   ^ $  Oniguruma (Ruby): line anchors                                       -> PCRE2_MULTILINE
+ *   .    not \n in both (PCRE2 newline set to LF)
+ * Refused (BT_ERR_UNSUPPORTED): \S \W \H \b inside a class, nested classes, POSIX brackets,
+ * class intersection &&, backreferences and \k \g \R \X \K \G \N \O \y \Y \Q, inline options
+ * other than i, possessive intervals ({n,m}+ is a nested repeat in Oniguruma). */
+#include "common/tokenizer_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <utf8proc.h>
+
+/* HF pre_tokenizers/byte_level.rs (openai/gpt-2 src/encoder.py). */
+const char BT_TOK_GPT2_PATTERN[] =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+/* Meta-Llama-3 tokenizer.json Split pattern (= tiktoken cl100k_base). */
+const char BT_TOK_LLAMA3_PATTERN[] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+                                     "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+/* Qwen2 tokenizer.json Split pattern: as Llama 3 with single \p{N}. */
+const char BT_TOK_QWEN2_PATTERN[] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+                                    "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+#define WS_IN "\\t\\n\\x0B\\f\\r\\x{85}\\p{Z}"
+#define W_IN "\\p{L}\\p{M}\\p{N}\\p{Pc}"
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} sbuf;
+
+static void sb_put(sbuf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 64;
+        while (cap < b->n + n + 1) cap *= 2;
+        b->p = bt_xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
+
+static int is_hex(char ch) {
+    return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') || (ch >= 'A' && ch <= 'F');
+}
+
+static int unsup(const char *p, size_t n, size_t at, const char *what) {
+    return bt_fail(BT_ERR_UNSUPPORTED,
+                   "tokenizer: regex \"%.*s\": %s at offset %zu has no exact PCRE2 translation (supported: "
+                   "literals, classes, \\s \\d \\w \\h \\p{..}, groups (?: (?= (?! (?<= (?<! (?> (?i, quantifiers, ^ $)",
+                   (int)(n > 120 ? 120 : n), p, what, at);
+}
+
+/* Oniguruma pattern -> PCRE2 pattern (rules in the header comment). */
+static int translate(const char *p, size_t n, sbuf *o) {
+    int in_class = 0, class_first = 0;
+    size_t i = 0;
+    while (i < n) {
+        char ch = p[i];
+        if (ch == '\\') {
+            if (i + 1 >= n) return unsup(p, n, i, "trailing backslash");
+            char e = p[i + 1];
+            size_t at = i;
+            i += 2;
+            class_first = 0;
+            switch (e) {
+            case 's': sb_str(o, in_class ? WS_IN : "[" WS_IN "]"); break;
+            case 'w': sb_str(o, in_class ? W_IN : "[" W_IN "]"); break;
+            case 'h': sb_str(o, in_class ? "0-9a-fA-F" : "[0-9a-fA-F]"); break;
+            case 'S': case 'W': case 'H':
+                if (in_class) return unsup(p, n, at, "negated class escape inside a character class");
+                sb_str(o, e == 'S' ? "[^" WS_IN "]" : e == 'W' ? "[^" W_IN "]" : "[^0-9a-fA-F]");
+                break;
+            case 'b': case 'B':
+                if (in_class) return unsup(p, n, at, "\\b inside a character class");
+                sb_str(o, e == 'b' ? "(?:(?<=[" W_IN "])(?![" W_IN "])|(?<![" W_IN "])(?=[" W_IN "]))"
+                                   : "(?:(?<=[" W_IN "])(?=[" W_IN "])|(?<![" W_IN "])(?![" W_IN "]))");
+                break;
+            case 'v': sb_str(o, "\\x0B"); break;
+            case 'u': {
+                if (i + 4 > n || !is_hex(p[i]) || !is_hex(p[i + 1]) || !is_hex(p[i + 2]) || !is_hex(p[i + 3]))
+                    return unsup(p, n, at, "\\u without 4 hex digits");
+                sb_str(o, "\\x{");
+                sb_put(o, p + i, 4);
+                sb_str(o, "}");
+                i += 4;
+                break;
+            }
+            case 'p': case 'P': {
+                sb_put(o, p + at, 2);
+                if (i < n && p[i] == '{') {
+                    const char *close = memchr(p + i, '}', n - i);
+                    if (!close) return unsup(p, n, at, "unterminated \\p{");
+                    sb_put(o, p + i, (size_t)(close - (p + i)) + 1);
+                    i = (size_t)(close - p) + 1;
+                } else if (i < n) {
+                    sb_put(o, p + i, 1);
+                    i++;
+                }
+                break;
+            }
+            case 'd': case 'D': case 'A': case 'z': case 'Z': case 't': case 'n': case 'r': case 'f':
+            case 'e': case 'a': case 'x': case '0':
+                sb_put(o, p + at, 2);
+                break;
+            default:
+                if ((e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z') || (e >= '1' && e <= '9'))
+                    return unsup(p, n, at, "escape");
+                sb_put(o, p + at, 1);
+                { /* escaped literal: copy the whole (possibly multi-byte) char */
+                    size_t j = at + 1;
+                    if ((uint8_t)p[j] < 0x80) j++;
+                    else { j++; while (j < n && ((uint8_t)p[j] & 0xC0) == 0x80) j++; }
+                    sb_put(o, p + at + 1, j - at - 1);
+                    i = j;
+                }
+                break;
+            }
+            continue;
+        }
+        if (in_class) {
+            if (ch == '[') return unsup(p, n, i, "nested class or POSIX bracket");
+            if (ch == '&' && i + 1 < n && p[i + 1] == '&') return unsup(p, n, i, "class intersection &&");
+            if (ch == ']' && !class_first) in_class = 0;
+            class_first = 0;
+            sb_put(o, &ch, 1);
+            i++;
+            continue;
+        }
+        switch (ch) {
+        case '[':
+            in_class = 1;
+            class_first = 1;
+            sb_put(o, "[", 1);
+            i++;
+            if (i < n && p[i] == '^') { sb_put(o, "^", 1); i++; }
+            continue;
+        case '(':
+            if (i + 1 < n && p[i + 1] == '?') {
+                static const char *const ok[] = {"(?:", "(?=", "(?!", "(?<=", "(?<!", "(?>", "(?i:", "(?-i:", "(?i)",
+                                                 "(?-i)"};
+                size_t k;
+                for (k = 0; k < sizeof ok / sizeof ok[0]; k++) {
+                    size_t l = strlen(ok[k]);
+                    if (i + l <= n && memcmp(p + i, ok[k], l) == 0) {
+                        sb_put(o, p + i, l);
+                        i += l;
+                        break;
+                    }
+                }
+                if (k == sizeof ok / sizeof ok[0]) return unsup(p, n, i, "group kind or inline option");
+                continue;
+            }
+            break;
+        case '{': {
+            /* interval {n}, {n,}, {n,m}, {,m}; anything else is a literal brace in both engines */
+            size_t j = i + 1;
+            while (j < n && p[j] >= '0' && p[j] <= '9') j++;
+            int lo_digits = j > i + 1, comma = 0, hi_digits = 0;
+            if (j < n && p[j] == ',') {
+                comma = 1;
+                size_t k = j + 1;
+                while (k < n && p[k] >= '0' && p[k] <= '9') k++;
+                hi_digits = k > j + 1;
+                j = k;
+            }
+            if (j < n && p[j] == '}' && (lo_digits || (comma && hi_digits))) {
+                if (j + 1 < n && p[j + 1] == '+') return unsup(p, n, i, "interval followed by '+'");
+                if (!lo_digits) sb_put(o, "{0", 2);
+                else sb_put(o, "{", 1);
+                sb_put(o, p + i + 1, j - i);
+                i = j + 1;
+                continue;
+            }
+            sb_put(o, "\\{", 2);
+            i++;
+            continue;
+        }
+        case '}':
+            sb_put(o, "\\}", 2);
+            i++;
+            continue;
+        default:
+            break;
+        }
+        sb_put(o, &ch, 1);
+        i++;
+    }
+    if (in_class) return unsup(p, n, n, "unterminated character class");
+    return 0;
+}
+
+static int compile_pcre(pcre2_code **out, const char *pat, size_t len, const char *src, size_t src_len) {
+    pcre2_compile_context *cc = pcre2_compile_context_create(NULL);
+    if (!cc) return bt_fail(BT_ERR_NOMEM, "tokenizer: pcre2 context allocation failed");
+    pcre2_set_newline(cc, PCRE2_NEWLINE_LF);
+    int err;
+    PCRE2_SIZE eoff;
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE, &err, &eoff, cc);
+    pcre2_compile_context_free(cc);
+    if (!re) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(err, msg, sizeof msg);
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: regex \"%.*s\" does not compile (PCRE2 offset %zu: %s)",
+                       (int)(src_len > 120 ? 120 : src_len), src, (size_t)eoff, (char *)msg);
+    }
+    /* JIT is an optimisation: pcre2_match falls back to the interpreter if it is unavailable. */
+    (void)pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);
+    *out = re;
+    return 0;
+}
+
+int bt_tok_compile_onig(pcre2_code **out, const char *pat, size_t len, int literal) {
+    *out = NULL;
+    sbuf o = {0};
+    sb_put(&o, "", 0);
+    if (literal) { /* HF Split String pattern: regex::escape(s) */
+        for (size_t i = 0; i < len; i++) {
+            uint8_t ch = (uint8_t)pat[i];
+            if (ch < 0x20 || ch == 0x7F) {
+                char x[8];
+                snprintf(x, sizeof x, "\\x{%x}", ch);
+                sb_str(&o, x);
+            } else if (ch < 0x80 && !((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z'))) {
+                char x[2] = {'\\', (char)ch};
+                sb_put(&o, x, 2);
+            } else {
+                sb_put(&o, pat + i, 1);
+            }
+        }
+    } else {
+        if (memchr(pat, 0, len)) {
+            free(o.p);
+            return unsup(pat, len, (size_t)((const char *)memchr(pat, 0, len) - pat), "NUL byte");
+        }
+        int rc = translate(pat, len, &o);
+        if (rc < 0) {
+            free(o.p);
+            return rc;
+        }
+    }
+    int rc = compile_pcre(out, o.p, o.n, pat, len);
+    free(o.p);
+    return rc;
+}
+
+int bt_tok_init_word_re(bt_tokenizer *t) {
+    /* Rust regex crate \w (HF added_vocabulary.rs STARTS_WITH_WORD / ENDS_WITH_WORD): Alphabetic,
+     * M, Nd, Pc, Join_Control. */
+    static const char w[] = "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]";
+    return compile_pcre(&t->re_word, w, sizeof w - 1, w, sizeof w - 1);
+}
+
+void bt_tok_pre_free(bt_tokenizer *t) {
+    for (int i = 0; i < t->n_pre; i++) {
+        pcre2_code_free(t->pre_steps[i].re);
+        t->pre_steps[i].re = NULL;
+    }
+    t->n_pre = 0;
+}
+
+/* ---- normalizers ---- */
+
+int bt_tok_normalize(const bt_tokenizer *t, const char *s, size_t n, char **out, size_t *out_len) {
+    *out = NULL;
+    *out_len = 0;
+    const char *cur = s;
+    size_t cn = n;
+    uint8_t *owned = NULL;
+    for (int k = 0; k < t->n_norm; k++) {
+        int kind = t->norm[k];
+        /* fast paths: ASCII is invariant under every form; text of code points below U+0300
+         * (lead bytes < 0xCC) is NFC (no combining marks, no singletons below U+0340) */
+        uint8_t maxb = 0;
+        for (size_t i = 0; i < cn; i++)
+            if ((uint8_t)cur[i] > maxb) maxb = (uint8_t)cur[i];
+        if (maxb < 0x80 || (kind == NORM_NFC && maxb < 0xCC)) continue;
+        utf8proc_option_t opt = UTF8PROC_STABLE;
+        if (kind == NORM_NFC) opt |= UTF8PROC_COMPOSE;
+        else if (kind == NORM_NFD) opt |= UTF8PROC_DECOMPOSE;
+        else if (kind == NORM_NFKC) opt |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+        else opt |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+        utf8proc_uint8_t *dst = NULL;
+        utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)cur, (utf8proc_ssize_t)cn, &dst, opt);
+        if (r < 0) {
+            free(owned);
+            return bt_fail(r == UTF8PROC_ERROR_NOMEM ? BT_ERR_NOMEM : BT_ERR_FORMAT, "tokenizer: normalizer: %s",
+                           utf8proc_errmsg(r));
+        }
+        free(owned);
+        owned = dst;
+        cur = (const char *)dst;
+        cn = (size_t)r;
+    }
+    if (owned) {
+        *out = (char *)owned;
+        *out_len = cn;
+    }
+    return 0;
+}
+
+/* ---- pre-tokenizers ---- */
+
+typedef struct {
+    size_t a, b;
+    int has, prev_match, pend_match;
+} comb_t;
+
+static int emit(bt_enc_ctx *c, int step, const char *s, size_t a, size_t b) {
+    return b > a ? bt_tok_pre_run(c, step + 1, s + a, b - a) : 0;
+}
+
+/* Feeds one (offsets, is_match) event through the behaviour (HF NormalizedString::split). */
+static int comb_push(bt_enc_ctx *c, int step, int beh, comb_t *st, const char *s, size_t a, size_t b, int m) {
+    int rc = 0;
+    switch (beh) {
+    case BEH_ISOLATED: return emit(c, step, s, a, b);
+    case BEH_REMOVED: return m ? 0 : emit(c, step, s, a, b);
+    case BEH_CONTIGUOUS:
+        if (st->has && m == st->prev_match) {
+            st->b = b;
+        } else {
+            if (st->has) rc = emit(c, step, s, st->a, st->b);
+            st->a = a; st->b = b; st->has = 1;
+        }
+        st->prev_match = m;
+        return rc;
+    case BEH_MERGED_PREV:
+        if (m && !st->prev_match && st->has) {
+            st->b = b;
+        } else {
+            if (st->has) rc = emit(c, step, s, st->a, st->b);
+            st->a = a; st->b = b; st->has = 1;
+        }
+        st->prev_match = m;
+        return rc;
+    default: /* BEH_MERGED_NEXT */
+        if (st->has && st->pend_match && !m) {
+            st->has = 0;
+            return emit(c, step, s, st->a, b);
+        }
+        if (st->has) rc = emit(c, step, s, st->a, st->b);
+        st->a = a; st->b = b; st->has = 1; st->pend_match = m;
+        return rc;
+    }
+}
+
+static int comb_flush(bt_enc_ctx *c, int step, comb_t *st, const char *s) {
+    if (!st->has) return 0;
+    st->has = 0;
+    return emit(c, step, s, st->a, st->b);
+}
+
+/* HF pattern.rs find_matches for a SysRegex (onig FindMatches: an empty match right at the end
+ * of the previous match is skipped by advancing one char), then the behaviour. */
+static int split_regex(bt_enc_ctx *c, int step, const pcre2_code *re, int beh, int invert, const char *s, size_t n) {
+    comb_t st = {0};
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md);
+    size_t last_end = 0, prev = 0;
+    size_t last_match_end = (size_t)-1;
+    int rc = 0;
+    while (last_end <= n) {
+        int r = pcre2_match(re, (PCRE2_SPTR)s, n, last_end, PCRE2_NO_UTF_CHECK, c->md, NULL);
+        if (r == PCRE2_ERROR_NOMATCH) break;
+        if (r < 0) {
+            PCRE2_UCHAR msg[256];
+            pcre2_get_error_message(r, msg, sizeof msg);
+            return bt_fail(BT_ERR_RANGE, "tokenizer: regex match failed at byte %zu: %s", last_end, (char *)msg);
+        }
+        size_t ms = ov[0], me = ov[1];
+        if (me == ms && last_match_end == me) {
+            if (last_end >= n) break;
+            size_t j = last_end;
+            if (bt_tok_utf8_next((const uint8_t *)s, n, &j) < 0) j = last_end + 1;
+            last_end = j;
+            continue;
+        }
+        last_end = me;
+        last_match_end = me;
+        if (prev != ms && (rc = comb_push(c, step, beh, &st, s, prev, ms, invert)) < 0) return rc;
+        if ((rc = comb_push(c, step, beh, &st, s, ms, me, !invert)) < 0) return rc;
+        prev = me;
+        if (me == n && ms == me) break; /* the next search would start past the end */
+    }
+    if (prev != n && (rc = comb_push(c, step, beh, &st, s, prev, n, invert)) < 0) return rc;
+    return comb_flush(c, step, &st, s);
+}
+
+/* Rust char::is_numeric: general category Nd, Nl or No. */
+static int is_numeric(int32_t cp) {
+    if (cp < 0x80) return cp >= '0' && cp <= '9';
+    utf8proc_category_t k = utf8proc_category(cp);
+    return k == UTF8PROC_CATEGORY_ND || k == UTF8PROC_CATEGORY_NL || k == UTF8PROC_CATEGORY_NO;
+}
+
+/* HF Digits: split on char::is_numeric, Isolated (individual_digits) or Contiguous. */
+static int split_digits(bt_enc_ctx *c, int step, int beh, const char *s, size_t n) {
+    comb_t st = {0};
+    size_t last_offset = 0, i = 0;
+    int rc;
+    while (i < n) {
+        size_t b = i;
+        uint8_t ch = (uint8_t)s[i];
+        int num;
+        if (ch < 0x80) {
+            num = ch >= '0' && ch <= '9';
+            i++;
+        } else {
+            int32_t cp = bt_tok_utf8_next((const uint8_t *)s, n, &i);
+            if (cp < 0) i = b + 1;
+            num = cp >= 0 && is_numeric(cp);
+        }
+        if (!num) continue;
+        if (last_offset < b && (rc = comb_push(c, step, beh, &st, s, last_offset, b, 0)) < 0) return rc;
+        if ((rc = comb_push(c, step, beh, &st, s, b, i, 1)) < 0) return rc;
+        last_offset = i;
+    }
+    if (n > last_offset && (rc = comb_push(c, step, beh, &st, s, last_offset, n, 0)) < 0) return rc;
+    return comb_flush(c, step, &st, s);
+}
+
+int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n) {
+    const bt_tokenizer *t = c->t;
+    if (n == 0) return 0;
+    if (step >= t->n_pre) {
+        bt_tok_bpe_word(c, (const uint8_t *)s, n);
+        return 0;
+    }
+    const bt_pre_step *p = &t->pre_steps[step];
+    switch (p->kind) {
+    case PRE_BYTELEVEL:
+        if (p->add_prefix_space && s[0] != ' ') { /* HF normalized.prepend(" ") on every split */
+            if (c->pcap[step] < n + 1) {
+                c->pcap[step] = (n + 1) * 2;
+                c->pbuf[step] = bt_xrealloc(c->pbuf[step], c->pcap[step]);
+            }
+            c->pbuf[step][0] = ' ';
+            memcpy(c->pbuf[step] + 1, s, n);
+            s = c->pbuf[step];
+            n++;
+        }
+        if (!p->re) return bt_tok_pre_run(c, step + 1, s, n);
+        return split_regex(c, step, p->re, BEH_ISOLATED, 0, s, n);
+    case PRE_SPLIT:
+        return split_regex(c, step, p->re, p->behavior, p->invert, s, n);
+    default:
+        return split_digits(c, step, p->behavior, s, n);
+    }
+}

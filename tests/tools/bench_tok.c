@@ -1,0 +1,150 @@
+/* Tokenizer throughput, single thread: bench_tok [--min-seconds S] [--dump FILE] TOKENIZER CORPUS
+ * TOKENIZER: anything bt_tokenizer_load accepts (GGUF, tokenizer.json[.zst], model directory).
+ * CORPUS: a BTTKCORP record file (tests/fixtures/tokenizer/corpus.bin.zst format: "BTTKCORP",
+ * u32 count, then u8 flags, u32 length, bytes per document; zstd-compressed or not) or a plain
+ * text file (one document per line). Every document is encoded with parse_special = 0 (special
+ * strings as text: tiktoken encode_ordinary / HF encode_special_tokens = True), repeated until
+ * S seconds (default 2) have passed. Prints one JSON line:
+ *   {"tokenizer", "docs", "bytes", "tokens", "seconds", "mb_s", "tok_s"}
+ * bytes and tokens are totals over all passes, seconds the wall time (MB = 1e6 bytes).
+ * --dump FILE writes the ids of the first pass: per document u32 n then n int32 (little endian). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zstd.h>
+
+#include "common/bt_common.h"
+#include "common/tokenizer.h"
+
+static char *read_all(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 20, n = 0;
+    char *b = malloc(cap);
+    size_t r;
+    while (b && (r = fread(b + n, 1, cap - n, f)) > 0) {
+        n += r;
+        if (n == cap) {
+            cap *= 2;
+            char *nb = realloc(b, cap);
+            if (!nb) { free(b); b = NULL; }
+            b = nb;
+        }
+    }
+    fclose(f);
+    if (!b) return NULL;
+    static const unsigned char zmagic[4] = {0x28, 0xB5, 0x2F, 0xFD};
+    if (n >= 4 && memcmp(b, zmagic, 4) == 0) {
+        size_t dcap = n * 6 + 1024, dn = 0;
+        char *d = malloc(dcap);
+        ZSTD_DStream *ds = ZSTD_createDStream();
+        ZSTD_inBuffer in = {b, n, 0};
+        for (;;) {
+            if (dn == dcap) { dcap *= 2; d = realloc(d, dcap); }
+            if (!d) break;
+            ZSTD_outBuffer ob = {d, dcap, dn};
+            size_t rr = ZSTD_decompressStream(ds, &ob, &in);
+            if (ZSTD_isError(rr)) { free(d); d = NULL; break; }
+            dn = ob.pos;
+            if (rr == 0 && in.pos == in.size) break;
+            if (in.pos == in.size && ob.pos < dcap && rr != 0) { free(d); d = NULL; break; }
+        }
+        ZSTD_freeDStream(ds);
+        free(b);
+        b = d;
+        n = dn;
+    }
+    *len = n;
+    return b;
+}
+
+typedef struct {
+    const char *p;
+    size_t n;
+} doc_t;
+
+int main(int argc, char **argv) {
+    double min_s = 2.0;
+    const char *dump = NULL;
+    int i = 1;
+    for (; i < argc && argv[i][0] == '-' && argv[i][1] == '-'; i++) {
+        if (strcmp(argv[i], "--min-seconds") == 0 && i + 1 < argc) min_s = atof(argv[++i]);
+        else if (strcmp(argv[i], "--dump") == 0 && i + 1 < argc) dump = argv[++i];
+        else break;
+    }
+    if (argc - i != 2) {
+        fprintf(stderr, "usage: %s [--min-seconds S] [--dump FILE] TOKENIZER CORPUS\n", argv[0]);
+        return 2;
+    }
+    bt_tokenizer *t = NULL;
+    if (bt_tokenizer_load(&t, argv[i]) < 0) {
+        fprintf(stderr, "bench_tok: %s: %s\n", argv[i], bt_last_error());
+        return 1;
+    }
+    size_t len = 0;
+    char *buf = read_all(argv[i + 1], &len);
+    if (!buf) {
+        fprintf(stderr, "bench_tok: cannot read %s\n", argv[i + 1]);
+        bt_tokenizer_free(t);
+        return 1;
+    }
+    size_t nd = 0, cap = 1024, bytes = 0;
+    doc_t *docs = malloc(cap * sizeof *docs);
+    if (len >= 12 && memcmp(buf, "BTTKCORP", 8) == 0) {
+        size_t off = 12;
+        while (off + 5 <= len) {
+            uint32_t l;
+            memcpy(&l, buf + off + 1, 4);
+            off += 5;
+            if (l > len - off) break;
+            if (nd == cap) docs = realloc(docs, (cap *= 2) * sizeof *docs);
+            docs[nd++] = (doc_t){buf + off, l};
+            off += l;
+        }
+    } else {
+        size_t a = 0;
+        for (size_t k = 0; k <= len; k++)
+            if (k == len || buf[k] == '\n') {
+                if (k > a) {
+                    if (nd == cap) docs = realloc(docs, (cap *= 2) * sizeof *docs);
+                    docs[nd++] = (doc_t){buf + a, k - a};
+                }
+                a = k + 1;
+            }
+    }
+    for (size_t k = 0; k < nd; k++) bytes += docs[k].n;
+    bt_ids ids = {0};
+    FILE *df = dump ? fopen(dump, "wb") : NULL;
+    if (dump && !df) {
+        fprintf(stderr, "bench_tok: cannot write %s\n", dump);
+        return 1;
+    }
+    size_t tokens = 0, passes = 0;
+    double t0 = bt_now(), el = 0;
+    do {
+        for (size_t k = 0; k < nd; k++) {
+            ids.n = 0;
+            if (bt_tokenize(t, docs[k].p, docs[k].n, 0, &ids) < 0) {
+                fprintf(stderr, "bench_tok: doc %zu: %s\n", k, bt_last_error());
+                return 1;
+            }
+            tokens += ids.n;
+            if (df) {
+                uint32_t n32 = (uint32_t)ids.n;
+                fwrite(&n32, 4, 1, df);
+                fwrite(ids.v, 4, ids.n, df);
+            }
+        }
+        if (df) { fclose(df); df = NULL; }
+        passes++;
+        el = bt_now() - t0;
+    } while (el < min_s);
+    printf("{\"tokenizer\": \"%s\", \"docs\": %zu, \"bytes\": %zu, \"tokens\": %zu, \"seconds\": %.4f, "
+           "\"mb_s\": %.3f, \"tok_s\": %.0f}\n",
+           argv[i], nd, bytes * passes, tokens, el, (double)bytes * (double)passes / el / 1e6, (double)tokens / el);
+    bt_ids_free(&ids);
+    free(docs);
+    free(buf);
+    bt_tokenizer_free(t);
+    return 0;
+}
