@@ -140,3 +140,16 @@ $(BUILD)/fuzz/bin/%: $(BUILD)/fuzz/obj/tests/fuzz/%.o $(patsubst %.c,$(BUILD)/fu
 .PHONY: fuzz
 fuzz: $(FUZZ_BINS)
 	@FUZZ_SECONDS=$(FUZZ_SECONDS) BT_MODEL=$(MODEL) bash tests/fuzz/run.sh $(BUILD)/fuzz/bin
+
+# ---- reference fixtures from the real HF / bitsandbytes / gguf libraries (needs PyPI; each
+# generator pins its versions and makes its own virtual environment; not part of `make test`).
+.PHONY: fixtures
+fixtures:
+	$(PYTHON) tests/reference/gen_hf_fixtures.py
+	test -x .venv-ref/bin/python || $(PYTHON) -m venv .venv-ref
+	.venv-ref/bin/pip install -q -r tests/reference/requirements-tokenizer.txt
+	.venv-ref/bin/python tests/reference/gen_tokenizer_fixtures.py
+	.venv-ref/bin/python tests/reference/gen_quant_fixtures.py
+	test -x .venv-nf4/bin/python || $(PYTHON) -m venv .venv-nf4
+	.venv-nf4/bin/pip install -q bitsandbytes==0.48.2 torch==2.15.0
+	.venv-nf4/bin/python tests/reference/gen_nf4_fixtures.py tests/fixtures/nf4
