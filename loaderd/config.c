@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <glob.h>
 #include <grp.h>
+#include <pwd.h>
 #include <jansson.h>
 #include <limits.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include "proto/client.h"
 
 #define MAX_SHARD_FILES 100000
+_Static_assert(sizeof(uid_t) == sizeof(unsigned) && sizeof(gid_t) == sizeof(unsigned), "ids are stored as unsigned");
 
 void ld_free_strv(char **v, int n) {
     if (!v) return;
@@ -36,6 +38,7 @@ void ld_config_defaults(ld_config *c) {
     c->max_request_bytes = 1u << 20;
     c->max_ring_bytes = 1ull << 30;
     c->max_json_depth = 32;
+    c->client_timeout_s = 60;
 }
 
 void ld_config_free(ld_config *c) {
@@ -43,6 +46,8 @@ void ld_config_free(ld_config *c) {
     free(c->socket_group);
     ld_free_strv(c->data_roots, c->n_data_roots);
     ld_free_strv(c->model_roots, c->n_model_roots);
+    free(c->allowed_uids);
+    free(c->allowed_gids);
     memset(c, 0, sizeof *c);
 }
 
@@ -83,6 +88,65 @@ static int get_roots(json_t *v, const char *origin, const char *key, char ***out
     *out = roots;
     *n_out = k;
     return BT_OK;
+}
+
+/* "allowed_users" / "allowed_groups": names or numeric ids -> ids (users: getpwnam, groups:
+ * getgrnam). `is_user` picks the database. */
+static int get_ids(json_t *v, const char *origin, const char *key, int is_user, unsigned **out, int *n_out) {
+    if (!json_is_array(v) || json_array_size(v) > 4096)
+        return bt_fail(BT_ERR_INVALID, "%s: \"%s\" must be a list (at most 4096) of %s names or numeric ids", origin,
+                       key, is_user ? "user" : "group");
+    size_t n = json_array_size(v);
+    unsigned *ids = bt_xcalloc(n ? n : 1, sizeof *ids);
+    for (size_t i = 0; i < n; i++) {
+        json_t *x = json_array_get(v, i);
+        const char *name = json_string_value(x);
+        if (json_is_integer(x) && json_integer_value(x) >= 0 && json_integer_value(x) < 4294967295ll) {
+            ids[i] = (unsigned)json_integer_value(x);
+        } else if (name && *name) {
+            char *end;
+            unsigned long num = strtoul(name, &end, 10);
+            if (!*end && end != name && num < 4294967295ul) {
+                ids[i] = (unsigned)num;
+            } else if (is_user) {
+                struct passwd *pw = getpwnam(name);
+                if (!pw) {
+                    free(ids);
+                    return bt_fail(BT_ERR_INVALID, "%s: \"%s\"[%zu]: no such user \"%s\" (use an existing name or a uid)",
+                                   origin, key, i, name);
+                }
+                ids[i] = (unsigned)pw->pw_uid;
+            } else {
+                struct group *gr = getgrnam(name);
+                if (!gr) {
+                    free(ids);
+                    return bt_fail(BT_ERR_INVALID, "%s: \"%s\"[%zu]: no such group \"%s\" (use an existing name or a gid)",
+                                   origin, key, i, name);
+                }
+                ids[i] = (unsigned)gr->gr_gid;
+            }
+        } else {
+            free(ids);
+            return bt_fail(BT_ERR_INVALID, "%s: \"%s\"[%zu] must be a %s name or a non-negative id", origin, key, i,
+                           is_user ? "user" : "group");
+        }
+    }
+    *out = ids;
+    *n_out = (int)n;
+    return BT_OK;
+}
+
+int ld_peer_allowed(const ld_config *c, uid_t uid, gid_t gid, const gid_t *groups, int n_groups, uid_t self_uid) {
+    if (c->n_allowed_uids == 0 && c->n_allowed_gids == 0) return 1;
+    if (uid == 0 || uid == self_uid) return 1;
+    for (int i = 0; i < c->n_allowed_uids; i++)
+        if (c->allowed_uids[i] == uid) return 1;
+    for (int i = 0; i < c->n_allowed_gids; i++) {
+        if (c->allowed_gids[i] == gid) return 1;
+        for (int k = 0; k < n_groups; k++)
+            if (groups[k] == c->allowed_gids[i]) return 1;
+    }
+    return 0;
 }
 
 static int parse_obj(ld_config *c, json_t *root, const char *origin) {
@@ -141,11 +205,28 @@ static int parse_obj(ld_config *c, json_t *root, const char *origin) {
         } else if (!strcmp(key, "max_json_depth")) {
             if ((rc = get_int(v, origin, key, 2, 1000, &x))) return rc;
             c->max_json_depth = (uint32_t)x;
+        } else if (!strcmp(key, "allowed_users")) {
+            unsigned *ids = NULL;
+            int n = 0;
+            if ((rc = get_ids(v, origin, key, 1, &ids, &n))) return rc;
+            free(c->allowed_uids);
+            c->allowed_uids = (uid_t *)ids;
+            c->n_allowed_uids = n;
+        } else if (!strcmp(key, "allowed_groups")) {
+            unsigned *ids = NULL;
+            int n = 0;
+            if ((rc = get_ids(v, origin, key, 0, &ids, &n))) return rc;
+            free(c->allowed_gids);
+            c->allowed_gids = (gid_t *)ids;
+            c->n_allowed_gids = n;
+        } else if (!strcmp(key, "client_timeout_s")) {
+            if ((rc = get_int(v, origin, key, 0, 86400, &x))) return rc;
+            c->client_timeout_s = (uint32_t)x;
         } else {
             return bt_fail(BT_ERR_INVALID,
                            "%s: unknown key \"%s\" (known: socket, socket_mode, socket_group, data_roots, "
                            "model_roots, tokenizer_threads, ring_slots, max_clients, max_jobs, max_request_bytes, "
-                           "max_ring_bytes, max_json_depth)",
+                           "max_ring_bytes, max_json_depth, allowed_users, allowed_groups, client_timeout_s)",
                            origin, key);
         }
     }
@@ -218,6 +299,24 @@ static int diff_roots(const char *key, char *const *a, int na, char *const *b, i
     return 1;
 }
 
+static void join_ids(char *out, size_t n, const unsigned *ids, int k) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int i = 0; i < k && used < n; i++) used += (size_t)snprintf(out + used, n - used, "%s%u", i ? "," : "", ids[i]);
+    if (k == 0) snprintf(out, n, "(anyone)");
+}
+
+static int diff_ids(const char *key, const unsigned *a, int na, const unsigned *b, int nb) {
+    int same = na == nb;
+    for (int i = 0; same && i < na; i++) same = a[i] == b[i];
+    if (same) return 0;
+    char sa[512], sb[512];
+    join_ids(sa, sizeof sa, a, na);
+    join_ids(sb, sizeof sb, b, nb);
+    bt_log(BT_LOG_INFO, "loaderd", "config: %s: %s -> %s (applies to new connections)", key, sa, sb);
+    return 1;
+}
+
 int ld_config_log_diff(const ld_config *o, const ld_config *n) {
     int d = 0;
     if (strcmp(o->socket_path, n->socket_path)) {
@@ -250,7 +349,10 @@ int ld_config_log_diff(const ld_config *o, const ld_config *n) {
     DIFF_U(max_request_bytes)
     DIFF_U(max_ring_bytes)
     DIFF_U(max_json_depth)
+    DIFF_U(client_timeout_s)
 #undef DIFF_U
+    d += diff_ids("allowed_users", o->allowed_uids, o->n_allowed_uids, n->allowed_uids, n->n_allowed_uids);
+    d += diff_ids("allowed_groups", o->allowed_gids, o->n_allowed_gids, n->allowed_gids, n->n_allowed_gids);
     return d;
 }
 

@@ -15,6 +15,15 @@
  *   "max_ring_bytes"    int, largest ring (slots x slot bytes) one attach may ask for
  *                       (default 1 GiB, min 1 MiB)
  *   "max_json_depth"    int 2..1000, deepest nesting accepted in a request (default 32)
+ *   "allowed_users"     [string|int] user names or uids allowed to use the socket
+ *   "allowed_groups"    [string|int] group names or gids allowed to use the socket (a peer
+ *                       matches by its primary gid or any supplementary group, SO_PEERGROUPS);
+ *                       both empty (default): anyone who can open the socket file. root and
+ *                       loaderd's own uid are always allowed. Names are resolved at load (an
+ *                       unknown name is refused, naming the key).
+ *   "client_timeout_s"  int 0..86400 (default 60): a connection holding half a request line, or
+ *                       one without an attached job that sends nothing, for this long is closed
+ *                       (slowloris); 0 disables the timeout
  * Roots are resolved with realpath at load; a root that does not exist is skipped with a warning
  * (it cannot contain anything; a reload picks it up once it exists). */
 #ifndef LD_CONFIG_H
@@ -38,6 +47,11 @@ typedef struct {
     size_t max_request_bytes;
     uint64_t max_ring_bytes;
     uint32_t max_json_depth;
+    uid_t *allowed_uids;      /* resolved "allowed_users", owned */
+    int n_allowed_uids;
+    gid_t *allowed_gids;      /* resolved "allowed_groups", owned */
+    int n_allowed_gids;
+    uint32_t client_timeout_s;
 } ld_config;
 
 /* Defaults as documented above (allocates socket_path). Free with ld_config_free. */
@@ -53,6 +67,11 @@ void ld_config_free(ld_config *c);
  * returns the number of differences. Settings that only apply at start (socket path, mode,
  * group) are logged as needing a restart. */
 int ld_config_log_diff(const ld_config *old_c, const ld_config *new_c);
+
+/* Whether a peer (SO_PEERCRED uid/gid, supplementary groups from SO_PEERGROUPS: `groups`
+ * [n_groups], may be NULL/0) may use the control socket under allowed_users/allowed_groups
+ * (see above). `self_uid` is loaderd's effective uid. 1 allowed, 0 refused. */
+int ld_peer_allowed(const ld_config *c, uid_t uid, gid_t gid, const gid_t *groups, int n_groups, uid_t self_uid);
 
 /* Whether an absolute, already resolved path lies inside one of the roots (equal to a root or
  * below it, compared by whole path components). */

@@ -1,8 +1,19 @@
 /* loaderctl: operator client of loaderd's control socket (protocol: proto/PROTOCOL.md).
- *   loaderctl [--socket PATH] status|jobs|metrics|drain|watch [--json] [--interval S]
+ *   loaderctl [--socket PATH] status|jobs|metrics|drain|watch|hello [--json] [--interval S]
+ *   loaderctl preview --job JOB.json [--rows N] [--color|--no-color]
+ *   loaderctl tokenize --tokenizer PATH [--ids] [--no-special]
  * Default socket: $LOADERD_SOCKET, else /run/loaderd/loaderd.sock. Human tables by default;
- * --json prints loaderd's raw reply line. `watch` redraws the status table every --interval
- * seconds (default 2) until Ctrl-C. Exit: 0 ok, 1 loaderd unreachable or refused, 2 usage. */
+ * --json prints loaderd's raw reply line. `watch` redraws the status table in place every
+ * --interval seconds (default 2) until Ctrl-C.
+ * `preview` needs no daemon: it runs the job's pipeline in this process (ld_job_spec_parse,
+ * ld_pipeline_new/next with the job's tokenizer, rank 0 of 1) and prints the first N rows
+ * (default 4) decoded: loss-carrying spans in reverse green on a terminal or between [[ ]]
+ * otherwise, each packed document opened by a |doc K| marker, the row's padding as |pad N|,
+ * newlines shown as a visible return sign, control bytes escaped; then per-row and total stats.
+ * `tokenize` reads UTF-8 text lines on stdin and prints, per line, the token ids (--ids) or the
+ * vocabulary pieces (GPT-2 byte alphabet, as HF tokenize() shows them), space-separated;
+ * control-token strings such as <|im_start|> are parsed unless --no-special.
+ * Exit: 0 ok, 1 loaderd unreachable / refused or a preview/tokenize error, 2 usage. */
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -16,6 +27,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/bt_common.h"
+#include "common/tokenizer.h"
+#include "loaderd/pipeline.h"
+#include "proto/batch.h"
 #include "proto/client.h"
 
 #define MAX_REPLY (64u << 20)
@@ -120,18 +135,20 @@ static void fmt_uptime(char *b, size_t n, double s) {
     else snprintf(b, n, "%ldm%02lds", t / 60, t % 60);
 }
 
+static FILE *g_out; /* where replies are rendered: stdout, or a frame buffer in `watch` */
+
 static void print_status(json_t *r) {
     char up[32];
     fmt_uptime(up, sizeof up, num(r, "uptime_s"));
     json_t *jobs = json_object_get(r, "jobs");
-    printf("loaderd pid %.0f on %s, up %s, %.0f client(s), %zu job(s)%s\n", num(r, "pid"), str(r, "socket"), up,
+    fprintf(g_out, "loaderd pid %.0f on %s, up %s, %.0f client(s), %zu job(s)%s\n", num(r, "pid"), str(r, "socket"), up,
            num(r, "clients"), json_array_size(jobs), json_is_true(json_object_get(r, "draining")) ? ", DRAINING" : "");
     if (json_array_size(jobs) == 0) {
-        printf("no jobs attached\n");
+        fprintf(g_out, "no jobs attached\n");
         return;
     }
-    printf("%-4s %-20s %-7s %-8s %9s %9s %6s %7s %8s %6s %8s %8s %9s\n", "JOB", "NAME", "RANK", "STATE", "DOCS/S",
-           "TOKENS/S", "PACK%", "RING", "BATCHES", "BAD", "STEP", "LOSS", "TRN TOK/S");
+    fprintf(g_out, "%-4s %-20s %-7s %-8s %9s %9s %6s %7s %8s %5s %6s %6s %8s %8s %9s\n", "JOB", "NAME", "RANK", "STATE",
+            "DOCS/S", "TOKENS/S", "PACK%", "RING", "BATCHES", "LAG", "IDLE", "BAD", "STEP", "LOSS", "TRN TOK/S");
     size_t i;
     json_t *j;
     json_array_foreach(jobs, i, j) {
@@ -146,9 +163,12 @@ static void print_status(json_t *r) {
             snprintf(step, sizeof step, "%.0f", num(t, "step"));
             if (isfinite(num(t, "loss"))) snprintf(loss, sizeof loss, "%.4f", num(t, "loss"));
         }
-        printf("%-4.0f %-20.20s %-7s %-8s %9s %9s %5.1f%% %7s %8.0f %6.0f %8s %8s %9s\n", num(j, "job_id"),
-               str(j, "name"), rank, str(j, "state"), dr, tr, 100.0 * num(j, "packing_efficiency"), ring,
-               num(j, "batches"), num(j, "bad_lines_total"), step, loss, ttr);
+        char idle[16];
+        snprintf(idle, sizeof idle, "%.1fs", num(j, "consumer_idle_s"));
+        fprintf(g_out, "%-4.0f %-20.20s %-7s %-8s %9s %9s %5.1f%% %7s %8.0f %5.0f %6s %6.0f %8s %8s %9s\n",
+                num(j, "job_id"), str(j, "name"), rank, str(j, "state"), dr, tr, 100.0 * num(j, "packing_efficiency"),
+                ring, num(j, "batches"), num(j, "consumer_lag_batches"), idle, num(j, "bad_lines_total"), step, loss,
+                ttr);
     }
     /* bad lines by reason, and errors, one line per job that has any */
     json_array_foreach(jobs, i, j) {
@@ -158,28 +178,28 @@ static void print_status(json_t *r) {
         int any = 0;
         json_object_foreach(bad, k, v) {
             if (json_integer_value(v) == 0) continue;
-            if (!any) printf("job %.0f bad lines:", num(j, "job_id"));
-            printf(" %s=%lld", k, (long long)json_integer_value(v));
+            if (!any) fprintf(g_out, "job %.0f bad lines:", num(j, "job_id"));
+            fprintf(g_out, " %s=%lld", k, (long long)json_integer_value(v));
             any = 1;
         }
-        if (any) printf("\n");
-        if (json_object_get(j, "error")) printf("job %.0f error: %s\n", num(j, "job_id"), str(j, "error"));
+        if (any) fprintf(g_out, "\n");
+        if (json_object_get(j, "error")) fprintf(g_out, "job %.0f error: %s\n", num(j, "job_id"), str(j, "error"));
     }
 }
 
 static void print_jobs(json_t *r) {
     json_t *jobs = json_object_get(r, "jobs");
     if (json_array_size(jobs) == 0) {
-        printf("no jobs attached\n");
+        fprintf(g_out, "no jobs attached\n");
         return;
     }
-    printf("%-4s %-24s %-7s %-8s %8s %8s\n", "JOB", "NAME", "RANK", "STATE", "BATCHES", "PID");
+    fprintf(g_out, "%-4s %-24s %-7s %-8s %8s %8s\n", "JOB", "NAME", "RANK", "STATE", "BATCHES", "PID");
     size_t i;
     json_t *j;
     json_array_foreach(jobs, i, j) {
         char rank[24];
         snprintf(rank, sizeof rank, "%.0f/%.0f", num(j, "rank"), num(j, "world_size"));
-        printf("%-4.0f %-24.24s %-7s %-8s %8.0f %8.0f\n", num(j, "job_id"), str(j, "name"), rank, str(j, "state"),
+        fprintf(g_out, "%-4.0f %-24.24s %-7s %-8s %8.0f %8.0f\n", num(j, "job_id"), str(j, "name"), rank, str(j, "state"),
                num(j, "batches"), num(j, "peer_pid"));
     }
 }
@@ -199,41 +219,274 @@ static int run_once(const char *sock, const char *cmd, int as_json) {
     }
     int rc = 0;
     if (!json_is_true(json_object_get(r, "ok"))) {
-        if (as_json) printf("%s\n", line);
+        if (as_json) fprintf(g_out, "%s\n", line);
         fprintf(stderr, "loaderctl: loaderd refused %s: %s\n", op, str(r, "error"));
         rc = 1;
     } else if (as_json) {
-        printf("%s\n", line);
+        fprintf(g_out, "%s\n", line);
     } else if (!strcmp(op, "status")) {
         print_status(r);
     } else if (!strcmp(op, "jobs")) {
         print_jobs(r);
     } else if (!strcmp(op, "metrics")) {
-        fputs(str(r, "text"), stdout);
+        fputs(str(r, "text"), g_out);
+    } else if (!strcmp(op, "hello")) {
+        fprintf(g_out, "loaderd pid %.0f speaks protocol %.0f (ring v%.0f, batch layout v%.0f); you are uid %.0f gid %.0f\n",
+                num(r, "pid"), num(r, "proto"), num(r, "ring_version"), num(r, "batch_layout_version"), num(r, "uid"),
+                num(r, "gid"));
     } else if (!strcmp(op, "drain")) {
-        printf("loaderd is draining: %.0f job(s) left; it exits when they detach\n", num(r, "jobs"));
+        fprintf(g_out, "loaderd is draining: %.0f job(s) left; it exits when they detach\n", num(r, "jobs"));
     }
-    fflush(stdout);
+    fflush(g_out);
     json_decref(r);
     free(line);
     return rc;
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: loaderctl [--socket PATH] status|jobs|metrics|drain|watch [--json] [--interval S]\n"
+    fprintf(f, "usage: loaderctl [--socket PATH] status|jobs|metrics|drain|watch|hello [--json] [--interval S]\n"
+               "       loaderctl preview --job JOB.json [--rows N] [--color|--no-color]\n"
+               "       loaderctl tokenize --tokenizer PATH [--ids] [--no-special]   (text lines on stdin)\n"
                "  default socket: $LOADERD_SOCKET or %s\n", BT_DEFAULT_SOCKET);
+}
+
+/* ------------------------------------------------------------------ preview */
+
+static char *slurp(const char *path, size_t max) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, n = 0, r;
+    char *b = bt_xmalloc(cap);
+    while ((r = fread(b + n, 1, cap - n - 1, f)) > 0) {
+        n += r;
+        if (n > max) {
+            fclose(f);
+            free(b);
+            errno = EFBIG;
+            return NULL;
+        }
+        if (cap - n < 2) b = bt_xrealloc(b, cap *= 2);
+    }
+    fclose(f);
+    b[n] = 0;
+    return b;
+}
+
+/* Print decoded bytes for a terminal or a file: newline as a visible return sign plus a real
+ * newline, tab kept, other control bytes (ESC included: nothing in the data may drive the
+ * terminal) as \xNN. */
+static void put_text(const char *p, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)p[i];
+        if (ch == '\n') fputs("\u21b5\n", stdout);
+        else if (ch == '\t') putchar('\t');
+        else if (ch < 0x20 || ch == 0x7f) printf("\\x%02x", ch);
+        else putchar(ch);
+    }
+}
+
+/* Decode ids[0..n) (keep special tokens) and print them, marked as loss when `loss`. */
+static int put_run(const bt_tokenizer *tok, const int32_t *ids, size_t n, int loss, int color) {
+    char *text = NULL;
+    size_t len = 0;
+    if (bt_detokenize(tok, ids, n, 1, &text, &len)) return -1;
+    if (loss) fputs(color ? "\033[7;32m" : "[[", stdout);
+    put_text(text, len);
+    if (loss) fputs(color ? "\033[0m" : "]]", stdout);
+    free(text);
+    return 0;
+}
+
+typedef struct {
+    uint64_t rows, docs, real, labelled, pad;
+} preview_totals;
+
+/* Print row r of batch v. Segments come from cu_seqlens; the row's last segment is padding when
+ * every id is the pad id and no label is set (a document always has a label after its first
+ * token, so it can never look like that). */
+static int preview_row(const bt_tokenizer *tok, const bt_batch_view *v, uint32_t r, int32_t pad_id, int color,
+                       uint64_t *doc_no, preview_totals *tot) {
+    uint32_t T = v->hdr->T, lo = r * T, hi = lo + T;
+    uint32_t docs = 0, real = 0, lab = 0, pad = 0;
+    printf("--- batch %llu row %u ---\n", (unsigned long long)v->hdr->step, r);
+    for (uint32_t k = 0; k + 1 < v->hdr->n_cu; k++) {
+        uint32_t a = (uint32_t)v->cu_seqlens[k], b = (uint32_t)v->cu_seqlens[k + 1];
+        if (a < lo || b > hi || a >= b) continue;
+        int is_pad = b == hi;
+        for (uint32_t t = a; t < b && is_pad; t++) is_pad = v->input_ids[t] == pad_id && v->labels[t] == BT_LABEL_IGNORE;
+        if (is_pad) {
+            pad += b - a;
+            printf("%s|pad %u|%s", color ? "\033[2m" : "", b - a, color ? "\033[0m" : "");
+            continue;
+        }
+        docs++;
+        real += b - a;
+        printf("%s|doc %llu|%s", color ? "\033[1;36m" : "", (unsigned long long)++*doc_no, color ? "\033[0m" : "");
+        for (uint32_t t = a; t < b;) { /* runs of equal loss state */
+            int loss = v->labels[t] != BT_LABEL_IGNORE;
+            uint32_t e = t;
+            while (e < b && (v->labels[e] != BT_LABEL_IGNORE) == loss) e++;
+            if (loss) lab += e - t;
+            if (put_run(tok, v->input_ids + t, e - t, loss, color)) return -1;
+            t = e;
+        }
+    }
+    printf("\n--- row stats: %u doc(s), %u real token(s), %u labelled (%.1f%% of real), %u padding (packing %.1f%%)\n",
+           docs, real, lab, real ? 100.0 * lab / real : 0.0, pad, 100.0 * real / T);
+    tot->rows++;
+    tot->docs += docs;
+    tot->real += real;
+    tot->labelled += lab;
+    tot->pad += pad;
+    return 0;
+}
+
+static int cmd_preview(const char *job_path, long rows, int color) {
+    char *text = slurp(job_path, 4u << 20);
+    if (!text) {
+        fprintf(stderr, "loaderctl preview: cannot read %s: %s\n", job_path, strerror(errno));
+        return 1;
+    }
+    ld_job_spec spec;
+    char err[512];
+    int rc = ld_job_spec_parse(&spec, text, err, sizeof err);
+    free(text);
+    if (rc) {
+        fprintf(stderr, "loaderctl preview: %s: %s\n", job_path, err);
+        return 1;
+    }
+    if (spec.n_threads > 4) spec.n_threads = 4;
+    bt_tokenizer *tok = NULL;
+    if (bt_tokenizer_load(&tok, spec.tokenizer)) {
+        fprintf(stderr, "loaderctl preview: tokenizer %s: %s\n", spec.tokenizer, bt_last_error());
+        ld_job_spec_free(&spec);
+        return 1;
+    }
+    int32_t pad_id = bt_tokenizer_pad(tok); /* the pipeline's choice: pad, else eos, else 0 */
+    if (pad_id < 0) pad_id = bt_tokenizer_eos(tok);
+    if (pad_id < 0) pad_id = 0;
+    static ld_stats stats; /* zero-initialised atomics */
+    ld_pipeline *p = NULL;
+    uint8_t *slot = NULL;
+    int status = 0;
+    if (ld_pipeline_new(&p, &spec, tok, NULL, &stats)) {
+        fprintf(stderr, "loaderctl preview: %s\n", bt_last_error());
+        status = 1;
+        goto out;
+    }
+    slot = bt_aligned_alloc(bt_batch_slot_bytes(spec.B, spec.T));
+    bt_batch_view v;
+    bt_batch_view_init(&v, slot, spec.B, spec.T);
+    printf("preview of %s: job \"%s\", B=%u T=%u, tokenizer %s (vocab %d); loss spans %s\n", job_path, spec.name,
+           spec.B, spec.T, spec.tokenizer, bt_tokenizer_vocab_size(tok), color ? "highlighted" : "between double brackets");
+    preview_totals tot = {0};
+    uint64_t doc_no = 0;
+    int ended = 0;
+    while ((long)tot.rows < rows && !ended) {
+        rc = ld_pipeline_next(p, &v, 0);
+        if (rc < 0) {
+            fprintf(stderr, "loaderctl preview: pipeline: %s\n", bt_last_error());
+            status = 1;
+            break;
+        }
+        if (rc == 1) {
+            ended = 1;
+            break;
+        }
+        for (uint32_t r = 0; r < spec.B && (long)tot.rows < rows; r++)
+            if (preview_row(tok, &v, r, pad_id, color, &doc_no, &tot)) {
+                fprintf(stderr, "loaderctl preview: decoding: %s\n", bt_last_error());
+                status = 1;
+                goto out;
+            }
+    }
+    uint64_t bad = 0;
+    for (int i = 0; i < LD_BAD_N; i++) bad += atomic_load(&stats.bad[i]);
+    printf("=== %llu row(s), %llu doc(s), %llu real token(s), %llu labelled (%.1f%%), %llu padding, packing "
+           "%.1f%%%s; lines read %llu, bad lines %llu",
+           (unsigned long long)tot.rows, (unsigned long long)tot.docs, (unsigned long long)tot.real,
+           (unsigned long long)tot.labelled, tot.real ? 100.0 * (double)tot.labelled / (double)tot.real : 0.0,
+           (unsigned long long)tot.pad, tot.rows ? 100.0 * (double)tot.real / ((double)tot.rows * spec.T) : 0.0,
+           ended ? ", end of data" : "", (unsigned long long)atomic_load(&stats.lines), (unsigned long long)bad);
+    for (int i = 0; i < LD_BAD_N; i++)
+        if (atomic_load(&stats.bad[i]))
+            printf(" %s=%llu", ld_bad_reason_name(i), (unsigned long long)atomic_load(&stats.bad[i]));
+    printf("\n");
+out:
+    free(slot);
+    ld_pipeline_free(p);
+    bt_tokenizer_free(tok);
+    ld_job_spec_free(&spec);
+    return status;
+}
+
+/* ------------------------------------------------------------------ tokenize */
+
+static int cmd_tokenize(const char *tok_path, int ids_only, int parse_special) {
+    bt_tokenizer *tok = NULL;
+    if (bt_tokenizer_load(&tok, tok_path)) {
+        fprintf(stderr, "loaderctl tokenize: %s: %s\n", tok_path, bt_last_error());
+        return 1;
+    }
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t n;
+    int status = 0;
+    bt_ids ids = {0};
+    while ((n = getline(&line, &cap, stdin)) >= 0) {
+        if (n > 0 && line[n - 1] == '\n') n--;
+        if (n > 0 && line[n - 1] == '\r') n--;
+        ids.n = 0;
+        if (bt_tokenize(tok, line, (size_t)n, parse_special, &ids)) {
+            fprintf(stderr, "loaderctl tokenize: %s\n", bt_last_error());
+            status = 1;
+            break;
+        }
+        for (size_t i = 0; i < ids.n; i++) {
+            if (i) putchar(' ');
+            if (ids_only) printf("%d", ids.v[i]);
+            else fputs(bt_tokenizer_piece(tok, ids.v[i]) ? bt_tokenizer_piece(tok, ids.v[i]) : "?", stdout);
+        }
+        putchar('\n');
+    }
+    fflush(stdout);
+    bt_ids_free(&ids);
+    free(line);
+    bt_tokenizer_free(tok);
+    return status;
+}
+
+static int is_cmd(const char *a) {
+    static const char *cmds[] = {"status", "jobs", "metrics", "drain", "watch", "hello", "preview", "tokenize"};
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
+        if (!strcmp(a, cmds[i])) return 1;
+    return 0;
 }
 
 int main(int argc, char **argv) {
     const char *sock = getenv("LOADERD_SOCKET");
     if (!sock || !*sock) sock = BT_DEFAULT_SOCKET;
-    const char *cmd = NULL;
-    int as_json = 0;
+    const char *cmd = NULL, *job = NULL, *tokp = NULL;
+    int as_json = 0, ids_only = 0, parse_special = 1, color = -1;
+    long rows = 4;
     double interval = 2.0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--socket") && i + 1 < argc) sock = argv[++i];
         else if (!strcmp(argv[i], "--json")) as_json = 1;
-        else if (!strcmp(argv[i], "--interval") && i + 1 < argc) {
+        else if (!strcmp(argv[i], "--job") && i + 1 < argc) job = argv[++i];
+        else if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) tokp = argv[++i];
+        else if (!strcmp(argv[i], "--ids")) ids_only = 1;
+        else if (!strcmp(argv[i], "--no-special")) parse_special = 0;
+        else if (!strcmp(argv[i], "--color")) color = 1;
+        else if (!strcmp(argv[i], "--no-color")) color = 0;
+        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) {
+            char *end;
+            rows = strtol(argv[++i], &end, 10);
+            if (*end || rows < 1 || rows > 1000000) {
+                fprintf(stderr, "loaderctl: --rows wants an integer in [1, 1000000]\n");
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--interval") && i + 1 < argc) {
             char *end;
             interval = strtod(argv[++i], &end);
             if (*end || !(interval >= 0.1 && interval <= 3600)) {
@@ -243,8 +496,7 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             usage(stdout);
             return 0;
-        } else if (!cmd && (!strcmp(argv[i], "status") || !strcmp(argv[i], "jobs") || !strcmp(argv[i], "metrics") ||
-                            !strcmp(argv[i], "drain") || !strcmp(argv[i], "watch"))) {
+        } else if (!cmd && is_cmd(argv[i])) {
             cmd = argv[i];
         } else {
             fprintf(stderr, "loaderctl: unknown or incomplete argument '%s'\n", argv[i]);
@@ -257,21 +509,56 @@ int main(int argc, char **argv) {
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
+    g_out = stdout;
+    if (!strcmp(cmd, "preview")) {
+        if (!job) {
+            fprintf(stderr, "loaderctl preview: --job JOB.json is required\n");
+            return 2;
+        }
+        bt_log_set_level(BT_LOG_WARN);
+        return cmd_preview(job, rows, color >= 0 ? color : isatty(STDOUT_FILENO));
+    }
+    if (!strcmp(cmd, "tokenize")) {
+        if (!tokp) {
+            fprintf(stderr, "loaderctl tokenize: --tokenizer PATH is required\n");
+            return 2;
+        }
+        bt_log_set_level(BT_LOG_WARN);
+        return cmd_tokenize(tokp, ids_only, parse_special);
+    }
     if (strcmp(cmd, "watch")) return run_once(sock, cmd, as_json);
     struct sigaction sa = {.sa_handler = on_sigint};
     sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: Ctrl-C interrupts the sleep */
     sigaction(SIGTERM, &sa, NULL);
     int tty = isatty(STDOUT_FILENO);
+    if (tty && !as_json) fputs("\033[?25l", stdout); /* hide the cursor while redrawing */
     while (!g_stop) {
-        if (tty && !as_json) fputs("\033[H\033[2J", stdout);
+        /* redraw in place: home the cursor, draw, clear what is left of the previous frame */
+        if (tty && !as_json) fputs("\033[H", stdout);
         time_t now = time(NULL);
         char ts[32];
         strftime(ts, sizeof ts, "%H:%M:%S", localtime(&now));
-        if (!as_json) printf("loaderctl watch %s every %.1f s (Ctrl-C to quit)  %s\n", sock, interval, ts);
+        char *frame = NULL;
+        size_t flen = 0;
+        g_out = tty && !as_json ? open_memstream(&frame, &flen) : stdout;
+        if (!g_out) g_out = stdout;
+        if (!as_json) fprintf(g_out, "loaderctl watch %s every %.1f s (Ctrl-C to quit)  %s\n", sock, interval, ts);
         run_once(sock, cmd, as_json);
+        if (g_out != stdout) {
+            fclose(g_out);
+            g_out = stdout;
+            for (size_t k = 0; k < flen; k++) { /* clear the rest of each line of the previous frame */
+                if (frame[k] == '\n') fputs("\033[K", stdout);
+                putchar(frame[k]);
+            }
+            fputs("\033[J", stdout);
+            free(frame);
+        }
+        fflush(stdout);
         struct timespec ts_sleep = {(time_t)interval, (long)((interval - (double)(time_t)interval) * 1e9)};
         while (!g_stop && nanosleep(&ts_sleep, &ts_sleep) != 0 && errno == EINTR) {
         }
     }
+    if (tty && !as_json) fputs("\033[?25h\n", stdout);
     return 0;
 }

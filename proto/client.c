@@ -1,16 +1,21 @@
 /* Trainer-side client of loaderd's control socket (contract: proto/client.h, proto/PROTOCOL.md).
- * Uses jansson for the JSON lines, recvmsg(2) with SCM_RIGHTS (unix(7)) for the ring memfd. */
+ * Uses jansson for the JSON lines, recvmsg(2) with SCM_RIGHTS (unix(7)) for the ring memfd.
+ * Reconnection: while waiting on an empty ring, the socket is polled for a hang-up (POLLRDHUP,
+ * non-consuming, so a report on another thread is undisturbed); when loaderd is gone the client
+ * attaches again with the resume_state of the last batch it handed out (PROTOCOL.md §2). */
 #include "proto/client.h"
 
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/bt_common.h"
@@ -18,6 +23,9 @@
 #define CLIENT_MAX_LINE (1u << 20)
 #define CLIENT_ATTACH_TIMEOUT_MS 120000 /* loaderd may be loading a large tokenizer */
 #define CLIENT_REPLY_TIMEOUT_MS 5000
+#define CLIENT_PEEK_SLICE_MS 200       /* how often an idle wait looks at the socket */
+#define CLIENT_CLOSED_GRACE_MS 3000    /* producer closed: wait this long for the hang-up */
+#define CLIENT_RECONNECT_DEFAULT_S 60.0
 
 struct bt_client {
     int sock;
@@ -30,6 +38,15 @@ struct bt_client {
     uint64_t next_step;
     char *buf;        /* received bytes not yet consumed as lines */
     size_t len, cap;
+    /* what a re-attach needs */
+    char *sock_path;
+    char *job_text;   /* the job spec with absolute paths, as first sent */
+    int rank, world;
+    int have_resume;  /* resume holds the state to re-attach with (else: from the start) */
+    uint8_t resume[BT_RESUME_STATE_BYTES];
+    double reconnect_s;
+    uint64_t reconnects;
+    pthread_mutex_t mu; /* the socket and buf: report vs. reconnect vs. close */
 };
 
 /* Send all of `s` (MSG_NOSIGNAL: a dead loaderd must not SIGPIPE the trainer). */
@@ -170,44 +187,38 @@ static void client_free(bt_client *c) {
     if (c->ring.hdr) bt_ring_close(&c->ring);
     if (c->sock >= 0) close(c->sock);
     free(c->buf);
+    free(c->sock_path);
+    free(c->job_text);
+    pthread_mutex_destroy(&c->mu);
     free(c);
 }
 
-int bt_client_attach(bt_client **out, const char *socket_path, const char *job_json, int rank, int world_size,
-                     const uint8_t *resume_state) {
-    *out = NULL;
-    if (!socket_path) socket_path = getenv("LOADERD_SOCKET") ? getenv("LOADERD_SOCKET") : BT_DEFAULT_SOCKET;
+/* Connect to c->sock_path, attach c->job_text (resume from c->resume when have_resume) and map
+ * the ring. On success c->sock, c->ring, job_id, B, T, vocab are the new ones; on failure
+ * c->sock is -1 and c->ring unmapped. Caller holds c->mu (or is the only user). */
+static int do_attach(bt_client *c) {
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    if (strlen(socket_path) >= sizeof sa.sun_path)
-        return bt_fail(BT_ERR_INVALID, "loaderd socket path too long (%zu bytes, max %zu): %s", strlen(socket_path),
-                       sizeof sa.sun_path - 1, socket_path);
-    strcpy(sa.sun_path, socket_path);
-    json_error_t e;
-    json_t *job = json_loads(job_json ? job_json : "", JSON_REJECT_DUPLICATES, &e);
-    if (!job || !json_is_object(job)) {
-        json_decref(job);
-        return bt_fail(BT_ERR_INVALID, "attach: job spec is not a JSON object (%s)", e.text);
-    }
-    absolutize_paths(job);
-    bt_client *c = bt_xcalloc(1, sizeof *c);
-    c->ring.fd = -1;
+    strcpy(sa.sun_path, c->sock_path); /* length checked in bt_client_attach */
+    c->len = 0;
     c->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     int rc;
-    if (c->sock < 0) {
-        rc = bt_fail(BT_ERR_IO, "socket: %s", strerror(errno));
-        json_decref(job);
-        goto fail;
-    }
+    if (c->sock < 0) return bt_fail(BT_ERR_IO, "socket: %s", strerror(errno));
     if (connect(c->sock, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        rc = bt_fail(BT_ERR_IO, "connect %s: %s (is loaderd running?)", socket_path, strerror(errno));
-        json_decref(job);
+        rc = bt_fail(BT_ERR_IO, "connect %s: %s (is loaderd running?)", c->sock_path, strerror(errno));
         goto fail;
     }
-    json_t *req = json_pack("{s:i, s:s, s:o, s:i, s:i}", "v", BT_PROTO_VERSION, "op", "attach", "job", job,
-                            "rank", rank, "world_size", world_size);
-    if (resume_state) {
+    json_error_t e;
+    json_t *job = json_loads(c->job_text, 0, &e);
+    json_t *req = job ? json_pack("{s:i, s:s, s:o, s:i, s:i}", "v", BT_PROTO_VERSION, "op", "attach", "job", job,
+                                  "rank", c->rank, "world_size", c->world)
+                      : NULL;
+    if (!req) {
+        rc = bt_fail(BT_ERR_NOMEM, "attach: cannot encode the request");
+        goto fail;
+    }
+    if (c->have_resume) {
         char hex[2 * BT_RESUME_STATE_BYTES + 1];
-        for (unsigned i = 0; i < BT_RESUME_STATE_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", resume_state[i]);
+        for (unsigned i = 0; i < BT_RESUME_STATE_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", c->resume[i]);
         json_object_set_new(req, "resume", json_string(hex));
     }
     rc = send_json(c->sock, req);
@@ -227,43 +238,187 @@ int bt_client_attach(bt_client **out, const char *socket_path, const char *job_j
         if (fd >= 0) close(fd);
         goto fail;
     }
-    uint32_t slots = 0;
-    if ((rc = get_u32(rep, "job_id", &c->job_id)) || (rc = get_u32(rep, "B", &c->B)) ||
-        (rc = get_u32(rep, "T", &c->T)) || (rc = get_u32(rep, "slots", &slots))) {
+    uint32_t slots = 0, job_id = 0, B = 0, T = 0;
+    if ((rc = get_u32(rep, "job_id", &job_id)) || (rc = get_u32(rep, "B", &B)) || (rc = get_u32(rep, "T", &T)) ||
+        (rc = get_u32(rep, "slots", &slots))) {
         json_decref(rep);
         if (fd >= 0) close(fd);
         goto fail;
     }
     json_t *voc = json_object_get(rep, "vocab");
-    c->vocab = json_is_integer(voc) && json_integer_value(voc) > 0 && json_integer_value(voc) <= INT32_MAX
-                   ? (int32_t)json_integer_value(voc)
-                   : 0;
+    int32_t vocab = json_is_integer(voc) && json_integer_value(voc) > 0 && json_integer_value(voc) <= INT32_MAX
+                        ? (int32_t)json_integer_value(voc)
+                        : 0;
     json_decref(rep);
     if (fd < 0) {
         rc = bt_fail(BT_ERR_FORMAT, "loaderd attach reply carried no ring descriptor");
         goto fail;
     }
-    if ((rc = bt_ring_attach(&c->ring, fd))) goto fail; /* fd owned (and closed on error) by attach */
-    if (c->ring.B != c->B || c->ring.T != c->T || c->ring.n_slots != slots) {
-        rc = bt_fail(BT_ERR_FORMAT, "ring geometry %ux%u x%u differs from the attach reply %ux%u x%u", c->ring.B,
-                     c->ring.T, c->ring.n_slots, c->B, c->T, slots);
+    if (c->B && (B != c->B || T != c->T)) { /* a re-attach must not change the geometry under the caller */
+        close(fd);
+        rc = bt_fail(BT_ERR_FORMAT, "re-attach got batches of %ux%u, was %ux%u", B, T, c->B, c->T);
         goto fail;
+    }
+    if ((rc = bt_ring_attach(&c->ring, fd))) goto fail; /* fd owned (and closed on error) by attach */
+    if (c->ring.B != B || c->ring.T != T || c->ring.n_slots != slots) {
+        rc = bt_fail(BT_ERR_FORMAT, "ring geometry %ux%u x%u differs from the attach reply %ux%u x%u", c->ring.B,
+                     c->ring.T, c->ring.n_slots, B, T, slots);
+        bt_ring_close(&c->ring);
+        memset(&c->ring, 0, sizeof c->ring);
+        c->ring.fd = -1;
+        goto fail;
+    }
+    c->job_id = job_id;
+    c->B = B;
+    c->T = T;
+    c->vocab = vocab;
+    return BT_OK;
+fail:
+    if (c->sock >= 0) close(c->sock);
+    c->sock = -1;
+    return rc;
+}
+
+int bt_client_attach(bt_client **out, const char *socket_path, const char *job_json, int rank, int world_size,
+                     const uint8_t *resume_state) {
+    *out = NULL;
+    if (!socket_path) socket_path = getenv("LOADERD_SOCKET") ? getenv("LOADERD_SOCKET") : BT_DEFAULT_SOCKET;
+    struct sockaddr_un sa;
+    if (strlen(socket_path) >= sizeof sa.sun_path)
+        return bt_fail(BT_ERR_INVALID, "loaderd socket path too long (%zu bytes, max %zu): %s", strlen(socket_path),
+                       sizeof sa.sun_path - 1, socket_path);
+    json_error_t e;
+    json_t *job = json_loads(job_json ? job_json : "", JSON_REJECT_DUPLICATES, &e);
+    if (!job || !json_is_object(job)) {
+        json_decref(job);
+        return bt_fail(BT_ERR_INVALID, "attach: job spec is not a JSON object (%s)", e.text);
+    }
+    absolutize_paths(job);
+    char *text = json_dumps(job, JSON_COMPACT);
+    json_decref(job);
+    if (!text) return bt_fail(BT_ERR_NOMEM, "attach: cannot encode the job spec");
+    bt_client *c = bt_xcalloc(1, sizeof *c);
+    pthread_mutex_init(&c->mu, NULL);
+    c->ring.fd = -1;
+    c->sock = -1;
+    c->sock_path = bt_xstrdup(socket_path);
+    c->job_text = text;
+    c->rank = rank;
+    c->world = world_size;
+    if (resume_state) {
+        memcpy(c->resume, resume_state, BT_RESUME_STATE_BYTES);
+        c->have_resume = 1;
+    }
+    c->reconnect_s = CLIENT_RECONNECT_DEFAULT_S;
+    const char *env = getenv("LOADERD_RECONNECT_S");
+    if (env && *env) {
+        char *end;
+        double x = strtod(env, &end);
+        if (*end == 0 && x >= 0 && x <= 86400 * 7) c->reconnect_s = x;
+        else bt_log(BT_LOG_WARN, "client", "LOADERD_RECONNECT_S=%s is not seconds in [0, 604800]: using %.0f", env,
+                    c->reconnect_s);
+    }
+    int rc = do_attach(c);
+    if (rc) {
+        client_free(c);
+        return rc;
     }
     *out = c;
     return BT_OK;
-fail:
-    client_free(c);
+}
+
+/* Whether loaderd hung up the control socket (checked without consuming anything). */
+static int loaderd_gone(bt_client *c, int wait_ms) {
+    double deadline = bt_now() + wait_ms / 1000.0;
+    for (;;) {
+        if (c->sock < 0) return 1;
+        struct pollfd p = {.fd = c->sock, .events = POLLRDHUP};
+        int left = (int)((deadline - bt_now()) * 1000.0);
+        int pr = poll(&p, 1, left > 50 ? 50 : left > 0 ? left : 0);
+        if (pr > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))) return 1;
+        if (bt_now() >= deadline) return 0;
+        if (pr > 0) { /* readable data only (a reply for the report thread): do not spin */
+            struct timespec ts = {0, 20 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+/* loaderd went away: drop the old socket and ring, attach again (retrying with backoff for up to
+ * reconnect_s) from the state after the last batch handed out. */
+static int reconnect(bt_client *c) {
+    if (c->reconnect_s <= 0)
+        return bt_fail(BT_ERR_CLOSED, "loaderd closed the stream of job %u (reconnecting disabled: "
+                                      "LOADERD_RECONNECT_S=0)", c->job_id);
+    pthread_mutex_lock(&c->mu);
+    uint32_t old_id = c->job_id;
+    bt_log(BT_LOG_WARN, "client", "loaderd went away (job %u, next step %llu): reconnecting to %s for up to %.0f s",
+           old_id, (unsigned long long)c->next_step, c->sock_path, c->reconnect_s);
+    if (c->ring.hdr) bt_ring_close(&c->ring);
+    memset(&c->ring, 0, sizeof c->ring);
+    c->ring.fd = -1;
+    if (c->sock >= 0) close(c->sock);
+    c->sock = -1;
+    double deadline = bt_now() + c->reconnect_s, backoff = 0.05;
+    int rc;
+    for (;;) {
+        rc = do_attach(c);
+        if (rc == BT_OK) break;
+        double left = deadline - bt_now();
+        if (left <= 0) break;
+        double nap = backoff < left ? backoff : left;
+        struct timespec ts = {(time_t)nap, (long)((nap - (double)(time_t)nap) * 1e9)};
+        nanosleep(&ts, NULL);
+        backoff = backoff * 2 > 1.0 ? 1.0 : backoff * 2;
+    }
+    if (rc == BT_OK) {
+        c->reconnects++;
+        bt_log(BT_LOG_INFO, "client", "re-attached to loaderd as job %u (was %u), continuing at step %llu", c->job_id,
+               old_id, (unsigned long long)c->next_step);
+    } else {
+        rc = bt_fail(rc, "loaderd did not come back within %.0f s (LOADERD_RECONNECT_S): %s", c->reconnect_s,
+                     bt_last_error());
+    }
+    pthread_mutex_unlock(&c->mu);
     return rc;
 }
 
 int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms) {
     if (c->holding) bt_client_release(c);
     if (c->ended) return 1;
-    void *slot = bt_ring_consumer_peek(&c->ring, timeout_ms);
-    if (!slot) {
-        if (c->ring.err == BT_ERR_CLOSED)
-            return bt_fail(BT_ERR_CLOSED, "loaderd closed the stream of job %u before its end", c->job_id);
-        return c->ring.err ? c->ring.err : BT_ERR_IO;
+    double deadline = timeout_ms >= 0 ? bt_now() + timeout_ms / 1000.0 : 0;
+    void *slot;
+    for (;;) {
+        int slice = CLIENT_PEEK_SLICE_MS;
+        if (timeout_ms >= 0) {
+            int left = (int)((deadline - bt_now()) * 1000.0);
+            if (left < 0) left = 0;
+            if (left < slice) slice = left;
+        }
+        slot = c->ring.hdr ? bt_ring_consumer_peek(&c->ring, slice) : NULL;
+        if (slot) break;
+        int err = c->ring.hdr ? c->ring.err : BT_ERR_CLOSED;
+        if (err == BT_ERR_TIMEOUT) {
+            if (loaderd_gone(c, 0)) {
+                int rc = reconnect(c);
+                if (rc) return rc;
+                continue;
+            }
+            if (timeout_ms >= 0 && bt_now() >= deadline)
+                return bt_fail(BT_ERR_TIMEOUT, "no batch from loaderd within %d ms", timeout_ms);
+            continue;
+        }
+        if (err == BT_ERR_CLOSED) {
+            /* the producer stopped early: a loaderd that is going away hangs up right after */
+            if (loaderd_gone(c, CLIENT_CLOSED_GRACE_MS)) {
+                int rc = reconnect(c);
+                if (rc) return rc;
+                continue;
+            }
+            return bt_fail(BT_ERR_CLOSED, "loaderd closed the stream of job %u before its end (see loaderctl status)",
+                           c->job_id);
+        }
+        return err ? err : BT_ERR_IO;
     }
     c->holding = 1;
     bt_batch_view_init(v, slot, c->B, c->T);
@@ -282,6 +437,9 @@ int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms) {
         return bt_fail(BT_ERR_FORMAT, "batch carries job id %u (want %u)", v->hdr->job_id, c->job_id);
     c->have_step = 1;
     c->next_step = v->hdr->step + 1;
+    /* the state to re-attach with if loaderd goes away after this batch */
+    memcpy(c->resume, v->hdr->resume_state, BT_RESUME_STATE_BYTES);
+    c->have_resume = 1;
     return 0;
 }
 
@@ -291,7 +449,19 @@ void bt_client_release(bt_client *c) {
     bt_ring_consumer_release(&c->ring);
 }
 
+static int report_locked(bt_client *c, uint64_t step, double loss, double tokens_per_s);
+
 int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per_s) {
+    pthread_mutex_lock(&c->mu);
+    int rc = report_locked(c, step, loss, tokens_per_s);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+uint64_t bt_client_reconnects(const bt_client *c) { return c->reconnects; }
+
+static int report_locked(bt_client *c, uint64_t step, double loss, double tokens_per_s) {
+    if (c->sock < 0) return bt_fail(BT_ERR_IO, "report: not connected to loaderd");
     /* non-finite values (a diverged loss) travel as null: JSON has no NaN */
     json_t *req = json_pack("{s:i, s:s, s:I, s:I, s:o, s:o}", "v", BT_PROTO_VERSION, "op", "report", "job_id",
                             (json_int_t)c->job_id, "step", (json_int_t)step, "loss",
@@ -302,7 +472,10 @@ int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per
     json_decref(req);
     if (rc) return rc;
     char *line = NULL;
-    if ((rc = read_line(c, CLIENT_REPLY_TIMEOUT_MS, &line, NULL))) return rc;
+    int fd = -1;
+    rc = read_line(c, CLIENT_REPLY_TIMEOUT_MS, &line, &fd);
+    if (fd >= 0) close(fd); /* never expected on a report */
+    if (rc) return rc;
     json_t *rep = NULL;
     rc = parse_reply(line, &rep);
     free(line);
@@ -319,12 +492,12 @@ void bt_client_close(bt_client *c) {
     if (!c) return;
     if (c->ring.hdr) bt_ring_consumer_close(&c->ring); /* stops the producer at once */
     json_t *req = json_pack("{s:i, s:s, s:I}", "v", BT_PROTO_VERSION, "op", "detach", "job_id", (json_int_t)c->job_id);
-    if (req) {
-        if (send_json(c->sock, req) == BT_OK) {
-            char *line = NULL;
-            if (read_line(c, 1000, &line, NULL) == BT_OK) free(line); /* best effort */
-        }
-        json_decref(req);
+    if (req && c->sock >= 0 && send_json(c->sock, req) == BT_OK) {
+        char *line = NULL;
+        int fd = -1;
+        if (read_line(c, 1000, &line, &fd) == BT_OK) free(line); /* best effort */
+        if (fd >= 0) close(fd);
     }
+    json_decref(req);
     client_free(c);
 }

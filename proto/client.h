@@ -34,13 +34,26 @@ int bt_client_attach(bt_client **out, const char *socket_path, const char *job_j
 /* Wait for the next batch (timeout_ms, -1 forever). 0: *v points at it (valid until release;
  * a next without release releases the previous batch), already checked with bt_batch_validate
  * (against B, T and the vocabulary), job id and consecutive step numbers;
- * 1: end of data; <0: BT_ERR_TIMEOUT, BT_ERR_CLOSED (loaderd stopped the stream early),
- * BT_ERR_FORMAT (invalid batch: the message names the violation). */
+ * 1: end of data; <0: BT_ERR_TIMEOUT, BT_ERR_CLOSED (loaderd stopped the stream early and
+ * stayed up, or did not come back), BT_ERR_FORMAT (invalid batch: the message names the
+ * violation; also a re-attach that changed B or T).
+ * Reconnection (transparent to the caller): when loaderd hangs up the control socket (killed,
+ * restarted, stopped) the batches already in the ring are still handed out; once the ring is
+ * empty the client connects again and re-attaches the same job spec, rank and world with the
+ * resume_state of the last batch it returned (or the attach's resume state if none), so the
+ * following batches are exactly those an uninterrupted run would have given (same steps, job id
+ * updated). It retries with backoff (50 ms doubling to 1 s) for up to $LOADERD_RECONNECT_S
+ * seconds (default 60; 0 disables reconnecting); this wait is not bounded by timeout_ms.
+ * A producer-closed ring with the socket still open after 3 s is BT_ERR_CLOSED (job failed or
+ * stopped by loaderd). Hang-ups are detected while waiting on an empty ring (every 200 ms). */
 int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms);
 void bt_client_release(bt_client *c);
 /* Send a progress report and wait (up to 5 s) for loaderd's answer (best-effort; errors are
  * returned, not fatal). Non-finite loss / tokens_per_s are sent as null. */
 int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per_s);
+/* Number of successful re-attaches after loaderd went away. */
+uint64_t bt_client_reconnects(const bt_client *c);
+/* Job id of the current attachment (changes after a re-attach). */
 uint32_t bt_client_job_id(const bt_client *c);
 uint32_t bt_client_B(const bt_client *c);
 uint32_t bt_client_T(const bt_client *c);

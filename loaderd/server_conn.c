@@ -1,0 +1,302 @@
+/* loaderd control server: connections (internals: loaderd/server_priv.h, protocol:
+ * proto/PROTOCOL.md §1). Accept with max_clients and the SO_PEERCRED / SO_PEERGROUPS check
+ * against allowed_users / allowed_groups, line framing with the max_request_bytes limit,
+ * client_timeout_s for idle and half-sent requests, backpressure on unread replies, dispatch of
+ * checked requests (server_proto.c) to the op handlers. Loop thread only. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "loaderd/server_priv.h"
+#include "proto/client.h"
+
+const char *const ld_refuse_name[REFUSE_N] = {"max_clients", "permission", "timeout", "too_long"};
+
+/* ------------------------------------------------------------------ replies */
+
+typedef struct {
+    uv_write_t w;
+    char *data;
+} write_req;
+
+static void on_written(uv_write_t *w, int status) {
+    write_req *r = (write_req *)w;
+    conn *c = (conn *)w->handle;
+    free(r->data);
+    free(r);
+    if (c->paused && !c->closing && uv_stream_get_write_queue_size((uv_stream_t *)&c->h) < WRITE_HIGH_WATER / 4) {
+        c->paused = 0;
+        ld_conn_process(c);
+    }
+}
+
+void ld_conn_write(conn *c, char *data, size_t n) {
+    if (c->handle_closed || uv_is_closing((uv_handle_t *)&c->h)) {
+        free(data);
+        return;
+    }
+    write_req *r = bt_xcalloc(1, sizeof *r);
+    r->data = data;
+    uv_buf_t b = uv_buf_init(data, (unsigned)n);
+    if (uv_write(&r->w, (uv_stream_t *)&c->h, &b, 1, on_written) != 0) {
+        free(data);
+        free(r);
+        ld_conn_finish(c);
+    }
+}
+
+void ld_conn_send(conn *c, json_t *msg) {
+    json_object_set_new(msg, "v", json_integer(BT_PROTO_VERSION));
+    char *text = json_dumps(msg, JSON_COMPACT | JSON_ENSURE_ASCII);
+    json_decref(msg);
+    if (!text) return;
+    size_t n = strlen(text);
+    text = bt_xrealloc(text, n + 2);
+    text[n] = '\n';
+    text[n + 1] = 0;
+    ld_conn_write(c, text, n + 1);
+}
+
+int ld_conn_reply_error(conn *c, const char *op, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    json_t *r = json_pack("{s:b, s:s}", "ok", 0, "error", msg);
+    if (op) json_object_set_new(r, "op", json_string(op));
+    ld_conn_send(c, r);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ lifetime */
+
+void ld_conn_maybe_free(conn *c) {
+    if (!c->handle_closed || c->pending) return;
+    free(c->buf);
+    free(c);
+}
+
+static void on_conn_closed(uv_handle_t *h) {
+    conn *c = (conn *)h;
+    server *s = c->s;
+    if (c->prev) c->prev->next = c->next;
+    else s->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    s->n_clients--;
+    c->handle_closed = 1;
+    ld_conn_maybe_free(c);
+}
+
+void ld_conn_close_now(conn *c) {
+    if (!c->closing) c->closing = 1;
+    /* the trainer on this connection is gone: stop its jobs */
+    server *s = c->s;
+    for (job *j = s->jobs, *nx; j; j = nx) {
+        nx = j->next;
+        if (j->owner == c) ld_job_teardown(j);
+    }
+    if (!uv_is_closing((uv_handle_t *)&c->h)) uv_close((uv_handle_t *)&c->h, on_conn_closed);
+}
+
+static void on_shutdown(uv_shutdown_t *req, int status) { ld_conn_close_now((conn *)req->handle); }
+
+void ld_conn_finish(conn *c) {
+    if (c->closing) return;
+    c->closing = 1;
+    uv_read_stop((uv_stream_t *)&c->h);
+    if (uv_shutdown(&c->sreq, (uv_stream_t *)&c->h, on_shutdown) != 0) ld_conn_close_now(c);
+}
+
+/* ------------------------------------------------------------------ reading */
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *b) {
+    conn *c = (conn *)h;
+    if (c->start > 0 && c->start == c->len) c->start = c->len = 0;
+    if (c->cap - c->len < READ_CHUNK) {
+        if (c->start > 0) { /* compact before growing */
+            memmove(c->buf, c->buf + c->start, c->len - c->start);
+            c->len -= c->start;
+            c->start = 0;
+        }
+        if (c->cap - c->len < READ_CHUNK) {
+            c->cap = c->len + READ_CHUNK;
+            c->buf = bt_xrealloc(c->buf, c->cap);
+        }
+    }
+    *b = uv_buf_init(c->buf + c->len, READ_CHUNK);
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b) {
+    conn *c = (conn *)st;
+    if (nread < 0) {
+        ld_conn_close_now(c); /* EOF or error: a half-sent request dies with the connection */
+        return;
+    }
+    c->len += (size_t)nread;
+    ld_conn_process(c);
+}
+
+static void dispatch(conn *c, ld_request *rq) {
+    switch (rq->op) {
+    case LD_OP_HELLO: ld_op_hello(c); break;
+    case LD_OP_ATTACH: ld_op_attach(c, rq); break;
+    case LD_OP_DETACH: ld_op_detach(c, rq); break;
+    case LD_OP_REPORT: ld_op_report(c, rq); break;
+    case LD_OP_STATUS: ld_op_status(c, 1); break;
+    case LD_OP_JOBS: ld_op_status(c, 0); break;
+    case LD_OP_METRICS: ld_op_metrics(c); break;
+    case LD_OP_DRAIN: ld_op_drain(c); break;
+    default: ld_conn_reply_error(c, rq->op_name, "unknown op (%s)", ld_op_list()); break;
+    }
+}
+
+static void handle_line(conn *c, char *line, size_t n) {
+    server *s = c->s;
+    while (n && (line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t')) n--;
+    if (n == 0) return;
+    s->requests_total++;
+    ld_request rq;
+    char err[512];
+    if (ld_request_parse(&rq, line, n, s->cfg->c.max_json_depth, err, sizeof err)) {
+        s->bad_requests_total++;
+        ld_conn_reply_error(c, rq.op_name, "%s", err);
+    } else {
+        dispatch(c, &rq);
+    }
+    ld_request_free(&rq);
+}
+
+static void refuse_too_long(conn *c) {
+    server *s = c->s;
+    s->bad_requests_total++;
+    s->refused[REFUSE_TOO_LONG]++;
+    bt_log(BT_LOG_WARN, LOGC, "closing client pid %d uid %u: request line longer than %zu bytes", (int)c->cred.pid,
+           (unsigned)c->cred.uid, s->cfg->c.max_request_bytes);
+    ld_conn_reply_error(c, NULL, "request line longer than %zu bytes: closing", s->cfg->c.max_request_bytes);
+    ld_conn_finish(c);
+}
+
+void ld_conn_process(conn *c) {
+    server *s = c->s;
+    while (!c->busy && !c->closing && !c->paused) {
+        char *p = c->buf + c->start;
+        size_t avail = c->len - c->start;
+        char *nl = avail ? memchr(p, '\n', avail) : NULL;
+        if (!nl) {
+            if (avail > s->cfg->c.max_request_bytes) {
+                refuse_too_long(c);
+                return;
+            }
+            /* a partial line starts the client_timeout_s clock; a complete one resets it */
+            if (avail == 0) c->t_partial = 0;
+            else if (c->t_partial == 0) c->t_partial = bt_now();
+            break;
+        }
+        size_t n = (size_t)(nl - p);
+        c->start += n + 1;
+        c->t_partial = 0;
+        c->t_active = bt_now();
+        if (n > s->cfg->c.max_request_bytes) {
+            refuse_too_long(c);
+            return;
+        }
+        handle_line(c, p, n);
+        if (uv_stream_get_write_queue_size((uv_stream_t *)&c->h) > WRITE_HIGH_WATER) c->paused = 1;
+    }
+    if (c->closing) return;
+    if (c->busy || c->paused) uv_read_stop((uv_stream_t *)&c->h);
+    else uv_read_start((uv_stream_t *)&c->h, on_alloc, on_read);
+}
+
+/* ------------------------------------------------------------------ accept, peer check */
+
+/* Supplementary groups of the peer (SO_PEERGROUPS, Linux 4.13). Returns the count (0 when
+ * unavailable), at most `cap`. */
+static int peer_groups(int fd, gid_t *groups, int cap) {
+    socklen_t len = (socklen_t)(cap * (int)sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) != 0) return 0;
+    return (int)(len / sizeof(gid_t));
+}
+
+void ld_conn_on_connection(uv_stream_t *ls, int status) {
+    server *s = ls->data;
+    if (status < 0) {
+        bt_log(BT_LOG_WARN, LOGC, "accept: %s", uv_strerror(status));
+        return;
+    }
+    conn *c = bt_xcalloc(1, sizeof *c);
+    c->s = s;
+    c->t_active = bt_now();
+    uv_pipe_init(s->loop, &c->h, 0);
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    s->n_clients++;
+    s->connections_total++;
+    if (uv_accept(ls, (uv_stream_t *)&c->h) != 0) {
+        c->closing = 1;
+        uv_close((uv_handle_t *)&c->h, on_conn_closed);
+        return;
+    }
+    uv_os_fd_t fd = -1;
+    socklen_t len = sizeof c->cred;
+    gid_t groups[MAX_PEER_GROUPS];
+    int n_groups = 0;
+    int have_cred = uv_fileno((uv_handle_t *)&c->h, &fd) == 0 &&
+                    getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c->cred, &len) == 0;
+    if (!have_cred) {
+        c->cred.pid = -1;
+        c->cred.uid = (uid_t)-1;
+        c->cred.gid = (gid_t)-1;
+    } else {
+        n_groups = peer_groups(fd, groups, MAX_PEER_GROUPS);
+    }
+    if (s->n_clients > s->cfg->c.max_clients) {
+        s->refused[REFUSE_MAX_CLIENTS]++;
+        bt_log(BT_LOG_WARN, LOGC, "refusing client pid %d uid %u: %u clients connected (max_clients %u)",
+               (int)c->cred.pid, (unsigned)c->cred.uid, s->n_clients - 1, s->cfg->c.max_clients);
+        ld_conn_reply_error(c, NULL, "too many clients (max_clients %u)", s->cfg->c.max_clients);
+        ld_conn_finish(c);
+        return;
+    }
+    if (!have_cred ||
+        !ld_peer_allowed(&s->cfg->c, c->cred.uid, c->cred.gid, groups, n_groups, geteuid())) {
+        s->refused[REFUSE_PERMISSION]++;
+        bt_log(BT_LOG_WARN, LOGC,
+               "refusing client pid %d uid %u gid %u: not in allowed_users / allowed_groups (every request refused)",
+               (int)c->cred.pid, (unsigned)c->cred.uid, (unsigned)c->cred.gid);
+        ld_conn_reply_error(c, NULL, "permission denied: uid %u (gid %u) is not in loaderd's allowed_users or "
+                                     "allowed_groups",
+                            (unsigned)c->cred.uid, (unsigned)c->cred.gid);
+        ld_conn_finish(c);
+        return;
+    }
+    uv_read_start((uv_stream_t *)&c->h, on_alloc, on_read);
+}
+
+/* ------------------------------------------------------------------ timeouts */
+
+void ld_conn_check_timeouts(server *s, double now) {
+    double lim = s->cfg->c.client_timeout_s;
+    if (lim <= 0) return;
+    for (conn *c = s->conns, *nx; c; c = nx) {
+        nx = c->next;
+        if (c->closing || c->busy) continue;
+        int has_job = 0;
+        for (job *j = s->jobs; j && !has_job; j = j->next) has_job = j->owner == c;
+        const char *why = NULL;
+        if (c->t_partial > 0 && now - c->t_partial > lim) why = "half a request line";
+        else if (!has_job && c->len == c->start && now - c->t_active > lim) why = "no request";
+        if (!why) continue;
+        s->refused[REFUSE_TIMEOUT]++;
+        bt_log(BT_LOG_WARN, LOGC, "closing client pid %d uid %u: %s for more than %.0f s (client_timeout_s)",
+               (int)c->cred.pid, (unsigned)c->cred.uid, why, lim);
+        ld_conn_reply_error(c, NULL, "timed out: %s for more than %.0f s (client_timeout_s)", why, lim);
+        ld_conn_finish(c);
+    }
+}

@@ -1,0 +1,468 @@
+/* loaderd control server: jobs (internals: loaderd/server_priv.h, protocol: proto/PROTOCOL.md).
+ * Tokenizer cache shared by jobs, attach (checked on the loop thread, prepared on the libuv
+ * thread pool: path policy, tokenizer, ring, pipeline; reply with the ring memfd as SCM_RIGHTS),
+ * detach/report, one producer thread per job, teardown (join off the loop thread). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "loaderd/server_priv.h"
+#include "proto/client.h"
+
+const char *const ld_job_state_name[] = {"running", "done", "stopped", "failed"};
+
+typedef struct {
+    uv_work_t w;
+    server *s;
+    conn *c;
+    cfg_ref *cfg;
+    json_t *job_obj; /* deep copy, owned by the request */
+    uint32_t rank, world;
+    int has_resume;
+    uint8_t resume[BT_RESUME_STATE_BYTES];
+    job *j; /* result */
+    char err[512];
+} attach_req;
+
+/* ------------------------------------------------------------------ tokenizer cache */
+
+static tok_entry *tok_get(server *s, const char *path, char *err, size_t errlen) {
+    pthread_mutex_lock(&s->tok_mu);
+    tok_entry *e = s->toks;
+    while (e && strcmp(e->path, path)) e = e->next;
+    if (!e) {
+        bt_tokenizer *t = NULL;
+        double t0 = bt_now();
+        int rc = bt_tokenizer_load(&t, path);
+        if (rc) {
+            snprintf(err, errlen, "tokenizer %s: %s", path, bt_last_error());
+            pthread_mutex_unlock(&s->tok_mu);
+            return NULL;
+        }
+        bt_log(BT_LOG_INFO, LOGC, "loaded tokenizer %s (vocab %d) in %.2f s", path, bt_tokenizer_vocab_size(t),
+               bt_now() - t0);
+        e = bt_xcalloc(1, sizeof *e);
+        e->path = bt_xstrdup(path);
+        e->tok = t;
+        e->next = s->toks;
+        s->toks = e;
+    }
+    e->refs++;
+    pthread_mutex_unlock(&s->tok_mu);
+    return e;
+}
+
+void ld_tok_put(server *s, tok_entry *e) {
+    if (!e) return;
+    pthread_mutex_lock(&s->tok_mu);
+    if (--e->refs == 0) {
+        for (tok_entry **pp = &s->toks; *pp; pp = &(*pp)->next)
+            if (*pp == e) {
+                *pp = e->next;
+                break;
+            }
+        bt_tokenizer_free(e->tok);
+        free(e->path);
+        free(e);
+    }
+    pthread_mutex_unlock(&s->tok_mu);
+}
+
+/* ------------------------------------------------------------------ producer, teardown */
+
+static void *producer_main(void *arg) {
+    job *j = arg;
+    uint8_t *priv = bt_aligned_alloc(j->ring.slot_bytes);
+    int state = JOB_STOPPED;
+    if (!priv) {
+        snprintf(j->err, sizeof j->err, "out of memory for a %zu-byte batch", j->ring.slot_bytes);
+        state = JOB_FAILED;
+    }
+    bt_batch_view v;
+    if (priv) bt_batch_view_init(&v, priv, j->B, j->T);
+    int produced = 0, rc = 0; /* produced: priv holds a batch not yet in the ring */
+    while (priv && !atomic_load(&j->stop)) {
+        if (!produced) {
+            rc = ld_pipeline_next(j->pipe, &v, j->id);
+            if (rc < 0) {
+                snprintf(j->err, sizeof j->err, "pipeline: %s", bt_last_error());
+                state = JOB_FAILED;
+                break;
+            }
+            produced = 1;
+        }
+        void *slot = bt_ring_producer_acquire(&j->ring, 1000);
+        if (!slot) {
+            if (j->ring.err == BT_ERR_TIMEOUT) continue;
+            if (j->ring.err == BT_ERR_FORMAT) {
+                snprintf(j->err, sizeof j->err, "%s", bt_last_error());
+                state = JOB_FAILED;
+            }
+            break; /* consumer closed */
+        }
+        memcpy(slot, priv, j->ring.slot_bytes);
+        bt_ring_producer_commit(&j->ring);
+        produced = 0;
+        if (rc == 1) {
+            state = JOB_DONE;
+            break;
+        }
+    }
+    bt_ring_producer_close(&j->ring);
+    free(priv);
+    if (state == JOB_FAILED) bt_log(BT_LOG_ERROR, LOGC, "job %u (%s rank %u): %s", j->id, j->spec.name, j->rank, j->err);
+    else if (state == JOB_DONE) bt_log(BT_LOG_INFO, LOGC, "job %u (%s rank %u): end of data", j->id, j->spec.name, j->rank);
+    atomic_store(&j->state, state);
+    return NULL;
+}
+
+void ld_job_free(job *j) {
+    if (j->pipe) ld_pipeline_free(j->pipe);
+    if (j->ring.hdr) bt_ring_close(&j->ring);
+    ld_tok_put(j->s, j->tok);
+    ld_job_spec_free(&j->spec);
+    free(j);
+}
+
+static void teardown_work(uv_work_t *w) {
+    job *j = w->data;
+    if (j->thread_started) pthread_join(j->thread, NULL);
+    if (j->pipe) ld_pipeline_free(j->pipe);
+    j->pipe = NULL;
+}
+
+void ld_check_drained(server *s) {
+    if (s->draining && !s->stopping && !s->jobs && !s->n_attaching) ld_srv_stop(s, "drained: no jobs left");
+}
+
+static void teardown_done(uv_work_t *w, int status) {
+    job *j = w->data;
+    server *s = j->s;
+    ld_job_free(j);
+    ld_check_drained(s);
+}
+
+uint32_t ld_job_count(const server *s) {
+    uint32_t n = 0;
+    for (const job *j = s->jobs; j; j = j->next) n++;
+    return n;
+}
+
+void ld_job_teardown(job *j) {
+    server *s = j->s;
+    for (job **pp = &s->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == j) {
+            *pp = j->next;
+            break;
+        }
+    ld_job_observe_consumer(j, bt_now());
+    bt_log(BT_LOG_INFO, LOGC, "job %u (%s rank %u/%u) detached after %.1f s: %llu batches, %llu consumed, %llu docs",
+           j->id, j->spec.name, j->rank, j->world, bt_now() - j->t_attach,
+           (unsigned long long)atomic_load(&j->stats.batches), (unsigned long long)j->consumed,
+           (unsigned long long)atomic_load(&j->stats.docs));
+    j->owner = NULL;
+    atomic_store(&j->stop, 1);
+    bt_ring_consumer_close(&j->ring); /* wakes a producer blocked on a full ring */
+    j->teardown.data = j;
+    if (uv_queue_work(s->loop, &j->teardown, teardown_work, teardown_done) != 0) {
+        teardown_work(&j->teardown); /* cannot happen with a live loop; stay correct anyway */
+        teardown_done(&j->teardown, 0);
+    }
+}
+
+/* ------------------------------------------------------------------ attach */
+
+/* Resolve one "shards" array (object `holder`, key "shards") with the path policy and replace it
+ * by the resolved, glob-escaped paths. `where` names it in messages ("shards",
+ * "datasets[1].shards"). Adds the file count to *n_total. 0, or 1 with r->err set. */
+static int resolve_shards_in(attach_req *r, json_t *holder, const char *where, int *n_total) {
+    json_t *sh = json_object_get(holder, "shards");
+    if (!json_is_array(sh) || json_array_size(sh) == 0 || json_array_size(sh) > 100000) {
+        snprintf(r->err, sizeof r->err, "job spec: \"%s\": expected a non-empty array of absolute paths/globs", where);
+        return 1;
+    }
+    int n_pats = (int)json_array_size(sh), n_files = 0, rc = 0;
+    char **pats = bt_xcalloc((size_t)n_pats, sizeof *pats), **files = NULL;
+    for (int i = 0; i < n_pats && !rc; i++) {
+        const char *p = json_string_value(json_array_get(sh, (size_t)i));
+        if (!p) {
+            snprintf(r->err, sizeof r->err, "job spec: \"%s\"[%d]: expected a string", where, i);
+            rc = 1;
+        } else {
+            pats[i] = bt_xstrdup(p);
+        }
+    }
+    if (!rc && ld_resolve_shards(&r->cfg->c, pats, n_pats, &files, &n_files)) {
+        snprintf(r->err, sizeof r->err, "%s", bt_last_error());
+        rc = 1;
+    }
+    if (!rc) {
+        json_t *arr = json_array();
+        for (int i = 0; i < n_files; i++) json_array_append_new(arr, json_string(files[i]));
+        json_object_set_new(holder, "shards", arr);
+        *n_total += n_files;
+    }
+    ld_free_strv(files, n_files);
+    ld_free_strv(pats, n_pats);
+    return rc;
+}
+
+/* Thread pool: everything slow about an attach. On failure req->err is set, req->j NULL.
+ * The pipeline only ever sees paths that passed the policy: every "shards" (top level and in
+ * each of "datasets") and "tokenizer" are replaced by their resolved forms. */
+static void attach_work(uv_work_t *w) {
+    attach_req *r = w->data;
+    const ld_config *cfg = &r->cfg->c;
+    json_t *o = r->job_obj;
+    char *tokpath = NULL, *text = NULL;
+    int n_files = 0;
+    job *j = NULL;
+    json_t *ds = json_object_get(o, "datasets");
+    const char *tk = json_string_value(json_object_get(o, "tokenizer"));
+    if (ds) {
+        if (!json_is_array(ds) || json_array_size(ds) == 0 || json_array_size(ds) > 64) {
+            snprintf(r->err, sizeof r->err, "job spec: \"datasets\": expected a non-empty array of dataset objects");
+            goto out;
+        }
+        for (size_t i = 0; i < json_array_size(ds); i++) {
+            json_t *d = json_array_get(ds, i);
+            char where[64];
+            snprintf(where, sizeof where, "datasets[%zu].shards", i);
+            if (!json_is_object(d)) {
+                snprintf(r->err, sizeof r->err, "job spec: \"datasets\"[%zu]: expected an object", i);
+                goto out;
+            }
+            if (resolve_shards_in(r, d, where, &n_files)) goto out;
+        }
+    }
+    if ((!ds || json_object_get(o, "shards")) && resolve_shards_in(r, o, "shards", &n_files)) goto out;
+    if (!tk) {
+        snprintf(r->err, sizeof r->err, "job spec: \"tokenizer\": required (absolute path of a .gguf)");
+        goto out;
+    }
+    if (ld_resolve_tokenizer(cfg, tk, &tokpath)) {
+        snprintf(r->err, sizeof r->err, "%s", bt_last_error());
+        goto out;
+    }
+    json_object_set_new(o, "tokenizer", json_string(tokpath));
+    json_t *rs = json_object_get(o, "ring_slots");
+    json_t *tt = json_object_get(o, "tokenizer_threads");
+    uint32_t slots = cfg->ring_slots;
+    if (rs) {
+        if (!json_is_integer(rs) || json_integer_value(rs) < 1 || json_integer_value(rs) > 1024) {
+            snprintf(r->err, sizeof r->err, "job spec: \"ring_slots\": expected an integer in [1, 1024]");
+            goto out;
+        }
+        slots = (uint32_t)json_integer_value(rs);
+    }
+    text = json_dumps(o, JSON_COMPACT);
+    j = bt_xcalloc(1, sizeof *j);
+    j->s = r->s;
+    j->ring.fd = -1;
+    if (!text || ld_job_spec_parse(&j->spec, text, r->err, sizeof r->err)) {
+        if (!text) snprintf(r->err, sizeof r->err, "job spec: cannot re-encode");
+        free(j);
+        j = NULL;
+        goto out;
+    }
+    j->spec.rank = r->rank;
+    j->spec.world_size = r->world;
+    if (!json_is_integer(tt) || j->spec.n_threads > cfg->tokenizer_threads) j->spec.n_threads = cfg->tokenizer_threads;
+    j->B = j->spec.B;
+    j->T = j->spec.T;
+    j->rank = r->rank;
+    j->world = r->world;
+    j->slots = slots;
+    j->n_shards = n_files;
+    size_t sb = bt_batch_slot_bytes(j->B, j->T);
+    if (sb == 0 || (uint64_t)sb * slots > cfg->max_ring_bytes) {
+        snprintf(r->err, sizeof r->err, "ring of %u slots x %ux%u tokens (%llu bytes) exceeds max_ring_bytes %llu",
+                 slots, j->B, j->T, (unsigned long long)sb * slots, (unsigned long long)cfg->max_ring_bytes);
+        goto fail_job;
+    }
+    if (!(j->tok = tok_get(r->s, j->spec.tokenizer, r->err, sizeof r->err))) goto fail_job;
+    j->vocab = bt_tokenizer_vocab_size(j->tok->tok);
+    if (bt_ring_create(&j->ring, slots, j->B, j->T)) {
+        snprintf(r->err, sizeof r->err, "%s", bt_last_error());
+        goto fail_job;
+    }
+    if (ld_pipeline_new(&j->pipe, &j->spec, j->tok->tok, r->has_resume ? r->resume : NULL, &j->stats)) {
+        snprintf(r->err, sizeof r->err, "%s", bt_last_error());
+        j->pipe = NULL;
+        goto fail_job;
+    }
+    r->j = j;
+    goto out;
+fail_job:
+    r->j = NULL;
+    ld_job_free(j); /* ld_tok_put is thread-safe; nothing else in j is shared yet */
+out:
+    free(text);
+    free(tokpath);
+}
+
+/* Send the attach reply with the ring fd as SCM_RIGHTS on the same bytes. 0 on success. */
+static int send_with_fd(conn *c, const char *text, size_t n, int fd) {
+    uv_os_fd_t sock;
+    if (uv_stream_get_write_queue_size((uv_stream_t *)&c->h) != 0)
+        return bt_fail(BT_ERR_IO, "client has unread replies queued");
+    if (uv_fileno((uv_handle_t *)&c->h, &sock) != 0) return bt_fail(BT_ERR_IO, "no socket");
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } u;
+    memset(&u, 0, sizeof u);
+    struct iovec iov = {.iov_base = (void *)text, .iov_len = n};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b, .msg_controllen = sizeof u.b};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+    ssize_t w;
+    do w = sendmsg(sock, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (w < 0 && errno == EINTR);
+    if (w < 0) return bt_fail(BT_ERR_IO, "sendmsg: %s", strerror(errno));
+    if ((size_t)w < n) { /* the fd went with the first bytes; queue the rest in order */
+        size_t rest = n - (size_t)w;
+        char *copy = bt_xmalloc(rest);
+        memcpy(copy, text + w, rest);
+        ld_conn_write(c, copy, rest);
+    }
+    return BT_OK;
+}
+
+static void attach_reply(conn *c, job *j) {
+    json_t *rep = json_pack("{s:b, s:s, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I}", "ok", 1, "op", "attach", "job_id",
+                            (json_int_t)j->id, "B", (json_int_t)j->B, "T", (json_int_t)j->T, "slots",
+                            (json_int_t)j->slots, "vocab", (json_int_t)j->vocab, "name", j->spec.name, "slot_bytes",
+                            (json_int_t)j->ring.slot_bytes, "shards", (json_int_t)j->n_shards);
+    json_object_set_new(rep, "v", json_integer(BT_PROTO_VERSION));
+    char *text = json_dumps(rep, JSON_COMPACT | JSON_ENSURE_ASCII);
+    json_decref(rep);
+    size_t n = text ? strlen(text) : 0;
+    if (text) {
+        text = bt_xrealloc(text, n + 2);
+        text[n++] = '\n';
+        text[n] = 0;
+    }
+    if (!text || send_with_fd(c, text, n, j->ring.fd)) {
+        bt_log(BT_LOG_WARN, LOGC, "attach reply to pid %d failed: %s", (int)c->cred.pid, bt_last_error());
+        free(text);
+        ld_conn_close_now(c); /* tears the job down */
+        return;
+    }
+    free(text);
+    bt_log(BT_LOG_INFO, LOGC,
+           "job %u attached: \"%s\" rank %u/%u B=%u T=%u slots=%u shards=%d tokenizer=%s peer pid=%d uid=%u gid=%u",
+           j->id, j->spec.name, j->rank, j->world, j->B, j->T, j->slots, j->n_shards, j->spec.tokenizer,
+           (int)c->cred.pid, (unsigned)c->cred.uid, (unsigned)c->cred.gid);
+}
+
+static void attach_done(uv_work_t *w, int status) {
+    attach_req *r = w->data;
+    server *s = r->s;
+    conn *c = r->c;
+    job *j = r->j;
+    s->n_attaching--;
+    c->pending--;
+    c->busy = 0;
+    c->t_active = bt_now();
+    if (!j) {
+        bt_log(BT_LOG_WARN, LOGC, "attach refused for pid %d uid %u: %s", (int)c->cred.pid, (unsigned)c->cred.uid,
+               r->err);
+        if (!c->closing) ld_conn_reply_error(c, "attach", "%s", r->err);
+    } else if (c->closing || s->stopping) {
+        ld_job_free(j);
+    } else {
+        j->id = s->next_job_id++;
+        j->owner = c;
+        j->peer = c->cred;
+        j->t_attach = j->last_t = j->t_last_take = bt_now();
+        if (pthread_create(&j->thread, NULL, producer_main, j) != 0) {
+            ld_conn_reply_error(c, "attach", "cannot start a producer thread");
+            ld_job_free(j);
+        } else {
+            j->thread_started = 1;
+            j->next = s->jobs;
+            s->jobs = j;
+            attach_reply(c, j);
+        }
+    }
+    json_decref(r->job_obj);
+    ld_cfg_put(r->cfg);
+    free(r);
+    if (c->handle_closed) ld_conn_maybe_free(c);
+    else if (!c->closing) ld_conn_process(c);
+    ld_check_drained(s);
+}
+
+void ld_op_attach(conn *c, ld_request *rq) {
+    server *s = c->s;
+    if (s->draining || s->stopping) {
+        ld_conn_reply_error(c, "attach", "loaderd is draining: no new attaches");
+        return;
+    }
+    if (ld_job_count(s) + s->n_attaching >= s->cfg->c.max_jobs) {
+        bt_log(BT_LOG_WARN, LOGC, "attach refused for pid %d uid %u: max_jobs %u reached", (int)c->cred.pid,
+               (unsigned)c->cred.uid, s->cfg->c.max_jobs);
+        ld_conn_reply_error(c, "attach", "too many jobs (max_jobs %u)", s->cfg->c.max_jobs);
+        return;
+    }
+    attach_req *r = bt_xcalloc(1, sizeof *r);
+    r->w.data = r;
+    r->s = s;
+    r->c = c;
+    r->cfg = s->cfg;
+    s->cfg->refs++;
+    r->job_obj = json_deep_copy(rq->job);
+    r->rank = rq->rank;
+    r->world = rq->world;
+    r->has_resume = rq->has_resume;
+    memcpy(r->resume, rq->resume, sizeof r->resume);
+    if (!r->job_obj || uv_queue_work(s->loop, &r->w, attach_work, attach_done) != 0) {
+        json_decref(r->job_obj);
+        ld_cfg_put(r->cfg);
+        free(r);
+        ld_conn_reply_error(c, "attach", "cannot queue the attach");
+        return;
+    }
+    c->busy = 1;
+    c->pending++;
+    s->n_attaching++;
+}
+
+/* ------------------------------------------------------------------ detach, report */
+
+static job *find_own_job(conn *c, ld_request *rq, const char *op) {
+    for (job *j = c->s->jobs; j; j = j->next) {
+        if (j->owner != c) continue;
+        if (!rq->has_job_id || rq->job_id == j->id) return j;
+    }
+    ld_conn_reply_error(c, op, rq->has_job_id ? "no job with this \"job_id\" is attached on this connection"
+                                              : "no job is attached on this connection");
+    return NULL;
+}
+
+void ld_op_detach(conn *c, ld_request *rq) {
+    job *j = find_own_job(c, rq, "detach");
+    if (!j) return;
+    uint32_t id = j->id;
+    ld_job_teardown(j);
+    ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", "detach", "job_id", (json_int_t)id));
+}
+
+void ld_op_report(conn *c, ld_request *rq) {
+    job *j = find_own_job(c, rq, "report");
+    if (!j) return;
+    j->has_report = 1;
+    j->rep_step = rq->step;
+    j->rep_loss = rq->loss;
+    j->rep_tps = rq->tokens_per_s;
+    j->rep_t = bt_now();
+    ld_conn_send(c, json_pack("{s:b, s:s}", "ok", 1, "op", "report"));
+}

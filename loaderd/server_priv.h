@@ -1,0 +1,172 @@
+/* loaderd control server internals shared by server.c (lifecycle: config, signals, timers,
+ * systemd), server_conn.c (connections: reading, limits, peer checks, timeouts, dispatch,
+ * replies), server_jobs.c (tokenizer cache, attach/detach/report, producer threads, teardown)
+ * and server_status.c (status/jobs/metrics rendering, drain, rate ticks). Not a public API.
+ *
+ * Threads: the libuv loop thread owns every connection, the job list and the configuration;
+ * attach preparation (path resolution, tokenizer load, ring and pipeline creation) and job
+ * teardown (joining the producer) run on the libuv thread pool; each job has one producer
+ * thread that only touches its own pipeline, ring, stats (atomics) and state word.
+ * The ring memory is shared with a possibly hostile trainer: the producer builds each batch in
+ * private memory and copies it into the slot, so nothing the trainer writes is ever read back
+ * except the consumer's tail, which is range-checked. */
+#ifndef LD_SERVER_PRIV_H
+#define LD_SERVER_PRIV_H
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <uv.h>
+
+#include "common/tokenizer.h"
+#include "loaderd/config.h"
+#include "loaderd/pipeline.h"
+#include "loaderd/server_proto.h"
+#include "proto/batch.h"
+#include "proto/ring.h"
+
+#define LOGC "loaderd"
+#define READ_CHUNK 65536
+#define WRITE_HIGH_WATER (4u << 20) /* pause reading a client whose replies pile up */
+#define RATE_TAU_S 5.0              /* EWMA time constant of docs/s and tokens/s */
+#define STOP_GRACE_MS 3000          /* force-close clients that do not read their last reply */
+#define MAX_PEER_GROUPS 256         /* supplementary groups read with SO_PEERGROUPS */
+
+enum { JOB_RUNNING = 0, JOB_DONE, JOB_STOPPED, JOB_FAILED };
+extern const char *const ld_job_state_name[];
+
+enum { REFUSE_MAX_CLIENTS = 0, REFUSE_PERMISSION, REFUSE_TIMEOUT, REFUSE_TOO_LONG, REFUSE_N };
+extern const char *const ld_refuse_name[];
+
+typedef struct cfg_ref {
+    ld_config c;
+    int refs; /* loop thread only */
+} cfg_ref;
+
+typedef struct tok_entry {
+    char *path;
+    bt_tokenizer *tok;
+    int refs;
+    struct tok_entry *next;
+} tok_entry;
+
+struct server;
+struct conn;
+
+typedef struct job {
+    struct server *s;
+    struct conn *owner; /* NULL once torn down */
+    uint32_t id, rank, world, B, T, slots;
+    ld_job_spec spec;
+    tok_entry *tok;
+    bt_ring ring;
+    ld_pipeline *pipe;
+    ld_stats stats;
+    pthread_t thread;
+    int thread_started;
+    _Atomic int stop;
+    _Atomic int state;
+    char err[256]; /* written by the producer before state becomes JOB_FAILED */
+    struct ucred peer;
+    double t_attach;
+    int32_t vocab;
+    int n_shards;
+    /* rates and consumer progress (loop thread) */
+    double last_t, docs_rate, tok_rate;
+    uint64_t last_docs, last_tokens;
+    uint64_t consumed;  /* batches the trainer released (ring tail, range-checked) */
+    double t_last_take; /* when `consumed` last moved (attach time until the first) */
+    /* last trainer report */
+    int has_report;
+    uint64_t rep_step;
+    double rep_loss, rep_tps, rep_t;
+    struct job *next;
+    uv_work_t teardown;
+} job;
+
+typedef struct conn {
+    uv_pipe_t h; /* first: handle pointers cast back to conn */
+    struct server *s;
+    char *buf;
+    size_t start, len, cap; /* unconsumed bytes are buf[start, len) */
+    int busy;               /* an attach is being prepared: requests wait */
+    int closing;
+    int paused;             /* reading stopped for backpressure */
+    int pending;            /* thread-pool requests still pointing at this conn */
+    int handle_closed;
+    struct ucred cred;
+    double t_active;        /* last complete request (or accept) */
+    double t_partial;       /* when the pending partial line started; 0 = none */
+    uv_shutdown_t sreq;
+    struct conn *next, *prev;
+} conn;
+
+typedef struct server {
+    uv_loop_t *loop;
+    uv_pipe_t listener;
+    uv_signal_t sig_term, sig_int, sig_hup;
+    uv_timer_t tick, watchdog, stop_timer;
+    cfg_ref *cfg;
+    const char *config_path;
+    const char *socket_override;
+    char *socket_path; /* bound path */
+    double t_start;
+    int stopping, draining, listening, watchdog_on;
+    uint32_t next_job_id;
+    uint32_t n_clients, n_attaching, ticks;
+    job *jobs;
+    conn *conns;
+    pthread_mutex_t tok_mu;
+    tok_entry *toks;
+    uint64_t connections_total, requests_total, bad_requests_total;
+    uint64_t refused[REFUSE_N];
+    double t_reload;     /* last successful reload (0: never) */
+    uint64_t reloads_total, reload_failures_total;
+} server;
+
+/* server.c */
+void ld_srv_stop(server *s, const char *why);
+void ld_cfg_put(cfg_ref *r);
+
+/* server_conn.c */
+void ld_conn_on_connection(uv_stream_t *ls, int status);
+/* Queue `msg` (reference stolen) as one reply line ("v" added). */
+void ld_conn_send(conn *c, json_t *msg);
+/* Queue {"ok":false,"error":...,"op"?}; returns 0. */
+int ld_conn_reply_error(conn *c, const char *op, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Queue raw bytes (malloc'd, ownership taken). */
+void ld_conn_write(conn *c, char *data, size_t n);
+/* Stop reading, let queued replies drain, then close. */
+void ld_conn_finish(conn *c);
+/* Close at once (tears down the connection's jobs). */
+void ld_conn_close_now(conn *c);
+/* Handle buffered complete lines (after an attach finished or backpressure eased). */
+void ld_conn_process(conn *c);
+/* Release a connection whose handle closed once no pool request points at it. */
+void ld_conn_maybe_free(conn *c);
+/* Close connections idle / stuck in a partial line beyond client_timeout_s (tick). */
+void ld_conn_check_timeouts(server *s, double now);
+
+/* server_jobs.c */
+void ld_tok_put(server *s, tok_entry *e);
+void ld_job_teardown(job *j);
+void ld_job_free(job *j);
+uint32_t ld_job_count(const server *s);
+void ld_op_attach(conn *c, ld_request *rq);
+void ld_op_detach(conn *c, ld_request *rq);
+void ld_op_report(conn *c, ld_request *rq);
+/* Stop when draining and nothing is left. */
+void ld_check_drained(server *s);
+
+/* server_status.c */
+void ld_op_status(conn *c, int full);
+void ld_op_metrics(conn *c);
+void ld_op_drain(conn *c);
+void ld_op_hello(conn *c);
+/* Refresh rates and consumer progress of every job (1 s tick); returns total tokens/s. */
+double ld_jobs_tick(server *s, double now);
+/* Update j->consumed / j->t_last_take from the ring (loop thread). */
+void ld_job_observe_consumer(job *j, double now);
+
+#endif

@@ -1,0 +1,117 @@
+/* loaderd control protocol request parsing (contract: loaderd/server_proto.h). */
+#include "loaderd/server_proto.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "loaderd/config.h"
+#include "proto/client.h"
+
+static const char *op_names[LD_OP_N] = {"hello", "attach", "detach", "report", "status", "jobs", "metrics", "drain"};
+
+const char *ld_op_name(ld_op op) { return (unsigned)op < LD_OP_N ? op_names[op] : "?"; }
+
+const char *ld_op_list(void) { return "hello, attach, detach, report, status, jobs, metrics, drain"; }
+
+static int bad(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int bad(char *err, size_t errlen, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return 1;
+}
+
+static int hexval(char ch) {
+    if (ch >= '0' && ch <= '9') return ch - '0';
+    if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
+    if (ch >= 'A' && ch <= 'F') return ch - 'A' + 10;
+    return -1;
+}
+
+static int parse_job_id(ld_request *r, char *err, size_t errlen) {
+    json_t *id = json_object_get(r->root, "job_id");
+    if (!id || json_is_null(id)) return 0;
+    if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) > (json_int_t)UINT32_MAX)
+        return bad(err, errlen, "\"job_id\": expected a non-negative integer");
+    r->has_job_id = 1;
+    r->job_id = (uint32_t)json_integer_value(id);
+    return 0;
+}
+
+static int parse_attach(ld_request *r, char *err, size_t errlen) {
+    json_t *jo = json_object_get(r->root, "job");
+    json_t *rk = json_object_get(r->root, "rank"), *ws = json_object_get(r->root, "world_size");
+    json_t *rs = json_object_get(r->root, "resume");
+    if (!json_is_object(jo)) return bad(err, errlen, "\"job\": expected the job spec object");
+    if (rk && (!json_is_integer(rk) || json_integer_value(rk) < 0 || json_integer_value(rk) > 65535))
+        return bad(err, errlen, "\"rank\": expected an integer in [0, 65535]");
+    if (ws && (!json_is_integer(ws) || json_integer_value(ws) < 1 || json_integer_value(ws) > 65536))
+        return bad(err, errlen, "\"world_size\": expected an integer in [1, 65536]");
+    r->rank = rk ? (uint32_t)json_integer_value(rk) : 0;
+    r->world = ws ? (uint32_t)json_integer_value(ws) : 1;
+    if (r->rank >= r->world) return bad(err, errlen, "\"rank\" %u must be below \"world_size\" %u", r->rank, r->world);
+    if (rs && !json_is_null(rs)) {
+        const char *hx = json_string_value(rs);
+        if (!hx || json_string_length(rs) != 2 * BT_RESUME_STATE_BYTES)
+            return bad(err, errlen, "\"resume\": expected %u hex digits", 2 * BT_RESUME_STATE_BYTES);
+        for (unsigned i = 0; i < BT_RESUME_STATE_BYTES; i++) {
+            int hi = hexval(hx[2 * i]), lo = hexval(hx[2 * i + 1]);
+            if (hi < 0 || lo < 0) return bad(err, errlen, "\"resume\": not a hex string");
+            r->resume[i] = (uint8_t)(hi << 4 | lo);
+        }
+        r->has_resume = 1;
+    }
+    r->job = jo;
+    return 0;
+}
+
+static int parse_report(ld_request *r, char *err, size_t errlen) {
+    json_t *st = json_object_get(r->root, "step"), *lo = json_object_get(r->root, "loss"),
+           *tp = json_object_get(r->root, "tokens_per_s");
+    if (!json_is_integer(st) || json_integer_value(st) < 0)
+        return bad(err, errlen, "\"step\": expected a non-negative integer");
+    if ((lo && !json_is_number(lo) && !json_is_null(lo)) || (tp && !json_is_number(tp) && !json_is_null(tp)))
+        return bad(err, errlen, "\"loss\" and \"tokens_per_s\": expected numbers (or null)");
+    r->step = (uint64_t)json_integer_value(st);
+    r->loss = json_is_number(lo) ? json_number_value(lo) : NAN;
+    r->tokens_per_s = json_is_number(tp) ? json_number_value(tp) : NAN;
+    return parse_job_id(r, err, errlen);
+}
+
+int ld_request_parse(ld_request *r, const char *p, size_t n, unsigned max_depth, char *err, size_t errlen) {
+    memset(r, 0, sizeof *r);
+    r->op = LD_OP_N;
+    r->loss = r->tokens_per_s = NAN;
+    if (errlen) err[0] = 0;
+    if (!ld_json_depth_ok(p, n, max_depth)) return bad(err, errlen, "request nested deeper than %u levels", max_depth);
+    json_error_t e;
+    r->root = json_loadb(p, n, JSON_REJECT_DUPLICATES, &e);
+    if (!r->root) return bad(err, errlen, "invalid JSON at column %d: %s", e.column, e.text);
+    if (!json_is_object(r->root)) return bad(err, errlen, "request must be a JSON object");
+    json_t *v = json_object_get(r->root, "v");
+    r->op_name = json_string_value(json_object_get(r->root, "op"));
+    if (r->op_name)
+        for (int i = 0; i < LD_OP_N; i++)
+            if (!strcmp(r->op_name, op_names[i])) r->op = (ld_op)i;
+    if (!json_is_integer(v) || json_integer_value(v) != BT_PROTO_VERSION)
+        return bad(err, errlen, "unsupported or missing protocol version \"v\" (this loaderd speaks %d)",
+                   BT_PROTO_VERSION);
+    if (!r->op_name) return bad(err, errlen, "missing \"op\" (%s)", ld_op_list());
+    switch (r->op) {
+    case LD_OP_ATTACH: return parse_attach(r, err, errlen);
+    case LD_OP_DETACH: return parse_job_id(r, err, errlen);
+    case LD_OP_REPORT: return parse_report(r, err, errlen);
+    case LD_OP_N: return bad(err, errlen, "unknown op (%s)", ld_op_list());
+    default: return 0;
+    }
+}
+
+void ld_request_free(ld_request *r) {
+    json_decref(r->root);
+    r->root = NULL;
+    r->job = NULL;
+    r->op_name = NULL;
+}

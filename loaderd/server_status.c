@@ -1,0 +1,308 @@
+/* loaderd control server: what operators see (internals: loaderd/server_priv.h, protocol:
+ * proto/PROTOCOL.md §1 "status, jobs, metrics, drain, hello"). status/jobs JSON, Prometheus
+ * text exposition 0.0.4 (prometheus.io "Exposition formats": # HELP / # TYPE before the samples,
+ * label values escaped \\ \" \n), drain, hello, and the 1 s tick that keeps the EWMA rates and
+ * the consumer progress. Loop thread only; job counters are atomics written by producers. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "loaderd/server_priv.h"
+#include "proto/client.h"
+
+/* ------------------------------------------------------------------ per-job figures */
+
+void ld_job_observe_consumer(job *j, double now) {
+    if (!j->ring.hdr) return;
+    /* head is ours; tail is the trainer's and only trusted when it is possible */
+    uint64_t head = atomic_load_explicit(&j->ring.hdr->head, memory_order_acquire);
+    uint64_t tail = atomic_load_explicit(&j->ring.hdr->tail, memory_order_acquire);
+    if (tail > head || head - tail > j->slots || tail < j->consumed) return;
+    if (tail != j->consumed) {
+        j->consumed = tail;
+        j->t_last_take = now;
+    }
+}
+
+/* Batches produced by the pipeline (committed or waiting in the producer's hands) minus the
+ * batches the trainer released. */
+static uint64_t consumer_lag(job *j) {
+    uint64_t produced = atomic_load(&j->stats.batches);
+    return produced > j->consumed ? produced - j->consumed : 0;
+}
+
+static double packing_eff(job *j) {
+    uint64_t slot = atomic_load(&j->stats.slot_tokens);
+    return slot ? (double)atomic_load(&j->stats.tokens) / (double)slot : 0.0;
+}
+
+double ld_jobs_tick(server *s, double now) {
+    double tok_total = 0;
+    for (job *j = s->jobs; j; j = j->next) {
+        ld_job_observe_consumer(j, now);
+        double dt = now - j->last_t;
+        if (dt <= 0) continue;
+        uint64_t d = atomic_load(&j->stats.docs), k = atomic_load(&j->stats.tokens);
+        double a = 1.0 - exp(-dt / RATE_TAU_S);
+        j->docs_rate += a * ((double)(d - j->last_docs) / dt - j->docs_rate);
+        j->tok_rate += a * ((double)(k - j->last_tokens) / dt - j->tok_rate);
+        j->last_docs = d;
+        j->last_tokens = k;
+        j->last_t = now;
+        tok_total += j->tok_rate;
+    }
+    return tok_total;
+}
+
+/* ------------------------------------------------------------------ status, jobs */
+
+static json_t *num_or_null(double x) { return isfinite(x) ? json_real(x) : json_null(); }
+
+static json_t *job_json(job *j, int full, double now) {
+    int state = atomic_load(&j->state);
+    ld_job_observe_consumer(j, now);
+    json_t *o = json_pack("{s:I, s:s, s:I, s:I, s:s}", "job_id", (json_int_t)j->id, "name", j->spec.name, "rank",
+                          (json_int_t)j->rank, "world_size", (json_int_t)j->world, "state", ld_job_state_name[state]);
+    json_object_set_new(o, "peer_pid", json_integer(j->peer.pid));
+    json_object_set_new(o, "batches", json_integer((json_int_t)atomic_load(&j->stats.batches)));
+    json_object_set_new(o, "consumed", json_integer((json_int_t)j->consumed));
+    if (state == JOB_FAILED) json_object_set_new(o, "error", json_string(j->err));
+    if (!full) return o;
+    ld_stats *st = &j->stats;
+    json_t *bad = json_object();
+    uint64_t bad_total = 0;
+    for (int r = 0; r < LD_BAD_N; r++) {
+        uint64_t n = atomic_load(&st->bad[r]);
+        bad_total += n;
+        json_object_set_new(bad, ld_bad_reason_name(r), json_integer((json_int_t)n));
+    }
+#define U64(x) ((json_int_t)atomic_load(&(x)))
+    json_t *more = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:I, s:I, s:o, s:I, s:I, s:s, s:f}",
+                             "B", (json_int_t)j->B, "T", (json_int_t)j->T, "docs", U64(st->docs), "tokens",
+                             U64(st->tokens), "labelled_tokens", U64(st->labelled), "lines", U64(st->lines),
+                             "truncated", U64(st->truncated), "epoch", (json_int_t)atomic_load(&st->epoch),
+                             "docs_per_s", j->docs_rate, "tokens_per_s", j->tok_rate, "packing_efficiency",
+                             packing_eff(j), "ring_fill", (json_int_t)bt_ring_fill(&j->ring), "ring_slots",
+                             (json_int_t)j->slots, "bad_lines", bad, "bad_lines_total", (json_int_t)bad_total,
+                             "shards", (json_int_t)j->n_shards, "tokenizer", j->spec.tokenizer, "attached_s",
+                             now - j->t_attach);
+#undef U64
+    json_object_update(o, more);
+    json_decref(more);
+    json_object_set_new(o, "consumer_lag_batches", json_integer((json_int_t)consumer_lag(j)));
+    json_object_set_new(o, "consumer_idle_s", json_real(now - j->t_last_take));
+    json_object_set_new(o, "peer", json_pack("{s:i, s:I, s:I}", "pid", (int)j->peer.pid, "uid", (json_int_t)j->peer.uid,
+                                             "gid", (json_int_t)j->peer.gid));
+    if (j->has_report)
+        json_object_set_new(o, "trainer",
+                            json_pack("{s:I, s:o, s:o, s:f}", "step", (json_int_t)j->rep_step, "loss",
+                                      num_or_null(j->rep_loss), "tokens_per_s", num_or_null(j->rep_tps), "age_s",
+                                      now - j->rep_t));
+    else json_object_set_new(o, "trainer", json_null());
+    return o;
+}
+
+void ld_op_status(conn *c, int full) {
+    server *s = c->s;
+    double now = bt_now();
+    json_t *arr = json_array();
+    for (job *j = s->jobs; j; j = j->next) json_array_append_new(arr, job_json(j, full, now));
+    json_t *r = json_pack("{s:b, s:s, s:o}", "ok", 1, "op", full ? "status" : "jobs", "jobs", arr);
+    if (full) {
+        int n_tok = 0;
+        pthread_mutex_lock(&s->tok_mu);
+        for (tok_entry *e = s->toks; e; e = e->next) n_tok++;
+        pthread_mutex_unlock(&s->tok_mu);
+        json_t *refused = json_object();
+        for (int i = 0; i < REFUSE_N; i++)
+            json_object_set_new(refused, ld_refuse_name[i], json_integer((json_int_t)s->refused[i]));
+        json_object_set_new(r, "uptime_s", json_real(now - s->t_start));
+        json_object_set_new(r, "pid", json_integer(getpid()));
+        json_object_set_new(r, "socket", json_string(s->socket_path));
+        json_object_set_new(r, "draining", json_boolean(s->draining));
+        json_object_set_new(r, "clients", json_integer(s->n_clients));
+        json_object_set_new(r, "attaching", json_integer(s->n_attaching));
+        json_object_set_new(r, "tokenizers_cached", json_integer(n_tok));
+        json_object_set_new(r, "requests_total", json_integer((json_int_t)s->requests_total));
+        json_object_set_new(r, "bad_requests_total", json_integer((json_int_t)s->bad_requests_total));
+        json_object_set_new(r, "connections_total", json_integer((json_int_t)s->connections_total));
+        json_object_set_new(r, "refused", refused);
+        json_object_set_new(r, "reloads_total", json_integer((json_int_t)s->reloads_total));
+        json_object_set_new(r, "max_jobs", json_integer(s->cfg->c.max_jobs));
+        json_object_set_new(r, "max_clients", json_integer(s->cfg->c.max_clients));
+        json_object_set_new(r, "client_timeout_s", json_integer(s->cfg->c.client_timeout_s));
+    }
+    ld_conn_send(c, r);
+}
+
+/* ------------------------------------------------------------------ metrics */
+
+/* Prometheus label value escaping (exposition format: backslash, double quote, newline). */
+static void prom_label(FILE *f, const char *v) {
+    for (; *v; v++) {
+        if (*v == '\\') fputs("\\\\", f);
+        else if (*v == '"') fputs("\\\"", f);
+        else if (*v == '\n') fputs("\\n", f);
+        else fputc(*v, f);
+    }
+}
+
+static void prom_labels(FILE *f, job *j) {
+    fputs("{job=\"", f);
+    prom_label(f, j->spec.name);
+    fprintf(f, "\",job_id=\"%u\",rank=\"%u\"", j->id, j->rank);
+}
+
+static void prom_value(FILE *f, double x) {
+    if (isnan(x)) fputs(" NaN\n", f);
+    else if (isinf(x)) fprintf(f, " %s\n", x > 0 ? "+Inf" : "-Inf");
+    else fprintf(f, " %.17g\n", x);
+}
+
+typedef enum { M_DOCS, M_TOKENS, M_LABELLED, M_BATCHES, M_CONSUMED, M_LINES, M_TRUNC, M_EFF, M_FILL, M_SLOTS, M_LAG,
+               M_IDLE, M_DRATE, M_TRATE, M_EPOCH, M_STEP, M_LOSS, M_TTPS, M_N } metric_id;
+static const struct {
+    const char *name, *type, *help;
+} metrics[M_N] = {
+    {"loaderd_documents_total", "counter", "Documents accepted into packed rows."},
+    {"loaderd_tokens_total", "counter", "Real (non-padding) tokens packed."},
+    {"loaderd_labelled_tokens_total", "counter", "Tokens carrying a loss label."},
+    {"loaderd_batches_total", "counter", "Micro-batches produced."},
+    {"loaderd_batches_consumed_total", "counter", "Micro-batches the trainer released from its ring."},
+    {"loaderd_lines_total", "counter", "Input lines read."},
+    {"loaderd_truncated_documents_total", "counter", "Documents truncated to seq_len."},
+    {"loaderd_packing_efficiency", "gauge", "Real tokens / slot tokens (1 = no padding)."},
+    {"loaderd_ring_fill", "gauge", "Ring slots holding batches not yet consumed."},
+    {"loaderd_ring_slots", "gauge", "Ring capacity in slots."},
+    {"loaderd_consumer_lag_batches", "gauge", "Batches produced minus batches consumed by the trainer."},
+    {"loaderd_consumer_idle_seconds", "gauge", "Seconds since the trainer last took a batch (since attach if none)."},
+    {"loaderd_documents_per_second", "gauge", "Documents per second (EWMA, ~5 s)."},
+    {"loaderd_tokens_per_second", "gauge", "Tokenizer throughput: tokens tokenized and packed per second (EWMA, ~5 s)."},
+    {"loaderd_epoch", "gauge", "Current epoch of the job's stream."},
+    {"loaderd_trainer_step", "gauge", "Last step reported by the trainer."},
+    {"loaderd_trainer_loss", "gauge", "Last loss reported by the trainer."},
+    {"loaderd_trainer_tokens_per_second", "gauge", "Last tokens/s reported by the trainer."},
+};
+
+static double metric_value(job *j, metric_id m, double now) {
+    ld_stats *st = &j->stats;
+    switch (m) {
+    case M_DOCS: return (double)atomic_load(&st->docs);
+    case M_TOKENS: return (double)atomic_load(&st->tokens);
+    case M_LABELLED: return (double)atomic_load(&st->labelled);
+    case M_BATCHES: return (double)atomic_load(&st->batches);
+    case M_CONSUMED: return (double)j->consumed;
+    case M_LINES: return (double)atomic_load(&st->lines);
+    case M_TRUNC: return (double)atomic_load(&st->truncated);
+    case M_EFF: return packing_eff(j);
+    case M_FILL: return bt_ring_fill(&j->ring);
+    case M_SLOTS: return j->slots;
+    case M_LAG: return (double)consumer_lag(j);
+    case M_IDLE: return now - j->t_last_take;
+    case M_DRATE: return j->docs_rate;
+    case M_TRATE: return j->tok_rate;
+    case M_EPOCH: return atomic_load(&st->epoch);
+    case M_STEP: return j->has_report ? (double)j->rep_step : NAN;
+    case M_LOSS: return j->has_report ? j->rep_loss : NAN;
+    case M_TTPS: return j->has_report ? j->rep_tps : NAN;
+    default: return NAN;
+    }
+}
+
+void ld_op_metrics(conn *c) {
+    server *s = c->s;
+    double now = bt_now();
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) {
+        ld_conn_reply_error(c, "metrics", "out of memory");
+        return;
+    }
+    double tok_total = 0;
+    for (job *j = s->jobs; j; j = j->next) {
+        ld_job_observe_consumer(j, now);
+        tok_total += j->tok_rate;
+    }
+    const struct {
+        const char *name, *type, *help;
+        double v;
+    } glob[] = {
+        {"loaderd_uptime_seconds", "gauge", "Seconds since loaderd started.", now - s->t_start},
+        {"loaderd_clients", "gauge", "Connected control-socket clients.", s->n_clients},
+        {"loaderd_jobs", "gauge", "Attached jobs.", ld_job_count(s)},
+        {"loaderd_draining", "gauge", "1 while draining.", s->draining},
+        {"loaderd_connections_total", "counter", "Control-socket connections accepted.", (double)s->connections_total},
+        {"loaderd_requests_total", "counter", "Control requests received.", (double)s->requests_total},
+        {"loaderd_bad_requests_total", "counter", "Malformed control requests.", (double)s->bad_requests_total},
+        {"loaderd_reloads_total", "counter", "Successful configuration reloads (SIGHUP).", (double)s->reloads_total},
+        {"loaderd_tokenizer_tokens_per_second", "gauge", "Tokenizer throughput summed over all jobs (EWMA, ~5 s).",
+         tok_total},
+    };
+    for (size_t g = 0; g < sizeof glob / sizeof glob[0]; g++) {
+        fprintf(f, "# HELP %s %s\n# TYPE %s %s\n%s", glob[g].name, glob[g].help, glob[g].name, glob[g].type,
+                glob[g].name);
+        prom_value(f, glob[g].v);
+    }
+    fputs("# HELP loaderd_refused_connections_total Connections closed by loaderd, by reason.\n"
+          "# TYPE loaderd_refused_connections_total counter\n", f);
+    for (int i = 0; i < REFUSE_N; i++)
+        fprintf(f, "loaderd_refused_connections_total{reason=\"%s\"} %llu\n", ld_refuse_name[i],
+                (unsigned long long)s->refused[i]);
+    for (int m = 0; m < M_N; m++) {
+        fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", metrics[m].name, metrics[m].help, metrics[m].name, metrics[m].type);
+        for (job *j = s->jobs; j; j = j->next) {
+            double x = metric_value(j, (metric_id)m, now);
+            if (isnan(x) && m >= M_STEP) continue; /* no trainer report yet */
+            fputs(metrics[m].name, f);
+            prom_labels(f, j);
+            fputc('}', f);
+            prom_value(f, x);
+        }
+    }
+    fputs("# HELP loaderd_bad_lines_total Input lines skipped, by reason.\n# TYPE loaderd_bad_lines_total counter\n", f);
+    for (job *j = s->jobs; j; j = j->next)
+        for (int r = 0; r < LD_BAD_N; r++) {
+            fputs("loaderd_bad_lines_total", f);
+            prom_labels(f, j);
+            fprintf(f, ",reason=\"%s\"} %llu\n", ld_bad_reason_name(r), (unsigned long long)atomic_load(&j->stats.bad[r]));
+        }
+    fclose(f);
+    json_t *r = json_pack("{s:b, s:s, s:s, s:s%}", "ok", 1, "op", "metrics", "format", "prometheus-text-0.0.4",
+                          "text", text, len);
+    free(text);
+    ld_conn_send(c, r);
+}
+
+/* ------------------------------------------------------------------ drain, hello */
+
+void ld_op_drain(conn *c) {
+    server *s = c->s;
+    if (c->cred.pid == -1 || (c->cred.uid != 0 && c->cred.uid != geteuid())) {
+        bt_log(BT_LOG_WARN, LOGC, "drain refused for pid %d uid %u (root and loaderd's own user only)",
+               (int)c->cred.pid, (unsigned)c->cred.uid);
+        ld_conn_reply_error(c, "drain", "drain is allowed for root and loaderd's own user only");
+        return;
+    }
+    uint32_t n = ld_job_count(s);
+    if (!s->draining)
+        bt_log(BT_LOG_INFO, LOGC, "drain requested by pid %d uid %u: %u job(s) left", (int)c->cred.pid,
+               (unsigned)c->cred.uid, n);
+    s->draining = 1;
+    sd_notifyf(0, "STATUS=draining: %u job(s) left", n);
+    ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", "drain", "jobs", (json_int_t)n));
+    ld_check_drained(s);
+}
+
+void ld_op_hello(conn *c) {
+    json_t *ops = json_array();
+    for (int i = 0; i < LD_OP_N; i++) json_array_append_new(ops, json_string(ld_op_name((ld_op)i)));
+    ld_conn_send(c, json_pack("{s:b, s:s, s:i, s:i, s:i, s:i, s:o, s:I, s:I, s:I}", "ok", 1, "op", "hello", "proto",
+                              BT_PROTO_VERSION, "min_proto", BT_PROTO_VERSION, "ring_version", (int)BT_RING_VERSION,
+                              "batch_layout_version", (int)BT_BATCH_LAYOUT_VERSION, "ops", ops, "pid",
+                              (json_int_t)getpid(), "uid", (json_int_t)c->cred.uid, "gid", (json_int_t)c->cred.gid));
+}

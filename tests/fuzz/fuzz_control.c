@@ -1,0 +1,42 @@
+/* libFuzzer target: loaderd's control-protocol request handling without sockets
+ * (ld_request_parse, loaderd/server_proto.h: depth limit, JSON, version, op, per-op arguments).
+ * The input is split at '\n' like the server splits a connection's bytes into request lines;
+ * byte 0 picks the depth limit (2 + byte % 64).
+ * Invariants: never crashes or leaks; a rejected line has a message; an accepted one has a known
+ * op, and for attach a job object and rank < world_size, for report a step, and its job_id when
+ * given fits 32 bits; report numbers are finite or NaN (null). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fuzz_common.h"
+#include "loaderd/server_proto.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (size == 0) return 0;
+    unsigned depth = 2 + data[0] % 64;
+    const char *p = (const char *)data + 1, *end = (const char *)data + size;
+    while (p <= end) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        size_t n = nl ? (size_t)(nl - p) : (size_t)(end - p);
+        ld_request r;
+        char err[512];
+        int rc = ld_request_parse(&r, p, n, depth, err, sizeof err);
+        if (rc == 1) {
+            if (!err[0]) fuzz_fail("rejected request without a message");
+        } else if (rc == 0) {
+            if (r.op < 0 || r.op >= LD_OP_N || !r.op_name || strcmp(r.op_name, ld_op_name(r.op)) != 0)
+                fuzz_fail("accepted request with an unknown op");
+            if (r.op == LD_OP_ATTACH && (!json_is_object(r.job) || r.rank >= r.world))
+                fuzz_fail("accepted attach without a job object or with rank >= world_size");
+            if (r.op == LD_OP_REPORT && (isinf(r.loss) || isinf(r.tokens_per_s)))
+                fuzz_fail("accepted report with an infinite number");
+        } else {
+            fuzz_fail("unexpected return value");
+        }
+        ld_request_free(&r);
+        if (!nl) break;
+        p = nl + 1;
+    }
+    return 0;
+}

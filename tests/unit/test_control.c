@@ -1,0 +1,168 @@
+/* loaderd control protocol without sockets: ld_request_parse (loaderd/server_proto.h) for every
+ * op and the ways a request can be wrong, ld_peer_allowed and the allowed_users /
+ * allowed_groups / client_timeout_s configuration keys (loaderd/config.h). */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/bt_common.h"
+#include "loaderd/config.h"
+#include "loaderd/server_proto.h"
+
+static int parse(const char *line, ld_request *r, char *err) {
+    return ld_request_parse(r, line, strlen(line), 32, err, 512);
+}
+
+static void test_ops_accepted(void **state) {
+    (void)state;
+    ld_request r;
+    char err[512];
+    const char *simple[] = {"hello", "status", "jobs", "metrics", "drain"};
+    for (size_t i = 0; i < sizeof simple / sizeof simple[0]; i++) {
+        char line[64];
+        snprintf(line, sizeof line, "{\"v\":1,\"op\":\"%s\"}", simple[i]);
+        assert_int_equal(parse(line, &r, err), 0);
+        assert_string_equal(ld_op_name(r.op), simple[i]);
+        ld_request_free(&r);
+    }
+    char att[1024];
+    char hex[513];
+    for (int i = 0; i < 256; i++) snprintf(hex + 2 * i, 3, "%02X", i);
+    snprintf(att, sizeof att, "{\"v\":1,\"op\":\"attach\",\"rank\":2,\"world_size\":4,\"resume\":\"%s\",\"job\":{\"a\":1}}",
+             hex);
+    assert_int_equal(parse(att, &r, err), 0);
+    assert_int_equal(r.op, LD_OP_ATTACH);
+    assert_int_equal(r.rank, 2);
+    assert_int_equal(r.world, 4);
+    assert_true(r.has_resume);
+    for (int i = 0; i < 256; i++) assert_int_equal(r.resume[i], i);
+    assert_true(json_is_object(r.job));
+    ld_request_free(&r);
+    assert_int_equal(parse("{\"v\":1,\"op\":\"attach\",\"job\":{},\"resume\":null}", &r, err), 0);
+    assert_int_equal(r.rank, 0);
+    assert_int_equal(r.world, 1);
+    assert_false(r.has_resume);
+    ld_request_free(&r);
+    assert_int_equal(parse("{\"v\":1,\"op\":\"report\",\"job_id\":7,\"step\":12,\"loss\":1.5,\"tokens_per_s\":null}",
+                           &r, err), 0);
+    assert_true(r.has_job_id);
+    assert_int_equal(r.job_id, 7);
+    assert_int_equal(r.step, 12);
+    assert_true(r.loss == 1.5);
+    assert_true(isnan(r.tokens_per_s));
+    ld_request_free(&r);
+    assert_int_equal(parse("{\"v\":1,\"op\":\"detach\"}", &r, err), 0);
+    assert_false(r.has_job_id);
+    ld_request_free(&r);
+}
+
+static void test_bad_requests(void **state) {
+    (void)state;
+    static const struct {
+        const char *line, *needle, *op;
+    } cases[] = {
+        {"not json", "invalid JSON", NULL},
+        {"[1,2]", "JSON object", NULL},
+        {"{\"op\":\"status\"}", "version", "status"},
+        {"{\"v\":2,\"op\":\"status\"}", "version", "status"},
+        {"{\"v\":\"1\",\"op\":\"status\"}", "version", "status"},
+        {"{\"v\":1}", "missing \"op\"", NULL},
+        {"{\"v\":1,\"op\":\"frob\"}", "unknown op", "frob"},
+        {"{\"v\":1,\"op\":\"status\",\"op\":\"jobs\"}", "invalid JSON", NULL}, /* duplicate key */
+        {"{\"v\":1,\"op\":\"attach\"}", "\"job\"", "attach"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":[]}", "\"job\"", "attach"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{},\"rank\":-1}", "\"rank\"", "attach"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{},\"rank\":1}", "below", "attach"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{},\"world_size\":0}", "world_size", "attach"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{},\"resume\":\"abc\"}", "hex digits", "attach"},
+        {"{\"v\":1,\"op\":\"report\"}", "\"step\"", "report"},
+        {"{\"v\":1,\"op\":\"report\",\"step\":-3}", "\"step\"", "report"},
+        {"{\"v\":1,\"op\":\"report\",\"step\":1,\"loss\":\"x\"}", "numbers", "report"},
+        {"{\"v\":1,\"op\":\"detach\",\"job_id\":\"7\"}", "job_id", "detach"},
+        {"{\"v\":1,\"op\":\"detach\",\"job_id\":4294967296}", "job_id", "detach"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ld_request r;
+        char err[512];
+        assert_int_equal(parse(cases[i].line, &r, err), 1);
+        if (!strstr(err, cases[i].needle)) fail_msg("case %zu: \"%s\" lacks \"%s\"", i, err, cases[i].needle);
+        if (cases[i].op) assert_string_equal(r.op_name, cases[i].op);
+        else assert_null(r.op_name);
+        ld_request_free(&r);
+    }
+    /* a bad resume hex digit at the very end */
+    char att[700] = "{\"v\":1,\"op\":\"attach\",\"job\":{},\"resume\":\"";
+    size_t n = strlen(att);
+    memset(att + n, 'a', 511);
+    strcpy(att + n + 511, "g\"}");
+    ld_request r;
+    char err[512];
+    assert_int_equal(parse(att, &r, err), 1);
+    assert_non_null(strstr(err, "not a hex"));
+    ld_request_free(&r);
+}
+
+static void test_depth_limit(void **state) {
+    (void)state;
+    ld_request r;
+    char err[512];
+    const char *ok = "{\"v\":1,\"op\":\"status\",\"x\":[[1]]}";   /* depth 3 */
+    const char *deep = "{\"v\":1,\"op\":\"status\",\"x\":[[[1]]]}"; /* depth 4 */
+    assert_int_equal(ld_request_parse(&r, ok, strlen(ok), 3, err, sizeof err), 0);
+    ld_request_free(&r);
+    assert_int_equal(ld_request_parse(&r, deep, strlen(deep), 3, err, sizeof err), 1);
+    assert_non_null(strstr(err, "nested deeper than 3"));
+    ld_request_free(&r);
+    /* brackets inside strings do not count */
+    const char *str = "{\"v\":1,\"op\":\"status\",\"x\":\"[[[[[[[[\"}";
+    assert_int_equal(ld_request_parse(&r, str, strlen(str), 3, err, sizeof err), 0);
+    ld_request_free(&r);
+}
+
+static void test_peer_allowed_and_config(void **state) {
+    (void)state;
+    ld_config c;
+    assert_int_equal(ld_config_parse(&c, "{}", "t"), 0);
+    assert_int_equal(c.client_timeout_s, 60);
+    assert_true(ld_peer_allowed(&c, 1234, 1234, NULL, 0, 999)); /* no lists: anyone */
+    ld_config_free(&c);
+    assert_int_equal(ld_config_parse(&c, "{\"allowed_users\":[\"root\", 1234, \"4321\"], \"allowed_groups\":[77],"
+                                         "\"client_timeout_s\":0}", "t"), 0);
+    assert_int_equal(c.n_allowed_uids, 3);
+    assert_int_equal(c.client_timeout_s, 0);
+    gid_t groups[] = {5, 77};
+    assert_true(ld_peer_allowed(&c, 1234, 1, NULL, 0, 999));
+    assert_true(ld_peer_allowed(&c, 4321, 1, NULL, 0, 999));
+    assert_true(ld_peer_allowed(&c, 555, 77, NULL, 0, 999));      /* primary group */
+    assert_true(ld_peer_allowed(&c, 555, 1, groups, 2, 999));     /* supplementary group */
+    assert_false(ld_peer_allowed(&c, 555, 1, groups, 1, 999));
+    assert_true(ld_peer_allowed(&c, 999, 1, NULL, 0, 999));       /* loaderd's own uid */
+    assert_true(ld_peer_allowed(&c, 0, 1, NULL, 0, 999));         /* root */
+    ld_config_free(&c);
+    static const char *bad[] = {"{\"allowed_users\":[\"no-such-user-xyz-42\"]}", "{\"allowed_groups\":[\"\"]}",
+                                "{\"allowed_users\":[-5]}", "{\"allowed_users\":\"root\"}",
+                                "{\"allowed_groups\":[true]}", "{\"client_timeout_s\":86401}",
+                                "{\"client_timeout_s\":1.5}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(ld_config_parse(&c, bad[i], "t"), BT_ERR_INVALID);
+        const char *key = strstr(bad[i], "allowed_users") ? "allowed_users"
+                          : strstr(bad[i], "allowed_groups") ? "allowed_groups" : "client_timeout_s";
+        if (!strstr(bt_last_error(), key)) fail_msg("%s: message \"%s\" does not name %s", bad[i], bt_last_error(), key);
+    }
+}
+
+int main(void) {
+    bt_log_set_level(BT_LOG_ERROR);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ops_accepted),
+        cmocka_unit_test(test_bad_requests),
+        cmocka_unit_test(test_depth_limit),
+        cmocka_unit_test(test_peer_allowed_and_config),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
