@@ -1,0 +1,86 @@
+/* Private helpers shared by kernels/cuda/ .cu files (C++/CUDA only; not part of the public API). */
+#ifndef BT_KERNELS_CUDA_INTERNAL_H
+#define BT_KERNELS_CUDA_INTERNAL_H
+#ifndef __CUDACC__
+#error "kernels/cuda/cuda_internal.h is for .cu files"
+#endif
+#include "kernels/cuda/kernels_cuda.h"
+#include <cstdio>
+
+enum { BT_CU_OK = 0, BT_CU_ERR_IO = -1, BT_CU_ERR_NOMEM = -3, BT_CU_ERR_UNSUPPORTED = -5,
+       BT_CU_ERR_INVALID = -6 };
+
+/* Report a CUDA error (with where it came from) and map it to BT_ERR_IO. */
+static inline int bt_cuda_check_(cudaError_t e, const char *what, const char *file, int line)
+{
+    if (e == cudaSuccess)
+        return BT_CU_OK;
+    fprintf(stderr, "barq-cuda: %s:%d: %s: %s\n", file, line, what, cudaGetErrorString(e));
+    return BT_CU_ERR_IO;
+}
+static inline int bt_cublas_check_(cublasStatus_t s, const char *what, const char *file, int line)
+{
+    if (s == CUBLAS_STATUS_SUCCESS)
+        return BT_CU_OK;
+    fprintf(stderr, "barq-cuda: %s:%d: %s: cuBLAS status %d (%s)\n", file, line, what, (int)s,
+            cublasGetStatusString(s));
+    return BT_CU_ERR_IO;
+}
+#define BT_CUDA_CHECK(call) bt_cuda_check_((call), #call, __FILE__, __LINE__)
+#define BT_CUBLAS_CHECK(call) bt_cublas_check_((call), #call, __FILE__, __LINE__)
+/* After a <<<>>> launch: returns BT_ERR_IO from the enclosing function on a launch error. */
+#define BT_LAUNCH_CHECK()                                                                   \
+    do {                                                                                    \
+        int rc_ = bt_cuda_check_(cudaGetLastError(), "kernel launch", __FILE__, __LINE__); \
+        if (rc_)                                                                            \
+            return rc_;                                                                     \
+    } while (0)
+#define BT_TRY(x)          \
+    do {                   \
+        int rc_ = (x);     \
+        if (rc_)           \
+            return rc_;    \
+    } while (0)
+
+static inline int bt_ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+/* ---- warp / block reductions (fp32) ---- */
+__device__ __forceinline__ float bt_warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float bt_warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+/* Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+ * sbuf: __shared__ float[32]. Contains __syncthreads: call from all threads. */
+__device__ __forceinline__ float bt_block_sum(float v, float *sbuf)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = bt_warp_sum(v);
+    __syncthreads(); /* sbuf may be in use by a previous call */
+    if (lane == 0)
+        sbuf[wid] = v;
+    __syncthreads();
+    v = lane < nw ? sbuf[lane] : 0.0f;
+    return bt_warp_sum(v);
+}
+
+/* HF RoPE angle for pair i of head dim D at position pos (fp32 like HF: inv_freq =
+ * 1/theta^(2i/D), p = pos*pos_scale, angle = p*inv_freq), cos/sin by accurate sincosf. */
+__device__ __forceinline__ void bt_rope_cs(int pos, int i, int D, float theta, float pos_scale,
+                                           float *c, float *s)
+{
+    const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)D);
+    const float ang = ((float)pos * pos_scale) * inv_freq;
+    sincosf(ang, s, c);
+}
+
+#endif

@@ -1,0 +1,271 @@
+/* BarqTrain CUDA backend: public launcher API (C linkage; implemented in kernels/cuda/ .cu files).
+ *
+ * Conventions (every launcher below unless its comment says otherwise):
+ *   - All pointers are DEVICE pointers, except where a parameter is named *_host.
+ *   - Tensors are row-major and contiguous; M = number of tokens (B*T flattened); weights follow
+ *     torch.nn.Linear, W[out, in]. Activations are bf16 (__nv_bfloat16); accumulation is fp32;
+ *     LoRA master weights, gradients of trainable parameters and optimiser state are fp32
+ *     (../../../shared/DESIGN.md "Numerics"). The CPU fp32 backend (kernels/kernels.h) is the
+ *     reference; tests/gpu/ checks each launcher against it.
+ *   - Stream semantics: every launcher only ENQUEUES work on `stream` (asynchronous with respect to
+ *     the host; ordered with respect to other work on that stream). None synchronises, allocates
+ *     device memory or copies to/from the host, except the _upload and _free helpers, which are
+ *     synchronous. cuBLAS-using launchers bind the given handle to `stream` (cublasSetStream) and
+ *     use the handle's default workspace; one handle must not be used concurrently from two host
+ *     threads.
+ *   - Return value: 0 (BT_OK) when the work was enqueued; BT_ERR_INVALID (-6) for bad arguments
+ *     (nothing is enqueued); BT_ERR_UNSUPPORTED (-5) for shapes the kernel does not implement;
+ *     BT_ERR_IO (-1) if a CUDA launch or cuBLAS call reported an error (the CUDA/cuBLAS error text
+ *     is printed to stderr by bt_cuda_check). Errors that occur asynchronously inside a kernel show
+ *     up at the next synchronising call, as usual in CUDA.
+ *   - Sizes are int (per-dimension) and int64_t for flattened element counts.
+ */
+#ifndef BT_KERNELS_CUDA_H
+#define BT_KERNELS_CUDA_H
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cublas_v2.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef __nv_bfloat16 bt_bf16;
+
+/* ======================================================================= utilities (misc.cu) */
+
+/* Device count (0 when there is no usable device or no driver); never aborts. If reason/len are
+ * given, a human-readable reason is written when the count is 0 (e.g. "cudaGetDeviceCount: no
+ * CUDA-capable device is detected"). Synchronous. */
+int bt_cuda_device_count(char *reason, size_t reason_len);
+
+/* out[i] = bf16(in[i]) (round to nearest even) / out[i] = float(in[i]), n elements. */
+int bt_cuda_f32_to_bf16(bt_bf16 *out, const float *in, int64_t n, cudaStream_t stream);
+int bt_cuda_bf16_to_f32(float *out, const bt_bf16 *in, int64_t n, cudaStream_t stream);
+/* y[i] = bf16(float(a[i]) + float(b[i])) (residual add); y may alias a or b. */
+int bt_cuda_add_bf16(bt_bf16 *y, const bt_bf16 *a, const bt_bf16 *b, int64_t n, cudaStream_t stream);
+
+/* Deterministic sum of squares over n fp32 values: out[0] (device double) = sum x[i]^2,
+ * accumulated in double. Two passes (fixed 1024-block partials, then one block adds them in
+ * order), no atomics, so the result is bit-identical run to run (llm.c global_norm.cuh idea).
+ * partial: device scratch of >= bt_cuda_sumsq_scratch(n) doubles. If accumulate != 0, adds to out[0]. */
+size_t bt_cuda_sumsq_scratch(int64_t n);
+int bt_cuda_sumsq(double *out, const float *x, int64_t n, double *partial, int accumulate,
+                  cudaStream_t stream);
+/* x[i] *= s (fp32, in place). */
+int bt_cuda_scale_f32(float *x, int64_t n, float s, cudaStream_t stream);
+
+/* ======================================================= GEMM and LoRA (linear.cu, cuBLAS) */
+
+/* Row-major GEMM, C[M,N] = alpha * op(A) @ op(B) + beta * C, with the same argument convention as
+ * bt_sgemm in kernels/kernels.h (A is [M,K] or, transposed, [K,M]; B is [K,N] or [N,K]; lda/ldb/ldc
+ * are row strides in elements). A and B are bf16; C is bf16 (c_f32 == 0) or fp32 (c_f32 != 0);
+ * compute is fp32 (CUBLAS_COMPUTE_32F). Implemented with cublasGemmEx by the usual row-major =
+ * transposed column-major identity (C^T = op(B)^T op(A)^T). beta = 1 accumulates into C: that is
+ * how the LoRA path adds onto the base output without an extra pass. */
+int bt_cuda_gemm(cublasHandle_t h, cudaStream_t stream, int transA, int transB, int M, int N, int K,
+                 float alpha, const bt_bf16 *A, int lda, const bt_bf16 *B, int ldb, float beta,
+                 void *C, int ldc, int c_f32);
+
+/* LoRA adapter on a linear layer (Hu et al. 2021, arXiv 2106.09685; PEFT LoraLayer):
+ *   Y[M,N] += s * (X[M,K] @ A[r,K]^T) @ B[N,r]^T,  s = lora_alpha / r.
+ * Forward, run after the base GEMM wrote Y (bt_cuda_gemm or bt_cuda_nf4_linear_fwd):
+ *   XA[M,r] = X @ A^T (bf16, saved for backward), then Y += s * XA @ B^T with cuBLAS beta = 1 (the
+ *   accumulate happens in the GEMM epilogue; Y is not re-read by a separate kernel).
+ * A16 [r,K], B16 [N,r]: bf16 copies of the fp32 master weights (refresh them after each optimiser
+ * step with bt_cuda_f32_to_bf16, or let bt_cuda_adamw_multi write them). */
+int bt_cuda_lora_fwd(cublasHandle_t h, cudaStream_t stream, bt_bf16 *Y, bt_bf16 *XA, const bt_bf16 *X,
+                     const bt_bf16 *A16, const bt_bf16 *B16, int M, int K, int N, int r, float s);
+/* LoRA backward for a frozen base (the base contributes only to dX):
+ *   dB[N,r]  (fp32) = beta_w*dB + s * dY^T @ XA
+ *   dXA[M,r] (bf16 scratch) = s * dY @ B
+ *   dA[r,K]  (fp32) = beta_w*dA + dXA^T @ X
+ *   dX[M,K]  (bf16) += dXA @ A        (cuBLAS beta = 1; the caller computed dX = dY @ W first, e.g.
+ *                                      with bt_cuda_nf4_linear_bwd_x; dX may be NULL to skip)
+ * beta_w = 1 accumulates weight gradients across micro-batches (gradient accumulation). */
+int bt_cuda_lora_bwd(cublasHandle_t h, cudaStream_t stream, float *dA, float *dB, bt_bf16 *dX,
+                     bt_bf16 *dXA, const bt_bf16 *dY, const bt_bf16 *X, const bt_bf16 *XA,
+                     const bt_bf16 *A16, const bt_bf16 *B16, int M, int K, int N, int r, float s,
+                     float beta_w);
+
+/* ================================================================== NF4 (nf4.cu) */
+
+/* An NF4 double-quantised weight resident on the device: the same layout as bt_nf4
+ * (kernels/kernels.h; bitsandbytes quantize_4bit nf4, blocksize 64, compress_statistics=True,
+ * ../../../shared/research/kernels.md §1). code8 is the 256-entry signed dynamic map the absmax
+ * codes index (create_dynamic_map(signed=True), or the checkpoint's nested_quant_map). */
+typedef struct {
+    int64_t n, rows, cols;         /* elements, logical [rows=out, cols=in] */
+    const uint8_t *packed;         /* [n/2]; byte j: element 2j high nibble, 2j+1 low nibble */
+    const uint8_t *absmax_q;       /* [n/64] */
+    const float *nested_absmax;    /* [ceil(n/64/256)] */
+    const float *code8;            /* [256] */
+    float offset;
+} bt_cuda_nf4;
+
+/* Copy a host NF4 weight to freshly cudaMalloc'ed device buffers (one allocation; synchronous).
+ * code8_host [256] is the dynamic map (e.g. filled with bt_dynamic_code8(i)). The host-side fields
+ * are passed individually so this library does not depend on the CPU backend. Returns 0, or
+ * BT_ERR_INVALID / BT_ERR_NOMEM. Free with bt_cuda_nf4_free. */
+int bt_cuda_nf4_upload(bt_cuda_nf4 *dst, int64_t rows, int64_t cols, const uint8_t *packed_host,
+                       const uint8_t *absmax_q_host, const float *nested_absmax_host, float offset,
+                       const float *code8_host);
+void bt_cuda_nf4_free(bt_cuda_nf4 *w);
+
+/* Dequantise rows [r0, r0+nr) of W into out[nr, cols] bf16. In one kernel per 16 elements:
+ * absmax[b] = code8[absmax_q[b]] * nested_absmax[b/256] + offset (fp32, two roundings, as
+ * bitsandbytes dequantize_blockwise + offset), x = NF4[nibble] * absmax (fp32) -> bf16
+ * (bitsandbytes kDequantizeBlockwise). (r0*cols) must be a multiple of 64 (true whenever cols is). */
+int bt_cuda_nf4_dequant(bt_bf16 *out, const bt_cuda_nf4 *w, int64_t r0, int64_t nr, cudaStream_t stream);
+
+/* Y[M,N] = X[M,K] @ deq(W)[N,K]^T + beta*Y (bf16 in/out, fp32 accumulate); W rows == N, cols == K.
+ * Algorithm (Unsloth fast_dequantize + matmul; bnb MatMul4Bit classic path): dequantise the whole
+ * weight into wbuf (bf16, >= N*K elements, 16-byte aligned as cudaMalloc returns; a reusable buffer
+ * shared by all layers), then one cuBLAS GEMM (Y's old contents are read only when beta != 0). A fused dequantise-in-shared-memory tile GEMM is future work (research §1.6). */
+int bt_cuda_nf4_linear_fwd(cublasHandle_t h, cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
+                           const bt_cuda_nf4 *W, int M, int K, int N, float beta, bt_bf16 *wbuf);
+/* dX[M,K] = dY[M,N] @ deq(W)[N,K] + beta*dX (input gradient only: the base is frozen). Same
+ * wbuf convention; if wbuf_valid != 0 the caller guarantees wbuf already holds deq(W) (e.g. from
+ * the forward of the same layer under recomputation) and the dequantisation is skipped. */
+int bt_cuda_nf4_linear_bwd_x(cublasHandle_t h, cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
+                             const bt_cuda_nf4 *W, int M, int K, int N, float beta, bt_bf16 *wbuf,
+                             int wbuf_valid);
+
+/* ========================================== RMSNorm, RoPE, SwiGLU, embedding (elementwise.cu) */
+
+/* RMSNorm forward (Zhang & Sennrich 2019; HF LlamaRMSNorm): y = w * (x * rstd),
+ * rstd = 1/sqrt(mean(x^2) + eps) in fp32. x, y [M,D] bf16 (y may alias x), w [D] fp32 (the master
+ * weight; trainable under LongLoRA "norm"), rstd [M] fp32 saved for backward. One block per row,
+ * one read and one write of x (the row stays in registers between the reduction and the write).
+ * D <= 16384, D % 8 == 0 and x, y, w 16-byte aligned (else BT_ERR_UNSUPPORTED): 16-byte accesses. */
+int bt_cuda_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, const float *w, int M, int D,
+                        float eps, cudaStream_t stream);
+/* RMSNorm backward: with xh = x*rstd, g = dy*w: dx = rstd * (g - xh * mean(g*xh)) (bf16 [M,D],
+ * may alias dy); if dw != NULL, dw[D] (fp32) += sum_m dy*xh, deterministically: per-block partial
+ * sums into scratch (>= bt_cuda_rmsnorm_bwd_scratch_floats(M,D) floats, fixed row ranges) then one
+ * ordered reduction kernel (no atomics; llm.c layernorm_backward idea). scratch may be NULL when
+ * dw == NULL. */
+size_t bt_cuda_rmsnorm_bwd_scratch_floats(int M, int D);
+int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, const bt_bf16 *x, const float *w,
+                        const float *rstd, int M, int D, float *scratch, cudaStream_t stream);
+
+/* RoPE in place, HF rotate_half layout (same math as bt_rope_fwd/bt_rope_bwd): x has M tokens, H
+ * heads of D (even) elements, token stride ld elements (ld >= H*D; lets it run on one part of a
+ * packed QKV buffer). Position p = position_ids[m] * pos_scale; angle = p * theta^(-2i/D) in fp32,
+ * cos/sin by sincosf. inverse != 0 applies the transposed rotation (the backward). */
+int bt_cuda_rope(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D, int64_t ld,
+                 float theta, float pos_scale, int inverse, cudaStream_t stream);
+
+/* SwiGLU (Shazeer 2020; HF LlamaMLP): h = silu(g) * u, fp32 math, bf16 in/out, n elements.
+ * Backward, s = sigmoid(g): dg = dh*u*s*(1 + g*(1-s)), du = dh*g*s; each element's inputs are read
+ * before its outputs are written, so dg/du may alias g/u/dh (Unsloth swiglu_DWf_DW_dfg in place). */
+int bt_cuda_swiglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, cudaStream_t stream);
+int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                       const bt_bf16 *u, int64_t n, cudaStream_t stream);
+
+/* Embedding: out[m,:] = table[ids[m],:] (bf16 table [V,D], bf16 out [M,D]); ids outside [0,V)
+ * give a zero row (the data pipeline validates ids; the kernel never reads out of bounds). */
+int bt_cuda_embedding_fwd(bt_bf16 *out, const bt_bf16 *table, const int32_t *ids, int M, int D, int V,
+                          cudaStream_t stream);
+/* Embedding backward for a trainable table (LongLoRA "embed"): dtable[ids[m],:] += dout[m,:]
+ * (fp32 [V,D], atomicAdd: the summation order of repeated ids is not deterministic). */
+int bt_cuda_embedding_bwd(float *dtable, const bt_bf16 *dout, const int32_t *ids, int M, int D, int V,
+                          cudaStream_t stream);
+
+/* ============================================================ AdamW (elementwise.cu) */
+
+/* One tensor of a multi-tensor AdamW step (all device pointers, fp32, n elements). p16 (optional,
+ * may be NULL) receives bf16(p) after the update: the bf16 compute copy of a LoRA weight. */
+typedef struct {
+    float *p;
+    const float *g;
+    float *m, *v;
+    bt_bf16 *p16;
+    int64_t n;
+    float weight_decay;
+} bt_cuda_adamw_tensor;
+
+/* AdamW over all trainable tensors in ONE launch (torch.optim.AdamW semantics as bt_adamw_step:
+ * decoupled decay, bias correction, same per-element operation order; Loshchilov & Hutter 2019).
+ * tensors: DEVICE array of n_tensors descriptors (n_tensors <= 65535; build it once, reuse it every
+ * step); max_n: the largest n among them (host value; sizes the grid). grad_scale multiplies g
+ * before use (1/accumulated-token-count or the clipping factor; 1 for none). step is 1-based. */
+int bt_cuda_adamw_multi(const bt_cuda_adamw_tensor *tensors, int n_tensors, int64_t max_n, float lr,
+                        float beta1, float beta2, float eps, float grad_scale, int64_t step,
+                        cudaStream_t stream);
+
+/* ==================================================================== attention (attention.cu) */
+
+/* Parameters of the fused causal varlen GQA attention. */
+typedef struct {
+    int M;            /* tokens */
+    int Hq, Hkv, D;   /* heads; Hq % Hkv == 0; D = 64 or 128 */
+    int n_seq;        /* documents; cu_seqlens has n_seq+1 entries (device) */
+    int max_seqlen;   /* host value: >= the longest document (sizes the grid) */
+    const int32_t *cu_seqlens; /* [n_seq+1], cu[0] = 0, nondecreasing, cu[n_seq] <= M */
+    int64_t ldq, ldk, ldv;     /* token strides (elements) of q, k, v (and of dq, dk, dv) */
+    float scale;      /* softmax scale, 1/sqrt(D) for Llama */
+    /* RoPE applied as Q and K tiles are loaded (NULL position_ids = none): HF rotate_half,
+     * p = position_ids[m] * pos_scale, angle = p * theta^(-2i/D) (same as bt_cuda_rope). */
+    const int32_t *position_ids;
+    float rope_theta, pos_scale;
+    /* LongLoRA S^2-Attn (arXiv 2309.12307, llama_attn_replace.py forward_flashattn, the varlen
+     * no-roll version): s2_group = G > 0 enables it. Positions are local to each document; query
+     * heads h < Hq/2 attend within groups [kG, (k+1)G); heads h >= Hq/2 within groups shifted by
+     * G/2: [0, G/2), [G/2, 3G/2), ... (half-size groups at both ends, no wrap-around). Causal inside
+     * each group. G must be even. 0 = full causal attention. */
+    int s2_group;
+} bt_cuda_attn_params;
+
+/* Forward (FlashAttention-2, Dao 2023, arXiv 2307.08691, Algorithm 1): one CTA per (64-query tile,
+ * query head, document); K/V streamed in 64-key tiles through shared memory; S = QK^T and O += PV on
+ * tensor cores (nvcuda::wmma m16n16k16 bf16, fp32 accumulate); online softmax in fp32 (exp2 with
+ * the scale folded in); the T x T score matrix never exists in memory.
+ * q [M, Hq, D] (row stride ldq), k, v [M, Hkv, D] (ldk, ldv), bf16, UNROTATED when position_ids is
+ * set (RoPE is applied on load). out [M, Hq, D] bf16 contiguous; lse [M, Hq] fp32 (natural-log
+ * log-sum-exp of the scaled scores, saved for backward). Rows outside [0, cu[n_seq]) are not written.
+ * Requirements: D in {64, 128}; ldq/ldk/ldv multiples of 8 and every pointer 16-byte aligned (else
+ * BT_ERR_UNSUPPORTED); grid n_seq*ceil(max_seqlen/64) x Hq. Shared memory per CTA: 72 KB (D=64),
+ * 113 KB (D=128); the launcher raises the kernel's limit with cudaFuncSetAttribute (host call). */
+int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse, const bt_bf16 *q,
+                     const bt_bf16 *k, const bt_bf16 *v, cudaStream_t stream);
+
+/* Backward (FlashAttention-2 Algorithm 2, split as in FA2's implementation into passes that need
+ * no atomics): (1) delta[m,h] = sum_d dout*out (fp32 scratch [M,Hq]); (2) one CTA per (64-key
+ * tile, KV head, document) accumulates dK, dV in shared memory over every query head of its GQA
+ * group and every query tile that can see it (P recomputed from lse); (3) one CTA per (64-query
+ * tile, query head, document) accumulates dQ over key tiles. dq/dk/dv (bf16, strides ldq/ldk/ldv)
+ * are overwritten for rows inside documents and are gradients w.r.t. the UNROTATED q/k (the
+ * inverse RoPE is applied before the store). delta: device scratch of M*Hq floats. */
+int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
+                     const bt_bf16 *dout, const bt_bf16 *out, const float *lse, const bt_bf16 *q,
+                     const bt_bf16 *k, const bt_bf16 *v, float *delta, cudaStream_t stream);
+
+/* ============================================================= fused linear + CE (loss.cu) */
+
+/* Bytes of workspace bt_cuda_linear_ce needs for chunk_rows rows: chunk_rows x V fp32 logits +
+ * chunk_rows x V bf16 dlogits. */
+size_t bt_cuda_linear_ce_workspace_bytes(int chunk_rows, int V);
+/* Fused linear + cross-entropy by chunks of rows (Liger FusedLinearCrossEntropy; research §3.2):
+ * for each chunk of <= chunk_rows rows: logits = X_c @ W^T into an fp32 workspace (cuBLAS, bf16 in,
+ * fp32 out), then one CTA per row computes max and sum exp in fp32 (online, then a block reduction),
+ * loss = lse - logit[target], and writes dlogits = grad_scale * (softmax - onehot) in bf16; then
+ * dX_c = dlogits @ W (cuBLAS) and, if dW != NULL, dW += dlogits^T @ X_c (fp32, beta 1; for a
+ * trainable lm_head). Logits never exist for more than chunk_rows rows.
+ * X [M,D] bf16, W [V,D] bf16, targets [M] int32 (outside [0,V), e.g. -100: ignored, zero loss and
+ * zero gradient row). row_loss [M] fp32 receives each row's loss (0 for ignored rows); sum it with
+ * bt_cuda_ce_reduce. dX [M,D] bf16 overwritten (NULL: forward only). */
+int bt_cuda_linear_ce(cublasHandle_t h, cudaStream_t stream, float *row_loss, bt_bf16 *dX, float *dW,
+                      const bt_bf16 *X, const bt_bf16 *W, const int32_t *targets, int M, int D, int V,
+                      int chunk_rows, float grad_scale, void *workspace);
+/* out_sum[0] (double) = sum of row_loss over rows with targets in [0,V), out_count[0] = their count;
+ * one block, fixed order (deterministic). */
+int bt_cuda_ce_reduce(double *out_sum, int *out_count, const float *row_loss, const int32_t *targets,
+                      int M, int V, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

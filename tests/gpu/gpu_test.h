@@ -1,0 +1,234 @@
+/* Shared helpers of the GPU parity tests (tests/gpu/test_*.cu): device buffers, bf16 rounding,
+ * deterministic random inputs, tolerance checks and the PASS/FAIL bookkeeping.
+ * Every test compares a CUDA launcher against the CPU fp32 reference (kernels/kernels.h) run on the
+ * SAME bf16-rounded inputs, so the measured error is the CUDA kernel's own (bf16 storage of
+ * intermediates, fp32 accumulation order), not input quantisation. */
+#ifndef BT_TESTS_GPU_TEST_H
+#define BT_TESTS_GPU_TEST_H
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+#include "kernels/kernels.h"
+}
+#include "kernels/cuda/kernels_cuda.h"
+
+#define GT_SKIP_STATUS 77
+
+static int g_pass = 0, g_fail = 0;
+static bool g_case_ok = true; /* the current test's checks so far */
+
+#define CU(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+/* a launcher's return code must be 0 */
+#define BTOK(call)                                                                     \
+    do {                                                                               \
+        int r_ = (call);                                                               \
+        if (r_ != 0) {                                                                 \
+            printf("    launcher failed: %s returned %d (%s:%d)\n", #call, r_, __FILE__, \
+                   __LINE__);                                                          \
+            g_case_ok = false;                                                         \
+        }                                                                              \
+    } while (0)
+
+/* ---- random numbers (splitmix64; deterministic) ---- */
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static inline uint64_t rng_u64(void)
+{
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static inline float rng_uniform(void) { return (float)((rng_u64() >> 40) * (1.0 / 16777216.0)); }
+static inline float rng_sym(float a) { return (2.0f * rng_uniform() - 1.0f) * a; }
+static inline float rng_normal(void)
+{
+    float u1 = rng_uniform(), u2 = rng_uniform();
+    if (u1 < 1e-7f)
+        u1 = 1e-7f;
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+static inline int rng_int(int n) { return (int)(rng_u64() % (uint64_t)n); }
+
+/* ---- bf16 ---- */
+static inline float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+static std::vector<float> randv(size_t n, float a)
+{
+    std::vector<float> v(n);
+    for (auto &x : v)
+        x = bf16_round(rng_sym(a));
+    return v;
+}
+static std::vector<float> randn_v(size_t n, float sd)
+{
+    std::vector<float> v(n);
+    for (auto &x : v)
+        x = bf16_round(rng_normal() * sd);
+    return v;
+}
+
+/* ---- device buffers ---- */
+template <typename T>
+struct DBuf {
+    T *p = nullptr;
+    size_t n = 0;
+    explicit DBuf(size_t n_ = 0) { alloc(n_); }
+    void alloc(size_t n_)
+    {
+        n = n_;
+        if (n)
+            CU(cudaMalloc(&p, n * sizeof(T)));
+    }
+    ~DBuf()
+    {
+        if (p)
+            cudaFree(p);
+    }
+    DBuf(const DBuf &) = delete;
+    DBuf &operator=(const DBuf &) = delete;
+};
+static void up_bf16(DBuf<bt_bf16> &d, const std::vector<float> &h)
+{
+    std::vector<bt_bf16> t(h.size());
+    for (size_t i = 0; i < h.size(); i++)
+        t[i] = __float2bfloat16(h[i]);
+    CU(cudaMemcpy(d.p, t.data(), t.size() * sizeof(bt_bf16), cudaMemcpyHostToDevice));
+}
+static std::vector<float> down_bf16(const bt_bf16 *p, size_t n)
+{
+    std::vector<bt_bf16> t(n);
+    CU(cudaMemcpy(t.data(), p, n * sizeof(bt_bf16), cudaMemcpyDeviceToHost));
+    std::vector<float> h(n);
+    for (size_t i = 0; i < n; i++)
+        h[i] = __bfloat162float(t[i]);
+    return h;
+}
+template <typename T>
+static void up(DBuf<T> &d, const std::vector<T> &h)
+{
+    CU(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+template <typename T>
+static std::vector<T> down(const T *p, size_t n)
+{
+    std::vector<T> h(n);
+    CU(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* ---- checks ----
+ * check(): relative L2 error ||g-r|| / ||r|| <= rel_l2 AND max |g-r| <= max_rel * max|r| (+ tiny
+ * absolute floor). Non-finite values in g where r is finite always fail. Prints one line. */
+static bool check(const char *what, const float *g, const float *r, size_t n, double rel_l2,
+                  double max_rel)
+{
+    double num = 0, den = 0, maxerr = 0, maxref = 0;
+    size_t worst = 0;
+    bool finite_ok = true;
+    for (size_t i = 0; i < n; i++) {
+        if (std::isfinite(r[i]) && !std::isfinite(g[i]))
+            finite_ok = false;
+        double e = fabs((double)g[i] - (double)r[i]);
+        num += e * e;
+        den += (double)r[i] * r[i];
+        if (e > maxerr) {
+            maxerr = e;
+            worst = i;
+        }
+        maxref = fmax(maxref, fabs((double)r[i]));
+    }
+    const double rl2 = den > 0 ? sqrt(num / den) : sqrt(num);
+    const double lim = max_rel * maxref + 1e-30;
+    const bool ok = finite_ok && rl2 <= rel_l2 && maxerr <= lim;
+    printf("    %-28s n=%-8zu rel_l2=%.2e (tol %.1e) max_err=%.3e (tol %.3e, at %zu: gpu %g ref %g)%s\n",
+           what, n, rl2, rel_l2, maxerr, lim, worst, n ? (double)g[worst] : 0.0,
+           n ? (double)r[worst] : 0.0, ok ? "" : "  <-- FAIL");
+    if (!ok)
+        g_case_ok = false;
+    return ok;
+}
+static bool check_exact(const char *what, const float *g, const float *r, size_t n)
+{
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&g[i], &r[i], sizeof(float)) != 0 && !(g[i] == r[i])) {
+            if (!bad)
+                first = i;
+            bad++;
+        }
+    printf("    %-28s n=%-8zu bit-exact mismatches=%zu%s", what, n, bad, bad ? "" : "\n");
+    if (bad) {
+        printf(" (first at %zu: gpu %.9g ref %.9g)  <-- FAIL\n", first, (double)g[first],
+               (double)r[first]);
+        g_case_ok = false;
+    }
+    return bad == 0;
+}
+static bool check_true(const char *what, bool cond)
+{
+    printf("    %-28s %s\n", what, cond ? "ok" : "<-- FAIL");
+    if (!cond)
+        g_case_ok = false;
+    return cond;
+}
+
+/* Run one named test: prints "PASS name" or "FAIL name" after its checks. */
+#define RUN_TEST(fn)                                       \
+    do {                                                   \
+        g_case_ok = true;                                  \
+        printf("[ RUN  ] %s\n", #fn);                      \
+        fflush(stdout);                                    \
+        fn();                                              \
+        cudaError_t e_ = cudaDeviceSynchronize();          \
+        if (e_ != cudaSuccess) {                           \
+            printf("    CUDA error: %s\n", cudaGetErrorString(e_)); \
+            g_case_ok = false;                             \
+        }                                                  \
+        if (g_case_ok) {                                   \
+            g_pass++;                                      \
+            printf("PASS %s\n", #fn);                      \
+        } else {                                           \
+            g_fail++;                                      \
+            printf("FAIL %s\n", #fn);                      \
+        }                                                  \
+        fflush(stdout);                                    \
+    } while (0)
+
+/* Returns true if a device is usable; otherwise prints the skip line (never a pass line). */
+static bool gt_require_device(const char *prog)
+{
+    char reason[256] = "";
+    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+        printf("%s: SKIPPED: no CUDA device (%s)\n", prog, reason);
+        return false;
+    }
+    cudaDeviceProp prop;
+    CU(cudaGetDeviceProperties(&prop, 0));
+    printf("%s: device 0: %s (sm_%d%d, %d SMs)\n", prog, prop.name, prop.major, prop.minor,
+           prop.multiProcessorCount);
+    return true;
+}
+static int gt_finish(const char *prog)
+{
+    printf("%s: %d passed, %d failed\n", prog, g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}
+
+/* CPU row-major reference GEMM helpers (fp32) */
+static void ref_gemm(int tA, int tB, int M, int N, int K, float alpha, const float *A, int lda,
+                     const float *B, int ldb, float beta, float *C, int ldc)
+{
+    bt_sgemm(tA, tB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+#endif
