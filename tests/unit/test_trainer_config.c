@@ -1,0 +1,217 @@
+/* Trainer job config: defaults, --set overrides, refusal of unknown keys / wrong types /
+ * impossible values with messages naming the key, and the loaderd job spec it produces. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "trainer/config.h"
+
+#define MINIMAL "{\"model\": \"m.gguf\", \"data\": {\"shards\": [\"d/*.jsonl.zst\"]}}"
+
+static void test_defaults(void **st) {
+    (void)st;
+    bt_train_config c;
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
+    assert_string_equal(c.model, "m.gguf");
+    assert_int_equal(c.base_dtype, BT_BASE_NF4);
+    assert_string_equal(c.socket, "/run/loaderd/loaderd.sock");
+    assert_string_equal(c.base_model_name_or_path, "HuggingFaceTB/SmolLM2-135M-Instruct");
+    assert_int_equal(c.data.n_shards, 1);
+    assert_string_equal(c.data.shards[0], "d/*.jsonl.zst");
+    assert_string_equal(c.data.format, "chat");
+    assert_string_equal(c.data.text_field, "text");
+    assert_int_equal(c.data.seq_len, 512);
+    assert_int_equal(c.data.micro_batch_size, 4);
+    assert_int_equal((int)c.data.seed, 1234);
+    assert_int_equal(c.data.tokenizer_threads, 2);
+    assert_int_equal(c.eval.n_shards, 0);
+    assert_int_equal(c.eval.max_batches, 0);
+    assert_int_equal(c.lora.r, 16);
+    assert_true(c.lora.alpha == 32.0);
+    assert_true(c.lora.dropout == 0.05);
+    assert_int_equal(c.lora.target_mask, (1u << BT_MOD_N) - 1);
+    assert_true(c.optim.lr == 2e-4);
+    assert_true(c.optim.weight_decay == 0.0);
+    assert_true(c.optim.beta1 == 0.9 && c.optim.beta2 == 0.999 && c.optim.eps == 1e-8);
+    assert_true(c.optim.grad_clip == 1.0);
+    assert_int_equal(c.optim.warmup_steps, 0);
+    assert_int_equal(c.steps, 100);
+    assert_int_equal(c.grad_accum, 1);
+    assert_int_equal(c.schedule, BT_SCHED_COSINE);
+    assert_true(c.min_lr_ratio == 0.1);
+    assert_int_equal(c.activation_checkpointing, 0);
+    assert_int_equal(c.save_every, 0);
+    assert_string_equal(c.out_dir, "runs/adapter");
+    assert_int_equal(c.threads, 0);
+    assert_int_equal(c.log_every, 1);
+    char *dump = bt_config_dump(&c);
+    assert_non_null(dump);
+    assert_non_null(strstr(dump, "\"lr\":"));
+    free(dump);
+    bt_config_free(&c);
+}
+
+static void test_full_and_sets(void **st) {
+    (void)st;
+    const char *txt =
+        "{\"model\": \"x.gguf\", \"base_dtype\": \"fp32\", \"socket\": \"/tmp/s.sock\","
+        " \"data\": {\"shards\": [\"a\", \"b\"], \"format\": \"text\", \"seq_len\": 256,"
+        "  \"micro_batch_size\": 2, \"seed\": 7},"
+        " \"eval\": {\"shards\": [\"e\"], \"max_batches\": 3},"
+        " \"lora\": {\"r\": 8, \"lora_alpha\": 16, \"lora_dropout\": 0,"
+        "  \"target_modules\": [\"q_proj\", \"v_proj\"]},"
+        " \"optim\": {\"lr\": 1e-3, \"warmup_steps\": 5, \"grad_clip\": 0.5},"
+        " \"steps\": 60, \"grad_accum\": 2, \"schedule\": \"linear\", \"save_every\": 20,"
+        " \"out_dir\": \"runs/x\", \"threads\": 2, \"seed\": 9}";
+    const char *sets[] = {"optim.lr=3e-4", "socket=/run/other.sock", "steps=80",
+                          "lora.target_modules=[\"o_proj\",\"down_proj\"]",
+                          "data.shards=[\"c/*.jsonl\"]", "activation_checkpointing=true",
+                          "name=my job"};
+    bt_train_config c;
+    assert_int_equal(bt_config_parse(&c, txt, "t", sets, 7), 0);
+    assert_int_equal(c.base_dtype, BT_BASE_FP32);
+    assert_true(c.optim.lr == 3e-4);                  /* JSON number */
+    assert_string_equal(c.socket, "/run/other.sock"); /* not JSON -> string */
+    assert_string_equal(c.name, "my job");
+    assert_int_equal(c.steps, 80);
+    assert_int_equal(c.lora.target_mask, (1u << BT_MOD_O) | (1u << BT_MOD_DOWN));
+    assert_int_equal(c.data.n_shards, 1);
+    assert_string_equal(c.data.shards[0], "c/*.jsonl");
+    assert_int_equal(c.activation_checkpointing, 1);
+    assert_int_equal(c.eval.n_shards, 1);
+    assert_int_equal(c.eval.max_batches, 3);
+    assert_int_equal(c.lora.r, 8);
+    assert_true(c.lora.dropout == 0.0);
+    assert_int_equal(c.schedule, BT_SCHED_LINEAR);
+    assert_int_equal(c.optim.warmup_steps, 5);
+    assert_int_equal(c.grad_accum, 2);
+
+    /* job specs */
+    char *job = bt_config_job_json(&c, 0);
+    json_error_t e;
+    json_t *j = json_loads(job, 0, &e);
+    assert_non_null(j);
+    char cwd[4096], want[4200];
+    assert_non_null(getcwd(cwd, sizeof cwd));
+    snprintf(want, sizeof want, "%s/x.gguf", cwd);
+    assert_string_equal(json_string_value(json_object_get(j, "tokenizer")), want);
+    assert_string_equal(json_string_value(json_object_get(j, "format")), "text");
+    assert_int_equal(json_integer_value(json_object_get(j, "seq_len")), 256);
+    assert_int_equal(json_integer_value(json_object_get(j, "micro_batch_size")), 2);
+    assert_int_equal(json_integer_value(json_object_get(j, "seed")), 7);
+    assert_int_equal(json_integer_value(json_object_get(j, "epochs")), 0);
+    snprintf(want, sizeof want, "%s/c/*.jsonl", cwd);
+    assert_string_equal(json_string_value(json_array_get(json_object_get(j, "shards"), 0)), want);
+    json_decref(j);
+    free(job);
+    job = bt_config_job_json(&c, 1);
+    j = json_loads(job, 0, &e);
+    assert_non_null(j);
+    assert_int_equal(json_integer_value(json_object_get(j, "epochs")), 1);
+    snprintf(want, sizeof want, "%s/e", cwd);
+    assert_string_equal(json_string_value(json_array_get(json_object_get(j, "shards"), 0)), want);
+    json_decref(j);
+    free(job);
+    bt_config_free(&c);
+}
+
+/* Parse must fail with BT_ERR_INVALID and a message containing `needle`. */
+static void expect_refused(const char *txt, const char *set, const char *needle) {
+    bt_train_config c;
+    const char *sets[1] = {set};
+    int rc = bt_config_parse(&c, txt, "t", set ? sets : NULL, set ? 1 : 0);
+    if (rc != BT_ERR_INVALID || !strstr(bt_last_error(), needle))
+        fail_msg("expected refusal mentioning '%s' for %s %s; got rc %d: %s", needle, txt,
+                 set ? set : "", rc, bt_last_error());
+    assert_null(c.model); /* zeroed on failure */
+}
+
+static void test_refusals(void **st) {
+    (void)st;
+    /* exact message format */
+    bt_train_config c;
+    const char *s1[] = {"optim.lr=abc"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", s1, 1), BT_ERR_INVALID);
+    assert_string_equal(bt_last_error(), "config: optim.lr: expected a number > 0, got \"abc\"");
+
+    expect_refused(MINIMAL, "optim.momentum=0.9", "unknown key \"optim.momentum\"");
+    expect_refused(MINIMAL, "trainer_steps=3", "unknown key \"trainer_steps\"");
+    expect_refused(MINIMAL, "data.seq_len=\"long\"", "data.seq_len: expected an integer");
+    expect_refused(MINIMAL, "data.seq_len=1.5", "data.seq_len: expected an integer");
+    expect_refused(MINIMAL, "steps=0", "steps: expected an integer >= 1");
+    expect_refused(MINIMAL, "optim.lr=-1", "optim.lr");
+    expect_refused(MINIMAL, "lora.lora_dropout=1", "lora.lora_dropout");
+    expect_refused(MINIMAL, "lora.r=0", "lora.r");
+    expect_refused(MINIMAL, "lora.target_modules=[\"q_proj\",\"foo_proj\"]",
+                   "lora.target_modules");
+    expect_refused(MINIMAL, "lora.target_modules=[]", "lora.target_modules");
+    expect_refused(MINIMAL, "base_dtype=int8", "base_dtype: expected one of \"nf4\", \"fp32\"");
+    expect_refused(MINIMAL, "schedule=exp", "schedule");
+    expect_refused(MINIMAL, "data.format=xml", "data.format");
+    expect_refused(MINIMAL, "optim.beta2=1", "optim.beta2");
+    expect_refused(MINIMAL, "activation_checkpointing=1", "activation_checkpointing: expected true");
+    expect_refused(MINIMAL, "optim.warmup_steps=-1", "optim.warmup_steps");
+    expect_refused(MINIMAL, "data=3", "data: expected an object");
+    expect_refused(MINIMAL, "data.shards.x=1", "\"shards\" is not an object");
+    expect_refused(MINIMAL, "steps.x=1", "steps: expected an integer");
+    expect_refused(MINIMAL, "noequals", "expected key.path=value");
+    expect_refused("{\"data\": {\"shards\": [\"a\"]}}", NULL, "model: required key missing");
+    expect_refused("{\"model\": \"m\"}", NULL, "data.shards: required key missing");
+    expect_refused("{\"model\": \"m\", \"data\": {\"shards\": []}}", NULL, "data.shards");
+    expect_refused("{\"model\": \"m\", \"data\": {\"shards\": [3]}}", NULL, "data.shards");
+    expect_refused("{\"model\": 5, \"data\": {\"shards\": [\"a\"]}}", NULL,
+                   "model: expected a non-empty string, got 5");
+
+    /* not JSON / not an object */
+    assert_int_equal(bt_config_parse(&c, "{\"model\": ", "job.json", NULL, 0), BT_ERR_FORMAT);
+    assert_non_null(strstr(bt_last_error(), "job.json"));
+    assert_int_equal(bt_config_parse(&c, "[1,2]", "job.json", NULL, 0), BT_ERR_FORMAT);
+}
+
+static void test_load_file(void **st) {
+    (void)st;
+    char path[] = "/tmp/bt_cfg_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fputs(MINIMAL, f);
+    fclose(f);
+    bt_train_config c;
+    const char *sets[] = {"eval.shards=[\"e.jsonl\"]", "eval.max_batches=2"};
+    assert_int_equal(bt_config_load(&c, path, sets, 2), 0);
+    assert_int_equal(c.eval.n_shards, 1);
+    assert_string_equal(c.eval.shards[0], "e.jsonl");
+    bt_config_free(&c);
+    unlink(path);
+    assert_int_equal(bt_config_load(&c, "/nonexistent/job.json", NULL, 0), BT_ERR_IO);
+    assert_non_null(strstr(bt_last_error(), "/nonexistent/job.json"));
+}
+
+static void test_demo_config(void **st) {
+    (void)st;
+    bt_train_config c;
+    int rc = bt_config_load(&c, "scripts/job.demo.json", NULL, 0);
+    if (rc) fail_msg("scripts/job.demo.json: %s", bt_last_error());
+    assert_int_equal(c.data.seq_len, 512);
+    assert_int_equal(c.data.micro_batch_size, 4);
+    assert_true(c.eval.n_shards > 0);
+    bt_config_free(&c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
+        cmocka_unit_test(test_refusals),   cmocka_unit_test(test_load_file),
+        cmocka_unit_test(test_demo_config),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

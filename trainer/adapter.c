@@ -1,0 +1,196 @@
+/* PEFT adapter writer. See adapter.h. */
+#include "trainer/adapter.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "common/safetensors.h"
+
+void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B) {
+    const char *blk = mod <= BT_MOD_O ? "self_attn" : "mlp";
+    snprintf(buf, n, "base_model.model.model.layers.%d.%s.%s.lora_%c.weight", layer, blk,
+             bt_module_name(mod), is_B ? 'B' : 'A');
+}
+
+/* mkdir -p of every parent of `path` (not path itself). */
+static int mkdir_parents(const char *path) {
+    char *p = bt_xstrdup(path);
+    for (char *s = p + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = 0;
+        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+            int e = errno;
+            int rc = bt_fail(BT_ERR_IO, "adapter: mkdir %s: %s", p, strerror(e));
+            free(p);
+            return rc;
+        }
+        *s = '/';
+    }
+    free(p);
+    return 0;
+}
+
+static int rm_cb(const char *fpath, const struct stat *sb, int typeflag, struct FTW *ftwbuf) {
+    (void)sb;
+    (void)ftwbuf;
+    return (typeflag == FTW_DP ? rmdir(fpath) : unlink(fpath)) != 0 ? -1 : 0;
+}
+
+static void rm_tree(const char *path) { nftw(path, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
+
+static int fsync_path(const char *path, int dir) {
+    int fd = open(path, (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0) return bt_fail(BT_ERR_IO, "adapter: open %s: %s", path, strerror(errno));
+    int rc = fsync(fd) != 0 && errno != EINVAL ? bt_fail(BT_ERR_IO, "adapter: fsync %s: %s", path,
+                                                         strerror(errno))
+                                               : 0;
+    close(fd);
+    return rc;
+}
+
+static int write_config(const bt_lora *lo, const char *base_model, const char *path) {
+    json_t *tm = json_array();
+    for (int mod = 0; mod < BT_MOD_N; mod++)
+        if (lo->target_mask & (1u << mod)) json_array_append_new(tm, json_string(bt_module_name(mod)));
+    json_t *j = json_object();
+    json_object_set_new(j, "peft_type", json_string("LORA"));
+    json_object_set_new(j, "task_type", json_string("CAUSAL_LM"));
+    json_object_set_new(j, "base_model_name_or_path", json_string(base_model));
+    json_object_set_new(j, "revision", json_null());
+    json_object_set_new(j, "r", json_integer(lo->r));
+    /* lora_alpha: integral values are written as integers, as PEFT configs usually carry them. */
+    if (lo->alpha == (float)(int64_t)lo->alpha)
+        json_object_set_new(j, "lora_alpha", json_integer((json_int_t)lo->alpha));
+    else
+        json_object_set_new(j, "lora_alpha", json_real(lo->alpha));
+    char dbuf[32]; /* the float's shortest decimal (0.05, not 0.0500000007) */
+    snprintf(dbuf, sizeof dbuf, "%.7g", (double)lo->dropout);
+    json_object_set_new(j, "lora_dropout", json_real(strtod(dbuf, NULL)));
+    json_object_set_new(j, "target_modules", tm);
+    json_object_set_new(j, "bias", json_string("none"));
+    json_object_set_new(j, "fan_in_fan_out", json_false());
+    json_object_set_new(j, "inference_mode", json_true());
+    json_object_set_new(j, "init_lora_weights", json_true());
+    json_object_set_new(j, "modules_to_save", json_null());
+    json_object_set_new(j, "layers_to_transform", json_null());
+    json_object_set_new(j, "layers_pattern", json_null());
+    json_object_set_new(j, "rank_pattern", json_object());
+    json_object_set_new(j, "alpha_pattern", json_object());
+    json_object_set_new(j, "use_rslora", json_false());
+    json_object_set_new(j, "use_dora", json_false());
+    char *s = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
+    json_decref(j);
+    if (!s) return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
+    int rc = 0;
+    FILE *f = fopen(path, "wb");
+    if (!f) rc = bt_fail(BT_ERR_IO, "adapter: create %s: %s", path, strerror(errno));
+    else {
+        size_t n = strlen(s);
+        if (fwrite(s, 1, n, f) != n || fputc('\n', f) == EOF || fflush(f) != 0 ||
+            fsync(fileno(f)) != 0)
+            rc = bt_fail(BT_ERR_IO, "adapter: write %s: %s", path, strerror(errno));
+        if (fclose(f) != 0 && rc == 0)
+            rc = bt_fail(BT_ERR_IO, "adapter: close %s: %s", path, strerror(errno));
+    }
+    free(s);
+    return rc;
+}
+
+static int write_weights(const bt_lora *lo, const char *path) {
+    bt_st_writer *w = bt_st_writer_new();
+    if (!w) return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
+    int rc = bt_st_w_metadata(w, "format", "pt");
+    char key[160];
+    for (int l = 0; l < lo->n_layer && rc == 0; l++)
+        for (int mod = 0; mod < BT_MOD_N && rc == 0; mod++) {
+            const bt_lora_mod *md = bt_lora_get(lo, l, mod);
+            if (!md) continue;
+            int64_t sa[2] = {lo->r, md->in}, sb[2] = {md->out, lo->r};
+            bt_adapter_key(key, sizeof key, l, mod, 0);
+            rc = bt_st_w_tensor(w, key, BT_ST_F32, 2, sa, md->A, (size_t)lo->r * md->in * 4);
+            if (rc) break;
+            bt_adapter_key(key, sizeof key, l, mod, 1);
+            rc = bt_st_w_tensor(w, key, BT_ST_F32, 2, sb, md->B, (size_t)md->out * lo->r * 4);
+        }
+    if (rc == 0) rc = bt_st_writer_write(w, path);
+    bt_st_writer_free(w);
+    if (rc) return bt_fail(rc, "adapter: %s: %s", path, bt_last_error());
+    return 0;
+}
+
+int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir) {
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/') n--;
+    char *d = strndup(dir, n);
+    char *tmp = NULL, *old = NULL, *p = NULL;
+    int rc = 0;
+    if (!d) return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
+    if ((rc = mkdir_parents(d))) goto out;
+    if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0 ||
+        asprintf(&old, "%s.old-%d", d, (int)getpid()) < 0) {
+        tmp = old = NULL;
+        rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
+        goto out;
+    }
+    rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
+    if (mkdir(tmp, 0755) != 0) {
+        rc = bt_fail(BT_ERR_IO, "adapter: mkdir %s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    if (asprintf(&p, "%s/adapter_model.safetensors", tmp) < 0) {
+        p = NULL;
+        rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
+        goto out;
+    }
+    if ((rc = write_weights(lo, p))) goto out;
+    free(p);
+    if (asprintf(&p, "%s/adapter_config.json", tmp) < 0) {
+        p = NULL;
+        rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
+        goto out;
+    }
+    if ((rc = write_config(lo, base_model_name_or_path, p))) goto out;
+    if ((rc = fsync_path(tmp, 1))) goto out;
+    struct stat st;
+    if (stat(d, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) {
+            rc = bt_fail(BT_ERR_IO, "adapter: %s exists and is not a directory", d);
+            goto out;
+        }
+        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, d, RENAME_EXCHANGE) == 0) {
+            rm_tree(tmp); /* now holds the previous adapter */
+        } else { /* filesystems without RENAME_EXCHANGE: two renames, brief gap */
+            rm_tree(old);
+            if (rename(d, old) != 0 || rename(tmp, d) != 0) {
+                rc = bt_fail(BT_ERR_IO, "adapter: replace %s: %s", d, strerror(errno));
+                goto out;
+            }
+            rm_tree(old);
+        }
+    } else if (rename(tmp, d) != 0) {
+        rc = bt_fail(BT_ERR_IO, "adapter: rename %s -> %s: %s", tmp, d, strerror(errno));
+        goto out;
+    }
+    char *parent = bt_xstrdup(d);
+    char *slash = strrchr(parent, '/');
+    if (slash && slash != parent) *slash = 0;
+    else if (slash) slash[1] = 0;
+    else strcpy(parent, ".");
+    fsync_path(parent, 1); /* best effort: make the rename durable */
+    free(parent);
+out:
+    if (rc && tmp) rm_tree(tmp);
+    free(p);
+    free(tmp);
+    free(old);
+    free(d);
+    return rc;
+}

@@ -1,0 +1,28 @@
+/* PEFT LoRA adapter checkpoints (huggingface/peft save_pretrained layout; see
+ * ../shared/research/pipeline-formats.md §5.4):
+ *   <dir>/adapter_model.safetensors  F32 tensors, __metadata__ {"format": "pt"}, keys
+ *     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_A.weight  [r, in]
+ *     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_B.weight  [out, r]
+ *     base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+ *   <dir>/adapter_config.json  the conservative core key set (peft_type "LORA", task_type
+ *     "CAUSAL_LM", r, lora_alpha, lora_dropout, target_modules, bias "none", fan_in_fan_out false,
+ *     inference_mode true, init_lora_weights true, modules_to_save null, use_rslora false,
+ *     use_dora false, revision null, layers_to_transform null, layers_pattern null,
+ *     rank_pattern {}, alpha_pattern {}, base_model_name_or_path).
+ * Weights are in Hugging Face layout (the trainer's base has Q/K un-permuted from GGUF). */
+#ifndef BT_TRAINER_ADAPTER_H
+#define BT_TRAINER_ADAPTER_H
+
+#include "trainer/lora.h"
+
+/* Write the adapter to `dir` atomically: both files go to a fresh sibling directory
+ * "<dir>.tmp-<pid>", are fsync'ed, and that directory then replaces `dir` in one step
+ * (renameat2 RENAME_EXCHANGE when `dir` exists, then the old copy is removed; plain rename
+ * otherwise), so a reader never sees a half-written adapter. Parent directories of `dir` are
+ * created. Errors: BT_ERR_IO (message names the path), BT_ERR_NOMEM. */
+int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir);
+
+/* PEFT state-dict key for (layer, module, is_B) into buf (NUL-terminated). */
+void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B);
+
+#endif

@@ -1,0 +1,546 @@
+/* Trainer job configuration: parsing, overrides, validation. See config.h for the keys. */
+#include "trainer/config.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "proto/client.h"
+
+static const char *const k_mod_names[BT_MOD_N] = {"q_proj", "k_proj",    "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"};
+
+const char *bt_module_name(int mod) {
+    return (mod >= 0 && mod < BT_MOD_N) ? k_mod_names[mod] : NULL;
+}
+
+/* ---- error helpers ---- */
+
+/* Short JSON rendering of a value for messages (truncated to 60 chars). */
+static void render(const json_t *v, char *buf, size_t n) {
+    char *s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+    if (!s) {
+        snprintf(buf, n, "?");
+        return;
+    }
+    if (strlen(s) > 60) snprintf(buf, n, "%.57s...", s);
+    else snprintf(buf, n, "%s", s);
+    free(s);
+}
+
+static int bad(const char *sect, const char *key, const char *expect, const json_t *got) {
+    char g[80];
+    render(got, g, sizeof g);
+    return bt_fail(BT_ERR_INVALID, "config: %s%s%s: expected %s, got %s", sect ? sect : "",
+                   sect ? "." : "", key, expect, g);
+}
+
+/* Refuse keys of `obj` not in the NULL-terminated list `known`. */
+static int check_keys(const json_t *obj, const char *sect, const char *const *known) {
+    const char *k;
+    json_t *v;
+    json_object_foreach((json_t *)obj, k, v) {
+        int ok = 0;
+        for (int i = 0; known[i]; i++)
+            if (!strcmp(k, known[i])) ok = 1;
+        if (!ok) {
+            char list[512] = "";
+            size_t used = 0;
+            for (int i = 0; known[i] && used < sizeof list - 1; i++)
+                used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "",
+                                         known[i]);
+            return bt_fail(BT_ERR_INVALID, "config: unknown key \"%s%s%s\" (known: %s)",
+                           sect ? sect : "", sect ? "." : "", k, list);
+        }
+    }
+    return 0;
+}
+
+/* ---- typed getters (absent key -> default) ---- */
+
+typedef struct {
+    double lo, hi;
+    int lo_open, hi_open; /* strict bounds */
+} range;
+
+static void range_text(range r, const char *what, char *buf, size_t n) {
+    if (isinf(r.hi) || r.hi >= 2147483647.0)
+        snprintf(buf, n, "%s %s %.15g", what, r.lo_open ? ">" : ">=", r.lo);
+    else
+        snprintf(buf, n, "%s in %c%.15g, %.15g%c", what, r.lo_open ? '(' : '[', r.lo, r.hi,
+                 r.hi_open ? ')' : ']');
+}
+
+static int in_range(range r, double x) {
+    if (isnan(x)) return 0;
+    if (r.lo_open ? !(x > r.lo) : !(x >= r.lo)) return 0;
+    if (r.hi_open ? !(x < r.hi) : !(x <= r.hi)) return 0;
+    return 1;
+}
+
+static int get_num(const json_t *o, const char *sect, const char *key, double def, range r,
+                   double *out) {
+    json_t *v = json_object_get(o, key);
+    char what[96];
+    range_text(r, "a number", what, sizeof what);
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    if (!json_is_number(v)) return bad(sect, key, what, v);
+    double x = json_number_value(v);
+    if (!in_range(r, x)) return bad(sect, key, what, v);
+    *out = x;
+    return 0;
+}
+
+static int get_int(const json_t *o, const char *sect, const char *key, int64_t def, range r,
+                   int64_t *out) {
+    json_t *v = json_object_get(o, key);
+    char what[96];
+    range_text(r, "an integer", what, sizeof what);
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    double x;
+    if (json_is_integer(v)) x = (double)json_integer_value(v);
+    else if (json_is_real(v) && json_real_value(v) == floor(json_real_value(v)))
+        x = json_real_value(v);
+    else
+        return bad(sect, key, what, v);
+    if (!in_range(r, x) || fabs(x) > 9.0e15) return bad(sect, key, what, v);
+    *out = json_is_integer(v) ? (int64_t)json_integer_value(v) : (int64_t)x;
+    return 0;
+}
+
+static int get_i32(const json_t *o, const char *sect, const char *key, int def, range r, int *out) {
+    int64_t x;
+    if (r.hi > 2147483647.0) r.hi = 2147483647.0;
+    int rc = get_int(o, sect, key, def, r, &x);
+    if (rc == 0) *out = (int)x;
+    return rc;
+}
+
+static int get_bool(const json_t *o, const char *sect, const char *key, int def, int *out) {
+    json_t *v = json_object_get(o, key);
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    if (!json_is_boolean(v)) return bad(sect, key, "true or false", v);
+    *out = json_is_true(v);
+    return 0;
+}
+
+/* *out = strdup (owned). */
+static int get_str(const json_t *o, const char *sect, const char *key, const char *def,
+                   char **out) {
+    json_t *v = json_object_get(o, key);
+    if (!v) {
+        if (!def) {
+            return bt_fail(BT_ERR_INVALID, "config: %s%s%s: required key missing (expected a string)",
+                           sect ? sect : "", sect ? "." : "", key);
+        }
+        *out = bt_xstrdup(def);
+        return 0;
+    }
+    if (!json_is_string(v) || json_string_length(v) == 0)
+        return bad(sect, key, "a non-empty string", v);
+    if (strlen(json_string_value(v)) != json_string_length(v))
+        return bad(sect, key, "a string without NUL bytes", v);
+    *out = bt_xstrdup(json_string_value(v));
+    return 0;
+}
+
+/* One of NULL-terminated `choices`; *out = index. */
+static int get_enum(const json_t *o, const char *sect, const char *key, int def,
+                    const char *const *choices, int *out) {
+    json_t *v = json_object_get(o, key);
+    char what[160] = "one of ";
+    for (int i = 0; choices[i]; i++) {
+        strncat(what, "\"", sizeof what - strlen(what) - 1);
+        strncat(what, choices[i], sizeof what - strlen(what) - 1);
+        strncat(what, choices[i + 1] ? "\", " : "\"", sizeof what - strlen(what) - 1);
+    }
+    if (!v) {
+        *out = def;
+        return 0;
+    }
+    if (json_is_string(v))
+        for (int i = 0; choices[i]; i++)
+            if (!strcmp(json_string_value(v), choices[i])) {
+                *out = i;
+                return 0;
+            }
+    return bad(sect, key, what, v);
+}
+
+static void free_strv(char **v, int n) {
+    if (!v) return;
+    for (int i = 0; i < n; i++) free(v[i]);
+    free(v);
+}
+
+/* Array of non-empty strings. required: must be present and non-empty. */
+static int get_strv(const json_t *o, const char *sect, const char *key, int required,
+                    char ***out, int *n_out) {
+    json_t *v = json_object_get(o, key);
+    *out = NULL;
+    *n_out = 0;
+    if (!v) {
+        if (required)
+            return bt_fail(BT_ERR_INVALID,
+                           "config: %s%s%s: required key missing (expected a non-empty array of strings)",
+                           sect ? sect : "", sect ? "." : "", key);
+        return 0;
+    }
+    if (json_is_string(v) && json_string_length(v) > 0) { /* a single string is a 1-list */
+        *out = bt_xcalloc(1, sizeof(char *));
+        (*out)[0] = bt_xstrdup(json_string_value(v));
+        *n_out = 1;
+        return 0;
+    }
+    if (!json_is_array(v) || (required && json_array_size(v) == 0))
+        return bad(sect, key, required ? "a non-empty array of strings" : "an array of strings", v);
+    size_t n = json_array_size(v);
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(v, i);
+        if (!json_is_string(e) || json_string_length(e) == 0)
+            return bad(sect, key, "an array of non-empty strings", v);
+    }
+    *out = bt_xcalloc(n ? n : 1, sizeof(char *));
+    for (size_t i = 0; i < n; i++) (*out)[i] = bt_xstrdup(json_string_value(json_array_get(v, i)));
+    *n_out = (int)n;
+    return 0;
+}
+
+/* Sub-object (absent -> empty object, borrowed result in *out; caller json_decref's nothing). */
+static int get_obj(const json_t *root, const char *key, json_t **out) {
+    json_t *v = json_object_get(root, key);
+    if (!v) {
+        *out = NULL;
+        return 0;
+    }
+    if (!json_is_object(v)) return bad(NULL, key, "an object", v);
+    *out = v;
+    return 0;
+}
+
+/* ---- --set ---- */
+
+static int apply_set(json_t *root, const char *kv) {
+    const char *eq = strchr(kv, '=');
+    if (!eq || eq == kv)
+        return bt_fail(BT_ERR_INVALID, "config: --set \"%s\": expected key.path=value", kv);
+    char *path = strndup(kv, (size_t)(eq - kv));
+    if (!path) return bt_fail(BT_ERR_NOMEM, "config: out of memory");
+    const char *val = eq + 1;
+    json_error_t jerr;
+    json_t *jv = json_loads(val, JSON_DECODE_ANY, &jerr);
+    if (!jv) jv = json_string(val);
+    if (!jv) {
+        free(path);
+        return bt_fail(BT_ERR_INVALID, "config: --set %s: value is not valid UTF-8", kv);
+    }
+    json_t *cur = root;
+    char *save = NULL;
+    char *tok = strtok_r(path, ".", &save);
+    int rc = 0;
+    while (tok) {
+        char *next = strtok_r(NULL, ".", &save);
+        if (!next) {
+            json_object_set(cur, tok, jv);
+            break;
+        }
+        json_t *child = json_object_get(cur, tok);
+        if (!child) {
+            child = json_object();
+            json_object_set_new(cur, tok, child);
+        } else if (!json_is_object(child)) {
+            rc = bt_fail(BT_ERR_INVALID, "config: --set %.*s: \"%s\" is not an object",
+                         (int)(eq - kv), kv, tok);
+            break;
+        }
+        cur = child;
+        tok = next;
+    }
+    if (!tok && rc == 0)
+        rc = bt_fail(BT_ERR_INVALID, "config: --set \"%s\": empty key", kv);
+    json_decref(jv);
+    free(path);
+    return rc;
+}
+
+/* ---- the schema ---- */
+
+#define RANGE(lo, hi, lo_open, hi_open) ((range){(lo), (hi), (lo_open), (hi_open)})
+#define POS RANGE(0, INFINITY, 1, 0)     /* > 0 */
+#define NONNEG RANGE(0, INFINITY, 0, 0)  /* >= 0 */
+#define ATLEAST1 RANGE(1, INFINITY, 0, 0)
+
+static int parse_tree(bt_train_config *c, const json_t *root) {
+    static const char *const top_keys[] = {
+        "name", "model", "base_dtype", "base_model_name_or_path", "socket", "data", "eval", "lora",
+        "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
+        "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", NULL};
+    static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
+                                            "micro_batch_size", "seed", "tokenizer_threads", NULL};
+    static const char *const eval_keys[] = {"shards", "max_batches", NULL};
+    static const char *const lora_keys[] = {"r", "lora_alpha", "lora_dropout", "target_modules",
+                                            NULL};
+    static const char *const optim_keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay",
+                                             "warmup_steps", "grad_clip", NULL};
+    static const char *const dtypes[] = {"nf4", "fp32", NULL};
+    static const char *const scheds[] = {"cosine", "linear", "constant", NULL};
+    static const char *const formats[] = {"chat", "text", "alpaca", NULL};
+    int rc;
+    int64_t i64;
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        if ((rc = (x)) != 0) return rc;                                                            \
+    } while (0)
+
+    TRY(check_keys(root, NULL, top_keys));
+    json_t *data = NULL, *eval = NULL, *lora = NULL, *optim = NULL;
+    TRY(get_obj(root, "data", &data));
+    TRY(get_obj(root, "eval", &eval));
+    TRY(get_obj(root, "lora", &lora));
+    TRY(get_obj(root, "optim", &optim));
+    json_t *empty = json_object();
+    if (!data) data = empty;
+    if (!eval) eval = empty;
+    if (!lora) lora = empty;
+    if (!optim) optim = empty;
+    rc = 0;
+    do {
+        if ((rc = check_keys(data, "data", data_keys)) || (rc = check_keys(eval, "eval", eval_keys)) ||
+            (rc = check_keys(lora, "lora", lora_keys)) ||
+            (rc = check_keys(optim, "optim", optim_keys)))
+            break;
+        if ((rc = get_str(root, NULL, "name", "barqtrain", &c->name)) ||
+            (rc = get_str(root, NULL, "model", NULL, &c->model)) ||
+            (rc = get_enum(root, NULL, "base_dtype", BT_BASE_NF4, dtypes, &c->base_dtype)) ||
+            (rc = get_str(root, NULL, "base_model_name_or_path",
+                          "HuggingFaceTB/SmolLM2-135M-Instruct", &c->base_model_name_or_path)) ||
+            (rc = get_str(root, NULL, "socket", BT_DEFAULT_SOCKET, &c->socket)))
+            break;
+        /* data */
+        int fmt;
+        if ((rc = get_strv(data, "data", "shards", 1, &c->data.shards, &c->data.n_shards)) ||
+            (rc = get_enum(data, "data", "format", 0, formats, &fmt)) ||
+            (rc = get_str(data, "data", "text_field", "text", &c->data.text_field)) ||
+            (rc = get_i32(data, "data", "seq_len", 512, RANGE(2, 1 << 20, 0, 0), &c->data.seq_len)) ||
+            (rc = get_i32(data, "data", "micro_batch_size", 4, RANGE(1, 4096, 0, 0),
+                          &c->data.micro_batch_size)) ||
+            (rc = get_int(data, "data", "seed", 1234, NONNEG, &i64)))
+            break;
+        c->data.format = bt_xstrdup(formats[fmt]);
+        c->data.seed = (uint64_t)i64;
+        if ((rc = get_i32(data, "data", "tokenizer_threads", 2, RANGE(1, 256, 0, 0),
+                          &c->data.tokenizer_threads)))
+            break;
+        if ((int64_t)c->data.seq_len * c->data.micro_batch_size > (1 << 24)) {
+            rc = bt_fail(BT_ERR_INVALID,
+                         "config: data.seq_len x data.micro_batch_size = %lld tokens per micro-batch"
+                         " exceeds 16777216",
+                         (long long)c->data.seq_len * c->data.micro_batch_size);
+            break;
+        }
+        /* eval */
+        if ((rc = get_strv(eval, "eval", "shards", 0, &c->eval.shards, &c->eval.n_shards)) ||
+            (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)))
+            break;
+        /* lora */
+        if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, 4096, 0, 0), &c->lora.r)) ||
+            (rc = get_num(lora, "lora", "lora_alpha", 32, POS, &c->lora.alpha)) ||
+            (rc = get_num(lora, "lora", "lora_dropout", 0.05, RANGE(0, 1, 0, 1), &c->lora.dropout)))
+            break;
+        json_t *tm = json_object_get(lora, "target_modules");
+        if (!tm) {
+            c->lora.target_mask = (1u << BT_MOD_N) - 1;
+        } else {
+            const char *expect = "a non-empty array of module names (q_proj, k_proj, v_proj, "
+                                 "o_proj, gate_proj, up_proj, down_proj)";
+            if (!json_is_array(tm) || json_array_size(tm) == 0) {
+                rc = bad("lora", "target_modules", expect, tm);
+                break;
+            }
+            for (size_t i = 0; i < json_array_size(tm) && rc == 0; i++) {
+                json_t *e = json_array_get(tm, i);
+                int found = -1;
+                for (int m = 0; m < BT_MOD_N && json_is_string(e); m++)
+                    if (!strcmp(json_string_value(e), k_mod_names[m])) found = m;
+                if (found < 0) rc = bad("lora", "target_modules", expect, e);
+                else c->lora.target_mask |= 1u << found;
+            }
+            if (rc) break;
+        }
+        /* optim */
+        if ((rc = get_num(optim, "optim", "lr", 2e-4, POS, &c->optim.lr)) ||
+            (rc = get_num(optim, "optim", "weight_decay", 0.0, NONNEG, &c->optim.weight_decay)) ||
+            (rc = get_num(optim, "optim", "beta1", 0.9, RANGE(0, 1, 0, 1), &c->optim.beta1)) ||
+            (rc = get_num(optim, "optim", "beta2", 0.999, RANGE(0, 1, 0, 1), &c->optim.beta2)) ||
+            (rc = get_num(optim, "optim", "eps", 1e-8, POS, &c->optim.eps)) ||
+            (rc = get_i32(optim, "optim", "warmup_steps", 0, NONNEG, &c->optim.warmup_steps)) ||
+            (rc = get_num(optim, "optim", "grad_clip", 1.0, NONNEG, &c->optim.grad_clip)))
+            break;
+        /* loop */
+        if ((rc = get_i32(root, NULL, "steps", 100, ATLEAST1, &c->steps)) ||
+            (rc = get_i32(root, NULL, "grad_accum", 1, RANGE(1, 65536, 0, 0), &c->grad_accum)) ||
+            (rc = get_enum(root, NULL, "schedule", BT_SCHED_COSINE, scheds, &c->schedule)) ||
+            (rc = get_num(root, NULL, "min_lr_ratio", 0.1, RANGE(0, 1, 0, 0), &c->min_lr_ratio)) ||
+            (rc = get_bool(root, NULL, "activation_checkpointing", 0,
+                           &c->activation_checkpointing)) ||
+            (rc = get_i32(root, NULL, "save_every", 0, NONNEG, &c->save_every)) ||
+            (rc = get_str(root, NULL, "out_dir", "runs/adapter", &c->out_dir)) ||
+            (rc = get_i32(root, NULL, "threads", 0, RANGE(0, 1024, 0, 0), &c->threads)) ||
+            (rc = get_int(root, NULL, "seed", 1234, NONNEG, &i64)))
+            break;
+        c->seed = (uint64_t)i64;
+        if ((rc = get_i32(root, NULL, "log_every", 1, ATLEAST1, &c->log_every)) ||
+            (rc = get_i32(root, NULL, "timeout_s", 600, ATLEAST1, &c->timeout_s)))
+            break;
+    } while (0);
+    json_decref(empty);
+    return rc;
+#undef TRY
+}
+
+void bt_config_free(bt_train_config *c) {
+    if (!c) return;
+    free(c->name);
+    free(c->model);
+    free(c->base_model_name_or_path);
+    free(c->socket);
+    free_strv(c->data.shards, c->data.n_shards);
+    free(c->data.format);
+    free(c->data.text_field);
+    free_strv(c->eval.shards, c->eval.n_shards);
+    free(c->out_dir);
+    memset(c, 0, sizeof *c);
+}
+
+int bt_config_parse(bt_train_config *cfg, const char *json_text, const char *origin,
+                    const char *const *sets, int n_sets) {
+    memset(cfg, 0, sizeof *cfg);
+    json_error_t jerr;
+    json_t *root = json_loads(json_text, 0, &jerr);
+    if (!root)
+        return bt_fail(BT_ERR_FORMAT, "config: %s: line %d column %d: %s",
+                       origin ? origin : "<text>", jerr.line, jerr.column, jerr.text);
+    if (!json_is_object(root)) {
+        json_decref(root);
+        return bt_fail(BT_ERR_FORMAT, "config: %s: expected a JSON object at top level",
+                       origin ? origin : "<text>");
+    }
+    int rc = 0;
+    for (int i = 0; i < n_sets && rc == 0; i++) rc = apply_set(root, sets[i]);
+    if (rc == 0) rc = parse_tree(cfg, root);
+    json_decref(root);
+    if (rc) bt_config_free(cfg);
+    return rc;
+}
+
+int bt_config_load(bt_train_config *cfg, const char *path, const char *const *sets, int n_sets) {
+    memset(cfg, 0, sizeof *cfg);
+    bt_map m;
+    int rc = bt_map_open(&m, path);
+    if (rc) return bt_fail(rc, "config: cannot read %s: %s", path, bt_last_error());
+    char *text = bt_xmalloc(m.size + 1);
+    if (m.size) memcpy(text, m.data, m.size);
+    text[m.size] = 0;
+    bt_map_close(&m);
+    rc = bt_config_parse(cfg, text, path, sets, n_sets);
+    free(text);
+    return rc;
+}
+
+static json_t *strv_json(char *const *v, int n) {
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) json_array_append_new(a, json_string(v[i]));
+    return a;
+}
+
+/* Relative paths (and globs) are resolved against the trainer's working directory, since
+ * loaderd runs elsewhere. */
+static json_t *abs_path_json(const char *p) {
+    if (p[0] == '/') return json_string(p);
+    char *cwd = getcwd(NULL, 0);
+    if (!cwd) return json_string(p);
+    size_t n = strlen(cwd) + strlen(p) + 2;
+    char *buf = bt_xmalloc(n);
+    snprintf(buf, n, "%s/%s", cwd, p[0] == '.' && p[1] == '/' ? p + 2 : p);
+    json_t *j = json_string(buf);
+    free(buf);
+    free(cwd);
+    return j;
+}
+
+static json_t *abs_strv_json(char *const *v, int n) {
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) json_array_append_new(a, abs_path_json(v[i]));
+    return a;
+}
+
+char *bt_config_job_json(const bt_train_config *c, int eval) {
+    json_t *j = json_object();
+    char name[512];
+    snprintf(name, sizeof name, "%s%s", c->name, eval ? "-eval" : "");
+    json_object_set_new(j, "name", json_string(name));
+    json_object_set_new(j, "shards", eval ? abs_strv_json(c->eval.shards, c->eval.n_shards)
+                                          : abs_strv_json(c->data.shards, c->data.n_shards));
+    json_object_set_new(j, "format", json_string(c->data.format));
+    if (!strcmp(c->data.format, "text")) /* loaderd refuses it with other formats */
+        json_object_set_new(j, "text_field", json_string(c->data.text_field));
+    json_object_set_new(j, "tokenizer", abs_path_json(c->model));
+    json_object_set_new(j, "seq_len", json_integer(c->data.seq_len));
+    json_object_set_new(j, "micro_batch_size", json_integer(c->data.micro_batch_size));
+    json_object_set_new(j, "seed", json_integer((json_int_t)c->data.seed));
+    json_object_set_new(j, "epochs", json_integer(eval ? 1 : 0));
+    /* not in proto/client.h's list, but loaderd's job spec parser accepts it */
+    json_object_set_new(j, "tokenizer_threads", json_integer(c->data.tokenizer_threads));
+    char *s = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    return s;
+}
+
+char *bt_config_dump(const bt_train_config *c) {
+    static const char *const dtypes[] = {"nf4", "fp32"};
+    static const char *const scheds[] = {"cosine", "linear", "constant"};
+    json_t *tm = json_array();
+    for (int m = 0; m < BT_MOD_N; m++)
+        if (c->lora.target_mask & (1u << m)) json_array_append_new(tm, json_string(k_mod_names[m]));
+    json_t *j = json_pack(
+        "{s:s, s:s, s:s, s:s, s:s,"
+        " s:{s:o, s:s, s:s, s:i, s:i, s:I, s:i},"
+        " s:{s:o, s:i},"
+        " s:{s:i, s:f, s:f, s:o},"
+        " s:{s:f, s:f, s:f, s:f, s:f, s:i, s:f},"
+        " s:i, s:i, s:s, s:f, s:b, s:i, s:s, s:i, s:I, s:i, s:i}",
+        "name", c->name, "model", c->model, "base_dtype", dtypes[c->base_dtype],
+        "base_model_name_or_path", c->base_model_name_or_path, "socket", c->socket,
+        "data", "shards", strv_json(c->data.shards, c->data.n_shards), "format", c->data.format,
+        "text_field", c->data.text_field, "seq_len", c->data.seq_len, "micro_batch_size",
+        c->data.micro_batch_size, "seed", (json_int_t)c->data.seed, "tokenizer_threads",
+        c->data.tokenizer_threads,
+        "eval", "shards", strv_json(c->eval.shards, c->eval.n_shards), "max_batches",
+        c->eval.max_batches,
+        "lora", "r", c->lora.r, "lora_alpha", c->lora.alpha, "lora_dropout", c->lora.dropout,
+        "target_modules", tm,
+        "optim", "lr", c->optim.lr, "weight_decay", c->optim.weight_decay, "beta1", c->optim.beta1,
+        "beta2", c->optim.beta2, "eps", c->optim.eps, "warmup_steps", c->optim.warmup_steps,
+        "grad_clip", c->optim.grad_clip,
+        "steps", c->steps, "grad_accum", c->grad_accum, "schedule", scheds[c->schedule],
+        "min_lr_ratio", c->min_lr_ratio, "activation_checkpointing", c->activation_checkpointing,
+        "save_every", c->save_every, "out_dir", c->out_dir, "threads", c->threads, "seed",
+        (json_int_t)c->seed, "log_every", c->log_every, "timeout_s", c->timeout_s);
+    if (!j) return NULL;
+    char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
+    json_decref(j);
+    return s;
+}

@@ -1,0 +1,109 @@
+/* Trainer job configuration: a JSON file (jansson), overridden by `--set key.path=value`.
+ *
+ * Keys and defaults (every key is optional unless marked required):
+ *   name "barqtrain"                   job name given to loaderd
+ *   model (required)                   path of the base model .gguf (llama architecture)
+ *   base_dtype "nf4" | "fp32"          how the frozen base linears are held (default "nf4")
+ *   base_model_name_or_path "HuggingFaceTB/SmolLM2-135M-Instruct"   written to adapter_config.json
+ *   socket "/run/loaderd/loaderd.sock" loaderd control socket
+ *   data: { shards (required, [glob, ...]), format "chat" ("chat"|"text"|"alpaca"),
+ *           text_field "text", seq_len 512, micro_batch_size 4, seed 1234, tokenizer_threads 2 }
+ *          (all sent to loaderd in the job spec, with "tokenizer" = model)
+ *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data) }
+ *   lora: { r 16, lora_alpha 32, lora_dropout 0.05,
+ *           target_modules ["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"] }
+ *   optim: { lr 2e-4, weight_decay 0.0, beta1 0.9, beta2 0.999, eps 1e-8, warmup_steps 0,
+ *            grad_clip 1.0 (0 = no clipping) }
+ *   steps 100                          optimizer steps
+ *   grad_accum 1                       micro-batches per optimizer step
+ *   schedule "cosine" ("cosine"|"linear"|"constant"), min_lr_ratio 0.1
+ *   activation_checkpointing false     recompute each layer's activations in backward
+ *   save_every 0                       also save the adapter every N steps (0 = only at the end)
+ *   out_dir "runs/adapter"             adapter directory (replaced atomically on every save)
+ *   threads 0                          OpenMP threads for every kernel (0 = OpenMP default)
+ *   seed 1234                          LoRA init and dropout seed
+ *   log_every 1                        progress line every N steps (and always at the last step)
+ *   timeout_s 600                      longest wait for one batch from loaderd
+ *
+ * Errors always name the key and what was expected, e.g.
+ *   config: optim.lr: expected a number > 0, got "abc"
+ *   config: unknown key "optim.momentum" (known: lr, weight_decay, ...)
+ */
+#ifndef BT_TRAINER_CONFIG_H
+#define BT_TRAINER_CONFIG_H
+#include <stdint.h>
+
+enum { BT_BASE_NF4 = 0, BT_BASE_FP32 = 1 };
+enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
+
+/* LoRA target modules, in the order used everywhere in the trainer (bit i of target_mask). */
+enum { BT_MOD_Q = 0, BT_MOD_K, BT_MOD_V, BT_MOD_O, BT_MOD_GATE, BT_MOD_UP, BT_MOD_DOWN, BT_MOD_N };
+/* "q_proj", ... "down_proj" for i in [0, BT_MOD_N); NULL otherwise. */
+const char *bt_module_name(int mod);
+
+typedef struct {
+    char *name;
+    char *model;
+    int base_dtype;                 /* BT_BASE_* */
+    char *base_model_name_or_path;
+    char *socket;
+    struct {
+        char **shards;
+        int n_shards;
+        char *format;               /* "chat" | "text" | "alpaca" */
+        char *text_field;
+        int seq_len;                /* T */
+        int micro_batch_size;       /* B */
+        uint64_t seed;
+        int tokenizer_threads;
+    } data;
+    struct {
+        char **shards;
+        int n_shards;               /* 0: no held-out evaluation */
+        int max_batches;            /* 0: until END_OF_DATA */
+    } eval;
+    struct {
+        int r;
+        double alpha;
+        double dropout;             /* [0, 1) */
+        unsigned target_mask;       /* bit BT_MOD_* set = module adapted */
+    } lora;
+    struct {
+        double lr, weight_decay, beta1, beta2, eps, grad_clip;
+        int warmup_steps;
+    } optim;
+    int steps;
+    int grad_accum;
+    int schedule;                   /* BT_SCHED_* */
+    double min_lr_ratio;            /* [0, 1] */
+    int activation_checkpointing;   /* bool */
+    int save_every;
+    char *out_dir;
+    int threads;
+    uint64_t seed;
+    int log_every;
+    int timeout_s;
+} bt_train_config;
+
+/* Parse a config from JSON text, then apply `n_sets` overrides "a.b=value" in order (value is
+ * parsed as JSON when it parses, else taken as a string), then validate.
+ * `origin` names the source in messages (file path). On success *cfg is filled (owned; free with
+ * bt_config_free). Errors: BT_ERR_INVALID (message "config: <key>: ..." in bt_last_error),
+ * BT_ERR_FORMAT (text is not a JSON object). *cfg is left zeroed on failure. */
+int bt_config_parse(bt_train_config *cfg, const char *json_text, const char *origin,
+                    const char *const *sets, int n_sets);
+/* Same, reading the JSON from `path` (BT_ERR_IO if unreadable). */
+int bt_config_load(bt_train_config *cfg, const char *path, const char *const *sets, int n_sets);
+void bt_config_free(bt_train_config *cfg);
+
+/* The loaderd job spec (JSON object text, malloc'd; free()) for the training stream
+ * (eval = 0: data.shards, epochs 0 = endless) or the held-out stream (eval = 1: eval.shards,
+ * epochs 1). Keys as proto/client.h lists; "tokenizer" is the model path. Relative shard globs
+ * and the model path are made absolute against the current directory (loaderd runs elsewhere).
+ * NULL on OOM. */
+char *bt_config_job_json(const bt_train_config *cfg, int eval);
+
+/* The effective configuration as JSON text (malloc'd, free()), for logs. */
+char *bt_config_dump(const bt_train_config *cfg);
+
+#endif

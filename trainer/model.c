@@ -1,0 +1,374 @@
+/* Frozen Llama base: GGUF loading (dequantise, un-permute Q/K, NF4-quantise), random init. */
+#include "trainer/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "common/gguf.h"
+#include "common/quant.h"
+#include "trainer/rng.h"
+
+/* GGUF tensor suffix per module, in BT_MOD_* order. */
+static const char *const k_gguf_lin[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                                 "ffn_gate", "ffn_up", "ffn_down"};
+
+static void lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *cols) {
+    int D = hp->d_model, q = hp->n_head * hp->head_dim, kv = hp->n_kv_head * hp->head_dim;
+    switch (mod) {
+    case BT_MOD_Q: *rows = q, *cols = D; break;
+    case BT_MOD_K:
+    case BT_MOD_V: *rows = kv, *cols = D; break;
+    case BT_MOD_O: *rows = D, *cols = q; break;
+    case BT_MOD_GATE:
+    case BT_MOD_UP: *rows = hp->d_ff, *cols = D; break;
+    default: *rows = D, *cols = hp->d_ff; break; /* down */
+    }
+}
+
+static int check_hparams(const bt_llama_hparams *hp, const char *src) {
+    if (hp->n_layer < 1 || hp->n_layer > 1024 || hp->d_model < 2 || hp->n_head < 1 ||
+        hp->n_kv_head < 1 || hp->d_ff < 1 || hp->vocab < 2 || hp->d_model > (1 << 16) ||
+        hp->d_ff > (1 << 18) || hp->vocab > (1 << 24))
+        return bt_fail(BT_ERR_INVALID,
+                       "model: %s: implausible hyper-parameters (layers %d, d_model %d, heads %d/%d,"
+                       " ffn %d, vocab %d)",
+                       src, hp->n_layer, hp->d_model, hp->n_head, hp->n_kv_head, hp->d_ff, hp->vocab);
+    if (hp->n_head % hp->n_kv_head != 0)
+        return bt_fail(BT_ERR_INVALID, "model: %s: head_count %d is not a multiple of head_count_kv %d",
+                       src, hp->n_head, hp->n_kv_head);
+    if (hp->head_dim * hp->n_head != hp->d_model || hp->head_dim % 2 != 0)
+        return bt_fail(BT_ERR_INVALID,
+                       "model: %s: head_dim %d x head_count %d must equal embedding_length %d "
+                       "(and head_dim be even)",
+                       src, hp->head_dim, hp->n_head, hp->d_model);
+    if (!(hp->rope_theta > 0) || !(hp->rms_eps > 0) || !isfinite(hp->rope_theta))
+        return bt_fail(BT_ERR_INVALID, "model: %s: rope theta %g / rms eps %g must be > 0", src,
+                       hp->rope_theta, hp->rms_eps);
+    return 0;
+}
+
+size_t bt_model_scratch_floats(const bt_model *m) {
+    if (m->base_dtype != BT_BASE_NF4) return 1;
+    size_t a = bt_nf4_scratch_floats(m->hp.d_model), b = bt_nf4_scratch_floats(m->hp.d_ff);
+    return a > b ? a : b;
+}
+
+void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float beta,
+                 float *scratch) {
+    if (l->is_nf4) bt_nf4_linear_fwd(Y, X, &l->q, M, l->cols, l->rows, beta, scratch);
+    else bt_linear_fwd(Y, X, l->w, M, l->cols, l->rows, beta);
+}
+
+void bt_base_bwd_x(float *dX, const float *dY, const bt_base_linear *l, int M, float beta,
+                   float *scratch) {
+    if (l->is_nf4) bt_nf4_linear_bwd_x(dX, dY, &l->q, M, l->cols, l->rows, beta, scratch);
+    else bt_linear_bwd_x(dX, dY, l->w, M, l->cols, l->rows, beta);
+}
+
+static void lin_free(bt_base_linear *l) {
+    if (l->is_nf4) bt_nf4_free(&l->q);
+    free(l->w);
+    memset(l, 0, sizeof *l);
+}
+
+void bt_model_free(bt_model *m) {
+    if (!m) return;
+    if (m->layers) {
+        for (int i = 0; i < m->hp.n_layer; i++) {
+            free(m->layers[i].attn_norm);
+            free(m->layers[i].ffn_norm);
+            for (int j = 0; j < BT_MOD_N; j++) lin_free(&m->layers[i].lin[j]);
+        }
+        free(m->layers);
+    }
+    if (!m->tied) free(m->lm_head);
+    free(m->tok_embd);
+    free(m->output_norm);
+    memset(m, 0, sizeof *m);
+}
+
+size_t bt_model_bytes(const bt_model *m) {
+    size_t b = (size_t)m->hp.vocab * m->hp.d_model * 4 * (m->tied ? 1 : 2);
+    b += (size_t)m->hp.d_model * 4 * (1 + 2 * (size_t)m->hp.n_layer);
+    for (int i = 0; i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            const bt_base_linear *l = &m->layers[i].lin[j];
+            size_t n = (size_t)l->rows * l->cols;
+            b += l->is_nf4 ? n / 2 + n / 64 + (n / 64 / 256 + 1) * 4 : n * 4;
+        }
+    return b;
+}
+
+/* Turn an fp32 matrix into the base linear (takes ownership of w). */
+static int lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_dtype,
+                   const char *what) {
+    l->rows = rows;
+    l->cols = cols;
+    if (base_dtype == BT_BASE_FP32) {
+        l->w = w;
+        l->is_nf4 = 0;
+        return 0;
+    }
+    if (((int64_t)rows * cols) % BT_NF4_BLOCKSIZE != 0) {
+        free(w);
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %d x %d elements is not a multiple of the NF4 "
+                       "block size 64 (use base_dtype fp32)", what, rows, cols);
+    }
+    int rc = bt_nf4_quantize(&l->q, w, rows, cols);
+    free(w);
+    if (rc) return bt_fail(rc, "model: %s: NF4 quantisation failed: %s", what, bt_last_error());
+    l->is_nf4 = 1;
+    return 0;
+}
+
+/* ---- GGUF ---- */
+
+static int kv_int(const bt_gguf *g, const char *path, const char *key, int required, int64_t def,
+                  int *out) {
+    int64_t v;
+    int rc = bt_gguf_get_i64(g, key, &v);
+    if (rc == BT_ERR_NOTFOUND && !required) v = def;
+    else if (rc == BT_ERR_NOTFOUND)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing metadata key %s", path, key);
+    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error());
+    if (v < 0 || v > 0x7fffffff)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: %s = %lld out of range", path, key, (long long)v);
+    *out = (int)v;
+    return 0;
+}
+
+static int kv_float(const bt_gguf *g, const char *path, const char *key, int required, double def,
+                    float *out) {
+    double v;
+    int rc = bt_gguf_get_f64(g, key, &v);
+    if (rc == BT_ERR_NOTFOUND && !required) v = def;
+    else if (rc == BT_ERR_NOTFOUND)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing metadata key %s", path, key);
+    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error());
+    *out = (float)v;
+    return 0;
+}
+
+/* Dequantise tensor `name` of logical PyTorch shape [rows, cols] (rows = 0: 1-D [cols]) into a
+ * new fp32 buffer. */
+static int load_tensor(const bt_gguf *g, const char *path, const char *name, int rows, int cols,
+                       float **out) {
+    *out = NULL;
+    const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
+    if (!t) return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor %s", path, name);
+    int want_dims = rows ? 2 : 1;
+    uint64_t r = rows ? (uint64_t)rows : 1;
+    if (t->n_dims != (uint32_t)want_dims || t->ne[0] != (uint64_t)cols || t->ne[1] != r ||
+        t->ne[2] != 1 || t->ne[3] != 1)
+        return bt_fail(BT_ERR_FORMAT,
+                       "model: %s: tensor %s has shape (ne) [%llu, %llu, %llu, %llu] / %u dims, "
+                       "expected [%d, %llu] (%d dims)",
+                       path, name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+                       (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], t->n_dims, cols,
+                       (unsigned long long)r, want_dims);
+    int64_t n = (int64_t)r * cols;
+    size_t row = bt_ggml_row_size(t->type, cols);
+    if (row == 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: tensor %s: unsupported type %s (%d)", path,
+                       name, bt_ggml_type_name(t->type), t->type);
+    if ((uint64_t)row * r > t->nbytes)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: %llu bytes, expected %llu", path, name,
+                       (unsigned long long)t->nbytes, (unsigned long long)row * r);
+    float *w = bt_aligned_alloc((size_t)n * sizeof(float));
+    if (!w) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", path, name);
+    int rc = bt_ggml_dequantize(t->type, t->data, w, n);
+    if (rc) {
+        free(w);
+        return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error());
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(w[i])) {
+            free(w);
+            return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: non-finite value at element %lld",
+                           path, name, (long long)i);
+        }
+    *out = w;
+    return 0;
+}
+
+/* Inverse of convert_hf_to_gguf.py LlamaModel.permute(w, n_head, n_head_kv):
+ *   gguf = w.reshape(nh, 2, hd/2, cols).swapaxes(1, 2).reshape(rows, cols)
+ * so gguf row h*hd + 2*i + j holds HF row h*hd + j*hd/2 + i. */
+static int unpermute_rows(float *w, int nh, int hd, int cols) {
+    size_t rowb = (size_t)cols * sizeof(float);
+    float *tmp = malloc((size_t)hd * rowb);
+    if (!tmp) return bt_fail(BT_ERR_NOMEM, "model: out of memory (un-permute)");
+    int half = hd / 2;
+    for (int h = 0; h < nh; h++) {
+        float *base = w + (size_t)h * hd * cols;
+        memcpy(tmp, base, (size_t)hd * rowb);
+        for (int i = 0; i < half; i++)
+            for (int j = 0; j < 2; j++)
+                memcpy(base + (size_t)(j * half + i) * cols, tmp + (size_t)(2 * i + j) * cols, rowb);
+    }
+    free(tmp);
+    return 0;
+}
+
+int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts) {
+    memset(m, 0, sizeof *m);
+    bt_model_load_opts def = {BT_BASE_NF4, 0};
+    if (!opts) opts = &def;
+    bt_gguf *g = NULL;
+    int rc = bt_gguf_open(&g, path);
+    if (rc) return bt_fail(rc, "model: %s", bt_last_error());
+    bt_str arch;
+    rc = bt_gguf_get_str(g, "general.architecture", &arch);
+    if (rc) {
+        rc = bt_fail(rc == BT_ERR_NOTFOUND ? BT_ERR_NOTFOUND : BT_ERR_FORMAT,
+                     "model: %s: general.architecture: %s", path,
+                     rc == BT_ERR_NOTFOUND ? "missing" : bt_last_error());
+        goto fail;
+    }
+    if (arch.len != 5 || memcmp(arch.ptr, "llama", 5) != 0) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED,
+                     "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\"",
+                     path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+        goto fail;
+    }
+    bt_llama_hparams *hp = &m->hp;
+    int rope_dim = 0;
+    if ((rc = kv_int(g, path, "llama.block_count", 1, 0, &hp->n_layer)) ||
+        (rc = kv_int(g, path, "llama.embedding_length", 1, 0, &hp->d_model)) ||
+        (rc = kv_int(g, path, "llama.attention.head_count", 1, 0, &hp->n_head)) ||
+        (rc = kv_int(g, path, "llama.feed_forward_length", 1, 0, &hp->d_ff)) ||
+        (rc = kv_int(g, path, "llama.context_length", 0, 2048, &hp->ctx)) ||
+        (rc = kv_float(g, path, "llama.attention.layer_norm_rms_epsilon", 1, 0, &hp->rms_eps)) ||
+        (rc = kv_float(g, path, "llama.rope.freq_base", 0, 10000.0, &hp->rope_theta)))
+        goto fail;
+    if ((rc = kv_int(g, path, "llama.attention.head_count_kv", 0, hp->n_head, &hp->n_kv_head)))
+        goto fail;
+    if (hp->n_head <= 0) {
+        rc = bt_fail(BT_ERR_FORMAT, "model: %s: llama.attention.head_count is 0", path);
+        goto fail;
+    }
+    hp->head_dim = hp->d_model / hp->n_head;
+    if ((rc = kv_int(g, path, "llama.rope.dimension_count", 0, hp->head_dim, &rope_dim))) goto fail;
+    if (rope_dim != hp->head_dim) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED,
+                     "model: %s: llama.rope.dimension_count %d != head_dim %d (partial RoPE is not "
+                     "supported)", path, rope_dim, hp->head_dim);
+        goto fail;
+    }
+    if (bt_gguf_find_key(g, "llama.rope.scaling.type") >= 0 ||
+        bt_gguf_find_tensor(g, "rope_freqs.weight")) {
+        bt_str st = {"", 0};
+        bt_gguf_get_str(g, "llama.rope.scaling.type", &st);
+        if (bt_gguf_find_tensor(g, "rope_freqs.weight") || !(st.len == 4 && !memcmp(st.ptr, "none", 4))) {
+            rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: RoPE scaling (llama.rope.scaling.* / "
+                         "rope_freqs.weight) is not supported", path);
+            goto fail;
+        }
+    }
+    const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
+    if (!emb) {
+        rc = bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);
+        goto fail;
+    }
+    hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
+    if ((rc = check_hparams(hp, path))) goto fail;
+    m->base_dtype = opts->base_dtype;
+
+    if ((rc = load_tensor(g, path, "token_embd.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||
+        (rc = load_tensor(g, path, "output_norm.weight", 0, hp->d_model, &m->output_norm)))
+        goto fail;
+    if (bt_gguf_find_tensor(g, "output.weight")) {
+        if ((rc = load_tensor(g, path, "output.weight", hp->vocab, hp->d_model, &m->lm_head)))
+            goto fail;
+        m->tied = 0;
+    } else {
+        m->lm_head = m->tok_embd;
+        m->tied = 1;
+    }
+    m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
+    if (!m->layers) {
+        rc = bt_fail(BT_ERR_NOMEM, "model: out of memory");
+        goto fail;
+    }
+    char name[96];
+    for (int l = 0; l < hp->n_layer; l++) {
+        bt_layer *L = &m->layers[l];
+        snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->attn_norm))) goto fail;
+        snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->ffn_norm))) goto fail;
+        for (int j = 0; j < BT_MOD_N; j++) {
+            int rows, cols;
+            lin_shape(hp, j, &rows, &cols);
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
+            float *w;
+            if ((rc = load_tensor(g, path, name, rows, cols, &w))) goto fail;
+            if (!opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K)) {
+                rc = unpermute_rows(w, j == BT_MOD_Q ? hp->n_head : hp->n_kv_head, hp->head_dim,
+                                    cols);
+                if (rc) {
+                    free(w);
+                    goto fail;
+                }
+            }
+            if ((rc = lin_set(&L->lin[j], w, rows, cols, opts->base_dtype, name))) goto fail;
+        }
+    }
+    bt_gguf_close(g);
+    return 0;
+fail:
+    bt_gguf_close(g);
+    bt_model_free(m);
+    return rc;
+}
+
+/* ---- random ---- */
+
+static float *rand_buf(bt_rng *r, size_t n, float mean, float std) {
+    float *w = bt_aligned_alloc(n * sizeof(float));
+    if (!w) return NULL;
+    for (size_t i = 0; i < n; i++) w[i] = mean + std * bt_rng_normal(r);
+    return w;
+}
+
+int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp_in, int base_dtype, int tied,
+                         uint64_t seed) {
+    memset(m, 0, sizeof *m);
+    m->hp = *hp_in;
+    bt_llama_hparams *hp = &m->hp;
+    int rc = check_hparams(hp, "random");
+    if (rc) return rc;
+    m->base_dtype = base_dtype;
+    bt_rng r;
+    bt_rng_seed(&r, seed);
+    size_t VD = (size_t)hp->vocab * hp->d_model;
+    m->tok_embd = rand_buf(&r, VD, 0.f, 1.f);
+    m->output_norm = rand_buf(&r, (size_t)hp->d_model, 1.f, 0.1f);
+    m->tied = tied;
+    m->lm_head = tied ? m->tok_embd : rand_buf(&r, VD, 0.f, 1.f / sqrtf((float)hp->d_model));
+    m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
+    if (!m->tok_embd || !m->output_norm || !m->lm_head || !m->layers) goto oom;
+    for (int l = 0; l < hp->n_layer; l++) {
+        bt_layer *L = &m->layers[l];
+        L->attn_norm = rand_buf(&r, (size_t)hp->d_model, 1.f, 0.1f);
+        L->ffn_norm = rand_buf(&r, (size_t)hp->d_model, 1.f, 0.1f);
+        if (!L->attn_norm || !L->ffn_norm) goto oom;
+        for (int j = 0; j < BT_MOD_N; j++) {
+            int rows, cols;
+            lin_shape(hp, j, &rows, &cols);
+            float *w = rand_buf(&r, (size_t)rows * cols, 0.f, 1.f / sqrtf((float)cols));
+            if (!w) goto oom;
+            if ((rc = lin_set(&L->lin[j], w, rows, cols, base_dtype, "random"))) {
+                bt_model_free(m);
+                return rc;
+            }
+        }
+    }
+    return 0;
+oom:
+    bt_model_free(m);
+    return bt_fail(BT_ERR_NOMEM, "model: out of memory (random init)");
+}

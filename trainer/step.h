@@ -1,0 +1,60 @@
+/* Forward and backward of the Llama + LoRA model over one packed micro-batch (CPU, fp32).
+ *
+ * Per layer (HF LlamaDecoderLayer): RMSNorm -> q,k,v (base + LoRA) -> RoPE (rotate_half,
+ * position_ids from the batch) -> causal GQA attention within the batch's cu_seqlens segments ->
+ * o_proj (base + LoRA) -> residual -> RMSNorm -> gate, up (base + LoRA) -> SwiGLU -> down
+ * (base + LoRA) -> residual; then the final RMSNorm and the chunked fused lm_head +
+ * cross-entropy (kernels.h bt_linear_ce; [M x vocab] logits never materialised).
+ *
+ * Loss: targets are the batch's HF-unshifted labels shifted by one inside each row and segment:
+ * target[t] = labels[t+1] when t+1 is in the same row and the same cu_seqlens segment, else -100.
+ * bt_forward_backward returns the SUM of token losses; the caller chooses grad_scale (the trainer
+ * uses 1 / labelled targets over all micro-batches of the optimiser step, so the gradient is that
+ * of the step's mean token loss, as HF Trainer computes with num_items_in_batch).
+ *
+ * Backward computes only LoRA parameter gradients (accumulated into bt_lora.grads) and the
+ * input gradients they need; the base is frozen. Activations: every layer's are kept for
+ * backward (about 28 * M * d_model + 2 * M * d_ff floats per layer), or with activation
+ * checkpointing only each layer's input is kept and the layer is recomputed in backward (one
+ * extra forward; dropout masks are counter-based, so the recompute is identical). */
+#ifndef BT_TRAINER_STEP_H
+#define BT_TRAINER_STEP_H
+#include <stdint.h>
+
+#include "trainer/lora.h"
+#include "trainer/model.h"
+
+/* A packed micro-batch (borrowed arrays, proto/batch.h conventions). */
+typedef struct {
+    int B, T;                    /* M = B * T tokens */
+    const int32_t *input_ids;    /* [M] in [0, vocab) */
+    const int32_t *labels;       /* [M] unshifted, -100 = no loss */
+    const int32_t *position_ids; /* [M] >= 0 */
+    const int32_t *cu_seqlens;   /* [n_cu], 0 .. M strictly increasing, every row start present */
+    int n_cu;
+} bt_microbatch;
+
+typedef struct bt_step_ctx bt_step_ctx;
+
+/* Workspace for micro-batches of up to max_M tokens (owned; bt_step_ctx_free). */
+int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int max_M,
+                    int checkpointing);
+void bt_step_ctx_free(bt_step_ctx *c);
+/* Bytes of workspace held (for logs). */
+size_t bt_step_ctx_bytes(const bt_step_ctx *c);
+
+/* Check the micro-batch against the model (ids and labels in range, cu_seqlens well formed,
+ * M <= max_M) and write the shifted targets into targets[M] (may be NULL). Returns the number of
+ * labelled targets (>= 0), or BT_ERR_INVALID / BT_ERR_RANGE with a message. */
+int bt_shift_targets(int32_t *targets, const bt_microbatch *mb, int vocab);
+
+/* Forward (and backward when `backward`) of one micro-batch.
+ * drop_key: 0 = no dropout (evaluation), else the step's dropout key (see bt_lora_drop_key).
+ * grad_scale: multiplies dLoss_sum/d(everything) (see above). LoRA grads ACCUMULATE.
+ * *loss_sum: sum of token losses (nats); *n_valid: labelled targets. Either may be NULL.
+ * Errors: those of bt_shift_targets; the context is unchanged on error. */
+int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                        int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
+                        int *n_valid);
+
+#endif

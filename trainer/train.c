@@ -1,0 +1,331 @@
+/* The CPU training loop. See train.h. */
+#include "trainer/train.h"
+
+#include <math.h>
+#include <omp.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+#include "common/bt_common.h"
+#include "kernels/kernels.h"
+#include "proto/client.h"
+#include "trainer/adapter.h"
+#include "trainer/optim.h"
+#include "trainer/rng.h"
+
+static volatile sig_atomic_t g_stop;
+static void on_signal(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+void bt_fmt_duration(char *buf, size_t n, double s) {
+    if (!(s >= 0) || s > 1e9) s = 0;
+    long t = (long)(s + 0.5);
+    if (t >= 3600) snprintf(buf, n, "%ldh%02ldm%02lds", t / 3600, t / 60 % 60, t % 60);
+    else snprintf(buf, n, "%ldm%02lds", t / 60, t % 60);
+}
+
+double bt_peak_rss_mib(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+    return (double)ru.ru_maxrss / 1024.0; /* ru_maxrss is in KiB on Linux */
+}
+
+/* A trainer-owned copy of one micro-batch (the ring slot is released right away). */
+typedef struct {
+    int32_t *ids, *labels, *pos, *cu;
+    int n_cu;
+    uint32_t n_real;
+} mb_copy;
+
+static void mb_view(const mb_copy *c, int B, int T, bt_microbatch *mb) {
+    mb->B = B;
+    mb->T = T;
+    mb->input_ids = c->ids;
+    mb->labels = c->labels;
+    mb->position_ids = c->pos;
+    mb->cu_seqlens = c->cu;
+    mb->n_cu = c->n_cu;
+}
+
+static int mb_take(mb_copy *c, const bt_batch_view *v, int B, int T) {
+    size_t M = (size_t)B * T;
+    if (v->hdr->B != (uint32_t)B || v->hdr->T != (uint32_t)T || v->hdr->n_cu < 2 ||
+        v->hdr->n_cu > M + 1)
+        return bt_fail(BT_ERR_FORMAT, "batch %llu: shape %ux%u (n_cu %u), expected %dx%d",
+                       (unsigned long long)v->hdr->step, v->hdr->B, v->hdr->T, v->hdr->n_cu, B, T);
+    memcpy(c->ids, v->input_ids, M * 4);
+    memcpy(c->labels, v->labels, M * 4);
+    memcpy(c->pos, v->position_ids, M * 4);
+    memcpy(c->cu, v->cu_seqlens, (size_t)v->hdr->n_cu * 4);
+    c->n_cu = (int)v->hdr->n_cu;
+    c->n_real = v->hdr->n_real_tokens;
+    return 0;
+}
+
+static int mb_alloc(mb_copy *c, int B, int T) {
+    size_t M = (size_t)B * T;
+    c->ids = malloc(M * 4);
+    c->labels = malloc(M * 4);
+    c->pos = malloc(M * 4);
+    c->cu = malloc((M + 1) * 4);
+    if (!c->ids || !c->labels || !c->pos || !c->cu)
+        return bt_fail(BT_ERR_NOMEM, "out of memory for batch copies");
+    return 0;
+}
+
+static void mb_free(mb_copy *c) {
+    free(c->ids);
+    free(c->labels);
+    free(c->pos);
+    free(c->cu);
+    memset(c, 0, sizeof *c);
+}
+
+static int attach(bt_client **cl, const bt_train_config *cfg, int eval) {
+    char *job = bt_config_job_json(cfg, eval);
+    if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
+    int rc = bt_client_attach(cl, cfg->socket, job, 0, 1, NULL);
+    free(job);
+    if (rc) return bt_fail(rc, "attach to loaderd at %s (%s stream): %s", cfg->socket,
+                           eval ? "eval" : "train", bt_last_error());
+    if (bt_client_B(*cl) != (uint32_t)cfg->data.micro_batch_size ||
+        bt_client_T(*cl) != (uint32_t)cfg->data.seq_len) {
+        rc = bt_fail(BT_ERR_FORMAT, "loaderd serves %ux%u batches, config asks %dx%d",
+                     bt_client_B(*cl), bt_client_T(*cl), cfg->data.micro_batch_size,
+                     cfg->data.seq_len);
+        bt_client_close(*cl);
+        *cl = NULL;
+    }
+    return rc;
+}
+
+static int next_batch(bt_client *cl, const bt_train_config *cfg, mb_copy *dst, const char *what) {
+    bt_batch_view v;
+    int rc = bt_client_next(cl, &v, cfg->timeout_s * 1000);
+    if (rc == 1) return 1;
+    if (rc == BT_ERR_TIMEOUT)
+        return bt_fail(rc, "no %s batch from loaderd within %d s (timeout_s)", what,
+                       cfg->timeout_s);
+    if (rc) return bt_fail(rc, "%s batch: %s", what, bt_last_error());
+    rc = mb_take(dst, &v, cfg->data.micro_batch_size, cfg->data.seq_len);
+    bt_client_release(cl);
+    return rc;
+}
+
+int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    double *mean_loss, long long *n_tokens) {
+    *mean_loss = NAN;
+    *n_tokens = 0;
+    bt_client *cl = NULL;
+    int rc = attach(&cl, cfg, 1);
+    if (rc) return rc;
+    mb_copy mc = {0};
+    if ((rc = mb_alloc(&mc, cfg->data.micro_batch_size, cfg->data.seq_len))) goto out;
+    double sum = 0;
+    long long cnt = 0;
+    int nb = 0;
+    double t0 = bt_now();
+    while (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches) {
+        rc = next_batch(cl, cfg, &mc, "eval");
+        if (rc == 1) {
+            rc = 0;
+            break;
+        }
+        if (rc) goto out;
+        bt_microbatch mb;
+        mb_view(&mc, cfg->data.micro_batch_size, cfg->data.seq_len, &mb);
+        double ls;
+        int nv;
+        if ((rc = bt_forward_backward(ctx, m, lo, &mb, 0, 1.0f, 0, &ls, &nv))) goto out;
+        sum += ls;
+        cnt += nv;
+        nb++;
+        if (g_stop) break;
+    }
+    if (cnt == 0) {
+        rc = bt_fail(BT_ERR_INVALID, "the held-out stream (eval.shards) gave no labelled "
+                     "tokens in %d batches", nb);
+        goto out;
+    }
+    *mean_loss = sum / (double)cnt;
+    *n_tokens = cnt;
+    bt_log(BT_LOG_INFO, "trainer", "held-out: %d batches, %lld labelled tokens, loss %.4f (%.1f s)",
+           nb, cnt, *mean_loss, bt_now() - t0);
+out:
+    mb_free(&mc);
+    bt_client_close(cl);
+    return rc;
+}
+
+/* kernels/cpu keeps OpenBLAS at one thread and parallelises everything (GEMMs included) with
+ * OpenMP (kernels/cpu/blas_par.c), so the OpenMP team size is the one knob. */
+static void set_threads(int n) {
+    if (n > 0) omp_set_num_threads(n);
+}
+
+int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
+    set_threads(cfg->threads);
+    g_stop = 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    struct sigaction old_int, old_term;
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+
+    bt_model model;
+    bt_lora lora;
+    memset(&lora, 0, sizeof lora);
+    bt_step_ctx *ctx = NULL;
+    bt_client *cl = NULL;
+    mb_copy *mbs = NULL;
+    int B = cfg->data.micro_batch_size, T = cfg->data.seq_len, M = B * T;
+    int rc;
+
+    double t0 = bt_now();
+    bt_model_load_opts lopts = {cfg->base_dtype, 0};
+    if ((rc = bt_model_load_gguf(&model, cfg->model, &lopts))) goto done_nomodel;
+    bt_log(BT_LOG_INFO, "trainer",
+           "model %s: %d layers, d_model %d, heads %d/%d, ffn %d, vocab %d, %s%s, %.0f MiB, "
+           "loaded in %.1f s",
+           cfg->model, model.hp.n_layer, model.hp.d_model, model.hp.n_head, model.hp.n_kv_head,
+           model.hp.d_ff, model.hp.vocab, cfg->base_dtype == BT_BASE_NF4 ? "nf4" : "fp32",
+           model.tied ? ", tied embeddings" : "", bt_model_bytes(&model) / 1048576.0,
+           bt_now() - t0);
+    if ((rc = bt_lora_init(&lora, &model, cfg->lora.r, cfg->lora.alpha, cfg->lora.dropout,
+                           cfg->lora.target_mask, cfg->seed)))
+        goto done;
+    bt_log(BT_LOG_INFO, "trainer", "LoRA r %d alpha %g dropout %g: %lld trainable parameters",
+           lora.r, lora.alpha, lora.dropout, (long long)lora.n_params);
+    if ((rc = bt_step_ctx_new(&ctx, &model, &lora, M, cfg->activation_checkpointing))) goto done;
+    bt_log(BT_LOG_INFO, "trainer", "workspace for %dx%d tokens: %.0f MiB%s", B, T,
+           bt_step_ctx_bytes(ctx) / 1048576.0,
+           cfg->activation_checkpointing ? " (activation checkpointing)" : "");
+
+    double before = NAN, after = NAN;
+    long long n_eval = 0;
+    if (cfg->eval.n_shards > 0) {
+        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval))) goto done;
+    }
+    if (eval_only) {
+        if (cfg->eval.n_shards == 0) {
+            rc = bt_fail(BT_ERR_INVALID, "config: eval.shards: required for `trainer eval`");
+            goto done;
+        }
+        fprintf(out, "held-out loss: %.4f (%lld tokens)\n", before, n_eval);
+        fflush(out);
+        goto done;
+    }
+
+    if ((rc = attach(&cl, cfg, 0))) goto done;
+    mbs = calloc((size_t)cfg->grad_accum, sizeof(mb_copy));
+    if (!mbs) {
+        rc = bt_fail(BT_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    for (int i = 0; i < cfg->grad_accum; i++)
+        if ((rc = mb_alloc(&mbs[i], B, T))) goto done;
+    bt_schedule sched = {cfg->schedule, cfg->optim.lr, cfg->min_lr_ratio, cfg->optim.warmup_steps,
+                         cfg->steps};
+    double train_t0 = bt_now();
+    int done_steps = 0;
+    double last_loss = NAN;
+    for (int step = 0; step < cfg->steps && !g_stop; step++) {
+        double ts = bt_now();
+        /* 1. Gather all micro-batches of the step: the loss is normalised by the labelled
+         *    targets over all of them (exact mean, independent of how tokens fall into
+         *    micro-batches), so they are counted before any backward. */
+        long long n_lab = 0, n_real = 0;
+        for (int i = 0; i < cfg->grad_accum; i++) {
+            rc = next_batch(cl, cfg, &mbs[i], "train");
+            if (rc == 1) rc = bt_fail(BT_ERR_CLOSED, "the training stream ended at step %d",
+                                      step);
+            if (rc) goto done;
+            bt_microbatch mb;
+            mb_view(&mbs[i], B, T, &mb);
+            int n = bt_shift_targets(NULL, &mb, model.hp.vocab);
+            if (n < 0) {
+                rc = n;
+                goto done;
+            }
+            n_lab += n;
+            n_real += mbs[i].n_real;
+        }
+        /* 2. forward + backward */
+        bt_lora_zero_grad(&lora);
+        double loss_sum = 0;
+        float gscale = n_lab > 0 ? (float)(1.0 / (double)n_lab) : 0.f;
+        for (int i = 0; i < cfg->grad_accum; i++) {
+            bt_microbatch mb;
+            mb_view(&mbs[i], B, T, &mb);
+            uint64_t key = bt_hash64(cfg->seed ^ bt_hash64(((uint64_t)step << 20) + (uint64_t)i + 1));
+            double ls;
+            if ((rc = bt_forward_backward(ctx, &model, &lora, &mb, 1, gscale, key | 1, &ls, NULL)))
+                goto done;
+            loss_sum += ls;
+        }
+        double loss = n_lab > 0 ? loss_sum / (double)n_lab : NAN;
+        /* 3. clip + AdamW */
+        double lr = bt_schedule_lr(&sched, step);
+        double gnorm = bt_clip_grad_norm(lora.grads, lora.n_params, cfg->optim.grad_clip);
+        if (n_lab == 0) {
+            bt_log(BT_LOG_WARN, "trainer", "step %d: no labelled tokens; update skipped", step + 1);
+        } else if (!isfinite(gnorm) || !isfinite(loss)) {
+            bt_log(BT_LOG_WARN, "trainer", "step %d: non-finite loss %g / grad norm %g; update "
+                   "skipped", step + 1, loss, gnorm);
+        } else {
+            bt_adamw_step(lora.params, lora.grads, lora.m, lora.v, lora.n_params, (float)lr,
+                          (float)cfg->optim.beta1, (float)cfg->optim.beta2, (float)cfg->optim.eps,
+                          (float)cfg->optim.weight_decay, step + 1);
+        }
+        done_steps = step + 1;
+        last_loss = loss;
+        /* 4. progress */
+        double now = bt_now(), dt = now - ts, el = now - train_t0;
+        double tps = dt > 0 ? (double)n_real / dt : 0;
+        bt_client_report(cl, (uint64_t)done_steps, loss, tps);
+        if (done_steps % cfg->log_every == 0 || done_steps == cfg->steps || g_stop) {
+            char e1[24], e2[24];
+            bt_fmt_duration(e1, sizeof e1, el);
+            bt_fmt_duration(e2, sizeof e2, el / done_steps * (cfg->steps - done_steps));
+            fprintf(out, "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | elapsed %s | eta %s\n",
+                    done_steps, cfg->steps, loss, lr, tps, e1, e2);
+            fflush(out);
+            bt_log(BT_LOG_DEBUG, "trainer", "step %d grad norm %.4f", done_steps, gnorm);
+        }
+        if (cfg->save_every > 0 && done_steps % cfg->save_every == 0 && done_steps < cfg->steps) {
+            if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir)))
+                goto done;
+            bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done_steps, cfg->out_dir);
+        }
+    }
+    if (g_stop) bt_log(BT_LOG_WARN, "trainer", "interrupted after step %d; saving", done_steps);
+    bt_client_close(cl);
+    cl = NULL;
+    if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir))) goto done;
+    bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
+           done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
+    if (cfg->eval.n_shards > 0 && !g_stop) {
+        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval))) goto done;
+        fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
+                100.0 * (after - before) / before);
+    }
+    fprintf(out, "adapter: %s\n", cfg->out_dir);
+    fflush(out);
+done:
+    if (mbs)
+        for (int i = 0; i < cfg->grad_accum; i++) mb_free(&mbs[i]);
+    free(mbs);
+    bt_client_close(cl);
+    bt_step_ctx_free(ctx);
+    bt_lora_free(&lora);
+    bt_model_free(&model);
+done_nomodel:
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    return rc;
+}
