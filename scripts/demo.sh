@@ -39,8 +39,8 @@ for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 [ -S "$sock" ] || { echo "demo: loaderd did not start; see $run/loaderd.log" >&2; cat "$run/loaderd.log" >&2; exit 1; }
 echo "demo: loaderd listening on $sock (watch it live: build/loaderctl --socket $sock watch)"
 
-# Snapshot loaderd's live status every 30 s while the trainer runs.
-( while sleep 30; do
+# Snapshot loaderd's live status every 20 s while the trainer runs.
+( while sleep 20; do
     { date -u +%H:%M:%S; build/loaderctl --socket "$sock" status 2>&1; echo; } >> "$run/loaderctl-status.log"
   done ) &
 status_pid=$!
@@ -49,10 +49,12 @@ sets=(--set "socket=$sock")
 for kv in ${DEMO_SET:-}; do sets+=(--set "$kv"); done
 build/trainer train --config scripts/job.demo.json "${sets[@]}" 2>&1 | tee "$run/trainer.log"
 
-echo
-echo "demo: loaderd status at the end of training:"
-build/loaderctl --socket "$sock" status || true
 kill "$status_pid" 2>/dev/null || true; status_pid=""
+if [ -s "$run/loaderctl-status.log" ]; then
+  echo
+  echo "demo: loaderd as loaderctl saw it during training (last snapshot of $run/loaderctl-status.log):"
+  awk 'BEGIN{RS=""} /demo  /{last=$0} END{print last}' "$run/loaderctl-status.log"
+fi
 kill -TERM "$ld_pid"; wait "$ld_pid" || { echo "demo: loaderd exited with an error; see $run/loaderd.log" >&2; exit 1; }
 t1=$(date +%s)
 echo "demo: loaderd stopped cleanly; live status snapshots in $run/loaderctl-status.log"
