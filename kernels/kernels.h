@@ -88,6 +88,10 @@ void bt_swiglu_bwd(float *dgate, float *dup, const float *dh, const float *gate,
 /* ---- embedding ---- */
 /* out[M, D] = table[ids[m], :] */
 void bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M, int D);
+/* Backward (scatter-add): dtable[ids[m], :] += dout[m, :] for m < M in order of m (rows with ids
+ * outside [0, vocab) are skipped). dtable [vocab, D]; deterministic for any thread count (threads
+ * split the D columns, each column summed in token order). */
+void bt_embedding_bwd(float *dtable, const float *dout, const int32_t *ids, int M, int D, int vocab);
 
 /* ---- fused linear + cross-entropy, chunked (Liger FLCE / Apple CCE idea; never holds
  * [M x V] logits: at most chunk_rows x V at a time) ----
@@ -98,6 +102,11 @@ void bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M,
 size_t bt_linear_ce_workspace_floats(int chunk_rows, int V);
 double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, const int32_t *targets,
                     int M, int D, int V, int chunk_rows, float grad_scale, float *workspace);
+/* Same, and when dW != NULL also dW[V,D] += grad_scale * dLoss_sum/dW (the lm_head gradient, for a
+ * trainable lm_head or an embedding tied to it; chunks accumulate in order). dX, dW may be NULL. */
+double bt_linear_ce_dw(float *dX, float *dW, int *n_valid, const float *X, const float *W,
+                       const int32_t *targets, int M, int D, int V, int chunk_rows,
+                       float grad_scale, float *workspace);
 
 /* ---- optimiser (torch.optim.AdamW, decoupled weight decay, bias-corrected; step is 1-based) ---- */
 void bt_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,

@@ -30,10 +30,12 @@ size_t bt_linear_ce_workspace_floats(int chunk_rows, int V)
  * targets get 0); the caller passes e.g. grad_scale = 1/n_valid_total for a mean loss.
  * chunk_rows > 0 rows of logits are processed per step (any value; need not divide M);
  * workspace >= bt_linear_ce_workspace_floats(chunk_rows, V) floats, caller owned.
- * No gradient for W (the base lm_head is frozen under LoRA). */
-double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, const int32_t *targets,
-                    int M, int D, int V, int chunk_rows, float grad_scale, float *workspace)
+ * No gradient for W here (the base lm_head is frozen under LoRA); bt_linear_ce_dw adds it. */
+static double linear_ce_core(float *dX, float *dW, int *n_valid, const float *X, const float *W,
+                             const int32_t *targets, int M, int D, int V, int chunk_rows,
+                             float grad_scale, float *workspace)
 {
+    const int grad = dX != NULL || dW != NULL;
     if (n_valid)
         *n_valid = 0;
     if (M <= 0 || V <= 0 || chunk_rows <= 0)
@@ -59,7 +61,7 @@ double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, con
                     mx = row[j] > mx ? row[j] : mx;
                 const float target_logit = row[t];
                 double sum = 0.0;
-                if (dX) {
+                if (grad) {
 #pragma omp simd reduction(+ : sum)
                     for (int j = 0; j < V; j++) {
                         float e = bt_expf(row[j] - mx);
@@ -73,14 +75,14 @@ double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, con
                 }
                 const double lse = (double)mx + log(sum);
                 loss = lse - (double)target_logit;
-                if (dX) {
+                if (grad) {
                     const float c = (float)((double)grad_scale / sum);
 #pragma omp simd
                     for (int j = 0; j < V; j++)
                         row[j] *= c;
                     row[t] -= grad_scale;
                 }
-            } else if (dX) {
+            } else if (grad) {
                 memset(row, 0, (size_t)V * sizeof(float));
             }
             memcpy(row_loss + (size_t)r * sizeof(double), &loss, sizeof loss);
@@ -96,8 +98,31 @@ double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, con
         if (dX)
             bt_sgemm(0, 0, cr, D, V, 1.0f, logits, V, W, D,
                         0.0f, dX + (size_t)r0 * D, D);
+        /* dW[V, D] += dlogits_c^T [V, cr] @ X_c [cr, D]; chunks are added in order, so the sum
+         * order is fixed for a given thread count */
+        if (dW)
+            bt_sgemm(1, 0, V, D, cr, 1.0f, logits, V, X + (size_t)r0 * D, D,
+                        1.0f, dW, D);
     }
     if (n_valid)
         *n_valid = count;
     return total;
+}
+
+double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, const int32_t *targets,
+                    int M, int D, int V, int chunk_rows, float grad_scale, float *workspace)
+{
+    return linear_ce_core(dX, NULL, n_valid, X, W, targets, M, D, V, chunk_rows, grad_scale,
+                          workspace);
+}
+
+/* As bt_linear_ce, plus (when dW != NULL) dW [V, D] += grad_scale * d(loss sum)/dW, i.e. the
+ * sum over chunks of dlogits_c^T @ X_c (Liger FusedLinearCrossEntropy's grad_weight; used when
+ * the lm_head, or the embedding tied to it, is trainable). dX and dW may each be NULL. */
+double bt_linear_ce_dw(float *dX, float *dW, int *n_valid, const float *X, const float *W,
+                       const int32_t *targets, int M, int D, int V, int chunk_rows,
+                       float grad_scale, float *workspace)
+{
+    return linear_ce_core(dX, dW, n_valid, X, W, targets, M, D, V, chunk_rows, grad_scale,
+                          workspace);
 }
