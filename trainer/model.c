@@ -9,13 +9,14 @@
 #include "common/bt_common.h"
 #include "common/gguf.h"
 #include "common/quant.h"
+#include "trainer/model_internal.h"
 #include "trainer/rng.h"
 
 /* GGUF tensor suffix per module, in BT_MOD_* order. */
 static const char *const k_gguf_lin[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
                                                  "ffn_gate", "ffn_up", "ffn_down"};
 
-static void lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *cols) {
+void bt_model_lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *cols) {
     int D = hp->d_model, q = hp->n_head * hp->head_dim, kv = hp->n_kv_head * hp->head_dim;
     switch (mod) {
     case BT_MOD_Q: *rows = q, *cols = D; break;
@@ -28,7 +29,7 @@ static void lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *cols)
     }
 }
 
-static int check_hparams(const bt_llama_hparams *hp, const char *src) {
+int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head_dim_free) {
     if (hp->n_layer < 1 || hp->n_layer > 1024 || hp->d_model < 2 || hp->n_head < 1 ||
         hp->n_kv_head < 1 || hp->d_ff < 1 || hp->vocab < 2 || hp->d_model > (1 << 16) ||
         hp->d_ff > (1 << 18) || hp->vocab > (1 << 24))
@@ -39,14 +40,22 @@ static int check_hparams(const bt_llama_hparams *hp, const char *src) {
     if (hp->n_head % hp->n_kv_head != 0)
         return bt_fail(BT_ERR_INVALID, "model: %s: head_count %d is not a multiple of head_count_kv %d",
                        src, hp->n_head, hp->n_kv_head);
-    if (hp->head_dim * hp->n_head != hp->d_model || hp->head_dim % 2 != 0)
+    if (head_dim_free && (hp->head_dim < 2 || hp->head_dim > 1024 || hp->head_dim % 2 != 0 ||
+                          (int64_t)hp->head_dim * hp->n_head > (1 << 16)))
+        return bt_fail(BT_ERR_INVALID, "model: %s: head_dim %d must be even, in [2, 1024], and "
+                       "head_dim x heads %d at most 65536", src, hp->head_dim, hp->n_head);
+    if (!head_dim_free && (hp->head_dim * hp->n_head != hp->d_model || hp->head_dim % 2 != 0))
         return bt_fail(BT_ERR_INVALID,
                        "model: %s: head_dim %d x head_count %d must equal embedding_length %d "
                        "(and head_dim be even)",
                        src, hp->head_dim, hp->n_head, hp->d_model);
-    if (!(hp->rope_theta > 0) || !(hp->rms_eps > 0) || !isfinite(hp->rope_theta))
+    if (!(hp->rope_theta > 0) || !(hp->rms_eps > 0) || !isfinite(hp->rope_theta) ||
+        !isfinite(hp->rms_eps))
         return bt_fail(BT_ERR_INVALID, "model: %s: rope theta %g / rms eps %g must be > 0", src,
                        hp->rope_theta, hp->rms_eps);
+    if (!(hp->rope_factor >= 0) || !isfinite(hp->rope_factor))
+        return bt_fail(BT_ERR_INVALID, "model: %s: RoPE linear scaling factor %g must be > 0", src,
+                       hp->rope_factor);
     return 0;
 }
 
@@ -60,6 +69,13 @@ void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float
                  float *scratch) {
     if (l->is_nf4) bt_nf4_linear_fwd(Y, X, &l->q, M, l->cols, l->rows, beta, scratch);
     else bt_linear_fwd(Y, X, l->w, M, l->cols, l->rows, beta);
+    if (l->bias) {
+        const float *b = l->bias;
+        int N = l->rows;
+#pragma omp parallel for schedule(static)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) Y[(size_t)i * N + j] += b[j];
+    }
 }
 
 void bt_base_bwd_x(float *dX, const float *dY, const bt_base_linear *l, int M, float beta,
@@ -71,6 +87,7 @@ void bt_base_bwd_x(float *dX, const float *dY, const bt_base_linear *l, int M, f
 static void lin_free(bt_base_linear *l) {
     if (l->is_nf4) bt_nf4_free(&l->q);
     free(l->w);
+    free(l->bias);
     memset(l, 0, sizeof *l);
 }
 
@@ -98,13 +115,13 @@ size_t bt_model_bytes(const bt_model *m) {
             const bt_base_linear *l = &m->layers[i].lin[j];
             size_t n = (size_t)l->rows * l->cols;
             b += l->is_nf4 ? n / 2 + n / 64 + (n / 64 / 256 + 1) * 4 : n * 4;
+            if (l->bias) b += (size_t)l->rows * 4;
         }
     return b;
 }
 
-/* Turn an fp32 matrix into the base linear (takes ownership of w). */
-static int lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_dtype,
-                   const char *what) {
+int bt_model_lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_dtype,
+                     const char *what) {
     l->rows = rows;
     l->cols = cols;
     if (base_dtype == BT_BASE_FP32) {
@@ -274,7 +291,7 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
         goto fail;
     }
     hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
-    if ((rc = check_hparams(hp, path))) goto fail;
+    if ((rc = bt_model_check_hparams(hp, path, 0))) goto fail;
     m->base_dtype = opts->base_dtype;
 
     if ((rc = load_tensor(g, path, "token_embd.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||
@@ -302,7 +319,7 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
         if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->ffn_norm))) goto fail;
         for (int j = 0; j < BT_MOD_N; j++) {
             int rows, cols;
-            lin_shape(hp, j, &rows, &cols);
+            bt_model_lin_shape(hp, j, &rows, &cols);
             snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
             float *w;
             if ((rc = load_tensor(g, path, name, rows, cols, &w))) goto fail;
@@ -314,7 +331,8 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
                     goto fail;
                 }
             }
-            if ((rc = lin_set(&L->lin[j], w, rows, cols, opts->base_dtype, name))) goto fail;
+            if ((rc = bt_model_lin_set(&L->lin[j], w, rows, cols, opts->base_dtype, name)))
+                goto fail;
         }
     }
     bt_gguf_close(g);
@@ -339,7 +357,7 @@ int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp_in, int base_dt
     memset(m, 0, sizeof *m);
     m->hp = *hp_in;
     bt_llama_hparams *hp = &m->hp;
-    int rc = check_hparams(hp, "random");
+    int rc = bt_model_check_hparams(hp, "random", 0);
     if (rc) return rc;
     m->base_dtype = base_dtype;
     bt_rng r;
@@ -358,10 +376,10 @@ int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp_in, int base_dt
         if (!L->attn_norm || !L->ffn_norm) goto oom;
         for (int j = 0; j < BT_MOD_N; j++) {
             int rows, cols;
-            lin_shape(hp, j, &rows, &cols);
+            bt_model_lin_shape(hp, j, &rows, &cols);
             float *w = rand_buf(&r, (size_t)rows * cols, 0.f, 1.f / sqrtf((float)cols));
             if (!w) goto oom;
-            if ((rc = lin_set(&L->lin[j], w, rows, cols, base_dtype, "random"))) {
+            if ((rc = bt_model_lin_set(&L->lin[j], w, rows, cols, base_dtype, "random"))) {
                 bt_model_free(m);
                 return rc;
             }

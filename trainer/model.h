@@ -23,14 +23,24 @@ typedef struct {
     int ctx;           /* llama.context_length (informational) */
     float rope_theta;  /* llama.rope.freq_base (default 10000) */
     float rms_eps;     /* llama.attention.layer_norm_rms_epsilon */
+    float rope_factor; /* HF rope_scaling {"type": "linear", "factor": f}: RoPE positions are
+                        * divided by f (transformers LlamaLinearScalingRotaryEmbedding);
+                        * 0 (the zero-initialised default) or 1 = no scaling */
 } bt_llama_hparams;
 
-/* One frozen linear W[rows=out, cols=in]. Exactly one of w / q is in use (is_nf4). */
+/* Position multiplier for bt_rope_fwd/bwd's pos_scale: 1 / rope_factor, or 1 when unscaled. */
+static inline float bt_rope_pos_scale(const bt_llama_hparams *hp) {
+    return hp->rope_factor > 0.f ? 1.0f / hp->rope_factor : 1.0f;
+}
+
+/* One frozen linear W[rows=out, cols=in] (+ optional bias). Exactly one of w / q is in use
+ * (is_nf4). */
 typedef struct {
     int rows, cols;
     int is_nf4;
-    float *w;   /* [rows, cols] fp32 when !is_nf4 (owned) */
-    bt_nf4 q;   /* when is_nf4 (owned) */
+    float *w;     /* [rows, cols] fp32 when !is_nf4 (owned) */
+    bt_nf4 q;     /* when is_nf4 (owned) */
+    float *bias;  /* [rows] fp32 or NULL (owned): Qwen2 q/k/v, Llama attention_bias/mlp_bias */
 } bt_base_linear;
 
 typedef struct {
@@ -66,6 +76,61 @@ typedef struct {
  * BT_ERR_FORMAT (shape mismatch), BT_ERR_NOMEM; the message names the file and key/tensor. */
 int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts);
 
+/* Load a Hugging Face model directory (trainer/model_hf.c): <dir>/config.json and either
+ * <dir>/model.safetensors or <dir>/model.safetensors.index.json ("weight_map": tensor -> shard
+ * file in <dir>). architectures[0] must be LlamaForCausalLM (SmolLM2, Llama 2/3 without
+ * rope_scaling "llama3"), MistralForCausalLM or Qwen2ForCausalLM.
+ * config.json keys: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+ * rms_norm_eps, vocab_size (required); num_key_value_heads (default num_attention_heads),
+ * head_dim (default hidden_size / num_attention_heads; may differ from it), rope_theta (10000),
+ * rope_scaling (null, {"type"|"rope_type": "default"} or "linear" with "factor" > 0; "llama3",
+ * "dynamic", "yarn", "longrope", ... are refused), tie_word_embeddings (false), hidden_act
+ * ("silu"), max_position_embeddings (2048), attention_bias / mlp_bias (Llama, false),
+ * use_sliding_window (Qwen2, must be false). Biases: Qwen2 has q/k/v biases; Llama's
+ * attention_bias adds q/k/v/o biases and mlp_bias gate/up/down biases (all loaded as fp32).
+ * Tensors (HF names, shapes [out, in]): model.embed_tokens.weight [vocab, hidden], model.norm.weight,
+ * lm_head.weight (ignored when tied; required when not), model.layers.N.{input_layernorm,
+ * post_attention_layernorm}.weight, model.layers.N.self_attn.{q,k,v,o}_proj.weight,
+ * model.layers.N.mlp.{gate,up,down}_proj.weight. Dtypes F32, F16, BF16 (converted exactly to
+ * fp32, common/quant.h); Q/K rows are already in HF (rotate_half) order. A linear stored as a
+ * bitsandbytes 4-bit checkpoint (see bt_nf4_from_bnb) is taken as is when base_dtype is NF4 and
+ * the checkpoint uses double quantisation, dequantised exactly for an fp32 base, and
+ * dequantised then re-quantised (logged) for an NF4 base without double quantisation.
+ * Unknown extra tensors are ignored. *m is owned by the caller (bt_model_free).
+ * Errors (message names the file and key/tensor): BT_ERR_IO (unreadable file), BT_ERR_FORMAT
+ * (bad JSON, wrong key type, shape mismatch, non-finite weight, lying safetensors header),
+ * BT_ERR_NOTFOUND (missing config key, tensor or shard), BT_ERR_UNSUPPORTED (architecture,
+ * rope_scaling, dtype, activation, bnb variant), BT_ERR_INVALID (implausible hyper-parameters),
+ * BT_ERR_NOMEM. */
+int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts);
+
+/* The trainer's `model` key: a directory is a Hugging Face model (bt_model_load_hf), anything
+ * else a GGUF file (bt_model_load_gguf). Errors: those of the chosen loader; BT_ERR_IO when
+ * `path` does not exist. */
+int bt_model_load(bt_model *m, const char *path, const bt_model_load_opts *opts);
+
+/* One bitsandbytes 4-bit linear in its checkpoint layout (QuantState.as_dict(packed=True);
+ * ../shared/research/kernels.md §1.4) from safetensors `files` (`path` is for messages):
+ *   <w>                                   U8 [rows*cols/2, 1] (or [rows*cols/2]) packed nibbles
+ *   <w>.absmax                            U8 [nblocks] with double quantisation (F32 without)
+ *   <w>.quant_map                         F32 [16], must equal bt_nf4_code
+ *   <w>.nested_absmax                     F32 [ceil(nblocks/256)]        (double quantisation)
+ *   <w>.nested_quant_map                  F32 [256], must equal bt_dynamic_code8 (entry 0 may
+ *                                         also be -1.0, bnb's CPU overwrite, if no absmax code
+ *                                         is 0; the kernels always decode with the tables)
+ *   <w>.quant_state.bitsandbytes__nf4     U8 JSON: quant_type "nf4", blocksize 64, shape
+ *                                         [rows, cols], nested_blocksize 256, nested_offset
+ * where <w> = weight_name (e.g. "model.layers.0.mlp.gate_proj.weight"). The bytes are copied
+ * into *q WITHOUT re-quantising (q->offset = nested_offset); *q is owned by the caller
+ * (bt_nf4_free). `files`: n_files >= 1 open files searched in order for each key (the shards
+ * of a sharded checkpoint). Errors: BT_ERR_NOTFOUND (missing key), BT_ERR_FORMAT (dtype, shape
+ * or JSON mismatch), BT_ERR_UNSUPPORTED (fp4, blocksize != 64, other maps, a checkpoint without
+ * double quantisation: F32 absmax; bt_model_load_hf dequantises those itself), BT_ERR_NOMEM;
+ * *q is zeroed on error. */
+struct bt_st_file;
+int bt_nf4_from_bnb(bt_nf4 *q, struct bt_st_file *const *files, int n_files,
+                    const char *weight_name, int64_t rows, int64_t cols, const char *path);
+
 /* A random tiny Llama for tests: embeddings N(0, 1), each linear W[out, in] N(0, 1/in) (so
  * activations keep unit scale through the layers and gradients are well above fp32 noise),
  * norm weights 1 + N(0, 0.1) (so they are not trivially 1), lm_head tied to the embedding when
@@ -80,10 +145,11 @@ void bt_model_free(bt_model *m);
 /* Per-thread scratch (floats) needed by bt_base_fwd / bt_base_bwd_x for this model. */
 size_t bt_model_scratch_floats(const bt_model *m);
 
-/* Y[M, rows] = X[M, cols] @ W^T + beta * Y, W fp32 or NF4 (dequantised tile by tile). */
+/* Y[M, rows] = X[M, cols] @ W^T (+ bias[rows] broadcast over M when l->bias) + beta * Y, W fp32
+ * or NF4 (dequantised tile by tile). */
 void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float beta,
                  float *scratch);
-/* dX[M, cols] = dY[M, rows] @ W + beta * dX. */
+/* dX[M, cols] = dY[M, rows] @ W + beta * dX (the bias does not enter the input gradient). */
 void bt_base_bwd_x(float *dX, const float *dY, const bt_base_linear *l, int M, float beta,
                    float *scratch);
 

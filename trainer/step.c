@@ -186,23 +186,22 @@ static void layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
                       const bt_microbatch *mb, uint64_t key) {
     int M = mb->B * mb->T;
     layer_acts *A = &c->acts[c->ckpt ? 0 : l];
-    const bt_layer *L = &m->layers[l];
     const float *x = c->x_in[l];
     float *xout = c->x_in[l + 1];
     int64_t nD = (int64_t)M * c->D;
-    float eps = m->hp.rms_eps, theta = m->hp.rope_theta;
+    float eps = m->hp.rms_eps, theta = m->hp.rope_theta, ps = bt_rope_pos_scale(&m->hp);
 
-    bt_rmsnorm_fwd(A->xn1, A->rstd1, x, L->attn_norm, M, c->D, eps);
+    bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps);
     proj_fwd(c, m, lo, l, BT_MOD_Q, A->q, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
-    bt_rope_fwd(A->q, mb->position_ids, M, c->Hq, c->hd, theta, 1.0f);
-    bt_rope_fwd(A->k, mb->position_ids, M, c->Hkv, c->hd, theta, 1.0f);
+    bt_rope_fwd(A->q, mb->position_ids, M, c->Hq, c->hd, theta, ps);
+    bt_rope_fwd(A->k, mb->position_ids, M, c->Hkv, c->hd, theta, ps);
     bt_attn_fwd(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv,
                 c->hd, 1.0f / sqrtf((float)c->hd));
     proj_fwd(c, m, lo, l, BT_MOD_O, A->x2, A->att, M, A, key);
     add_into(A->x2, A->x2, x, nD);
-    bt_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, L->ffn_norm, M, c->D, eps);
+    bt_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, bt_lora_norm(lo, m, l, 1), M, c->D, eps);
     proj_fwd(c, m, lo, l, BT_MOD_GATE, A->g, A->xn2, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_UP, A->u, A->xn2, M, A, key);
     bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F);
@@ -215,10 +214,9 @@ static void layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
                       const bt_microbatch *mb, uint64_t key) {
     int M = mb->B * mb->T;
     layer_acts *A = &c->acts[c->ckpt ? 0 : l];
-    const bt_layer *L = &m->layers[l];
     const float *x = c->x_in[l];
     int64_t nD = (int64_t)M * c->D;
-    float theta = m->hp.rope_theta;
+    float theta = m->hp.rope_theta, ps = bt_rope_pos_scale(&m->hp);
 
     if (c->ckpt) layer_fwd(c, m, lo, l, mb, key); /* recompute (rewrites x_in[l+1] identically) */
     else bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F); /* h is not kept per layer */
@@ -228,24 +226,26 @@ static void layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     bt_swiglu_bwd(c->dg, c->du, c->dh, A->g, A->u, (int64_t)M * c->F);
     proj_bwd(c, m, lo, l, BT_MOD_GATE, c->dxn, c->dg, A->xn2, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_UP, c->dxn, c->du, A->xn2, M, 1.f, A, key);
-    bt_rmsnorm_bwd(c->dtmp, NULL, c->dxn, A->x2, L->ffn_norm, A->rstd2, M, c->D);
+    bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 1), c->dxn, A->x2, bt_lora_norm(lo, m, l, 1),
+                   A->rstd2, M, c->D);
     add_into(c->dx2, c->dx, c->dtmp, nD);
     /* attention */
     proj_bwd(c, m, lo, l, BT_MOD_O, c->datt, c->dx2, A->att, M, 0.f, A, key);
     bt_attn_bwd(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens,
                 mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd, 1.0f / sqrtf((float)c->hd));
-    bt_rope_bwd(c->dq, mb->position_ids, M, c->Hq, c->hd, theta, 1.0f);
-    bt_rope_bwd(c->dk, mb->position_ids, M, c->Hkv, c->hd, theta, 1.0f);
+    bt_rope_bwd(c->dq, mb->position_ids, M, c->Hq, c->hd, theta, ps);
+    bt_rope_bwd(c->dk, mb->position_ids, M, c->Hkv, c->hd, theta, ps);
     proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);
-    bt_rmsnorm_bwd(c->dtmp, NULL, c->dxn, x, L->attn_norm, A->rstd1, M, c->D);
+    bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 0), c->dxn, x, bt_lora_norm(lo, m, l, 0),
+                   A->rstd1, M, c->D);
     add_into(c->dx, c->dx2, c->dtmp, nD);
 }
 
-int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
-                        int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
-                        int *n_valid) {
+/* Validate, shift targets, then run embedding -> layers -> final RMSNorm (into c->x_in, c->xf). */
+static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                          const bt_microbatch *mb, uint64_t drop_key) {
     if ((int64_t)mb->B * mb->T > c->max_M)
         return bt_fail(BT_ERR_RANGE, "step: micro-batch of %d x %d tokens exceeds the workspace (%d)",
                        mb->B, mb->T, c->max_M);
@@ -255,18 +255,43 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
     if (lo && lo->mods && lo->n_layer != c->n_layer)
         return bt_fail(BT_ERR_INVALID, "step: LoRA has %d layers, model %d", lo->n_layer, c->n_layer);
 
-    bt_embedding_fwd(c->x_in[0], m->tok_embd, mb->input_ids, M, c->D);
+    bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D);
     for (int l = 0; l < c->n_layer; l++) layer_fwd(c, m, lo, l, mb, drop_key);
+    bt_rmsnorm_fwd(c->xf, c->rstdf, c->x_in[c->n_layer], bt_lora_norm(lo, m, c->n_layer, 0), M,
+                   c->D, m->hp.rms_eps);
+    return 0;
+}
+
+int bt_forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                      const bt_microbatch *mb, uint64_t drop_key) {
+    return forward_hidden(c, m, lo, mb, drop_key);
+}
+
+const float *bt_step_hidden(const bt_step_ctx *c, int i) {
+    if (i < 0 || i > c->n_layer + 1) return NULL;
+    return i <= c->n_layer ? c->x_in[i] : c->xf;
+}
+
+int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                        int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
+                        int *n_valid) {
+    int rc = forward_hidden(c, m, lo, mb, drop_key);
+    if (rc) return rc;
+    int M = mb->B * mb->T;
     float *xL = c->x_in[c->n_layer];
-    bt_rmsnorm_fwd(c->xf, c->rstdf, xL, m->output_norm, M, c->D, m->hp.rms_eps);
     int nv = 0;
     /* dLoss/dxf goes into c->dtmp (free until the first layer's backward). */
-    double loss = bt_linear_ce(backward ? c->dtmp : NULL, &nv, c->xf, m->lm_head, c->targets, M,
-                               c->D, c->V, CE_CHUNK_ROWS, grad_scale, c->ce_ws);
+    /* LoRA+: a trainable embedding tied to lm_head also gets the CE's weight gradient */
+    double loss = bt_linear_ce_dw(backward ? c->dtmp : NULL, backward ? bt_lora_dlm_head(lo) : NULL,
+                                  &nv, c->xf, bt_lora_lm_head(lo, m), c->targets, M, c->D, c->V,
+                                  CE_CHUNK_ROWS, grad_scale, c->ce_ws);
     if (loss_sum) *loss_sum = loss;
     if (n_valid) *n_valid = nv;
     if (!backward) return 0;
-    bt_rmsnorm_bwd(c->dx, NULL, c->dtmp, xL, m->output_norm, c->rstdf, M, c->D);
+    bt_rmsnorm_bwd(c->dx, bt_lora_dnorm(lo, c->n_layer, 0), c->dtmp, xL,
+                   bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D);
     for (int l = c->n_layer - 1; l >= 0; l--) layer_bwd(c, m, lo, l, mb, drop_key);
+    /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
+    if (bt_lora_dembed(lo)) bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V);
     return 0;
 }

@@ -13,7 +13,10 @@
  * of the step's mean token loss, as HF Trainer computes with num_items_in_batch).
  *
  * Backward computes only LoRA parameter gradients (accumulated into bt_lora.grads) and the
- * input gradients they need; the base is frozen. Activations: every layer's are kept for
+ * input gradients they need; the base is frozen. With LoRA+ (bt_lora.trainable, lora.h) the
+ * forward reads the trainable embedding / norm copies, and backward also accumulates their
+ * gradients: RMSNorm dW (bt_rmsnorm_bwd), the embedding lookup's scatter-add (bt_embedding_bwd)
+ * and, when lm_head is tied to the embedding, the CE weight gradient (bt_linear_ce_dw). Activations: every layer's are kept for
  * backward (about 28 * M * d_model + 2 * M * d_ff floats per layer), or with activation
  * checkpointing only each layer's input is kept and the layer is recomputed in backward (one
  * extra forward; dropout masks are counter-based, so the recompute is identical). */
@@ -56,5 +59,24 @@ int bt_shift_targets(int32_t *targets, const bt_microbatch *mb, int vocab);
 int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
                         int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
                         int *n_valid);
+
+/* Forward only, without the loss: embedding, every layer, the final RMSNorm, for the same
+ * micro-batch checks as bt_forward_backward (errors likewise; drop_key 0 = evaluation).
+ * The results stay in the context until its next use; read them with bt_step_hidden. */
+int bt_forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                      const bt_microbatch *mb, uint64_t drop_key);
+/* After bt_forward_hidden or bt_forward_backward: the [M, d_model] fp32 activations (borrowed,
+ * valid until the context is next used): i = 0 the embeddings, i = 1..n_layer the residual
+ * stream after layer i-1 (i = n_layer: the last layer's raw output), i = n_layer + 1 the final
+ * RMSNorm's output (HF output_hidden_states[-1]). NULL for any other i. */
+const float *bt_step_hidden(const bt_step_ctx *c, int i);
+
+/* Full logits (trainer/logits.c): logits[M, vocab] (fp32, caller-owned, M = mb->B * mb->T) =
+ * lm_head(final RMSNorm(hidden)) for every position, including unlabelled and padding ones
+ * (each cu_seqlens segment is its own causal context). [M x vocab] is materialised, so this is
+ * for evaluation, generation and parity tests, not training. lo may be NULL (base model).
+ * Errors: those of bt_forward_hidden. */
+int bt_forward_logits(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                      const bt_microbatch *mb, float *logits);
 
 #endif

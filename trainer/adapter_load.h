@@ -1,0 +1,27 @@
+/* Loading a PEFT LoRA adapter directory into bt_lora (the inverse of trainer/adapter.h's
+ * bt_adapter_save; huggingface/peft save_pretrained layout, ../shared/research/
+ * pipeline-formats.md §5.4). */
+#ifndef BT_TRAINER_ADAPTER_LOAD_H
+#define BT_TRAINER_ADAPTER_LOAD_H
+
+#include "trainer/lora.h"
+#include "trainer/model.h"
+
+/* Read <dir>/adapter_config.json and <dir>/adapter_model.safetensors into a new *lo shaped for
+ * model `m` (bt_lora_init layout; grads and AdamW moments zero). Config keys: r (integer >= 1),
+ * lora_alpha (number > 0), lora_dropout (default 0, in [0, 1)), target_modules (a list of
+ * q_proj ... down_proj, or the string "all-linear" or one module name); peft_type "LORA",
+ * bias "none", use_dora false, fan_in_fan_out false, layers_to_transform null, rank_pattern /
+ * alpha_pattern empty and modules_to_save null/empty are required when present; use_rslora true
+ * gives scale = lora_alpha / sqrt(r) (PEFT), else lora_alpha / r.
+ * Tensors: base_model.model.model.layers.{i}.{self_attn|mlp}.{q..down}_proj.lora_A.weight
+ * [r, in] and .lora_B.weight [out, r] for every layer and targeted module, F32/F16/BF16 (converted
+ * exactly to fp32); any other tensor is an error (so nothing in the file is silently dropped).
+ * *lo is owned by the caller (bt_lora_free); zeroed on error.
+ * Errors (message names the file and key/tensor): BT_ERR_IO, BT_ERR_NOTFOUND (missing file, key
+ * or tensor), BT_ERR_FORMAT (bad JSON or value, shape mismatch, non-finite value, unexpected
+ * tensor), BT_ERR_UNSUPPORTED (DoRA, biases, per-module ranks, unknown target module, dtype),
+ * BT_ERR_INVALID / BT_ERR_NOMEM from bt_lora_init. */
+int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir);
+
+#endif
