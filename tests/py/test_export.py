@@ -1,0 +1,390 @@
+"""`trainer export` end to end on the tiny Hugging Face fixture model
+(tests/fixtures/hf/tiny-llama-tied, loaded by the trainer as a HF directory) with a random
+non-zero PEFT adapter written here in pure Python.
+
+Always (standard library only): exit codes and usage errors, the PEFT output's files, keys, shapes
+and dtype, the merged safetensors' keys, shapes, dtypes, config.json, and its merged values
+against W + (alpha/r) B A computed here; sanitizer-clean runs of the ASan build when it exists.
+
+When the `gguf` package (gguf-py 0.17.1, with numpy) is importable: our GGUF files read back with
+gguf.GGUFReader (architecture, general.type, adapter.type, alpha, tensor names / shapes / types),
+lora_b un-permuted equals B, the merged GGUF equals permute(W + s B A), our Q8_0 bytes equal
+gguf.quants.quantize of the F32 export, and (with $BT_MODEL) the real SmolLM2 GGUF's tokenizer
+metadata is carried into the merged file. Skipped with a reason otherwise.
+
+Full numerical cross-checks against transformers/peft live in tests/reference/check_exports.py.
+"""
+import array
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+
+import pytest
+
+from conftest import ROOT, SAN_ENV
+
+TINY = os.path.join(ROOT, "tests", "fixtures", "hf", "tiny-llama-tied")
+MODS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GGUF_LIN = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+R, ALPHA = 4, 8
+
+try:
+    import numpy as np
+    import gguf
+    HAVE_GGUF = True
+except ImportError:  # CI installs only pytest by default
+    HAVE_GGUF = False
+needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="gguf-py (pip install gguf==0.17.1 numpy) "
+                                "not installed")
+
+
+# ---- pure-Python safetensors ----
+
+def st_read(path):
+    """{name: (dtype, shape, bytes)} and metadata of a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        hdr = json.loads(f.read(n))
+        data = f.read()
+    meta = hdr.pop("__metadata__", {})
+    out = {}
+    for k, v in hdr.items():
+        b, e = v["data_offsets"]
+        out[k] = (v["dtype"], v["shape"], data[b:e])
+    return out, meta
+
+
+def st_write(path, tensors):
+    """tensors: {name: (shape, list of floats)} written as F32."""
+    hdr, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
+    for k in sorted(tensors):
+        shape, vals = tensors[k]
+        b = array.array("f", vals).tobytes()
+        hdr[k] = {"dtype": "F32", "shape": shape, "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(hdr).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def f32(b):
+    return array.array("f", b).tolist()
+
+
+def hf_weights(d):
+    """All F32 tensors of a (sharded) HF directory as {name: (shape, flat list)}."""
+    out = {}
+    for fn in sorted(os.listdir(d)):
+        if fn.endswith(".safetensors"):
+            t, _ = st_read(os.path.join(d, fn))
+            for k, (dt, shape, b) in t.items():
+                assert dt == "F32"
+                out[k] = (shape, f32(b))
+    return out
+
+
+def tiny_config():
+    with open(os.path.join(TINY, "config.json")) as f:
+        return json.load(f)
+
+
+def make_adapter(d, mods=MODS, seed=5):
+    """A PEFT adapter for the tiny model with random A and non-zero B; returns {key: (shape, vals)}."""
+    cfg = tiny_config()
+    H, F = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
+              "gate_proj": (F, H), "up_proj": (F, H), "down_proj": (H, F)}
+    rng = random.Random(seed)
+    t = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for m in mods:
+            out_f, in_f = shapes[m]
+            blk = "self_attn" if m in MODS[:4] else "mlp"
+            pre = f"base_model.model.model.layers.{layer}.{blk}.{m}"
+            t[pre + ".lora_A.weight"] = ([R, in_f], [rng.uniform(-0.1, 0.1) for _ in range(R * in_f)])
+            t[pre + ".lora_B.weight"] = ([out_f, R], [rng.gauss(0, 0.05) for _ in range(out_f * R)])
+    os.makedirs(d, exist_ok=True)
+    st_write(os.path.join(d, "adapter_model.safetensors"), t)
+    conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": R, "lora_alpha": ALPHA,
+            "lora_dropout": 0.0, "target_modules": list(mods), "bias": "none",
+            "fan_in_fan_out": False, "base_model_name_or_path": TINY, "use_dora": False,
+            "use_rslora": False, "megatron_core": "megatron.core", "loftq_config": {}}
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump(conf, f)
+    return t
+
+
+def merged_ref(w, a, b):
+    """W[out,in] + (alpha/r) B[out,r] A[r,in] as a flat list (double accumulation)."""
+    (out_f, in_f), wv = w
+    av, bv = a[1], b[1]
+    s = ALPHA / R
+    res = []
+    for o in range(out_f):
+        brow = bv[o * R:(o + 1) * R]
+        for c in range(in_f):
+            res.append(wv[o * in_f + c] + s * sum(brow[k] * av[k * in_f + c] for k in range(R)))
+    return res
+
+
+def run_export(bins, *args, asan=False, check=True):
+    exe = bins.path("trainer", asan)
+    if not os.access(exe, os.X_OK):
+        pytest.skip(f"{exe} not built")
+    env = dict(os.environ)
+    if asan:
+        env.update(SAN_ENV)
+    p = subprocess.run([exe, "export", *args], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=ROOT)
+    if check:
+        assert p.returncode == 0, f"rc {p.returncode}\nstdout: {p.stdout}\nstderr: {p.stderr}"
+    return p
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("adapter") / "peft")
+    return d, make_adapter(d)
+
+
+# ---- always ----
+
+def test_usage_errors(bins, adapter, tmp_path):
+    d, _ = adapter
+    p = run_export(bins, check=False)
+    assert p.returncode == 2 and "--model" in p.stderr
+    p = run_export(bins, "--help", check=False)
+    assert p.returncode == 0 and "gguf-lora" in p.stdout
+    p = run_export(bins, "--model", TINY, "--adapter", d, "--format", "onnx", "--out",
+                   str(tmp_path / "x"), check=False)
+    assert p.returncode == 2 and "onnx" in p.stderr
+    p = run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors", "--dtype", "q8_0",
+                   "--out", str(tmp_path / "x"), check=False)
+    assert p.returncode == 2 and "q8_0" in p.stderr
+    p = run_export(bins, "--model", TINY, "--adapter", str(tmp_path / "none"), "--format", "gguf",
+                   "--out", str(tmp_path / "x.gguf"), check=False)
+    assert p.returncode == 1 and "adapter_config.json" in p.stderr
+    assert not os.path.exists(tmp_path / "x.gguf")
+
+
+def test_peft_output(bins, adapter, tmp_path):
+    d, ref = adapter
+    out = str(tmp_path / "peft")
+    run_export(bins, "--model", TINY, "--adapter", d, "--format", "peft", "--out", out)
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        conf = json.load(f)
+    assert conf["peft_type"] == "LORA" and conf["r"] == R and conf["lora_alpha"] == ALPHA
+    assert sorted(conf["target_modules"]) == sorted(MODS)
+    assert conf["base_model_name_or_path"] == TINY
+    assert conf["use_rslora"] is False and conf["use_dora"] is False and conf["bias"] == "none"
+    for k in ("megatron_core", "loftq_config", "eva_config"):  # normalised to the core key set
+        assert k not in conf
+    t, meta = st_read(os.path.join(out, "adapter_model.safetensors"))
+    assert meta == {"format": "pt"}
+    assert set(t) == set(ref)
+    for k, (dt, shape, b) in t.items():
+        assert dt == "F32" and shape == ref[k][0]
+        assert f32(b) == f32(array.array("f", ref[k][1]).tobytes())
+
+
+def test_merged_safetensors(bins, adapter, tmp_path):
+    d, ref = adapter
+    base = hf_weights(TINY)
+    cfg = tiny_config()
+    for dtype in ("f32", "f16", "bf16"):
+        out = str(tmp_path / dtype)
+        run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors", "--dtype", dtype,
+                   "--out", out)
+        t, meta = st_read(os.path.join(out, "model.safetensors"))
+        assert meta == {"format": "pt"}
+        assert set(t) == set(base)  # tied: no lm_head.weight, like the fixture
+        want_dt = {"f32": "F32", "f16": "F16", "bf16": "BF16"}[dtype]
+        for k, (dt, shape, _) in t.items():
+            assert dt == want_dt and shape == base[k][0], k
+        with open(os.path.join(out, "config.json")) as f:
+            c = json.load(f)
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps",
+                  "rope_theta", "head_dim", "model_type", "architectures"):
+            assert c[k] == cfg[k], k
+        assert c["torch_dtype"] == {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[dtype]
+        if dtype == "f32":
+            for layer, m in ((0, "v_proj"), (1, "down_proj"), (1, "q_proj")):
+                blk = "self_attn" if m in MODS[:4] else "mlp"
+                key = f"model.layers.{layer}.{blk}.{m}.weight"
+                pre = f"base_model.model.{key[:-len('.weight')]}"
+                want = merged_ref(base[key], ref[pre + ".lora_A.weight"], ref[pre + ".lora_B.weight"])
+                got = f32(t[key][2])
+                err = max(abs(x - y) for x, y in zip(got, want))
+                assert err < 1e-5, (key, err)
+                assert max(abs(x - y) for x, y in zip(base[key][1], want)) > 1e-3  # adapter matters
+            assert f32(t["model.norm.weight"][2]) == base["model.norm.weight"][1]
+
+
+def test_asan_runs(bins, adapter, tmp_path):
+    if not bins.have("trainer", asan=True):
+        pytest.skip("ASan trainer not built (make build/asan/trainer)")
+    d, _ = adapter
+    for fmt, out in (("gguf-lora", "l.gguf"), ("gguf", "m.gguf"), ("safetensors", "st"), ("peft", "p")):
+        run_export(bins, "--model", TINY, "--adapter", d, "--format", fmt, "--dtype",
+                   "f32", "--out", str(tmp_path / out), asan=True)
+
+
+# ---- with gguf-py ----
+
+def permute(w, n_head):
+    """convert_hf_to_gguf.py LlamaModel.permute."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def kv(reader, key):
+    f = reader.fields[key]
+    v = f.parts[f.data[0]]
+    if f.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(v).decode()
+    return v[0].item() if hasattr(v[0], "item") else v[0]
+
+
+@needs_gguf
+def test_gguf_lora_with_gguf_py(bins, adapter, tmp_path):
+    d, ref = adapter
+    cfg = tiny_config()
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for dtype, want in (("f32", {"a": "F32", "b": "F32"}), ("f16", {"a": "F16", "b": "F16"}),
+                        ("q8_0", {"a": "Q8_0", "b": "F16"})):
+        out = str(tmp_path / f"lora_{dtype}.gguf")
+        run_export(bins, "--model", TINY, "--adapter", d, "--format", "gguf-lora", "--dtype", dtype,
+                   "--out", out)
+        r = gguf.GGUFReader(out)
+        assert kv(r, "general.architecture") == "llama"
+        assert kv(r, "general.type") == "adapter"
+        assert kv(r, "adapter.type") == "lora"
+        assert r.fields["adapter.lora.alpha"].types[0] == gguf.GGUFValueType.FLOAT32
+        assert kv(r, "adapter.lora.alpha") == ALPHA
+        tensors = {t.name: t for t in r.tensors}
+        assert len(tensors) == 2 * len(MODS) * cfg["num_hidden_layers"]
+        for layer in range(cfg["num_hidden_layers"]):
+            for m, g in zip(MODS, GGUF_LIN):
+                blk = "self_attn" if m in MODS[:4] else "mlp"
+                pre = f"base_model.model.model.layers.{layer}.{blk}.{m}"
+                A = np.array(ref[pre + ".lora_A.weight"][1], np.float32).reshape(ref[pre + ".lora_A.weight"][0])
+                B = np.array(ref[pre + ".lora_B.weight"][1], np.float32).reshape(ref[pre + ".lora_B.weight"][0])
+                ta, tb = tensors[f"blk.{layer}.{g}.weight.lora_a"], tensors[f"blk.{layer}.{g}.weight.lora_b"]
+                # gguf-py reports ne order: lora_a (in, r), lora_b (r, out)
+                assert list(ta.shape) == [A.shape[1], R] and list(tb.shape) == [R, B.shape[0]]
+                assert ta.tensor_type.name == want["a"] and tb.tensor_type.name == want["b"]
+                a = gguf.quants.dequantize(ta.data, ta.tensor_type).reshape(A.shape).astype(np.float32)
+                b = gguf.quants.dequantize(tb.data, tb.tensor_type).reshape(B.shape).astype(np.float32)
+                Bp = permute(B, nh if m == "q_proj" else nkv) if m in ("q_proj", "k_proj") else B
+                tol = 0 if dtype == "f32" else 1e-3 if dtype == "f16" else 2e-3
+                assert np.max(np.abs(b - Bp)) <= tol * max(1.0, np.max(np.abs(B)))
+                assert np.max(np.abs(a - A)) <= tol * max(1.0, np.max(np.abs(A)))
+                if dtype == "q8_0":  # our quantiser is gguf-py's, byte for byte
+                    assert np.array_equal(np.asarray(ta.data).view(np.uint8).ravel(),
+                                          gguf.quants.quantize(A, gguf.GGMLQuantizationType.Q8_0).ravel())
+
+
+@needs_gguf
+def test_merged_gguf_with_gguf_py(bins, adapter, tmp_path):
+    d, ref = adapter
+    cfg = tiny_config()
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    base = hf_weights(TINY)
+    files = {}
+    for dtype in ("f32", "f16", "q8_0"):
+        out = str(tmp_path / f"merged_{dtype}.gguf")
+        p = run_export(bins, "--model", TINY, "--adapter", d, "--format", "gguf", "--dtype", dtype,
+                       "--out", out)
+        assert "tokenizer" in p.stderr  # warned: a HF base has no tokenizer metadata to copy
+        files[dtype] = gguf.GGUFReader(out)
+    r32 = files["f32"]
+    assert kv(r32, "general.architecture") == "llama" and kv(r32, "general.file_type") == 0
+    assert kv(files["f16"], "general.file_type") == 1 and kv(files["q8_0"], "general.file_type") == 7
+    assert kv(r32, "llama.block_count") == cfg["num_hidden_layers"]
+    assert kv(r32, "llama.attention.head_count_kv") == nkv
+    assert kv(r32, "llama.rope.dimension_count") == cfg["head_dim"]
+    assert abs(kv(r32, "llama.attention.layer_norm_rms_epsilon") - cfg["rms_norm_eps"]) < 1e-12
+    t32 = {t.name: t for t in r32.tensors}
+    assert "output.weight" not in t32  # tied
+    assert len(t32) == 2 + 9 * cfg["num_hidden_layers"]
+    for layer in range(cfg["num_hidden_layers"]):
+        for m, g in zip(MODS, GGUF_LIN):
+            blk = "self_attn" if m in MODS[:4] else "mlp"
+            key = f"model.layers.{layer}.{blk}.{m}.weight"
+            pre = f"base_model.model.model.layers.{layer}.{blk}.{m}"
+            W = np.array(base[key][1], np.float32).reshape(base[key][0])
+            A = np.array(ref[pre + ".lora_A.weight"][1], np.float32).reshape(R, -1)
+            B = np.array(ref[pre + ".lora_B.weight"][1], np.float32).reshape(-1, R)
+            want = W + (ALPHA / R) * (B @ A)
+            if m in ("q_proj", "k_proj"):
+                want = permute(want, nh if m == "q_proj" else nkv)
+            t = t32[f"blk.{layer}.{g}.weight"]
+            assert list(t.shape) == [W.shape[1], W.shape[0]]
+            got = np.asarray(t.data).reshape(want.shape)
+            assert np.max(np.abs(got - want)) < 1e-5
+            # F16 = float16(F32); Q8_0 = gguf-py's quantiser applied to the F32 export
+            t16 = {x.name: x for x in files["f16"].tensors}[t.name]
+            assert t16.tensor_type == gguf.GGMLQuantizationType.F16
+            assert np.array_equal(np.asarray(t16.data).reshape(want.shape), got.astype(np.float16))
+            tq = {x.name: x for x in files["q8_0"].tensors}[t.name]
+            assert tq.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            assert np.array_equal(np.asarray(tq.data).view(np.uint8).ravel(),
+                                  gguf.quants.quantize(got, gguf.GGMLQuantizationType.Q8_0).ravel())
+    assert {x.name: x for x in files["q8_0"].tensors}["blk.0.attn_norm.weight"].tensor_type == \
+        gguf.GGMLQuantizationType.F32
+
+
+@needs_gguf
+def test_real_model_metadata_carried(bins, model_path, tmp_path):
+    """SmolLM2-135M GGUF base: a q_proj-only adapter merged into a Q8_0 GGUF keeps the base's
+    tokenizer and general metadata; gguf-lora from the real base has the real shapes."""
+    src = gguf.GGUFReader(model_path)
+    nl = kv(src, "llama.block_count")
+    D = kv(src, "llama.embedding_length")
+    d = str(tmp_path / "adapter")
+    rng = np.random.default_rng(0)
+    t = {}
+    for layer in range(nl):
+        pre = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        t[pre + ".lora_A.weight"] = ([2, D], rng.uniform(-0.05, 0.05, 2 * D).tolist())
+        t[pre + ".lora_B.weight"] = ([D, 2], rng.normal(0, 0.01, 2 * D).tolist())
+    os.makedirs(d)
+    st_write(os.path.join(d, "adapter_model.safetensors"), t)
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}, f)
+    out = str(tmp_path / "lora.gguf")
+    run_export(bins, "--model", model_path, "--adapter", d, "--format", "gguf-lora", "--out", out)
+    r = gguf.GGUFReader(out)
+    assert len(r.tensors) == 2 * nl
+    assert list({x.name: x for x in r.tensors}["blk.3.attn_q.weight.lora_b"].shape) == [2, D]
+    out = str(tmp_path / "merged.gguf")
+    run_export(bins, "--model", model_path, "--adapter", d, "--format", "gguf", "--dtype", "q8_0",
+               "--out", out)
+    m = gguf.GGUFReader(out)
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "general.name",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if key in src.fields:
+            assert kv(m, key) == kv(src, key), key
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        if key in src.fields:
+            assert len(m.fields[key].data) == len(src.fields[key].data), key
+    if "tokenizer.chat_template" in src.fields:
+        assert kv(m, "tokenizer.chat_template") == kv(src, "tokenizer.chat_template")
+    assert kv(m, "general.file_type") == 7
+    names = {x.name for x in m.tensors}
+    assert names == {x.name for x in src.tensors}
+    # untouched layers keep the (dequantised, requantised) base: k_proj matches closely
+    ks = {x.name: x for x in src.tensors}["blk.0.attn_k.weight"]
+    km = {x.name: x for x in m.tensors}["blk.0.attn_k.weight"]
+    a = gguf.quants.dequantize(ks.data, ks.tensor_type)
+    b = gguf.quants.dequantize(km.data, km.tensor_type)
+    assert np.max(np.abs(a - b)) <= np.max(np.abs(a)) / 127
+    assert math.isfinite(float(np.sum(b)))

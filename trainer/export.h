@@ -1,0 +1,111 @@
+/* Exports of a trained LoRA adapter (`trainer export`): the PEFT adapter itself, a llama.cpp LoRA
+ * adapter GGUF, and the base with the adapter merged in, as a full llama GGUF or as a Hugging Face
+ * safetensors directory. Formats: ../shared/research/pipeline-formats.md §5.1–5.4.
+ *
+ *   peft         <out>/adapter_model.safetensors + adapter_config.json (trainer/adapter.h layout,
+ *                F32, conservative PEFT key set; Hugging Face Q/K row order).
+ *   gguf-lora    llama.cpp adapter (convert_lora_to_gguf.py; src/llama-adapter.cpp checks):
+ *                general.architecture "llama", general.type "adapter", adapter.type "lora",
+ *                adapter.lora.alpha (F32); tensors blk.{i}.{attn_q,attn_k,attn_v,attn_output,
+ *                ffn_gate,ffn_up,ffn_down}.weight.lora_a with ne = (in, r) (PEFT A [r, in]) and
+ *                .lora_b with ne = (r, out) (PEFT B [out, r]). lora_b of attn_q / attn_k has its
+ *                rows permuted exactly like the GGUF base weight (convert_hf_to_gguf.py
+ *                LlamaModel.permute with n_head / n_head_kv), as the converter's LoraTorchTensor
+ *                does. Types F32, F16, BF16 or Q8_0 (a tensor whose ne[0] is not a multiple of 32
+ *                falls back to F16, as the converter does).
+ *   gguf         merged full llama GGUF: W' = W + (alpha / r) B A in Hugging Face layout from the
+ *                fp32-dequantised base, then Q/K rows re-permuted; llama.* hyper-parameters written
+ *                from the model, every other KV (tokenizer.*, general.name, ...) copied from the
+ *                base GGUF. token_embd / output / the 7 linears in the chosen type (F32, F16, BF16
+ *                or Q8_0 with F16 fallback), norms F32; general.file_type 0 / 1 / 32 / 7.
+ *   safetensors  merged Hugging Face LlamaForCausalLM directory: <out>/model.safetensors (keys
+ *                model.embed_tokens.weight, model.layers.{i}.{input_layernorm,post_attention_
+ *                layernorm}.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+ *                model.layers.{i}.mlp.{gate,up,down}_proj.weight, model.norm.weight, lm_head.weight
+ *                when untied; F32, F16 or BF16; __metadata__ {"format": "pt"}) + config.json.
+ *
+ * Linear biases of the base (Qwen2 q/k/v, Llama attention_bias / mlp_bias) are carried over
+ * (GGUF blk.N.<lin>.bias, F32, Q/K permuted like the rows; HF ...<proj>.bias); a head_dim other
+ * than d_model / n_head adds llama.attention.key_length / value_length, and linear RoPE scaling
+ * llama.rope.scaling.{type,factor} (HF rope_scaling). The adapter is read with
+ * trainer/adapter_load.h bt_lora_load_peft; an rsLoRA adapter (scale alpha / sqrt(r)) is written
+ * with the lora_alpha that gives the same scale under the plain alpha / r rule (adapter.lora.alpha,
+ * PEFT lora_alpha with use_rslora false).
+ *
+ * Every file is written atomically (temp file + fsync + rename, see common/gguf.h,
+ * common/safetensors.h). */
+#ifndef BT_TRAINER_EXPORT_H
+#define BT_TRAINER_EXPORT_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/gguf.h"
+#include "trainer/lora.h"
+#include "trainer/model.h"
+
+enum { BT_EXPORT_PEFT = 0, BT_EXPORT_GGUF_LORA, BT_EXPORT_GGUF, BT_EXPORT_SAFETENSORS };
+enum { BT_EXPORT_F32 = 0, BT_EXPORT_F16, BT_EXPORT_BF16, BT_EXPORT_Q8_0 };
+
+/* "peft" | "gguf-lora" | "gguf" | "safetensors" -> BT_EXPORT_*; "f32" | "f16" | "bf16" | "q8_0"
+ * -> BT_EXPORT_F32..; BT_ERR_INVALID (message lists the choices) otherwise. */
+int bt_export_format_parse(const char *s, int *out);
+int bt_export_dtype_parse(const char *s, int *out);
+
+/* convert_hf_to_gguf.py LlamaModel.permute for `rows` rows of `cols` floats:
+ *   dst = src.reshape(n_head, 2, rows / n_head / 2, cols).swapaxes(1, 2).reshape(rows, cols)
+ * (HF row h*hd + j*hd/2 + i -> GGUF row h*hd + 2i + j, hd = rows / n_head). src and dst must not
+ * overlap. rows must be a multiple of 2 * n_head (BT_ERR_INVALID otherwise). */
+int bt_export_permute_rows(float *dst, const float *src, int n_head, int rows, int cols);
+
+/* The merged fp32 weight of linear (layer, mod) in Hugging Face layout:
+ *   out[rows, cols] = W + lo->scale * B @ A    (W alone when the module is not targeted)
+ * m must hold fp32 linears (BT_BASE_FP32; BT_ERR_INVALID for NF4). lo may be NULL (no adapter);
+ * when given its shapes must match m. out is caller-owned, rows * cols floats. */
+int bt_export_merged_weight(const bt_model *m, const bt_lora *lo, int layer, int mod, float *out);
+
+/* Q8_0 quantisation, bit-identical to ggml quantize_row_q8_0_ref (and gguf-py quants.py): per
+ * block of 32, d = amax / 127, q = roundf(x * (1 / d)) (0 when d = 0), d stored fp16; 34 bytes per
+ * block. n must be a multiple of 32 (BT_ERR_INVALID otherwise). dst: caller-owned, n / 32 * 34
+ * bytes. Source: trainer/quantize_q8.c. */
+int bt_q8_0_quantize(const float *x, void *dst, int64_t n);
+
+/* Writers. m: the base (fp32 linears for the merged formats), lo: the adapter (non-NULL; for the
+ * merged formats NULL means "base only"). base_gguf: an open reader of the base GGUF whose KVs
+ * (tokenizer, general.name, ...) are copied into the merged GGUF, and whose bos/eos ids go into
+ * config.json; NULL writes the model's hyper-parameters only. dtype: BT_EXPORT_* allowed by the
+ * format (gguf-lora, gguf: all four; safetensors: F32/F16/BF16). `out` is the file (gguf
+ * formats) or the directory (peft, safetensors; created, parents included). Errors: BT_ERR_INVALID
+ * (dtype, NF4 base for a merge, shapes of lo and m differ), BT_ERR_IO, BT_ERR_NOMEM. */
+int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const char *out);
+int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf, int dtype,
+                          const char *out);
+int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf,
+                                 int dtype, const char *out_dir);
+
+/* Parameters of one `trainer export` run. */
+typedef struct {
+    const char *model;    /* base: GGUF file or Hugging Face directory (bt_model_load) */
+    const char *adapter;  /* PEFT adapter directory */
+    const char *out;      /* output file or directory */
+    int format;           /* BT_EXPORT_PEFT .. */
+    int dtype;            /* BT_EXPORT_F32 ..; -1 = the format's default (peft, gguf-lora: f32;
+                             gguf, safetensors: f16) */
+} bt_export_opts;
+
+/* Load the base, the adapter (bt_lora_load_peft), write the export. The base is loaded fp32
+ * (bt_model_load) for the merged formats and for a Hugging Face directory; for the adapter-only
+ * formats a GGUF base is only read for its hyper-parameters and linear shapes (no weights). The
+ * peft format is F32 only. The merged GGUF copies the KVs of a GGUF base; from a Hugging Face
+ * base it has no tokenizer metadata (a warning is logged). Errors: BT_ERR_INVALID (bad
+ * options), BT_ERR_IO (missing base) and those of the loaders and writers (bt_last_error). */
+int bt_export_run(const bt_export_opts *o);
+
+/* `trainer export` command line (argv[0] = "export"): --model BASE.gguf|HF_DIR --adapter DIR
+ * --format peft|gguf-lora|gguf|safetensors --out PATH [--dtype f32|f16|bf16|q8_0]. Prints a
+ * one-line summary to stdout; errors to stderr. Returns the process exit status: 0 ok, 1 runtime
+ * failure, 2 usage error. */
+int bt_export_main(int argc, char **argv);
+/* The usage text of `trainer export` (static string). */
+const char *bt_export_usage(void);
+
+#endif
