@@ -79,7 +79,20 @@ static int write_config(const bt_lora *lo, const char *base_model, const char *p
     json_object_set_new(j, "fan_in_fan_out", json_false());
     json_object_set_new(j, "inference_mode", json_true());
     json_object_set_new(j, "init_lora_weights", json_true());
-    json_object_set_new(j, "modules_to_save", json_null());
+    json_t *mts = json_null(); /* LoRA+ dense modules (adapter.h) */
+    if (lo->trainable) {
+        mts = json_array();
+        if (lo->trainable & BT_TRAIN_EMBED) {
+            json_array_append_new(mts, json_string("embed_tokens"));
+            if (lo->tied) json_array_append_new(mts, json_string("lm_head"));
+        }
+        if (lo->trainable & BT_TRAIN_NORM) {
+            json_array_append_new(mts, json_string("input_layernorm"));
+            json_array_append_new(mts, json_string("post_attention_layernorm"));
+            json_array_append_new(mts, json_string("norm"));
+        }
+    }
+    json_object_set_new(j, "modules_to_save", mts);
     json_object_set_new(j, "layers_to_transform", json_null());
     json_object_set_new(j, "layers_pattern", json_null());
     json_object_set_new(j, "rank_pattern", json_object());
@@ -120,6 +133,32 @@ static int write_weights(const bt_lora *lo, const char *path) {
             bt_adapter_key(key, sizeof key, l, mod, 1);
             rc = bt_st_w_tensor(w, key, BT_ST_F32, 2, sb, md->B, (size_t)md->out * lo->r * 4);
         }
+    /* LoRA+ dense modules, under PEFT's modules_to_save keys (get_peft_model_state_dict strips
+     * "modules_to_save." and the adapter name: <module>.weight) */
+    if (rc == 0 && lo->embed) {
+        int64_t se[2] = {lo->vocab, lo->d_model};
+        size_t nb = (size_t)lo->vocab * lo->d_model * 4;
+        rc = bt_st_w_tensor(w, "base_model.model.model.embed_tokens.weight", BT_ST_F32, 2, se,
+                            lo->embed, nb);
+        if (rc == 0 && lo->tied)
+            rc = bt_st_w_tensor(w, "base_model.model.lm_head.weight", BT_ST_F32, 2, se, lo->embed, nb);
+    }
+    for (int l = 0; rc == 0 && lo->norms && l <= lo->n_layer; l++) {
+        int64_t sn[1] = {lo->d_model};
+        size_t nb = (size_t)lo->d_model * 4;
+        if (l == lo->n_layer) {
+            rc = bt_st_w_tensor(w, "base_model.model.model.norm.weight", BT_ST_F32, 1, sn,
+                                lo->norms + (size_t)2 * l * lo->d_model, nb);
+            break;
+        }
+        snprintf(key, sizeof key, "base_model.model.model.layers.%d.input_layernorm.weight", l);
+        rc = bt_st_w_tensor(w, key, BT_ST_F32, 1, sn, lo->norms + (size_t)2 * l * lo->d_model, nb);
+        if (rc) break;
+        snprintf(key, sizeof key, "base_model.model.model.layers.%d.post_attention_layernorm.weight",
+                 l);
+        rc = bt_st_w_tensor(w, key, BT_ST_F32, 1, sn, lo->norms + (size_t)(2 * l + 1) * lo->d_model,
+                            nb);
+    }
     if (rc == 0) rc = bt_st_writer_write(w, path);
     bt_st_writer_free(w);
     if (rc) return bt_fail(rc, "adapter: %s: %s", path, bt_last_error());

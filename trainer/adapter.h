@@ -9,7 +9,16 @@
  *     inference_mode true, init_lora_weights true, modules_to_save null, use_rslora false,
  *     use_dora false, revision null, layers_to_transform null, layers_pattern null,
  *     rank_pattern {}, alpha_pattern {}, base_model_name_or_path).
- * Weights are in Hugging Face layout (the trainer's base has Q/K un-permuted from GGUF). */
+ * Weights are in Hugging Face layout (the trainer's base has Q/K un-permuted from GGUF).
+ * LoRA+ (bt_lora.trainable, lora.h) is saved the PEFT-native way, as modules_to_save: the
+ * config lists "embed_tokens" (+ "lm_head" when tied: PEFT's ModulesToSaveWrapper copies would
+ * otherwise untie them, so both are saved with the same trained values), "input_layernorm",
+ * "post_attention_layernorm", "norm"; the tensors use the keys get_peft_model_state_dict writes
+ * for them (huggingface/peft src/peft/utils/save_and_load.py: "modules_to_save." and the adapter
+ * name are stripped): base_model.model.model.embed_tokens.weight [vocab, d_model],
+ * base_model.model.lm_head.weight, base_model.model.model.layers.{i}.input_layernorm.weight,
+ * ...post_attention_layernorm.weight [d_model], base_model.model.model.norm.weight. (LongLoRA
+ * itself saves these to a separate trainable_params.bin; PEFT loads modules_to_save directly.) */
 #ifndef BT_TRAINER_ADAPTER_H
 #define BT_TRAINER_ADAPTER_H
 

@@ -13,6 +13,7 @@
 
 static const char *const k_mod_names[BT_MOD_N] = {"q_proj", "k_proj",    "v_proj", "o_proj",
                                                   "gate_proj", "up_proj", "down_proj"};
+static const char *const k_trainable_names[BT_TRAINABLE_N] = {"embed_tokens", "norm"};
 
 const char *bt_module_name(int mod) {
     return (mod >= 0 && mod < BT_MOD_N) ? k_mod_names[mod] : NULL;
@@ -44,7 +45,7 @@ static int check_keys(const json_t *obj, const char *sect, const char *const *kn
     const char *k;
     json_t *v;
     json_object_foreach((json_t *)obj, k, v) {
-        int ok = 0;
+        int ok = k[0] == '#'; /* comment keys (see config.h) */
         for (int i = 0; known[i]; i++)
             if (!strcmp(k, known[i])) ok = 1;
         if (!ok) {
@@ -287,7 +288,8 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const top_keys[] = {
         "name", "model", "base_dtype", "base_model_name_or_path", "socket", "data", "eval", "lora",
         "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
-        "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", NULL};
+        "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
+        "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", NULL};
     static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
                                             "micro_batch_size", "seed", "tokenizer_threads", NULL};
     static const char *const eval_keys[] = {"shards", "max_batches", NULL};
@@ -405,6 +407,37 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
         if ((rc = get_i32(root, NULL, "log_every", 1, ATLEAST1, &c->log_every)) ||
             (rc = get_i32(root, NULL, "timeout_s", 600, ATLEAST1, &c->timeout_s)))
             break;
+        /* LoRA+ trainable modules */
+        json_t *tr = json_object_get(root, "trainable_modules");
+        if (tr) {
+            const char *expect = "an array of module names (embed_tokens, norm)";
+            if (!json_is_array(tr)) {
+                rc = bad(NULL, "trainable_modules", expect, tr);
+                break;
+            }
+            for (size_t i = 0; i < json_array_size(tr) && rc == 0; i++) {
+                json_t *e = json_array_get(tr, i);
+                int found = -1;
+                for (int m = 0; m < BT_TRAINABLE_N && json_is_string(e); m++)
+                    if (!strcmp(json_string_value(e), k_trainable_names[m])) found = m;
+                if (found < 0) rc = bad(NULL, "trainable_modules", expect, e);
+                else c->trainable_mask |= 1u << found;
+            }
+            if (rc) break;
+        }
+        /* checkpoints / resume */
+        if ((rc = get_i32(root, NULL, "checkpoint_every", 0, NONNEG, &c->checkpoint_every)) ||
+            (rc = get_str(root, NULL, "checkpoint_dir", "runs/checkpoint", &c->checkpoint_dir)) ||
+            (rc = get_i32(root, NULL, "stop_at_step", 0, NONNEG, &c->stop_at_step)))
+            break;
+        json_t *rf = json_object_get(root, "resume_from");
+        if (rf && !json_is_null(rf) && (rc = get_str(root, NULL, "resume_from", NULL, &c->resume_from)))
+            break;
+        if (c->stop_at_step > c->steps) {
+            rc = bt_fail(BT_ERR_INVALID, "config: stop_at_step: expected an integer in [0, steps = %d], "
+                         "got %d", c->steps, c->stop_at_step);
+            break;
+        }
     } while (0);
     json_decref(empty);
     return rc;
@@ -422,6 +455,8 @@ void bt_config_free(bt_train_config *c) {
     free(c->data.text_field);
     free_strv(c->eval.shards, c->eval.n_shards);
     free(c->out_dir);
+    free(c->checkpoint_dir);
+    free(c->resume_from);
     memset(c, 0, sizeof *c);
 }
 
@@ -515,6 +550,10 @@ char *bt_config_dump(const bt_train_config *c) {
     json_t *tm = json_array();
     for (int m = 0; m < BT_MOD_N; m++)
         if (c->lora.target_mask & (1u << m)) json_array_append_new(tm, json_string(k_mod_names[m]));
+    json_t *trm = json_array();
+    for (int m = 0; m < BT_TRAINABLE_N; m++)
+        if (c->trainable_mask & (1u << m))
+            json_array_append_new(trm, json_string(k_trainable_names[m]));
     json_t *j = json_pack(
         "{s:s, s:s, s:s, s:s, s:s,"
         " s:{s:o, s:s, s:s, s:i, s:i, s:I, s:i},"
@@ -539,7 +578,15 @@ char *bt_config_dump(const bt_train_config *c) {
         "min_lr_ratio", c->min_lr_ratio, "activation_checkpointing", c->activation_checkpointing,
         "save_every", c->save_every, "out_dir", c->out_dir, "threads", c->threads, "seed",
         (json_int_t)c->seed, "log_every", c->log_every, "timeout_s", c->timeout_s);
-    if (!j) return NULL;
+    if (!j) {
+        json_decref(trm);
+        return NULL;
+    }
+    json_object_set_new(j, "trainable_modules", trm);
+    json_object_set_new(j, "checkpoint_every", json_integer(c->checkpoint_every));
+    json_object_set_new(j, "checkpoint_dir", json_string(c->checkpoint_dir));
+    json_object_set_new(j, "resume_from", c->resume_from ? json_string(c->resume_from) : json_null());
+    json_object_set_new(j, "stop_at_step", json_integer(c->stop_at_step));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(j);
     return s;

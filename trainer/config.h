@@ -24,6 +24,23 @@
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)
  *   timeout_s 600                      longest wait for one batch from loaderd
+ *   trainable_modules []               LongLoRA "LoRA+" dense trainable modules on top of LoRA:
+ *                                      "embed_tokens" (token embedding; with tied embeddings also
+ *                                      the lm_head) and/or "norm" (every RMSNorm weight); saved
+ *                                      in the adapter as PEFT modules_to_save (adapter.h)
+ *   checkpoint_every 0                 write a resumable checkpoint every N steps (0 = never;
+ *                                      also written when a run stops early: stop_at_step, SIGINT,
+ *                                      SIGTERM; not after the last step, whose result is out_dir;
+ *                                      format: trainer/checkpoint.h)
+ *   checkpoint_dir "runs/checkpoint"   the checkpoint directory (replaced atomically)
+ *   resume_from null                   checkpoint directory to continue from (also `--resume DIR`)
+ *   stop_at_step 0                     stop (and checkpoint) once this many optimiser steps are
+ *                                      done, keeping the schedule of `steps` (0 = run to `steps`;
+ *                                      for preemptible slots)
+ *
+ * Comments: in every object, keys starting with "#" are ignored (JSON has no comments), e.g.
+ *   "#": "what this section is for", "#seq_len": "tokens per packed row"
+ * `trainer config --template NAME --documented` writes such keys.
  *
  * Errors always name the key and what was expected, e.g.
  *   config: optim.lr: expected a number > 0, got "abc"
@@ -32,12 +49,15 @@
 #ifndef BT_TRAINER_CONFIG_H
 #define BT_TRAINER_CONFIG_H
 #include <stdint.h>
+#include <stdio.h>
 
 enum { BT_BASE_NF4 = 0, BT_BASE_FP32 = 1 };
 enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
 
 /* LoRA target modules, in the order used everywhere in the trainer (bit i of target_mask). */
 enum { BT_MOD_Q = 0, BT_MOD_K, BT_MOD_V, BT_MOD_O, BT_MOD_GATE, BT_MOD_UP, BT_MOD_DOWN, BT_MOD_N };
+/* LongLoRA trainable modules (bit i of trainable_mask): "embed_tokens", "norm". */
+enum { BT_TRAINABLE_EMBED = 0, BT_TRAINABLE_NORM, BT_TRAINABLE_N };
 /* "q_proj", ... "down_proj" for i in [0, BT_MOD_N); NULL otherwise. */
 const char *bt_module_name(int mod);
 
@@ -83,6 +103,11 @@ typedef struct {
     uint64_t seed;
     int log_every;
     int timeout_s;
+    unsigned trainable_mask;        /* bit BT_TRAINABLE_* */
+    int checkpoint_every;           /* 0 = off */
+    char *checkpoint_dir;
+    char *resume_from;              /* NULL = fresh start */
+    int stop_at_step;               /* 0 = steps */
 } bt_train_config;
 
 /* Parse a config from JSON text, then apply `n_sets` overrides "a.b=value" in order (value is
@@ -105,5 +130,28 @@ char *bt_config_job_json(const bt_train_config *cfg, int eval);
 
 /* The effective configuration as JSON text (malloc'd, free()), for logs. */
 char *bt_config_dump(const bt_train_config *cfg);
+
+/* Config templates for `trainer config --template NAME` (trainer/templates.c):
+ *   "default"       the SmolLM2-135M demo job (QLoRA r 16 on all linears, seq 512 x 4);
+ *   "qlora"         QLoRA paper recipe (Dettmers et al. 2023, arXiv 2305.14314: NF4 base,
+ *                   r 64, alpha 16, dropout 0.1 (0.05 for 33B/65B), lr 2e-4, constant
+ *                   schedule, max grad norm 0.3, warm-up ratio 0.03, effective batch 16);
+ *   "long-context"  LongLoRA recipe (Chen et al. 2023, arXiv 2309.12307, fine-tune.py: r 8,
+ *                   alpha 16, q/k/v/o, trainable embed_tokens + norm, lr 2e-5, weight decay 0,
+ *                   warm-up 20, constant schedule, batch 1 x grad_accum 8, seq 8192,
+ *                   activation checkpointing).
+ * documented != 0 adds "#"-comment keys (ignored by the parser) describing every section and
+ * key. Returns pretty-printed JSON text (malloc'd, free()) that bt_config_parse accepts as is,
+ * or NULL with BT_ERR_INVALID for an unknown name (message lists the names). */
+char *bt_config_template(const char *name, int documented);
+/* NULL-terminated list of template names. */
+extern const char *const bt_config_template_names[];
+
+/* `trainer config` (argv[0] == "config"):
+ *   --template NAME [--documented]   print bt_config_template(NAME) to `out`;
+ *   --check JOB.json [--set k=v ...] validate a job and print its effective config (compact JSON).
+ * Returns the exit status: 0, 1 (I/O), 2 (usage or configuration error; message on stderr
+ * naming the key). */
+int bt_config_cmd(int argc, char **argv, FILE *out);
 
 #endif

@@ -17,11 +17,17 @@ static void mod_shape(const bt_model *md, int mod, int *out, int *in) {
 
 int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
                  unsigned target_mask, uint64_t seed) {
+    return bt_lora_init_ex(lo, md, r, alpha, dropout, target_mask, 0, seed);
+}
+
+int bt_lora_init_ex(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
+                    unsigned target_mask, unsigned trainable, uint64_t seed) {
     memset(lo, 0, sizeof *lo);
     if (r < 1 || !(alpha > 0) || !(dropout >= 0 && dropout < 1) ||
-        (target_mask & ((1u << BT_MOD_N) - 1)) == 0)
-        return bt_fail(BT_ERR_INVALID, "lora: invalid settings (r %d, alpha %g, dropout %g, mask %#x)",
-                       r, alpha, dropout, target_mask);
+        (target_mask & ((1u << BT_MOD_N) - 1)) == 0 ||
+        (trainable & ~(unsigned)(BT_TRAIN_EMBED | BT_TRAIN_NORM)))
+        return bt_fail(BT_ERR_INVALID, "lora: invalid settings (r %d, alpha %g, dropout %g, mask %#x, "
+                       "trainable %#x)", r, alpha, dropout, target_mask, trainable);
     lo->r = r;
     lo->alpha = (float)alpha;
     lo->scale = (float)(alpha / r);
@@ -36,6 +42,16 @@ int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dr
         n += (int64_t)r * (in + out);
     }
     n *= md->hp.n_layer;
+    lo->n_lora = n;
+    lo->trainable = trainable;
+    lo->vocab = md->hp.vocab;
+    lo->d_model = md->hp.d_model;
+    lo->tied = md->tied;
+    int64_t n_embed = (trainable & BT_TRAIN_EMBED) ? (int64_t)md->hp.vocab * md->hp.d_model : 0;
+    int64_t n_norm = (trainable & BT_TRAIN_NORM) ? (int64_t)(2 * md->hp.n_layer + 1) * md->hp.d_model
+                                                 : 0;
+    lo->n_decay = n + n_embed;
+    n += n_embed + n_norm;
     lo->n_params = n;
     lo->mods = calloc((size_t)lo->n_layer * BT_MOD_N, sizeof(bt_lora_mod));
     lo->params = bt_aligned_alloc((size_t)n * sizeof(float));
@@ -67,7 +83,48 @@ int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dr
                 x->A[i] = (2.0f * bt_rng_uniform(&rng) - 1.0f) * bound;
             /* B stays zero (bt_aligned_alloc zero-fills). */
         }
+    if (trainable & BT_TRAIN_EMBED) {
+        lo->embed = lo->params + off;
+        lo->dembed = lo->grads + off;
+        memcpy(lo->embed, md->tok_embd, (size_t)n_embed * sizeof(float));
+        off += n_embed;
+    }
+    if (trainable & BT_TRAIN_NORM) {
+        size_t D = (size_t)md->hp.d_model;
+        lo->norms = lo->params + off;
+        lo->dnorms = lo->grads + off;
+        for (int l = 0; l < lo->n_layer; l++) {
+            memcpy(lo->norms + (size_t)(2 * l) * D, md->layers[l].attn_norm, D * sizeof(float));
+            memcpy(lo->norms + (size_t)(2 * l + 1) * D, md->layers[l].ffn_norm, D * sizeof(float));
+        }
+        memcpy(lo->norms + (size_t)(2 * lo->n_layer) * D, md->output_norm, D * sizeof(float));
+        off += n_norm;
+    }
     return 0;
+}
+
+const float *bt_lora_embed(const bt_lora *lo, const bt_model *md) {
+    return lo && lo->embed ? lo->embed : md->tok_embd;
+}
+
+const float *bt_lora_lm_head(const bt_lora *lo, const bt_model *md) {
+    return lo && lo->embed && md->tied ? lo->embed : md->lm_head;
+}
+
+const float *bt_lora_norm(const bt_lora *lo, const bt_model *md, int l, int which) {
+    if (lo && lo->norms && l >= 0 && l <= lo->n_layer)
+        return lo->norms + (size_t)(l == lo->n_layer ? 2 * l : 2 * l + (which ? 1 : 0)) * lo->d_model;
+    if (l == md->hp.n_layer) return md->output_norm;
+    return which ? md->layers[l].ffn_norm : md->layers[l].attn_norm;
+}
+
+float *bt_lora_dembed(const bt_lora *lo) { return lo ? lo->dembed : NULL; }
+
+float *bt_lora_dlm_head(const bt_lora *lo) { return lo && lo->tied ? lo->dembed : NULL; }
+
+float *bt_lora_dnorm(const bt_lora *lo, int l, int which) {
+    if (!lo || !lo->dnorms || l < 0 || l > lo->n_layer) return NULL;
+    return lo->dnorms + (size_t)(l == lo->n_layer ? 2 * l : 2 * l + (which ? 1 : 0)) * lo->d_model;
 }
 
 void bt_lora_free(bt_lora *lo) {

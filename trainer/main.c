@@ -10,18 +10,33 @@
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
 #include "trainer/config.h"
+#include "trainer/estimate.h"
+#include "trainer/export.h"
+#include "trainer/generate.h"
 #include "trainer/train.h"
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: trainer train --config JOB.json [--set key.path=value ...]\n"
+            "usage: trainer train --config JOB.json [--set key.path=value ...] [--resume CKPT_DIR]\n"
             "       trainer eval  --config JOB.json [--set key.path=value ...]\n"
+            "       trainer estimate --config JOB.json [--set key.path=value ...]\n"
+            "       trainer config --template default|qlora|long-context [--documented]\n"
+            "       trainer config --check JOB.json [--set key.path=value ...]\n"
+            "       trainer export --model BASE.gguf --adapter DIR --format peft|gguf-lora|gguf|safetensors\n"
+            "                      --out PATH [--dtype f32|f16|bf16|q8_0]   (trainer export --help)\n"
+            "       trainer generate --model M.gguf (--prompt TEXT | --chat TEXT) [--adapter DIR] ...\n"
+            "                      (trainer generate --help)\n"
             "       trainer --help\n"
             "\n"
             "train  attach to loaderd, evaluate on eval.shards, train `steps` optimiser steps of\n"
             "       LoRA on the frozen (NF4 or fp32) base, save the PEFT adapter to out_dir,\n"
             "       evaluate again and print the held-out loss change.\n"
             "eval   held-out loss of the base model on eval.shards only.\n"
+            "estimate  memory bill (CPU fp32 and CUDA bf16) from the model's header and the job.\n"
+            "config    print a config template (--documented: with \"#\" comment keys, which the\n"
+            "          parser ignores), or validate a job and print its effective config.\n"
+            "--resume DIR continues a run from a checkpoint (config resume_from; checkpoints are\n"
+            "written every checkpoint_every steps to checkpoint_dir).\n"
             "\n"
             "--set overrides a config key; the value is parsed as JSON when it parses, else taken\n"
             "as a string: --set optim.lr=1e-3 --set socket=/tmp/loaderd.sock\n"
@@ -50,9 +65,14 @@ int main(int argc, char **argv) {
         usage(stdout);
         return 0;
     }
-    int eval_only;
+    if (!strcmp(argv[1], "export")) return bt_export_main(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "generate")) return bt_generate_cli(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "config")) return bt_config_cmd(argc - 1, argv + 1, stdout);
+    int eval_only; /* 2: estimate */
+    const char *resume = NULL;
     if (!strcmp(argv[1], "train")) eval_only = 0;
     else if (!strcmp(argv[1], "eval")) eval_only = 1;
+    else if (!strcmp(argv[1], "estimate")) eval_only = 2;
     else {
         fprintf(stderr, "trainer: unknown command \"%s\" (try --help)\n", argv[1]);
         return 2;
@@ -75,6 +95,8 @@ int main(int argc, char **argv) {
             sets[n_sets++] = argv[++i];
         } else if (!strncmp(a, "--set=", 6)) {
             sets[n_sets++] = a + 6;
+        } else if (!strcmp(a, "--resume") && i + 1 < argc && eval_only == 0) {
+            resume = argv[++i];
         } else {
             fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", a);
             free(sets);
@@ -92,6 +114,16 @@ int main(int argc, char **argv) {
     if (rc) {
         fprintf(stderr, "trainer: %s\n", bt_last_error());
         return 2;
+    }
+    if (resume) {
+        free(cfg.resume_from);
+        cfg.resume_from = bt_xstrdup(resume);
+    }
+    if (eval_only == 2) {
+        rc = bt_estimate_print(&cfg, stdout);
+        if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
+        bt_config_free(&cfg);
+        return rc ? 1 : 0;
     }
     char *dump = bt_config_dump(&cfg);
     if (dump) bt_log(BT_LOG_INFO, "trainer", "config: %s", dump);

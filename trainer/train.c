@@ -12,6 +12,7 @@
 #include "kernels/kernels.h"
 #include "proto/client.h"
 #include "trainer/adapter.h"
+#include "trainer/checkpoint.h"
 #include "trainer/optim.h"
 #include "trainer/rng.h"
 
@@ -39,6 +40,7 @@ typedef struct {
     int32_t *ids, *labels, *pos, *cu;
     int n_cu;
     uint32_t n_real;
+    uint8_t resume[BT_RESUME_STATE_BYTES]; /* loader state after this batch */
 } mb_copy;
 
 static void mb_view(const mb_copy *c, int B, int T, bt_microbatch *mb) {
@@ -63,6 +65,7 @@ static int mb_take(mb_copy *c, const bt_batch_view *v, int B, int T) {
     memcpy(c->cu, v->cu_seqlens, (size_t)v->hdr->n_cu * 4);
     c->n_cu = (int)v->hdr->n_cu;
     c->n_real = v->hdr->n_real_tokens;
+    memcpy(c->resume, v->hdr->resume_state, BT_RESUME_STATE_BYTES);
     return 0;
 }
 
@@ -85,10 +88,11 @@ static void mb_free(mb_copy *c) {
     memset(c, 0, sizeof *c);
 }
 
-static int attach(bt_client **cl, const bt_train_config *cfg, int eval) {
+/* resume: NULL = from the start, else the BT_RESUME_STATE_BYTES state to continue after. */
+static int attach(bt_client **cl, const bt_train_config *cfg, int eval, const uint8_t *resume) {
     char *job = bt_config_job_json(cfg, eval);
     if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
-    int rc = bt_client_attach(cl, cfg->socket, job, 0, 1, NULL);
+    int rc = bt_client_attach(cl, cfg->socket, job, 0, 1, resume);
     free(job);
     if (rc) return bt_fail(rc, "attach to loaderd at %s (%s stream): %s", cfg->socket,
                            eval ? "eval" : "train", bt_last_error());
@@ -121,7 +125,7 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
     *mean_loss = NAN;
     *n_tokens = 0;
     bt_client *cl = NULL;
-    int rc = attach(&cl, cfg, 1);
+    int rc = attach(&cl, cfg, 1, NULL); /* the eval stream restarts every time */
     if (rc) return rc;
     mb_copy mc = {0};
     if ((rc = mb_alloc(&mc, cfg->data.micro_batch_size, cfg->data.seq_len))) goto out;
@@ -188,7 +192,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
 
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};
-    if ((rc = bt_model_load_gguf(&model, cfg->model, &lopts))) goto done_nomodel;
+    if ((rc = bt_model_load(&model, cfg->model, &lopts))) goto done_nomodel;
     bt_log(BT_LOG_INFO, "trainer",
            "model %s: %d layers, d_model %d, heads %d/%d, ffn %d, vocab %d, %s%s, %.0f MiB, "
            "loaded in %.1f s",
@@ -196,11 +200,36 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
            model.hp.d_ff, model.hp.vocab, cfg->base_dtype == BT_BASE_NF4 ? "nf4" : "fp32",
            model.tied ? ", tied embeddings" : "", bt_model_bytes(&model) / 1048576.0,
            bt_now() - t0);
-    if ((rc = bt_lora_init(&lora, &model, cfg->lora.r, cfg->lora.alpha, cfg->lora.dropout,
-                           cfg->lora.target_mask, cfg->seed)))
+    unsigned trainable = ((cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
+                         ((cfg->trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
+    if ((rc = bt_lora_init_ex(&lora, &model, cfg->lora.r, cfg->lora.alpha, cfg->lora.dropout,
+                              cfg->lora.target_mask, trainable, cfg->seed)))
         goto done;
-    bt_log(BT_LOG_INFO, "trainer", "LoRA r %d alpha %g dropout %g: %lld trainable parameters",
-           lora.r, lora.alpha, lora.dropout, (long long)lora.n_params);
+    bt_log(BT_LOG_INFO, "trainer", "LoRA r %d alpha %g dropout %g: %lld trainable parameters%s",
+           lora.r, lora.alpha, lora.dropout, (long long)lora.n_params,
+           trainable ? " (LoRA+: with dense embed_tokens/norm weights)" : "");
+    /* resume: parameters, AdamW moments, step and the loader position */
+    int start_step = 0, has_resume = 0;
+    uint8_t resume[BT_RESUME_STATE_BYTES];
+    memset(resume, 0, sizeof resume);
+    if (cfg->resume_from && !eval_only) {
+        int64_t st = 0;
+        int ck_steps = 0;
+        if ((rc = bt_checkpoint_load(cfg->resume_from, cfg, &model, &lora, &st, resume,
+                                     &has_resume, &ck_steps)))
+            goto done;
+        if (st > cfg->steps) {
+            rc = bt_fail(BT_ERR_INVALID, "checkpoint %s is at step %lld, past steps = %d",
+                         cfg->resume_from, (long long)st, cfg->steps);
+            goto done;
+        }
+        start_step = (int)st;
+        if (ck_steps != cfg->steps)
+            bt_log(BT_LOG_WARN, "trainer", "checkpoint was written by a run of %d steps, this run "
+                   "has %d: the learning-rate schedule follows %d", ck_steps, cfg->steps,
+                   cfg->steps);
+        bt_log(BT_LOG_INFO, "trainer", "resumed from %s at step %d", cfg->resume_from, start_step);
+    }
     if ((rc = bt_step_ctx_new(&ctx, &model, &lora, M, cfg->activation_checkpointing))) goto done;
     bt_log(BT_LOG_INFO, "trainer", "workspace for %dx%d tokens: %.0f MiB%s", B, T,
            bt_step_ctx_bytes(ctx) / 1048576.0,
@@ -216,12 +245,13 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             rc = bt_fail(BT_ERR_INVALID, "config: eval.shards: required for `trainer eval`");
             goto done;
         }
-        fprintf(out, "held-out loss: %.4f (%lld tokens)\n", before, n_eval);
+        fprintf(out, "held-out loss: %.4f, perplexity %.3f (%lld tokens)\n", before, exp(before),
+                n_eval);
         fflush(out);
         goto done;
     }
 
-    if ((rc = attach(&cl, cfg, 0))) goto done;
+    if ((rc = attach(&cl, cfg, 0, has_resume ? resume : NULL))) goto done;
     mbs = calloc((size_t)cfg->grad_accum, sizeof(mb_copy));
     if (!mbs) {
         rc = bt_fail(BT_ERR_NOMEM, "out of memory");
@@ -232,9 +262,10 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     bt_schedule sched = {cfg->schedule, cfg->optim.lr, cfg->min_lr_ratio, cfg->optim.warmup_steps,
                          cfg->steps};
     double train_t0 = bt_now();
-    int done_steps = 0;
+    int done_steps = start_step;
+    int end_step = cfg->stop_at_step > 0 ? cfg->stop_at_step : cfg->steps;
     double last_loss = NAN;
-    for (int step = 0; step < cfg->steps && !g_stop; step++) {
+    for (int step = start_step; step < end_step && !g_stop; step++) {
         double ts = bt_now();
         /* 1. Gather all micro-batches of the step: the loss is normalised by the labelled
          *    targets over all of them (exact mean, independent of how tokens fall into
@@ -254,6 +285,8 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             }
             n_lab += n;
             n_real += mbs[i].n_real;
+            memcpy(resume, mbs[i].resume, BT_RESUME_STATE_BYTES);
+            has_resume = 1;
         }
         /* 2. forward + backward */
         bt_lora_zero_grad(&lora);
@@ -278,9 +311,16 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             bt_log(BT_LOG_WARN, "trainer", "step %d: non-finite loss %g / grad norm %g; update "
                    "skipped", step + 1, loss, gnorm);
         } else {
-            bt_adamw_step(lora.params, lora.grads, lora.m, lora.v, lora.n_params, (float)lr,
+            /* [0, n_decay): LoRA (+ embedding) with weight decay; the LoRA+ norm weights after
+             * it without (lora.h) */
+            bt_adamw_step(lora.params, lora.grads, lora.m, lora.v, lora.n_decay, (float)lr,
                           (float)cfg->optim.beta1, (float)cfg->optim.beta2, (float)cfg->optim.eps,
                           (float)cfg->optim.weight_decay, step + 1);
+            int64_t nd = lora.n_decay;
+            if (lora.n_params > nd)
+                bt_adamw_step(lora.params + nd, lora.grads + nd, lora.m + nd, lora.v + nd,
+                              lora.n_params - nd, (float)lr, (float)cfg->optim.beta1,
+                              (float)cfg->optim.beta2, (float)cfg->optim.eps, 0.f, step + 1);
         }
         done_steps = step + 1;
         last_loss = loss;
@@ -288,14 +328,26 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         double now = bt_now(), dt = now - ts, el = now - train_t0;
         double tps = dt > 0 ? (double)n_real / dt : 0;
         bt_client_report(cl, (uint64_t)done_steps, loss, tps);
-        if (done_steps % cfg->log_every == 0 || done_steps == cfg->steps || g_stop) {
+        if (done_steps % cfg->log_every == 0 || done_steps == cfg->steps ||
+            done_steps == end_step || g_stop) {
             char e1[24], e2[24];
             bt_fmt_duration(e1, sizeof e1, el);
-            bt_fmt_duration(e2, sizeof e2, el / done_steps * (cfg->steps - done_steps));
+            bt_fmt_duration(e2, sizeof e2, el / (done_steps - start_step) * (end_step - done_steps));
             fprintf(out, "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | elapsed %s | eta %s\n",
                     done_steps, cfg->steps, loss, lr, tps, e1, e2);
             fflush(out);
-            bt_log(BT_LOG_DEBUG, "trainer", "step %d grad norm %.4f", done_steps, gnorm);
+            /* full precision, for exact comparisons (resume tests) */
+            bt_log(BT_LOG_DEBUG, "trainer", "step %d loss %.17g grad norm %.17g", done_steps, loss,
+                   gnorm);
+        }
+        int last = done_steps == end_step || g_stop;
+        if (cfg->checkpoint_every > 0 && done_steps < cfg->steps &&
+            (done_steps % cfg->checkpoint_every == 0 || last)) {
+            if ((rc = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &model, &lora, done_steps,
+                                         resume)))
+                goto done;
+            bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
+                   cfg->checkpoint_dir);
         }
         if (cfg->save_every > 0 && done_steps % cfg->save_every == 0 && done_steps < cfg->steps) {
             if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir)))
@@ -304,6 +356,9 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         }
     }
     if (g_stop) bt_log(BT_LOG_WARN, "trainer", "interrupted after step %d; saving", done_steps);
+    else if (end_step < cfg->steps)
+        bt_log(BT_LOG_INFO, "trainer", "stopped after step %d of %d (stop_at_step)", done_steps,
+               cfg->steps);
     bt_client_close(cl);
     cl = NULL;
     if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir))) goto done;

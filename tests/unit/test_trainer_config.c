@@ -207,11 +207,101 @@ static void test_demo_config(void **st) {
     bt_config_free(&c);
 }
 
+/* LoRA+, checkpoint and resume keys: defaults, values, refusals naming the key. */
+static void test_new_keys(void **st) {
+    (void)st;
+    bt_train_config c;
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
+    assert_int_equal(c.trainable_mask, 0);
+    assert_int_equal(c.checkpoint_every, 0);
+    assert_string_equal(c.checkpoint_dir, "runs/checkpoint");
+    assert_null(c.resume_from);
+    assert_int_equal(c.stop_at_step, 0);
+    bt_config_free(&c);
+    const char *sets[] = {"trainable_modules=[\"norm\",\"embed_tokens\"]", "checkpoint_every=5",
+                          "checkpoint_dir=/tmp/ck", "resume_from=/tmp/ck", "stop_at_step=50"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", sets, 5), 0);
+    assert_int_equal(c.trainable_mask, (1u << BT_TRAINABLE_EMBED) | (1u << BT_TRAINABLE_NORM));
+    assert_int_equal(c.checkpoint_every, 5);
+    assert_string_equal(c.checkpoint_dir, "/tmp/ck");
+    assert_string_equal(c.resume_from, "/tmp/ck");
+    assert_int_equal(c.stop_at_step, 50);
+    char *dump = bt_config_dump(&c);
+    assert_non_null(strstr(dump, "\"trainable_modules\":[\"embed_tokens\",\"norm\"]"));
+    assert_non_null(strstr(dump, "\"resume_from\":\"/tmp/ck\""));
+    free(dump);
+    bt_config_free(&c);
+    const char *nul[] = {"resume_from=null"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", nul, 1), 0);
+    assert_null(c.resume_from);
+    bt_config_free(&c);
+    expect_refused(MINIMAL, "trainable_modules=[\"lm_head\"]",
+                   "trainable_modules: expected an array of module names (embed_tokens, norm)");
+    expect_refused(MINIMAL, "trainable_modules=\"norm\"", "trainable_modules: expected an array");
+    expect_refused(MINIMAL, "checkpoint_every=-1", "checkpoint_every: expected an integer >= 0");
+    expect_refused(MINIMAL, "checkpoint_dir=3", "checkpoint_dir: expected a non-empty string");
+    expect_refused(MINIMAL, "resume_from=[]", "resume_from: expected a non-empty string");
+    expect_refused(MINIMAL, "stop_at_step=101", "stop_at_step: expected an integer in [0, steps = 100]");
+}
+
+/* Keys starting with "#" are comments, at every level; other unknown keys still fail. */
+static void test_comment_keys(void **st) {
+    (void)st;
+    const char *txt = "{\"#\": \"job\", \"#model\": \"the base\", \"model\": \"m.gguf\","
+                      " \"data\": {\"#\": 1, \"#seq_len\": [true], \"shards\": [\"d\"]},"
+                      " \"lora\": {\"#r\": null}, \"optim\": {\"#lr\": {}}}";
+    bt_train_config c;
+    assert_int_equal(bt_config_parse(&c, txt, "t", NULL, 0), 0);
+    assert_string_equal(c.model, "m.gguf");
+    bt_config_free(&c);
+    expect_refused(txt, "data.x#=1", "unknown key \"data.x#\"");
+}
+
+/* Every template (plain and documented) parses as is, and the documented one gives the same
+ * configuration; unknown names are refused. */
+static void test_templates(void **st) {
+    (void)st;
+    for (int i = 0; bt_config_template_names[i]; i++) {
+        char *plain = bt_config_template(bt_config_template_names[i], 0);
+        char *doc = bt_config_template(bt_config_template_names[i], 1);
+        assert_non_null(plain);
+        assert_non_null(doc);
+        assert_null(strstr(plain, "\"#"));
+        assert_non_null(strstr(doc, "\"#seq_len\""));
+        bt_train_config a, b;
+        if (bt_config_parse(&a, plain, "template", NULL, 0) != 0)
+            fail_msg("template %s: %s", bt_config_template_names[i], bt_last_error());
+        assert_int_equal(bt_config_parse(&b, doc, "template", NULL, 0), 0);
+        char *da = bt_config_dump(&a), *db = bt_config_dump(&b);
+        assert_string_equal(da, db);
+        free(da);
+        free(db);
+        if (!strcmp(bt_config_template_names[i], "long-context")) {
+            assert_int_equal(a.trainable_mask, 3);
+            assert_int_equal(a.activation_checkpointing, 1);
+            assert_int_equal(a.lora.r, 8);
+            assert_int_equal(a.lora.target_mask, 0xf);
+        } else if (!strcmp(bt_config_template_names[i], "qlora")) {
+            assert_int_equal(a.lora.r, 64);
+            assert_true(a.optim.grad_clip == 0.3);
+            assert_int_equal(a.schedule, BT_SCHED_CONSTANT);
+        }
+        bt_config_free(&a);
+        bt_config_free(&b);
+        free(plain);
+        free(doc);
+    }
+    assert_null(bt_config_template("nope", 0));
+    assert_non_null(strstr(bt_last_error(), "unknown template \"nope\""));
+    assert_null(bt_config_template(NULL, 1));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
         cmocka_unit_test(test_refusals),   cmocka_unit_test(test_load_file),
-        cmocka_unit_test(test_demo_config),
+        cmocka_unit_test(test_demo_config), cmocka_unit_test(test_new_keys),
+        cmocka_unit_test(test_comment_keys), cmocka_unit_test(test_templates),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,114 @@
+"""`trainer config` and `trainer estimate` from the command line, and the estimate against the
+measured peak RSS of a real run.
+
+- every template, plain and --documented, is valid JSON that `trainer config --check` accepts,
+  and the documented one ("#" comment keys) gives the same effective config;
+- config errors (unknown key, wrong type, impossible value, unknown template) exit 2 and name
+  the key;
+- `trainer estimate` prints the bill for both backends;
+- the CPU estimate is within 15% of the peak RSS the trainer reports (getrusage ru_maxrss) for
+  the demo job's shape on SmolLM2-135M scaled down to stay fast: seq_len 128 x micro-batch 1,
+  1 step, no eval (plain LoRA and LoRA+ with activation checkpointing)."""
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
+MODEL = os.path.join(ROOT, os.environ.get("BT_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+TRAINER = os.path.join(BUILD, "trainer")
+
+
+def run(*args, timeout=120, **kw):
+    return subprocess.run([TRAINER, *args], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture(autouse=True)
+def need_trainer():
+    if not os.access(TRAINER, os.X_OK):
+        pytest.skip(f"{TRAINER} not built")
+
+
+@pytest.mark.parametrize("name", ["default", "qlora", "long-context"])
+def test_templates_round_trip(tmp_path, name):
+    plain = run("config", "--template", name)
+    assert plain.returncode == 0, plain.stderr
+    doc = run("config", "--template", name, "--documented")
+    assert doc.returncode == 0, doc.stderr
+    pj, dj = json.loads(plain.stdout), json.loads(doc.stdout)
+    assert not any(k.startswith("#") for k in pj)
+    assert "#" in dj and "#seq_len" in dj["data"] and "#r" in dj["lora"]
+    effective = []
+    for text in (plain.stdout, doc.stdout):
+        p = tmp_path / "job.json"
+        p.write_text(text)
+        r = run("config", "--check", str(p))
+        assert r.returncode == 0, r.stderr
+        effective.append(json.loads(r.stdout))
+    assert effective[0] == effective[1]
+    if name == "long-context":
+        assert effective[0]["trainable_modules"] == ["embed_tokens", "norm"]
+        assert effective[0]["activation_checkpointing"] is True
+
+
+def test_config_errors_name_the_key(tmp_path):
+    p = tmp_path / "job.json"
+    p.write_text(run("config", "--template", "default").stdout)
+    cases = [
+        (["--set", "optim.momentum=0.9"], 'unknown key "optim.momentum"'),
+        (["--set", "data.seq_len=\"long\""], "data.seq_len: expected an integer"),
+        (["--set", "lora.lora_dropout=1.5"], "lora.lora_dropout: expected a number in [0, 1)"),
+        (["--set", "trainable_modules=[\"lm_head\"]"], "trainable_modules: expected an array"),
+        (["--set", "stop_at_step=31"], "stop_at_step: expected an integer in [0, steps = 30]"),
+        (["--set", "checkpoint_every=-2"], "checkpoint_every: expected an integer >= 0"),
+    ]
+    for args, needle in cases:
+        r = run("config", "--check", str(p), *args)
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+    r = run("config", "--template", "huge")
+    assert r.returncode == 2 and 'unknown template "huge"' in r.stderr
+    r = run("config")
+    assert r.returncode == 2
+    r = run("estimate", "--config", str(p), "--set", "lora.r=0")
+    assert r.returncode == 2 and "lora.r" in r.stderr
+    r = run("estimate", "--config", str(p), "--set", "model=/nonexistent.gguf")
+    assert r.returncode == 1 and "nonexistent" in r.stderr
+
+
+def estimate_peak(cfg_path):
+    r = run("estimate", "--config", cfg_path)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"^\s+peak\s+([0-9.]+) MiB\s+([0-9.]+) MiB", r.stdout, re.M)
+    assert m, r.stdout
+    for part in ("base linears", "embedding", "LoRA params + grads + AdamW m, v", "activations",
+                 "loss chunk workspace", "CPU (fp32)", "CUDA (bf16)"):
+        assert part in r.stdout, r.stdout
+    return float(m.group(1)), float(m.group(2)), r.stdout
+
+
+@pytest.mark.parametrize("variant", ["lora", "lora_plus"])
+def test_estimate_within_15_percent_of_peak_rss(tmp_path, loaderd, model_path, variant):
+    ld = loaderd({"data_roots": [os.path.join(ROOT, "data")],
+                  "model_roots": [os.path.dirname(model_path)]})
+    demo = json.loads(open(os.path.join(ROOT, "scripts", "job.demo.json")).read())
+    if not os.path.exists(os.path.join(ROOT, "data", "demo")):
+        pytest.skip("data/demo not present (make shards)")
+    demo.update({"model": model_path, "socket": ld.sock, "steps": 1, "save_every": 0,
+                 "eval": {"shards": []}, "out_dir": str(tmp_path / "adapter"), "threads": 2})
+    demo["data"].update({"seq_len": 128, "micro_batch_size": 1,
+                         "shards": [os.path.join(ROOT, "data", "demo", "train-*.jsonl.zst")]})
+    if variant == "lora_plus":
+        demo.update({"trainable_modules": ["embed_tokens", "norm"], "activation_checkpointing": True})
+    p = tmp_path / "job.json"
+    p.write_text(json.dumps(demo))
+    est, est_cuda, table = estimate_peak(str(p))
+    assert est_cuda > 0
+    r = run("train", "--config", str(p), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"peak RSS ([0-9.]+) MiB", r.stderr)
+    assert m, r.stderr
+    rss = float(m.group(1))
+    assert abs(est - rss) <= 0.15 * rss, f"estimate {est} MiB vs measured peak RSS {rss} MiB\n{table}"

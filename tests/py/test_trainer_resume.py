@@ -1,0 +1,179 @@
+"""Checkpoints and exact resume through loaderd.
+
+A tiny random Llama (build/tools/mk_tiny_gguf, the SmolLM2 vocabulary so loaderd's tokenizer
+matches) trains 6 steps straight; a second run stops after 3 (stop_at_step 3, schedule still
+6 steps) with checkpoint_every 3, and a third resumes from the checkpoint to 6. The per-step
+losses, printed at full precision (BT_LOG_LEVEL=debug: "step N loss %.17g grad norm %.17g"), must
+be bit-identical, and so must the final adapters. Determinism: every CPU reduction has a fixed
+summation order for a given OpenMP team size, so both runs use the same `threads` (2); dropout
+masks are counter-based on (seed, step), so they need no saved RNG stream.
+Also: a corrupt checkpoint (checksum) and mismatched ones (lora.r, data.seq_len, model) are
+refused with a message naming the problem; the LoRA+ variant (trainable embed_tokens + norm)
+resumes exactly too."""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
+MODEL = os.path.join(ROOT, os.environ.get("BT_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def chat(u, a):
+    return json.dumps({"messages": [{"role": "user", "content": u},
+                                    {"role": "assistant", "content": a}]})
+
+
+def tiny_model(path, seed=7):
+    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(path),
+                    "--tokenizer-from", MODEL, "--layers", "2", "--hidden", "64", "--heads", "4",
+                    "--kv-heads", "2", "--ffn", "128", "--seed", str(seed)], check=True)
+
+
+@pytest.fixture
+def env(tmp_path):
+    if not os.path.exists(MODEL):
+        pytest.skip(f"model {MODEL} not present (its tokenizer is needed)")
+    for b in ("loaderd", "trainer", "tools/mk_tiny_gguf"):
+        if not os.access(os.path.join(BUILD, b), os.X_OK):
+            pytest.skip(f"{BUILD}/{b} not built")
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = [chat(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}, colour {i % 5}.")
+             for i in range(60)]
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    tiny_model(tmp_path / "tiny.gguf", 7)
+    tiny_model(tmp_path / "other.gguf", 8)
+    sock = tmp_path / "ld.sock"
+    cfg = tmp_path / "loaderd.json"
+    cfg.write_text(json.dumps({"socket": str(sock), "data_roots": [str(data)],
+                               "model_roots": [str(tmp_path), os.path.dirname(MODEL)]}))
+    log = open(tmp_path / "loaderd.log", "wb")
+    proc = subprocess.Popen([os.path.join(BUILD, "loaderd"), "--config", str(cfg), "--foreground"],
+                            stderr=log)
+    for _ in range(200):
+        if sock.exists():
+            break
+        time.sleep(0.05)
+    assert sock.exists(), (tmp_path / "loaderd.log").read_text()
+    yield {"tmp": tmp_path, "data": data, "sock": sock}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    log.close()
+
+
+def job(env, name, **over):
+    j = {
+        "name": "resume",
+        "model": str(env["tmp"] / "tiny.gguf"),
+        "base_dtype": "nf4",
+        "socket": str(env["sock"]),
+        "data": {"shards": [str(env["data"] / "train.jsonl")], "format": "chat",
+                 "seq_len": 64, "micro_batch_size": 2, "seed": 5, "tokenizer_threads": 1},
+        "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1},
+        "optim": {"lr": 1e-2, "warmup_steps": 2, "weight_decay": 0.01},
+        "steps": 6, "grad_accum": 2, "threads": 2, "seed": 11,
+        "out_dir": str(env["tmp"] / f"{name}-adapter"),
+        "checkpoint_dir": str(env["tmp"] / "ckpt"),
+    }
+    j.update(over)
+    p = env["tmp"] / f"{name}.json"
+    p.write_text(json.dumps(j))
+    return str(p)
+
+
+def train(cfg, *args, ok=True):
+    e = dict(os.environ)
+    e["BT_LOG_LEVEL"] = "debug"
+    r = subprocess.run([os.path.join(BUILD, "trainer"), "train", "--config", cfg, *args],
+                       capture_output=True, text=True, timeout=300, env=e)
+    if ok:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def losses(r):
+    """{step: (loss, grad norm)} at full precision."""
+    return {int(s): (l, g) for s, l, g in
+            re.findall(r"step (\d+) loss (\S+) grad norm (\S+)", r.stdout + r.stderr)}
+
+
+@pytest.mark.parametrize("variant", ["lora", "lora_plus"])
+def test_resume_is_bit_identical(env, variant):
+    extra = {"trainable_modules": ["embed_tokens", "norm"]} if variant == "lora_plus" else {}
+    straight = train(job(env, "straight", **extra))
+    full = losses(straight)
+    assert sorted(full) == [1, 2, 3, 4, 5, 6], straight.stdout + straight.stderr
+
+    first = train(job(env, "first", checkpoint_every=3, stop_at_step=3, **extra))
+    part1 = losses(first)
+    assert sorted(part1) == [1, 2, 3]
+    ck = env["tmp"] / "ckpt"
+    assert (ck / "trainer_state.bin").exists() and (ck / "adapter_model.safetensors").exists()
+    assert json.loads((ck / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+    second = train(job(env, "second", **extra), "--resume", str(ck))
+    part2 = losses(second)
+    assert sorted(part2) == [4, 5, 6], second.stdout + second.stderr
+    assert "resumed from" in second.stderr
+    # bit-identical: the same 17-digit strings for every step
+    assert {**part1, **part2} == full
+    # ... and the same final adapter bytes
+    a = (env["tmp"] / "straight-adapter" / "adapter_model.safetensors").read_bytes()
+    b = (env["tmp"] / "second-adapter" / "adapter_model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_refuses_corrupt_and_mismatched_checkpoints(env):
+    train(job(env, "first", checkpoint_every=2, stop_at_step=2))
+    ck = env["tmp"] / "ckpt"
+    base = job(env, "again")
+    # mismatches, each named
+    r = train(base, "--resume", str(ck), "--set", "lora.r=8", ok=False)
+    assert r.returncode == 1 and "lora.r: checkpoint 4, config 8" in r.stderr, r.stderr
+    r = train(base, "--resume", str(ck), "--set", "data.seq_len=32", ok=False)
+    assert r.returncode == 1 and "data.seq_len: checkpoint 64, config 32" in r.stderr, r.stderr
+    r = train(base, "--resume", str(ck), "--set", f"model={env['tmp'] / 'other.gguf'}", ok=False)
+    assert r.returncode == 1 and "base model weights differ" in r.stderr, r.stderr
+    # missing
+    r = train(base, "--resume", str(env["tmp"] / "nope"), ok=False)
+    assert r.returncode == 1 and "cannot read" in r.stderr, r.stderr
+    # corrupt: flip one byte in the middle of the optimiser state
+    st = ck / "trainer_state.bin"
+    raw = bytearray(st.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    st.write_bytes(bytes(raw))
+    r = train(base, "--resume", str(ck), ok=False)
+    assert r.returncode == 1 and "checksum mismatch" in r.stderr, r.stderr
+    # truncated
+    st.write_bytes(bytes(raw[:100]))
+    r = train(base, "--resume", str(ck), ok=False)
+    assert r.returncode == 1 and "truncated" in r.stderr, r.stderr
+
+
+def test_lora_plus_adapter_is_peft_modules_to_save(env):
+    train(job(env, "plus", trainable_modules=["embed_tokens", "norm"], steps=2))
+    out = env["tmp"] / "plus-adapter"
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["modules_to_save"] == ["embed_tokens", "lm_head", "input_layernorm",
+                                      "post_attention_layernorm", "norm"]
+    raw = (out / "adapter_model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    emb = header["base_model.model.model.embed_tokens.weight"]
+    assert emb["dtype"] == "F32" and emb["shape"][1] == 64
+    assert header["base_model.model.lm_head.weight"]["shape"] == emb["shape"]
+    assert header["base_model.model.model.norm.weight"]["shape"] == [64]
+    for i in range(2):
+        assert header[f"base_model.model.model.layers.{i}.input_layernorm.weight"]["shape"] == [64]
+        assert header[f"base_model.model.model.layers.{i}.post_attention_layernorm.weight"]["shape"] == [64]
+    # the trained embedding differs from... itself tied: both tensors hold the same bytes
+    e0, e1 = emb["data_offsets"]
+    l0, l1 = header["base_model.model.lm_head.weight"]["data_offsets"]
+    assert raw[8 + n + e0:8 + n + e1] == raw[8 + n + l0:8 + n + l1]

@@ -1,0 +1,171 @@
+/* `trainer estimate` (trainer/estimate.h): the bill's parts against what the trainer really
+ * allocates on a random tiny Llama (LoRA and LoRA+ parameter counts, base bytes, the step
+ * workspace of bt_step_ctx_new with and without activation checkpointing), the CUDA bill's
+ * relations, and reading the hyper-parameters from a GGUF header ($BT_MODEL, skipped when
+ * absent) or refusing bad files. The end-to-end check against measured peak RSS is
+ * tests/py/test_trainer_cli.py. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
+#include "trainer/lora.h"
+#include "trainer/model.h"
+#include "trainer/step.h"
+
+static const bt_llama_hparams k_hp = {
+    .n_layer = 3, .d_model = 64, .n_head = 4, .n_kv_head = 2, .head_dim = 16, .d_ff = 128,
+    .vocab = 301, .ctx = 64, .rope_theta = 10000.f, .rms_eps = 1e-5f};
+
+static void config(bt_train_config *c, const char *extra) {
+    char txt[1024];
+    snprintf(txt, sizeof txt,
+             "{\"model\": \"m.gguf\", \"data\": {\"shards\": [\"d\"], \"seq_len\": 48,"
+             " \"micro_batch_size\": 3}, \"lora\": {\"r\": 4, \"target_modules\": [\"q_proj\","
+             " \"v_proj\", \"down_proj\"]}%s}",
+             extra ? extra : "");
+    assert_int_equal(bt_config_parse(c, txt, "t", NULL, 0), 0);
+}
+
+static bt_est_model est_model(int tied) {
+    bt_est_model em;
+    memset(&em, 0, sizeof em);
+    em.hp = k_hp;
+    em.tied = tied;
+    em.max_linear = (int64_t)k_hp.d_ff * k_hp.d_model;
+    return em;
+}
+
+/* The estimate of everything bt_step_ctx_new allocates must match bt_step_ctx_bytes within 1%;
+ * parameter counts must be exact. */
+static void check(const char *extra, int base_dtype, int tied) {
+    bt_train_config c;
+    config(&c, extra);
+    c.base_dtype = base_dtype;
+    bt_model m;
+    assert_int_equal(bt_model_init_random(&m, &k_hp, base_dtype, tied, 1), 0);
+    unsigned tr = ((c.trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
+                  ((c.trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
+    bt_lora lo;
+    assert_int_equal(bt_lora_init_ex(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask, tr, 1), 0);
+    int M = c.data.seq_len * c.data.micro_batch_size;
+    bt_step_ctx *ctx = NULL;
+    assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, M, c.activation_checkpointing), 0);
+    bt_est_model em = est_model(tied);
+    bt_mem_bill b;
+    int threads = omp_get_max_threads();
+    bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+    assert_int_equal(b.n_lora + b.n_dense, lo.n_params);
+    assert_int_equal(b.n_lora, lo.n_lora);
+    assert_true(fabs(b.lora + b.dense - 16.0 * (double)lo.n_params) < 1.0);
+    /* base + embedding + norms = the model's bytes */
+    double model_bytes = (double)bt_model_bytes(&m);
+    if (fabs(b.base + b.embed + b.norms - model_bytes) > 0.01 * model_bytes)
+        fail_msg("model bytes: estimate %.0f, actual %.0f", b.base + b.embed + b.norms, model_bytes);
+    /* workspace: activations + loss chunk + other, less what is not in the step context
+     * (batch copies, targets; the NF4 scratch is in it) */
+    double ws = b.acts + b.loss_ws + b.other - (double)c.grad_accum * (4.0 * M + 1) * 4.0 - 4.0 * M;
+    if (base_dtype != BT_BASE_NF4) ws += 4.0; /* the 1-float placeholder scratch */
+    double real = (double)bt_step_ctx_bytes(ctx);
+    if (fabs(ws - real) > 0.01 * real)
+        fail_msg("%s: step workspace estimate %.0f bytes, bt_step_ctx_bytes %.0f",
+                 extra ? extra : "plain", ws, real);
+    assert_true(b.total >= b.acts + b.lora + b.base);
+    assert_true(b.peak >= b.total && b.peak >= b.load_peak);
+    /* CUDA: bf16 activations are half the fp32 ones (up to the fp32 lse / rstd) */
+    bt_mem_bill g;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &g);
+    assert_true(g.acts < 0.6 * b.acts && g.acts > 0.45 * b.acts);
+    assert_true(g.lora > b.lora); /* + the bf16 compute copy */
+    assert_true(g.load_peak == 0);
+    bt_step_ctx_free(ctx);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
+    bt_config_free(&c);
+}
+
+static void test_plain_nf4(void **st) {
+    (void)st;
+    check(NULL, BT_BASE_NF4, 1);
+}
+static void test_fp32_untied(void **st) {
+    (void)st;
+    check(NULL, BT_BASE_FP32, 0);
+}
+static void test_checkpointing(void **st) {
+    (void)st;
+    check(", \"activation_checkpointing\": true", BT_BASE_NF4, 1);
+}
+static void test_lora_plus(void **st) {
+    (void)st;
+    check(", \"trainable_modules\": [\"embed_tokens\", \"norm\"], \"grad_accum\": 3", BT_BASE_NF4,
+          1);
+}
+
+/* Activation checkpointing keeps one layer instead of all; more tokens cost proportionally. */
+static void test_scaling(void **st) {
+    (void)st;
+    bt_train_config c;
+    config(&c, NULL);
+    bt_est_model em = est_model(1);
+    bt_mem_bill a, b, d;
+    bt_estimate_bill(&em, &c, BT_EST_CPU, 2, &a);
+    c.activation_checkpointing = 1;
+    bt_estimate_bill(&em, &c, BT_EST_CPU, 2, &b);
+    assert_true(b.acts < a.acts);
+    c.activation_checkpointing = 0;
+    c.data.seq_len *= 2;
+    bt_estimate_bill(&em, &c, BT_EST_CPU, 2, &d);
+    assert_true(fabs(d.acts / a.acts - 2.0) < 1e-9);
+    bt_config_free(&c);
+}
+
+static void test_read_gguf(void **st) {
+    (void)st;
+    const char *model = getenv("BT_MODEL");
+    if (!model) model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    bt_est_model em;
+    if (access(model, R_OK) == 0) {
+        assert_int_equal(bt_est_model_read(&em, model), 0);
+        /* SmolLM2-135M: 30 layers, 576 hidden, 9/3 heads, 1536 FFN, 49152 vocab, tied */
+        assert_int_equal(em.hp.n_layer, 30);
+        assert_int_equal(em.hp.d_model, 576);
+        assert_int_equal(em.hp.n_head, 9);
+        assert_int_equal(em.hp.n_kv_head, 3);
+        assert_int_equal(em.hp.d_ff, 1536);
+        assert_int_equal(em.hp.vocab, 49152);
+        assert_int_equal(em.tied, 1);
+        assert_true(em.file_tensor_bytes > 50u << 20 && em.file_tensor_bytes < 100u << 20);
+    } else {
+        print_message("skipping the GGUF part: %s not present\n", model);
+    }
+    /* bad input is refused, not crashed on */
+    assert_int_not_equal(bt_est_model_read(&em, "/nonexistent/model.gguf"), 0);
+    char tmp[] = "/tmp/bt-est-XXXXXX";
+    int fd = mkstemp(tmp);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "GGUF\x03\0\0\0garbage", 15), 15);
+    close(fd);
+    assert_int_not_equal(bt_est_model_read(&em, tmp), 0);
+    unlink(tmp);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_plain_nf4),     cmocka_unit_test(test_fp32_untied),
+        cmocka_unit_test(test_checkpointing), cmocka_unit_test(test_lora_plus),
+        cmocka_unit_test(test_scaling),       cmocka_unit_test(test_read_gguf),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,360 @@
+/* Resumable training checkpoints. See checkpoint.h for the layout and the guarantees. */
+#include "trainer/checkpoint.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "trainer/adapter.h"
+
+#define CKPT_MAGIC "BTCKPT\0\1"
+#define CKPT_VERSION 1u
+#define CKPT_STATE "trainer_state.bin"
+
+typedef struct {
+    char magic[8];
+    uint32_t version;
+    uint32_t header_bytes;
+    int64_t step;
+    uint64_t model_fp;
+    uint64_t data_fp;
+    uint64_t seed;
+    int64_t n_params;
+    int32_t base_dtype, r;
+    float alpha, dropout;
+    uint32_t target_mask, trainable;
+    int32_t seq_len, micro_batch, grad_accum, steps;
+    int32_t n_layer, d_model, vocab, has_resume;
+    uint8_t resume[BT_RESUME_STATE_BYTES];
+} ckpt_header;
+_Static_assert(sizeof(ckpt_header) == 112 + BT_RESUME_STATE_BYTES, "ckpt_header has padding");
+
+/* ---- fingerprints ---- */
+
+static uint64_t h_i64(uint64_t h, int64_t v) { return bt_fnv1a64(h, &v, sizeof v); }
+static uint64_t h_f32(uint64_t h, float v) { return bt_fnv1a64(h, &v, sizeof v); }
+static uint64_t h_str(uint64_t h, const char *s) {
+    h = h_i64(h, s ? (int64_t)strlen(s) : -1);
+    return s ? bt_fnv1a64(h, s, strlen(s)) : h;
+}
+
+static uint64_t h_sample(uint64_t h, const float *w, int64_t rows, int64_t cols) {
+    int64_t n = rows * cols;
+    for (int64_t i = 0; i < n; i += 4093) h = h_f32(h, w[i]);
+    if (rows > 0) h = bt_fnv1a64(h, w + (rows - 1) * cols, (size_t)cols * sizeof(float));
+    return h;
+}
+
+uint64_t bt_model_fingerprint(const bt_model *m) {
+    const bt_llama_hparams *hp = &m->hp;
+    uint64_t h = BT_FNV64_INIT;
+    int64_t iv[] = {hp->n_layer, hp->d_model, hp->n_head, hp->n_kv_head, hp->head_dim,
+                    hp->d_ff, hp->vocab, m->base_dtype, m->tied};
+    for (size_t i = 0; i < sizeof iv / sizeof iv[0]; i++) h = h_i64(h, iv[i]);
+    h = h_f32(h, hp->rope_theta);
+    h = h_f32(h, hp->rms_eps);
+    h = h_f32(h, hp->rope_factor);
+    size_t D = (size_t)hp->d_model;
+    if (m->output_norm) h = bt_fnv1a64(h, m->output_norm, D * sizeof(float));
+    for (int l = 0; m->layers && l < hp->n_layer; l++) {
+        if (m->layers[l].attn_norm) h = bt_fnv1a64(h, m->layers[l].attn_norm, D * sizeof(float));
+        if (m->layers[l].ffn_norm) h = bt_fnv1a64(h, m->layers[l].ffn_norm, D * sizeof(float));
+    }
+    if (m->tok_embd) h = h_sample(h, m->tok_embd, hp->vocab, hp->d_model);
+    if (!m->tied && m->lm_head) h = h_sample(h, m->lm_head, hp->vocab, hp->d_model);
+    return h;
+}
+
+uint64_t bt_config_data_fingerprint(const bt_train_config *c) {
+    uint64_t h = BT_FNV64_INIT;
+    h = h_i64(h, c->data.n_shards);
+    for (int i = 0; i < c->data.n_shards; i++) h = h_str(h, c->data.shards[i]);
+    h = h_str(h, c->data.format);
+    h = h_str(h, c->data.text_field);
+    h = h_i64(h, c->data.seq_len);
+    h = h_i64(h, c->data.micro_batch_size);
+    h = h_i64(h, (int64_t)c->data.seed);
+    return h;
+}
+
+/* ---- files ---- */
+
+static int rm_cb(const char *fpath, const struct stat *sb, int typeflag, struct FTW *ftwbuf) {
+    (void)sb;
+    (void)ftwbuf;
+    return (typeflag == FTW_DP ? rmdir(fpath) : unlink(fpath)) != 0 ? -1 : 0;
+}
+
+static void rm_tree(const char *path) { nftw(path, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
+
+static int fsync_dir(const char *path) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return bt_fail(BT_ERR_IO, "checkpoint: open %s: %s", path, strerror(errno));
+    int rc = fsync(fd) != 0 && errno != EINVAL
+                 ? bt_fail(BT_ERR_IO, "checkpoint: fsync %s: %s", path, strerror(errno))
+                 : 0;
+    close(fd);
+    return rc;
+}
+
+/* fwrite + running checksum */
+typedef struct {
+    FILE *f;
+    uint64_t h;
+    int err;
+} wsum;
+
+static void w_put(wsum *w, const void *p, size_t n) {
+    if (w->err) return;
+    w->h = bt_fnv1a64(w->h, p, n);
+    if (n && fwrite(p, 1, n, w->f) != n) w->err = errno ? errno : EIO;
+}
+
+static void fill_header(ckpt_header *H, const bt_train_config *cfg, const bt_model *m,
+                        const bt_lora *lo, int64_t step, const uint8_t *resume) {
+    memset(H, 0, sizeof *H);
+    memcpy(H->magic, CKPT_MAGIC, 8);
+    H->version = CKPT_VERSION;
+    H->header_bytes = (uint32_t)sizeof *H;
+    H->step = step;
+    H->model_fp = bt_model_fingerprint(m);
+    H->data_fp = bt_config_data_fingerprint(cfg);
+    H->seed = cfg->seed;
+    H->n_params = lo->n_params;
+    H->base_dtype = m->base_dtype;
+    H->r = lo->r;
+    H->alpha = lo->alpha;
+    H->dropout = lo->dropout;
+    H->target_mask = lo->target_mask;
+    H->trainable = lo->trainable;
+    H->seq_len = cfg->data.seq_len;
+    H->micro_batch = cfg->data.micro_batch_size;
+    H->grad_accum = cfg->grad_accum;
+    H->steps = cfg->steps;
+    H->n_layer = m->hp.n_layer;
+    H->d_model = m->hp.d_model;
+    H->vocab = m->hp.vocab;
+    H->has_resume = resume != NULL;
+    if (resume) memcpy(H->resume, resume, BT_RESUME_STATE_BYTES);
+}
+
+static int write_state(const char *path, const ckpt_header *H, const bt_lora *lo) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return bt_fail(BT_ERR_IO, "checkpoint: create %s: %s", path, strerror(errno));
+    wsum w = {f, BT_FNV64_INIT, 0};
+    size_t nb = (size_t)lo->n_params * sizeof(float);
+    w_put(&w, H, sizeof *H);
+    w_put(&w, lo->params, nb);
+    w_put(&w, lo->m, nb);
+    w_put(&w, lo->v, nb);
+    uint64_t sum = w.h;
+    if (!w.err && fwrite(&sum, sizeof sum, 1, f) != 1) w.err = errno ? errno : EIO;
+    if (!w.err && (fflush(f) != 0 || fsync(fileno(f)) != 0)) w.err = errno ? errno : EIO;
+    if (fclose(f) != 0 && !w.err) w.err = errno ? errno : EIO;
+    if (w.err) return bt_fail(BT_ERR_IO, "checkpoint: write %s: %s", path, strerror(w.err));
+    return 0;
+}
+
+static int write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return bt_fail(BT_ERR_IO, "checkpoint: create %s: %s", path, strerror(errno));
+    size_t n = strlen(text);
+    int bad = fwrite(text, 1, n, f) != n || fputc('\n', f) == EOF || fflush(f) != 0 ||
+              fsync(fileno(f)) != 0;
+    int e = errno;
+    if (fclose(f) != 0 && !bad) {
+        bad = 1;
+        e = errno;
+    }
+    return bad ? bt_fail(BT_ERR_IO, "checkpoint: write %s: %s", path, strerror(e)) : 0;
+}
+
+int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                       const bt_lora *lo, int64_t step, const uint8_t *resume_state) {
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/') n--;
+    char *d = strndup(dir, n), *tmp = NULL, *p = NULL, *dump = NULL;
+    if (!d) return bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
+    int rc = 0;
+    if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0) {
+        tmp = NULL;
+        rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
+        goto out;
+    }
+    rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
+    /* the adapter files (creates tmp and the parents of d) */
+    if ((rc = bt_adapter_save(lo, cfg->base_model_name_or_path, tmp))) {
+        rc = bt_fail(rc, "checkpoint: %s", bt_last_error());
+        goto out;
+    }
+    ckpt_header H;
+    fill_header(&H, cfg, m, lo, step, resume_state);
+    if (asprintf(&p, "%s/" CKPT_STATE, tmp) < 0) {
+        p = NULL;
+        rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
+        goto out;
+    }
+    if ((rc = write_state(p, &H, lo))) goto out;
+    free(p);
+    p = NULL;
+    dump = bt_config_dump(cfg);
+    if (dump && asprintf(&p, "%s/config.json", tmp) >= 0) {
+        if ((rc = write_text(p, dump))) goto out;
+    } else {
+        p = NULL;
+    }
+    if ((rc = fsync_dir(tmp))) goto out;
+    struct stat st;
+    if (stat(d, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) {
+            rc = bt_fail(BT_ERR_IO, "checkpoint: %s exists and is not a directory", d);
+            goto out;
+        }
+        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, d, RENAME_EXCHANGE) == 0) {
+            rm_tree(tmp); /* now holds the previous checkpoint */
+        } else { /* no RENAME_EXCHANGE on this filesystem: two renames (brief gap) */
+            char *old = NULL;
+            if (asprintf(&old, "%s.old-%d", d, (int)getpid()) < 0) {
+                rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
+                goto out;
+            }
+            rm_tree(old);
+            if (rename(d, old) != 0 || rename(tmp, d) != 0)
+                rc = bt_fail(BT_ERR_IO, "checkpoint: replace %s: %s", d, strerror(errno));
+            else
+                rm_tree(old);
+            free(old);
+            if (rc) goto out;
+        }
+    } else if (rename(tmp, d) != 0) {
+        rc = bt_fail(BT_ERR_IO, "checkpoint: rename %s -> %s: %s", tmp, d, strerror(errno));
+        goto out;
+    }
+    char *parent = bt_xstrdup(d);
+    char *slash = strrchr(parent, '/');
+    if (slash && slash != parent) *slash = 0;
+    else if (slash) slash[1] = 0;
+    else strcpy(parent, ".");
+    rc = fsync_dir(parent); /* make the rename durable */
+    free(parent);
+out:
+    if (rc && tmp) rm_tree(tmp);
+    free(dump);
+    free(p);
+    free(tmp);
+    free(d);
+    return rc;
+}
+
+/* ---- load ---- */
+
+#define MISMATCH(field, fmt, a, b)                                                                 \
+    bt_fail(BT_ERR_INVALID,                                                                        \
+            "checkpoint %s does not match this job: %s: checkpoint " fmt ", config " fmt           \
+            " (resume with the same settings, or start a fresh run)",                              \
+            dir, field, a, b)
+
+int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                       bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
+                       int *ckpt_steps) {
+    char *path = NULL;
+    if (asprintf(&path, "%s/" CKPT_STATE, dir) < 0)
+        return bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
+    bt_map mp;
+    int rc = bt_map_open(&mp, path);
+    if (rc) {
+        rc = bt_fail(BT_ERR_IO, "checkpoint %s: cannot read %s: %s", dir, path, bt_last_error());
+        free(path);
+        return rc;
+    }
+    free(path);
+    const uint8_t *b = mp.data;
+    ckpt_header H;
+    if (mp.size < sizeof H + 8) {
+        rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is truncated (%zu bytes)", dir,
+                     mp.size);
+        goto out;
+    }
+    memcpy(&H, b, sizeof H);
+    if (memcmp(H.magic, CKPT_MAGIC, 8) != 0) {
+        rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is not a BarqTrain checkpoint "
+                     "(bad magic)", dir);
+        goto out;
+    }
+    if (H.version != CKPT_VERSION || H.header_bytes != sizeof H) {
+        rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: unsupported version %u (header %u bytes); this "
+                     "trainer reads version %u", dir, H.version, H.header_bytes, CKPT_VERSION);
+        goto out;
+    }
+    uint64_t want;
+    memcpy(&want, b + mp.size - 8, 8);
+    if (bt_fnv1a64(BT_FNV64_INIT, b, mp.size - 8) != want) {
+        rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: checksum mismatch: " CKPT_STATE " is corrupt "
+                     "or truncated", dir);
+        goto out;
+    }
+    if (H.n_params < 0 || (uint64_t)H.n_params > (mp.size - sizeof H - 8) / 12 ||
+        sizeof H + (size_t)H.n_params * 12 + 8 != mp.size || H.step < 0) {
+        rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: size %zu does not match %lld parameters", dir,
+                     mp.size, (long long)H.n_params);
+        goto out;
+    }
+    /* identity */
+    uint64_t mfp = bt_model_fingerprint(m);
+    if (H.n_layer != m->hp.n_layer || H.d_model != m->hp.d_model || H.vocab != m->hp.vocab) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: checkpoint "
+                     "written for %d layers, d_model %d, vocab %d; %s has %d, %d, %d", dir,
+                     H.n_layer, H.d_model, H.vocab, cfg->model, m->hp.n_layer, m->hp.d_model,
+                     m->hp.vocab);
+    } else if (H.base_dtype != m->base_dtype) {
+        rc = MISMATCH("base_dtype", "%s", H.base_dtype == BT_BASE_NF4 ? "nf4" : "fp32",
+                      m->base_dtype == BT_BASE_NF4 ? "nf4" : "fp32");
+    } else if (H.model_fp != mfp) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: the base model "
+                     "weights differ (fingerprint %016llx, %s has %016llx)", dir,
+                     (unsigned long long)H.model_fp, cfg->model, (unsigned long long)mfp);
+    } else if (H.r != lo->r) {
+        rc = MISMATCH("lora.r", "%d", H.r, lo->r);
+    } else if (H.alpha != lo->alpha) {
+        rc = MISMATCH("lora.lora_alpha", "%g", (double)H.alpha, (double)lo->alpha);
+    } else if (H.dropout != lo->dropout) {
+        rc = MISMATCH("lora.lora_dropout", "%g", (double)H.dropout, (double)lo->dropout);
+    } else if (H.target_mask != lo->target_mask) {
+        rc = MISMATCH("lora.target_modules", "mask %#x", H.target_mask, lo->target_mask);
+    } else if (H.trainable != lo->trainable) {
+        rc = MISMATCH("trainable_modules", "mask %#x", H.trainable, lo->trainable);
+    } else if (H.seq_len != cfg->data.seq_len) {
+        rc = MISMATCH("data.seq_len", "%d", H.seq_len, cfg->data.seq_len);
+    } else if (H.micro_batch != cfg->data.micro_batch_size) {
+        rc = MISMATCH("data.micro_batch_size", "%d", H.micro_batch, cfg->data.micro_batch_size);
+    } else if (H.grad_accum != cfg->grad_accum) {
+        rc = MISMATCH("grad_accum", "%d", H.grad_accum, cfg->grad_accum);
+    } else if (H.data_fp != bt_config_data_fingerprint(cfg)) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: data: shards, format, "
+                     "text_field or data.seed differ, so the saved loader position does not apply",
+                     dir);
+    } else if (H.seed != cfg->seed) {
+        rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);
+    } else if (H.n_params != lo->n_params) {
+        rc = MISMATCH("parameter count", "%lld", (long long)H.n_params, (long long)lo->n_params);
+    }
+    if (rc) goto out;
+    size_t nb = (size_t)H.n_params * sizeof(float);
+    const uint8_t *arr = b + sizeof H;
+    memcpy(lo->params, arr, nb);
+    memcpy(lo->m, arr + nb, nb);
+    memcpy(lo->v, arr + 2 * nb, nb);
+    *step = H.step;
+    *has_resume = H.has_resume != 0;
+    memcpy(resume_state, H.resume, BT_RESUME_STATE_BYTES);
+    if (ckpt_steps) *ckpt_steps = H.steps;
+out:
+    bt_map_close(&mp);
+    return rc;
+}

@@ -1,0 +1,63 @@
+/* Resumable training checkpoints.
+ *
+ * A checkpoint is a directory, replaced atomically as a whole (written to "<dir>.tmp-<pid>",
+ * every file fsync'ed, then swapped in with renameat2(RENAME_EXCHANGE) or rename, and the parent
+ * directory fsync'ed), holding:
+ *   adapter_model.safetensors, adapter_config.json   the PEFT adapter at that step (adapter.h),
+ *                                                    so a checkpoint is also a usable adapter;
+ *   trainer_state.bin                                everything needed to continue exactly;
+ *   config.json                                      the effective config (for people; unused).
+ *
+ * trainer_state.bin (little-endian; version 1):
+ *   bt_ckpt_header (fixed size, see checkpoint.c)   magic "BTCKPT\0\1", version, header size,
+ *       step (optimiser steps done), the identity fields below, n_params, the loader's
+ *       resume_state of the last consumed training batch (proto/batch.h, 256 bytes);
+ *   params[n_params], m[n_params], v[n_params]       fp32: LoRA (+ LoRA+ dense) parameters and the
+ *                                                    AdamW moments, bt_lora's buffer order;
+ *   checksum                                         u64 FNV-1a 64 of every preceding byte.
+ * Identity (a checkpoint is refused unless all match the running job): the model fingerprint
+ * (bt_model_fingerprint), base dtype, lora r / alpha / dropout / target modules, trainable
+ * modules, seq_len, micro_batch_size, grad_accum, data seed and shard/format fingerprint, and the
+ * trainer seed. RNG state: dropout masks are counter-based (a hash of seed, step, micro-batch,
+ * layer, module: lora.h), and LoRA init happens only at step 0, so (seed, step) is the whole RNG
+ * state. The eval stream is not saved: it restarts from its beginning at every evaluation.
+ * `steps` may differ on resume (extending a run); the schedule then follows the new value. */
+#ifndef BT_TRAINER_CHECKPOINT_H
+#define BT_TRAINER_CHECKPOINT_H
+#include <stdint.h>
+
+#include "proto/batch.h"
+#include "trainer/config.h"
+#include "trainer/lora.h"
+#include "trainer/model.h"
+
+/* 64-bit fingerprint of the loaded base model: FNV-1a over its hyper-parameters, base dtype, tying,
+ * every norm weight, and a strided sample (every 4093rd float plus the last row) of the token
+ * embedding and, if untied, lm_head. Cheap (well under a millisecond per MB of model) and
+ * independent of the file format or path the model came from. */
+uint64_t bt_model_fingerprint(const bt_model *m);
+
+/* 64-bit fingerprint of the training data stream's definition: shards (as written), format,
+ * text_field, seq_len, micro_batch_size and data seed. */
+uint64_t bt_config_data_fingerprint(const bt_train_config *cfg);
+
+/* Write a checkpoint of `lo` (params and AdamW moments) after `step` optimiser steps to `dir`
+ * (atomically, see above; parents created). resume_state: BT_RESUME_STATE_BYTES bytes from the
+ * header of the last training batch consumed (NULL: none, i.e. step 0). cfg supplies the
+ * identity fields and base_model_name_or_path for the adapter files.
+ * Errors: BT_ERR_IO (names the path), BT_ERR_NOMEM. */
+int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                       const bt_lora *lo, int64_t step, const uint8_t *resume_state);
+
+/* Load a checkpoint into an initialised `lo` (same shapes: bt_lora_init_ex with cfg's settings):
+ * overwrites params, m, v; *step = optimiser steps done; resume_state[BT_RESUME_STATE_BYTES] =
+ * the loader state to attach with; *has_resume = 0 when the checkpoint has none (step 0).
+ * *ckpt_steps (may be NULL) = the `steps` the writing run had configured.
+ * Errors (nothing is modified): BT_ERR_IO (missing / unreadable file), BT_ERR_FORMAT (bad magic,
+ * version, size, or checksum: "corrupt"), BT_ERR_INVALID (identity mismatch; the message names
+ * the field and both values, e.g. "lora.r: checkpoint 8, config 4"). */
+int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                       bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
+                       int *ckpt_steps);
+
+#endif

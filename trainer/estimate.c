@@ -1,0 +1,287 @@
+/* Memory bill of a training job from the model's hyper-parameters. See estimate.h. */
+#include "trainer/estimate.h"
+
+#include <glob.h>
+#include <jansson.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/bt_common.h"
+#include "common/gguf.h"
+#include "kernels/kernels.h"
+
+#define MIB 1048576.0
+#define CE_ROWS 256 /* step.c CE_CHUNK_ROWS */
+
+/* Linear shapes [rows=out, cols=in] of module `mod` (HF LlamaForCausalLM). */
+static void lin_shape(const bt_llama_hparams *hp, int mod, int64_t *rows, int64_t *cols) {
+    int64_t D = hp->d_model, Dq = (int64_t)hp->n_head * hp->head_dim,
+            Dkv = (int64_t)hp->n_kv_head * hp->head_dim, F = hp->d_ff;
+    switch (mod) {
+    case BT_MOD_Q: *rows = Dq; *cols = D; break;
+    case BT_MOD_K:
+    case BT_MOD_V: *rows = Dkv; *cols = D; break;
+    case BT_MOD_O: *rows = D; *cols = Dq; break;
+    case BT_MOD_DOWN: *rows = D; *cols = F; break;
+    default: *rows = F; *cols = D; break; /* gate, up */
+    }
+}
+
+static int gguf_int(const bt_gguf *g, const char *path, const char *key, int required, int64_t def,
+                    int *out) {
+    int64_t v;
+    int rc = bt_gguf_get_i64(g, key, &v);
+    if (rc == BT_ERR_NOTFOUND && !required) v = def;
+    else if (rc == BT_ERR_NOTFOUND)
+        return bt_fail(BT_ERR_NOTFOUND, "estimate: %s: missing metadata key %s", path, key);
+    else if (rc) return bt_fail(rc, "estimate: %s: %s", path, bt_last_error());
+    if (v < 0 || v > 0x7fffffff)
+        return bt_fail(BT_ERR_FORMAT, "estimate: %s: %s = %lld out of range", path, key, (long long)v);
+    *out = (int)v;
+    return 0;
+}
+
+static int read_gguf(bt_est_model *em, const char *path) {
+    bt_gguf *g = NULL;
+    int rc = bt_gguf_open(&g, path);
+    if (rc) return bt_fail(rc, "estimate: %s", bt_last_error());
+    bt_llama_hparams *hp = &em->hp;
+    bt_str arch;
+    if (bt_gguf_get_str(g, "general.architecture", &arch) != 0 || arch.len != 5 ||
+        memcmp(arch.ptr, "llama", 5) != 0) {
+        rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\"", path);
+        goto out;
+    }
+    if ((rc = gguf_int(g, path, "llama.block_count", 1, 0, &hp->n_layer)) ||
+        (rc = gguf_int(g, path, "llama.embedding_length", 1, 0, &hp->d_model)) ||
+        (rc = gguf_int(g, path, "llama.attention.head_count", 1, 0, &hp->n_head)) ||
+        (rc = gguf_int(g, path, "llama.feed_forward_length", 1, 0, &hp->d_ff)) ||
+        (rc = gguf_int(g, path, "llama.context_length", 0, 2048, &hp->ctx)))
+        goto out;
+    if ((rc = gguf_int(g, path, "llama.attention.head_count_kv", 0, hp->n_head, &hp->n_kv_head)))
+        goto out;
+    const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
+    if (!emb || emb->ne[1] > 0x7fffffff) {
+        rc = bt_fail(BT_ERR_NOTFOUND, "estimate: %s: missing tensor token_embd.weight", path);
+        goto out;
+    }
+    hp->vocab = (int)emb->ne[1];
+    em->tied = bt_gguf_find_tensor(g, "output.weight") == NULL;
+    em->file_tensor_bytes = 0;
+    for (int64_t i = 0; i < bt_gguf_n_tensors(g); i++)
+        em->file_tensor_bytes += bt_gguf_tensor_at(g, i)->nbytes;
+out:
+    bt_gguf_close(g);
+    return rc;
+}
+
+static int json_int(const json_t *j, const char *path, const char *key, int required, int def,
+                    int *out) {
+    json_t *v = json_object_get(j, key);
+    if (!v) {
+        if (required)
+            return bt_fail(BT_ERR_NOTFOUND, "estimate: %s/config.json: missing key %s", path, key);
+        *out = def;
+        return 0;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > 0x7fffffff)
+        return bt_fail(BT_ERR_FORMAT, "estimate: %s/config.json: %s: expected a non-negative integer",
+                       path, key);
+    *out = (int)json_integer_value(v);
+    return 0;
+}
+
+static int read_hf(bt_est_model *em, const char *path) {
+    char *cfgp = NULL;
+    if (asprintf(&cfgp, "%s/config.json", path) < 0) return bt_fail(BT_ERR_NOMEM, "out of memory");
+    json_error_t e;
+    json_t *j = json_load_file(cfgp, 0, &e);
+    free(cfgp);
+    if (!j || !json_is_object(j)) {
+        json_decref(j);
+        return bt_fail(BT_ERR_FORMAT, "estimate: %s/config.json: %s", path, j ? "not an object" : e.text);
+    }
+    bt_llama_hparams *hp = &em->hp;
+    int rc;
+    if ((rc = json_int(j, path, "num_hidden_layers", 1, 0, &hp->n_layer)) ||
+        (rc = json_int(j, path, "hidden_size", 1, 0, &hp->d_model)) ||
+        (rc = json_int(j, path, "num_attention_heads", 1, 0, &hp->n_head)) ||
+        (rc = json_int(j, path, "intermediate_size", 1, 0, &hp->d_ff)) ||
+        (rc = json_int(j, path, "vocab_size", 1, 0, &hp->vocab)) ||
+        (rc = json_int(j, path, "num_key_value_heads", 0, hp->n_head, &hp->n_kv_head))) {
+        json_decref(j);
+        return rc;
+    }
+    json_t *tw = json_object_get(j, "tie_word_embeddings");
+    em->tied = tw ? json_is_true(tw) : 0;
+    json_decref(j);
+    char *pat = NULL;
+    if (asprintf(&pat, "%s/*.safetensors", path) < 0) return bt_fail(BT_ERR_NOMEM, "out of memory");
+    glob_t gl;
+    em->file_tensor_bytes = 0;
+    if (glob(pat, 0, NULL, &gl) == 0) {
+        for (size_t i = 0; i < gl.gl_pathc; i++) {
+            struct stat st;
+            if (stat(gl.gl_pathv[i], &st) == 0) em->file_tensor_bytes += (uint64_t)st.st_size;
+        }
+        globfree(&gl);
+    }
+    free(pat);
+    return 0;
+}
+
+int bt_est_model_read(bt_est_model *em, const char *path) {
+    memset(em, 0, sizeof *em);
+    struct stat st;
+    if (stat(path, &st) != 0) return bt_fail(BT_ERR_IO, "estimate: model %s: cannot stat", path);
+    int rc = S_ISDIR(st.st_mode) ? read_hf(em, path) : read_gguf(em, path);
+    if (rc) return rc;
+    bt_llama_hparams *hp = &em->hp;
+    if (hp->n_layer < 1 || hp->d_model < 1 || hp->n_head < 1 || hp->n_kv_head < 1 || hp->d_ff < 1 ||
+        hp->vocab < 1 || hp->d_model % hp->n_head != 0)
+        return bt_fail(BT_ERR_FORMAT, "estimate: %s: inconsistent hyper-parameters (layers %d, "
+                       "d_model %d, heads %d/%d, ffn %d, vocab %d)", path, hp->n_layer, hp->d_model,
+                       hp->n_head, hp->n_kv_head, hp->d_ff, hp->vocab);
+    hp->head_dim = hp->d_model / hp->n_head;
+    em->max_linear = 0;
+    for (int mod = 0; mod < BT_MOD_N; mod++) {
+        int64_t r, c;
+        lin_shape(hp, mod, &r, &c);
+        if (r * c > em->max_linear) em->max_linear = r * c;
+    }
+    return 0;
+}
+
+void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
+                      bt_mem_bill *b) {
+    memset(b, 0, sizeof *b);
+    const bt_llama_hparams *hp = &em->hp;
+    const double L = hp->n_layer, D = hp->d_model, V = hp->vocab, F = hp->d_ff;
+    const double Dq = (double)hp->n_head * hp->head_dim, Dkv = (double)hp->n_kv_head * hp->head_dim;
+    const double M = (double)cfg->data.seq_len * cfg->data.micro_batch_size;
+    const double r = cfg->lora.r;
+    const int cuda = dev == BT_EST_CUDA;
+    const double act = cuda ? 2.0 : 4.0; /* bytes per activation element */
+    if (threads < 1) threads = 1;
+
+    /* base linears */
+    int n_mods = 0;
+    double lora_per_layer = 0;
+    for (int mod = 0; mod < BT_MOD_N; mod++) {
+        int64_t rows, cols;
+        lin_shape(hp, mod, &rows, &cols);
+        double n = (double)rows * cols;
+        if (cfg->base_dtype == BT_BASE_NF4) {
+            double blocks = n / 64.0;
+            b->base += L * (n / 2 + blocks + 4.0 * (double)(((int64_t)blocks + 255) / 256));
+        } else {
+            b->base += L * n * (cuda ? 2.0 : 4.0);
+        }
+        if (cfg->lora.target_mask & (1u << mod)) {
+            n_mods++;
+            lora_per_layer += r * (double)(rows + cols);
+        }
+    }
+    /* embedding / lm_head, norms */
+    double wbytes = cuda ? 2.0 : 4.0;
+    b->embed = V * D * wbytes * (em->tied ? 1 : 2);
+    b->norms = (2 * L + 1) * D * wbytes;
+    /* LoRA: master + grad + m + v (+ the bf16 compute copy on CUDA) */
+    b->n_lora = (int64_t)(lora_per_layer * L);
+    double per_param = cuda ? 18.0 : 16.0;
+    b->lora = (double)b->n_lora * per_param;
+    /* LoRA+ dense */
+    double dense = 0;
+    if (cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) dense += V * D;
+    if (cfg->trainable_mask & (1u << BT_TRAINABLE_NORM)) dense += (2 * L + 1) * D;
+    b->n_dense = (int64_t)dense;
+    b->dense = dense * per_param;
+    if (cuda) b->dense -= dense * 2.0; /* the bf16 copy replaces the frozen one counted above */
+
+    /* activations (step.c bt_step_ctx_new) */
+    double per_layer_elems = M * D /* xn1 */ + M * Dq /* q */ + 2 * M * Dkv /* k, v */ +
+                             M * Dq /* att */ + M * D /* x2 */ + M * D /* xn2 */ +
+                             2 * M * F /* g, u */ + n_mods * M * r /* LoRA branch */;
+    double per_layer_f32 = M * hp->n_head /* lse */ + 2 * M /* rstd1, rstd2 */;
+    double kept = cfg->activation_checkpointing ? 1 : L;
+    b->acts = (L + 1) * M * D * act + kept * (per_layer_elems * act + per_layer_f32 * 4.0);
+    /* loss chunk workspace */
+    if (cuda) b->loss_ws = (double)CE_ROWS * V * (4.0 + 2.0) + M * 4.0 /* row_loss */;
+    else b->loss_ws = (double)bt_linear_ce_workspace_floats(CE_ROWS, hp->vocab) * 4.0;
+    /* other workspace: backward buffers + dropout copy + NF4 dequant tiles + batches */
+    double wide = F > D ? F : D;
+    if (Dq > wide) wide = Dq;
+    double other_elems = M * D /* xf */ + M * F /* h */ + 4 * M * D /* dx dx2 dxn dtmp */ +
+                         2 * M * Dq /* dq datt */ + 2 * M * Dkv /* dk dv */ + 3 * M * F /* dg du dh */ +
+                         M * r /* das */ + M * wide /* xd */;
+    b->other = other_elems * act + M * 4.0 /* rstdf */ +
+               (double)cfg->grad_accum * (4 * M + 1) * 4.0 /* batch copies */ +
+               M * 4.0 /* targets */;
+    if (cfg->base_dtype == BT_BASE_NF4 && !cuda) {
+        int K = hp->d_ff > hp->d_model ? hp->d_ff : hp->d_model;
+        b->other += (double)threads * 128.0 /* kernels/cpu/nf4.c BT_NF4_TILE_ROWS */ * K * 4.0;
+    }
+    if (cuda) b->other += (double)em->max_linear * 2.0; /* one dequantised bf16 base weight */
+    b->runtime = cuda ? BT_EST_CUDA_CONTEXT_MIB * MIB
+                      : (BT_EST_RUNTIME_MIB + BT_EST_THREAD_MIB * threads) * MIB;
+    /* adapter save: the writer's copy of every saved tensor (fp32 on both backends) */
+    double saved = (double)b->n_lora + dense;
+    if ((cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) && em->tied) saved += V * D;
+    b->save = saved * 4.0;
+    b->total = b->base + b->embed + b->norms + b->lora + b->dense + b->acts + b->loss_ws +
+               b->other + b->save + b->runtime;
+    if (!cuda) {
+        /* loading: the mapped file's tensor pages + the model built so far + one fp32 matrix in
+         * flight (plus its NF4 copy) + the runtime */
+        b->load_peak = (double)em->file_tensor_bytes + b->base + b->embed + b->norms +
+                       (double)em->max_linear * 4.0 + b->runtime;
+    }
+    b->peak = b->total > b->load_peak ? b->total : b->load_peak;
+}
+
+static void row(FILE *out, const char *name, double a, double c) {
+    fprintf(out, "  %-44s %10.1f MiB %10.1f MiB\n", name, a / MIB, c / MIB);
+}
+
+int bt_estimate_print(const bt_train_config *cfg, FILE *out) {
+    bt_est_model em;
+    int rc = bt_est_model_read(&em, cfg->model);
+    if (rc) return rc;
+    int threads = cfg->threads > 0 ? cfg->threads : omp_get_max_threads();
+    bt_mem_bill c, g;
+    bt_estimate_bill(&em, cfg, BT_EST_CPU, threads, &c);
+    bt_estimate_bill(&em, cfg, BT_EST_CUDA, threads, &g);
+    const bt_llama_hparams *hp = &em.hp;
+    int nf4 = cfg->base_dtype == BT_BASE_NF4;
+    fprintf(out, "memory estimate: model %s (%d layers, d_model %d, heads %d/%d, ffn %d, vocab %d%s)\n",
+            cfg->model, hp->n_layer, hp->d_model, hp->n_head, hp->n_kv_head, hp->d_ff, hp->vocab,
+            em.tied ? ", tied embeddings" : "");
+    fprintf(out, "  micro-batch %d x %d = %d tokens, grad_accum %d, LoRA r %d (%lld params)%s%s\n",
+            cfg->data.micro_batch_size, cfg->data.seq_len,
+            cfg->data.micro_batch_size * cfg->data.seq_len, cfg->grad_accum, cfg->lora.r,
+            (long long)c.n_lora, c.n_dense ? ", LoRA+" : "",
+            cfg->activation_checkpointing ? ", activation checkpointing" : "");
+    if (c.n_dense) fprintf(out, "  LoRA+ dense parameters: %lld\n", (long long)c.n_dense);
+    fprintf(out, "  %-44s %14s %14s\n", "", "CPU (fp32)", "CUDA (bf16)");
+    row(out, nf4 ? "base linears (NF4 packed + scales)" : "base linears (fp32 / bf16)", c.base,
+        g.base);
+    row(out, em.tied ? "embedding (tied lm_head)" : "embedding + lm_head", c.embed, g.embed);
+    row(out, "norms", c.norms, g.norms);
+    row(out, "LoRA params + grads + AdamW m, v", c.lora, g.lora);
+    row(out, "LoRA+ embed/norm params + grads + m, v", c.dense, g.dense);
+    char an[64];
+    snprintf(an, sizeof an, "activations (%s)",
+             cfg->activation_checkpointing ? "checkpointed: 1 layer kept" : "all layers kept");
+    row(out, an, c.acts, g.acts);
+    row(out, "loss chunk workspace (256 rows x vocab)", c.loss_ws, g.loss_ws);
+    row(out, "other workspace (backward, NF4 tiles, batches)", c.other, g.other);
+    row(out, "adapter save buffer (safetensors writer copy)", c.save, g.save);
+    row(out, "runtime (libraries, threads / CUDA context)", c.runtime, g.runtime);
+    row(out, "total while training", c.total, g.total);
+    fprintf(out, "  %-44s %10.1f MiB %14s\n", "CPU load-time peak (mapped file + model)",
+            c.load_peak / MIB, "-");
+    row(out, "peak", c.peak, g.peak);
+    return 0;
+}

@@ -1,0 +1,80 @@
+/* `trainer estimate`: the memory bill of a training job, computed from the model's
+ * hyper-parameters (GGUF header or HF config.json only; no weights are read) and the job config.
+ *
+ * CPU backend (fp32 reference, the layout trainer/model.c, lora.c and step.c allocate):
+ *   base linears   NF4: n/2 packed + n/64 absmax codes + ceil(n/64/256) fp32 nested absmax bytes
+ *                  per linear of n weights (bitsandbytes double quantisation, kernels.h); fp32: 4n
+ *   embed/lm_head  fp32 [vocab, d_model] (x2 when untied)
+ *   norms          fp32 (2 * n_layer + 1) * d_model
+ *   LoRA           params + grads + AdamW m + v: 16 bytes per LoRA parameter
+ *   LoRA+ dense    trainable embed_tokens / norms (lora.h): a trainable copy + grad + m + v,
+ *                  16 bytes per parameter
+ *   activations    step.c: (n_layer + 1) layer inputs of M x d_model, and per layer kept
+ *                  (all n_layer, or 1 with activation checkpointing): normed inputs, q, k, v,
+ *                  attention output + lse, residual, gate, up, LoRA branch outputs
+ *   loss chunk     bt_linear_ce workspace: 256 rows x vocab fp32 logits
+ *   other          backward scratch (dx, dq, dk, dv, dg, du, dh, dropout copy...), NF4 dequant
+ *                  tiles per thread, batch copies
+ *   adapter save   the safetensors writer copies every tensor it writes (common/safetensors.h):
+ *                  LoRA + dense parameters (+ the lm_head copy of a tied trainable embedding),
+ *                  while the training buffers are still allocated
+ *   runtime        libraries, OpenMP/OpenBLAS per-thread buffers: a measured constant
+ *                  (BT_EST_RUNTIME_MIB + BT_EST_THREAD_MIB per thread)
+ * The CPU peak is max(training, load): while a GGUF loads, the file's tensor bytes are mapped
+ * and touched (counted in RSS) on top of the model being built, plus one fp32 matrix in flight.
+ *
+ * CUDA backend (DESIGN.md numerics: bf16 compute, fp32 LoRA master weights and optimiser state;
+ * kernels/cuda/kernels_cuda.h): base NF4 as above; embedding / lm_head / norms bf16; LoRA fp32
+ * master + grad + m + v plus a bf16 compute copy (18 bytes per parameter); LoRA+ dense the same
+ * 18 bytes per parameter (fp32 master/grad/m/v + the bf16 weight the kernels read, which replaces
+ * the frozen bf16 copy); activations as on CPU but 2 bytes per element (the attention lse and
+ * RMSNorm rstd stay fp32); loss chunk = chunk x vocab fp32 logits + bf16 dlogits; runtime = CUDA
+ * context + cuBLAS workspace (BT_EST_CUDA_CONTEXT_MIB, typical for an H100; not device-exact). */
+#ifndef BT_TRAINER_ESTIMATE_H
+#define BT_TRAINER_ESTIMATE_H
+#include <stdint.h>
+#include <stdio.h>
+
+#include "trainer/config.h"
+#include "trainer/model.h"
+
+#define BT_EST_RUNTIME_MIB 24.0
+#define BT_EST_THREAD_MIB 4.0
+#define BT_EST_CUDA_CONTEXT_MIB 600.0
+
+/* What the estimate needs to know about a model (no weights). */
+typedef struct {
+    bt_llama_hparams hp;
+    int tied;                  /* lm_head shares the embedding */
+    uint64_t file_tensor_bytes; /* bytes of tensor data in the file(s) (touched while loading) */
+    int64_t max_linear;        /* elements of the largest base linear */
+} bt_est_model;
+
+/* Read the hyper-parameters of a llama-architecture .gguf (header and tensor table only) or a
+ * Hugging Face model directory (config.json: hidden_size, num_hidden_layers,
+ * num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings;
+ * file_tensor_bytes = the size of its *.safetensors files).
+ * Errors: BT_ERR_IO, BT_ERR_FORMAT, BT_ERR_NOTFOUND (missing key), with a message naming it. */
+int bt_est_model_read(bt_est_model *em, const char *path);
+
+enum { BT_EST_CPU = 0, BT_EST_CUDA = 1 };
+
+/* The bill in bytes. */
+typedef struct {
+    double base, embed, norms, lora, dense, acts, loss_ws, other, save, runtime;
+    double total;     /* sum of the above: steady state while training */
+    double load_peak; /* CPU only: while loading (0 for CUDA) */
+    double peak;      /* max(total, load_peak) */
+    int64_t n_lora, n_dense;
+} bt_mem_bill;
+
+/* Fill *b for the job `cfg` on model `em` and backend `dev` (BT_EST_*). threads: the OpenMP
+ * team size the CPU run will use (cfg->threads, or the machine's when 0). */
+void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
+                      bt_mem_bill *b);
+
+/* `trainer estimate`: read cfg->model's hyper-parameters and print both bills as a table to
+ * `out`. Returns 0 or the error of bt_est_model_read. */
+int bt_estimate_print(const bt_train_config *cfg, FILE *out);
+
+#endif

@@ -1,0 +1,212 @@
+/* Config templates for `trainer config --template NAME [--documented]`. See config.h
+ * (bt_config_template) for the recipes and their sources. Documentation is carried by "#"-keys,
+ * which the config parser ignores: "#" documents the enclosing object, "#key" the key after it. */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "trainer/config.h"
+
+const char *const bt_config_template_names[] = {"default", "qlora", "long-context", NULL};
+
+typedef struct {
+    int doc;
+} ctx_t;
+
+/* o[key] = v (stolen), preceded by "#key": doc when documenting. */
+static void put(const ctx_t *c, json_t *o, const char *key, json_t *v, const char *doc) {
+    if (c->doc && doc) {
+        char k[96];
+        snprintf(k, sizeof k, "#%s", key);
+        json_object_set_new(o, k, json_string(doc));
+    }
+    json_object_set_new(o, key, v);
+}
+
+static json_t *obj_doc(const ctx_t *c, const char *doc) {
+    json_t *o = json_object();
+    if (c->doc && doc) json_object_set_new(o, "#", json_string(doc));
+    return o;
+}
+
+static json_t *strs(const char *const *v) {
+    json_t *a = json_array();
+    for (int i = 0; v[i]; i++) json_array_append_new(a, json_string(v[i]));
+    return a;
+}
+
+typedef struct {
+    const char *name, *header;
+    int seq_len, micro_batch, grad_accum, steps, warmup, r, ckpt, trainable, log_every;
+    double alpha, dropout, lr, wd, clip, min_lr_ratio;
+    const char *schedule;
+    const char *const *targets;
+} recipe;
+
+static const char *const k_all[] = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                    "gate_proj", "up_proj", "down_proj", NULL};
+static const char *const k_attn[] = {"q_proj", "k_proj", "v_proj", "o_proj", NULL};
+
+static const recipe k_recipes[] = {
+    {"default",
+     "The SmolLM2-135M demo job: QLoRA (NF4 base) r 16 on all linear layers, 512-token packed "
+     "rows x 4, 30 steps, cosine schedule.",
+     512, 4, 1, 30, 3, 16, 0, 0, 1, 32, 0.05, 1e-3, 0.0, 1.0, 0.1, "cosine", k_all},
+    {"qlora",
+     "QLoRA recipe (Dettmers et al. 2023, arXiv 2305.14314): NF4 base with double quantisation, "
+     "LoRA r 64 alpha 16 dropout 0.1 on all linear layers, lr 2e-4 constant, max grad norm 0.3, "
+     "warm-up 3% of steps, effective batch 16.",
+     1024, 4, 4, 1000, 30, 64, 0, 0, 10, 16, 0.1, 2e-4, 0.0, 0.3, 1.0, "constant", k_all},
+    {"long-context",
+     "LongLoRA recipe (Chen et al. 2023, arXiv 2309.12307, fine-tune.py): LoRA r 8 alpha 16 on "
+     "q/k/v/o plus trainable embed_tokens and norms (\"LoRA+\"), lr 2e-5 constant after 20 "
+     "warm-up steps, no weight decay, batch 1 x grad_accum 8, 8192-token rows, activation "
+     "checkpointing.",
+     8192, 1, 8, 1000, 20, 8, 1, 1, 10, 16, 0.0, 2e-5, 0.0, 1.0, 1.0, "constant", k_attn},
+};
+
+static json_t *build(const recipe *R, const ctx_t *c) {
+    json_t *root = obj_doc(c, R->header);
+    if (c->doc)
+        json_object_set_new(root, "#comments",
+                            json_string("Keys starting with '#' are comments: the trainer ignores "
+                                        "them in every object. Relative paths are resolved "
+                                        "against the trainer's working directory."));
+    put(c, root, "name", json_string(R->name), "job name given to loaderd");
+    put(c, root, "model", json_string("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        "base model: a llama-architecture .gguf file (required)");
+    put(c, root, "base_dtype", json_string("nf4"),
+        "how the frozen base linears are held: \"nf4\" (QLoRA, bitsandbytes layout) or \"fp32\"");
+    put(c, root, "base_model_name_or_path", json_string("HuggingFaceTB/SmolLM2-135M-Instruct"),
+        "written to adapter_config.json so PEFT can find the base model");
+    put(c, root, "socket", json_string("/run/loaderd/loaderd.sock"), "loaderd control socket");
+
+    json_t *data = obj_doc(c, "the training stream, served by loaderd");
+    const char *const shards[] = {"data/train-*.jsonl.zst", NULL};
+    put(c, data, "shards", strs(shards), "globs of JSONL (.jsonl or .jsonl.zst) shards (required)");
+    put(c, data, "format", json_string("chat"), "\"chat\" (messages), \"text\" or \"alpaca\"");
+    put(c, data, "seq_len", json_integer(R->seq_len), "T: tokens per packed row");
+    put(c, data, "micro_batch_size", json_integer(R->micro_batch), "B: rows per micro-batch");
+    put(c, data, "seed", json_integer(1234), "shuffle seed of the data stream");
+    put(c, data, "tokenizer_threads", json_integer(2), "loaderd tokenizer threads for this job");
+    put(c, root, "data", data, NULL);
+
+    json_t *ev = obj_doc(c, "held-out evaluation before and after training (empty = none)");
+    put(c, ev, "shards", json_array(), "globs of held-out shards");
+    put(c, ev, "max_batches", json_integer(0), "batches to evaluate (0 = all)");
+    put(c, root, "eval", ev, NULL);
+
+    json_t *lora = obj_doc(c, "LoRA (PEFT semantics): y = W x + lora_alpha / r * B A dropout(x)");
+    put(c, lora, "r", json_integer(R->r), "rank");
+    put(c, lora, "lora_alpha", json_real(R->alpha), "scaling numerator (scale = lora_alpha / r)");
+    put(c, lora, "lora_dropout", json_real(R->dropout), "dropout on the LoRA branch input, [0, 1)");
+    put(c, lora, "target_modules", strs(R->targets),
+        "adapted linears: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj");
+    put(c, root, "lora", lora, NULL);
+
+    json_t *tm = json_array();
+    if (R->trainable) {
+        json_array_append_new(tm, json_string("embed_tokens"));
+        json_array_append_new(tm, json_string("norm"));
+    }
+    put(c, root, "trainable_modules", tm,
+        "LongLoRA LoRA+: also train \"embed_tokens\" (and a tied lm_head) and/or every \"norm\" "
+        "weight densely; saved as PEFT modules_to_save");
+
+    json_t *op = obj_doc(c, "AdamW (torch.optim.AdamW semantics) and gradient clipping");
+    put(c, op, "lr", json_real(R->lr), "peak learning rate");
+    put(c, op, "weight_decay", json_real(R->wd), "decoupled weight decay (not on norm weights)");
+    put(c, op, "beta1", json_real(0.9), NULL);
+    put(c, op, "beta2", json_real(0.999), NULL);
+    put(c, op, "eps", json_real(1e-8), NULL);
+    put(c, op, "warmup_steps", json_integer(R->warmup), "linear warm-up steps");
+    put(c, op, "grad_clip", json_real(R->clip), "max global grad norm (0 = no clipping)");
+    put(c, root, "optim", op, NULL);
+
+    put(c, root, "steps", json_integer(R->steps), "optimiser steps");
+    put(c, root, "grad_accum", json_integer(R->grad_accum), "micro-batches per optimiser step");
+    put(c, root, "schedule", json_string(R->schedule), "\"cosine\", \"linear\" or \"constant\"");
+    put(c, root, "min_lr_ratio", json_real(R->min_lr_ratio),
+        "floor of the cosine/linear decay as a fraction of lr");
+    put(c, root, "activation_checkpointing", json_boolean(R->ckpt),
+        "recompute each layer in backward instead of keeping its activations");
+    put(c, root, "save_every", json_integer(0), "also save the adapter every N steps (0 = end only)");
+    put(c, root, "out_dir", json_string("runs/adapter"), "PEFT adapter directory");
+    put(c, root, "checkpoint_every", json_integer(0),
+        "resumable checkpoint (adapter, AdamW moments, step, loader position) every N steps");
+    put(c, root, "checkpoint_dir", json_string("runs/checkpoint"), "checkpoint directory");
+    put(c, root, "resume_from", json_null(), "checkpoint directory to continue from (or --resume)");
+    put(c, root, "stop_at_step", json_integer(0),
+        "stop and checkpoint after this many steps, keeping the schedule of `steps` (0 = off)");
+    put(c, root, "threads", json_integer(0), "OpenMP threads (0 = all cores)");
+    put(c, root, "seed", json_integer(1234), "LoRA initialisation and dropout seed");
+    put(c, root, "log_every", json_integer(R->log_every), "progress line every N steps");
+    put(c, root, "timeout_s", json_integer(600), "longest wait for one batch from loaderd");
+    return root;
+}
+
+char *bt_config_template(const char *name, int documented) {
+    for (size_t i = 0; i < sizeof k_recipes / sizeof k_recipes[0]; i++) {
+        if (!name || strcmp(name, k_recipes[i].name) != 0) continue;
+        ctx_t c = {documented != 0};
+        json_t *j = build(&k_recipes[i], &c);
+        char *s = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
+        json_decref(j);
+        if (!s) bt_fail(BT_ERR_NOMEM, "config: out of memory");
+        return s;
+    }
+    bt_fail(BT_ERR_INVALID, "config: unknown template \"%s\" (known: default, qlora, long-context)",
+            name ? name : "(null)");
+    return NULL;
+}
+
+int bt_config_cmd(int argc, char **argv, FILE *out) {
+    const char *tmpl = NULL, *check = NULL;
+    int documented = 0, n_sets = 0;
+    const char **sets = calloc((size_t)(argc > 0 ? argc : 1), sizeof(char *));
+    if (!sets) return 1;
+    int rc = 0;
+    for (int i = 1; i < argc && rc == 0; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--template") && i + 1 < argc) tmpl = argv[++i];
+        else if (!strncmp(a, "--template=", 11)) tmpl = a + 11;
+        else if (!strcmp(a, "--documented")) documented = 1;
+        else if (!strcmp(a, "--check") && i + 1 < argc) check = argv[++i];
+        else if (!strcmp(a, "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
+        else if (!strncmp(a, "--set=", 6)) sets[n_sets++] = a + 6;
+        else {
+            fprintf(stderr, "trainer config: unexpected argument \"%s\" (usage: trainer config "
+                    "--template default|qlora|long-context [--documented] | --check JOB.json "
+                    "[--set key=value ...])\n", a);
+            rc = 2;
+        }
+    }
+    if (rc == 0 && !!tmpl == !!check) {
+        fprintf(stderr, "trainer config: give exactly one of --template NAME or --check JOB.json\n");
+        rc = 2;
+    }
+    if (rc == 0 && tmpl) {
+        char *s = bt_config_template(tmpl, documented);
+        if (!s) {
+            fprintf(stderr, "trainer %s\n", bt_last_error());
+            rc = 2;
+        } else {
+            if (fprintf(out, "%s\n", s) < 0 || fflush(out) != 0) rc = 1;
+            free(s);
+        }
+    } else if (rc == 0) {
+        bt_train_config cfg;
+        if (bt_config_load(&cfg, check, sets, n_sets) != 0) {
+            fprintf(stderr, "trainer: %s\n", bt_last_error());
+            rc = 2;
+        } else {
+            char *d = bt_config_dump(&cfg);
+            if (!d || fprintf(out, "%s\n", d) < 0) rc = 1;
+            free(d);
+            bt_config_free(&cfg);
+        }
+    }
+    free(sets);
+    return rc;
+}
