@@ -99,6 +99,7 @@ test: setup
 	@$(MAKE) --no-print-directory all
 	@$(MAKE) --no-print-directory unit
 	@$(MAKE) --no-print-directory unit-asan
+	@$(MAKE) --no-print-directory shards
 	@$(MAKE) --no-print-directory pytest
 
 demo: setup
