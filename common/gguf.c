@@ -6,17 +6,13 @@
  * of the file size. */
 #include "common/gguf.h"
 
+#include "common/atomic_io.h"
 #include "common/bt_common.h"
 #include "common/quant.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "GGUF reader assumes a little-endian host"
@@ -864,26 +860,12 @@ int bt_gguf_w_tensor(bt_gguf_writer *w, const char *name, int type, uint32_t n_d
     return BT_OK;
 }
 
-static int write_all(int fd, const void *p, size_t n, const char *path) {
-    const uint8_t *b = p;
-    while (n) {
-        ssize_t k = write(fd, b, n > (1u << 30) ? (1u << 30) : n);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return bt_fail(BT_ERR_IO, "gguf writer: %s: write: %s", path, strerror(errno));
-        }
-        b += k;
-        n -= (size_t)k;
-    }
-    return BT_OK;
-}
-
-static int write_zeros(int fd, uint64_t n, const char *path) {
+static int write_zeros(bt_atomic_file *af, uint64_t n) {
     static const uint8_t zeros[4096];
     int rc = BT_OK;
     while (n && rc == BT_OK) {
         size_t k = n > sizeof zeros ? sizeof zeros : (size_t)n;
-        rc = write_all(fd, zeros, k, path);
+        rc = bt_atomic_write(af, zeros, k);
         n -= k;
     }
     return rc;
@@ -912,52 +894,22 @@ int bt_gguf_writer_write(bt_gguf_writer *w, const char *path) {
         put_u64(&h, off);
         off = pad_to(off + t->nbytes, w->alignment);
     }
-    size_t tmp_len = strlen(path) + 32;
-    char *tmp = bt_xmalloc(tmp_len);
-    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    int rc = BT_OK;
-    if (fd < 0) {
-        rc = bt_fail(BT_ERR_IO, "gguf writer: %s: %s", tmp, strerror(errno));
-        goto out;
-    }
+    bt_atomic_file af;
+    int rc = bt_atomic_open(&af, path, "gguf writer");
+    if (rc) goto out;
     uint64_t hpad = pad_to(h.kv_len, w->alignment) - h.kv_len;
-    if ((rc = write_all(fd, h.kv, h.kv_len, tmp)) || (rc = write_zeros(fd, hpad, tmp))) goto fail;
+    if ((rc = bt_atomic_write(&af, h.kv, h.kv_len)) || (rc = write_zeros(&af, hpad))) goto fail;
     for (int64_t i = 0; i < w->n_t; i++) {
         const wtensor *t = &w->t[i];
-        if ((rc = write_all(fd, t->data, (size_t)t->nbytes, tmp))) goto fail;
+        if ((rc = bt_atomic_write(&af, t->data, (size_t)t->nbytes))) goto fail;
         uint64_t p = pad_to(t->nbytes, w->alignment) - t->nbytes;
-        if ((rc = write_zeros(fd, p, tmp))) goto fail;
+        if ((rc = write_zeros(&af, p))) goto fail;
     }
-    if (fsync(fd) != 0) {
-        rc = bt_fail(BT_ERR_IO, "gguf writer: %s: fsync: %s", tmp, strerror(errno));
-        goto fail;
-    }
-    if (close(fd) != 0) {
-        fd = -1;
-        rc = bt_fail(BT_ERR_IO, "gguf writer: %s: close: %s", tmp, strerror(errno));
-        goto fail;
-    }
-    fd = -1;
-    if (rename(tmp, path) != 0) {
-        rc = bt_fail(BT_ERR_IO, "gguf writer: rename %s -> %s: %s", tmp, path, strerror(errno));
-        goto fail;
-    }
-    {   /* make the rename durable */
-        char *dcopy = bt_xstrdup(path);
-        int dfd = open(dirname(dcopy), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-            (void)fsync(dfd);
-            close(dfd);
-        }
-        free(dcopy);
-    }
+    rc = bt_atomic_commit(&af);
     goto out;
 fail:
-    if (fd >= 0) close(fd);
-    unlink(tmp);
+    bt_atomic_abort(&af);
 out:
-    free(tmp);
     free(h.kv);
     return rc;
 }

@@ -6,16 +6,13 @@
  * size then name, header padded with spaces to a multiple of 8 bytes. JSON via jansson. */
 #include "common/safetensors.h"
 
+#include "common/atomic_io.h"
 #include "common/bt_common.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <jansson.h>
-#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors reader assumes a little-endian host"
@@ -409,20 +406,6 @@ static int cmp_wtensor(const void *a, const void *b) {
     return strcmp(x->name, y->name);
 }
 
-static int write_all(int fd, const void *p, size_t n, const char *path) {
-    const uint8_t *b = p;
-    while (n) {
-        ssize_t k = write(fd, b, n > (1u << 30) ? (1u << 30) : n);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return bt_fail(BT_ERR_IO, "safetensors writer: %s: write: %s", path, strerror(errno));
-        }
-        b += k;
-        n -= (size_t)k;
-    }
-    return BT_OK;
-}
-
 int bt_st_writer_write(bt_st_writer *w, const char *path) {
     if (!w || !path) return bt_fail(BT_ERR_INVALID, "safetensors writer: NULL argument");
     if (w->n > 1) qsort(w->t, (size_t)w->n, sizeof(wtensor), cmp_wtensor);
@@ -455,48 +438,17 @@ int bt_st_writer_write(bt_st_writer *w, const char *path) {
     memset(head + 8 + jl, ' ', hn - jl);
     free(js);
 
-    size_t tmp_len = strlen(path) + 32;
-    char *tmp = bt_xmalloc(tmp_len);
-    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
-    int rc = BT_OK;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        rc = bt_fail(BT_ERR_IO, "safetensors writer: %s: %s", tmp, strerror(errno));
-        goto out;
-    }
-    if ((rc = write_all(fd, head, 8 + hn, tmp))) goto fail;
+    bt_atomic_file af;
+    int rc = bt_atomic_open(&af, path, "safetensors writer");
+    if (rc) goto out;
+    if ((rc = bt_atomic_write(&af, head, 8 + hn))) goto fail;
     for (int i = 0; i < w->n; i++)
-        if ((rc = write_all(fd, w->t[i].data, w->t[i].nbytes, tmp))) goto fail;
-    if (fsync(fd) != 0) {
-        rc = bt_fail(BT_ERR_IO, "safetensors writer: %s: fsync: %s", tmp, strerror(errno));
-        goto fail;
-    }
-    int cr = close(fd);
-    fd = -1;
-    if (cr != 0) {
-        rc = bt_fail(BT_ERR_IO, "safetensors writer: %s: close: %s", tmp, strerror(errno));
-        goto fail;
-    }
-    if (rename(tmp, path) != 0) {
-        rc = bt_fail(BT_ERR_IO, "safetensors writer: rename %s -> %s: %s", tmp, path,
-                     strerror(errno));
-        goto fail;
-    }
-    {
-        char *dcopy = bt_xstrdup(path);
-        int dfd = open(dirname(dcopy), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-            (void)fsync(dfd);
-            close(dfd);
-        }
-        free(dcopy);
-    }
+        if ((rc = bt_atomic_write(&af, w->t[i].data, w->t[i].nbytes))) goto fail;
+    rc = bt_atomic_commit(&af);
     goto out;
 fail:
-    if (fd >= 0) close(fd);
-    unlink(tmp);
+    bt_atomic_abort(&af);
 out:
-    free(tmp);
     free(head);
     return rc;
 }

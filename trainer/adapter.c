@@ -2,8 +2,6 @@
 #include "trainer/adapter.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <ftw.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/atomic_io.h"
 #include "common/bt_common.h"
 #include "common/safetensors.h"
 
@@ -36,24 +35,6 @@ static int mkdir_parents(const char *path) {
     }
     free(p);
     return 0;
-}
-
-static int rm_cb(const char *fpath, const struct stat *sb, int typeflag, struct FTW *ftwbuf) {
-    (void)sb;
-    (void)ftwbuf;
-    return (typeflag == FTW_DP ? rmdir(fpath) : unlink(fpath)) != 0 ? -1 : 0;
-}
-
-static void rm_tree(const char *path) { nftw(path, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
-
-static int fsync_path(const char *path, int dir) {
-    int fd = open(path, (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-    if (fd < 0) return bt_fail(BT_ERR_IO, "adapter: open %s: %s", path, strerror(errno));
-    int rc = fsync(fd) != 0 && errno != EINVAL ? bt_fail(BT_ERR_IO, "adapter: fsync %s: %s", path,
-                                                         strerror(errno))
-                                               : 0;
-    close(fd);
-    return rc;
 }
 
 static int write_config(const bt_lora *lo, const char *base_model, const char *path) {
@@ -169,17 +150,16 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
     size_t n = strlen(dir);
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n);
-    char *tmp = NULL, *old = NULL, *p = NULL;
+    char *tmp = NULL, *p = NULL;
     int rc = 0;
     if (!d) return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
     if ((rc = mkdir_parents(d))) goto out;
-    if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0 ||
-        asprintf(&old, "%s.old-%d", d, (int)getpid()) < 0) {
-        tmp = old = NULL;
+    if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0) {
+        tmp = NULL;
         rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
         goto out;
     }
-    rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
+    bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
     if (mkdir(tmp, 0755) != 0) {
         rc = bt_fail(BT_ERR_IO, "adapter: mkdir %s: %s", tmp, strerror(errno));
         goto out;
@@ -197,39 +177,13 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
         goto out;
     }
     if ((rc = write_config(lo, base_model_name_or_path, p))) goto out;
-    if ((rc = fsync_path(tmp, 1))) goto out;
-    struct stat st;
-    if (stat(d, &st) == 0) {
-        if (!S_ISDIR(st.st_mode)) {
-            rc = bt_fail(BT_ERR_IO, "adapter: %s exists and is not a directory", d);
-            goto out;
-        }
-        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, d, RENAME_EXCHANGE) == 0) {
-            rm_tree(tmp); /* now holds the previous adapter */
-        } else { /* filesystems without RENAME_EXCHANGE: two renames, brief gap */
-            rm_tree(old);
-            if (rename(d, old) != 0 || rename(tmp, d) != 0) {
-                rc = bt_fail(BT_ERR_IO, "adapter: replace %s: %s", d, strerror(errno));
-                goto out;
-            }
-            rm_tree(old);
-        }
-    } else if (rename(tmp, d) != 0) {
-        rc = bt_fail(BT_ERR_IO, "adapter: rename %s -> %s: %s", tmp, d, strerror(errno));
+    if ((rc = bt_fsync_path(tmp, 1, "adapter")) || (rc = bt_replace_dir(tmp, d, "adapter")))
         goto out;
-    }
-    char *parent = bt_xstrdup(d);
-    char *slash = strrchr(parent, '/');
-    if (slash && slash != parent) *slash = 0;
-    else if (slash) slash[1] = 0;
-    else strcpy(parent, ".");
-    fsync_path(parent, 1); /* best effort: make the rename durable */
-    free(parent);
+    bt_fsync_parent(d, "adapter"); /* best effort: make the rename durable */
 out:
-    if (rc && tmp) rm_tree(tmp);
+    if (rc && tmp) bt_rm_tree(tmp);
     free(p);
     free(tmp);
-    free(old);
     free(d);
     return rc;
 }

@@ -2,14 +2,12 @@
 #include "trainer/checkpoint.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/atomic_io.h"
 #include "common/bt_common.h"
 #include "trainer/adapter.h"
 
@@ -84,24 +82,6 @@ uint64_t bt_config_data_fingerprint(const bt_train_config *c) {
 }
 
 /* ---- files ---- */
-
-static int rm_cb(const char *fpath, const struct stat *sb, int typeflag, struct FTW *ftwbuf) {
-    (void)sb;
-    (void)ftwbuf;
-    return (typeflag == FTW_DP ? rmdir(fpath) : unlink(fpath)) != 0 ? -1 : 0;
-}
-
-static void rm_tree(const char *path) { nftw(path, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
-
-static int fsync_dir(const char *path) {
-    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return bt_fail(BT_ERR_IO, "checkpoint: open %s: %s", path, strerror(errno));
-    int rc = fsync(fd) != 0 && errno != EINVAL
-                 ? bt_fail(BT_ERR_IO, "checkpoint: fsync %s: %s", path, strerror(errno))
-                 : 0;
-    close(fd);
-    return rc;
-}
 
 /* fwrite + running checksum */
 typedef struct {
@@ -187,7 +167,7 @@ int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_mod
         rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
         goto out;
     }
-    rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
+    bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
     /* the adapter files (creates tmp and the parents of d) */
     if ((rc = bt_adapter_save(lo, cfg->base_model_name_or_path, tmp))) {
         rc = bt_fail(rc, "checkpoint: %s", bt_last_error());
@@ -209,42 +189,12 @@ int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_mod
     } else {
         p = NULL;
     }
-    if ((rc = fsync_dir(tmp))) goto out;
-    struct stat st;
-    if (stat(d, &st) == 0) {
-        if (!S_ISDIR(st.st_mode)) {
-            rc = bt_fail(BT_ERR_IO, "checkpoint: %s exists and is not a directory", d);
-            goto out;
-        }
-        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, d, RENAME_EXCHANGE) == 0) {
-            rm_tree(tmp); /* now holds the previous checkpoint */
-        } else { /* no RENAME_EXCHANGE on this filesystem: two renames (brief gap) */
-            char *old = NULL;
-            if (asprintf(&old, "%s.old-%d", d, (int)getpid()) < 0) {
-                rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
-                goto out;
-            }
-            rm_tree(old);
-            if (rename(d, old) != 0 || rename(tmp, d) != 0)
-                rc = bt_fail(BT_ERR_IO, "checkpoint: replace %s: %s", d, strerror(errno));
-            else
-                rm_tree(old);
-            free(old);
-            if (rc) goto out;
-        }
-    } else if (rename(tmp, d) != 0) {
-        rc = bt_fail(BT_ERR_IO, "checkpoint: rename %s -> %s: %s", tmp, d, strerror(errno));
+    if ((rc = bt_fsync_path(tmp, 1, "checkpoint")) ||
+        (rc = bt_replace_dir(tmp, d, "checkpoint")))
         goto out;
-    }
-    char *parent = bt_xstrdup(d);
-    char *slash = strrchr(parent, '/');
-    if (slash && slash != parent) *slash = 0;
-    else if (slash) slash[1] = 0;
-    else strcpy(parent, ".");
-    rc = fsync_dir(parent); /* make the rename durable */
-    free(parent);
+    rc = bt_fsync_parent(d, "checkpoint"); /* make the rename durable */
 out:
-    if (rc && tmp) rm_tree(tmp);
+    if (rc && tmp) bt_rm_tree(tmp);
     free(dump);
     free(p);
     free(tmp);

@@ -384,13 +384,41 @@ void bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out)
  * the tile (BT_NF4_TILE_ROWS x K floats) stays in L2. */
 #define BT_NF4_TILE_ROWS 128
 
-static int nf4_threads(void)
+/* Threads for a region that splits `rows` rows in chunks of 16: all of OpenMP's (one when already
+ * inside a parallel region), at most one per chunk. */
+static int nf4_threads(int rows)
 {
 #ifdef _OPENMP
-    return omp_in_parallel() ? 1 : omp_get_max_threads();
+    const int nthr = omp_in_parallel() ? 1 : omp_get_max_threads();
+    return nthr > (rows + 15) / 16 ? (rows + 15) / 16 : nthr;
 #else
+    (void)rows;
     return 1;
 #endif
+}
+
+/* Inside the OpenMP region: this thread's BT_NF4_TILE_ROWS x K tile of scratch, and its share
+ * [*a, *b) of `rows` rows (contiguous, a multiple of 16 long; empty for spare threads). */
+static float *thread_share(float *scratch, int K, int rows, int *a, int *b)
+{
+#ifdef _OPENMP
+    const int id = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+    const int id = 0, n = 1;
+#endif
+    int chunk = (rows + n - 1) / n;
+    chunk = (chunk + 15) / 16 * 16;
+    *a = id * chunk;
+    *b = *a + chunk < rows ? *a + chunk : rows;
+    return scratch + (size_t)id * BT_NF4_TILE_ROWS * (size_t)K;
+}
+
+/* Dequantise rows [n0, n0 + nt) of Wq (K columns) into tile [nt, K]. */
+static void dequant_tile(const bt_nf4 *Wq, const float *code, int n0, int nt, int K, float *tile)
+{
+    for (int r = 0; r < nt; r++)
+        dequant_range(Wq, code, (int64_t)(n0 + r) * K, (int64_t)(n0 + r + 1) * K,
+                      tile + (size_t)r * K);
 }
 
 /* Floats of scratch needed by bt_nf4_linear_fwd / bt_nf4_linear_bwd_x for inner dimension K: one
@@ -419,25 +447,14 @@ void bt_nf4_linear_fwd(float *Y, const float *X, const bt_nf4 *Wq, int M, int K,
         return;
     bt_cpu_blas_init();
     const float *code = code8_table();
-    int nthr = nf4_threads();
-    if (nthr > (N + 15) / 16)
-        nthr = (N + 15) / 16;
+    const int nthr = nf4_threads(N);
 #pragma omp parallel num_threads(nthr) if (nthr > 1)
     {
-#ifdef _OPENMP
-        const int id = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int id = 0, n = 1;
-#endif
-        float *tile = scratch + (size_t)id * BT_NF4_TILE_ROWS * (size_t)K;
-        int chunk = (N + n - 1) / n;
-        chunk = (chunk + 15) / 16 * 16;
-        const int a = id * chunk, b = a + chunk < N ? a + chunk : N;
+        int a, b;
+        float *tile = thread_share(scratch, K, N, &a, &b);
         for (int n0 = a; n0 < b; n0 += BT_NF4_TILE_ROWS) {
             const int nt = b - n0 < BT_NF4_TILE_ROWS ? b - n0 : BT_NF4_TILE_ROWS;
-            for (int r = 0; r < nt; r++)
-                dequant_range(Wq, code, (int64_t)(n0 + r) * K, (int64_t)(n0 + r + 1) * K,
-                              tile + (size_t)r * K);
+            dequant_tile(Wq, code, n0, nt, K, tile);
             bt_sgemm(0, 1, M, nt, K, 1.0f, X, K, tile, K, beta, Y + n0, N);
         }
     }
@@ -462,26 +479,15 @@ void bt_nf4_linear_bwd_x(float *dX, const float *dY, const bt_nf4 *Wq, int M, in
     }
     bt_cpu_blas_init();
     const float *code = code8_table();
-    int nthr = nf4_threads();
-    if (nthr > (M + 15) / 16)
-        nthr = (M + 15) / 16;
+    const int nthr = nf4_threads(M);
 #pragma omp parallel num_threads(nthr) if (nthr > 1)
     {
-#ifdef _OPENMP
-        const int id = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int id = 0, n = 1;
-#endif
-        float *tile = scratch + (size_t)id * BT_NF4_TILE_ROWS * (size_t)K;
-        int chunk = (M + n - 1) / n;
-        chunk = (chunk + 15) / 16 * 16;
-        const int a = id * chunk, b = a + chunk < M ? a + chunk : M;
+        int a, b;
+        float *tile = thread_share(scratch, K, M, &a, &b);
         if (a < b) {
             for (int n0 = 0; n0 < N; n0 += BT_NF4_TILE_ROWS) {
                 const int nt = N - n0 < BT_NF4_TILE_ROWS ? N - n0 : BT_NF4_TILE_ROWS;
-                for (int r = 0; r < nt; r++)
-                    dequant_range(Wq, code, (int64_t)(n0 + r) * K, (int64_t)(n0 + r + 1) * K,
-                                  tile + (size_t)r * K);
+                dequant_tile(Wq, code, n0, nt, K, tile);
                 bt_sgemm(0, 0, b - a, K, nt, 1.0f, dY + (size_t)a * N + n0, N, tile, K,
                          n0 == 0 ? beta : 1.0f, dX + (size_t)a * K, K);
             }

@@ -14,8 +14,12 @@ Fixtures:
                     env=None) -> Loaderd (asan=None: the ASan build when it exists),
                     started and READY; every daemon still running at the end is stopped with
                     SIGTERM and must exit 0
-  chat_line(u, a) / write_shard(path, lines) helpers are plain functions importable from
-  conftest (`from conftest import chat_line`).
+  trainer_stack  -> for trainer runs on a tiny model: skips unless loaderd, trainer and
+                    tools/mk_tiny_gguf are built and the model is present; serve(data_dir) ->
+                    Loaderd starts the plain (non-ASan) loaderd without a notify socket, with
+                    data_roots [data_dir] and model_roots [tmp_path, the model's directory]
+  chat_line(u, a) / write_shard(path, lines) / tiny_model(path, seed) helpers and the ROOT /
+  BUILD / MODEL paths are importable from conftest (`from conftest import chat_line`).
 """
 import json
 import os
@@ -54,6 +58,16 @@ def write_shard(path, lines):
     else:
         with open(path, "wb") as f:
             f.write(data)
+    return path
+
+
+def tiny_model(path, seed=7):
+    """Write a tiny random Llama GGUF to path with $BT_BUILD/tools/mk_tiny_gguf: 2 layers, hidden
+    64, 4 heads (2 KV), FFN 128, and the real model's vocabulary and tokenizer (so loaderd's
+    tokenizer matches). Returns path."""
+    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(path),
+                    "--tokenizer-from", MODEL, "--layers", "2", "--hidden", "64", "--heads", "4",
+                    "--kv-heads", "2", "--ffn", "128", "--seed", str(seed)], check=True)
     return path
 
 
@@ -242,3 +256,19 @@ def loaderd(bins, tmp_path, sock_path):
         if d.notify is not None:
             d.notify.close()
     assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def trainer_stack(bins, model_path, tmp_path, loaderd):
+    """serve(data_dir) -> Loaderd for trainer runs on tiny models kept in tmp_path (see the module
+    docstring); skips when a binary is missing."""
+    for b in ("loaderd", "trainer", "tools/mk_tiny_gguf"):
+        if not bins.have(b):
+            pytest.skip(f"{bins.path(b)} not built")
+
+    def serve(data_dir):
+        return loaderd({"data_roots": [str(data_dir)],
+                        "model_roots": [str(tmp_path), os.path.dirname(model_path)]},
+                       asan=False, notify=False)
+
+    return serve

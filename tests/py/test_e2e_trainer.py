@@ -7,59 +7,27 @@ job and the bad-line counts."""
 import json
 import os
 import re
-import signal
 import struct
 import subprocess
-import time
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
-MODEL = os.path.join(ROOT, os.environ.get("BT_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-
-
-def chat(u, a):
-    return json.dumps({"messages": [{"role": "user", "content": u},
-                                    {"role": "assistant", "content": a}]})
-
-
-def write_zst(path, text):
-    subprocess.run(["zstd", "-q", "-f", "-o", path], input=text.encode(), check=True)
+from conftest import BUILD, chat_line, tiny_model, write_shard
 
 
 @pytest.fixture
-def env(tmp_path):
+def env(tmp_path, trainer_stack):
     data = tmp_path / "data"
     data.mkdir()
-    good = [chat(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}.") for i in range(40)]
+    good = [chat_line(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}.") for i in range(40)]
     bad = ['{"messages": [', "not json at all", json.dumps({"messages": "oops"}),
            json.dumps({"text": "wrong field"})]
-    lines = good[:20] + bad + good[20:]
-    write_zst(str(data / "train-000.jsonl.zst"), "\n".join(lines) + "\n")
-    (data / "train-001.jsonl").write_bytes(b"\xff\xfe bad utf8 line\n" + "\n".join(good[:10]).encode() + b"\n")
-    write_zst(str(data / "eval.jsonl.zst"), "\n".join(good[:8]) + "\n")
-    model = tmp_path / "tiny.gguf"
-    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(model),
-                    "--tokenizer-from", MODEL, "--layers", "2", "--hidden", "64", "--heads", "4",
-                    "--kv-heads", "2", "--ffn", "128", "--seed", "7"], check=True)
-    sock = tmp_path / "ld.sock"
-    cfg = tmp_path / "loaderd.json"
-    cfg.write_text(json.dumps({"socket": str(sock), "data_roots": [str(data)],
-                               "model_roots": [str(tmp_path), os.path.dirname(MODEL)]}))
-    log = open(tmp_path / "loaderd.log", "wb")
-    proc = subprocess.Popen([os.path.join(BUILD, "loaderd"), "--config", str(cfg), "--foreground"],
-                            stderr=log)
-    for _ in range(200):
-        if sock.exists():
-            break
-        time.sleep(0.05)
-    assert sock.exists(), (tmp_path / "loaderd.log").read_text()
-    yield {"tmp": tmp_path, "data": data, "model": model, "sock": sock, "proc": proc}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-    log.close()
+    write_shard(data / "train-000.jsonl.zst", good[:20] + bad + good[20:])
+    write_shard(data / "train-001.jsonl", [b"\xff\xfe bad utf8 line", *good[:10]])
+    write_shard(data / "eval.jsonl.zst", good[:8])
+    model = tiny_model(tmp_path / "tiny.gguf", 7)
+    ld = trainer_stack(data)
+    return {"tmp": tmp_path, "data": data, "model": model, "sock": ld.sock, "loaderd": ld}
 
 
 def test_trainer_three_steps_through_loaderd(env):
@@ -102,10 +70,10 @@ def test_trainer_three_steps_through_loaderd(env):
     assert len([k for k in header if k != "__metadata__"]) == 2 * 7 * 2
 
     # loaderd skipped the bad lines, counted them by reason and reported each with file and line
-    log = (tmp / "loaderd.log").read_text()
+    log = env["loaderd"].log_text()
     assert re.search(r"train-000\.jsonl\.zst:21: json: ", log), log
     assert re.search(r"train-000\.jsonl\.zst:22: json: ", log), log
     assert re.search(r"train-000\.jsonl\.zst:23: field: ", log), log
     assert re.search(r"train-000\.jsonl\.zst:24: field: ", log), log
     assert re.search(r"train-001\.jsonl:1: utf8: ", log), log
-    assert env["proc"].poll() is None, "loaderd died"
+    assert env["loaderd"].proc.poll() is None, "loaderd died"

@@ -16,9 +16,8 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
-MODEL = os.path.join(ROOT, os.environ.get("BT_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+from conftest import BUILD, ROOT
+
 TRAINER = os.path.join(BUILD, "trainer")
 
 

@@ -13,59 +13,24 @@ resumes exactly too."""
 import json
 import os
 import re
-import signal
 import subprocess
-import time
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
-MODEL = os.path.join(ROOT, os.environ.get("BT_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-
-
-def chat(u, a):
-    return json.dumps({"messages": [{"role": "user", "content": u},
-                                    {"role": "assistant", "content": a}]})
-
-
-def tiny_model(path, seed=7):
-    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(path),
-                    "--tokenizer-from", MODEL, "--layers", "2", "--hidden", "64", "--heads", "4",
-                    "--kv-heads", "2", "--ffn", "128", "--seed", str(seed)], check=True)
+from conftest import BUILD, chat_line, tiny_model, write_shard
 
 
 @pytest.fixture
-def env(tmp_path):
-    if not os.path.exists(MODEL):
-        pytest.skip(f"model {MODEL} not present (its tokenizer is needed)")
-    for b in ("loaderd", "trainer", "tools/mk_tiny_gguf"):
-        if not os.access(os.path.join(BUILD, b), os.X_OK):
-            pytest.skip(f"{BUILD}/{b} not built")
+def env(tmp_path, trainer_stack):
     data = tmp_path / "data"
     data.mkdir()
-    lines = [chat(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}, colour {i % 5}.")
-             for i in range(60)]
-    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    write_shard(data / "train.jsonl",
+                [chat_line(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}, colour {i % 5}.")
+                 for i in range(60)])
     tiny_model(tmp_path / "tiny.gguf", 7)
     tiny_model(tmp_path / "other.gguf", 8)
-    sock = tmp_path / "ld.sock"
-    cfg = tmp_path / "loaderd.json"
-    cfg.write_text(json.dumps({"socket": str(sock), "data_roots": [str(data)],
-                               "model_roots": [str(tmp_path), os.path.dirname(MODEL)]}))
-    log = open(tmp_path / "loaderd.log", "wb")
-    proc = subprocess.Popen([os.path.join(BUILD, "loaderd"), "--config", str(cfg), "--foreground"],
-                            stderr=log)
-    for _ in range(200):
-        if sock.exists():
-            break
-        time.sleep(0.05)
-    assert sock.exists(), (tmp_path / "loaderd.log").read_text()
-    yield {"tmp": tmp_path, "data": data, "sock": sock}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-    log.close()
+    ld = trainer_stack(data)
+    return {"tmp": tmp_path, "data": data, "sock": ld.sock}
 
 
 def job(env, name, **over):

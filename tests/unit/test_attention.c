@@ -111,9 +111,13 @@ static double ref_loss(const shape *s, const double *q, const double *k, const d
 static void check_close(const char *what, const float *a, const double *b, int n, double rtol,
                         double atol)
 {
-    for (int i = 0; i < n; i++)
+    int bad = -1;
+    for (int i = 0; i < n && bad < 0; i++)
         if (!(fabs(a[i] - b[i]) <= atol + rtol * fabs(b[i])))
-            fail_msg("%s[%d]: %.9g vs ref %.9g", what, i, a[i], b[i]);
+            bad = i;
+    if (bad >= 0)
+        print_error("%s[%d]: %.9g vs ref %.9g\n", what, bad, a[bad], b[bad]);
+    assert_int_equal(bad, -1);
 }
 
 static void run(const shape *s, int fd_check)

@@ -18,18 +18,14 @@
 #include "common/chat.h"
 #include "common/gguf.h"
 #include "common/tokenizer.h"
+#include "tests/unit/util/test_util.h"
 
 static bt_tokenizer *g_tok;
 static const char DEFAULT_SYS[] = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
 static int setup(void **state) {
     (void)state;
-    const char *p = getenv("BT_MODEL");
-    if (bt_tokenizer_load(&g_tok, p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf") < 0) {
-        fprintf(stderr, "tokenizer_load: %s\n", bt_last_error());
-        return -1;
-    }
-    return 0;
+    return tu_load_tokenizer(&g_tok);
 }
 
 static int teardown(void **state) {
@@ -38,35 +34,19 @@ static int teardown(void **state) {
     return 0;
 }
 
-/* Appends s to a growing string buffer. */
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-static void sb_add(sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        b->cap = (b->n + n + 1) * 2;
-        b->p = realloc(b->p, b->cap);
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-static void sb_str(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
-
 /* Renders msgs as the SmolLM2 Jinja template does. */
-static void render(const bt_chat_msg *m, int n, sbuf *b) {
+static void render(const bt_chat_msg *m, int n, tu_sbuf *b) {
     if (strcmp(m[0].role, "system") != 0) {
-        sb_str(b, "<|im_start|>system\n");
-        sb_str(b, DEFAULT_SYS);
-        sb_str(b, "<|im_end|>\n");
+        tu_sb_str(b, "<|im_start|>system\n");
+        tu_sb_str(b, DEFAULT_SYS);
+        tu_sb_str(b, "<|im_end|>\n");
     }
     for (int i = 0; i < n; i++) {
-        sb_str(b, "<|im_start|>");
-        sb_str(b, m[i].role);
-        sb_str(b, "\n");
-        sb_add(b, m[i].content, m[i].content_len);
-        sb_str(b, "<|im_end|>\n");
+        tu_sb_str(b, "<|im_start|>");
+        tu_sb_str(b, m[i].role);
+        tu_sb_str(b, "\n");
+        tu_sb_add(b, m[i].content, m[i].content_len);
+        tu_sb_str(b, "<|im_end|>\n");
     }
 }
 
@@ -80,7 +60,7 @@ static size_t check_conv(const bt_chat_msg *m, int n) {
     assert_int_equal(bt_chat_encode(g_tok, BT_CHAT_CHATML, m, n, &ids, &mask), 0);
     assert_int_equal(ids.n, mask.n);
     assert_int_equal(ids.v[0], 77);
-    sbuf b = {0};
+    tu_sbuf b = {0};
     render(m, n, &b);
     assert_int_equal(bt_tokenize(g_tok, b.p, b.n, 1, &ref), 0);
     assert_int_equal(ids.n - 1, ref.n);
@@ -108,9 +88,9 @@ static size_t check_conv(const bt_chat_msg *m, int n) {
             char *s = NULL;
             size_t sl = 0;
             assert_int_equal(bt_detokenize(g_tok, ids.v + first, j + 1 - first, 1, &s, &sl), 0);
-            sbuf want = {0};
-            sb_add(&want, m[msg].content, m[msg].content_len);
-            sb_str(&want, "<|im_end|>");
+            tu_sbuf want = {0};
+            tu_sb_add(&want, m[msg].content, m[msg].content_len);
+            tu_sb_str(&want, "<|im_end|>");
             if (!(sl == want.n && memcmp(s, want.p, sl) == 0)) {
                 assert_true(sl == want.n + 1 && s[0] == '\n' && memcmp(s + 1, want.p, want.n) == 0);
                 assert_true(m[msg].content_len > 0 && strchr(" \t\n\r", m[msg].content[0]));
@@ -253,11 +233,11 @@ static void test_alpaca(void **state) {
         const char *out = json_string_value(json_object_get(inst, "output"));
         assert_non_null(ins);
         assert_non_null(out);
-        sbuf u = {0};
-        sb_str(&u, ins);
+        tu_sbuf u = {0};
+        tu_sb_str(&u, ins);
         if (in && *in) {
-            sb_str(&u, "\n\n");
-            sb_str(&u, in);
+            tu_sb_str(&u, "\n\n");
+            tu_sb_str(&u, in);
         }
         bt_chat_msg m[] = {{"user", u.p, u.n}, {"assistant", out, strlen(out)}};
         assert_true(check_conv(m, 2) >= 1);

@@ -14,12 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <zstd.h>
 
 #include "common/bt_common.h"
 #include "common/tokenizer.h"
 #include "loaderd/pipeline.h"
 #include "proto/batch.h"
+#include "tests/unit/util/pipeline_util.h"
 
 #define N_A 1500
 #define N_B 400
@@ -27,71 +27,43 @@
 #define B_TEST 3
 
 static bt_tokenizer *g_tok;
-static char g_dir[64], g_model[512];
+static char g_dir[64];
 
-static void write_file(const char *name, const void *data, size_t n) {
-    char path[256];
-    snprintf(path, sizeof path, "%s/%s", g_dir, name);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    if (n) assert_int_equal(fwrite(data, 1, n, f), n);
-    assert_int_equal(fclose(f), 0);
-}
-
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-static void sb_str(sbuf *b, const char *s) {
-    size_t n = strlen(s);
-    if (b->n + n + 1 > b->cap) {
-        b->cap = 2 * (b->n + n + 1);
-        b->p = realloc(b->p, b->cap);
-    }
-    memcpy(b->p + b->n, s, n + 1);
-    b->n += n;
-}
-
-static void chat_line(sbuf *b, int id) {
+static void chat_line(tu_sbuf *b, int id) {
     char tmp[2048];
     int k = snprintf(tmp, sizeof tmp, "{\"messages\":[{\"role\":\"user\",\"content\":\"ID%d; q\"},"
                                       "{\"role\":\"assistant\",\"content\":\"a", id);
     for (int w = 0; w < (id * 13) % 40; w++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, " w%d", w);
     snprintf(tmp + k, sizeof tmp - (size_t)k, "\"}]}\n");
-    sb_str(b, tmp);
+    tu_sb_str(b, tmp);
 }
 
 static void make_data(void) {
-    sbuf a1 = {0}, a2 = {0}, bt = {0};
+    tu_sbuf a1 = {0}, a2 = {0}, bt = {0};
     for (int i = 0; i < N_A; i++) {
         chat_line(i < N_A / 2 ? &a1 : &a2, i);
-        if (i % 97 == 0) sb_str(i < N_A / 2 ? &a1 : &a2, "{broken json\n"); /* counted, skipped */
+        if (i % 97 == 0) tu_sb_str(i < N_A / 2 ? &a1 : &a2, "{broken json\n"); /* counted, skipped */
     }
-    write_file("a1.jsonl", a1.p, a1.n);
-    size_t cap = ZSTD_compressBound(a2.n);
-    void *z = malloc(cap);
-    size_t zn = ZSTD_compress(z, cap, a2.p, a2.n, 3);
-    assert_false(ZSTD_isError(zn));
-    write_file("a2.jsonl.zst", z, zn);
+    tu_write_file(g_dir, "a1.jsonl", a1.p, a1.n);
+    size_t zn;
+    void *z = tu_zstd_frame(a2.p, a2.n, &zn);
+    tu_write_file(g_dir, "a2.jsonl.zst", z, zn);
     for (int i = 0; i < N_B; i++) {
         char tmp[512];
         int k = snprintf(tmp, sizeof tmp, "{\"body\":\"TX%d; text", i);
         for (int w = 0; w < i % 30; w++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, " v%d", w);
         snprintf(tmp + k, sizeof tmp - (size_t)k, "\"}\n");
-        sb_str(&bt, tmp);
+        tu_sb_str(&bt, tmp);
     }
-    write_file("b.jsonl", bt.p, bt.n);
+    tu_write_file(g_dir, "b.jsonl", bt.p, bt.n);
     free(a1.p), free(a2.p), free(bt.p), free(z);
 }
 
 static int setup(void **state) {
     (void)state;
-    const char *m = getenv("BT_MODEL");
-    snprintf(g_model, sizeof g_model, "%s", m && *m ? m : "models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if (bt_tokenizer_load(&g_tok, g_model) != BT_OK) return -1;
+    if (tu_load_tokenizer(&g_tok)) return -1;
     if (!getenv("BT_LOG_LEVEL")) bt_log_set_level(BT_LOG_ERROR);
-    snprintf(g_dir, sizeof g_dir, "/tmp/bt_test_determinism_XXXXXX");
-    if (!mkdtemp(g_dir)) return -1;
+    if (tu_make_tmpdir(g_dir, sizeof g_dir, "determinism")) return -1;
     make_data();
     return 0;
 }
@@ -99,9 +71,7 @@ static int setup(void **state) {
 static int teardown(void **state) {
     (void)state;
     bt_tokenizer_free(g_tok);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    return system(cmd) == 0 ? 0 : -1;
+    return tu_remove_dir(g_dir);
 }
 
 static void make_spec(ld_job_spec *spec, int threads, int epochs, uint32_t rank, uint32_t world) {
@@ -111,7 +81,7 @@ static void make_spec(ld_job_spec *spec, int threads, int epochs, uint32_t rank,
              "{\"shards\":[\"%s/b.jsonl\"],\"format\":\"text\",\"text_field\":\"body\",\"weight\":1}],"
              "\"tokenizer\":\"%s\",\"seq_len\":%d,\"micro_batch_size\":%d,\"seed\":11,\"epochs\":%d,"
              "\"tokenizer_threads\":%d}",
-             g_dir, g_dir, g_model, T_TEST, B_TEST, epochs, threads);
+             g_dir, g_dir, tu_model_path(), T_TEST, B_TEST, epochs, threads);
     if (ld_job_spec_parse(spec, json, err, sizeof err) != BT_OK) fail_msg("spec: %s", err);
     spec->rank = rank;
     spec->world_size = world;
@@ -143,33 +113,24 @@ static void add_ids(run_t *r, const bt_batch_view *v) {
     }
 }
 
+/* records checksum, resume state and doc ids of every batch before END */
+static void record_batch(void *ctx, ld_pipeline *p, bt_batch_view *v, int is_end) {
+    (void)p;
+    run_t *r = ctx;
+    if (is_end) return;
+    r->sum = realloc(r->sum, (r->n + 1) * sizeof *r->sum);
+    r->state = realloc(r->state, (r->n + 1) * sizeof *r->state);
+    r->sum[r->n] = v->hdr->checksum;
+    memcpy(r->state[r->n], v->hdr->resume_state, BT_RESUME_STATE_BYTES);
+    r->real += v->hdr->n_real_tokens;
+    add_ids(r, v);
+    r->n++;
+}
+
 /* Run to END (max = 0) or max batches; step numbers must continue from step0. */
 static run_t run(const ld_job_spec *spec, const uint8_t *resume, size_t max, uint64_t step0, ld_stats *st) {
-    ld_pipeline *p = NULL;
-    if (ld_pipeline_new(&p, spec, g_tok, resume, st) != BT_OK) fail_msg("new: %s", bt_last_error());
-    size_t bytes = bt_batch_slot_bytes(spec->B, spec->T);
-    uint8_t *slot = aligned_alloc(64, bytes);
     run_t r = {0};
-    for (;;) {
-        bt_batch_view v;
-        bt_batch_view_init(&v, slot, spec->B, spec->T);
-        int rc = ld_pipeline_next(p, &v, 1);
-        if (rc < 0) fail_msg("next: %s", bt_last_error());
-        if (bt_batch_validate(&v, spec->B, spec->T, bt_tokenizer_vocab_size(g_tok)) != BT_OK)
-            fail_msg("invalid batch: %s", bt_last_error());
-        assert_int_equal(v.hdr->step, step0 + r.n);
-        if (rc == 1) break;
-        r.sum = realloc(r.sum, (r.n + 1) * sizeof *r.sum);
-        r.state = realloc(r.state, (r.n + 1) * sizeof *r.state);
-        r.sum[r.n] = v.hdr->checksum;
-        memcpy(r.state[r.n], v.hdr->resume_state, BT_RESUME_STATE_BYTES);
-        r.real += v.hdr->n_real_tokens;
-        add_ids(&r, &v);
-        r.n++;
-        if (max && r.n == max) break;
-    }
-    free(slot);
-    ld_pipeline_free(p);
+    tu_run_pipeline(spec, g_tok, resume, st, max, step0, 1, record_batch, &r);
     return r;
 }
 
@@ -322,7 +283,7 @@ static void test_shards_vanish(void **state) {
     assert_int_equal(system(cmd), 0);
     char json[1024], err[256];
     snprintf(json, sizeof json, "{\"shards\":[\"%s/v/*.jsonl\"],\"format\":\"chat\",\"tokenizer\":\"%s\","
-             "\"seq_len\":128,\"micro_batch_size\":2,\"epochs\":2,\"tokenizer_threads\":2}", g_dir, g_model);
+             "\"seq_len\":128,\"micro_batch_size\":2,\"epochs\":2,\"tokenizer_threads\":2}", g_dir, tu_model_path());
     ld_job_spec spec;
     assert_int_equal(ld_job_spec_parse(&spec, json, err, sizeof err), BT_OK);
     ld_stats st;

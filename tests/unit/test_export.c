@@ -34,6 +34,7 @@
 #include "trainer/export.h"
 #include "trainer/rng.h"
 #include "trainer/step.h"
+#include "tests/unit/util/test_util.h"
 
 static const bt_llama_hparams k_hp = {.n_layer = 2, .d_model = 64, .n_head = 4, .n_kv_head = 2,
                                       .head_dim = 16, .d_ff = 128, .vocab = 96, .ctx = 128,
@@ -869,15 +870,9 @@ static void test_rslora_normalised(void **st) {
 /* ---- the driver ---- */
 
 static size_t file_bytes(const char *p, uint8_t **out) {
-    FILE *f = fopen(p, "rb");
-    assert_non_null(f);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    *out = malloc((size_t)n + 1);
-    assert_int_equal(fread(*out, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    return (size_t)n;
+    size_t n;
+    *out = tu_slurp(p, &n);
+    return n;
 }
 
 static void test_run_and_main(void **st) {

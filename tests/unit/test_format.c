@@ -15,21 +15,13 @@
 #include "common/gguf.h"
 #include "common/tokenizer.h"
 #include "loaderd/format.h"
+#include "tests/unit/util/test_util.h"
 
 static bt_tokenizer *g_tok;
 
-static const char *model_path(void) {
-    const char *m = getenv("BT_MODEL");
-    return m && *m ? m : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
 static int setup(void **state) {
     (void)state;
-    if (bt_tokenizer_load(&g_tok, model_path()) != BT_OK) {
-        fprintf(stderr, "cannot load tokenizer %s: %s\n", model_path(), bt_last_error());
-        return -1;
-    }
-    return 0;
+    return tu_load_tokenizer(&g_tok);
 }
 
 static int teardown(void **state) {
@@ -248,7 +240,7 @@ static void test_alpaca(void **state) {
  * (control), BOS = <|begin_of_text|>, add_bos_token = true, a Llama-3 chat_template string. */
 static bt_tokenizer *llama3_tokenizer(char *path, size_t pathlen) {
     bt_gguf *g = NULL;
-    assert_int_equal(bt_gguf_open(&g, model_path()), BT_OK);
+    assert_int_equal(bt_gguf_open(&g, tu_model_path()), BT_OK);
     bt_str *toks;
     uint64_t n;
     assert_int_equal(bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n), BT_OK);

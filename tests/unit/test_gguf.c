@@ -16,11 +16,7 @@
 #include "common/bt_common.h"
 #include "common/gguf.h"
 #include "common/quant.h"
-
-static const char *model_path(void) {
-    const char *p = getenv("BT_MODEL");
-    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
+#include "tests/unit/util/test_util.h"
 
 static int str_eq(bt_str s, const char *c) {
     return s.len == strlen(c) && memcmp(s.ptr, c, s.len) == 0;
@@ -30,29 +26,12 @@ static char g_dir[64];
 
 static int setup_dir(void **s) {
     (void)s;
-    strcpy(g_dir, "/tmp/bt_test_gguf_XXXXXX");
-    return mkdtemp(g_dir) ? 0 : -1;
+    return tu_make_tmpdir(g_dir, sizeof g_dir, "gguf");
 }
 
 static int teardown_dir(void **s) {
     (void)s;
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    return system(cmd) == 0 ? 0 : -1;
-}
-
-static uint8_t *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    assert_non_null(f);
-    fseek(f, 0, SEEK_END);
-    long sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *p = malloc((size_t)sz);
-    assert_non_null(p);
-    assert_int_equal(fread(p, 1, (size_t)sz, f), (size_t)sz);
-    fclose(f);
-    *n = (size_t)sz;
-    return p;
+    return tu_remove_dir(g_dir);
 }
 
 /* ------------------------------------------------------------------ real model */
@@ -60,8 +39,8 @@ static uint8_t *slurp(const char *path, size_t *n) {
 static void test_real_model(void **s) {
     (void)s;
     bt_gguf *g;
-    int rc = bt_gguf_open(&g, model_path());
-    if (rc) fail_msg("open %s: %s", model_path(), bt_last_error());
+    int rc = bt_gguf_open(&g, tu_model_path());
+    if (rc) fail_msg("open %s: %s", tu_model_path(), bt_last_error());
     assert_int_equal(bt_gguf_version(g), 3);
     assert_int_equal(bt_gguf_alignment(g), 32);
     assert_int_equal(bt_gguf_data_offset(g) % 32, 0);
@@ -175,7 +154,7 @@ static void test_real_model(void **s) {
 static void test_writer_round_trip(void **s) {
     (void)s;
     bt_gguf *src;
-    assert_int_equal(bt_gguf_open(&src, model_path()), BT_OK);
+    assert_int_equal(bt_gguf_open(&src, tu_model_path()), BT_OK);
     bt_gguf_writer *w = bt_gguf_writer_new();
     uint8_t u8 = 200;
     int8_t i8 = -100;
@@ -356,7 +335,7 @@ static uint8_t *small_file(size_t *n) {
     snprintf(path, sizeof path, "%s/small.gguf", g_dir);
     assert_int_equal(bt_gguf_writer_write(w, path), BT_OK);
     bt_gguf_writer_free(w);
-    return slurp(path, n);
+    return tu_slurp(path, n);
 }
 
 /* Opens a private exact-size copy (so ASan sees any over-read); returns rc. */
@@ -552,7 +531,7 @@ static void test_alignment_key(void **s) {
         assert_int_equal(bt_gguf_writer_write(w, path), BT_OK);
         bt_gguf_writer_free(w);
         size_t n;
-        uint8_t *buf = slurp(path, &n);
+        uint8_t *buf = tu_slurp(path, &n);
         uint8_t *p = memmem(buf, n, "general.alignmenx", 17);
         assert_non_null(p);
         p[16] = 't';

@@ -17,6 +17,7 @@
 
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
+#include "tests/unit/util/test_util.h"
 
 static const char *fixture_dir(void)
 {
@@ -28,20 +29,7 @@ static void *read_file(const char *name, size_t *size)
 {
     char path[512];
     snprintf(path, sizeof path, "%s/%s", fixture_dir(), name);
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fail_msg("cannot open fixture %s (run from the repo root)", path);
-        return NULL;
-    }
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *buf = malloc((size_t)n);
-    assert_non_null(buf);
-    assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    *size = (size_t)n;
-    return buf;
+    return tu_slurp(path, size);
 }
 
 static uint32_t rng_state = 12345u;

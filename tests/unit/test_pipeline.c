@@ -10,12 +10,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <zstd.h>
 
 #include "common/bt_common.h"
 #include "common/tokenizer.h"
 #include "loaderd/pipeline.h"
 #include "proto/batch.h"
+#include "tests/unit/util/pipeline_util.h"
 
 #define N_GOOD 600 /* good chat docs over all shards */
 #define T_TEST 128
@@ -23,35 +23,10 @@
 
 static bt_tokenizer *g_tok;
 static char g_dir[64];
-static char g_model[512];
 /* expected counts (built with the shards) */
 static uint64_t e_bad[LD_BAD_N], e_lines, e_blank, e_good;
 
-static void write_file(const char *name, const void *data, size_t n) {
-    char path[256];
-    snprintf(path, sizeof path, "%s/%s", g_dir, name);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    if (n) assert_int_equal(fwrite(data, 1, n, f), n);
-    assert_int_equal(fclose(f), 0);
-}
-
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-static void sb_add(sbuf *b, const void *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        b->cap = 2 * (b->n + n + 1);
-        b->p = realloc(b->p, b->cap);
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-static void sb_str(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
-
-static void good_line(sbuf *b, int id, const char *eol) {
+static void good_line(tu_sbuf *b, int id, const char *eol) {
     char tmp[4096];
     int words = (id * 7) % 20;
     if (id == 5) words = 300; /* longer than T: truncated, still present */
@@ -59,31 +34,23 @@ static void good_line(sbuf *b, int id, const char *eol) {
                                       "{\"role\":\"assistant\",\"content\":\"answer", id);
     for (int w = 0; w < words; w++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, " w%d", w);
     snprintf(tmp + k, sizeof tmp - (size_t)k, "\"}]}%s", eol);
-    sb_str(b, tmp);
+    tu_sb_str(b, tmp);
     e_lines++;
     e_good++;
 }
 
-static void bad_line(sbuf *b, const char *line, int reason) {
-    sb_str(b, line);
-    sb_str(b, "\n");
+static void bad_line(tu_sbuf *b, const char *line, int reason) {
+    tu_sb_str(b, line);
+    tu_sb_str(b, "\n");
     e_lines++;
     if (reason >= 0) e_bad[reason]++;
     else e_blank++;
 }
 
-static void *zframe(const void *src, size_t n, size_t *zn) {
-    size_t cap = ZSTD_compressBound(n);
-    void *z = malloc(cap);
-    *zn = ZSTD_compress(z, cap, src, n, 3);
-    assert_false(ZSTD_isError(*zn));
-    return z;
-}
-
 static void make_shards(void) {
     int id = 0;
     /* a.jsonl: good lines (some CRLF) and every kind of bad line */
-    sbuf a = {0};
+    tu_sbuf a = {0};
     for (int i = 0; i < 200; i++) good_line(&a, id++, i % 3 ? "\n" : "\r\n");
     bad_line(&a, "{\"messages\": [", LD_BAD_JSON);
     bad_line(&a, "not json at all", LD_BAD_JSON);
@@ -101,14 +68,14 @@ static void make_shards(void) {
     for (int i = 0; i < 100; i++) good_line(&a, id++, "\n");
     a.n--; /* no newline at the very end */
     a.p[a.n] = 0;
-    write_file("a.jsonl", a.p, a.n);
+    tu_write_file(g_dir, "a.jsonl", a.p, a.n);
     free(a.p);
 
     /* b.jsonl.zst: two frames, one over-long line (16 MiB + 1) in the middle */
-    sbuf b = {0};
+    tu_sbuf b = {0};
     for (int i = 0; i < 150; i++) good_line(&b, id++, "\n");
     size_t z1n, z2n;
-    void *z1 = zframe(b.p, b.n, &z1n);
+    void *z1 = tu_zstd_frame(b.p, b.n, &z1n);
     b.n = 0;
     char *big = malloc(((size_t)16 << 20) + 2);
     memset(big, 'x', ((size_t)16 << 20) + 1);
@@ -116,41 +83,35 @@ static void make_shards(void) {
     bad_line(&b, big, LD_BAD_TOO_LONG);
     free(big);
     for (int i = 0; i < 100; i++) good_line(&b, id++, "\n");
-    void *z2 = zframe(b.p, b.n, &z2n);
-    sbuf zb = {0};
-    sb_add(&zb, z1, z1n);
-    sb_add(&zb, z2, z2n);
-    write_file("b.jsonl.zst", zb.p, zb.n);
+    void *z2 = tu_zstd_frame(b.p, b.n, &z2n);
+    tu_sbuf zb = {0};
+    tu_sb_add(&zb, z1, z1n);
+    tu_sb_add(&zb, z2, z2n);
+    tu_write_file(g_dir, "b.jsonl.zst", zb.p, zb.n);
     free(z1), free(z2), free(zb.p);
 
     /* c.jsonl.zst: one complete frame, then a second frame cut after its header */
     b.n = 0;
     for (int i = 0; i < 50; i++) good_line(&b, id++, "\n");
-    z1 = zframe(b.p, b.n, &z1n);
-    z2 = zframe("{\"never\":1}\n", 12, &z2n);
+    z1 = tu_zstd_frame(b.p, b.n, &z1n);
+    z2 = tu_zstd_frame("{\"never\":1}\n", 12, &z2n);
     zb.p = NULL, zb.n = zb.cap = 0;
-    sb_add(&zb, z1, z1n);
-    sb_add(&zb, z2, 6);
-    write_file("c.jsonl.zst", zb.p, zb.n);
+    tu_sb_add(&zb, z1, z1n);
+    tu_sb_add(&zb, z2, 6);
+    tu_write_file(g_dir, "c.jsonl.zst", zb.p, zb.n);
     e_bad[LD_BAD_ZSTD]++;
     free(z1), free(z2), free(zb.p), free(b.p);
 
     /* d.jsonl: empty */
-    write_file("d.jsonl", "", 0);
+    tu_write_file(g_dir, "d.jsonl", "", 0);
     assert_int_equal(id, N_GOOD);
 }
 
 static int setup(void **state) {
     (void)state;
-    const char *m = getenv("BT_MODEL");
-    snprintf(g_model, sizeof g_model, "%s", m && *m ? m : "models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if (bt_tokenizer_load(&g_tok, g_model) != BT_OK) {
-        fprintf(stderr, "cannot load tokenizer %s: %s\n", g_model, bt_last_error());
-        return -1;
-    }
+    if (tu_load_tokenizer(&g_tok)) return -1;
     if (!getenv("BT_LOG_LEVEL")) bt_log_set_level(BT_LOG_ERROR); /* bad lines are expected here */
-    snprintf(g_dir, sizeof g_dir, "/tmp/bt_test_pipeline_XXXXXX");
-    if (!mkdtemp(g_dir)) return -1;
+    if (tu_make_tmpdir(g_dir, sizeof g_dir, "pipeline")) return -1;
     make_shards();
     return 0;
 }
@@ -158,9 +119,7 @@ static int setup(void **state) {
 static int teardown(void **state) {
     (void)state;
     bt_tokenizer_free(g_tok);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    return system(cmd) == 0 ? 0 : -1;
+    return tu_remove_dir(g_dir);
 }
 
 static void make_spec(ld_job_spec *spec, int threads, int epochs, const char *extra) {
@@ -169,7 +128,7 @@ static void make_spec(ld_job_spec *spec, int threads, int epochs, const char *ex
              "{\"name\":\"t\",\"shards\":[\"%s/*.jsonl\",\"%s/*.zst\",\"%s/a.jsonl\"],\"format\":\"chat\","
              "\"tokenizer\":\"%s\",\"seq_len\":%d,\"micro_batch_size\":%d,\"seed\":7,\"epochs\":%d,"
              "\"tokenizer_threads\":%d%s}",
-             g_dir, g_dir, g_dir, g_model, T_TEST, B_TEST, epochs, threads, extra ? extra : "");
+             g_dir, g_dir, g_dir, tu_model_path(), T_TEST, B_TEST, epochs, threads, extra ? extra : "");
     int rc = ld_job_spec_parse(spec, json, err, sizeof err);
     if (rc != BT_OK) fail_msg("spec: %s", err);
 }
@@ -178,44 +137,36 @@ typedef struct {
     uint8_t **slots;
     size_t n; /* batches before END */
     int ended;
+    const ld_job_spec *spec;
 } run_t;
+
+/* keeps a copy of every batch (the END one included) */
+static void keep_batch(void *ctx, ld_pipeline *p, bt_batch_view *v, int is_end) {
+    run_t *r = ctx;
+    assert_int_equal(v->hdr->job_id, 9);
+    assert_int_equal(v->hdr->rank, r->spec->rank);
+    size_t bytes = bt_batch_slot_bytes(r->spec->B, r->spec->T);
+    uint8_t *slot = aligned_alloc(64, bytes);
+    memcpy(slot, v->hdr, bytes); /* the view starts at its slot */
+    r->slots = realloc(r->slots, (r->n + 1) * sizeof *r->slots);
+    r->slots[r->n] = slot;
+    if (is_end) {
+        assert_true(v->hdr->flags & BT_BATCH_F_END_OF_DATA);
+        assert_int_equal(v->hdr->n_real_tokens, 0);
+        r->ended = 1;
+        /* END is sticky */
+        assert_int_equal(ld_pipeline_next(p, v, 9), 1);
+        return;
+    }
+    assert_int_equal(v->hdr->flags, 0);
+    r->n++;
+}
 
 /* Run a pipeline; collect up to max_batches batches (to END when max_batches == 0). */
 static run_t run_pipeline(const ld_job_spec *spec, const uint8_t *resume, ld_stats *st, size_t max_batches,
                           uint64_t step0) {
-    ld_pipeline *p = NULL;
-    int rc = ld_pipeline_new(&p, spec, g_tok, resume, st);
-    if (rc != BT_OK) fail_msg("pipeline_new: %s", bt_last_error());
-    size_t bytes = bt_batch_slot_bytes(spec->B, spec->T);
-    run_t r = {0};
-    for (;;) {
-        uint8_t *slot = aligned_alloc(64, bytes);
-        memset(slot, 0xAB, bytes);
-        bt_batch_view v;
-        bt_batch_view_init(&v, slot, spec->B, spec->T);
-        rc = ld_pipeline_next(p, &v, 9);
-        if (rc < 0) fail_msg("next: %s", bt_last_error());
-        if (bt_batch_validate(&v, spec->B, spec->T, bt_tokenizer_vocab_size(g_tok)) != BT_OK)
-            fail_msg("invalid batch: %s", bt_last_error());
-        assert_int_equal(v.hdr->job_id, 9);
-        assert_int_equal(v.hdr->rank, spec->rank);
-        r.slots = realloc(r.slots, (r.n + 1) * sizeof *r.slots);
-        r.slots[r.n] = slot;
-        if (rc == 1) {
-            assert_true(v.hdr->flags & BT_BATCH_F_END_OF_DATA);
-            assert_int_equal(v.hdr->n_real_tokens, 0);
-            assert_int_equal(v.hdr->step, step0 + r.n);
-            r.ended = 1;
-            /* END is sticky */
-            assert_int_equal(ld_pipeline_next(p, &v, 9), 1);
-            break;
-        }
-        assert_int_equal(v.hdr->flags, 0);
-        assert_int_equal(v.hdr->step, step0 + r.n);
-        r.n++;
-        if (max_batches && r.n == max_batches) break;
-    }
-    ld_pipeline_free(p);
+    run_t r = {.spec = spec};
+    tu_run_pipeline(spec, g_tok, resume, st, max_batches, step0, 9, keep_batch, &r);
     return r;
 }
 
@@ -309,7 +260,7 @@ static void test_glob_errors(void **state) {
     assert_null(p);
     assert_non_null(strstr(bt_last_error(), "/nonexistent/dir/*.jsonl"));
     /* a literal file name holding glob characters is taken as it is */
-    write_file("lit[1].jsonl", "", 0);
+    tu_write_file(g_dir, "lit[1].jsonl", "", 0);
     char lit[256];
     snprintf(lit, sizeof lit, "%s/lit[1].jsonl", g_dir);
     free(spec.shards[1]);
@@ -520,7 +471,7 @@ static void test_endless(void **state) {
 static void test_text_split(void **state) {
     (void)state;
     /* text docs of many lengths, some longer than T (split into pieces, none lost) */
-    sbuf s = {0};
+    tu_sbuf s = {0};
     uint64_t want_tokens = 0;
     for (int i = 0; i < 40; i++) {
         char body[8192];
@@ -530,20 +481,20 @@ static void test_text_split(void **state) {
         assert_int_equal(bt_tokenize(g_tok, body, (size_t)k, 0, &ids), BT_OK);
         want_tokens += ids.n + 1; /* + EOS */
         bt_ids_free(&ids);
-        sb_str(&s, "{\"body\":\"");
-        sb_str(&s, body);
-        sb_str(&s, "\"}\n");
+        tu_sb_str(&s, "{\"body\":\"");
+        tu_sb_str(&s, body);
+        tu_sb_str(&s, "\"}\n");
     }
     char path[256];
     snprintf(path, sizeof path, "%s/text/", g_dir);
     char cmd[300];
     snprintf(cmd, sizeof cmd, "mkdir -p '%s'", path);
     assert_int_equal(system(cmd), 0);
-    write_file("text/t.jsonl", s.p, s.n);
+    tu_write_file(g_dir, "text/t.jsonl", s.p, s.n);
     free(s.p);
     char json[1024], err[256];
     snprintf(json, sizeof json, "{\"shards\":[\"%s/text/*.jsonl\"],\"format\":\"text\",\"text_field\":\"body\","
-             "\"tokenizer\":\"%s\",\"seq_len\":64,\"micro_batch_size\":3,\"epochs\":1,\"seed\":1}", g_dir, g_model);
+             "\"tokenizer\":\"%s\",\"seq_len\":64,\"micro_batch_size\":3,\"epochs\":1,\"seed\":1}", g_dir, tu_model_path());
     ld_job_spec spec;
     assert_int_equal(ld_job_spec_parse(&spec, json, err, sizeof err), BT_OK);
     ld_stats st;
@@ -571,11 +522,11 @@ static void test_no_valid_docs(void **state) {
     snprintf(cmd, sizeof cmd, "mkdir -p '%s/bad/sub.jsonl'", g_dir); /* a directory: unreadable shard */
     assert_int_equal(system(cmd), 0);
     const char *lines = "{\"messages\":[]}\nnot json\n\n";
-    write_file("bad/only_bad.jsonl", lines, strlen(lines));
+    tu_write_file(g_dir, "bad/only_bad.jsonl", lines, strlen(lines));
     for (int epochs = 1; epochs >= 0; epochs--) {
         char json[1024], err[256];
         snprintf(json, sizeof json, "{\"shards\":[\"%s/bad/*.jsonl\"],\"format\":\"chat\",\"tokenizer\":\"%s\","
-                 "\"seq_len\":64,\"micro_batch_size\":2,\"epochs\":%d}", g_dir, g_model, epochs);
+                 "\"seq_len\":64,\"micro_batch_size\":2,\"epochs\":%d}", g_dir, tu_model_path(), epochs);
         ld_job_spec spec;
         assert_int_equal(ld_job_spec_parse(&spec, json, err, sizeof err), BT_OK);
         ld_stats st;

@@ -18,23 +18,14 @@
 #include "common/bt_common.h"
 #include "common/gguf.h"
 #include "common/quant.h"
+#include "tests/unit/util/test_util.h"
 
 #define FIXDIR "tests/fixtures/quant/"
 
 static void *slurp(const char *name, size_t *size) {
     char path[512];
     snprintf(path, sizeof path, FIXDIR "%s", name);
-    FILE *f = fopen(path, "rb");
-    if (!f) fail_msg("missing fixture %s (run from the repo root)", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *p = malloc(n > 0 ? (size_t)n : 1);
-    assert_non_null(p);
-    assert_int_equal(fread(p, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    *size = (size_t)n;
-    return p;
+    return tu_slurp(path, size);
 }
 
 static uint32_t bits(float f) {

@@ -13,44 +13,21 @@
 
 #include "common/bt_common.h"
 #include "common/safetensors.h"
+#include "tests/unit/util/test_util.h"
 
 static char g_dir[64];
 
 static int setup_dir(void **s) {
     (void)s;
-    strcpy(g_dir, "/tmp/bt_test_st_XXXXXX");
-    return mkdtemp(g_dir) ? 0 : -1;
+    return tu_make_tmpdir(g_dir, sizeof g_dir, "st");
 }
 
 static int teardown_dir(void **s) {
     (void)s;
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    return system(cmd) == 0 ? 0 : -1;
+    return tu_remove_dir(g_dir);
 }
 
 static void path_of(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", g_dir, name); }
-
-static uint8_t *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    assert_non_null(f);
-    fseek(f, 0, SEEK_END);
-    long sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *p = malloc((size_t)sz + 1);
-    assert_non_null(p);
-    assert_int_equal(fread(p, 1, (size_t)sz, f), (size_t)sz);
-    fclose(f);
-    *n = (size_t)sz;
-    return p;
-}
-
-static void spit(const char *path, const void *p, size_t n) {
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(p, 1, n, f), n);
-    fclose(f);
-}
 
 /* writes u64(len(json)) + json + data_len bytes (0,1,2,...) */
 static void write_raw(const char *path, const char *json, size_t data_len) {
@@ -60,7 +37,7 @@ static void write_raw(const char *path, const char *json, size_t data_len) {
     memcpy(b, &h, 8);
     memcpy(b + 8, json, jl);
     for (size_t i = 0; i < data_len; i++) b[8 + jl + i] = (uint8_t)i;
-    spit(path, b, 8 + jl + data_len);
+    tu_write_file(NULL, path, b, 8 + jl + data_len);
     free(b);
 }
 
@@ -128,7 +105,7 @@ static void test_round_trip(void **s) {
     bt_st_writer_free(w);
 
     size_t n;
-    uint8_t *raw = slurp(p, &n);
+    uint8_t *raw = tu_slurp(p, &n);
     uint64_t hn;
     memcpy(&hn, raw, 8);
     assert_int_equal(hn % 8, 0);
@@ -246,16 +223,16 @@ static void test_hostile(void **s) {
     uint8_t b[16] = {0};
     uint64_t big = (uint64_t)1 << 63;
     memcpy(b, &big, 8);
-    spit(p, b, 16);
+    tu_write_file(NULL, p, b, 16);
     bt_st_file *f;
     assert_int_equal(bt_st_open(&f, p), BT_ERR_FORMAT);
     big = 9;
     memcpy(b, &big, 8);
-    spit(p, b, 16);
+    tu_write_file(NULL, p, b, 16);
     assert_int_equal(bt_st_open(&f, p), BT_ERR_FORMAT);
-    spit(p, b, 5);
+    tu_write_file(NULL, p, b, 5);
     assert_int_equal(bt_st_open(&f, p), BT_ERR_FORMAT);
-    spit(p, b, 0);
+    tu_write_file(NULL, p, b, 0);
     assert_int_equal(bt_st_open(&f, p), BT_ERR_FORMAT);
     assert_int_equal(bt_st_open(&f, "/nonexistent.safetensors"), BT_ERR_IO);
 }
@@ -274,9 +251,9 @@ static void test_truncation(void **s) {
     assert_int_equal(bt_st_writer_write(w, p), BT_OK);
     bt_st_writer_free(w);
     size_t n;
-    uint8_t *raw = slurp(p, &n);
+    uint8_t *raw = tu_slurp(p, &n);
     for (size_t len = 0; len < n; len++) {
-        spit(q, raw, len);
+        tu_write_file(NULL, q, raw, len);
         bt_st_file *f;
         int rc = bt_st_open(&f, q);
         if (rc == BT_OK) fail_msg("prefix %zu/%zu accepted", len, n);

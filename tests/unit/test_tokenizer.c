@@ -17,6 +17,7 @@
 #include "common/bt_common.h"
 #include "common/gguf.h"
 #include "common/tokenizer.h"
+#include "tests/unit/util/test_util.h"
 
 #define CASES_PATH "tests/fixtures/tokenizer/smollm2_cases.jsonl"
 
@@ -34,11 +35,6 @@ typedef struct {
 static bt_tokenizer *g_tok;
 static tcase *g_cases;
 static size_t g_n_cases;
-
-static const char *model_path(void) {
-    const char *p = getenv("BT_MODEL");
-    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
 
 static int hexval(char c) {
     if (c >= '0' && c <= '9') return c - '0';
@@ -95,11 +91,7 @@ static void load_cases(void) {
 
 static int setup(void **state) {
     (void)state;
-    int rc = bt_tokenizer_load(&g_tok, model_path());
-    if (rc < 0) {
-        fprintf(stderr, "tokenizer_load(%s): %s\n", model_path(), bt_last_error());
-        return -1;
-    }
+    if (tu_load_tokenizer(&g_tok)) return -1;
     load_cases();
     return 0;
 }

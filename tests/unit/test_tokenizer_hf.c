@@ -25,6 +25,7 @@
 
 #include "common/bt_common.h"
 #include "common/tokenizer.h"
+#include "tests/unit/util/test_util.h"
 
 #define FIX "tests/fixtures/tokenizer/"
 
@@ -41,19 +42,13 @@ typedef struct {
 } corpus_t;
 
 static char *read_zst(const char *path, size_t *out_len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) fail_msg("cannot open %s (run from the repo root)", path);
-    fseek(f, 0, SEEK_END);
-    long sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *src = malloc((size_t)sz + 1);
-    assert_int_equal(fread(src, 1, (size_t)sz, f), (size_t)sz);
-    fclose(f);
+    size_t sz;
+    char *src = (char *)tu_slurp(path, &sz);
     /* streaming: the zstd CLI writes no content size when reading a pipe */
-    size_t cap = (size_t)sz * 5 + 1024, n = 0;
+    size_t cap = sz * 5 + 1024, n = 0;
     char *dst = malloc(cap + 1);
     ZSTD_DStream *ds = ZSTD_createDStream();
-    ZSTD_inBuffer in = {src, (size_t)sz, 0};
+    ZSTD_inBuffer in = {src, sz, 0};
     for (;;) {
         if (n == cap) {
             cap *= 2;

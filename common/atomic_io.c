@@ -1,0 +1,142 @@
+/* Crash-safe file and directory replacement. See atomic_io.h. */
+#include "common/atomic_io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+
+static void release(bt_atomic_file *af) {
+    free(af->tmp);
+    free(af->path);
+    af->fd = -1;
+    af->tmp = af->path = NULL;
+}
+
+int bt_atomic_open(bt_atomic_file *af, const char *path, const char *component) {
+    size_t tmp_len = strlen(path) + 32;
+    *af = (bt_atomic_file){.fd = -1, .component = component};
+    af->tmp = bt_xmalloc(tmp_len);
+    snprintf(af->tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
+    af->fd = open(af->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (af->fd < 0) {
+        int rc = bt_fail(BT_ERR_IO, "%s: %s: %s", component, af->tmp, strerror(errno));
+        release(af);
+        return rc;
+    }
+    af->path = bt_xstrdup(path);
+    return BT_OK;
+}
+
+int bt_atomic_write(bt_atomic_file *af, const void *p, size_t n) {
+    const uint8_t *b = p;
+    while (n) {
+        ssize_t k = write(af->fd, b, n > (1u << 30) ? (1u << 30) : n);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return bt_fail(BT_ERR_IO, "%s: %s: write: %s", af->component, af->tmp,
+                           strerror(errno));
+        }
+        b += k;
+        n -= (size_t)k;
+    }
+    return BT_OK;
+}
+
+int bt_atomic_commit(bt_atomic_file *af) {
+    int rc = BT_OK;
+    if (fsync(af->fd) != 0) {
+        rc = bt_fail(BT_ERR_IO, "%s: %s: fsync: %s", af->component, af->tmp, strerror(errno));
+        goto fail;
+    }
+    int cr = close(af->fd);
+    af->fd = -1;
+    if (cr != 0) {
+        rc = bt_fail(BT_ERR_IO, "%s: %s: close: %s", af->component, af->tmp, strerror(errno));
+        goto fail;
+    }
+    if (rename(af->tmp, af->path) != 0) {
+        rc = bt_fail(BT_ERR_IO, "%s: rename %s -> %s: %s", af->component, af->tmp, af->path,
+                     strerror(errno));
+        goto fail;
+    }
+    (void)bt_fsync_parent(af->path, af->component); /* best effort: make the rename durable */
+    release(af);
+    return BT_OK;
+fail:
+    bt_atomic_abort(af);
+    return rc;
+}
+
+void bt_atomic_abort(bt_atomic_file *af) {
+    if (af->fd >= 0) close(af->fd);
+    if (af->tmp) unlink(af->tmp);
+    release(af);
+}
+
+int bt_fsync_path(const char *path, int is_dir, const char *component) {
+    int fd = open(path, (is_dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0) return bt_fail(BT_ERR_IO, "%s: open %s: %s", component, path, strerror(errno));
+    int rc = fsync(fd) != 0 && errno != EINVAL
+                 ? bt_fail(BT_ERR_IO, "%s: fsync %s: %s", component, path, strerror(errno))
+                 : BT_OK;
+    close(fd);
+    return rc;
+}
+
+int bt_fsync_parent(const char *path, const char *component) {
+    char *parent = bt_xstrdup(path);
+    char *slash = strrchr(parent, '/');
+    if (slash && slash != parent) *slash = 0;
+    else if (slash) slash[1] = 0;
+    else {
+        free(parent);
+        parent = bt_xstrdup(".");
+    }
+    int rc = bt_fsync_path(parent, 1, component);
+    free(parent);
+    return rc;
+}
+
+static int rm_cb(const char *fpath, const struct stat *sb, int typeflag, struct FTW *ftwbuf) {
+    (void)sb;
+    (void)ftwbuf;
+    return (typeflag == FTW_DP ? rmdir(fpath) : unlink(fpath)) != 0 ? -1 : 0;
+}
+
+void bt_rm_tree(const char *path) { nftw(path, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
+
+int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *component) {
+    struct stat st;
+    if (stat(dst_dir, &st) != 0) {
+        if (rename(tmp_dir, dst_dir) != 0)
+            return bt_fail(BT_ERR_IO, "%s: rename %s -> %s: %s", component, tmp_dir, dst_dir,
+                           strerror(errno));
+        return BT_OK;
+    }
+    if (!S_ISDIR(st.st_mode))
+        return bt_fail(BT_ERR_IO, "%s: %s exists and is not a directory", component, dst_dir);
+    if (renameat2(AT_FDCWD, tmp_dir, AT_FDCWD, dst_dir, RENAME_EXCHANGE) == 0) {
+        bt_rm_tree(tmp_dir); /* now holds the previous contents */
+        return BT_OK;
+    }
+    /* filesystems without RENAME_EXCHANGE: two renames, brief gap */
+    char *old = NULL;
+    if (asprintf(&old, "%s.old-%d", dst_dir, (int)getpid()) < 0)
+        return bt_fail(BT_ERR_NOMEM, "%s: out of memory", component);
+    int rc = BT_OK;
+    bt_rm_tree(old);
+    if (rename(dst_dir, old) != 0 || rename(tmp_dir, dst_dir) != 0)
+        rc = bt_fail(BT_ERR_IO, "%s: replace %s: %s", component, dst_dir, strerror(errno));
+    else
+        bt_rm_tree(old);
+    free(old);
+    return rc;
+}

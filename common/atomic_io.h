@@ -1,0 +1,64 @@
+/* Crash-safe file and directory replacement, shared by the GGUF and safetensors writers, the
+ * PEFT adapter writer and the checkpoint writer.
+ *
+ * A file is written to "<path>.tmp.<pid>" next to its destination, fsync'ed, closed and renamed
+ * over <path>; the parent directory is then fsync'ed (best effort) so the rename is durable.
+ * Readers see the old file or the new one, never a torn one. A directory is built under a
+ * temporary name by the caller and swapped in with bt_replace_dir.
+ *
+ * Every error message is prefixed with the caller's `component` ("gguf writer", "adapter", ...),
+ * e.g. "safetensors writer: out.st.tmp.42: fsync: No space left on device". `component` must
+ * outlive the call (and, for bt_atomic_file, the handle): pass a string literal. */
+#ifndef BT_ATOMIC_IO_H
+#define BT_ATOMIC_IO_H
+#include <stddef.h>
+
+typedef struct {
+    int fd;                /* open temporary file, -1 when none */
+    char *tmp;             /* "<path>.tmp.<pid>" (owned) */
+    char *path;            /* destination (owned copy) */
+    const char *component; /* error-message prefix (borrowed) */
+} bt_atomic_file;
+
+/* Create (truncating) "<path>.tmp.<pid>", mode 0644, for writing. On success `af` owns the open
+ * file until bt_atomic_commit or bt_atomic_abort. On failure returns BT_ERR_IO ("<component>:
+ * <tmp>: <strerror>") and leaves `af` empty (bt_atomic_abort on it is a no-op). */
+int bt_atomic_open(bt_atomic_file *af, const char *path, const char *component);
+
+/* Append n bytes from p (retries short writes and EINTR). BT_ERR_IO ("<component>: <tmp>: write:
+ * <strerror>") on failure; `af` stays open: the caller then calls bt_atomic_abort. */
+int bt_atomic_write(bt_atomic_file *af, const void *p, size_t n);
+
+/* fsync, close and rename the temporary file over the destination, then fsync the parent
+ * directory (best effort). Always releases `af`; on failure (BT_ERR_IO: "<component>: <tmp>:
+ * fsync|close: ..." or "<component>: rename <tmp> -> <path>: ...") the temporary file is removed
+ * and the destination is untouched. */
+int bt_atomic_commit(bt_atomic_file *af);
+
+/* Close and remove the temporary file and release `af`; the destination is untouched. Safe on an
+ * empty or already released handle. */
+void bt_atomic_abort(bt_atomic_file *af);
+
+/* Open `path` (a directory when is_dir) and fsync it; EINVAL from fsync (filesystems that cannot
+ * sync that object) counts as success. BT_ERR_IO ("<component>: open|fsync <path>: ...") else. */
+int bt_fsync_path(const char *path, int is_dir, const char *component);
+
+/* fsync the directory that holds `path` ("." for a bare name, "/" for "/x"). Errors as
+ * bt_fsync_path. */
+int bt_fsync_parent(const char *path, const char *component);
+
+/* Remove a file or directory tree (like rm -rf, not following symlinks); missing is fine.
+ * Best effort: errors are ignored. */
+void bt_rm_tree(const char *path);
+
+/* Put the finished directory tmp_dir in place at dst_dir (no trailing '/'). If dst_dir exists
+ * it must be a directory: it is swapped atomically with renameat2(RENAME_EXCHANGE) and the old
+ * contents removed; where the filesystem lacks RENAME_EXCHANGE, dst_dir is renamed to
+ * "<dst_dir>.old-<pid>" and tmp_dir renamed to dst_dir (a brief gap), then the old one is
+ * removed. If dst_dir does not exist tmp_dir is simply renamed. Does not fsync the parent (call
+ * bt_fsync_parent(dst_dir, ...) for durability). On failure returns BT_ERR_IO ("<component>:
+ * <dst> exists and is not a directory", "<component>: replace <dst>: ...", "<component>: rename
+ * <tmp> -> <dst>: ...") or BT_ERR_NOMEM and leaves tmp_dir for the caller to remove. */
+int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *component);
+
+#endif

@@ -1,0 +1,221 @@
+/* Tests for common/atomic_io.c: atomic file commit/abort (no torn or leftover files), directory
+ * replacement (fresh rename and RENAME_EXCHANGE over an existing directory), fsync helpers,
+ * bt_rm_tree, and the errors (with the caller's component prefix) for unwritable places. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/atomic_io.h"
+#include "common/bt_common.h"
+#include "tests/unit/util/test_util.h"
+
+static char g_dir[64];
+
+static int setup_dir(void **s) {
+    (void)s;
+    return tu_make_tmpdir(g_dir, sizeof g_dir, "aio");
+}
+
+static int teardown_dir(void **s) {
+    (void)s;
+    return tu_remove_dir(g_dir);
+}
+
+static void path_of(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", g_dir, name); }
+
+/* number of entries in dir (without "." and "..") */
+static int n_entries(const char *dir) {
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+    closedir(d);
+    return n;
+}
+
+static void spit(const char *path, const char *text) { tu_write_file(NULL, path, text, strlen(text)); }
+
+static void assert_file_text(const char *path, const char *want) {
+    size_t n;
+    char *got = (char *)tu_slurp(path, &n);
+    got[n] = 0;
+    assert_string_equal(got, want);
+    free(got);
+}
+
+static void assert_error_prefix(const char *prefix) {
+    assert_true(strncmp(bt_last_error(), prefix, strlen(prefix)) == 0);
+}
+
+static void test_commit(void **s) {
+    (void)s;
+    char path[128];
+    path_of(path, sizeof path, "out.bin");
+    for (int round = 0; round < 2; round++) { /* create, then replace an existing file */
+        const char *text = round ? "second version" : "first";
+        bt_atomic_file af;
+        assert_int_equal(bt_atomic_open(&af, path, "test"), BT_OK);
+        assert_non_null(strstr(af.tmp, ".tmp."));
+        assert_int_equal(n_entries(g_dir), round + 1); /* tmp (+ the previous file) */
+        assert_int_equal(bt_atomic_write(&af, text, 3), BT_OK);
+        assert_int_equal(bt_atomic_write(&af, text + 3, strlen(text) - 3), BT_OK);
+        assert_int_equal(bt_atomic_write(&af, "", 0), BT_OK);
+        if (round) assert_file_text(path, "first"); /* untouched until commit */
+        assert_int_equal(bt_atomic_commit(&af), BT_OK);
+        assert_null(af.tmp);
+        assert_int_equal(af.fd, -1);
+        assert_file_text(path, text);
+        assert_int_equal(n_entries(g_dir), 1); /* no tmp left */
+    }
+    struct stat st;
+    assert_int_equal(stat(path, &st), 0);
+    mode_t mask = umask(0);
+    umask(mask);
+    assert_int_equal(st.st_mode & 0777, 0644 & ~mask);
+}
+
+static void test_abort(void **s) {
+    (void)s;
+    char path[128];
+    path_of(path, sizeof path, "new.bin");
+    bt_atomic_file af;
+    assert_int_equal(bt_atomic_open(&af, path, "test"), BT_OK);
+    assert_int_equal(bt_atomic_write(&af, "junk", 4), BT_OK);
+    bt_atomic_abort(&af);
+    bt_atomic_abort(&af); /* released handle: no-op */
+    assert_int_equal(access(path, F_OK), -1);
+    assert_int_equal(n_entries(g_dir), 0);
+
+    path_of(path, sizeof path, "old.bin");
+    spit(path, "keep me");
+    assert_int_equal(bt_atomic_open(&af, path, "test"), BT_OK);
+    assert_int_equal(bt_atomic_write(&af, "junk", 4), BT_OK);
+    bt_atomic_abort(&af);
+    assert_file_text(path, "keep me");
+    assert_int_equal(n_entries(g_dir), 1);
+}
+
+static void test_open_errors(void **s) {
+    (void)s;
+    char path[160], file[128];
+    bt_atomic_file af;
+    path_of(path, sizeof path, "missing/out.bin"); /* no such directory */
+    assert_int_equal(bt_atomic_open(&af, path, "gguf writer"), BT_ERR_IO);
+    assert_error_prefix("gguf writer: ");
+    assert_non_null(strstr(bt_last_error(), "missing/out.bin.tmp."));
+    assert_int_equal(af.fd, -1);
+    bt_atomic_abort(&af); /* empty handle: no-op */
+
+    path_of(file, sizeof file, "plain");
+    spit(file, "x");
+    snprintf(path, sizeof path, "%s/out.bin", file); /* parent is a regular file */
+    assert_int_equal(bt_atomic_open(&af, path, "safetensors writer"), BT_ERR_IO);
+    assert_error_prefix("safetensors writer: ");
+
+    if (geteuid() != 0) { /* root may write anywhere */
+        char ro[128];
+        path_of(ro, sizeof ro, "ro");
+        assert_int_equal(mkdir(ro, 0555), 0);
+        snprintf(path, sizeof path, "%s/out.bin", ro);
+        assert_int_equal(bt_atomic_open(&af, path, "test"), BT_ERR_IO);
+        assert_int_equal(n_entries(ro), 0);
+    }
+}
+
+static void make_dir_with(const char *dir, const char *name, const char *text) {
+    char p[192];
+    assert_int_equal(mkdir(dir, 0755), 0);
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    spit(p, text);
+}
+
+static void test_replace_dir(void **s) {
+    (void)s;
+    char tmp[128], dst[128], p[192];
+    path_of(tmp, sizeof tmp, "run.tmp-1");
+    path_of(dst, sizeof dst, "run");
+
+    /* destination missing: plain rename */
+    make_dir_with(tmp, "a.txt", "one");
+    assert_int_equal(bt_replace_dir(tmp, dst, "adapter"), BT_OK);
+    snprintf(p, sizeof p, "%s/a.txt", dst);
+    assert_file_text(p, "one");
+    assert_int_equal(access(tmp, F_OK), -1);
+    assert_int_equal(bt_fsync_parent(dst, "adapter"), BT_OK);
+
+    /* destination exists: exchanged, the previous contents removed, nothing else left */
+    make_dir_with(tmp, "b.txt", "two");
+    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_OK);
+    snprintf(p, sizeof p, "%s/b.txt", dst);
+    assert_file_text(p, "two");
+    snprintf(p, sizeof p, "%s/a.txt", dst);
+    assert_int_equal(access(p, F_OK), -1);
+    assert_int_equal(n_entries(g_dir), 1);
+    assert_int_equal(n_entries(dst), 1);
+
+    /* destination is a file: error, tmp left for the caller */
+    char file[128];
+    path_of(file, sizeof file, "afile");
+    spit(file, "x");
+    make_dir_with(tmp, "c.txt", "three");
+    assert_int_equal(bt_replace_dir(tmp, file, "checkpoint"), BT_ERR_IO);
+    assert_error_prefix("checkpoint: ");
+    assert_non_null(strstr(bt_last_error(), "is not a directory"));
+    assert_int_equal(access(tmp, F_OK), 0);
+    assert_file_text(file, "x");
+
+    /* rename into a missing parent: error */
+    path_of(p, sizeof p, "no/such/run");
+    assert_int_equal(bt_replace_dir(tmp, p, "adapter"), BT_ERR_IO);
+    assert_error_prefix("adapter: rename ");
+    assert_int_equal(access(tmp, F_OK), 0);
+}
+
+static void test_fsync_and_rm_tree(void **s) {
+    (void)s;
+    char p[128], q[192];
+    assert_int_equal(bt_fsync_path(g_dir, 1, "test"), BT_OK);
+    path_of(p, sizeof p, "f");
+    spit(p, "x");
+    assert_int_equal(bt_fsync_path(p, 0, "test"), BT_OK);
+    assert_int_equal(bt_fsync_path(p, 1, "test"), BT_ERR_IO); /* not a directory */
+    assert_error_prefix("test: open ");
+    path_of(p, sizeof p, "gone");
+    assert_int_equal(bt_fsync_path(p, 0, "checkpoint"), BT_ERR_IO);
+    assert_error_prefix("checkpoint: open ");
+    assert_int_equal(bt_fsync_parent("bare-name", "test"), BT_OK); /* "." */
+    assert_int_equal(bt_fsync_parent("/bt-root-entry", "test"), BT_OK); /* "/" */
+    path_of(p, sizeof p, "no/such/x");
+    assert_int_equal(bt_fsync_parent(p, "test"), BT_ERR_IO);
+
+    path_of(p, sizeof p, "tree");
+    snprintf(q, sizeof q, "%s/sub", p);
+    assert_int_equal(mkdir(p, 0755), 0);
+    assert_int_equal(mkdir(q, 0755), 0);
+    snprintf(q, sizeof q, "%s/sub/leaf", p);
+    spit(q, "x");
+    bt_rm_tree(p);
+    assert_int_equal(access(p, F_OK), -1);
+    bt_rm_tree(p); /* missing: fine */
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_commit, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_abort, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_open_errors, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_replace_dir, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_fsync_and_rm_tree, setup_dir, teardown_dir),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,84 @@
+/* Shared unit-test helpers. See test_util.h. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include "common/atomic_io.h"
+#include "common/bt_common.h"
+#include "tests/unit/util/test_util.h"
+
+const char *tu_model_path(void) {
+    const char *m = getenv("BT_MODEL");
+    return m && *m ? m : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+int tu_load_tokenizer(bt_tokenizer **tok) {
+    if (bt_tokenizer_load(tok, tu_model_path()) != BT_OK) {
+        fprintf(stderr, "cannot load tokenizer %s: %s\n", tu_model_path(), bt_last_error());
+        return -1;
+    }
+    return 0;
+}
+
+int tu_make_tmpdir(char *dir, size_t dir_size, const char *tag) {
+    int k = snprintf(dir, dir_size, "/tmp/bt_test_%s_XXXXXX", tag);
+    if (k < 0 || (size_t)k >= dir_size) return -1;
+    return mkdtemp(dir) ? 0 : -1;
+}
+
+int tu_remove_dir(const char *dir) {
+    bt_rm_tree(dir);
+    return access(dir, F_OK) == 0 ? -1 : 0;
+}
+
+uint8_t *tu_slurp(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) fail_msg("cannot open %s (tests run from the repo root)", path);
+    assert_int_equal(fseek(f, 0, SEEK_END), 0);
+    long sz = ftell(f);
+    assert_true(sz >= 0);
+    assert_int_equal(fseek(f, 0, SEEK_SET), 0);
+    uint8_t *p = bt_xmalloc((size_t)sz + 1);
+    assert_int_equal(fread(p, 1, (size_t)sz, f), (size_t)sz);
+    fclose(f);
+    *n = (size_t)sz;
+    return p;
+}
+
+void tu_write_file(const char *dir, const char *path, const void *data, size_t n) {
+    char full[512];
+    if (dir) snprintf(full, sizeof full, "%s/%s", dir, path);
+    else snprintf(full, sizeof full, "%s", path);
+    FILE *f = fopen(full, "wb");
+    assert_non_null(f);
+    if (n) assert_int_equal(fwrite(data, 1, n, f), n);
+    assert_int_equal(fclose(f), 0);
+}
+
+void tu_sb_add(tu_sbuf *b, const void *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        b->cap = 2 * (b->n + n + 1);
+        b->p = bt_xrealloc(b->p, b->cap);
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+void tu_sb_str(tu_sbuf *b, const char *s) { tu_sb_add(b, s, strlen(s)); }
+
+void *tu_zstd_frame(const void *src, size_t n, size_t *zn) {
+    size_t cap = ZSTD_compressBound(n);
+    void *z = bt_xmalloc(cap);
+    *zn = ZSTD_compress(z, cap, src, n, 3);
+    assert_false(ZSTD_isError(*zn));
+    return z;
+}

@@ -1,0 +1,47 @@
+/* Helpers shared by the unit tests (the .c files of tests/unit/util are compiled into every test binary, see
+ * TESTUTIL_SRC in the Makefile): the test model and its tokenizer, temporary directories, whole
+ * files, a growing string buffer, zstd frames. A failure inside a helper is a cmocka assertion
+ * failure of the calling test. No static state, no static initialisation. */
+#ifndef BT_TEST_UTIL_H
+#define BT_TEST_UTIL_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/tokenizer.h"
+
+/* The model whose tokenizer the tests use: env BT_MODEL, else
+ * models/SmolLM2-135M-Instruct.Q4_1.gguf (tests run from the repository root). Static string. */
+const char *tu_model_path(void);
+
+/* Load the tokenizer of tu_model_path() into *tok (free with bt_tokenizer_free). Returns 0, or
+ * -1 after printing "cannot load tokenizer <path>: <error>" to stderr (for cmocka setups). */
+int tu_load_tokenizer(bt_tokenizer **tok);
+
+/* mkdtemp "/tmp/bt_test_<tag>_XXXXXX" into dir (at least 64 bytes). 0, or -1 on failure. */
+int tu_make_tmpdir(char *dir, size_t dir_size, const char *tag);
+
+/* rm -rf dir (no shell). 0 when it is gone, -1 if something is left. */
+int tu_remove_dir(const char *dir);
+
+/* Whole contents of `path`, malloc'ed with one spare byte after the end (callers may
+ * NUL-terminate); *n = its size. Fails the test, naming path, if it cannot be opened; asserts on
+ * read errors. Caller frees. */
+uint8_t *tu_slurp(const char *path, size_t *n);
+
+/* Create or truncate the file `path` (dir == NULL) or "<dir>/<path>" with n bytes of data;
+ * asserts on any error. */
+void tu_write_file(const char *dir, const char *path, const void *data, size_t n);
+
+/* Growing byte buffer, always NUL-terminated after the first append. Start with {0}; the caller
+ * frees p. Aborts on OOM. */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} tu_sbuf;
+void tu_sb_add(tu_sbuf *b, const void *s, size_t n);
+void tu_sb_str(tu_sbuf *b, const char *s);
+
+/* One zstd frame (level 3) of src[0..n); *zn = its size. Caller frees. Asserts on failure. */
+void *tu_zstd_frame(const void *src, size_t n, size_t *zn);
+
+#endif
