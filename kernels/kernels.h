@@ -70,6 +70,34 @@ void bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, flo
 /* dx [M, H, D] in place: applies the inverse rotation (transpose). */
 void bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale);
 
+/* RoPE with a precomputed inverse-frequency table (kernels/cpu/rope.c): x [M, H, D] fp32 rotated in
+ * place, pair (x[i], x[i+D/2]) by angle ((float)position_ids[m] * pos_scale) * inv_freq[i] (fp32,
+ * cos/sin in double rounded to fp32); inv_freq [D/2] fp32, borrowed (read during the call; the
+ * cos/sin cache keeps its own copy). position_ids [M] int32 (any value; negative or >= 2^20 are
+ * computed uncached). D even. No errors (M, H <= 0 or D < 2 do nothing). bt_rope_fwd(theta) equals
+ * bt_rope_fwd_freq with the "default" table of bt_rope_inv_freq, bit for bit. */
+void bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
+                      const float *inv_freq, float pos_scale);
+/* Backward of bt_rope_fwd_freq: dx [M, H, D] in place gets the transposed (inverse) rotation
+ * dx[i] = dy[i]*cos + dy[i+D/2]*sin, dx[i+D/2] = dy[i+D/2]*cos - dy[i]*sin. Same arguments. */
+void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
+                      const float *inv_freq, float pos_scale);
+/* inv_freq [D/2] fp32 (caller-owned output) as transformers 4.46 modeling_rope_utils.py computes
+ * it in fp32 (ROPE_INIT_FUNCTIONS[type]): type NULL or "default" (_compute_default_rope_parameters:
+ * 1.0 / theta ** (arange(0, D, 2).float() / D)); "linear" (_compute_linear_scaling_rope_parameters:
+ * default / factor); "llama3" (_compute_llama3_parameters, Llama 3.1: wavelen = 2*pi / inv_freq;
+ * wavelen < original_max_pos / high_freq_factor keeps inv_freq, wavelen > original_max_pos /
+ * low_freq_factor divides it by factor, in between smooth = (original_max_pos / wavelen -
+ * low_freq_factor) / (high_freq_factor - low_freq_factor) and inv = (1 - smooth) * inv / factor +
+ * smooth * inv), each operation rounded as torch does (Python scalars in double then fp32;
+ * `scalar / tensor` as tensor.reciprocal() * scalar). factor / low / high / original_max_pos are
+ * ignored by "default". The attention scaling of these types is 1. Errors (bt_fail message):
+ * BT_ERR_INVALID (D odd or < 2, theta <= 0, factor <= 0, llama3 with low_freq_factor >=
+ * high_freq_factor or original_max_pos < 1), BT_ERR_UNSUPPORTED (any other type, e.g. "dynamic",
+ * "yarn": inv_freq untouched). */
+int bt_rope_inv_freq(float *inv_freq, int D, float theta, const char *type, float factor,
+                     float low_freq_factor, float high_freq_factor, int original_max_pos);
+
 /* ---- causal attention over packed variable-length segments, GQA ----
  * q [M, Hq, D], k,v [M, Hkv, D], Hq % Hkv == 0 (query head h uses kv head h / (Hq/Hkv)).
  * cu_seqlens [n_seq+1] over M; token i attends to j in its own segment with j <= i.

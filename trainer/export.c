@@ -251,6 +251,67 @@ static const char *const k_own_keys[] = {
     "llama.vocab_size", "llama.attention.key_length", "llama.attention.value_length",
     "llama.rope.scaling.type", "llama.rope.scaling.factor"};
 
+/* llama.cpp's rope_freqs.weight for Llama 3.1 scaling: convert_hf_to_gguf.py LlamaModel
+ * generate_extra_tensors, evaluated in fp32 as torch does it there (freq a 0-dim fp32 tensor,
+ * `scalar / tensor` = reciprocal * scalar, Python scalars rounded to fp32 where they meet a
+ * tensor): wavelen = 2 pi / freq; < ctx / high -> 1, > ctx / low -> factor, else
+ * 1 / ((1 - smooth) / factor + smooth), smooth = (ctx / wavelen - low) / (high - low). ff [D/2]. */
+static void llama3_freq_factors(float *ff, int D, float theta, float factor, float low, float high,
+                                int ctx) {
+    const float lo_wl = (float)((double)ctx / (double)low), hi_wl = (float)((double)ctx / (double)high);
+    const float den = (float)((double)high - (double)low);
+    for (int i = 0; i < D / 2; i++) {
+        const float freq = 1.0f / powf(theta, (float)(2 * i) / (float)D);
+        const float wavelen = (1.0f / freq) * (float)(2.0 * M_PI);
+        if (wavelen < hi_wl) ff[i] = 1.0f;
+        else if (wavelen > lo_wl) ff[i] = factor;
+        else {
+            const float smooth = ((1.0f / wavelen) * (float)ctx - low) / den;
+            ff[i] = 1.0f / ((1.0f - smooth) / factor + smooth);
+        }
+    }
+}
+
+/* rope_freqs.weight to write for the model (*ff malloc'd [head_dim/2]), or *ff = NULL when the
+ * model has no frequency scaling. */
+static int gguf_rope_freqs(const bt_model *m, float **ff) {
+    const bt_llama_hparams *hp = &m->hp;
+    *ff = NULL;
+    if (hp->rope_type != BT_ROPE_LLAMA3 && hp->rope_type != BT_ROPE_FREQS) return 0;
+    if (hp->rope_type == BT_ROPE_FREQS && !m->rope_freqs)
+        return bt_fail(BT_ERR_INVALID, "export: the model lacks its rope_freqs table");
+    float *f = malloc((size_t)(hp->head_dim / 2) * sizeof(float));
+    if (!f) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+    if (hp->rope_type == BT_ROPE_FREQS)
+        memcpy(f, m->rope_freqs, (size_t)(hp->head_dim / 2) * sizeof(float));
+    else
+        llama3_freq_factors(f, hp->head_dim, hp->rope_theta, hp->rope_factor,
+                            hp->rope_low_freq_factor, hp->rope_high_freq_factor, hp->rope_orig_ctx);
+    *ff = f;
+    return 0;
+}
+
+/* HF rope_scaling "llama3" parameters behind a GGUF rope_freqs table: Llama 3.x's low 1, high 4,
+ * original context 8192 (convert_hf_to_gguf.py's defaults) and factor = the largest factor, if
+ * llama3_freq_factors reproduces the table with them (rel. 1e-6); else BT_ERR_UNSUPPORTED. */
+static int llama3_from_freqs(const bt_model *m, float *factor, float *low, float *high, int *ctx) {
+    const int half = m->hp.head_dim / 2;
+    float mx = 0.f, *f = malloc((size_t)half * sizeof(float));
+    if (!f) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+    for (int i = 0; i < half; i++) mx = fmaxf(mx, m->rope_freqs[i]);
+    llama3_freq_factors(f, m->hp.head_dim, m->hp.rope_theta, mx, 1.f, 4.f, 8192);
+    int ok = 1;
+    for (int i = 0; i < half; i++)
+        if (fabsf(f[i] - m->rope_freqs[i]) > 1e-6f * m->rope_freqs[i]) ok = 0;
+    free(f);
+    if (!ok)
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: the GGUF's rope_freqs.weight is "
+                       "not Llama 3.x scaling (factor %g, low 1, high 4, original context 8192), "
+                       "so config.json cannot express it", (double)mx);
+    *factor = mx, *low = 1.f, *high = 4.f, *ctx = 8192;
+    return 0;
+}
+
 static int own_key(const char *k, size_t n) {
     for (size_t i = 0; i < sizeof k_own_keys / sizeof *k_own_keys; i++)
         if (strlen(k_own_keys[i]) == n && !memcmp(k_own_keys[i], k, n)) return 1;
@@ -329,7 +390,7 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         ((rc = bt_gguf_w_u32(w, "llama.attention.key_length", (uint32_t)hp->head_dim)) ||
          (rc = bt_gguf_w_u32(w, "llama.attention.value_length", (uint32_t)hp->head_dim))))
         goto out;
-    if (hp->rope_factor > 0.f && hp->rope_factor != 1.f &&
+    if (hp->rope_type == BT_ROPE_DEFAULT && hp->rope_factor > 0.f && hp->rope_factor != 1.f &&
         ((rc = bt_gguf_w_str(w, "llama.rope.scaling.type", "linear", 6)) ||
          (rc = bt_gguf_w_f32(w, "llama.rope.scaling.factor", hp->rope_factor))))
         goto out;
@@ -352,6 +413,13 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
     if ((!base || bt_gguf_find_key(base, "general.name") < 0) && /* transformers' reader needs it */
         (rc = bt_gguf_w_str(w, "general.name", "BarqTrain merged", 16)))
         goto out;
+    {   /* Llama 3.1 scaling as llama.cpp stores it (convert_hf_to_gguf.py writes it first) */
+        float *ff;
+        if ((rc = gguf_rope_freqs(m, &ff))) goto out;
+        if (ff) rc = add_gguf(w, "rope_freqs.weight", ff, 0, hp->head_dim / 2, dtype);
+        free(ff);
+        if (rc) goto out;
+    }
     if ((rc = add_gguf(w, "token_embd.weight", m->tok_embd, hp->vocab, hp->d_model, dtype))) goto out;
     char name[96];
     for (int l = 0; l < hp->n_layer && !rc; l++) {
@@ -481,7 +549,21 @@ static int write_hf_config(const bt_model *m, const bt_gguf *base, int dtype, co
     set_token_id(j, base, "tokenizer.ggml.padding_token_id", "pad_token_id");
     json_object_set_new(j, "pretraining_tp", json_integer(1));
     json_object_set_new(j, "rms_norm_eps", json_float(hp->rms_eps));
-    if (hp->rope_factor > 0.f && hp->rope_factor != 1.f) {
+    if (hp->rope_type == BT_ROPE_LLAMA3 || hp->rope_type == BT_ROPE_FREQS) {
+        float f = hp->rope_factor, lo = hp->rope_low_freq_factor, hi = hp->rope_high_freq_factor;
+        int ctx = hp->rope_orig_ctx, rc;
+        if (hp->rope_type == BT_ROPE_FREQS && (rc = llama3_from_freqs(m, &f, &lo, &hi, &ctx))) {
+            json_decref(j);
+            return rc;
+        }
+        json_t *rs = json_object();
+        json_object_set_new(rs, "factor", json_float(f));
+        json_object_set_new(rs, "high_freq_factor", json_float(hi));
+        json_object_set_new(rs, "low_freq_factor", json_float(lo));
+        json_object_set_new(rs, "original_max_position_embeddings", json_integer(ctx));
+        json_object_set_new(rs, "rope_type", json_string("llama3"));
+        json_object_set_new(j, "rope_scaling", rs);
+    } else if (hp->rope_factor > 0.f && hp->rope_factor != 1.f) {
         json_t *rs = json_object();
         json_object_set_new(rs, "factor", json_float(hp->rope_factor));
         json_object_set_new(rs, "rope_type", json_string("linear"));

@@ -27,7 +27,13 @@
  * Linear biases of the base (Qwen2 q/k/v, Llama attention_bias / mlp_bias) are carried over
  * (GGUF blk.N.<lin>.bias, F32, Q/K permuted like the rows; HF ...<proj>.bias); a head_dim other
  * than d_model / n_head adds llama.attention.key_length / value_length, and linear RoPE scaling
- * llama.rope.scaling.{type,factor} (HF rope_scaling). The adapter is read with
+ * llama.rope.scaling.{type,factor} (HF rope_scaling). Llama 3.1 RoPE scaling (rope_type
+ * BT_ROPE_LLAMA3 or a GGUF's BT_ROPE_FREQS) is written as GGUF tensor rope_freqs.weight (F32
+ * [head_dim/2], computed as convert_hf_to_gguf.py LlamaModel does, or the source GGUF's table
+ * verbatim) and as config.json rope_scaling {"rope_type": "llama3", factor, low_freq_factor,
+ * high_freq_factor, original_max_position_embeddings}; a GGUF table that Llama 3.x parameters
+ * (low 1, high 4, context 8192) do not reproduce cannot go to safetensors (BT_ERR_UNSUPPORTED).
+ * The adapter is read with
  * trainer/adapter_load.h bt_lora_load_peft; an rsLoRA adapter (scale alpha / sqrt(r)) is written
  * with the lora_alpha that gives the same scale under the plain alpha / r rule (adapter.lora.alpha,
  * PEFT lora_alpha with use_rslora false).

@@ -60,6 +60,8 @@ int bt_infer_new(bt_infer **out, const bt_model *m, const bt_lora *lo, int max_c
         return bt_fail(BT_ERR_INVALID, "infer: the LoRA (%d layers) does not fit the model (%d "
                        "layers, d_model %d, vocab %d)", lo->n_layer, m->hp.n_layer, m->hp.d_model,
                        m->hp.vocab);
+    if (!m->inv_freq)
+        return bt_fail(BT_ERR_INVALID, "infer: the model has no RoPE table (bt_model_rope_init)");
     if (max_chunk > max_ctx) max_chunk = max_ctx;
     bt_infer *s = calloc(1, sizeof *s);
     if (!s) return bt_fail(BT_ERR_NOMEM, "infer: out of memory");
@@ -177,7 +179,7 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
     const bt_model *m = s->m;
     const int p0 = s->pos, D = s->D;
     const bt_lora *lo = s->lo;
-    const float eps = m->hp.rms_eps, theta = m->hp.rope_theta, ps = bt_rope_pos_scale(&m->hp);
+    const float eps = m->hp.rms_eps, ps = bt_rope_pos_scale(&m->hp);
     for (int i = 0; i < n; i++) s->pos_ids[i] = p0 + i;
     bt_embedding_fwd(s->x, bt_lora_embed(lo, m), ids, n, D);
     for (int l = 0; l < s->n_layer; l++) {
@@ -187,8 +189,8 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
         proj(s, l, BT_MOD_Q, s->q, s->xn, n, 0.f);
         proj(s, l, BT_MOD_K, kc, s->xn, n, 0.f);
         proj(s, l, BT_MOD_V, vc, s->xn, n, 0.f);
-        bt_rope_fwd(s->q, s->pos_ids, n, s->Hq, s->hd, theta, ps);
-        bt_rope_fwd(kc, s->pos_ids, n, s->Hkv, s->hd, theta, ps);
+        bt_rope_fwd_freq(s->q, s->pos_ids, n, s->Hq, s->hd, m->inv_freq, ps);
+        bt_rope_fwd_freq(kc, s->pos_ids, n, s->Hkv, s->hd, m->inv_freq, ps);
         if (p0 == 0) {
             int32_t cu[2] = {0, n};
             bt_attn_fwd(s->att, s->lse, s->q, kc, vc, cu, 1, n, s->Hq, s->Hkv, s->hd,

@@ -5,8 +5,9 @@
  * Per layer (HF LlamaDecoderLayer, same math as step.c): RMSNorm -> q, k, v (base + LoRA) ->
  * RoPE at the tokens' absolute positions -> causal GQA attention over the cache -> o_proj (base +
  * LoRA) -> residual -> RMSNorm -> gate, up (base + LoRA) -> SwiGLU -> down (base + LoRA) ->
- * residual; then the final RMSNorm and logits = h @ lm_head^T. Linear biases (bt_base_fwd) and
- * RoPE linear scaling (bt_rope_pos_scale) are honoured; with LoRA+ (lora.h) the embedding, norm
+ * residual; then the final RMSNorm and logits = h @ lm_head^T. Linear biases (bt_base_fwd),
+ * RoPE linear scaling (bt_rope_pos_scale) and the model's RoPE frequency table (bt_model.inv_freq:
+ * default, Llama 3.1 "llama3", GGUF rope_freqs) are honoured; with LoRA+ (lora.h) the embedding, norm
  * weights and tied lm_head are read through bt_lora_embed / bt_lora_norm / bt_lora_lm_head, as
  * step.c does, so a session and the training forward give the same logits.
  *
@@ -36,7 +37,8 @@ enum { BT_INFER_LOGITS_NONE = 0, BT_INFER_LOGITS_LAST = 1, BT_INFER_LOGITS_ALL =
  * max_ctx positions (>= 1) and chunks of at most max_chunk tokens (>= 1; workspace scales with
  * it, about max_chunk * (6 d_model + 3 d_ff + 4 n_head*head_dim) floats). *out is owned by the
  * caller (bt_infer_free); NULL on error. Errors: BT_ERR_INVALID (max_ctx or max_chunk < 1, LoRA
- * layer count differing from the model's), BT_ERR_NOMEM (the message gives the cache size). */
+ * layer count differing from the model's, a model without its RoPE table m->inv_freq),
+ * BT_ERR_NOMEM (the message gives the cache size). */
 int bt_infer_new(bt_infer **out, const bt_model *m, const bt_lora *lo, int max_ctx, int max_chunk);
 void bt_infer_free(bt_infer *s);
 

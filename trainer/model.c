@@ -104,7 +104,54 @@ void bt_model_free(bt_model *m) {
     if (!m->tied) free(m->lm_head);
     free(m->tok_embd);
     free(m->output_norm);
+    free(m->inv_freq);
+    free(m->rope_freqs);
     memset(m, 0, sizeof *m);
+}
+
+int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
+    const bt_llama_hparams *hp = &m->hp;
+    free(m->inv_freq);
+    free(m->rope_freqs);
+    m->inv_freq = m->rope_freqs = NULL;
+    const int D = hp->head_dim, half = D / 2;
+    if (D < 2 || D % 2 != 0)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE head_dim %d must be even and >= 2", D);
+    if (hp->rope_type == BT_ROPE_FREQS && !rope_freqs)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE type rope_freqs needs the factor table");
+    float *inv = malloc((size_t)half * sizeof(float));
+    float *ff = hp->rope_type == BT_ROPE_FREQS ? malloc((size_t)half * sizeof(float)) : NULL;
+    if (!inv || (hp->rope_type == BT_ROPE_FREQS && !ff)) {
+        free(inv);
+        free(ff);
+        return bt_fail(BT_ERR_NOMEM, "model: out of memory (RoPE table)");
+    }
+    int rc;
+    if (hp->rope_type == BT_ROPE_LLAMA3)
+        rc = bt_rope_inv_freq(inv, D, hp->rope_theta, "llama3", hp->rope_factor,
+                              hp->rope_low_freq_factor, hp->rope_high_freq_factor,
+                              hp->rope_orig_ctx);
+    else if (hp->rope_type == BT_ROPE_DEFAULT || hp->rope_type == BT_ROPE_FREQS)
+        rc = bt_rope_inv_freq(inv, D, hp->rope_theta, "default", 0.f, 0.f, 0.f, 0);
+    else
+        rc = bt_fail(BT_ERR_INVALID, "model: unknown RoPE type %d", hp->rope_type);
+    if (!rc && ff) {
+        for (int i = 0; i < half && !rc; i++) {
+            if (!(rope_freqs[i] > 0.f) || !isfinite(rope_freqs[i]))
+                rc = bt_fail(BT_ERR_INVALID, "model: RoPE frequency factor %d is %g (must be > 0)",
+                             i, (double)rope_freqs[i]);
+            ff[i] = rope_freqs[i];
+            inv[i] = inv[i] / ff[i]; /* ggml_rope_ext: theta = pos * base^(-2i/D) / freq_factor */
+        }
+    }
+    if (rc) {
+        free(inv);
+        free(ff);
+        return rc;
+    }
+    m->inv_freq = inv;
+    m->rope_freqs = ff;
+    return 0;
 }
 
 size_t bt_model_bytes(const bt_model *m) {
@@ -275,15 +322,32 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
                      "supported)", path, rope_dim, hp->head_dim);
         goto fail;
     }
-    if (bt_gguf_find_key(g, "llama.rope.scaling.type") >= 0 ||
-        bt_gguf_find_tensor(g, "rope_freqs.weight")) {
+    if (bt_gguf_find_key(g, "llama.rope.scaling.type") >= 0) {
         bt_str st = {"", 0};
         bt_gguf_get_str(g, "llama.rope.scaling.type", &st);
-        if (bt_gguf_find_tensor(g, "rope_freqs.weight") || !(st.len == 4 && !memcmp(st.ptr, "none", 4))) {
-            rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: RoPE scaling (llama.rope.scaling.* / "
-                         "rope_freqs.weight) is not supported", path);
+        if (st.len == 6 && !memcmp(st.ptr, "linear", 6)) {
+            /* llama.cpp LLAMA_ROPE_SCALING_TYPE_LINEAR: freq_scale = 1 / factor on positions */
+            if ((rc = kv_float(g, path, "llama.rope.scaling.factor", 1, 0, &hp->rope_factor)))
+                goto fail;
+            if (!(hp->rope_factor > 0.f) || !isfinite(hp->rope_factor)) {
+                rc = bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling.factor %g must be > 0",
+                             path, (double)hp->rope_factor);
+                goto fail;
+            }
+        } else if (!(st.len == 4 && !memcmp(st.ptr, "none", 4))) {
+            rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: llama.rope.scaling.type \"%.*s\" is not "
+                         "supported (none, linear; Llama 3.1 scaling comes as rope_freqs.weight)",
+                         path, (int)(st.len > 32 ? 32 : st.len), st.ptr);
             goto fail;
         }
+    }
+    if (bt_gguf_find_tensor(g, "rope_freqs.weight")) {
+        if (hp->rope_factor > 0.f && hp->rope_factor != 1.f) {
+            rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_freqs.weight together with linear "
+                         "RoPE scaling is not supported", path);
+            goto fail;
+        }
+        hp->rope_type = BT_ROPE_FREQS;
     }
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb) {
@@ -293,6 +357,18 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
     hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
     if ((rc = bt_model_check_hparams(hp, path, 0))) goto fail;
     m->base_dtype = opts->base_dtype;
+    if (hp->rope_type == BT_ROPE_FREQS) {
+        float *ff = NULL;
+        if ((rc = load_tensor(g, path, "rope_freqs.weight", 0, hp->head_dim / 2, &ff))) goto fail;
+        rc = bt_model_rope_init(m, ff);
+        free(ff);
+        if (rc) {
+            rc = bt_fail(rc, "model: %s: rope_freqs.weight: %s", path, bt_last_error());
+            goto fail;
+        }
+    } else if ((rc = bt_model_rope_init(m, NULL))) {
+        goto fail;
+    }
 
     if ((rc = load_tensor(g, path, "token_embd.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||
         (rc = load_tensor(g, path, "output_norm.weight", 0, hp->d_model, &m->output_norm)))
@@ -359,6 +435,9 @@ int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp_in, int base_dt
     bt_llama_hparams *hp = &m->hp;
     int rc = bt_model_check_hparams(hp, "random", 0);
     if (rc) return rc;
+    if (hp->rope_type == BT_ROPE_FREQS)
+        return bt_fail(BT_ERR_INVALID, "model: random init: RoPE type rope_freqs needs a GGUF");
+    if ((rc = bt_model_rope_init(m, NULL))) return rc;
     m->base_dtype = base_dtype;
     bt_rng r;
     bt_rng_seed(&r, seed);

@@ -23,14 +23,24 @@ typedef struct {
     int ctx;           /* llama.context_length (informational) */
     float rope_theta;  /* llama.rope.freq_base (default 10000) */
     float rms_eps;     /* llama.attention.layer_norm_rms_epsilon */
-    float rope_factor; /* HF rope_scaling {"type": "linear", "factor": f}: RoPE positions are
-                        * divided by f (transformers LlamaLinearScalingRotaryEmbedding);
-                        * 0 (the zero-initialised default) or 1 = no scaling */
+    float rope_factor; /* BT_ROPE_DEFAULT: HF rope_scaling {"type": "linear", "factor": f}:
+                        * RoPE positions are divided by f (transformers
+                        * LlamaLinearScalingRotaryEmbedding); 0 (the zero-initialised default)
+                        * or 1 = no scaling. BT_ROPE_LLAMA3: rope_scaling.factor */
+    int rope_type;     /* BT_ROPE_DEFAULT (0: none or linear per rope_factor), BT_ROPE_LLAMA3
+                        * (HF rope_scaling "llama3"), BT_ROPE_FREQS (GGUF rope_freqs.weight) */
+    float rope_low_freq_factor, rope_high_freq_factor; /* llama3: rope_scaling.{low,high}_freq_factor */
+    int rope_orig_ctx; /* llama3: rope_scaling.original_max_position_embeddings */
 } bt_llama_hparams;
 
-/* Position multiplier for bt_rope_fwd/bwd's pos_scale: 1 / rope_factor, or 1 when unscaled. */
+enum { BT_ROPE_DEFAULT = 0, BT_ROPE_LLAMA3 = 1, BT_ROPE_FREQS = 2 };
+
+/* Position multiplier for bt_rope_fwd/bwd's pos_scale: 1 / rope_factor for linear scaling
+ * (rope_type BT_ROPE_DEFAULT with rope_factor > 0), else 1 (llama3 / GGUF rope_freqs scale the
+ * frequencies instead: bt_model.inv_freq). */
 static inline float bt_rope_pos_scale(const bt_llama_hparams *hp) {
-    return hp->rope_factor > 0.f ? 1.0f / hp->rope_factor : 1.0f;
+    return hp->rope_type == BT_ROPE_DEFAULT && hp->rope_factor > 0.f ? 1.0f / hp->rope_factor
+                                                                     : 1.0f;
 }
 
 /* One frozen linear W[rows=out, cols=in] (+ optional bias). Exactly one of w / q is in use
@@ -57,7 +67,21 @@ typedef struct {
     int tied;
     float *output_norm;    /* [d_model] */
     bt_layer *layers;      /* [n_layer] */
+    float *inv_freq;       /* [head_dim/2] fp32 RoPE inverse frequencies (owned; bt_model_rope_init):
+                            * what bt_rope_fwd_freq / bt_rope_bwd_freq rotate with */
+    float *rope_freqs;     /* [head_dim/2] GGUF rope_freqs.weight factors (owned) for
+                            * BT_ROPE_FREQS, else NULL */
 } bt_model;
+
+/* Fill m->inv_freq (allocated here, replacing any previous table) from m->hp: rope_type
+ * BT_ROPE_DEFAULT -> bt_rope_inv_freq "default" (linear scaling stays in bt_rope_pos_scale),
+ * BT_ROPE_LLAMA3 -> "llama3" with hp's factor / low / high / original context (transformers
+ * _compute_llama3_parameters), BT_ROPE_FREQS -> default[i] / rope_freqs[i] (llama.cpp ggml_rope_ext
+ * freq_factors, the rope_freqs.weight tensor of convert_hf_to_gguf.py LlamaModel); rope_freqs
+ * [head_dim/2] fp32 is borrowed and copied into m->rope_freqs (required for BT_ROPE_FREQS, ignored
+ * otherwise). Called by every loader and bt_model_init_random. Errors: BT_ERR_INVALID (bad
+ * parameters, non-finite or non-positive rope_freqs), BT_ERR_NOMEM; m->inv_freq is NULL then. */
+int bt_model_rope_init(bt_model *m, const float *rope_freqs);
 
 typedef struct {
     int base_dtype;          /* BT_BASE_NF4 | BT_BASE_FP32 */
@@ -67,7 +91,10 @@ typedef struct {
 /* Load a llama-architecture GGUF (general.architecture == "llama"). Hyper-parameters from the
  * llama.* keys; tensors token_embd, output_norm, output (optional: tied to token_embd when
  * absent), blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
- * ffn_down}.weight, any ggml type bt_ggml_dequantize supports. Each tensor's shape is checked
+ * ffn_down}.weight, any ggml type bt_ggml_dequantize supports; optional rope_freqs.weight (F32
+ * [head_dim/2], llama.cpp's Llama 3.1 RoPE factors: inv_freq = default / rope_freqs ->
+ * BT_ROPE_FREQS); llama.rope.scaling.type "linear" with llama.rope.scaling.factor (or "none").
+ * Each tensor's shape is checked
  * against the hyper-parameters. q/k rows are un-permuted (inverse of convert_hf_to_gguf.py
  * LlamaModel.permute: w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)). With NF4 the
  * fp32 copy of each linear is freed right after quantisation (peak extra memory: one matrix).
@@ -78,13 +105,16 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
 
 /* Load a Hugging Face model directory (trainer/model_hf.c): <dir>/config.json and either
  * <dir>/model.safetensors or <dir>/model.safetensors.index.json ("weight_map": tensor -> shard
- * file in <dir>). architectures[0] must be LlamaForCausalLM (SmolLM2, Llama 2/3 without
- * rope_scaling "llama3"), MistralForCausalLM or Qwen2ForCausalLM.
+ * file in <dir>). architectures[0] must be LlamaForCausalLM (SmolLM2, Llama 2/3/3.1/3.2),
+ * MistralForCausalLM or Qwen2ForCausalLM.
  * config.json keys: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
  * rms_norm_eps, vocab_size (required); num_key_value_heads (default num_attention_heads),
  * head_dim (default hidden_size / num_attention_heads; may differ from it), rope_theta (10000),
- * rope_scaling (null, {"type"|"rope_type": "default"} or "linear" with "factor" > 0; "llama3",
- * "dynamic", "yarn", "longrope", ... are refused), tie_word_embeddings (false), hidden_act
+ * rope_scaling (null, {"type"|"rope_type": "default"}, "linear" with "factor" > 0, or "llama3"
+ * with "factor" > 0, "low_freq_factor" > 0, "high_freq_factor" > low_freq_factor and
+ * "original_max_position_embeddings" >= 1, all required as transformers' _validate_llama3_parameters
+ * requires them -> BT_ROPE_LLAMA3; "dynamic" (depends on the current sequence length, so it has
+ * no fixed training-time meaning), "yarn", "longrope", ... are refused), tie_word_embeddings (false), hidden_act
  * ("silu"), max_position_embeddings (2048), attention_bias / mlp_bias (Llama, false),
  * use_sliding_window (Qwen2, must be false). Biases: Qwen2 has q/k/v biases; Llama's
  * attention_bias adds q/k/v/o biases and mlp_bias gate/up/down biases (all loaded as fp32).

@@ -639,9 +639,37 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
                 return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.factor must be a number > 0",
                                c->path);
             hp->rope_factor = (float)f;
+        } else if (!strcmp(ty, "llama3")) {
+            /* transformers _validate_llama3_parameters: all four keys are required */
+            static const char *const keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings"};
+            double v[4];
+            for (int i = 0; i < 4; i++) {
+                json_t *x = json_object_get(rs, keys[i]);
+                if (!x)
+                    return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling type \"llama3\" lacks "
+                                   "\"%s\"", c->path, keys[i]);
+                if (!json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
+                    (i == 3 && (v[i] != floor(v[i]) || v[i] > 1e9)))
+                    return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a %s > 0",
+                                   c->path, keys[i], i == 3 ? "integer" : "number");
+            }
+            if (!(v[2] > v[1]))
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.high_freq_factor %g must "
+                               "exceed low_freq_factor %g", c->path, v[2], v[1]);
+            hp->rope_type = BT_ROPE_LLAMA3;
+            hp->rope_factor = (float)v[0];
+            hp->rope_low_freq_factor = (float)v[1];
+            hp->rope_high_freq_factor = (float)v[2];
+            hp->rope_orig_ctx = (int)v[3];
+        } else if (!strcmp(ty, "dynamic")) {
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling type \"dynamic\" (dynamic "
+                           "NTK) is not supported: its frequencies depend on the current sequence "
+                           "length, so it has no fixed training-time meaning (supported: \"linear\", "
+                           "\"llama3\")", c->path);
         } else if (strcmp(ty, "default") != 0) {
             return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling type \"%s\" is not "
-                           "supported (supported: \"linear\")", c->path, ty);
+                           "supported (supported: \"linear\", \"llama3\")", c->path, ty);
         }
     }
     json_t *qc = json_object_get(c->root, "quantization_config");
@@ -684,6 +712,10 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
     int tied = 0, bqkv = 0, bo = 0, bmlp = 0;
     bt_llama_hparams *hp = &m->hp;
     if ((rc = parse_config(&c, hp, &tied, &bqkv, &bo, &bmlp))) goto fail;
+    if ((rc = bt_model_rope_init(m, NULL))) {
+        rc = bt_fail(rc, "model: %s: %s", cpath, bt_last_error());
+        goto fail;
+    }
     if ((rc = wsrc_open(&s, dir))) goto fail;
     m->base_dtype = opts->base_dtype;
     if ((rc = load_f32(&s, "model.embed_tokens.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||

@@ -58,6 +58,8 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
                     int checkpointing) {
     *out = NULL;
     if (max_M < 1) return bt_fail(BT_ERR_INVALID, "step: max_M %d < 1", max_M);
+    if (!m->inv_freq)
+        return bt_fail(BT_ERR_INVALID, "step: the model has no RoPE table (bt_model_rope_init)");
     bt_step_ctx *c = bt_xcalloc(1, sizeof *c);
     const bt_llama_hparams *hp = &m->hp;
     c->max_M = max_M;
@@ -189,14 +191,14 @@ static void layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     const float *x = c->x_in[l];
     float *xout = c->x_in[l + 1];
     int64_t nD = (int64_t)M * c->D;
-    float eps = m->hp.rms_eps, theta = m->hp.rope_theta, ps = bt_rope_pos_scale(&m->hp);
+    float eps = m->hp.rms_eps, ps = bt_rope_pos_scale(&m->hp);
 
     bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps);
     proj_fwd(c, m, lo, l, BT_MOD_Q, A->q, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
-    bt_rope_fwd(A->q, mb->position_ids, M, c->Hq, c->hd, theta, ps);
-    bt_rope_fwd(A->k, mb->position_ids, M, c->Hkv, c->hd, theta, ps);
+    bt_rope_fwd_freq(A->q, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps);
+    bt_rope_fwd_freq(A->k, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps);
     bt_attn_fwd(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv,
                 c->hd, 1.0f / sqrtf((float)c->hd));
     proj_fwd(c, m, lo, l, BT_MOD_O, A->x2, A->att, M, A, key);
@@ -216,7 +218,7 @@ static void layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     layer_acts *A = &c->acts[c->ckpt ? 0 : l];
     const float *x = c->x_in[l];
     int64_t nD = (int64_t)M * c->D;
-    float theta = m->hp.rope_theta, ps = bt_rope_pos_scale(&m->hp);
+    float ps = bt_rope_pos_scale(&m->hp);
 
     if (c->ckpt) layer_fwd(c, m, lo, l, mb, key); /* recompute (rewrites x_in[l+1] identically) */
     else bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F); /* h is not kept per layer */
@@ -233,8 +235,8 @@ static void layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     proj_bwd(c, m, lo, l, BT_MOD_O, c->datt, c->dx2, A->att, M, 0.f, A, key);
     bt_attn_bwd(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens,
                 mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd, 1.0f / sqrtf((float)c->hd));
-    bt_rope_bwd(c->dq, mb->position_ids, M, c->Hq, c->hd, theta, ps);
-    bt_rope_bwd(c->dk, mb->position_ids, M, c->Hkv, c->hd, theta, ps);
+    bt_rope_bwd_freq(c->dq, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps);
+    bt_rope_bwd_freq(c->dk, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps);
     proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);

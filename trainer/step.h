@@ -39,7 +39,9 @@ typedef struct {
 
 typedef struct bt_step_ctx bt_step_ctx;
 
-/* Workspace for micro-batches of up to max_M tokens (owned; bt_step_ctx_free). */
+/* Workspace for micro-batches of up to max_M tokens (owned; bt_step_ctx_free). RoPE uses the
+ * model's table m->inv_freq (bt_model_rope_init) with bt_rope_pos_scale. Errors: BT_ERR_INVALID
+ * (max_M < 1, a model without m->inv_freq). */
 int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int max_M,
                     int checkpointing);
 void bt_step_ctx_free(bt_step_ctx *c);

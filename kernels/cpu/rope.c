@@ -3,12 +3,12 @@
  *   y[i]       = x[i] * cos - x[i+D/2] * sin
  *   y[i + D/2] = x[i+D/2] * cos + x[i] * sin
  * (transformers/models/llama/modeling_llama.py apply_rotary_pos_emb: q*cos + rotate_half(q)*sin).
- * inv_freq[i] = 1 / theta^(2i/D) in fp32 as HF computes it
- * (1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))); p = (float)position * pos_scale in
- * fp32 and the angle = p * inv_freq[i] rounded to fp32 like HF's fp32 matmul; cos/sin of that fp32
- * angle are evaluated in double and rounded (torch's fp32 cos/sin are within ~1 ulp of that).
- * cos/sin tables are cached per (theta, pos_scale, D) for positions [0, cached) and grown on
- * demand under a rwlock; positions outside [0, 1<<20) are computed directly. */
+ * The inverse frequencies come from a table (bt_rope_inv_freq computes it as transformers'
+ * modeling_rope_utils.py does: "default" 1 / theta^(2i/D), "linear", "llama3"); p = (float)position
+ * * pos_scale in fp32 and the angle = p * inv_freq[i] rounded to fp32 like HF's fp32 matmul; cos/sin
+ * of that fp32 angle are evaluated in double and rounded (torch's fp32 cos/sin are within ~1 ulp
+ * of that). cos/sin tables are cached per (inv_freq table, pos_scale, D) for positions [0, cached)
+ * and grown on demand under a rwlock; positions outside [0, 1<<20) are computed directly. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* pthread_rwlock_t under -std=c17 */
 #endif
@@ -17,72 +17,85 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
 
 #define BT_ROPE_MAX_CACHED_POS (1 << 20)
 
 typedef struct {
     pthread_rwlock_t lock;
-    float theta, pos_scale;
+    float pos_scale;
     int D, npos;    /* table covers positions [0, npos) for head dim D */
+    float *inv;     /* [D/2] copy of the inv_freq table the cos/sin table was built from */
     float *cos_sin; /* [npos][D/2][2]: cos, sin interleaved */
 } rope_cache;
 
-static rope_cache g_rope = {PTHREAD_RWLOCK_INITIALIZER, 0.0f, 0.0f, 0, 0, NULL};
+static rope_cache g_rope = {PTHREAD_RWLOCK_INITIALIZER, 0.0f, 0, 0, NULL, NULL};
 
-static void rope_angle_cs(int32_t pos, int i, int D, float theta, float pos_scale, float *c, float *s)
+static void rope_angle_cs(int32_t pos, float inv_freq, float pos_scale, float *c, float *s)
 {
-    const float expo = (float)(2 * i) / (float)D;
-    const float inv_freq = 1.0f / powf(theta, expo);
     const float p = (float)pos * pos_scale;
     const float ang = p * inv_freq;
     *c = (float)cos((double)ang);
     *s = (float)sin((double)ang);
 }
 
-/* Ensure the cache covers positions [0, need) for (theta, pos_scale, D); returns with the read lock
+/* The cache holds (inv, pos_scale, D) covering [0, need). Caller holds a lock. */
+static int rope_cache_hit(int need, int D, const float *inv, float pos_scale)
+{
+    return g_rope.cos_sin && g_rope.D == D && g_rope.pos_scale == pos_scale &&
+           g_rope.npos >= need && !memcmp(g_rope.inv, inv, (size_t)(D / 2) * sizeof(float));
+}
+
+/* Ensure the cache covers positions [0, need) for (inv, pos_scale, D); returns with the read lock
  * held, or with no lock held and NULL if allocation failed (callers then compute directly). */
-static const float *rope_table_acquire(int need, int D, float theta, float pos_scale)
+static const float *rope_table_acquire(int need, int D, const float *inv, float pos_scale)
 {
     pthread_rwlock_rdlock(&g_rope.lock);
-    if (g_rope.cos_sin && g_rope.D == D && g_rope.theta == theta && g_rope.pos_scale == pos_scale &&
-        g_rope.npos >= need)
+    if (rope_cache_hit(need, D, inv, pos_scale))
         return g_rope.cos_sin;
     pthread_rwlock_unlock(&g_rope.lock);
 
     pthread_rwlock_wrlock(&g_rope.lock);
-    if (!(g_rope.cos_sin && g_rope.D == D && g_rope.theta == theta &&
-          g_rope.pos_scale == pos_scale && g_rope.npos >= need)) {
+    if (!rope_cache_hit(need, D, inv, pos_scale)) {
+        const int half = D / 2;
+        const int same = g_rope.cos_sin && g_rope.D == D && g_rope.pos_scale == pos_scale &&
+                         !memcmp(g_rope.inv, inv, (size_t)half * sizeof(float));
         int npos = need < 4096 ? 4096 : need;
-        if (g_rope.D == D && g_rope.theta == theta && g_rope.pos_scale == pos_scale &&
-            npos < 2 * g_rope.npos)
+        if (same && npos < 2 * g_rope.npos)
             npos = 2 * g_rope.npos;
         if (npos > BT_ROPE_MAX_CACHED_POS)
             npos = BT_ROPE_MAX_CACHED_POS;
-        const int half = D / 2;
         float *t = malloc((size_t)npos * (size_t)half * 2 * sizeof(float));
-        if (!t) {
+        float *ic = malloc((size_t)half * sizeof(float));
+        if (!t || !ic) {
+            free(t);
+            free(ic);
             pthread_rwlock_unlock(&g_rope.lock);
             return NULL;
         }
+        memcpy(ic, inv, (size_t)half * sizeof(float));
 #pragma omp parallel for schedule(static)
         for (int p = 0; p < npos; p++)
             for (int i = 0; i < half; i++)
-                rope_angle_cs(p, i, D, theta, pos_scale, &t[((size_t)p * half + i) * 2],
+                rope_angle_cs(p, ic[i], pos_scale, &t[((size_t)p * half + i) * 2],
                               &t[((size_t)p * half + i) * 2 + 1]);
         free(g_rope.cos_sin);
+        free(g_rope.inv);
         g_rope.cos_sin = t;
+        g_rope.inv = ic;
         g_rope.npos = npos;
         g_rope.D = D;
-        g_rope.theta = theta;
         g_rope.pos_scale = pos_scale;
     }
     pthread_rwlock_unlock(&g_rope.lock);
     /* re-acquire for reading; another thread may have replaced the table meanwhile, so re-check */
-    return rope_table_acquire(need, D, theta, pos_scale);
+    return rope_table_acquire(need, D, inv, pos_scale);
 }
 
 /* dir = +1: forward rotation; dir = -1: inverse (transpose) rotation. */
-static void rope_apply(float *x, const int32_t *pos, int M, int H, int D, float theta,
+static void rope_apply(float *x, const int32_t *pos, int M, int H, int D, const float *inv,
                        float pos_scale, float dir)
 {
     if (M <= 0 || H <= 0 || D < 2)
@@ -93,7 +106,7 @@ static void rope_apply(float *x, const int32_t *pos, int M, int H, int D, float 
         if (pos[m] > maxp)
             maxp = pos[m];
     const int need = maxp < BT_ROPE_MAX_CACHED_POS ? maxp + 1 : BT_ROPE_MAX_CACHED_POS;
-    const float *tab = rope_table_acquire(need, D, theta, pos_scale);
+    const float *tab = rope_table_acquire(need, D, inv, pos_scale);
 #pragma omp parallel for schedule(static) if ((int64_t)M * H * D >= 32768)
     for (int m = 0; m < M; m++) {
         const int32_t p = pos[m];
@@ -110,7 +123,7 @@ static void rope_apply(float *x, const int32_t *pos, int M, int H, int D, float 
             if (!buf)
                 continue;
             for (int i = 0; i < half; i++)
-                rope_angle_cs(p, i, D, theta, pos_scale, &buf[2 * i], &buf[2 * i + 1]);
+                rope_angle_cs(p, inv[i], pos_scale, &buf[2 * i], &buf[2 * i + 1]);
             for (int h = 0; h < H; h++) {
                 float *xr = x + ((size_t)m * H + h) * D;
                 for (int i = 0; i < half; i++) {
@@ -138,12 +151,97 @@ static void rope_apply(float *x, const int32_t *pos, int M, int H, int D, float 
         pthread_rwlock_unlock(&g_rope.lock);
 }
 
+/* HF _compute_default_rope_parameters in fp32:
+ * 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)). */
+static void default_inv_freq(float *inv, int D, float theta)
+{
+    for (int i = 0; i < D / 2; i++)
+        inv[i] = 1.0f / powf(theta, (float)(2 * i) / (float)D);
+}
+
+int bt_rope_inv_freq(float *inv_freq, int D, float theta, const char *type, float factor,
+                     float low_freq_factor, float high_freq_factor, int original_max_pos)
+{
+    if (!inv_freq || D < 2 || D % 2 != 0 || !(theta > 0) || !isfinite(theta))
+        return bt_fail(BT_ERR_INVALID, "rope: inv_freq: bad arguments (D %d, theta %g)", D,
+                       (double)theta);
+    if (!type || !strcmp(type, "default")) {
+        default_inv_freq(inv_freq, D, theta);
+        return 0;
+    }
+    if (!(factor > 0) || !isfinite(factor))
+        return bt_fail(BT_ERR_INVALID, "rope: inv_freq: rope_type \"%s\" needs factor > 0 (got %g)",
+                       type, (double)factor);
+    if (!strcmp(type, "linear")) {
+        /* _compute_linear_scaling_rope_parameters: inv_freq /= factor */
+        default_inv_freq(inv_freq, D, theta);
+        for (int i = 0; i < D / 2; i++)
+            inv_freq[i] = inv_freq[i] / factor;
+        return 0;
+    }
+    if (strcmp(type, "llama3") != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "rope: inv_freq: rope_type \"%s\" is not supported "
+                       "(default, linear, llama3)", type);
+    if (!(high_freq_factor > low_freq_factor) || !(low_freq_factor > 0) ||
+        !isfinite(high_freq_factor) || original_max_pos < 1)
+        return bt_fail(BT_ERR_INVALID, "rope: inv_freq: llama3 needs 0 < low_freq_factor (%g) < "
+                       "high_freq_factor (%g) and original_max_position_embeddings (%d) >= 1",
+                       (double)low_freq_factor, (double)high_freq_factor, original_max_pos);
+    /* _compute_llama3_parameters, op by op as torch evaluates it in fp32: Python scalars are
+     * computed in double, then cast to fp32 where they meet a tensor; `scalar / tensor` is
+     * tensor.reciprocal() * scalar (torch/_tensor.py __rtruediv__). */
+    default_inv_freq(inv_freq, D, theta);
+    const double old_ctx = (double)original_max_pos;
+    const float low_wl = (float)(old_ctx / (double)low_freq_factor);
+    const float high_wl = (float)(old_ctx / (double)high_freq_factor);
+    const float two_pi = (float)(2.0 * M_PI);
+    const float f_old = (float)old_ctx, f_low = low_freq_factor;
+    const float f_den = (float)((double)high_freq_factor - (double)low_freq_factor);
+    for (int i = 0; i < D / 2; i++) {
+        const float inv = inv_freq[i];
+        const float wavelen = (1.0f / inv) * two_pi;
+        float llama = wavelen > low_wl ? inv / factor : inv;
+        if (!(wavelen < high_wl) && !(wavelen > low_wl)) { /* medium frequency: smooth */
+            const float smooth = ((1.0f / wavelen) * f_old - f_low) / f_den;
+            llama = (1.0f - smooth) * llama / factor + smooth * llama;
+        }
+        inv_freq[i] = llama;
+    }
+    return 0;
+}
+
+void bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
+                      const float *inv_freq, float pos_scale)
+{
+    rope_apply(x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
+}
+
+void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
+                      const float *inv_freq, float pos_scale)
+{
+    rope_apply(dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
+}
+
+/* The theta form: the default table (on the stack up to D = 1024) then the table form. */
+static void rope_theta_apply(float *x, const int32_t *pos, int M, int H, int D, float theta,
+                             float pos_scale, float dir)
+{
+    if (M <= 0 || H <= 0 || D < 2)
+        return;
+    float local[512], *inv = local, *heap = NULL;
+    if (D / 2 > 512 && !(inv = heap = malloc((size_t)(D / 2) * sizeof(float))))
+        return;
+    default_inv_freq(inv, D, theta);
+    rope_apply(x, pos, M, H, D, inv, pos_scale, dir);
+    free(heap);
+}
+
 /* x [M, H, D] fp32 rotated in place; position_ids [M] (int32, >= 0 expected; any value works);
  * theta = rope base (e.g. 10000 or 100000 for SmolLM2); pos_scale multiplies positions (linear
  * position interpolation: 1/factor; 1.0 = none). D must be even. */
 void bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale)
 {
-    rope_apply(x, position_ids, M, H, D, theta, pos_scale, 1.0f);
+    rope_theta_apply(x, position_ids, M, H, D, theta, pos_scale, 1.0f);
 }
 
 /* Backward of bt_rope_fwd: dx [M, H, D] in place gets the transposed (inverse) rotation
@@ -151,5 +249,5 @@ void bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, flo
  * Same arguments as bt_rope_fwd. */
 void bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale)
 {
-    rope_apply(dx, position_ids, M, H, D, theta, pos_scale, -1.0f);
+    rope_theta_apply(dx, position_ids, M, H, D, theta, pos_scale, -1.0f);
 }

@@ -472,8 +472,10 @@ static void test_config_errors(void **st) {
     FAIL_WITH(BT_ERR_UNSUPPORTED, "GemmaForCausalLM", .arch = "GemmaForCausalLM");
     FAIL_WITH(BT_ERR_FORMAT, "architectures", .extra = "{\"architectures\": 3}");
     FAIL_WITH(BT_ERR_NOTFOUND, "architectures", .drop = "architectures");
-    FAIL_WITH(BT_ERR_UNSUPPORTED, "llama3",
+    FAIL_WITH(BT_ERR_FORMAT, "low_freq_factor", /* llama3 itself: tests/unit/test_rope_scaling.c */
               .extra = "{\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}}");
+    FAIL_WITH(BT_ERR_UNSUPPORTED, "dynamic",
+              .extra = "{\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}}");
     FAIL_WITH(BT_ERR_UNSUPPORTED, "yarn",
               .extra = "{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0}}");
     FAIL_WITH(BT_ERR_FORMAT, "rope_scaling.factor",
