@@ -18,6 +18,7 @@ LDLIBS  := -luv -lzstd -ljansson -lopenblas -lpcre2-8 -lutf8proc -lsystemd -lm -
 TESTLIBS := -lcmocka
 
 MODEL   := models/SmolLM2-135M-Instruct.Q4_1.gguf
+.DEFAULT_GOAL := all
 
 # OpenBLAS 0.3.21 mis-detects recent x86 CPUs (~8x slower sgemm); tests, bench and demo run with
 # the right kernel family (kernels/cpu/blas_env.c; the trainer also re-execs itself with it).
@@ -157,6 +158,7 @@ fixtures:
 	test -x .venv-nf4/bin/python || $(PYTHON) -m venv .venv-nf4
 	.venv-nf4/bin/pip install -q bitsandbytes==0.48.2 torch==2.15.0
 	.venv-nf4/bin/python tests/reference/gen_nf4_fixtures.py tests/fixtures/nf4
+	$(PYTHON) tests/reference/gen_rope_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs
@@ -187,16 +189,60 @@ $(CUDA_LIB): $(CUDA_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(CUDA_BUILD)/tests/%: $(CUDA_BUILD)/obj/tests/gpu/%.o $(CUDA_LIB) $(BUILD)/libbarq.a
-	@mkdir -p $(dir $@)
-	$(CXX_LINK) -o $@ $< $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS)
+# The GPU trainer (trainer/cuda, issue 5): build/cuda/libbarq_cuda_trainer.a; GPU tests and
+# benchmarks link it before the kernel library.
+CUDA_TRAINER_SRC := $(wildcard trainer/cuda/*.cu)
+CUDA_TRAINER_OBJ := $(patsubst %.cu,$(CUDA_BUILD)/obj/%.o,$(CUDA_TRAINER_SRC))
+CUDA_TRAINER_LIB := $(CUDA_BUILD)/libbarq_cuda_trainer.a
+GPU_BENCH_SRC := $(wildcard tests/bench/gpu/*.cu)
+GPU_BENCHES := $(patsubst tests/bench/gpu/%.cu,$(CUDA_BUILD)/bench/%,$(GPU_BENCH_SRC))
 
-.PHONY: cuda test-gpu
-cuda: $(CUDA_LIB) $(GPU_TESTS)
+# the trainer, its GPU test and the benchmarks also include the C trainer headers
+$(CUDA_TRAINER_OBJ) $(CUDA_BUILD)/obj/tests/gpu/test_trainer_gpu.o \
+  $(patsubst %.cu,$(CUDA_BUILD)/obj/%.o,$(GPU_BENCH_SRC)): $(HDRS) $(wildcard trainer/cuda/*.h)
+
+$(CUDA_TRAINER_LIB): $(CUDA_TRAINER_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(CUDA_BUILD)/tests/%: $(CUDA_BUILD)/obj/tests/gpu/%.o $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a
+	@mkdir -p $(dir $@)
+	$(CXX_LINK) -o $@ $< $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS)
+
+$(CUDA_BUILD)/bench/%: $(CUDA_BUILD)/obj/tests/bench/gpu/%.o $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a
+	@mkdir -p $(dir $@)
+	$(CXX_LINK) -o $@ $< $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS)
+
+# trainer/main.c and trainer/train.c again with -DBT_WITH_CUDA (device "cuda"); only the CUDA
+# trainer binary links these (the CPU objects and libbarq.a are unchanged).
+$(CUDA_BUILD)/cobj/%.o: %.c $(HDRS) $(wildcard trainer/cuda/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_COMMON) $(OPT) -DBT_WITH_CUDA -c $< -o $@
+CUDA_TRAINER_MAIN := $(CUDA_BUILD)/cobj/trainer/main.o $(CUDA_BUILD)/cobj/trainer/train.o
+
+.PHONY: cuda test-gpu bench-gpu
+cuda: $(CUDA_LIB) $(CUDA_TRAINER_LIB) $(GPU_TESTS) $(GPU_BENCHES)
 
 test-gpu: cuda
 	@bash tests/gpu/run.sh $(CUDA_BUILD)/tests $(GPU_TESTS)
 
+# `make bench-gpu`: kernels vs PyTorch and the training step vs transformers + PEFT
+# (tests/bench/gpu/run.sh writes tests/bench/results/<device>.md; needs a GPU, else "skipped").
+bench-gpu: cuda
+	@BT_MODEL=$(MODEL) bash tests/bench/gpu/run.sh $(CUDA_BUILD)
+
+# build/trainer is linked either CPU-only or with CUDA: $(BUILD)/.trainer-variant records which,
+# and switching between `make` and `make CUDA=1` removes the stale binary so it is relinked.
+TRAINER_VARIANT := $(if $(filter 1,$(CUDA)),cuda,cpu)
+ifneq ($(shell cat $(BUILD)/.trainer-variant 2>/dev/null),$(TRAINER_VARIANT))
+$(shell rm -f $(BUILD)/trainer; mkdir -p $(BUILD); echo $(TRAINER_VARIANT) > $(BUILD)/.trainer-variant)
+endif
+
 ifeq ($(CUDA),1)
-all: $(CUDA_LIB)
+all: $(CUDA_LIB) $(CUDA_TRAINER_LIB)
+# `make CUDA=1`: build/trainer is linked with the GPU trainer (config device "cuda"). This
+# replaces the CPU link recipe of the VARIANT block for $(BUILD)/trainer only (make prints
+# "overriding recipe" for it); `make` without CUDA=1 is unchanged (and relinks the CPU binary).
+$(BUILD)/trainer: $(CUDA_TRAINER_MAIN) $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a
+	$(CXX_LINK) $(OPT) -o $@ $(CUDA_TRAINER_MAIN) $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS)
 endif

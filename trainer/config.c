@@ -289,7 +289,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
         "name", "model", "base_dtype", "base_model_name_or_path", "socket", "data", "eval", "lora",
         "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
         "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
-        "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", NULL};
+        "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", NULL};
     static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
                                             "micro_batch_size", "seed", "tokenizer_threads", NULL};
     static const char *const eval_keys[] = {"shards", "max_batches", NULL};
@@ -300,6 +300,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const dtypes[] = {"nf4", "fp32", NULL};
     static const char *const scheds[] = {"cosine", "linear", "constant", NULL};
     static const char *const formats[] = {"chat", "text", "alpaca", NULL};
+    static const char *const devices[] = {"cpu", "cuda", NULL};
     int rc;
     int64_t i64;
 #define TRY(x)                                                                                     \
@@ -401,6 +402,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             (rc = get_i32(root, NULL, "save_every", 0, NONNEG, &c->save_every)) ||
             (rc = get_str(root, NULL, "out_dir", "runs/adapter", &c->out_dir)) ||
             (rc = get_i32(root, NULL, "threads", 0, RANGE(0, 1024, 0, 0), &c->threads)) ||
+            (rc = get_enum(root, NULL, "device", BT_DEVICE_CPU, devices, &c->device)) ||
             (rc = get_int(root, NULL, "seed", 1234, NONNEG, &i64)))
             break;
         c->seed = (uint64_t)i64;
@@ -587,6 +589,7 @@ char *bt_config_dump(const bt_train_config *c) {
     json_object_set_new(j, "checkpoint_dir", json_string(c->checkpoint_dir));
     json_object_set_new(j, "resume_from", c->resume_from ? json_string(c->resume_from) : json_null());
     json_object_set_new(j, "stop_at_step", json_integer(c->stop_at_step));
+    json_object_set_new(j, "device", json_string(c->device == BT_DEVICE_CUDA ? "cuda" : "cpu"));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(j);
     return s;

@@ -21,6 +21,8 @@
  *   save_every 0                       also save the adapter every N steps (0 = only at the end)
  *   out_dir "runs/adapter"             adapter directory (replaced atomically on every save)
  *   threads 0                          OpenMP threads for every kernel (0 = OpenMP default)
+ *   device "cpu"                       "cpu" | "cuda" (the GPU trainer, trainer/cuda/; only in a
+ *                                      trainer built with `make CUDA=1`, else refused at start)
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)
  *   timeout_s 600                      longest wait for one batch from loaderd
@@ -53,6 +55,7 @@
 
 enum { BT_BASE_NF4 = 0, BT_BASE_FP32 = 1 };
 enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
+enum { BT_DEVICE_CPU = 0, BT_DEVICE_CUDA = 1 };
 
 /* LoRA target modules, in the order used everywhere in the trainer (bit i of target_mask). */
 enum { BT_MOD_Q = 0, BT_MOD_K, BT_MOD_V, BT_MOD_O, BT_MOD_GATE, BT_MOD_UP, BT_MOD_DOWN, BT_MOD_N };
@@ -108,6 +111,7 @@ typedef struct {
     char *checkpoint_dir;
     char *resume_from;              /* NULL = fresh start */
     int stop_at_step;               /* 0 = steps */
+    int device;                     /* BT_DEVICE_* */
 } bt_train_config;
 
 /* Parse a config from JSON text, then apply `n_sets` overrides "a.b=value" in order (value is

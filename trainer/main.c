@@ -15,10 +15,17 @@
 #include "trainer/generate.h"
 #include "trainer/train.h"
 
+#ifdef BT_WITH_CUDA
+#define BT_MAIN_CUDA_NOTE "; this one is"
+#else
+#define BT_MAIN_CUDA_NOTE "; this one is not"
+#endif
+
 static void usage(FILE *f) {
     fprintf(f,
             "usage: trainer train --config JOB.json [--set key.path=value ...] [--resume CKPT_DIR]\n"
-            "       trainer eval  --config JOB.json [--set key.path=value ...]\n"
+            "                     [--device cpu|cuda]\n"
+            "       trainer eval  --config JOB.json [--set key.path=value ...] [--device cpu|cuda]\n"
             "       trainer estimate --config JOB.json [--set key.path=value ...]\n"
             "       trainer config --template default|qlora|long-context [--documented]\n"
             "       trainer config --check JOB.json [--set key.path=value ...]\n"
@@ -37,6 +44,8 @@ static void usage(FILE *f) {
             "          parser ignores), or validate a job and print its effective config.\n"
             "--resume DIR continues a run from a checkpoint (config resume_from; checkpoints are\n"
             "written every checkpoint_every steps to checkpoint_dir).\n"
+            "--device cpu|cuda is config `device` (cuda: the GPU trainer, only in a trainer built\n"
+            "with `make CUDA=1`" BT_MAIN_CUDA_NOTE ").\n"
             "\n"
             "--set overrides a config key; the value is parsed as JSON when it parses, else taken\n"
             "as a string: --set optim.lr=1e-3 --set socket=/tmp/loaderd.sock\n"
@@ -78,6 +87,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *config = NULL;
+    static char device_set[64]; /* "--device X" is "--set device=X" */
     const char **sets = calloc((size_t)argc, sizeof(char *));
     int n_sets = 0;
     if (!sets) return 1;
@@ -95,6 +105,9 @@ int main(int argc, char **argv) {
             sets[n_sets++] = argv[++i];
         } else if (!strncmp(a, "--set=", 6)) {
             sets[n_sets++] = a + 6;
+        } else if (!strcmp(a, "--device") && i + 1 < argc) {
+            snprintf(device_set, sizeof device_set, "device=%s", argv[++i]);
+            sets[n_sets++] = device_set;
         } else if (!strcmp(a, "--resume") && i + 1 < argc && eval_only == 0) {
             resume = argv[++i];
         } else {
@@ -125,6 +138,14 @@ int main(int argc, char **argv) {
         bt_config_free(&cfg);
         return rc ? 1 : 0;
     }
+#ifndef BT_WITH_CUDA
+    if (cfg.device == BT_DEVICE_CUDA) {
+        fprintf(stderr, "trainer: config: device: \"cuda\": this trainer was built without CUDA "
+                "(make CUDA=1)\n");
+        bt_config_free(&cfg);
+        return 2;
+    }
+#endif
     char *dump = bt_config_dump(&cfg);
     if (dump) bt_log(BT_LOG_INFO, "trainer", "config: %s", dump);
     free(dump);

@@ -15,6 +15,23 @@
 #include "trainer/checkpoint.h"
 #include "trainer/optim.h"
 #include "trainer/rng.h"
+#ifdef BT_WITH_CUDA
+#include "trainer/cuda/cuda_trainer.h"
+/* device "cuda" (make CUDA=1): the GPU trainer replaces the CPU step context; NULL on the CPU */
+static bt_cuda_trainer *g_cuda;
+#endif
+
+/* device "cuda": bring the host LoRA state up to date before it is saved (no-op on the CPU). */
+static int sync_host_lora(bt_lora *lo, int moments) {
+#ifdef BT_WITH_CUDA
+    if (g_cuda)
+        return bt_cuda_trainer_download_lora(g_cuda, lo,
+                                             BT_CUDA_DL_PARAMS | (moments ? BT_CUDA_DL_MOMENTS : 0));
+#endif
+    (void)lo;
+    (void)moments;
+    return 0;
+}
 
 static volatile sig_atomic_t g_stop;
 static void on_signal(int sig) {
@@ -144,7 +161,12 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
         mb_view(&mc, cfg->data.micro_batch_size, cfg->data.seq_len, &mb);
         double ls;
         int nv;
-        if ((rc = bt_forward_backward(ctx, m, lo, &mb, 0, 1.0f, 0, &ls, &nv))) goto out;
+#ifdef BT_WITH_CUDA
+        if (g_cuda) rc = bt_cuda_trainer_step(g_cuda, &mb, 0, 1.0f, 0, &ls, &nv);
+        else
+#endif
+            rc = bt_forward_backward(ctx, m, lo, &mb, 0, 1.0f, 0, &ls, &nv);
+        if (rc) goto out;
         sum += ls;
         cnt += nv;
         nb++;
@@ -172,6 +194,11 @@ static void set_threads(int n) {
 }
 
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
+#ifndef BT_WITH_CUDA
+    if (cfg->device == BT_DEVICE_CUDA)
+        return bt_fail(BT_ERR_UNSUPPORTED, "config: device: \"cuda\": this trainer was built "
+                       "without CUDA (make CUDA=1)");
+#endif
     set_threads(cfg->threads);
     g_stop = 0;
     struct sigaction sa;
@@ -230,10 +257,24 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                    cfg->steps);
         bt_log(BT_LOG_INFO, "trainer", "resumed from %s at step %d", cfg->resume_from, start_step);
     }
+#ifdef BT_WITH_CUDA
+    if (cfg->device == BT_DEVICE_CUDA) {
+        bt_cuda_trainer_opts co;
+        memset(&co, 0, sizeof co);
+        co.checkpointing = cfg->activation_checkpointing;
+        if ((rc = bt_cuda_trainer_new_ex(&g_cuda, &model, &lora, M, &co))) goto done;
+        bt_log(BT_LOG_INFO, "trainer", "CUDA device %s: model + LoRA + workspace for %dx%d tokens: "
+               "%.0f MiB%s", bt_cuda_trainer_device_name(g_cuda), B, T,
+               bt_cuda_trainer_bytes(g_cuda) / 1048576.0,
+               cfg->activation_checkpointing ? " (activation checkpointing)" : "");
+    } else
+#endif
+    {
     if ((rc = bt_step_ctx_new(&ctx, &model, &lora, M, cfg->activation_checkpointing))) goto done;
     bt_log(BT_LOG_INFO, "trainer", "workspace for %dx%d tokens: %.0f MiB%s", B, T,
            bt_step_ctx_bytes(ctx) / 1048576.0,
            cfg->activation_checkpointing ? " (activation checkpointing)" : "");
+    }
 
     double before = NAN, after = NAN;
     long long n_eval = 0;
@@ -289,7 +330,11 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             has_resume = 1;
         }
         /* 2. forward + backward */
-        bt_lora_zero_grad(&lora);
+#ifdef BT_WITH_CUDA
+        if (g_cuda && (rc = bt_cuda_trainer_zero_grad(g_cuda))) goto done;
+        if (!g_cuda)
+#endif
+            bt_lora_zero_grad(&lora);
         double loss_sum = 0;
         float gscale = n_lab > 0 ? (float)(1.0 / (double)n_lab) : 0.f;
         for (int i = 0; i < cfg->grad_accum; i++) {
@@ -297,20 +342,36 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             mb_view(&mbs[i], B, T, &mb);
             uint64_t key = bt_hash64(cfg->seed ^ bt_hash64(((uint64_t)step << 20) + (uint64_t)i + 1));
             double ls;
-            if ((rc = bt_forward_backward(ctx, &model, &lora, &mb, 1, gscale, key | 1, &ls, NULL)))
-                goto done;
+#ifdef BT_WITH_CUDA
+            if (g_cuda) rc = bt_cuda_trainer_step(g_cuda, &mb, 1, gscale, key | 1, &ls, NULL);
+            else
+#endif
+                rc = bt_forward_backward(ctx, &model, &lora, &mb, 1, gscale, key | 1, &ls, NULL);
+            if (rc) goto done;
             loss_sum += ls;
         }
         double loss = n_lab > 0 ? loss_sum / (double)n_lab : NAN;
         /* 3. clip + AdamW */
         double lr = bt_schedule_lr(&sched, step);
-        double gnorm = bt_clip_grad_norm(lora.grads, lora.n_params, cfg->optim.grad_clip);
+        double gnorm;
+        int on_gpu = 0;
+#ifdef BT_WITH_CUDA
+        if (g_cuda) { /* the same clip + AdamW on the device (skipped in the same cases) */
+            on_gpu = 1;
+            if ((rc = bt_cuda_trainer_clip_and_step(
+                     g_cuda, cfg->optim.grad_clip, (float)lr, (float)cfg->optim.beta1,
+                     (float)cfg->optim.beta2, (float)cfg->optim.eps, (float)cfg->optim.weight_decay,
+                     step + 1, n_lab == 0 || !isfinite(loss), &gnorm, NULL)))
+                goto done;
+        } else
+#endif
+            gnorm = bt_clip_grad_norm(lora.grads, lora.n_params, cfg->optim.grad_clip);
         if (n_lab == 0) {
             bt_log(BT_LOG_WARN, "trainer", "step %d: no labelled tokens; update skipped", step + 1);
         } else if (!isfinite(gnorm) || !isfinite(loss)) {
             bt_log(BT_LOG_WARN, "trainer", "step %d: non-finite loss %g / grad norm %g; update "
                    "skipped", step + 1, loss, gnorm);
-        } else {
+        } else if (!on_gpu) {
             /* [0, n_decay): LoRA (+ embedding) with weight decay; the LoRA+ norm weights after
              * it without (lora.h) */
             bt_adamw_step(lora.params, lora.grads, lora.m, lora.v, lora.n_decay, (float)lr,
@@ -343,6 +404,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         int last = done_steps == end_step || g_stop;
         if (cfg->checkpoint_every > 0 && done_steps < cfg->steps &&
             (done_steps % cfg->checkpoint_every == 0 || last)) {
+            if ((rc = sync_host_lora(&lora, 1))) goto done;
             if ((rc = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &model, &lora, done_steps,
                                          resume)))
                 goto done;
@@ -350,6 +412,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                    cfg->checkpoint_dir);
         }
         if (cfg->save_every > 0 && done_steps % cfg->save_every == 0 && done_steps < cfg->steps) {
+            if ((rc = sync_host_lora(&lora, 0))) goto done;
             if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir)))
                 goto done;
             bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done_steps, cfg->out_dir);
@@ -361,6 +424,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                cfg->steps);
     bt_client_close(cl);
     cl = NULL;
+    if ((rc = sync_host_lora(&lora, 0))) goto done;
     if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir))) goto done;
     bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
            done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
@@ -377,6 +441,10 @@ done:
     free(mbs);
     bt_client_close(cl);
     bt_step_ctx_free(ctx);
+#ifdef BT_WITH_CUDA
+    bt_cuda_trainer_free(g_cuda);
+    g_cuda = NULL;
+#endif
     bt_lora_free(&lora);
     bt_model_free(&model);
 done_nomodel:

@@ -1,0 +1,286 @@
+/* Kernel benchmark of the CUDA backend (kernels/cuda) on Llama-2-7B-shaped operands (T = 4096
+ * tokens, d 4096, ffn 11008, 32 heads of 128, vocab 32000, r 16). Prints markdown table rows
+ *   | kernel | shape | impl | ms | throughput | % of peak |
+ * (the same rows tests/bench/gpu/bench_torch.py prints for the PyTorch equivalents). Time: median
+ * of 20 runs after 3 warm-ups, cudaEvent. Peaks: bf16 dense tensor TFLOP/s and HBM GB/s from a
+ * table of known parts (H100 SXM 989 / 3350, H100 PCIe 756 / 2000, H100 NVL 835 / 3900,
+ * H200 989 / 4800, A100 312 / 2039) else derived from cudaDeviceGetAttribute (SMs x clock x
+ * 4096 (sm_90) or 2048 (sm_80) flop/clk/SM; 2 x memory clock x bus width).
+ * Usage: bench_kernels_gpu [--T 4096] [--quick]. Exit 77 without a device. */
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "kernels/kernels.h"
+}
+#include "kernels/cuda/kernels_cuda.h"
+
+#define CU(x)                                                                                  \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+#define OK(x)                                                                    \
+    do {                                                                         \
+        int r_ = (x);                                                            \
+        if (r_) {                                                                \
+            fprintf(stderr, "%s:%d: %s returned %d\n", __FILE__, __LINE__, #x, r_); \
+            exit(1);                                                             \
+        }                                                                        \
+    } while (0)
+
+static double g_peak_tflops = 0, g_peak_gbs = 0;
+static cudaStream_t g_s;
+static cublasHandle_t g_h;
+static int g_iters = 20;
+
+static void peaks(void)
+{
+    cudaDeviceProp p;
+    CU(cudaGetDeviceProperties(&p, 0));
+    std::string n = p.name;
+    struct {
+        const char *key;
+        double tf, gbs;
+    } known[] = {{"H200", 989, 4800},      {"H100 NVL", 835, 3900}, {"H100 PCIe", 756, 2000},
+                 {"H100 80GB HBM3", 989, 3350}, {"H100 SXM", 989, 3350}, {"H100", 989, 3350},
+                 {"A100-SXM4-80GB", 312, 2039}, {"A100", 312, 1555}};
+    for (auto &k : known)
+        if (n.find(k.key) != std::string::npos) {
+            g_peak_tflops = k.tf;
+            g_peak_gbs = k.gbs;
+            break;
+        }
+    int clk = 0, mclk = 0, bus = 0;
+    cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0);
+    cudaDeviceGetAttribute(&mclk, cudaDevAttrMemoryClockRate, 0);
+    cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, 0);
+    const double per_sm = p.major >= 9 ? 4096 : (p.major == 8 && p.minor == 0 ? 2048 : 1024);
+    const double tf_attr = p.multiProcessorCount * (clk * 1e3) * per_sm / 1e12;
+    const double bw_attr = 2.0 * (mclk * 1e3) * (bus / 8.0) / 1e9;
+    if (g_peak_tflops == 0) {
+        g_peak_tflops = tf_attr;
+        g_peak_gbs = bw_attr;
+    }
+    printf("device: %s (sm_%d%d, %d SMs, %.0f GiB); peaks used: %.0f bf16 TFLOP/s, %.0f GB/s "
+           "(attribute-derived: %.0f TFLOP/s, %.0f GB/s)\n\n",
+           p.name, p.major, p.minor, p.multiProcessorCount, p.totalGlobalMem / 1073741824.0,
+           g_peak_tflops, g_peak_gbs, tf_attr, bw_attr);
+    printf("| kernel | shape | impl | ms | throughput | %% of peak |\n|---|---|---|---|---|---|\n");
+}
+
+template <typename F>
+static double time_ms(F f)
+{
+    cudaEvent_t a, b;
+    CU(cudaEventCreate(&a));
+    CU(cudaEventCreate(&b));
+    for (int i = 0; i < 3; i++)
+        f();
+    std::vector<float> t;
+    for (int i = 0; i < g_iters; i++) {
+        CU(cudaEventRecord(a, g_s));
+        f();
+        CU(cudaEventRecord(b, g_s));
+        CU(cudaEventSynchronize(b));
+        float ms;
+        CU(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+static void row_flops(const char *k, const char *shape, double ms, double flops)
+{
+    const double tf = flops / (ms * 1e-3) / 1e12;
+    printf("| %s | %s | barq | %.3f | %.1f TFLOP/s | %.1f%% |\n", k, shape, ms, tf, 100 * tf / g_peak_tflops);
+    fflush(stdout);
+}
+static void row_bytes(const char *k, const char *shape, double ms, double bytes)
+{
+    const double gbs = bytes / (ms * 1e-3) / 1e9;
+    printf("| %s | %s | barq | %.3f | %.0f GB/s | %.1f%% |\n", k, shape, ms, gbs, 100 * gbs / g_peak_gbs);
+    fflush(stdout);
+}
+
+template <typename T>
+static T *dalloc(size_t n)
+{
+    T *p;
+    CU(cudaMalloc(&p, n * sizeof(T) + 16));
+    return p;
+}
+__global__ void fill_kernel(bt_bf16 *x, size_t n, uint32_t seed, float a)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        x[i] = __float2bfloat16((float)(h & 0xffff) / 32768.0f * a - a);
+    }
+}
+static bt_bf16 *drand(size_t n, float a)
+{
+    bt_bf16 *p = dalloc<bt_bf16>(n);
+    fill_kernel<<<1024, 256>>>(p, n, (uint32_t)n, a);
+    CU(cudaGetLastError());
+    return p;
+}
+
+int main(int argc, char **argv)
+{
+    int T = 4096;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--T") && i + 1 < argc)
+            T = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--quick"))
+            g_iters = 5;
+    }
+    char reason[256] = "";
+    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+        printf("bench_kernels_gpu: skipped: no CUDA device (%s)\n", reason);
+        return 77;
+    }
+    CU(cudaStreamCreate(&g_s));
+    if (cublasCreate(&g_h) != CUBLAS_STATUS_SUCCESS)
+        return 1;
+    peaks();
+    const int M = T, D = 4096, F = 11008, H = 32, HD = 128, V = 32000, R = 16;
+    char shp[128];
+
+    /* NF4 */
+    {
+        const int64_t rows = F, cols = D, n = rows * cols;
+        std::vector<uint8_t> pk(n / 2), aq(n / 64);
+        std::vector<float> nest((n / 64 + 255) / 256, 0.02f), code8(256);
+        for (size_t i = 0; i < pk.size(); i++)
+            pk[i] = (uint8_t)(i * 2654435761u >> 13);
+        for (size_t i = 0; i < aq.size(); i++)
+            aq[i] = (uint8_t)(i * 40503u >> 7);
+        for (int i = 0; i < 256; i++)
+            code8[i] = bt_dynamic_code8(i);
+        bt_cuda_nf4 w;
+        OK(bt_cuda_nf4_upload(&w, rows, cols, pk.data(), aq.data(), nest.data(), 0.f, code8.data()));
+        bt_bf16 *out = dalloc<bt_bf16>(n);
+        double ms = time_ms([&] { OK(bt_cuda_nf4_dequant(out, &w, 0, rows, g_s)); });
+        snprintf(shp, sizeof shp, "%lldx%lld", (long long)rows, (long long)cols);
+        row_bytes("nf4_dequant", shp, ms, n / 2.0 + n / 64.0 + 2.0 * n);
+        bt_bf16 *X = drand((size_t)M * cols, 1.f), *Y = dalloc<bt_bf16>((size_t)M * rows);
+        ms = time_ms([&] { OK(bt_cuda_nf4_linear_fwd(g_h, g_s, Y, X, &w, M, (int)cols, (int)rows, 0.f, out)); });
+        snprintf(shp, sizeof shp, "M%d K%lld N%lld", M, (long long)cols, (long long)rows);
+        row_flops("nf4_linear_fwd (dequant+gemm)", shp, ms, 2.0 * M * rows * cols);
+        ms = time_ms([&] { OK(bt_cuda_gemm(g_h, g_s, 0, 1, M, (int)rows, (int)cols, 1.f, X, (int)cols, out, (int)cols, 0.f, Y, (int)rows, 0)); });
+        row_flops("gemm bf16 (cuBLAS)", shp, ms, 2.0 * M * rows * cols);
+        /* LoRA fwd/bwd on the same layer (r 16) */
+        bt_bf16 *A16 = drand((size_t)R * cols, 0.02f), *B16 = drand((size_t)rows * R, 0.02f);
+        bt_bf16 *XA = dalloc<bt_bf16>((size_t)M * R), *dXA = dalloc<bt_bf16>((size_t)M * R);
+        bt_bf16 *dX = dalloc<bt_bf16>((size_t)M * cols);
+        float *dA = dalloc<float>((size_t)R * cols), *dB = dalloc<float>((size_t)rows * R);
+        ms = time_ms([&] { OK(bt_cuda_lora_fwd(g_h, g_s, Y, XA, X, A16, B16, M, (int)cols, (int)rows, R, 2.f)); });
+        snprintf(shp, sizeof shp, "M%d K%lld N%lld r%d", M, (long long)cols, (long long)rows, R);
+        row_flops("lora_fwd", shp, ms, 2.0 * M * R * (cols + rows));
+        ms = time_ms([&] { OK(bt_cuda_lora_bwd(g_h, g_s, dA, dB, dX, dXA, Y, X, XA, A16, B16, M, (int)cols, (int)rows, R, 2.f, 1.f)); });
+        row_flops("lora_bwd", shp, ms, 2.0 * M * R * (2.0 * cols + 2.0 * rows));
+        cudaFree(A16); cudaFree(B16); cudaFree(XA); cudaFree(dXA); cudaFree(dX); cudaFree(dA); cudaFree(dB);
+        cudaFree(X); cudaFree(Y); cudaFree(out);
+        bt_cuda_nf4_free(&w);
+    }
+    /* RMSNorm */
+    {
+        bt_bf16 *x = drand((size_t)M * D, 1.f), *y = dalloc<bt_bf16>((size_t)M * D), *dx = dalloc<bt_bf16>((size_t)M * D);
+        float *w = dalloc<float>(D), *rs = dalloc<float>(M);
+        CU(cudaMemset(w, 0, D * sizeof(float)));
+        double ms = time_ms([&] { OK(bt_cuda_rmsnorm_fwd(y, rs, x, w, M, D, 1e-5f, g_s)); });
+        snprintf(shp, sizeof shp, "M%d D%d", M, D);
+        row_bytes("rmsnorm_fwd", shp, ms, 4.0 * M * D);
+        ms = time_ms([&] { OK(bt_cuda_rmsnorm_bwd(dx, nullptr, y, x, w, rs, M, D, nullptr, g_s)); });
+        row_bytes("rmsnorm_bwd", shp, ms, 6.0 * M * D);
+        cudaFree(x); cudaFree(y); cudaFree(dx); cudaFree(w); cudaFree(rs);
+    }
+    /* SwiGLU */
+    {
+        const int64_t n = (int64_t)M * F;
+        bt_bf16 *g = drand(n, 2.f), *u = drand(n, 2.f), *h = dalloc<bt_bf16>(n);
+        double ms = time_ms([&] { OK(bt_cuda_swiglu_fwd(h, g, u, n, g_s)); });
+        snprintf(shp, sizeof shp, "M%d F%d", M, F);
+        row_bytes("swiglu_fwd", shp, ms, 6.0 * n);
+        bt_bf16 *dg = dalloc<bt_bf16>(n), *du = dalloc<bt_bf16>(n);
+        ms = time_ms([&] { OK(bt_cuda_swiglu_bwd(dg, du, h, g, u, n, g_s)); });
+        row_bytes("swiglu_bwd", shp, ms, 10.0 * n);
+        cudaFree(g); cudaFree(u); cudaFree(h); cudaFree(dg); cudaFree(du);
+    }
+    /* attention: one causal document of T tokens, 32 heads of 128 (MHA as Llama-2-7B) */
+    {
+        const size_t n = (size_t)M * H * HD;
+        bt_bf16 *q = drand(n, 1.f), *k = drand(n, 1.f), *v = drand(n, 1.f), *o = dalloc<bt_bf16>(n);
+        bt_bf16 *dq = dalloc<bt_bf16>(n), *dk = dalloc<bt_bf16>(n), *dv = dalloc<bt_bf16>(n), *dout = drand(n, 1.f);
+        float *lse = dalloc<float>((size_t)M * H), *delta = dalloc<float>((size_t)M * H);
+        int32_t *cu = dalloc<int32_t>(2), *pos = dalloc<int32_t>(M);
+        int32_t hcu[2] = {0, M};
+        std::vector<int32_t> hp(M);
+        for (int i = 0; i < M; i++)
+            hp[i] = i;
+        CU(cudaMemcpy(cu, hcu, sizeof hcu, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(pos, hp.data(), M * 4, cudaMemcpyHostToDevice));
+        bt_cuda_attn_params p;
+        memset(&p, 0, sizeof p);
+        p.M = M; p.Hq = H; p.Hkv = H; p.D = HD; p.n_seq = 1; p.max_seqlen = M; p.cu_seqlens = cu;
+        p.ldq = p.ldk = p.ldv = (int64_t)H * HD; p.scale = 1.0f / sqrtf((float)HD);
+        p.position_ids = pos; p.rope_theta = 10000.f; p.pos_scale = 1.f;
+        const double fl = 4.0 * M * (double)M * H * HD / 2.0; /* causal half */
+        snprintf(shp, sizeof shp, "T%d H%d D%d causal", M, H, HD);
+        double ms = time_ms([&] { OK(bt_cuda_attn_fwd(&p, o, lse, q, k, v, g_s)); });
+        row_flops("attn_fwd (+RoPE)", shp, ms, fl);
+        ms = time_ms([&] { OK(bt_cuda_attn_bwd(&p, dq, dk, dv, dout, o, lse, q, k, v, delta, g_s)); });
+        row_flops("attn_bwd (+RoPE)", shp, ms, 2.5 * fl);
+        p.position_ids = nullptr;
+        ms = time_ms([&] { OK(bt_cuda_attn_fwd(&p, o, lse, q, k, v, g_s)); });
+        row_flops("attn_fwd (no RoPE)", shp, ms, fl);
+        cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(dq); cudaFree(dk); cudaFree(dv);
+        cudaFree(dout); cudaFree(lse); cudaFree(delta); cudaFree(cu); cudaFree(pos);
+    }
+    /* fused linear + CE (fwd + dX) */
+    {
+        bt_bf16 *x = drand((size_t)M * D, 1.f), *W = drand((size_t)V * D, 0.02f), *dx = dalloc<bt_bf16>((size_t)M * D);
+        int32_t *tg = dalloc<int32_t>(M);
+        std::vector<int32_t> ht(M);
+        for (int i = 0; i < M; i++)
+            ht[i] = (i * 7919) % V;
+        CU(cudaMemcpy(tg, ht.data(), M * 4, cudaMemcpyHostToDevice));
+        float *rl = dalloc<float>(M);
+        const int chunk = M < 1024 ? M : 1024;
+        void *ws = dalloc<char>(bt_cuda_linear_ce_workspace_bytes(chunk, V));
+        double ms = time_ms([&] { OK(bt_cuda_linear_ce(g_h, g_s, rl, dx, nullptr, x, W, tg, M, D, V, chunk, 1.f / M, ws)); });
+        snprintf(shp, sizeof shp, "M%d D%d V%d", M, D, V);
+        row_flops("linear_ce fwd+dX", shp, ms, 4.0 * M * (double)D * V);
+        cudaFree(x); cudaFree(W); cudaFree(dx); cudaFree(tg); cudaFree(rl); cudaFree(ws);
+    }
+    /* AdamW over 40M parameters (Llama-2-7B r16 on all linears: 40.0M) */
+    {
+        const int64_t n = 39976960;
+        float *p = dalloc<float>(n), *g = dalloc<float>(n), *m = dalloc<float>(n), *v = dalloc<float>(n);
+        bt_bf16 *p16 = dalloc<bt_bf16>(n);
+        CU(cudaMemset(p, 0, n * 4)); CU(cudaMemset(g, 0, n * 4)); CU(cudaMemset(m, 0, n * 4)); CU(cudaMemset(v, 0, n * 4));
+        bt_cuda_adamw_tensor t = {p, g, m, v, p16, n, 0.f};
+        bt_cuda_adamw_tensor *dt = dalloc<bt_cuda_adamw_tensor>(1);
+        CU(cudaMemcpy(dt, &t, sizeof t, cudaMemcpyHostToDevice));
+        int64_t step = 1;
+        double ms = time_ms([&] { OK(bt_cuda_adamw_multi(dt, 1, n, 1e-4f, 0.9f, 0.999f, 1e-8f, 1.f, step++, g_s)); });
+        snprintf(shp, sizeof shp, "n=%lld", (long long)n);
+        row_bytes("adamw_multi", shp, ms, 30.0 * n);
+        cudaFree(p); cudaFree(g); cudaFree(m); cudaFree(v); cudaFree(p16); cudaFree(dt);
+    }
+    CU(cudaDeviceSynchronize());
+    return 0;
+}

@@ -1,0 +1,157 @@
+/* Whole-training-step benchmark of the GPU trainer (trainer/cuda): forward + backward of one
+ * micro-batch of B x T tokens (one document per row), clip + AdamW, timed over --steps steps after
+ * --warmup; tokens/s and the process's peak device memory (cudaMemGetInfo, sampled after every
+ * step; includes the CUDA context). Prints one markdown row
+ *   | trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB |
+ * matching tests/bench/gpu/bench_hf_step.py.
+ *   --model PATH              a GGUF / HF directory loaded as the trainer loads it (NF4 base)
+ *   --model random:llama2-7b  Llama-2-7B shapes (32 x 4096, ffn 11008, 32 heads, vocab 32000,
+ *                             untied) with random NF4 weights generated for the device (no host
+ *                             weights); also random:smollm2-135m. Bench-only spec.
+ *   --B 1 --T 4096 --r 16 --alpha 32 --dropout 0.05 --steps 10 --warmup 2 --ckpt 0|1
+ * LoRA on all seven linears. Exit 77 without a device. */
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+#include "common/bt_common.h"
+#include "trainer/lora.h"
+#include "trainer/model.h"
+#include "trainer/rng.h"
+}
+#include "kernels/cuda/kernels_cuda.h"
+#include "trainer/cuda/cuda_trainer.h"
+
+static int fake_model(bt_model *m, const char *spec)
+{
+    memset(m, 0, sizeof *m);
+    bt_llama_hparams &hp = m->hp;
+    if (!strcmp(spec, "random:llama2-7b")) {
+        hp.n_layer = 32; hp.d_model = 4096; hp.n_head = 32; hp.n_kv_head = 32; hp.head_dim = 128;
+        hp.d_ff = 11008; hp.vocab = 32000; hp.ctx = 4096; hp.rope_theta = 10000.f; hp.rms_eps = 1e-5f;
+        m->tied = 0;
+    } else if (!strcmp(spec, "random:smollm2-135m")) {
+        hp.n_layer = 30; hp.d_model = 576; hp.n_head = 9; hp.n_kv_head = 3; hp.head_dim = 64;
+        hp.d_ff = 1536; hp.vocab = 49152; hp.ctx = 8192; hp.rope_theta = 100000.f; hp.rms_eps = 1e-5f;
+        m->tied = 1;
+    } else {
+        fprintf(stderr, "unknown model spec %s (random:llama2-7b | random:smollm2-135m)\n", spec);
+        return -1;
+    }
+    m->base_dtype = BT_BASE_NF4;
+    m->layers = (bt_layer *)calloc((size_t)hp.n_layer, sizeof(bt_layer));
+    const int Dq = hp.n_head * hp.head_dim, Dkv = hp.n_kv_head * hp.head_dim;
+    const int shape[BT_MOD_N][2] = {{Dq, hp.d_model}, {Dkv, hp.d_model}, {Dkv, hp.d_model},
+                                    {hp.d_model, Dq}, {hp.d_ff, hp.d_model}, {hp.d_ff, hp.d_model},
+                                    {hp.d_model, hp.d_ff}};
+    for (int l = 0; l < hp.n_layer; l++)
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            m->layers[l].lin[mod].rows = shape[mod][0];
+            m->layers[l].lin[mod].cols = shape[mod][1];
+            m->layers[l].lin[mod].is_nf4 = 1;
+        }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *model = "random:llama2-7b";
+    int B = 1, T = 4096, r = 16, steps = 10, warmup = 2, ckpt = 0;
+    double alpha = 32, dropout = 0.05;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const char *a = argv[i], *v = argv[i + 1];
+        if (!strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "--B")) B = atoi(v);
+        else if (!strcmp(a, "--T")) T = atoi(v);
+        else if (!strcmp(a, "--r")) r = atoi(v);
+        else if (!strcmp(a, "--alpha")) alpha = atof(v);
+        else if (!strcmp(a, "--dropout")) dropout = atof(v);
+        else if (!strcmp(a, "--steps")) steps = atoi(v);
+        else if (!strcmp(a, "--warmup")) warmup = atoi(v);
+        else if (!strcmp(a, "--ckpt")) ckpt = atoi(v);
+        else {
+            fprintf(stderr, "unknown argument %s\n", a);
+            return 2;
+        }
+    }
+    char reason[256] = "";
+    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+        printf("bench_step_gpu: skipped: no CUDA device (%s)\n", reason);
+        return 77;
+    }
+    bt_model m;
+    const bool rnd = !strncmp(model, "random:", 7);
+    double t0 = bt_now();
+    if (rnd) {
+        if (fake_model(&m, model))
+            return 2;
+    } else {
+        bt_model_load_opts lo = {BT_BASE_NF4, 0};
+        if (bt_model_load(&m, model, &lo) != 0) {
+            printf("bench_step_gpu: skipped: cannot load %s: %s\n", model, bt_last_error());
+            return 1;
+        }
+    }
+    bt_lora lora;
+    if (bt_lora_init(&lora, &m, r, alpha, dropout, (1u << BT_MOD_N) - 1, 1234) != 0) {
+        fprintf(stderr, "bt_lora_init: %s\n", bt_last_error());
+        return 1;
+    }
+    bt_cuda_trainer_opts o;
+    memset(&o, 0, sizeof o);
+    o.checkpointing = ckpt;
+    o.random_weights = rnd;
+    o.random_seed = 1;
+    bt_cuda_trainer *t = nullptr;
+    if (bt_cuda_trainer_new_ex(&t, &m, &lora, B * T, &o) != 0) {
+        printf("bench_step_gpu: FAILED to create the trainer: %s\n", bt_last_error());
+        return 1;
+    }
+    fprintf(stderr, "bench_step_gpu: %s on %s: set-up %.1f s, trainer holds %.0f MiB\n", model,
+            bt_cuda_trainer_device_name(t), bt_now() - t0, bt_cuda_trainer_bytes(t) / 1048576.0);
+    const int M = B * T;
+    std::vector<int32_t> ids(M), lab(M), pos(M), cu(B + 1);
+    bt_rng rng;
+    bt_rng_seed(&rng, 99);
+    for (int i = 0; i < M; i++) {
+        ids[i] = (int32_t)(bt_rng_next(&rng) % (uint64_t)m.hp.vocab);
+        lab[i] = ids[i];
+        pos[i] = i % T;
+    }
+    for (int b = 0; b <= B; b++)
+        cu[b] = b * T;
+    bt_microbatch mb = {B, T, ids.data(), lab.data(), pos.data(), cu.data(), B + 1};
+    const int nl = bt_shift_targets(nullptr, &mb, m.hp.vocab);
+    double tt = 0, loss = 0;
+    for (int s = 0; s < warmup + steps; s++) {
+        const double ts = bt_now();
+        double ls = 0;
+        if (bt_cuda_trainer_zero_grad(t) ||
+            bt_cuda_trainer_step(t, &mb, 1, 1.0f / nl, bt_hash64((uint64_t)s + 1) | 1, &ls, nullptr) ||
+            bt_cuda_trainer_clip_and_step(t, 1.0, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.f, s + 1, 0, nullptr, nullptr) ||
+            cudaDeviceSynchronize() != cudaSuccess) {
+            printf("bench_step_gpu: FAILED at step %d: %s\n", s + 1, bt_last_error());
+            return 1;
+        }
+        if (s >= warmup)
+            tt += bt_now() - ts;
+        loss = ls / nl;
+    }
+    size_t base = 0;
+    const size_t peak = bt_cuda_trainer_peak_used(t, &base);
+    const double tps = steps > 0 ? (double)M * steps / tt : 0;
+    fprintf(stderr, "bench_step_gpu: last loss %.4f, peak device memory %.2f GiB (context/baseline %.2f GiB)\n",
+            loss, peak / 1073741824.0, base / 1073741824.0);
+    printf("| barq (CUDA) | %s | %d x %d | %d | %s | %.0f | %.1f | %.2f |\n", model, B, T, r,
+           ckpt ? "yes" : "no", tps, steps > 0 ? 1e3 * tt / steps : 0.0, peak / 1073741824.0);
+    bt_cuda_trainer_free(t);
+    bt_lora_free(&lora);
+    if (rnd)
+        free(m.layers);
+    else
+        bt_model_free(&m);
+    return 0;
+}

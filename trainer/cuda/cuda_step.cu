@@ -1,0 +1,544 @@
+/* The GPU trainer's forward/backward over one packed micro-batch: trainer/step.c on the
+ * kernels/cuda launchers (bf16 activations, fp32 accumulation). Every step of layer_fwd /
+ * layer_bwd below corresponds line by line to step.c; differences are only in where RoPE happens
+ * (the attention kernels apply it to Q/K as they load them, and return gradients with respect to
+ * the unrotated Q/K, so there is no separate RoPE pass) and in the storage precision. */
+#include "trainer/cuda/cuda_trainer_internal.h"
+
+#include <cmath>
+#include <cstring>
+
+/* ------------------------------------------------------------------ dropout (lora.c mirror) */
+
+namespace {
+
+__device__ __forceinline__ uint64_t dev_hash64(uint64_t x)
+{ /* == bt_hash64 (trainer/rng.h), splitmix64 finaliser */
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+/* lora.c apply_dropout: element i keeps iff u = bits [16*(i%4), +16) of
+ * hash(key + (i/4) * golden) >= th; kept values are scaled by ks. */
+__device__ __forceinline__ bool drop_keep(uint64_t key, int64_t i, uint32_t th)
+{
+    const uint64_t h = dev_hash64(key + (uint64_t)(i >> 2) * 0x9E3779B97F4A7C15ULL);
+    const uint32_t u = (uint32_t)(h >> (16 * (i & 3))) & 0xffffu;
+    return u >= th;
+}
+__global__ void dropout_kernel(bt_bf16 *out, const bt_bf16 *x, int64_t n, uint32_t th, float ks,
+                               uint64_t key)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = drop_keep(key, i, th) ? __float2bfloat16_rn(__bfloat162float(x[i]) * ks)
+                                       : __float2bfloat16_rn(0.0f);
+}
+/* dx[i] += mask_i * ks * t[i] (dropout backward, accumulated) */
+__global__ void dropout_add_kernel(bt_bf16 *dx, const bt_bf16 *t, int64_t n, uint32_t th, float ks,
+                                   uint64_t key)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        if (drop_keep(key, i, th))
+            dx[i] = __float2bfloat16_rn(__bfloat162float(dx[i]) + __bfloat162float(t[i]) * ks);
+}
+unsigned grid_for(int64_t n)
+{
+    int64_t b = (n + 255) / 256;
+    if (b > 65535LL * 8)
+        b = 65535LL * 8;
+    return (unsigned)(b < 1 ? 1 : b);
+}
+
+struct drop_params {
+    uint32_t th;
+    float ks;
+};
+drop_params drop_of(float p)
+{ /* lora.c drop_thresh / keep scale */
+    drop_params d;
+    d.th = (uint32_t)lrintf(p * 65536.0f);
+    d.ks = d.th >= 65536 ? 0.f : 65536.0f / (float)(65536u - d.th);
+    return d;
+}
+
+} // namespace
+
+/* ------------------------------------------------------------------------------ allocation */
+
+int btc_alloc(bt_cuda_trainer *t, void **p, size_t bytes, const char *what)
+{
+    cudaError_t e = cudaMalloc(p, bytes ? bytes : 16);
+    if (e != cudaSuccess) {
+        *p = nullptr;
+        cudaGetLastError();
+        size_t fr = 0, tot = 0;
+        cudaMemGetInfo(&fr, &tot);
+        return bt_fail(BT_ERR_NOMEM, "cuda: out of device memory for %s (%zu MiB; %zu MiB free of "
+                       "%zu MiB; trainer so far %zu MiB; try activation_checkpointing or a smaller "
+                       "micro-batch)", what, bytes >> 20, fr >> 20, tot >> 20,
+                       (t->bytes + t->md.bytes) >> 20);
+    }
+    t->allocs.push_back(*p);
+    t->bytes += bytes;
+    return 0;
+}
+
+template <typename T>
+static int talloc(bt_cuda_trainer *t, T **p, size_t n, const char *what)
+{
+    return btc_alloc(t, (void **)p, n * sizeof(T), what);
+}
+
+/* ------------------------------------------------------------------------------ weights */
+
+static const float *norm_w(const bt_cuda_trainer *t, int l, int which)
+{
+    const size_t idx = l == t->L ? (size_t)(2 * l) : (size_t)(2 * l + (which ? 1 : 0));
+    return (t->off_norms >= 0 ? t->p + t->off_norms : t->md.norms) + idx * (size_t)t->D;
+}
+static float *dnorm_w(const bt_cuda_trainer *t, int l, int which)
+{
+    if (t->off_norms < 0)
+        return nullptr;
+    const size_t idx = l == t->L ? (size_t)(2 * l) : (size_t)(2 * l + (which ? 1 : 0));
+    return t->g + t->off_norms + idx * (size_t)t->D;
+}
+static const bt_bf16 *embed16(const bt_cuda_trainer *t)
+{
+    return t->off_embed >= 0 ? t->p16 + t->off_embed : t->md.embd16;
+}
+static const bt_bf16 *head16(const bt_cuda_trainer *t)
+{
+    return t->off_embed >= 0 && t->md.tied ? t->p16 + t->off_embed : t->md.head16;
+}
+static float *dhead(const bt_cuda_trainer *t)
+{
+    return t->off_embed >= 0 && t->md.tied ? t->g + t->off_embed : nullptr;
+}
+
+/* ---------------------------------------------------------------------- projections */
+
+/* y[M, N] = x[M, K] @ W^T (+ bias) (+ LoRA: scale * drop(x) @ A^T @ B^T; XA saved) */
+static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf16 *x, int M,
+                    btc_acts *A, uint64_t key)
+{
+    const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
+    const int N = bl->rows, K = bl->cols;
+    if (bl->is_nf4)
+        BTC_TRY(BTC_L(bt_cuda_nf4_linear_fwd(t->blas, t->stream, y, x, &bl->q, M, K, N, 0.f, t->wbuf)));
+    else
+        BTC_TRY(BTC_L(bt_cuda_gemm(t->blas, t->stream, 0, 1, M, N, K, 1.f, x, K, bl->w16, K, 0.f, y,
+                                   N, 0)));
+    if (bl->bias)
+        BTC_TRY(btc_add_bias(y, bl->bias, M, N, t->stream));
+    const btc_lmod *lm = &t->lmods[(size_t)l * BT_MOD_N + mod];
+    if (lm->offA < 0)
+        return 0;
+    const bt_bf16 *xin = x;
+    const uint64_t dk = bt_lora_drop_key(key, l, mod);
+    if (dk && t->dropout > 0) {
+        const drop_params d = drop_of(t->dropout);
+        const int64_t n = (int64_t)M * K;
+        dropout_kernel<<<grid_for(n), 256, 0, t->stream>>>(t->xd, x, n, d.th, d.ks, dk);
+        BTC_TRY(BTC_CUDA(cudaGetLastError()));
+        xin = t->xd;
+    }
+    return BTC_L(bt_cuda_lora_fwd(t->blas, t->stream, y, A->xa[mod], xin, t->p16 + lm->offA,
+                                  t->p16 + lm->offB, M, K, N, t->r, t->scale));
+}
+
+/* dx[M, K] (beta: 0 overwrite, 1 accumulate) (+)= dy @ W (+ LoRA input gradient); LoRA weight
+ * gradients accumulate into t->g. */
+static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf16 *dy,
+                    const bt_bf16 *x, int M, float beta, btc_acts *A, uint64_t key)
+{
+    const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
+    const int N = bl->rows, K = bl->cols;
+    if (bl->is_nf4)
+        BTC_TRY(BTC_L(bt_cuda_nf4_linear_bwd_x(t->blas, t->stream, dx, dy, &bl->q, M, K, N, beta,
+                                               t->wbuf, 0)));
+    else
+        BTC_TRY(BTC_L(bt_cuda_gemm(t->blas, t->stream, 0, 0, M, K, N, 1.f, dy, N, bl->w16, K, beta,
+                                   dx, K, 0)));
+    const btc_lmod *lm = &t->lmods[(size_t)l * BT_MOD_N + mod];
+    if (lm->offA < 0)
+        return 0;
+    const uint64_t dk = bt_lora_drop_key(key, l, mod);
+    const bool drop = dk && t->dropout > 0;
+    const bt_bf16 *xin = x;
+    const int64_t n = (int64_t)M * K;
+    drop_params d = drop_of(t->dropout);
+    if (drop) {
+        dropout_kernel<<<grid_for(n), 256, 0, t->stream>>>(t->xd, x, n, d.th, d.ks, dk);
+        BTC_TRY(BTC_CUDA(cudaGetLastError()));
+        xin = t->xd;
+    }
+    const bt_bf16 *A16 = t->p16 + lm->offA, *B16 = t->p16 + lm->offB;
+    BTC_TRY(BTC_L(bt_cuda_lora_bwd(t->blas, t->stream, t->g + lm->offA, t->g + lm->offB,
+                                   drop ? nullptr : dx, t->dxa, dy, xin, A->xa[mod], A16, B16, M, K,
+                                   N, t->r, t->scale, 1.f)));
+    if (!drop)
+        return 0;
+    /* dx += mask * ks * (dXA @ A): xd is free again (stream order) */
+    BTC_TRY(BTC_L(bt_cuda_gemm(t->blas, t->stream, 0, 0, M, K, t->r, 1.f, t->dxa, t->r, A16, K, 0.f,
+                               t->xd, K, 0)));
+    dropout_add_kernel<<<grid_for(n), 256, 0, t->stream>>>(dx, t->xd, n, d.th, d.ks, dk);
+    return BTC_CUDA(cudaGetLastError());
+}
+
+/* ----------------------------------------------------------------------------- layers */
+
+static btc_acts *acts_of(bt_cuda_trainer *t, int l) { return &t->acts[t->ckpt ? 0 : (size_t)l]; }
+
+static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key)
+{
+    btc_acts *A = acts_of(t, l);
+    const bt_bf16 *x = t->x_in[l];
+    bt_bf16 *xout = t->x_in[l + 1];
+    const int64_t nD = (int64_t)M * t->D;
+    const float eps = t->md.hp.rms_eps;
+    cudaStream_t s = t->stream;
+
+    BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(A->xn1, A->rstd1, x, norm_w(t, l, 0), M, t->D, eps, s)));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_Q, A->q, A->xn1, M, A, key));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_K, A->k, A->xn1, M, A, key));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_V, A->v, A->xn1, M, A, key));
+    /* RoPE is applied inside the attention kernel as Q/K tiles load (position_ids, theta, scale) */
+    BTC_TRY(BTC_L(bt_cuda_attn_fwd(ap, A->att, A->lse, A->q, A->k, A->v, s)));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_O, A->x2, A->att, M, A, key));
+    BTC_TRY(BTC_L(bt_cuda_add_bf16(A->x2, A->x2, x, nD, s)));
+    BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, norm_w(t, l, 1), M, t->D, eps, s)));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_GATE, A->g, A->xn2, M, A, key));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_UP, A->u, A->xn2, M, A, key));
+    BTC_TRY(BTC_L(bt_cuda_swiglu_fwd(t->h, A->g, A->u, (int64_t)M * t->F, s)));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_DOWN, xout, t->h, M, A, key));
+    return BTC_L(bt_cuda_add_bf16(xout, xout, A->x2, nD, s));
+}
+
+/* On entry t->dx = dLoss/d(layer output); on exit t->dx = dLoss/d(layer input). */
+static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key)
+{
+    btc_acts *A = acts_of(t, l);
+    const bt_bf16 *x = t->x_in[l];
+    const int64_t nD = (int64_t)M * t->D;
+    cudaStream_t s = t->stream;
+
+    if (t->ckpt)
+        BTC_TRY(layer_fwd(t, l, M, ap, key)); /* recompute (rewrites x_in[l+1] identically) */
+    else
+        BTC_TRY(BTC_L(bt_cuda_swiglu_fwd(t->h, A->g, A->u, (int64_t)M * t->F, s)));
+    /* MLP */
+    BTC_TRY(proj_bwd(t, l, BT_MOD_DOWN, t->dh, t->dx, t->h, M, 0.f, A, key));
+    BTC_TRY(BTC_L(bt_cuda_swiglu_bwd(t->dg, t->du, t->dh, A->g, A->u, (int64_t)M * t->F, s)));
+    BTC_TRY(proj_bwd(t, l, BT_MOD_GATE, t->dxn, t->dg, A->xn2, M, 0.f, A, key));
+    BTC_TRY(proj_bwd(t, l, BT_MOD_UP, t->dxn, t->du, A->xn2, M, 1.f, A, key));
+    BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dtmp, dnorm_w(t, l, 1), t->dxn, A->x2, norm_w(t, l, 1),
+                                      A->rstd2, M, t->D, t->rms_scratch, s)));
+    BTC_TRY(BTC_L(bt_cuda_add_bf16(t->dx2, t->dx, t->dtmp, nD, s)));
+    /* attention */
+    BTC_TRY(proj_bwd(t, l, BT_MOD_O, t->datt, t->dx2, A->att, M, 0.f, A, key));
+    BTC_TRY(BTC_L(bt_cuda_attn_bwd(ap, t->dq, t->dk, t->dv, t->datt, A->att, A->lse, A->q, A->k,
+                                   A->v, t->delta, s)));
+    /* dq, dk are already gradients w.r.t. the unrotated q, k (inverse RoPE inside the kernel) */
+    BTC_TRY(proj_bwd(t, l, BT_MOD_Q, t->dxn, t->dq, A->xn1, M, 0.f, A, key));
+    BTC_TRY(proj_bwd(t, l, BT_MOD_K, t->dxn, t->dk, A->xn1, M, 1.f, A, key));
+    BTC_TRY(proj_bwd(t, l, BT_MOD_V, t->dxn, t->dv, A->xn1, M, 1.f, A, key));
+    BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dtmp, dnorm_w(t, l, 0), t->dxn, x, norm_w(t, l, 0),
+                                      A->rstd1, M, t->D, t->rms_scratch, s)));
+    return BTC_L(bt_cuda_add_bf16(t->dx, t->dx2, t->dtmp, nD, s));
+}
+
+/* ------------------------------------------------------------------------------ public */
+
+static void sample_mem(bt_cuda_trainer *t)
+{
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > t->peak_used)
+        t->peak_used = tot - fr;
+}
+
+extern "C" int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb, int backward,
+                                    float grad_scale, uint64_t drop_key, double *loss_sum,
+                                    int *n_valid)
+{
+    if (!t || !mb)
+        return bt_fail(BT_ERR_INVALID, "cuda step: NULL argument");
+    if ((int64_t)mb->B * mb->T > t->max_M)
+        return bt_fail(BT_ERR_RANGE, "cuda step: micro-batch of %d x %d tokens exceeds the workspace (%d)",
+                       mb->B, mb->T, t->max_M);
+    const int nv = bt_shift_targets(t->h_tgt.data(), mb, t->V);
+    if (nv < 0)
+        return nv;
+    const int M = mb->B * mb->T;
+    cudaStream_t s = t->stream;
+    int max_len = 1;
+    for (int i = 0; i + 1 < mb->n_cu; i++)
+        if (mb->cu_seqlens[i + 1] - mb->cu_seqlens[i] > max_len)
+            max_len = mb->cu_seqlens[i + 1] - mb->cu_seqlens[i];
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_ids, mb->input_ids, (size_t)M * 4, cudaMemcpyHostToDevice, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_pos, mb->position_ids, (size_t)M * 4, cudaMemcpyHostToDevice, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_cu, mb->cu_seqlens, (size_t)mb->n_cu * 4, cudaMemcpyHostToDevice, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_tgt, t->h_tgt.data(), (size_t)M * 4, cudaMemcpyHostToDevice, s)));
+
+    bt_cuda_attn_params ap;
+    memset(&ap, 0, sizeof ap);
+    ap.M = M;
+    ap.Hq = t->Hq;
+    ap.Hkv = t->Hkv;
+    ap.D = t->hd;
+    ap.n_seq = mb->n_cu - 1;
+    ap.max_seqlen = max_len;
+    ap.cu_seqlens = t->d_cu;
+    ap.ldq = t->Dq;
+    ap.ldk = t->Dkv;
+    ap.ldv = t->Dkv;
+    ap.scale = 1.0f / sqrtf((float)t->hd);
+    ap.position_ids = t->d_pos;
+    ap.rope_theta = t->md.hp.rope_theta;
+    ap.pos_scale = bt_rope_pos_scale(&t->md.hp);
+    ap.s2_group = 0;
+
+    BTC_TRY(BTC_L(bt_cuda_embedding_fwd(t->x_in[0], embed16(t), t->d_ids, M, t->D, t->V, s)));
+    for (int l = 0; l < t->L; l++)
+        BTC_TRY(layer_fwd(t, l, M, &ap, drop_key));
+    BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(t->xf, t->rstdf, t->x_in[t->L], norm_w(t, t->L, 0), M, t->D,
+                                      t->md.hp.rms_eps, s)));
+    /* dLoss/dxf goes into t->dtmp (free until the first layer's backward) */
+    BTC_TRY(BTC_L(bt_cuda_linear_ce(t->blas, s, t->row_loss, backward ? t->dtmp : nullptr,
+                                    backward ? dhead(t) : nullptr, t->xf, head16(t), t->d_tgt, M,
+                                    t->D, t->V, t->ce_chunk, grad_scale, t->ce_ws)));
+    BTC_TRY(BTC_L(bt_cuda_ce_reduce(t->d_loss, t->d_count, t->row_loss, t->d_tgt, M, t->V, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->h_loss, t->d_loss, sizeof(double), cudaMemcpyDeviceToHost, s)));
+    if (backward) {
+        BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dx, dnorm_w(t, t->L, 0), t->dtmp, t->x_in[t->L],
+                                          norm_w(t, t->L, 0), t->rstdf, M, t->D, t->rms_scratch, s)));
+        for (int l = t->L - 1; l >= 0; l--)
+            BTC_TRY(layer_bwd(t, l, M, &ap, drop_key));
+        /* t->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
+        if (t->off_embed >= 0)
+            BTC_TRY(BTC_L(bt_cuda_embedding_bwd(t->g + t->off_embed, t->dx, t->d_ids, M, t->D, t->V, s)));
+    }
+    BTC_TRY(BTC_CUDA(cudaStreamSynchronize(s)));
+    sample_mem(t);
+    if (loss_sum)
+        *loss_sum = *t->h_loss;
+    if (n_valid)
+        *n_valid = nv;
+    return 0;
+}
+
+extern "C" void bt_cuda_trainer_free(bt_cuda_trainer *t)
+{
+    if (!t)
+        return;
+    if (t->stream)
+        cudaStreamSynchronize(t->stream);
+    for (void *p : t->allocs)
+        cudaFree(p);
+    btc_model_free(&t->md);
+    if (t->h_loss)
+        cudaFreeHost(t->h_loss);
+    free(t->x_in);
+    if (t->blas)
+        cublasDestroy(t->blas);
+    if (t->stream)
+        cudaStreamDestroy(t->stream);
+    delete t;
+}
+
+extern "C" size_t bt_cuda_trainer_bytes(const bt_cuda_trainer *t) { return t ? t->bytes + t->md.bytes : 0; }
+extern "C" const char *bt_cuda_trainer_device_name(const bt_cuda_trainer *t) { return t ? t->dev_name : ""; }
+extern "C" size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline)
+{
+    if (baseline)
+        *baseline = t ? t->base_used : 0;
+    return t ? t->peak_used : 0;
+}
+
+extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M)
+{
+    return bt_cuda_trainer_new_ex(out, m, lo, max_M, nullptr);
+}
+
+static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo, int max_M,
+                        const bt_cuda_trainer_opts *o)
+{
+    const bt_llama_hparams *hp = &m->hp;
+    t->L = hp->n_layer;
+    t->D = hp->d_model;
+    t->Hq = hp->n_head;
+    t->Hkv = hp->n_kv_head;
+    t->hd = hp->head_dim;
+    t->Dq = t->Hq * t->hd;
+    t->Dkv = t->Hkv * t->hd;
+    t->F = hp->d_ff;
+    t->V = hp->vocab;
+    t->max_M = max_M;
+    t->ckpt = o->checkpointing ? 1 : 0;
+    t->ce_chunk = o->ce_chunk_rows > 0 ? o->ce_chunk_rows : (max_M < 1024 ? max_M : 1024);
+    if (t->hd != 64 && t->hd != 128)
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: head_dim %d is not supported by the attention "
+                       "kernels (64 or 128)", t->hd);
+    if (t->D % 8 != 0 || t->Dq % 8 != 0 || t->Dkv % 8 != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: d_model %d / q %d / kv %d must be multiples of 8",
+                       t->D, t->Dq, t->Dkv);
+    if (hp->rope_type != BT_ROPE_DEFAULT)
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: RoPE type %d (llama3 / GGUF rope_freqs) is not "
+                       "supported yet: the CUDA attention kernels derive inv_freq from rope_theta "
+                       "(linear scaling only)", hp->rope_type);
+    if (!lo || lo->n_layer != t->L || lo->r < 1)
+        return bt_fail(BT_ERR_INVALID, "cuda: LoRA state does not match the model (%d layers vs %d)",
+                       lo ? lo->n_layer : -1, t->L);
+    BTC_TRY(BTC_CUDA(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking)));
+    if (cublasCreate(&t->blas) != CUBLAS_STATUS_SUCCESS) {
+        t->blas = nullptr;
+        return bt_fail(BT_ERR_IO, "cuda: cublasCreate failed");
+    }
+    cublasSetStream(t->blas, t->stream);
+    BTC_TRY(btc_model_upload(&t->md, m, o->random_weights, o->random_seed));
+
+    /* LoRA state */
+    t->r = lo->r;
+    t->scale = lo->scale;
+    t->dropout = lo->dropout;
+    t->target_mask = lo->target_mask;
+    t->trainable = lo->trainable;
+    t->n_params = lo->n_params;
+    t->n_decay = lo->n_decay;
+    t->off_embed = lo->embed ? (int64_t)(lo->embed - lo->params) : -1;
+    t->off_norms = lo->norms ? (int64_t)(lo->norms - lo->params) : -1;
+    t->lmods.assign((size_t)t->L * BT_MOD_N, btc_lmod{-1, -1, 0, 0});
+    for (int l = 0; l < t->L; l++)
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            const bt_lora_mod *x = bt_lora_get(lo, l, mod);
+            if (!x)
+                continue;
+            const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
+            if (x->in != bl->cols || x->out != bl->rows)
+                return bt_fail(BT_ERR_INVALID, "cuda: LoRA %d %s is %dx%d, the base %dx%d", l,
+                               bt_module_name(mod), x->out, x->in, bl->rows, bl->cols);
+            btc_lmod &d = t->lmods[(size_t)l * BT_MOD_N + mod];
+            d.offA = (int64_t)(x->A - lo->params);
+            d.offB = (int64_t)(x->B - lo->params);
+            d.in = x->in;
+            d.out = x->out;
+        }
+    const size_t np = (size_t)t->n_params;
+    BTC_TRY(talloc(t, &t->p, np, "LoRA parameters"));
+    BTC_TRY(talloc(t, &t->g, np, "LoRA gradients"));
+    BTC_TRY(talloc(t, &t->m, np, "AdamW m"));
+    BTC_TRY(talloc(t, &t->v, np, "AdamW v"));
+    BTC_TRY(talloc(t, &t->p16, np, "LoRA bf16 copy"));
+    BTC_TRY(BTC_CUDA(cudaMemset(t->g, 0, np * sizeof(float))));
+    BTC_TRY(bt_cuda_trainer_upload_lora(t, lo));
+    BTC_TRY(btc_optim_init(t));
+
+    /* activations */
+    const size_t M = (size_t)max_M, D = (size_t)t->D, F = (size_t)t->F, Dq = (size_t)t->Dq,
+                 Dkv = (size_t)t->Dkv, r = (size_t)t->r;
+    t->x_in = (bt_bf16 **)calloc((size_t)t->L + 1, sizeof(bt_bf16 *));
+    if (!t->x_in)
+        return bt_fail(BT_ERR_NOMEM, "cuda: out of host memory");
+    for (int l = 0; l <= t->L; l++)
+        BTC_TRY(talloc(t, &t->x_in[l], M * D, "layer inputs"));
+    const int n_acts = t->ckpt ? 1 : t->L;
+    t->acts.assign((size_t)n_acts, btc_acts{});
+    for (auto &A : t->acts) {
+        BTC_TRY(talloc(t, &A.xn1, M * D, "activations"));
+        BTC_TRY(talloc(t, &A.q, M * Dq, "activations"));
+        BTC_TRY(talloc(t, &A.k, M * Dkv, "activations"));
+        BTC_TRY(talloc(t, &A.v, M * Dkv, "activations"));
+        BTC_TRY(talloc(t, &A.att, M * Dq, "activations"));
+        BTC_TRY(talloc(t, &A.x2, M * D, "activations"));
+        BTC_TRY(talloc(t, &A.xn2, M * D, "activations"));
+        BTC_TRY(talloc(t, &A.g, M * F, "activations"));
+        BTC_TRY(talloc(t, &A.u, M * F, "activations"));
+        BTC_TRY(talloc(t, &A.rstd1, M, "activations"));
+        BTC_TRY(talloc(t, &A.rstd2, M, "activations"));
+        BTC_TRY(talloc(t, &A.lse, M * (size_t)t->Hq, "activations"));
+        for (int mod = 0; mod < BT_MOD_N; mod++)
+            if (t->target_mask & (1u << mod))
+                BTC_TRY(talloc(t, &A.xa[mod], M * r, "LoRA activations"));
+    }
+    size_t wide = F > D ? F : D;
+    if (Dq > wide)
+        wide = Dq;
+    BTC_TRY(talloc(t, &t->xf, M * D, "workspace"));
+    BTC_TRY(talloc(t, &t->h, M * F, "workspace"));
+    BTC_TRY(talloc(t, &t->dx, M * D, "workspace"));
+    BTC_TRY(talloc(t, &t->dx2, M * D, "workspace"));
+    BTC_TRY(talloc(t, &t->dxn, M * D, "workspace"));
+    BTC_TRY(talloc(t, &t->dtmp, M * D, "workspace"));
+    BTC_TRY(talloc(t, &t->dq, M * Dq, "workspace"));
+    BTC_TRY(talloc(t, &t->dk, M * Dkv, "workspace"));
+    BTC_TRY(talloc(t, &t->dv, M * Dkv, "workspace"));
+    BTC_TRY(talloc(t, &t->datt, M * Dq, "workspace"));
+    BTC_TRY(talloc(t, &t->dg, M * F, "workspace"));
+    BTC_TRY(talloc(t, &t->du, M * F, "workspace"));
+    BTC_TRY(talloc(t, &t->dh, M * F, "workspace"));
+    BTC_TRY(talloc(t, &t->dxa, M * r, "workspace"));
+    BTC_TRY(talloc(t, &t->xd, M * wide, "dropout workspace"));
+    bool any_nf4 = false;
+    for (int i = 0; i < t->L * BT_MOD_N; i++)
+        any_nf4 = any_nf4 || t->md.lin[i].is_nf4;
+    if (any_nf4)
+        BTC_TRY(talloc(t, &t->wbuf, (size_t)t->md.max_nk, "NF4 dequantisation buffer"));
+    BTC_TRY(talloc(t, &t->rstdf, M, "workspace"));
+    BTC_TRY(talloc(t, &t->row_loss, M, "workspace"));
+    BTC_TRY(talloc(t, &t->delta, M * (size_t)t->Hq, "workspace"));
+    if (t->off_norms >= 0)
+        BTC_TRY(talloc(t, &t->rms_scratch, bt_cuda_rmsnorm_bwd_scratch_floats(max_M, t->D), "workspace"));
+    BTC_TRY(btc_alloc(t, &t->ce_ws, bt_cuda_linear_ce_workspace_bytes(t->ce_chunk, t->V), "CE workspace"));
+    BTC_TRY(talloc(t, &t->d_ids, M, "batch"));
+    BTC_TRY(talloc(t, &t->d_pos, M, "batch"));
+    BTC_TRY(talloc(t, &t->d_cu, M + 1, "batch"));
+    BTC_TRY(talloc(t, &t->d_tgt, M, "batch"));
+    BTC_TRY(talloc(t, &t->d_loss, 1, "loss"));
+    BTC_TRY(talloc(t, &t->d_count, 1, "loss"));
+    BTC_TRY(BTC_CUDA(cudaMallocHost((void **)&t->h_loss, sizeof(double))));
+    *t->h_loss = 0;
+    t->h_tgt.assign(M, -100);
+    BTC_TRY(BTC_CUDA(cudaDeviceSynchronize()));
+    sample_mem(t);
+    return 0;
+}
+
+extern "C" int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo,
+                                      int max_M, const bt_cuda_trainer_opts *opts)
+{
+    *out = nullptr;
+    if (!m || !lo || max_M < 1)
+        return bt_fail(BT_ERR_INVALID, "cuda: bad trainer arguments (max_M %d)", max_M);
+    bt_cuda_trainer_opts o;
+    memset(&o, 0, sizeof o);
+    if (opts)
+        o = *opts;
+    char reason[256] = "";
+    if (bt_cuda_device_count(reason, sizeof reason) <= 0)
+        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", reason);
+    bt_cuda_trainer *t = new bt_cuda_trainer();
+    t->dev = o.device;
+    t->desc_wd = -1.f;
+    int rc = BTC_CUDA(cudaSetDevice(t->dev));
+    if (!rc)
+        rc = BTC_CUDA(cudaFree(0)); /* create the context before the baseline */
+    if (!rc) {
+        cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, t->dev) == cudaSuccess)
+            snprintf(t->dev_name, sizeof t->dev_name, "%s", prop.name);
+        size_t fr = 0, tot = 0;
+        cudaMemGetInfo(&fr, &tot);
+        t->base_used = tot - fr;
+        t->peak_used = t->base_used;
+        rc = trainer_init(t, m, lo, max_M, &o);
+    }
+    if (rc) {
+        bt_cuda_trainer_free(t);
+        return rc;
+    }
+    *out = t;
+    return 0;
+}

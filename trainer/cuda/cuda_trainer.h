@@ -1,0 +1,106 @@
+/* The GPU (CUDA) trainer: the same forward/backward as trainer/step.c and the same clip + AdamW
+ * as trainer/train.c, on one CUDA device, built only with `make CUDA=1` / `make cuda`
+ * (trainer/cuda/ .cu files, kernels/cuda launchers).
+ *
+ * Numerics (../../../shared/DESIGN.md "Numerics"): activations and the frozen base are bf16 (NF4
+ * linears stay NF4 and are dequantised to bf16 per layer; fp32 base linears are held as bf16),
+ * norm weights fp32, accumulation fp32; LoRA master weights, their gradients and the AdamW moments
+ * fp32 (with a bf16 copy of the LoRA weights that the AdamW kernel refreshes). The CPU fp32 step
+ * (trainer/step.h) is the reference: tests/gpu/test_trainer_gpu.cu checks loss and LoRA gradients.
+ *
+ * Semantics mirrored exactly from step.c / lora.c / train.c:
+ *   - targets: bt_shift_targets (labels unshifted; shift inside each row and cu_seqlens segment);
+ *   - loss: SUM of token losses; gradients are d(grad_scale * loss_sum) and ACCUMULATE into the
+ *     device gradient buffer until bt_cuda_trainer_zero_grad;
+ *   - dropout: the counter-based mask of lora.c (bt_lora_drop_key per (layer, module); element i of
+ *     the row-major [M, in] LoRA input keeps iff 16-bit u_i >= round(p * 65536)), so CPU and GPU
+ *     drop the same elements for the same key;
+ *   - LoRA+ (bt_lora.trainable): trainable embedding and norm weights are supported (their
+ *     gradients as in step.c; weight decay only on [0, n_decay)).
+ * All functions return 0 or a negative bt_err (common/bt_common.h) with bt_last_error() set; CUDA /
+ * cuBLAS failures are BT_ERR_IO. One trainer must be used from one host thread at a time. */
+#ifndef BT_TRAINER_CUDA_TRAINER_H
+#define BT_TRAINER_CUDA_TRAINER_H
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+#include "trainer/lora.h"
+#include "trainer/model.h"
+#include "trainer/step.h"
+
+typedef struct bt_cuda_trainer bt_cuda_trainer;
+
+typedef struct {
+    int checkpointing;   /* 1 = activation checkpointing (keep each layer's input, recompute) */
+    int ce_chunk_rows;   /* rows per fused lm_head + CE chunk; 0 = min(1024, max_M) */
+    int device;          /* CUDA device ordinal (default 0) */
+    /* Benchmarks only: do not read the model's weights (m may then hold only hp, tied and each
+     * layer's lin[].rows/cols/is_nf4); fill the device with deterministic random weights of the
+     * right shapes instead (NF4 codes with |w| ~ 0.02, bf16 embeddings ~ N(0, 0.02^2)-like,
+     * norms 1). */
+    int random_weights;
+    uint64_t random_seed;
+} bt_cuda_trainer_opts;
+
+/* Upload the model (NF4 linears as NF4; fp32 linears, embedding and lm_head as bf16; norms and
+ * biases fp32) and the LoRA state (params, grads zeroed, AdamW m and v: so a resumed run continues
+ * from the host moments), and allocate the workspace for micro-batches of up to max_M tokens.
+ * lo must stay valid (layout only) for the trainer's lifetime. Requirements checked here (else
+ * BT_ERR_UNSUPPORTED with a message): head_dim 64 or 128; d_model % 8 == 0; NF4 linears have
+ * cols % 64 == 0. Errors also: BT_ERR_NOMEM (device memory; the message gives the sizes), BT_ERR_IO
+ * (no device / CUDA error). */
+int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M);
+int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
+                           const bt_cuda_trainer_opts *opts);
+void bt_cuda_trainer_free(bt_cuda_trainer *t);
+
+/* Device bytes held by the trainer (model + LoRA state + workspace), and the device name. */
+size_t bt_cuda_trainer_bytes(const bt_cuda_trainer *t);
+const char *bt_cuda_trainer_device_name(const bt_cuda_trainer *t);
+
+/* Zero the device LoRA (and LoRA+) gradient buffer. */
+int bt_cuda_trainer_zero_grad(bt_cuda_trainer *t);
+
+/* Forward (and backward when `backward`) of one micro-batch, as bt_forward_backward (step.h):
+ * validates it with bt_shift_targets (same errors), drop_key 0 = no dropout, gradients of
+ * grad_scale * loss_sum accumulate. *loss_sum (sum of token losses, nats) and *n_valid (labelled
+ * targets) may be NULL. Synchronises with the device once (to return the loss). */
+int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb, int backward,
+                         float grad_scale, uint64_t drop_key, double *loss_sum, int *n_valid);
+
+/* ||grads||_2 over all n_params gradient entries (double accumulation, deterministic). Synchronous. */
+int bt_cuda_trainer_grad_norm(bt_cuda_trainer *t, double *norm);
+
+/* One AdamW step over all trainable parameters in one launch (torch.optim.AdamW semantics as
+ * bt_adamw_step): weight_decay applies to [0, n_decay), none to the LoRA+ norm weights after it.
+ * grad_scale multiplies every gradient first (the clip factor max_norm / (norm + 1e-6), or 1).
+ * step is 1-based (bias correction). Refreshes the bf16 weight copies. Asynchronous. */
+int bt_cuda_trainer_optimizer_step(bt_cuda_trainer *t, float lr, float beta1, float beta2,
+                                   float eps, float weight_decay, float grad_scale, int64_t step);
+
+/* Clip (torch clip_grad_norm_: factor max_norm / (norm + 1e-6) when max_norm > 0 and
+ * norm > max_norm) + AdamW, exactly as trainer/train.c does it on the CPU. *grad_norm receives the
+ * pre-clip norm. The update is skipped (and *applied = 0) when the norm is not finite or
+ * skip != 0; applied / grad_norm may be NULL. */
+int bt_cuda_trainer_clip_and_step(bt_cuda_trainer *t, double max_norm, float lr, float beta1,
+                                  float beta2, float eps, float weight_decay, int64_t step,
+                                  int skip, double *grad_norm, int *applied);
+
+/* Copy device state into the host bt_lora (same layout as the one given to _new):
+ * BT_CUDA_DL_PARAMS = params, BT_CUDA_DL_MOMENTS = m and v, BT_CUDA_DL_GRADS = grads (bit mask).
+ * Synchronous. _upload_lora copies params (and the bf16 copies), m and v to the device. */
+enum { BT_CUDA_DL_PARAMS = 1, BT_CUDA_DL_MOMENTS = 2, BT_CUDA_DL_GRADS = 4 };
+int bt_cuda_trainer_download_lora(bt_cuda_trainer *t, bt_lora *lo, unsigned what);
+int bt_cuda_trainer_upload_lora(bt_cuda_trainer *t, const bt_lora *lo);
+
+/* Peak device memory in use by the process since the trainer was created (cudaMemGetInfo samples
+ * taken after each step), in bytes, and the baseline before the trainer allocated anything. */
+size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

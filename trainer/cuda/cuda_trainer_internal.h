@@ -1,0 +1,120 @@
+/* Private structures shared by trainer/cuda/ .cu files (C++/CUDA only). */
+#ifndef BT_TRAINER_CUDA_INTERNAL_H
+#define BT_TRAINER_CUDA_INTERNAL_H
+#ifndef __CUDACC__
+#error "trainer/cuda/cuda_trainer_internal.h is for .cu files"
+#endif
+extern "C" {
+#include "common/bt_common.h"
+#include "trainer/rng.h"
+}
+#include "kernels/cuda/kernels_cuda.h"
+#include "trainer/cuda/cuda_trainer.h"
+
+#include <cstdio>
+#include <vector>
+
+/* Report a CUDA / cuBLAS error through bt_fail (BT_ERR_IO). */
+static inline int btc_cuda_(cudaError_t e, const char *what, const char *file, int line)
+{
+    if (e == cudaSuccess)
+        return 0;
+    return bt_fail(BT_ERR_IO, "cuda: %s:%d: %s: %s", file, line, what, cudaGetErrorString(e));
+}
+#define BTC_CUDA(call) btc_cuda_((call), #call, __FILE__, __LINE__)
+/* A launcher (kernels/cuda) returned non-zero: wrap it into a message naming the call. */
+static inline int btc_launch_(int rc, const char *what, const char *file, int line)
+{
+    if (rc == 0)
+        return 0;
+    return bt_fail(rc, "cuda: %s:%d: %s returned %d", file, line, what, rc);
+}
+#define BTC_L(call) btc_launch_((call), #call, __FILE__, __LINE__)
+#define BTC_TRY(x)         \
+    do {                   \
+        int rc_ = (x);     \
+        if (rc_)           \
+            return rc_;    \
+    } while (0)
+
+/* One frozen linear on the device: NF4 (q) or dense bf16 (w16); optional fp32 bias. */
+typedef struct {
+    int rows, cols, is_nf4;
+    bt_cuda_nf4 q;
+    bt_bf16 *w16;
+    float *bias;
+} btc_linear;
+
+typedef struct {
+    bt_llama_hparams hp;
+    int tied;
+    bt_bf16 *embd16;   /* [V, D] */
+    bt_bf16 *head16;   /* [V, D]; == embd16 when tied */
+    float *norms;      /* [(2L+1) * D] fp32: layer l input_layernorm at 2l*D, post_attention at
+                        * (2l+1)*D, final norm at 2L*D (the bt_lora.norms layout) */
+    btc_linear *lin;   /* [L * BT_MOD_N] */
+    int64_t max_nk;    /* largest rows*cols of a linear (dequantisation buffer) */
+    size_t bytes;
+} btc_model;
+
+/* cuda_model.cu */
+int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint64_t seed);
+void btc_model_free(btc_model *dm);
+/* y[m, n] += bias[n] (bf16 y [M, N], fp32 bias) */
+int btc_add_bias(bt_bf16 *y, const float *bias, int M, int N, cudaStream_t s);
+
+/* per-layer activations (bf16 unless noted) */
+typedef struct {
+    bt_bf16 *xn1, *q, *k, *v, *att, *x2, *xn2, *g, *u;
+    float *rstd1, *rstd2, *lse;
+    bt_bf16 *xa[BT_MOD_N]; /* X @ A^T per targeted module [M, r] */
+} btc_acts;
+
+/* a LoRA module's place in the parameter buffer (offsets in elements; -1 = not targeted) */
+typedef struct {
+    int64_t offA, offB;
+    int in, out;
+} btc_lmod;
+
+struct bt_cuda_trainer {
+    int dev;
+    char dev_name[256];
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    btc_model md;
+    int max_M, ckpt, ce_chunk;
+    int L, D, Dq, Dkv, F, V, Hq, Hkv, hd, r;
+    float scale, dropout;
+    unsigned target_mask, trainable;
+    int64_t n_params, n_decay, off_embed, off_norms; /* off_*: -1 when absent */
+    std::vector<btc_lmod> lmods;                      /* [L * BT_MOD_N] */
+    /* LoRA state (device) */
+    float *p, *g, *m, *v;
+    bt_bf16 *p16;
+    bt_cuda_adamw_tensor *adam_desc; /* device [2] */
+    bt_cuda_adamw_tensor h_desc[2];  /* host copy (the weight decay of [0] is set per call) */
+    float desc_wd;                   /* weight decay in the uploaded descriptors (-1: none yet) */
+    int n_adam;
+    int64_t adam_max_n;
+    double *d_norm, *d_partial, *d_loss;
+    int *d_count;
+    /* activations */
+    bt_bf16 **x_in; /* [L + 1] of [M, D] */
+    std::vector<btc_acts> acts;
+    bt_bf16 *xf, *h, *dx, *dx2, *dxn, *dtmp, *dq, *dk, *dv, *datt, *dg, *du, *dh, *dxa, *xd;
+    bt_bf16 *wbuf;
+    float *rstdf, *row_loss, *delta, *rms_scratch;
+    void *ce_ws;
+    int32_t *d_ids, *d_pos, *d_cu, *d_tgt;
+    std::vector<int32_t> h_tgt;
+    double *h_loss; /* pinned [1] */
+    std::vector<void *> allocs;
+    size_t bytes, base_used, peak_used;
+};
+
+/* cuda_step.cu: device allocation owned by the trainer (freed by bt_cuda_trainer_free) */
+int btc_alloc(bt_cuda_trainer *t, void **p, size_t bytes, const char *what);
+/* cuda_optim.cu: AdamW descriptors and grad-norm scratch (after p, g, m, v, p16 exist) */
+int btc_optim_init(bt_cuda_trainer *t);
+
+#endif
