@@ -58,6 +58,10 @@ uint64_t bt_model_fingerprint(const bt_model *m) {
     h = h_f32(h, hp->rope_theta);
     h = h_f32(h, hp->rms_eps);
     h = h_f32(h, hp->rope_factor);
+    /* the rotary frequency table covers every rope_scaling parameter (llama3 factors, GGUF
+     * rope_freqs) in one place */
+    h = h_i64(h, hp->rope_type);
+    if (m->inv_freq) h = bt_fnv1a64(h, m->inv_freq, (size_t)(hp->head_dim / 2) * sizeof(float));
     size_t D = (size_t)hp->d_model;
     if (m->output_norm) h = bt_fnv1a64(h, m->output_norm, D * sizeof(float));
     for (int l = 0; m->layers && l < hp->n_layer; l++) {
