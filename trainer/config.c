@@ -277,6 +277,16 @@ static int apply_set(json_t *root, const char *kv) {
     return rc;
 }
 
+/* Same directory as written, ignoring "./" prefixes and trailing slashes ("runs/a/" == "./runs/a"). */
+static int same_dir(const char *a, const char *b) {
+    while (a[0] == '.' && a[1] == '/') a += 2;
+    while (b[0] == '.' && b[1] == '/') b += 2;
+    size_t na = strlen(a), nb = strlen(b);
+    while (na > 1 && a[na - 1] == '/') na--;
+    while (nb > 1 && b[nb - 1] == '/') nb--;
+    return na == nb && !memcmp(a, b, na);
+}
+
 /* ---- the schema ---- */
 
 #define RANGE(lo, hi, lo_open, hi_open) ((range){(lo), (hi), (lo_open), (hi_open)})
@@ -407,8 +417,8 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             break;
         c->seed = (uint64_t)i64;
         if ((rc = get_i32(root, NULL, "log_every", 1, ATLEAST1, &c->log_every)) ||
-            (rc = get_i32(root, NULL, "timeout_s", 600, ATLEAST1, &c->timeout_s)))
-            break;
+            (rc = get_i32(root, NULL, "timeout_s", 600, RANGE(1, 2147483, 0, 0), &c->timeout_s)))
+            break; /* timeout_s <= INT_MAX / 1000: train.c waits timeout_s * 1000 ms (an int) */
         /* LoRA+ trainable modules */
         json_t *tr = json_object_get(root, "trainable_modules");
         if (tr) {
@@ -435,6 +445,15 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
         json_t *rf = json_object_get(root, "resume_from");
         if (rf && !json_is_null(rf) && (rc = get_str(root, NULL, "resume_from", NULL, &c->resume_from)))
             break;
+        /* the adapter saves replace out_dir as a whole: a checkpoint written there would lose
+         * its trainer_state.bin at the next adapter save (save_every, or the final save right
+         * after a stop_at_step / SIGTERM checkpoint) */
+        if (c->checkpoint_every > 0 && same_dir(c->checkpoint_dir, c->out_dir)) {
+            rc = bt_fail(BT_ERR_INVALID, "config: checkpoint_dir: expected a directory other than "
+                         "out_dir (\"%s\": every adapter save replaces out_dir and would delete the "
+                         "checkpoint's trainer_state.bin)", c->out_dir);
+            break;
+        }
         if (c->stop_at_step > c->steps) {
             rc = bt_fail(BT_ERR_INVALID, "config: stop_at_step: expected an integer in [0, steps = %d], "
                          "got %d", c->steps, c->stop_at_step);

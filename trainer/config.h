@@ -25,7 +25,7 @@
  *                                      trainer built with `make CUDA=1`, else refused at start)
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)
- *   timeout_s 600                      longest wait for one batch from loaderd
+ *   timeout_s 600                      longest wait for one batch from loaderd, in [1, 2147483]
  *   trainable_modules []               LongLoRA "LoRA+" dense trainable modules on top of LoRA:
  *                                      "embed_tokens" (token embedding; with tied embeddings also
  *                                      the lm_head) and/or "norm" (every RMSNorm weight); saved
@@ -34,7 +34,8 @@
  *                                      also written when a run stops early: stop_at_step, SIGINT,
  *                                      SIGTERM; not after the last step, whose result is out_dir;
  *                                      format: trainer/checkpoint.h)
- *   checkpoint_dir "runs/checkpoint"   the checkpoint directory (replaced atomically)
+ *   checkpoint_dir "runs/checkpoint"   the checkpoint directory (replaced atomically); must
+ *                                      differ from out_dir when checkpoint_every > 0
  *   resume_from null                   checkpoint directory to continue from (also `--resume DIR`)
  *   stop_at_step 0                     stop (and checkpoint) once this many optimiser steps are
  *                                      done, keeping the schedule of `steps` (0 = run to `steps`;

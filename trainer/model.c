@@ -61,8 +61,12 @@ int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head
 
 size_t bt_model_scratch_floats(const bt_model *m) {
     if (m->base_dtype != BT_BASE_NF4) return 1;
+    /* K of every NF4 GEMM is a linear's cols: d_model, d_ff, or n_head * head_dim (o_proj; may
+     * exceed both with an explicit HF head_dim) */
     size_t a = bt_nf4_scratch_floats(m->hp.d_model), b = bt_nf4_scratch_floats(m->hp.d_ff);
-    return a > b ? a : b;
+    size_t c = bt_nf4_scratch_floats(m->hp.n_head * m->hp.head_dim);
+    if (b > a) a = b;
+    return c > a ? c : a;
 }
 
 void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float beta,

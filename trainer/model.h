@@ -172,7 +172,9 @@ int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp, int base_dtype
 
 void bt_model_free(bt_model *m);
 
-/* Per-thread scratch (floats) needed by bt_base_fwd / bt_base_bwd_x for this model. */
+/* Scratch (floats) needed by bt_base_fwd / bt_base_bwd_x for this model: for every OpenMP thread
+ * (omp_get_max_threads() now, so query it after setting the thread count) one NF4 tile as wide as
+ * the widest linear input (d_model, d_ff or n_head * head_dim); 1 for an fp32 base. */
 size_t bt_model_scratch_floats(const bt_model *m);
 
 /* Y[M, rows] = X[M, cols] @ W^T (+ bias[rows] broadcast over M when l->bias) + beta * Y, W fp32

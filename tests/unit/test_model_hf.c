@@ -18,6 +18,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <omp.h>
+
 #include "common/bt_common.h"
 #include "common/quant.h"
 #include "common/safetensors.h"
@@ -425,6 +427,23 @@ static void test_head_dim(void **st) {
     rm_dir(dir);
     spec odd = {.head_dim = 7};
     expect_fail(&odd, BT_ERR_INVALID, "head_dim");
+    /* heads x head_dim (128) wider than d_ff (64) and d_model (32): o_proj's NF4 tiles have 128
+     * columns, so the step context's NF4 scratch must be sized for them (it was sized for
+     * max(d_model, d_ff) only: a heap overflow once a second thread took its tile) */
+    spec wide = {.head_dim = 32};
+    make_model(dir, &wide);
+    bt_model_load_opts nf4 = {BT_BASE_NF4, 0};
+    int nthr = omp_get_max_threads();
+    omp_set_num_threads(2); /* two 16-row shares of o_proj's 32 rows: thread 1 takes the 2nd tile */
+    if (bt_model_load_hf(&m, dir, &nf4)) fail_msg("%s", bt_last_error());
+    assert_true(m.layers[0].lin[BT_MOD_O].is_nf4);
+    assert_int_equal(m.layers[0].lin[BT_MOD_O].cols, 128);
+    assert_true(bt_model_scratch_floats(&m) >= bt_nf4_scratch_floats(128));
+    lg = logits_of(&m, k_pos);
+    free(lg);
+    omp_set_num_threads(nthr);
+    bt_model_free(&m);
+    rm_dir(dir);
 }
 
 static void test_dispatch(void **st) {

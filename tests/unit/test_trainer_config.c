@@ -164,6 +164,25 @@ static void test_refusals(void **st) {
     expect_refused(MINIMAL, "data.shards.x=1", "\"shards\" is not an object");
     expect_refused(MINIMAL, "steps.x=1", "steps: expected an integer");
     expect_refused(MINIMAL, "noequals", "expected key.path=value");
+    /* the trainer waits timeout_s * 1000 ms in an int: larger values would overflow */
+    expect_refused(MINIMAL, "timeout_s=2147484", "timeout_s: expected an integer in [1, 2147483]");
+    expect_refused(MINIMAL, "timeout_s=2147483647", "timeout_s");
+    /* a checkpoint in out_dir would be deleted by the next adapter save */
+    const char *s3[] = {"checkpoint_every=5", "checkpoint_dir=runs/adapter"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", s3, 2), BT_ERR_INVALID);
+    assert_string_equal(bt_last_error(), "config: checkpoint_dir: expected a directory other than "
+                        "out_dir (\"runs/adapter\": every adapter save replaces out_dir and would "
+                        "delete the checkpoint's trainer_state.bin)");
+    const char *s5[] = {"checkpoint_every=5", "checkpoint_dir=./runs/adapter/"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", s5, 2), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "checkpoint_dir"));
+    const char *s4[] = {"checkpoint_every=0", "checkpoint_dir=runs/adapter"}; /* unused: fine */
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", s4, 2), 0);
+    bt_config_free(&c);
+    const char *s2[] = {"timeout_s=2147483"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", s2, 1), 0);
+    assert_int_equal(c.timeout_s, 2147483);
+    bt_config_free(&c);
     expect_refused("{\"data\": {\"shards\": [\"a\"]}}", NULL, "model: required key missing");
     expect_refused("{\"model\": \"m\"}", NULL, "data.shards: required key missing");
     expect_refused("{\"model\": \"m\", \"data\": {\"shards\": []}}", NULL, "data.shards");
