@@ -59,7 +59,13 @@ typedef struct {
     const uint8_t *data;
     size_t size;
 } bt_map;
+/* Map `path` (a regular file) read-only, MAP_PRIVATE; the fd is closed before returning.
+ * *m owns the mapping until bt_map_close. Errors: BT_ERR_IO (open/fstat/mmap failed, or not a
+ * regular file; message names the path), *m left empty. A file truncated by someone else while
+ * mapped raises SIGBUS on access past its new end: use it for model/tokenizer files, never for
+ * data that others may rewrite (loaderd/source.c reads shards with read(2) for that reason). */
 int bt_map_open(bt_map *m, const char *path);
+/* Unmap (an empty or already closed map is fine) and reset *m. */
 void bt_map_close(bt_map *m);
 
 #endif

@@ -409,11 +409,18 @@ int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns,
         for (size_t k = 0; k < g.gl_pathc && !rc; k++) {
             char *rp = realpath(g.gl_pathv[k], NULL);
             struct stat st;
+            /* the message goes back to the client: never name what the glob found or where it
+             * resolves outside the data roots (that would list directories the client may not
+             * read); the log line keeps the details for the operator */
             if (!rp || stat(rp, &st) != 0) {
-                rc = bt_fail(BT_ERR_NOTFOUND, "job: shard %s: %s", g.gl_pathv[k], strerror(errno));
+                int e = errno;
+                bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: match %s: %s", pat, g.gl_pathv[k], strerror(e));
+                rc = bt_fail(BT_ERR_NOTFOUND, "job: shard pattern \"%s\" matches an unreadable path (%s)", pat,
+                             strerror(e));
             } else if (!ld_path_in_roots(rp, c->data_roots, c->n_data_roots)) {
-                rc = bt_fail(BT_ERR_INVALID, "job: shard %s resolves to %s, outside every data root", g.gl_pathv[k],
-                             rp);
+                bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: match %s resolves to %s, outside every data root",
+                       pat, g.gl_pathv[k], rp);
+                rc = bt_fail(BT_ERR_INVALID, "job: shard pattern \"%s\" matches a file outside every data root", pat);
             } else if (!S_ISREG(st.st_mode)) {
                 rc = bt_fail(BT_ERR_INVALID, "job: shard %s is not a regular file", rp);
             } else if (n >= MAX_SHARD_FILES) {
@@ -458,8 +465,8 @@ int ld_resolve_tokenizer(const ld_config *c, const char *path, char **out) {
     }
     if (!ld_path_in_roots(rp, c->model_roots, c->n_model_roots) &&
         !ld_path_in_roots(rp, c->data_roots, c->n_data_roots)) {
-        int rc = bt_fail(BT_ERR_INVALID, "job: tokenizer %s resolves to %s, outside model_roots and data_roots", path,
-                         rp);
+        bt_log(BT_LOG_WARN, "loaderd", "job: tokenizer %s resolves to %s, outside model_roots and data_roots", path, rp);
+        int rc = bt_fail(BT_ERR_INVALID, "job: tokenizer %s lies outside model_roots and data_roots", path);
         free(rp);
         return rc;
     }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "loaderd/format.h"
 #include "loaderd/server_priv.h"
 #include "proto/client.h"
 
@@ -67,6 +68,10 @@ int ld_conn_reply_error(conn *c, const char *op, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    /* json_pack refuses invalid UTF-8 (and the reply would be lost): messages echo client paths
+     * and may be cut inside a multi-byte character by the fixed-size buffers on the way here */
+    size_t n = strlen(msg), off;
+    while ((off = ld_utf8_check((const uint8_t *)msg, n)) < n) msg[off] = '?';
     json_t *r = json_pack("{s:b, s:s}", "ok", 0, "error", msg);
     if (op) json_object_set_new(r, "op", json_string(op));
     ld_conn_send(c, r);

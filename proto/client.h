@@ -47,6 +47,8 @@ int bt_client_attach(bt_client **out, const char *socket_path, const char *job_j
  * A producer-closed ring with the socket still open after 3 s is BT_ERR_CLOSED (job failed or
  * stopped by loaderd). Hang-ups are detected while waiting on an empty ring (every 200 ms). */
 int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms);
+/* Release the batch returned by the last bt_client_next (its view must not be used afterwards);
+ * a no-op when none is held. */
 void bt_client_release(bt_client *c);
 /* Send a progress report and wait (up to 5 s) for loaderd's answer (best-effort; errors are
  * returned, not fatal). Non-finite loss / tokens_per_s are sent as null. */

@@ -60,13 +60,19 @@ void bt_ring_close(bt_ring *r);
  * when the consumer closed, BT_ERR_FORMAT when the consumer wrote an impossible tail
  * (message in bt_last_error, code in r->err). */
 void *bt_ring_producer_acquire(bt_ring *r, int timeout_ms);
+/* Publish the slot returned by the last successful acquire (head+1, release; wakes a waiting
+ * consumer). Only after a non-NULL acquire. */
 void bt_ring_producer_commit(bt_ring *r);
+/* Set producer_closed (after the last commit) and wake the consumer; the mapping stays valid. */
 void bt_ring_producer_close(bt_ring *r);
 /* Consumer: wait for a filled slot (valid until release); NULL with r->err = BT_ERR_TIMEOUT on
  * timeout, BT_ERR_CLOSED when the producer closed and the ring is empty, BT_ERR_FORMAT when the
  * producer wrote an impossible head. */
 void *bt_ring_consumer_peek(bt_ring *r, int timeout_ms);
+/* Hand the slot returned by the last successful peek back (tail+1, release; wakes a waiting
+ * producer). Only after a non-NULL peek; the slot must not be read afterwards. */
 void bt_ring_consumer_release(bt_ring *r);
+/* Set consumer_closed (the producer stops with BT_ERR_CLOSED) and wake the producer. */
 void bt_ring_consumer_close(bt_ring *r);
 /* Slots currently filled (head - tail), clamped to [0, n_slots]. */
 uint32_t bt_ring_fill(const bt_ring *r);

@@ -268,6 +268,42 @@ def test_paths_outside_roots_refused(loaderd, dataset, model_path, tmp_path):
     ring.close()
 
 
+def test_refusals_do_not_list_files_outside_the_roots(loaderd, dataset, model_path, tmp_path):
+    """A glob (or symlink) reaching outside data_roots is refused without naming what it matched
+    or where it resolves: the reply must not list directories the client may not read."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    write_shard(outside / "hidden-name-1234.jsonl", [chat_line("a", "b")])
+    os.symlink(outside / "hidden-name-1234.jsonl", dataset / "link.jsonl")
+    os.symlink(outside / "hidden-name-1234.jsonl", tmp_path / "tok-link.gguf")
+    d = loaderd(base_config(dataset, model_path))
+    for spec in [job_spec(dataset, model_path, shards=[str(outside / "*.jsonl")]),
+                 job_spec(dataset, model_path, shards=[str(dataset / "link.jsonl")]),
+                 job_spec(dataset, model_path, shards=[str(dataset / "*.jsonl")]),
+                 job_spec(dataset, model_path, tokenizer=str(tmp_path / "tok-link.gguf"))]:
+        s, rep, ring = attach(d, spec)
+        assert rep["ok"] is False and "outside" in rep["error"], rep
+        assert "hidden-name-1234" not in rep["error"], rep
+        s.close()
+    assert "hidden-name-1234" in d.log_text()  # the operator still sees the details
+
+
+def test_error_replies_survive_multibyte_paths_cut_by_buffers(loaderd, dataset, model_path):
+    """An attach refused with a message echoing a long non-ASCII path (cut inside a multi-byte
+    character by the fixed-size error buffers) still gets its error reply (json_pack refuses
+    invalid UTF-8, so the reply used to be dropped and the client waited for nothing)."""
+    d = loaderd(base_config(dataset, model_path))
+    s = d.connect()
+    s.settimeout(10)
+    for pad in range(3):  # one of the three offsets cuts inside a 3-byte character
+        pat = str(dataset / ("x" * pad + "\u20ac" * 400 + "*.jsonl"))
+        s.sendall(json.dumps({"v": 1, "op": "attach", "job": job_spec(dataset, model_path, shards=[pat])}).encode()
+                  + b"\n")
+        rep = json.loads(read_line(s))
+        assert rep["ok"] is False and rep["op"] == "attach" and "shard pattern" in rep["error"], (pad, rep)
+    s.close()
+
+
 def test_hostile_clients(loaderd, dataset, model_path):
     d = loaderd(base_config(dataset, model_path, max_clients=16, max_request_bytes=65536))
     # garbage and protocol errors get an error reply and the connection stays usable
