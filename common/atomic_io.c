@@ -2,6 +2,7 @@
 #include "common/atomic_io.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdint.h>
@@ -21,11 +22,18 @@ static void release(bt_atomic_file *af) {
 }
 
 int bt_atomic_open(bt_atomic_file *af, const char *path, const char *component) {
-    size_t tmp_len = strlen(path) + 32;
+    /* A temp name unique to this process and call, created exclusively and never through a
+     * symlink: two threads writing the same path do not collide, and a planted link is refused.
+     * A leftover from a crashed process that had the same pid is removed and the open retried. */
+    static _Atomic unsigned long counter;
+    size_t tmp_len = strlen(path) + 48;
     *af = (bt_atomic_file){.fd = -1, .component = component};
     af->tmp = bt_xmalloc(tmp_len);
-    snprintf(af->tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
-    af->fd = open(af->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    snprintf(af->tmp, tmp_len, "%s.tmp.%ld.%lu", path, (long)getpid(), ++counter);
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    af->fd = open(af->tmp, flags, 0644);
+    if (af->fd < 0 && errno == EEXIST && unlink(af->tmp) == 0)
+        af->fd = open(af->tmp, flags, 0644);
     if (af->fd < 0) {
         int rc = bt_fail(BT_ERR_IO, "%s: %s: %s", component, af->tmp, strerror(errno));
         release(af);
