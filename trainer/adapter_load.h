@@ -12,15 +12,27 @@
  * lora_alpha (number > 0), lora_dropout (default 0, in [0, 1)), target_modules (a list of
  * q_proj ... down_proj, or the string "all-linear" or one module name); peft_type "LORA",
  * bias "none", use_dora false, fan_in_fan_out false, layers_to_transform null, rank_pattern /
- * alpha_pattern empty and modules_to_save null/empty are required when present; use_rslora true
- * gives scale = lora_alpha / sqrt(r) (PEFT), else lora_alpha / r.
+ * alpha_pattern empty are required when present; use_rslora true gives scale = lora_alpha /
+ * sqrt(r) (PEFT), else lora_alpha / r.
+ * modules_to_save (null / [] = plain LoRA) loads a LongLoRA LoRA+ adapter (lora.h, adapter.h):
+ * entries "embed_tokens" (-> BT_TRAIN_EMBED), "lm_head" (only with embed_tokens on a base whose
+ * lm_head is tied to it: the tensor must then equal the embedding), "input_layernorm",
+ * "post_attention_layernorm", "norm" (any of them -> BT_TRAIN_NORM); other entries are
+ * BT_ERR_UNSUPPORTED. *lo is then shaped by bt_lora_init_ex and its lo->embed / lo->norms are read
+ * from base_model.model.model.embed_tokens.weight [vocab, d_model],
+ * base_model.model.lm_head.weight, base_model.model.model.layers.{i}.{input_layernorm,
+ * post_attention_layernorm}.weight [d_model], base_model.model.model.norm.weight [d_model]. The
+ * tensors of every listed entry are required; a norm tensor of an unlisted norm entry is optional
+ * (PEFT matches modules_to_save by name suffix) and keeps the base's value when absent, which
+ * needs a model holding its weights (not export's shape-only model).
  * Tensors: base_model.model.model.layers.{i}.{self_attn|mlp}.{q..down}_proj.lora_A.weight
  * [r, in] and .lora_B.weight [out, r] for every layer and targeted module, F32/F16/BF16 (converted
- * exactly to fp32); any other tensor is an error (so nothing in the file is silently dropped).
- * *lo is owned by the caller (bt_lora_free); zeroed on error.
+ * exactly to fp32, all values finite); any other tensor is an error (so nothing in the file is
+ * silently dropped). *lo is owned by the caller (bt_lora_free); zeroed on error.
  * Errors (message names the file and key/tensor): BT_ERR_IO, BT_ERR_NOTFOUND (missing file, key
  * or tensor), BT_ERR_FORMAT (bad JSON or value, shape mismatch, non-finite value, unexpected
- * tensor), BT_ERR_UNSUPPORTED (DoRA, biases, per-module ranks, unknown target module, dtype),
+ * tensor), BT_ERR_UNSUPPORTED (DoRA, biases, per-module ranks, unknown target module or
+ * modules_to_save entry, an untied or separately trained lm_head, dtype),
  * BT_ERR_INVALID / BT_ERR_NOMEM from bt_lora_init. */
 int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir);
 

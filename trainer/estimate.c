@@ -220,7 +220,11 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
                (double)cfg->grad_accum * (4 * M + 1) * 4.0 /* batch copies */ +
                M * 4.0 /* targets */;
     if (cfg->base_dtype == BT_BASE_NF4 && !cuda) {
-        int K = hp->d_ff > hp->d_model ? hp->d_ff : hp->d_model;
+        /* K of every NF4 GEMM is a linear's cols: d_model, d_ff or n_head * head_dim (o_proj,
+         * larger than both with an explicit HF head_dim), as trainer/model.c
+         * bt_model_scratch_floats sizes it */
+        double K = hp->d_ff > hp->d_model ? hp->d_ff : hp->d_model;
+        if (Dq > K) K = Dq;
         b->other += (double)threads * 128.0 /* kernels/cpu/nf4.c BT_NF4_TILE_ROWS */ * K * 4.0;
     }
     if (cuda) b->other += (double)em->max_linear * 2.0; /* one dequantised bf16 base weight */

@@ -77,6 +77,12 @@ static int lora_matches(const bt_model *m, const bt_lora *lo) {
     if (lo->n_layer != m->hp.n_layer || !lo->mods)
         return bt_fail(BT_ERR_INVALID, "export: adapter has %d layers, the base %d", lo->n_layer,
                        m->hp.n_layer);
+    if (((lo->embed || lo->norms) && lo->d_model != m->hp.d_model) ||
+        (lo->embed && (lo->vocab != m->hp.vocab || lo->tied != m->tied)))
+        return bt_fail(BT_ERR_INVALID, "export: the adapter's LoRA+ embedding / norms (vocab %d, "
+                       "d_model %d%s) do not fit the base (vocab %d, d_model %d%s)", lo->vocab,
+                       lo->d_model, lo->tied ? ", tied" : "", m->hp.vocab, m->hp.d_model,
+                       m->tied ? ", tied" : "");
     for (int l = 0; l < lo->n_layer; l++)
         for (int mod = 0; mod < BT_MOD_N; mod++) {
             const bt_lora_mod *md = bt_lora_get(lo, l, mod);
@@ -196,6 +202,13 @@ static float plain_alpha(const bt_lora *lo) {
 
 int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const char *out) {
     if (!lo) return bt_fail(BT_ERR_INVALID, "export: gguf-lora needs an adapter");
+    if (lo->trainable)
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: gguf-lora cannot carry a LoRA+ adapter's trained "
+                       "%s%s%s (llama.cpp LoRA GGUFs hold lora_a / lora_b pairs only: "
+                       "convert_lora_to_gguf.py rejects embeddings and llama.cpp's adapter loader "
+                       "skips norm vectors); export --format gguf or safetensors (merged) or peft",
+                       lo->embed ? "embed_tokens" : "", lo->embed && lo->norms ? " and " : "",
+                       lo->norms ? "norm weights" : "");
     if (dtype < BT_EXPORT_F32 || dtype > BT_EXPORT_Q8_0)
         return bt_fail(BT_ERR_INVALID, "export: gguf-lora: bad dtype %d", dtype);
     int rc = lora_matches(m, lo);
@@ -420,16 +433,18 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         free(ff);
         if (rc) goto out;
     }
-    if ((rc = add_gguf(w, "token_embd.weight", m->tok_embd, hp->vocab, hp->d_model, dtype))) goto out;
+    /* LoRA+ adapters replace the embedding (and a tied lm_head with it) and the norms */
+    if ((rc = add_gguf(w, "token_embd.weight", bt_lora_embed(lo, m), hp->vocab, hp->d_model, dtype)))
+        goto out;
     char name[96];
     for (int l = 0; l < hp->n_layer && !rc; l++) {
         const bt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
-        if ((rc = add_gguf(w, name, L->attn_norm, 0, hp->d_model, dtype))) break;
+        if ((rc = add_gguf(w, name, bt_lora_norm(lo, m, l, 0), 0, hp->d_model, dtype))) break;
         for (int mod = 0; mod < BT_MOD_N && !rc; mod++) {
             if (mod == BT_MOD_GATE) {
                 snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
-                if ((rc = add_gguf(w, name, L->ffn_norm, 0, hp->d_model, dtype))) break;
+                if ((rc = add_gguf(w, name, bt_lora_norm(lo, m, l, 1), 0, hp->d_model, dtype))) break;
             }
             float *x = NULL;
             if ((rc = merged_gguf_order(m, lo, l, mod, &x))) break;
@@ -443,8 +458,10 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
             free(x);
         }
     }
-    if (!rc) rc = add_gguf(w, "output_norm.weight", m->output_norm, 0, hp->d_model, dtype);
-    if (!rc && !m->tied) rc = add_gguf(w, "output.weight", m->lm_head, hp->vocab, hp->d_model, dtype);
+    if (!rc) rc = add_gguf(w, "output_norm.weight", bt_lora_norm(lo, m, hp->n_layer, 0), 0, hp->d_model,
+                           dtype);
+    if (!rc && !m->tied)
+        rc = add_gguf(w, "output.weight", bt_lora_lm_head(lo, m), hp->vocab, hp->d_model, dtype);
     if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error());
 out:
     bt_gguf_writer_free(w);
@@ -621,14 +638,15 @@ int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, const bt_
     float *x = NULL;
     char name[128], *path = NULL;
     if ((rc = bt_st_w_metadata(w, "format", "pt"))) goto out;
-    if ((rc = add_st(w, "model.embed_tokens.weight", m->tok_embd, hp->vocab, hp->d_model, dtype)))
+    if ((rc = add_st(w, "model.embed_tokens.weight", bt_lora_embed(lo, m), hp->vocab, hp->d_model,
+                     dtype)))
         goto out;
     for (int l = 0; l < hp->n_layer && !rc; l++) {
         const bt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-        if ((rc = add_st(w, name, L->attn_norm, 0, hp->d_model, dtype))) break;
+        if ((rc = add_st(w, name, bt_lora_norm(lo, m, l, 0), 0, hp->d_model, dtype))) break;
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
-        if ((rc = add_st(w, name, L->ffn_norm, 0, hp->d_model, dtype))) break;
+        if ((rc = add_st(w, name, bt_lora_norm(lo, m, l, 1), 0, hp->d_model, dtype))) break;
         for (int mod = 0; mod < BT_MOD_N && !rc; mod++) {
             const bt_base_linear *b = &L->lin[mod];
             float *nx = realloc(x, (size_t)b->rows * b->cols * sizeof(float));
@@ -646,8 +664,10 @@ int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, const bt_
             rc = add_st(w, name, b->bias, 0, b->rows, dtype);
         }
     }
-    if (!rc) rc = add_st(w, "model.norm.weight", m->output_norm, 0, hp->d_model, dtype);
-    if (!rc && !m->tied) rc = add_st(w, "lm_head.weight", m->lm_head, hp->vocab, hp->d_model, dtype);
+    if (!rc) rc = add_st(w, "model.norm.weight", bt_lora_norm(lo, m, hp->n_layer, 0), 0, hp->d_model,
+                         dtype);
+    if (!rc && !m->tied)
+        rc = add_st(w, "lm_head.weight", bt_lora_lm_head(lo, m), hp->vocab, hp->d_model, dtype);
     if (rc) goto out;
     if (asprintf(&path, "%s/model.safetensors", out_dir) < 0) {
         path = NULL;
@@ -714,6 +734,13 @@ static int shape_model(bt_model *m, const bt_gguf *g, const char *path) {
         for (int l = 0; l < hp->n_layer; l++)
             m->layers[l].lin[mod].rows = (int)t->ne[1], m->layers[l].lin[mod].cols = (int)t->ne[0];
     }
+    /* vocab and tying, for a LoRA+ adapter's embedding (token_embd ne = {d_model, vocab}); vocab
+     * stays 0 (bt_lora_load_peft then refuses modules_to_save) when the tensor is unusable */
+    const bt_gguf_tensor *te = bt_gguf_find_tensor(g, "token_embd.weight");
+    if (te && te->n_dims == 2 && te->ne[0] == (uint64_t)hp->d_model && te->ne[1] >= 1 &&
+        te->ne[1] <= (1u << 24))
+        hp->vocab = (int)te->ne[1];
+    m->tied = bt_gguf_find_tensor(g, "output.weight") == NULL;
     const bt_base_linear *q = &m->layers[0].lin[BT_MOD_Q], *k = &m->layers[0].lin[BT_MOD_K];
     hp->head_dim = q->rows / hp->n_head; /* may differ from d_model / n_head */
     if (hp->head_dim < 2 || hp->head_dim % 2 || q->rows != hp->n_head * hp->head_dim ||
@@ -777,10 +804,11 @@ int bt_export_run(const bt_export_opts *o) {
     if (!rc) {
         int nmod = 0;
         for (int mod = 0; mod < BT_MOD_N; mod++) nmod += (lo.target_mask >> mod) & 1;
-        bt_log(BT_LOG_INFO, "export", "wrote %s (%s) to %s: %d layers x %d modules, r %d, alpha %g",
+        bt_log(BT_LOG_INFO, "export", "wrote %s (%s) to %s: %d layers x %d modules, r %d, alpha %g%s%s",
                o->format == BT_EXPORT_PEFT ? "peft" : o->format == BT_EXPORT_GGUF_LORA ? "gguf-lora"
                : o->format == BT_EXPORT_GGUF ? "gguf" : "safetensors",
-               dtype_name(dtype), o->out, lo.n_layer, nmod, lo.r, (double)lo.alpha);
+               dtype_name(dtype), o->out, lo.n_layer, nmod, lo.r, (double)lo.alpha,
+               lo.embed ? ", LoRA+ embed_tokens" : "", lo.norms ? ", LoRA+ norms" : "");
     }
 out:
     free(base_name);

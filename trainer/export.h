@@ -33,6 +33,11 @@
  * verbatim) and as config.json rope_scaling {"rope_type": "llama3", factor, low_freq_factor,
  * high_freq_factor, original_max_position_embeddings}; a GGUF table that Llama 3.x parameters
  * (low 1, high 4, context 8192) do not reproduce cannot go to safetensors (BT_ERR_UNSUPPORTED).
+ * LoRA+ adapters (PEFT modules_to_save: trained embed_tokens / norms, trainer/adapter.h): peft
+ * copies them; the merged formats write the trained embedding (token_embd / embed_tokens, and so
+ * a tied lm_head) and norm weights in place of the base's; gguf-lora refuses them
+ * (BT_ERR_UNSUPPORTED): llama.cpp LoRA GGUFs carry lora_a / lora_b pairs only
+ * (convert_lora_to_gguf.py rejects embeddings, llama_adapter_lora_init skips *_norm.weight).
  * The adapter is read with
  * trainer/adapter_load.h bt_lora_load_peft; an rsLoRA adapter (scale alpha / sqrt(r)) is written
  * with the lora_alpha that gives the same scale under the plain alpha / r rule (adapter.lora.alpha,

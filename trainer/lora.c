@@ -86,7 +86,8 @@ int bt_lora_init_ex(bt_lora *lo, const bt_model *md, int r, double alpha, double
     if (trainable & BT_TRAIN_EMBED) {
         lo->embed = lo->params + off;
         lo->dembed = lo->grads + off;
-        memcpy(lo->embed, md->tok_embd, (size_t)n_embed * sizeof(float));
+        if (md->tok_embd) /* a shape-only model (no weights) leaves zeros for the caller */
+            memcpy(lo->embed, md->tok_embd, (size_t)n_embed * sizeof(float));
         off += n_embed;
     }
     if (trainable & BT_TRAIN_NORM) {
@@ -94,10 +95,13 @@ int bt_lora_init_ex(bt_lora *lo, const bt_model *md, int r, double alpha, double
         lo->norms = lo->params + off;
         lo->dnorms = lo->grads + off;
         for (int l = 0; l < lo->n_layer; l++) {
-            memcpy(lo->norms + (size_t)(2 * l) * D, md->layers[l].attn_norm, D * sizeof(float));
-            memcpy(lo->norms + (size_t)(2 * l + 1) * D, md->layers[l].ffn_norm, D * sizeof(float));
+            if (md->layers[l].attn_norm)
+                memcpy(lo->norms + (size_t)(2 * l) * D, md->layers[l].attn_norm, D * sizeof(float));
+            if (md->layers[l].ffn_norm)
+                memcpy(lo->norms + (size_t)(2 * l + 1) * D, md->layers[l].ffn_norm, D * sizeof(float));
         }
-        memcpy(lo->norms + (size_t)(2 * lo->n_layer) * D, md->output_norm, D * sizeof(float));
+        if (md->output_norm)
+            memcpy(lo->norms + (size_t)(2 * lo->n_layer) * D, md->output_norm, D * sizeof(float));
         off += n_norm;
     }
     return 0;

@@ -58,7 +58,8 @@ typedef struct {
 int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
                  unsigned target_mask, uint64_t seed);
 /* As bt_lora_init, plus the dense trainable parameters of `trainable` (BT_TRAIN_* bits), copied
- * from the model's tensors (embedding, norm weights). trainable 0 is exactly bt_lora_init.
+ * from the model's tensors (embedding, norm weights; a tensor the model does not hold, as in a
+ * shape-only model, is left zero for the caller to fill). trainable 0 is exactly bt_lora_init.
  * Errors: as bt_lora_init; BT_ERR_INVALID for unknown bits. */
 int bt_lora_init_ex(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
                     unsigned target_mask, unsigned trainable, uint64_t seed);

@@ -388,3 +388,116 @@ def test_real_model_metadata_carried(bins, model_path, tmp_path):
     b = gguf.quants.dequantize(km.data, km.tensor_type)
     assert np.max(np.abs(a - b)) <= np.max(np.abs(a)) / 127
     assert math.isfinite(float(np.sum(b)))
+
+
+# ---- LoRA+ (PEFT modules_to_save: trained embedding and norms) ----
+
+def make_plus_adapter(d, seed=9):
+    """make_adapter on q/v plus LoRA+ tensors (tied tiny model: lm_head == embed_tokens)."""
+    t = make_adapter(d, mods=["q_proj", "v_proj"], seed=seed)
+    cfg = tiny_config()
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    rng = random.Random(seed + 1)
+    emb = [rng.gauss(0, 0.1) for _ in range(V * H)]
+    t["base_model.model.model.embed_tokens.weight"] = ([V, H], emb)
+    t["base_model.model.lm_head.weight"] = ([V, H], emb)
+    for i in range(L):
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[f"base_model.model.model.layers.{i}.{n}.weight"] = ([H], [1 + rng.gauss(0, 0.1) for _ in range(H)])
+    t["base_model.model.model.norm.weight"] = ([H], [1 + rng.gauss(0, 0.1) for _ in range(H)])
+    st_write(os.path.join(d, "adapter_model.safetensors"), t)
+    with open(os.path.join(d, "adapter_config.json")) as f:
+        conf = json.load(f)
+    conf["modules_to_save"] = ["embed_tokens", "lm_head", "input_layernorm",
+                               "post_attention_layernorm", "norm"]
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump(conf, f)
+    return t
+
+
+def test_lora_plus_exports(bins, tmp_path):
+    d = str(tmp_path / "plus")
+    t = make_plus_adapter(d)
+    L = tiny_config()["num_hidden_layers"]
+    # merged safetensors: the trained embedding and norms, bit-exact in f32
+    run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors", "--dtype", "f32",
+               "--out", str(tmp_path / "st"))
+    got, _ = st_read(str(tmp_path / "st" / "model.safetensors"))
+    assert "lm_head.weight" not in got  # still tied
+    assert f32(got["model.embed_tokens.weight"][2]) == f32(array.array("f", t["base_model.model.model.embed_tokens.weight"][1]).tobytes())
+    for k in ["model.norm.weight"] + [f"model.layers.{i}.{n}.weight" for i in range(L)
+                                      for n in ("input_layernorm", "post_attention_layernorm")]:
+        want = f32(array.array("f", t["base_model.model." + k][1]).tobytes())
+        assert f32(got[k][2]) == want, k
+    # peft: the modules_to_save tensors and config carried over
+    run_export(bins, "--model", TINY, "--adapter", d, "--format", "peft", "--out", str(tmp_path / "p"))
+    pt, _ = st_read(str(tmp_path / "p" / "adapter_model.safetensors"))
+    assert set(pt) == set(t)
+    src, _ = st_read(os.path.join(d, "adapter_model.safetensors"))
+    for k in t:
+        assert pt[k][2] == src[k][2], k
+    with open(tmp_path / "p" / "adapter_config.json") as f:
+        assert json.load(f)["modules_to_save"] == ["embed_tokens", "lm_head", "input_layernorm",
+                                                   "post_attention_layernorm", "norm"]
+    # gguf-lora cannot carry them: refused, nothing written
+    out = tmp_path / "l.gguf"
+    p = run_export(bins, "--model", TINY, "--adapter", d, "--format", "gguf-lora", "--out", str(out),
+                   check=False)
+    assert p.returncode == 1 and "gguf-lora cannot carry a LoRA+" in p.stderr, p.stderr
+    assert not out.exists()
+    # a tied lm_head that differs from the embedding is refused with a clear message
+    t["base_model.model.lm_head.weight"] = (t["base_model.model.lm_head.weight"][0],
+                                            [0.5] * len(t["base_model.model.lm_head.weight"][1]))
+    st_write(os.path.join(d, "adapter_model.safetensors"), t)
+    p = run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors", "--out",
+                   str(tmp_path / "st2"), check=False)
+    assert p.returncode == 1 and "differs from" in p.stderr, p.stderr
+
+
+def test_lora_plus_generate(bins, model_path, tmp_path):
+    """`trainer generate --adapter` accepts a LoRA+ adapter of the real model (embedding only)."""
+    exe = bins.path("trainer")
+    if not os.access(exe, os.X_OK):
+        pytest.skip(f"{exe} not built")
+    H, V, L = 576, 49152, 30  # SmolLM2-135M
+    d = tmp_path / "plus"
+    d.mkdir()
+    blob = array.array("f", [0.0]).tobytes() * (V * H)  # all-zero embedding: a constant prompt
+    hdr = {"__metadata__": {"format": "pt"}}
+    parts, off = [], 0
+    for i in range(L):
+        for m, (o, n) in (("q_proj", (H, H)), ("v_proj", (192, H))):
+            for ab, shape in (("A", [R, n]), ("B", [o, R])):
+                b = array.array("f", [0.0]).tobytes() * (shape[0] * shape[1])
+                hdr[f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight"] = {
+                    "dtype": "F32", "shape": shape, "data_offsets": [off, off + len(b)]}
+                parts.append(b)
+                off += len(b)
+    hdr["base_model.model.model.embed_tokens.weight"] = {"dtype": "F32", "shape": [V, H],
+                                                         "data_offsets": [off, off + len(blob)]}
+    parts.append(blob)
+    h = json.dumps(hdr).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(d / "adapter_model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        for b in parts:
+            f.write(b)
+    with open(d / "adapter_config.json", "w") as f:
+        json.dump({"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": ["q_proj", "v_proj"],
+                   "modules_to_save": ["embed_tokens", "lm_head"]}, f)
+    args = [exe, "generate", "--model", model_path, "--prompt", "The capital of France is",
+            "--max-new-tokens", "4", "--temperature", "0"]
+    base = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert base.returncode == 0, base.stderr
+    p = subprocess.run(args + ["--adapter", str(d)], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    # the lm_head entry is absent from the file: refused by name
+    assert p.returncode != 0 and "lm_head" in p.stderr, p.stderr
+    with open(d / "adapter_config.json", "w") as f:
+        json.dump({"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": ["q_proj", "v_proj"],
+                   "modules_to_save": ["embed_tokens"]}, f)
+    p = subprocess.run(args + ["--adapter", str(d)], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    # a zero embedding (and tied lm_head) makes every logit 0: the output changes
+    assert p.stdout != base.stdout

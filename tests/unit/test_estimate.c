@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "kernels/kernels.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
 #include "trainer/lora.h"
@@ -26,6 +27,10 @@
 
 static const bt_llama_hparams k_hp = {
     .n_layer = 3, .d_model = 64, .n_head = 4, .n_kv_head = 2, .head_dim = 16, .d_ff = 128,
+    .vocab = 301, .ctx = 64, .rope_theta = 10000.f, .rms_eps = 1e-5f};
+/* explicit head_dim: n_head * head_dim (256, o_proj's K) wider than d_ff and d_model */
+static const bt_llama_hparams k_wide = {
+    .n_layer = 2, .d_model = 64, .n_head = 8, .n_kv_head = 2, .head_dim = 32, .d_ff = 128,
     .vocab = 301, .ctx = 64, .rope_theta = 10000.f, .rms_eps = 1e-5f};
 
 static void config(bt_train_config *c, const char *extra) {
@@ -113,6 +118,32 @@ static void test_lora_plus(void **st) {
           1);
 }
 
+/* the NF4 dequant tiles are as wide as the widest K, here o_proj's n_head * head_dim */
+static void test_wide_heads_nf4(void **st) {
+    (void)st;
+    bt_train_config c;
+    config(&c, NULL);
+    bt_est_model em;
+    memset(&em, 0, sizeof em);
+    em.hp = k_wide;
+    em.tied = 1;
+    em.max_linear = (int64_t)k_wide.n_head * k_wide.head_dim * k_wide.d_model;
+    bt_model m; /* bt_model_scratch_floats reads only the shape and base dtype */
+    memset(&m, 0, sizeof m);
+    m.hp = k_wide;
+    m.base_dtype = BT_BASE_NF4;
+    int threads = omp_get_max_threads();
+    bt_mem_bill nf4, f32;
+    c.base_dtype = BT_BASE_NF4;
+    bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &nf4);
+    c.base_dtype = BT_BASE_FP32;
+    bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &f32);
+    /* the NF4 bill's extra workspace is exactly the step context's dequant scratch */
+    assert_true(nf4.other - f32.other == 4.0 * (double)bt_model_scratch_floats(&m));
+    assert_true(bt_model_scratch_floats(&m) == bt_nf4_scratch_floats(k_wide.n_head * k_wide.head_dim));
+    bt_config_free(&c);
+}
+
 /* Activation checkpointing keeps one layer instead of all; more tokens cost proportionally. */
 static void test_scaling(void **st) {
     (void)st;
@@ -166,6 +197,7 @@ int main(void) {
         cmocka_unit_test(test_plain_nf4),     cmocka_unit_test(test_fp32_untied),
         cmocka_unit_test(test_checkpointing), cmocka_unit_test(test_lora_plus),
         cmocka_unit_test(test_scaling),       cmocka_unit_test(test_read_gguf),
+        cmocka_unit_test(test_wide_heads_nf4),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
