@@ -82,7 +82,7 @@ $(MODEL):
 	@bash scripts/fetch-model
 
 shards:
-	@bash scripts/make-shards data/demo
+	@$(PYTHON) scripts/make-shards data/demo
 
 unit: $(TESTS)
 	@bash tests/run-unit.sh $(BUILD)/tests $(TESTS)
