@@ -141,10 +141,19 @@ int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *compone
         return bt_fail(BT_ERR_NOMEM, "%s: out of memory", component);
     int rc = BT_OK;
     bt_rm_tree(old);
-    if (rename(dst_dir, old) != 0 || rename(tmp_dir, dst_dir) != 0)
-        rc = bt_fail(BT_ERR_IO, "%s: replace %s: %s", component, dst_dir, strerror(errno));
-    else
+    if (rename(dst_dir, old) != 0) {
+        rc = bt_fail(BT_ERR_IO, "%s: replace %s: rename to %s: %s", component, dst_dir, old, strerror(errno));
+    } else if (rename(tmp_dir, dst_dir) != 0) {
+        int e = errno;
+        /* put the previous contents back: the destination must never be left missing */
+        if (rename(old, dst_dir) != 0)
+            rc = bt_fail(BT_ERR_IO, "%s: replace %s: %s; restoring it from %s also failed: %s", component, dst_dir,
+                         strerror(e), old, strerror(errno));
+        else
+            rc = bt_fail(BT_ERR_IO, "%s: replace %s: %s (previous contents kept)", component, dst_dir, strerror(e));
+    } else {
         bt_rm_tree(old);
+    }
     free(old);
     return rc;
 }

@@ -378,6 +378,51 @@ static char *glob_escape(const char *p) {
     return o;
 }
 
+static int cmp_strp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Sort v[0, n) and drop duplicates (freed); returns the new count. */
+static int sort_unique(char **v, int n) {
+    if (n < 2) return n;
+    qsort(v, (size_t)n, sizeof *v, cmp_strp);
+    int k = 1;
+    for (int i = 1; i < n; i++) {
+        if (strcmp(v[i], v[k - 1]) == 0) free(v[i]);
+        else v[k++] = v[i];
+    }
+    return k;
+}
+
+/* Whether the fixed (wildcard-free) directory prefix of `pat` lies inside a data root, checked
+ * before globbing: the realpath of its longest existing leading part must be inside a root.
+ * Otherwise "matches no file" vs "outside" would tell a client what exists outside the roots. */
+static int pattern_prefix_in_roots(const ld_config *c, const char *pat) {
+    size_t n = strcspn(pat, "*?[\\");
+    char *pre = bt_xmalloc(n + 2);
+    memcpy(pre, pat, n);
+    pre[n] = 0;
+    if (pat[n]) { /* cut back to the directory holding the first wildcard */
+        char *sl = strrchr(pre, '/');
+        sl[sl == pre ? 1 : 0] = 0; /* pat[0] == '/', so there is one */
+    }
+    int in = 0;
+    for (;;) {
+        char *rp = realpath(pre, NULL);
+        if (rp) {
+            in = ld_path_in_roots(rp, c->data_roots, c->n_data_roots);
+            if (!in)
+                bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: fixed prefix %s resolves to %s, outside every "
+                                               "data root", pat, pre, rp);
+            free(rp);
+            break;
+        }
+        char *sl = strrchr(pre, '/');
+        if (!sl || (sl == pre && pre[1] == 0)) break; /* "/" cannot fail; be safe anyway */
+        sl[sl == pre ? 1 : 0] = 0;
+    }
+    free(pre);
+    return in;
+}
+
 int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns, char ***out, int *n_out) {
     *out = NULL;
     *n_out = 0;
@@ -391,6 +436,10 @@ int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns,
         const char *pat = patterns[i];
         if (pat[0] != '/') {
             rc = bt_fail(BT_ERR_INVALID, "job: shard pattern \"%s\" must be an absolute path", pat);
+            break;
+        }
+        if (!pattern_prefix_in_roots(c, pat)) { /* same refusal whether or not anything matches */
+            rc = bt_fail(BT_ERR_INVALID, "job: shard pattern \"%s\" reaches outside every data root", pat);
             break;
         }
         glob_t g;
@@ -423,23 +472,20 @@ int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns,
                 rc = bt_fail(BT_ERR_INVALID, "job: shard pattern \"%s\" matches a file outside every data root", pat);
             } else if (!S_ISREG(st.st_mode)) {
                 rc = bt_fail(BT_ERR_INVALID, "job: shard %s is not a regular file", rp);
-            } else if (n >= MAX_SHARD_FILES) {
-                rc = bt_fail(BT_ERR_INVALID, "job: more than %d shard files", MAX_SHARD_FILES);
             } else {
-                int dup = 0;
-                char *esc = glob_escape(rp);
-                for (int j = 0; j < n && !dup; j++) dup = !strcmp(files[j], esc);
-                if (dup) {
-                    free(esc);
-                } else {
-                    if (n == cap) files = bt_xrealloc(files, (size_t)(cap = cap ? cap * 2 : 16) * sizeof *files);
-                    files[n++] = esc;
-                }
+                /* duplicates go at the end (sort + unique; the pipeline sorts the paths again, so
+                 * the order does not matter); compact early to bound memory */
+                if (n == cap) files = bt_xrealloc(files, (size_t)(cap = cap ? cap * 2 : 16) * sizeof *files);
+                files[n++] = glob_escape(rp);
+                if (n >= 2 * MAX_SHARD_FILES && (n = sort_unique(files, n)) > MAX_SHARD_FILES)
+                    rc = bt_fail(BT_ERR_INVALID, "job: more than %d shard files", MAX_SHARD_FILES);
             }
             free(rp);
         }
         globfree(&g);
     }
+    if (!rc && (n = sort_unique(files, n)) > MAX_SHARD_FILES)
+        rc = bt_fail(BT_ERR_INVALID, "job: more than %d shard files", MAX_SHARD_FILES);
     if (rc) {
         ld_free_strv(files, n);
         return rc;

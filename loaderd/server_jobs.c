@@ -30,29 +30,42 @@ typedef struct {
 
 /* ------------------------------------------------------------------ tokenizer cache */
 
-static tok_entry *tok_get(server *s, const char *path, char *err, size_t errlen) {
-    pthread_mutex_lock(&s->tok_mu);
+/* The load itself runs without tok_mu: the loop thread takes the lock (ld_tok_put, status) and
+ * must never wait on a slow tokenizer load. Two attaches racing on the same new path may both
+ * load it; the loser frees its copy and uses the cached one. */
+static tok_entry *tok_find_ref(server *s, const char *path) {
     tok_entry *e = s->toks;
     while (e && strcmp(e->path, path)) e = e->next;
+    if (e) e->refs++;
+    return e;
+}
+
+static tok_entry *tok_get(server *s, const char *path, char *err, size_t errlen) {
+    pthread_mutex_lock(&s->tok_mu);
+    tok_entry *e = tok_find_ref(s, path);
+    pthread_mutex_unlock(&s->tok_mu);
+    if (e) return e;
+    bt_tokenizer *t = NULL;
+    double t0 = bt_now();
+    if (bt_tokenizer_load(&t, path)) {
+        snprintf(err, errlen, "tokenizer %s: %s", path, bt_last_error());
+        return NULL;
+    }
+    bt_log(BT_LOG_INFO, LOGC, "loaded tokenizer %s (vocab %d) in %.2f s", path, bt_tokenizer_vocab_size(t),
+           bt_now() - t0);
+    pthread_mutex_lock(&s->tok_mu);
+    e = tok_find_ref(s, path);
     if (!e) {
-        bt_tokenizer *t = NULL;
-        double t0 = bt_now();
-        int rc = bt_tokenizer_load(&t, path);
-        if (rc) {
-            snprintf(err, errlen, "tokenizer %s: %s", path, bt_last_error());
-            pthread_mutex_unlock(&s->tok_mu);
-            return NULL;
-        }
-        bt_log(BT_LOG_INFO, LOGC, "loaded tokenizer %s (vocab %d) in %.2f s", path, bt_tokenizer_vocab_size(t),
-               bt_now() - t0);
         e = bt_xcalloc(1, sizeof *e);
         e->path = bt_xstrdup(path);
         e->tok = t;
+        e->refs = 1;
         e->next = s->toks;
         s->toks = e;
+        t = NULL;
     }
-    e->refs++;
     pthread_mutex_unlock(&s->tok_mu);
+    if (t) bt_tokenizer_free(t); /* another attach cached the same tokenizer meanwhile */
     return e;
 }
 
@@ -144,6 +157,16 @@ static void teardown_done(uv_work_t *w, int status) {
     server *s = j->s;
     ld_job_free(j);
     ld_check_drained(s);
+}
+
+/* Free a job that never went into s->jobs (its producer never started) off the loop thread:
+ * ld_pipeline_free joins tokenizer threads that may be in the middle of a chunk. */
+static void job_discard(job *j) {
+    j->teardown.data = j;
+    if (uv_queue_work(j->s->loop, &j->teardown, teardown_work, teardown_done) != 0) {
+        teardown_work(&j->teardown); /* cannot happen with a live loop; stay correct anyway */
+        teardown_done(&j->teardown, 0);
+    }
 }
 
 uint32_t ld_job_count(const server *s) {
@@ -377,7 +400,7 @@ static void attach_done(uv_work_t *w, int status) {
                r->err);
         if (!c->closing) ld_conn_reply_error(c, "attach", "%s", r->err);
     } else if (c->closing || s->stopping) {
-        ld_job_free(j);
+        job_discard(j);
     } else {
         j->id = s->next_job_id++;
         j->owner = c;
@@ -385,7 +408,7 @@ static void attach_done(uv_work_t *w, int status) {
         j->t_attach = j->last_t = j->t_last_take = bt_now();
         if (pthread_create(&j->thread, NULL, producer_main, j) != 0) {
             ld_conn_reply_error(c, "attach", "cannot start a producer thread");
-            ld_job_free(j);
+            job_discard(j);
         } else {
             j->thread_started = 1;
             j->next = s->jobs;

@@ -47,6 +47,7 @@ struct bt_client {
     double reconnect_s;
     uint64_t reconnects;
     pthread_mutex_t mu; /* the socket and buf: report vs. reconnect vs. close */
+    int reconnecting;   /* under mu: a reconnect owns sock/buf/job_id; report fails fast */
 };
 
 /* Send all of `s` (MSG_NOSIGNAL: a dead loaderd must not SIGPIPE the trainer). */
@@ -350,15 +351,19 @@ static int reconnect(bt_client *c) {
     if (c->reconnect_s <= 0)
         return bt_fail(BT_ERR_CLOSED, "loaderd closed the stream of job %u (reconnecting disabled: "
                                       "LOADERD_RECONNECT_S=0)", c->job_id);
+    /* mu is held only to hand sock/buf over: while `reconnecting` is set a report fails at once
+     * with BT_ERR_CLOSED instead of waiting out the whole reconnect window under mu */
     pthread_mutex_lock(&c->mu);
+    c->reconnecting = 1;
     uint32_t old_id = c->job_id;
+    if (c->sock >= 0) close(c->sock);
+    c->sock = -1;
+    pthread_mutex_unlock(&c->mu);
     bt_log(BT_LOG_WARN, "client", "loaderd went away (job %u, next step %llu): reconnecting to %s for up to %.0f s",
            old_id, (unsigned long long)c->next_step, c->sock_path, c->reconnect_s);
     if (c->ring.hdr) bt_ring_close(&c->ring);
     memset(&c->ring, 0, sizeof c->ring);
     c->ring.fd = -1;
-    if (c->sock >= 0) close(c->sock);
-    c->sock = -1;
     double deadline = bt_now() + c->reconnect_s, backoff = 0.05;
     int rc;
     for (;;) {
@@ -379,6 +384,8 @@ static int reconnect(bt_client *c) {
         rc = bt_fail(rc, "loaderd did not come back within %.0f s (LOADERD_RECONNECT_S): %s", c->reconnect_s,
                      bt_last_error());
     }
+    pthread_mutex_lock(&c->mu);
+    c->reconnecting = 0;
     pthread_mutex_unlock(&c->mu);
     return rc;
 }
@@ -422,19 +429,25 @@ int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms) {
     }
     c->holding = 1;
     bt_batch_view_init(v, slot, c->B, c->T);
-    if (v->hdr->flags & BT_BATCH_F_END_OF_DATA) {
+    int eod = (v->hdr->flags & BT_BATCH_F_END_OF_DATA) != 0;
+    if (eod) {
         if (v->hdr->magic != BT_BATCH_MAGIC) return bt_fail(BT_ERR_FORMAT, "end-of-data batch with a bad magic");
+    } else {
+        int rc = bt_batch_validate(v, c->B, c->T, c->vocab);
+        if (rc) return rc;
+    }
+    /* END_OF_DATA carries the next step index and the job id like any batch */
+    if (c->have_step && v->hdr->step != c->next_step)
+        return bt_fail(BT_ERR_FORMAT, "%s step %llu out of order (want %llu)", eod ? "end-of-data batch" : "batch",
+                       (unsigned long long)v->hdr->step, (unsigned long long)c->next_step);
+    if (v->hdr->job_id != c->job_id)
+        return bt_fail(BT_ERR_FORMAT, "%s carries job id %u (want %u)", eod ? "end-of-data batch" : "batch",
+                       v->hdr->job_id, c->job_id);
+    if (eod) {
         c->ended = 1;
         bt_client_release(c);
         return 1;
     }
-    int rc = bt_batch_validate(v, c->B, c->T, c->vocab);
-    if (rc) return rc;
-    if (c->have_step && v->hdr->step != c->next_step)
-        return bt_fail(BT_ERR_FORMAT, "batch step %llu out of order (want %llu)", (unsigned long long)v->hdr->step,
-                       (unsigned long long)c->next_step);
-    if (v->hdr->job_id != c->job_id)
-        return bt_fail(BT_ERR_FORMAT, "batch carries job id %u (want %u)", v->hdr->job_id, c->job_id);
     c->have_step = 1;
     c->next_step = v->hdr->step + 1;
     /* the state to re-attach with if loaderd goes away after this batch */
@@ -453,7 +466,8 @@ static int report_locked(bt_client *c, uint64_t step, double loss, double tokens
 
 int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per_s) {
     pthread_mutex_lock(&c->mu);
-    int rc = report_locked(c, step, loss, tokens_per_s);
+    int rc = c->reconnecting ? bt_fail(BT_ERR_CLOSED, "report: loaderd went away; reconnecting")
+                             : report_locked(c, step, loss, tokens_per_s);
     pthread_mutex_unlock(&c->mu);
     return rc;
 }

@@ -51,7 +51,8 @@ int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms);
  * a no-op when none is held. */
 void bt_client_release(bt_client *c);
 /* Send a progress report and wait (up to 5 s) for loaderd's answer (best-effort; errors are
- * returned, not fatal). Non-finite loss / tokens_per_s are sent as null. */
+ * returned, not fatal). Non-finite loss / tokens_per_s are sent as null. While bt_client_next is
+ * reconnecting to loaderd it fails at once with BT_ERR_CLOSED. */
 int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per_s);
 /* Number of successful re-attaches after loaderd went away. */
 uint64_t bt_client_reconnects(const bt_client *c);

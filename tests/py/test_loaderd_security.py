@@ -312,3 +312,46 @@ def test_liars_stalled_readers_and_vanishing_clients(loaderd, dataset, model_pat
     assert d.proc.poll() is None
     s.close()
     ring.close()
+
+
+def test_no_existence_oracle_outside_the_roots(loaderd, dataset, model_path, tmp_path):
+    """A pattern whose fixed (wildcard-free) directory prefix lies outside data_roots is refused
+    before globbing, with the same reply whether or not anything exists there: "matches no file"
+    vs "outside" must not tell a client what exists outside the roots."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    write_shard(outside / "there.jsonl", [chat_line("a", "b")])
+    os.symlink(outside, dataset / "dirlink")
+    d = loaderd(base_config(dataset, model_path))
+    pairs = [(outside / "there.jsonl", outside / "absent.jsonl"),
+             (outside / "*.jsonl", outside / "*.nothing"),
+             (outside / "th*re.jsonl", tmp_path / "no-such-dir" / "*.jsonl"),
+             (dataset / "dirlink" / "there.jsonl", dataset / "dirlink" / "absent.jsonl"),
+             (dataset / ".." / "outside" / "*.jsonl", dataset / ".." / "no-such-dir" / "x" / "*.jsonl")]
+    for there, absent in pairs:
+        errs = []
+        for pat in (there, absent):
+            s, rep, _ = attach(d, job_spec(dataset, model_path, shards=[str(pat)]))
+            s.close()
+            assert rep["ok"] is False and "outside every data root" in rep["error"], (pat, rep)
+            errs.append(rep["error"].replace(str(pat), "PAT"))
+        assert errs[0] == errs[1], errs
+    # inside the roots the usual answers stay
+    s, rep, _ = attach(d, job_spec(dataset, model_path, shards=[str(dataset / "nope-*.jsonl")]))
+    s.close()
+    assert rep["ok"] is False and "matches no file" in rep["error"], rep
+    s, rep, _ = attach(d, job_spec(dataset, model_path, shards=[str(dataset / "nodir" / ".." / "*.jsonl")]))
+    s.close()
+    assert rep["ok"] is False and "outside" not in rep["error"], rep
+
+
+def test_duplicate_shards_counted_once(loaderd, dataset, model_path):
+    """Overlapping patterns and repeated paths resolve to each file once (sort + unique)."""
+    d = loaderd(base_config(dataset, model_path))
+    shards = [str(dataset / "train-001.jsonl"), str(dataset / "train-*.jsonl"), str(dataset / "train-000.jsonl"),
+              str(dataset / "." / "train-001.jsonl"), str(dataset / "train-001.jsonl")]
+    s, rep, ring = attach(d, job_spec(dataset, model_path, shards=shards))
+    assert rep["ok"] is True and rep["shards"] == 2, rep
+    assert ring.next() is not None
+    s.close()
+    ring.close()

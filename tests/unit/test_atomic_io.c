@@ -8,10 +8,13 @@
 #include <cmocka.h>
 
 #include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "common/atomic_io.h"
@@ -19,6 +22,28 @@
 #include "tests/unit/util/test_util.h"
 
 static char g_dir[64];
+
+/* Fault injection for bt_replace_dir's fallback: these definitions interpose libc's for the
+ * whole test binary. g_no_exchange makes renameat2 fail as on a filesystem without
+ * RENAME_EXCHANGE; a rename whose source is g_fail_rename_from fails with EIO. */
+static int g_no_exchange;
+static const char *g_fail_rename_from;
+
+int renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath, unsigned int flags) {
+    if (g_no_exchange && (flags & RENAME_EXCHANGE)) {
+        errno = EINVAL;
+        return -1;
+    }
+    return (int)syscall(SYS_renameat2, olddirfd, oldpath, newdirfd, newpath, flags);
+}
+
+int rename(const char *oldpath, const char *newpath) {
+    if (g_fail_rename_from && strcmp(oldpath, g_fail_rename_from) == 0) {
+        errno = EIO;
+        return -1;
+    }
+    return (int)syscall(SYS_renameat2, AT_FDCWD, oldpath, AT_FDCWD, newpath, 0);
+}
 
 static int setup_dir(void **s) {
     (void)s;
@@ -181,6 +206,45 @@ static void test_replace_dir(void **s) {
     assert_int_equal(access(tmp, F_OK), 0);
 }
 
+/* No RENAME_EXCHANGE: two renames. When the second fails, the previous contents go back in
+ * place and the error is reported; nothing else is left behind. */
+static void test_replace_dir_fallback(void **s) {
+    (void)s;
+    char tmp[128], dst[128], p[192];
+    path_of(tmp, sizeof tmp, "run.tmp-1");
+    path_of(dst, sizeof dst, "run");
+    make_dir_with(dst, "a.txt", "one");
+    g_no_exchange = 1;
+
+    /* fallback succeeds */
+    make_dir_with(tmp, "b.txt", "two");
+    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_OK);
+    snprintf(p, sizeof p, "%s/b.txt", dst);
+    assert_file_text(p, "two");
+    assert_int_equal(n_entries(g_dir), 1);
+
+    /* second rename fails: destination restored, tmp left for the caller, error reported */
+    make_dir_with(tmp, "c.txt", "three");
+    g_fail_rename_from = tmp;
+    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_ERR_IO);
+    g_fail_rename_from = NULL;
+    assert_error_prefix("checkpoint: replace ");
+    snprintf(p, sizeof p, "%s/b.txt", dst);
+    assert_file_text(p, "two");
+    assert_int_equal(n_entries(dst), 1);
+    assert_int_equal(access(tmp, F_OK), 0);
+    assert_int_equal(n_entries(g_dir), 2); /* run and run.tmp-1: no run.old-<pid> */
+
+    /* first rename fails: nothing moved */
+    g_fail_rename_from = dst;
+    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_ERR_IO);
+    g_fail_rename_from = NULL;
+    assert_file_text(p, "two");
+    assert_int_equal(access(tmp, F_OK), 0);
+    assert_int_equal(n_entries(g_dir), 2);
+    g_no_exchange = 0;
+}
+
 static void test_fsync_and_rm_tree(void **s) {
     (void)s;
     char p[128], q[192];
@@ -215,6 +279,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_abort, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_open_errors, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_replace_dir, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_replace_dir_fallback, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_fsync_and_rm_tree, setup_dir, teardown_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,0 +1,187 @@
+/* Tests for proto/client.c against a fake loaderd (a thread that answers one attach with a ring
+ * memfd): the END_OF_DATA batch is checked for its job id like any batch, and a report made while
+ * bt_client_next is reconnecting fails at once instead of waiting out the reconnect window. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "proto/batch.h"
+#include "proto/client.h"
+#include "proto/ring.h"
+#include "tests/unit/util/test_util.h"
+
+#define JOB_ID 7u
+#define FB 1u
+#define FT 8u
+
+static char g_dir[64];
+
+typedef struct {
+    char path[96];
+    int lfd, cfd;
+    bt_ring ring;
+} fake;
+
+static int setup_dir(void **s) {
+    (void)s;
+    return tu_make_tmpdir(g_dir, sizeof g_dir, "client");
+}
+
+static int teardown_dir(void **s) {
+    (void)s;
+    return tu_remove_dir(g_dir);
+}
+
+static void fake_listen(fake *f) {
+    memset(f, 0, sizeof *f);
+    f->cfd = -1;
+    f->ring.fd = -1;
+    snprintf(f->path, sizeof f->path, "%s/ld.sock", g_dir);
+    f->lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(f->lfd >= 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", f->path);
+    assert_int_equal(bind(f->lfd, (struct sockaddr *)&sa, sizeof sa), 0);
+    assert_int_equal(listen(f->lfd, 4), 0);
+}
+
+/* Serve one attach: read the request line, reply with the ring fd. */
+static void *fake_serve(void *arg) {
+    fake *f = arg;
+    f->cfd = accept(f->lfd, NULL, NULL);
+    if (f->cfd < 0) return NULL;
+    char c;
+    while (recv(f->cfd, &c, 1, 0) == 1 && c != '\n') {}
+    if (bt_ring_create(&f->ring, 4, FB, FT)) return NULL;
+    char rep[256];
+    int n = snprintf(rep, sizeof rep,
+                     "{\"v\":%d,\"ok\":true,\"op\":\"attach\",\"job_id\":%u,\"B\":%u,\"T\":%u,\"slots\":4,"
+                     "\"vocab\":100}\n",
+                     BT_PROTO_VERSION, JOB_ID, FB, FT);
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } u;
+    memset(&u, 0, sizeof u);
+    struct iovec iov = {.iov_base = rep, .iov_len = (size_t)n};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.b, .msg_controllen = sizeof u.b};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &f->ring.fd, sizeof(int));
+    (void)sendmsg(f->cfd, &m, MSG_NOSIGNAL);
+    return NULL;
+}
+
+static bt_client *fake_attach(fake *f) {
+    fake_listen(f);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, fake_serve, f), 0);
+    bt_client *c = NULL;
+    int rc = bt_client_attach(&c, f->path, "{\"name\":\"t\"}", 0, 1, NULL);
+    pthread_join(th, NULL);
+    assert_int_equal(rc, BT_OK);
+    assert_int_equal(bt_client_job_id(c), JOB_ID);
+    return c;
+}
+
+static void fake_close(fake *f) {
+    if (f->cfd >= 0) close(f->cfd);
+    if (f->lfd >= 0) close(f->lfd);
+    f->cfd = f->lfd = -1;
+    unlink(f->path);
+    if (f->ring.hdr) bt_ring_close(&f->ring);
+}
+
+static void put_end_of_data(fake *f, uint32_t job_id, uint64_t step) {
+    void *slot = bt_ring_producer_acquire(&f->ring, 1000);
+    assert_non_null(slot);
+    memset(slot, 0, f->ring.slot_bytes);
+    bt_batch_view v;
+    bt_batch_view_init(&v, slot, FB, FT);
+    v.hdr->magic = BT_BATCH_MAGIC;
+    v.hdr->layout_version = BT_BATCH_LAYOUT_VERSION;
+    v.hdr->job_id = job_id;
+    v.hdr->step = step;
+    v.hdr->B = FB;
+    v.hdr->T = FT;
+    v.hdr->flags = BT_BATCH_F_END_OF_DATA;
+    bt_ring_producer_commit(&f->ring);
+}
+
+static void test_end_of_data_checks_job_id(void **s) {
+    (void)s;
+    fake f;
+    bt_client *c = fake_attach(&f);
+    put_end_of_data(&f, JOB_ID + 1, 0);
+    bt_batch_view v;
+    assert_int_equal(bt_client_next(c, &v, 1000), BT_ERR_FORMAT);
+    assert_non_null(strstr(bt_last_error(), "job id"));
+    bt_client_close(c);
+    fake_close(&f);
+
+    c = fake_attach(&f); /* the right job id ends the stream */
+    put_end_of_data(&f, JOB_ID, 0);
+    assert_int_equal(bt_client_next(c, &v, 1000), 1);
+    assert_int_equal(bt_client_next(c, &v, 1000), 1);
+    bt_client_close(c);
+    fake_close(&f);
+}
+
+typedef struct {
+    bt_client *c;
+    int rc;
+    char err[512]; /* bt_last_error is per thread */
+} next_arg;
+
+static void *next_main(void *arg) {
+    next_arg *a = arg;
+    bt_batch_view v;
+    a->rc = bt_client_next(a->c, &v, -1);
+    snprintf(a->err, sizeof a->err, "%s", bt_last_error());
+    return NULL;
+}
+
+static void test_report_fails_fast_while_reconnecting(void **s) {
+    (void)s;
+    setenv("LOADERD_RECONNECT_S", "3", 1);
+    fake f;
+    bt_client *c = fake_attach(&f);
+    unsetenv("LOADERD_RECONNECT_S");
+    next_arg a = {.c = c, .rc = 0, .err = ""};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, next_main, &a), 0);
+    /* loaderd goes away and does not come back: bt_client_next reconnects for 3 s */
+    bt_ring_producer_close(&f.ring);
+    fake_close(&f);
+    usleep(500 * 1000);
+    double t0 = bt_now();
+    int rc = bt_client_report(c, 1, 2.0, 3.0);
+    double dt = bt_now() - t0;
+    assert_int_equal(rc, BT_ERR_CLOSED);
+    assert_true(dt < 1.0);
+    pthread_join(th, NULL);
+    assert_true(a.rc < 0); /* loaderd did not come back */
+    assert_non_null(strstr(a.err, "did not come back"));
+    bt_client_close(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_end_of_data_checks_job_id, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_report_fails_fast_while_reconnecting, setup_dir, teardown_dir),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
