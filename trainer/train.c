@@ -124,9 +124,19 @@ static int attach(bt_client **cl, const bt_train_config *cfg, int eval, const ui
     return rc;
 }
 
+/* 0: a batch in *dst; 1: end of data; 2: SIGINT/SIGTERM while waiting (nothing taken); <0: error.
+ * The wait (up to timeout_s) is cut into 1 s slices so that a signal stops it promptly: the
+ * client retries EINTR, so the handler alone would only take effect once a batch arrived. */
 static int next_batch(bt_client *cl, const bt_train_config *cfg, mb_copy *dst, const char *what) {
     bt_batch_view v;
-    int rc = bt_client_next(cl, &v, cfg->timeout_s * 1000);
+    double deadline = bt_now() + cfg->timeout_s;
+    int rc;
+    for (;;) {
+        double left = deadline - bt_now();
+        rc = bt_client_next(cl, &v, left >= 1.0 ? 1000 : left > 0 ? (int)(left * 1000.0) : 0);
+        if (rc != BT_ERR_TIMEOUT || bt_now() >= deadline) break;
+        if (g_stop) return 2;
+    }
     if (rc == 1) return 1;
     if (rc == BT_ERR_TIMEOUT)
         return bt_fail(rc, "no %s batch from loaderd within %d s (timeout_s)", what,
@@ -138,9 +148,10 @@ static int next_batch(bt_client *cl, const bt_train_config *cfg, mb_copy *dst, c
 }
 
 int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                    double *mean_loss, long long *n_tokens) {
+                    double *mean_loss, long long *n_tokens, int *interrupted) {
     *mean_loss = NAN;
     *n_tokens = 0;
+    int cut = 0; /* stopped by SIGINT/SIGTERM before the end of the held-out set */
     bt_client *cl = NULL;
     int rc = attach(&cl, cfg, 1, NULL); /* the eval stream restarts every time */
     if (rc) return rc;
@@ -152,7 +163,8 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
     double t0 = bt_now();
     while (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches) {
         rc = next_batch(cl, cfg, &mc, "eval");
-        if (rc == 1) {
+        if (rc == 1 || rc == 2) {
+            cut = rc == 2;
             rc = 0;
             break;
         }
@@ -170,7 +182,16 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
         sum += ls;
         cnt += nv;
         nb++;
-        if (g_stop) break;
+        bt_log(BT_LOG_DEBUG, "trainer", "held-out batch %d: %d labelled tokens", nb, nv);
+        if (g_stop && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
+            cut = 1;
+            break;
+        }
+    }
+    if (interrupted) *interrupted = cut;
+    if (cnt == 0 && cut) {
+        bt_log(BT_LOG_WARN, "trainer", "held-out evaluation interrupted before any batch");
+        goto out;
     }
     if (cnt == 0) {
         rc = bt_fail(BT_ERR_INVALID, "the held-out stream (eval.shards) gave no labelled "
@@ -179,8 +200,8 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
     }
     *mean_loss = sum / (double)cnt;
     *n_tokens = cnt;
-    bt_log(BT_LOG_INFO, "trainer", "held-out: %d batches, %lld labelled tokens, loss %.4f (%.1f s)",
-           nb, cnt, *mean_loss, bt_now() - t0);
+    bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld labelled tokens, loss %.4f (%.1f s)",
+           cut ? " (partial, interrupted)" : "", nb, cnt, *mean_loss, bt_now() - t0);
 out:
     mb_free(&mc);
     bt_client_close(cl);
@@ -278,16 +299,21 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
 
     double before = NAN, after = NAN;
     long long n_eval = 0;
+    int eval_cut = 0;
     if (cfg->eval.n_shards > 0) {
-        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval))) goto done;
+        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval, &eval_cut)))
+            goto done;
     }
     if (eval_only) {
         if (cfg->eval.n_shards == 0) {
             rc = bt_fail(BT_ERR_INVALID, "config: eval.shards: required for `trainer eval`");
             goto done;
         }
-        fprintf(out, "held-out loss: %.4f, perplexity %.3f (%lld tokens)\n", before, exp(before),
-                n_eval);
+        if (eval_cut && n_eval == 0)
+            fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
+        else
+            fprintf(out, "held-out loss%s: %.4f, perplexity %.3f (%lld tokens)\n",
+                    eval_cut ? " (partial, interrupted)" : "", before, exp(before), n_eval);
         fflush(out);
         goto done;
     }
@@ -306,6 +332,9 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     int done_steps = start_step;
     int end_step = cfg->stop_at_step > 0 ? cfg->stop_at_step : cfg->steps;
     double last_loss = NAN;
+    int ck_step = -1; /* the step of the last checkpoint written */
+    uint8_t resume_done[BT_RESUME_STATE_BYTES]; /* loader state after the last completed step */
+    memcpy(resume_done, resume, sizeof resume_done);
     for (int step = start_step; step < end_step && !g_stop; step++) {
         double ts = bt_now();
         /* 1. Gather all micro-batches of the step: the loss is normalised by the labelled
@@ -314,15 +343,19 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         long long n_lab = 0, n_real = 0;
         for (int i = 0; i < cfg->grad_accum; i++) {
             rc = next_batch(cl, cfg, &mbs[i], "train");
-            if (rc == 1) rc = bt_fail(BT_ERR_CLOSED, "the training stream ended at step %d",
-                                      step);
-            if (rc) goto done;
+            if (rc == 2) { /* signalled while waiting: the step is dropped */
+                rc = 0;
+                goto stopped;
+            }
+            if (rc == 1) rc = bt_fail(BT_ERR_CLOSED, "the training stream ended after step %d of %d",
+                                      step, cfg->steps);
+            if (rc) goto failed;
             bt_microbatch mb;
             mb_view(&mbs[i], B, T, &mb);
             int n = bt_shift_targets(NULL, &mb, model.hp.vocab);
             if (n < 0) {
                 rc = n;
-                goto done;
+                goto failed;
             }
             n_lab += n;
             n_real += mbs[i].n_real;
@@ -384,6 +417,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                               (float)cfg->optim.beta2, (float)cfg->optim.eps, 0.f, step + 1);
         }
         done_steps = step + 1;
+        memcpy(resume_done, resume, sizeof resume_done);
         last_loss = loss;
         /* 4. progress */
         double now = bt_now(), dt = now - ts, el = now - train_t0;
@@ -410,6 +444,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                 goto done;
             bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
                    cfg->checkpoint_dir);
+            ck_step = done_steps;
         }
         if (cfg->save_every > 0 && done_steps % cfg->save_every == 0 && done_steps < cfg->steps) {
             if ((rc = sync_host_lora(&lora, 0))) goto done;
@@ -418,10 +453,20 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done_steps, cfg->out_dir);
         }
     }
+stopped:
     if (g_stop) bt_log(BT_LOG_WARN, "trainer", "interrupted after step %d; saving", done_steps);
     else if (end_step < cfg->steps)
         bt_log(BT_LOG_INFO, "trainer", "stopped after step %d of %d (stop_at_step)", done_steps,
                cfg->steps);
+    if (g_stop && cfg->checkpoint_every > 0 && done_steps > start_step &&
+        done_steps < cfg->steps && ck_step != done_steps) { /* stopped while waiting */
+        if ((rc = sync_host_lora(&lora, 1))) goto done;
+        if ((rc = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &model, &lora, done_steps,
+                                     resume_done)))
+            goto done;
+        bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
+               cfg->checkpoint_dir);
+    }
     bt_client_close(cl);
     cl = NULL;
     if ((rc = sync_host_lora(&lora, 0))) goto done;
@@ -429,12 +474,33 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
            done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
     if (cfg->eval.n_shards > 0 && !g_stop) {
-        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval))) goto done;
+        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, NULL))) goto done;
         fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
                 100.0 * (after - before) / before);
     }
     fprintf(out, "adapter: %s\n", cfg->out_dir);
     fflush(out);
+    goto done;
+failed: /* the batch stream failed after some steps: keep them (adapter + checkpoint) */
+    if (done_steps > start_step) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", bt_last_error());
+        bt_client_close(cl); /* first: its best-effort detach may overwrite bt_last_error */
+        cl = NULL;
+        int src = sync_host_lora(&lora, 1);
+        if (!src) src = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
+        if (!src && cfg->checkpoint_every > 0 && ck_step != done_steps)
+            src = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &model, &lora, done_steps,
+                                     resume_done);
+        if (src)
+            rc = bt_fail(rc, "%s; saving step %d also failed: %s", why, done_steps,
+                         bt_last_error());
+        else
+            rc = bt_fail(rc, "%s; adapter for step %d of %d saved to %s%s%s", why, done_steps,
+                         cfg->steps, cfg->out_dir,
+                         cfg->checkpoint_every > 0 ? ", checkpoint to " : "",
+                         cfg->checkpoint_every > 0 ? cfg->checkpoint_dir : "");
+    }
 done:
     if (mbs)
         for (int i = 0; i < cfg->grad_accum; i++) mb_free(&mbs[i]);

@@ -17,15 +17,20 @@
  *   held-out loss: before 2.9134 -> after 2.4512 (-15.9%)
  *   adapter: runs/demo/adapter
  * loss = the step's mean loss per labelled target over its grad_accum micro-batches; tok/s = real
- * (non-padding) tokens of the step / its wall time. SIGINT/SIGTERM stop after the current step
- * (the adapter is still saved). Returns 0 or a negative bt_err with bt_last_error() set. */
+ * (non-padding) tokens of the step / its wall time. SIGINT/SIGTERM stop after the current step,
+ * or within ~1 s while waiting for a batch (the adapter, and a checkpoint when checkpoint_every
+ * is set, are still saved). When the batch stream fails after some steps (loaderd gone, timeout)
+ * the adapter and checkpoint of the last completed step are saved too, the error message says
+ * so, and the error is returned. Returns 0 or a negative bt_err with bt_last_error() set. */
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out);
 
 /* Held-out evaluation: attach a job for cfg's eval stream (epochs 1), run the forward (no
  * dropout) over every batch until END_OF_DATA or cfg->eval.max_batches, and return the mean
- * loss per labelled target in *mean_loss and their count in *n_tokens. lo may be NULL (base). */
+ * loss per labelled target in *mean_loss and their count in *n_tokens. lo may be NULL (base).
+ * SIGINT/SIGTERM (during bt_train_run) cut it short: *interrupted (when not NULL) is then 1 and
+ * the loss covers only the batches seen (NAN, 0 tokens and no error when there were none). */
 int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                    double *mean_loss, long long *n_tokens);
+                    double *mean_loss, long long *n_tokens, int *interrupted);
 
 /* "1m02s" / "1h02m03s" for a duration in seconds (buf >= 24 bytes). */
 void bt_fmt_duration(char *buf, size_t n, double seconds);
