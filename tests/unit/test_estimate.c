@@ -81,7 +81,7 @@ static void check(const char *extra, int base_dtype, int tied) {
     /* workspace: activations + loss chunk + other, less what is not in the step context
      * (batch copies, targets; the NF4 scratch is in it) */
     double ws = b.acts + b.loss_ws + b.other - (double)c.grad_accum * (4.0 * M + 1) * 4.0 - 4.0 * M;
-    if (base_dtype != BT_BASE_NF4) ws += 4.0; /* the 1-float placeholder scratch */
+    if (base_dtype != BT_BASE_NF4) ws += 4.0; /* an fp32 base allocates a 1-float scratch */
     double real = (double)bt_step_ctx_bytes(ctx);
     if (fabs(ws - real) > 0.01 * real)
         fail_msg("%s: step workspace estimate %.0f bytes, bt_step_ctx_bytes %.0f",
