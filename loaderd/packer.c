@@ -5,33 +5,16 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/rng.h"
 #include "proto/batch.h"
 
-uint64_t ld_splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
+uint64_t ld_splitmix64(uint64_t *x) { return bt_splitmix64_next(x); }
 
 void ld_rng_seed(ld_rng *r, uint64_t seed) {
     for (int i = 0; i < 4; i++) r->s[i] = ld_splitmix64(&seed);
 }
 
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-uint64_t ld_rng_next(ld_rng *r) {
-    uint64_t *s = r->s;
-    uint64_t res = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return res;
-}
+uint64_t ld_rng_next(ld_rng *r) { return bt_xoshiro256ss_next(r->s); }
 
 uint64_t ld_rng_below(ld_rng *r, uint64_t n) {
     if (n <= 1) return 0;

@@ -1,7 +1,7 @@
 /* Small deterministic RNGs for the trainer (header-only).
  * - bt_rng: xoshiro256** (Blackman & Vigna 2018, https://prng.di.unimi.it/xoshiro256starstar.c),
  *   seeded through splitmix64 (same page), for parameter initialisation.
- * - bt_hash64: the splitmix64 finaliser used as a counter-based generator, for dropout masks
+ * - bt_hash64 (common/rng.h): splitmix64 used as a counter-based generator, for dropout masks
  *   that must be regenerated identically in backward (and in activation-checkpoint recompute)
  *   without storing them. */
 #ifndef BT_TRAINER_RNG_H
@@ -9,16 +9,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "common/rng.h"
+
 typedef struct {
     uint64_t s[4];
 } bt_rng;
-
-static inline uint64_t bt_hash64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
 
 static inline void bt_rng_seed(bt_rng *r, uint64_t seed) {
     uint64_t x = seed;
@@ -28,19 +23,7 @@ static inline void bt_rng_seed(bt_rng *r, uint64_t seed) {
     }
 }
 
-static inline uint64_t bt_rng_next(bt_rng *r) {
-    uint64_t *s = r->s;
-    uint64_t x = s[1] * 5;
-    uint64_t res = ((x << 7) | (x >> 57)) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = (s[3] << 45) | (s[3] >> 19);
-    return res;
-}
+static inline uint64_t bt_rng_next(bt_rng *r) { return bt_xoshiro256ss_next(r->s); }
 
 /* Uniform in [0, 1) with 24 random bits. */
 static inline float bt_rng_uniform(bt_rng *r) {

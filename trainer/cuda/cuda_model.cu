@@ -1,6 +1,7 @@
 /* Upload of a bt_model (trainer/model.h) to the device: NF4 linears as NF4 (bt_cuda_nf4_upload),
  * fp32 linears / embedding / lm_head as bf16 (round to nearest even), norms and biases fp32.
  * Also the random-weight variant used by the benchmarks (no host weights needed). */
+#include "common/rng.h"
 #include "trainer/cuda/cuda_trainer_internal.h"
 
 #include <cstring>
@@ -11,10 +12,8 @@ __global__ void fill_rand_bf16_kernel(bt_bf16 *out, int64_t n, uint64_t seed, fl
 {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        uint64_t x = seed + (uint64_t)i * 0x9E3779B97F4A7C15ull;
-        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-        x ^= x >> 31;
+        /* splitmix64 finaliser of seed + i * golden (a counter-based generator) */
+        const uint64_t x = bt_hash64(seed + (uint64_t)i * BT_GOLDEN64 - BT_GOLDEN64);
         /* sum of 4 uniforms in [-1, 1): roughly normal, sd ~ 1.15 */
         float s = 0.f;
         for (int j = 0; j < 4; j++)

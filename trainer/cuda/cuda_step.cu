@@ -3,6 +3,7 @@
  * layer_bwd below corresponds line by line to step.c; differences are only in where RoPE happens
  * (the attention kernels apply it to Q/K as they load them, and return gradients with respect to
  * the unrotated Q/K, so there is no separate RoPE pass) and in the storage precision. */
+#include "common/rng.h"
 #include "trainer/cuda/cuda_trainer_internal.h"
 
 #include <cmath>
@@ -12,18 +13,11 @@
 
 namespace {
 
-__device__ __forceinline__ uint64_t dev_hash64(uint64_t x)
-{ /* == bt_hash64 (trainer/rng.h), splitmix64 finaliser */
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
 /* lora.c apply_dropout: element i keeps iff u = bits [16*(i%4), +16) of
  * hash(key + (i/4) * golden) >= th; kept values are scaled by ks. */
 __device__ __forceinline__ bool drop_keep(uint64_t key, int64_t i, uint32_t th)
 {
-    const uint64_t h = dev_hash64(key + (uint64_t)(i >> 2) * 0x9E3779B97F4A7C15ULL);
+    const uint64_t h = bt_hash64(key + (uint64_t)(i >> 2) * 0x9E3779B97F4A7C15ULL);
     const uint32_t u = (uint32_t)(h >> (16 * (i & 3))) & 0xffffu;
     return u >= th;
 }
