@@ -173,10 +173,12 @@ __device__ __forceinline__ void store_tile(bt_bf16 *g, int64_t ldg, const float 
     }
 }
 
-__device__ __forceinline__ void init_inv_freq(float *inv_freq, int D, float theta)
+/* The RoPE inverse frequencies into shared memory: the model's table when given (llama3 / GGUF
+ * rope_freqs / default computed on the host as transformers does), else 1/theta^(2i/D). */
+__device__ __forceinline__ void init_inv_freq(float *inv_freq, int D, float theta, const float *table)
 {
     for (int i = threadIdx.x; i < D / 2; i += ATT_THREADS)
-        inv_freq[i] = 1.0f / powf(theta, (float)(2 * i) / (float)D);
+        inv_freq[i] = table ? table[i] : 1.0f / powf(theta, (float)(2 * i) / (float)D);
 }
 
 /* shared-memory carving: 128-byte aligned regions */
@@ -204,6 +206,7 @@ struct AttArgs {
     int64_t ldq, ldk, ldv;
     float scale, theta, pos_scale;
     const int32_t *pos;
+    const float *invf; /* [D/2] device RoPE table or NULL */
 };
 
 template <int D>
@@ -232,7 +235,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(AttArgs a, bt_bf1
     const int nq = min(BR, L - q0);
     const bool shifted = a.G > 0 && h >= a.Hq / 2;
     if (a.pos)
-        init_inv_freq(sInvF, D, a.theta);
+        init_inv_freq(sInvF, D, a.theta, a.invf);
     for (int i = threadIdx.x; i < BR * SM::LDO; i += ATT_THREADS)
         sO[i] = 0.0f;
     __syncthreads();
@@ -366,7 +369,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
         return;
     const int nk = min(ATT_BC, L - k0);
     if (a.pos)
-        init_inv_freq(sInvF, D, a.theta);
+        init_inv_freq(sInvF, D, a.theta, a.invf);
     for (int i = threadIdx.x; i < ATT_BC * SM::LDA; i += ATT_THREADS) {
         sdK[i] = 0.0f;
         sdV[i] = 0.0f;
@@ -468,7 +471,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
     const int nq = min(BR, L - q0);
     const bool shifted = a.G > 0 && h >= a.Hq / 2;
     if (a.pos)
-        init_inv_freq(sInvF, D, a.theta);
+        init_inv_freq(sInvF, D, a.theta, a.invf);
     for (int i = threadIdx.x; i < BR * SM::LDA; i += ATT_THREADS)
         sdQ[i] = 0.0f;
     for (int r = threadIdx.x; r < BR; r += ATT_THREADS) {
@@ -552,6 +555,7 @@ static AttArgs att_args(const bt_cuda_attn_params *p, int tile)
     a.theta = p->rope_theta;
     a.pos_scale = p->pos_scale;
     a.pos = p->position_ids;
+    a.invf = p->inv_freq;
     return a;
 }
 

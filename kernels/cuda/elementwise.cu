@@ -375,7 +375,7 @@ extern "C" int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, co
 /* ---------------------------------------------------------------------------------- RoPE */
 
 __global__ void rope_kernel(bt_bf16 *x, const int32_t *pos, int M, int H, int D, int64_t ld,
-                            float theta, float pos_scale, float dir)
+                            float theta, const float *inv_freq, float pos_scale, float dir)
 {
     const int half = D / 2;
     const int64_t total = (int64_t)M * H * half;
@@ -386,7 +386,10 @@ __global__ void rope_kernel(bt_bf16 *x, const int32_t *pos, int M, int H, int D,
         const int h = (int)(mh % H);
         const int64_t m = mh / H;
         float c, s;
-        bt_rope_cs(pos[m], i, D, theta, pos_scale, &c, &s);
+        if (inv_freq)
+            sincosf(((float)pos[m] * pos_scale) * inv_freq[i], &s, &c);
+        else
+            bt_rope_cs(pos[m], i, D, theta, pos_scale, &c, &s);
         s *= dir;
         bt_bf16 *xr = x + m * ld + (int64_t)h * D;
         const float x1 = __bfloat162float(xr[i]), x2 = __bfloat162float(xr[i + half]);
@@ -404,7 +407,24 @@ extern "C" int bt_cuda_rope(bt_bf16 *x, const int32_t *position_ids, int M, int 
         return BT_CU_OK;
     const int64_t total = (int64_t)M * H * (D / 2);
     rope_kernel<<<grid_for(total, 256), 256, 0, stream>>>(x, position_ids, M, H, D, ld, theta,
-                                                          pos_scale, inverse ? -1.0f : 1.0f);
+                                                          nullptr, pos_scale, inverse ? -1.0f : 1.0f);
+    BT_LAUNCH_CHECK();
+    return BT_CU_OK;
+}
+
+extern "C" int bt_cuda_rope_freq(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D,
+                                 int64_t ld, const float *inv_freq, float pos_scale, int inverse,
+                                 cudaStream_t stream)
+{
+    if (!x || !position_ids || !inv_freq || M < 0 || H <= 0 || D < 2 || (D & 1) ||
+        ld < (int64_t)H * D)
+        return BT_CU_ERR_INVALID;
+    if (M == 0)
+        return BT_CU_OK;
+    const int64_t total = (int64_t)M * H * (D / 2);
+    rope_kernel<<<grid_for(total, 256), 256, 0, stream>>>(x, position_ids, M, H, D, ld, 0.0f,
+                                                          inv_freq, pos_scale,
+                                                          inverse ? -1.0f : 1.0f);
     BT_LAUNCH_CHECK();
     return BT_CU_OK;
 }

@@ -157,6 +157,12 @@ int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, const bt_bf16
  * cos/sin by sincosf. inverse != 0 applies the transposed rotation (the backward). */
 int bt_cuda_rope(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D, int64_t ld,
                  float theta, float pos_scale, int inverse, cudaStream_t stream);
+/* The same with a precomputed inverse-frequency table inv_freq [D/2] fp32 (DEVICE; the model's
+ * bt_model.inv_freq: default, Llama 3.1 "llama3" or GGUF rope_freqs, kernels/kernels.h
+ * bt_rope_inv_freq): angle = (position_ids[m] * pos_scale) * inv_freq[i], as bt_rope_fwd_freq /
+ * bt_rope_bwd_freq on the CPU. BT_ERR_INVALID for NULL inv_freq or the arguments above. */
+int bt_cuda_rope_freq(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D, int64_t ld,
+                      const float *inv_freq, float pos_scale, int inverse, cudaStream_t stream);
 
 /* SwiGLU (Shazeer 2020; HF LlamaMLP): h = silu(g) * u, fp32 math, bf16 in/out, n elements.
  * Backward, s = sigmoid(g): dg = dh*u*s*(1 + g*(1-s)), du = dh*g*s; each element's inputs are read
@@ -211,6 +217,11 @@ typedef struct {
      * p = position_ids[m] * pos_scale, angle = p * theta^(-2i/D) (same as bt_cuda_rope). */
     const int32_t *position_ids;
     float rope_theta, pos_scale;
+    /* Optional RoPE inverse-frequency table, DEVICE [D/2] fp32 (the model's bt_model.inv_freq:
+     * default, Llama 3.1 "llama3" or GGUF rope_freqs; kernels/kernels.h bt_rope_inv_freq). When set,
+     * angle = (position_ids[m] * pos_scale) * inv_freq[i] and rope_theta is ignored; NULL derives
+     * inv_freq[i] = 1/theta^(2i/D) on the device. */
+    const float *inv_freq;
     /* LongLoRA S^2-Attn (arXiv 2309.12307, llama_attn_replace.py forward_flashattn, the varlen
      * no-roll version): s2_group = G > 0 enables it. Positions are local to each document; query
      * heads h < Hq/2 attend within groups [kG, (k+1)G); heads h >= Hq/2 within groups shifted by

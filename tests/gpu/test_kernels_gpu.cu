@@ -254,6 +254,42 @@ static void test_rope(void)
     }
 }
 
+/* RoPE with the Llama 3.1 "llama3" inverse-frequency table (bt_rope_inv_freq, factor 8, low 1,
+ * high 4, original_max_position_embeddings 8192; rope_theta 500000), positions up to 130000, against
+ * bt_rope_fwd_freq / bt_rope_bwd_freq; plus the default table must equal bt_cuda_rope(theta). Same
+ * bf16 tolerance as test_rope. */
+static void test_rope_freq(void)
+{
+    const int M = 37, H = 2, D = 128;
+    std::vector<float> invf(D / 2);
+    BTOK(bt_rope_inv_freq(invf.data(), D, 500000.0f, "llama3", 8.0f, 1.0f, 4.0f, 8192));
+    DBuf<float> gf(D / 2);
+    up(gf, invf);
+    for (int inv = 0; inv < 2; inv++) {
+        auto x = randv((size_t)M * H * D, 2.0f);
+        std::vector<int32_t> pos(M);
+        for (int m = 0; m < M; m++)
+            pos[m] = m == 0 ? 0 : rng_int(130000);
+        DBuf<bt_bf16> g(x.size());
+        DBuf<int32_t> gp(M);
+        up_bf16(g, x);
+        up(gp, pos);
+        if (inv)
+            bt_rope_bwd_freq(x.data(), pos.data(), M, H, D, invf.data(), 1.0f);
+        else
+            bt_rope_fwd_freq(x.data(), pos.data(), M, H, D, invf.data(), 1.0f);
+        BTOK(bt_cuda_rope_freq(g.p, gp.p, M, H, D, (int64_t)H * D, gf.p, 1.0f, inv, g_stream));
+        CU(cudaStreamSynchronize(g_stream));
+        auto got = down_bf16(g.p, x.size());
+        check(inv ? "rope llama3 table inverse" : "rope llama3 table forward", got.data(), x.data(),
+              x.size(), 1e-2, 1e-2);
+    }
+    DBuf<bt_bf16> b(4);
+    DBuf<int32_t> p(1);
+    check_true("rope_freq NULL table -> INVALID",
+               bt_cuda_rope_freq(b.p, p.p, 1, 1, 4, 4, nullptr, 1.0f, 0, g_stream) == -6);
+}
+
 /* SwiGLU fwd/bwd; n divisible by 8 (vector path) and odd n (scalar path); gates up to +-30. */
 static void test_swiglu(void)
 {
@@ -475,6 +511,7 @@ int main(int argc, char **argv)
     RUN_TEST(test_lora);
     RUN_TEST(test_rmsnorm);
     RUN_TEST(test_rope);
+    RUN_TEST(test_rope_freq);
     RUN_TEST(test_swiglu);
     RUN_TEST(test_embedding);
     RUN_TEST(test_adamw);

@@ -226,7 +226,9 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     bt_cuda_trainer_free(t);
 }
 
-static void run_tiny_case(const Case &cs)
+/* llama3: Llama 3.1 RoPE ("llama3" rope_scaling, factor 8, low 1, high 4, original 128 so that the
+ * table has all three regions at head_dim 64, theta 500000): the GPU uses the model's inv_freq table. */
+static void run_tiny_case(const Case &cs, bool llama3 = false)
 {
     bt_llama_hparams hp;
     memset(&hp, 0, sizeof hp);
@@ -240,6 +242,14 @@ static void run_tiny_case(const Case &cs)
     hp.ctx = 1024;
     hp.rope_theta = 10000.f;
     hp.rms_eps = 1e-5f;
+    if (llama3) {
+        hp.rope_type = BT_ROPE_LLAMA3;
+        hp.rope_theta = 500000.f;
+        hp.rope_factor = 8.f;
+        hp.rope_low_freq_factor = 1.f;
+        hp.rope_high_freq_factor = 4.f;
+        hp.rope_orig_ctx = 128;
+    }
     bt_model m;
     if (bt_model_init_random(&m, &hp, cs.base_dtype, cs.tied, 42) != 0) {
         printf("    bt_model_init_random: %s\n", bt_last_error());
@@ -280,6 +290,13 @@ static void test_tiny_loraplus(void)
 static void test_tiny_long_doc(void)
 { /* one 1000-token document: several 64-key tiles, partial last tile */
     run_tiny_case({"nf4 tied, one 1000-token row", BT_BASE_NF4, 1, 0, 0.f, 0, 1, 1000, 1});
+}
+
+static void test_tiny_llama3_rope(void)
+{ /* positions up to 300 (> original_max_position_embeddings 128) */
+    run_tiny_case({"nf4 tied, llama3 rope_scaling (device inv_freq table)", BT_BASE_NF4, 1, 0, 0.f, 0,
+                   1, 300, 1},
+                  true);
 }
 
 /* ------------------------------------------------------------------------ SmolLM2 */
@@ -415,6 +432,7 @@ int main(int argc, char **argv)
     RUN_TEST(test_tiny_fp32_untied_ckpt);
     RUN_TEST(test_tiny_loraplus);
     RUN_TEST(test_tiny_long_doc);
+    RUN_TEST(test_tiny_llama3_rope);
     RUN_TEST(test_smollm2_step);
     RUN_TEST(test_smollm2_10_steps);
     if (g_have_smol)

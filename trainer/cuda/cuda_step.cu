@@ -293,6 +293,7 @@ extern "C" int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb,
     ap.position_ids = t->d_pos;
     ap.rope_theta = t->md.hp.rope_theta;
     ap.pos_scale = bt_rope_pos_scale(&t->md.hp);
+    ap.inv_freq = t->d_inv_freq; /* NULL only for a model without a table (derived from theta) */
     ap.s2_group = 0;
 
     BTC_TRY(BTC_L(bt_cuda_embedding_fwd(t->x_in[0], embed16(t), t->d_ids, M, t->D, t->V, s)));
@@ -379,10 +380,9 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     if (t->D % 8 != 0 || t->Dq % 8 != 0 || t->Dkv % 8 != 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: d_model %d / q %d / kv %d must be multiples of 8",
                        t->D, t->Dq, t->Dkv);
-    if (hp->rope_type != BT_ROPE_DEFAULT)
-        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: RoPE type %d (llama3 / GGUF rope_freqs) is not "
-                       "supported yet: the CUDA attention kernels derive inv_freq from rope_theta "
-                       "(linear scaling only)", hp->rope_type);
+    if (hp->rope_type != BT_ROPE_DEFAULT && !m->inv_freq)
+        return bt_fail(BT_ERR_INVALID, "cuda: RoPE type %d (llama3 / GGUF rope_freqs) needs the "
+                       "model's inverse-frequency table (bt_model_rope_init)", hp->rope_type);
     if (!lo || lo->n_layer != t->L || lo->r < 1)
         return bt_fail(BT_ERR_INVALID, "cuda: LoRA state does not match the model (%d layers vs %d)",
                        lo ? lo->n_layer : -1, t->L);
@@ -488,6 +488,12 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     BTC_TRY(btc_alloc(t, &t->ce_ws, bt_cuda_linear_ce_workspace_bytes(t->ce_chunk, t->V), "CE workspace"));
     BTC_TRY(talloc(t, &t->d_ids, M, "batch"));
     BTC_TRY(talloc(t, &t->d_pos, M, "batch"));
+    if (m->inv_freq) {
+        /* the model's RoPE table (default / llama3 / GGUF rope_freqs), exactly the CPU step's */
+        BTC_TRY(talloc(t, &t->d_inv_freq, (size_t)(t->hd / 2), "RoPE table"));
+        BTC_TRY(BTC_CUDA(cudaMemcpy(t->d_inv_freq, m->inv_freq, sizeof(float) * (size_t)(t->hd / 2),
+                                    cudaMemcpyHostToDevice)));
+    }
     BTC_TRY(talloc(t, &t->d_cu, M + 1, "batch"));
     BTC_TRY(talloc(t, &t->d_tgt, M, "batch"));
     BTC_TRY(talloc(t, &t->d_loss, 1, "loss"));

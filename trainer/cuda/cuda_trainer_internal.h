@@ -106,6 +106,7 @@ struct bt_cuda_trainer {
     float *rstdf, *row_loss, *delta, *rms_scratch;
     void *ce_ws;
     int32_t *d_ids, *d_pos, *d_cu, *d_tgt;
+    float *d_inv_freq; /* [hd/2] RoPE inverse frequencies (NULL: derived from rope_theta) */
     std::vector<int32_t> h_tgt;
     double *h_loss; /* pinned [1] */
     std::vector<void *> allocs;
