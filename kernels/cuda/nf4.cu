@@ -95,6 +95,8 @@ extern "C" int bt_cuda_nf4_upload(bt_cuda_nf4 *dst, int64_t rows, int64_t cols,
         rc = BT_CUDA_CHECK(cudaMemcpy(base + o_packed, packed_host, (size_t)(n / 2), cudaMemcpyHostToDevice));
     if (!rc)
         rc = BT_CUDA_CHECK(cudaMemcpy(base + o_absq, absmax_q_host, (size_t)nb, cudaMemcpyHostToDevice));
+    if (!rc) /* pageable-source cudaMemcpy may return before the DMA lands: make the upload truly synchronous */
+        rc = BT_CUDA_CHECK(cudaStreamSynchronize(0));
     if (rc) {
         cudaFree(base);
         return rc;

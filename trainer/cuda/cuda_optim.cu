@@ -68,10 +68,13 @@ extern "C" int bt_cuda_trainer_optimizer_step(bt_cuda_trainer *t, float lr, floa
     if (t->desc_wd != weight_decay) {
         if (t->n_decay > 0)
             t->h_desc[0].weight_decay = weight_decay;
-        /* synchronous copy: h_desc may change before an async copy would have read it */
+        /* On t->stream: a cudaMemcpy from pageable memory (legacy stream) may return before its DMA
+         * lands, and the non-blocking stream would not wait for it. The pageable source is staged
+         * before cudaMemcpyAsync returns, so h_desc may change afterwards. */
         BTC_TRY(BTC_CUDA(cudaStreamSynchronize(t->stream)));
-        BTC_TRY(BTC_CUDA(cudaMemcpy(t->adam_desc, t->h_desc, (size_t)t->n_adam * sizeof(bt_cuda_adamw_tensor),
-                                    cudaMemcpyHostToDevice)));
+        BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->adam_desc, t->h_desc,
+                                         (size_t)t->n_adam * sizeof(bt_cuda_adamw_tensor),
+                                         cudaMemcpyHostToDevice, t->stream)));
         t->desc_wd = weight_decay;
     }
     return BTC_L(bt_cuda_adamw_multi(t->adam_desc, t->n_adam, t->adam_max_n, lr, beta1, beta2, eps,
@@ -122,9 +125,11 @@ extern "C" int bt_cuda_trainer_upload_lora(bt_cuda_trainer *t, const bt_lora *lo
         return bt_fail(BT_ERR_INVALID, "cuda: LoRA layout mismatch on upload");
     const size_t b = (size_t)t->n_params * sizeof(float);
     BTC_TRY(BTC_CUDA(cudaStreamSynchronize(t->stream)));
-    BTC_TRY(BTC_CUDA(cudaMemcpy(t->p, lo->params, b, cudaMemcpyHostToDevice)));
-    BTC_TRY(BTC_CUDA(cudaMemcpy(t->m, lo->m, b, cudaMemcpyHostToDevice)));
-    BTC_TRY(BTC_CUDA(cudaMemcpy(t->v, lo->v, b, cudaMemcpyHostToDevice)));
+    /* on t->stream, so the bf16 refresh below is ordered after the copies (a legacy-stream
+     * cudaMemcpy from pageable memory may return before its DMA completes) */
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->p, lo->params, b, cudaMemcpyHostToDevice, t->stream)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->m, lo->m, b, cudaMemcpyHostToDevice, t->stream)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->v, lo->v, b, cudaMemcpyHostToDevice, t->stream)));
     BTC_TRY(BTC_L(bt_cuda_f32_to_bf16(t->p16, t->p, t->n_params, t->stream)));
     return BTC_CUDA(cudaStreamSynchronize(t->stream));
 }
