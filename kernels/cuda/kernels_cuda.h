@@ -123,7 +123,8 @@ int bt_cuda_nf4_dequant(bt_bf16 *out, const bt_cuda_nf4 *w, int64_t r0, int64_t 
 /* Y[M,N] = X[M,K] @ deq(W)[N,K]^T + beta*Y (bf16 in/out, fp32 accumulate); W rows == N, cols == K.
  * Algorithm (Unsloth fast_dequantize + matmul; bnb MatMul4Bit classic path): dequantise the whole
  * weight into wbuf (bf16, >= N*K elements, 16-byte aligned as cudaMalloc returns; a reusable buffer
- * shared by all layers), then one cuBLAS GEMM (Y's old contents are read only when beta != 0). A fused dequantise-in-shared-memory tile GEMM is future work (research §1.6). */
+ * shared by all layers), then one cuBLAS GEMM (Y's old contents are read only when beta != 0). The fused alternative that dequantises tiles in the GEMM main loop (no wbuf) is
+ * bt_cuda_nf4_gemm_fwd below. */
 int bt_cuda_nf4_linear_fwd(cublasHandle_t h, cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
                            const bt_cuda_nf4 *W, int M, int K, int N, float beta, bt_bf16 *wbuf);
 /* dX[M,K] = dY[M,N] @ deq(W)[N,K] + beta*dX (input gradient only: the base is frozen). Same
@@ -132,6 +133,41 @@ int bt_cuda_nf4_linear_fwd(cublasHandle_t h, cudaStream_t stream, bt_bf16 *Y, co
 int bt_cuda_nf4_linear_bwd_x(cublasHandle_t h, cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
                              const bt_cuda_nf4 *W, int M, int K, int N, float beta, bt_bf16 *wbuf,
                              int wbuf_valid);
+
+/* Fused NF4 GEMMs (nf4_gemm.cu): the weight is decoded inside the GEMM main loop, so no bf16 copy
+ * of it (no wbuf) exists. The decoded values are bit-identical to bt_cuda_nf4_dequant (same fp32
+ * operations: absmax = code8[q]*nested + offset with two roundings, NF4[nibble]*absmax -> bf16),
+ * so results match bt_cuda_nf4_linear_fwd/_bwd_x up to fp32 summation order and the final bf16
+ * rounding. Algorithm: tiled tensor-core GEMM (nvcuda::wmma 16x16x16 bf16, fp32 accumulate; CTA
+ * tile 128x128, reduction step 64 = one NF4 block per weight row, 8 warps of 64x32, two smem
+ * stages, 82,048 bytes of dynamic shared memory) with the weight tile dequantised in registers
+ * (bitsandbytes kDequantizeBlockwise<NF4> arithmetic; bnb gemm_4bit idea, research §1.6) and
+ * stored to shared memory as bf16; activation tiles by 16-byte loads. Epilogue: fp32 acc ->
+ * (beta != 0 ? acc + beta*float(old) : acc) -> bf16 (old output read only when beta != 0).
+ *
+ * Y[M,N] = X[M,K] @ deq(W)[N,K]^T + beta*Y. W: host pointer to a device descriptor (its fields are
+ * device pointers; they are copied into the kernel arguments, the descriptor itself may be freed
+ * or reused as soon as the call returns). M >= 1 tokens, any N >= 1. For M <= 16 a CUDA-core
+ * small-M kernel is used instead (decode/inference: the packed weight is read once, 8 warps x 4
+ * output columns per CTA, X staged in 512-column chunks, fp32 FMA, warp-shuffle reduction).
+ * Requirements (else BT_ERR_UNSUPPORTED): K % 64 == 0; X, Y and W->packed 16-byte aligned;
+ * ceil(M/128) <= 65535. N % 8 != 0 is supported (element-wise epilogue). Errors: BT_ERR_INVALID
+ * for NULL pointers (Y, X, W or its buffers), M/K/N < 1, W->rows != N or W->cols != K; BT_ERR_IO
+ * if the launch fails. X and Y must not overlap. */
+int bt_cuda_nf4_gemm_fwd(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X, const bt_cuda_nf4 *W,
+                         int M, int K, int N, float beta);
+/* dX[M,K] = dY[M,N] @ deq(W)[N,K] + beta*dX: the input gradient of a frozen NF4 base (the reduction
+ * runs over N, the weight's rows; each step decodes 64 weight rows x 128 weight columns = two NF4
+ * blocks per row). Always the tiled kernel. Same requirements and errors as bt_cuda_nf4_gemm_fwd
+ * (K % 64 == 0; dY, dX, W->packed 16-byte aligned; any M, N >= 1, N % 8 != 0 uses element loads
+ * of dY). dX and dY must not overlap. */
+int bt_cuda_nf4_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
+                           const bt_cuda_nf4 *W, int M, int K, int N, float beta);
+/* bt_cuda_nf4_gemm_fwd with the kernel chosen explicitly (tests and benchmarks): impl 0 = automatic
+ * (as bt_cuda_nf4_gemm_fwd), 1 = always the tiled tensor-core kernel, 2 = the small-M kernel
+ * (BT_ERR_UNSUPPORTED when M > 16). Other impl values: BT_ERR_INVALID. */
+int bt_cuda_nf4_gemm_fwd_impl(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
+                              const bt_cuda_nf4 *W, int M, int K, int N, float beta, int impl);
 
 /* ========================================== RMSNorm, RoPE, SwiGLU, embedding (elementwise.cu) */
 
@@ -253,6 +289,37 @@ int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse, con
 int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
                      const bt_bf16 *dout, const bt_bf16 *out, const float *lse, const bt_bf16 *q,
                      const bt_bf16 *k, const bt_bf16 *v, float *delta, cudaStream_t stream);
+
+/* Second, fast implementation of the same two launchers (attention_mma.cu): identical semantics,
+ * arguments, outputs (out, lse natural-log, dq/dk/dv w.r.t. the UNROTATED q/k, delta scratch
+ * M*Hq floats), requirements (D in {64,128}; ldq/ldk/ldv multiples of 8; every pointer 16-byte
+ * aligned) and return codes as bt_cuda_attn_fwd / bt_cuda_attn_bwd; results agree with them up to
+ * fp32 summation order and bf16 rounding of P/dS (tests/gpu/test_attention_gpu.cu checks both
+ * against the CPU reference and against each other).
+ * Algorithm: FlashAttention-2 (Dao 2023, arXiv 2307.08691, Alg. 1 and 2) with register-resident
+ * S/P/dS: mma.sync.m16n8k16 bf16 -> fp32, ldmatrix(.trans) B operands from padded shared tiles
+ * (pitch D+8), C fragments repacked in registers as the A operand of the next product, online
+ * softmax with exp2 (scale folded) and quad shuffles, cp.async + register-staged double buffering
+ * (K/Q tiles are rotated by RoPE between the global load and the shared store). RoPE sin/cos use
+ * an exact 2*pi reduction and __sincosf (~1e-6 abs), the wmma kernel uses sincosf.
+ * Forward: 1-D grid of Hq * n_seq * ceil(max_seqlen/128) CTAs (heavy causal tiles first), 256
+ * threads (8 warps x 16 query rows, 128-query tile), 64-key tiles; dynamic shared memory
+ * 104,704 B (D=128) / 55,424 B (D=64).
+ * Backward: (1) delta = rowsum(dout*out); (2) dK/dV: one CTA per (128-key tile, KV head,
+ * document), 8 warps x 16 keys computing S^T, P^T, dP^T, dS^T in registers, steps of 32 (D=128) / 64
+ * (D=64) queries over all query heads of the GQA group, 105,216 B (D=128) / 74,880 B (D=64)
+ * smem; (3) dQ: one CTA per (128-query tile, query head, document), 64-key tiles, 139,520 B
+ * (D=128) / 73,856 B (D=64). 256 threads each, __launch_bounds__(256, 1), no register spills
+ * (ptxas, sm_90a and sm_80).
+ * No atomics (deterministic). Kernel smem limits are raised with cudaFuncSetAttribute (host
+ * call). Errors as bt_cuda_attn_fwd/bwd, plus BT_ERR_UNSUPPORTED when Hq * n_seq *
+ * ceil(max_seqlen/128) exceeds 2^31-1. */
+int bt_cuda_attn_fwd_mma(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse, const bt_bf16 *q,
+                         const bt_bf16 *k, const bt_bf16 *v, cudaStream_t stream);
+int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
+                         const bt_bf16 *dout, const bt_bf16 *out, const float *lse,
+                         const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v, float *delta,
+                         cudaStream_t stream);
 
 /* ============================================================= fused linear + CE (loss.cu) */
 

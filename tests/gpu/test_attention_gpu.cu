@@ -1,15 +1,52 @@
-/* GPU parity tests for the fused attention (kernels/cuda/attention.cu) against the CPU reference
- * (bt_rope_fwd + bt_attn_fwd / bt_attn_bwd + bt_rope_bwd, kernels/cpu/) on identical bf16-rounded
- * inputs: head dims 64 and 128, GQA groups 1/2/4, varlen documents with odd lengths, one-token
- * documents, lengths not a multiple of the 64-token tile, RoPE on load with position
- * interpolation, packed QKV strides, large-magnitude queries, and LongLoRA S^2-Attn (reference: the
- * CPU kernel run per head on that head's group segmentation).
- * Tolerances (bf16 P and dS on tensor cores, fp32 accumulation): out rel_l2 2e-2 / max 4e-2 of
- * max|ref|; lse abs 2e-2 (as max_rel 1e-2 of max|lse| with rel_l2 1e-2); dq/dk/dv rel_l2 3e-2 /
- * max 6e-2. Without a CUDA device: prints SKIPPED and exits 77. */
+/* GPU parity tests for the fused attention, BOTH implementations: bt_cuda_attn_fwd/bwd (wmma,
+ * kernels/cuda/attention.cu) and bt_cuda_attn_fwd_mma/bwd_mma (mma.sync, attention_mma.cu), each
+ * against the CPU reference (bt_rope_fwd[_freq] + bt_attn_fwd / bt_attn_bwd + bt_rope_bwd[_freq],
+ * kernels/cpu/) on identical bf16-rounded inputs: head dims 64 and 128, GQA groups 1/2/4, varlen
+ * documents with odd lengths, one-token documents, lengths not a multiple of the 64/128-token
+ * tiles, RoPE on load with position interpolation (pos_scale 0.5), a Llama 3.1 "llama3" inv_freq
+ * table (factor 8, low 1, high 4, original_max_pos 8192) with large position offsets (angles up to
+ * ~7600 rad, exercising the sin/cos range reduction), packed QKV strides, large-magnitude queries,
+ * LongLoRA S^2-Attn (reference: the CPU kernel run per head on that head's group segmentation),
+ * including GQA groups whose query heads straddle Hq/2 (shifted and unshifted heads sharing one
+ * KV head), and long documents (1000 tokens; 4096 tokens with D=128, Hq 8, Hkv 2).
+ * Every case runs once per implementation and prints its own PASS/FAIL line
+ * ("attn/<case>/wmma", "attn/<case>/mma"); the 4096-token case also compares the two GPU
+ * implementations with each other ("attn/<case>/cross") and checks that the mma backward is
+ * bit-identical run to run (no atomics).
+ * Tolerances vs the fp32 CPU reference (both implementations: bf16 inputs, P and dS rounded to
+ * bf16 for the tensor-core products, fp32 accumulation, bf16 outputs; the expected errors are
+ * ~2-5e-3 rel_l2, the bounds leave ~5x margin): out rel_l2 2e-2 / max 4e-2 of max|ref|; lse
+ * rel_l2 1e-2 / max 1e-2 of max|lse| (fp32 output, errors only from bf16 rounding of the rotated
+ * q/k and of P in the row sum); dq/dk/dv rel_l2 3e-2 / max 6e-2 (two chained bf16 roundings, P and
+ * dS). Cross-check mma vs wmma (same inputs, same bf16 rounding points, so they differ only by
+ * fp32 summation order, __sincosf vs sincosf, and the bf16 rounding flips these cause): out and
+ * dq/dk/dv rel_l2 5e-3 / max 2e-2 of max|wmma|; lse rel_l2 2e-4 / max 1e-3.
+ * Options: --impl wmma|mma (run one implementation only), --case SUBSTR (cases whose name
+ * contains SUBSTR). Without a CUDA device: prints SKIPPED and exits 77. */
 #include "tests/gpu/gpu_test.h"
 
+#include <chrono>
+#include <string>
+
 static cudaStream_t g_stream;
+
+enum { IMPL_WMMA = 0, IMPL_MMA = 1, N_IMPL = 2 };
+static const char *const k_impl_name[N_IMPL] = {"wmma", "mma"};
+
+static int attn_fwd(int impl, const bt_cuda_attn_params *p, bt_bf16 *out, float *lse,
+                    const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v)
+{
+    return impl == IMPL_MMA ? bt_cuda_attn_fwd_mma(p, out, lse, q, k, v, g_stream)
+                            : bt_cuda_attn_fwd(p, out, lse, q, k, v, g_stream);
+}
+static int attn_bwd(int impl, const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
+                    const bt_bf16 *dout, const bt_bf16 *out, const float *lse, const bt_bf16 *q,
+                    const bt_bf16 *k, const bt_bf16 *v, float *delta)
+{
+    return impl == IMPL_MMA
+               ? bt_cuda_attn_bwd_mma(p, dq, dk, dv, dout, out, lse, q, k, v, delta, g_stream)
+               : bt_cuda_attn_bwd(p, dq, dk, dv, dout, out, lse, q, k, v, delta, g_stream);
+}
 
 struct AttCase {
     const char *name;
@@ -19,6 +56,9 @@ struct AttCase {
     int G;          /* S^2 group (0 = full causal) */
     bool packed;    /* q,k,v inside one [M, (Hq+2Hkv)*D] buffer */
     float qscale;   /* magnitude of q */
+    bool llama3;    /* RoPE with a "llama3" inv_freq table (p.inv_freq) instead of theta */
+    int pos_offset; /* position_ids = pos_offset + index within the document */
+    bool cross;     /* also compare mma against wmma and check mma determinism */
 };
 
 /* CPU reference, per head with custom segmentation when G > 0. All arrays fp32, rotated q/k in. */
@@ -63,41 +103,73 @@ static void insert_head(std::vector<float> &dst, const std::vector<float> &src, 
         }
 }
 
-static void run_case(const AttCase &c)
+static const float k_theta = 10000.0f, k_pscale = 0.5f;
+
+/* Inputs and the CPU reference of one case. */
+struct AttRef {
+    int M = 0, maxL = 0;
+    size_t nq = 0, nk = 0;
+    std::vector<float> q, k, v, dout, invf;
+    std::vector<int32_t> cu, pos;
+    std::vector<float> out, lse, dq, dk, dv;
+};
+
+static void build_ref(const AttCase &c, AttRef &r)
 {
     printf("  case %s: D=%d Hq=%d Hkv=%d docs=", c.name, c.D, c.Hq, c.Hkv);
-    int M = 0, maxL = 0;
     for (int L : c.lens) {
         printf("%d ", L);
-        M += L;
-        maxL = L > maxL ? L : maxL;
+        r.M += L;
+        r.maxL = L > r.maxL ? L : r.maxL;
     }
-    printf("rope=%d G=%d packed=%d\n", c.rope, c.G, c.packed);
-    const int D = c.D, Hq = c.Hq, Hkv = c.Hkv;
-    const size_t nq = (size_t)M * Hq * D, nk = (size_t)M * Hkv * D;
-    auto q = randv(nq, c.qscale), k = randv(nk, 1.0f), v = randv(nk, 1.0f), dout = randv(nq, 1.0f);
-    std::vector<int32_t> cu(1, 0), pos(M);
+    printf("rope=%d%s pos_offset=%d G=%d packed=%d qscale=%g\n", c.rope,
+           c.llama3 ? "(llama3 inv_freq)" : "", c.pos_offset, c.G, c.packed, c.qscale);
+    const int M = r.M, D = c.D, Hq = c.Hq, Hkv = c.Hkv;
+    r.nq = (size_t)M * Hq * D;
+    r.nk = (size_t)M * Hkv * D;
+    r.q = randv(r.nq, c.qscale);
+    r.k = randv(r.nk, 1.0f);
+    r.v = randv(r.nk, 1.0f);
+    r.dout = randv(r.nq, 1.0f);
+    r.cu.assign(1, 0);
+    r.pos.resize(M);
     {
         int m = 0;
         for (int L : c.lens) {
-            cu.push_back(cu.back() + L);
+            r.cu.push_back(r.cu.back() + L);
             for (int i = 0; i < L; i++)
-                pos[m++] = i;
+                r.pos[m++] = c.pos_offset + i;
         }
     }
-    const float scale = 1.0f / sqrtf((float)D), theta = 10000.0f, pscale = 0.5f;
-    /* ---- CPU reference ---- */
-    std::vector<float> qr = q, kr = k;
-    if (c.rope) {
-        bt_rope_fwd(qr.data(), pos.data(), M, Hq, D, theta, pscale);
-        bt_rope_fwd(kr.data(), pos.data(), M, Hkv, D, theta, pscale);
+    r.invf.resize(D / 2);
+    if (c.llama3) {
+        if (bt_rope_inv_freq(r.invf.data(), D, 500000.0f, "llama3", 8.0f, 1.0f, 4.0f, 8192) != 0) {
+            printf("    bt_rope_inv_freq(llama3) failed  <-- FAIL\n");
+            g_case_ok = false;
+        }
+    } else if (bt_rope_inv_freq(r.invf.data(), D, k_theta, "default", 1.0f, 1.0f, 2.0f, 1) != 0) {
+        printf("    bt_rope_inv_freq(default) failed  <-- FAIL\n");
+        g_case_ok = false;
     }
-    std::vector<float> out(nq), lse((size_t)M * Hq), dq(nq), dk(nk, 0.0f), dv(nk, 0.0f);
+    const auto t0 = std::chrono::steady_clock::now();
+    const float scale = 1.0f / sqrtf((float)D);
+    std::vector<float> qr = r.q, kr = r.k;
+    if (c.rope) {
+        bt_rope_fwd_freq(qr.data(), r.pos.data(), M, Hq, D, r.invf.data(), k_pscale);
+        bt_rope_fwd_freq(kr.data(), r.pos.data(), M, Hkv, D, r.invf.data(), k_pscale);
+    }
+    r.out.assign(r.nq, 0.0f);
+    r.lse.assign((size_t)M * Hq, 0.0f);
+    r.dq.assign(r.nq, 0.0f);
+    r.dk.assign(r.nk, 0.0f);
+    r.dv.assign(r.nk, 0.0f);
+    const int nseq = (int)c.lens.size();
     if (c.G == 0) {
-        bt_attn_fwd(out.data(), lse.data(), qr.data(), kr.data(), v.data(), cu.data(),
-                    (int)c.lens.size(), M, Hq, Hkv, D, scale);
-        bt_attn_bwd(dq.data(), dk.data(), dv.data(), dout.data(), out.data(), lse.data(), qr.data(),
-                    kr.data(), v.data(), cu.data(), (int)c.lens.size(), M, Hq, Hkv, D, scale);
+        bt_attn_fwd(r.out.data(), r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(), nseq,
+                    M, Hq, Hkv, D, scale);
+        bt_attn_bwd(r.dq.data(), r.dk.data(), r.dv.data(), r.dout.data(), r.out.data(),
+                    r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(), nseq, M, Hq, Hkv,
+                    D, scale);
     } else {
         const int grp = Hq / Hkv;
         for (int h = 0; h < Hq; h++) {
@@ -107,26 +179,39 @@ static void run_case(const AttCase &c)
                 dkh((size_t)M * D), dvh((size_t)M * D);
             extract_head(qh, qr, M, Hq, h, D);
             extract_head(kh, kr, M, Hkv, h / grp, D);
-            extract_head(vh, v, M, Hkv, h / grp, D);
-            extract_head(doh, dout, M, Hq, h, D);
+            extract_head(vh, r.v, M, Hkv, h / grp, D);
+            extract_head(doh, r.dout, M, Hq, h, D);
             const int ns = (int)hcu.size() - 1;
             bt_attn_fwd(oh.data(), lh.data(), qh.data(), kh.data(), vh.data(), hcu.data(), ns, M, 1,
                         1, D, scale);
             bt_attn_bwd(dqh.data(), dkh.data(), dvh.data(), doh.data(), oh.data(), lh.data(),
                         qh.data(), kh.data(), vh.data(), hcu.data(), ns, M, 1, 1, D, scale);
-            insert_head(out, oh, M, Hq, h, D, false);
-            insert_head(dq, dqh, M, Hq, h, D, false);
-            insert_head(dk, dkh, M, Hkv, h / grp, D, true);
-            insert_head(dv, dvh, M, Hkv, h / grp, D, true);
+            insert_head(r.out, oh, M, Hq, h, D, false);
+            insert_head(r.dq, dqh, M, Hq, h, D, false);
+            insert_head(r.dk, dkh, M, Hkv, h / grp, D, true);
+            insert_head(r.dv, dvh, M, Hkv, h / grp, D, true);
             for (int m = 0; m < M; m++)
-                lse[(size_t)m * Hq + h] = lh[m];
+                r.lse[(size_t)m * Hq + h] = lh[m];
         }
     }
     if (c.rope) {
-        bt_rope_bwd(dq.data(), pos.data(), M, Hq, D, theta, pscale);
-        bt_rope_bwd(dk.data(), pos.data(), M, Hkv, D, theta, pscale);
+        bt_rope_bwd_freq(r.dq.data(), r.pos.data(), M, Hq, D, r.invf.data(), k_pscale);
+        bt_rope_bwd_freq(r.dk.data(), r.pos.data(), M, Hkv, D, r.invf.data(), k_pscale);
     }
-    /* ---- GPU ---- */
+    const double sec =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    printf("    CPU reference: %.2f s\n", sec);
+}
+
+struct GpuOut {
+    std::vector<float> out, lse, dq, dk, dv;
+};
+
+/* Upload the case, run forward + backward of one implementation, download everything. */
+static void run_gpu(const AttCase &c, const AttRef &r, int impl, GpuOut &o)
+{
+    const int M = r.M, D = c.D, Hq = c.Hq, Hkv = c.Hkv;
+    const size_t nq = r.nq, nk = r.nk;
     const int64_t W = c.packed ? (int64_t)(Hq + 2 * Hkv) * D : 0;
     DBuf<bt_bf16> gqkv(c.packed ? (size_t)M * W : 1), gdqkv(c.packed ? (size_t)M * W : 1);
     DBuf<bt_bf16> gq(c.packed ? 1 : nq), gk(c.packed ? 1 : nk), gv(c.packed ? 1 : nk);
@@ -137,11 +222,14 @@ static void run_case(const AttCase &c)
     if (c.packed) {
         std::vector<float> packed((size_t)M * W);
         for (int m = 0; m < M; m++) {
-            memcpy(&packed[m * W], &q[(size_t)m * Hq * D], sizeof(float) * Hq * D);
-            memcpy(&packed[m * W + Hq * D], &k[(size_t)m * Hkv * D], sizeof(float) * Hkv * D);
-            memcpy(&packed[m * W + (Hq + Hkv) * D], &v[(size_t)m * Hkv * D], sizeof(float) * Hkv * D);
+            memcpy(&packed[m * W], &r.q[(size_t)m * Hq * D], sizeof(float) * Hq * D);
+            memcpy(&packed[m * W + Hq * D], &r.k[(size_t)m * Hkv * D], sizeof(float) * Hkv * D);
+            memcpy(&packed[m * W + (Hq + Hkv) * D], &r.v[(size_t)m * Hkv * D],
+                   sizeof(float) * Hkv * D);
         }
         up_bf16(gqkv, packed);
+        /* poison the gradient buffer: every element must be overwritten */
+        CU(cudaMemset(gdqkv.p, 0xff, (size_t)M * W * sizeof(bt_bf16)));
         pq = gqkv.p;
         pk = gqkv.p + Hq * D;
         pv = gqkv.p + (Hq + Hkv) * D;
@@ -150,9 +238,12 @@ static void run_case(const AttCase &c)
         pdv = gdqkv.p + (Hq + Hkv) * D;
         p.ldq = p.ldk = p.ldv = W;
     } else {
-        up_bf16(gq, q);
-        up_bf16(gk, k);
-        up_bf16(gv, v);
+        up_bf16(gq, r.q);
+        up_bf16(gk, r.k);
+        up_bf16(gv, r.v);
+        CU(cudaMemset(gdq.p, 0xff, nq * sizeof(bt_bf16)));
+        CU(cudaMemset(gdk.p, 0xff, nk * sizeof(bt_bf16)));
+        CU(cudaMemset(gdv.p, 0xff, nk * sizeof(bt_bf16)));
         pq = gq.p;
         pk = gk.p;
         pv = gv.p;
@@ -163,80 +254,146 @@ static void run_case(const AttCase &c)
         p.ldk = p.ldv = (int64_t)Hkv * D;
     }
     DBuf<bt_bf16> gout(nq), gdout(nq);
-    DBuf<float> glse((size_t)M * Hq), gdelta((size_t)M * Hq);
-    DBuf<int32_t> gcu(cu.size()), gpos(M);
-    up_bf16(gdout, dout);
-    up(gcu, cu);
-    up(gpos, pos);
+    DBuf<float> glse((size_t)M * Hq), gdelta((size_t)M * Hq), ginvf(D / 2);
+    DBuf<int32_t> gcu(r.cu.size()), gpos(M);
+    CU(cudaMemset(gout.p, 0xff, nq * sizeof(bt_bf16))); /* NaN poison */
+    CU(cudaMemset(glse.p, 0xff, (size_t)M * Hq * sizeof(float)));
+    up_bf16(gdout, r.dout);
+    up(gcu, r.cu);
+    up(gpos, r.pos);
+    up(ginvf, r.invf);
     p.M = M;
     p.Hq = Hq;
     p.Hkv = Hkv;
     p.D = D;
     p.n_seq = (int)c.lens.size();
-    p.max_seqlen = maxL;
+    p.max_seqlen = r.maxL;
     p.cu_seqlens = gcu.p;
-    p.scale = scale;
+    p.scale = 1.0f / sqrtf((float)D);
     p.position_ids = c.rope ? gpos.p : nullptr;
-    p.rope_theta = theta;
-    p.pos_scale = pscale;
+    p.rope_theta = k_theta;
+    p.pos_scale = k_pscale;
+    p.inv_freq = c.llama3 ? ginvf.p : nullptr;
     p.s2_group = c.G;
-    BTOK(bt_cuda_attn_fwd(&p, gout.p, glse.p, pq, pk, pv, g_stream));
-    BTOK(bt_cuda_attn_bwd(&p, pdq, pdk, pdv, gdout.p, gout.p, glse.p, pq, pk, pv, gdelta.p, g_stream));
+    BTOK(attn_fwd(impl, &p, gout.p, glse.p, pq, pk, pv));
+    BTOK(attn_bwd(impl, &p, pdq, pdk, pdv, gdout.p, gout.p, glse.p, pq, pk, pv, gdelta.p));
     CU(cudaStreamSynchronize(g_stream));
-    auto go = down_bf16(gout.p, nq);
-    auto gl = down(glse.p, (size_t)M * Hq);
-    check("out", go.data(), out.data(), nq, 2e-2, 4e-2);
-    check("lse", gl.data(), lse.data(), gl.size(), 1e-2, 1e-2);
-    std::vector<float> gdqv, gdkv, gdvv;
+    o.out = down_bf16(gout.p, nq);
+    o.lse = down(glse.p, (size_t)M * Hq);
     if (c.packed) {
         auto all = down_bf16(gdqkv.p, (size_t)M * W);
-        gdqv.resize(nq);
-        gdkv.resize(nk);
-        gdvv.resize(nk);
+        o.dq.resize(nq);
+        o.dk.resize(nk);
+        o.dv.resize(nk);
         for (int m = 0; m < M; m++) {
-            memcpy(&gdqv[(size_t)m * Hq * D], &all[m * W], sizeof(float) * Hq * D);
-            memcpy(&gdkv[(size_t)m * Hkv * D], &all[m * W + Hq * D], sizeof(float) * Hkv * D);
-            memcpy(&gdvv[(size_t)m * Hkv * D], &all[m * W + (Hq + Hkv) * D], sizeof(float) * Hkv * D);
+            memcpy(&o.dq[(size_t)m * Hq * D], &all[m * W], sizeof(float) * Hq * D);
+            memcpy(&o.dk[(size_t)m * Hkv * D], &all[m * W + Hq * D], sizeof(float) * Hkv * D);
+            memcpy(&o.dv[(size_t)m * Hkv * D], &all[m * W + (Hq + Hkv) * D],
+                   sizeof(float) * Hkv * D);
         }
     } else {
-        gdqv = down_bf16(gdq.p, nq);
-        gdkv = down_bf16(gdk.p, nk);
-        gdvv = down_bf16(gdv.p, nk);
+        o.dq = down_bf16(gdq.p, nq);
+        o.dk = down_bf16(gdk.p, nk);
+        o.dv = down_bf16(gdv.p, nk);
     }
-    check("dq", gdqv.data(), dq.data(), nq, 3e-2, 6e-2);
-    check("dk", gdkv.data(), dk.data(), nk, 3e-2, 6e-2);
-    check("dv", gdvv.data(), dv.data(), nk, 3e-2, 6e-2);
 }
 
-static void test_attn_d64_gqa_varlen_rope(void)
+static void check_all(const GpuOut &g, const AttRef &r)
 {
-    run_case({"d64", 64, 4, 2, {1, 70, 129, 3, 64}, true, 0, false, 1.0f});
+    check("out", g.out.data(), r.out.data(), r.nq, 2e-2, 4e-2);
+    check("lse", g.lse.data(), r.lse.data(), r.lse.size(), 1e-2, 1e-2);
+    check("dq", g.dq.data(), r.dq.data(), r.nq, 3e-2, 6e-2);
+    check("dk", g.dk.data(), r.dk.data(), r.nk, 3e-2, 6e-2);
+    check("dv", g.dv.data(), r.dv.data(), r.nk, 3e-2, 6e-2);
 }
-static void test_attn_d128_mqa_varlen(void)
+
+/* ---- PASS/FAIL bookkeeping for named sub-tests (same output format as RUN_TEST) ---- */
+static void sub_begin(const std::string &name)
 {
-    run_case({"d128", 128, 4, 1, {200, 1, 64, 17}, false, 0, false, 1.0f});
+    g_case_ok = true;
+    printf("[ RUN  ] %s\n", name.c_str());
+    fflush(stdout);
 }
-static void test_attn_d128_mha_packed_rope(void)
+static void sub_end(const std::string &name)
 {
-    run_case({"d128 packed", 128, 2, 2, {65, 130}, true, 0, true, 1.0f});
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        printf("    CUDA error: %s\n", cudaGetErrorString(e));
+        g_case_ok = false;
+    }
+    if (g_case_ok) {
+        g_pass++;
+        printf("PASS %s\n", name.c_str());
+    } else {
+        g_fail++;
+        printf("FAIL %s\n", name.c_str());
+    }
+    fflush(stdout);
 }
-static void test_attn_d64_large_q(void)
+
+static bool g_impl_on[N_IMPL] = {true, true};
+static const char *g_case_filter = nullptr;
+
+static void run_case(const AttCase &c)
 {
-    run_case({"d64 large", 64, 2, 1, {150, 2}, true, 0, false, 12.0f});
+    if (g_case_filter && !strstr(c.name, g_case_filter))
+        return;
+    AttRef r;
+    const std::string base = std::string("attn/") + c.name;
+    sub_begin(base + "/reference");
+    build_ref(c, r);
+    sub_end(base + "/reference");
+    GpuOut o[N_IMPL];
+    for (int impl = 0; impl < N_IMPL; impl++) {
+        if (!g_impl_on[impl])
+            continue;
+        const std::string name = base + "/" + k_impl_name[impl];
+        sub_begin(name);
+        run_gpu(c, r, impl, o[impl]);
+        check_all(o[impl], r);
+        sub_end(name);
+    }
+    if (c.cross && g_impl_on[IMPL_WMMA] && g_impl_on[IMPL_MMA]) {
+        const std::string name = base + "/cross";
+        sub_begin(name);
+        const GpuOut &w = o[IMPL_WMMA], &m = o[IMPL_MMA];
+        check("out mma vs wmma", m.out.data(), w.out.data(), r.nq, 5e-3, 2e-2);
+        check("lse mma vs wmma", m.lse.data(), w.lse.data(), w.lse.size(), 2e-4, 1e-3);
+        check("dq mma vs wmma", m.dq.data(), w.dq.data(), r.nq, 5e-3, 2e-2);
+        check("dk mma vs wmma", m.dk.data(), w.dk.data(), r.nk, 5e-3, 2e-2);
+        check("dv mma vs wmma", m.dv.data(), w.dv.data(), r.nk, 5e-3, 2e-2);
+        GpuOut again;
+        run_gpu(c, r, IMPL_MMA, again);
+        check_exact("mma rerun out (determinism)", again.out.data(), m.out.data(), r.nq);
+        check_exact("mma rerun lse", again.lse.data(), m.lse.data(), m.lse.size());
+        check_exact("mma rerun dq", again.dq.data(), m.dq.data(), r.nq);
+        check_exact("mma rerun dk", again.dk.data(), m.dk.data(), r.nk);
+        check_exact("mma rerun dv", again.dv.data(), m.dv.data(), r.nk);
+        sub_end(name);
+    }
 }
-static void test_attn_s2_d64(void)
-{
-    run_case({"s2 d64", 64, 4, 2, {100, 37, 16, 1}, true, 16, false, 1.0f});
-}
-static void test_attn_s2_d128(void)
-{
-    run_case({"s2 d128", 128, 4, 4, {300, 70}, false, 64, true, 1.0f});
-}
-static void test_attn_single_token(void)
-{
-    run_case({"one-token docs", 64, 2, 2, {1, 1, 1, 1, 1}, true, 0, false, 1.0f});
-}
-static void test_attn_errors(void)
+
+/* name, D, Hq, Hkv, lens, rope, G, packed, qscale, llama3, pos_offset, cross */
+static const AttCase k_cases[] = {
+    {"d64", 64, 4, 2, {1, 70, 129, 3, 64}, true, 0, false, 1.0f, false, 0, false},
+    {"d128", 128, 4, 1, {200, 1, 64, 17}, false, 0, false, 1.0f, false, 0, false},
+    {"d128 packed", 128, 2, 2, {65, 130}, true, 0, true, 1.0f, false, 0, false},
+    {"d64 large", 64, 2, 1, {150, 2}, true, 0, false, 12.0f, false, 0, false},
+    {"s2 d64", 64, 4, 2, {100, 37, 16, 1}, true, 16, false, 1.0f, false, 0, false},
+    {"s2 d128", 128, 4, 4, {300, 70}, false, 64, true, 1.0f, false, 0, false},
+    {"one-token docs", 64, 2, 2, {1, 1, 1, 1, 1}, true, 0, false, 1.0f, false, 0, false},
+    /* new: llama3 inv_freq table, large positions, S^2 with a GQA group straddling Hq/2 */
+    {"llama3 d128 gqa", 128, 4, 2, {300, 45, 1}, true, 0, false, 1.0f, true, 15000, false},
+    {"llama3 s2 d64 mqa", 64, 4, 1, {200, 77}, true, 32, false, 1.0f, true, 3, false},
+    {"s2 d128 mqa packed", 128, 4, 1, {257, 130}, true, 64, true, 1.0f, false, 0, false},
+    /* long documents */
+    {"long 1000 d128", 128, 4, 2, {1000}, true, 0, false, 1.0f, false, 0, false},
+    {"long 1000 s2 d128 mqa llama3", 128, 4, 1, {1000, 23}, true, 256, false, 1.0f, true, 100,
+     false},
+    {"long 4096 d128 gqa llama3", 128, 8, 2, {4096}, true, 0, false, 1.0f, true, 0, true},
+};
+
+static void test_attn_errors(int impl)
 {
     bt_cuda_attn_params p;
     memset(&p, 0, sizeof p);
@@ -244,32 +401,75 @@ static void test_attn_errors(void)
     p.Hq = 3;
     p.Hkv = 2;
     p.D = 64;
-    DBuf<bt_bf16> b(4 * 64 * 3);
-    DBuf<float> l(12);
-    check_true("Hq % Hkv != 0 -> INVALID",
-               bt_cuda_attn_fwd(&p, b.p, l.p, b.p, b.p, b.p, g_stream) == -6);
+    p.ldq = p.ldk = p.ldv = 3 * 64;
+    DBuf<bt_bf16> b(4 * 64 * 3 + 8);
+    DBuf<float> l(12), dl(12);
+    DBuf<int32_t> cu(2);
+    check_true("Hq % Hkv != 0 -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6);
+    check_true("bwd Hq % Hkv != 0 -> INVALID",
+               attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p) == -6);
     p.Hq = 2;
     p.D = 96;
     p.ldq = p.ldk = p.ldv = 2 * 96;
-    check_true("D = 96 -> UNSUPPORTED", bt_cuda_attn_fwd(&p, b.p, l.p, b.p, b.p, b.p, g_stream) == -5);
+    check_true("D = 96 -> UNSUPPORTED", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -5);
+    p.D = 64;
+    p.ldq = p.ldk = p.ldv = 2 * 64;
+    p.n_seq = 1;
+    p.max_seqlen = 4;
+    p.cu_seqlens = cu.p;
+    p.s2_group = 3;
+    check_true("odd s2_group -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6);
+    p.s2_group = 0;
+    p.ldq = 2 * 64 + 4;
+    check_true("ldq % 8 != 0 -> UNSUPPORTED", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -5);
+    p.ldq = 64;
+    check_true("ldq < Hq*D -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6);
+    p.ldq = 2 * 64;
+    check_true("misaligned q -> UNSUPPORTED",
+               attn_fwd(impl, &p, b.p, l.p, b.p + 1, b.p, b.p) == -5);
+    check_true("NULL out -> INVALID", attn_fwd(impl, &p, nullptr, l.p, b.p, b.p, b.p) == -6);
+    check_true("bwd NULL lse -> INVALID",
+               attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, nullptr, b.p, b.p, b.p, dl.p) == -6);
+    check_true("bwd NULL delta -> INVALID",
+               attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, nullptr) == -6);
+    p.cu_seqlens = nullptr;
+    check_true("NULL cu_seqlens -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6);
+    p.cu_seqlens = cu.p;
+    p.M = 0;
+    p.n_seq = 0;
+    p.max_seqlen = 0;
+    check_true("empty batch -> OK, nothing enqueued",
+               attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == 0 &&
+                   attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p) == 0);
 }
 
 int main(int argc, char **argv)
 {
     const char *prog = "test_attention_gpu";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--impl") && i + 1 < argc) {
+            const char *s = argv[++i];
+            g_impl_on[IMPL_WMMA] = !strcmp(s, "wmma");
+            g_impl_on[IMPL_MMA] = !strcmp(s, "mma");
+        } else if (!strcmp(argv[i], "--case") && i + 1 < argc) {
+            g_case_filter = argv[++i];
+        }
+    }
     if (!gt_require_device(prog))
         return GT_SKIP_STATUS;
     if (argc > 1 && strcmp(argv[1], "--probe-only") == 0)
         return 0;
     CU(cudaStreamCreate(&g_stream));
-    RUN_TEST(test_attn_d64_gqa_varlen_rope);
-    RUN_TEST(test_attn_d128_mqa_varlen);
-    RUN_TEST(test_attn_d128_mha_packed_rope);
-    RUN_TEST(test_attn_d64_large_q);
-    RUN_TEST(test_attn_s2_d64);
-    RUN_TEST(test_attn_s2_d128);
-    RUN_TEST(test_attn_single_token);
-    RUN_TEST(test_attn_errors);
+    for (const AttCase &c : k_cases)
+        run_case(c);
+    for (int impl = 0; impl < N_IMPL; impl++) {
+        if (!g_impl_on[impl] || g_case_filter)
+            continue;
+        const std::string name = std::string("attn/errors/") + k_impl_name[impl];
+        sub_begin(name);
+        test_attn_errors(impl);
+        sub_end(name);
+    }
     cudaStreamDestroy(g_stream);
     return gt_finish(prog);
 }

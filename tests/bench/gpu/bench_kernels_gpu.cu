@@ -196,6 +196,51 @@ int main(int argc, char **argv)
         cudaFree(X); cudaFree(Y); cudaFree(out);
         bt_cuda_nf4_free(&w);
     }
+    /* Fused NF4 GEMMs (kernels/cuda/nf4_gemm.cu) vs dequantise + cuBLAS (bt_cuda_nf4_linear_*,
+     * which dequantises the whole weight every call), Llama-2-7B projections (K, N) = (4096, 4096)
+     * q/k/v/o, (4096, 11008) gate/up, (11008, 4096) down, at M = T and at M = 16 (decode-sized;
+     * the fused forward then runs its small-M kernel; "tiled" forces the tensor-core kernel).
+     * FLOP = 2 M N K for every row. */
+    {
+        const int nk_shapes[3][2] = {{D, D}, {D, F}, {F, D}}; /* {K, N} */
+        const int m_list[2] = {M, 16};
+        for (const auto &kn : nk_shapes) {
+            const int gK = kn[0], gN = kn[1];
+            const int64_t wn = (int64_t)gN * gK;
+            std::vector<uint8_t> pk(wn / 2), aq(wn / 64);
+            std::vector<float> nest((wn / 64 + 255) / 256, 0.02f), code8(256);
+            for (size_t i = 0; i < pk.size(); i++)
+                pk[i] = (uint8_t)(i * 2654435761u >> 13);
+            for (size_t i = 0; i < aq.size(); i++)
+                aq[i] = (uint8_t)(i * 40503u >> 7);
+            for (int i = 0; i < 256; i++)
+                code8[i] = bt_dynamic_code8(i);
+            bt_cuda_nf4 w;
+            OK(bt_cuda_nf4_upload(&w, gN, gK, pk.data(), aq.data(), nest.data(), 0.f, code8.data()));
+            bt_bf16 *wbuf = dalloc<bt_bf16>(wn);
+            for (int gM : m_list) {
+                bt_bf16 *X = drand((size_t)gM * gK, 1.f), *Y = dalloc<bt_bf16>((size_t)gM * gN);
+                bt_bf16 *dY = drand((size_t)gM * gN, 1.f), *dX = dalloc<bt_bf16>((size_t)gM * gK);
+                const double fl = 2.0 * gM * (double)gN * gK;
+                snprintf(shp, sizeof shp, "M%d K%d N%d", gM, gK, gN);
+                double ms = time_ms([&] { OK(bt_cuda_nf4_gemm_fwd(g_s, Y, X, &w, gM, gK, gN, 0.f)); });
+                row_flops(gM <= 16 ? "nf4_gemm_fwd (fused, small-M)" : "nf4_gemm_fwd (fused)", shp, ms, fl);
+                if (gM <= 16) {
+                    ms = time_ms([&] { OK(bt_cuda_nf4_gemm_fwd_impl(g_s, Y, X, &w, gM, gK, gN, 0.f, 1)); });
+                    row_flops("nf4_gemm_fwd (fused, tiled)", shp, ms, fl);
+                }
+                ms = time_ms([&] { OK(bt_cuda_nf4_linear_fwd(g_h, g_s, Y, X, &w, gM, gK, gN, 0.f, wbuf)); });
+                row_flops("nf4_linear_fwd (dequant+gemm)", shp, ms, fl);
+                ms = time_ms([&] { OK(bt_cuda_nf4_gemm_bwd_x(g_s, dX, dY, &w, gM, gK, gN, 0.f)); });
+                row_flops("nf4_gemm_bwd_x (fused)", shp, ms, fl);
+                ms = time_ms([&] { OK(bt_cuda_nf4_linear_bwd_x(g_h, g_s, dX, dY, &w, gM, gK, gN, 0.f, wbuf, 0)); });
+                row_flops("nf4_linear_bwd_x (dequant+gemm)", shp, ms, fl);
+                cudaFree(X); cudaFree(Y); cudaFree(dY); cudaFree(dX);
+            }
+            cudaFree(wbuf);
+            bt_cuda_nf4_free(&w);
+        }
+    }
     /* RMSNorm */
     {
         bt_bf16 *x = drand((size_t)M * D, 1.f), *y = dalloc<bt_bf16>((size_t)M * D), *dx = dalloc<bt_bf16>((size_t)M * D);
@@ -220,35 +265,74 @@ int main(int argc, char **argv)
         row_bytes("swiglu_bwd", shp, ms, 10.0 * n);
         cudaFree(g); cudaFree(u); cudaFree(h); cudaFree(dg); cudaFree(du);
     }
-    /* attention: one causal document of T tokens, 32 heads of 128 (MHA as Llama-2-7B) */
+    /* attention: one causal document of TT tokens, 32 heads of 128 (MHA as Llama-2-7B), both
+     * implementations: wmma (bt_cuda_attn_fwd/bwd, rows "attn_*") and mma.sync (bt_cuda_attn_*_mma,
+     * rows "attn_* mma"), at TT = --T and at TT = 8192 (FlashAttention's benchmark length) when it
+     * differs and fits in free device memory. FLOPs as FlashAttention's benchmark counts them:
+     * fwd 4*TT^2*D*H/2 (causal half), bwd 2.5x fwd, fwd+bwd 3.5x fwd. */
     {
-        const size_t n = (size_t)M * H * HD;
-        bt_bf16 *q = drand(n, 1.f), *k = drand(n, 1.f), *v = drand(n, 1.f), *o = dalloc<bt_bf16>(n);
-        bt_bf16 *dq = dalloc<bt_bf16>(n), *dk = dalloc<bt_bf16>(n), *dv = dalloc<bt_bf16>(n), *dout = drand(n, 1.f);
-        float *lse = dalloc<float>((size_t)M * H), *delta = dalloc<float>((size_t)M * H);
-        int32_t *cu = dalloc<int32_t>(2), *pos = dalloc<int32_t>(M);
-        int32_t hcu[2] = {0, M};
-        std::vector<int32_t> hp(M);
-        for (int i = 0; i < M; i++)
-            hp[i] = i;
-        CU(cudaMemcpy(cu, hcu, sizeof hcu, cudaMemcpyHostToDevice));
-        CU(cudaMemcpy(pos, hp.data(), M * 4, cudaMemcpyHostToDevice));
-        bt_cuda_attn_params p;
-        memset(&p, 0, sizeof p);
-        p.M = M; p.Hq = H; p.Hkv = H; p.D = HD; p.n_seq = 1; p.max_seqlen = M; p.cu_seqlens = cu;
-        p.ldq = p.ldk = p.ldv = (int64_t)H * HD; p.scale = 1.0f / sqrtf((float)HD);
-        p.position_ids = pos; p.rope_theta = 10000.f; p.pos_scale = 1.f;
-        const double fl = 4.0 * M * (double)M * H * HD / 2.0; /* causal half */
-        snprintf(shp, sizeof shp, "T%d H%d D%d causal", M, H, HD);
-        double ms = time_ms([&] { OK(bt_cuda_attn_fwd(&p, o, lse, q, k, v, g_s)); });
-        row_flops("attn_fwd (+RoPE)", shp, ms, fl);
-        ms = time_ms([&] { OK(bt_cuda_attn_bwd(&p, dq, dk, dv, dout, o, lse, q, k, v, delta, g_s)); });
-        row_flops("attn_bwd (+RoPE)", shp, ms, 2.5 * fl);
-        p.position_ids = nullptr;
-        ms = time_ms([&] { OK(bt_cuda_attn_fwd(&p, o, lse, q, k, v, g_s)); });
-        row_flops("attn_fwd (no RoPE)", shp, ms, fl);
-        cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(dq); cudaFree(dk); cudaFree(dv);
-        cudaFree(dout); cudaFree(lse); cudaFree(delta); cudaFree(cu); cudaFree(pos);
+        auto bench_attn = [&](int TT) {
+            const size_t n = (size_t)TT * H * HD;
+            size_t fr = 0, tot = 0;
+            CU(cudaMemGetInfo(&fr, &tot));
+            const size_t need = 9 * n * sizeof(bt_bf16) + 2 * (size_t)TT * H * sizeof(float) + (256u << 20);
+            if (need > fr) {
+                printf("| attn | T%d H%d D%d causal | barq | - | skipped: needs %.1f GiB, %.1f GiB free | - |\n",
+                       TT, H, HD, need / 1073741824.0, fr / 1073741824.0);
+                return;
+            }
+            bt_bf16 *q = drand(n, 1.f), *k = drand(n, 1.f), *v = drand(n, 1.f), *o = dalloc<bt_bf16>(n);
+            bt_bf16 *dq = dalloc<bt_bf16>(n), *dk = dalloc<bt_bf16>(n), *dv = dalloc<bt_bf16>(n), *dout = drand(n, 1.f);
+            float *lse = dalloc<float>((size_t)TT * H), *delta = dalloc<float>((size_t)TT * H);
+            int32_t *cu = dalloc<int32_t>(2), *pos = dalloc<int32_t>(TT);
+            int32_t hcu[2] = {0, TT};
+            std::vector<int32_t> hp(TT);
+            for (int i = 0; i < TT; i++)
+                hp[i] = i;
+            CU(cudaMemcpy(cu, hcu, sizeof hcu, cudaMemcpyHostToDevice));
+            CU(cudaMemcpy(pos, hp.data(), (size_t)TT * 4, cudaMemcpyHostToDevice));
+            bt_cuda_attn_params p;
+            memset(&p, 0, sizeof p);
+            p.M = TT; p.Hq = H; p.Hkv = H; p.D = HD; p.n_seq = 1; p.max_seqlen = TT; p.cu_seqlens = cu;
+            p.ldq = p.ldk = p.ldv = (int64_t)H * HD; p.scale = 1.0f / sqrtf((float)HD);
+            p.rope_theta = 10000.f; p.pos_scale = 1.f;
+            const double fl = 4.0 * TT * (double)TT * H * HD / 2.0; /* causal half */
+            snprintf(shp, sizeof shp, "T%d H%d D%d causal", TT, H, HD);
+            for (int impl = 0; impl < 2; impl++) {
+                const char *sfx = impl ? " mma" : "";
+                auto fwd = [&] {
+                    OK(impl ? bt_cuda_attn_fwd_mma(&p, o, lse, q, k, v, g_s)
+                            : bt_cuda_attn_fwd(&p, o, lse, q, k, v, g_s));
+                };
+                auto bwd = [&] {
+                    OK(impl ? bt_cuda_attn_bwd_mma(&p, dq, dk, dv, dout, o, lse, q, k, v, delta, g_s)
+                            : bt_cuda_attn_bwd(&p, dq, dk, dv, dout, o, lse, q, k, v, delta, g_s));
+                };
+                char kn[64];
+                p.position_ids = pos;
+                double ms = time_ms(fwd);
+                snprintf(kn, sizeof kn, "attn_fwd%s (+RoPE)", sfx);
+                row_flops(kn, shp, ms, fl);
+                ms = time_ms(bwd);
+                snprintf(kn, sizeof kn, "attn_bwd%s (+RoPE)", sfx);
+                row_flops(kn, shp, ms, 2.5 * fl);
+                ms = time_ms([&] { fwd(); bwd(); });
+                snprintf(kn, sizeof kn, "attn_fwd+bwd%s (+RoPE)", sfx);
+                row_flops(kn, shp, ms, 3.5 * fl);
+                p.position_ids = nullptr;
+                ms = time_ms(fwd);
+                snprintf(kn, sizeof kn, "attn_fwd%s (no RoPE)", sfx);
+                row_flops(kn, shp, ms, fl);
+                ms = time_ms(bwd);
+                snprintf(kn, sizeof kn, "attn_bwd%s (no RoPE)", sfx);
+                row_flops(kn, shp, ms, 2.5 * fl);
+            }
+            cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(dq); cudaFree(dk); cudaFree(dv);
+            cudaFree(dout); cudaFree(lse); cudaFree(delta); cudaFree(cu); cudaFree(pos);
+        };
+        bench_attn(M);
+        if (M != 8192)
+            bench_attn(8192);
     }
     /* fused linear + CE (fwd + dX) */
     {
