@@ -299,7 +299,8 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
         "name", "model", "base_dtype", "base_model_name_or_path", "socket", "data", "eval", "lora",
         "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
         "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
-        "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", NULL};
+        "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", "cuda",
+        NULL};
     static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
                                             "micro_batch_size", "seed", "tokenizer_threads", NULL};
     static const char *const eval_keys[] = {"shards", "max_batches", NULL};
@@ -311,6 +312,9 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const scheds[] = {"cosine", "linear", "constant", NULL};
     static const char *const formats[] = {"chat", "text", "alpaca", NULL};
     static const char *const devices[] = {"cpu", "cuda", NULL};
+    static const char *const cuda_keys[] = {"attention", "nf4_matmul", NULL};
+    static const char *const attn_impls[] = {"wmma", "mma", NULL};
+    static const char *const nf4_impls[] = {"dequant", "fused", NULL};
     int rc;
     int64_t i64;
 #define TRY(x)                                                                                     \
@@ -319,7 +323,8 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     } while (0)
 
     TRY(check_keys(root, NULL, top_keys));
-    json_t *data = NULL, *eval = NULL, *lora = NULL, *optim = NULL;
+    json_t *data = NULL, *eval = NULL, *lora = NULL, *optim = NULL, *cuda = NULL;
+    TRY(get_obj(root, "cuda", &cuda));
     TRY(get_obj(root, "data", &data));
     TRY(get_obj(root, "eval", &eval));
     TRY(get_obj(root, "lora", &lora));
@@ -329,8 +334,15 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     if (!eval) eval = empty;
     if (!lora) lora = empty;
     if (!optim) optim = empty;
+    if (!cuda) cuda = empty;
     rc = 0;
     do {
+        if ((rc = check_keys(cuda, "cuda", cuda_keys)) ||
+            (rc = get_enum(cuda, "cuda", "attention", BT_CUDA_ATTN_WMMA, attn_impls,
+                           &c->cuda_attention)) ||
+            (rc = get_enum(cuda, "cuda", "nf4_matmul", BT_CUDA_NF4_DEQUANT, nf4_impls,
+                           &c->cuda_nf4_matmul)))
+            break;
         if ((rc = check_keys(data, "data", data_keys)) || (rc = check_keys(eval, "eval", eval_keys)) ||
             (rc = check_keys(lora, "lora", lora_keys)) ||
             (rc = check_keys(optim, "optim", optim_keys)))
@@ -609,6 +621,11 @@ char *bt_config_dump(const bt_train_config *c) {
     json_object_set_new(j, "resume_from", c->resume_from ? json_string(c->resume_from) : json_null());
     json_object_set_new(j, "stop_at_step", json_integer(c->stop_at_step));
     json_object_set_new(j, "device", json_string(c->device == BT_DEVICE_CUDA ? "cuda" : "cpu"));
+    json_object_set_new(j, "cuda", json_pack("{s:s, s:s}", "attention",
+                                             c->cuda_attention == BT_CUDA_ATTN_MMA ? "mma" : "wmma",
+                                             "nf4_matmul",
+                                             c->cuda_nf4_matmul == BT_CUDA_NF4_FUSED ? "fused"
+                                                                                     : "dequant"));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(j);
     return s;

@@ -23,6 +23,12 @@
  *   threads 0                          OpenMP threads for every kernel (0 = OpenMP default)
  *   device "cpu"                       "cpu" | "cuda" (the GPU trainer, trainer/cuda/; only in a
  *                                      trainer built with `make CUDA=1`, else refused at start)
+ *   cuda: { attention "wmma", nf4_matmul "dequant" }
+ *                                      kernel choices of the GPU trainer (ignored on the CPU):
+ *                                      attention "wmma" (kernels/cuda/attention.cu) | "mma"
+ *                                      (attention_mma.cu, register-resident mma.sync FA2);
+ *                                      nf4_matmul "dequant" (dequantise the weight, then cuBLAS)
+ *                                      | "fused" (nf4_gemm.cu: dequantise in the GEMM main loop)
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)
  *   timeout_s 600                      longest wait for one batch from loaderd, in [1, 2147483]
@@ -57,6 +63,8 @@
 enum { BT_BASE_NF4 = 0, BT_BASE_FP32 = 1 };
 enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
 enum { BT_DEVICE_CPU = 0, BT_DEVICE_CUDA = 1 };
+enum { BT_CUDA_ATTN_WMMA = 0, BT_CUDA_ATTN_MMA = 1 };
+enum { BT_CUDA_NF4_DEQUANT = 0, BT_CUDA_NF4_FUSED = 1 };
 
 /* LoRA target modules, in the order used everywhere in the trainer (bit i of target_mask). */
 enum { BT_MOD_Q = 0, BT_MOD_K, BT_MOD_V, BT_MOD_O, BT_MOD_GATE, BT_MOD_UP, BT_MOD_DOWN, BT_MOD_N };
@@ -113,6 +121,8 @@ typedef struct {
     char *resume_from;              /* NULL = fresh start */
     int stop_at_step;               /* 0 = steps */
     int device;                     /* BT_DEVICE_* */
+    int cuda_attention;             /* BT_CUDA_ATTN_* (device "cuda" only) */
+    int cuda_nf4_matmul;            /* BT_CUDA_NF4_* (device "cuda" only) */
 } bt_train_config;
 
 /* Parse a config from JSON text, then apply `n_sets` overrides "a.b=value" in order (value is

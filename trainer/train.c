@@ -283,11 +283,14 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         bt_cuda_trainer_opts co;
         memset(&co, 0, sizeof co);
         co.checkpointing = cfg->activation_checkpointing;
+        co.attn_impl = cfg->cuda_attention == BT_CUDA_ATTN_MMA;
+        co.nf4_impl = cfg->cuda_nf4_matmul == BT_CUDA_NF4_FUSED;
         if ((rc = bt_cuda_trainer_new_ex(&g_cuda, &model, &lora, M, &co))) goto done;
         bt_log(BT_LOG_INFO, "trainer", "CUDA device %s: model + LoRA + workspace for %dx%d tokens: "
-               "%.0f MiB%s", bt_cuda_trainer_device_name(g_cuda), B, T,
+               "%.0f MiB%s; attention %s, NF4 matmul %s", bt_cuda_trainer_device_name(g_cuda), B, T,
                bt_cuda_trainer_bytes(g_cuda) / 1048576.0,
-               cfg->activation_checkpointing ? " (activation checkpointing)" : "");
+               cfg->activation_checkpointing ? " (activation checkpointing)" : "",
+               co.attn_impl ? "mma" : "wmma", co.nf4_impl ? "fused" : "dequant+cuBLAS");
     } else
 #endif
     {

@@ -139,6 +139,9 @@ static void randomise_B(bt_lora *lo, float sd)
         }
 }
 
+/* kernel choices for the GPU side of step_parity (bt_cuda_trainer_opts attn_impl / nf4_impl) */
+static int g_attn_impl = 0, g_nf4_impl = 0;
+
 static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t drop_key)
 {
     const int M = cs.B * cs.T;
@@ -163,6 +166,8 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     bt_cuda_trainer_opts o;
     memset(&o, 0, sizeof o);
     o.checkpointing = cs.ckpt;
+    o.attn_impl = g_attn_impl;
+    o.nf4_impl = g_nf4_impl;
     if (bt_cuda_trainer_new_ex(&t, m, lo, M, &o) != 0) {
         printf("    bt_cuda_trainer_new_ex: %s\n", bt_last_error());
         g_case_ok = false;
@@ -299,6 +304,21 @@ static void test_tiny_llama3_rope(void)
                   true);
 }
 
+/* The same step with the mma.sync attention and the fused NF4 GEMM (config cuda.attention "mma",
+ * cuda.nf4_matmul "fused"): NF4 with dropout and checkpointing, a 1000-token row, llama3 RoPE. */
+static void test_tiny_mma_fused(void)
+{
+    g_attn_impl = 1;
+    g_nf4_impl = 1;
+    run_tiny_case({"[mma attention, fused NF4] nf4 tied, checkpointing, dropout 0.1", BT_BASE_NF4, 1, 1,
+                   0.1f, 0, 2, 128, 3});
+    run_tiny_case({"[mma attention, fused NF4] nf4 tied, one 1000-token row", BT_BASE_NF4, 1, 0, 0.f, 0,
+                   1, 1000, 1});
+    run_tiny_case({"[mma attention, fused NF4] llama3 rope", BT_BASE_NF4, 1, 0, 0.f, 0, 1, 300, 1}, true);
+    g_attn_impl = 0;
+    g_nf4_impl = 0;
+}
+
 /* ------------------------------------------------------------------------ SmolLM2 */
 static const char *model_path(void)
 {
@@ -347,6 +367,12 @@ static void test_smollm2_step(void)
     randomise_B(&lo, 0.01f);
     Case cs = {"SmolLM2 nf4, dropout 0.05", BT_BASE_NF4, 1, 0, 0.05f, 0, 2, 256, 3};
     step_parity(&g_smol, &lo, cs, 0xabcdef12345ull);
+    /* the same with the mma.sync attention and the fused NF4 GEMM */
+    g_attn_impl = g_nf4_impl = 1;
+    Case cs2 = {"SmolLM2 nf4, dropout 0.05 [mma attention, fused NF4]", BT_BASE_NF4, 1, 0, 0.05f, 0, 2,
+                256, 3};
+    step_parity(&g_smol, &lo, cs2, 0xabcdef12345ull);
+    g_attn_impl = g_nf4_impl = 0;
     bt_lora_free(&lo);
 }
 
@@ -433,6 +459,7 @@ int main(int argc, char **argv)
     RUN_TEST(test_tiny_loraplus);
     RUN_TEST(test_tiny_long_doc);
     RUN_TEST(test_tiny_llama3_rope);
+    RUN_TEST(test_tiny_mma_fused);
     RUN_TEST(test_smollm2_step);
     RUN_TEST(test_smollm2_10_steps);
     if (g_have_smol)

@@ -263,6 +263,30 @@ static void test_new_keys(void **st) {
     expect_refused(MINIMAL, "stop_at_step=101", "stop_at_step: expected an integer in [0, steps = 100]");
 }
 
+/* cuda.attention / cuda.nf4_matmul: defaults (the kernels verified first), overrides, dump, and
+ * refusal of unknown values and keys naming the key. */
+static void test_cuda_keys(void **st) {
+    (void)st;
+    bt_train_config c;
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
+    assert_int_equal(c.cuda_attention, BT_CUDA_ATTN_WMMA);
+    assert_int_equal(c.cuda_nf4_matmul, BT_CUDA_NF4_DEQUANT);
+    bt_config_free(&c);
+    const char *sets[] = {"cuda.attention=mma", "cuda.nf4_matmul=fused", "device=cuda"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", sets, 3), 0);
+    assert_int_equal(c.cuda_attention, BT_CUDA_ATTN_MMA);
+    assert_int_equal(c.cuda_nf4_matmul, BT_CUDA_NF4_FUSED);
+    assert_int_equal(c.device, BT_DEVICE_CUDA);
+    char *dump = bt_config_dump(&c);
+    assert_non_null(strstr(dump, "\"cuda\":{\"attention\":\"mma\",\"nf4_matmul\":\"fused\"}"));
+    free(dump);
+    bt_config_free(&c);
+    expect_refused(MINIMAL, "cuda.attention=flash", "cuda.attention");
+    expect_refused(MINIMAL, "cuda.nf4_matmul=1", "cuda.nf4_matmul");
+    expect_refused(MINIMAL, "cuda.tiles=64", "cuda.tiles");
+    expect_refused(MINIMAL, "cuda=3", "cuda");
+}
+
 /* Keys starting with "#" are comments, at every level; other unknown keys still fail. */
 static void test_comment_keys(void **st) {
     (void)st;
@@ -320,7 +344,7 @@ int main(void) {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
         cmocka_unit_test(test_refusals),   cmocka_unit_test(test_load_file),
         cmocka_unit_test(test_demo_config), cmocka_unit_test(test_new_keys),
-        cmocka_unit_test(test_comment_keys), cmocka_unit_test(test_templates),
+        cmocka_unit_test(test_comment_keys), cmocka_unit_test(test_templates), cmocka_unit_test(test_cuda_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

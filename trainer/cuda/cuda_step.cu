@@ -121,7 +121,9 @@ static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf1
 {
     const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
     const int N = bl->rows, K = bl->cols;
-    if (bl->is_nf4)
+    if (bl->is_nf4 && t->nf4_impl)
+        BTC_TRY(BTC_L(bt_cuda_nf4_gemm_fwd(t->stream, y, x, &bl->q, M, K, N, 0.f)));
+    else if (bl->is_nf4)
         BTC_TRY(BTC_L(bt_cuda_nf4_linear_fwd(t->blas, t->stream, y, x, &bl->q, M, K, N, 0.f, t->wbuf)));
     else
         BTC_TRY(BTC_L(bt_cuda_gemm(t->blas, t->stream, 0, 1, M, N, K, 1.f, x, K, bl->w16, K, 0.f, y,
@@ -151,7 +153,9 @@ static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf
 {
     const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
     const int N = bl->rows, K = bl->cols;
-    if (bl->is_nf4)
+    if (bl->is_nf4 && t->nf4_impl)
+        BTC_TRY(BTC_L(bt_cuda_nf4_gemm_bwd_x(t->stream, dx, dy, &bl->q, M, K, N, beta)));
+    else if (bl->is_nf4)
         BTC_TRY(BTC_L(bt_cuda_nf4_linear_bwd_x(t->blas, t->stream, dx, dy, &bl->q, M, K, N, beta,
                                                t->wbuf, 0)));
     else
@@ -201,7 +205,8 @@ static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params
     BTC_TRY(proj_fwd(t, l, BT_MOD_K, A->k, A->xn1, M, A, key));
     BTC_TRY(proj_fwd(t, l, BT_MOD_V, A->v, A->xn1, M, A, key));
     /* RoPE is applied inside the attention kernel as Q/K tiles load (position_ids, theta, scale) */
-    BTC_TRY(BTC_L(bt_cuda_attn_fwd(ap, A->att, A->lse, A->q, A->k, A->v, s)));
+    BTC_TRY(BTC_L(t->attn_impl ? bt_cuda_attn_fwd_mma(ap, A->att, A->lse, A->q, A->k, A->v, s)
+                               : bt_cuda_attn_fwd(ap, A->att, A->lse, A->q, A->k, A->v, s)));
     BTC_TRY(proj_fwd(t, l, BT_MOD_O, A->x2, A->att, M, A, key));
     BTC_TRY(BTC_L(bt_cuda_add_bf16(A->x2, A->x2, x, nD, s)));
     BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, norm_w(t, l, 1), M, t->D, eps, s)));
@@ -234,8 +239,8 @@ static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params
     BTC_TRY(BTC_L(bt_cuda_add_bf16(t->dx2, t->dx, t->dtmp, nD, s)));
     /* attention */
     BTC_TRY(proj_bwd(t, l, BT_MOD_O, t->datt, t->dx2, A->att, M, 0.f, A, key));
-    BTC_TRY(BTC_L(bt_cuda_attn_bwd(ap, t->dq, t->dk, t->dv, t->datt, A->att, A->lse, A->q, A->k,
-                                   A->v, t->delta, s)));
+    BTC_TRY(BTC_L((t->attn_impl ? bt_cuda_attn_bwd_mma : bt_cuda_attn_bwd)(
+        ap, t->dq, t->dk, t->dv, t->datt, A->att, A->lse, A->q, A->k, A->v, t->delta, s)));
     /* dq, dk are already gradients w.r.t. the unrotated q, k (inverse RoPE inside the kernel) */
     BTC_TRY(proj_bwd(t, l, BT_MOD_Q, t->dxn, t->dq, A->xn1, M, 0.f, A, key));
     BTC_TRY(proj_bwd(t, l, BT_MOD_K, t->dxn, t->dk, A->xn1, M, 1.f, A, key));
@@ -374,6 +379,8 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     t->max_M = max_M;
     t->ckpt = o->checkpointing ? 1 : 0;
     t->ce_chunk = o->ce_chunk_rows > 0 ? o->ce_chunk_rows : (max_M < 1024 ? max_M : 1024);
+    t->attn_impl = o->attn_impl ? 1 : 0;
+    t->nf4_impl = o->nf4_impl ? 1 : 0;
     if (t->hd != 64 && t->hd != 128)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: head_dim %d is not supported by the attention "
                        "kernels (64 or 128)", t->hd);
@@ -478,7 +485,7 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     bool any_nf4 = false;
     for (int i = 0; i < t->L * BT_MOD_N; i++)
         any_nf4 = any_nf4 || t->md.lin[i].is_nf4;
-    if (any_nf4)
+    if (any_nf4 && !t->nf4_impl) /* the fused GEMM dequantises tiles in shared memory */
         BTC_TRY(talloc(t, &t->wbuf, (size_t)t->md.max_nk, "NF4 dequantisation buffer"));
     BTC_TRY(talloc(t, &t->rstdf, M, "workspace"));
     BTC_TRY(talloc(t, &t->row_loss, M, "workspace"));

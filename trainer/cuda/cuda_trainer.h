@@ -37,6 +37,11 @@ typedef struct {
     int checkpointing;   /* 1 = activation checkpointing (keep each layer's input, recompute) */
     int ce_chunk_rows;   /* rows per fused lm_head + CE chunk; 0 = min(1024, max_M) */
     int device;          /* CUDA device ordinal (default 0) */
+    int attn_impl;       /* 0 = wmma attention (bt_cuda_attn_fwd/bwd), 1 = mma.sync attention
+                          * (bt_cuda_attn_fwd_mma/bwd_mma); config cuda.attention */
+    int nf4_impl;        /* 0 = dequantise + cuBLAS (bt_cuda_nf4_linear_fwd/bwd_x), 1 = fused NF4
+                          * GEMM (bt_cuda_nf4_gemm_fwd/bwd_x, no dequantisation buffer);
+                          * config cuda.nf4_matmul */
     /* Benchmarks only: do not read the model's weights (m may then hold only hp, tied and each
      * layer's lin[].rows/cols/is_nf4); fill the device with deterministic random weights of the
      * right shapes instead (NF4 codes with |w| ~ 0.02, bf16 embeddings ~ N(0, 0.02^2)-like,

@@ -83,6 +83,7 @@ struct bt_cuda_trainer {
     cublasHandle_t blas;
     btc_model md;
     int max_M, ckpt, ce_chunk;
+    int attn_impl, nf4_impl; /* bt_cuda_trainer_opts */
     int L, D, Dq, Dkv, F, V, Hq, Hkv, hd, r;
     float scale, dropout;
     unsigned target_mask, trainable;

@@ -9,6 +9,7 @@
  *                             untied) with random NF4 weights generated for the device (no host
  *                             weights); also random:smollm2-135m. Bench-only spec.
  *   --B 1 --T 4096 --r 16 --alpha 32 --dropout 0.05 --steps 10 --warmup 2 --ckpt 0|1
+ *   --attn wmma|mma --nf4 dequant|fused   kernel choices (config cuda.attention / cuda.nf4_matmul)
  * LoRA on all seven linears. Exit 77 without a device. */
 #include <cmath>
 #include <cstdio>
@@ -59,7 +60,7 @@ static int fake_model(bt_model *m, const char *spec)
 int main(int argc, char **argv)
 {
     const char *model = "random:llama2-7b";
-    int B = 1, T = 4096, r = 16, steps = 10, warmup = 2, ckpt = 0;
+    int B = 1, T = 4096, r = 16, steps = 10, warmup = 2, ckpt = 0, attn_mma = 0, nf4_fused = 0;
     double alpha = 32, dropout = 0.05;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -72,6 +73,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--steps")) steps = atoi(v);
         else if (!strcmp(a, "--warmup")) warmup = atoi(v);
         else if (!strcmp(a, "--ckpt")) ckpt = atoi(v);
+        else if (!strcmp(a, "--attn") && (!strcmp(v, "wmma") || !strcmp(v, "mma")))
+            attn_mma = !strcmp(v, "mma");
+        else if (!strcmp(a, "--nf4") && (!strcmp(v, "dequant") || !strcmp(v, "fused")))
+            nf4_fused = !strcmp(v, "fused");
         else {
             fprintf(stderr, "unknown argument %s\n", a);
             return 2;
@@ -103,6 +108,8 @@ int main(int argc, char **argv)
     bt_cuda_trainer_opts o;
     memset(&o, 0, sizeof o);
     o.checkpointing = ckpt;
+    o.attn_impl = attn_mma;
+    o.nf4_impl = nf4_fused;
     o.random_weights = rnd;
     o.random_seed = 1;
     bt_cuda_trainer *t = nullptr;
@@ -145,7 +152,8 @@ int main(int argc, char **argv)
     const double tps = steps > 0 ? (double)M * steps / tt : 0;
     fprintf(stderr, "bench_step_gpu: last loss %.4f, peak device memory %.2f GiB (context/baseline %.2f GiB)\n",
             loss, peak / 1073741824.0, base / 1073741824.0);
-    printf("| barq (CUDA) | %s | %d x %d | %d | %s | %.0f | %.1f | %.2f |\n", model, B, T, r,
+    printf("| barq (CUDA, %s attn, %s NF4) | %s | %d x %d | %d | %s | %.0f | %.1f | %.2f |\n",
+           attn_mma ? "mma" : "wmma", nf4_fused ? "fused" : "dequant", model, B, T, r,
            ckpt ? "yes" : "no", tps, steps > 0 ? 1e3 * tt / steps : 0.0, peak / 1073741824.0);
     bt_cuda_trainer_free(t);
     bt_lora_free(&lora);
