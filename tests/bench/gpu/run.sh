@@ -50,6 +50,7 @@ tmp=$(mktemp -d)
     echo "|---|---|---|---|---|---|---|---|"
     if [ -f "$MODEL" ]; then
         "$cb/bench/bench_step_gpu" --model "$MODEL" --T "$T" --steps "$STEPS" --ckpt 0 2>"$tmp/s1.err" || { echo "| barq (CUDA) | $MODEL | FAILED | | | | | |"; tail -n 5 "$tmp/s1.err" >&2; }
+        "$cb/bench/bench_step_gpu" --model "$MODEL" --T "$T" --steps "$STEPS" --ckpt 0 --attn mma --nf4 fused 2>"$tmp/s1f.err" || { echo "| barq (CUDA, mma attn, fused NF4) | $MODEL | FAILED | | | | | |"; tail -n 5 "$tmp/s1f.err" >&2; }
     else
         echo "| barq (CUDA) | SmolLM2 | skipped: $MODEL not found (make model) | | | | | |"
     fi
@@ -58,6 +59,7 @@ tmp=$(mktemp -d)
     fi
     if [ "${BENCH_SKIP_7B:-0}" != 1 ]; then
         "$cb/bench/bench_step_gpu" --model random:llama2-7b --T "$T" --steps "$STEPS" --ckpt "$CK7" 2>"$tmp/s2.err" || { echo "| barq (CUDA) | random:llama2-7b | FAILED | | | | | |"; tail -n 5 "$tmp/s2.err" >&2; }
+        "$cb/bench/bench_step_gpu" --model random:llama2-7b --T "$T" --steps "$STEPS" --ckpt "$CK7" --attn mma --nf4 fused 2>"$tmp/s2f.err" || { echo "| barq (CUDA, mma attn, fused NF4) | random:llama2-7b | FAILED | | | | | |"; tail -n 5 "$tmp/s2f.err" >&2; }
         if [ "${BENCH_SKIP_HF:-0}" != 1 ]; then
             $PY tests/bench/gpu/bench_hf_step.py --model llama2-7b --T "$T" --steps "$STEPS" --ckpt "$CK7" 2>"$tmp/h2.err" || echo "| HF+PEFT | llama2-7b | FAILED: $(tail -n 1 "$tmp/h2.err") | | | | | |"
         fi
