@@ -3,7 +3,7 @@
 # Without a usable CUDA device it prints "test-gpu: SKIPPED: no CUDA device (<reason>)" and exits 0
 # WITHOUT any pass line (CI on GPU-less machines only requires that everything compiles).
 # With a device: runs every binary (each prints per-test PASS/FAIL lines and "N passed, N failed"),
-# then, if compute-sanitizer is available, reruns each under memcheck and racecheck
+# then, if compute-sanitizer is available, reruns each under memcheck, racecheck and synccheck
 # (BT_GPU_SANITIZE=0 skips that). test_trainer_gpu (the whole GPU trainer step vs the CPU trainer,
 # tiny model + SmolLM2 from BT_MODEL) is one of the binaries. Exit status: 0 only if every binary and sanitizer run passed.
 set -u
@@ -55,7 +55,7 @@ if [ "${BT_GPU_SANITIZE:-1}" != "0" ]; then
     if [ -z "$CS" ]; then
         echo "test-gpu: compute-sanitizer not found; memcheck/racecheck NOT run"
     else
-        for tool in memcheck racecheck; do
+        for tool in memcheck racecheck synccheck; do
             for b in "${bins[@]}"; do
                 echo "== compute-sanitizer --tool $tool $(basename "$b")"
                 # BT_GPU_QUICK=1: test_trainer_gpu runs only its tiny-model cases under the
