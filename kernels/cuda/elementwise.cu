@@ -354,7 +354,9 @@ extern "C" int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, co
         return BT_CU_ERR_UNSUPPORTED;
     if (M == 0)
         return BT_CU_OK;
-    const int nb = M < RMS_BWD_MAX_BLOCKS ? M : RMS_BWD_MAX_BLOCKS;
+    /* with dw: at most RMS_BWD_MAX_BLOCKS blocks (fixed row ranges -> deterministic partials);
+     * without: one block per row, as the forward */
+    const int nb = !dw ? M : (M < RMS_BWD_MAX_BLOCKS ? M : RMS_BWD_MAX_BLOCKS);
     const int rpb = (M + nb - 1) / nb;
     const int nbu = (M + rpb - 1) / rpb; /* blocks actually owning rows */
     float *part = dw ? scratch : nullptr;
