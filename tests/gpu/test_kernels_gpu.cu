@@ -211,6 +211,26 @@ static void test_rmsnorm(void)
         auto gdwv = down(gdw.p, D);
         check("rms dw (accumulated)", gdwv.data(), dw.data(), D, 1e-2, 2e-2);
     }
+    { /* backward without dw (frozen norm weights): one block per row, M > 512 */
+        const int M = 1100, D = 576;
+        auto x = randv((size_t)M * D, 2.0f), dy = randv((size_t)M * D, 1.0f);
+        std::vector<float> w(D);
+        for (auto &v : w)
+            v = 1.0f + rng_sym(0.5f);
+        std::vector<float> y((size_t)M * D), rstd(M), dx((size_t)M * D);
+        bt_rmsnorm_fwd(y.data(), rstd.data(), x.data(), w.data(), M, D, 1e-5f);
+        bt_rmsnorm_bwd(dx.data(), nullptr, dy.data(), x.data(), w.data(), rstd.data(), M, D);
+        DBuf<bt_bf16> gx(x.size()), gy(x.size()), gdy(x.size()), gdx(x.size());
+        DBuf<float> gw(D), grstd(M);
+        up_bf16(gx, x);
+        up_bf16(gdy, dy);
+        up(gw, w);
+        BTOK(bt_cuda_rmsnorm_fwd(gy.p, grstd.p, gx.p, gw.p, M, D, 1e-5f, g_stream));
+        BTOK(bt_cuda_rmsnorm_bwd(gdx.p, nullptr, gdy.p, gx.p, gw.p, grstd.p, M, D, nullptr, g_stream));
+        CU(cudaStreamSynchronize(g_stream));
+        auto gdxv = down_bf16(gdx.p, dx.size());
+        check("rms dx without dw, M=1100", gdxv.data(), dx.data(), dx.size(), 1e-2, 2e-2);
+    }
     DBuf<bt_bf16> a(24), b(24);
     DBuf<float> r(3), w(24);
     check_true("rms D%8!=0 -> UNSUPPORTED",
