@@ -23,6 +23,12 @@ __global__ void nf4_dequant_kernel(bt_bf16 *__restrict__ out, const uint8_t *__r
                                    const float *__restrict__ nested, const float *__restrict__ code8,
                                    float offset, int64_t e0, int64_t nelem)
 {
+    /* the code book in shared memory: lanes index it with different nibbles, which the constant
+     * cache would serialise (up to 16 ways); 16 floats sit in 16 banks, so shared loads do not */
+    __shared__ float s_lut[16];
+    if (threadIdx.x < 16)
+        s_lut[threadIdx.x] = c_nf4_lut[threadIdx.x];
+    __syncthreads();
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t i = t * 16; /* element offset within the output */
     if (i >= nelem)
@@ -39,8 +45,8 @@ __global__ void nf4_dequant_kernel(bt_bf16 *__restrict__ out, const uint8_t *__r
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const uint32_t byte = (w[q] >> (8 * j)) & 0xffu;
-            v[q * 8 + 2 * j] = __float2bfloat16_rn(__fmul_rn(c_nf4_lut[byte >> 4], am));
-            v[q * 8 + 2 * j + 1] = __float2bfloat16_rn(__fmul_rn(c_nf4_lut[byte & 15u], am));
+            v[q * 8 + 2 * j] = __float2bfloat16_rn(__fmul_rn(s_lut[byte >> 4], am));
+            v[q * 8 + 2 * j + 1] = __float2bfloat16_rn(__fmul_rn(s_lut[byte & 15u], am));
         }
     uint4 *o = reinterpret_cast<uint4 *>(out + i);
     o[0] = reinterpret_cast<const uint4 *>(v)[0];
