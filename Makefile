@@ -94,7 +94,8 @@ unit-asan: $(TESTS_ASAN)
 pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 	@BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py
 
-# `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests.
+# `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests, and
+# the CUDA kernels and GPU tests run on the CPU emulator (test-emu; skipped without CUDA headers).
 test: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all
@@ -102,6 +103,8 @@ test: setup
 	@$(MAKE) --no-print-directory unit-asan
 	@$(MAKE) --no-print-directory shards
 	@$(MAKE) --no-print-directory pytest
+	@if [ -f $(CUDA_HOME)/include/cuda_bf16.h ]; then $(MAKE) --no-print-directory test-emu; \
+	 else echo "test-emu: SKIPPED: CUDA headers not found in $(CUDA_HOME)/include"; fi
 
 demo: setup
 	@$(MAKE) --no-print-directory model
@@ -230,6 +233,45 @@ test-gpu: cuda
 # (tests/bench/gpu/run.sh writes tests/bench/results/<device>.md; needs a GPU, else "skipped").
 bench-gpu: cuda
 	@BT_MODEL=$(MODEL) bash tests/bench/gpu/run.sh $(CUDA_BUILD)
+
+# ---- BEGIN test-emu (tests/emu/README.md) -------------------------------------------------------
+# `make test-emu`: the real kernels/cuda/*.cu, trainer/cuda/*.cu and tests/gpu/test_*.cu run on the
+# CPU under an emulator (no GPU, no nvcc needed; only the CUDA headers). tests/emu/cu2cpp.py
+# rewrites each .cu (kernel launches, extern __shared__) into build/emu/src/, g++ compiles it with
+# tests/emu/cuda_emu.h force-included, every test links tests/emu/cuda_emu.cpp (fibers, barriers,
+# warp collectives, ldmatrix/mma/cp.async/wmma, runtime API, cuBLAS as a loop) and build/libbarq.a.
+# -fno-strict-aliasing: the kernels type-pun bf16/uint4 like nvcc allows; -Wno-unknown-pragmas:
+# `#pragma unroll`.
+EMU_BUILD    := $(BUILD)/emu
+EMU_CXX      ?= g++
+EMU_CXXFLAGS := -std=c++17 -O2 -fno-strict-aliasing -Wall -Wextra -Werror -Wno-unknown-pragmas \
+                -DBT_CUDA_EMU -I. -I$(CUDA_HOME)/include
+EMU_LIB_OBJ  := $(patsubst %.cu,$(EMU_BUILD)/obj/%.o,$(CUDA_SRC) $(CUDA_TRAINER_SRC)) \
+                $(EMU_BUILD)/obj/tests/emu/cuda_emu.o
+EMU_TESTS    := $(patsubst tests/gpu/%.cu,$(EMU_BUILD)/tests/%,$(GPU_TEST_SRC))
+
+$(EMU_BUILD)/src/%.cpp: %.cu tests/emu/cu2cpp.py
+	@mkdir -p $(dir $@)
+	$(PYTHON) tests/emu/cu2cpp.py $< $@
+
+$(EMU_BUILD)/obj/tests/emu/cuda_emu.o: tests/emu/cuda_emu.cpp tests/emu/cuda_emu.h
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) $(EMU_CXXFLAGS) -c $< -o $@
+
+$(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) $(GPU_TEST_HDRS) \
+                      $(HDRS) $(wildcard trainer/cuda/*.h)
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) $(EMU_CXXFLAGS) -include tests/emu/cuda_emu.h -c $< -o $@
+
+$(EMU_BUILD)/tests/%: $(EMU_BUILD)/obj/tests/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(LDLIBS)
+
+.PHONY: test-emu
+test-emu: $(EMU_TESTS)
+	@$(PYTHON) tests/emu/cu2cpp.py --check $(CUDA_HDRS) $(wildcard trainer/cuda/*.h) $(GPU_TEST_HDRS)
+	@bash tests/emu/run.sh $(EMU_BUILD)/logs $(EMU_TESTS)
+# ---- END test-emu -------------------------------------------------------------------------------
 
 # build/trainer is linked either CPU-only or with CUDA: $(BUILD)/.trainer-variant records which,
 # and switching between `make` and `make CUDA=1` removes the stale binary so it is relinked.

@@ -44,37 +44,68 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p)
 __device__ __forceinline__ void ldsm_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
                                         const bt_bf16 *p)
 {
+#ifndef BT_CUDA_EMU
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(smem_u32(p)));
+#else /* CPU emulator (tests/emu) */
+    uint32_t r[4];
+    bt_emu::ldmatrix_x4(r, p, false);
+    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+#endif
 }
 __device__ __forceinline__ void ldsm_x4_t(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
                                           const bt_bf16 *p)
 {
+#ifndef BT_CUDA_EMU
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(smem_u32(p)));
+#else /* CPU emulator (tests/emu) */
+    uint32_t r[4];
+    bt_emu::ldmatrix_x4(r, p, true);
+    r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+#endif
 }
 /* c[0..3] += A(16x16) * B(16x8), bf16 x bf16 -> fp32 */
 __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
 {
+#ifndef BT_CUDA_EMU
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else /* CPU emulator (tests/emu) */
+    bt_emu::mma_m16n8k16_bf16(c, a, b0, b1);
+#endif
 }
 /* 16-byte global -> shared copy; src_bytes 0 writes zeros (PTX cp.async zero-fill) */
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes)
 {
+#ifndef BT_CUDA_EMU
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                  "r"(src_bytes)
                  : "memory");
+#else /* CPU emulator (tests/emu) */
+    bt_emu::cp_async16(dst, src, src_bytes);
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit()
+{
+#ifndef BT_CUDA_EMU
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#else /* CPU emulator (tests/emu) */
+    bt_emu::cp_async_commit();
+#endif
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait()
 {
+#ifndef BT_CUDA_EMU
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#else /* CPU emulator (tests/emu) */
+    bt_emu::cp_async_wait(N);
+#endif
 }
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 {

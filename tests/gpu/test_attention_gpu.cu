@@ -302,8 +302,10 @@ static void check_all(const GpuOut &g, const AttRef &r)
 {
     check("out", g.out.data(), r.out.data(), r.nq, 2e-2, 4e-2);
     check("lse", g.lse.data(), r.lse.data(), r.lse.size(), 1e-2, 1e-2);
-    check("dq", g.dq.data(), r.dq.data(), r.nq, 3e-2, 6e-2);
-    check("dk", g.dk.data(), r.dk.data(), r.nk, 3e-2, 6e-2);
+    /* dq, dk are exactly 0 for one-token documents (softmax over one key): rounding noise of
+     * ~1e-8 there must not be judged relative to itself */
+    check_floor("dq", g.dq.data(), r.dq.data(), r.nq, 3e-2, 6e-2, 1e-6);
+    check_floor("dk", g.dk.data(), r.dk.data(), r.nk, 3e-2, 6e-2, 1e-6);
     check("dv", g.dv.data(), r.dv.data(), r.nk, 3e-2, 6e-2);
 }
 
@@ -460,8 +462,24 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--probe-only") == 0)
         return 0;
     CU(cudaStreamCreate(&g_stream));
-    for (const AttCase &c : k_cases)
+    /* BT_GPU_EMU=1 (the CPU emulation of tests/emu, `make test-emu`): single long documents are
+     * too slow there; "long 1000 d128" is skipped (the 1000-token S^2 case still runs) and the
+     * cross-check / determinism case runs at 384 tokens with the same heads and RoPE table */
+    const bool emu = getenv("BT_GPU_EMU") && atoi(getenv("BT_GPU_EMU"));
+    for (const AttCase &c : k_cases) {
+        if (emu && c.lens.size() == 1 && c.lens[0] >= 1000) {
+            if (!c.cross) {
+                printf("  case %s: skipped under BT_GPU_EMU\n", c.name);
+                continue;
+            }
+            AttCase e = c;
+            e.name = "cross 384 d128 gqa llama3 (BT_GPU_EMU size)";
+            e.lens = {384};
+            run_case(e);
+            continue;
+        }
         run_case(c);
+    }
     for (int impl = 0; impl < N_IMPL; impl++) {
         if (!g_impl_on[impl] || g_case_filter)
             continue;
