@@ -9,7 +9,7 @@
  * softmax / dS element work runs on all threads in between. Tiles: 64 queries x 64 keys, 4 warps.
  * Later versions: register-resident accumulators with mma.sync / wgmma, cp.async double buffering.
  * Contracts: kernels/cuda/kernels_cuda.h. Reference: kernels/cpu/attention.c (+ kernels/cpu/rope.c). */
-#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/attention_common.h"
 
 #include <mma.h>
 #include <type_traits>
@@ -60,27 +60,6 @@ __device__ __forceinline__ void block_mma(float *C, int ldc, const bt_bf16 *A, i
         wmma::store_matrix_sync(cp, acc, ldc, wmma::mem_row_major);
     }
     __syncthreads();
-}
-
-__device__ __forceinline__ int s2_group_start(int i, int G, bool shifted)
-{
-    if (!shifted)
-        return (i / G) * G;
-    const int gs = ((i + G / 2) / G) * G - G / 2;
-    return gs > 0 ? gs : 0;
-}
-__device__ __forceinline__ int s2_group_end(int j, int G, bool shifted) /* exclusive */
-{
-    if (!shifted)
-        return (j / G + 1) * G;
-    return ((j + G / 2) / G) * G + G / 2;
-}
-/* query i may attend key j (local positions within one document) */
-__device__ __forceinline__ bool att_visible(int i, int j, int G, bool shifted)
-{
-    if (j > i)
-        return false;
-    return G <= 0 || j >= s2_group_start(i, G, shifted);
 }
 
 __device__ __forceinline__ void rot8(float a[8], float b[8], const float *inv_freq, int i0, int pos,
@@ -173,17 +152,6 @@ __device__ __forceinline__ void store_tile(bt_bf16 *g, int64_t ldg, const float 
     }
 }
 
-/* The RoPE inverse frequencies into shared memory: the model's table when given (llama3 / GGUF
- * rope_freqs / default computed on the host as transformers does), else 1/theta^(2i/D). */
-__device__ __forceinline__ void init_inv_freq(float *inv_freq, int D, float theta, const float *table)
-{
-    for (int i = threadIdx.x; i < D / 2; i += ATT_THREADS)
-        inv_freq[i] = table ? table[i] : 1.0f / powf(theta, (float)(2 * i) / (float)D);
-}
-
-/* shared-memory carving: 128-byte aligned regions */
-__host__ __device__ constexpr size_t att_align(size_t x) { return (x + 127) & ~(size_t)127; }
-
 /* ----------------------------------------------------------------------------- forward */
 
 template <int D>
@@ -191,13 +159,13 @@ struct FwdSmem {
     static constexpr int BR = 64;
     static constexpr int LDB = D + 8, LDS = ATT_BC + 4, LDP = ATT_BC + 8, LDO = D + 4;
     static constexpr size_t q = 0;
-    static constexpr size_t k = att_align(q + sizeof(bt_bf16) * BR * LDB);
-    static constexpr size_t v = att_align(k + sizeof(bt_bf16) * ATT_BC * LDB);
-    static constexpr size_t s = att_align(v + sizeof(bt_bf16) * ATT_BC * LDB);
-    static constexpr size_t p = att_align(s + sizeof(float) * BR * LDS);
-    static constexpr size_t o = att_align(p + sizeof(bt_bf16) * BR * LDP);
-    static constexpr size_t f = att_align(o + sizeof(float) * BR * LDO); /* inv_freq[D/2], rowmul[BR] */
-    static constexpr size_t bytes = att_align(f + sizeof(float) * (D / 2 + BR));
+    static constexpr size_t k = bt_att_align(q + sizeof(bt_bf16) * BR * LDB);
+    static constexpr size_t v = bt_att_align(k + sizeof(bt_bf16) * ATT_BC * LDB);
+    static constexpr size_t s = bt_att_align(v + sizeof(bt_bf16) * ATT_BC * LDB);
+    static constexpr size_t p = bt_att_align(s + sizeof(float) * BR * LDS);
+    static constexpr size_t o = bt_att_align(p + sizeof(bt_bf16) * BR * LDP);
+    static constexpr size_t f = bt_att_align(o + sizeof(float) * BR * LDO); /* inv_freq[D/2], rowmul[BR] */
+    static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2 + BR));
 };
 
 struct AttArgs {
@@ -235,7 +203,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(AttArgs a, bt_bf1
     const int nq = min(BR, L - q0);
     const bool shifted = a.G > 0 && h >= a.Hq / 2;
     if (a.pos)
-        init_inv_freq(sInvF, D, a.theta, a.invf);
+        bt_att_init_inv_freq(sInvF, D, a.theta, a.invf);
     for (int i = threadIdx.x; i < BR * SM::LDO; i += ATT_THREADS)
         sO[i] = 0.0f;
     __syncthreads();
@@ -248,7 +216,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(AttArgs a, bt_bf1
     const int row = threadIdx.x >> 1, half = threadIdx.x & 1;
     const int qi = q0 + row;
     float m_run = -INFINITY, l_run = 0.0f;
-    const int kfirst = a.G > 0 ? s2_group_start(q0, a.G, shifted) : 0;
+    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
     const int kt0 = kfirst / ATT_BC, kt1 = (q0 + nq - 1) / ATT_BC;
     for (int kt = kt0; kt <= kt1; kt++) {
         const int k0 = kt * ATT_BC, nk = min(ATT_BC, L - k0);
@@ -265,7 +233,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(AttArgs a, bt_bf1
 #pragma unroll
         for (int j = 0; j < 32; j++) {
             const int jj = half * 32 + j, kj = k0 + jj;
-            const bool ok = row < nq && jj < nk && att_visible(qi, kj, a.G, shifted);
+            const bool ok = row < nq && jj < nk && bt_att_visible(qi, kj, a.G, shifted);
             sv[j] = ok ? sS[row * SM::LDS + jj] * sl2 : -INFINITY;
             mx = fmaxf(mx, sv[j]);
         }
@@ -324,17 +292,17 @@ struct DkvSmem {
     static constexpr int BR = D == 128 ? 32 : 64; /* query rows per step (fits sm_80's 163 KB) */
     static constexpr int LDB = D + 8, LDS = ATT_BC + 4, LDP = ATT_BC + 8, LDA = D + 4;
     static constexpr size_t k = 0;
-    static constexpr size_t v = att_align(k + sizeof(bt_bf16) * ATT_BC * LDB);
-    static constexpr size_t q = att_align(v + sizeof(bt_bf16) * ATT_BC * LDB);
-    static constexpr size_t dO = att_align(q + sizeof(bt_bf16) * BR * LDB);
-    static constexpr size_t s = att_align(dO + sizeof(bt_bf16) * BR * LDB);
-    static constexpr size_t dp = att_align(s + sizeof(float) * BR * LDS);
-    static constexpr size_t p = att_align(dp + sizeof(float) * BR * LDS);
-    static constexpr size_t ds = att_align(p + sizeof(bt_bf16) * BR * LDP);
-    static constexpr size_t dk = att_align(ds + sizeof(bt_bf16) * BR * LDP);
-    static constexpr size_t dv = att_align(dk + sizeof(float) * ATT_BC * LDA);
-    static constexpr size_t f = att_align(dv + sizeof(float) * ATT_BC * LDA); /* inv_freq, lse2, delta */
-    static constexpr size_t bytes = att_align(f + sizeof(float) * (D / 2 + 2 * BR));
+    static constexpr size_t v = bt_att_align(k + sizeof(bt_bf16) * ATT_BC * LDB);
+    static constexpr size_t q = bt_att_align(v + sizeof(bt_bf16) * ATT_BC * LDB);
+    static constexpr size_t dO = bt_att_align(q + sizeof(bt_bf16) * BR * LDB);
+    static constexpr size_t s = bt_att_align(dO + sizeof(bt_bf16) * BR * LDB);
+    static constexpr size_t dp = bt_att_align(s + sizeof(float) * BR * LDS);
+    static constexpr size_t p = bt_att_align(dp + sizeof(float) * BR * LDS);
+    static constexpr size_t ds = bt_att_align(p + sizeof(bt_bf16) * BR * LDP);
+    static constexpr size_t dk = bt_att_align(ds + sizeof(bt_bf16) * BR * LDP);
+    static constexpr size_t dv = bt_att_align(dk + sizeof(float) * ATT_BC * LDA);
+    static constexpr size_t f = bt_att_align(dv + sizeof(float) * ATT_BC * LDA); /* inv_freq, lse2, delta */
+    static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2 + 2 * BR));
 };
 
 /* One CTA per (64-key tile, kv head, document): dK, dV for the tile, summed over all query heads of
@@ -369,7 +337,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
         return;
     const int nk = min(ATT_BC, L - k0);
     if (a.pos)
-        init_inv_freq(sInvF, D, a.theta, a.invf);
+        bt_att_init_inv_freq(sInvF, D, a.theta, a.invf);
     for (int i = threadIdx.x; i < ATT_BC * SM::LDA; i += ATT_THREADS) {
         sdK[i] = 0.0f;
         sdV[i] = 0.0f;
@@ -386,7 +354,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
         const bool shifted = a.G > 0 && h >= a.Hq / 2;
         int qend = L; /* rows that can see keys [k0, k0+nk) */
         if (a.G > 0)
-            qend = min(L, s2_group_end(k0 + nk - 1, a.G, shifted));
+            qend = min(L, bt_s2_group_end(k0 + nk - 1, a.G, shifted));
         for (int q0 = k0; q0 < qend; q0 += BR) {
             const int nq = min(BR, qend - q0);
             __syncthreads(); /* previous step done with sQ/sdO/stats */
@@ -405,7 +373,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
                                                                        sV, SM::LDB, false);
             for (int e = threadIdx.x; e < BR * ATT_BC; e += ATT_THREADS) {
                 const int r = e / ATT_BC, j = e % ATT_BC;
-                const bool ok = r < nq && j < nk && att_visible(q0 + r, k0 + j, a.G, shifted);
+                const bool ok = r < nq && j < nk && bt_att_visible(q0 + r, k0 + j, a.G, shifted);
                 const float p = ok ? exp2f(sS[r * SM::LDS + j] * sl2 - sLse2[r]) : 0.0f;
                 sP[r * SM::LDP + j] = __float2bfloat16_rn(p);
                 sdS[r * SM::LDP + j] =
@@ -430,15 +398,15 @@ struct DqSmem {
     static constexpr int BR = 64;
     static constexpr int LDB = D + 8, LDS = ATT_BC + 4, LDP = ATT_BC + 8, LDA = D + 4;
     static constexpr size_t q = 0;
-    static constexpr size_t dO = att_align(q + sizeof(bt_bf16) * BR * LDB);
-    static constexpr size_t k = att_align(dO + sizeof(bt_bf16) * BR * LDB);
-    static constexpr size_t v = att_align(k + sizeof(bt_bf16) * ATT_BC * LDB);
-    static constexpr size_t s = att_align(v + sizeof(bt_bf16) * ATT_BC * LDB);
-    static constexpr size_t dp = att_align(s + sizeof(float) * BR * LDS);
-    static constexpr size_t ds = att_align(dp + sizeof(float) * BR * LDS);
-    static constexpr size_t dq = att_align(ds + sizeof(bt_bf16) * BR * LDP);
-    static constexpr size_t f = att_align(dq + sizeof(float) * BR * LDA);
-    static constexpr size_t bytes = att_align(f + sizeof(float) * (D / 2 + 2 * BR));
+    static constexpr size_t dO = bt_att_align(q + sizeof(bt_bf16) * BR * LDB);
+    static constexpr size_t k = bt_att_align(dO + sizeof(bt_bf16) * BR * LDB);
+    static constexpr size_t v = bt_att_align(k + sizeof(bt_bf16) * ATT_BC * LDB);
+    static constexpr size_t s = bt_att_align(v + sizeof(bt_bf16) * ATT_BC * LDB);
+    static constexpr size_t dp = bt_att_align(s + sizeof(float) * BR * LDS);
+    static constexpr size_t ds = bt_att_align(dp + sizeof(float) * BR * LDS);
+    static constexpr size_t dq = bt_att_align(ds + sizeof(bt_bf16) * BR * LDP);
+    static constexpr size_t f = bt_att_align(dq + sizeof(float) * BR * LDA);
+    static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2 + 2 * BR));
 };
 
 /* One CTA per (64-query tile, query head, document): dQ = sum over key tiles of dS K. */
@@ -471,7 +439,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
     const int nq = min(BR, L - q0);
     const bool shifted = a.G > 0 && h >= a.Hq / 2;
     if (a.pos)
-        init_inv_freq(sInvF, D, a.theta, a.invf);
+        bt_att_init_inv_freq(sInvF, D, a.theta, a.invf);
     for (int i = threadIdx.x; i < BR * SM::LDA; i += ATT_THREADS)
         sdQ[i] = 0.0f;
     for (int r = threadIdx.x; r < BR; r += ATT_THREADS) {
@@ -486,7 +454,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
     load_tile<D, BR>(sdO, SM::LDB, dout + (int64_t)(start + q0) * a.Hq * D + (int64_t)h * D,
                      (int64_t)a.Hq * D, nq, nullptr, nullptr, 0.0f);
     const float sl2 = a.scale * LOG2E;
-    const int kfirst = a.G > 0 ? s2_group_start(q0, a.G, shifted) : 0;
+    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
     const int kt0 = kfirst / ATT_BC, kt1 = (q0 + nq - 1) / ATT_BC;
     for (int kt = kt0; kt <= kt1; kt++) {
         const int k0 = kt * ATT_BC, nk = min(ATT_BC, L - k0);
@@ -501,7 +469,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
                                                                    SM::LDB, false);
         for (int e = threadIdx.x; e < BR * ATT_BC; e += ATT_THREADS) {
             const int r = e / ATT_BC, j = e % ATT_BC;
-            const bool ok = r < nq && j < nk && att_visible(q0 + r, k0 + j, a.G, shifted);
+            const bool ok = r < nq && j < nk && bt_att_visible(q0 + r, k0 + j, a.G, shifted);
             const float p = ok ? exp2f(sS[r * SM::LDS + j] * sl2 - sLse2[r]) : 0.0f;
             sdS[r * SM::LDP + j] =
                 __float2bfloat16_rn(p * (sdP[r * SM::LDS + j] - sDelta[r]) * a.scale);
@@ -516,27 +484,6 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
 }
 
 /* --------------------------------------------------------------------------- launchers */
-
-static int att_check(const bt_cuda_attn_params *p, const void *const *ptrs, int nptr)
-{
-    if (!p || p->M < 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->n_seq < 0 ||
-        p->max_seqlen < 0 || (p->n_seq > 0 && !p->cu_seqlens) || p->s2_group < 0 || (p->s2_group & 1))
-        return BT_CU_ERR_INVALID;
-    if (p->D != 64 && p->D != 128)
-        return BT_CU_ERR_UNSUPPORTED;
-    const int64_t hd = (int64_t)p->D;
-    if (p->ldq < p->Hq * hd || p->ldk < p->Hkv * hd || p->ldv < p->Hkv * hd)
-        return BT_CU_ERR_INVALID;
-    if (p->ldq % 8 || p->ldk % 8 || p->ldv % 8)
-        return BT_CU_ERR_UNSUPPORTED; /* 16-byte row alignment for the vector loads */
-    for (int i = 0; i < nptr; i++) {
-        if (!ptrs[i])
-            return BT_CU_ERR_INVALID;
-        if ((uintptr_t)ptrs[i] & 15)
-            return BT_CU_ERR_UNSUPPORTED;
-    }
-    return BT_CU_OK;
-}
 
 static AttArgs att_args(const bt_cuda_attn_params *p, int tile)
 {
@@ -559,20 +506,12 @@ static AttArgs att_args(const bt_cuda_attn_params *p, int tile)
     return a;
 }
 
-/* Raise the kernel's dynamic shared-memory limit above the 48 KB default (per device, cheap). */
-template <typename K>
-static int att_smem(K kernel, size_t smem)
-{
-    return BT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)smem));
-}
-
 extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse,
                                 const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v,
                                 cudaStream_t stream)
 {
     const void *ptrs[] = {out, lse, q, k, v};
-    BT_TRY(att_check(p, ptrs, 5));
+    BT_TRY(bt_att_check(p, ptrs, 5));
     if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
         return BT_CU_OK;
     const AttArgs a = att_args(p, 64);
@@ -581,10 +520,10 @@ extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, floa
         return BT_CU_ERR_UNSUPPORTED;
     const dim3 grid((unsigned)gx, (unsigned)p->Hq);
     if (p->D == 64) {
-        BT_TRY(att_smem(attn_fwd_kernel<64>, FwdSmem<64>::bytes));
+        BT_TRY(bt_att_smem(attn_fwd_kernel<64>, FwdSmem<64>::bytes));
         attn_fwd_kernel<64><<<grid, ATT_THREADS, FwdSmem<64>::bytes, stream>>>(a, out, lse, q, k, v);
     } else {
-        BT_TRY(att_smem(attn_fwd_kernel<128>, FwdSmem<128>::bytes));
+        BT_TRY(bt_att_smem(attn_fwd_kernel<128>, FwdSmem<128>::bytes));
         attn_fwd_kernel<128><<<grid, ATT_THREADS, FwdSmem<128>::bytes, stream>>>(a, out, lse, q, k, v);
     }
     BT_LAUNCH_CHECK();
@@ -597,7 +536,7 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
                                 const bt_bf16 *v, float *delta, cudaStream_t stream)
 {
     const void *ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    BT_TRY(att_check(p, ptrs, 8));
+    BT_TRY(bt_att_check(p, ptrs, 8));
     if (!lse || !delta)
         return BT_CU_ERR_INVALID;
     if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
@@ -612,19 +551,19 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
         return BT_CU_ERR_UNSUPPORTED;
     const dim3 gkv((unsigned)gx, (unsigned)p->Hkv), gq((unsigned)gx, (unsigned)p->Hq);
     if (p->D == 64) {
-        BT_TRY(att_smem(attn_bwd_dkdv_kernel<64>, DkvSmem<64>::bytes));
+        BT_TRY(bt_att_smem(attn_bwd_dkdv_kernel<64>, DkvSmem<64>::bytes));
         attn_bwd_dkdv_kernel<64><<<gkv, ATT_THREADS, DkvSmem<64>::bytes, stream>>>(
             a, dk, dv, dout, lse, delta, q, k, v);
         BT_LAUNCH_CHECK();
-        BT_TRY(att_smem(attn_bwd_dq_kernel<64>, DqSmem<64>::bytes));
+        BT_TRY(bt_att_smem(attn_bwd_dq_kernel<64>, DqSmem<64>::bytes));
         attn_bwd_dq_kernel<64><<<gq, ATT_THREADS, DqSmem<64>::bytes, stream>>>(a, dq, dout, lse,
                                                                               delta, q, k, v);
     } else {
-        BT_TRY(att_smem(attn_bwd_dkdv_kernel<128>, DkvSmem<128>::bytes));
+        BT_TRY(bt_att_smem(attn_bwd_dkdv_kernel<128>, DkvSmem<128>::bytes));
         attn_bwd_dkdv_kernel<128><<<gkv, ATT_THREADS, DkvSmem<128>::bytes, stream>>>(
             a, dk, dv, dout, lse, delta, q, k, v);
         BT_LAUNCH_CHECK();
-        BT_TRY(att_smem(attn_bwd_dq_kernel<128>, DqSmem<128>::bytes));
+        BT_TRY(bt_att_smem(attn_bwd_dq_kernel<128>, DqSmem<128>::bytes));
         attn_bwd_dq_kernel<128><<<gq, ATT_THREADS, DqSmem<128>::bytes, stream>>>(a, dq, dout, lse,
                                                                                 delta, q, k, v);
     }

@@ -28,7 +28,7 @@
  * the first fma is exact for |angle| < 2^24) and fed to __sincosf: about 1e-6 absolute error, far
  * below the bf16 rounding of the rotated values, and several times cheaper than sincosf, which
  * matters because every K tile is rotated once per query tile. */
-#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/attention_common.h"
 
 #define MA_LOG2E 1.4426950408889634f
 #define MA_LN2 0.6931471805599453f
@@ -209,22 +209,6 @@ __device__ __forceinline__ void zero_acc(float (*c)[4])
         c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
 }
 
-/* ------------------------------------------------------------------ masks (as attention.cu) */
-
-__device__ __forceinline__ int s2_start(int i, int G, bool shifted)
-{
-    if (!shifted)
-        return (i / G) * G;
-    const int gs = ((i + G / 2) / G) * G - G / 2;
-    return gs > 0 ? gs : 0;
-}
-__device__ __forceinline__ int s2_end(int j, int G, bool shifted) /* exclusive */
-{
-    if (!shifted)
-        return (j / G + 1) * G;
-    return ((j + G / 2) / G) * G + G / 2;
-}
-
 /* ---------------------------------------------------------------------------------- RoPE */
 
 /* sin/cos of an fp32 angle: exact reduction modulo 2*pi (2*pi = HI + LO, HI = fp32(2*pi); for
@@ -368,14 +352,6 @@ __device__ __forceinline__ void store_acc(bt_bf16 *gdst, int64_t ldg, int nvalid
     }
 }
 
-__device__ __forceinline__ void init_inv_freq(float *inv_freq, int D, float theta, const float *table)
-{
-    for (int i = threadIdx.x; i < D / 2; i += blockDim.x)
-        inv_freq[i] = table ? table[i] : 1.0f / powf(theta, (float)(2 * i) / (float)D);
-}
-
-__host__ __device__ constexpr size_t ma_align(size_t x) { return (x + 127) & ~(size_t)127; }
-
 struct MArgs {
     int Hq, Hkv, n_seq, nblk, G;
     const int32_t *cu;
@@ -405,10 +381,10 @@ template <int D>
 struct MFwdSmem {
     static constexpr int LD = D + 8;
     static constexpr size_t q = 0;                                            /* [BR][LD] */
-    static constexpr size_t k = ma_align(q + sizeof(bt_bf16) * MF_BR * LD);   /* 2 x [BN][LD] */
-    static constexpr size_t v = ma_align(k + 2 * sizeof(bt_bf16) * MF_BN * LD); /* 2 x [BN][LD] */
-    static constexpr size_t f = ma_align(v + 2 * sizeof(bt_bf16) * MF_BN * LD); /* inv_freq */
-    static constexpr size_t bytes = ma_align(f + sizeof(float) * (D / 2));
+    static constexpr size_t k = bt_att_align(q + sizeof(bt_bf16) * MF_BR * LD);   /* 2 x [BN][LD] */
+    static constexpr size_t v = bt_att_align(k + 2 * sizeof(bt_bf16) * MF_BN * LD); /* 2 x [BN][LD] */
+    static constexpr size_t f = bt_att_align(v + 2 * sizeof(bt_bf16) * MF_BN * LD); /* inv_freq */
+    static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2));
 };
 
 /* One CTA per (128-query tile, query head, document); warp w owns query rows q0+16w..q0+16w+15
@@ -443,7 +419,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     const int32_t *pos = rot ? a.pos + start : nullptr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     if (rot)
-        init_inv_freq(sInvF, D, a.theta, a.invf);
+        bt_att_init_inv_freq(sInvF, D, a.theta, a.invf);
     __syncthreads();
 
     /* Q tile (rotated) -> smem -> this warp's A fragments */
@@ -453,7 +429,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
                 rot ? pos + q0 : nullptr, a.pos_scale);
         qt.store(sQ, sInvF, rot);
     }
-    const int kfirst = a.G > 0 ? s2_start(q0, a.G, shifted) : 0;
+    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
     const int kt0 = kfirst / BN, kt1 = (q0 + nq - 1) / BN;
     const bt_bf16 *kbase = k + (int64_t)start * a.ldk + (int64_t)g * D;
     const bt_bf16 *vbase = v + (int64_t)start * a.ldv + (int64_t)g * D;
@@ -476,10 +452,10 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     int qi[2], lo[2];
     for (int r = 0; r < 2; r++) {
         qi[r] = qw0 + gq + 8 * r;
-        lo[r] = a.G > 0 ? s2_start(qi[r], a.G, shifted) : 0;
+        lo[r] = a.G > 0 ? bt_s2_group_start(qi[r], a.G, shifted) : 0;
     }
-    const int lo_w0 = a.G > 0 ? s2_start(qw0, a.G, shifted) : 0;       /* smallest in warp */
-    const int lo_w1 = a.G > 0 ? s2_start(qw0 + 15, a.G, shifted) : 0;  /* largest in warp */
+    const int lo_w0 = a.G > 0 ? bt_s2_group_start(qw0, a.G, shifted) : 0;       /* smallest in warp */
+    const int lo_w1 = a.G > 0 ? bt_s2_group_start(qw0 + 15, a.G, shifted) : 0;  /* largest in warp */
     const float sl2 = a.scale * MA_LOG2E;
     float o[D / 8][4];
     zero_acc<D / 8>(o);
@@ -629,12 +605,12 @@ template <int D>
 struct MDkvSmem {
     static constexpr int LD = D + 8, MB_BM = MDkvTile<D>::BM;
     static constexpr size_t k = 0;                                             /* [BN][LD] */
-    static constexpr size_t v = ma_align(k + sizeof(bt_bf16) * MB_BN * LD);    /* [BN][LD] */
-    static constexpr size_t q = ma_align(v + sizeof(bt_bf16) * MB_BN * LD);    /* 2 x [BM][LD] */
-    static constexpr size_t dO = ma_align(q + 2 * sizeof(bt_bf16) * MB_BM * LD); /* 2 x [BM][LD] */
-    static constexpr size_t st = ma_align(dO + 2 * sizeof(bt_bf16) * MB_BM * LD); /* 2 x [BM] lse2, 2 x [BM] delta */
-    static constexpr size_t f = ma_align(st + 4 * sizeof(float) * MB_BM);       /* inv_freq */
-    static constexpr size_t bytes = ma_align(f + sizeof(float) * (D / 2));
+    static constexpr size_t v = bt_att_align(k + sizeof(bt_bf16) * MB_BN * LD);    /* [BN][LD] */
+    static constexpr size_t q = bt_att_align(v + sizeof(bt_bf16) * MB_BN * LD);    /* 2 x [BM][LD] */
+    static constexpr size_t dO = bt_att_align(q + 2 * sizeof(bt_bf16) * MB_BM * LD); /* 2 x [BM][LD] */
+    static constexpr size_t st = bt_att_align(dO + 2 * sizeof(bt_bf16) * MB_BM * LD); /* 2 x [BM] lse2, 2 x [BM] delta */
+    static constexpr size_t f = bt_att_align(st + 4 * sizeof(float) * MB_BM);       /* inv_freq */
+    static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2));
 };
 
 template <int D>
@@ -667,7 +643,7 @@ __global__ void __launch_bounds__(MB_THREADS, 1)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     const int tid = threadIdx.x;
     if (rot)
-        init_inv_freq(sInvF, D, a.theta, a.invf);
+        bt_att_init_inv_freq(sInvF, D, a.theta, a.invf);
     __syncthreads();
     {
         RotTile<D, BN, MB_THREADS, LD> ktile;
@@ -682,7 +658,7 @@ __global__ void __launch_bounds__(MB_THREADS, 1)
     auto qend_of = [&](int hi) {
         const int hh = g * grp + hi;
         const bool sh = a.G > 0 && hh >= a.Hq / 2;
-        return a.G > 0 ? min(L, s2_end(k0 + nk - 1, a.G, sh)) : L;
+        return a.G > 0 ? min(L, bt_s2_group_end(k0 + nk - 1, a.G, sh)) : L;
     };
     const int64_t ldo = (int64_t)a.Hq * D;
     RotTile<D, BM, MB_THREADS, LD> qt;
@@ -751,9 +727,9 @@ __global__ void __launch_bounds__(MB_THREADS, 1)
         int qhi[2];
 #pragma unroll
         for (int r = 0; r < 2; r++)
-            qhi[r] = (a.G > 0 ? min(L, s2_end(kj[r], a.G, sh)) : L) - 1;
-        const int qhi_w0 = (a.G > 0 ? min(L, s2_end(kw0, a.G, sh)) : L) - 1; /* smallest */
-        const int qhi_w1 = (a.G > 0 ? min(L, s2_end(kw0 + 15, a.G, sh)) : L) - 1;
+            qhi[r] = (a.G > 0 ? min(L, bt_s2_group_end(kj[r], a.G, sh)) : L) - 1;
+        const int qhi_w0 = (a.G > 0 ? min(L, bt_s2_group_end(kw0, a.G, sh)) : L) - 1; /* smallest */
+        const int qhi_w1 = (a.G > 0 ? min(L, bt_s2_group_end(kw0 + 15, a.G, sh)) : L) - 1;
         const bool active = kw0 < L && q0 + BM - 1 >= kw0 && q0 <= qhi_w1;
         const bool need_mask = q0 < kw0 + 15 || q0 + BM - 1 > qhi_w0;
         float pt[BM / 8][4];
@@ -824,11 +800,11 @@ template <int D>
 struct MDqSmem {
     static constexpr int LD = D + 8;
     static constexpr size_t q = 0;                                             /* [BR][LD] */
-    static constexpr size_t dO = ma_align(q + sizeof(bt_bf16) * MF_BR * LD);   /* [BR][LD] */
-    static constexpr size_t k = ma_align(dO + sizeof(bt_bf16) * MF_BR * LD);   /* 2 x [BN][LD] */
-    static constexpr size_t v = ma_align(k + 2 * sizeof(bt_bf16) * MF_BN * LD);
-    static constexpr size_t f = ma_align(v + 2 * sizeof(bt_bf16) * MF_BN * LD);
-    static constexpr size_t bytes = ma_align(f + sizeof(float) * (D / 2));
+    static constexpr size_t dO = bt_att_align(q + sizeof(bt_bf16) * MF_BR * LD);   /* [BR][LD] */
+    static constexpr size_t k = bt_att_align(dO + sizeof(bt_bf16) * MF_BR * LD);   /* 2 x [BN][LD] */
+    static constexpr size_t v = bt_att_align(k + 2 * sizeof(bt_bf16) * MF_BN * LD);
+    static constexpr size_t f = bt_att_align(v + 2 * sizeof(bt_bf16) * MF_BN * LD);
+    static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2));
 };
 
 template <int D>
@@ -859,7 +835,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     const int32_t *pos = rot ? a.pos + start : nullptr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     if (rot)
-        init_inv_freq(sInvF, D, a.theta, a.invf);
+        bt_att_init_inv_freq(sInvF, D, a.theta, a.invf);
     __syncthreads();
     const int64_t ldo = (int64_t)a.Hq * D;
     {
@@ -870,7 +846,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
                                        ldo, nq);
         qt.store(sQ, sInvF, rot);
     }
-    const int kfirst = a.G > 0 ? s2_start(q0, a.G, shifted) : 0;
+    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
     const int kt0 = kfirst / BN, kt1 = (q0 + nq - 1) / BN;
     const bt_bf16 *kbase = k + (int64_t)start * a.ldk + (int64_t)g * D;
     const bt_bf16 *vbase = v + (int64_t)start * a.ldv + (int64_t)g * D;
@@ -887,7 +863,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     float lse2[2], dl[2];
     for (int r = 0; r < 2; r++) {
         qi[r] = qw0 + gq + 8 * r;
-        lo[r] = a.G > 0 ? s2_start(qi[r], a.G, shifted) : 0;
+        lo[r] = a.G > 0 ? bt_s2_group_start(qi[r], a.G, shifted) : 0;
         lse2[r] = 0.0f;
         dl[r] = 0.0f;
         if (qi[r] < L) {
@@ -896,8 +872,8 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
             dl[r] = delta[idx];
         }
     }
-    const int lo_w0 = a.G > 0 ? s2_start(qw0, a.G, shifted) : 0;
-    const int lo_w1 = a.G > 0 ? s2_start(qw0 + 15, a.G, shifted) : 0;
+    const int lo_w0 = a.G > 0 ? bt_s2_group_start(qw0, a.G, shifted) : 0;
+    const int lo_w1 = a.G > 0 ? bt_s2_group_start(qw0 + 15, a.G, shifted) : 0;
     const float sl2 = a.scale * MA_LOG2E;
     const bt_bf16 *sQw = sQ + warp * 16 * LD, *sdOw = sdO + warp * 16 * LD;
     float dQ[D / 8][4];
@@ -960,28 +936,6 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
 
 /* ------------------------------------------------------------------------------ launchers */
 
-/* Same checks and codes as attention.cu att_check. */
-int ma_check(const bt_cuda_attn_params *p, const void *const *ptrs, int nptr)
-{
-    if (!p || p->M < 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->n_seq < 0 ||
-        p->max_seqlen < 0 || (p->n_seq > 0 && !p->cu_seqlens) || p->s2_group < 0 || (p->s2_group & 1))
-        return BT_CU_ERR_INVALID;
-    if (p->D != 64 && p->D != 128)
-        return BT_CU_ERR_UNSUPPORTED;
-    const int64_t hd = (int64_t)p->D;
-    if (p->ldq < p->Hq * hd || p->ldk < p->Hkv * hd || p->ldv < p->Hkv * hd)
-        return BT_CU_ERR_INVALID;
-    if (p->ldq % 8 || p->ldk % 8 || p->ldv % 8)
-        return BT_CU_ERR_UNSUPPORTED;
-    for (int i = 0; i < nptr; i++) {
-        if (!ptrs[i])
-            return BT_CU_ERR_INVALID;
-        if ((uintptr_t)ptrs[i] & 15)
-            return BT_CU_ERR_UNSUPPORTED;
-    }
-    return BT_CU_OK;
-}
-
 MArgs ma_args(const bt_cuda_attn_params *p, int tile)
 {
     MArgs a;
@@ -1009,18 +963,11 @@ unsigned ma_grid(int H, const MArgs &a)
     return n > 0x7fffffff ? 0u : (unsigned)n;
 }
 
-template <typename K>
-int ma_smem(K kernel, size_t smem)
-{
-    return BT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)smem));
-}
-
 template <int D>
 int ma_fwd(const MArgs &a, unsigned grid, bt_bf16 *out, float *lse, const bt_bf16 *q,
            const bt_bf16 *k, const bt_bf16 *v, cudaStream_t stream)
 {
-    BT_TRY(ma_smem(mma_attn_fwd_kernel<D>, MFwdSmem<D>::bytes));
+    BT_TRY(bt_att_smem(mma_attn_fwd_kernel<D>, MFwdSmem<D>::bytes));
     mma_attn_fwd_kernel<D><<<grid, MF_THREADS, MFwdSmem<D>::bytes, stream>>>(a, out, lse, q, k, v);
     BT_LAUNCH_CHECK();
     return BT_CU_OK;
@@ -1038,11 +985,11 @@ int ma_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
     BT_LAUNCH_CHECK();
     const MArgs akv = ma_args(p, MB_BN), aq = ma_args(p, MF_BR);
     const unsigned gkv = ma_grid(p->Hkv, akv), gq = ma_grid(p->Hq, aq);
-    BT_TRY(ma_smem(mma_attn_bwd_dkdv_kernel<D>, MDkvSmem<D>::bytes));
+    BT_TRY(bt_att_smem(mma_attn_bwd_dkdv_kernel<D>, MDkvSmem<D>::bytes));
     mma_attn_bwd_dkdv_kernel<D><<<gkv, MB_THREADS, MDkvSmem<D>::bytes, stream>>>(
         akv, dk, dv, dout, lse, delta, q, k, v);
     BT_LAUNCH_CHECK();
-    BT_TRY(ma_smem(mma_attn_bwd_dq_kernel<D>, MDqSmem<D>::bytes));
+    BT_TRY(bt_att_smem(mma_attn_bwd_dq_kernel<D>, MDqSmem<D>::bytes));
     mma_attn_bwd_dq_kernel<D><<<gq, MF_THREADS, MDqSmem<D>::bytes, stream>>>(aq, dq, dout, lse,
                                                                            delta, q, k, v);
     BT_LAUNCH_CHECK();
@@ -1061,7 +1008,7 @@ extern "C" int bt_cuda_attn_fwd_mma(const bt_cuda_attn_params *p, bt_bf16 *out, 
                                     cudaStream_t stream)
 {
     const void *ptrs[] = {out, lse, q, k, v};
-    BT_TRY(ma_check(p, ptrs, 5));
+    BT_TRY(bt_att_check(p, ptrs, 5));
     if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
         return BT_CU_OK;
     if (p->Hq > 65535)
@@ -1080,7 +1027,7 @@ extern "C" int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, b
                                     const bt_bf16 *v, float *delta, cudaStream_t stream)
 {
     const void *ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    BT_TRY(ma_check(p, ptrs, 8));
+    BT_TRY(bt_att_check(p, ptrs, 8));
     if (!lse || !delta)
         return BT_CU_ERR_INVALID;
     if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)

@@ -1,0 +1,80 @@
+/* Pieces shared by the two attention implementations, kernels/cuda/attention.cu (wmma) and
+ * kernels/cuda/attention_mma.cu (mma.sync): the LongLoRA S^2-Attn group bounds, the causal/S^2
+ * visibility rule, the RoPE frequency table in shared memory, shared-memory carving, the
+ * launcher argument checks and the dynamic shared-memory opt-in. Semantics: kernels_cuda.h
+ * (bt_cuda_attn_params). Include only from .cu files. */
+#ifndef BT_ATTENTION_COMMON_H
+#define BT_ATTENTION_COMMON_H
+#include "kernels/cuda/cuda_internal.h"
+
+/* S^2-Attn (LongLoRA, arXiv 2309.12307; llama_attn_replace.py, varlen without roll): first key of
+ * query i's group, positions local to the document. Unshifted heads: groups [kG, (k+1)G); shifted
+ * heads (h >= Hq/2): groups shifted by G/2, half-size groups at both ends. */
+static __device__ __forceinline__ int bt_s2_group_start(int i, int G, bool shifted)
+{
+    if (!shifted)
+        return (i / G) * G;
+    const int gs = ((i + G / 2) / G) * G - G / 2;
+    return gs > 0 ? gs : 0;
+}
+/* one past the last query whose group contains key j */
+static __device__ __forceinline__ int bt_s2_group_end(int j, int G, bool shifted)
+{
+    if (!shifted)
+        return (j / G + 1) * G;
+    return ((j + G / 2) / G) * G + G / 2;
+}
+/* query i may attend key j (local positions within one document): causal, and inside i's S^2
+ * group when G > 0 */
+static __device__ __forceinline__ bool bt_att_visible(int i, int j, int G, bool shifted)
+{
+    if (j > i)
+        return false;
+    return G <= 0 || j >= bt_s2_group_start(i, G, shifted);
+}
+
+/* The RoPE inverse frequencies into shared memory (all threads of the block take part): the
+ * model's table when given (default / linear / llama3 / GGUF rope_freqs, computed on the host as
+ * transformers does), else 1/theta^(2i/D). */
+static __device__ __forceinline__ void bt_att_init_inv_freq(float *inv_freq, int D, float theta,
+                                                            const float *table)
+{
+    for (int i = threadIdx.x; i < D / 2; i += blockDim.x)
+        inv_freq[i] = table ? table[i] : 1.0f / powf(theta, (float)(2 * i) / (float)D);
+}
+
+/* shared-memory carving: 128-byte aligned regions */
+static __host__ __device__ constexpr size_t bt_att_align(size_t x) { return (x + 127) & ~(size_t)127; }
+
+/* Argument checks of bt_cuda_attn_fwd/bwd and their _mma twins (same codes): BT_CU_ERR_INVALID for
+ * bad shapes, strides or NULL pointers; BT_CU_ERR_UNSUPPORTED for D not in {64, 128}, strides not
+ * multiples of 8 or pointers not 16-byte aligned (the kernels use 16-byte vector accesses). */
+static inline int bt_att_check(const bt_cuda_attn_params *p, const void *const *ptrs, int nptr)
+{
+    if (!p || p->M < 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->n_seq < 0 ||
+        p->max_seqlen < 0 || (p->n_seq > 0 && !p->cu_seqlens) || p->s2_group < 0 || (p->s2_group & 1))
+        return BT_CU_ERR_INVALID;
+    if (p->D != 64 && p->D != 128)
+        return BT_CU_ERR_UNSUPPORTED;
+    const int64_t hd = (int64_t)p->D;
+    if (p->ldq < p->Hq * hd || p->ldk < p->Hkv * hd || p->ldv < p->Hkv * hd)
+        return BT_CU_ERR_INVALID;
+    if (p->ldq % 8 || p->ldk % 8 || p->ldv % 8)
+        return BT_CU_ERR_UNSUPPORTED; /* 16-byte row alignment for the vector loads */
+    for (int i = 0; i < nptr; i++) {
+        if (!ptrs[i])
+            return BT_CU_ERR_INVALID;
+        if ((uintptr_t)ptrs[i] & 15)
+            return BT_CU_ERR_UNSUPPORTED;
+    }
+    return BT_CU_OK;
+}
+
+/* Raise a kernel's dynamic shared-memory limit above the 48 KB default (host call, cheap). */
+template <typename K>
+static int bt_att_smem(K kernel, size_t smem)
+{
+    return BT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              (int)smem));
+}
+#endif
