@@ -168,17 +168,8 @@ struct FwdSmem {
     static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2 + BR));
 };
 
-struct AttArgs {
-    int M, Hq, Hkv, n_seq, nblk, G;
-    const int32_t *cu;
-    int64_t ldq, ldk, ldv;
-    float scale, theta, pos_scale;
-    const int32_t *pos;
-    const float *invf; /* [D/2] device RoPE table or NULL */
-};
-
 template <int D>
-__global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(AttArgs a, bt_bf16 *out, float *lse,
+__global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(BtAttArgs a, bt_bf16 *out, float *lse,
                                                                const bt_bf16 *q, const bt_bf16 *k,
                                                                const bt_bf16 *v)
 {
@@ -309,7 +300,7 @@ struct DkvSmem {
  * the GQA group and all query rows that see the tile (no atomics). */
 template <int D>
 __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
-    AttArgs a, bt_bf16 *dk, bt_bf16 *dv, const bt_bf16 *dout, const float *lse, const float *delta,
+    BtAttArgs a, bt_bf16 *dk, bt_bf16 *dv, const bt_bf16 *dout, const float *lse, const float *delta,
     const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v)
 {
     using SM = DkvSmem<D>;
@@ -412,7 +403,7 @@ struct DqSmem {
 /* One CTA per (64-query tile, query head, document): dQ = sum over key tiles of dS K. */
 template <int D>
 __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
-    AttArgs a, bt_bf16 *dq, const bt_bf16 *dout, const float *lse, const float *delta,
+    BtAttArgs a, bt_bf16 *dq, const bt_bf16 *dout, const float *lse, const float *delta,
     const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v)
 {
     using SM = DqSmem<D>;
@@ -485,26 +476,6 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
 
 /* --------------------------------------------------------------------------- launchers */
 
-static AttArgs att_args(const bt_cuda_attn_params *p, int tile)
-{
-    AttArgs a;
-    a.M = p->M;
-    a.Hq = p->Hq;
-    a.Hkv = p->Hkv;
-    a.n_seq = p->n_seq;
-    a.nblk = (p->max_seqlen + tile - 1) / tile;
-    a.G = p->s2_group;
-    a.cu = p->cu_seqlens;
-    a.ldq = p->ldq;
-    a.ldk = p->ldk;
-    a.ldv = p->ldv;
-    a.scale = p->scale;
-    a.theta = p->rope_theta;
-    a.pos_scale = p->pos_scale;
-    a.pos = p->position_ids;
-    a.invf = p->inv_freq;
-    return a;
-}
 
 extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse,
                                 const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v,
@@ -514,7 +485,7 @@ extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, floa
     BT_TRY(bt_att_check(p, ptrs, 5));
     if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
         return BT_CU_OK;
-    const AttArgs a = att_args(p, 64);
+    const BtAttArgs a = bt_att_args(p, 64);
     const int64_t gx = (int64_t)p->n_seq * a.nblk;
     if (gx > 0x7fffffff || p->Hq > 65535)
         return BT_CU_ERR_UNSUPPORTED;
@@ -545,7 +516,7 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
     attn_bwd_delta_kernel<<<(unsigned)((rows * 32 + 255) / 256), 256, 0, stream>>>(delta, dout, out,
                                                                                    p->M, p->Hq, p->D);
     BT_LAUNCH_CHECK();
-    const AttArgs a = att_args(p, 64);
+    const BtAttArgs a = bt_att_args(p, 64);
     const int64_t gx = (int64_t)p->n_seq * a.nblk;
     if (gx > 0x7fffffff || p->Hq > 65535)
         return BT_CU_ERR_UNSUPPORTED;

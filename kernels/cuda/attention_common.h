@@ -46,6 +46,36 @@ static __device__ __forceinline__ void bt_att_init_inv_freq(float *inv_freq, int
 /* shared-memory carving: 128-byte aligned regions */
 static __host__ __device__ constexpr size_t bt_att_align(size_t x) { return (x + 127) & ~(size_t)127; }
 
+/* The kernels' view of bt_cuda_attn_params (by value, in the kernel's parameter space). */
+struct BtAttArgs {
+    int M, Hq, Hkv, n_seq, nblk, G; /* nblk = ceil(max_seqlen / tile); G = s2_group */
+    const int32_t *cu;              /* cu_seqlens [n_seq + 1] */
+    int64_t ldq, ldk, ldv;
+    float scale, theta, pos_scale;
+    const int32_t *pos;             /* position_ids or NULL (no RoPE) */
+    const float *invf;              /* [D/2] device RoPE table or NULL (derive from theta) */
+};
+static inline BtAttArgs bt_att_args(const bt_cuda_attn_params *p, int tile)
+{
+    BtAttArgs a;
+    a.M = p->M;
+    a.Hq = p->Hq;
+    a.Hkv = p->Hkv;
+    a.n_seq = p->n_seq;
+    a.nblk = (p->max_seqlen + tile - 1) / tile;
+    a.G = p->s2_group;
+    a.cu = p->cu_seqlens;
+    a.ldq = p->ldq;
+    a.ldk = p->ldk;
+    a.ldv = p->ldv;
+    a.scale = p->scale;
+    a.theta = p->rope_theta;
+    a.pos_scale = p->pos_scale;
+    a.pos = p->position_ids;
+    a.invf = p->inv_freq;
+    return a;
+}
+
 /* Argument checks of bt_cuda_attn_fwd/bwd and their _mma twins (same codes): BT_CU_ERR_INVALID for
  * bad shapes, strides or NULL pointers; BT_CU_ERR_UNSUPPORTED for D not in {64, 128}, strides not
  * multiples of 8 or pointers not 16-byte aligned (the kernels use 16-byte vector accesses). */

@@ -352,14 +352,6 @@ __device__ __forceinline__ void store_acc(bt_bf16 *gdst, int64_t ldg, int nvalid
     }
 }
 
-struct MArgs {
-    int Hq, Hkv, n_seq, nblk, G;
-    const int32_t *cu;
-    int64_t ldq, ldk, ldv;
-    float scale, theta, pos_scale;
-    const int32_t *pos;
-    const float *invf;
-};
 
 /* 1-D grid: block b -> (head = b % H, doc = (b / H) % n_seq, tile index = b / (H * n_seq)), so the
  * blocks of equal tile index (equal work under the causal mask) are adjacent and the order can put
@@ -394,7 +386,7 @@ struct MFwdSmem {
  * registers before the math of tile j and rotated + stored after it; V(j+1) by cp.async. */
 template <int D>
 __global__ void __launch_bounds__(MF_THREADS, 1)
-    mma_attn_fwd_kernel(MArgs a, bt_bf16 *out, float *lse, const bt_bf16 *q, const bt_bf16 *k,
+    mma_attn_fwd_kernel(BtAttArgs a, bt_bf16 *out, float *lse, const bt_bf16 *q, const bt_bf16 *k,
                         const bt_bf16 *v)
 {
     using SM = MFwdSmem<D>;
@@ -615,7 +607,7 @@ struct MDkvSmem {
 
 template <int D>
 __global__ void __launch_bounds__(MB_THREADS, 1)
-    mma_attn_bwd_dkdv_kernel(MArgs a, bt_bf16 *dk, bt_bf16 *dv, const bt_bf16 *dout,
+    mma_attn_bwd_dkdv_kernel(BtAttArgs a, bt_bf16 *dk, bt_bf16 *dv, const bt_bf16 *dout,
                              const float *lse, const float *delta, const bt_bf16 *q,
                              const bt_bf16 *k, const bt_bf16 *v)
 {
@@ -809,7 +801,7 @@ struct MDqSmem {
 
 template <int D>
 __global__ void __launch_bounds__(MF_THREADS, 1)
-    mma_attn_bwd_dq_kernel(MArgs a, bt_bf16 *dq, const bt_bf16 *dout, const float *lse,
+    mma_attn_bwd_dq_kernel(BtAttArgs a, bt_bf16 *dq, const bt_bf16 *dout, const float *lse,
                            const float *delta, const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v)
 {
     using SM = MDqSmem<D>;
@@ -936,35 +928,16 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
 
 /* ------------------------------------------------------------------------------ launchers */
 
-MArgs ma_args(const bt_cuda_attn_params *p, int tile)
-{
-    MArgs a;
-    a.Hq = p->Hq;
-    a.Hkv = p->Hkv;
-    a.n_seq = p->n_seq;
-    a.nblk = (p->max_seqlen + tile - 1) / tile;
-    a.G = p->s2_group;
-    a.cu = p->cu_seqlens;
-    a.ldq = p->ldq;
-    a.ldk = p->ldk;
-    a.ldv = p->ldv;
-    a.scale = p->scale;
-    a.theta = p->rope_theta;
-    a.pos_scale = p->pos_scale;
-    a.pos = p->position_ids;
-    a.invf = p->inv_freq;
-    return a;
-}
 
 /* grid size H * n_seq * nblk, or 0 when it does not fit a 1-D grid */
-unsigned ma_grid(int H, const MArgs &a)
+unsigned ma_grid(int H, const BtAttArgs &a)
 {
     const int64_t n = (int64_t)H * a.n_seq * a.nblk;
     return n > 0x7fffffff ? 0u : (unsigned)n;
 }
 
 template <int D>
-int ma_fwd(const MArgs &a, unsigned grid, bt_bf16 *out, float *lse, const bt_bf16 *q,
+int ma_fwd(const BtAttArgs &a, unsigned grid, bt_bf16 *out, float *lse, const bt_bf16 *q,
            const bt_bf16 *k, const bt_bf16 *v, cudaStream_t stream)
 {
     BT_TRY(bt_att_smem(mma_attn_fwd_kernel<D>, MFwdSmem<D>::bytes));
@@ -983,7 +956,7 @@ int ma_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
     mma_attn_delta_kernel<D><<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(delta, dout, out,
                                                                                     rows);
     BT_LAUNCH_CHECK();
-    const MArgs akv = ma_args(p, MB_BN), aq = ma_args(p, MF_BR);
+    const BtAttArgs akv = bt_att_args(p, MB_BN), aq = bt_att_args(p, MF_BR);
     const unsigned gkv = ma_grid(p->Hkv, akv), gq = ma_grid(p->Hq, aq);
     BT_TRY(bt_att_smem(mma_attn_bwd_dkdv_kernel<D>, MDkvSmem<D>::bytes));
     mma_attn_bwd_dkdv_kernel<D><<<gkv, MB_THREADS, MDkvSmem<D>::bytes, stream>>>(
@@ -1013,7 +986,7 @@ extern "C" int bt_cuda_attn_fwd_mma(const bt_cuda_attn_params *p, bt_bf16 *out, 
         return BT_CU_OK;
     if (p->Hq > 65535)
         return BT_CU_ERR_UNSUPPORTED;
-    const MArgs a = ma_args(p, MF_BR);
+    const BtAttArgs a = bt_att_args(p, MF_BR);
     const unsigned grid = ma_grid(p->Hq, a);
     if (!grid)
         return BT_CU_ERR_UNSUPPORTED;
@@ -1034,7 +1007,7 @@ extern "C" int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, b
         return BT_CU_OK;
     if (p->Hq > 65535)
         return BT_CU_ERR_UNSUPPORTED;
-    if (!ma_grid(p->Hq, ma_args(p, MF_BR)) || !ma_grid(p->Hkv, ma_args(p, MB_BN)))
+    if (!ma_grid(p->Hq, bt_att_args(p, MF_BR)) || !ma_grid(p->Hkv, bt_att_args(p, MB_BN)))
         return BT_CU_ERR_UNSUPPORTED;
     return p->D == 64 ? ma_bwd<64>(p, dq, dk, dv, dout, out, lse, q, k, v, delta, stream)
                       : ma_bwd<128>(p, dq, dk, dv, dout, out, lse, q, k, v, delta, stream);
