@@ -251,4 +251,41 @@ static void ref_gemm(int tA, int tB, int M, int N, int K, float alpha, const flo
 {
     bt_sgemm(tA, tB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
+
+/* A random NF4 weight [rows, cols] (N(0, scale^2) before quantisation): the CPU quantisation q
+ * (bitsandbytes layout, kernels/kernels.h), its device copy d, and deq, the bf16-rounded CPU
+ * dequantisation (the exact values the device dequantisers must produce). Exits on failure. */
+struct HostNF4 {
+    bt_nf4 q;
+    bt_cuda_nf4 d;
+    std::vector<float> deq; /* bf16-rounded CPU dequantisation [rows, cols] */
+    HostNF4(int64_t rows, int64_t cols, float scale)
+    {
+        std::vector<float> W(rows * cols);
+        for (auto &x : W)
+            x = rng_normal() * scale;
+        if (bt_nf4_quantize(&q, W.data(), rows, cols) != 0) {
+            printf("    bt_nf4_quantize failed\n");
+            exit(2);
+        }
+        float code8[256];
+        for (int i = 0; i < 256; i++)
+            code8[i] = bt_dynamic_code8(i);
+        if (bt_cuda_nf4_upload(&d, rows, cols, q.packed, q.absmax_q, q.nested_absmax, q.offset,
+                               code8) != 0) {
+            printf("    bt_cuda_nf4_upload failed\n");
+            exit(2);
+        }
+        deq.resize(rows * cols);
+        bt_nf4_dequantize_rows(&q, 0, rows, deq.data());
+        for (auto &x : deq)
+            x = bf16_round(x);
+    }
+    ~HostNF4()
+    {
+        bt_nf4_free(&q);
+        bt_cuda_nf4_free(&d);
+    }
+};
+
 #endif

@@ -9,33 +9,6 @@ static cublasHandle_t g_cublas;
 static cudaStream_t g_stream;
 
 /* ---------------------------------------------------------------- NF4 */
-struct HostNF4 {
-    bt_nf4 q;
-    bt_cuda_nf4 d;
-    HostNF4(int64_t rows, int64_t cols, float scale)
-    {
-        std::vector<float> W(rows * cols);
-        for (auto &x : W)
-            x = rng_normal() * scale;
-        if (bt_nf4_quantize(&q, W.data(), rows, cols) != 0) {
-            printf("    bt_nf4_quantize failed\n");
-            exit(2);
-        }
-        float code8[256];
-        for (int i = 0; i < 256; i++)
-            code8[i] = bt_dynamic_code8(i);
-        if (bt_cuda_nf4_upload(&d, rows, cols, q.packed, q.absmax_q, q.nested_absmax, q.offset,
-                               code8) != 0) {
-            printf("    bt_cuda_nf4_upload failed\n");
-            exit(2);
-        }
-    }
-    ~HostNF4()
-    {
-        bt_nf4_free(&q);
-        bt_cuda_nf4_free(&d);
-    }
-};
 
 /* bf16(deq) must equal bf16(CPU fp32 deq) bit for bit: both compute code*absmax in fp32 with the
  * same roundings (tol: exact). Covers a partial nested block (n/64 % 256 != 0), a row range not
