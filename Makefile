@@ -267,10 +267,18 @@ $(EMU_BUILD)/tests/%: $(EMU_BUILD)/obj/tests/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/lib
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(LDLIBS)
 
+# build/emu/trainer: the trainer built with device "cuda" whose kernels run on the emulator, for
+# the end-to-end run loaderd -> trainer --device cuda (tests/py/test_e2e_cuda_emu.py).
+EMU_TRAINER  := $(EMU_BUILD)/trainer
+$(EMU_TRAINER): $(CUDA_TRAINER_MAIN) $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) -o $@ $(CUDA_TRAINER_MAIN) $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(LDLIBS)
+
 .PHONY: test-emu
-test-emu: $(EMU_TESTS)
+test-emu: $(EMU_TESTS) $(EMU_TRAINER)
 	@$(PYTHON) tests/emu/cu2cpp.py --check $(CUDA_HDRS) $(wildcard trainer/cuda/*.h) $(GPU_TEST_HDRS)
 	@bash tests/emu/run.sh $(EMU_BUILD)/logs $(EMU_TESTS)
+	@BT_EMU_TRAINER=$(EMU_TRAINER) BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py/test_e2e_cuda_emu.py
 # ---- END test-emu -------------------------------------------------------------------------------
 
 # build/trainer is linked either CPU-only or with CUDA: $(BUILD)/.trainer-variant records which,

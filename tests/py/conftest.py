@@ -32,6 +32,9 @@ import time
 
 import pytest
 
+# test_e2e_cuda_emu.py needs build/emu/trainer; `make test-emu` runs it with BT_EMU_TRAINER set.
+collect_ignore = [] if os.environ.get("BT_EMU_TRAINER") else ["test_e2e_cuda_emu.py"]
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
 MODEL = os.path.join(ROOT, os.environ.get("BT_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
