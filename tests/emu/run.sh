@@ -36,12 +36,13 @@ wait
 
 pass=0
 fail=0
+skip=0
 bad=()
 for b in "$@"; do
     name=$(basename "$b")
     r=$(cat "$logdir/$name.rc" 2>/dev/null || echo 99)
     echo "== $name (emulated; log: $logdir/$name.log)"
-    grep -E '^(PASS|FAIL) ' "$logdir/$name.log"
+    grep -E '^(PASS|FAIL|SKIP) ' "$logdir/$name.log"
     line=$(grep -E "^$name: [0-9]+ passed, [0-9]+ failed" "$logdir/$name.log" | tail -n 1)
     if [ -n "$line" ]; then
         echo "$line"
@@ -49,6 +50,7 @@ for b in "$@"; do
         f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
         pass=$((pass + p))
         fail=$((fail + f))
+        case "$line" in *skipped*) skip=$((skip + $(echo "$line" | sed -E 's/.* ([0-9]+) skipped.*/\1/'))) ;; esac
     fi
     if [ "$r" -ne 0 ] || [ -z "$line" ]; then
         bad+=("$name (exit $r)")
@@ -61,5 +63,5 @@ if [ ${#bad[@]} -ne 0 ] || [ "$fail" -ne 0 ]; then
     echo "test-emu: FAILED: ${bad[*]:-} ($pass passed, $fail failed; CPU emulation of the CUDA kernels, ${secs}s)"
     exit 1
 fi
-echo "test-emu: $pass passed (CPU emulation of the CUDA kernels: correctness of indexing/synchronisation logic, not of the hardware; ${secs}s)"
+echo "test-emu: $pass passed, $skip skipped (CPU emulation of the CUDA kernels: correctness of indexing/synchronisation logic, not of the hardware; ${secs}s)"
 exit 0

@@ -19,7 +19,8 @@ extern "C" {
 
 #define GT_SKIP_STATUS 77
 
-static int g_pass = 0, g_fail = 0;
+static int g_pass = 0, g_fail = 0, g_skip = 0;
+static bool g_case_skip = false; /* the current test skipped itself (gt_skip) */
 static bool g_case_ok = true; /* the current test's checks so far */
 
 #define CU(call)                                                                                   \
@@ -203,10 +204,19 @@ static bool check_true(const char *what, bool cond)
     return cond;
 }
 
-/* Run one named test: prints "PASS name" or "FAIL name" after its checks. */
+/* The current test cannot run here (no model, quick mode): prints "    SKIP: why"; RUN_TEST then
+ * reports "SKIP name" and counts it as skipped, not passed (unless a check already failed). */
+static void gt_skip(const char *why)
+{
+    printf("    SKIP: %s\n", why);
+    g_case_skip = true;
+}
+
+/* Run one named test: prints "PASS name", "FAIL name" or "SKIP name" after its checks. */
 #define RUN_TEST(fn)                                       \
     do {                                                   \
         g_case_ok = true;                                  \
+        g_case_skip = false;                               \
         printf("[ RUN  ] %s\n", #fn);                      \
         fflush(stdout);                                    \
         fn();                                              \
@@ -215,7 +225,10 @@ static bool check_true(const char *what, bool cond)
             printf("    CUDA error: %s\n", cudaGetErrorString(e_)); \
             g_case_ok = false;                             \
         }                                                  \
-        if (g_case_ok) {                                   \
+        if (g_case_ok && g_case_skip) {                    \
+            g_skip++;                                      \
+            printf("SKIP %s\n", #fn);                      \
+        } else if (g_case_ok) {                            \
             g_pass++;                                      \
             printf("PASS %s\n", #fn);                      \
         } else {                                           \
@@ -241,7 +254,7 @@ static bool gt_require_device(const char *prog)
 }
 static int gt_finish(const char *prog)
 {
-    printf("%s: %d passed, %d failed\n", prog, g_pass, g_fail);
+    printf("%s: %d passed, %d failed, %d skipped\n", prog, g_pass, g_fail, g_skip);
     return g_fail ? 1 : 0;
 }
 

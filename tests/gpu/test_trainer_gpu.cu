@@ -340,12 +340,14 @@ static bool load_smol(void)
     if (g_have_smol)
         return true;
     if (getenv("BT_GPU_QUICK") && atoi(getenv("BT_GPU_QUICK"))) {
-        printf("    SKIP: BT_GPU_QUICK set (tiny-model cases only)\n");
+        gt_skip("BT_GPU_QUICK set (tiny-model cases only)");
         return false;
     }
     FILE *f = fopen(model_path(), "rb");
     if (!f) {
-        printf("    SKIP: %s not found (set BT_MODEL or run `make model`)\n", model_path());
+        char why[512];
+        snprintf(why, sizeof why, "%s not found (set BT_MODEL or run `make model`)", model_path());
+        gt_skip(why);
         return false;
     }
     fclose(f);
