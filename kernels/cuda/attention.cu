@@ -261,23 +261,6 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(BtAttArgs a, bt_b
 
 /* ---------------------------------------------------------------------------- backward */
 
-/* delta[m,h] = sum_d dout[m,h,d] * out[m,h,d] (fp32); one warp per (m,h). */
-__global__ void attn_bwd_delta_kernel(float *delta, const bt_bf16 *dout, const bt_bf16 *out, int M,
-                                      int Hq, int D)
-{
-    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (w >= (int64_t)M * Hq)
-        return;
-    const bt_bf16 *a = dout + w * D, *b = out + w * D;
-    float s = 0.0f;
-    for (int d = lane; d < D; d += 32)
-        s += __bfloat162float(a[d]) * __bfloat162float(b[d]);
-    s = bt_warp_sum(s);
-    if (lane == 0)
-        delta[w] = s;
-}
-
 template <int D>
 struct DkvSmem {
     static constexpr int BR = D == 128 ? 32 : 64; /* query rows per step (fits sm_80's 163 KB) */
@@ -512,9 +495,11 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
         return BT_CU_ERR_INVALID;
     if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
         return BT_CU_OK;
-    const int64_t rows = (int64_t)p->M * p->Hq;
-    attn_bwd_delta_kernel<<<(unsigned)((rows * 32 + 255) / 256), 256, 0, stream>>>(delta, dout, out,
-                                                                                   p->M, p->Hq, p->D);
+    const int64_t rows = (int64_t)p->M * p->Hq, nthr = rows * (p->D / 8);
+    if (p->D == 64)
+        bt_att_delta_kernel<64><<<(unsigned)((nthr + 255) / 256), 256, 0, stream>>>(delta, dout, out, rows);
+    else
+        bt_att_delta_kernel<128><<<(unsigned)((nthr + 255) / 256), 256, 0, stream>>>(delta, dout, out, rows);
     BT_LAUNCH_CHECK();
     const BtAttArgs a = bt_att_args(p, 64);
     const int64_t gx = (int64_t)p->n_seq * a.nblk;

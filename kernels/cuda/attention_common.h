@@ -100,6 +100,38 @@ static inline int bt_att_check(const bt_cuda_attn_params *p, const void *const *
     return BT_CU_OK;
 }
 
+/* Backward pass 1 of both implementations (FlashAttention-2 Algorithm 2 line 4):
+ * delta[row] = sum_d dout[row, d] * out[row, d] in fp32, rows = M*Hq of the contiguous
+ * [M, Hq, D] bf16 dout and out (16-byte aligned, bt_att_check); D/8 lanes per row with 16-byte
+ * loads, reduced by shuffles within the lane group. Launch with rows*(D/8) threads. */
+template <int D>
+static __global__ void bt_att_delta_kernel(float *delta, const bt_bf16 *dout, const bt_bf16 *out,
+                                           int64_t rows)
+{
+    constexpr int LPR = D / 8;
+    const int64_t gid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t row = gid / LPR;
+    const int c = (int)(gid % LPR);
+    float s = 0.0f;
+    if (row < rows) {
+        const uint4 x = *reinterpret_cast<const uint4 *>(dout + row * D + c * 8);
+        const uint4 y = *reinterpret_cast<const uint4 *>(out + row * D + c * 8);
+        const __nv_bfloat162 *hx = reinterpret_cast<const __nv_bfloat162 *>(&x);
+        const __nv_bfloat162 *hy = reinterpret_cast<const __nv_bfloat162 *>(&y);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 a = __bfloat1622float2(hx[j]), b = __bfloat1622float2(hy[j]);
+            s += a.x * b.x;
+            s += a.y * b.y;
+        }
+    }
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1)
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (c == 0 && row < rows)
+        delta[row] = s;
+}
+
 /* Raise a kernel's dynamic shared-memory limit above the 48 KB default (host call, cheap). */
 template <typename K>
 static int bt_att_smem(K kernel, size_t smem)

@@ -315,9 +315,10 @@ __device__ __forceinline__ void cp_tile(bt_bf16 *s, const bt_bf16 *g, int64_t ld
 }
 
 /* The warp's 16 x D fp32 accumulator fragments (acc[D/8][4]) -> bf16 global rows, with the
- * inverse RoPE (rot: positions prow[0] for row g, prow[1] for row g+8, already * pos_scale) and a
- * per-row multiplier (mul[0], mul[1]). Staged through the warp's own 16 rows of shared memory
- * (stage, pitch LD; no other warp may touch them) for coalesced 16-byte stores of rows < nvalid. */
+ * inverse RoPE (rot: positions prow[0] for row g, prow[1] for row g+8, already * pos_scale; prow
+ * and inv_freq are not read when rot is false) and a per-row multiplier (mul[0], mul[1]). Staged
+ * through the warp's own 16 rows of shared memory (stage, pitch LD; no other warp may touch them)
+ * for coalesced 16-byte stores of rows < nvalid. */
 template <int D, int LD>
 __device__ __forceinline__ void store_acc(bt_bf16 *gdst, int64_t ldg, int nvalid, float (*acc)[4],
                                           bt_bf16 *stage, const float mul[2], bool rot,
@@ -535,7 +536,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     }
     cp_async_wait<0>();
 
-    float inv[2], dummy[2] = {0.0f, 0.0f};
+    float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -547,36 +548,10 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     }
     const int64_t ldo = (int64_t)a.Hq * D;
     store_acc<D, LD>(out + (int64_t)(start + qw0) * ldo + (int64_t)h * D, ldo, L - qw0, o,
-                     sQ + warp * 16 * LD, inv, false, dummy, sInvF, lane);
+                     sQ + warp * 16 * LD, inv, false, nullptr, sInvF, lane);
 }
 
 /* =============================================================================== backward */
-
-/* delta[row] = sum_d dout[row, d] * out[row, d] over rows = M*Hq (fp32), D/8 lanes per row with
- * 16-byte loads. */
-template <int D>
-__global__ void mma_attn_delta_kernel(float *delta, const bt_bf16 *dout, const bt_bf16 *out,
-                                      int64_t rows)
-{
-    constexpr int LPR = D / 8;
-    const int64_t gid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t row = gid / LPR;
-    const int c = (int)(gid % LPR);
-    float s = 0.0f;
-    if (row < rows) {
-        float x[8], y[8];
-        u4_to_f8(*reinterpret_cast<const uint4 *>(dout + row * D + c * 8), x);
-        u4_to_f8(*reinterpret_cast<const uint4 *>(out + row * D + c * 8), y);
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            s += x[j] * y[j];
-    }
-#pragma unroll
-    for (int o = LPR / 2; o > 0; o >>= 1)
-        s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (c == 0 && row < rows)
-        delta[row] = s;
-}
 
 /* ---- dK / dV: one CTA per (128-key tile, KV head, document); warp w owns keys k0+16w..+15 ----
  * The warp computes the TRANSPOSED products with its keys as rows, so every intermediate stays in
@@ -953,8 +928,8 @@ int ma_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
 {
     const int64_t rows = (int64_t)p->M * p->Hq;
     const int64_t threads = rows * (D / 8);
-    mma_attn_delta_kernel<D><<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(delta, dout, out,
-                                                                                    rows);
+    bt_att_delta_kernel<D><<<(unsigned)((threads + 255) / 256), 256, 0, stream>>>(delta, dout, out,
+                                                                                  rows);
     BT_LAUNCH_CHECK();
     const BtAttArgs akv = bt_att_args(p, MB_BN), aq = bt_att_args(p, MF_BR);
     const unsigned gkv = ma_grid(p->Hkv, akv), gq = ma_grid(p->Hq, aq);
