@@ -12,7 +12,8 @@
 #include "trainer/adapter.h"
 
 #define CKPT_MAGIC "BTCKPT\0\1"
-#define CKPT_VERSION 1u
+#define CKPT_VERSION 2u /* 2: world size + every rank's loader state; 1 (one rank) still loads */
+#define CKPT_V1_HEADER_BYTES (112u + BT_RESUME_STATE_BYTES)
 #define CKPT_STATE "trainer_state.bin"
 
 typedef struct {
@@ -29,9 +30,10 @@ typedef struct {
     uint32_t target_mask, trainable;
     int32_t seq_len, micro_batch, grad_accum, steps;
     int32_t n_layer, d_model, vocab, has_resume;
-    uint8_t resume[BT_RESUME_STATE_BYTES];
+    uint8_t resume[BT_RESUME_STATE_BYTES]; /* rank 0's; ranks 1.. follow the header (v2) */
+    int32_t world, reserved;               /* v2 only */
 } ckpt_header;
-_Static_assert(sizeof(ckpt_header) == 112 + BT_RESUME_STATE_BYTES, "ckpt_header has padding");
+_Static_assert(sizeof(ckpt_header) == CKPT_V1_HEADER_BYTES + 8, "ckpt_header has padding");
 
 /* ---- fingerprints ---- */
 
@@ -101,7 +103,7 @@ static void w_put(wsum *w, const void *p, size_t n) {
 }
 
 static void fill_header(ckpt_header *H, const bt_train_config *cfg, const bt_model *m,
-                        const bt_lora *lo, int64_t step, const uint8_t *resume) {
+                        const bt_lora *lo, int64_t step, const uint8_t *resume, int world) {
     memset(H, 0, sizeof *H);
     memcpy(H->magic, CKPT_MAGIC, 8);
     H->version = CKPT_VERSION;
@@ -126,14 +128,21 @@ static void fill_header(ckpt_header *H, const bt_train_config *cfg, const bt_mod
     H->vocab = m->hp.vocab;
     H->has_resume = resume != NULL;
     if (resume) memcpy(H->resume, resume, BT_RESUME_STATE_BYTES);
+    H->world = world;
 }
 
-static int write_state(const char *path, const ckpt_header *H, const bt_lora *lo) {
+/* resume: NULL or world x BT_RESUME_STATE_BYTES (rank 0's is in the header) */
+static int write_state(const char *path, const ckpt_header *H, const bt_lora *lo,
+                       const uint8_t *resume) {
     FILE *f = fopen(path, "wb");
     if (!f) return bt_fail(BT_ERR_IO, "checkpoint: create %s: %s", path, strerror(errno));
     wsum w = {f, BT_FNV64_INIT, 0};
     size_t nb = (size_t)lo->n_params * sizeof(float);
     w_put(&w, H, sizeof *H);
+    for (int r = 1; r < H->world; r++) {
+        static const uint8_t zero[BT_RESUME_STATE_BYTES];
+        w_put(&w, resume ? resume + (size_t)r * BT_RESUME_STATE_BYTES : zero, sizeof zero);
+    }
     w_put(&w, lo->params, nb);
     w_put(&w, lo->m, nb);
     w_put(&w, lo->v, nb);
@@ -161,6 +170,15 @@ static int write_text(const char *path, const char *text) {
 
 int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_model *m,
                        const bt_lora *lo, int64_t step, const uint8_t *resume_state) {
+    return bt_checkpoint_save_ex(dir, cfg, m, lo, step, resume_state, 1);
+}
+
+int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                          const bt_lora *lo, int64_t step, const uint8_t *resume_states,
+                          int world) {
+    if (world < 1 || world > BT_CKPT_MAX_WORLD)
+        return bt_fail(BT_ERR_INVALID, "checkpoint: world size %d out of [1, %d]", world,
+                       BT_CKPT_MAX_WORLD);
     size_t n = strlen(dir);
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n), *tmp = NULL, *p = NULL, *dump = NULL;
@@ -178,13 +196,13 @@ int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_mod
         goto out;
     }
     ckpt_header H;
-    fill_header(&H, cfg, m, lo, step, resume_state);
+    fill_header(&H, cfg, m, lo, step, resume_states, world);
     if (asprintf(&p, "%s/" CKPT_STATE, tmp) < 0) {
         p = NULL;
         rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
         goto out;
     }
-    if ((rc = write_state(p, &H, lo))) goto out;
+    if ((rc = write_state(p, &H, lo, resume_states))) goto out;
     free(p);
     p = NULL;
     dump = bt_config_dump(cfg);
@@ -217,6 +235,15 @@ out:
 int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
                        bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
                        int *ckpt_steps) {
+    return bt_checkpoint_load_ex(dir, cfg, m, lo, step, resume_state, has_resume, ckpt_steps, 0,
+                                 1);
+}
+
+int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                          bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
+                          int *ckpt_steps, int rank, int world) {
+    if (world < 1 || rank < 0 || rank >= world)
+        return bt_fail(BT_ERR_INVALID, "checkpoint: rank %d of world size %d", rank, world);
     char *path = NULL;
     if (asprintf(&path, "%s/" CKPT_STATE, dir) < 0)
         return bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
@@ -230,18 +257,20 @@ int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_mod
     free(path);
     const uint8_t *b = mp.data;
     ckpt_header H;
-    if (mp.size < sizeof H + 8) {
+    if (mp.size < CKPT_V1_HEADER_BYTES + 8) {
         rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is truncated (%zu bytes)", dir,
                      mp.size);
         goto out;
     }
-    memcpy(&H, b, sizeof H);
+    memset(&H, 0, sizeof H);
+    memcpy(&H, b, CKPT_V1_HEADER_BYTES);
     if (memcmp(H.magic, CKPT_MAGIC, 8) != 0) {
         rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is not a BarqTrain checkpoint "
                      "(bad magic)", dir);
         goto out;
     }
-    if (H.version != CKPT_VERSION || H.header_bytes != sizeof H) {
+    if (!(H.version == 1 && H.header_bytes == CKPT_V1_HEADER_BYTES) &&
+        !(H.version == CKPT_VERSION && H.header_bytes == sizeof H && mp.size >= sizeof H + 8)) {
         rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: unsupported version %u (header %u bytes); this "
                      "trainer reads version %u", dir, H.version, H.header_bytes, CKPT_VERSION);
         goto out;
@@ -253,8 +282,20 @@ int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_mod
                      "or truncated", dir);
         goto out;
     }
-    if (H.n_params < 0 || (uint64_t)H.n_params > (mp.size - sizeof H - 8) / 12 ||
-        sizeof H + (size_t)H.n_params * 12 + 8 != mp.size || H.step < 0) {
+    if (H.version == 1) {
+        H.world = 1;
+    } else {
+        memcpy(&H, b, sizeof H);
+        if (H.world < 1 || H.world > BT_CKPT_MAX_WORLD) {
+            rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: world size %d out of [1, %d]", dir,
+                         H.world, BT_CKPT_MAX_WORLD);
+            goto out;
+        }
+    }
+    /* v2: the loader states of ranks 1 .. world-1 follow the header */
+    size_t hb = H.header_bytes + (size_t)(H.world - 1) * BT_RESUME_STATE_BYTES;
+    if (hb + 8 > mp.size || H.n_params < 0 || (uint64_t)H.n_params > (mp.size - hb - 8) / 12 ||
+        hb + (size_t)H.n_params * 12 + 8 != mp.size || H.step < 0) {
         rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: size %zu does not match %lld parameters", dir,
                      mp.size, (long long)H.n_params);
         goto out;
@@ -297,16 +338,23 @@ int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_mod
         rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);
     } else if (H.n_params != lo->n_params) {
         rc = MISMATCH("parameter count", "%lld", (long long)H.n_params, (long long)lo->n_params);
+    } else if (H.world != world && H.has_resume) {
+        /* every rank's loader stream depends on the world size (proto/batch.h resume state) */
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: world size: "
+                     "checkpoint written by %d rank(s), this run has %d (resume with the same "
+                     "number of processes)", dir, H.world, world);
     }
     if (rc) goto out;
     size_t nb = (size_t)H.n_params * sizeof(float);
-    const uint8_t *arr = b + sizeof H;
+    const uint8_t *arr = b + hb;
     memcpy(lo->params, arr, nb);
     memcpy(lo->m, arr + nb, nb);
     memcpy(lo->v, arr + 2 * nb, nb);
     *step = H.step;
     *has_resume = H.has_resume != 0;
-    memcpy(resume_state, H.resume, BT_RESUME_STATE_BYTES);
+    if (rank == 0) memcpy(resume_state, H.resume, BT_RESUME_STATE_BYTES);
+    else memcpy(resume_state, b + H.header_bytes + (size_t)(rank - 1) * BT_RESUME_STATE_BYTES,
+                BT_RESUME_STATE_BYTES);
     if (ckpt_steps) *ckpt_steps = H.steps;
 out:
     bt_map_close(&mp);

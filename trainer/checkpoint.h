@@ -8,13 +8,17 @@
  *   trainer_state.bin                                everything needed to continue exactly;
  *   config.json                                      the effective config (for people; unused).
  *
- * trainer_state.bin (little-endian; version 1):
+ * trainer_state.bin (little-endian; version 2):
  *   bt_ckpt_header (fixed size, see checkpoint.c)   magic "BTCKPT\0\1", version, header size,
  *       step (optimiser steps done), the identity fields below, n_params, the loader's
- *       resume_state of the last consumed training batch (proto/batch.h, 256 bytes);
+ *       resume_state of rank 0's last consumed training batch (proto/batch.h, 256 bytes),
+ *       world (number of data-parallel ranks, trainer/dist.h);
+ *   resume_state[world - 1][256]                     ranks 1 .. world-1 (each rank has its own
+ *                                                    loader stream);
  *   params[n_params], m[n_params], v[n_params]       fp32: LoRA (+ LoRA+ dense) parameters and the
  *                                                    AdamW moments, bt_lora's buffer order;
  *   checksum                                         u64 FNV-1a 64 of every preceding byte.
+ * Version 1 (one rank, no world field, header 368 bytes) still loads as world 1.
  * Identity (a checkpoint is refused unless all match the running job): the model fingerprint
  * (bt_model_fingerprint), base dtype, lora r / alpha / dropout / target modules, trainable
  * modules, seq_len, micro_batch_size, grad_accum, data seed and shard/format fingerprint, and the
@@ -48,6 +52,13 @@ uint64_t bt_config_data_fingerprint(const bt_train_config *cfg);
  * Errors: BT_ERR_IO (names the path), BT_ERR_NOMEM. */
 int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_model *m,
                        const bt_lora *lo, int64_t step, const uint8_t *resume_state);
+/* Data-parallel form: resume_states is NULL or world x BT_RESUME_STATE_BYTES (rank r's state at
+ * r * BT_RESUME_STATE_BYTES, as gathered from every rank); world in [1, BT_CKPT_MAX_WORLD]. Only
+ * one rank (rank 0) writes. bt_checkpoint_save is this with world 1. */
+#define BT_CKPT_MAX_WORLD 65536
+int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                          const bt_lora *lo, int64_t step, const uint8_t *resume_states,
+                          int world);
 
 /* Load a checkpoint into an initialised `lo` (same shapes: bt_lora_init_ex with cfg's settings):
  * overwrites params, m, v; *step = optimiser steps done; resume_state[BT_RESUME_STATE_BYTES] =
@@ -59,5 +70,12 @@ int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_mod
 int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
                        bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
                        int *ckpt_steps);
+/* Data-parallel form: every rank loads the same checkpoint and receives its own loader state in
+ * resume_state. A checkpoint with a loader position written by a different number of ranks is
+ * BT_ERR_INVALID ("world size: checkpoint written by 4 rank(s), this run has 2"): every rank's
+ * stream depends on the world size. bt_checkpoint_load is this with rank 0 of 1. */
+int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                          bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
+                          int *ckpt_steps, int rank, int world);
 
 #endif

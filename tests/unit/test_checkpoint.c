@@ -289,6 +289,108 @@ static void test_corrupt(void **st) {
     bt_config_free(&c);
 }
 
+/* Data-parallel checkpoints: every rank's loader state round-trips; a different world size is
+ * refused when there is a loader position; version-1 files (one rank) still load. */
+static void test_world(void **st) {
+    (void)st;
+    bt_train_config c;
+    config(&c, NULL);
+    bt_model m;
+    assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_FP32, 1, 42), 0);
+    bt_lora a, b;
+    lora_for(&a, &m, &c);
+    lora_for(&b, &m, &c);
+    scribble(&a, 11);
+    enum { W = 3 };
+    uint8_t rs[W * BT_RESUME_STATE_BYTES], got[BT_RESUME_STATE_BYTES];
+    for (unsigned i = 0; i < sizeof rs; i++) rs[i] = (uint8_t)(i * 13 + i / 256);
+    char dir[300], file[400];
+    path(dir, sizeof dir, "world");
+    snprintf(file, sizeof file, "%s/trainer_state.bin", dir);
+    assert_int_equal(bt_checkpoint_save_ex(dir, &c, &m, &a, 5, rs, W), 0);
+    for (int r = 0; r < W; r++) {
+        int64_t step = -1;
+        int has = 0;
+        memset(got, 0, sizeof got);
+        assert_int_equal(bt_checkpoint_load_ex(dir, &c, &m, &b, &step, got, &has, NULL, r, W), 0);
+        assert_int_equal(step, 5);
+        assert_int_equal(has, 1);
+        assert_memory_equal(got, rs + (size_t)r * BT_RESUME_STATE_BYTES, sizeof got);
+        assert_memory_equal(b.params, a.params, (size_t)a.n_params * 4);
+        assert_memory_equal(b.v, a.v, (size_t)a.n_params * 4);
+    }
+    expect_refused(dir, &c, &m, &b, BT_ERR_INVALID, "written by 3 rank(s), this run has 1");
+    int64_t step = 0;
+    int has = 0;
+    assert_int_equal(bt_checkpoint_load_ex(dir, &c, &m, &b, &step, got, &has, NULL, 1, 2),
+                     BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "world size"));
+    assert_int_equal(bt_checkpoint_load_ex(dir, &c, &m, &b, &step, got, &has, NULL, 2, 2),
+                     BT_ERR_INVALID); /* rank outside the world */
+    assert_int_equal(bt_checkpoint_save_ex(dir, &c, &m, &a, 5, rs, 0), BT_ERR_INVALID);
+    /* a lying world field (checksum fixed up) is refused, not read past the end */
+    struct stat sb;
+    assert_int_equal(stat(file, &sb), 0);
+    {
+        FILE *f = fopen(file, "r+b");
+        assert_non_null(f);
+        size_t n = (size_t)sb.st_size;
+        uint8_t *buf = malloc(n);
+        assert_non_null(buf);
+        assert_int_equal(fread(buf, 1, n, f), n);
+        int32_t w = 1000;
+        memcpy(buf + 368, &w, 4); /* the v2 world field follows the v1 header */
+        uint64_t h = bt_fnv1a64(BT_FNV64_INIT, buf, n - 8);
+        memcpy(buf + n - 8, &h, 8);
+        rewind(f);
+        assert_int_equal(fwrite(buf, 1, n, f), n);
+        fclose(f);
+        free(buf);
+    }
+    expect_refused(dir, &c, &m, &b, BT_ERR_FORMAT, "does not match");
+    /* step 0 (no loader position) loads with any world size */
+    assert_int_equal(bt_checkpoint_save_ex(dir, &c, &m, &a, 0, NULL, W), 0);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(has, 0);
+    /* version 1 (header without the world field, checksum over the old layout) */
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 4, rs), 0);
+    assert_int_equal(stat(file, &sb), 0);
+    {
+        size_t n = (size_t)sb.st_size, v1 = n - 8;
+        FILE *f = fopen(file, "rb");
+        assert_non_null(f);
+        uint8_t *buf = malloc(n), *old = malloc(v1);
+        assert_non_null(buf);
+        assert_non_null(old);
+        assert_int_equal(fread(buf, 1, n, f), n);
+        fclose(f);
+        uint32_t ver = 1, hb = 368;
+        memcpy(old, buf, 368);
+        memcpy(old + 8, &ver, 4);
+        memcpy(old + 12, &hb, 4);
+        memcpy(old + 368, buf + 376, n - 376 - 8);
+        uint64_t h = bt_fnv1a64(BT_FNV64_INIT, old, v1 - 8);
+        memcpy(old + v1 - 8, &h, 8);
+        f = fopen(file, "wb");
+        assert_non_null(f);
+        assert_int_equal(fwrite(old, 1, v1, f), v1);
+        fclose(f);
+        free(buf);
+        free(old);
+    }
+    memset(b.params, 0, (size_t)b.n_params * 4);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(step, 4);
+    assert_int_equal(has, 1);
+    assert_memory_equal(got, rs, sizeof got);
+    assert_memory_equal(b.params, a.params, (size_t)a.n_params * 4);
+    expect_refused(dir, &c, &m, &b, 0, ""); /* sanity of the helper: loads again */
+    bt_lora_free(&a);
+    bt_lora_free(&b);
+    bt_model_free(&m);
+    bt_config_free(&c);
+}
+
 static void test_fingerprints(void **st) {
     (void)st;
     bt_model m, m2;
@@ -316,7 +418,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_roundtrip_lora_plus),
         cmocka_unit_test(test_mismatch),  cmocka_unit_test(test_corrupt),
-        cmocka_unit_test(test_fingerprints),
+        cmocka_unit_test(test_fingerprints), cmocka_unit_test(test_world),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
