@@ -172,14 +172,22 @@ NVCC        ?= /usr/local/cuda/bin/nvcc
 CUDA_HOME   ?= /usr/local/cuda
 CXX_LINK    ?= g++
 CUDA_ARCH   ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
+# NCCL (trainer/cuda/cuda_dist.cu: data-parallel LoRA gradient all-reduce) ships with the toolkit
+# here; NCCL_HOME points elsewhere (e.g. the nvidia-nccl pip wheel's nvidia/nccl).
+NCCL_HOME   ?= $(CUDA_HOME)
+ifneq ($(NCCL_HOME),$(CUDA_HOME))
+NCCL_LDFLAGS := -L$(NCCL_HOME)/lib -Wl,-rpath,$(NCCL_HOME)/lib
+NCCL_CFLAGS  := -I$(NCCL_HOME)/include
+endif
 NVCCFLAGS   := -std=c++17 -O3 -lineinfo $(CUDA_ARCH) -I. -Xcompiler -Wall,-Wextra,-Werror \
-               -Werror all-warnings
+               -Werror all-warnings $(NCCL_CFLAGS)
 CUDA_BUILD  := $(BUILD)/cuda
 CUDA_SRC    := $(wildcard kernels/cuda/*.cu)
 CUDA_HDRS   := $(wildcard kernels/cuda/*.h) kernels/kernels.h
 CUDA_OBJ    := $(patsubst %.cu,$(CUDA_BUILD)/obj/%.o,$(CUDA_SRC))
 CUDA_LIB    := $(CUDA_BUILD)/libbarq_cuda.a
-CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl,-rpath,$(CUDA_HOME)/lib64
+CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl,-rpath,$(CUDA_HOME)/lib64 \
+               $(NCCL_LDFLAGS) -lnccl
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.cu)
 GPU_TEST_HDRS := $(wildcard tests/gpu/*.h)
 GPU_TESTS   := $(patsubst tests/gpu/%.cu,$(CUDA_BUILD)/tests/%,$(GPU_TEST_SRC))
@@ -241,14 +249,19 @@ bench-gpu: cuda
 # tests/emu/cuda_emu.h force-included, every test links tests/emu/cuda_emu.cpp (fibers, barriers,
 # warp collectives, ldmatrix/mma/cp.async/wmma, runtime API, cuBLAS as a loop) and build/libbarq.a.
 # -fno-strict-aliasing: the kernels type-pun bf16/uint4 like nvcc allows; -Wno-unknown-pragmas:
-# `#pragma unroll`.
+# `#pragma unroll`. tests/emu/nccl_emu.cpp is NCCL across processes over POSIX shared memory (one
+# process per rank), linked into every emulated program; tests/emu/test_nccl_emu.cpp tests it with
+# forked ranks and runs with the GPU tests.
 EMU_BUILD    := $(BUILD)/emu
 EMU_CXX      ?= g++
 EMU_CXXFLAGS := -std=c++17 -O2 -fno-strict-aliasing -Wall -Wextra -Werror -Wno-unknown-pragmas \
-                -DBT_CUDA_EMU -I. -I$(CUDA_HOME)/include
+                -DBT_CUDA_EMU -I. -I$(CUDA_HOME)/include \
+                $(NCCL_CFLAGS)
 EMU_LIB_OBJ  := $(patsubst %.cu,$(EMU_BUILD)/obj/%.o,$(CUDA_SRC) $(CUDA_TRAINER_SRC)) \
-                $(EMU_BUILD)/obj/tests/emu/cuda_emu.o
+                $(EMU_BUILD)/obj/tests/emu/cuda_emu.o $(EMU_BUILD)/obj/tests/emu/nccl_emu.o
+EMU_LDLIBS   := $(LDLIBS) -lrt
 EMU_TESTS    := $(patsubst tests/gpu/%.cu,$(EMU_BUILD)/tests/%,$(GPU_TEST_SRC))
+EMU_NCCL_TEST := $(EMU_BUILD)/tests/test_nccl_emu
 
 $(EMU_BUILD)/src/%.cpp: %.cu tests/emu/cu2cpp.py
 	@mkdir -p $(dir $@)
@@ -258,6 +271,15 @@ $(EMU_BUILD)/obj/tests/emu/cuda_emu.o: tests/emu/cuda_emu.cpp tests/emu/cuda_emu
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) $(EMU_CXXFLAGS) -c $< -o $@
 
+$(EMU_BUILD)/obj/tests/emu/nccl_emu.o $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o: \
+  $(EMU_BUILD)/obj/tests/emu/%.o: tests/emu/%.cpp
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) $(EMU_CXXFLAGS) -c $< -o $@
+
+$(EMU_NCCL_TEST): $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o $(EMU_BUILD)/obj/tests/emu/nccl_emu.o
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) -o $@ $^ -lrt
+
 $(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) $(GPU_TEST_HDRS) \
                       $(HDRS) $(wildcard trainer/cuda/*.h)
 	@mkdir -p $(dir $@)
@@ -265,19 +287,19 @@ $(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) $
 
 $(EMU_BUILD)/tests/%: $(EMU_BUILD)/obj/tests/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)
-	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(LDLIBS)
+	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
 
 # build/emu/trainer: the trainer built with device "cuda" whose kernels run on the emulator, for
 # the end-to-end run loaderd -> trainer --device cuda (tests/py/test_e2e_cuda_emu.py).
 EMU_TRAINER  := $(EMU_BUILD)/trainer
 $(EMU_TRAINER): $(CUDA_TRAINER_MAIN) $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)
-	$(EMU_CXX) -o $@ $(CUDA_TRAINER_MAIN) $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(LDLIBS)
+	$(EMU_CXX) -o $@ $(CUDA_TRAINER_MAIN) $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
 
 .PHONY: test-emu
-test-emu: $(EMU_TESTS) $(EMU_TRAINER)
+test-emu: $(EMU_TESTS) $(EMU_NCCL_TEST) $(EMU_TRAINER)
 	@$(PYTHON) tests/emu/cu2cpp.py --check $(CUDA_HDRS) $(wildcard trainer/cuda/*.h) $(GPU_TEST_HDRS)
-	@bash tests/emu/run.sh $(EMU_BUILD)/logs $(EMU_TESTS)
+	@bash tests/emu/run.sh $(EMU_BUILD)/logs $(EMU_TESTS) $(EMU_NCCL_TEST)
 	@BT_EMU_TRAINER=$(EMU_TRAINER) BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py/test_e2e_cuda_emu.py
 # ---- END test-emu -------------------------------------------------------------------------------
 
