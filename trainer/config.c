@@ -300,7 +300,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
         "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
         "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
         "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", "cuda",
-        NULL};
+        "dist", NULL};
     static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
                                             "micro_batch_size", "seed", "tokenizer_threads", NULL};
     static const char *const eval_keys[] = {"shards", "max_batches", NULL};
@@ -315,6 +315,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const cuda_keys[] = {"attention", "nf4_matmul", NULL};
     static const char *const attn_impls[] = {"wmma", "mma", NULL};
     static const char *const nf4_impls[] = {"dequant", "fused", NULL};
+    static const char *const dist_keys[] = {"master_addr", "master_port", "timeout_s", NULL};
     int rc;
     int64_t i64;
 #define TRY(x)                                                                                     \
@@ -323,8 +324,9 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     } while (0)
 
     TRY(check_keys(root, NULL, top_keys));
-    json_t *data = NULL, *eval = NULL, *lora = NULL, *optim = NULL, *cuda = NULL;
+    json_t *data = NULL, *eval = NULL, *lora = NULL, *optim = NULL, *cuda = NULL, *dist = NULL;
     TRY(get_obj(root, "cuda", &cuda));
+    TRY(get_obj(root, "dist", &dist));
     TRY(get_obj(root, "data", &data));
     TRY(get_obj(root, "eval", &eval));
     TRY(get_obj(root, "lora", &lora));
@@ -335,8 +337,16 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     if (!lora) lora = empty;
     if (!optim) optim = empty;
     if (!cuda) cuda = empty;
+    if (!dist) dist = empty;
     rc = 0;
     do {
+        if ((rc = check_keys(dist, "dist", dist_keys)) ||
+            (rc = get_str(dist, "dist", "master_addr", "127.0.0.1", &c->dist.master_addr)) ||
+            (rc = get_i32(dist, "dist", "master_port", 29500, RANGE(1, 65535, 0, 0),
+                          &c->dist.master_port)) ||
+            (rc = get_i32(dist, "dist", "timeout_s", 600, RANGE(1, 86400, 0, 0),
+                          &c->dist.timeout_s)))
+            break;
         if ((rc = check_keys(cuda, "cuda", cuda_keys)) ||
             (rc = get_enum(cuda, "cuda", "attention", BT_CUDA_ATTN_WMMA, attn_impls,
                            &c->cuda_attention)) ||
@@ -483,6 +493,7 @@ void bt_config_free(bt_train_config *c) {
     free(c->model);
     free(c->base_model_name_or_path);
     free(c->socket);
+    free(c->dist.master_addr);
     free_strv(c->data.shards, c->data.n_shards);
     free(c->data.format);
     free(c->data.text_field);
@@ -626,6 +637,9 @@ char *bt_config_dump(const bt_train_config *c) {
                                              "nf4_matmul",
                                              c->cuda_nf4_matmul == BT_CUDA_NF4_FUSED ? "fused"
                                                                                      : "dequant"));
+    json_object_set_new(j, "dist", json_pack("{s:s, s:i, s:i}", "master_addr", c->dist.master_addr,
+                                             "master_port", c->dist.master_port, "timeout_s",
+                                             c->dist.timeout_s));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(j);
     return s;

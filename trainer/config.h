@@ -29,6 +29,15 @@
  *                                      (attention_mma.cu, register-resident mma.sync FA2);
  *                                      nf4_matmul "dequant" (dequantise the weight, then cuBLAS)
  *                                      | "fused" (nf4_gemm.cu: dequantise in the GEMM main loop)
+ *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600 }
+ *                                      data-parallel training over several processes, one per GPU
+ *                                      (device "cuda"; trainer/dist.h): rank 0's address and TCP
+ *                                      port for the start-up rendezvous (the environment's
+ *                                      MASTER_ADDR / MASTER_PORT, as torchrun and train.sbatch set
+ *                                      them, take precedence), and how long the rendezvous and
+ *                                      NCCL start-up wait for every rank; rank and world size come
+ *                                      from RANK / WORLD_SIZE / LOCAL_RANK or SLURM_PROCID /
+ *                                      SLURM_NTASKS / SLURM_LOCALID (one process: rank 0 of 1)
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)
  *   timeout_s 600                      longest wait for one batch from loaderd, in [1, 2147483]
@@ -123,6 +132,11 @@ typedef struct {
     int device;                     /* BT_DEVICE_* */
     int cuda_attention;             /* BT_CUDA_ATTN_* (device "cuda" only) */
     int cuda_nf4_matmul;            /* BT_CUDA_NF4_* (device "cuda" only) */
+    struct {
+        char *master_addr;
+        int master_port;            /* [1, 65535] */
+        int timeout_s;              /* [1, 86400] */
+    } dist;
 } bt_train_config;
 
 /* Parse a config from JSON text, then apply `n_sets` overrides "a.b=value" in order (value is

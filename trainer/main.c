@@ -59,7 +59,14 @@ static void usage(FILE *f) {
             "  eps 1e-8, warmup_steps 0, grad_clip 1.0}, steps 100, grad_accum 1,\n"
             "  schedule \"cosine\"|\"linear\"|\"constant\", min_lr_ratio 0.1,\n"
             "  activation_checkpointing false, save_every 0, out_dir \"runs/adapter\",\n"
-            "  threads 0 (OpenMP default), seed 1234, log_every 1, timeout_s 600.\n");
+            "  threads 0 (OpenMP default), seed 1234, log_every 1, timeout_s 600,\n"
+            "  dist.{master_addr \"127.0.0.1\", master_port 29500, timeout_s 600}.\n"
+            "\n"
+            "Several processes (one per GPU, device cuda) train data-parallel and all-reduce the\n"
+            "LoRA gradients with NCCL: rank and world size come from RANK/WORLD_SIZE/LOCAL_RANK\n"
+            "(torchrun) or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun; scripts/train.sbatch);\n"
+            "rank 0's address from MASTER_ADDR/MASTER_PORT, else the first node of the Slurm step,\n"
+            "else dist.master_addr/master_port. Rank 0 prints progress and saves.\n");
 }
 
 int main(int argc, char **argv) {

@@ -13,6 +13,7 @@
 #include "proto/client.h"
 #include "trainer/adapter.h"
 #include "trainer/checkpoint.h"
+#include "trainer/dist.h"
 #include "trainer/optim.h"
 #include "trainer/rng.h"
 #ifdef BT_WITH_CUDA
@@ -31,6 +32,56 @@ static int sync_host_lora(bt_lora *lo, int moments) {
     (void)lo;
     (void)moments;
     return 0;
+}
+
+/* this process's place in a data-parallel run (trainer/dist.h; rank 0 of 1 by default) */
+static bt_dist_env g_dist = {0, 1, 0, "single"};
+
+/* vals[0..n) <- their sum over all ranks (a no-op for one process). Every rank must call it at
+ * the same point (an NCCL collective on device "cuda"). */
+static int dist_sum(double *vals, int n) {
+#ifdef BT_WITH_CUDA
+    if (g_dist.world > 1 && g_cuda) return bt_cuda_trainer_allreduce_sum(g_cuda, vals, n);
+#endif
+    (void)vals;
+    (void)n;
+    return 0;
+}
+
+/* all[r * BT_RESUME_STATE_BYTES ...] <- rank r's loader state (collective, like dist_sum). */
+static int dist_gather_resume(const uint8_t *mine, uint8_t *all) {
+#ifdef BT_WITH_CUDA
+    if (g_dist.world > 1 && g_cuda)
+        return bt_cuda_trainer_allgather(g_cuda, mine, all, BT_RESUME_STATE_BYTES);
+#endif
+    memcpy(all, mine, BT_RESUME_STATE_BYTES);
+    return 0;
+}
+
+/* After a step that only rank 0 performed (a save): every rank learns whether it failed, so all
+ * of them stop together instead of the others waiting forever in the next collective. */
+static int dist_agree(int rc, const char *what) {
+    if (g_dist.world == 1) return rc;
+    double f = rc != 0;
+    int rc2 = dist_sum(&f, 1);
+    if (rc) return rc;
+    if (rc2) return rc2;
+    return f > 0 ? bt_fail(BT_ERR_IO, "%s failed on another rank (see its log)", what) : 0;
+}
+
+/* A checkpoint of every rank's loader state (gathered: collective), written by rank 0. */
+static int save_checkpoint(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, int step,
+                           const uint8_t *resume) {
+    uint8_t *all = malloc((size_t)g_dist.world * BT_RESUME_STATE_BYTES);
+    if (!all) return bt_fail(BT_ERR_NOMEM, "out of memory");
+    int rc = dist_gather_resume(resume, all);
+    if (!rc && g_dist.rank == 0) {
+        rc = sync_host_lora(lo, 1);
+        if (!rc) rc = bt_checkpoint_save_ex(cfg->checkpoint_dir, cfg, m, lo, step, all,
+                                            g_dist.world);
+    }
+    free(all);
+    return dist_agree(rc, "saving the checkpoint");
 }
 
 static volatile sig_atomic_t g_stop;
@@ -109,7 +160,7 @@ static void mb_free(mb_copy *c) {
 static int attach(bt_client **cl, const bt_train_config *cfg, int eval, const uint8_t *resume) {
     char *job = bt_config_job_json(cfg, eval);
     if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
-    int rc = bt_client_attach(cl, cfg->socket, job, 0, 1, resume);
+    int rc = bt_client_attach(cl, cfg->socket, job, g_dist.rank, g_dist.world, resume);
     free(job);
     if (rc) return bt_fail(rc, "attach to loaderd at %s (%s stream): %s", cfg->socket,
                            eval ? "eval" : "train", bt_last_error());
@@ -153,22 +204,21 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
     *n_tokens = 0;
     int cut = 0; /* stopped by SIGINT/SIGTERM before the end of the held-out set */
     bt_client *cl = NULL;
-    int rc = attach(&cl, cfg, 1, NULL); /* the eval stream restarts every time */
-    if (rc) return rc;
     mb_copy mc = {0};
-    if ((rc = mb_alloc(&mc, cfg->data.micro_batch_size, cfg->data.seq_len))) goto out;
     double sum = 0;
     long long cnt = 0;
     int nb = 0;
     double t0 = bt_now();
-    while (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches) {
+    int rc = attach(&cl, cfg, 1, NULL); /* the eval stream restarts every time */
+    if (!rc) rc = mb_alloc(&mc, cfg->data.micro_batch_size, cfg->data.seq_len);
+    while (!rc && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
         rc = next_batch(cl, cfg, &mc, "eval");
         if (rc == 1 || rc == 2) {
             cut = rc == 2;
             rc = 0;
             break;
         }
-        if (rc) goto out;
+        if (rc) break;
         bt_microbatch mb;
         mb_view(&mc, cfg->data.micro_batch_size, cfg->data.seq_len, &mb);
         double ls;
@@ -178,7 +228,7 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
         else
 #endif
             rc = bt_forward_backward(ctx, m, lo, &mb, 0, 1.0f, 0, &ls, &nv);
-        if (rc) goto out;
+        if (rc) break;
         sum += ls;
         cnt += nv;
         nb++;
@@ -188,6 +238,20 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
             break;
         }
     }
+    /* every rank evaluated its own share of the held-out stream: add them up (a collective; a
+     * rank whose evaluation failed still takes part, so that none of the others waits forever) */
+    if (g_dist.world > 1) {
+        double v[5] = {sum, (double)cnt, cut, nb, rc != 0};
+        int rc2 = dist_sum(v, 5);
+        if (!rc && rc2) rc = rc2;
+        if (!rc && v[4] > 0)
+            rc = bt_fail(BT_ERR_IO, "held-out evaluation failed on another rank (see its log)");
+        sum = v[0];
+        cnt = (long long)v[1];
+        cut = v[2] > 0;
+        nb = (int)v[3];
+    }
+    if (rc) goto out;
     if (interrupted) *interrupted = cut;
     if (cnt == 0 && cut) {
         bt_log(BT_LOG_WARN, "trainer", "held-out evaluation interrupted before any batch");
@@ -200,8 +264,9 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
     }
     *mean_loss = sum / (double)cnt;
     *n_tokens = cnt;
-    bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld labelled tokens, loss %.4f (%.1f s)",
-           cut ? " (partial, interrupted)" : "", nb, cnt, *mean_loss, bt_now() - t0);
+    if (g_dist.rank == 0)
+        bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld labelled tokens, loss %.4f "
+               "(%.1f s)", cut ? " (partial, interrupted)" : "", nb, cnt, *mean_loss, bt_now() - t0);
 out:
     mb_free(&mc);
     bt_client_close(cl);
@@ -238,6 +303,41 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     int B = cfg->data.micro_batch_size, T = cfg->data.seq_len, M = B * T;
     int rc;
 
+    /* data-parallel start-up (trainer/dist.h): rank/world from the launcher's environment, then
+     * the rendezvous that checks every rank runs this job and hands out rank 0's NCCL id */
+    uint8_t nccl_id[128];
+    memset(nccl_id, 0, sizeof nccl_id);
+    if ((rc = bt_dist_env_resolve(&g_dist))) goto done_nomodel;
+    if (g_dist.world > 1) {
+        if (cfg->device != BT_DEVICE_CUDA) {
+            rc = bt_fail(BT_ERR_UNSUPPORTED, "%d processes (%s: rank %d): data-parallel training "
+                         "all-reduces gradients with NCCL and needs device \"cuda\"", g_dist.world,
+                         g_dist.source, g_dist.rank);
+            goto done_nomodel;
+        }
+#ifdef BT_WITH_CUDA
+        char addr[256];
+        int port = 0;
+        if ((rc = bt_dist_master_resolve(&g_dist, cfg->dist.master_addr, cfg->dist.master_port,
+                                         addr, sizeof addr, &port)))
+            goto done_nomodel;
+        char *dump = bt_config_dump(cfg);
+        if (!dump) {
+            rc = bt_fail(BT_ERR_NOMEM, "out of memory");
+            goto done_nomodel;
+        }
+        uint8_t digest[32];
+        bt_dist_digest(dump, strlen(dump), digest);
+        free(dump);
+        if (g_dist.rank == 0 && (rc = bt_cuda_dist_unique_id(nccl_id))) goto done_nomodel;
+        bt_log(BT_LOG_INFO, "trainer", "rank %d of %d (local rank %d, from %s): rendezvous at "
+               "%s:%d", g_dist.rank, g_dist.world, g_dist.local_rank, g_dist.source, addr, port);
+        if ((rc = bt_dist_rendezvous(addr, port, g_dist.rank, g_dist.world, digest, nccl_id,
+                                     sizeof nccl_id, cfg->dist.timeout_s)))
+            goto done_nomodel;
+#endif
+    }
+
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};
     if ((rc = bt_model_load(&model, cfg->model, &lopts))) goto done_nomodel;
@@ -263,8 +363,8 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     if (cfg->resume_from && !eval_only) {
         int64_t st = 0;
         int ck_steps = 0;
-        if ((rc = bt_checkpoint_load(cfg->resume_from, cfg, &model, &lora, &st, resume,
-                                     &has_resume, &ck_steps)))
+        if ((rc = bt_checkpoint_load_ex(cfg->resume_from, cfg, &model, &lora, &st, resume,
+                                        &has_resume, &ck_steps, g_dist.rank, g_dist.world)))
             goto done;
         if (st > cfg->steps) {
             rc = bt_fail(BT_ERR_INVALID, "checkpoint %s is at step %lld, past steps = %d",
@@ -285,7 +385,12 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         co.checkpointing = cfg->activation_checkpointing;
         co.attn_impl = cfg->cuda_attention == BT_CUDA_ATTN_MMA;
         co.nf4_impl = cfg->cuda_nf4_matmul == BT_CUDA_NF4_FUSED;
+        if ((rc = bt_cuda_device_for_local_rank(g_dist.local_rank, &co.device))) goto done;
         if ((rc = bt_cuda_trainer_new_ex(&g_cuda, &model, &lora, M, &co))) goto done;
+        if ((rc = bt_cuda_trainer_dist_init(g_cuda, nccl_id, g_dist.rank, g_dist.world))) goto done;
+        if (g_dist.world > 1)
+            bt_log(BT_LOG_INFO, "trainer", "NCCL: rank %d of %d on CUDA device %d", g_dist.rank,
+                   g_dist.world, co.device);
         bt_log(BT_LOG_INFO, "trainer", "CUDA device %s: model + LoRA + workspace for %dx%d tokens: "
                "%.0f MiB%s; attention %s, NF4 matmul %s", bt_cuda_trainer_device_name(g_cuda), B, T,
                bt_cuda_trainer_bytes(g_cuda) / 1048576.0,
@@ -312,6 +417,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             rc = bt_fail(BT_ERR_INVALID, "config: eval.shards: required for `trainer eval`");
             goto done;
         }
+        if (g_dist.rank != 0) goto done;
         if (eval_cut && n_eval == 0)
             fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
         else
@@ -338,33 +444,55 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     int ck_step = -1; /* the step of the last checkpoint written */
     uint8_t resume_done[BT_RESUME_STATE_BYTES]; /* loader state after the last completed step */
     memcpy(resume_done, resume, sizeof resume_done);
-    for (int step = start_step; step < end_step && !g_stop; step++) {
+    /* stop_all: a SIGINT/SIGTERM seen by any rank (agreed on in the step's collectives, so that
+     * every rank stops after the same step; for one process simply g_stop) */
+    int stop_all = 0;
+    long long n_real_local = 0;
+    for (int step = start_step; step < end_step && !stop_all && !(g_dist.world == 1 && g_stop);
+         step++) {
         double ts = bt_now();
         /* 1. Gather all micro-batches of the step: the loss is normalised by the labelled
          *    targets over all of them (exact mean, independent of how tokens fall into
-         *    micro-batches), so they are counted before any backward. */
+         *    micro-batches, and of how rows fall onto ranks), so they are counted before any
+         *    backward. */
         long long n_lab = 0, n_real = 0;
-        for (int i = 0; i < cfg->grad_accum; i++) {
-            rc = next_batch(cl, cfg, &mbs[i], "train");
-            if (rc == 2) { /* signalled while waiting: the step is dropped */
-                rc = 0;
-                goto stopped;
-            }
-            if (rc == 1) rc = bt_fail(BT_ERR_CLOSED, "the training stream ended after step %d of %d",
-                                      step, cfg->steps);
-            if (rc) goto failed;
+        int got = 0; /* 0 ok, 1 end of stream, 2 signalled while waiting, <0 error */
+        for (int i = 0; i < cfg->grad_accum && got == 0; i++) {
+            got = next_batch(cl, cfg, &mbs[i], "train");
+            if (got) break;
             bt_microbatch mb;
             mb_view(&mbs[i], B, T, &mb);
             int n = bt_shift_targets(NULL, &mb, model.hp.vocab);
             if (n < 0) {
-                rc = n;
-                goto failed;
+                got = n;
+                break;
             }
             n_lab += n;
             n_real += mbs[i].n_real;
-            memcpy(resume, mbs[i].resume, BT_RESUME_STATE_BYTES);
-            has_resume = 1;
         }
+        if (got == 1)
+            got = bt_fail(BT_ERR_CLOSED, "the training stream ended after step %d of %d%s", step,
+                          cfg->steps, g_dist.world > 1 ? " (on this rank)" : "");
+        n_real_local = n_real;
+        /* ... over all ranks: counts, and whether any rank was stopped or failed */
+        double st[4] = {(double)n_lab, (double)n_real, got == 2 || (g_dist.world > 1 && g_stop),
+                        got < 0};
+        if ((rc = dist_sum(st, 4))) goto done;
+        n_lab = (long long)st[0];
+        n_real = (long long)st[1];
+        if (st[3] > 0) { /* the batch stream failed (here or on another rank) */
+            rc = got < 0 ? got
+                         : bt_fail(BT_ERR_CLOSED, "another rank could not get its batches for "
+                                   "step %d (see its log)", step + 1);
+            goto failed;
+        }
+        if (st[2] > 0) { /* signalled while waiting: the step is dropped */
+            stop_all = 1;
+            rc = 0;
+            goto stopped;
+        }
+        memcpy(resume, mbs[cfg->grad_accum - 1].resume, BT_RESUME_STATE_BYTES);
+        has_resume = 1;
         /* 2. forward + backward */
 #ifdef BT_WITH_CUDA
         if (g_cuda && (rc = bt_cuda_trainer_zero_grad(g_cuda))) goto done;
@@ -376,7 +504,9 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         for (int i = 0; i < cfg->grad_accum; i++) {
             bt_microbatch mb;
             mb_view(&mbs[i], B, T, &mb);
+            /* the dropout key also depends on the rank: the ranks' rows are different rows */
             uint64_t key = bt_hash64(cfg->seed ^ bt_hash64(((uint64_t)step << 20) + (uint64_t)i + 1));
+            if (g_dist.rank > 0) key = bt_hash64(key ^ (uint64_t)g_dist.rank);
             double ls;
 #ifdef BT_WITH_CUDA
             if (g_cuda) rc = bt_cuda_trainer_step(g_cuda, &mb, 1, gscale, key | 1, &ls, NULL);
@@ -386,8 +516,19 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             if (rc) goto done;
             loss_sum += ls;
         }
+#ifdef BT_WITH_CUDA
+        /* sum of every rank's d(loss_sum / n_lab): the gradient of the global mean loss */
+        if (g_cuda && g_dist.world > 1 && (rc = bt_cuda_trainer_allreduce_grads(g_cuda))) goto done;
+#endif
+        {
+            double v[2] = {loss_sum, g_stop};
+            if ((rc = dist_sum(v, 2))) goto done;
+            loss_sum = v[0];
+            stop_all = g_dist.world > 1 ? v[1] > 0 : g_stop;
+        }
         double loss = n_lab > 0 ? loss_sum / (double)n_lab : NAN;
-        /* 3. clip + AdamW */
+        /* 3. clip + AdamW (every rank holds the same summed gradients, so every rank computes
+         *    the same norm and the same update) */
         double lr = bt_schedule_lr(&sched, step);
         double gnorm;
         int on_gpu = 0;
@@ -422,12 +563,12 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         done_steps = step + 1;
         memcpy(resume_done, resume, sizeof resume_done);
         last_loss = loss;
-        /* 4. progress */
+        /* 4. progress: tokens/s of all ranks on the console (rank 0), this rank's to loaderd */
         double now = bt_now(), dt = now - ts, el = now - train_t0;
         double tps = dt > 0 ? (double)n_real / dt : 0;
-        bt_client_report(cl, (uint64_t)done_steps, loss, tps);
-        if (done_steps % cfg->log_every == 0 || done_steps == cfg->steps ||
-            done_steps == end_step || g_stop) {
+        bt_client_report(cl, (uint64_t)done_steps, loss, dt > 0 ? (double)n_real_local / dt : 0);
+        if (g_dist.rank == 0 && (done_steps % cfg->log_every == 0 || done_steps == cfg->steps ||
+                                 done_steps == end_step || stop_all)) {
             char e1[24], e2[24];
             bt_fmt_duration(e1, sizeof e1, el);
             bt_fmt_duration(e2, sizeof e2, el / (done_steps - start_step) * (end_step - done_steps));
@@ -438,63 +579,75 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             bt_log(BT_LOG_DEBUG, "trainer", "step %d loss %.17g grad norm %.17g", done_steps, loss,
                    gnorm);
         }
-        int last = done_steps == end_step || g_stop;
+        int last = done_steps == end_step || stop_all;
         if (cfg->checkpoint_every > 0 && done_steps < cfg->steps &&
             (done_steps % cfg->checkpoint_every == 0 || last)) {
-            if ((rc = sync_host_lora(&lora, 1))) goto done;
-            if ((rc = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &model, &lora, done_steps,
-                                         resume)))
-                goto done;
-            bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
-                   cfg->checkpoint_dir);
+            if ((rc = save_checkpoint(cfg, &model, &lora, done_steps, resume))) goto done;
+            if (g_dist.rank == 0)
+                bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
+                       cfg->checkpoint_dir);
             ck_step = done_steps;
         }
         if (cfg->save_every > 0 && done_steps % cfg->save_every == 0 && done_steps < cfg->steps) {
-            if ((rc = sync_host_lora(&lora, 0))) goto done;
-            if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir)))
-                goto done;
-            bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done_steps, cfg->out_dir);
+            if (g_dist.rank == 0) {
+                rc = sync_host_lora(&lora, 0);
+                if (!rc) rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
+                if (!rc)
+                    bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done_steps,
+                           cfg->out_dir);
+            }
+            if ((rc = dist_agree(rc, "saving the adapter"))) goto done;
         }
     }
+    if (g_dist.world == 1) stop_all = g_stop;
 stopped:
-    if (g_stop) bt_log(BT_LOG_WARN, "trainer", "interrupted after step %d; saving", done_steps);
+    if (stop_all) bt_log(BT_LOG_WARN, "trainer", "interrupted after step %d; saving", done_steps);
     else if (end_step < cfg->steps)
         bt_log(BT_LOG_INFO, "trainer", "stopped after step %d of %d (stop_at_step)", done_steps,
                cfg->steps);
-    if (g_stop && cfg->checkpoint_every > 0 && done_steps > start_step &&
+    if (stop_all && cfg->checkpoint_every > 0 && done_steps > start_step &&
         done_steps < cfg->steps && ck_step != done_steps) { /* stopped while waiting */
-        if ((rc = sync_host_lora(&lora, 1))) goto done;
-        if ((rc = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &model, &lora, done_steps,
-                                     resume_done)))
-            goto done;
-        bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
-               cfg->checkpoint_dir);
+        if ((rc = save_checkpoint(cfg, &model, &lora, done_steps, resume_done))) goto done;
+        if (g_dist.rank == 0)
+            bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
+                   cfg->checkpoint_dir);
     }
     bt_client_close(cl);
     cl = NULL;
-    if ((rc = sync_host_lora(&lora, 0))) goto done;
-    if ((rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir))) goto done;
-    bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
-           done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
-    if (cfg->eval.n_shards > 0 && !g_stop) {
-        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, NULL))) goto done;
-        fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
-                100.0 * (after - before) / before);
+    if (g_dist.rank == 0) {
+        rc = sync_host_lora(&lora, 0);
+        if (!rc) rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
     }
-    fprintf(out, "adapter: %s\n", cfg->out_dir);
-    fflush(out);
+    if ((rc = dist_agree(rc, "saving the adapter"))) goto done;
+    if (g_dist.rank == 0)
+        bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
+               done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
+    if (cfg->eval.n_shards > 0 && !stop_all) {
+        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, NULL))) goto done;
+        if (g_dist.rank == 0)
+            fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
+                    100.0 * (after - before) / before);
+    }
+    if (g_dist.rank == 0) {
+        fprintf(out, "adapter: %s\n", cfg->out_dir);
+        fflush(out);
+    }
     goto done;
-failed: /* the batch stream failed after some steps: keep them (adapter + checkpoint) */
+failed: /* the batch stream failed after some steps: keep them (adapter + checkpoint); with
+         * several ranks every rank comes here together (the step's first collective) */
     if (done_steps > start_step) {
         char why[1024];
         snprintf(why, sizeof why, "%s", bt_last_error());
         bt_client_close(cl); /* first: its best-effort detach may overwrite bt_last_error */
         cl = NULL;
-        int src = sync_host_lora(&lora, 1);
-        if (!src) src = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
+        int src = 0;
+        if (g_dist.rank == 0) {
+            src = sync_host_lora(&lora, 1);
+            if (!src) src = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
+        }
+        src = dist_agree(src, "saving the adapter");
         if (!src && cfg->checkpoint_every > 0 && ck_step != done_steps)
-            src = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &model, &lora, done_steps,
-                                     resume_done);
+            src = save_checkpoint(cfg, &model, &lora, done_steps, resume_done);
         if (src)
             rc = bt_fail(rc, "%s; saving step %d also failed: %s", why, done_steps,
                          bt_last_error());

@@ -11,10 +11,18 @@ defaults (wmma attention, dequantise + cuBLAS) and cuda.attention "mma" + cuda.n
 The tiny model has head_dim 64 (the GPU attention supports 64 and 128): hidden 128, 2 heads, 1 KV
 head, the real SmolLM2 vocabulary.
 
+Data-parallel (trainer/dist.h, trainer/cuda/cuda_dist.cu, NCCL emulated across processes by
+tests/emu/nccl_emu.cpp): two trainer processes (RANK/WORLD_SIZE, micro-batch 1 each) meet at a
+TCP rendezvous and all-reduce their gradients; loaderd deals rank r the plan rows 2i + r, which
+are the rows of batch i of one process with micro-batch 2. So the pair must reproduce the single
+process: the same losses, held-out losses and adapter up to fp32 summation order. A rank started
+with a different config is refused by the rendezvous on both sides.
+
 Collected only when $BT_EMU_TRAINER is set (conftest.py)."""
 import json
 import os
 import re
+import socket
 import struct
 import subprocess
 
@@ -57,7 +65,7 @@ def env(tmp_path, trainer_stack):
     return {"tmp": tmp_path, "data": data, "model": model, "sock": ld.sock, "loaderd": ld}
 
 
-def run_job(env, name, binary, device, extra=None):
+def job_config(env, name, device, extra=None):
     tmp = env["tmp"]
     out = tmp / f"adapter-{name}"
     job = {
@@ -76,16 +84,98 @@ def run_job(env, name, binary, device, extra=None):
     if extra:
         job.update(extra)
     (tmp / f"{name}.json").write_text(json.dumps(job))
-    r = subprocess.run([binary, "train", "--config", str(tmp / f"{name}.json")],
-                       capture_output=True, text=True, timeout=600)
-    text = r.stdout + r.stderr
-    assert r.returncode == 0, text
+    return tmp / f"{name}.json", out
+
+
+def parse_run(text, out):
     losses = [float(l) for _, l in re.findall(r"step (\d+)/3 \| loss ([0-9.]+) \| lr ", text)]
     assert len(losses) == 3, text
     m = re.search(r"held-out loss: before ([0-9.]+) -> after ([0-9.]+)", text)
     assert m, text
     return {"text": text, "losses": losses, "before": float(m.group(1)), "after": float(m.group(2)),
             "adapter": read_safetensors(out / "adapter_model.safetensors")}
+
+
+def run_job(env, name, binary, device, extra=None):
+    cfg, out = job_config(env, name, device, extra)
+    r = subprocess.run([binary, "train", "--config", str(cfg)], capture_output=True, text=True,
+                       timeout=600)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text
+    return parse_run(text, out)
+
+
+def rel_l2(a, b, part):
+    num = den = 0.0
+    for name, (shape, bvals) in b.items():
+        if part not in name:
+            continue
+        ashape, avals = a[name]
+        assert ashape == shape, name
+        num += sum((x - y) ** 2 for x, y in zip(avals, bvals))
+        den += sum(y * y for y in bvals)
+    assert den > 0, part
+    return (num / den) ** 0.5
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(cfgs, port, world=2):
+    """Start one emulated trainer per config with torchrun's environment; wait for all."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR")}
+    procs = []
+    for rank, cfg in enumerate(cfgs):
+        e = {**base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_EMU_TIMEOUT_S": "60"}
+        procs.append(subprocess.Popen([EMU_TRAINER, "train", "--config", str(cfg),
+                                       "--set", "dist.timeout_s=60"], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=600)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return [(p.returncode, o) for p, o in zip(procs, outs)]
+
+
+def test_two_ranks_reproduce_one_process_with_both_rows(env):
+    one = run_job(env, "dp-one", EMU_TRAINER, "cuda")
+    cfg, out = job_config(env, "dp-two", "cuda", {"data": {
+        "shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
+        "micro_batch_size": 1, "seed": 5}})
+    res = launch_ranks([cfg, cfg], free_port())
+    for rank, (rc, text) in enumerate(res):
+        assert rc == 0, f"rank {rank}:\n{text}"
+        assert f"NCCL: rank {rank} of 2" in text, text
+    two = parse_run(res[0][1], out)
+    assert "step 1/3" not in res[1][1], "only rank 0 prints progress:\n" + res[1][1]
+    print(f"\ndata-parallel: losses one {one['losses']} two {two['losses']}; held-out "
+          f"{one['before']}/{two['before']} -> {one['after']}/{two['after']}")
+    for step, (a, b) in enumerate(zip(one["losses"], two["losses"]), 1):
+        assert abs(a - b) <= 1e-4 * a, f"step {step}: one process {a}, two ranks {b}"
+    assert abs(one["before"] - two["before"]) <= 1e-4 * one["before"]
+    assert abs(one["after"] - two["after"]) <= 1e-4 * one["after"]
+    assert set(one["adapter"]) == set(two["adapter"])
+    ea, eb = rel_l2(two["adapter"], one["adapter"], "lora_A"), rel_l2(two["adapter"], one["adapter"], "lora_B")
+    print(f"data-parallel: adapter rel_l2 lora_A {ea:.3e} lora_B {eb:.3e}")
+    assert ea <= 1e-4 and eb <= 1e-3, (ea, eb)
+
+
+def test_rendezvous_refuses_ranks_of_different_jobs(env):
+    cfg0, _ = job_config(env, "dp-a", "cuda")
+    cfg1, _ = job_config(env, "dp-b", "cuda", {"lora": {"r": 8, "lora_alpha": 8, "lora_dropout": 0.0}})
+    res = launch_ranks([cfg0, cfg1], free_port())
+    for rank, (rc, text) in enumerate(res):
+        assert rc != 0, f"rank {rank} should have refused:\n{text}"
+        assert "config digest" in text and "differs from rank 0" in text, f"rank {rank}:\n{text}"
 
 
 @pytest.mark.parametrize("kernels", [None, {"attention": "mma", "nf4_matmul": "fused"}],
@@ -106,17 +196,6 @@ def test_cuda_trainer_on_emulator_follows_cpu(env, kernels):
     # the adapter saved from the device: same tensors and shapes, values close to the CPU run's
     assert set(gpu["adapter"]) == set(cpu["adapter"]) and len(cpu["adapter"]) == 2 * 7 * 2
     # lora_A starts random and moves little; lora_B starts at zero and is all training: judged apart
-    err = {}
-    for part in ("lora_A", "lora_B"):
-        num = den = 0.0
-        for name, (shape, cvals) in cpu["adapter"].items():
-            if part not in name:
-                continue
-            gshape, gvals = gpu["adapter"][name]
-            assert gshape == shape, name
-            num += sum((a - b) ** 2 for a, b in zip(gvals, cvals))
-            den += sum(b * b for b in cvals)
-        assert den > 0, part
-        err[part] = (num / den) ** 0.5
+    err = {part: rel_l2(gpu["adapter"], cpu["adapter"], part) for part in ("lora_A", "lora_B")}
     print(f"{tag}: adapter rel_l2 lora_A {err['lora_A']:.3e} lora_B {err['lora_B']:.3e}")
     assert err["lora_A"] <= 1e-2 and err["lora_B"] <= 1e-1, err

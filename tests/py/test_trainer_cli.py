@@ -111,3 +111,30 @@ def test_estimate_within_15_percent_of_peak_rss(tmp_path, loaderd, model_path, v
     assert m, r.stderr
     rss = float(m.group(1))
     assert abs(est - rss) <= 0.15 * rss, f"estimate {est} MiB vs measured peak RSS {rss} MiB\n{table}"
+
+
+def test_distributed_environment_is_checked_before_anything_runs(tmp_path):
+    """Several processes (torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS) train
+    data-parallel over NCCL: the CPU backend refuses with the reason, a garbled launcher
+    environment is named, and dist.* keys are validated like every other key."""
+    p = tmp_path / "job.json"
+    p.write_text(run("config", "--template", "default").stdout)
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                          "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT")}
+    cases = [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, 'needs device "cuda"'),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "4 processes (slurm: rank 0)"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK"),
+        ({"RANK": "0"}, "WORLD_SIZE"),
+    ]
+    for extra, needle in cases:
+        r = run("train", "--config", str(p), env={**clean, **extra}, timeout=60)
+        assert r.returncode != 0 and needle in r.stderr, (extra, r.stderr)
+    r = run("config", "--check", str(p), "--set", "dist.master_port=70000")
+    assert r.returncode == 2 and "dist.master_port" in r.stderr, r.stderr
+    r = run("config", "--check", str(p), "--set", "dist.rank=1")
+    assert r.returncode == 2 and 'unknown key "dist.rank"' in r.stderr, r.stderr
+    eff = json.loads(run("config", "--check", str(p), "--set", "dist.master_port=29600").stdout)
+    assert eff["dist"] == {"master_addr": "127.0.0.1", "master_port": 29600, "timeout_s": 600}

@@ -334,6 +334,7 @@ extern "C" void bt_cuda_trainer_free(bt_cuda_trainer *t)
 {
     if (!t)
         return;
+    btc_dist_free(t); /* first: an abort ends NCCL kernels still waiting for a dead peer */
     if (t->stream)
         cudaStreamSynchronize(t->stream);
     for (void *p : t->allocs)

@@ -101,6 +101,35 @@ enum { BT_CUDA_DL_PARAMS = 1, BT_CUDA_DL_MOMENTS = 2, BT_CUDA_DL_GRADS = 4 };
 int bt_cuda_trainer_download_lora(bt_cuda_trainer *t, bt_lora *lo, unsigned what);
 int bt_cuda_trainer_upload_lora(bt_cuda_trainer *t, const bt_lora *lo);
 
+/* ---- Data-parallel: one process per GPU, NCCL (trainer/cuda/cuda_dist.cu) ----
+ * Start-up: rank 0 makes the id (bt_cuda_dist_unique_id) and hands it to every rank
+ * (trainer/dist.h bt_dist_rendezvous); each rank picks its GPU (bt_cuda_device_for_local_rank ->
+ * bt_cuda_trainer_opts.device), creates its trainer, then bt_cuda_trainer_dist_init (collective:
+ * blocks until all `world` ranks have called it). Every collective below must be called by every
+ * rank in the same order (NCCL semantics); a rank that fails makes the others wait until the
+ * launcher (srun --kill-on-bad-exit, torchrun) ends them. world 1: no communicator, all of these
+ * are local no-ops. NCCL errors are BT_ERR_IO naming the call and NCCL's last error. */
+#define BT_CUDA_DIST_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+int bt_cuda_dist_unique_id(uint8_t id[BT_CUDA_DIST_ID_BYTES]);
+/* The device ordinal for local rank `local_rank`: 0 when the process sees one GPU (Slurm
+ * --gpus-per-task=1), else local_rank; BT_ERR_INVALID when local_rank >= visible GPUs (> 1),
+ * BT_ERR_IO when there is none. */
+int bt_cuda_device_for_local_rank(int local_rank, int *device);
+/* ncclCommInitRank(world, id, rank) on the trainer's device (world 1: records rank 0 of 1). */
+int bt_cuda_trainer_dist_init(bt_cuda_trainer *t, const uint8_t id[BT_CUDA_DIST_ID_BYTES], int rank,
+                              int world);
+/* In-place SUM of the fp32 LoRA gradient buffer over all ranks, enqueued on the trainer's stream
+ * (asynchronous; the following grad-norm / AdamW are ordered after it). Each rank's buffer holds
+ * d(grad_scale * its loss_sum) with grad_scale = 1 / (labelled targets of ALL ranks), so the sum
+ * is the gradient of the global mean loss: exactly what one process with all ranks' rows
+ * computes. */
+int bt_cuda_trainer_allreduce_grads(bt_cuda_trainer *t);
+/* vals[0..n) (host fp64, n <= 16) <- their sum over all ranks; synchronous. */
+int bt_cuda_trainer_allreduce_sum(bt_cuda_trainer *t, double *vals, int n);
+/* all[r * bytes .. +bytes) <- rank r's `mine` (host buffers; bytes <= 512, all holds world *
+ * bytes); synchronous. For the checkpoint's per-rank loader states. */
+int bt_cuda_trainer_allgather(bt_cuda_trainer *t, const void *mine, void *all, size_t bytes);
+
 /* Peak device memory in use by the process since the trainer was created (cudaMemGetInfo samples
  * taken after each step), in bytes, and the baseline before the trainer allocated anything. */
 size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline);

@@ -11,6 +11,8 @@ extern "C" {
 #include "kernels/cuda/kernels_cuda.h"
 #include "trainer/cuda/cuda_trainer.h"
 
+#include <nccl.h>
+
 #include <cstdio>
 #include <vector>
 
@@ -112,7 +114,17 @@ struct bt_cuda_trainer {
     double *h_loss; /* pinned [1] */
     std::vector<void *> allocs;
     size_t bytes, base_used, peak_used;
+    /* data-parallel (cuda_dist.cu): NULL comm = one process */
+    ncclComm_t comm;
+    int rank, world, comm_failed; /* comm_failed: an NCCL call failed (free aborts, not waits) */
+    double *d_red;                /* [BTC_DIST_MAX_SUM] all-reduce scratch */
+    uint8_t *d_gather;            /* [world * BTC_DIST_MAX_GATHER] all-gather scratch */
 };
+#define BTC_DIST_MAX_SUM 16
+#define BTC_DIST_MAX_GATHER 512
+
+/* cuda_dist.cu: tear down the NCCL communicator (bt_cuda_trainer_free) */
+void btc_dist_free(bt_cuda_trainer *t);
 
 /* cuda_step.cu: device allocation owned by the trainer (freed by bt_cuda_trainer_free) */
 int btc_alloc(bt_cuda_trainer *t, void **p, size_t bytes, const char *what);
