@@ -124,16 +124,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_ranks(cfgs, port, world=2):
+def launch_ranks(cfgs, port, world=2, args=(), extra_env=None):
     """Start one emulated trainer per config with torchrun's environment; wait for all."""
     base = {k: v for k, v in os.environ.items()
             if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR")}
     procs = []
     for rank, cfg in enumerate(cfgs):
         e = {**base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_EMU_TIMEOUT_S": "60"}
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_EMU_TIMEOUT_S": "60",
+             **(extra_env or {})}
         procs.append(subprocess.Popen([EMU_TRAINER, "train", "--config", str(cfg),
-                                       "--set", "dist.timeout_s=60"], env=e,
+                                       "--set", "dist.timeout_s=60", *args], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     for p in procs:
@@ -167,6 +168,39 @@ def test_two_ranks_reproduce_one_process_with_both_rows(env):
     ea, eb = rel_l2(two["adapter"], one["adapter"], "lora_A"), rel_l2(two["adapter"], one["adapter"], "lora_B")
     print(f"data-parallel: adapter rel_l2 lora_A {ea:.3e} lora_B {eb:.3e}")
     assert ea <= 1e-4 and eb <= 1e-3, (ea, eb)
+
+
+def test_two_ranks_resume_bit_identically(env):
+    """stop after 2 of 3 steps with a checkpoint (every rank's loader state gathered to rank 0),
+    resume both ranks: step 3 is bit-identical to the uninterrupted run's; resuming with one
+    process is refused (the loader positions belong to two ranks)."""
+    data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
+            "micro_batch_size": 1, "seed": 5}
+    full, _ = job_config(env, "dp-full", "cuda", {"data": data})
+    ck = env["tmp"] / "dp-ckpt"
+    part, _ = job_config(env, "dp-part", "cuda", {"data": data, "checkpoint_every": 1,
+                                                  "checkpoint_dir": str(ck), "stop_at_step": 2})
+    dbg = {"BT_LOG_LEVEL": "debug"}
+    exact = re.compile(r"step (\d+) loss ([0-9.e+-]+) grad norm ([0-9.e+-]+)")
+    a = launch_ranks([full, full], free_port(), extra_env=dbg)
+    b = launch_ranks([part, part], free_port(), extra_env=dbg)
+    c = launch_ranks([part, part], free_port(), args=("--set", "stop_at_step=0", "--resume", str(ck)),
+                     extra_env=dbg)
+    for name, res in (("full", a), ("stopped", b), ("resumed", c)):
+        for rank, (rc, text) in enumerate(res):
+            assert rc == 0, f"{name} rank {rank}:\n{text}"
+    want = dict((int(n), (l, g)) for n, l, g in exact.findall(a[0][1]))
+    got_b = dict((int(n), (l, g)) for n, l, g in exact.findall(b[0][1]))
+    got_c = dict((int(n), (l, g)) for n, l, g in exact.findall(c[0][1]))
+    assert sorted(want) == [1, 2, 3] and sorted(got_b) == [1, 2] and sorted(got_c) == [3], (a, b, c)
+    assert got_b[1] == want[1] and got_b[2] == want[2]
+    assert got_c[3] == want[3], f"resumed step 3 {got_c[3]} vs uninterrupted {want[3]}"
+    assert "resumed from" in c[1][1], c[1][1]
+    r = subprocess.run([EMU_TRAINER, "train", "--config", str(part), "--set", "stop_at_step=0",
+                        "--resume", str(ck)], capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items()
+                            if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")})
+    assert r.returncode != 0 and "written by 2 rank(s), this run has 1" in r.stderr, r.stderr
 
 
 def test_rendezvous_refuses_ranks_of_different_jobs(env):
