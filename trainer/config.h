@@ -9,7 +9,9 @@
  *   data: { shards (required, [glob, ...]), format "chat" ("chat"|"text"|"alpaca"),
  *           text_field "text", seq_len 512, micro_batch_size 4, seed 1234, tokenizer_threads 2 }
  *          (all sent to loaderd in the job spec, with "tokenizer" = model)
- *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data) }
+ *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data;
+ *           per rank: with several ranks each evaluates up to this many of its own batches and
+ *           the loss is the token mean over all of them) }
  *   lora: { r 16, lora_alpha 32, lora_dropout 0.05,
  *           target_modules ["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"] }
  *   optim: { lr 2e-4, weight_decay 0.0, beta1 0.9, beta2 0.999, eps 1e-8, warmup_steps 0,
