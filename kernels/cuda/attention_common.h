@@ -132,10 +132,28 @@ static __global__ void bt_att_delta_kernel(float *delta, const bt_bf16 *dout, co
         delta[row] = s;
 }
 
-/* Raise a kernel's dynamic shared-memory limit above the 48 KB default (host call, cheap). */
+/* Raise a kernel's dynamic shared-memory limit above the 48 KB default (host call, cheap). A
+ * device whose per-block opt-in limit is below `smem` (sm_86 / sm_89: 99 KB, which the sm_80
+ * binary also runs on; sm_80: 163 KB; sm_90: 227 KB, CUDA C Programming Guide, "Compute
+ * Capabilities") is BT_CU_ERR_UNSUPPORTED with a message naming both sizes, instead of the bare
+ * "invalid argument" of cudaFuncSetAttribute at the first launch. */
 template <typename K>
 static int bt_att_smem(K kernel, size_t smem)
 {
+    static int optin = -1; /* cached: one device per process (the trainer's) */
+    if (optin < 0) {
+        int dev = 0;
+        cudaDeviceProp p;
+        optin = cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&p, dev) == cudaSuccess
+                    ? (int)p.sharedMemPerBlockOptin
+                    : 0;
+    }
+    if (optin > 0 && smem > (size_t)optin) {
+        fprintf(stderr, "barq-cuda: attention kernel needs %zu bytes of shared memory per block; this "
+                "device allows %d (for head_dim 128 use config cuda.attention \"wmma\" if it "
+                "fits, or a GPU with more shared memory: sm_80, sm_90)\n", smem, optin);
+        return BT_CU_ERR_UNSUPPORTED;
+    }
     return BT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)smem));
 }
