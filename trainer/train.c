@@ -447,7 +447,6 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     /* stop_all: a SIGINT/SIGTERM seen by any rank (agreed on in the step's collectives, so that
      * every rank stops after the same step; for one process simply g_stop) */
     int stop_all = 0;
-    long long n_real_local = 0;
     for (int step = start_step; step < end_step && !stop_all && !(g_dist.world == 1 && g_stop);
          step++) {
         double ts = bt_now();
@@ -473,7 +472,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         if (got == 1)
             got = bt_fail(BT_ERR_CLOSED, "the training stream ended after step %d of %d%s", step,
                           cfg->steps, g_dist.world > 1 ? " (on this rank)" : "");
-        n_real_local = n_real;
+        const long long n_real_local = n_real;
         /* ... over all ranks: counts, and whether any rank was stopped or failed */
         double st[4] = {(double)n_lab, (double)n_real, got == 2 || (g_dist.world > 1 && g_stop),
                         got < 0};
@@ -524,7 +523,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             double v[2] = {loss_sum, g_stop};
             if ((rc = dist_sum(v, 2))) goto done;
             loss_sum = v[0];
-            stop_all = g_dist.world > 1 ? v[1] > 0 : g_stop;
+            stop_all = v[1] > 0; /* one process: its own g_stop */
         }
         double loss = n_lab > 0 ? loss_sum / (double)n_lab : NAN;
         /* 3. clip + AdamW (every rank holds the same summed gradients, so every rank computes

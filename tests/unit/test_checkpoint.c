@@ -289,6 +289,30 @@ static void test_corrupt(void **st) {
     bt_config_free(&c);
 }
 
+/* The whole of `file` (malloc'd; *n = its size). */
+static uint8_t *read_all(const char *file, size_t *n) {
+    struct stat sb;
+    assert_int_equal(stat(file, &sb), 0);
+    *n = (size_t)sb.st_size;
+    uint8_t *buf = malloc(*n);
+    assert_non_null(buf);
+    FILE *f = fopen(file, "rb");
+    assert_non_null(f);
+    assert_int_equal(fread(buf, 1, *n, f), *n);
+    fclose(f);
+    return buf;
+}
+
+/* Recompute the trailing FNV-1a checksum of buf[0..n) and write it as `file`. */
+static void reseal_and_write(const char *file, uint8_t *buf, size_t n) {
+    uint64_t h = bt_fnv1a64(BT_FNV64_INIT, buf, n - 8);
+    memcpy(buf + n - 8, &h, 8);
+    FILE *f = fopen(file, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(buf, 1, n, f), n);
+    fclose(f);
+}
+
 /* Data-parallel checkpoints: every rank's loader state round-trips; a different world size is
  * refused when there is a loader position; version-1 files (one rank) still load. */
 static void test_world(void **st) {
@@ -329,22 +353,12 @@ static void test_world(void **st) {
                      BT_ERR_INVALID); /* rank outside the world */
     assert_int_equal(bt_checkpoint_save_ex(dir, &c, &m, &a, 5, rs, 0), BT_ERR_INVALID);
     /* a lying world field (checksum fixed up) is refused, not read past the end */
-    struct stat sb;
-    assert_int_equal(stat(file, &sb), 0);
     {
-        FILE *f = fopen(file, "r+b");
-        assert_non_null(f);
-        size_t n = (size_t)sb.st_size;
-        uint8_t *buf = malloc(n);
-        assert_non_null(buf);
-        assert_int_equal(fread(buf, 1, n, f), n);
+        size_t n;
+        uint8_t *buf = read_all(file, &n);
         int32_t w = 1000;
         memcpy(buf + 368, &w, 4); /* the v2 world field follows the v1 header */
-        uint64_t h = bt_fnv1a64(BT_FNV64_INIT, buf, n - 8);
-        memcpy(buf + n - 8, &h, 8);
-        rewind(f);
-        assert_int_equal(fwrite(buf, 1, n, f), n);
-        fclose(f);
+        reseal_and_write(file, buf, n);
         free(buf);
     }
     expect_refused(dir, &c, &m, &b, BT_ERR_FORMAT, "does not match");
@@ -354,27 +368,18 @@ static void test_world(void **st) {
     assert_int_equal(has, 0);
     /* version 1 (header without the world field, checksum over the old layout) */
     assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 4, rs), 0);
-    assert_int_equal(stat(file, &sb), 0);
     {
-        size_t n = (size_t)sb.st_size, v1 = n - 8;
-        FILE *f = fopen(file, "rb");
-        assert_non_null(f);
-        uint8_t *buf = malloc(n), *old = malloc(v1);
-        assert_non_null(buf);
+        size_t n;
+        uint8_t *buf = read_all(file, &n);
+        size_t v1 = n - 8;
+        uint8_t *old = malloc(v1);
         assert_non_null(old);
-        assert_int_equal(fread(buf, 1, n, f), n);
-        fclose(f);
         uint32_t ver = 1, hb = 368;
         memcpy(old, buf, 368);
         memcpy(old + 8, &ver, 4);
         memcpy(old + 12, &hb, 4);
         memcpy(old + 368, buf + 376, n - 376 - 8);
-        uint64_t h = bt_fnv1a64(BT_FNV64_INIT, old, v1 - 8);
-        memcpy(old + v1 - 8, &h, 8);
-        f = fopen(file, "wb");
-        assert_non_null(f);
-        assert_int_equal(fwrite(old, 1, v1, f), v1);
-        fclose(f);
+        reseal_and_write(file, old, v1);
         free(buf);
         free(old);
     }
