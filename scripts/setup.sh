@@ -18,8 +18,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Wait for another apt/dpkg run (a parallel set-up, unattended-upgrades) instead of failing.
+  APT=(apt-get -o DPkg::Lock::Timeout=900)
+  $SUDO "${APT[@]}" update -qq
+  $SUDO "${APT[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-python3}
