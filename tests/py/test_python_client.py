@@ -1,0 +1,350 @@
+"""The Python client of loaderd (python/barq_loaderd, issue 15 point 1), NumPy side, run from the
+source tree with the system python (no torch): its byte layouts equal the C headers
+(build/tools/proto_layout); it reads the very batches the C client (proto/client.c through
+build/tools/ld_consume) reads, with the same checksums; a resumed client yields the batches of an
+uninterrupted one; loaderd's refusals arrive as exceptions carrying loaderd's message; reports
+show in `loaderctl status`; hostile rings and batches are refused with the violation named;
+loaderd restarts are survived like the C client does. The torch / transformers side is
+tests/py/test_python_client_hf.py (.venv-torch)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, chat_line, write_shard
+from test_loaderd_faults import batches_of, run_consumer
+from test_loaderd_server import base_config, dataset, job_spec  # noqa: F401
+
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import barq_loaderd as bl  # noqa: E402
+from barq_loaderd import layout as L  # noqa: E402
+from barq_loaderd.batch import read_batch, validate  # noqa: E402
+from barq_loaderd.ring import Ring  # noqa: E402
+
+
+def client(d, spec, **kw):
+    kw.setdefault("verify_checksum", True)
+    return bl.LoaderdClient(spec, socket_path=d.sock, **kw)
+
+
+def take(c, n):
+    """n batches as owned copies (so they outlive the ring slot)."""
+    out = []
+    for _ in range(n):
+        b = c.next(timeout=60)
+        assert b is not None
+        out.append(b.copy())
+    return out
+
+
+def same(a, b):
+    return (a.step == b.step and a.checksum == b.checksum and a.resume_state == b.resume_state
+            and all(np.array_equal(getattr(a, k), getattr(b, k))
+                    for k in ("input_ids", "labels", "position_ids", "cu_seqlens")))
+
+
+def test_layout_matches_the_c_headers(bins):
+    if not bins.have("tools/proto_layout"):
+        pytest.skip("build/tools/proto_layout not built")
+    c = json.loads(subprocess.run([bins.path("tools/proto_layout")], capture_output=True, check=True,
+                                  text=True).stdout)
+    assert c["ring_off"] == L.RING_OFF
+    assert c["batch_off"] == L.BATCH_OFF
+    assert c["batch_header_size"] == L.BATCH_HEADER_BYTES == L.BATCH_OFF["resume_state"] + L.RESUME_STATE_BYTES
+    assert c["ring_header_size"] <= L.RING_HEADER_BYTES == c["RING_HEADER_BYTES"]
+    for k in ("RING_MAGIC", "RING_VERSION", "BATCH_MAGIC", "BATCH_LAYOUT_VERSION", "RESUME_STATE_BYTES",
+              "LABEL_IGNORE", "F_END_OF_DATA", "PROTO_VERSION", "DEFAULT_SOCKET"):
+        assert c[k] == getattr(L, k), k
+    # the struct formats put every field at its C offset
+    assert L.BATCH_HEADER.size == L.BATCH_OFF["resume_state"]
+    pos = 0
+    for name, code in zip(L.BATCH_FIELDS, L.BATCH_HEADER.format.lstrip("<")):
+        assert L.BATCH_OFF[name] == pos, name
+        pos += 8 if code == "Q" else 4
+    assert L.RING_GEOMETRY.size == L.RING_OFF["total_bytes"] + 8
+    for s in c["shapes"]:
+        assert L.slot_bytes(s["B"], s["T"]) == s["slot_bytes"], s
+        if s["offsets"][0]:
+            assert list(L.array_offsets(s["B"], s["T"])) == s["offsets"], s
+
+
+def test_same_batches_as_the_c_client(loaderd, dataset, model_path, bins, tmp_path):
+    d = loaderd(base_config(dataset, model_path))
+    spec = job_spec(dataset, model_path, epochs=1)
+    (tmp_path / "job.json").write_text(json.dumps(spec))
+    p = run_consumer(bins, d.sock, tmp_path / "job.json", 1000)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    want = batches_of(out.splitlines())
+    assert len(want) > 5 and "end" in out.split()
+    got = []
+    with client(d, spec) as c:
+        assert (c.B, c.T, c.vocab) == (2, 64, 49152)
+        for b in c:
+            assert not b.owned and not b.input_ids.flags.writeable and not b.input_ids.flags.owndata
+            assert b.input_ids.shape == (2, 64) and b.input_ids.dtype == np.int32
+            assert b.cu_seqlens[0] == 0 and b.cu_seqlens[-1] == 128
+            # labels are the unshifted ids or -100 (loaderd's chat format labels the answers)
+            lab = b.labels != L.LABEL_IGNORE
+            assert (b.labels[lab] == b.input_ids[lab]).all() and lab.sum() == b.n_labelled_tokens > 0
+            got.append((b.step, f"{b.checksum:016x}", str(b.n_real_tokens), str(b.n_docs), str(b.epoch)))
+        assert c.next() is None  # stays ended
+        assert c.state_dict()["next_step"] == len(want)
+    assert got == want
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resumed_client_yields_the_uninterrupted_batches(loaderd, dataset, model_path, world):
+    d = loaderd(base_config(dataset, model_path))
+    spec = job_spec(dataset, model_path)  # endless: epochs 0
+    rank = world - 1
+    N, K = 9, 4
+    with client(d, spec, rank=rank, world_size=world) as c:
+        want = take(c, N)
+        assert [b.rank for b in want] == [rank] * N
+    with client(d, spec, rank=rank, world_size=world) as c:
+        first = take(c, K)
+        state = json.loads(json.dumps(c.state_dict()))  # JSON round trip, as a checkpoint would
+    assert state["next_step"] == K and state["rank"] == rank and state["world_size"] == world
+    with client(d, spec, rank=rank, world_size=world, resume=state) as c:
+        rest = take(c, N - K)
+    assert all(same(a, b) for a, b in zip(first + rest, want))
+    assert [b.step for b in rest] == list(range(K, N))
+    # the raw resume_state of the last batch works too (steps are then not checked against K)
+    with client(d, spec, rank=rank, world_size=world, resume=first[-1].resume_state) as c:
+        assert same(take(c, 1)[0], want[K])
+    # a state of another rank / world / job is refused before anything is read
+    with pytest.raises(ValueError, match="another rank or world size"):
+        client(d, spec, rank=0, world_size=world + 1, resume=state)
+    with pytest.raises(ValueError, match="another job"):
+        client(d, dict(spec, seed=99), rank=rank, world_size=world, resume=state)
+    other = job_spec(dataset, model_path)
+    other["name"] = "renamed"  # the name does not change the batches: accepted
+    with client(d, other, rank=rank, world_size=world, resume=state) as c:
+        assert same(take(c, 1)[0], want[K])
+
+
+def test_loaderd_errors_are_python_exceptions(loaderd, dataset, model_path, tmp_path):
+    d = loaderd(base_config(dataset, model_path))
+    cases = [
+        (dict(job_spec(dataset, model_path), seq_len=3), '"seq_len": 3 is out of range'),
+        (dict(job_spec(dataset, model_path), colour="red"), "colour"),
+        (dict(job_spec(dataset, model_path), shards=["/etc/passwd"]), "reaches outside every data root"),
+        (dict(job_spec(dataset, model_path), format="yaml"), "format"),
+    ]
+    for spec, needle in cases:
+        with pytest.raises(bl.LoaderdRefused) as e:
+            client(d, spec)
+        assert needle in e.value.loaderd_message and needle in str(e.value), e.value
+        assert e.value.op == "attach"
+    with pytest.raises(bl.LoaderdConnectionError, match="is loaderd running"):
+        bl.LoaderdClient(job_spec(dataset, model_path), socket_path=str(tmp_path / "none.sock"))
+    with pytest.raises(ValueError, match="rank"):
+        client(d, job_spec(dataset, model_path), rank=2, world_size=2)
+    with pytest.raises(TypeError):
+        client(d, "not a dict")
+    # relative paths are made absolute against our cwd, as proto/client.c does
+    cwd = os.getcwd()
+    try:
+        os.chdir(dataset)
+        with client(d, dict(job_spec(dataset, model_path), shards=["./train-*.jsonl"])) as c:
+            assert c.spec["shards"] == [str(dataset / "train-*.jsonl")]
+            assert c.next(timeout=60) is not None
+    finally:
+        os.chdir(cwd)
+    # requests other than attach: status works, an unknown op is refused with loaderd's words
+    assert bl.request("status", socket_path=d.sock)["ok"] is True
+    with pytest.raises(bl.LoaderdRefused, match="loaderd refused frobnicate"):
+        bl.request("frobnicate", socket_path=d.sock)
+
+
+def test_reports_show_in_loaderctl_status(loaderd, dataset, model_path):
+    d = loaderd(base_config(dataset, model_path))
+    with client(d, job_spec(dataset, model_path, name="py-trainer")) as c:
+        c.next(timeout=60)
+        c.report(7, 2.5, 1234.5)
+        st = json.loads(d.ctl("status", "--json").stdout)
+        (job,) = st["jobs"]
+        assert job["name"] == "py-trainer" and job["peer"]["pid"] == os.getpid()
+        assert job["trainer"]["step"] == 7 and job["trainer"]["loss"] == 2.5
+        assert job["trainer"]["tokens_per_s"] == 1234.5
+        text = d.ctl("status").stdout
+        assert "py-trainer" in text and "2.5000" in text
+        c.report(8, float("nan"))  # a diverged loss travels as null
+        job = json.loads(d.ctl("status", "--json").stdout)["jobs"][0]
+        assert job["trainer"]["step"] == 8 and job["trainer"]["loss"] is None
+        with pytest.raises(ValueError):
+            c.report(-1, 1.0)
+    # detached on close: the job is gone
+    deadline = time.time() + 30
+    while json.loads(d.ctl("status", "--json").stdout)["jobs"]:
+        assert time.time() < deadline, "the job outlived close()"
+        time.sleep(0.05)
+
+
+def test_rank_and_world_from_the_environment():
+    r = bl.resolve_rank_world
+    assert r({}) == (0, 1, "single")
+    assert r({"RANK": "3", "WORLD_SIZE": "4"}) == (3, 4, "torchrun")
+    assert r({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == (1, 2, "slurm")
+    assert r({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"})[2] == "torchrun"
+    for env, needle in [({"RANK": "1"}, "WORLD_SIZE is not"), ({"WORLD_SIZE": "2"}, "RANK is not"),
+                        ({"RANK": "2", "WORLD_SIZE": "2"}, "not below"), ({"RANK": "x", "WORLD_SIZE": "2"}, "integer"),
+                        ({"RANK": "0", "WORLD_SIZE": "0"}, ">= 1"), ({"RANK": "-1", "WORLD_SIZE": "2"}, "negative"),
+                        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "99999999"}, "largest")]:
+        with pytest.raises(ValueError, match=needle):
+            r(env)
+
+
+def test_trainer_job_spec_is_the_trainers(tmp_path):
+    cfg = {"name": "demo", "model": "models/m.gguf", "socket": "/tmp/x.sock",
+           "data": {"shards": ["data/*.jsonl"], "format": "text", "seq_len": 256, "micro_batch_size": 2},
+           "eval": {"shards": ["/abs/eval.jsonl"]}}
+    p = tmp_path / "job.json"
+    p.write_text(json.dumps(cfg))
+    spec, sock = bl.trainer_job_spec(str(p))
+    cwd = os.getcwd()
+    assert sock == "/tmp/x.sock"
+    assert spec == {"name": "demo", "shards": [os.path.join(cwd, "data/*.jsonl")], "format": "text",
+                    "text_field": "text", "tokenizer": os.path.join(cwd, "models/m.gguf"), "seq_len": 256,
+                    "micro_batch_size": 2, "seed": 1234, "epochs": 0, "tokenizer_threads": 2}
+    ev, _ = bl.trainer_job_spec(cfg, eval=True)
+    assert ev["name"] == "demo-eval" and ev["shards"] == ["/abs/eval.jsonl"] and ev["epochs"] == 1
+    with pytest.raises(ValueError, match="model"):
+        bl.trainer_job_spec({"data": {"shards": ["x"]}})
+
+
+# ---- hostile rings and batches (a fake producer: our own sealed memfd) ----
+
+def fake_ring(B=2, T=16, n_slots=2, seal=True, lie=None):
+    import fcntl
+    sb = L.slot_bytes(B, T)
+    total = L.RING_HEADER_BYTES + n_slots * sb
+    fd = os.memfd_create("fake-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, total)
+    hdr = dict(magic=L.RING_MAGIC, version=L.RING_VERSION, n_slots=n_slots, slot_bytes=sb, B=B, T=T, total=total)
+    hdr.update(lie or {})
+    os.pwrite(fd, L.RING_GEOMETRY.pack(*hdr.values()), 0)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def test_hostile_ring_headers_are_refused():
+    Ring(fake_ring()).close()
+    for kw, needle in [(dict(seal=False), "sealed against shrinking"),
+                       (dict(lie={"magic": 1}), "bad magic"),
+                       (dict(lie={"version": 2}), "bad magic/version"),
+                       (dict(lie={"n_slots": 3}), "lying header"),
+                       (dict(lie={"n_slots": 0}), "geometry invalid"),
+                       (dict(lie={"slot_bytes": 64}), "lying header"),
+                       (dict(lie={"total": 1 << 40}), "lying header"),
+                       (dict(lie={"B": 1 << 20, "T": 1 << 20}), "geometry invalid")]:
+        fd = fake_ring(**kw)
+        with pytest.raises(bl.LoaderdProtocolError, match=needle):
+            Ring(fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # the ring took the fd and closed it, on failure too
+    # an impossible head (beyond tail + n_slots) is a protocol error, not a read past the ring
+    r = Ring(fake_ring())
+    r.buffer[64:72] = (5).to_bytes(8, "little")
+    with pytest.raises(bl.LoaderdProtocolError, match="impossible head"):
+        r.peek(0)
+    r.buffer[64:72] = (0).to_bytes(8, "little")
+    with pytest.raises(bl.LoaderdTimeout):
+        r.peek(0.05)
+    r.buffer[192:196] = (1).to_bytes(4, "little")  # producer closed, ring empty
+    with pytest.raises(bl.LoaderdClosed):
+        r.peek(1)
+    r.close()
+
+
+def test_hostile_batches_are_refused_naming_the_violation(loaderd, dataset, model_path):
+    d = loaderd(base_config(dataset, model_path))
+    with client(d, job_spec(dataset, model_path)) as c:
+        good = c.next(timeout=60)
+        slot = bytearray(c._ring.buffer[c._ring.slot_offset(good.step):][:c._ring.slot_bytes])
+    B, T = 2, 64
+    o_ids, o_lab, o_pos, o_cu = L.array_offsets(B, T)
+
+    def put(buf, off, vals):
+        buf[off:off + 4 * len(vals)] = np.asarray(vals, "<i4").tobytes()
+
+    def check(mutate, needle, vocab=49152, checksum=False):
+        s = bytearray(slot)
+        mutate(s)
+        with pytest.raises(bl.LoaderdProtocolError, match=needle):
+            validate(read_batch(s, 0, B, T), vocab, checksum)
+
+    validate(read_batch(slot, 0, B, T), 49152, True)
+    cu = read_batch(slot, 0, B, T).cu_seqlens.tolist()
+    check(lambda s: put(s, 0, [0xDEAD]), "bad magic")
+    check(lambda s: put(s, 4, [2]), "layout version")
+    check(lambda s: put(s, 24, [3]), "shape 3x64")
+    check(lambda s: put(s, 48, [4]), "unknown flags")
+    check(lambda s: put(s, 40, [1]), "n_cu 1 outside")
+    check(lambda s: put(s, 40, [10 ** 6]), "outside")
+    check(lambda s: put(s, o_ids + 8, [12345]), "checksum mismatch", checksum=True)
+    check(lambda s: put(s, o_cu, [1]), r"cu_seqlens\[0\]=1")
+    check(lambda s: put(s, o_cu + 4 * (len(cu) - 1), [127]), "want B\\*T=128")
+    check(lambda s: put(s, o_cu + 4, [cu[2], cu[1]]), "not increasing")
+    check(lambda s: put(s, o_ids, [60000]), r"input_ids\[0\]=60000 outside")
+    check(lambda s: put(s, o_ids, [-5]), "input_ids")
+    check(lambda s: put(s, o_lab, [7]), "first token of segment at 0 has a label")
+    check(lambda s: put(s, o_pos + 4, [5]), r"position_ids\[1\]=5 \(want 1")
+    check(lambda s: put(s, 36, [3]), "n_labelled_tokens 3 but")
+    check(lambda s: put(s, 32, [10 ** 6]), "token counts")
+    lab = read_batch(slot, 0, B, T).labels.reshape(-1)
+    t = int(np.argmax(lab != L.LABEL_IGNORE))
+    check(lambda s: put(s, o_lab + 4 * t, [70000]), f"labels\\[{t}\\]=70000 outside")
+    # a segment crossing the row end: drop the row-start boundary at T
+    k = cu.index(T)
+    merged = cu[:k] + cu[k + 1:]
+    check(lambda s: (put(s, o_cu, merged), put(s, 40, [len(merged)])), "row start 64 is not a segment boundary")
+
+
+def test_loaderd_restart_client_continues_exactly(loaderd, dataset, model_path):
+    cfg = base_config(dataset, model_path, ring_slots=2)
+    spec = job_spec(dataset, model_path)
+    N, K = 14, 5
+    d = loaderd(cfg)
+    with client(d, spec) as c:
+        want = take(c, N)
+    d.stop()
+    d2 = loaderd(cfg)
+    with pytest.warns(RuntimeWarning, match="reconnecting"):
+        with client(d2, spec, reconnect_s=60) as c:
+            got = take(c, K)
+            assert d2.stop(signal.SIGTERM) == 0
+            d3 = loaderd(cfg)
+            got += take(c, N - K)  # drains the ring, then re-attaches to the new loaderd
+            assert c.reconnects == 1
+            c.report(N, 1.0)
+            assert json.loads(d3.ctl("status", "--json").stdout)["jobs"][0]["trainer"]["step"] == N
+    assert all(same(a, b) for a, b in zip(got, want)) and len(got) == N
+    # with reconnecting off, loaderd going away ends the stream with LoaderdClosed
+    with client(d3, spec, reconnect_s=0) as c:
+        take(c, 1)
+        d3.proc.kill()
+        d3.proc.wait()
+        with pytest.raises(bl.LoaderdClosed, match="reconnecting disabled"):
+            take(c, 100)
+
+
+def test_end_of_data_and_bad_lines_counted(loaderd, tmp_path, model_path):
+    data = tmp_path / "eod"
+    data.mkdir()
+    write_shard(data / "a.jsonl", [chat_line(f"q{i}", f"a{i}") for i in range(10)] + ["{broken"])
+    d = loaderd(base_config(data, model_path))
+    spec = {"name": "eod", "shards": [str(data / "a.jsonl")], "format": "chat", "tokenizer": model_path,
+            "seq_len": 256, "micro_batch_size": 1, "epochs": 2}
+    with client(d, spec) as c:
+        steps = [b.step for b in c]
+        assert steps == list(range(len(steps))) and len(steps) >= 2
+        job = json.loads(d.ctl("status", "--json").stdout)["jobs"][0]
+        assert job["bad_lines"]["json"] == 2 and job["state"] == "done"  # one bad line, two epochs
