@@ -69,7 +69,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model test unit unit-asan pytest demo install clean bench shards
+.PHONY: all setup model test unit unit-asan pytest pytest-torch demo install clean bench shards
 .SECONDARY:
 
 all: $(BINS) $(TOOLS)
@@ -94,8 +94,15 @@ unit-asan: $(TESTS_ASAN)
 pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 	@BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py
 
-# `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests, and
-# the CUDA kernels and GPU tests run on the CPU emulator (test-emu; skipped without CUDA headers).
+# The loaderd Python client (python/) with torch, transformers and PEFT: scripts/venv-torch.sh
+# makes .venv-torch/ from python/requirements-torch.txt and installs the client there with
+# `pip install ./python`; tests/py/test_python_client_hf.py runs in it.
+pytest-torch: all
+	@bash scripts/venv-torch.sh
+	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py
+
+# `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests (also
+# the Python client's torch / transformers tests in .venv-torch/), and the CUDA kernels and GPU tests run on the CPU emulator (test-emu; skipped without CUDA headers).
 test: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all
@@ -103,6 +110,7 @@ test: setup
 	@$(MAKE) --no-print-directory unit-asan
 	@$(MAKE) --no-print-directory shards
 	@$(MAKE) --no-print-directory pytest
+	@$(MAKE) --no-print-directory pytest-torch
 	@if [ -f $(CUDA_HOME)/include/cuda_bf16.h ]; then $(MAKE) --no-print-directory test-emu; \
 	 else echo "test-emu: SKIPPED: CUDA headers not found in $(CUDA_HOME)/include"; fi
 

@@ -34,6 +34,10 @@ import pytest
 
 # test_e2e_cuda_emu.py needs build/emu/trainer; `make test-emu` runs it with BT_EMU_TRAINER set.
 collect_ignore = [] if os.environ.get("BT_EMU_TRAINER") else ["test_e2e_cuda_emu.py"]
+# test_python_client_hf.py needs torch + transformers: `make pytest-torch` runs it in .venv-torch/
+# with BT_VENV_TORCH set.
+if not os.environ.get("BT_VENV_TORCH"):
+    collect_ignore.append("test_python_client_hf.py")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
