@@ -425,8 +425,8 @@ class LoaderdClient:
                 if self._conn is None or self._conn.hung_up():
                     self._reconnect()
                     continue
-                raise LoaderdClosed(f"loaderd closed the stream of job {self.job_id} before its end "
-                                    f"(see loaderctl status)") from None
+                raise LoaderdClosed(f"loaderd closed the stream of job {self.job_id} before its end: "
+                                    f"{self._job_outcome()}") from None
         self._holding = True
         b = read_batch(self._ring.buffer, off, self.B, self.T)
         what = "end-of-data batch" if b.end_of_data else "batch"
@@ -446,6 +446,17 @@ class LoaderdClient:
         self._next_step = b.step + 1
         self._resume = b.resume_state
         return b
+
+    def _job_outcome(self):
+        """loaderd's account of why this job's stream stopped (its state and error in `status`)."""
+        try:
+            for j in request("status", socket_path=self.socket_path).get("jobs") or []:
+                if isinstance(j, dict) and j.get("job_id") == self.job_id:
+                    err = j.get("error")
+                    return f"job {j.get('state')}" + (f": {err}" if isinstance(err, str) else "")
+        except LoaderdError as e:
+            return f"loaderd status unavailable ({e})"
+        return "the job is no longer listed (see loaderctl status)"
 
     def release(self):
         """Hand the batch of the last next() back to loaderd (its views must not be used

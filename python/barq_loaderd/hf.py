@@ -51,12 +51,16 @@ def from_gguf(path, dtype=None, **kwargs):
     marker removed (transformers 5.x keeps it on a fully dequantised model and then refuses to
     train or save it). kwargs go to from_pretrained."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import GgufConfig
     path = os.path.abspath(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype or torch.float32,
-        quantization_config=GgufConfig(gguf_file=os.path.basename(path), dequantize=True), **kwargs)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        from transformers.utils.quantization_config import GgufConfig
+        kwargs.update(dtype=dtype or torch.float32,
+                      quantization_config=GgufConfig(gguf_file=os.path.basename(path), dequantize=True))
+    else:  # transformers 4.x always dequantises GGUF weights and attaches no quantizer
+        kwargs.update(torch_dtype=dtype or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **kwargs)
     q = getattr(model, "hf_quantizer", None)
     if q is not None:
         if not getattr(q.quantization_config, "dequantize", False):

@@ -348,3 +348,15 @@ def test_end_of_data_and_bad_lines_counted(loaderd, tmp_path, model_path):
         assert steps == list(range(len(steps))) and len(steps) >= 2
         job = json.loads(d.ctl("status", "--json").stdout)["jobs"][0]
         assert job["bad_lines"]["json"] == 2 and job["state"] == "done"  # one bad line, two epochs
+
+
+def test_failed_job_raises_with_loaderds_error(loaderd, tmp_path, model_path):
+    data = tmp_path / "bad"
+    data.mkdir()
+    write_shard(data / "a.jsonl", ["not json", '{"messages": 5}'])
+    d = loaderd(base_config(data, model_path))
+    spec = {"name": "bad", "shards": [str(data / "a.jsonl")], "format": "chat", "tokenizer": model_path,
+            "seq_len": 64, "micro_batch_size": 1}
+    with client(d, spec) as c:
+        with pytest.raises(bl.LoaderdClosed, match="job failed: .*no valid documents"):
+            c.next(timeout=60)

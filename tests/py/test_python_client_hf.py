@@ -99,6 +99,23 @@ def test_batches_are_datacollatorwithflattening_output(stack):
     assert collate(ours[:1]) is ours[0]
 
 
+def test_dataset_rank_from_the_environment(stack, monkeypatch):
+    cfg = job_config(stack)
+    with LoaderdClient(LoaderdDataset.from_trainer_config(cfg).spec, socket_path=stack["ld"].sock, rank=1,
+                       world_size=2) as c:
+        want = c.next(timeout=120).copy()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = LoaderdDataset.from_trainer_config(cfg)
+    got = next(iter(ds))
+    assert ds.rank_world == (1, 2) and ds.state_dict()["rank"] == 1 and ds.state_dict()["world_size"] == 2
+    assert np.array_equal(got["input_ids"].numpy().reshape(want.input_ids.shape), want.input_ids)
+    ds.close()
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match="RANK='2' is not below WORLD_SIZE='2'"):
+        next(iter(LoaderdDataset.from_trainer_config(cfg)))
+
+
 def test_dataset_resume_and_workers_refused(stack):
     cfg = job_config(stack)
     N, K = 8, 3
