@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import math
+import operator
 import os
 import select
 import socket
@@ -239,8 +240,13 @@ class LoaderdClient:
             rank, world_size, _ = resolve_rank_world()
         elif rank is None or world_size is None:
             raise ValueError("give both rank and world_size, or neither (then they come from the environment)")
-        if isinstance(rank, bool) or isinstance(world_size, bool) or not isinstance(rank, int) \
-                or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+        try:
+            if isinstance(rank, bool) or isinstance(world_size, bool):
+                raise TypeError
+            rank, world_size = operator.index(rank), operator.index(world_size)  # numpy ints too
+        except TypeError:
+            raise ValueError(f"rank {rank!r} / world_size {world_size!r}: need integers") from None
+        if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank!r} / world_size {world_size!r}: need 0 <= rank < world_size")
         self.rank, self.world_size = rank, world_size
         if verify_checksum not in (True, False, "first"):
@@ -266,6 +272,7 @@ class LoaderdClient:
         self._ring = None
         self._holding = False
         self._ended = False
+        self._closed = False
         self._mu = threading.Lock()
         self._reconnecting = False
         self.reconnects = 0
@@ -398,6 +405,8 @@ class LoaderdClient:
         up to `timeout` seconds (None: forever; a re-attach after loaderd went away is not
         bounded by it). Every batch is validated (batch.validate, against B, T and the
         vocabulary) and its job id and step checked (consecutive from the resume point)."""
+        if self._closed:
+            raise LoaderdClosed("next() after close(): this client is detached")
         if self._holding:
             self.release()
         if self._ended:
@@ -500,6 +509,7 @@ class LoaderdClient:
     def close(self):
         """Detach: set the ring's consumer-closed flag (loaderd stops producing at once), send
         detach (best effort), close the socket, unmap the ring. Idempotent."""
+        self._closed = True
         ring, conn = self._ring, self._conn
         self._ring = self._conn = None
         self._holding = False

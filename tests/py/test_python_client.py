@@ -146,6 +146,13 @@ def test_loaderd_errors_are_python_exceptions(loaderd, dataset, model_path, tmp_
         bl.LoaderdClient(job_spec(dataset, model_path), socket_path=str(tmp_path / "none.sock"))
     with pytest.raises(ValueError, match="rank"):
         client(d, job_spec(dataset, model_path), rank=2, world_size=2)
+    with pytest.raises(ValueError, match="integers"):
+        client(d, job_spec(dataset, model_path), rank=0.5, world_size=2)
+    with client(d, job_spec(dataset, model_path), rank=np.int64(1), world_size=np.int32(2)) as c:
+        assert (c.rank, c.world_size) == (1, 2) and type(c.rank) is int
+    c.close()  # twice is fine; next() after close() is an error, not a silent re-attach
+    with pytest.raises(bl.LoaderdClosed, match="after close"):
+        c.next(timeout=1)
     with pytest.raises(TypeError):
         client(d, "not a dict")
     # relative paths are made absolute against our cwd, as proto/client.c does
