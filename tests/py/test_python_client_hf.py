@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening, TrainerCallback
 
-from barq_loaderd import LoaderdClient
+from barq_loaderd import LoaderdClient, resolve_rank_world
 from barq_loaderd.hf import LoaderdTrainer, disable_cache, from_gguf
 from barq_loaderd.torch import LoaderdDataset, collate
 from conftest import BUILD, MODEL, ROOT, chat_line, tiny_model, write_shard
@@ -114,6 +114,14 @@ def test_dataset_rank_from_the_environment(stack, monkeypatch):
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(ValueError, match="RANK='2' is not below WORLD_SIZE='2'"):
         next(iter(LoaderdDataset.from_trainer_config(cfg)))
+    # an initialised torch.distributed wins over the environment
+    import torch.distributed as tdist
+    tdist.init_process_group("gloo", init_method=f"file://{stack['tmp']}/pg", rank=0, world_size=1)
+    try:
+        assert resolve_rank_world() == (0, 1, "torch.distributed")
+        assert LoaderdDataset.from_trainer_config(cfg).rank_world == (0, 1)
+    finally:
+        tdist.destroy_process_group()
 
 
 def test_dataset_resume_and_workers_refused(stack):
@@ -210,20 +218,20 @@ def test_first_step_loss_equals_our_trainer_then_hf_trainer_trains(stack, tmp_pa
     from transformers import TrainingArguments
     ds = LoaderdDataset.from_trainer_config(cfg)
     probe = StatusProbe(stack["ld"])
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, learning_rate=1e-3, logging_steps=1,
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=3, learning_rate=1e-3, logging_steps=1,
                              save_strategy="no", report_to=[], use_cpu=True, lr_scheduler_type="constant",
                              dataloader_num_workers=0, seed=3)
     trainer = LoaderdTrainer(model=model, args=args, train_dataset=ds, callbacks=[probe])
     out = trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(logged) == 2 and all(math.isfinite(x) for x in logged)
+    assert len(logged) == 3 and all(math.isfinite(x) for x in logged)
     assert abs(logged[0] - ours) <= max(tol, 1e-4 * abs(ours)), (logged, ours)  # Trainer logs rounded losses
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and all(float(p.detach().abs().max()) > 0 for p in lora_b), "the Trainer did not update the adapter"
-    assert out.global_step == 2 and ds.batches_yielded == 2
+    assert out.global_step == 3 and ds.batches_yielded == 3
     # loaderctl status showed the run: our job, the Trainer's steps and losses
-    assert [(name, t["step"], t["loss"]) for name, t in probe.seen] == [("hf-parity", 1, logged[0]),
-                                                                        ("hf-parity", 2, logged[1])], probe.seen
+    assert [(name, t["step"], t["loss"]) for name, t in probe.seen] == \
+        [("hf-parity", k + 1, logged[k]) for k in range(3)], probe.seen
     assert all(t["tokens_per_s"] > 0 for _, t in probe.seen)
     assert ds.client is None  # detached at the end of training
     assert json.loads(stack["ld"].ctl("status", "--json").stdout)["jobs"] == []
