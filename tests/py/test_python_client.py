@@ -367,3 +367,27 @@ def test_failed_job_raises_with_loaderds_error(loaderd, tmp_path, model_path):
     with client(d, spec) as c:
         with pytest.raises(bl.LoaderdClosed, match="job failed: .*no valid documents"):
             c.next(timeout=60)
+
+
+def test_ring_without_libatomic_on_x86_64(monkeypatch):
+    """Without libatomic.so.1 the ring falls back to plain aligned accesses (x86-64 only): the
+    counters still move as the protocol says."""
+    import platform
+    from barq_loaderd import ring as R
+    if platform.machine() not in ("x86_64", "amd64"):
+        pytest.skip("the fallback exists on x86-64 only")
+    monkeypatch.setattr(R.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(R, "_ATOMICS", None)
+    r = Ring(fake_ring(n_slots=2))
+    assert not r._a.native
+    r.buffer[64:72] = (2).to_bytes(8, "little")  # the producer committed two batches
+    assert r.peek(0) == L.RING_HEADER_BYTES and r.fill() == 2
+    r.release()
+    assert r.peek(0) == L.RING_HEADER_BYTES + r.slot_bytes
+    r.release()
+    assert int.from_bytes(r.buffer[128:136], "little") == 2 and int.from_bytes(r.buffer[136:140], "little") == 2
+    with pytest.raises(bl.LoaderdTimeout):
+        r.peek(0.05)
+    r.close()
+    assert r.buffer is None
+    monkeypatch.setattr(R, "_ATOMICS", None)  # the next ring gets the native atomics again
