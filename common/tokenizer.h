@@ -76,6 +76,32 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
 int bt_detokenize(const bt_tokenizer *t, const int32_t *ids, size_t n, int keep_special,
                   char **out, size_t *out_len);
 
+/* Hugging Face tokenizer files for a GGUF's tokenizer (common/tokenizer_hf.c). */
+typedef struct {
+    char *tokenizer_json;          /* tokenizer.json (malloc'd JSON text) */
+    char *tokenizer_config_json;   /* tokenizer_config.json: PreTrainedTokenizerFast, bos/eos/pad/
+                                    * unk tokens, added_tokens_decoder, chat_template */
+    char *special_tokens_map_json; /* special_tokens_map.json */
+    int32_t bos, eos, pad, unk;    /* tokenizer.ggml.*_token_id, -1 if none */
+} bt_hf_tokenizer_files;
+/* Build the three files from the tokenizer.ggml.* keys of an open GGUF: the vocabulary (every
+ * token at its GGUF id; a duplicated string keeps its first id), merges in rank order ("a b"
+ * strings), control tokens (type 3) as special added tokens and user-defined ones (type 4) as
+ * non-special, none normalized or stripped; and the pre-tokeniser pipeline of the model family's
+ * own tokenizer.json for tokenizer.ggml.pre (the table of bt_tokenizer_from_gguf: gpt2 ByteLevel;
+ * smollm Digits + ByteLevel; llama-bpe / llama3 cl100k Split + ByteLevel, ignore_merges; qwen2
+ * NFC + Split), a ByteLevel decoder, and a ByteLevel post-processor (plus TemplateProcessing
+ * adding BOS / EOS when tokenizer.ggml.add_bos_token / add_eos_token are true). So
+ * AutoTokenizer.from_pretrained on the result encodes exactly as bt_tokenize does on the GGUF
+ * (transformers' own GGUF conversion, integrations/ggml.py, does not: it gives every "gpt2" GGUF
+ * plain ByteLevel). tokenizer_config.json lists every other control token as
+ * additional_special_tokens and sets model_max_length (when > 0) and chat_template
+ * (tokenizer.chat_template). Errors: those of bt_tokenizer_from_gguf; BT_ERR_UNSUPPORTED for a
+ * token, merge or chat template that is not valid UTF-8 (JSON cannot carry it); BT_ERR_NOMEM.
+ * *f is zeroed on failure; free with bt_hf_tokenizer_files_free. */
+int bt_tokenizer_hf_from_gguf(const bt_gguf *g, int64_t model_max_length, bt_hf_tokenizer_files *f);
+void bt_hf_tokenizer_files_free(bt_hf_tokenizer_files *f);
+
 int32_t bt_tokenizer_vocab_size(const bt_tokenizer *t);
 /* Id of an exact token string (e.g. "<|im_start|>"), -1 if absent. */
 int32_t bt_tokenizer_find(const bt_tokenizer *t, const char *piece);

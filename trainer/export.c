@@ -18,6 +18,7 @@
 #include "trainer/adapter.h"
 #include "trainer/adapter_load.h"
 #include "trainer/config.h"
+#include "trainer/export_internal.h"
 
 /* GGUF and Hugging Face tensor names per module, in BT_MOD_* order. */
 static const char *const k_gguf_lin[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
@@ -38,7 +39,7 @@ int bt_export_dtype_parse(const char *s, int *out) {
     return bt_fail(BT_ERR_INVALID, "export: unknown dtype \"%s\" (f32, f16, bf16, q8_0)", s ? s : "");
 }
 
-static const char *dtype_name(int d) {
+const char *bt_export_dtype_name(int d) {
     static const char *const names[] = {"f32", "f16", "bf16", "q8_0"};
     return d >= 0 && d < 4 ? names[d] : "?";
 }
@@ -72,7 +73,7 @@ int bt_export_permute_rows(float *dst, const float *src, int n_head, int rows, i
     return 0;
 }
 
-static int lora_matches(const bt_model *m, const bt_lora *lo) {
+int bt_export_lora_matches(const bt_model *m, const bt_lora *lo) {
     if (!lo) return 0;
     if (lo->n_layer != m->hp.n_layer || !lo->mods)
         return bt_fail(BT_ERR_INVALID, "export: adapter has %d layers, the base %d", lo->n_layer,
@@ -211,7 +212,7 @@ int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const c
                        lo->norms ? "norm weights" : "");
     if (dtype < BT_EXPORT_F32 || dtype > BT_EXPORT_Q8_0)
         return bt_fail(BT_ERR_INVALID, "export: gguf-lora: bad dtype %d", dtype);
-    int rc = lora_matches(m, lo);
+    int rc = bt_export_lora_matches(m, lo);
     if (rc) return rc;
     bt_gguf_writer *w = bt_gguf_writer_new();
     if (!w) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
@@ -307,7 +308,7 @@ static int gguf_rope_freqs(const bt_model *m, float **ff) {
 /* HF rope_scaling "llama3" parameters behind a GGUF rope_freqs table: Llama 3.x's low 1, high 4,
  * original context 8192 (convert_hf_to_gguf.py's defaults) and factor = the largest factor, if
  * llama3_freq_factors reproduces the table with them (rel. 1e-6); else BT_ERR_UNSUPPORTED. */
-static int llama3_from_freqs(const bt_model *m, float *factor, float *low, float *high, int *ctx) {
+int bt_export_llama3_from_freqs(const bt_model *m, float *factor, float *low, float *high, int *ctx) {
     const int half = m->hp.head_dim / 2;
     float mx = 0.f, *f = malloc((size_t)half * sizeof(float));
     if (!f) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
@@ -379,7 +380,7 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         return bt_fail(BT_ERR_INVALID, "export: gguf: bad dtype %d", dtype);
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
-    int rc = lora_matches(m, lo);
+    int rc = bt_export_lora_matches(m, lo);
     if (rc) return rc;
     const bt_llama_hparams *hp = &m->hp;
     bt_gguf_writer *w = bt_gguf_writer_new();
@@ -465,230 +466,6 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
     if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error());
 out:
     bt_gguf_writer_free(w);
-    return rc;
-}
-
-/* ---- merged safetensors ---- */
-
-static int mkdir_p(const char *path) {
-    char *p = bt_xstrdup(path);
-    int rc = 0;
-    for (char *s = p + 1;; s++) {
-        if (*s != '/' && *s) continue;
-        char c = *s;
-        *s = 0;
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-            rc = bt_fail(BT_ERR_IO, "export: mkdir %s: %s", p, strerror(errno));
-            break;
-        }
-        if (!c) break;
-        *s = c;
-    }
-    free(p);
-    return rc;
-}
-
-static int add_st(bt_st_writer *w, const char *name, const float *x, int64_t rows, int64_t cols,
-                  int dtype) {
-    int64_t shape[2] = {rows ? rows : cols, cols};
-    int nd = rows ? 2 : 1;
-    size_t n = (size_t)(rows ? rows : 1) * (size_t)cols;
-    bt_st_dtype t = dtype == BT_EXPORT_F32 ? BT_ST_F32 : dtype == BT_EXPORT_F16 ? BT_ST_F16 : BT_ST_BF16;
-    int rc;
-    if (t == BT_ST_F32) rc = bt_st_w_tensor(w, name, t, nd, shape, x, n * 4);
-    else {
-        uint16_t *h = malloc(n * 2 + 1);
-        if (!h) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
-        for (size_t i = 0; i < n; i++) h[i] = t == BT_ST_F16 ? bt_fp32_to_fp16(x[i]) : bt_fp32_to_bf16(x[i]);
-        rc = bt_st_w_tensor(w, name, t, nd, shape, h, n * 2);
-        free(h);
-    }
-    if (rc) return bt_fail(rc, "export: tensor %s: %s", name, bt_last_error());
-    return 0;
-}
-
-/* Shortest decimal that reads back as the same float (1e-05, not 9.99999975e-06). */
-static json_t *json_float(float f) {
-    char buf[48];
-    for (int p = 1; p <= 9; p++) {
-        snprintf(buf, sizeof buf, "%.*g", p, (double)f);
-        if ((float)strtod(buf, NULL) == f) break;
-    }
-    return json_real(strtod(buf, NULL));
-}
-
-static void set_token_id(json_t *j, const bt_gguf *base, const char *gguf_key, const char *hf_key) {
-    int64_t v;
-    if (base && bt_gguf_get_i64(base, gguf_key, &v) == 0 && v >= 0 && v <= 0x7fffffff)
-        json_object_set_new(j, hf_key, json_integer(v));
-}
-
-/* 1 if every layer's linear `mod` has a bias, 0 if none has, -1 if mixed. */
-static int bias_state(const bt_model *m, int mod) {
-    int n = 0;
-    for (int l = 0; l < m->hp.n_layer; l++) n += m->layers[l].lin[mod].bias != NULL;
-    return n == 0 ? 0 : n == m->hp.n_layer ? 1 : -1;
-}
-
-/* config.json of a transformers LlamaForCausalLM (or Qwen2ForCausalLM when exactly q/k/v carry
- * biases, Qwen2's layout) for the merged weights. */
-static int write_hf_config(const bt_model *m, const bt_gguf *base, int dtype, const char *path) {
-    const bt_llama_hparams *hp = &m->hp;
-    int bq = bias_state(m, BT_MOD_Q), bk = bias_state(m, BT_MOD_K), bv = bias_state(m, BT_MOD_V),
-        bo = bias_state(m, BT_MOD_O), bg = bias_state(m, BT_MOD_GATE),
-        bu = bias_state(m, BT_MOD_UP), bd = bias_state(m, BT_MOD_DOWN);
-    int qwen2 = bq == 1 && bk == 1 && bv == 1 && bo == 0 && bg == 0 && bu == 0 && bd == 0;
-    int attn_bias = bq == 1 && bk == 1 && bv == 1 && bo == 1, mlp_bias = bg == 1 && bu == 1 && bd == 1;
-    if (!qwen2 && (bq + bk + bv + bo != 0 && !attn_bias)) attn_bias = -1;
-    if (bg + bu + bd != 0 && !mlp_bias) mlp_bias = -1;
-    if (attn_bias < 0 || mlp_bias < 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: the base's linear biases match "
-                       "neither Llama (attention_bias / mlp_bias) nor Qwen2 (q/k/v)");
-    json_t *j = json_object();
-    json_t *arch = json_array();
-    json_array_append_new(arch, json_string(qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"));
-    json_object_set_new(j, "architectures", arch);
-    if (!qwen2) json_object_set_new(j, "attention_bias", json_boolean(attn_bias));
-    json_object_set_new(j, "attention_dropout", json_real(0.0));
-    set_token_id(j, base, "tokenizer.ggml.bos_token_id", "bos_token_id");
-    set_token_id(j, base, "tokenizer.ggml.eos_token_id", "eos_token_id");
-    json_object_set_new(j, "head_dim", json_integer(hp->head_dim));
-    json_object_set_new(j, "hidden_act", json_string("silu"));
-    json_object_set_new(j, "hidden_size", json_integer(hp->d_model));
-    json_object_set_new(j, "initializer_range", json_real(0.02));
-    json_object_set_new(j, "intermediate_size", json_integer(hp->d_ff));
-    json_object_set_new(j, "max_position_embeddings", json_integer(hp->ctx));
-    if (!qwen2) json_object_set_new(j, "mlp_bias", json_boolean(mlp_bias));
-    json_object_set_new(j, "model_type", json_string(qwen2 ? "qwen2" : "llama"));
-    json_object_set_new(j, "num_attention_heads", json_integer(hp->n_head));
-    json_object_set_new(j, "num_hidden_layers", json_integer(hp->n_layer));
-    json_object_set_new(j, "num_key_value_heads", json_integer(hp->n_kv_head));
-    set_token_id(j, base, "tokenizer.ggml.padding_token_id", "pad_token_id");
-    json_object_set_new(j, "pretraining_tp", json_integer(1));
-    json_object_set_new(j, "rms_norm_eps", json_float(hp->rms_eps));
-    if (hp->rope_type == BT_ROPE_LLAMA3 || hp->rope_type == BT_ROPE_FREQS) {
-        float f = hp->rope_factor, lo = hp->rope_low_freq_factor, hi = hp->rope_high_freq_factor;
-        int ctx = hp->rope_orig_ctx, rc;
-        if (hp->rope_type == BT_ROPE_FREQS && (rc = llama3_from_freqs(m, &f, &lo, &hi, &ctx))) {
-            json_decref(j);
-            return rc;
-        }
-        json_t *rs = json_object();
-        json_object_set_new(rs, "factor", json_float(f));
-        json_object_set_new(rs, "high_freq_factor", json_float(hi));
-        json_object_set_new(rs, "low_freq_factor", json_float(lo));
-        json_object_set_new(rs, "original_max_position_embeddings", json_integer(ctx));
-        json_object_set_new(rs, "rope_type", json_string("llama3"));
-        json_object_set_new(j, "rope_scaling", rs);
-    } else if (hp->rope_factor > 0.f && hp->rope_factor != 1.f) {
-        json_t *rs = json_object();
-        json_object_set_new(rs, "factor", json_float(hp->rope_factor));
-        json_object_set_new(rs, "rope_type", json_string("linear"));
-        json_object_set_new(rs, "type", json_string("linear"));
-        json_object_set_new(j, "rope_scaling", rs);
-    } else {
-        json_object_set_new(j, "rope_scaling", json_null());
-    }
-    json_object_set_new(j, "rope_theta", json_float(hp->rope_theta));
-    json_object_set_new(j, "tie_word_embeddings", json_boolean(m->tied));
-    json_object_set_new(j, "torch_dtype", json_string(dtype == BT_EXPORT_F32   ? "float32"
-                                                      : dtype == BT_EXPORT_F16 ? "float16"
-                                                                               : "bfloat16"));
-    json_object_set_new(j, "use_cache", json_true());
-    if (qwen2) json_object_set_new(j, "use_sliding_window", json_false());
-    json_object_set_new(j, "vocab_size", json_integer(hp->vocab));
-    char *s = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
-    json_decref(j);
-    if (!s) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
-    char *tmp = NULL;
-    int rc = 0;
-    if (asprintf(&tmp, "%s.tmp.%d", path, (int)getpid()) < 0) {
-        free(s);
-        return bt_fail(BT_ERR_NOMEM, "export: out of memory");
-    }
-    FILE *f = fopen(tmp, "wb");
-    if (!f) rc = bt_fail(BT_ERR_IO, "export: create %s: %s", tmp, strerror(errno));
-    else {
-        size_t n = strlen(s);
-        if (fwrite(s, 1, n, f) != n || fputc('\n', f) == EOF || fflush(f) != 0 || fsync(fileno(f)) != 0)
-            rc = bt_fail(BT_ERR_IO, "export: write %s: %s", tmp, strerror(errno));
-        if (fclose(f) != 0 && !rc) rc = bt_fail(BT_ERR_IO, "export: close %s: %s", tmp, strerror(errno));
-        if (!rc && rename(tmp, path) != 0)
-            rc = bt_fail(BT_ERR_IO, "export: rename %s: %s", path, strerror(errno));
-        if (rc) unlink(tmp);
-    }
-    free(tmp);
-    free(s);
-    return rc;
-}
-
-int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base, int dtype,
-                                 const char *out_dir) {
-    if (dtype != BT_EXPORT_F32 && dtype != BT_EXPORT_F16 && dtype != BT_EXPORT_BF16)
-        return bt_fail(BT_ERR_INVALID, "export: safetensors: dtype %s not supported (f32, f16, bf16)",
-                       dtype_name(dtype));
-    if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
-        return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
-    int rc = lora_matches(m, lo);
-    if (rc) return rc;
-    if ((rc = mkdir_p(out_dir))) return rc;
-    const bt_llama_hparams *hp = &m->hp;
-    bt_st_writer *w = bt_st_writer_new();
-    if (!w) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
-    float *x = NULL;
-    char name[128], *path = NULL;
-    if ((rc = bt_st_w_metadata(w, "format", "pt"))) goto out;
-    if ((rc = add_st(w, "model.embed_tokens.weight", bt_lora_embed(lo, m), hp->vocab, hp->d_model,
-                     dtype)))
-        goto out;
-    for (int l = 0; l < hp->n_layer && !rc; l++) {
-        const bt_layer *L = &m->layers[l];
-        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-        if ((rc = add_st(w, name, bt_lora_norm(lo, m, l, 0), 0, hp->d_model, dtype))) break;
-        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
-        if ((rc = add_st(w, name, bt_lora_norm(lo, m, l, 1), 0, hp->d_model, dtype))) break;
-        for (int mod = 0; mod < BT_MOD_N && !rc; mod++) {
-            const bt_base_linear *b = &L->lin[mod];
-            float *nx = realloc(x, (size_t)b->rows * b->cols * sizeof(float));
-            if (!nx) {
-                rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
-                break;
-            }
-            x = nx;
-            if ((rc = bt_export_merged_weight(m, lo, l, mod, x))) break;
-            snprintf(name, sizeof name, "model.layers.%d.%s.%s.weight", l,
-                     mod <= BT_MOD_O ? "self_attn" : "mlp", bt_module_name(mod));
-            if ((rc = add_st(w, name, x, b->rows, b->cols, dtype)) || !b->bias) continue;
-            snprintf(name, sizeof name, "model.layers.%d.%s.%s.bias", l,
-                     mod <= BT_MOD_O ? "self_attn" : "mlp", bt_module_name(mod));
-            rc = add_st(w, name, b->bias, 0, b->rows, dtype);
-        }
-    }
-    if (!rc) rc = add_st(w, "model.norm.weight", bt_lora_norm(lo, m, hp->n_layer, 0), 0, hp->d_model,
-                         dtype);
-    if (!rc && !m->tied)
-        rc = add_st(w, "lm_head.weight", bt_lora_lm_head(lo, m), hp->vocab, hp->d_model, dtype);
-    if (rc) goto out;
-    if (asprintf(&path, "%s/model.safetensors", out_dir) < 0) {
-        path = NULL;
-        rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
-        goto out;
-    }
-    if ((rc = bt_st_writer_write(w, path))) {
-        rc = bt_fail(rc, "export: %s", bt_last_error());
-        goto out;
-    }
-    free(path);
-    if (asprintf(&path, "%s/config.json", out_dir) < 0) {
-        path = NULL;
-        rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
-        goto out;
-    }
-    rc = write_hf_config(m, base, dtype, path);
-out:
-    free(path);
-    free(x);
-    bt_st_writer_free(w);
     return rc;
 }
 
@@ -798,7 +575,11 @@ int bt_export_run(const bt_export_opts *o) {
     }
     case BT_EXPORT_GGUF_LORA: rc = bt_export_gguf_lora(&m, &lo, dtype, o->out); break;
     case BT_EXPORT_GGUF: rc = bt_export_gguf_merged(&m, &lo, g, dtype, o->out); break;
-    case BT_EXPORT_SAFETENSORS: rc = bt_export_safetensors_merged(&m, &lo, g, dtype, o->out); break;
+    case BT_EXPORT_SAFETENSORS: {
+        bt_hf_export_opts ho = {g, g ? NULL : o->model, o->max_shard_bytes};
+        rc = bt_export_safetensors_merged_ex(&m, &lo, dtype, &ho, o->out);
+        break;
+    }
     default: rc = bt_fail(BT_ERR_INVALID, "export: bad format %d", o->format);
     }
     if (!rc) {
@@ -807,7 +588,7 @@ int bt_export_run(const bt_export_opts *o) {
         bt_log(BT_LOG_INFO, "export", "wrote %s (%s) to %s: %d layers x %d modules, r %d, alpha %g%s%s",
                o->format == BT_EXPORT_PEFT ? "peft" : o->format == BT_EXPORT_GGUF_LORA ? "gguf-lora"
                : o->format == BT_EXPORT_GGUF ? "gguf" : "safetensors",
-               dtype_name(dtype), o->out, lo.n_layer, nmod, lo.r, (double)lo.alpha,
+               bt_export_dtype_name(dtype), o->out, lo.n_layer, nmod, lo.r, (double)lo.alpha,
                lo.embed ? ", LoRA+ embed_tokens" : "", lo.norms ? ", LoRA+ norms" : "");
     }
 out:
@@ -821,26 +602,30 @@ out:
 const char *bt_export_usage(void) {
     return "usage: trainer export --model BASE.gguf|HF_DIR --adapter ADAPTER_DIR\n"
            "                      --format peft|gguf-lora|gguf|safetensors --out PATH\n"
-           "                      [--dtype f32|f16|bf16|q8_0]\n"
+           "                      [--dtype f32|f16|bf16|q8_0] [--max-shard-size SIZE]\n"
            "  peft         normalised PEFT adapter directory (f32)\n"
            "  gguf-lora    llama.cpp LoRA adapter .gguf (f32 default; f16, bf16, q8_0)\n"
            "  gguf         base + adapter merged, full llama .gguf (f16 default; f32, bf16, q8_0)\n"
-           "  safetensors  merged Hugging Face LlamaForCausalLM directory (f16 default; f32, bf16)\n";
+           "  safetensors  merged Hugging Face LlamaForCausalLM directory (f16 default; f32, bf16):\n"
+           "               weights (sharded past --max-shard-size, default 5GB, as save_pretrained),\n"
+           "               config.json, generation_config.json, tokenizer.json,\n"
+           "               tokenizer_config.json (chat template), special_tokens_map.json\n";
 }
 
 int bt_export_main(int argc, char **argv) {
-    bt_export_opts o = {NULL, NULL, NULL, -1, -1};
-    const char *fmt = NULL, *dt = NULL;
+    bt_export_opts o = {NULL, NULL, NULL, -1, -1, 0};
+    const char *fmt = NULL, *dt = NULL, *shard = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        static const char *const flags[] = {"--model", "--adapter", "--format", "--out", "--dtype"};
-        const char **dst[] = {&o.model, &o.adapter, &fmt, &o.out, &dt};
+        static const char *const flags[] = {"--model", "--adapter", "--format", "--out", "--dtype",
+                                            "--max-shard-size"};
+        const char **dst[] = {&o.model, &o.adapter, &fmt, &o.out, &dt, &shard};
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             fputs(bt_export_usage(), stdout);
             return 0;
         }
         int hit = 0;
-        for (int f = 0; f < 5 && !hit; f++) {
+        for (int f = 0; f < 6 && !hit; f++) {
             size_t n = strlen(flags[f]);
             if (!strcmp(a, flags[f]) && i + 1 < argc) *dst[f] = argv[++i], hit = 1;
             else if (!strncmp(a, flags[f], n) && a[n] == '=') *dst[f] = a + n + 1, hit = 1;
@@ -855,8 +640,13 @@ int bt_export_main(int argc, char **argv) {
                 bt_export_usage());
         return 2;
     }
-    if (bt_export_format_parse(fmt, &o.format) || (dt && bt_export_dtype_parse(dt, &o.dtype))) {
+    if (bt_export_format_parse(fmt, &o.format) || (dt && bt_export_dtype_parse(dt, &o.dtype)) ||
+        (shard && bt_export_parse_size(shard, &o.max_shard_bytes))) {
         fprintf(stderr, "trainer %s\n", bt_last_error());
+        return 2;
+    }
+    if (shard && o.format != BT_EXPORT_SAFETENSORS) { /* a setting it would ignore */
+        fprintf(stderr, "trainer export: --max-shard-size applies to --format safetensors only\n");
         return 2;
     }
     int rc = bt_export_run(&o);

@@ -18,11 +18,21 @@
  *                from the model, every other KV (tokenizer.*, general.name, ...) copied from the
  *                base GGUF. token_embd / output / the 7 linears in the chosen type (F32, F16, BF16
  *                or Q8_0 with F16 fallback), norms F32; general.file_type 0 / 1 / 32 / 7.
- *   safetensors  merged Hugging Face LlamaForCausalLM directory: <out>/model.safetensors (keys
- *                model.embed_tokens.weight, model.layers.{i}.{input_layernorm,post_attention_
- *                layernorm}.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
- *                model.layers.{i}.mlp.{gate,up,down}_proj.weight, model.norm.weight, lm_head.weight
- *                when untied; F32, F16 or BF16; __metadata__ {"format": "pt"}) + config.json.
+ *   safetensors  merged Hugging Face LlamaForCausalLM directory (trainer/export_hf.c), what
+ *                save_pretrained + the tokenizer's save_pretrained write: weights (keys
+ *                model.embed_tokens.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+ *                model.layers.{i}.mlp.{gate,up,down}_proj.weight, model.layers.{i}.{input_layernorm,
+ *                post_attention_layernorm}.weight, model.norm.weight, lm_head.weight when untied;
+ *                F32, F16 or BF16; __metadata__ {"format": "pt"}) in state_dict order, as
+ *                model.safetensors or, past max_shard_bytes (default 5 GB, save_pretrained's),
+ *                model-0000k-of-0000n.safetensors + model.safetensors.index.json with shards cut
+ *                exactly as huggingface_hub split_state_dict_into_shards_factory cuts them (weights
+ *                files of an earlier export that this one did not write are removed); config.json;
+ *                generation_config.json (bos / eos / pad ids; eos also lists <|im_end|> when that
+ *                is another token); tokenizer.json, tokenizer_config.json (chat template, special
+ *                tokens) and special_tokens_map.json built from a GGUF base's tokenizer.ggml.*
+ *                (common/tokenizer.h bt_tokenizer_hf_from_gguf), or the tokenizer and generation
+ *                files of a Hugging Face base directory copied verbatim.
  *
  * Linear biases of the base (Qwen2 q/k/v, Llama attention_bias / mlp_bias) are carried over
  * (GGUF blk.N.<lin>.bias, F32, Q/K permuted like the rows; HF ...<proj>.bias); a head_dim other
@@ -93,6 +103,33 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
 int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf,
                                  int dtype, const char *out_dir);
 
+/* save_pretrained's default max_shard_size "5GB" (decimal, as huggingface_hub parses it). */
+#define BT_EXPORT_DEFAULT_SHARD_BYTES 5000000000ull
+
+/* Where the merged Hugging Face directory takes its tokenizer from, and how it is sharded. */
+typedef struct {
+    const bt_gguf *base_gguf; /* tokenizer.ggml.* -> tokenizer files; bos/eos/pad; or NULL */
+    const char *base_dir;     /* Hugging Face base directory: tokenizer.json, tokenizer_config.json,
+                               * special_tokens_map.json, chat_template.jinja / .json, vocab.json,
+                               * merges.txt, added_tokens.json, tokenizer.model and
+                               * generation_config.json copied when present; or NULL */
+    int64_t max_shard_bytes;  /* <= 0: BT_EXPORT_DEFAULT_SHARD_BYTES */
+} bt_hf_export_opts;
+
+/* The merged directory with its tokenizer and generation files (layout above); `o` may be NULL
+ * (no tokenizer files, default sharding). bt_export_safetensors_merged is this with
+ * {base_gguf, NULL, 0}. A GGUF base whose tokenizer.ggml.* keys are absent or cannot be written
+ * (bt_tokenizer_hf_from_gguf: other tokenizer models, invalid UTF-8, ...), or a base directory
+ * without a tokenizer we can read, gives a warning naming the reason (the directory then has no,
+ * or unchecked, tokenizer files; config.json still gets the GGUF's bos/eos/pad ids). Errors as
+ * bt_export_safetensors_merged, plus BT_ERR_IO for a base file that cannot be copied. */
+int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dtype,
+                                    const bt_hf_export_opts *o, const char *out_dir);
+
+/* "5GB", "500MB", "1.5GB", "2GiB", "123456" (bytes; no spaces): a positive size in bytes, decimal units KB/MB/GB/TB (10^3..) or binary KiB/MiB/GiB/TiB (2^10..), case-insensitive,
+ * as transformers' convert_file_size_to_int reads max_shard_size. BT_ERR_INVALID otherwise. */
+int bt_export_parse_size(const char *s, int64_t *out);
+
 /* Parameters of one `trainer export` run. */
 typedef struct {
     const char *model;    /* base: GGUF file or Hugging Face directory (bt_model_load) */
@@ -101,6 +138,7 @@ typedef struct {
     int format;           /* BT_EXPORT_PEFT .. */
     int dtype;            /* BT_EXPORT_F32 ..; -1 = the format's default (peft, gguf-lora: f32;
                              gguf, safetensors: f16) */
+    int64_t max_shard_bytes; /* safetensors: shard size limit; <= 0 = 5 GB (save_pretrained's) */
 } bt_export_opts;
 
 /* Load the base, the adapter (bt_lora_load_peft), write the export. The base is loaded fp32
@@ -112,7 +150,8 @@ typedef struct {
 int bt_export_run(const bt_export_opts *o);
 
 /* `trainer export` command line (argv[0] = "export"): --model BASE.gguf|HF_DIR --adapter DIR
- * --format peft|gguf-lora|gguf|safetensors --out PATH [--dtype f32|f16|bf16|q8_0]. Prints a
+ * --format peft|gguf-lora|gguf|safetensors --out PATH [--dtype f32|f16|bf16|q8_0]
+ * [--max-shard-size SIZE] (safetensors only; bt_export_parse_size). Prints a
  * one-line summary to stdout; errors to stderr. Returns the process exit status: 0 ok, 1 runtime
  * failure, 2 usage error. */
 int bt_export_main(int argc, char **argv);

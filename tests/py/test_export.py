@@ -501,3 +501,159 @@ def test_lora_plus_generate(bins, model_path, tmp_path):
     assert p.returncode == 0, p.stderr
     # a zero embedding (and tied lm_head) makes every logit 0: the output changes
     assert p.stdout != base.stdout
+
+
+# ---- the merged Hugging Face directory: sharding, tokenizer and generation files ----
+
+def hub_shards(sizes, limit):
+    """huggingface_hub split_state_dict_into_shards_factory on [(name, nbytes)] in order:
+    {name: shard index}, shard count."""
+    shards, cur, cur_size = [], [], 0
+    for name, n in sizes:
+        if n > limit:
+            shards.append([name])
+            continue
+        if cur_size + n > limit:
+            shards.append(cur)
+            cur, cur_size = [], 0
+        cur.append(name)
+        cur_size += n
+    if cur:
+        shards.append(cur)
+    return {n: i for i, s in enumerate(shards) for n in s}, len(shards)
+
+
+def state_dict_order(cfg):
+    keys = ["model.embed_tokens.weight"]
+    for layer in range(cfg["num_hidden_layers"]):
+        for m in MODS:
+            keys.append(f"model.layers.{layer}.{'self_attn' if m in MODS[:4] else 'mlp'}.{m}.weight")
+        keys += [f"model.layers.{layer}.input_layernorm.weight",
+                 f"model.layers.{layer}.post_attention_layernorm.weight"]
+    return keys + ["model.norm.weight"] + ([] if cfg["tie_word_embeddings"] else ["lm_head.weight"])
+
+
+def test_merged_safetensors_sharded(bins, adapter, tmp_path):
+    """--max-shard-size cuts model-0000k-of-0000n.safetensors + index exactly as save_pretrained
+    (huggingface_hub) would for the same tensors in state_dict order; the weights equal the
+    single-file export; re-exporting unsharded into the same directory removes the stale shards
+    and index; the base directory's generation_config.json is carried over."""
+    d, _ = adapter
+    one, out = str(tmp_path / "one"), str(tmp_path / "sharded")
+    run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors", "--dtype", "f32",
+               "--out", one)
+    single, _ = st_read(os.path.join(one, "model.safetensors"))
+    limit = 20000
+    run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors", "--dtype", "f32",
+               "--max-shard-size", "20KB", "--out", out)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        idx = json.load(f)
+    order = state_dict_order(tiny_config())
+    sizes = [(k, 4 * math.prod(single[k][1])) for k in order]
+    want, n = hub_shards(sizes, limit)
+    assert n > 2
+    names = {k: f"model-{want[k] + 1:05d}-of-{n:05d}.safetensors" for k in order}
+    assert idx["weight_map"] == names
+    assert idx["metadata"]["total_size"] == sum(s for _, s in sizes)
+    got = {}
+    for fn in sorted(set(names.values())):
+        t, meta = st_read(os.path.join(out, fn))
+        assert meta == {"format": "pt"}
+        assert sum(len(b) for _, _, b in t.values()) <= limit or len(t) == 1
+        got.update(t)
+    assert got == single
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))
+    with open(os.path.join(TINY, "generation_config.json"), "rb") as f1, \
+            open(os.path.join(out, "generation_config.json"), "rb") as f2:
+        assert f1.read() == f2.read()
+    # unsharded again into the same directory: shards and index of the first export go
+    run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors", "--dtype", "f32",
+               "--out", out)
+    left = sorted(f for f in os.listdir(out) if "safetensors" in f)
+    assert left == ["model.safetensors"], left
+
+
+def test_max_shard_size_refusals(bins, adapter, tmp_path):
+    d, _ = adapter
+    for bad in ("0", "-5GB", "5XB", "GB", "5 GB", "1e30"):
+        p = run_export(bins, "--model", TINY, "--adapter", d, "--format", "safetensors",
+                       "--max-shard-size", bad, "--out", str(tmp_path / "x"), check=False)
+        assert p.returncode == 2 and "--max-shard-size" in p.stderr, (bad, p.stderr)
+    p = run_export(bins, "--model", TINY, "--adapter", d, "--format", "gguf", "--max-shard-size",
+                   "1GB", "--out", str(tmp_path / "x.gguf"), check=False)
+    assert p.returncode == 2 and "safetensors only" in p.stderr
+    assert not os.path.exists(tmp_path / "x.gguf")
+
+
+def tokenize(bins, tok, text):
+    p = subprocess.run([bins.path("loaderctl"), "tokenize", "--tokenizer", tok, "--ids"],
+                       input=text, capture_output=True, text=True, timeout=120, check=True)
+    return p.stdout
+
+
+def test_merged_safetensors_tokenizer_real_model(bins, model_path, tmp_path):
+    """From the SmolLM2 GGUF: tokenizer.json, tokenizer_config.json (chat template, special
+    tokens), special_tokens_map.json and generation_config.json; our tokenizer reads the exported
+    directory back and encodes exactly like the GGUF (digits, specials, whitespace, CJK). The
+    comparison with Hugging Face's own AutoTokenizer / pipeline is test_hf_reference_check."""
+    cfg = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "num_hidden_layers": 30}
+    d = str(tmp_path / "adapter")
+    t = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        pre = f"base_model.model.model.layers.{layer}.self_attn.v_proj"
+        t[pre + ".lora_A.weight"] = ([2, 576], [0.01] * 1152)
+        t[pre + ".lora_B.weight"] = ([192, 2], [0.001] * 384)
+    os.makedirs(d)
+    st_write(os.path.join(d, "adapter_model.safetensors"), t)
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["v_proj"]}, f)
+    out = str(tmp_path / "hf")
+    run_export(bins, "--model", model_path, "--adapter", d, "--format", "safetensors", "--dtype",
+               "bf16", "--out", out)
+    files = set(os.listdir(out))
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json"} <= files, files
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+        tc = json.load(f)
+    assert tc["bos_token"] == "<|im_start|>" and tc["eos_token"] == "<|im_end|>"
+    assert tc["pad_token"] == "<|im_end|>" and tc["unk_token"] == "<|endoftext|>"
+    assert tc["tokenizer_class"] == "PreTrainedTokenizerFast" and tc["model_max_length"] == 8192
+    assert "<|im_start|>" in tc["chat_template"] and tc["added_tokens_decoder"]["2"]["special"]
+    assert "<repo_name>" in tc["additional_special_tokens"]
+    with open(os.path.join(out, "generation_config.json")) as f:
+        assert json.load(f) == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    with open(os.path.join(out, "config.json")) as f:
+        c = json.load(f)
+    assert (c["bos_token_id"], c["eos_token_id"], c["pad_token_id"]) == (1, 2, 2)
+    with open(os.path.join(out, "tokenizer.json")) as f:
+        tj = json.load(f)
+    assert [p["type"] for p in tj["pre_tokenizer"]["pretokenizers"]] == ["Digits", "ByteLevel"]
+    assert len(tj["model"]["vocab"]) == 49152 and len(tj["model"]["merges"]) == 48900
+    text = ("Hello 12345 world<|im_start|>user\n  x = [1,2,3]  # comment\t\tend\n"
+            "国語は美しい. Ünïcödé 'll 've don't   \n\n\n<|im_end|>\n")
+    assert tokenize(bins, out, text) == tokenize(bins, model_path, text)
+
+
+def test_hf_reference_check(tmp_path):
+    """tests/reference/check_exports.py --hf-dir in the pinned .venv-hf (transformers, tokenizers;
+    tests/reference/README.md), when that environment exists: AutoTokenizer on the exported
+    directory gives the HF ids of the parity corpus for SmolLM2 (the real GGUF), Llama 3 and Qwen2
+    tokenizers; the shards equal save_pretrained's; pipeline("text-generation") greedy output
+    equals `trainer generate`. Results recorded in tests/fixtures/hf/exports_check.json."""
+    py = os.path.join(ROOT, ".venv-hf", "bin", "python")
+    if not os.access(py, os.X_OK) or subprocess.run([py, "-c", "import transformers, tokenizers"],
+                                                    capture_output=True).returncode != 0:
+        pytest.skip(".venv-hf with transformers not present (python3 tests/reference/"
+                    "gen_hf_fixtures.py creates it)")
+    if not os.path.exists(os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")):
+        pytest.skip("model not present (make model)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
+               TOKENIZERS_PARALLELISM="false")
+    p = subprocess.run([py, os.path.join(ROOT, "tests", "reference", "check_exports.py"), "--hf-dir",
+                        "--work", str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=1200, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(p.stdout[p.stdout.index("{"):])
+    assert res["smollm2_tokenizer"]["mismatching_documents"] == 0
+    assert all(g["equal"] for g in res["smollm2_pipeline_greedy"])

@@ -795,7 +795,7 @@ static void test_peft_bad_inputs(void **st) {
     for (int fmt = 0; fmt < 4; fmt++) {
         snprintf(out, sizeof out, "%s", tpath(fmt == BT_EXPORT_PEFT || fmt == BT_EXPORT_SAFETENSORS
                                                   ? "bad_out_dir" : "bad_out.gguf"));
-        bt_export_opts o = {base, dir, out, fmt, -1};
+        bt_export_opts o = {base, dir, out, fmt, -1, 0};
         assert_int_equal(bt_export_run(&o), 0);
     }
     static const struct {
@@ -822,7 +822,7 @@ static void test_peft_bad_inputs(void **st) {
         write_peft(dir, cases[i].cfg ? cases[i].cfg : good, cases[i].bad);
         for (int fmt = 0; fmt < 4; fmt++) {
             snprintf(out, sizeof out, "%s/case%zu_%d", g_dir, i, fmt);
-            bt_export_opts o = {base, dir, out, fmt, -1};
+            bt_export_opts o = {base, dir, out, fmt, -1, 0};
             int rc = bt_export_run(&o);
             if (rc == 0) print_message("case %zu format %d: accepted\n", i, fmt);
             assert_int_not_equal(rc, 0);
@@ -831,7 +831,7 @@ static void test_peft_bad_inputs(void **st) {
             assert_int_not_equal(stat(out, &sb), 0); /* nothing written */
         }
     }
-    bt_export_opts o = {base, tpath("nonexistent"), out, BT_EXPORT_GGUF_LORA, -1};
+    bt_export_opts o = {base, tpath("nonexistent"), out, BT_EXPORT_GGUF_LORA, -1, 0};
     assert_int_equal(bt_export_run(&o), BT_ERR_NOTFOUND);
     bt_model_free(&m);
 }
@@ -848,7 +848,7 @@ static void test_rslora_normalised(void **st) {
     write_peft(dir, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"use_rslora\": true, "
                     "\"target_modules\": [\"q_proj\", \"v_proj\"]}", BAD_NONE);
     snprintf(out, sizeof out, "%s", tpath("rs_lora.gguf"));
-    bt_export_opts o = {base, dir, out, BT_EXPORT_GGUF_LORA, -1};
+    bt_export_opts o = {base, dir, out, BT_EXPORT_GGUF_LORA, -1, 0};
     assert_int_equal(bt_export_run(&o), 0);
     bt_gguf *g = NULL;
     assert_int_equal(bt_gguf_open(&g, out), 0);
@@ -858,7 +858,7 @@ static void test_rslora_normalised(void **st) {
     assert_true(fabs(a - 2 * 4 / sqrt(2.0)) < 1e-5);
     bt_gguf_close(g);
     snprintf(out, sizeof out, "%s", tpath("rs_peft"));
-    o = (bt_export_opts){base, dir, out, BT_EXPORT_PEFT, -1};
+    o = (bt_export_opts){base, dir, out, BT_EXPORT_PEFT, -1, 0};
     assert_int_equal(bt_export_run(&o), 0);
     bt_lora lo;
     assert_int_equal(bt_lora_load_peft(&lo, &m, out), 0);
@@ -890,7 +890,7 @@ static void test_run_and_main(void **st) {
     /* gguf-lora through the shapes-only path == from the full model, byte for byte */
     snprintf(o1, sizeof o1, "%s", tpath("run_lora.gguf"));
     snprintf(o2, sizeof o2, "%s", tpath("direct_lora.gguf"));
-    bt_export_opts o = {base, adir, o1, BT_EXPORT_GGUF_LORA, BT_EXPORT_F16};
+    bt_export_opts o = {base, adir, o1, BT_EXPORT_GGUF_LORA, BT_EXPORT_F16, 0};
     assert_int_equal(bt_export_run(&o), 0);
     assert_int_equal(bt_export_gguf_lora(&m, &lo, BT_EXPORT_F16, o2), 0);
     uint8_t *b1, *b2;
@@ -901,7 +901,7 @@ static void test_run_and_main(void **st) {
     /* merged gguf through the driver == direct */
     snprintf(o1, sizeof o1, "%s", tpath("run_merged.gguf"));
     snprintf(o2, sizeof o2, "%s", tpath("direct_merged.gguf"));
-    o = (bt_export_opts){base, adir, o1, BT_EXPORT_GGUF, BT_EXPORT_Q8_0};
+    o = (bt_export_opts){base, adir, o1, BT_EXPORT_GGUF, BT_EXPORT_Q8_0, 0};
     assert_int_equal(bt_export_run(&o), 0);
     bt_gguf *g = NULL;
     assert_int_equal(bt_gguf_open(&g, base), 0);
@@ -913,13 +913,13 @@ static void test_run_and_main(void **st) {
     free(b1), free(b2);
     /* peft and safetensors */
     snprintf(o1, sizeof o1, "%s", tpath("run_peft"));
-    o = (bt_export_opts){base, adir, o1, BT_EXPORT_PEFT, -1};
+    o = (bt_export_opts){base, adir, o1, BT_EXPORT_PEFT, -1, 0};
     assert_int_equal(bt_export_run(&o), 0);
     peft_schema_check(o1, &m, R, (1u << BT_MOD_N) - 1);
     o.dtype = BT_EXPORT_F16;
     assert_int_equal(bt_export_run(&o), BT_ERR_INVALID);
     snprintf(o1, sizeof o1, "%s", tpath("run_st/deeper"));
-    o = (bt_export_opts){base, adir, o1, BT_EXPORT_SAFETENSORS, -1};
+    o = (bt_export_opts){base, adir, o1, BT_EXPORT_SAFETENSORS, -1, 0};
     assert_int_equal(bt_export_run(&o), 0);
     char p[300];
     snprintf(p, sizeof p, "%s/model.safetensors", o1);
@@ -928,9 +928,9 @@ static void test_run_and_main(void **st) {
     assert_int_equal(bt_st_find(f, "lm_head.weight")->dtype, BT_ST_F16);
     bt_st_close(f);
     /* errors */
-    o = (bt_export_opts){tpath("missing.gguf"), adir, o1, BT_EXPORT_GGUF, -1};
+    o = (bt_export_opts){tpath("missing.gguf"), adir, o1, BT_EXPORT_GGUF, -1, 0};
     assert_int_equal(bt_export_run(&o), BT_ERR_IO);
-    o = (bt_export_opts){base, tpath("missing_dir"), o1, BT_EXPORT_GGUF_LORA, -1};
+    o = (bt_export_opts){base, tpath("missing_dir"), o1, BT_EXPORT_GGUF_LORA, -1, 0};
     assert_int_equal(bt_export_run(&o), BT_ERR_NOTFOUND);
     /* command line */
     char *a1[] = {"export", "--model", base, "--adapter", adir, "--format", "gguf-lora", "--out",

@@ -381,14 +381,14 @@ static void roundtrip(int tied) {
     snprintf(base, sizeof base, "%s", tpath(tied ? "base_tied.gguf" : "base_untied.gguf"));
     assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, base), 0);
     snprintf(out, sizeof out, "%s", tpath(tied ? "peft_tied" : "peft_untied"));
-    bt_export_opts o = {base, dir, out, BT_EXPORT_PEFT, -1};
+    bt_export_opts o = {base, dir, out, BT_EXPORT_PEFT, -1, 0};
     assert_int_equal(bt_export_run(&o), 0);
     bt_lora lo3;
     assert_int_equal(bt_lora_load_peft(&lo3, &m, out), 0);
     assert_same_lora(&lo, &lo3);
     bt_lora_free(&lo3);
     snprintf(out, sizeof out, "%s", tpath(tied ? "merged_tied.gguf" : "merged_untied.gguf"));
-    o = (bt_export_opts){base, dir, out, BT_EXPORT_GGUF, BT_EXPORT_F32};
+    o = (bt_export_opts){base, dir, out, BT_EXPORT_GGUF, BT_EXPORT_F32, 0};
     assert_int_equal(bt_export_run(&o), 0);
     bt_gguf *g = NULL;
     assert_int_equal(bt_gguf_open(&g, out), 0);
@@ -402,7 +402,7 @@ static void roundtrip(int tied) {
     assert_true((bt_gguf_find_tensor(g, "output.weight") == NULL) == tied);
     bt_gguf_close(g);
     snprintf(out, sizeof out, "%s", tpath("plus_lora.gguf"));
-    o = (bt_export_opts){base, dir, out, BT_EXPORT_GGUF_LORA, -1};
+    o = (bt_export_opts){base, dir, out, BT_EXPORT_GGUF_LORA, -1, 0};
     assert_int_equal(bt_export_run(&o), BT_ERR_UNSUPPORTED);
     assert_non_null(strstr(bt_last_error(), "gguf-lora"));
     struct stat sb;
