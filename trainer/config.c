@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/yaml_json.h"
 #include "proto/client.h"
 
 static const char *const k_mod_names[BT_MOD_N] = {"q_proj", "k_proj",    "v_proj", "o_proj",
@@ -504,25 +505,112 @@ void bt_config_free(bt_train_config *c) {
     memset(c, 0, sizeof *c);
 }
 
+/* ---- source lines (YAML configs) ---- */
+
+/* The key path a validation message is about: "config: unknown key \"a.b\" ..." or
+ * "config: a.b: ..." (every message of parse_tree names its key this way); "" if none. */
+static void message_path(const char *msg, char *path, size_t n) {
+    path[0] = 0;
+    const char *p;
+    if (!strncmp(msg, "config: unknown key \"", 21)) {
+        p = msg + 21;
+        size_t k = strcspn(p, "\"");
+        snprintf(path, n, "%.*s", (int)(k < n ? k : n - 1), p);
+        return;
+    }
+    if (strncmp(msg, "config: ", 8)) return;
+    p = msg + 8;
+    size_t k = strspn(p, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.#[]");
+    if (k && p[k] == ':') snprintf(path, n, "%.*s", (int)(k < n ? k : n - 1), p);
+}
+
+/* Prefix the message of a failed validation with "<origin>:<line>" of the key it names (or of
+ * its nearest ancestor present in the file, for a missing key); a key set by --set keeps the
+ * message as it is (lines[path] = -1). */
+static int with_line(int rc, const char *origin, const json_t *lines) {
+    char msg[1024], path[256];
+    snprintf(msg, sizeof msg, "%s", bt_last_error());
+    message_path(msg, path, sizeof path);
+    for (;;) {
+        json_t *l = path[0] ? json_object_get(lines, path) : NULL;
+        if (l) {
+            if (json_integer_value(l) < 0) return rc;
+            return bt_fail(rc, "config: %s:%lld: %s", origin, (long long)json_integer_value(l),
+                           msg + 8);
+        }
+        char *cut = strrchr(path, '.'), *br = strrchr(path, '[');
+        if (br && (!cut || br > cut)) cut = br;
+        if (!cut) return rc;
+        *cut = 0;
+    }
+}
+
+/* --set overrides `kv`'s key: its lines (and those of the keys under it) no longer apply. */
+static void lines_set(json_t *lines, const char *kv) {
+    const char *eq = strchr(kv, '=');
+    if (!lines || !eq) return;
+    size_t n = (size_t)(eq - kv);
+    const char *k;
+    json_t *v;
+    void *tmp;
+    json_object_foreach_safe(lines, tmp, k, v) {
+        if (!strncmp(k, kv, n) && (k[n] == '.' || k[n] == '[')) json_object_del(lines, k);
+    }
+    char *path = strndup(kv, n);
+    if (path) json_object_set_new(lines, path, json_integer(-1));
+    free(path);
+}
+
+/* The common back end of the JSON and YAML front ends: --set overrides, then validation. root
+ * and lines are borrowed; lines (NULL for JSON) maps key paths to source lines. */
+static int parse_root(bt_train_config *cfg, json_t *root, json_t *lines, const char *origin,
+                      const char *const *sets, int n_sets) {
+    int rc = 0;
+    for (int i = 0; i < n_sets && rc == 0; i++) {
+        rc = apply_set(root, sets[i]);
+        lines_set(lines, sets[i]);
+    }
+    if (rc == 0 && (rc = parse_tree(cfg, root)) && lines) rc = with_line(rc, origin, lines);
+    if (rc) bt_config_free(cfg);
+    return rc;
+}
+
 int bt_config_parse(bt_train_config *cfg, const char *json_text, const char *origin,
                     const char *const *sets, int n_sets) {
     memset(cfg, 0, sizeof *cfg);
     json_error_t jerr;
     json_t *root = json_loads(json_text, 0, &jerr);
     if (!root)
-        return bt_fail(BT_ERR_FORMAT, "config: %s: line %d column %d: %s",
-                       origin ? origin : "<text>", jerr.line, jerr.column, jerr.text);
+        return bt_fail(BT_ERR_FORMAT, "config: %s: line %d column %d: %s%s",
+                       origin ? origin : "<text>", jerr.line, jerr.column, jerr.text,
+                       jerr.line == 1 && jerr.column <= 1
+                           ? " (a YAML config needs a .yaml or .yml file name)" : "");
     if (!json_is_object(root)) {
         json_decref(root);
         return bt_fail(BT_ERR_FORMAT, "config: %s: expected a JSON object at top level",
                        origin ? origin : "<text>");
     }
-    int rc = 0;
-    for (int i = 0; i < n_sets && rc == 0; i++) rc = apply_set(root, sets[i]);
-    if (rc == 0) rc = parse_tree(cfg, root);
+    int rc = parse_root(cfg, root, NULL, origin, sets, n_sets);
     json_decref(root);
-    if (rc) bt_config_free(cfg);
     return rc;
+}
+
+int bt_config_parse_yaml(bt_train_config *cfg, const char *text, size_t len, const char *origin,
+                         const char *const *sets, int n_sets) {
+    memset(cfg, 0, sizeof *cfg);
+    if (!origin) origin = "<yaml>";
+    json_t *root = NULL, *lines = NULL;
+    int rc = bt_yaml_load(text, len, origin, &root, &lines);
+    if (rc) return bt_fail(rc, "config: %s", bt_last_error());
+    rc = parse_root(cfg, root, lines, origin, sets, n_sets);
+    json_decref(root);
+    json_decref(lines);
+    return rc;
+}
+
+int bt_config_is_yaml(const char *path) {
+    size_t n = path ? strlen(path) : 0;
+    return (n > 5 && !strcmp(path + n - 5, ".yaml")) || (n > 4 && !strcmp(path + n - 4, ".yml"));
 }
 
 int bt_config_load(bt_train_config *cfg, const char *path, const char *const *sets, int n_sets) {
@@ -530,11 +618,13 @@ int bt_config_load(bt_train_config *cfg, const char *path, const char *const *se
     bt_map m;
     int rc = bt_map_open(&m, path);
     if (rc) return bt_fail(rc, "config: cannot read %s: %s", path, bt_last_error());
-    char *text = bt_xmalloc(m.size + 1);
-    if (m.size) memcpy(text, m.data, m.size);
-    text[m.size] = 0;
+    size_t size = m.size;
+    char *text = bt_xmalloc(size + 1);
+    if (size) memcpy(text, m.data, size);
+    text[size] = 0;
     bt_map_close(&m);
-    rc = bt_config_parse(cfg, text, path, sets, n_sets);
+    rc = bt_config_is_yaml(path) ? bt_config_parse_yaml(cfg, text, size, path, sets, n_sets)
+                                 : bt_config_parse(cfg, text, path, sets, n_sets);
     free(text);
     return rc;
 }

@@ -1,4 +1,8 @@
-/* Trainer job configuration: a JSON file (jansson), overridden by `--set key.path=value`.
+/* Trainer job configuration: a JSON file (jansson) or a YAML file (.yaml / .yml, libyaml through
+ * common/yaml_json.h: the same keys, the same tree, the same validation; messages then carry the
+ * file and line of the key, e.g. "config: job.yaml:12: optim.lr: expected a number > 0, got
+ * \"abc\""; duplicate keys are refused naming both lines), overridden by
+ * `--set key.path=value`.
  *
  * Keys and defaults (every key is optional unless marked required):
  *   name "barqtrain"                   job name given to loaderd
@@ -60,7 +64,8 @@
  *
  * Comments: in every object, keys starting with "#" are ignored (JSON has no comments), e.g.
  *   "#": "what this section is for", "#seq_len": "tokens per packed row"
- * `trainer config --template NAME --documented` writes such keys.
+ * `trainer config --template NAME --documented` writes such keys (with --format yaml: YAML
+ * comments instead).
  *
  * Errors always name the key and what was expected, e.g.
  *   config: optim.lr: expected a number > 0, got "abc"
@@ -148,7 +153,17 @@ typedef struct {
  * BT_ERR_FORMAT (text is not a JSON object). *cfg is left zeroed on failure. */
 int bt_config_parse(bt_train_config *cfg, const char *json_text, const char *origin,
                     const char *const *sets, int n_sets);
-/* Same, reading the JSON from `path` (BT_ERR_IO if unreadable). */
+/* The same from YAML text (len bytes; common/yaml_json.h bt_yaml_load gives the tree, then the
+ * same overrides and validation). Validation messages name "<origin>:<line>" of the key they are
+ * about (or of its nearest enclosing key present in the file when the key is missing; not for a
+ * key given by --set). Errors: BT_ERR_FORMAT ("config: <origin>:<line>:<column>: ..." for YAML
+ * syntax, duplicate keys, unsupported tags, aliases past the size cap, a non-mapping root),
+ * BT_ERR_INVALID as bt_config_parse. */
+int bt_config_parse_yaml(bt_train_config *cfg, const char *text, size_t len, const char *origin,
+                         const char *const *sets, int n_sets);
+/* 1 if `path` names a YAML config (ends in .yaml or .yml), else 0 (JSON). */
+int bt_config_is_yaml(const char *path);
+/* Same, reading `path` (BT_ERR_IO if unreadable): YAML when bt_config_is_yaml(path), else JSON. */
 int bt_config_load(bt_train_config *cfg, const char *path, const char *const *sets, int n_sets);
 void bt_config_free(bt_train_config *cfg);
 
@@ -180,7 +195,10 @@ extern const char *const bt_config_template_names[];
 
 /* `trainer config` (argv[0] == "config"):
  *   --template NAME [--documented]   print bt_config_template(NAME) to `out`;
- *   --check JOB.json [--set k=v ...] validate a job and print its effective config (compact JSON).
+ *   --check JOB.json|JOB.yaml [--set k=v ...] validate a job and print its effective config
+ *                                    (compact JSON);
+ *   --format json|yaml               how both are printed (yaml: bt_yaml_dump, "#" keys as
+ *                                    comments; default json).
  * Returns the exit status: 0, 1 (I/O), 2 (usage or configuration error; message on stderr
  * naming the key). */
 int bt_config_cmd(int argc, char **argv, FILE *out);

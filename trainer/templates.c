@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/yaml_json.h"
 #include "trainer/config.h"
 
 const char *const bt_config_template_names[] = {"default", "qlora", "long-context", NULL};
@@ -161,8 +162,18 @@ char *bt_config_template(const char *name, int documented) {
     return NULL;
 }
 
+/* JSON text (freed) -> YAML text (malloc'd), NULL with bt_last_error on failure. */
+static char *as_yaml(char *json_text) {
+    json_t *j = json_loads(json_text, 0, NULL);
+    free(json_text);
+    char *y = bt_yaml_dump(j);
+    json_decref(j);
+    if (!y) bt_fail(BT_ERR_NOMEM, "config: out of memory");
+    return y;
+}
+
 int bt_config_cmd(int argc, char **argv, FILE *out) {
-    const char *tmpl = NULL, *check = NULL;
+    const char *tmpl = NULL, *check = NULL, *format = "json";
     int documented = 0, n_sets = 0;
     const char **sets = calloc((size_t)(argc > 0 ? argc : 1), sizeof(char *));
     if (!sets) return 1;
@@ -172,15 +183,26 @@ int bt_config_cmd(int argc, char **argv, FILE *out) {
         if (!strcmp(a, "--template") && i + 1 < argc) tmpl = argv[++i];
         else if (!strncmp(a, "--template=", 11)) tmpl = a + 11;
         else if (!strcmp(a, "--documented")) documented = 1;
+        else if (!strcmp(a, "--format") && i + 1 < argc) format = argv[++i];
+        else if (!strncmp(a, "--format=", 9)) format = a + 9;
         else if (!strcmp(a, "--check") && i + 1 < argc) check = argv[++i];
         else if (!strcmp(a, "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
         else if (!strncmp(a, "--set=", 6)) sets[n_sets++] = a + 6;
         else {
             fprintf(stderr, "trainer config: unexpected argument \"%s\" (usage: trainer config "
                     "--template default|qlora|long-context [--documented] | --check JOB.json "
-                    "[--set key=value ...])\n", a);
+                    "[--set key=value ...]) [--format json|yaml]\n", a);
             rc = 2;
         }
+    }
+    int yaml = !strcmp(format, "yaml");
+    if (rc == 0 && !yaml && strcmp(format, "json")) {
+        fprintf(stderr, "trainer config: --format \"%s\": expected json or yaml\n", format);
+        rc = 2;
+    }
+    if (rc == 0 && documented && !tmpl) { /* a setting it would ignore */
+        fprintf(stderr, "trainer config: --documented applies to --template only\n");
+        rc = 2;
     }
     if (rc == 0 && !!tmpl == !!check) {
         fprintf(stderr, "trainer config: give exactly one of --template NAME or --check JOB.json\n");
@@ -188,11 +210,12 @@ int bt_config_cmd(int argc, char **argv, FILE *out) {
     }
     if (rc == 0 && tmpl) {
         char *s = bt_config_template(tmpl, documented);
+        if (s && yaml) s = as_yaml(s);
         if (!s) {
             fprintf(stderr, "trainer %s\n", bt_last_error());
             rc = 2;
         } else {
-            if (fprintf(out, "%s\n", s) < 0 || fflush(out) != 0) rc = 1;
+            if (fprintf(out, yaml ? "%s" : "%s\n", s) < 0 || fflush(out) != 0) rc = 1;
             free(s);
         }
     } else if (rc == 0) {
@@ -202,7 +225,8 @@ int bt_config_cmd(int argc, char **argv, FILE *out) {
             rc = 2;
         } else {
             char *d = bt_config_dump(&cfg);
-            if (!d || fprintf(out, "%s\n", d) < 0) rc = 1;
+            if (d && yaml) d = as_yaml(d);
+            if (!d || fprintf(out, yaml ? "%s" : "%s\n", d) < 0) rc = 1;
             free(d);
             bt_config_free(&cfg);
         }
