@@ -58,4 +58,9 @@ fi
 kill -TERM "$ld_pid"; wait "$ld_pid" || { echo "demo: loaderd exited with an error; see $run/loaderd.log" >&2; exit 1; }
 t1=$(date +%s)
 echo "demo: loaderd stopped cleanly; live status snapshots in $run/loaderctl-status.log"
+if [ -s "$run/report/report.png" ]; then
+  build/trainer report "$run/report"
+  echo "demo: run report: $run/report/metrics.jsonl (one JSON line per step and held-out evaluation)"
+  echo "      and the plot $run/report/report.png (redraw it: build/trainer report $run/report)"
+fi
 echo "demo: wall time $(( (t1 - t0) / 60 ))m$(( (t1 - t0) % 60 ))s"

@@ -301,7 +301,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
         "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
         "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
         "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", "cuda",
-        "dist", NULL};
+        "dist", "report", NULL};
     static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
                                             "micro_batch_size", "seed", "tokenizer_threads", NULL};
     static const char *const eval_keys[] = {"shards", "max_batches", NULL};
@@ -317,6 +317,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const attn_impls[] = {"wmma", "mma", NULL};
     static const char *const nf4_impls[] = {"dequant", "fused", NULL};
     static const char *const dist_keys[] = {"master_addr", "master_port", "timeout_s", NULL};
+    static const char *const report_keys[] = {"dir", "plot", "tensorboard", NULL};
     int rc;
     int64_t i64;
 #define TRY(x)                                                                                     \
@@ -326,6 +327,8 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
 
     TRY(check_keys(root, NULL, top_keys));
     json_t *data = NULL, *eval = NULL, *lora = NULL, *optim = NULL, *cuda = NULL, *dist = NULL;
+    json_t *report = NULL;
+    TRY(get_obj(root, "report", &report));
     TRY(get_obj(root, "cuda", &cuda));
     TRY(get_obj(root, "dist", &dist));
     TRY(get_obj(root, "data", &data));
@@ -339,8 +342,16 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     if (!optim) optim = empty;
     if (!cuda) cuda = empty;
     if (!dist) dist = empty;
+    if (!report) report = empty;
     rc = 0;
     do {
+        if ((rc = check_keys(report, "report", report_keys)) ||
+            (rc = get_bool(report, "report", "plot", 1, &c->report.plot)) ||
+            (rc = get_bool(report, "report", "tensorboard", 0, &c->report.tensorboard)))
+            break;
+        json_t *rd = json_object_get(report, "dir");
+        if (rd && !json_is_null(rd) && (rc = get_str(report, "report", "dir", NULL, &c->report.dir)))
+            break;
         if ((rc = check_keys(dist, "dist", dist_keys)) ||
             (rc = get_str(dist, "dist", "master_addr", "127.0.0.1", &c->dist.master_addr)) ||
             (rc = get_i32(dist, "dist", "master_port", 29500, RANGE(1, 65535, 0, 0),
@@ -460,6 +471,19 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             }
             if (rc) break;
         }
+        if (!c->report.dir) { /* "report" beside the adapter directory: dirname(out_dir) */
+            size_t n = strlen(c->out_dir);
+            while (n > 1 && c->out_dir[n - 1] == '/') n--;
+            while (n > 0 && c->out_dir[n - 1] != '/') n--;
+            while (n > 1 && c->out_dir[n - 1] == '/') n--;
+            if (asprintf(&c->report.dir, "%.*s%sreport", (int)n, c->out_dir,
+                         n == 0 || c->out_dir[n - 1] == '/' ? "" : "/") < 0)
+                c->report.dir = NULL;
+            if (!c->report.dir) {
+                rc = bt_fail(BT_ERR_NOMEM, "config: out of memory");
+                break;
+            }
+        }
         /* checkpoints / resume */
         if ((rc = get_i32(root, NULL, "checkpoint_every", 0, NONNEG, &c->checkpoint_every)) ||
             (rc = get_str(root, NULL, "checkpoint_dir", "runs/checkpoint", &c->checkpoint_dir)) ||
@@ -502,6 +526,7 @@ void bt_config_free(bt_train_config *c) {
     free(c->out_dir);
     free(c->checkpoint_dir);
     free(c->resume_from);
+    free(c->report.dir);
     memset(c, 0, sizeof *c);
 }
 
@@ -629,6 +654,44 @@ int bt_config_load(bt_train_config *cfg, const char *path, const char *const *se
     return rc;
 }
 
+/* ---- which command reads which key ---- */
+
+/* path is read when it equals an entry, lies under one ("eval.shards" under "eval"), or is a
+ * section holding one ("data" holds "data.seq_len"). */
+static int in_list(const char *path, const char *const *list) {
+    size_t n = strlen(path);
+    for (int i = 0; list[i]; i++) {
+        size_t m = strlen(list[i]);
+        if (!strcmp(path, list[i])) return 1;
+        if (n > m && !strncmp(path, list[i], m) && path[m] == '.') return 1;
+        if (m > n && !strncmp(list[i], path, n) && list[i][n] == '.') return 1;
+    }
+    return 0;
+}
+
+int bt_config_key_used(int command, const char *path, const bt_train_config *cfg) {
+    static const char *const eval_keys[] = {
+        "name", "model", "base_dtype", "socket", "data.format", "data.text_field", "data.seq_len",
+        "data.micro_batch_size", "data.seed", "data.tokenizer_threads", "eval",
+        "activation_checkpointing", "threads", "timeout_s", "device", "dist", "resume_from",
+        "report", NULL};
+    static const char *const ckpt_keys[] = {"lora", "trainable_modules", "seed", "grad_accum",
+                                            "data.shards", NULL};
+    static const char *const estimate_keys[] = {
+        "model", "base_dtype", "data.seq_len", "data.micro_batch_size", "grad_accum", "lora.r",
+        "lora.target_modules", "trainable_modules", "activation_checkpointing", "threads", NULL};
+    static const char *const cuda_keys[] = {"cuda", NULL};
+    if (in_list(path, cuda_keys) && command != BT_CMD_ESTIMATE)
+        return cfg->device == BT_DEVICE_CUDA;
+    switch (command) {
+    case BT_CMD_TRAIN: return 1;
+    case BT_CMD_EVAL:
+        if (in_list(path, eval_keys)) return !(cfg->eval_adapter && !strcmp(path, "resume_from"));
+        return cfg->resume_from && !cfg->eval_adapter && in_list(path, ckpt_keys);
+    default: return in_list(path, estimate_keys);
+    }
+}
+
 static json_t *strv_json(char *const *v, int n) {
     json_t *a = json_array();
     for (int i = 0; i < n; i++) json_array_append_new(a, json_string(v[i]));
@@ -727,6 +790,8 @@ char *bt_config_dump(const bt_train_config *c) {
                                              "nf4_matmul",
                                              c->cuda_nf4_matmul == BT_CUDA_NF4_FUSED ? "fused"
                                                                                      : "dequant"));
+    json_object_set_new(j, "report", json_pack("{s:s, s:b, s:b}", "dir", c->report.dir, "plot",
+                                               c->report.plot, "tensorboard", c->report.tensorboard));
     json_object_set_new(j, "dist", json_pack("{s:s, s:i, s:i}", "master_addr", c->dist.master_addr,
                                              "master_port", c->dist.master_port, "timeout_s",
                                              c->dist.timeout_s));

@@ -61,6 +61,13 @@
  *   stop_at_step 0                     stop (and checkpoint) once this many optimiser steps are
  *                                      done, keeping the schedule of `steps` (0 = run to `steps`;
  *                                      for preemptible slots)
+ *   report: { dir null, plot true, tensorboard false }
+ *                                      the run report (trainer/report.h): metrics.jsonl (one JSON
+ *                                      line per step and per held-out evaluation) in `dir` (null =
+ *                                      "report" beside out_dir, e.g. runs/demo/adapter ->
+ *                                      runs/demo/report); plot: report.png at the end (gnuplot);
+ *                                      tensorboard: also TensorBoard scalar event files
+ *                                      (events.out.tfevents.*) in dir
  *
  * Comments: in every object, keys starting with "#" are ignored (JSON has no comments), e.g.
  *   "#": "what this section is for", "#seq_len": "tokens per packed row"
@@ -144,6 +151,14 @@ typedef struct {
         int master_port;            /* [1, 65535] */
         int timeout_s;              /* [1, 86400] */
     } dist;
+    struct {
+        char *dir;                  /* run report directory (owned; never NULL after parsing) */
+        int plot;                   /* bool */
+        int tensorboard;            /* bool */
+    } report;
+    const char *eval_adapter;       /* `trainer eval --adapter DIR` (command line only, not a
+                                     * key; borrowed, not freed by bt_config_free) */
+    int profile;                    /* `trainer train --profile` (command line only) */
 } bt_train_config;
 
 /* Parse a config from JSON text, then apply `n_sets` overrides "a.b=value" in order (value is
@@ -166,6 +181,24 @@ int bt_config_is_yaml(const char *path);
 /* Same, reading `path` (BT_ERR_IO if unreadable): YAML when bt_config_is_yaml(path), else JSON. */
 int bt_config_load(bt_train_config *cfg, const char *path, const char *const *sets, int n_sets);
 void bt_config_free(bt_train_config *cfg);
+
+/* Commands that read a job config (trainer/main.c). */
+enum { BT_CMD_TRAIN = 0, BT_CMD_EVAL, BT_CMD_ESTIMATE };
+
+/* Whether `command` reads config key `path` ("optim.lr"; a section name such as "optim" counts
+ * as read when any key under it is) for the job in cfg, so that a command line setting of a key
+ * the command would ignore can be refused by name instead of being dropped silently:
+ *   train     every key (cuda.* only with device "cuda");
+ *   eval      name, model, base_dtype, socket, data.{format, text_field, seq_len,
+ *             micro_batch_size, seed, tokenizer_threads}, eval.*, activation_checkpointing,
+ *             threads, timeout_s, device, dist.*, cuda.* (device "cuda"), resume_from (the
+ *             checkpoint evaluated) and, when a checkpoint is evaluated, the keys its identity
+ *             is checked against (lora.*, trainable_modules, seed, grad_accum, data.shards);
+ *             never with --adapter (cfg->eval_adapter): the adapter's own config decides;
+ *   estimate  model, base_dtype, data.seq_len, data.micro_batch_size, grad_accum, lora.r,
+ *             lora.target_modules, trainable_modules, activation_checkpointing, threads.
+ * Returns 1 (read) or 0 (ignored). */
+int bt_config_key_used(int command, const char *path, const bt_train_config *cfg);
 
 /* The loaderd job spec (JSON object text, malloc'd; free()) for the training stream
  * (eval = 0: data.shards, epochs 0 = endless) or the held-out stream (eval = 1: eval.shards,

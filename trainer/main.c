@@ -13,6 +13,7 @@
 #include "trainer/estimate.h"
 #include "trainer/export.h"
 #include "trainer/generate.h"
+#include "trainer/report.h"
 #include "trainer/train.h"
 
 #ifdef BT_WITH_CUDA
@@ -23,12 +24,15 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: trainer train --config JOB.json [--set key.path=value ...] [--resume CKPT_DIR]\n"
+            "usage: trainer train --config JOB.json|JOB.yaml [--set key.path=value ...]\n"
+            "                     [--resume CKPT_DIR] [--device cpu|cuda] [--profile]\n"
+            "       trainer eval  --config JOB [--adapter DIR | --checkpoint DIR] [--set ...]\n"
             "                     [--device cpu|cuda]\n"
-            "       trainer eval  --config JOB.json [--set key.path=value ...] [--device cpu|cuda]\n"
-            "       trainer estimate --config JOB.json [--set key.path=value ...]\n"
+            "       trainer estimate --config JOB [--set key.path=value ...]\n"
+            "       trainer report RUN_DIR             (the plot of a run's metrics.jsonl)\n"
             "       trainer config --template default|qlora|long-context [--documented]\n"
-            "       trainer config --check JOB.json [--set key.path=value ...]\n"
+            "                      [--format json|yaml]\n"
+            "       trainer config --check JOB [--set key.path=value ...] [--format json|yaml]\n"
             "       trainer export --model BASE.gguf --adapter DIR --format peft|gguf-lora|gguf|safetensors\n"
             "                      --out PATH [--dtype f32|f16|bf16|q8_0]   (trainer export --help)\n"
             "       trainer generate --model M.gguf (--prompt TEXT | --chat TEXT) [--adapter DIR] ...\n"
@@ -38,7 +42,9 @@ static void usage(FILE *f) {
             "train  attach to loaderd, evaluate on eval.shards, train `steps` optimiser steps of\n"
             "       LoRA on the frozen (NF4 or fp32) base, save the PEFT adapter to out_dir,\n"
             "       evaluate again and print the held-out loss change.\n"
-            "eval   held-out loss of the base model on eval.shards only.\n"
+            "eval   held-out loss and perplexity on eval.shards of the base model, of a PEFT adapter\n"
+            "       (--adapter DIR: ours or written by PEFT) or of a checkpoint (--checkpoint DIR,\n"
+            "       config resume_from).\n"
             "estimate  memory bill (CPU fp32 and CUDA bf16) from the model's header and the job.\n"
             "config    print a config template (--documented: with \"#\" comment keys, which the\n"
             "          parser ignores), or validate a job and print its effective config.\n"
@@ -47,9 +53,12 @@ static void usage(FILE *f) {
             "--device cpu|cuda is config `device` (cuda: the GPU trainer, only in a trainer built\n"
             "with `make CUDA=1`" BT_MAIN_CUDA_NOTE ").\n"
             "\n"
+            "--profile (train) prints the time and memory of every op of one step.\n"
             "--set overrides a config key; the value is parsed as JSON when it parses, else taken\n"
             "as a string: --set optim.lr=1e-3 --set socket=/tmp/loaderd.sock\n"
             "         --set lora.target_modules='[\"q_proj\",\"v_proj\"]'\n"
+            "A job file serves every command (each reads its part); a --set, --device or option\n"
+            "that the command would ignore is refused by name.\n"
             "\n"
             "config keys (defaults): model (required), base_dtype \"nf4\"|\"fp32\", socket,\n"
             "  base_model_name_or_path, name, data.{shards (required), format \"chat\", text_field,\n"
@@ -84,11 +93,13 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "export")) return bt_export_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "generate")) return bt_generate_cli(argc - 1, argv + 1);
     if (!strcmp(argv[1], "config")) return bt_config_cmd(argc - 1, argv + 1, stdout);
-    int eval_only; /* 2: estimate */
-    const char *resume = NULL;
-    if (!strcmp(argv[1], "train")) eval_only = 0;
-    else if (!strcmp(argv[1], "eval")) eval_only = 1;
-    else if (!strcmp(argv[1], "estimate")) eval_only = 2;
+    int cmd;
+    const char *resume = NULL, *checkpoint = NULL, *adapter = NULL;
+    int profile = 0;
+    if (!strcmp(argv[1], "train")) cmd = BT_CMD_TRAIN;
+    else if (!strcmp(argv[1], "eval")) cmd = BT_CMD_EVAL;
+    else if (!strcmp(argv[1], "estimate")) cmd = BT_CMD_ESTIMATE;
+    else if (!strcmp(argv[1], "report")) return bt_report_cli(argc - 1, argv + 1);
     else {
         fprintf(stderr, "trainer: unknown command \"%s\" (try --help)\n", argv[1]);
         return 2;
@@ -96,50 +107,105 @@ int main(int argc, char **argv) {
     const char *config = NULL;
     static char device_set[64]; /* "--device X" is "--set device=X" */
     const char **sets = calloc((size_t)argc, sizeof(char *));
+    /* what each setting was given as on the command line, for refusals */
+    const char **given = calloc((size_t)argc, sizeof(char *));
     int n_sets = 0;
-    if (!sets) return 1;
-    for (int i = 2; i < argc; i++) {
+    if (!sets || !given) return 1;
+    int rc = 0;
+    for (int i = 2; i < argc && !rc; i++) {
         const char *a = argv[i];
+        const char *opt = NULL; /* an option this command does not take */
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
-            free(sets);
+            free(sets), free(given);
             return 0;
         } else if (!strcmp(a, "--config") && i + 1 < argc) {
             config = argv[++i];
         } else if (!strncmp(a, "--config=", 9)) {
             config = a + 9;
         } else if (!strcmp(a, "--set") && i + 1 < argc) {
+            given[n_sets] = "--set";
             sets[n_sets++] = argv[++i];
         } else if (!strncmp(a, "--set=", 6)) {
+            given[n_sets] = "--set";
             sets[n_sets++] = a + 6;
         } else if (!strcmp(a, "--device") && i + 1 < argc) {
             snprintf(device_set, sizeof device_set, "device=%s", argv[++i]);
+            given[n_sets] = "--device";
             sets[n_sets++] = device_set;
-        } else if (!strcmp(a, "--resume") && i + 1 < argc && eval_only == 0) {
-            resume = argv[++i];
+        } else if (!strcmp(a, "--resume") && i + 1 < argc) {
+            if (cmd == BT_CMD_TRAIN) resume = argv[++i];
+            else opt = cmd == BT_CMD_EVAL ? "--resume continues training; evaluate a checkpoint "
+                                            "with --checkpoint DIR" : "--resume";
+        } else if (!strcmp(a, "--checkpoint") && i + 1 < argc) {
+            if (cmd == BT_CMD_EVAL) checkpoint = argv[++i];
+            else opt = cmd == BT_CMD_TRAIN ? "--checkpoint is for eval; continue training from a "
+                                             "checkpoint with --resume DIR" : "--checkpoint";
+        } else if (!strcmp(a, "--adapter") && i + 1 < argc) {
+            if (cmd == BT_CMD_EVAL) adapter = argv[++i];
+            else opt = "--adapter (evaluate an adapter with trainer eval --adapter DIR)";
+        } else if (!strcmp(a, "--profile")) {
+            if (cmd == BT_CMD_TRAIN) profile = 1;
+            else opt = "--profile (trainer train --profile)";
         } else {
             fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", a);
-            free(sets);
-            return 2;
+            rc = 2;
+        }
+        if (opt) {
+            fprintf(stderr, "trainer %s: %s is not an option of this command: refused rather than "
+                    "ignored\n", argv[1], opt);
+            rc = 2;
         }
     }
-    if (!config) {
-        fprintf(stderr, "trainer: --config JOB.json is required (try --help)\n");
-        free(sets);
-        return 2;
+    if (!rc && adapter && checkpoint) {
+        fprintf(stderr, "trainer eval: give --adapter DIR or --checkpoint DIR, not both\n");
+        rc = 2;
+    }
+    if (!rc && !config) {
+        fprintf(stderr, "trainer: --config JOB.json|JOB.yaml is required (try --help)\n");
+        rc = 2;
     }
     bt_train_config cfg;
-    int rc = bt_config_load(&cfg, config, sets, n_sets);
-    free(sets);
-    if (rc) {
+    if (!rc && (rc = bt_config_load(&cfg, config, sets, n_sets))) {
         fprintf(stderr, "trainer: %s\n", bt_last_error());
-        return 2;
+        rc = 2;
     }
-    if (resume) {
+    if (rc) {
+        free(sets), free(given);
+        return rc;
+    }
+    if (resume || checkpoint) {
         free(cfg.resume_from);
-        cfg.resume_from = bt_xstrdup(resume);
+        cfg.resume_from = bt_xstrdup(resume ? resume : checkpoint);
     }
-    if (eval_only == 2) {
+    cfg.eval_adapter = adapter;
+    cfg.profile = profile;
+    /* every command line setting must be one this command reads (bt_config_key_used) */
+    for (int i = 0; i < n_sets && !rc; i++) {
+        const char *eq = strchr(sets[i], '=');
+        char path[256];
+        snprintf(path, sizeof path, "%.*s", eq ? (int)(eq - sets[i]) : 0, sets[i]);
+        if (!bt_config_key_used(cmd, path, &cfg)) {
+            fprintf(stderr, "trainer %s: %s %s: %s does not use %s%s; refused rather than "
+                    "ignored\n", argv[1], given[i], !strcmp(given[i], "--set") ? sets[i] : eq + 1,
+                    argv[1], path,
+                    cmd == BT_CMD_EVAL && adapter ? " when evaluating --adapter (the adapter's "
+                    "adapter_config.json decides)" : !strncmp(path, "cuda", 4) &&
+                    cfg.device != BT_DEVICE_CUDA ? " on device \"cpu\"" : "");
+            rc = 2;
+        }
+    }
+    if (!rc && cmd == BT_CMD_EVAL && adapter && cfg.resume_from) {
+        fprintf(stderr, "trainer eval: --adapter DIR and resume_from (%s) both name the weights to "
+                "evaluate: drop one\n", cfg.resume_from);
+        rc = 2;
+    }
+    free(sets), free(given);
+    if (rc) {
+        bt_config_free(&cfg);
+        return rc;
+    }
+    if (cmd == BT_CMD_ESTIMATE) {
         rc = bt_estimate_print(&cfg, stdout);
         if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
         bt_config_free(&cfg);
@@ -156,7 +222,7 @@ int main(int argc, char **argv) {
     char *dump = bt_config_dump(&cfg);
     if (dump) bt_log(BT_LOG_INFO, "trainer", "config: %s", dump);
     free(dump);
-    rc = bt_train_run(&cfg, eval_only, stdout);
+    rc = bt_train_run(&cfg, cmd == BT_CMD_EVAL, stdout);
     if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
     bt_config_free(&cfg);
     return rc ? 1 : 0;

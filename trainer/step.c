@@ -7,6 +7,7 @@
 
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
+#include "trainer/profile.h"
 
 #define CE_CHUNK_ROWS 256
 
@@ -27,7 +28,23 @@ struct bt_step_ctx {
     void **allocs;
     int n_allocs, cap_allocs;
     size_t bytes;
+    bt_prof *prof; /* --profile: per-op times (NULL = off) */
 };
+
+/* Runs `call`; when profiling, times it as op `name` writing `bytes` (trainer/profile.h). */
+#define OP(c, name, bytes, call)                                                                   \
+    do {                                                                                           \
+        if (!(c)->prof) {                                                                          \
+            call;                                                                                  \
+            break;                                                                                 \
+        }                                                                                          \
+        double t0_ = bt_now();                                                                     \
+        call;                                                                                      \
+        bt_prof_add((c)->prof, (name), bt_now() - t0_, (double)(bytes));                           \
+    } while (0)
+#define F4(n) ((double)(n) * 4.0) /* bytes of n floats */
+
+void bt_step_ctx_set_profile(bt_step_ctx *c, bt_prof *p) { c->prof = p; }
 
 static float *ctx_alloc(bt_step_ctx *c, size_t n_floats) {
     if (c->n_allocs == c->cap_allocs) {
@@ -169,19 +186,35 @@ static void add_into(float *dst, const float *a, const float *b, int64_t n) {
 /* Base linear + LoRA branch for module `mod` of layer `l`: y = W x (+ lora). */
 static void proj_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l, int mod,
                      float *y, const float *x, int M, layer_acts *A, uint64_t key) {
-    bt_base_fwd(y, x, &m->layers[l].lin[mod], M, 0.f, c->scratch);
+    const bt_base_linear *b = &m->layers[l].lin[mod];
+    char nm[2][48];
+    if (c->prof) {
+        snprintf(nm[0], sizeof nm[0], "%s base fwd%s", bt_module_name(mod), b->is_nf4 ? " (nf4)" : "");
+        snprintf(nm[1], sizeof nm[1], "%s lora fwd", bt_module_name(mod));
+    }
+    OP(c, nm[0], F4((int64_t)M * b->rows), bt_base_fwd(y, x, b, M, 0.f, c->scratch));
     const bt_lora_mod *md = bt_lora_get(lo, l, mod);
-    if (md) bt_lora_fwd(lo, md, y, x, M, A->as[mod], c->xd, bt_lora_drop_key(key, l, mod));
+    if (md)
+        OP(c, nm[1], F4((int64_t)M * (b->rows + lo->r)),
+           bt_lora_fwd(lo, md, y, x, M, A->as[mod], c->xd, bt_lora_drop_key(key, l, mod)));
 }
 
 /* dx (+)= dy @ W (+ LoRA backward, which also accumulates the LoRA grads). */
 static void proj_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l, int mod,
                      float *dx, const float *dy, const float *x, int M, float beta, layer_acts *A,
                      uint64_t key) {
-    bt_base_bwd_x(dx, dy, &m->layers[l].lin[mod], M, beta, c->scratch);
+    const bt_base_linear *b = &m->layers[l].lin[mod];
+    char nm[2][48];
+    if (c->prof) {
+        snprintf(nm[0], sizeof nm[0], "%s base bwd%s", bt_module_name(mod), b->is_nf4 ? " (nf4)" : "");
+        snprintf(nm[1], sizeof nm[1], "%s lora bwd", bt_module_name(mod));
+    }
+    OP(c, nm[0], F4((int64_t)M * b->cols), bt_base_bwd_x(dx, dy, b, M, beta, c->scratch));
     const bt_lora_mod *md = bt_lora_get(lo, l, mod);
     if (md)
-        bt_lora_bwd(lo, md, dx, dy, x, A->as[mod], M, c->das, c->xd, bt_lora_drop_key(key, l, mod));
+        OP(c, nm[1], F4((int64_t)M * b->cols + (int64_t)lo->r * (b->rows + b->cols)),
+           bt_lora_bwd(lo, md, dx, dy, x, A->as[mod], M, c->das, c->xd,
+                       bt_lora_drop_key(key, l, mod)));
 }
 
 static void layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
@@ -193,22 +226,26 @@ static void layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     int64_t nD = (int64_t)M * c->D;
     float eps = m->hp.rms_eps, ps = bt_rope_pos_scale(&m->hp);
 
-    bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps);
+    OP(c, "rmsnorm fwd", F4(nD + M), bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps));
     proj_fwd(c, m, lo, l, BT_MOD_Q, A->q, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
-    bt_rope_fwd_freq(A->q, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps);
-    bt_rope_fwd_freq(A->k, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps);
-    bt_attn_fwd(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv,
-                c->hd, 1.0f / sqrtf((float)c->hd));
+    OP(c, "rope fwd", F4((int64_t)M * c->Dq),
+       bt_rope_fwd_freq(A->q, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps));
+    OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
+       bt_rope_fwd_freq(A->k, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps));
+    OP(c, "attention fwd", F4((int64_t)M * (c->Dq + c->Hq)),
+       bt_attn_fwd(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M, c->Hq,
+                   c->Hkv, c->hd, 1.0f / sqrtf((float)c->hd)));
     proj_fwd(c, m, lo, l, BT_MOD_O, A->x2, A->att, M, A, key);
-    add_into(A->x2, A->x2, x, nD);
-    bt_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, bt_lora_norm(lo, m, l, 1), M, c->D, eps);
+    OP(c, "residual add", F4(nD), add_into(A->x2, A->x2, x, nD));
+    OP(c, "rmsnorm fwd", F4(nD + M),
+       bt_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, bt_lora_norm(lo, m, l, 1), M, c->D, eps));
     proj_fwd(c, m, lo, l, BT_MOD_GATE, A->g, A->xn2, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_UP, A->u, A->xn2, M, A, key);
-    bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F);
+    OP(c, "swiglu fwd", F4((int64_t)M * c->F), bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
     proj_fwd(c, m, lo, l, BT_MOD_DOWN, xout, c->h, M, A, key);
-    add_into(xout, xout, A->x2, nD);
+    OP(c, "residual add", F4(nD), add_into(xout, xout, A->x2, nD));
 }
 
 /* On entry c->dx = dLoss/d(layer output); on exit c->dx = dLoss/d(layer input). */
@@ -221,28 +258,35 @@ static void layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     float ps = bt_rope_pos_scale(&m->hp);
 
     if (c->ckpt) layer_fwd(c, m, lo, l, mb, key); /* recompute (rewrites x_in[l+1] identically) */
-    else bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F); /* h is not kept per layer */
+    else /* h is not kept per layer */
+        OP(c, "swiglu fwd (recompute)", F4((int64_t)M * c->F),
+           bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
 
     /* MLP */
     proj_bwd(c, m, lo, l, BT_MOD_DOWN, c->dh, c->dx, c->h, M, 0.f, A, key);
-    bt_swiglu_bwd(c->dg, c->du, c->dh, A->g, A->u, (int64_t)M * c->F);
+    OP(c, "swiglu bwd", F4(2 * (int64_t)M * c->F),
+       bt_swiglu_bwd(c->dg, c->du, c->dh, A->g, A->u, (int64_t)M * c->F));
     proj_bwd(c, m, lo, l, BT_MOD_GATE, c->dxn, c->dg, A->xn2, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_UP, c->dxn, c->du, A->xn2, M, 1.f, A, key);
-    bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 1), c->dxn, A->x2, bt_lora_norm(lo, m, l, 1),
-                   A->rstd2, M, c->D);
-    add_into(c->dx2, c->dx, c->dtmp, nD);
+    OP(c, "rmsnorm bwd", F4(nD), bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 1), c->dxn, A->x2,
+                                                bt_lora_norm(lo, m, l, 1), A->rstd2, M, c->D));
+    OP(c, "residual add", F4(nD), add_into(c->dx2, c->dx, c->dtmp, nD));
     /* attention */
     proj_bwd(c, m, lo, l, BT_MOD_O, c->datt, c->dx2, A->att, M, 0.f, A, key);
-    bt_attn_bwd(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens,
-                mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd, 1.0f / sqrtf((float)c->hd));
-    bt_rope_bwd_freq(c->dq, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps);
-    bt_rope_bwd_freq(c->dk, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps);
+    OP(c, "attention bwd", F4((int64_t)M * (c->Dq + 2 * c->Dkv)),
+       bt_attn_bwd(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v,
+                   mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd,
+                   1.0f / sqrtf((float)c->hd)));
+    OP(c, "rope bwd", F4((int64_t)M * c->Dq),
+       bt_rope_bwd_freq(c->dq, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps));
+    OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
+       bt_rope_bwd_freq(c->dk, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps));
     proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);
-    bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 0), c->dxn, x, bt_lora_norm(lo, m, l, 0),
-                   A->rstd1, M, c->D);
-    add_into(c->dx, c->dx2, c->dtmp, nD);
+    OP(c, "rmsnorm bwd", F4(nD), bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 0), c->dxn, x,
+                                                bt_lora_norm(lo, m, l, 0), A->rstd1, M, c->D));
+    OP(c, "residual add", F4(nD), add_into(c->dx, c->dx2, c->dtmp, nD));
 }
 
 /* Validate, shift targets, then run embedding -> layers -> final RMSNorm (into c->x_in, c->xf). */
@@ -257,10 +301,12 @@ static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
     if (lo && lo->mods && lo->n_layer != c->n_layer)
         return bt_fail(BT_ERR_INVALID, "step: LoRA has %d layers, model %d", lo->n_layer, c->n_layer);
 
-    bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D);
+    OP(c, "embedding fwd", F4((int64_t)M * c->D),
+       bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D));
     for (int l = 0; l < c->n_layer; l++) layer_fwd(c, m, lo, l, mb, drop_key);
-    bt_rmsnorm_fwd(c->xf, c->rstdf, c->x_in[c->n_layer], bt_lora_norm(lo, m, c->n_layer, 0), M,
-                   c->D, m->hp.rms_eps);
+    OP(c, "rmsnorm fwd", F4((int64_t)M * c->D + M),
+       bt_rmsnorm_fwd(c->xf, c->rstdf, c->x_in[c->n_layer], bt_lora_norm(lo, m, c->n_layer, 0),
+                      M, c->D, m->hp.rms_eps));
     return 0;
 }
 
@@ -284,16 +330,22 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
     int nv = 0;
     /* dLoss/dxf goes into c->dtmp (free until the first layer's backward). */
     /* LoRA+: a trainable embedding tied to lm_head also gets the CE's weight gradient */
-    double loss = bt_linear_ce_dw(backward ? c->dtmp : NULL, backward ? bt_lora_dlm_head(lo) : NULL,
-                                  &nv, c->xf, bt_lora_lm_head(lo, m), c->targets, M, c->D, c->V,
-                                  CE_CHUNK_ROWS, grad_scale, c->ce_ws);
+    double loss = 0;
+    OP(c, backward ? "lm_head + cross-entropy fwd+bwd" : "lm_head + cross-entropy fwd",
+       backward ? F4((int64_t)M * c->D) : 0.0,
+       loss = bt_linear_ce_dw(backward ? c->dtmp : NULL, backward ? bt_lora_dlm_head(lo) : NULL,
+                              &nv, c->xf, bt_lora_lm_head(lo, m), c->targets, M, c->D, c->V,
+                              CE_CHUNK_ROWS, grad_scale, c->ce_ws));
     if (loss_sum) *loss_sum = loss;
     if (n_valid) *n_valid = nv;
     if (!backward) return 0;
-    bt_rmsnorm_bwd(c->dx, bt_lora_dnorm(lo, c->n_layer, 0), c->dtmp, xL,
-                   bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D);
+    OP(c, "rmsnorm bwd", F4((int64_t)M * c->D),
+       bt_rmsnorm_bwd(c->dx, bt_lora_dnorm(lo, c->n_layer, 0), c->dtmp, xL,
+                      bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D));
     for (int l = c->n_layer - 1; l >= 0; l--) layer_bwd(c, m, lo, l, mb, drop_key);
     /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
-    if (bt_lora_dembed(lo)) bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V);
+    if (bt_lora_dembed(lo))
+        OP(c, "embedding bwd", F4((int64_t)c->V * c->D),
+           bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V));
     return 0;
 }

@@ -47,6 +47,10 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
 void bt_step_ctx_free(bt_step_ctx *c);
 /* Bytes of workspace held (for logs). */
 size_t bt_step_ctx_bytes(const bt_step_ctx *c);
+/* Profile every op of the following forward/backward calls into p (trainer/profile.h; borrowed,
+ * must outlive its use); NULL turns profiling off (the default; then nothing is timed). */
+struct bt_prof;
+void bt_step_ctx_set_profile(bt_step_ctx *c, struct bt_prof *p);
 
 /* Check the micro-batch against the model (ids and labels in range, cu_seqlens well formed,
  * M <= max_M) and write the shifted targets into targets[M] (may be NULL). Returns the number of

@@ -1,6 +1,7 @@
 /* The CPU training loop. See train.h. */
 #include "trainer/train.h"
 
+#include <errno.h>
 #include <math.h>
 #include <omp.h>
 #include <signal.h>
@@ -12,9 +13,12 @@
 #include "kernels/kernels.h"
 #include "proto/client.h"
 #include "trainer/adapter.h"
+#include "trainer/adapter_load.h"
 #include "trainer/checkpoint.h"
 #include "trainer/dist.h"
 #include "trainer/optim.h"
+#include "trainer/profile.h"
+#include "trainer/report.h"
 #include "trainer/rng.h"
 #ifdef BT_WITH_CUDA
 #include "trainer/cuda/cuda_trainer.h"
@@ -279,6 +283,31 @@ static void set_threads(int n) {
     if (n > 0) omp_set_num_threads(n);
 }
 
+/* --profile: the table on `out`, profile.json in the report directory. */
+static int print_profile(const bt_train_config *cfg, const bt_prof *p, int step, double step_s,
+                         const bt_step_ctx *ctx, FILE *out) {
+    char title[160];
+    double ws = ctx ? bt_step_ctx_bytes(ctx) / 1048576.0 : 0, dev = -1;
+#ifdef BT_WITH_CUDA
+    if (g_cuda) {
+        ws = bt_cuda_trainer_bytes(g_cuda) / 1048576.0;
+        dev = bt_cuda_trainer_peak_used(g_cuda, NULL) / 1048576.0;
+    }
+#endif
+    snprintf(title, sizeof title, "step %d, %d x %d tokens x grad_accum %d, %s%s", step,
+             cfg->data.micro_batch_size, cfg->data.seq_len, cfg->grad_accum,
+             cfg->device == BT_DEVICE_CUDA ? "cuda (CUDA events)" : "cpu",
+             cfg->activation_checkpointing ? ", activation checkpointing" : "");
+    if (bt_prof_print(p, out, title, step_s, ws, bt_peak_rss_mib(), dev) < 0 || fflush(out))
+        return bt_fail(BT_ERR_IO, "profile: write: %s", strerror(errno));
+    char *path = NULL;
+    if (asprintf(&path, "%s/profile.json", cfg->report.dir) < 0)
+        return bt_fail(BT_ERR_NOMEM, "out of memory");
+    int rc = bt_prof_write_json(p, path, title, step_s);
+    free(path);
+    return rc;
+}
+
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
 #ifndef BT_WITH_CUDA
     if (cfg->device == BT_DEVICE_CUDA)
@@ -297,6 +326,9 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     bt_model model;
     bt_lora lora;
     memset(&lora, 0, sizeof lora);
+    bt_report *rep = NULL; /* the run report (trainer/report.h; rank 0 of `trainer train`) */
+    int rep_steps = 0;     /* steps it recorded */
+    bt_prof *prof = NULL;  /* --profile: the profiled step's per-op times */
     bt_step_ctx *ctx = NULL;
     bt_client *cl = NULL;
     mb_copy *mbs = NULL;
@@ -360,23 +392,33 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     int start_step = 0, has_resume = 0;
     uint8_t resume[BT_RESUME_STATE_BYTES];
     memset(resume, 0, sizeof resume);
-    if (cfg->resume_from && !eval_only) {
+    if (eval_only && cfg->eval_adapter) { /* trainer eval --adapter DIR: its own r, targets... */
+        bt_lora_free(&lora);
+        if ((rc = bt_lora_load_peft(&lora, &model, cfg->eval_adapter))) goto done;
+        bt_log(BT_LOG_INFO, "trainer", "evaluating adapter %s: r %d, alpha %g%s", cfg->eval_adapter,
+               lora.r, lora.alpha, lora.trainable ? ", LoRA+ embed_tokens/norms" : "");
+    }
+    if (cfg->resume_from && !cfg->eval_adapter) {
         int64_t st = 0;
         int ck_steps = 0;
         if ((rc = bt_checkpoint_load_ex(cfg->resume_from, cfg, &model, &lora, &st, resume,
                                         &has_resume, &ck_steps, g_dist.rank, g_dist.world)))
             goto done;
-        if (st > cfg->steps) {
+        if (eval_only) {
+            bt_log(BT_LOG_INFO, "trainer", "evaluating checkpoint %s (step %lld)", cfg->resume_from,
+                   (long long)st);
+        } else if (st > cfg->steps) {
             rc = bt_fail(BT_ERR_INVALID, "checkpoint %s is at step %lld, past steps = %d",
                          cfg->resume_from, (long long)st, cfg->steps);
             goto done;
         }
         start_step = (int)st;
-        if (ck_steps != cfg->steps)
+        if (ck_steps != cfg->steps && !eval_only)
             bt_log(BT_LOG_WARN, "trainer", "checkpoint was written by a run of %d steps, this run "
                    "has %d: the learning-rate schedule follows %d", ck_steps, cfg->steps,
                    cfg->steps);
-        bt_log(BT_LOG_INFO, "trainer", "resumed from %s at step %d", cfg->resume_from, start_step);
+        if (!eval_only)
+            bt_log(BT_LOG_INFO, "trainer", "resumed from %s at step %d", cfg->resume_from, start_step);
     }
 #ifdef BT_WITH_CUDA
     if (cfg->device == BT_DEVICE_CUDA) {
@@ -412,6 +454,12 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval, &eval_cut)))
             goto done;
     }
+    if (!eval_only && g_dist.rank == 0) {
+        if ((rc = bt_report_open(&rep, cfg, start_step))) goto done;
+        if (cfg->eval.n_shards > 0 && !(eval_cut && n_eval == 0) &&
+            (rc = bt_report_eval(rep, start_step, before, n_eval)))
+            goto done;
+    }
     if (eval_only) {
         if (cfg->eval.n_shards == 0) {
             rc = bt_fail(BT_ERR_INVALID, "config: eval.shards: required for `trainer eval`");
@@ -421,8 +469,10 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         if (eval_cut && n_eval == 0)
             fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
         else
-            fprintf(out, "held-out loss%s: %.4f, perplexity %.3f (%lld tokens)\n",
-                    eval_cut ? " (partial, interrupted)" : "", before, exp(before), n_eval);
+            fprintf(out, "held-out loss%s: %.4f, perplexity %.3f (%lld tokens%s%s)\n",
+                    eval_cut ? " (partial, interrupted)" : "", before, exp(before), n_eval,
+                    cfg->eval_adapter ? "; adapter " : cfg->resume_from ? "; checkpoint " : "",
+                    cfg->eval_adapter ? cfg->eval_adapter : cfg->resume_from ? cfg->resume_from : "");
         fflush(out);
         goto done;
     }
@@ -447,17 +497,33 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     /* stop_all: a SIGINT/SIGTERM seen by any rank (agreed on in the step's collectives, so that
      * every rank stops after the same step; for one process simply g_stop) */
     int stop_all = 0;
+    /* --profile: the second step of the run (the first warms caches and pages), or the only one */
+    const int prof_step = !cfg->profile ? -1 : end_step - start_step >= 2 ? start_step + 1 : start_step;
     for (int step = start_step; step < end_step && !stop_all && !(g_dist.world == 1 && g_stop);
          step++) {
         double ts = bt_now();
+        if (step == prof_step) {
+            if (!(prof = bt_prof_new())) {
+                rc = bt_fail(BT_ERR_NOMEM, "out of memory");
+                goto done;
+            }
+#ifdef BT_WITH_CUDA
+            if (g_cuda) bt_cuda_trainer_set_profile(g_cuda, prof);
+            else
+#endif
+                bt_step_ctx_set_profile(ctx, prof);
+        }
         /* 1. Gather all micro-batches of the step: the loss is normalised by the labelled
          *    targets over all of them (exact mean, independent of how tokens fall into
          *    micro-batches, and of how rows fall onto ranks), so they are counted before any
          *    backward. */
         long long n_lab = 0, n_real = 0;
         int got = 0; /* 0 ok, 1 end of stream, 2 signalled while waiting, <0 error */
+        double wait_s = 0; /* time spent waiting for loaderd in this step */
         for (int i = 0; i < cfg->grad_accum && got == 0; i++) {
+            double tw = bt_now();
             got = next_batch(cl, cfg, &mbs[i], "train");
+            wait_s += bt_now() - tw;
             if (got) break;
             bt_microbatch mb;
             mb_view(&mbs[i], B, T, &mb);
@@ -541,7 +607,12 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                 goto done;
         } else
 #endif
+        {
+            double t_clip = bt_now();
             gnorm = bt_clip_grad_norm(lora.grads, lora.n_params, cfg->optim.grad_clip);
+            bt_prof_add(prof, "clip grad norm", bt_now() - t_clip, 0.0);
+        }
+        double t_opt = bt_now();
         if (n_lab == 0) {
             bt_log(BT_LOG_WARN, "trainer", "step %d: no labelled tokens; update skipped", step + 1);
         } else if (!isfinite(gnorm) || !isfinite(loss)) {
@@ -558,6 +629,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                 bt_adamw_step(lora.params + nd, lora.grads + nd, lora.m + nd, lora.v + nd,
                               lora.n_params - nd, (float)lr, (float)cfg->optim.beta1,
                               (float)cfg->optim.beta2, (float)cfg->optim.eps, 0.f, step + 1);
+            bt_prof_add(prof, "adamw", bt_now() - t_opt, 4.0 * 3.0 * (double)lora.n_params);
         }
         done_steps = step + 1;
         memcpy(resume_done, resume, sizeof resume_done);
@@ -577,6 +649,26 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             /* full precision, for exact comparisons (resume tests) */
             bt_log(BT_LOG_DEBUG, "trainer", "step %d loss %.17g grad norm %.17g", done_steps, loss,
                    gnorm);
+        }
+        if (rep) {
+            bt_step_metrics sm = {done_steps, loss, lr, gnorm, n_real, dt, wait_s,
+                                  bt_peak_rss_mib(), -1};
+#ifdef BT_WITH_CUDA
+            if (g_cuda) sm.device_mib = bt_cuda_trainer_bytes(g_cuda) / 1048576.0;
+#endif
+            if ((rc = bt_report_step(rep, &sm))) goto done;
+            rep_steps++;
+        }
+        if (prof) {
+#ifdef BT_WITH_CUDA
+            if (g_cuda) bt_cuda_trainer_set_profile(g_cuda, NULL);
+            else
+#endif
+                bt_step_ctx_set_profile(ctx, NULL);
+            if (g_dist.rank == 0 && (rc = print_profile(cfg, prof, done_steps, dt, ctx, out)))
+                goto done;
+            bt_prof_free(prof);
+            prof = NULL;
         }
         int last = done_steps == end_step || stop_all;
         if (cfg->checkpoint_every > 0 && done_steps < cfg->steps &&
@@ -623,6 +715,7 @@ stopped:
                done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
     if (cfg->eval.n_shards > 0 && !stop_all) {
         if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, NULL))) goto done;
+        if (rep && (rc = bt_report_eval(rep, done_steps, after, n_eval))) goto done;
         if (g_dist.rank == 0)
             fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
                     100.0 * (after - before) / before);
@@ -657,6 +750,8 @@ failed: /* the batch stream failed after some steps: keep them (adapter + checkp
                          cfg->checkpoint_every > 0 ? cfg->checkpoint_dir : "");
     }
 done:
+    bt_report_close(rep, cfg->report.plot && rep_steps > 0); /* the plot of what did run */
+    bt_prof_free(prof);
     if (mbs)
         for (int i = 0; i < cfg->grad_accum; i++) mb_free(&mbs[i]);
     free(mbs);

@@ -96,10 +96,10 @@ def parse_run(text, out):
             "adapter": read_safetensors(out / "adapter_model.safetensors")}
 
 
-def run_job(env, name, binary, device, extra=None):
+def run_job(env, name, binary, device, extra=None, args=()):
     cfg, out = job_config(env, name, device, extra)
-    r = subprocess.run([binary, "train", "--config", str(cfg)], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([binary, "train", "--config", str(cfg), *args], capture_output=True,
+                       text=True, timeout=600)
     text = r.stdout + r.stderr
     assert r.returncode == 0, text
     return parse_run(text, out)
@@ -215,9 +215,21 @@ def test_rendezvous_refuses_ranks_of_different_jobs(env):
 @pytest.mark.parametrize("kernels", [None, {"attention": "mma", "nf4_matmul": "fused"}],
                          ids=["wmma+dequant", "mma+fused"])
 def test_cuda_trainer_on_emulator_follows_cpu(env, kernels):
-    cpu = run_job(env, "cpu", os.path.join(BUILD, "trainer"), "cpu")
+    # --profile (one step's per-op times; CUDA events on the GPU trainer) in the default run
+    prof = ("--profile",) if kernels is None else ()
+    cpu = run_job(env, "cpu", os.path.join(BUILD, "trainer"), "cpu", args=prof)
     tag = "gpu-" + ("default" if kernels is None else "mma-fused")
-    gpu = run_job(env, tag, EMU_TRAINER, "cuda", {"cuda": kernels} if kernels else None)
+    gpu = run_job(env, tag, EMU_TRAINER, "cuda", {"cuda": kernels} if kernels else None, args=prof)
+    if prof:
+        for run, ops in ((cpu, ("attention fwd", "q_proj lora bwd", "adamw")),
+                         (gpu, ("nf4_linear_fwd", "attn_fwd (wmma)", "attn_bwd (wmma)", "rmsnorm_fwd",
+                                 "lora_bwd", "linear_ce"))):
+            t = run["text"]
+            assert "profile: step 2, 2 x 64 tokens" in t, t
+            for op in ops:
+                assert re.search(rf"\n{re.escape(op)} +\d+ +[0-9.]+ ", t), \
+                    (op, t[t.index("profile:"):][:4000])
+        assert "(CUDA events)" in gpu["text"] and "device " in gpu["text"]
     assert "CUDA device CPU emulator" in gpu["text"], gpu["text"]
     want = "attention mma, NF4 matmul fused" if kernels else "attention wmma, NF4 matmul dequant+cuBLAS"
     assert want in gpu["text"], gpu["text"]

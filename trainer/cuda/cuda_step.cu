@@ -252,12 +252,54 @@ static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params
 
 /* ------------------------------------------------------------------------------ public */
 
+thread_local btc_prof_state *btc_prof_cur = nullptr;
+
+extern "C" void bt_cuda_trainer_set_profile(bt_cuda_trainer *t, struct bt_prof *p)
+{
+    if (t)
+        t->prof = p;
+}
+
+/* The profiled launches of a finished (synchronised) step into t->prof: op name = the launcher's
+ * function name without its "bt_cuda_" prefix. */
+static void prof_resolve(bt_cuda_trainer *t, btc_prof_state *ps)
+{
+    for (btc_prof_rec &r : ps->recs) {
+        float ms = 0.f;
+        if (r.what && r.b && cudaEventElapsedTime(&ms, r.a, r.b) == cudaSuccess) {
+            char name[64];
+            const char *w = r.what;
+            while (*w == ' ' || *w == '(')
+                w++;
+            const int cond = !strncmp(w, "t->attn_impl ? ", 15); /* either attention kernel */
+            if (cond)
+                w += 15;
+            size_t n = strcspn(w, "( ");
+            if (!strncmp(w, "bt_cuda_", 8))
+                w += 8, n -= 8;
+            if (cond && n > 4 && !strncmp(w + n - 4, "_mma", 4))
+                n -= 4;
+            snprintf(name, sizeof name, "%.*s%s", (int)(n < 48 ? n : 48), w,
+                     !cond ? "" : t->attn_impl ? " (mma)" : " (wmma)");
+            bt_prof_add(t->prof, name, ms / 1e3, 0.0);
+        }
+        if (r.a)
+            cudaEventDestroy(r.a);
+        if (r.b)
+            cudaEventDestroy(r.b);
+    }
+    ps->recs.clear();
+}
+
 static void sample_mem(bt_cuda_trainer *t)
 {
     size_t fr = 0, tot = 0;
     if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > t->peak_used)
         t->peak_used = tot - fr;
 }
+
+static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, float grad_scale,
+                    uint64_t drop_key, int M, int nv);
 
 extern "C" int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb, int backward,
                                     float grad_scale, uint64_t drop_key, double *loss_sum,
@@ -272,6 +314,38 @@ extern "C" int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb,
     if (nv < 0)
         return nv;
     const int M = mb->B * mb->T;
+    cudaStream_t s = t->stream;
+    btc_prof_state ps;
+    ps.stream = s;
+    if (t->prof)
+        btc_prof_cur = &ps;
+    const int rc = step_run(t, mb, backward, grad_scale, drop_key, M, nv);
+    if (t->prof) {
+        btc_prof_cur = nullptr;
+        if (rc == 0)
+            prof_resolve(t, &ps);
+        else
+            for (btc_prof_rec &r : ps.recs) {
+                if (r.a)
+                    cudaEventDestroy(r.a);
+                if (r.b)
+                    cudaEventDestroy(r.b);
+            }
+    }
+    if (rc)
+        return rc;
+    if (loss_sum)
+        *loss_sum = *t->h_loss;
+    if (n_valid)
+        *n_valid = nv;
+    return 0;
+}
+
+/* The step proper (bt_cuda_trainer_step): upload the batch, forward, loss, backward, sync. */
+static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, float grad_scale,
+                    uint64_t drop_key, int M, int nv)
+{
+    (void)nv;
     cudaStream_t s = t->stream;
     int max_len = 1;
     for (int i = 0; i + 1 < mb->n_cu; i++)
@@ -323,10 +397,6 @@ extern "C" int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb,
     }
     BTC_TRY(BTC_CUDA(cudaStreamSynchronize(s)));
     sample_mem(t);
-    if (loss_sum)
-        *loss_sum = *t->h_loss;
-    if (n_valid)
-        *n_valid = nv;
     return 0;
 }
 

@@ -133,6 +133,12 @@ int bt_cuda_trainer_allgather(bt_cuda_trainer *t, const void *mine, void *all, s
 /* Peak device memory in use by the process since the trainer was created (cudaMemGetInfo samples
  * taken after each step), in bytes, and the baseline before the trainer allocated anything. */
 size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline);
+/* Profile the next bt_cuda_trainer_step calls into p (trainer/profile.h; NULL = off): every
+ * kernel / cuBLAS launch of the step is timed with a pair of CUDA events on the trainer's stream
+ * and added to p under the launcher's name ("rmsnorm_fwd", "gemm", "attn_fwd", "lora_fwd", ...)
+ * once the step has synchronised. p is borrowed and must outlive its use. */
+struct bt_prof;
+void bt_cuda_trainer_set_profile(bt_cuda_trainer *t, struct bt_prof *p);
 
 #ifdef __cplusplus
 }

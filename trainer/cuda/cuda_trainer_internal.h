@@ -6,6 +6,7 @@
 #endif
 extern "C" {
 #include "common/bt_common.h"
+#include "trainer/profile.h"
 #include "trainer/rng.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
@@ -24,14 +25,43 @@ static inline int btc_cuda_(cudaError_t e, const char *what, const char *file, i
     return bt_fail(BT_ERR_IO, "cuda: %s:%d: %s: %s", file, line, what, cudaGetErrorString(e));
 }
 #define BTC_CUDA(call) btc_cuda_((call), #call, __FILE__, __LINE__)
+/* `trainer train --profile` on the GPU (trainer/profile.h): while a step is profiled,
+ * btc_prof_cur points at its state and every BTC_L launch is bracketed by two CUDA events recorded
+ * on the step's stream; bt_cuda_trainer_step turns them into per-op times after it synchronises. */
+struct btc_prof_rec {
+    const char *what; /* the launch expression (#call) */
+    cudaEvent_t a, b;
+};
+struct btc_prof_state {
+    cudaStream_t stream;
+    std::vector<btc_prof_rec> recs;
+};
+extern thread_local btc_prof_state *btc_prof_cur;
+static inline int btc_prof_begin_(void)
+{
+    if (btc_prof_cur) {
+        btc_prof_rec r = {nullptr, nullptr, nullptr};
+        if (cudaEventCreate(&r.a) == cudaSuccess && cudaEventRecord(r.a, btc_prof_cur->stream) == cudaSuccess)
+            btc_prof_cur->recs.push_back(r);
+        else if (r.a)
+            cudaEventDestroy(r.a);
+    }
+    return 0;
+}
 /* A launcher (kernels/cuda) returned non-zero: wrap it into a message naming the call. */
 static inline int btc_launch_(int rc, const char *what, const char *file, int line)
 {
+    if (btc_prof_cur && !btc_prof_cur->recs.empty() && !btc_prof_cur->recs.back().what) {
+        btc_prof_rec &r = btc_prof_cur->recs.back();
+        r.what = what;
+        if (cudaEventCreate(&r.b) != cudaSuccess || cudaEventRecord(r.b, btc_prof_cur->stream) != cudaSuccess)
+            r.what = nullptr; /* dropped when the step resolves the events */
+    }
     if (rc == 0)
         return 0;
     return bt_fail(rc, "cuda: %s:%d: %s returned %d", file, line, what, rc);
 }
-#define BTC_L(call) btc_launch_((call), #call, __FILE__, __LINE__)
+#define BTC_L(call) btc_launch_((btc_prof_begin_(), (call)), #call, __FILE__, __LINE__)
 #define BTC_TRY(x)         \
     do {                   \
         int rc_ = (x);     \
@@ -79,6 +109,7 @@ typedef struct {
 } btc_lmod;
 
 struct bt_cuda_trainer {
+    struct bt_prof *prof; /* bt_cuda_trainer_set_profile (NULL = off) */
     int dev;
     char dev_name[256];
     cudaStream_t stream;
