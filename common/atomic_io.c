@@ -157,3 +157,21 @@ int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *compone
     free(old);
     return rc;
 }
+
+int bt_mkdir_p(const char *path, const char *component) {
+    char *p = bt_xstrdup(path);
+    int rc = 0;
+    for (char *s = p + 1;; s++) {
+        if (*s != '/' && *s) continue;
+        char c = *s;
+        *s = 0;
+        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+            rc = bt_fail(BT_ERR_IO, "%s: mkdir %s: %s", component, p, strerror(errno));
+            break;
+        }
+        if (!c) break;
+        *s = c;
+    }
+    free(p);
+    return rc;
+}

@@ -47,6 +47,10 @@ int bt_fsync_path(const char *path, int is_dir, const char *component);
  * bt_fsync_path. */
 int bt_fsync_parent(const char *path, const char *component);
 
+/* mkdir -p: create `path` and its missing parents (mode 0755); existing directories are fine.
+ * BT_ERR_IO ("<component>: mkdir <prefix>: <strerror>") otherwise. */
+int bt_mkdir_p(const char *path, const char *component);
+
 /* Remove a file or directory tree (like rm -rf, not following symlinks); missing is fine.
  * Best effort: errors are ignored. */
 void bt_rm_tree(const char *path);

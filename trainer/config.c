@@ -608,7 +608,8 @@ int bt_config_parse(bt_train_config *cfg, const char *json_text, const char *ori
     if (!root)
         return bt_fail(BT_ERR_FORMAT, "config: %s: line %d column %d: %s%s",
                        origin ? origin : "<text>", jerr.line, jerr.column, jerr.text,
-                       jerr.line == 1 && jerr.column <= 1
+                       jerr.line == 1 && jerr.column <= 1 && origin &&
+                               !(strlen(origin) > 5 && !strcmp(origin + strlen(origin) - 5, ".json"))
                            ? " (a YAML config needs a .yaml or .yml file name)" : "");
     if (!json_is_object(root)) {
         json_decref(root);
@@ -673,8 +674,7 @@ int bt_config_key_used(int command, const char *path, const bt_train_config *cfg
     static const char *const eval_keys[] = {
         "name", "model", "base_dtype", "socket", "data.format", "data.text_field", "data.seq_len",
         "data.micro_batch_size", "data.seed", "data.tokenizer_threads", "eval",
-        "activation_checkpointing", "threads", "timeout_s", "device", "dist", "resume_from",
-        "report", NULL};
+        "activation_checkpointing", "threads", "timeout_s", "device", "dist", "resume_from", NULL};
     static const char *const ckpt_keys[] = {"lora", "trainable_modules", "seed", "grad_accum",
                                             "data.shards", NULL};
     static const char *const estimate_keys[] = {

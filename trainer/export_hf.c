@@ -25,48 +25,32 @@ typedef struct {
     int32_t bos, eos, pad, im_end;
 } hf_ids;
 
-/* Pretty JSON text + "\n" written atomically (common/atomic_io.h). Steals j. */
-static int write_json(const char *path, json_t *j) {
-    char *s = j ? json_dumps(j, JSON_INDENT(2) | JSON_REAL_PRECISION(10)) : NULL;
-    json_decref(j);
-    if (!s) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
-    bt_atomic_file af;
-    int rc = bt_atomic_open(&af, path, "export");
-    if (!rc && !(rc = bt_atomic_write(&af, s, strlen(s))) && !(rc = bt_atomic_write(&af, "\n", 1)))
-        rc = bt_atomic_commit(&af);
-    else bt_atomic_abort(&af);
-    free(s);
-    return rc;
-}
-
-/* Writes text (NUL-terminated) + "\n" to dir/name atomically. */
-static int write_text(const char *dir, const char *name, const char *text) {
-    char *path = NULL;
-    if (asprintf(&path, "%s/%s", dir, name) < 0) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+/* text + "\n" written to path atomically (common/atomic_io.h). */
+static int write_file(const char *path, const char *text) {
     bt_atomic_file af;
     int rc = bt_atomic_open(&af, path, "export");
     if (!rc && !(rc = bt_atomic_write(&af, text, strlen(text))) && !(rc = bt_atomic_write(&af, "\n", 1)))
         rc = bt_atomic_commit(&af);
     else bt_atomic_abort(&af);
-    free(path);
     return rc;
 }
 
-static int mkdir_p(const char *path) {
-    char *p = bt_xstrdup(path);
-    int rc = 0;
-    for (char *s = p + 1;; s++) {
-        if (*s != '/' && *s) continue;
-        char c = *s;
-        *s = 0;
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-            rc = bt_fail(BT_ERR_IO, "export: mkdir %s: %s", p, strerror(errno));
-            break;
-        }
-        if (!c) break;
-        *s = c;
-    }
-    free(p);
+/* Pretty JSON text of j (stolen) written to path. */
+static int write_json(const char *path, json_t *j) {
+    char *s = j ? json_dumps(j, JSON_INDENT(2) | JSON_REAL_PRECISION(10)) : NULL;
+    json_decref(j);
+    if (!s) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+    int rc = write_file(path, s);
+    free(s);
+    return rc;
+}
+
+/* text written to dir/name. */
+static int write_text(const char *dir, const char *name, const char *text) {
+    char *path = NULL;
+    if (asprintf(&path, "%s/%s", dir, name) < 0) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+    int rc = write_file(path, text);
+    free(path);
     return rc;
 }
 
@@ -381,16 +365,8 @@ static int write_weights(const bt_model *m, const bt_lora *lo, int dtype, uint64
             /* sorted keys (json.dumps(index, indent=2, sort_keys=True)) */
             char *s = idx ? json_dumps(idx, JSON_INDENT(2) | JSON_SORT_KEYS) : NULL;
             json_decref(idx);
-            if (!s) rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
-            else {
-                bt_atomic_file af;
-                rc = bt_atomic_open(&af, path, "export");
-                if (!rc && !(rc = bt_atomic_write(&af, s, strlen(s))) &&
-                    !(rc = bt_atomic_write(&af, "\n", 1)))
-                    rc = bt_atomic_commit(&af);
-                else bt_atomic_abort(&af);
-                free(s);
-            }
+            rc = s ? write_file(path, s) : bt_fail(BT_ERR_NOMEM, "export: out of memory");
+            free(s);
         }
         free(path);
     }
@@ -542,7 +518,7 @@ int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dt
     uint64_t max_bytes = o && o->max_shard_bytes > 0 ? (uint64_t)o->max_shard_bytes
                                                      : BT_EXPORT_DEFAULT_SHARD_BYTES;
     int rc = bt_export_lora_matches(m, lo), n_shards = 0;
-    if (rc || (rc = mkdir_p(out_dir))) return rc;
+    if (rc || (rc = bt_mkdir_p(out_dir, "export"))) return rc;
     hf_ids ids = {-1, -1, -1, -1};
     char *path = NULL;
     if ((rc = write_weights(m, lo, dtype, max_bytes, out_dir, &n_shards))) return rc;

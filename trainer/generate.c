@@ -220,6 +220,7 @@ typedef struct {
     long max_new, seed;
     float temperature, top_p;
     int base_dtype, ignore_eos, show_special;
+    int seed_given, top_p_given; /* sampling options, refused with greedy decoding */
 } gen_args;
 
 /* 0 ok, 1 --help shown, 2 usage error (message printed). */
@@ -276,6 +277,7 @@ static int parse_args(gen_args *a, int argc, char **argv) {
                 return 2;
             }
             a->seed = n;
+            a->seed_given = 1;
         } else if (!strcmp(k, "--temperature")) {
             if (parse_float(v, &a->temperature) || a->temperature < 0) {
                 fprintf(stderr, "trainer generate: --temperature: expected a number >= 0, got "
@@ -288,6 +290,7 @@ static int parse_args(gen_args *a, int argc, char **argv) {
                         "\"%s\"\n", v);
                 return 2;
             }
+            a->top_p_given = 1;
         } else { /* --base-dtype */
             if (!strcmp(v, "nf4")) a->base_dtype = BT_BASE_NF4;
             else if (!strcmp(v, "fp32")) a->base_dtype = BT_BASE_FP32;
@@ -307,6 +310,11 @@ static int parse_args(gen_args *a, int argc, char **argv) {
     }
     if (a->system && !a->chat) {
         fprintf(stderr, "trainer generate: --system only applies to --chat\n");
+        return 2;
+    }
+    if (a->temperature == 0 && (a->seed_given || a->top_p_given)) { /* greedy would ignore them */
+        fprintf(stderr, "trainer generate: %s only applies to sampling (--temperature > 0); "
+                "greedy decoding would ignore it\n", a->seed_given ? "--seed" : "--top-p");
         return 2;
     }
     return 0;

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/atomic_io.h"
 #include "common/bt_common.h"
 #include "trainer/tb_events.h"
 
@@ -29,24 +30,6 @@ static double wall_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int mkdirs(const char *path) {
-    char *p = bt_xstrdup(path);
-    int rc = 0;
-    for (char *s = p + 1;; s++) {
-        if (*s != '/' && *s) continue;
-        char c = *s;
-        *s = 0;
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-            rc = bt_fail(BT_ERR_IO, "report: mkdir %s: %s", p, strerror(errno));
-            break;
-        }
-        if (!c) break;
-        *s = c;
-    }
-    free(p);
-    return rc;
 }
 
 /* The lines of an existing metrics.jsonl with step <= keep_step (a resumed run continues it). */
@@ -84,7 +67,7 @@ static char *kept_lines(const char *path, int keep_step) {
 
 int bt_report_open(bt_report **out, const bt_train_config *cfg, int start_step) {
     *out = NULL;
-    int rc = mkdirs(cfg->report.dir);
+    int rc = bt_mkdir_p(cfg->report.dir, "report");
     if (rc) return rc;
     bt_report *r = calloc(1, sizeof *r);
     if (!r) return bt_fail(BT_ERR_NOMEM, "report: out of memory");

@@ -200,8 +200,13 @@ int bt_config_cmd(int argc, char **argv, FILE *out) {
         fprintf(stderr, "trainer config: --format \"%s\": expected json or yaml\n", format);
         rc = 2;
     }
-    if (rc == 0 && documented && !tmpl) { /* a setting it would ignore */
+    if (rc == 0 && documented && !tmpl) { /* settings it would ignore */
         fprintf(stderr, "trainer config: --documented applies to --template only\n");
+        rc = 2;
+    }
+    if (rc == 0 && n_sets > 0 && tmpl) {
+        fprintf(stderr, "trainer config: --set applies to --check only (a template is printed as "
+                "it is)\n");
         rc = 2;
     }
     if (rc == 0 && !!tmpl == !!check) {

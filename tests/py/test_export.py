@@ -657,3 +657,32 @@ def test_hf_reference_check(tmp_path):
     res = json.loads(p.stdout[p.stdout.index("{"):])
     assert res["smollm2_tokenizer"]["mismatching_documents"] == 0
     assert all(g["equal"] for g in res["smollm2_pipeline_greedy"])
+
+
+def test_merged_safetensors_from_hf_base_copies_tokenizer(bins, adapter, tmp_path):
+    """A Hugging Face base directory's tokenizer and generation files are carried over byte for
+    byte (the model's own tokenizer); config.json gets the ids our tokenizer reads from them."""
+    import shutil
+    d, _ = adapter
+    base = tmp_path / "base"
+    shutil.copytree(TINY, base)
+    tok = subprocess.run(["zstd", "-dc", os.path.join(ROOT, "tests", "fixtures", "tokenizer",
+                                                      "qwen2-tokenizer.json.zst")],
+                         capture_output=True, check=True).stdout
+    (base / "tokenizer.json").write_bytes(tok)
+    tc = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+          "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+          "tokenizer_class": "Qwen2TokenizerFast"}
+    (base / "tokenizer_config.json").write_text(json.dumps(tc))
+    (base / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    out = tmp_path / "out"
+    run_export(bins, "--model", str(base), "--adapter", d, "--format", "safetensors", "--out",
+               str(out))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json"):
+        assert (out / f).read_bytes() == (base / f).read_bytes(), f
+    c = json.loads((out / "config.json").read_text())
+    ids = json.loads(tok)
+    added = {a["content"]: a["id"] for a in ids["added_tokens"]}
+    assert c["eos_token_id"] == added["<|im_end|>"] and c["pad_token_id"] == added["<|endoftext|>"]
+    assert "bos_token_id" not in c

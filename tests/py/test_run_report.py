@@ -77,11 +77,16 @@ def test_report_eval_and_refusals(env):
     assert abs(evals[1]["perplexity"] - math.exp(evals[1]["loss"])) < 1e-6 * evals[1]["perplexity"]
     png = (rep / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
-    # `trainer report` redraws it and summarises
+    # `trainer report` redraws it and summarises; bad lines are skipped and counted
+    with open(rep / "metrics.jsonl", "a") as f:
+        f.write('not json\n{"type": "train"}\n\x00\xff\n[1, 2]\n')
     os.unlink(rep / "report.png")
     s = trainer("report", str(rep))
     assert "4 steps" in s.stdout and f"held-out loss {before:.4f} (step 0) -> {after:.4f} (step 4)" \
         in s.stdout, s.stdout
+    assert "4 lines skipped" in s.stderr, s.stderr
+    bad = trainer("report", str(env["tmp"]), check=False)  # no metrics.jsonl there
+    assert bad.returncode == 1 and "metrics.jsonl" in bad.stderr
     assert (rep / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert not [f for f in os.listdir(rep) if f.startswith(".plot-")]
 
@@ -126,6 +131,7 @@ def test_eval_adapter_checkpoint_and_refusals(env):
     cases = [
         (["eval", "--config", job, "--set", "optim.lr=1"], "eval does not use optim.lr"),
         (["eval", "--config", job, "--set", "steps=9"], "eval does not use steps"),
+        (["eval", "--config", job, "--set", "report.tensorboard=true"], "eval does not use report"),
         (["eval", "--config", job, "--adapter", adapter, "--set", "lora.r=8"],
          "eval does not use lora.r when evaluating --adapter"),
         (["eval", "--config", job, "--set", "lora.r=8"], "eval does not use lora.r"),
@@ -140,6 +146,11 @@ def test_eval_adapter_checkpoint_and_refusals(env):
         (["estimate", "--config", job, "--device", "cuda"], "estimate does not use device"),
         (["estimate", "--config", job, "--set", "eval.max_batches=2"], "eval.max_batches"),
         (["config", "--check", job, "--documented"], "--documented applies to --template only"),
+        (["config", "--template", "qlora", "--set", "steps=3"], "--set applies to --check only"),
+        (["generate", "--model", job, "--prompt", "x", "--seed", "3"], "--seed only applies to sampling"),
+        (["generate", "--model", job, "--prompt", "x", "--top-p", "0.9"], "--top-p only applies"),
+        (["export", "--model", job, "--adapter", adapter, "--format", "peft", "--out", adapter,
+          "--max-shard-size", "1GB"], "--max-shard-size applies to --format safetensors only"),
     ]
     for args, want in cases:
         p = trainer(*args, check=False)
