@@ -96,7 +96,7 @@ int bt_report_open(bt_report **out, const bt_train_config *cfg, int start_step) 
 static json_t *num(double x) { return isfinite(x) ? json_real(x) : json_null(); }
 
 static int put_line(bt_report *r, json_t *j) {
-    char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(9));
+    char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(15)); /* "time" to the ms */
     json_decref(j);
     if (!s) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
     int rc = 0;
@@ -330,9 +330,11 @@ int bt_report_cli(int argc, char **argv) {
     }
     printf("%s/report.png: %d steps, loss %.4f -> %.4f, mean %.0f tokens/s", argv[1], s.n_train,
            s.first_loss, s.last_loss, s.tps_sum / s.n_train);
-    if (s.n_eval)
+    if (s.n_eval > 1)
         printf(", held-out loss %.4f (step %d) -> %.4f (step %d)", s.eval_first, s.eval_first_step,
                s.eval_last, s.eval_last_step);
+    else if (s.n_eval == 1)
+        printf(", held-out loss %.4f (step %d)", s.eval_first, s.eval_first_step);
     printf("\n");
     return 0;
 }
