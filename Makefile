@@ -99,7 +99,7 @@ pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 # `pip install ./python`; tests/py/test_python_client_hf.py runs in it.
 pytest-torch: all
 	@bash scripts/venv-torch.sh
-	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py
+	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py
 
 # `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests (also
 # the Python client's torch / transformers tests in .venv-torch/), and the CUDA kernels and GPU tests run on the CPU emulator (test-emu; skipped without CUDA headers).

@@ -172,10 +172,62 @@ typedef struct {
     uint64_t nbytes;
 } hf_tensor;
 
-/* The tensors in LlamaForCausalLM.state_dict() order (module registration order: embed_tokens,
- * then per layer self_attn.{q,k,v,o}_proj (weight, bias), mlp.{gate,up,down}_proj,
- * input_layernorm, post_attention_layernorm; norm; lm_head unless tied), which decides how
- * tensors fall into shards. *out malloc'd. */
+/* One dot-separated part of a tensor name as transformers' dot_natural_key sees it: digits only
+ * -> (0, int); else the text without trailing digits, then those digits as an int if any. */
+typedef struct {
+    int cls, has_num;
+    unsigned long long num;
+    const char *text;
+    size_t text_len;
+} nat_part;
+
+static const char *nat_next(const char *s, nat_part *p) {
+    size_t len = strcspn(s, ".");
+    size_t t = len;
+    while (t > 0 && s[t - 1] >= '0' && s[t - 1] <= '9') t--;
+    p->cls = len > 0 && t == 0 ? 0 : 1;
+    p->has_num = t < len;
+    p->num = 0;
+    for (size_t i = t; i < len; i++) p->num = p->num * 10 + (unsigned long long)(s[i] - '0');
+    p->text = s, p->text_len = t;
+    return s[len] == '.' ? s + len + 1 : NULL;
+}
+
+static int nat_part_cmp(const nat_part *a, const nat_part *b) {
+    if (a->cls != b->cls) return a->cls < b->cls ? -1 : 1;
+    if (a->cls == 1) {
+        size_t n = a->text_len < b->text_len ? a->text_len : b->text_len;
+        int c = memcmp(a->text, b->text, n);
+        if (c) return c < 0 ? -1 : 1;
+        if (a->text_len != b->text_len) return a->text_len < b->text_len ? -1 : 1;
+        if (a->has_num != b->has_num) return a->has_num ? 1 : -1; /* (1, t) < (1, t, n) */
+        if (!a->has_num) return 0;
+    }
+    return a->num < b->num ? -1 : a->num > b->num;
+}
+
+/* qsort comparator of hf_tensor by name in transformers' dot_natural_key order
+ * (transformers/core_model_loading.py, 5.x): parts compared left to right, a name that is a
+ * prefix of another first. */
+static int cmp_dot_natural(const void *va, const void *vb) {
+    const char *a = ((const hf_tensor *)va)->name, *b = ((const hf_tensor *)vb)->name;
+    while (a && b) {
+        nat_part pa, pb;
+        a = nat_next(a, &pa);
+        b = nat_next(b, &pb);
+        int c = nat_part_cmp(&pa, &pb);
+        if (c) return c;
+    }
+    return a ? 1 : b ? -1 : 0;
+}
+
+/* The tensors of the merged checkpoint in the order save_pretrained walks them to cut shards:
+ * transformers >= 5 (revert_weight_conversion in core_model_loading.py, applied by save_pretrained
+ * with the default save_original_format=True) sorts the state dict by dot_natural_key first
+ * ("model.layers.2.*" before "model.layers.10.*", and within a layer input_layernorm, mlp.*,
+ * post_attention_layernorm, self_attn.*); 4.x walked module registration order instead. Checked
+ * against transformers 5.23 save_pretrained by tests/reference/check_exports.py --hf-dir.
+ * *out malloc'd. */
 static int plan_tensors(const bt_model *m, int dtype, hf_tensor **out, int *n_out) {
     const bt_llama_hparams *hp = &m->hp;
     const size_t es = dtype == BT_EXPORT_F32 ? 4 : 2;
@@ -206,6 +258,7 @@ static int plan_tensors(const bt_model *m, int dtype, hf_tensor **out, int *n_ou
     ADD(T_NORM, -1, -1, 0, hp->d_model, "model.norm.weight");
     if (!m->tied) ADD(T_LM_HEAD, -1, -1, hp->vocab, hp->d_model, "lm_head.weight");
 #undef ADD
+    qsort(t, (size_t)n, sizeof *t, cmp_dot_natural);
     *out = t;
     *n_out = n;
     return 0;

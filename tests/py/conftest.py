@@ -36,8 +36,9 @@ import pytest
 collect_ignore = [] if os.environ.get("BT_EMU_TRAINER") else ["test_e2e_cuda_emu.py"]
 # test_python_client_hf.py needs torch + transformers: `make pytest-torch` runs it in .venv-torch/
 # with BT_VENV_TORCH set.
+# test_export_hf.py (HF's own check of our exports) likewise.
 if not os.environ.get("BT_VENV_TORCH"):
-    collect_ignore.append("test_python_client_hf.py")
+    collect_ignore += ["test_python_client_hf.py", "test_export_hf.py"]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))

@@ -533,9 +533,27 @@ def state_dict_order(cfg):
     return keys + ["model.norm.weight"] + ([] if cfg["tie_word_embeddings"] else ["lm_head.weight"])
 
 
+def dot_natural_key(s):
+    """transformers 5.x core_model_loading.dot_natural_key (copied): save_pretrained sorts the
+    state dict by it before cutting shards (revert_weight_conversion)."""
+    parts = []
+    for part in s.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+        else:
+            text_part = part.rstrip("0123456789")
+            trailing_digits = part[len(text_part):]
+            if trailing_digits != "":
+                parts.append((1, text_part, int(trailing_digits)))
+            else:
+                parts.append((1, text_part))
+    return parts
+
+
 def test_merged_safetensors_sharded(bins, adapter, tmp_path):
     """--max-shard-size cuts model-0000k-of-0000n.safetensors + index exactly as save_pretrained
-    (huggingface_hub) would for the same tensors in state_dict order; the weights equal the
+    (transformers 5.x + huggingface_hub) would: tensors walked in dot_natural_key order (layer 2
+    before layer 10), a new shard when the next one would pass the limit; the weights equal the
     single-file export; re-exporting unsharded into the same directory removes the stale shards
     and index; the base directory's generation_config.json is carried over."""
     d, _ = adapter
@@ -548,7 +566,7 @@ def test_merged_safetensors_sharded(bins, adapter, tmp_path):
                "--max-shard-size", "20KB", "--out", out)
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
         idx = json.load(f)
-    order = state_dict_order(tiny_config())
+    order = sorted(state_dict_order(tiny_config()), key=dot_natural_key)
     sizes = [(k, 4 * math.prod(single[k][1])) for k in order]
     want, n = hub_shards(sizes, limit)
     assert n > 2
@@ -633,30 +651,6 @@ def test_merged_safetensors_tokenizer_real_model(bins, model_path, tmp_path):
     text = ("Hello 12345 world<|im_start|>user\n  x = [1,2,3]  # comment\t\tend\n"
             "国語は美しい. Ünïcödé 'll 've don't   \n\n\n<|im_end|>\n")
     assert tokenize(bins, out, text) == tokenize(bins, model_path, text)
-
-
-def test_hf_reference_check(tmp_path):
-    """tests/reference/check_exports.py --hf-dir in the pinned .venv-hf (transformers, tokenizers;
-    tests/reference/README.md), when that environment exists: AutoTokenizer on the exported
-    directory gives the HF ids of the parity corpus for SmolLM2 (the real GGUF), Llama 3 and Qwen2
-    tokenizers; the shards equal save_pretrained's; pipeline("text-generation") greedy output
-    equals `trainer generate`. Results recorded in tests/fixtures/hf/exports_check.json."""
-    py = os.path.join(ROOT, ".venv-hf", "bin", "python")
-    if not os.access(py, os.X_OK) or subprocess.run([py, "-c", "import transformers, tokenizers"],
-                                                    capture_output=True).returncode != 0:
-        pytest.skip(".venv-hf with transformers not present (python3 tests/reference/"
-                    "gen_hf_fixtures.py creates it)")
-    if not os.path.exists(os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")):
-        pytest.skip("model not present (make model)")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false")
-    p = subprocess.run([py, os.path.join(ROOT, "tests", "reference", "check_exports.py"), "--hf-dir",
-                        "--work", str(tmp_path)], capture_output=True, text=True, env=env,
-                       timeout=1200, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(p.stdout[p.stdout.index("{"):])
-    assert res["smollm2_tokenizer"]["mismatching_documents"] == 0
-    assert all(g["equal"] for g in res["smollm2_pipeline_greedy"])
 
 
 def test_merged_safetensors_from_hf_base_copies_tokenizer(bins, adapter, tmp_path):

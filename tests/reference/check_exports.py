@@ -456,7 +456,9 @@ def check_hf_dir(work, shard="200MB"):
     res["smollm2_pipeline_greedy"] = []
     for prompt in PROMPTS:
         msgs = [{"role": "user", "content": prompt}]
-        n_prompt = len(tok.apply_chat_template(msgs, add_generation_prompt=True))
+        # return_dict=True: transformers 5 returns a dict by default (4.x a list of ids)
+        n_prompt = len(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
         o = gen(msgs, max_new_tokens=24, do_sample=False, return_tensors=True)
         new = o[0]["generated_token_ids"][n_prompt:]
         theirs_text = tok.decode(new, skip_special_tokens=False)
