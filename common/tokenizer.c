@@ -24,6 +24,8 @@
  * Thread safety: a tokenizer is immutable after creation; each call allocates its own scratch. */
 #include "common/tokenizer_internal.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -175,13 +177,13 @@ static int32_t raw_find(const bt_tokenizer *t, const uint8_t *s, size_t n) {
     }
 }
 
-static inline int32_t merge_find(const bt_tokenizer *t, int32_t a, int32_t b) {
+static inline const struct bt_merge_slot *merge_find(const bt_tokenizer *t, int32_t a, int32_t b) {
     uint64_t key = (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
     uint32_t h = hash_pair(key) & t->mmask;
     for (;;) {
-        uint64_t k = t->mkey[h];
-        if (k == key) return (int32_t)h;
-        if (k == UINT64_MAX) return -1;
+        const struct bt_merge_slot *m = &t->merges[h];
+        if (m->key == key) return m;
+        if (m->key == UINT64_MAX) return NULL;
         h = (h + 1) & t->mmask;
     }
 }
@@ -194,8 +196,11 @@ static uint32_t pow2_at_least(uint64_t n) {
 
 /* ---- construction ---- */
 
+static _Atomic uint64_t tok_serial;
+
 bt_tokenizer *bt_tok_new(void) {
     bt_tokenizer *t = bt_xcalloc(1, sizeof *t);
+    t->serial = atomic_fetch_add(&tok_serial, 1) + 1;
     t->bos = t->eos = t->pad = t->unk = -1;
     for (int b = 0; b < 256; b++) t->byte_id[b] = -1;
     return t;
@@ -211,9 +216,7 @@ void bt_tokenizer_free(bt_tokenizer *t) {
     free(t->type);
     free(t->vslot);
     free(t->rslot);
-    free(t->mkey);
-    free(t->mrank);
-    free(t->mnew);
+    free(t->merges);
     for (int32_t i = 0; i < t->n_added; i++) free(t->added[i].text);
     free(t->added);
     free(t->set_raw.idx);
@@ -311,10 +314,8 @@ int bt_tok_set_merges(bt_tokenizer *t, uint64_t n_merge, const bt_str *ma, const
         return bt_fail(BT_ERR_FORMAT, "tokenizer: %llu merges (a BPE vocabulary needs at least one)",
                        (unsigned long long)n_merge);
     t->mmask = pow2_at_least(n_merge * 2) - 1;
-    t->mkey = bt_xmalloc(((size_t)t->mmask + 1) * sizeof *t->mkey);
-    memset(t->mkey, 0xFF, ((size_t)t->mmask + 1) * sizeof *t->mkey);
-    t->mrank = bt_xmalloc(((size_t)t->mmask + 1) * sizeof *t->mrank);
-    t->mnew = bt_xmalloc(((size_t)t->mmask + 1) * sizeof *t->mnew);
+    t->merges = bt_xmalloc(((size_t)t->mmask + 1) * sizeof *t->merges);
+    for (size_t h = 0; h <= t->mmask; h++) t->merges[h] = (struct bt_merge_slot){UINT64_MAX, 0, 0};
     char *cat = NULL;
     size_t cat_cap = 0;
     for (uint64_t m = 0; m < n_merge; m++) {
@@ -332,10 +333,8 @@ int bt_tok_set_merges(bt_tokenizer *t, uint64_t n_merge, const bt_str *ma, const
         }
         uint64_t key = (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
         uint32_t h = hash_pair(key) & t->mmask;
-        while (t->mkey[h] != UINT64_MAX && t->mkey[h] != key) h = (h + 1) & t->mmask;
-        t->mkey[h] = key;
-        t->mrank[h] = (int32_t)m;
-        t->mnew[h] = c;
+        while (t->merges[h].key != UINT64_MAX && t->merges[h].key != key) h = (h + 1) & t->mmask;
+        t->merges[h] = (struct bt_merge_slot){key, (int32_t)m, c};
     }
     free(cat);
     return 0;
@@ -385,6 +384,7 @@ struct bt_sym {
 
 struct bt_merge {
     int32_t rank, pos, new_id;
+    int32_t left, right; /* the pair's ids when pushed: the entry is stale once they changed */
 };
 typedef struct bt_sym sym_t;
 typedef struct bt_merge merge_t;
@@ -420,23 +420,18 @@ static inline merge_t heap_pop(merge_t *h, size_t *n) {
 }
 
 static inline void push_pair(const bt_tokenizer *t, merge_t *heap, size_t *hn, int32_t pos, int32_t a, int32_t b) {
-    int32_t m = merge_find(t, a, b);
-    if (m >= 0) heap_push(heap, hn, (merge_t){t->mrank[m], pos, t->mnew[m]});
+    const struct bt_merge_slot *m = merge_find(t, a, b);
+    if (m) heap_push(heap, hn, (merge_t){m->rank, pos, m->new_id, a, b});
 }
 
 /* HF models/bpe/model.rs tokenize_with_cache + merge_word, word.rs merge_all (dropout none):
  * ignore_merges whole-piece lookup first; bytes without a single-byte token become unk_token
  * (consecutive ones fused when fuse_unk) or are dropped when there is no unk_token. */
-void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
+static void bpe_merge(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     const bt_tokenizer *t = c->t;
-    if (n == 0) return;
     if (t->ignore_merges) {
         int32_t id = raw_find(t, w, n);
         if (id >= 0) { bt_ids_push(c->out, id); return; }
-    }
-    if (n == 1 && t->byte_id[w[0]] >= 0) {
-        bt_ids_push(c->out, t->byte_id[w[0]]);
-        return;
     }
     if (n > c->cap) {
         size_t cap = c->cap ? c->cap : 64;
@@ -470,8 +465,7 @@ void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
         sym_t *s = &sym[top.pos];
         if (s->id < 0 || s->next < 0) continue;
         sym_t *r = &sym[s->next];
-        int32_t m = merge_find(t, s->id, r->id);
-        if (m < 0 || t->mnew[m] != top.new_id || t->mrank[m] != top.rank) continue; /* stale */
+        if (s->id != top.left || r->id != top.right) continue; /* stale: a neighbour merged meanwhile */
         s->id = top.new_id;
         r->id = -1;
         s->next = r->next;
@@ -480,6 +474,145 @@ void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
         if (s->next >= 0) push_pair(t, c->heap, &hn, top.pos, s->id, sym[s->next].id);
     }
     for (int32_t i = 0; i >= 0; i = sym[i].next) bt_ids_push(c->out, sym[i].id);
+}
+
+/* Piece cache (as HF BPE's per-model cache, models/bpe/model.rs): a pre-token's ids depend only
+ * on its bytes, and natural text repeats its pieces, so each thread keeps a direct-mapped table
+ * of the last PC_SLOTS pieces of up to PC_MAX_BYTES bytes and PC_MAX_IDS ids (32-byte entries,
+ * 256 KiB: it stays in L2 next to the hot part of the merge table; about 97% of the lookups on
+ * the parity corpus are pieces this short). An entry is valid
+ * for the generation it was written in; the generation changes when the thread switches to
+ * another tokenizer (bt_tokenizer.serial), so a hit always comes from the same vocabulary and
+ * merges. Owned by the thread (pthread key destructor frees it at thread exit). */
+#define PC_SLOTS 8192u
+#define PC_MAX_BYTES 14
+#define PC_MAX_IDS 3
+
+typedef struct {
+    uint32_t gen;
+    uint8_t len, nids;
+    uint8_t b[PC_MAX_BYTES];
+    int32_t ids[PC_MAX_IDS];
+} pc_ent;
+_Static_assert(sizeof(pc_ent) == 32, "piece cache entries are half a cache line");
+
+struct bt_piece_cache {
+    uint64_t serial;
+    uint32_t gen;
+    pc_ent e[PC_SLOTS];
+};
+
+static pthread_key_t pc_key;
+static int pc_key_ok;
+static pthread_once_t pc_once = PTHREAD_ONCE_INIT;
+
+static void pc_key_make(void) { pc_key_ok = pthread_key_create(&pc_key, free) == 0; }
+
+static struct bt_piece_cache *pc_get(const bt_tokenizer *t) {
+    pthread_once(&pc_once, pc_key_make);
+    if (!pc_key_ok) return NULL;
+    struct bt_piece_cache *pc = pthread_getspecific(pc_key);
+    if (!pc) {
+        pc = calloc(1, sizeof *pc);
+        if (!pc) return NULL; /* the cache is an optimisation: run without it */
+        if (pthread_setspecific(pc_key, pc) != 0) {
+            free(pc);
+            return NULL;
+        }
+    }
+    if (pc->serial != t->serial) {
+        pc->serial = t->serial;
+        if (++pc->gen == 0) { /* generations wrapped: forget everything */
+            memset(pc->e, 0, sizeof pc->e);
+            pc->gen = 1;
+        }
+    }
+    return pc;
+}
+
+static inline uint32_t pc_hash(const uint8_t *w, size_t n) {
+    uint64_t h = (uint64_t)n * 0x9E3779B97F4A7C15ull;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x;
+        memcpy(&x, w + i, 8);
+        h = (h ^ x) * 0xFF51AFD7ED558CCDull;
+        h ^= h >> 32;
+    }
+    if (i < n) {
+        uint64_t x = 0;
+        memcpy(&x, w + i, n - i);
+        h = (h ^ x) * 0xC4CEB9FE1A85EC53ull;
+    }
+    return (uint32_t)(h ^ (h >> 29));
+}
+
+static void ids_append(bt_ids *a, const int32_t *v, size_t k) {
+    if (k == 0) return;
+    if (a->n + k > a->cap) {
+        size_t cap = a->cap ? a->cap : 64;
+        while (cap < a->n + k) cap *= 2;
+        a->v = bt_xrealloc(a->v, cap * sizeof *a->v);
+        a->cap = cap;
+    }
+    memcpy(a->v + a->n, v, k * sizeof *v);
+    a->n += k;
+}
+
+void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
+    const bt_tokenizer *t = c->t;
+    if (n == 0) return;
+    if (c->pieces_only) {
+        bt_ids_push(c->out, (int32_t)n);
+        return;
+    }
+    if (n == 1 && t->byte_id[w[0]] >= 0 && !t->ignore_merges) {
+        bt_ids_push(c->out, t->byte_id[w[0]]);
+        return;
+    }
+    struct bt_piece_cache *pc = c->pc;
+    if (!pc || n > PC_MAX_BYTES) {
+        bpe_merge(c, w, n);
+        return;
+    }
+    pc_ent *e = &pc->e[pc_hash(w, n) & (PC_SLOTS - 1)];
+    if (e->gen == pc->gen && e->len == n && memcmp(e->b, w, n) == 0) {
+        ids_append(c->out, e->ids, e->nids);
+        return;
+    }
+    size_t n0 = c->out->n;
+    bpe_merge(c, w, n);
+    size_t k = c->out->n - n0;
+    if (k <= PC_MAX_IDS) {
+        e->gen = pc->gen;
+        e->len = (uint8_t)n;
+        e->nids = (uint8_t)k;
+        memcpy(e->b, w, n);
+        if (k) memcpy(e->ids, c->out->v + n0, k * sizeof *e->ids);
+    }
+}
+
+void bt_tokenize_release_cache(void) {
+    pthread_once(&pc_once, pc_key_make);
+    if (!pc_key_ok) return;
+    free(pthread_getspecific(pc_key));
+    pthread_setspecific(pc_key, NULL);
+}
+
+int bt_tok_pieces(const bt_tokenizer *t, const char *s, size_t n, bt_ids *lens) {
+    bt_enc_ctx c = {.t = t, .out = lens, .pieces_only = 1};
+    int rc = bt_tok_pre_all(&c, s, n);
+    pcre2_match_data_free(c.md);
+    free(c.sym);
+    free(c.heap);
+    for (int i = 0; i < BT_TOK_MAX_PRE; i++) free(c.pbuf[i]);
+    return rc;
+}
+
+pcre2_match_data *bt_tok_md(bt_enc_ctx *c) {
+    if (!c->md && !(c->md = pcre2_match_data_create(4, NULL)))
+        bt_fail(BT_ERR_NOMEM, "tokenize: pcre2 match data allocation failed");
+    return c->md;
 }
 
 /* ---- added tokens ---- */
@@ -500,7 +633,9 @@ static size_t char_start_before(const char *s, size_t end) {
 
 /* Rust regex \w on the char at s[a..b). */
 static int is_word_char(bt_enc_ctx *c, const char *s, size_t a, size_t b) {
-    return pcre2_match(c->t->re_word, (PCRE2_SPTR)s + a, b - a, 0, PCRE2_NO_UTF_CHECK | PCRE2_ANCHORED, c->md,
+    pcre2_match_data *md = bt_tok_md(c);
+    if (!md) return 0;
+    return pcre2_match(c->t->re_word, (PCRE2_SPTR)s + a, b - a, 0, PCRE2_NO_UTF_CHECK | PCRE2_ANCHORED, md,
                        NULL) >= 0;
 }
 
@@ -552,7 +687,7 @@ static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const c
             }
             if (start_offset < start) {
                 rc = pass == 0 ? run_normalized(c, s + start_offset, start - start_offset, parse_special)
-                               : bt_tok_pre_run(c, 0, s + start_offset, start - start_offset);
+                               : bt_tok_pre_all(c, s + start_offset, start - start_offset);
                 if (rc < 0) return rc;
             }
             bt_ids_push(c->out, a->id);
@@ -561,7 +696,7 @@ static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const c
     }
     if (start_offset < n)
         rc = pass == 0 ? run_normalized(c, s + start_offset, n - start_offset, parse_special)
-                       : bt_tok_pre_run(c, 0, s + start_offset, n - start_offset);
+                       : bt_tok_pre_all(c, s + start_offset, n - start_offset);
     return rc;
 }
 
@@ -589,12 +724,7 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
     int rc = utf8_sanitize(text, len, &clean, &clen);
     if (rc < 0) return rc;
     if (clean) { text = clean; len = clen; }
-    bt_enc_ctx c = {.t = t, .out = out};
-    c.md = pcre2_match_data_create(4, NULL);
-    if (!c.md) {
-        free(clean);
-        return bt_fail(BT_ERR_NOMEM, "tokenize: pcre2 match data allocation failed");
-    }
+    bt_enc_ctx c = {.t = t, .out = out, .pc = pc_get(t)};
     rc = added_split(&c, &t->set_raw, 0, text, len, parse_special);
     pcre2_match_data_free(c.md);
     free(c.sym);
@@ -656,6 +786,20 @@ int32_t bt_tokenizer_eos(const bt_tokenizer *t) { return t ? t->eos : -1; }
 int32_t bt_tokenizer_pad(const bt_tokenizer *t) { return t ? t->pad : -1; }
 const char *bt_tokenizer_chat_template(const bt_tokenizer *t) { return t ? t->chat_template : NULL; }
 const char *bt_tokenizer_pre(const bt_tokenizer *t) { return t ? t->pre : NULL; }
+
+const char *bt_tokenizer_pre_engine(const bt_tokenizer *t) {
+    static const char *const names[] = {"pcre2", "gpt2", "smollm", "llama3", "qwen2"};
+    return t ? names[t->fast_pre] : NULL;
+}
+
+int bt_tokenizer_set_pre_engine(bt_tokenizer *t, int dedicated) {
+    if (!t) return bt_fail(BT_ERR_INVALID, "tokenizer: NULL tokenizer");
+    if (dedicated && !t->fast_avail)
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: no dedicated pre-tokenizer for this pipeline (pre \"%s\")",
+                       t->pre ? t->pre : "?");
+    t->fast_pre = dedicated ? t->fast_avail : 0;
+    return 0;
+}
 
 const uint8_t *bt_tokenizer_token_bytes(const bt_tokenizer *t, int32_t id, size_t *len) {
     if (!t || id < 0 || id >= t->n_vocab) {

@@ -7,7 +7,8 @@
  * tokens split out (HF AddedVocabulary: leftmost-longest; special ones only when parse_special,
  * non-special ones always; lstrip/rstrip/single_word/normalized honoured); normalizer (NFC, NFD,
  * NFKC, NFKD via utf8proc); pre-tokenizers (Split with Oniguruma patterns run on PCRE2, Digits,
- * ByteLevel); BPE (merge ranks, ignore_merges). Families covered by fixtures: SmolLM2
+ * ByteLevel; the standard pipelines on dedicated scanners, bt_tokenizer_pre_engine); BPE (merge
+ * ranks, ignore_merges; a per-thread piece cache). Families covered by fixtures: SmolLM2
  * (Digits + GPT-2 regex), Llama 3 (cl100k Split, ignore_merges), Qwen2 (NFC, Split with single
  * digits). Details: tokenizer.c (core), tokenizer_pre.c, tokenizer_gguf.c, tokenizer_json.c.
  * A bt_tokenizer is immutable after creation: every function below is thread-safe. */
@@ -68,6 +69,11 @@ void bt_tokenizer_free(bt_tokenizer *t);
  * (text may be NULL when len == 0), BT_ERR_RANGE (input > 2 GiB), BT_ERR_NOMEM; on error
  * nothing is appended. Thread-safe. */
 int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out);
+/* Free the calling thread's piece cache (bt_tokenize keeps, per thread, the ids of up to 8192
+ * recent short pre-tokens, 256 KiB, as HF's BPE model caches words; freed at thread exit anyway).
+ * The next bt_tokenize on this thread starts cold. Benchmarks call it between passes over the
+ * same text so that the figures are not those of a memorised corpus. */
+void bt_tokenize_release_cache(void);
 /* Decode ids to a malloc'd NUL-terminated byte string (*out, *out_len without the NUL; caller
  * frees). HF ByteLevel decoder byte mapping, but the raw bytes are returned (no lossy UTF-8
  * repair), so decoding token by token and concatenating equals decoding all at once.
@@ -123,5 +129,15 @@ const char *bt_tokenizer_chat_template(const bt_tokenizer *t);
  * tokenizer.json "smollm", "gpt2", "llama3", "qwen2" when the pipeline is exactly that family's,
  * else "custom". */
 const char *bt_tokenizer_pre(const bt_tokenizer *t);
+/* Engine running the pre-tokenizers: a dedicated scanner ("gpt2": GPT-2 ByteLevel regex;
+ * "smollm": Digits(individual_digits) + GPT-2; "llama3": cl100k Split; "qwen2": Qwen2 Split;
+ * no regex engine, so no JIT is needed, e.g. under W^X) chosen automatically when the pipeline
+ * is exactly one of those, else "pcre2" (Oniguruma patterns on PCRE2, tokenizer_pre.c). Both
+ * give the same ids (tests/unit/test_tokenizer_pre.c). */
+const char *bt_tokenizer_pre_engine(const bt_tokenizer *t);
+/* Force the PCRE2 engine (dedicated = 0) or go back to the dedicated one (1; BT_ERR_UNSUPPORTED
+ * when the pipeline has none). For tests and benchmarks: call before the tokenizer is shared
+ * between threads. BT_ERR_INVALID on NULL. */
+int bt_tokenizer_set_pre_engine(bt_tokenizer *t, int dedicated);
 
 #endif

@@ -73,14 +73,14 @@ static int set_pre(bt_tokenizer *t, bt_str s) {
     if (IS("gpt2") || IS("smollm")) {
         if (IS("smollm")) t->pre_steps[t->n_pre++] = (bt_pre_step){.kind = PRE_DIGITS, .behavior = BEH_ISOLATED};
         bt_pre_step *p = &t->pre_steps[t->n_pre++];
-        *p = (bt_pre_step){.kind = PRE_BYTELEVEL};
+        *p = (bt_pre_step){.kind = PRE_BYTELEVEL, .pat = PAT_GPT2};
         rc = bt_tok_compile_onig(&p->re, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0);
     } else if (IS("llama-bpe") || IS("llama3") || IS("qwen2")) {
         const char *pat = IS("qwen2") ? BT_TOK_QWEN2_PATTERN : BT_TOK_LLAMA3_PATTERN;
         if (IS("qwen2")) t->norm[t->n_norm++] = NORM_NFC;
         else t->ignore_merges = 1;
         bt_pre_step *p = &t->pre_steps[t->n_pre++];
-        *p = (bt_pre_step){.kind = PRE_SPLIT, .behavior = BEH_ISOLATED};
+        *p = (bt_pre_step){.kind = PRE_SPLIT, .behavior = BEH_ISOLATED, .pat = IS("qwen2") ? PAT_QWEN2 : PAT_LLAMA3};
         rc = bt_tok_compile_onig(&p->re, pat, strlen(pat), 0);
         t->pre_steps[t->n_pre++] = (bt_pre_step){.kind = PRE_BYTELEVEL};
     } else {
@@ -89,7 +89,10 @@ static int set_pre(bt_tokenizer *t, bt_str s) {
                        (int)(s.len > 64 ? 64 : s.len), s.ptr);
     }
 #undef IS
-    if (rc == 0) t->pre = dup_str(s);
+    if (rc == 0) {
+        t->pre = dup_str(s);
+        bt_tok_pre_select(t);
+    }
     return rc;
 }
 

@@ -29,13 +29,26 @@ enum { BEH_REMOVED = 0, BEH_ISOLATED, BEH_MERGED_PREV, BEH_MERGED_NEXT, BEH_CONT
 #define BT_TOK_MAX_NORM 8
 #define BT_TOK_MAX_PRE 8
 
+/* Patterns with a dedicated scanner (tokenizer_pre.c), recorded per step by the builders. */
+enum { PAT_OTHER = 0, PAT_GPT2, PAT_LLAMA3, PAT_QWEN2 };
+
+/* Dedicated pre-tokenizer pipelines (bt_tokenizer.fast_pre; tokenizer_pre.c bt_tok_pre_select). */
+enum { FAST_NONE = 0, FAST_GPT2, FAST_DIGITS_GPT2, FAST_LLAMA3, FAST_QWEN2 };
+
 typedef struct {
     int kind;
     int behavior;         /* PRE_SPLIT, PRE_DIGITS (Isolated or Contiguous) */
     int invert;           /* PRE_SPLIT */
     int add_prefix_space; /* PRE_BYTELEVEL */
+    int pat;              /* PAT_*: which pattern `re` was compiled from (PAT_OTHER: any other) */
     pcre2_code *re;       /* PRE_SPLIT; PRE_BYTELEVEL with use_regex (GPT-2 pattern); else NULL */
 } bt_pre_step;
+
+/* Merge (a, b) -> id `new_id` of rank `rank`; key = a << 32 | b, UINT64_MAX marks an empty slot. */
+struct bt_merge_slot {
+    uint64_t key;
+    int32_t rank, new_id;
+};
 
 /* One added token (HF AddedToken). text is what is matched: the content, or for normalized
  * tokens the content passed through the normalizer. */
@@ -66,8 +79,7 @@ struct bt_tokenizer {
     uint32_t vmask;
     int32_t *rslot;      /* raw-bytes hash over byte_ok tokens (ignore_merges lookups) */
     uint32_t rmask;
-    uint64_t *mkey;      /* merge hash: key (a << 32 | b), UINT64_MAX empty */
-    int32_t *mrank, *mnew;
+    struct bt_merge_slot *merges; /* merge hash, open addressing (one cache line per probe) */
     uint32_t mmask;
     int32_t byte_id[256]; /* id of each single-byte token, -1 if absent */
     int32_t unk;          /* BPE unk_token id or -1 */
@@ -82,12 +94,19 @@ struct bt_tokenizer {
     pcre2_code *re_word; /* one Rust-regex \w char (single_word checks) */
     char *pre, *chat_template;
     int32_t bos, eos, pad;
+    int fast_pre;        /* FAST_*: pre_steps run by a dedicated scanner instead of PCRE2 */
+    int fast_avail;      /* what bt_tok_pre_select found (bt_tokenizer_set_pre_engine toggles) */
+    uint64_t serial;     /* unique per tokenizer in this process (keys the per-thread piece cache) */
 };
+
+struct bt_piece_cache;
 
 /* Per-call scratch. */
 typedef struct {
     const bt_tokenizer *t;
-    pcre2_match_data *md;
+    struct bt_piece_cache *pc; /* this thread's piece cache (tokenizer.c), NULL if unavailable */
+    pcre2_match_data *md;      /* created on first use (bt_tok_md) */
+    int pieces_only;           /* bt_tok_pieces: record piece lengths instead of BPE ids */
     struct bt_sym *sym;
     struct bt_merge *heap;
     size_t cap;
@@ -115,8 +134,15 @@ int bt_tok_set_merges(bt_tokenizer *t, uint64_t n, const bt_str *a, const bt_str
 int32_t bt_tok_vocab_find(const bt_tokenizer *t, const char *s, size_t n);
 /* After t->added is filled (texts owned by t): builds the two match sets. */
 int bt_tok_build_added(bt_tokenizer *t);
-/* Byte-level BPE of one pre-token (raw bytes), appending ids to c->out. */
+/* Byte-level BPE of one pre-token (raw bytes), appending ids to c->out. Short pieces go through
+ * the calling thread's piece cache (same ids; see tokenizer.c). */
 void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n);
+/* Pre-tokenizer pieces of s[0..n) (valid UTF-8; no added-token split, no normalizer): appends
+ * each piece's byte length to *lens, in order (the pieces tile s for the dedicated pipelines).
+ * For tests comparing the engines. 0 or BT_ERR_*. */
+int bt_tok_pieces(const bt_tokenizer *t, const char *s, size_t n, bt_ids *lens);
+/* c->md, created on first use; NULL (with bt_fail BT_ERR_NOMEM) if allocation fails. */
+pcre2_match_data *bt_tok_md(bt_enc_ctx *c);
 
 /* ---- tokenizer_pre.c ---- */
 /* Compiles an Oniguruma pattern (HF Split / ByteLevel) into PCRE2 with Oniguruma semantics
@@ -133,6 +159,13 @@ int bt_tok_init_word_re(bt_tokenizer *t);
 int bt_tok_normalize(const bt_tokenizer *t, const char *s, size_t n, char **out, size_t *out_len);
 /* Pre-tokenizes s[0..n) from step `step` on and BPE-encodes every resulting piece. */
 int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n);
+/* Whole pre-tokenizer pipeline of s[0..n) (valid UTF-8): the dedicated scanner when
+ * t->fast_pre is set, else bt_tok_pre_run from step 0. */
+int bt_tok_pre_all(bt_enc_ctx *c, const char *s, size_t n);
+/* After the builders filled pre_steps: sets t->fast_avail / t->fast_pre when the steps are
+ * exactly one of the dedicated pipelines (GPT-2 ByteLevel; Digits(individual) + GPT-2 ByteLevel;
+ * Split(Llama-3 / Qwen2 pattern, Isolated) + ByteLevel without regex; no add_prefix_space). */
+void bt_tok_pre_select(bt_tokenizer *t);
 /* Frees the regexes of the steps. */
 void bt_tok_pre_free(bt_tokenizer *t);
 

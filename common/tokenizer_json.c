@@ -101,6 +101,7 @@ static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
         if ((rc = get_bool(p, "use_regex", 1, &use_regex)) < 0) return rc;
         if (use_regex && (rc = bt_tok_compile_onig(&s->re, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0)) < 0)
             return rc;
+        if (use_regex) s->pat = PAT_GPT2;
     } else if (strcmp(ty, "Digits") == 0) {
         int ind;
         if ((rc = get_bool(p, "individual_digits", 0, &ind)) < 0) return rc;
@@ -125,11 +126,14 @@ static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
         const char *src = json_string_value(ps);
         size_t len = json_string_length(ps);
         if ((rc = bt_tok_compile_onig(&s->re, src, len, str != NULL)) < 0) return rc;
+        if (re && len == strlen(BT_TOK_LLAMA3_PATTERN) && memcmp(src, BT_TOK_LLAMA3_PATTERN, len) == 0)
+            s->pat = PAT_LLAMA3;
+        else if (re && len == strlen(BT_TOK_QWEN2_PATTERN) && memcmp(src, BT_TOK_QWEN2_PATTERN, len) == 0)
+            s->pat = PAT_QWEN2;
+        else if (re && len == strlen(BT_TOK_GPT2_PATTERN) && memcmp(src, BT_TOK_GPT2_PATTERN, len) == 0)
+            s->pat = PAT_GPT2;
         int known = 0;
-        if (re && !s->invert && s->behavior == BEH_ISOLATED) {
-            if (len == strlen(BT_TOK_LLAMA3_PATTERN) && memcmp(src, BT_TOK_LLAMA3_PATTERN, len) == 0) known = 1;
-            if (len == strlen(BT_TOK_QWEN2_PATTERN) && memcmp(src, BT_TOK_QWEN2_PATTERN, len) == 0) known = 2;
-        }
+        if (!s->invert && s->behavior == BEH_ISOLATED) known = s->pat == PAT_LLAMA3 ? 1 : s->pat == PAT_QWEN2 ? 2 : 0;
         fam->known_split = fam->known_split == 0 && known ? known : -1;
     } else {
         return bt_fail(BT_ERR_UNSUPPORTED,
@@ -397,6 +401,7 @@ int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, con
         else if (t->n_pre == 2 && !last->re && fam.known_split == 2 && t->n_norm == 1 && t->norm[0] == NORM_NFC) name = "qwen2";
         t->pre = bt_xstrdup(name);
     }
+    bt_tok_pre_select(t);
 done:
     free(pieces);
     free(types);

@@ -26,6 +26,7 @@
  * other than i, possessive intervals ({n,m}+ is a nested repeat in Oniguruma). */
 #include "common/tokenizer_internal.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -377,12 +378,14 @@ static int comb_flush(bt_enc_ctx *c, int step, comb_t *st, const char *s) {
  * of the previous match is skipped by advancing one char), then the behaviour. */
 static int split_regex(bt_enc_ctx *c, int step, const pcre2_code *re, int beh, int invert, const char *s, size_t n) {
     comb_t st = {0};
-    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(c->md);
+    pcre2_match_data *md = bt_tok_md(c);
+    if (!md) return BT_ERR_NOMEM;
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
     size_t last_end = 0, prev = 0;
     size_t last_match_end = (size_t)-1;
     int rc = 0;
     while (last_end <= n) {
-        int r = pcre2_match(re, (PCRE2_SPTR)s, n, last_end, PCRE2_NO_UTF_CHECK, c->md, NULL);
+        int r = pcre2_match(re, (PCRE2_SPTR)s, n, last_end, PCRE2_NO_UTF_CHECK, md, NULL);
         if (r == PCRE2_ERROR_NOMATCH) break;
         if (r < 0) {
             PCRE2_UCHAR msg[256];
@@ -468,4 +471,321 @@ int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n) {
     default:
         return split_digits(c, step, p->behavior, s, n);
     }
+}
+
+/* ---- dedicated pre-tokenizers ----
+ *
+ * The standard pipelines run without a regex engine (no JIT, so they keep their speed where
+ * W^X forbids it: systemd MemoryDenyWriteExecute, prctl PR_SET_MDWE). Each scanner is the
+ * leftmost-first alternation of its pattern written out by hand, so it yields exactly the pieces
+ * of the PCRE2 path above (checked on the parity corpora and on an adversarial Unicode corpus
+ * against that path: tests/unit/test_tokenizer_pre.c):
+ *   GPT-2     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+ *   SmolLM2   Digits(individual_digits): every numeric char (Rust char::is_numeric) is a piece,
+ *             then the GPT-2 pattern inside each run between them
+ *   Llama 3   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
+ *             | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+          (tiktoken cl100k_base)
+ *   Qwen2     the same with \p{N} instead of \p{N}{1,3}
+ * Every alternative consumes at least one char and some alternative matches at every position,
+ * so the pieces tile the input (HF Split Isolated). \s is Oniguruma's (see the translation
+ * rules at the top). Character classes come from a table built once per process by running
+ * PCRE2 itself over every code point, so both paths agree whatever Unicode version PCRE2 has;
+ * "numeric" for Digits comes from utf8proc like split_digits. Caseless contractions: PCRE2 UCP
+ * caseless matching pairs s/S with U+017F LONG S and no other code point with t r e v m l d. */
+
+enum { CL_L = 1, CL_N = 2, CL_S = 4, CL_D = 8 };
+
+#define CT_SHIFT 7
+#define CT_BLOCK (1u << CT_SHIFT)
+#define CT_CPS 0x110000u
+
+static uint16_t *ct_stage1; /* [CT_CPS >> CT_SHIFT] block of each code point range */
+static uint8_t *ct_stage2;  /* [n_blocks * CT_BLOCK] class bits */
+static uint8_t ct_ascii[128];
+static int ct_err;
+static char ct_msg[256];
+static pthread_once_t ct_once = PTHREAD_ONCE_INIT;
+
+/* UTF-8 encoding of cp into d (no surrogates given); returns the byte count. */
+static size_t put_utf8(uint8_t *d, uint32_t cp) {
+    if (cp < 0x80) { d[0] = (uint8_t)cp; return 1; }
+    if (cp < 0x800) { d[0] = (uint8_t)(0xC0 | cp >> 6); d[1] = (uint8_t)(0x80 | (cp & 0x3F)); return 2; }
+    if (cp < 0x10000) {
+        d[0] = (uint8_t)(0xE0 | cp >> 12); d[1] = (uint8_t)(0x80 | ((cp >> 6) & 0x3F)); d[2] = (uint8_t)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    d[0] = (uint8_t)(0xF0 | cp >> 18); d[1] = (uint8_t)(0x80 | ((cp >> 12) & 0x3F));
+    d[2] = (uint8_t)(0x80 | ((cp >> 6) & 0x3F)); d[3] = (uint8_t)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* Class bits of every code point: L/N/S from PCRE2 (one pass of a partitioning regex over a text
+ * holding every scalar value in order), D from utf8proc (is_numeric). */
+static int ct_fill(uint8_t *flat) {
+    static const char pat[] = "(\\p{L}+)|(\\p{N}+)|([" WS_IN "]+)|[^\\p{L}\\p{N}" WS_IN "]+";
+    size_t cap = (size_t)CT_CPS * 4, len = 0;
+    uint8_t *text = malloc(cap);
+    uint32_t *cps = malloc((size_t)CT_CPS * sizeof *cps); /* code point of each char, in order */
+    if (!text || !cps) {
+        free(text);
+        free(cps);
+        return bt_fail(BT_ERR_NOMEM, "tokenizer: out of memory building the character table");
+    }
+    size_t nc = 0;
+    for (uint32_t cp = 0; cp < CT_CPS; cp++) {
+        if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+        len += put_utf8(text + len, cp);
+        cps[nc++] = cp;
+    }
+    pcre2_code *re = NULL;
+    int rc = compile_pcre(&re, pat, sizeof pat - 1, pat, sizeof pat - 1);
+    pcre2_match_data *md = rc == 0 ? pcre2_match_data_create_from_pattern(re, NULL) : NULL;
+    if (rc == 0 && !md) rc = bt_fail(BT_ERR_NOMEM, "tokenizer: pcre2 match data allocation failed");
+    size_t off = 0, ci = 0;
+    while (rc == 0 && off < len) {
+        int r = pcre2_match(re, text, len, off, PCRE2_NO_UTF_CHECK, md, NULL);
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        if (r < 0 || ov[0] != off || ov[1] <= off) {
+            rc = bt_fail(BT_ERR_FORMAT, "tokenizer: character table: PCRE2 did not partition the code points at %zu", off);
+            break;
+        }
+        uint8_t cls = r >= 2 && ov[2] != PCRE2_UNSET ? CL_L : r >= 3 && ov[4] != PCRE2_UNSET ? CL_N
+                    : r >= 4 && ov[6] != PCRE2_UNSET ? CL_S : 0;
+        for (size_t b = off; b < ov[1]; ci++) {
+            flat[cps[ci]] = cls;
+            uint8_t lead = text[b];
+            b += lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
+        }
+        off = ov[1];
+    }
+    pcre2_match_data_free(md);
+    pcre2_code_free(re);
+    free(text);
+    free(cps);
+    if (rc == 0)
+        for (uint32_t cp = 0; cp < CT_CPS; cp++)
+            if (is_numeric((int32_t)cp)) flat[cp] |= CL_D;
+    return rc;
+}
+
+/* Two-stage table: identical 128-entry blocks stored once. */
+static void ct_build(void) {
+    uint8_t *flat = calloc(CT_CPS, 1);
+    if (!flat) {
+        ct_err = BT_ERR_NOMEM;
+        snprintf(ct_msg, sizeof ct_msg, "out of memory");
+        return;
+    }
+    if ((ct_err = ct_fill(flat)) < 0) {
+        snprintf(ct_msg, sizeof ct_msg, "%s", bt_last_error());
+        free(flat);
+        return;
+    }
+    const size_t nb = CT_CPS >> CT_SHIFT;
+    uint16_t *s1 = malloc(nb * sizeof *s1);
+    uint8_t *s2 = malloc(nb * CT_BLOCK);
+    size_t hcap = 4096, uniq = 0;
+    int32_t *hslot = malloc(hcap * sizeof *hslot);
+    if (!s1 || !s2 || !hslot) {
+        free(s1), free(s2), free(hslot), free(flat);
+        ct_err = BT_ERR_NOMEM;
+        snprintf(ct_msg, sizeof ct_msg, "out of memory");
+        return;
+    }
+    memset(hslot, 0xFF, hcap * sizeof *hslot);
+    for (size_t b = 0; b < nb; b++) {
+        const uint8_t *blk = flat + b * CT_BLOCK;
+        uint64_t h = bt_fnv1a64(BT_FNV64_INIT, blk, CT_BLOCK);
+        size_t k = (size_t)h & (hcap - 1);
+        while (hslot[k] >= 0 && memcmp(s2 + (size_t)hslot[k] * CT_BLOCK, blk, CT_BLOCK) != 0) k = (k + 1) & (hcap - 1);
+        if (hslot[k] < 0) { /* at most nb (8704) < hcap / 2 unique blocks are never reached in practice */
+            memcpy(s2 + uniq * CT_BLOCK, blk, CT_BLOCK);
+            hslot[k] = (int32_t)uniq++;
+        }
+        s1[b] = (uint16_t)hslot[k];
+    }
+    for (int i = 0; i < 128; i++) ct_ascii[i] = flat[i];
+    free(hslot);
+    free(flat);
+    ct_stage2 = bt_xrealloc(s2, uniq * CT_BLOCK);
+    ct_stage1 = s1;
+}
+
+/* Class bits of the (valid UTF-8) char at s[i]; its byte length in *len. */
+static inline uint8_t ct_at(const uint8_t *s, size_t i, size_t *len) {
+    uint8_t c = s[i];
+    uint32_t cp;
+    if (c < 0x80) { *len = 1; return ct_ascii[c]; }
+    if (c < 0xE0) { cp = (uint32_t)(c & 0x1F) << 6 | (s[i + 1] & 0x3Fu); *len = 2; }
+    else if (c < 0xF0) { cp = (uint32_t)(c & 0x0F) << 12 | (uint32_t)(s[i + 1] & 0x3F) << 6 | (s[i + 2] & 0x3Fu); *len = 3; }
+    else {
+        cp = (uint32_t)(c & 0x07) << 18 | (uint32_t)(s[i + 1] & 0x3F) << 12 | (uint32_t)(s[i + 2] & 0x3F) << 6 |
+             (s[i + 3] & 0x3Fu);
+        *len = 4;
+    }
+    return ct_stage2[(size_t)ct_stage1[cp >> CT_SHIFT] * CT_BLOCK + (cp & (CT_BLOCK - 1))];
+}
+
+#define OTHER(k) (!((k) & (CL_L | CL_N | CL_S)))
+
+/* End of the run of chars from i (< end) whose class has a bit of `want` (other = 1: chars that
+ * are none of L N S instead). */
+static inline size_t run_of(const uint8_t *s, size_t i, size_t end, uint8_t want, int other) {
+    while (i < end) {
+        size_t l;
+        uint8_t k = ct_at(s, i, &l);
+        if (other ? !OTHER(k) : !(k & want)) break;
+        i += l;
+    }
+    return i;
+}
+
+/* Whitespace alternatives from i (s[i] is \s): `\s+(?!\S)|\s+`, or with crlf first
+ * `\s*[\r\n]+` (Llama 3 / Qwen2). */
+static inline size_t ws_piece(const uint8_t *s, size_t i, size_t end, int crlf) {
+    size_t j = i, last = i, nl = SIZE_MAX;
+    while (j < end) {
+        size_t l;
+        if (!(ct_at(s, j, &l) & CL_S)) break;
+        if (s[j] == '\r' || s[j] == '\n') nl = j;
+        last = j;
+        j += l;
+    }
+    if (crlf && nl != SIZE_MAX) return nl + 1; /* \s* backs off to the last \r or \n of the run */
+    if (j == end || last == i) return j;       /* (?!\S) holds at the end; else one char: \s+ */
+    return last;                               /* all but the last char: it precedes a \s */
+}
+
+/* One GPT-2 pattern piece starting at i < end. */
+static size_t gpt2_piece(const uint8_t *s, size_t i, size_t end) {
+    if (s[i] == '\'' && i + 1 < end) {
+        uint8_t a = s[i + 1], b = i + 2 < end ? s[i + 2] : 0;
+        if (a == 's' || a == 't' || a == 'm' || a == 'd') return i + 2;
+        if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return i + 3;
+    }
+    size_t l;
+    uint8_t k = ct_at(s, i, &l);
+    if (s[i] == ' ' && i + 1 < end) { /* ` ?X+`: the space joins a following L, N or other run */
+        size_t l2;
+        uint8_t k2 = ct_at(s, i + 1, &l2);
+        if (k2 & CL_L) return run_of(s, i + 1 + l2, end, CL_L, 0);
+        if (k2 & CL_N) return run_of(s, i + 1 + l2, end, CL_N, 0);
+        if (OTHER(k2)) return run_of(s, i + 1 + l2, end, 0, 1);
+    }
+    if (k & CL_L) return run_of(s, i + l, end, CL_L, 0);
+    if (k & CL_N) return run_of(s, i + l, end, CL_N, 0);
+    if (OTHER(k)) return run_of(s, i + l, end, 0, 1);
+    return ws_piece(s, i, end, 0);
+}
+
+/* Caseless letter of a contraction at s[i] (PCRE2 UCP caseless): lower-case ASCII letter, 'S'
+ * for U+017F LONG S (folds to s), else 0; its byte length in *len. */
+static inline uint8_t fold_at(const uint8_t *s, size_t i, size_t end, size_t *len) {
+    uint8_t c = s[i];
+    *len = 1;
+    if (c >= 'A' && c <= 'Z') return (uint8_t)(c | 0x20);
+    if (c >= 'a' && c <= 'z') return c;
+    if (c == 0xC5 && i + 1 < end && s[i + 1] == 0xBF) { *len = 2; return 's'; }
+    return 0;
+}
+
+/* One Llama 3 (max_digits 3) or Qwen2 (max_digits 1) pattern piece starting at i < end. */
+static size_t l3_piece(const uint8_t *s, size_t i, size_t end, int max_digits) {
+    if (s[i] == '\'' && i + 1 < end) {
+        size_t la, lb = 0;
+        uint8_t a = fold_at(s, i + 1, end, &la), b = i + 1 + la < end ? fold_at(s, i + 1 + la, end, &lb) : 0;
+        if (a == 's' || a == 't' || a == 'm' || a == 'd') return i + 1 + la;
+        if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return i + 1 + la + lb;
+    }
+    size_t l;
+    uint8_t k = ct_at(s, i, &l);
+    if (k & CL_L) return run_of(s, i + l, end, CL_L, 0);
+    if (!(k & CL_N) && s[i] != '\r' && s[i] != '\n' && i + l < end) { /* [^\r\n\p{L}\p{N}]?\p{L}+ */
+        size_t l2;
+        if (ct_at(s, i + l, &l2) & CL_L) return run_of(s, i + l + l2, end, CL_L, 0);
+    }
+    if (k & CL_N) {
+        size_t j = i + l;
+        for (int d = 1; d < max_digits && j < end; d++) {
+            size_t l2;
+            if (!(ct_at(s, j, &l2) & CL_N)) break;
+            j += l2;
+        }
+        return j;
+    }
+    size_t j = SIZE_MAX; /* ` ?[^\s\p{L}\p{N}]+[\r\n]*` */
+    if (s[i] == ' ' && i + 1 < end) {
+        size_t l2;
+        if (OTHER(ct_at(s, i + 1, &l2))) j = run_of(s, i + 1 + l2, end, 0, 1);
+    }
+    if (j == SIZE_MAX && OTHER(k)) j = run_of(s, i + l, end, 0, 1);
+    if (j != SIZE_MAX) {
+        while (j < end && (s[j] == '\r' || s[j] == '\n')) j++;
+        return j;
+    }
+    return ws_piece(s, i, end, 1);
+}
+
+static void gpt2_run(bt_enc_ctx *c, const uint8_t *s, size_t a, size_t b) {
+    while (a < b) {
+        size_t e = gpt2_piece(s, a, b);
+        bt_tok_bpe_word(c, s + a, e - a);
+        a = e;
+    }
+}
+
+int bt_tok_pre_all(bt_enc_ctx *c, const char *text, size_t n) {
+    const bt_tokenizer *t = c->t;
+    if (n == 0) return 0;
+    if (!t->fast_pre) return bt_tok_pre_run(c, 0, text, n);
+    const uint8_t *s = (const uint8_t *)text;
+    size_t i = 0;
+    switch (t->fast_pre) {
+    case FAST_GPT2: gpt2_run(c, s, 0, n); break;
+    case FAST_DIGITS_GPT2: {
+        size_t a = 0;
+        while (i < n) {
+            size_t l;
+            if (ct_at(s, i, &l) & CL_D) {
+                gpt2_run(c, s, a, i);
+                bt_tok_bpe_word(c, s + i, l);
+                a = i + l;
+            }
+            i += l;
+        }
+        gpt2_run(c, s, a, n);
+        break;
+    }
+    default: {
+        int max_digits = t->fast_pre == FAST_LLAMA3 ? 3 : 1;
+        while (i < n) {
+            size_t e = l3_piece(s, i, n, max_digits);
+            bt_tok_bpe_word(c, s + i, e - i);
+            i = e;
+        }
+        break;
+    }
+    }
+    return 0;
+}
+
+void bt_tok_pre_select(bt_tokenizer *t) {
+    const bt_pre_step *p = t->pre_steps;
+    int f = FAST_NONE;
+    if (t->n_pre == 1 && p[0].kind == PRE_BYTELEVEL && p[0].pat == PAT_GPT2 && !p[0].add_prefix_space)
+        f = FAST_GPT2;
+    else if (t->n_pre == 2 && p[0].kind == PRE_DIGITS && p[0].behavior == BEH_ISOLATED && p[1].kind == PRE_BYTELEVEL &&
+             p[1].pat == PAT_GPT2 && !p[1].add_prefix_space)
+        f = FAST_DIGITS_GPT2;
+    else if (t->n_pre == 2 && p[0].kind == PRE_SPLIT && p[0].behavior == BEH_ISOLATED && !p[0].invert &&
+             p[1].kind == PRE_BYTELEVEL && !p[1].re && !p[1].add_prefix_space)
+        f = p[0].pat == PAT_LLAMA3 ? FAST_LLAMA3 : p[0].pat == PAT_QWEN2 ? FAST_QWEN2 : p[0].pat == PAT_GPT2 ? FAST_GPT2 : 0;
+    if (f != FAST_NONE) {
+        pthread_once(&ct_once, ct_build);
+        if (ct_err < 0) {
+            bt_log(BT_LOG_WARN, "tokenizer", "dedicated pre-tokenizer unavailable (%s): using PCRE2", ct_msg);
+            f = FAST_NONE;
+        }
+    }
+    t->fast_avail = t->fast_pre = f;
 }

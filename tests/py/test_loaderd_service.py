@@ -3,7 +3,7 @@ and scores as well hardened offline, scripts/loaderd.sysusers.conf creates the s
 sd_notify protocol seen through a NOTIFY_SOCKET of the test's own (READY=1 with MAINPID,
 STATUS=, WATCHDOG=1 at WATCHDOG_USEC/2, RELOADING=1 + MONOTONIC_USEC and READY=1 around a
 SIGHUP reload, STOPPING=1 on SIGTERM, exit 0), and loaderd working under the unit's
-MemoryDenyWriteExecute (W^X: the PCRE2 JIT is refused and the interpreter takes over)."""
+MemoryDenyWriteExecute (W^X: no PCRE2 JIT; the dedicated pre-tokenizers need none)."""
 import ctypes
 import json
 import os

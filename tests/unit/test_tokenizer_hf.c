@@ -4,8 +4,9 @@
  *   llama3   Llama-3 pipeline (Split cl100k, ByteLevel no regex, ignore_merges), trained BPE
  *   qwen2    Qwen2.5 pipeline (NFC, Split single digits, special + non-special added tokens)
  *   qwen2x   qwen2 plus added tokens with lstrip/rstrip/single_word/normalized flags
- * on a >= 1 MB mixed corpus (corpus.bin.zst): ids must match exactly (0 mismatches) and the
- * decode of the reference ids must equal HF's decode (FNV-1a-64 of the bytes). variants.jsonl
+ * on a >= 1 MB mixed corpus (corpus.bin.zst): ids must match exactly (0 mismatches), with the
+ * dedicated pre-tokenizer and with the PCRE2 one, and the decode of the reference ids must
+ * equal HF's decode (FNV-1a-64 of the bytes). variants.jsonl
  * covers every Split behaviour, inversion, String patterns, Digits, ByteLevel options, regex
  * constructs whose Oniguruma meaning differs from PCRE2, and NFD/NFKC/NFKD.
  * Run from the repo root (BT_MODEL: the SmolLM2 GGUF). */
@@ -41,38 +42,11 @@ typedef struct {
     doc_t *docs;
 } corpus_t;
 
-static char *read_zst(const char *path, size_t *out_len) {
-    size_t sz;
-    char *src = (char *)tu_slurp(path, &sz);
-    /* streaming: the zstd CLI writes no content size when reading a pipe */
-    size_t cap = sz * 5 + 1024, n = 0;
-    char *dst = malloc(cap + 1);
-    ZSTD_DStream *ds = ZSTD_createDStream();
-    ZSTD_inBuffer in = {src, sz, 0};
-    for (;;) {
-        if (n == cap) {
-            cap *= 2;
-            dst = realloc(dst, cap + 1);
-        }
-        ZSTD_outBuffer ob = {dst, cap, n};
-        size_t r = ZSTD_decompressStream(ds, &ob, &in);
-        assert_false(ZSTD_isError(r));
-        n = ob.pos;
-        if (r == 0 && in.pos == in.size) break;
-        assert_true(ob.pos == cap || in.pos < in.size || r != 0);
-    }
-    ZSTD_freeDStream(ds);
-    dst[n] = 0;
-    free(src);
-    *out_len = n;
-    return dst;
-}
-
 static uint32_t rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
 static void load_corpus(corpus_t *c, const char *path) {
     size_t len;
-    c->buf = (uint8_t *)read_zst(path, &len);
+    c->buf = (uint8_t *)tu_read_zst(path, &len);
     assert_true(len >= 12 && memcmp(c->buf, "BTTKCORP", 8) == 0);
     c->n = rd32(c->buf + 8);
     c->docs = calloc(c->n + 1, sizeof *c->docs);
@@ -150,7 +124,7 @@ static void print_ids(const char *label, const int32_t *v, size_t n) {
 static size_t check_family(const char *name, const bt_tokenizer *t, const corpus_t *c, const char *ids_path,
                            size_t *n_tokens) {
     size_t len;
-    uint8_t *p = (uint8_t *)read_zst(ids_path, &len);
+    uint8_t *p = (uint8_t *)tu_read_zst(ids_path, &len);
     assert_true(len >= 12 && memcmp(p, "BTTKIDS1", 8) == 0);
     assert_int_equal(rd32(p + 8), c->n);
     size_t off = 12, bad = 0, dbad = 0, ntok = 0;
@@ -205,6 +179,21 @@ static size_t check_family(const char *name, const bt_tokenizer *t, const corpus
     return bad + dbad;
 }
 
+/* check_family with the dedicated pre-tokenizer (which must be `engine`), then again with the
+ * PCRE2 one: both must reproduce HF exactly. */
+static size_t check_engines(const char *name, bt_tokenizer *t, const corpus_t *c, const char *ids_path,
+                            size_t *n_tokens, const char *engine) {
+    assert_string_equal(bt_tokenizer_pre_engine(t), engine);
+    size_t bad = check_family(name, t, c, ids_path, n_tokens);
+    assert_int_equal(bt_tokenizer_set_pre_engine(t, 0), 0);
+    assert_string_equal(bt_tokenizer_pre_engine(t), "pcre2");
+    char label[64];
+    snprintf(label, sizeof label, "%s/pcre2", name);
+    bad += check_family(label, t, c, ids_path, NULL);
+    assert_int_equal(bt_tokenizer_set_pre_engine(t, 1), 0);
+    return bad;
+}
+
 static corpus_t g_corpus;
 
 static int setup(void **state) {
@@ -245,7 +234,7 @@ static void test_smollm2_json(void **state) {
     assert_int_equal(bt_tokenizer_find(t, "<|im_start|>"), 1);
     assert_int_equal(bt_tokenizer_token_type(t, 1), 3);
     assert_int_equal(bt_tokenizer_token_type(t, 100), 1);
-    assert_int_equal(check_family("smollm2/json", t, &g_corpus, FIX "smollm2_ids.bin.zst", NULL), 0);
+    assert_int_equal(check_engines("smollm2/json", t, &g_corpus, FIX "smollm2_ids.bin.zst", NULL, "smollm"), 0);
     bt_tokenizer_free(t);
 }
 
@@ -253,7 +242,7 @@ static void test_smollm2_gguf(void **state) {
     (void)state;
     const char *m = getenv("BT_MODEL");
     bt_tokenizer *t = load(m && *m ? m : "models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert_int_equal(check_family("smollm2/gguf", t, &g_corpus, FIX "smollm2_ids.bin.zst", NULL), 0);
+    assert_int_equal(check_engines("smollm2/gguf", t, &g_corpus, FIX "smollm2_ids.bin.zst", NULL, "smollm"), 0);
     bt_tokenizer_free(t);
 }
 
@@ -267,7 +256,7 @@ static void test_llama3(void **state) {
     assert_int_equal(bt_tokenizer_eos(t), -1);
     assert_int_equal(bt_tokenizer_token_type(t, bot), 3);
     size_t ntok = 0;
-    assert_int_equal(check_family("llama3", t, &g_corpus, FIX "llama3_ids.bin.zst", &ntok), 0);
+    assert_int_equal(check_engines("llama3", t, &g_corpus, FIX "llama3_ids.bin.zst", &ntok, "llama3"), 0);
     assert_true(ntok > 100000);
     bt_tokenizer_free(t);
 }
@@ -297,7 +286,7 @@ static void test_qwen2(void **state) {
     assert_memory_equal(a.v, ids.v, ids.n * sizeof *ids.v);
     bt_ids_free(&a);
     bt_ids_free(&ids);
-    assert_int_equal(check_family("qwen2", t, &g_corpus, FIX "qwen2_ids.bin.zst", NULL), 0);
+    assert_int_equal(check_engines("qwen2", t, &g_corpus, FIX "qwen2_ids.bin.zst", NULL, "qwen2"), 0);
     bt_tokenizer_free(t);
 }
 
@@ -307,7 +296,7 @@ static void test_qwen2x_flags(void **state) {
     load_corpus(&c, FIX "qwen2x_corpus.bin.zst");
     bt_tokenizer *t = load(FIX "qwen2x-tokenizer.json.zst");
     assert_string_equal(bt_tokenizer_pre(t), "qwen2");
-    assert_int_equal(check_family("qwen2x", t, &c, FIX "qwen2x_ids.bin.zst", NULL), 0);
+    assert_int_equal(check_engines("qwen2x", t, &c, FIX "qwen2x_ids.bin.zst", NULL, "qwen2"), 0);
     bt_tokenizer_free(t);
     free_corpus(&c);
 }
@@ -315,7 +304,7 @@ static void test_qwen2x_flags(void **state) {
 static void test_variants(void **state) {
     (void)state;
     size_t blen;
-    char *base = read_zst(FIX "qwen2-tokenizer.json.zst", &blen);
+    char *base = tu_read_zst(FIX "qwen2-tokenizer.json.zst", &blen);
     json_error_t err;
     json_t *root = json_loadb(base, blen, 0, &err);
     assert_non_null(root);
@@ -507,7 +496,7 @@ static void test_dir_load(void **state) {
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     snprintf(cfg, sizeof cfg, "%s/tokenizer_config.json", dir);
     size_t len;
-    char *js = read_zst(FIX "qwen2-tokenizer.json.zst", &len);
+    char *js = tu_read_zst(FIX "qwen2-tokenizer.json.zst", &len);
     FILE *f = fopen(path, "wb");
     assert_int_equal(fwrite(js, 1, len, f), len);
     fclose(f);

@@ -82,3 +82,30 @@ void *tu_zstd_frame(const void *src, size_t n, size_t *zn) {
     assert_false(ZSTD_isError(*zn));
     return z;
 }
+
+char *tu_read_zst(const char *path, size_t *out_len) {
+    size_t sz;
+    char *src = (char *)tu_slurp(path, &sz);
+    /* streaming: the zstd CLI writes no content size when reading a pipe */
+    size_t cap = sz * 5 + 1024, n = 0;
+    char *dst = bt_xmalloc(cap + 1);
+    ZSTD_DStream *ds = ZSTD_createDStream();
+    ZSTD_inBuffer in = {src, sz, 0};
+    for (;;) {
+        if (n == cap) {
+            cap *= 2;
+            dst = bt_xrealloc(dst, cap + 1);
+        }
+        ZSTD_outBuffer ob = {dst, cap, n};
+        size_t r = ZSTD_decompressStream(ds, &ob, &in);
+        if (ZSTD_isError(r)) fail_msg("%s: %s", path, ZSTD_getErrorName(r));
+        n = ob.pos;
+        if (r == 0 && in.pos == in.size) break;
+        if (ob.pos < cap && in.pos == in.size) fail_msg("%s: truncated zstd data", path);
+    }
+    ZSTD_freeDStream(ds);
+    dst[n] = 0;
+    free(src);
+    *out_len = n;
+    return dst;
+}

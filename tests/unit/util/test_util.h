@@ -41,6 +41,10 @@ typedef struct {
 void tu_sb_add(tu_sbuf *b, const void *s, size_t n);
 void tu_sb_str(tu_sbuf *b, const char *s);
 
+/* Whole decompressed contents of the zstd file `path` (frames without a content size too),
+ * malloc'ed and NUL-terminated; *out_len = its size. Fails the test on any error. Caller frees. */
+char *tu_read_zst(const char *path, size_t *out_len);
+
 /* One zstd frame (level 3) of src[0..n); *zn = its size. Caller frees. Asserts on failure. */
 void *tu_zstd_frame(const void *src, size_t n, size_t *zn);
 
