@@ -1,33 +1,93 @@
 #!/usr/bin/env python3
-"""Tokenizer throughput comparison, single thread, on the parity corpus (one run):
-ours (bench_tok JSON lines + id dumps, produced by bench_tokenizer.sh), Hugging Face `tokenizers`
-(encode_batch under RAYON_NUM_THREADS=1, special strings as text via encode_special_tokens) and
-`tiktoken` (an Encoding built from the SmolLM2 vocabulary, encode_ordinary per document).
+"""Tokenizer throughput per thread, side by side in one run (run by tests/bench/bench_tokenizer.sh,
+which `make bench` calls): for each family (SmolLM2, Llama-3-style, Qwen2-style) on the parity
+corpus, interleaved rounds of
 
-tiktoken cannot express SmolLM2's Digits(individual_digits) + GPT-2 pre-tokenizer as one regex;
-its pattern here is the GPT-2 pattern with ` ?\\p{N}+` replaced by `\\p{N}` (single digits, no
-leading space), so whitespace before digits may split differently; its mergeable ranks are
-byte ranks 0-255 followed by the merge order, ids mapped back to SmolLM2 ids. Mismatching
-documents are counted and reported, not fatal.
+  ours, dedicated pre-tokenizer      build/tools/bench_tok --wx --engine dedicated
+  ours, PCRE2 interpreter            build/tools/bench_tok --wx --engine pcre2
+  ours, PCRE2 with JIT (no W^X)      build/tools/bench_tok --engine pcre2          (context only)
+  tiktoken (pinned, see tests/reference/requirements-tokenizer.txt)   in this process
+  HF tokenizers (pinned)                                              in this process
 
-Usage: bench_tokenizer.py CORPUS RESULTS_DIR   (RESULTS_DIR holds <family>.json and <family>.ids
-written by bench_tok, and <family>.tok = the tokenizer path). Prints a markdown table."""
+Everything except the JIT row runs under W^X: bench_tok sets prctl(PR_SET_MDWE,
+PR_MDWE_REFUSE_EXEC_GAIN) itself (--wx), and tiktoken/tokenizers are timed in a forked child
+that sets it first (what systemd's MemoryDenyWriteExecute=yes does to loaderd). "Per thread"
+= bytes / CPU time of the tokenizing thread (CLOCK_THREAD_CPUTIME_ID, Python time.thread_time),
+so other load on a shared machine does not count; each figure is the median of ROUNDS rounds of
+at least SECONDS wall seconds. Our piece cache is emptied after every pass over the corpus
+(bench_tok), so repeating the corpus does not memorise it.
+
+tiktoken cannot download its encodings here and has none of these vocabularies anyway: an
+Encoding is built from the same tokenizer: mergeable ranks = the 256 bytes, then every merge's
+result in merge order; pattern = the family's split pattern written as one regex (SmolLM2's
+Digits(individual_digits) + GPT-2 ByteLevel becomes GPT-2 with `\\p{N}` single and the
+whitespace lookahead `(?![^\\s\\p{N}])`, since a digit ends a Digits piece); non-special added
+tokens (matched by HF even without special parsing) are tiktoken special tokens allowed in
+encode; Qwen2's NFC normaliser is applied to tiktoken's input before timing. Ids are mapped back
+and compared with ours per document; the count of mismatching documents is printed (tiktoken's
+BPE merges by the rank of the merged bytes, HF's by the rank of the pair: they can differ on
+rare pieces).
+
+Usage: bench_tokenizer.py BUILD CORPUS FAMILY=TOKENIZER...   Prints a markdown section."""
+import ctypes
 import json
 import os
+import statistics
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-GPT2_DIGITS_SINGLE = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+ROUNDS = int(os.environ.get("BENCH_TOK_ROUNDS", "3"))
+SECONDS = float(os.environ.get("BENCH_TOK_SECONDS", "1.0"))
+
+GPT2_DIGITS = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+LLAMA3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+          r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2 = LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+PATTERNS = {"smollm2": GPT2_DIGITS, "llama3": LLAMA3, "qwen2": QWEN2}
+
+
+def set_wx():
+    """prctl(PR_SET_MDWE = 65, PR_MDWE_REFUSE_EXEC_GAIN = 1): no W+X pages from now on."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(65, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_MDWE) failed (needs Linux >= 6.3)")
+
+
+def under_wx(fn):
+    """fn() in a forked child that first sets W^X; returns its (JSON-able) result. The parent
+    stays without W^X so that the JIT row's bench_tok child can still JIT."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            set_wx()
+            out = json.dumps({"ok": fn()}).encode()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+        os.write(w, out)
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    res = json.loads(data)
+    if "error" in res:
+        raise RuntimeError(res["error"])
+    return res["ok"]
 
 
 def read_corpus(path):
     raw = open(path, "rb").read()
     if raw[:4] == b"\x28\xb5\x2f\xfd":
-        import subprocess
         raw = subprocess.run(["zstd", "-dc", path], check=True, capture_output=True).stdout
     assert raw[:8] == b"BTTKCORP"
     n = struct.unpack_from("<I", raw, 8)[0]
@@ -51,15 +111,15 @@ def read_ids(path):
     return out
 
 
-def timed(fn, min_s=2.0):
-    """Runs fn() until min_s seconds have passed; returns (result of the first call, seconds/pass)."""
-    t0 = time.perf_counter()
-    res = fn()
-    passes = 1
-    while time.perf_counter() - t0 < min_s:
+def per_thread(fn, nbytes):
+    """Runs fn() (one pass over the corpus) until SECONDS wall seconds passed; returns
+    (first result, MB per CPU-second of this thread, passes)."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    res, passes = fn(), 1
+    while time.perf_counter() - w0 < SECONDS:
         fn()
         passes += 1
-    return res, (time.perf_counter() - t0) / passes
+    return res, nbytes * passes / (time.thread_time() - c0) / 1e6
 
 
 def hf_tokenizer(path):
@@ -70,12 +130,12 @@ def hf_tokenizer(path):
         tok, _plain, _t, _ty = g.build_tokenizers(path)
         return tok
     if path.endswith(".zst"):
-        import subprocess
         return Tokenizer.from_str(subprocess.run(["zstd", "-dc", path], check=True, capture_output=True).stdout.decode())
     return Tokenizer.from_file(path)
 
 
-def tiktoken_from(hf):
+def tiktoken_from(hf, fam):
+    """(Encoding, rank -> our id, allowed special strings, normaliser) built from HF tokenizer hf."""
     import tiktoken
     d = json.loads(hf.to_str())
     vocab, merges = d["model"]["vocab"], d["model"]["merges"]
@@ -87,66 +147,114 @@ def tiktoken_from(hf):
             cs.append(256 + k)
             k += 1
     u2b = {chr(c): b for b, c in zip(bs, cs)}
-    to_bytes = lambda s: bytes(u2b[ch] for ch in s)
+    b2u = {b: chr(c) for b, c in zip(bs, cs)}
     ranks, rank_to_id = {}, {}
     for b in range(256):
         ranks[bytes([b])] = b
-        rank_to_id[b] = vocab.get(chr(cs[bs.index(b)]), -1)  # -1: byte without a token (HF drops it)
+        rank_to_id[b] = vocab.get(b2u[b], -1)  # -1: a byte without a token (HF drops it)
     for m in merges:
         a, b = m if isinstance(m, list) else m.split(" ")
-        tb = to_bytes(a + b)
+        tb = bytes(u2b[ch] for ch in a + b)
         if tb not in ranks:
             rank_to_id[len(ranks)] = vocab[a + b]
             ranks[tb] = len(ranks)
-    enc = tiktoken.Encoding(name="smollm2-bench", pat_str=GPT2_DIGITS_SINGLE, mergeable_ranks=ranks,
-                            special_tokens={})
-    return enc, rank_to_id
+    special = {}
+    for t in d.get("added_tokens", []):
+        if not t["special"]:
+            special[t["content"]] = len(ranks) + len(special)
+            rank_to_id[special[t["content"]]] = t["id"]
+    enc = tiktoken.Encoding(name=f"{fam}-bench", pat_str=PATTERNS[fam], mergeable_ranks=ranks,
+                            special_tokens=special)
+    norm = None
+    if (d.get("normalizer") or {}).get("type") == "NFC":
+        import unicodedata
+        norm = lambda s: unicodedata.normalize("NFC", s)  # noqa: E731
+    return enc, rank_to_id, set(special), norm
+
+
+def bench_tok(build, tok, corpus, engine, wx, dump=None):
+    cmd = [os.path.join(build, "tools", "bench_tok"), "--min-seconds", str(SECONDS), "--engine", engine]
+    if wx:
+        cmd.append("--wx")
+    if dump:
+        cmd += ["--dump", dump]
+    out = subprocess.run(cmd + [tok, corpus], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def mismatches(a, b):
+    return sum(1 for x, y in zip(a, b) if x != y) + abs(len(a) - len(b))
 
 
 def main():
-    corpus, rdir = sys.argv[1], sys.argv[2]
+    build, corpus = sys.argv[1], sys.argv[2]
+    fams = [a.split("=", 1) for a in sys.argv[3:]]
     docs = read_corpus(corpus)
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    tmp = tempfile.mkdtemp()
     rows = []
-    fams = [f[:-5] for f in sorted(os.listdir(rdir)) if f.endswith(".json")]
-    for fam in fams:
-        ours = json.load(open(os.path.join(rdir, fam + ".json")))
-        our_ids = read_ids(os.path.join(rdir, fam + ".ids"))
-        tok_path = open(os.path.join(rdir, fam + ".tok")).read().strip()
-        rows.append((fam, "ours (C, bench_tok)", ours["mb_s"], ours["tok_s"], "reference"))
-        hf = None
+    for fam, tok in fams:
+        dump = os.path.join(tmp, fam + ".ids")
+        first = bench_tok(build, tok, corpus, "dedicated", True, dump)
+        jit = bench_tok(build, tok, corpus, "pcre2", False)["jit"]
+        our_ids = read_ids(dump)
+        ntok = sum(len(x) for x in our_ids)
+        engines = {"ours, dedicated pre-tokenizer (W^X)": lambda: bench_tok(build, tok, corpus, "dedicated", True),
+                   "ours, PCRE2 interpreter (W^X)": lambda: bench_tok(build, tok, corpus, "pcre2", True),
+                   "ours, PCRE2 JIT (no W^X)": lambda: bench_tok(build, tok, corpus, "pcre2", False)}
+        notes = {"ours, dedicated pre-tokenizer (W^X)": f"reference ({first['engine']})",
+                 "ours, PCRE2 interpreter (W^X)": "same code, regex pre-tokenizer",
+                 "ours, PCRE2 JIT (no W^X)": "same code, regex pre-tokenizer" + ("" if jit else "; JIT UNAVAILABLE")}
         try:
-            hf = hf_tokenizer(tok_path)
+            import tokenizers
+            hf = hf_tokenizer(tok)
             hf.encode_special_tokens = True
-            encs, sec = timed(lambda: hf.encode_batch(docs, add_special_tokens=False))
-            hf_ids = [e.ids for e in encs]
-            bad = sum(1 for a, b in zip(hf_ids, our_ids) if a != b) + abs(len(hf_ids) - len(our_ids))
-            ntok = sum(len(x) for x in hf_ids)
-            rows.append((fam, "HF tokenizers 0.20.3", nbytes / sec / 1e6, ntok / sec, f"{bad} mismatching docs"))
+            name = f"HF tokenizers {tokenizers.__version__} (W^X)"
+
+            def run_hf(hf=hf):
+                return [e.ids for e in hf.encode_batch(docs, add_special_tokens=False)]
+            ids = run_hf()
+            notes[name] = f"{mismatches(ids, our_ids)} mismatching docs"
+            engines[name] = lambda f=run_hf: under_wx(lambda: per_thread(f, nbytes)[1])
         except Exception as e:  # noqa: BLE001 - reported as a row
-            rows.append((fam, "HF tokenizers", None, None, f"skipped: {type(e).__name__}: {e}"))
-        if fam == "smollm2" and hf is not None:
+            hf = None
+            notes["HF tokenizers"] = f"skipped: {type(e).__name__}: {e}"
+        if hf is not None:
             try:
-                enc, r2i = tiktoken_from(hf)
-                out, sec = timed(lambda: [enc.encode_ordinary(d) for d in docs])
-                tk_ids = [[r2i[r] for r in x if r2i[r] >= 0] for x in out]
-                bad = sum(1 for a, b in zip(tk_ids, our_ids) if a != b)
-                ntok = sum(len(x) for x in tk_ids)
-                rows.append((fam, "tiktoken 0.8.0 (\\p{N} single-digit pattern)", nbytes / sec / 1e6, ntok / sec,
-                             f"{bad} mismatching docs"))
+                import tiktoken
+                enc, r2i, allowed, norm = tiktoken_from(hf, fam)
+                tdocs = [norm(d) for d in docs] if norm else docs
+                name = f"tiktoken {tiktoken.__version__} (W^X)"
+
+                def run_tk(enc=enc, tdocs=tdocs, allowed=allowed):
+                    return [enc.encode(d, allowed_special=allowed, disallowed_special=()) for d in tdocs]
+                ids = [[r2i[r] for r in x if r2i[r] >= 0] for x in run_tk()]
+                notes[name] = f"{mismatches(ids, our_ids)} mismatching docs" + (" (input NFC-normalised)" if norm else "")
+                engines[name] = lambda f=run_tk: under_wx(lambda: per_thread(f, nbytes)[1])
             except Exception as e:  # noqa: BLE001
-                rows.append((fam, "tiktoken", None, None, f"skipped: {type(e).__name__}: {e}"))
+                notes["tiktoken"] = f"skipped: {type(e).__name__}: {e}"
+        res = {k: [] for k in engines}
+        for _ in range(ROUNDS):
+            for k, f in engines.items():
+                r = f()
+                res[k].append(r["mb_s_cpu"] if isinstance(r, dict) else r)
+        med = {k: statistics.median(v) for k, v in res.items()}
+        ded = med["ours, dedicated pre-tokenizer (W^X)"]
+        for k in engines:
+            rows.append((fam, k, med[k], med[k] * 1e6 * ntok / nbytes, ded / med[k], notes[k]))
+        for k, v in notes.items():
+            if k not in engines:
+                rows.append((fam, k, None, None, None, v))
     print(f"Corpus: `{os.path.relpath(corpus)}`, {len(docs)} documents, {nbytes / 1e6:.2f} MB; one thread; "
-          "special-token strings encoded as text.\n")
-    print("| family | tokenizer | MB/s | tokens/s | ours / this | ids vs ours |")
+          f"special-token strings as text; median of {ROUNDS} interleaved rounds of >= {SECONDS:g} s; "
+          "MB/s = bytes / CPU-seconds of the tokenizing thread.\n")
+    print("| family | tokenizer | MB/s per thread | tokens/s per thread | dedicated / this | ids vs ours |")
     print("|---|---|---:|---:|---:|---|")
-    ours_by = {r[0]: r[2] for r in rows if r[1].startswith("ours")}
-    for fam, name, mbs, toks, note in rows:
+    for fam, name, mbs, toks, ratio, note in rows:
         if mbs is None:
             print(f"| {fam} | {name} | - | - | - | {note} |")
-            continue
-        ratio = "1.00" if name.startswith("ours") else f"{ours_by[fam] / mbs:.2f}"
-        print(f"| {fam} | {name} | {mbs:.2f} | {toks:,.0f} | {ratio} | {note} |")
+        else:
+            print(f"| {fam} | {name} | {mbs:.2f} | {toks:,.0f} | {ratio:.2f} | {note} |")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,38 @@
-/* Tokenizer throughput, single thread: bench_tok [--min-seconds S] [--dump FILE] TOKENIZER CORPUS
+/* Tokenizer throughput, single thread:
+ *   bench_tok [--min-seconds S] [--dump FILE] [--wx] [--engine dedicated|pcre2] TOKENIZER CORPUS
  * TOKENIZER: anything bt_tokenizer_load accepts (GGUF, tokenizer.json[.zst], model directory).
  * CORPUS: a BTTKCORP record file (tests/fixtures/tokenizer/corpus.bin.zst format: "BTTKCORP",
  * u32 count, then u8 flags, u32 length, bytes per document; zstd-compressed or not) or a plain
  * text file (one document per line). Every document is encoded with parse_special = 0 (special
  * strings as text: tiktoken encode_ordinary / HF encode_special_tokens = True), repeated until
  * S seconds (default 2) have passed. Prints one JSON line:
- *   {"tokenizer", "docs", "bytes", "tokens", "seconds", "mb_s", "tok_s"}
- * bytes and tokens are totals over all passes, seconds the wall time (MB = 1e6 bytes).
+ *   {"tokenizer", "engine", "wx", "jit", "docs", "bytes", "tokens", "seconds", "cpu_seconds",
+ *    "mb_s", "tok_s", "mb_s_cpu"}
+ * bytes and tokens are totals over all passes, seconds the wall time, cpu_seconds the thread's
+ * CPU time (CLOCK_THREAD_CPUTIME_ID; what "per thread" means on a shared machine), MB = 1e6
+ * bytes. --wx: before anything else, forbid writable+executable memory for this process
+ * (prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN), Linux >= 6.3, as systemd's
+ * MemoryDenyWriteExecute=yes does; PCRE2 then cannot JIT); fails if the kernel refuses.
+ * --engine: the pre-tokenizer engine (default: the tokenizer's own, see
+ * bt_tokenizer_pre_engine). "jit" says whether PCRE2 could JIT in this process. The thread's
+ * piece cache is released after every pass (bt_tokenize_release_cache), so repeating the corpus
+ * does not turn it into a lookup table.
  * --dump FILE writes the ids of the first pass: per document u32 n then n int32 (little endian). */
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
 #include <zstd.h>
+
+#ifndef PR_SET_MDWE
+#define PR_SET_MDWE 65
+#endif
+#ifndef PR_MDWE_REFUSE_EXEC_GAIN
+#define PR_MDWE_REFUSE_EXEC_GAIN 1
+#endif
 
 #include "common/bt_common.h"
 #include "common/tokenizer.h"
@@ -63,22 +84,50 @@ typedef struct {
     size_t n;
 } doc_t;
 
+static double thread_cpu(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Whether PCRE2 can JIT-compile here (false under W^X). */
+static int jit_works(void) {
+    int err;
+    PCRE2_SIZE off;
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR) "a+", 2, 0, &err, &off, NULL);
+    int ok = re && pcre2_jit_compile(re, PCRE2_JIT_COMPLETE) == 0;
+    pcre2_code_free(re);
+    return ok;
+}
+
 int main(int argc, char **argv) {
     double min_s = 2.0;
-    const char *dump = NULL;
+    const char *dump = NULL, *engine = NULL;
+    int wx = 0;
     int i = 1;
     for (; i < argc && argv[i][0] == '-' && argv[i][1] == '-'; i++) {
         if (strcmp(argv[i], "--min-seconds") == 0 && i + 1 < argc) min_s = atof(argv[++i]);
         else if (strcmp(argv[i], "--dump") == 0 && i + 1 < argc) dump = argv[++i];
+        else if (strcmp(argv[i], "--engine") == 0 && i + 1 < argc) engine = argv[++i];
+        else if (strcmp(argv[i], "--wx") == 0) wx = 1;
         else break;
     }
-    if (argc - i != 2) {
-        fprintf(stderr, "usage: %s [--min-seconds S] [--dump FILE] TOKENIZER CORPUS\n", argv[0]);
+    if (argc - i != 2 || (engine && strcmp(engine, "pcre2") != 0 && strcmp(engine, "dedicated") != 0)) {
+        fprintf(stderr, "usage: %s [--min-seconds S] [--dump FILE] [--wx] [--engine dedicated|pcre2] TOKENIZER CORPUS\n",
+                argv[0]);
         return 2;
+    }
+    if (wx && prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0L, 0L, 0L) != 0) {
+        perror("bench_tok: prctl(PR_SET_MDWE) (needs Linux >= 6.3)");
+        return 1;
     }
     bt_tokenizer *t = NULL;
     if (bt_tokenizer_load(&t, argv[i]) < 0) {
         fprintf(stderr, "bench_tok: %s: %s\n", argv[i], bt_last_error());
+        return 1;
+    }
+    if (engine && bt_tokenizer_set_pre_engine(t, strcmp(engine, "dedicated") == 0) < 0) {
+        fprintf(stderr, "bench_tok: %s\n", bt_last_error());
         return 1;
     }
     size_t len = 0;
@@ -120,7 +169,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     size_t tokens = 0, passes = 0;
-    double t0 = bt_now(), el = 0;
+    double t0 = bt_now(), c0 = thread_cpu(), el = 0;
     do {
         for (size_t k = 0; k < nd; k++) {
             ids.n = 0;
@@ -136,12 +185,17 @@ int main(int argc, char **argv) {
             }
         }
         if (df) { fclose(df); df = NULL; }
+        bt_tokenize_release_cache(); /* every pass starts cold: the corpus is not memorised */
         passes++;
         el = bt_now() - t0;
     } while (el < min_s);
-    printf("{\"tokenizer\": \"%s\", \"docs\": %zu, \"bytes\": %zu, \"tokens\": %zu, \"seconds\": %.4f, "
-           "\"mb_s\": %.3f, \"tok_s\": %.0f}\n",
-           argv[i], nd, bytes * passes, tokens, el, (double)bytes * (double)passes / el / 1e6, (double)tokens / el);
+    double cpu = thread_cpu() - c0;
+    printf("{\"tokenizer\": \"%s\", \"engine\": \"%s\", \"wx\": %s, \"jit\": %s, \"docs\": %zu, \"bytes\": %zu, "
+           "\"tokens\": %zu, \"seconds\": %.4f, \"cpu_seconds\": %.4f, \"mb_s\": %.3f, \"tok_s\": %.0f, "
+           "\"mb_s_cpu\": %.3f}\n",
+           argv[i], bt_tokenizer_pre_engine(t), wx ? "true" : "false", jit_works() ? "true" : "false", nd,
+           bytes * passes, tokens, el, cpu, (double)bytes * (double)passes / el / 1e6, (double)tokens / el,
+           (double)bytes * (double)passes / cpu / 1e6);
     bt_ids_free(&ids);
     free(docs);
     free(buf);
