@@ -14,7 +14,7 @@ DEFS    := -D_GNU_SOURCE
 OPT     ?= -O2 -g -march=native
 SAN     := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 CFLAGS_COMMON := $(WARN) $(DEFS) -pthread -fopenmp -I. $(shell pkg-config --cflags libuv jansson libzstd libpcre2-8 libsystemd yaml-0.1 2>/dev/null) -I/usr/include/x86_64-linux-gnu/openblas-pthread
-LDLIBS  := -luv -lzstd -ljansson -lyaml -lopenblas -lpcre2-8 -lutf8proc -lsystemd -lm -lpthread -fopenmp
+LDLIBS  := -luv -lzstd -ljansson -lyaml -lopenblas -lpcre2-8 -lutf8proc -lsystemd -lcrypto -lm -lpthread -fopenmp
 TESTLIBS := -lcmocka
 
 MODEL   := models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -151,7 +151,7 @@ $(BUILD)/fuzz/obj/%.o: %.c $(HDRS) $(wildcard tests/fuzz/*.h)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
 $(BUILD)/fuzz/bin/%: $(BUILD)/fuzz/obj/tests/fuzz/%.o $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(FUZZ_LIB_SRC))
 	@mkdir -p $(dir $@)
-	$(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer -o $@ $^ -luv -lzstd -ljansson -lyaml -lpcre2-8 -lutf8proc -lsystemd -lm -lpthread
+	$(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer -o $@ $^ -luv -lzstd -ljansson -lyaml -lpcre2-8 -lutf8proc -lsystemd -lcrypto -lm -lpthread
 
 .PHONY: fuzz
 fuzz: $(FUZZ_BINS)

@@ -787,6 +787,48 @@ int32_t bt_tokenizer_pad(const bt_tokenizer *t) { return t ? t->pad : -1; }
 const char *bt_tokenizer_chat_template(const bt_tokenizer *t) { return t ? t->chat_template : NULL; }
 const char *bt_tokenizer_pre(const bt_tokenizer *t) { return t ? t->pre : NULL; }
 
+static int cmp_merge_rank(const void *a, const void *b) {
+    int32_t x = ((const struct bt_merge_slot *)a)->rank, y = ((const struct bt_merge_slot *)b)->rank;
+    return (x > y) - (x < y);
+}
+
+void bt_tokenizer_digest(const bt_tokenizer *t, void (*update)(void *ctx, const void *p, size_t n), void *ctx) {
+    static const char tag[] = "barqtrain-tokenizer-digest-v1";
+    uint32_t impl = BT_TOKENIZER_IMPL_VERSION;
+    update(ctx, tag, sizeof tag);
+    update(ctx, &impl, sizeof impl);
+    int32_t head[8] = {t->n_vocab, t->unk, t->fuse_unk, t->ignore_merges, t->bos, t->eos, t->pad, t->n_added};
+    update(ctx, head, sizeof head);
+    update(ctx, t->type, (size_t)t->n_vocab);
+    update(ctx, t->piece_off, ((size_t)t->n_vocab + 1) * sizeof *t->piece_off);
+    update(ctx, t->pieces, t->piece_off[t->n_vocab]);
+    size_t nm = 0;
+    for (size_t h = 0; h <= t->mmask; h++) nm += t->merges[h].key != UINT64_MAX;
+    struct bt_merge_slot *m = bt_xmalloc((nm ? nm : 1) * sizeof *m);
+    nm = 0;
+    for (size_t h = 0; h <= t->mmask; h++)
+        if (t->merges[h].key != UINT64_MAX) m[nm++] = t->merges[h];
+    qsort(m, nm, sizeof *m, cmp_merge_rank); /* ranks are unique: a canonical order */
+    update(ctx, &nm, sizeof nm);
+    update(ctx, m, nm * sizeof *m);
+    free(m);
+    for (int32_t i = 0; i < t->n_added; i++) {
+        const bt_added *a = &t->added[i];
+        int32_t f[7] = {a->id, (int32_t)a->len, a->special, a->lstrip, a->rstrip, a->single_word, a->normalized};
+        update(ctx, f, sizeof f);
+        update(ctx, a->text, a->len);
+    }
+    int32_t nn[2] = {t->n_norm, t->n_pre};
+    update(ctx, nn, sizeof nn);
+    update(ctx, t->norm, (size_t)t->n_norm * sizeof *t->norm);
+    for (int i = 0; i < t->n_pre; i++) {
+        const bt_pre_step *p = &t->pre_steps[i];
+        int32_t f[6] = {p->kind, p->behavior, p->invert, p->add_prefix_space, p->literal, (int32_t)p->src_len};
+        update(ctx, f, sizeof f);
+        if (p->src) update(ctx, p->src, p->src_len);
+    }
+}
+
 const char *bt_tokenizer_pre_engine(const bt_tokenizer *t) {
     static const char *const names[] = {"pcre2", "gpt2", "smollm", "llama3", "qwen2"};
     return t ? names[t->fast_pre] : NULL;

@@ -135,6 +135,17 @@ const char *bt_tokenizer_pre(const bt_tokenizer *t);
  * is exactly one of those, else "pcre2" (Oniguruma patterns on PCRE2, tokenizer_pre.c). Both
  * give the same ids (tests/unit/test_tokenizer_pre.c). */
 const char *bt_tokenizer_pre_engine(const bt_tokenizer *t);
+/* Version of the encoding behaviour (bt_tokenize's ids for given tokenizer contents); bumped
+ * whenever a change makes any input tokenize differently, so that caches keyed by
+ * bt_tokenizer_digest (loaderd's token cache) never serve ids of the old behaviour. */
+#define BT_TOKENIZER_IMPL_VERSION 1u
+/* Feed a canonical description of everything that determines bt_tokenize's output (vocabulary
+ * pieces and types, merges in rank order, added tokens and their flags, normalizers,
+ * pre-tokenizer steps with their patterns, unk/bos/eos/pad, BT_TOKENIZER_IMPL_VERSION) to
+ * update(ctx, bytes, n), in pieces; the caller hashes it (loaderd: SHA-256). Equal
+ * descriptions give equal ids for every input; the engine (dedicated or PCRE2) is not part of
+ * it (same ids). A few MB for a 150k vocabulary. */
+void bt_tokenizer_digest(const bt_tokenizer *t, void (*update)(void *ctx, const void *p, size_t n), void *ctx);
 /* Force the PCRE2 engine (dedicated = 0) or go back to the dedicated one (1; BT_ERR_UNSUPPORTED
  * when the pipeline has none). For tests and benchmarks: call before the tokenizer is shared
  * between threads. BT_ERR_INVALID on NULL. */

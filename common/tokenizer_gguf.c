@@ -74,14 +74,14 @@ static int set_pre(bt_tokenizer *t, bt_str s) {
         if (IS("smollm")) t->pre_steps[t->n_pre++] = (bt_pre_step){.kind = PRE_DIGITS, .behavior = BEH_ISOLATED};
         bt_pre_step *p = &t->pre_steps[t->n_pre++];
         *p = (bt_pre_step){.kind = PRE_BYTELEVEL, .pat = PAT_GPT2};
-        rc = bt_tok_compile_onig(&p->re, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0);
+        rc = bt_tok_step_regex(p, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0);
     } else if (IS("llama-bpe") || IS("llama3") || IS("qwen2")) {
         const char *pat = IS("qwen2") ? BT_TOK_QWEN2_PATTERN : BT_TOK_LLAMA3_PATTERN;
         if (IS("qwen2")) t->norm[t->n_norm++] = NORM_NFC;
         else t->ignore_merges = 1;
         bt_pre_step *p = &t->pre_steps[t->n_pre++];
         *p = (bt_pre_step){.kind = PRE_SPLIT, .behavior = BEH_ISOLATED, .pat = IS("qwen2") ? PAT_QWEN2 : PAT_LLAMA3};
-        rc = bt_tok_compile_onig(&p->re, pat, strlen(pat), 0);
+        rc = bt_tok_step_regex(p, pat, strlen(pat), 0);
         t->pre_steps[t->n_pre++] = (bt_pre_step){.kind = PRE_BYTELEVEL};
     } else {
         return bt_fail(BT_ERR_UNSUPPORTED,

@@ -42,6 +42,9 @@ typedef struct {
     int add_prefix_space; /* PRE_BYTELEVEL */
     int pat;              /* PAT_*: which pattern `re` was compiled from (PAT_OTHER: any other) */
     pcre2_code *re;       /* PRE_SPLIT; PRE_BYTELEVEL with use_regex (GPT-2 pattern); else NULL */
+    char *src;            /* the pattern as given (owned; NULL without re), for the digest */
+    size_t src_len;
+    int literal;          /* src is a Split String pattern (escaped before compiling) */
 } bt_pre_step;
 
 /* Merge (a, b) -> id `new_id` of rank `rank`; key = a << 32 | b, UINT64_MAX marks an empty slot. */
@@ -148,6 +151,8 @@ pcre2_match_data *bt_tok_md(bt_enc_ctx *c);
 /* Compiles an Oniguruma pattern (HF Split / ByteLevel) into PCRE2 with Oniguruma semantics
  * (see tokenizer_pre.c). BT_ERR_UNSUPPORTED for constructs without an exact translation. */
 int bt_tok_compile_onig(pcre2_code **out, const char *pat, size_t len, int literal);
+/* bt_tok_compile_onig into s->re, keeping a copy of the pattern in s->src / src_len / literal. */
+int bt_tok_step_regex(bt_pre_step *s, const char *pat, size_t len, int literal);
 /* The GPT-2 pattern HF ByteLevel(use_regex=true) applies (pre_tokenizers/byte_level.rs). */
 extern const char BT_TOK_GPT2_PATTERN[];
 extern const char BT_TOK_LLAMA3_PATTERN[];

@@ -99,7 +99,7 @@ static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
         s->kind = PRE_BYTELEVEL;
         if ((rc = get_bool(p, "add_prefix_space", 1, &s->add_prefix_space)) < 0) return rc;
         if ((rc = get_bool(p, "use_regex", 1, &use_regex)) < 0) return rc;
-        if (use_regex && (rc = bt_tok_compile_onig(&s->re, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0)) < 0)
+        if (use_regex && (rc = bt_tok_step_regex(s, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0)) < 0)
             return rc;
         if (use_regex) s->pat = PAT_GPT2;
     } else if (strcmp(ty, "Digits") == 0) {
@@ -125,7 +125,7 @@ static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
         json_t *ps = re ? re : str;
         const char *src = json_string_value(ps);
         size_t len = json_string_length(ps);
-        if ((rc = bt_tok_compile_onig(&s->re, src, len, str != NULL)) < 0) return rc;
+        if ((rc = bt_tok_step_regex(s, src, len, str != NULL)) < 0) return rc;
         if (re && len == strlen(BT_TOK_LLAMA3_PATTERN) && memcmp(src, BT_TOK_LLAMA3_PATTERN, len) == 0)
             s->pat = PAT_LLAMA3;
         else if (re && len == strlen(BT_TOK_QWEN2_PATTERN) && memcmp(src, BT_TOK_QWEN2_PATTERN, len) == 0)

@@ -267,6 +267,17 @@ int bt_tok_compile_onig(pcre2_code **out, const char *pat, size_t len, int liter
     return rc;
 }
 
+int bt_tok_step_regex(bt_pre_step *s, const char *pat, size_t len, int literal) {
+    int rc = bt_tok_compile_onig(&s->re, pat, len, literal);
+    if (rc < 0) return rc;
+    s->src = bt_xmalloc(len + 1);
+    memcpy(s->src, pat, len);
+    s->src[len] = 0;
+    s->src_len = len;
+    s->literal = literal;
+    return 0;
+}
+
 int bt_tok_init_word_re(bt_tokenizer *t) {
     /* Rust regex crate \w (HF added_vocabulary.rs STARTS_WITH_WORD / ENDS_WITH_WORD): Alphabetic,
      * M, Nd, Pc, Join_Control. */
@@ -278,6 +289,8 @@ void bt_tok_pre_free(bt_tokenizer *t) {
     for (int i = 0; i < t->n_pre; i++) {
         pcre2_code_free(t->pre_steps[i].re);
         t->pre_steps[i].re = NULL;
+        free(t->pre_steps[i].src);
+        t->pre_steps[i].src = NULL;
     }
     t->n_pre = 0;
 }

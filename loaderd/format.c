@@ -304,9 +304,8 @@ static int format_text(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
     return 0;
 }
 
-int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids,
-                   bt_ids *mask, int *truncated, int *reason, char *msg, size_t msglen) {
-    *truncated = 0;
+int ld_format_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids, bt_ids *mask,
+                     int *reason, char *msg, size_t msglen) {
     *reason = -1;
     if (msglen) msg[0] = 0;
     size_t badoff = ld_utf8_check((const uint8_t *)line, len);
@@ -332,17 +331,31 @@ int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_id
     json_decref(root);
     if (rc == 0 && ids->n - n0 != mask->n - m0)
         rc = bt_fail(BT_ERR_FORMAT, "format: %zu ids but %zu mask entries", ids->n - n0, mask->n - m0);
-    if (rc == 0 && cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T && cfg->overlong_drop) {
+    if (rc != 0) {
+        ids->n = n0;
+        mask->n = m0;
+    }
+    return rc;
+}
+
+int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, int *truncated, int *reason,
+                  char *msg, size_t msglen) {
+    *truncated = 0;
+    *reason = -1;
+    if (ids->n != mask->n || n0 > ids->n)
+        return bt_fail(BT_ERR_INVALID, "format: %zu ids, %zu mask entries, document from %zu", ids->n, mask->n, n0);
+    int rc = 0;
+    if (cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T && cfg->overlong_drop) {
         rc = bad(reason, LD_BAD_OVERLONG, msg, msglen, "%zu tokens, longer than seq_len %u (overlong: drop)",
                  ids->n - n0, cfg->T);
-    } else if (rc == 0 && cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T) {
+    } else if (cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T) {
         ids->n = n0 + cfg->T;
-        mask->n = m0 + cfg->T;
+        mask->n = n0 + cfg->T;
         *truncated = 1;
     }
     if (rc == 0) {
         int any = 0;
-        for (size_t i = m0 + 1; i < mask->n && !any; i++) any = mask->v[i] != 0;
+        for (size_t i = n0 + 1; i < mask->n && !any; i++) any = mask->v[i] != 0;
         if (!any) {
             *truncated = 0;
             if (cfg->T && ids->n - n0 >= cfg->T)
@@ -354,7 +367,17 @@ int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_id
     }
     if (rc != 0) {
         ids->n = n0;
-        mask->n = m0;
+        mask->n = n0;
     }
     return rc;
+}
+
+int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids,
+                   bt_ids *mask, int *truncated, int *reason, char *msg, size_t msglen) {
+    *truncated = 0;
+    size_t n0 = ids->n;
+    if (mask->n != n0) return bt_fail(BT_ERR_INVALID, "format: ids and mask differ in length");
+    int rc = ld_format_render(cfg, line, len, ids, mask, reason, msg, msglen);
+    if (rc != 0) return rc;
+    return ld_format_fit(cfg, ids, mask, n0, truncated, reason, msg, msglen);
 }

@@ -71,5 +71,17 @@ size_t ld_utf8_check(const uint8_t *s, size_t n);
  * Internal failures (tokenizer error, out of memory) return the negative bt_err. */
 int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids,
                    bt_ids *mask, int *truncated, int *reason, char *msg, size_t msglen);
+/* ld_format_line in two stages (the token cache stores the first stage's output, which does not
+ * depend on T or the overlong policy). ld_format_render: UTF-8 and JSON checks, the format and
+ * tokenization, no cut and no loss check: 0 with the document appended, 1 (bad: json, utf8,
+ * field, empty) with *reason / msg, <0 internal error. ld_format_fit: the T rules on the
+ * document at ids/mask[n0..] (chat/alpaca longer than cfg->T: cut, *truncated = 1, or
+ * overlong with overlong_drop) and the loss check (`empty`); 0 or 1 as above (the document is
+ * removed again on 1), BT_ERR_INVALID when ids and mask differ in length. ld_format_line ==
+ * render then fit (ids and mask must have the same length on entry). */
+int ld_format_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids, bt_ids *mask,
+                     int *reason, char *msg, size_t msglen);
+int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, int *truncated, int *reason,
+                  char *msg, size_t msglen);
 
 #endif

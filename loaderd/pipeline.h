@@ -15,13 +15,17 @@
  * pass number) whenever they run out, so a small secondary dataset is repeated and a large one is
  * only partly seen per epoch. Put the dataset that defines an epoch first.
  *
- * Ranks. Every rank reads, parses and tokenizes every line (world_size x the tokenize work of a
- * partitioned reader, the price of exact balance without talking to other ranks): documents are
- * gathered in windows (a pure function of the window's start), each window is packed once with
- * best-fit decreasing and its shuffled rows are dealt round robin: rank r gets rows r, r + W,
- * r + 2W, ... A window's row count is padded up to a multiple of W with all-padding rows, so
- * every rank gets the same number of rows from every window, hence the same number of batches
- * per epoch and overall; every document lands in exactly one rank's rows.
+ * Ranks. Documents are gathered in windows (a pure function of the window's start), each window
+ * is packed once with best-fit decreasing and its shuffled rows are dealt round robin: rank r
+ * gets rows r, r + W, r + 2W, ... A window's row count is padded up to a multiple of W with
+ * all-padding rows, so every rank gets the same number of rows from every window, hence the same
+ * number of batches per epoch and overall; every document lands in exactly one rank's rows.
+ * One pipeline per job per node: the ranks of a job attached to the same loaderd share one
+ * stream (reader, tokenizer workers, windows) through an ld_hub and each takes its own rows, so a
+ * node reads and tokenizes every line once, not once per rank (loaderd/stream.h). Nodes do not
+ * talk to each other: each builds every window and deals the rows of the ranks attached to it;
+ * a token cache shared by the nodes (loaderd/tcache.h) makes the tokenizing happen once per
+ * cluster. Batch i of rank r does not depend on any of this.
  *
  * Bad lines (malformed JSON, invalid UTF-8, missing/wrongly typed fields, empty documents,
  * over-long lines, dropped over-long documents, corrupt or truncated zstd frames, unreadable or
@@ -122,8 +126,24 @@ typedef struct {
 } ld_stats;
 
 typedef struct ld_pipeline ld_pipeline;
+typedef struct ld_hub ld_hub;
+struct ld_tcache;
 
-/* Create (spawns one reader thread and spec->n_threads tokenize threads). tok is borrowed (must
+/* A hub: where the pipelines of one loaderd find each other's streams (one per job and start
+ * position), and the token cache they use (borrowed, NULL: none). Free it after every pipeline
+ * attached through it. */
+int ld_hub_new(ld_hub **out, struct ld_tcache *cache);
+void ld_hub_free(ld_hub *h);
+struct ld_tcache *ld_hub_cache(const ld_hub *h);
+/* Windows a shared stream keeps at most (default 16, about 16 x 256 x T tokens; streams started
+ * after the call): a rank that falls further behind the others of its job continues on a
+ * stream of its own (same batches, its own reading and tokenizing). */
+void ld_hub_set_max_windows(ld_hub *h, uint32_t n);
+/* Streams alive in the hub and the pipelines using them (for status). */
+void ld_hub_counts(ld_hub *h, uint32_t *streams, uint32_t *cursors);
+
+/* Create a pipeline with a stream of its own (spawns one reader thread and spec->n_threads
+ * tokenize threads; no token cache). tok is borrowed (must
  * outlive the pipeline). Shard globs are expanded with glob(3), sorted and deduplicated per
  * dataset; a pattern matching nothing is BT_ERR_NOTFOUND naming the pattern. The chat template
  * (chat/alpaca datasets) is resolved here (BT_ERR_UNSUPPORTED if the tokenizer has none of the
@@ -139,6 +159,17 @@ typedef struct ld_pipeline ld_pipeline;
  * bt_last_error. */
 int ld_pipeline_new(ld_pipeline **out, const ld_job_spec *spec, const bt_tokenizer *tok,
                     const uint8_t *resume_state, ld_stats *stats);
+/* ld_pipeline_new for one rank of a job through hub: the pipeline joins the stream of another
+ * rank of the same job (same datasets, shards, formats, weights, template, overlong policy,
+ * seq_len, micro_batch_size, seed, world size, epochs and tokenizer object) when that stream
+ * still has, or builds next, the window this rank starts at and no pipeline of the same rank
+ * uses it; otherwise it starts a stream (documents, lines and bad lines of a shared stream are
+ * counted once and copied into each rank's stats). Shards come from the hub's token cache when
+ * it has one. tok must outlive every pipeline of the hub that uses it. */
+int ld_pipeline_attach(ld_pipeline **out, ld_hub *hub, const ld_job_spec *spec, const bt_tokenizer *tok,
+                       const uint8_t *resume_state, ld_stats *stats);
+/* Pipelines (ranks) on p's stream, p included; 0 once p's data ended before it started. */
+int ld_pipeline_sharing(ld_pipeline *p);
 /* Fill the next batch into v (a view over a slot of bt_batch_slot_bytes(B,T)): all header
  * fields (magic, version, step, counts, checksum, resume_state; job_id/rank as given) and arrays.
  * Blocks until the data is ready. Rows come from windows of about 256*T tokens (at most 2^22

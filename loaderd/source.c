@@ -39,6 +39,8 @@ struct ld_source {
     int failed;                 /* 0, LD_SRC_ZSTD or LD_SRC_IO: why in_done came early */
     int discarding;             /* inside an over-long line: dropping bytes up to the next '\n' */
     char fail_msg[320];
+    void (*observe)(void *ctx, const void *p, size_t n); /* sees every raw byte read, in order */
+    void *observe_ctx;
 };
 
 static int starts_with_zstd_magic(const uint8_t *d, size_t n) {
@@ -73,6 +75,7 @@ static long read_some(ld_source *s, void *dst, size_t n) {
                      s->path, s->size0, s->rd);
             return -1;
         }
+        if (s->observe) s->observe(s->observe_ctx, dst, (size_t)r);
         s->rd += (size_t)r;
         return (long)r;
     }
@@ -249,3 +252,12 @@ void ld_source_close(ld_source *s) {
     free(s->path);
     free(s);
 }
+
+void ld_source_observe(ld_source *s, void (*fn)(void *ctx, const void *p, size_t n), void *ctx) {
+    s->observe = fn;
+    s->observe_ctx = ctx;
+}
+
+size_t ld_source_bytes_read(const ld_source *s) { return s->rd; }
+
+size_t ld_source_size(const ld_source *s) { return s->size0; }

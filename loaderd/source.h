@@ -45,6 +45,12 @@ int ld_source_next(ld_source *s, const char **line, size_t *len, uint64_t *line_
 /* 1 if the shard is zstd-compressed. */
 int ld_source_is_zstd(const ld_source *s);
 const char *ld_source_path(const ld_source *s);
+/* Call fn(ctx, bytes, n) on every block of raw (undecoded) file bytes as it is read, in file
+ * order; set it before the first ld_source_next. The token cache hashes what it tokenized. */
+void ld_source_observe(ld_source *s, void (*fn)(void *ctx, const void *p, size_t n), void *ctx);
+/* Raw bytes read from the file so far, and the size at open (never read past). */
+size_t ld_source_bytes_read(const ld_source *s);
+size_t ld_source_size(const ld_source *s);
 /* Free everything (NULL is fine). */
 void ld_source_close(ld_source *s);
 

@@ -1,0 +1,585 @@
+/* loaderd token cache: directory, keys, locks, acquire, eviction (contract: loaderd/tcache.h;
+ * entries: tcache_entry.c; building: tcache_build.c). */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "loaderd/tcache_priv.h"
+
+#define ADD(field, n) atomic_fetch_add_explicit(&c->st.field, (uint64_t)(n), memory_order_relaxed)
+#define MEMO_BUCKETS 1024
+#define TMP_MAX_AGE_S 3600
+
+typedef struct keynode {
+    uint8_t key[32];
+    int refs;
+    struct keynode *next;
+} keynode;
+
+typedef struct memo {
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    struct timespec mtime, ctime;
+    uint8_t sha[32];
+    struct memo *next;
+} memo;
+
+struct ld_tcache {
+    char *dir;  /* the configured directory */
+    char *vdir; /* <dir>/v1 */
+    uint64_t max_bytes;
+    uint32_t wait_s;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;     /* a build in this process finished */
+    keynode *building;     /* keys being built by this process */
+    keynode *inuse;        /* keys being read by this process (refs) */
+    memo *memo[MEMO_BUCKETS];
+    ld_tcache_stats st;
+};
+
+ld_tcache_stats *ld_tcache_stats_of(ld_tcache *c) { return &c->st; }
+const char *ld_tcache_dir(const ld_tcache *c) { return c->dir; }
+uint64_t ld_tcache_max_bytes(const ld_tcache *c) { return c->max_bytes; }
+
+/* ------------------------------------------------------------------ key sets */
+
+static keynode *keys_find(keynode *l, const uint8_t key[32]) {
+    while (l && memcmp(l->key, key, 32)) l = l->next;
+    return l;
+}
+
+static void keys_add(keynode **l, const uint8_t key[32]) {
+    keynode *k = keys_find(*l, key);
+    if (k) {
+        k->refs++;
+        return;
+    }
+    k = bt_xcalloc(1, sizeof *k);
+    memcpy(k->key, key, 32);
+    k->refs = 1;
+    k->next = *l;
+    *l = k;
+}
+
+static void keys_del(keynode **l, const uint8_t key[32]) {
+    for (keynode **pp = l; *pp; pp = &(*pp)->next)
+        if (!memcmp((*pp)->key, key, 32)) {
+            keynode *k = *pp;
+            if (--k->refs == 0) {
+                *pp = k->next;
+                free(k);
+            }
+            return;
+        }
+}
+
+static void keys_free(keynode *l) {
+    while (l) {
+        keynode *n = l->next;
+        free(l);
+        l = n;
+    }
+}
+
+void tc_inuse_add(ld_tcache *c, const uint8_t key[32]) {
+    pthread_mutex_lock(&c->mu);
+    keys_add(&c->inuse, key);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void tc_inuse_del(ld_tcache *c, const uint8_t key[32]) {
+    pthread_mutex_lock(&c->mu);
+    keys_del(&c->inuse, key);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* ------------------------------------------------------------------ paths */
+
+static void hex(const uint8_t *k, size_t n, char *out) {
+    static const char d[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = d[k[i] >> 4];
+        out[2 * i + 1] = d[k[i] & 15];
+    }
+    out[2 * n] = 0;
+}
+
+char *tc_path(const ld_tcache *c, const uint8_t key[32], const char *suffix, int mkdirs) {
+    char k[33];
+    hex(key, 16, k);
+    size_t n = strlen(c->vdir) + 4 + 32 + strlen(suffix) + 2;
+    char *p = bt_xmalloc(n);
+    snprintf(p, n, "%s/%.2s", c->vdir, k);
+    if (mkdirs && mkdir(p, 0750) != 0 && errno != EEXIST)
+        bt_log(BT_LOG_WARN, "loaderd", "token cache: mkdir %s: %s", p, strerror(errno));
+    snprintf(p, n, "%s/%.2s/%s%s", c->vdir, k, k, suffix);
+    return p;
+}
+
+/* ------------------------------------------------------------------ open / free */
+
+static int mkdir_p(const char *path) {
+    char *p = bt_xstrdup(path);
+    for (char *s = p + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = 0;
+        if (mkdir(p, 0750) != 0 && errno != EEXIST) {
+            free(p);
+            return -1;
+        }
+        *s = '/';
+    }
+    int rc = mkdir(p, 0750) != 0 && errno != EEXIST ? -1 : 0;
+    free(p);
+    return rc;
+}
+
+static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict);
+
+int ld_tcache_open(ld_tcache **out, const char *dir, uint64_t max_bytes, uint32_t wait_s) {
+    *out = NULL;
+    if (!dir || dir[0] != '/')
+        return bt_fail(BT_ERR_INVALID, "token cache: \"token_cache_dir\" must be an absolute directory path");
+    ld_tcache *c = bt_xcalloc(1, sizeof *c);
+    c->dir = bt_xstrdup(dir);
+    size_t n = strlen(dir) + 4;
+    c->vdir = bt_xmalloc(n);
+    snprintf(c->vdir, n, "%s/v1", dir);
+    c->max_bytes = max_bytes;
+    c->wait_s = wait_s;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    struct stat st;
+    int rc = BT_OK;
+    if (mkdir_p(c->vdir) != 0 || stat(dir, &st) != 0)
+        rc = bt_fail(BT_ERR_IO, "token cache: cannot create %s: %s (create it, owned by loaderd's user, or fix "
+                     "\"token_cache_dir\"; a systemd unit needs it in ReadWritePaths=)", c->vdir, strerror(errno));
+    else if (!S_ISDIR(st.st_mode))
+        rc = bt_fail(BT_ERR_IO, "token cache: %s is not a directory", dir);
+    else if ((st.st_mode & S_IWOTH) && !(st.st_mode & S_ISVTX))
+        rc = bt_fail(BT_ERR_INVALID, "token cache: %s is world-writable: anyone could plant entries there "
+                     "(chmod o-w it, or use a directory only loaderd's user can write)", dir);
+    if (rc == BT_OK) {
+        char probe[64];
+        snprintf(probe, sizeof probe, "/.probe.%d", (int)getpid());
+        size_t pn = strlen(c->vdir) + sizeof probe;
+        char *pp = bt_xmalloc(pn);
+        snprintf(pp, pn, "%s%s", c->vdir, probe);
+        int fd = open(pp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+        if (fd < 0)
+            rc = bt_fail(BT_ERR_IO, "token cache: %s is not writable: %s (give loaderd's user write access; a "
+                         "systemd unit needs it in ReadWritePaths=)", c->vdir, strerror(errno));
+        else {
+            close(fd);
+            unlink(pp);
+        }
+        free(pp);
+    }
+    if (rc != BT_OK) {
+        ld_tcache_free(c);
+        return rc;
+    }
+    atomic_store(&c->st.bytes, scan(c, NULL, 0));
+    bt_log(BT_LOG_INFO, "loaderd", "token cache: %s, %.1f MiB of entries (max %.1f MiB)", dir,
+           (double)atomic_load(&c->st.bytes) / 1048576.0, (double)max_bytes / 1048576.0);
+    *out = c;
+    return BT_OK;
+}
+
+void ld_tcache_free(ld_tcache *c) {
+    if (!c) return;
+    keys_free(c->building);
+    keys_free(c->inuse);
+    for (int b = 0; b < MEMO_BUCKETS; b++)
+        for (memo *m = c->memo[b]; m;) {
+            memo *n = m->next;
+            free(m);
+            m = n;
+        }
+    pthread_cond_destroy(&c->cv);
+    pthread_mutex_destroy(&c->mu);
+    free(c->dir);
+    free(c->vdir);
+    free(c);
+}
+
+/* ------------------------------------------------------------------ keys */
+
+static void digest_cb(void *ctx, const void *p, size_t n) { tc_sha_update(ctx, p, n); }
+
+void ld_tcache_tokenizer_sha256(const bt_tokenizer *tok, uint8_t out[32]) {
+    tc_sha s;
+    if (tc_sha_init(&s) != BT_OK) {
+        memset(out, 0, 32);
+        return;
+    }
+    bt_tokenizer_digest(tok, digest_cb, &s);
+    tc_sha_final(&s, out);
+}
+
+static int same_stat(const memo *m, const struct stat *st) {
+    return m->dev == st->st_dev && m->ino == st->st_ino && m->size == st->st_size &&
+           m->mtime.tv_sec == st->st_mtim.tv_sec && m->mtime.tv_nsec == st->st_mtim.tv_nsec &&
+           m->ctime.tv_sec == st->st_ctim.tv_sec && m->ctime.tv_nsec == st->st_ctim.tv_nsec;
+}
+
+/* SHA-256 and size of the shard's bytes, remembered per (dev, inode, size, mtime, ctime).
+ * BT_OK, or BT_ERR_IO (unreadable, not a regular file, or changed while being hashed). */
+static int shard_hash(ld_tcache *c, const char *path, uint8_t sha[32], uint64_t *size) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st, st2;
+    if (fd < 0) return bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return bt_fail(BT_ERR_IO, "%s: not a regular file", path);
+    }
+    size_t b = (size_t)((uint64_t)st.st_ino * 0x9E3779B97F4A7C15ull >> 54) % MEMO_BUCKETS;
+    pthread_mutex_lock(&c->mu);
+    for (memo *m = c->memo[b]; m; m = m->next)
+        if (same_stat(m, &st)) {
+            memcpy(sha, m->sha, 32);
+            pthread_mutex_unlock(&c->mu);
+            close(fd);
+            *size = (uint64_t)st.st_size;
+            return BT_OK;
+        }
+    pthread_mutex_unlock(&c->mu);
+    tc_sha s;
+    int rc = tc_sha_init(&s);
+    size_t cap = (size_t)1 << 20;
+    char *buf = rc == BT_OK ? malloc(cap) : NULL;
+    if (rc == BT_OK && !buf) rc = bt_fail(BT_ERR_NOMEM, "token cache: out of memory");
+    uint64_t total = 0;
+    while (rc == BT_OK && total < (uint64_t)st.st_size) {
+        ssize_t r = read(fd, buf, cap);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            rc = bt_fail(BT_ERR_IO, "%s: %s while hashing", path, r < 0 ? strerror(errno) : "shrank");
+            break;
+        }
+        size_t k = (uint64_t)r > (uint64_t)st.st_size - total ? (size_t)((uint64_t)st.st_size - total) : (size_t)r;
+        tc_sha_update(&s, buf, k);
+        total += k;
+    }
+    free(buf);
+    if (rc == BT_OK && (fstat(fd, &st2) != 0 || st2.st_size != st.st_size || st2.st_mtim.tv_sec != st.st_mtim.tv_sec ||
+                        st2.st_mtim.tv_nsec != st.st_mtim.tv_nsec))
+        rc = bt_fail(BT_ERR_IO, "%s: changed while being hashed", path);
+    close(fd);
+    if (rc != BT_OK) {
+        if (s.md) tc_sha_free(&s);
+        return rc;
+    }
+    tc_sha_final(&s, sha);
+    atomic_fetch_add_explicit(&c->st.hashed_bytes, total, memory_order_relaxed);
+    memo *m = bt_xcalloc(1, sizeof *m);
+    m->dev = st.st_dev;
+    m->ino = st.st_ino;
+    m->size = st.st_size;
+    m->mtime = st.st_mtim;
+    m->ctime = st.st_ctim;
+    memcpy(m->sha, sha, 32);
+    pthread_mutex_lock(&c->mu);
+    m->next = c->memo[b];
+    c->memo[b] = m;
+    pthread_mutex_unlock(&c->mu);
+    *size = (uint64_t)st.st_size;
+    return BT_OK;
+}
+
+static int shard_key(ld_tcache *c, const ld_tc_shard *sh, uint8_t key[32], uint8_t content[32], uint64_t *size) {
+    int rc = shard_hash(c, sh->path, content, size);
+    if (rc != BT_OK) return rc;
+    const ld_format_cfg *f = sh->fcfg;
+    tc_sha s;
+    if ((rc = tc_sha_init(&s)) != BT_OK) return rc;
+    static const char tag[] = "barqtrain-tcache-key-v1";
+    const char *tf = f->format == LD_FMT_TEXT ? (f->text_field ? f->text_field : "text") : "";
+    uint64_t v[6] = {*size, (uint64_t)f->format, f->format == LD_FMT_TEXT ? 0 : (uint64_t)f->tpl, (uint64_t)!!f->add_bos,
+                     LD_TC_FORMAT_VERSION, strlen(tf)};
+    tc_sha_update(&s, tag, sizeof tag);
+    tc_sha_update(&s, content, 32);
+    tc_sha_update(&s, sh->tok_sha256, 32);
+    tc_sha_update(&s, v, sizeof v);
+    tc_sha_update(&s, tf, strlen(tf));
+    tc_sha_final(&s, key);
+    return BT_OK;
+}
+
+/* ------------------------------------------------------------------ locks */
+
+/* Exclusive flock on "<k>.lock": 1 held (*fd), 0 held by someone else, <0 cannot lock. */
+static int lock_try(ld_tcache *c, const uint8_t key[32], int *fd) {
+    char *p = tc_path(c, key, ".lock", 1);
+    *fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0640);
+    if (*fd < 0) {
+        int rc = bt_fail(BT_ERR_IO, "token cache: %s: %s", p, strerror(errno));
+        free(p);
+        return rc;
+    }
+    free(p);
+    if (flock(*fd, LOCK_EX | LOCK_NB) == 0) return 1;
+    int e = errno;
+    close(*fd);
+    *fd = -1;
+    if (e == EWOULDBLOCK || e == EINTR) return 0;
+    return bt_fail(BT_ERR_IO, "token cache: flock: %s (the filesystem of \"token_cache_dir\" needs working locks)",
+                   strerror(e));
+}
+
+static void unlock(int fd) {
+    if (fd >= 0) close(fd); /* releases the flock */
+}
+
+/* ------------------------------------------------------------------ eviction */
+
+typedef struct {
+    char *path;
+    uint64_t size;
+    struct timespec mtime;
+    uint8_t key16[16];
+} entry_info;
+
+static int cmp_mtime(const void *a, const void *b) {
+    const entry_info *x = a, *y = b;
+    if (x->mtime.tv_sec != y->mtime.tv_sec) return x->mtime.tv_sec < y->mtime.tv_sec ? -1 : 1;
+    return (x->mtime.tv_nsec > y->mtime.tv_nsec) - (x->mtime.tv_nsec < y->mtime.tv_nsec);
+}
+
+static int unhex16(const char *s, uint8_t out[16]) {
+    for (int i = 0; i < 16; i++) {
+        int v = 0;
+        for (int k = 0; k < 2; k++) {
+            char ch = s[2 * i + k];
+            int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+            if (d < 0) return -1;
+            v = v * 16 + d;
+        }
+        out[i] = (uint8_t)v;
+    }
+    return 0;
+}
+
+/* Size of the entries; with evict, remove the least recently used ones (never `keep` nor one in
+ * use here) until they fit in 90% of max_bytes, and leftover temporary files. */
+static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
+    entry_info *v = NULL;
+    size_t n = 0, cap = 0;
+    uint64_t total = 0;
+    DIR *top = opendir(c->vdir);
+    if (!top) return 0;
+    struct dirent *d;
+    time_t now = time(NULL);
+    while ((d = readdir(top))) {
+        if (strlen(d->d_name) != 2 || d->d_name[0] == '.') continue;
+        size_t sn = strlen(c->vdir) + 4;
+        char *sub = bt_xmalloc(sn);
+        snprintf(sub, sn, "%s/%s", c->vdir, d->d_name);
+        DIR *dd = opendir(sub);
+        struct dirent *e;
+        while (dd && (e = readdir(dd))) {
+            size_t len = strlen(e->d_name);
+            int is_entry = len == 36 && strcmp(e->d_name + 32, ".btc") == 0;
+            int is_tmp = strstr(e->d_name, ".btc.tmp.") != NULL;
+            if (!is_entry && !is_tmp) continue;
+            size_t pn = sn + len + 2;
+            char *path = bt_xmalloc(pn);
+            snprintf(path, pn, "%s/%s", sub, e->d_name);
+            struct stat st;
+            if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) {
+                free(path);
+                continue;
+            }
+            if (is_tmp) {
+                if (evict && now - st.st_mtim.tv_sec > TMP_MAX_AGE_S) unlink(path);
+                free(path);
+                continue;
+            }
+            if (n == cap) v = bt_xrealloc(v, (cap = cap ? 2 * cap : 256) * sizeof *v);
+            v[n] = (entry_info){path, (uint64_t)st.st_size, st.st_mtim, {0}};
+            if (unhex16(e->d_name, v[n].key16) != 0) memset(v[n].key16, 0xFF, 16);
+            total += (uint64_t)st.st_size;
+            n++;
+        }
+        if (dd) closedir(dd);
+        free(sub);
+    }
+    closedir(top);
+    if (evict && total > c->max_bytes) {
+        qsort(v, n, sizeof *v, cmp_mtime);
+        uint64_t target = c->max_bytes / 10 * 9;
+        for (size_t i = 0; i < n && total > target; i++) {
+            if (keep && !memcmp(v[i].key16, keep, 16)) continue;
+            pthread_mutex_lock(&c->mu);
+            int busy = 0;
+            for (keynode *k = c->inuse; k && !busy; k = k->next) busy = !memcmp(k->key, v[i].key16, 16);
+            pthread_mutex_unlock(&c->mu);
+            if (busy || unlink(v[i].path) != 0) continue;
+            total -= v[i].size;
+            ADD(evicted, 1);
+            bt_log(BT_LOG_INFO, "loaderd", "token cache: evicted %s (%.1f MiB, least recently used)", v[i].path,
+                   (double)v[i].size / 1048576.0);
+        }
+    }
+    for (size_t i = 0; i < n; i++) free(v[i].path);
+    free(v);
+    return total;
+}
+
+/* ------------------------------------------------------------------ acquire */
+
+static int open_entry(ld_tcache *c, const ld_tc_shard *sh, const uint8_t key[32], ld_tc_reader **out) {
+    char *p = tc_path(c, key, ".btc", 0);
+    tc_inuse_add(c, key); /* before opening: eviction elsewhere in this process keeps off it */
+    int rc = tc_reader_open(c, p, key, bt_tokenizer_vocab_size(sh->fcfg->tok), out);
+    if (rc == TC_OPEN_OK) {
+        int fd = open(p, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd >= 0) { /* least recently used = oldest mtime */
+            futimens(fd, NULL);
+            close(fd);
+        }
+    } else {
+        tc_inuse_del(c, key);
+    }
+    free(p);
+    return rc;
+}
+
+static int build_locked(ld_tcache *c, const ld_tc_shard *sh, const uint8_t key[32], const uint8_t content[32],
+                        uint64_t size, uint32_t n_threads, const _Atomic int *stop) {
+    char *p = tc_path(c, key, ".btc", 1);
+    double t0 = bt_now();
+    int rc = tc_build(c, sh, p, key, content, size, n_threads, stop);
+    if (rc == BT_OK) {
+        struct stat st;
+        ADD(built, 1);
+        ADD(build_bytes, size);
+        if (stat(p, &st) == 0) ADD(bytes, (uint64_t)st.st_size);
+        bt_log(BT_LOG_INFO, "loaderd", "token cache: tokenized %s (%.1f MiB) in %.2f s", sh->path,
+               (double)size / 1048576.0, bt_now() - t0);
+        if (atomic_load(&c->st.bytes) > c->max_bytes) atomic_store(&c->st.bytes, scan(c, key, 1));
+    }
+    free(p);
+    return rc;
+}
+
+/* While someone else builds `waiting`: build the first other missing entry nobody builds.
+ * 1 if one was built (or tried), 0 if there was nothing to do. */
+static int build_other(ld_tcache *c, const uint8_t waiting[32], const ld_tc_shard *others, size_t n_others,
+                       uint32_t n_threads, const _Atomic int *stop) {
+    for (size_t i = 0; i < n_others && !atomic_load(stop); i++) {
+        uint8_t key[32], content[32];
+        uint64_t size;
+        if (shard_key(c, &others[i], key, content, &size) != BT_OK || !memcmp(key, waiting, 32)) continue;
+        char *p = tc_path(c, key, ".btc", 0);
+        int exists = access(p, F_OK) == 0;
+        free(p);
+        if (exists) continue;
+        pthread_mutex_lock(&c->mu);
+        int busy = keys_find(c->building, key) != NULL;
+        if (!busy) keys_add(&c->building, key);
+        pthread_mutex_unlock(&c->mu);
+        if (busy) continue;
+        int fd = -1, lk = lock_try(c, key, &fd);
+        if (lk == 1) {
+            p = tc_path(c, key, ".btc", 0);
+            if (access(p, F_OK) != 0) build_locked(c, &others[i], key, content, size, n_threads, stop);
+            free(p);
+            unlock(fd);
+        }
+        pthread_mutex_lock(&c->mu);
+        keys_del(&c->building, key);
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        if (lk == 1) return 1;
+    }
+    return 0;
+}
+
+/* Sleep up to ms milliseconds or until a build in this process finishes. */
+static void wait_a_bit(ld_tcache *c, unsigned ms) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+    ts.tv_sec += ms / 1000 + ts.tv_nsec / 1000000000L;
+    ts.tv_nsec %= 1000000000L;
+    pthread_mutex_lock(&c->mu);
+    pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    pthread_mutex_unlock(&c->mu);
+}
+
+int ld_tcache_acquire(ld_tcache *c, const ld_tc_shard *sh, const ld_tc_shard *others, size_t n_others,
+                      uint32_t n_threads, const _Atomic int *stop, ld_tc_reader **out) {
+    *out = NULL;
+    uint8_t key[32], content[32];
+    uint64_t size;
+    if (shard_key(c, sh, key, content, &size) != BT_OK) {
+        bt_log(BT_LOG_WARN, "loaderd", "token cache: %s: read raw", bt_last_error());
+        ADD(bypassed, 1);
+        return LD_TC_BYPASS;
+    }
+    double t0 = bt_now();
+    int missed = 0, waited = 0;
+    unsigned pause = 20;
+    for (;;) {
+        if (atomic_load(stop)) return bt_fail(BT_ERR_TIMEOUT, "token cache: stopped");
+        if (open_entry(c, sh, key, out) == TC_OPEN_OK) {
+            ADD(hits, 1);
+            return BT_OK;
+        }
+        if (!missed++) ADD(misses, 1);
+        pthread_mutex_lock(&c->mu);
+        int busy = keys_find(c->building, key) != NULL;
+        if (!busy) keys_add(&c->building, key);
+        pthread_mutex_unlock(&c->mu);
+        int fd = -1, lk = busy ? 0 : lock_try(c, key, &fd), rc = 0;
+        if (lk == 1) {
+            if (open_entry(c, sh, key, out) == TC_OPEN_OK) { /* finished by someone before we locked */
+                ADD(hits, 1);
+                rc = BT_OK;
+            } else {
+                rc = build_locked(c, sh, key, content, size, n_threads, stop);
+                if (rc == BT_OK) rc = open_entry(c, sh, key, out) == TC_OPEN_OK ? BT_OK : LD_TC_BYPASS;
+            }
+            unlock(fd);
+        }
+        if (!busy) {
+            pthread_mutex_lock(&c->mu);
+            keys_del(&c->building, key);
+            pthread_cond_broadcast(&c->cv);
+            pthread_mutex_unlock(&c->mu);
+        }
+        if (lk == 1 || lk < 0) {
+            if (lk < 0) bt_log(BT_LOG_WARN, "loaderd", "%s: %s read raw", bt_last_error(), sh->path);
+            if (lk < 0 || rc == LD_TC_BYPASS) ADD(bypassed, 1);
+            return lk < 0 ? LD_TC_BYPASS : rc;
+        }
+        /* someone else builds it */
+        if (!waited++) {
+            ADD(waited, 1);
+            bt_log(BT_LOG_INFO, "loaderd", "token cache: %s is being tokenized by another process or job: waiting",
+                   sh->path);
+        }
+        if (bt_now() - t0 > (double)c->wait_s) {
+            bt_log(BT_LOG_WARN, "loaderd", "token cache: waited %u s for %s (token_cache_wait_s): tokenizing it here "
+                   "without the cache", c->wait_s, sh->path);
+            ADD(bypassed, 1);
+            return LD_TC_BYPASS;
+        }
+        if (build_other(c, key, others, n_others, n_threads, stop)) {
+            pause = 20;
+            continue;
+        }
+        wait_a_bit(c, pause);
+        if (pause < 250) pause *= 2;
+    }
+}
