@@ -39,6 +39,8 @@ void ld_config_defaults(ld_config *c) {
     c->max_ring_bytes = 1ull << 30;
     c->max_json_depth = 32;
     c->client_timeout_s = 60;
+    c->token_cache_max_bytes = 64ull << 30;
+    c->token_cache_wait_s = 1800;
 }
 
 void ld_config_free(ld_config *c) {
@@ -48,6 +50,7 @@ void ld_config_free(ld_config *c) {
     ld_free_strv(c->model_roots, c->n_model_roots);
     free(c->allowed_uids);
     free(c->allowed_gids);
+    free(c->token_cache_dir);
     memset(c, 0, sizeof *c);
 }
 
@@ -222,11 +225,25 @@ static int parse_obj(ld_config *c, json_t *root, const char *origin) {
         } else if (!strcmp(key, "client_timeout_s")) {
             if ((rc = get_int(v, origin, key, 0, 86400, &x))) return rc;
             c->client_timeout_s = (uint32_t)x;
+        } else if (!strcmp(key, "token_cache_dir")) {
+            const char *s = json_string_value(v);
+            if (!s || s[0] != '/' || strlen(s) > 3000)
+                return bt_fail(BT_ERR_INVALID, "%s: \"token_cache_dir\" must be an absolute directory path (string)",
+                               origin);
+            free(c->token_cache_dir);
+            c->token_cache_dir = bt_xstrdup(s);
+        } else if (!strcmp(key, "token_cache_max_bytes")) {
+            if ((rc = get_int(v, origin, key, 16ll << 20, LLONG_MAX, &x))) return rc;
+            c->token_cache_max_bytes = (uint64_t)x;
+        } else if (!strcmp(key, "token_cache_wait_s")) {
+            if ((rc = get_int(v, origin, key, 0, 86400, &x))) return rc;
+            c->token_cache_wait_s = (uint32_t)x;
         } else {
             return bt_fail(BT_ERR_INVALID,
                            "%s: unknown key \"%s\" (known: socket, socket_mode, socket_group, data_roots, "
                            "model_roots, tokenizer_threads, ring_slots, max_clients, max_jobs, max_request_bytes, "
-                           "max_ring_bytes, max_json_depth, allowed_users, allowed_groups, client_timeout_s)",
+                           "max_ring_bytes, max_json_depth, allowed_users, allowed_groups, client_timeout_s, "
+                           "token_cache_dir, token_cache_max_bytes, token_cache_wait_s)",
                            origin, key);
         }
     }
@@ -332,6 +349,14 @@ int ld_config_log_diff(const ld_config *o, const ld_config *n) {
     const char *og = o->socket_group ? o->socket_group : "(none)", *ng = n->socket_group ? n->socket_group : "(none)";
     if (strcmp(og, ng)) {
         bt_log(BT_LOG_WARN, "loaderd", "config: socket_group: %s -> %s (takes effect after a restart)", og, ng);
+        d++;
+    }
+    const char *ot = o->token_cache_dir ? o->token_cache_dir : "(none)", *nt = n->token_cache_dir ? n->token_cache_dir : "(none)";
+    if (strcmp(ot, nt) || o->token_cache_max_bytes != n->token_cache_max_bytes ||
+        o->token_cache_wait_s != n->token_cache_wait_s) {
+        bt_log(BT_LOG_WARN, "loaderd", "config: token cache: %s, %llu bytes, wait %u s -> %s, %llu bytes, wait %u s "
+               "(takes effect after a restart)", ot, (unsigned long long)o->token_cache_max_bytes, o->token_cache_wait_s,
+               nt, (unsigned long long)n->token_cache_max_bytes, n->token_cache_wait_s);
         d++;
     }
     d += diff_roots("data_roots", o->data_roots, o->n_data_roots, n->data_roots, n->n_data_roots);

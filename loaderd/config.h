@@ -24,6 +24,15 @@
  *   "client_timeout_s"  int 0..86400 (default 60): a connection holding half a request line, or
  *                       one without an attached job that sends nothing, for this long is closed
  *                       (slowloris); 0 disables the timeout
+ *   "token_cache_dir"   string, absolute directory of the token cache (loaderd/tcache.h), created
+ *                       if missing; on a shared filesystem, every node's loaderd can use the same
+ *                       one and each shard is tokenized once per cluster. Default: none (no
+ *                       cache; every epoch tokenizes again). Applies after a restart.
+ *   "token_cache_max_bytes" int >= 16 MiB (default 64 GiB): size bound of the entries; the least
+ *                       recently used are removed beyond it. Applies after a restart.
+ *   "token_cache_wait_s" int 0..86400 (default 1800): longest wait for another loaderd tokenizing a
+ *                       shard this one needs before tokenizing it here without the cache.
+ *                       Applies after a restart.
  * Roots are resolved with realpath at load; a root that does not exist is skipped with a warning
  * (it cannot contain anything; a reload picks it up once it exists). */
 #ifndef LD_CONFIG_H
@@ -52,6 +61,9 @@ typedef struct {
     gid_t *allowed_gids;      /* resolved "allowed_groups", owned */
     int n_allowed_gids;
     uint32_t client_timeout_s;
+    char *token_cache_dir;    /* NULL: no token cache */
+    uint64_t token_cache_max_bytes;
+    uint32_t token_cache_wait_s;
 } ld_config;
 
 /* Defaults as documented above (allocates socket_path). Free with ld_config_free. */

@@ -17,6 +17,7 @@
 
 #include "common/bt_common.h"
 #include "loaderd/server_priv.h"
+#include "loaderd/tcache.h"
 
 void ld_cfg_put(cfg_ref *r) {
     if (r && --r->refs == 0) {
@@ -156,6 +157,15 @@ int ld_server_run(const ld_server_opts *opts) {
     }
     if (s->cfg->c.n_data_roots == 0)
         bt_log(BT_LOG_WARN, LOGC, "no usable data_roots: every attach will be refused until the config lists one");
+    if (s->cfg->c.token_cache_dir && ld_tcache_open(&s->tcache, s->cfg->c.token_cache_dir, s->cfg->c.token_cache_max_bytes,
+                                                    s->cfg->c.token_cache_wait_s) != BT_OK) {
+        bt_log(BT_LOG_ERROR, LOGC, "%s", bt_last_error());
+        sd_notifyf(0, "STATUS=failed: %s", bt_last_error());
+        ld_cfg_put(s->cfg);
+        pthread_mutex_destroy(&s->tok_mu);
+        return 1;
+    }
+    ld_hub_new(&s->hub, s->tcache);
     uv_loop_t loop;
     uv_loop_init(&loop);
     s->loop = &loop;
@@ -212,6 +222,8 @@ int ld_server_run(const ld_server_opts *opts) {
         free(e->path);
         free(e);
     }
+    ld_hub_free(s->hub); /* every job (and so every pipeline) is gone */
+    ld_tcache_free(s->tcache);
     ld_cfg_put(s->cfg);
     pthread_mutex_destroy(&s->tok_mu);
     bt_log(BT_LOG_INFO, LOGC, "stopped");

@@ -313,7 +313,7 @@ static void attach_work(uv_work_t *w) {
         snprintf(r->err, sizeof r->err, "%s", bt_last_error());
         goto fail_job;
     }
-    if (ld_pipeline_new(&j->pipe, &j->spec, j->tok->tok, r->has_resume ? r->resume : NULL, &j->stats)) {
+    if (ld_pipeline_attach(&j->pipe, r->s->hub, &j->spec, j->tok->tok, r->has_resume ? r->resume : NULL, &j->stats)) {
         snprintf(r->err, sizeof r->err, "%s", bt_last_error());
         j->pipe = NULL;
         goto fail_job;

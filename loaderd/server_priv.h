@@ -1,6 +1,7 @@
 /* loaderd control server internals shared by server.c (lifecycle: config, signals, timers,
  * systemd), server_conn.c (connections: reading, limits, peer checks, timeouts, dispatch,
- * replies), server_jobs.c (tokenizer cache, attach/detach/report, producer threads, teardown)
+ * replies), server_jobs.c (tokenizer cache, attach/detach/report, producer threads, teardown;
+ * the ranks of a job share one pipeline stream through the server's ld_hub)
  * and server_status.c (status/jobs/metrics rendering, drain, rate ticks). Not a public API.
  *
  * Threads: the libuv loop thread owns every connection, the job list and the configuration;
@@ -119,6 +120,8 @@ typedef struct server {
     conn *conns;
     pthread_mutex_t tok_mu;
     tok_entry *toks;
+    struct ld_tcache *tcache; /* token cache (NULL: none), from token_cache_dir at start */
+    ld_hub *hub;              /* one stream per job: the ranks' pipelines meet here */
     uint64_t connections_total, requests_total, bad_requests_total;
     uint64_t refused[REFUSE_N];
     double t_reload;     /* last successful reload (0: never) */

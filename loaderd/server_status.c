@@ -4,6 +4,7 @@
  * label values escaped \\ \" \n), drain, hello, and the 1 s tick that keeps the EWMA rates and
  * the consumer progress. Loop thread only; job counters are atomics written by producers. */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 
 #include "common/bt_common.h"
 #include "loaderd/server_priv.h"
+#include "loaderd/tcache.h"
 #include "proto/client.h"
 
 /* ------------------------------------------------------------------ per-job figures */
@@ -93,6 +95,7 @@ static json_t *job_json(job *j, int full, double now) {
 #undef U64
     json_object_update(o, more);
     json_decref(more);
+    json_object_set_new(o, "stream_ranks", json_integer(ld_pipeline_sharing(j->pipe)));
     json_object_set_new(o, "consumer_lag_batches", json_integer((json_int_t)consumer_lag(j)));
     json_object_set_new(o, "consumer_idle_s", json_real(now - j->t_last_take));
     json_object_set_new(o, "peer", json_pack("{s:i, s:I, s:I}", "pid", (int)j->peer.pid, "uid", (json_int_t)j->peer.uid,
@@ -103,6 +106,38 @@ static json_t *job_json(job *j, int full, double now) {
                                       num_or_null(j->rep_loss), "tokens_per_s", num_or_null(j->rep_tps), "age_s",
                                       now - j->rep_t));
     else json_object_set_new(o, "trainer", json_null());
+    return o;
+}
+
+/* The token cache's counters (loaderd/tcache.h), in status and metrics. */
+static const struct {
+    const char *name, *help;
+    size_t off;
+} tc_fields[] = {
+#define F(f, h) {#f, h, offsetof(ld_tcache_stats, f)}
+    F(hits, "Token-cache lookups that found a valid entry."),
+    F(misses, "Token-cache lookups that found no entry."),
+    F(built, "Shards this loaderd tokenized into the token cache."),
+    F(waited, "Token-cache lookups that waited for another loaderd building the entry."),
+    F(damaged, "Token-cache entries found damaged (removed, rebuilt when needed)."),
+    F(stale, "Token-cache entries holding another key, or shards that changed while tokenized."),
+    F(bypassed, "Shards read without the token cache (unreadable, cache not writable, wait too long)."),
+    F(evicted, "Token-cache entries removed to stay under token_cache_max_bytes."),
+    F(build_bytes, "Shard bytes tokenized into the token cache."),
+    F(build_tokens, "Tokens written into the token cache."),
+    F(read_bytes, "Token-cache entry bytes read."),
+    F(hashed_bytes, "Shard bytes hashed for token-cache keys."),
+#undef F
+};
+
+static json_t *token_cache_json(server *s) {
+    if (!s->tcache) return json_null();
+    ld_tcache_stats *st = ld_tcache_stats_of(s->tcache);
+    json_t *o = json_pack("{s:s, s:I, s:I}", "dir", ld_tcache_dir(s->tcache), "max_bytes",
+                          (json_int_t)ld_tcache_max_bytes(s->tcache), "bytes", (json_int_t)atomic_load(&st->bytes));
+    for (size_t i = 0; i < sizeof tc_fields / sizeof tc_fields[0]; i++)
+        json_object_set_new(o, tc_fields[i].name,
+                            json_integer((json_int_t)atomic_load((_Atomic uint64_t *)((char *)st + tc_fields[i].off))));
     return o;
 }
 
@@ -127,6 +162,10 @@ void ld_op_status(conn *c, int full) {
         json_object_set_new(r, "clients", json_integer(s->n_clients));
         json_object_set_new(r, "attaching", json_integer(s->n_attaching));
         json_object_set_new(r, "tokenizers_cached", json_integer(n_tok));
+        uint32_t streams, cursors;
+        ld_hub_counts(s->hub, &streams, &cursors);
+        json_object_set_new(r, "streams", json_integer(streams));
+        json_object_set_new(r, "token_cache", token_cache_json(s));
         json_object_set_new(r, "requests_total", json_integer((json_int_t)s->requests_total));
         json_object_set_new(r, "bad_requests_total", json_integer((json_int_t)s->bad_requests_total));
         json_object_set_new(r, "connections_total", json_integer((json_int_t)s->connections_total));
@@ -247,6 +286,21 @@ void ld_op_metrics(conn *c) {
         fprintf(f, "# HELP %s %s\n# TYPE %s %s\n%s", glob[g].name, glob[g].help, glob[g].name, glob[g].type,
                 glob[g].name);
         prom_value(f, glob[g].v);
+    }
+    uint32_t streams, cursors;
+    ld_hub_counts(s->hub, &streams, &cursors);
+    fprintf(f, "# HELP loaderd_streams Pipeline streams (one per job and start position; its ranks share it).\n"
+               "# TYPE loaderd_streams gauge\nloaderd_streams %u\n", streams);
+    if (s->tcache) {
+        ld_tcache_stats *st = ld_tcache_stats_of(s->tcache);
+        fprintf(f, "# HELP loaderd_token_cache_bytes Size of the token cache's entries.\n"
+                   "# TYPE loaderd_token_cache_bytes gauge\nloaderd_token_cache_bytes %llu\n",
+                (unsigned long long)atomic_load(&st->bytes));
+        for (size_t i = 0; i < sizeof tc_fields / sizeof tc_fields[0]; i++)
+            fprintf(f, "# HELP loaderd_token_cache_%s_total %s\n# TYPE loaderd_token_cache_%s_total counter\n"
+                       "loaderd_token_cache_%s_total %llu\n", tc_fields[i].name, tc_fields[i].help, tc_fields[i].name,
+                    tc_fields[i].name,
+                    (unsigned long long)atomic_load((_Atomic uint64_t *)((char *)st + tc_fields[i].off)));
     }
     fputs("# HELP loaderd_refused_connections_total Connections closed by loaderd, by reason.\n"
           "# TYPE loaderd_refused_connections_total counter\n", f);

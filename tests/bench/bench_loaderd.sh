@@ -33,5 +33,5 @@ for T in 2048 512; do
 done
 echo
 echo "Packing efficiency = real tokens / (batches x B x T), the final partly filled batch included."
-echo "Windows of 256 x T tokens packed best-fit decreasing; every rank tokenizes every document"
-echo "(world_size x this work per node-local rank; see loaderd/pipeline.h)."
+echo "Windows of 256 x T tokens packed best-fit decreasing; one pipeline per job per node (its ranks"
+echo "share it; per-node and per-epoch costs with the token cache: see \"Data plane per node\")."
