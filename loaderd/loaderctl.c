@@ -143,6 +143,13 @@ static void print_status(json_t *r) {
     json_t *jobs = json_object_get(r, "jobs");
     fprintf(g_out, "loaderd pid %.0f on %s, up %s, %.0f client(s), %zu job(s)%s\n", num(r, "pid"), str(r, "socket"), up,
            num(r, "clients"), json_array_size(jobs), json_is_true(json_object_get(r, "draining")) ? ", DRAINING" : "");
+    json_t *tc = json_object_get(r, "token_cache");
+    if (json_is_object(tc))
+        fprintf(g_out, "token cache %s: %.1f of %.1f MiB, %.0f shard(s) tokenized here, %.0f hit(s), %.0f wait(s), "
+                "%.0f damaged, %.0f stale, %.0f bypassed, %.0f evicted; %.0f stream(s)\n", str(tc, "dir"),
+                num(tc, "bytes") / 1048576.0, num(tc, "max_bytes") / 1048576.0, num(tc, "built"), num(tc, "hits"),
+                num(tc, "waited"), num(tc, "damaged"), num(tc, "stale"), num(tc, "bypassed"), num(tc, "evicted"),
+                num(r, "streams"));
     if (json_array_size(jobs) == 0) {
         fprintf(g_out, "no jobs attached\n");
         return;

@@ -5,7 +5,8 @@
  * the text back exactly (byte-level BPE is lossless there; with parse_special control tokens
  * decode to their own text). SmolLM2's vocabulary lacks the byte tokens of 0x04 0x06 0x13 0x14
  * 0x16 0x1d, and HF tokenizers (no unk token, no byte fallback) drops such bytes: so do we.
- * Decoding token by token and concatenating equals decoding everything at once. */
+ * Decoding token by token and concatenating equals decoding everything at once. The dedicated
+ * pre-tokenizer (the model's default engine) and the PCRE2 one give the same ids. */
 #include <stdint.h>
 #include <string.h>
 
@@ -27,6 +28,17 @@ static void init_byte_ok(const bt_tokenizer *tok) {
     byte_ok_ready = 1;
 }
 
+/* The same tokenizer on the PCRE2 pre-tokenizer (the differential reference). */
+static const bt_tokenizer *pcre2_tokenizer(void) {
+    static bt_tokenizer *tok;
+    if (!tok) {
+        const char *path = getenv("BT_MODEL");
+        if (bt_tokenizer_load(&tok, path && *path ? path : FUZZ_DEFAULT_MODEL) || bt_tokenizer_set_pre_engine(tok, 0))
+            fuzz_fail("cannot load the PCRE2 reference tokenizer");
+    }
+    return tok;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const bt_tokenizer *tok = fuzz_tokenizer();
     if (!byte_ok_ready) init_byte_ok(tok);
@@ -36,6 +48,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t n = size - 1;
     bt_ids ids = {0};
     if (bt_tokenize(tok, n ? text : NULL, n, special, &ids)) fuzz_fail("bt_tokenize failed");
+    bt_ids ref = {0};
+    if (bt_tokenize(pcre2_tokenizer(), n ? text : NULL, n, special, &ref)) fuzz_fail("bt_tokenize (PCRE2) failed");
+    if (ref.n != ids.n || (ids.n && memcmp(ref.v, ids.v, ids.n * sizeof *ids.v) != 0))
+        fuzz_fail("dedicated and PCRE2 pre-tokenizers give different ids");
+    bt_ids_free(&ref);
     int32_t vocab = bt_tokenizer_vocab_size(tok);
     for (size_t i = 0; i < ids.n; i++)
         if (ids.v[i] < 0 || ids.v[i] >= vocab) fuzz_fail("token id out of range");

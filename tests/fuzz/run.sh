@@ -27,6 +27,8 @@ seed fuzz_jsonl_sample text '\x00{"text":"Plain text \\u00e9\\u4e2d 123 <|im_end
 seed fuzz_tokenizer mixed '\x01Hello <|im_start|>user\nwörld 12345 \xf0\x9f\x98\x80  \t end'
 seed fuzz_tokenizer bad '\x00\xff\xfe\xc3( \xe2\x82 tail'
 seed fuzz_yaml_config job 'model: m.gguf\ndata:\n  shards: &s [a/*.jsonl]\n  seq_len: 0x200\neval: {shards: *s}\noptim:\n  lr: 1e-3\n'
+seed fuzz_tcache_entry doc '\x01\x00\x05\x00\x01\x03\x01\x02\x03\x02\x01\x02'
+seed fuzz_tcache_entry bad '\x02\x01\x02\x00\x02\x05\x00\x01\x01\x04\x02\x00\x05oops!'
 seed fuzz_zstd_source plain '\x24\x00\x00{"text":"a"}\r\n\n{"text":"b"}\nlast'
 seed fuzz_zstd_source zstd '\x25\x00\x00{"text":"a"}\n{"text":"bb"}\n{"text":"ccc"}\n'
 seed fuzz_zstd_source cut '\x26\x80\x11{"text":"a"}\n{"text":"bb"}\n{"text":"ccc"}\n'

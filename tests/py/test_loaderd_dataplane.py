@@ -99,6 +99,8 @@ def test_nodes_share_a_cache_and_tokenize_each_shard_once(loaderd, shards, model
     again = run_job([nodes[2], nodes[0], nodes[1]], shards, model_path, world)
     assert again == ref
     assert sum(status(d)["token_cache"]["built"] for d in nodes) == 4
+    human = nodes[0].ctl("status").stdout
+    assert "token cache " + str(cache) in human and "shard(s) tokenized here" in human, human
     metrics = nodes[0].ctl("metrics").stdout
     assert "loaderd_token_cache_built_total" in metrics and "loaderd_streams" in metrics
 
