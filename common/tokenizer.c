@@ -424,6 +424,45 @@ static inline void push_pair(const bt_tokenizer *t, merge_t *heap, size_t *hn, i
     if (m) heap_push(heap, hn, (merge_t){m->rank, pos, m->new_id, a, b});
 }
 
+static void ids_append(bt_ids *a, const int32_t *v, size_t k);
+
+/* word.rs merge_all for a short word, without a heap: the current pairs' ranks in an array,
+ * repeatedly merge the lowest-ranked one (leftmost on ties), as the heap would pop them. The
+ * symbols' ids are in sym[i].id (k of them). */
+#define BPE_SMALL 32
+static void bpe_small(bt_enc_ctx *c, sym_t *sym, int32_t k) {
+    const bt_tokenizer *t = c->t;
+    int32_t id[BPE_SMALL], rank[BPE_SMALL], nid[BPE_SMALL];
+    for (int32_t i = 0; i < k; i++) id[i] = sym[i].id;
+    for (int32_t i = 0; i + 1 < k; i++) {
+        const struct bt_merge_slot *m = merge_find(t, id[i], id[i + 1]);
+        rank[i] = m ? m->rank : INT32_MAX;
+        nid[i] = m ? m->new_id : -1;
+    }
+    while (k > 1) {
+        int32_t best = INT32_MAX, bi = -1;
+        for (int32_t i = 0; i + 1 < k; i++)
+            if (rank[i] < best) {
+                best = rank[i];
+                bi = i;
+            }
+        if (bi < 0) break;
+        id[bi] = nid[bi];
+        for (int32_t i = bi + 1; i + 1 < k; i++) id[i] = id[i + 1];
+        for (int32_t i = bi + 1; i + 2 < k; i++) {
+            rank[i] = rank[i + 1];
+            nid[i] = nid[i + 1];
+        }
+        k--;
+        for (int32_t i = bi > 0 ? bi - 1 : 0; i <= bi && i + 1 < k; i++) {
+            const struct bt_merge_slot *m = merge_find(t, id[i], id[i + 1]);
+            rank[i] = m ? m->rank : INT32_MAX;
+            nid[i] = m ? m->new_id : -1;
+        }
+    }
+    ids_append(c->out, id, (size_t)k);
+}
+
 /* HF models/bpe/model.rs tokenize_with_cache + merge_word, word.rs merge_all (dropout none):
  * ignore_merges whole-piece lookup first; bytes without a single-byte token become unk_token
  * (consecutive ones fused when fuse_unk) or are dropped when there is no unk_token. */
@@ -457,6 +496,10 @@ static void bpe_merge(bt_enc_ctx *c, const uint8_t *w, size_t n) {
         k++;
     }
     if (k == 0) return;
+    if (k <= BPE_SMALL) {
+        bpe_small(c, sym, k);
+        return;
+    }
     sym[k - 1].next = -1;
     size_t hn = 0;
     for (int32_t i = 0; i + 1 < k; i++) push_pair(t, c->heap, &hn, i, sym[i].id, sym[i + 1].id);
