@@ -45,40 +45,12 @@ static const uint64_t SEEDS[] = {0, 11};
 #define N_WORLDS (sizeof WORLDS / sizeof WORLDS[0])
 #define N_SEEDS (sizeof SEEDS / sizeof SEEDS[0])
 
-static void make_data(void) {
-    tu_sbuf a1 = {0}, a2 = {0}, bt = {0};
-    char tmp[4096];
-    for (int i = 0; i < N_A; i++) {
-        tu_sbuf *b = i < N_A / 2 ? &a1 : &a2;
-        int k = snprintf(tmp, sizeof tmp, "{\"messages\":[{\"role\":\"user\",\"content\":\"ID%d; q\"},"
-                                          "{\"role\":\"assistant\",\"content\":\"a", i);
-        for (int w = 0; w < (i * 13) % 40; w++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, " w%d", w);
-        snprintf(tmp + k, sizeof tmp - (size_t)k, "\"}]}\n");
-        tu_sb_str(b, tmp);
-        if (i % 97 == 0) tu_sb_str(b, "{broken json\n");
-        if (i % 211 == 5) tu_sb_str(b, "\n");
-    }
-    tu_write_file(g_dir, "a1.jsonl", a1.p, a1.n);
-    size_t zn;
-    void *z = tu_zstd_frame(a2.p, a2.n, &zn);
-    tu_write_file(g_dir, "a2.jsonl.zst", z, zn);
-    for (int i = 0; i < N_B; i++) {
-        int k = snprintf(tmp, sizeof tmp, "{\"body\":\"TX%d; text", i);
-        int words = i % 17 == 0 ? 150 : i % 30; /* some documents longer than T: split */
-        for (int w = 0; w < words; w++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, " v%d", w);
-        snprintf(tmp + k, sizeof tmp - (size_t)k, "\"}\n");
-        tu_sb_str(&bt, tmp);
-    }
-    tu_write_file(g_dir, "b.jsonl", bt.p, bt.n);
-    free(a1.p), free(a2.p), free(bt.p), free(z);
-}
-
 static int setup(void **state) {
     (void)state;
     if (tu_load_tokenizer(&g_tok)) return -1;
     if (!getenv("BT_LOG_LEVEL")) bt_log_set_level(BT_LOG_ERROR);
     if (tu_make_tmpdir(g_dir, sizeof g_dir, "dealer")) return -1;
-    make_data();
+    tu_write_two_datasets(g_dir, N_A, N_B, 211, 17);
     return 0;
 }
 
@@ -89,16 +61,7 @@ static int teardown(void **state) {
 }
 
 static void make_spec(ld_job_spec *spec, uint64_t seed, uint32_t rank, uint32_t world, int threads) {
-    char json[2048], err[256];
-    snprintf(json, sizeof json,
-             "{\"datasets\":[{\"shards\":[\"%s/a*.jsonl*\"],\"format\":\"chat\",\"weight\":2},"
-             "{\"shards\":[\"%s/b.jsonl\"],\"format\":\"text\",\"text_field\":\"body\",\"weight\":1}],"
-             "\"tokenizer\":\"%s\",\"seq_len\":%d,\"micro_batch_size\":%d,\"seed\":%llu,\"epochs\":%d,"
-             "\"tokenizer_threads\":%d}",
-             g_dir, g_dir, tu_model_path(), T_TEST, B_TEST, (unsigned long long)seed, EPOCHS, threads);
-    if (ld_job_spec_parse(spec, json, err, sizeof err) != BT_OK) fail_msg("spec: %s", err);
-    spec->rank = rank;
-    spec->world_size = world;
+    tu_two_dataset_spec(spec, g_dir, T_TEST, B_TEST, seed, EPOCHS, threads, rank, world);
 }
 
 /* Digest of one batch: everything but the spec hash in the resume state (bytes 8..15) and the

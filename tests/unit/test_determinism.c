@@ -29,42 +29,12 @@
 static bt_tokenizer *g_tok;
 static char g_dir[64];
 
-static void chat_line(tu_sbuf *b, int id) {
-    char tmp[2048];
-    int k = snprintf(tmp, sizeof tmp, "{\"messages\":[{\"role\":\"user\",\"content\":\"ID%d; q\"},"
-                                      "{\"role\":\"assistant\",\"content\":\"a", id);
-    for (int w = 0; w < (id * 13) % 40; w++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, " w%d", w);
-    snprintf(tmp + k, sizeof tmp - (size_t)k, "\"}]}\n");
-    tu_sb_str(b, tmp);
-}
-
-static void make_data(void) {
-    tu_sbuf a1 = {0}, a2 = {0}, bt = {0};
-    for (int i = 0; i < N_A; i++) {
-        chat_line(i < N_A / 2 ? &a1 : &a2, i);
-        if (i % 97 == 0) tu_sb_str(i < N_A / 2 ? &a1 : &a2, "{broken json\n"); /* counted, skipped */
-    }
-    tu_write_file(g_dir, "a1.jsonl", a1.p, a1.n);
-    size_t zn;
-    void *z = tu_zstd_frame(a2.p, a2.n, &zn);
-    tu_write_file(g_dir, "a2.jsonl.zst", z, zn);
-    for (int i = 0; i < N_B; i++) {
-        char tmp[512];
-        int k = snprintf(tmp, sizeof tmp, "{\"body\":\"TX%d; text", i);
-        for (int w = 0; w < i % 30; w++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, " v%d", w);
-        snprintf(tmp + k, sizeof tmp - (size_t)k, "\"}\n");
-        tu_sb_str(&bt, tmp);
-    }
-    tu_write_file(g_dir, "b.jsonl", bt.p, bt.n);
-    free(a1.p), free(a2.p), free(bt.p), free(z);
-}
-
 static int setup(void **state) {
     (void)state;
     if (tu_load_tokenizer(&g_tok)) return -1;
     if (!getenv("BT_LOG_LEVEL")) bt_log_set_level(BT_LOG_ERROR);
     if (tu_make_tmpdir(g_dir, sizeof g_dir, "determinism")) return -1;
-    make_data();
+    tu_write_two_datasets(g_dir, N_A, N_B, 0, 0);
     return 0;
 }
 
@@ -75,16 +45,7 @@ static int teardown(void **state) {
 }
 
 static void make_spec(ld_job_spec *spec, int threads, int epochs, uint32_t rank, uint32_t world) {
-    char json[2048], err[256];
-    snprintf(json, sizeof json,
-             "{\"datasets\":[{\"shards\":[\"%s/a*.jsonl*\"],\"format\":\"chat\",\"weight\":2},"
-             "{\"shards\":[\"%s/b.jsonl\"],\"format\":\"text\",\"text_field\":\"body\",\"weight\":1}],"
-             "\"tokenizer\":\"%s\",\"seq_len\":%d,\"micro_batch_size\":%d,\"seed\":11,\"epochs\":%d,"
-             "\"tokenizer_threads\":%d}",
-             g_dir, g_dir, tu_model_path(), T_TEST, B_TEST, epochs, threads);
-    if (ld_job_spec_parse(spec, json, err, sizeof err) != BT_OK) fail_msg("spec: %s", err);
-    spec->rank = rank;
-    spec->world_size = world;
+    tu_two_dataset_spec(spec, g_dir, T_TEST, B_TEST, 11, epochs, threads, rank, world);
 }
 
 typedef struct {

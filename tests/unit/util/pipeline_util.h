@@ -25,4 +25,18 @@ size_t tu_run_pipeline(const ld_job_spec *spec, const bt_tokenizer *tok, const u
                        ld_stats *st, size_t max, uint64_t step0, uint32_t job_id, tu_batch_fn fn,
                        void *ctx);
 
+/* Two datasets written into dir, as the pipeline tests use them: "a1.jsonl" and "a2.jsonl.zst"
+ * (n_chat chat documents "ID<k>; q" -> "a w0 w1 ..." with (k * 13) % 40 words, split in half,
+ * the second half one zstd frame; a broken JSON line after every k % 97 == 0; a blank line
+ * after every k % blank_every == 5 when blank_every > 0) and "b.jsonl" (n_text text documents
+ * {"body": "TX<k>; text v0 v1 ..."} of k % 30 words, 150 words when long_every > 0 and
+ * k % long_every == 0). Asserts on failure. */
+void tu_write_two_datasets(const char *dir, int n_chat, int n_text, int blank_every, int long_every);
+
+/* The job spec over those datasets (chat weight 2 on a*.jsonl*, text weight 1 on b.jsonl with
+ * text_field "body") with the given seq_len, micro_batch_size, seed, epochs and tokenizer
+ * threads; rank and world_size set. Fails the test when it does not parse. */
+void tu_two_dataset_spec(ld_job_spec *spec, const char *dir, uint32_t T, uint32_t B, uint64_t seed, int epochs,
+                         int threads, uint32_t rank, uint32_t world);
+
 #endif
