@@ -116,6 +116,8 @@ static int utf8_sanitize(const char *text, size_t len, char **out, size_t *out_l
     *out = NULL;
     size_t i = 0;
     while (i < len) {
+        uint64_t w8;
+        if (i + 8 <= len && (memcpy(&w8, s + i, 8), !(w8 & 0x8080808080808080ull))) { i += 8; continue; } /* ASCII */
         if (s[i] < 0x80) { i++; continue; }
         int r = utf8_seq(s, len, i);
         if (r < 0) break;
@@ -366,6 +368,9 @@ static void build_set(bt_tokenizer *t, bt_added_set *set, int normalized) {
         while (k < n && (uint8_t)t->added[set->idx[k]].text[0] == b) k++;
     }
     set->first[256] = (uint32_t)n;
+    set->only_first = n ? (uint8_t)t->added[set->idx[0]].text[0] : -1;
+    for (int32_t i = 1; i < n; i++)
+        if ((uint8_t)t->added[set->idx[i]].text[0] != set->only_first) set->only_first = -1;
 }
 
 int bt_tok_build_added(bt_tokenizer *t) {
@@ -692,6 +697,11 @@ static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const c
     int rc = 0;
     if (set->n > 0) {
         while (i < n) {
+            if (set->only_first >= 0) { /* jump to the next byte that can start an added token */
+                const char *q = memchr(s + i, set->only_first, n - i);
+                if (!q) break;
+                i = (size_t)(q - s);
+            }
             uint32_t lo = set->first[(uint8_t)s[i]], hi = set->first[(uint8_t)s[i] + 1];
             const bt_added *a = NULL;
             for (uint32_t k = lo; k < hi; k++) {

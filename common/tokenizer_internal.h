@@ -68,6 +68,7 @@ typedef struct {
     int32_t *idx; /* indexes into bt_tokenizer.added */
     int32_t n;
     uint32_t first[257];
+    int only_first; /* the first byte of every entry when they all share one (memchr), else -1 */
 } bt_added_set;
 
 struct bt_tokenizer {
