@@ -61,6 +61,7 @@ struct ld_pipeline {
     ld_spos start;      /* position of the first window */
     size_t skip_rows;   /* rows of the first window already emitted (resume) */
     int data_done, finished;
+    _Atomic int sharing; /* pipelines on p's stream (set under the stream's mu; read by status) */
     uint64_t step;
     int err;            /* sticky error of ld_pipeline_next */
     char err_msg[512];
@@ -372,12 +373,18 @@ static int stream_offers(const ld_stream *s, const ld_spos *at, uint64_t *seq) {
     return 0;
 }
 
+/* Tell every member how many share the stream (under s->mu). */
+static void count_members(ld_stream *s) {
+    for (size_t i = 0; i < s->n_members; i++) atomic_store(&s->members[i]->sharing, (int)s->n_members);
+}
+
 static void add_member(ld_stream *s, ld_pipeline *p) {
     if (s->n_members == s->cap_members) {
         s->cap_members = s->cap_members ? 2 * s->cap_members : 4;
         s->members = bt_xrealloc(s->members, s->cap_members * sizeof *s->members);
     }
     s->members[s->n_members++] = p;
+    count_members(s);
 }
 
 /* Drop windows nobody may need: behind the slowest cursor (less LD_KEEP_BEHIND), and the
@@ -411,6 +418,8 @@ static void leave_stream(ld_pipeline *p) {
             s->members[i] = s->members[--s->n_members];
             break;
         }
+    count_members(s);
+    atomic_store(&p->sharing, 0);
     ld_window_put(p->w);
     p->w = NULL;
     int last = s->n_members == 0;
@@ -597,7 +606,7 @@ int ld_pipeline_attach(ld_pipeline **out, ld_hub *hub, const ld_job_spec *spec, 
     bt_log(BT_LOG_INFO, "loaderd", "pipeline: %u dataset(s), %zu shard(s), rank %u/%u, B=%u T=%u, %u tokenize "
            "thread(s), chat template %s%s%s%s", p->cfg->n_ds, p->cfg->n_paths, p->rank, p->cfg->world, p->cfg->B,
            p->cfg->T, p->cfg->n_threads, ld_chat_tpl_name(p->cfg->ds[0].fcfg.tpl), resume_state ? ", resumed" : "",
-           p->s && p->s->n_members > 1 ? ", sharing the job's stream" : "", p->cfg->cache ? ", token cache" : "");
+           atomic_load(&p->sharing) > 1 ? ", sharing the job's stream" : "", p->cfg->cache ? ", token cache" : "");
     *out = p;
     return BT_OK;
 }
@@ -730,13 +739,7 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
     return 0;
 }
 
-int ld_pipeline_sharing(ld_pipeline *p) {
-    if (!p || !p->s) return 0;
-    pthread_mutex_lock(&p->s->mu);
-    int n = (int)p->s->n_members;
-    pthread_mutex_unlock(&p->s->mu);
-    return n;
-}
+int ld_pipeline_sharing(ld_pipeline *p) { return p ? atomic_load(&p->sharing) : 0; }
 
 void ld_pipeline_free(ld_pipeline *p) {
     if (!p) return;

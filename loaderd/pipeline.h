@@ -168,7 +168,8 @@ int ld_pipeline_new(ld_pipeline **out, const ld_job_spec *spec, const bt_tokeniz
  * it has one. tok must outlive every pipeline of the hub that uses it. */
 int ld_pipeline_attach(ld_pipeline **out, ld_hub *hub, const ld_job_spec *spec, const bt_tokenizer *tok,
                        const uint8_t *resume_state, ld_stats *stats);
-/* Pipelines (ranks) on p's stream, p included; 0 once p's data ended before it started. */
+/* Pipelines (ranks) on p's stream, p included; 0 when p has none (its data ended before it
+ * started). Safe to call from any thread while p exists (status). */
 int ld_pipeline_sharing(ld_pipeline *p);
 /* Fill the next batch into v (a view over a slot of bt_batch_slot_bytes(B,T)): all header
  * fields (magic, version, step, counts, checksum, resume_state; job_id/rank as given) and arrays.
