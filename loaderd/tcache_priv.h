@@ -1,6 +1,6 @@
-/* loaderd token cache internals shared by tcache.c (directory, keys, locks, acquire, eviction),
- * tcache_entry.c (entry reader and writer) and tcache_build.c (tokenizing a shard into an
- * entry). Not a public API; the format is described in loaderd/tcache.h. */
+/* loaderd token cache internals shared by tcache.c (directory, keys, locks, eviction, building,
+ * acquire) and tcache_entry.c (entry reader and writer), and the fuzz target. Not a public API;
+ * the format is described in loaderd/tcache.h. */
 #ifndef LD_TCACHE_PRIV_H
 #define LD_TCACHE_PRIV_H
 #include <openssl/evp.h>
@@ -69,7 +69,7 @@ int tc_writer_bad(tc_writer *w, int kind, uint64_t line_no, int reason, const ch
 int tc_writer_commit(tc_writer *w, uint64_t n_lines, uint64_t n_blank);
 void tc_writer_abort(tc_writer *w);
 
-/* ---- tcache_build.c ---- */
+/* ---- tcache.c ---- */
 /* Tokenize shard sh into the entry at path (key, shard content SHA-256 and size as hashed for
  * the key) with n_threads workers. BT_OK when written, LD_TC_BYPASS when the shard could not be
  * read to its end, changed meanwhile or the entry could not be written (logged, counted by the
