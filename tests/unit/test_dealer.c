@@ -563,6 +563,40 @@ static void test_cache_nodes_tokenize_once(void **state) {
         }
 }
 
+/* Resuming mid-shard from a state: records before it are skipped in the entries. */
+static void test_cache_resume(void **state) {
+    (void)state;
+    const uint32_t world = 2;
+    const uint64_t seed = 11;
+    ld_tcache *c = open_cache(1ull << 30);
+    size_t ks[] = {3, 150, 400};
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++) {
+        ld_hub *hub = NULL;
+        assert_int_equal(ld_hub_new(&hub, c), BT_OK);
+        rank_run rr[2];
+        memset(rr, 0, sizeof rr);
+        for (uint32_t r = 0; r < world; r++) attach_rank(&rr[r], hub, seed, r, world, NULL, 0);
+        drive(rr, world, 5, ks[i]);
+        uint8_t st[2][BT_RESUME_STATE_BYTES];
+        for (uint32_t r = 0; r < world; r++) {
+            memcpy(st[r], rr[r].state, sizeof st[r]);
+            free(rr[r].d.d);
+            detach_rank(&rr[r]);
+        }
+        memset(rr, 0, sizeof rr);
+        for (uint32_t r = 0; r < world; r++) attach_rank(&rr[r], hub, seed, r, world, st[r], ks[i]);
+        drive(rr, world, 5, 0);
+        for (uint32_t r = 0; r < world; r++) {
+            assert_same(&rr[r].d, ref_for(world, seed, r), "cache resume", world, seed, r, ks[i]);
+            free(rr[r].d.d);
+            detach_rank(&rr[r]);
+        }
+        ld_hub_free(hub);
+    }
+    assert_int_equal(ST(c, built), 3);
+    ld_tcache_free(c);
+}
+
 /* A cache far too small: entries are evicted (never one being read) and rebuilt, batches stay. */
 static void test_cache_eviction(void **state) {
     (void)state;
@@ -608,6 +642,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_cache_once_and_reused, cache_setup, cache_teardown),
         cmocka_unit_test_setup_teardown(test_cache_damage_and_hostile_files, cache_setup, cache_teardown),
         cmocka_unit_test_setup_teardown(test_cache_nodes_tokenize_once, cache_setup, cache_teardown),
+        cmocka_unit_test_setup_teardown(test_cache_resume, cache_setup, cache_teardown),
         cmocka_unit_test_setup_teardown(test_cache_eviction, cache_setup, cache_teardown),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
