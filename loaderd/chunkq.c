@@ -17,6 +17,7 @@ struct ld_chunkq {
     size_t Q;
     uint64_t next_fill, next_take;
     int stop, finished, fatal;
+    int take_cancelled; /* ld_chunkq_cancel_take */
     char fatal_msg[600];
     pthread_t *workers;
     uint32_t n_workers;
@@ -184,6 +185,10 @@ int ld_chunkq_take(ld_chunkq *q, ld_chunk **out) {
             pthread_mutex_unlock(&q->mu);
             return bt_fail(BT_ERR_IO, "tokenize queue stopped");
         }
+        if (q->take_cancelled) {
+            pthread_mutex_unlock(&q->mu);
+            return bt_fail(BT_ERR_CLOSED, "cancelled");
+        }
         if (c->state == SLOT_DONE && c->seq == q->next_take) break;
         if (q->finished && q->next_take == q->next_fill) {
             pthread_mutex_unlock(&q->mu);
@@ -210,6 +215,13 @@ void ld_chunkq_release(ld_chunkq *q, ld_chunk *c) {
     c->state = SLOT_EMPTY;
     q->next_take++;
     pthread_cond_signal(&q->cv_producer);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void ld_chunkq_cancel_take(ld_chunkq *q) {
+    pthread_mutex_lock(&q->mu);
+    q->take_cancelled = 1;
+    pthread_cond_broadcast(&q->cv_consumer);
     pthread_mutex_unlock(&q->mu);
 }
 

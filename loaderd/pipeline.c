@@ -65,6 +65,8 @@ struct ld_pipeline {
     uint64_t step;
     int err;            /* sticky error of ld_pipeline_next */
     char err_msg[512];
+    _Atomic int cancelled; /* ld_pipeline_cancel */
+    pthread_mutex_t s_mu;  /* serialises ld_pipeline_cancel with p->s changing (join/leave) */
 };
 
 /* ---------------------------------------------------------------- job configuration */
@@ -409,8 +411,12 @@ static void trim(ld_stream *s) {
 
 /* Remove p from its stream; free the stream when it was the last member. */
 static void leave_stream(ld_pipeline *p) {
+    pthread_mutex_lock(&p->s_mu);
     ld_stream *s = p->s;
-    if (!s) return;
+    if (!s) {
+        pthread_mutex_unlock(&p->s_mu);
+        return;
+    }
     if (s->shared) pthread_mutex_lock(&p->hub->mu);
     pthread_mutex_lock(&s->mu);
     for (size_t i = 0; i < s->n_members; i++)
@@ -433,11 +439,13 @@ static void leave_stream(ld_pipeline *p) {
             }
     if (s->shared) pthread_mutex_unlock(&p->hub->mu);
     p->s = NULL;
+    pthread_mutex_unlock(&p->s_mu);
     if (last) ld_stream_free(s); /* joins its threads: outside the locks */
 }
 
-/* A stream for p starting at `at`: joined from the hub when one offers it (shared), else new. */
-static int join_stream(ld_pipeline *p, const ld_spos *at, int use_hub) {
+/* A stream for p starting at `at`: joined from the hub when one offers it (shared), else new.
+ * Caller holds p->s_mu. */
+static int join_stream_locked(ld_pipeline *p, const ld_spos *at, int use_hub) {
     ld_hub *h = use_hub ? p->hub : NULL;
     if (h) {
         pthread_mutex_lock(&h->mu);
@@ -479,6 +487,13 @@ static int join_stream(ld_pipeline *p, const ld_spos *at, int use_hub) {
     return rc;
 }
 
+static int join_stream(ld_pipeline *p, const ld_spos *at, int use_hub) {
+    pthread_mutex_lock(&p->s_mu);
+    int rc = join_stream_locked(p, at, use_hub);
+    pthread_mutex_unlock(&p->s_mu);
+    return rc;
+}
+
 /* p fell too far behind its shared stream: continue on a stream of its own from where it is. */
 static int go_private(ld_pipeline *p) {
     ld_spos at = p->w ? p->w->end : p->start;
@@ -493,6 +508,7 @@ static int go_private(ld_pipeline *p) {
 /* Make p->w the next window (building it if nobody has yet). */
 static int advance(ld_pipeline *p) {
     for (;;) {
+        if (atomic_load(&p->cancelled)) return bt_fail(BT_ERR_CLOSED, "cancelled");
         ld_stream *s = p->s;
         pthread_mutex_lock(&s->mu);
         uint64_t want = p->w ? p->w->seq + 1 : p->want_seq;
@@ -515,6 +531,10 @@ static int advance(ld_pipeline *p) {
                 snprintf(msg, sizeof msg, "%s", s->err_msg);
                 pthread_mutex_unlock(&s->mu);
                 return bt_fail(rc, "%s", msg);
+            }
+            if (atomic_load(&p->cancelled)) { /* ld_pipeline_cancel broadcasts s->cv */
+                pthread_mutex_unlock(&s->mu);
+                return bt_fail(BT_ERR_CLOSED, "cancelled");
             }
             if (s->building) {
                 pthread_cond_wait(&s->cv, &s->mu);
@@ -588,6 +608,7 @@ int ld_pipeline_attach(ld_pipeline **out, ld_hub *hub, const ld_job_spec *spec, 
         return bt_fail(BT_ERR_INVALID, "pipeline: bad spec (B=%u T=%u rank=%u world_size=%u shards=%d datasets=%d)",
                        spec->B, spec->T, spec->rank, spec->world_size, spec->n_shards, spec->n_datasets);
     ld_pipeline *p = bt_xcalloc(1, sizeof *p);
+    pthread_mutex_init(&p->s_mu, NULL);
     p->hub = hub;
     p->rank = spec->rank;
     p->stats = stats ? stats : &p->own_stats;
@@ -741,9 +762,32 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
 
 int ld_pipeline_sharing(ld_pipeline *p) { return p ? atomic_load(&p->sharing) : 0; }
 
+void ld_pipeline_cancel(ld_pipeline *p) {
+    if (!p) return;
+    atomic_store(&p->cancelled, 1);
+    pthread_mutex_lock(&p->s_mu); /* p->s cannot change or go away meanwhile */
+    ld_stream *s = p->s;
+    if (s) {
+        pthread_mutex_lock(&s->mu);
+        int live = 0;
+        for (size_t i = 0; i < s->n_members; i++) live += !atomic_load(&s->members[i]->cancelled);
+        if (!live && s->q) { /* nobody will use the window being built: abandon it */
+            if (!s->err) {
+                s->err = BT_ERR_CLOSED;
+                snprintf(s->err_msg, sizeof s->err_msg, "cancelled");
+            }
+            ld_chunkq_cancel_take(s->q);
+        }
+        pthread_cond_broadcast(&s->cv); /* a member waiting for another's window */
+        pthread_mutex_unlock(&s->mu);
+    }
+    pthread_mutex_unlock(&p->s_mu);
+}
+
 void ld_pipeline_free(ld_pipeline *p) {
     if (!p) return;
     leave_stream(p);
+    pthread_mutex_destroy(&p->s_mu);
     ld_scfg_put(p->cfg);
     free(p);
 }

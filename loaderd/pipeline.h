@@ -185,5 +185,13 @@ int ld_pipeline_sharing(ld_pipeline *p);
 int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id);
 /* Stop and join all threads, free everything (NULL is fine). */
 void ld_pipeline_free(ld_pipeline *p);
+/* Make a blocked or later ld_pipeline_next(p) return soon with BT_ERR_CLOSED ("cancelled"), so a
+ * job being torn down never waits for a window it will not use: called from any thread (the
+ * server's loop, at detach and at SIGTERM) while another may be in ld_pipeline_next; p stays
+ * valid until ld_pipeline_free. When every pipeline sharing p's stream is cancelled, the window
+ * being built is abandoned (the stream is then offered to nobody: a rank attaching later starts a
+ * fresh one); while another rank still uses the stream, a window p itself is building is finished
+ * for that rank first (at most one window). Idempotent; NULL is a no-op. */
+void ld_pipeline_cancel(ld_pipeline *p);
 
 #endif

@@ -101,6 +101,7 @@ static void *producer_main(void *arg) {
     while (priv && !atomic_load(&j->stop)) {
         if (!produced) {
             rc = ld_pipeline_next(j->pipe, &v, j->id);
+            if (rc < 0 && atomic_load(&j->stop)) break; /* cancelled by the teardown: not a failure */
             if (rc < 0) {
                 snprintf(j->err, sizeof j->err, "pipeline: %s", bt_last_error());
                 state = JOB_FAILED;
@@ -190,6 +191,7 @@ void ld_job_teardown(job *j) {
     j->owner = NULL;
     atomic_store(&j->stop, 1);
     bt_ring_consumer_close(&j->ring); /* wakes a producer blocked on a full ring */
+    ld_pipeline_cancel(j->pipe);      /* ... and one waiting for the window it needs */
     j->teardown.data = j;
     if (uv_queue_work(s->loop, &j->teardown, teardown_work, teardown_done) != 0) {
         teardown_work(&j->teardown); /* cannot happen with a live loop; stay correct anyway */

@@ -7,6 +7,7 @@ of a node share one stream. Also: the cache keys in the configuration are checke
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -123,3 +124,41 @@ def test_cache_config_errors(loaderd, bins, shards, model_path, tmp_path):
     p.write_text(json.dumps(dict(base, token_cache_dir=str(wide))))
     out = subprocess.run([bins.path("loaderd"), "--config", str(p)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "world-writable" in out.stderr, out.stderr
+
+
+def test_stop_never_waits_for_a_window_nobody_will_use(loaderd, shards, model_path, tmp_path):
+    """A job torn down while its window is still being built (here: every shard's token-cache
+    entry locked by "another node", so the reader waits up to token_cache_wait_s) must not hold
+    loaderd's stop (SIGTERM) or the job's teardown until that window exists: the window nobody
+    will use is abandoned. Before the fix loaderd hung until token_cache_wait_s ran out."""
+    import fcntl
+    import glob
+    cache = tmp_path / "cache"
+    d = loaderd({"data_roots": [str(shards)], "model_roots": [os.path.dirname(model_path)],
+                 "token_cache_dir": str(cache), "token_cache_wait_s": 3600})
+    run_job([d], shards, model_path, 1)  # fills the cache (entries and their .lock files)
+    locks = sorted(glob.glob(str(cache / "**" / "*.lock"), recursive=True))
+    entries = glob.glob(str(cache / "**" / "*.btc"), recursive=True)
+    assert len(locks) == 4 and len(entries) == 4, (locks, entries)
+    for e in entries:
+        os.unlink(e)
+    held = []
+    try:
+        for p in locks:  # "another node" is tokenizing every shard
+            fd = os.open(p, os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held.append(fd)
+        s, rep, ring = attach(d, spec(shards, model_path), rank=0, world=1)
+        assert rep["ok"], rep
+        end = time.time() + 120
+        while "is being tokenized by another process or job: waiting" not in d.log_text():
+            assert time.time() < end, d.log_text()
+            time.sleep(0.05)
+        assert ring.head.value == 0  # no batch: its window is waiting for the cache
+        rc = d.stop()  # SIGTERM; raises "loaderd did not stop" after 30 s
+        assert rc == 0, d.log_text()
+        s.close()
+        ring.close()
+    finally:
+        for fd in held:
+            os.close(fd)
