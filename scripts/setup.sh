@@ -6,7 +6,7 @@ set -euo pipefail
 
 DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
           libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev libssl-dev
-          systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox)
+          systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox gdb)
 PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.17.1" "tensorboard==2.21.0")
 
 missing=()

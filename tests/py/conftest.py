@@ -150,6 +150,19 @@ def notify_socket():
     n.close()
 
 
+def thread_stacks(pid):
+    """Every thread's stack of a process that hangs (gdb, when installed), for the failure message."""
+    gdb = shutil.which("gdb")
+    if not gdb:
+        return "(no gdb: no stacks)"
+    try:
+        r = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
+                           capture_output=True, text=True, timeout=120)
+        return r.stdout[-20000:] + r.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        return "(gdb timed out)"
+
+
 class Loaderd:
     """A running loaderd. .sock, .proc, .log_text(), .request(obj), .ctl(*args), .stop()."""
 
@@ -212,9 +225,10 @@ class Loaderd:
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stacks = thread_stacks(self.proc.pid)
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError("loaderd did not stop\n" + self.log_text())
+            raise AssertionError("loaderd did not stop\n" + self.log_text() + "\n" + stacks)
         self.log.close()
         return rc
 
