@@ -284,9 +284,10 @@ $(EMU_BUILD)/obj/tests/emu/nccl_emu.o $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) $(EMU_CXXFLAGS) -c $< -o $@
 
-$(EMU_NCCL_TEST): $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o $(EMU_BUILD)/obj/tests/emu/nccl_emu.o
+$(EMU_NCCL_TEST): $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o $(EMU_BUILD)/obj/tests/emu/nccl_emu.o \
+                  $(EMU_BUILD)/obj/tests/emu/cuda_emu.o
 	@mkdir -p $(dir $@)
-	$(EMU_CXX) -o $@ $^ -lrt
+	$(EMU_CXX) -o $@ $^ -lrt -lpthread
 
 $(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) $(GPU_TEST_HDRS) \
                       $(HDRS) $(wildcard trainer/cuda/*.h)

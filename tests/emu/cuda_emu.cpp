@@ -16,6 +16,7 @@
  * cudaMalloc buffer (guard pages, reported by a SIGSEGV handler), stack overflow of a thread. */
 #include "tests/emu/cuda_emu.h"
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdarg>
@@ -24,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #if !defined(__x86_64__)
@@ -31,6 +33,7 @@
 #endif
 
 namespace bt_emu {
+void stream_drain(cudaStream_t s); /* below, with the streams */
 
 uint3 g_tid, g_bid;
 dim3 g_bdim, g_gdim;
@@ -803,7 +806,7 @@ void wmma_mma(float d[8], const __nv_bfloat16 a[8], const __nv_bfloat16 b[8], co
 cudaError_t run(const void *kfn, const char *name, dim3 grid, dim3 block, size_t smem,
                 cudaStream_t stream, body_fn body, void *ctx)
 {
-    (void)stream;
+    stream_drain(stream); /* after the stream's earlier work (an NCCL collective) */
     if (g_launch.active)
         fail("kernel %s launched from inside kernel %s (dynamic parallelism is not emulated)", name,
              g_launch.name);
@@ -875,11 +878,38 @@ using namespace bt_emu;
 
 struct CUstream_st {
     unsigned magic;
+    std::atomic<int> holds; /* work of other threads still pending on this stream (NCCL) */
 };
 struct CUevent_st {
     double t;
 };
 static const unsigned STREAM_MAGIC = 0x57AEA3u;
+static CUstream_st g_null_stream{STREAM_MAGIC, {0}}; /* the legacy default stream (0) */
+
+/* Stream-ordered work that runs on another thread: tests/emu/nccl_emu.cpp's collectives on a
+ * non-blocking communicator hold their stream (+1) from the call until they complete (-1). Until
+ * then cudaStreamQuery says cudaErrorNotReady, and every later operation on the stream
+ * (launches, async copies and sets, cuBLAS, synchronisation) first waits for it: CUDA's stream
+ * order. Called from any thread. */
+extern "C" void bt_emu_stream_hold(cudaStream_t s, int delta)
+{
+    (s ? s : &g_null_stream)->holds.fetch_add(delta, std::memory_order_acq_rel);
+}
+
+namespace bt_emu {
+void stream_drain(cudaStream_t s)
+{
+    CUstream_st *st = s ? s : &g_null_stream;
+    for (unsigned spins = 0; st->holds.load(std::memory_order_acquire) > 0; spins++) {
+        if (spins < 1000) {
+            sched_yield();
+            continue;
+        }
+        const timespec ts = {0, 200000};
+        nanosleep(&ts, nullptr);
+    }
+}
+} // namespace bt_emu
 
 static double now_ms()
 {
@@ -943,10 +973,12 @@ cudaError_t cudaFreeHost(void *p)
     free(p);
     return cudaSuccess;
 }
+/* A valid stream (0 included) whose earlier work is done (stream_drain). */
 static cudaError_t check_stream(cudaStream_t s)
 {
     if (s && s->magic != STREAM_MAGIC)
         return g_last_error = cudaErrorInvalidResourceHandle;
+    stream_drain(s);
     return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind)
@@ -980,7 +1012,7 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
 }
 cudaError_t cudaStreamCreate(cudaStream_t *s)
 {
-    *s = new CUstream_st{STREAM_MAGIC};
+    *s = new CUstream_st{STREAM_MAGIC, {0}};
     return cudaSuccess;
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) { return cudaStreamCreate(s); }
@@ -993,6 +1025,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { return check_stream(s); }
+cudaError_t cudaStreamQuery(cudaStream_t s)
+{
+    if (s && s->magic != STREAM_MAGIC)
+        return g_last_error = cudaErrorInvalidResourceHandle;
+    return (s ? s : &g_null_stream)->holds.load(std::memory_order_acquire) > 0 ? cudaErrorNotReady
+                                                                              : cudaSuccess;
+}
 cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaGetLastError(void)
 {

@@ -1,7 +1,17 @@
 /* NCCL for the CPU CUDA emulator (tests/emu/README.md, "NCCL"): the subset of the real
  * $(CUDA_HOME)/include/nccl.h API that data-parallel training uses, across PROCESSES (one per rank)
- * on one machine. Device pointers are host pointers in the emulator and every call is synchronous
- * (streams are ignored): a collective returns with its result in recvbuff.
+ * on one machine. Device pointers are host pointers in the emulator.
+ *
+ * Blocking communicators (ncclCommInitRank, or ncclCommInitRankConfig with config->blocking != 0)
+ * run every call synchronously (streams are ignored): a collective returns with its result in
+ * recvbuff. Non-blocking ones (ncclCommInitRankConfig with config->blocking == 0, NCCL's mode for
+ * fault tolerance) behave like NCCL's: init returns ncclInProgress and ncclCommGetAsyncError says
+ * ncclInProgress until every rank has joined; a collective returns ncclInProgress once enqueued
+ * and runs on the communicator's own thread (the "GPU"), holding its stream until it completes
+ * (tests/emu/cuda_emu.cpp bt_emu_stream_hold: cudaStreamQuery is cudaErrorNotReady meanwhile, and
+ * later work on the stream waits for it); a failure sets the communicator's async error and keeps
+ * the stream held (NCCL kernels keep spinning) until ncclCommAbort, which ends the communicator's
+ * waits at once, from any thread.
  *
  * ncclCommInitRank attaches to the POSIX shared memory "/bt-nccl-emu-<hex of the id>", created
  * zero-filled by the first rank; once all ranks are attached each one unlinks the name, so nothing
@@ -10,19 +20,27 @@
  * write my chunk into my slot, barrier, read the slots (reductions in rank order 0..n-1, so every
  * rank gets bit-identical results), barrier. The barrier is sense-reversing on a generation counter
  * (spin, sched_yield, then nanosleep). Every wait returns an error on a failure another rank
- * recorded, on a peer process that died, or after NCCL_EMU_TIMEOUT_S seconds (default 120, 0 =
- * never); the failing rank records why in the segment and the others return ncclRemoteError. The
- * message is in ncclGetLastError, and on stderr when NCCL_DEBUG is set. nranks == 1: no shm. */
+ * recorded, on a peer process that died, on ncclCommAbort, or after NCCL_EMU_TIMEOUT_S seconds
+ * (default 120, 0 = never); the failing rank records why in the segment and the others return
+ * ncclRemoteError. NCCL_EMU_PEER_LOSS=hang emulates NCCL within one node (shared memory, NVLink)
+ * instead: a peer that dies or is stopped, or aborts its communicator, is noticed by nobody, and
+ * the others wait until their own ncclCommAbort (or NCCL_EMU_TIMEOUT_S). The message is in
+ * ncclGetLastError, and on stderr when NCCL_DEBUG is set. nranks == 1: no shm. */
 #include <nccl.h>
 
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 
 #include <fcntl.h>
@@ -61,6 +79,19 @@ constexpr size_t kHdr = (sizeof(Hdr) + 4095) / 4096 * 4096;
 
 thread_local char g_last[512] = "";
 
+/* tests/emu/cuda_emu.cpp when linked (emulated programs); absent in test_nccl_emu */
+extern "C" void bt_emu_stream_hold(cudaStream_t s, int delta) __attribute__((weak));
+void stream_hold(cudaStream_t s, int delta)
+{
+    if (bt_emu_stream_hold) bt_emu_stream_hold(s, delta);
+}
+
+bool peer_loss_hangs() /* NCCL_EMU_PEER_LOSS=hang: nothing notices a lost peer */
+{
+    const char *e = getenv("NCCL_EMU_PEER_LOSS");
+    return e && !strcmp(e, "hang");
+}
+
 double now_s()
 {
     timespec ts;
@@ -95,9 +126,19 @@ struct ncclComm {
     size_t map_bytes = 0;
     int n = 0, rank = 0;
     uint64_t seq = 0;
-    ncclResult_t err = ncclSuccess; /* sticky: a failed communicator stays failed */
-    char name[64] = "";             /* the shm name until every rank is attached */
+    std::atomic<ncclResult_t> err{ncclSuccess}; /* sticky: a failed communicator stays failed */
+    char name[64] = "";                         /* the shm name until every rank is attached */
     char *slot(int r) const { return (char *)h + kHdr + (size_t)r * kSlot; }
+    /* non-blocking mode: calls run in order on `worker` */
+    bool nonblocking = false;
+    std::atomic<bool> init_done{true}, aborting{false};
+    std::mutex mu; /* guards queue, quit, stuck, why */
+    std::condition_variable cv;
+    std::deque<std::pair<std::function<ncclResult_t()>, cudaStream_t>> queue;
+    std::vector<cudaStream_t> stuck; /* streams held by failed calls, released by ncclCommAbort */
+    bool quit = false;
+    std::thread worker;
+    char why[512] = ""; /* the communicator's last error, for ncclGetLastError(comm) */
 };
 
 namespace {
@@ -115,6 +156,10 @@ ncclResult_t error(ncclComm *c, ncclResult_t code, bool shared, const char *fmt,
     va_end(ap);
     snprintf(g_last, sizeof g_last, "bt-nccl-emu rank %d: %s", c->rank, msg);
     if (getenv("NCCL_DEBUG")) fprintf(stderr, "%s\n", g_last);
+    {
+        std::lock_guard<std::mutex> lk(c->mu);
+        snprintf(c->why, sizeof c->why, "%s", g_last);
+    }
     uint32_t zero = 0;
     if (shared && c->n > 1 && c->h->fail_code.compare_exchange_strong(zero, (uint32_t)code)) {
         snprintf(c->h->why, sizeof c->h->why, "rank %d: %s", c->rank, msg);
@@ -130,8 +175,11 @@ template <class F> ncclResult_t wait_until(ncclComm *c, F done, const char *what
 {
     const double t0 = now_s(), limit = timeout_s();
     double next_check = t0 + 0.05;
+    const bool hang = peer_loss_hangs();
     for (unsigned spins = 0;; spins++) {
         if (done()) return ncclSuccess;
+        if (c->aborting.load(std::memory_order_acquire))
+            return error(c, ncclSystemError, false, "%s: the communicator was aborted (ncclCommAbort)", what);
         if (c->h->fail_code.load(std::memory_order_acquire) && !done()) {
             for (int i = 0; i < 10000 && !c->h->fail_ready.load(std::memory_order_acquire); i++) sched_yield();
             return error(c, ncclRemoteError, false, "%s aborted: %s", what,
@@ -147,7 +195,7 @@ template <class F> ncclResult_t wait_until(ncclComm *c, F done, const char *what
         const double t = now_s();
         if (t < next_check) continue;
         next_check = t + 0.05;
-        for (int r = 0; r < c->n; r++)
+        for (int r = 0; r < c->n && !hang; r++)
             if (r != c->rank && process_dead(c->h->pid[r]) && !done() && !c->h->fail_code.load())
                 return error(c, ncclRemoteError, true, "rank %d (pid %d) exited while rank %d waited in %s", r,
                              c->h->pid[r], c->rank, what);
@@ -231,6 +279,12 @@ void reduce_slots(ncclComm *c, ncclDataType_t dt, void *out, size_t off, size_t 
     case ncclBfloat16: return reduce_t<__nv_bfloat16>(c, out, off, n, op);
     default: return;
     }
+}
+
+ncclResult_t no_comm(Kind kind)
+{
+    snprintf(g_last, sizeof g_last, "bt-nccl-emu: %s: comm is NULL", kKindName[kind]);
+    return ncclInvalidArgument;
 }
 
 /* One collective: argument checks, then rounds of at most per_round elements (at least one round,
@@ -347,44 +401,147 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId)
     return ncclSystemError;
 }
 
-ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank)
+namespace {
+
+/* The non-blocking communicator's thread: runs the queued calls in order. A call that succeeds
+ * releases its stream; one that fails keeps it held (ncclCommAbort releases it), and so do the
+ * calls queued behind it, which fail at once on the sticky error. */
+void worker_main(ncclComm *c)
+{
+    for (;;) {
+        std::unique_lock<std::mutex> lk(c->mu);
+        c->cv.wait(lk, [&] { return c->quit || !c->queue.empty(); });
+        if (c->queue.empty()) return;
+        auto job = std::move(c->queue.front());
+        c->queue.pop_front();
+        lk.unlock();
+        const ncclResult_t r = job.first();
+        lk.lock();
+        if (r == ncclSuccess) stream_hold(job.second, -1);
+        else c->stuck.push_back(job.second);
+    }
+}
+
+/* Run `call` now (blocking communicator) or queue it on the communicator's thread holding
+ * `stream` (non-blocking: returns ncclInProgress, or the sticky error of a failed one). */
+ncclResult_t submit(ncclComm *c, cudaStream_t stream, std::function<ncclResult_t()> call)
+{
+    if (!c->nonblocking) return call();
+    if (c->err != ncclSuccess) return c->err;
+    stream_hold(stream, 1);
+    {
+        std::lock_guard<std::mutex> lk(c->mu);
+        c->queue.emplace_back(std::move(call), stream);
+    }
+    c->cv.notify_one();
+    return ncclInProgress;
+}
+
+/* Stops the communicator's thread: after the queued calls (drain) or at once (abort: waits end
+ * with an error, calls not started are dropped); every stream still held is released. */
+void stop_worker(ncclComm *c, bool drain)
+{
+    if (!c->worker.joinable()) return;
+    if (!drain) c->aborting.store(true, std::memory_order_release);
+    {
+        std::lock_guard<std::mutex> lk(c->mu);
+        c->quit = true;
+        if (!drain)
+            for (auto &q : c->queue) c->stuck.push_back(q.second);
+        if (!drain) c->queue.clear();
+    }
+    c->cv.notify_all();
+    c->worker.join();
+    for (cudaStream_t s : c->stuck) stream_hold(s, -1);
+    c->stuck.clear();
+}
+
+void comm_free(ncclComm *c)
+{
+    if (c->h) munmap(c->h, c->map_bytes);
+    delete c;
+}
+
+ncclResult_t comm_init(ncclComm_t *comm, int nranks, const ncclUniqueId &id, int rank, bool nonblocking)
 {
     if (!comm) return ncclInvalidArgument;
     ncclComm *c = new ncclComm;
     *comm = nullptr;
     c->n = nranks;
     c->rank = rank;
-    ncclResult_t r;
-    if (nranks < 1 || nranks > kMaxRanks || rank < 0 || rank >= nranks)
-        r = error(c, ncclInvalidArgument, false, "ncclCommInitRank: rank %d of %d (at most %d ranks)", rank, nranks,
-                  kMaxRanks);
-    else if (memcmp(commId.internal, kTag, sizeof kTag) != 0)
-        r = error(c, ncclInvalidArgument, false, "ncclCommInitRank: the id does not come from ncclGetUniqueId");
-    else
-        r = init_rank(c, nranks, commId, rank);
-    if (r == ncclSuccess) {
-        *comm = c;
+    if (nranks < 1 || nranks > kMaxRanks || rank < 0 || rank >= nranks) {
+        const ncclResult_t r = error(c, ncclInvalidArgument, false, "ncclCommInitRank: rank %d of %d (at most %d ranks)",
+                                     rank, nranks, kMaxRanks);
+        comm_free(c);
         return r;
     }
-    if (c->h) munmap(c->h, c->map_bytes);
-    delete c;
-    return r;
+    if (memcmp(id.internal, kTag, sizeof kTag) != 0) {
+        const ncclResult_t r =
+            error(c, ncclInvalidArgument, false, "ncclCommInitRank: the id does not come from ncclGetUniqueId");
+        comm_free(c);
+        return r;
+    }
+    if (!nonblocking) {
+        const ncclResult_t r = init_rank(c, nranks, id, rank);
+        if (r == ncclSuccess) *comm = c;
+        else comm_free(c);
+        return r;
+    }
+    /* NCCL's non-blocking init: the handle is valid at once, the joining happens meanwhile */
+    c->nonblocking = true;
+    c->init_done.store(false);
+    c->worker = std::thread(worker_main, c);
+    *comm = c;
+    const ncclUniqueId idc = id;
+    {
+        std::lock_guard<std::mutex> lk(c->mu);
+        c->queue.emplace_back(
+            [c, nranks, idc, rank] {
+                const ncclResult_t r = init_rank(c, nranks, idc, rank);
+                c->init_done.store(true, std::memory_order_release);
+                return r;
+            },
+            nullptr);
+    }
+    stream_hold(nullptr, 1); /* balanced by the worker (the init "runs" on the null stream) */
+    c->cv.notify_one();
+    return ncclInProgress;
+}
+
+} // namespace
+
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank)
+{
+    return comm_init(comm, nranks, commId, rank, false);
+}
+
+/* config: only `blocking` is read (0 = non-blocking; NCCL_CONFIG_UNDEF_INT or 1 = blocking). */
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t *config)
+{
+    return comm_init(comm, nranks, commId, rank, config && config->blocking == 0);
 }
 
 ncclResult_t ncclCommFinalize(ncclComm_t) { return ncclSuccess; }
 
+/* Waits for the queued calls (like NCCL, it hangs if one never completes: use ncclCommAbort). */
 ncclResult_t ncclCommDestroy(ncclComm_t comm)
 {
-    if (comm && comm->h) munmap(comm->h, comm->map_bytes);
-    delete comm;
+    if (!comm) return ncclSuccess;
+    stop_worker(comm, true);
+    comm_free(comm);
     return ncclSuccess;
 }
 
-/* Tells the other ranks (their current or next wait returns ncclRemoteError), then destroys. */
+/* Ends the communicator's waits now (from any thread), tells the other ranks (their current or
+ * next wait returns ncclRemoteError; not with NCCL_EMU_PEER_LOSS=hang), then destroys it. */
 ncclResult_t ncclCommAbort(ncclComm_t comm)
 {
-    if (comm && comm->err == ncclSuccess && comm->n > 1) error(comm, ncclRemoteError, true, "ncclCommAbort was called");
-    return ncclCommDestroy(comm);
+    if (!comm) return ncclSuccess;
+    stop_worker(comm, false);
+    if (comm->err == ncclSuccess && comm->n > 1 && comm->h && !peer_loss_hangs())
+        error(comm, ncclRemoteError, true, "ncclCommAbort was called");
+    comm_free(comm);
+    return ncclSuccess;
 }
 
 const char *ncclGetErrorString(ncclResult_t result)
@@ -402,7 +559,16 @@ const char *ncclGetErrorString(ncclResult_t result)
     }
 }
 
-const char *ncclGetLastError(ncclComm_t) { return g_last; } /* the calling thread's last error */
+/* The communicator's last error (its own thread's, in non-blocking mode), else the calling
+ * thread's. */
+const char *ncclGetLastError(ncclComm_t comm)
+{
+    if (comm) {
+        std::lock_guard<std::mutex> lk(comm->mu);
+        if (comm->why[0]) snprintf(g_last, sizeof g_last, "%s", comm->why);
+    }
+    return g_last;
+}
 
 #define BT_NCCL_GET(fn, T, expr)                                \
     ncclResult_t fn(const ncclComm_t comm, T *out)              \
@@ -411,65 +577,80 @@ const char *ncclGetLastError(ncclComm_t) { return g_last; } /* the calling threa
         *out = (expr);                                          \
         return ncclSuccess;                                     \
     }
-BT_NCCL_GET(ncclCommGetAsyncError, ncclResult_t, comm->err) /* the sticky error of a failed comm */
+/* the sticky error of a failed comm; ncclInProgress while a non-blocking init is joining */
+BT_NCCL_GET(ncclCommGetAsyncError, ncclResult_t,
+            comm->err != ncclSuccess ? comm->err.load() : comm->init_done.load() ? ncclSuccess : ncclInProgress)
 BT_NCCL_GET(ncclCommCount, int, comm->n)
 BT_NCCL_GET(ncclCommCuDevice, int, 0)
 BT_NCCL_GET(ncclCommUserRank, int, comm->rank)
 
 ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
-                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t)
+                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream)
 {
-    const size_t es = dtype_size(datatype);
-    return collective(
-        comm, kAllReduce, count, datatype, op, 0, kSlot,
-        [&](size_t off, size_t n) { memcpy(comm->slot(comm->rank), (const char *)sendbuff + off * es, n * es); },
-        [&](size_t off, size_t n) { reduce_slots(comm, datatype, (char *)recvbuff + off * es, 0, n, op); });
+    if (!comm) return no_comm(kAllReduce);
+    return submit(comm, stream, [=] {
+        const size_t es = dtype_size(datatype);
+        return collective(
+            comm, kAllReduce, count, datatype, op, 0, kSlot,
+            [&](size_t off, size_t n) { memcpy(comm->slot(comm->rank), (const char *)sendbuff + off * es, n * es); },
+            [&](size_t off, size_t n) { reduce_slots(comm, datatype, (char *)recvbuff + off * es, 0, n, op); });
+    });
 }
 
 ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, int root,
-                           ncclComm_t comm, cudaStream_t)
+                           ncclComm_t comm, cudaStream_t stream)
 {
-    const size_t es = dtype_size(datatype);
-    return collective(
-        comm, kBroadcast, count, datatype, ncclSum, root, kSlot,
-        [&](size_t off, size_t n) {
-            if (comm->rank == root) memcpy(comm->slot(root), (const char *)sendbuff + off * es, n * es);
-        },
-        [&](size_t off, size_t n) { memcpy((char *)recvbuff + off * es, comm->slot(root), n * es); });
+    if (!comm) return no_comm(kBroadcast);
+    return submit(comm, stream, [=] {
+        const size_t es = dtype_size(datatype);
+        return collective(
+            comm, kBroadcast, count, datatype, ncclSum, root, kSlot,
+            [&](size_t off, size_t n) {
+                if (comm->rank == root) memcpy(comm->slot(root), (const char *)sendbuff + off * es, n * es);
+            },
+            [&](size_t off, size_t n) { memcpy((char *)recvbuff + off * es, comm->slot(root), n * es); });
+    });
 }
 
 /* recvbuff[q * sendcount, +sendcount) = sendbuff of rank q; in place: sendbuff at my own part. */
 ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, ncclDataType_t datatype,
-                           ncclComm_t comm, cudaStream_t)
+                           ncclComm_t comm, cudaStream_t stream)
 {
-    const size_t es = dtype_size(datatype);
-    return collective(
-        comm, kAllGather, sendcount, datatype, ncclSum, 0, kSlot,
-        [&](size_t off, size_t n) { memcpy(comm->slot(comm->rank), (const char *)sendbuff + off * es, n * es); },
-        [&](size_t off, size_t n) {
-            for (int q = 0; q < comm->n; q++)
-                memmove((char *)recvbuff + ((size_t)q * sendcount + off) * es, comm->slot(q), n * es);
-        });
+    if (!comm) return no_comm(kAllGather);
+    return submit(comm, stream, [=] {
+        const size_t es = dtype_size(datatype);
+        return collective(
+            comm, kAllGather, sendcount, datatype, ncclSum, 0, kSlot,
+            [&](size_t off, size_t n) { memcpy(comm->slot(comm->rank), (const char *)sendbuff + off * es, n * es); },
+            [&](size_t off, size_t n) {
+                for (int q = 0; q < comm->n; q++)
+                    memmove((char *)recvbuff + ((size_t)q * sendcount + off) * es, comm->slot(q), n * es);
+            });
+    });
 }
 
 /* recvbuff = op over the ranks of their sendbuff[rank * recvcount, +recvcount). */
 ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount, ncclDataType_t datatype,
-                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t)
+                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream)
 {
-    const size_t es = dtype_size(datatype), nr = comm ? (size_t)comm->n : 1, per = es ? kSlot / es / nr : 0;
-    return collective(
-        comm, kReduceScatter, recvcount, datatype, op, 0, per * es,
-        [&](size_t off, size_t n) {
-            for (size_t q = 0; q < nr; q++)
-                memcpy(comm->slot(comm->rank) + q * per * es, (const char *)sendbuff + (q * recvcount + off) * es,
-                       n * es);
-        },
-        [&](size_t off, size_t n) {
-            reduce_slots(comm, datatype, (char *)recvbuff + off * es, (size_t)comm->rank * per, n, op);
-        });
+    if (!comm) return no_comm(kReduceScatter);
+    return submit(comm, stream, [=] {
+        const size_t es = dtype_size(datatype), nr = (size_t)comm->n, per = es ? kSlot / es / nr : 0;
+        return collective(
+            comm, kReduceScatter, recvcount, datatype, op, 0, per * es,
+            [&](size_t off, size_t n) {
+                for (size_t q = 0; q < nr; q++)
+                    memcpy(comm->slot(comm->rank) + q * per * es, (const char *)sendbuff + (q * recvcount + off) * es,
+                           n * es);
+            },
+            [&](size_t off, size_t n) {
+                reduce_slots(comm, datatype, (char *)recvbuff + off * es, (size_t)comm->rank * per, n, op);
+            });
+    });
 }
 
-/* Every call is synchronous and completes on its own: groups have nothing to fuse. */
+/* Every call completes on its own (synchronously, or in order on a non-blocking communicator's
+ * thread): groups have nothing to fuse. */
 ncclResult_t ncclGroupStart() { return ncclSuccess; }
 ncclResult_t ncclGroupEnd() { return ncclSuccess; }
 

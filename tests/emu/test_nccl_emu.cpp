@@ -3,9 +3,14 @@
  * collectives bit for bit against sums in rank order (and across ranks), sizes of 1, odd and more
  * than one 4 MiB slot, in place and out of place; that bad inits (duplicate rank, mismatched
  * nranks, a missing rank), a dead rank, an aborting rank and mismatched calls fail with an error
- * instead of hanging; and that no /dev/shm/bt-nccl-emu-* entry stays behind.
+ * instead of hanging; that a non-blocking communicator (ncclConfig_t.blocking = 0) works the way
+ * NCCL's fault-tolerance pattern polls it (init and collectives return ncclInProgress; completion
+ * through cudaStreamQuery; errors through ncclCommGetAsyncError; ncclCommAbort ends a collective
+ * stuck on a lost peer, also with NCCL_EMU_PEER_LOSS=hang where nothing else notices the loss);
+ * and that no /dev/shm/bt-nccl-emu-* entry stays behind.
  * Prints "PASS name" / "FAIL name" and "test_nccl_emu: N passed, M failed, 0 skipped" (the format
  * tests/emu/run.sh collects); exits non-zero on any failure. */
+#include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <dirent.h>
@@ -117,6 +122,27 @@ double vald(int rank, size_t i) { return (double)valf(rank, i) * (1.0 + 1e-9 * (
 int64_t vali(int rank, size_t i) { return (int64_t)((i * 2654435761u) % 1000003) * (rank % 2 ? -1 : 1) + (int64_t)rank * ((int64_t)1 << 40); }
 
 constexpr int R = 3; /* ranks of the collective tests */
+
+double secs_since(std::chrono::steady_clock::time_point t0)
+{
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/* ncclCommInitRankConfig with blocking = 0, then polls ncclCommGetAsyncError until the init is
+ * done (NCCL's documented loop). */
+ncclResult_t init_nonblocking(ncclComm_t *c, int n, const ncclUniqueId &id, int me)
+{
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclResult_t r = ncclCommInitRankConfig(c, n, id, me, &cfg);
+    if (r != ncclInProgress) return r == ncclSuccess ? ncclInternalError : r; /* must be in progress */
+    const auto t0 = std::chrono::steady_clock::now();
+    do {
+        if (ncclCommGetAsyncError(*c, &r) != ncclSuccess) return ncclInternalError;
+        usleep(1000);
+    } while (r == ncclInProgress && secs_since(t0) < 30);
+    return r;
+}
 const size_t kSizes[] = {1, 1001, (size_t)2500000 + 3}; /* the last: 10 MB of fp32, 3 slot chunks */
 
 } // namespace
@@ -390,6 +416,74 @@ int main()
             return r == ncclRemoteError && strstr(g_sh->msg[me], "ncclCommAbort") ? 0 : 1;
         });
         report("abort_fails_the_others", all_ok(2), 2);
+    }
+    { /* non-blocking: init and collectives return ncclInProgress, complete through the stream */
+        const ncclUniqueId id = new_id();
+        run_procs(2, [&](int me) {
+            setenv("NCCL_EMU_TIMEOUT_S", "60", 1);
+            ncclComm_t c;
+            NCCL_OK(init_nonblocking(&c, 2, id, me));
+            cudaStream_t s;
+            CHECK(cudaStreamCreate(&s) == cudaSuccess, "cudaStreamCreate");
+            const size_t count = kSizes[2];
+            std::vector<float> x(count), want(count);
+            for (size_t i = 0; i < count; i++) {
+                x[i] = valf(me, i);
+                want[i] = valf(0, i) + valf(1, i);
+            }
+            ncclResult_t r = ncclAllReduce(x.data(), x.data(), count, ncclFloat32, ncclSum, c, s);
+            CHECK(r == ncclInProgress, "non-blocking ncclAllReduce returned %s", ncclGetErrorString(r));
+            cudaError_t q;
+            const auto t0 = std::chrono::steady_clock::now();
+            while ((q = cudaStreamQuery(s)) == cudaErrorNotReady && secs_since(t0) < 60) {
+                NCCL_OK(ncclCommGetAsyncError(c, &r));
+                CHECK(r == ncclSuccess || r == ncclInProgress, "async error %s", ncclGetErrorString(r));
+                usleep(200);
+            }
+            CHECK(q == cudaSuccess, "cudaStreamQuery %d", (int)q);
+            CHECK(memcmp(x.data(), want.data(), count * 4) == 0, "non-blocking fp32 sum differs");
+            std::vector<double> d(5, 1.0 + me);
+            r = ncclAllReduce(d.data(), d.data(), d.size(), ncclFloat64, ncclSum, c, s);
+            CHECK(r == ncclInProgress, "second ncclAllReduce returned %s", ncclGetErrorString(r));
+            CHECK(cudaStreamSynchronize(s) == cudaSuccess && d[4] == 3.0, "after sync: %g", d[4]);
+            NCCL_OK(ncclCommDestroy(c));
+            cudaStreamDestroy(s);
+            return 0;
+        });
+        report("nonblocking_init_and_collectives", all_ok(2), 2);
+    }
+    for (int hang = 0; hang < 2; hang++) { /* rank 1 dies after init; rank 0's collective is stuck */
+        const ncclUniqueId id = new_id();
+        run_procs(2, [&](int me) {
+            setenv("NCCL_EMU_TIMEOUT_S", hang ? "0" : "60", 1);
+            if (hang) setenv("NCCL_EMU_PEER_LOSS", "hang", 1);
+            ncclComm_t c;
+            NCCL_OK(init_nonblocking(&c, 2, id, me));
+            if (me == 1) _exit(0);
+            cudaStream_t s;
+            CHECK(cudaStreamCreate(&s) == cudaSuccess, "cudaStreamCreate");
+            std::vector<float> x(1000, 1.0f);
+            ncclResult_t r = ncclAllReduce(x.data(), x.data(), x.size(), ncclFloat32, ncclSum, c, s), ae = ncclSuccess;
+            CHECK(r == ncclInProgress, "ncclAllReduce returned %s", ncclGetErrorString(r));
+            /* detect: the dead peer shows up as an async error; hang (NCCL in one node): nothing
+             * shows for 1.5 s. Either way the stream stays busy: the collective is stuck. */
+            const auto t0 = std::chrono::steady_clock::now();
+            while (secs_since(t0) < (hang ? 1.5 : 30)) {
+                NCCL_OK(ncclCommGetAsyncError(c, &ae));
+                CHECK(cudaStreamQuery(s) == cudaErrorNotReady, "the stuck collective completed");
+                if (ae != ncclSuccess) break;
+                usleep(1000);
+            }
+            CHECK(hang ? ae == ncclSuccess : ae == ncclRemoteError, "async error %s after %.1f s (hang %d): %s",
+                  ncclGetErrorString(ae), secs_since(t0), hang, ncclGetLastError(c));
+            const auto t1 = std::chrono::steady_clock::now();
+            NCCL_OK(ncclCommAbort(c));
+            CHECK(cudaStreamQuery(s) == cudaSuccess, "the stream is still busy after ncclCommAbort");
+            CHECK(secs_since(t1) < 10, "ncclCommAbort took %.1f s", secs_since(t1));
+            cudaStreamDestroy(s);
+            return 0;
+        });
+        report(hang ? "nonblocking_abort_ends_a_hang" : "nonblocking_dead_peer_is_an_async_error", all_ok(2), 2);
     }
     { /* different counts, then a different call: ncclInvalidUsage on every rank, no hang */
         const ncclUniqueId id = new_id();
