@@ -28,6 +28,7 @@ const char *bt_strerror(int err) {
     case BT_ERR_NOTFOUND: return "notfound";
     case BT_ERR_TIMEOUT: return "timeout";
     case BT_ERR_CLOSED: return "closed";
+    case BT_ERR_CANCELLED: return "cancelled";
     default: return "unknown";
     }
 }

@@ -19,6 +19,7 @@ typedef enum {
     BT_ERR_NOTFOUND = -7,    /* missing key / tensor / file */
     BT_ERR_TIMEOUT = -8,     /* wait timed out */
     BT_ERR_CLOSED = -9,      /* peer closed / stream ended */
+    BT_ERR_CANCELLED = -10,  /* stopped on request (a signal, another rank's failure) */
 } bt_err;
 
 /* Static name of an error code ("io", "format", ...). Never NULL. */

@@ -288,6 +288,11 @@ static int same_dir(const char *a, const char *b) {
     return na == nb && !memcmp(a, b, na);
 }
 
+const char *bt_config_default_socket(void) {
+    const char *e = getenv("LOADERD_SOCKET");
+    return e && *e ? e : BT_DEFAULT_SOCKET;
+}
+
 /* ---- the schema ---- */
 
 #define RANGE(lo, hi, lo_open, hi_open) ((range){(lo), (hi), (lo_open), (hi_open)})
@@ -316,7 +321,8 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const cuda_keys[] = {"attention", "nf4_matmul", NULL};
     static const char *const attn_impls[] = {"wmma", "mma", NULL};
     static const char *const nf4_impls[] = {"dequant", "fused", NULL};
-    static const char *const dist_keys[] = {"master_addr", "master_port", "timeout_s", NULL};
+    static const char *const dist_keys[] = {"master_addr", "master_port", "timeout_s",
+                                            "heartbeat_timeout_s", "secret_file", NULL};
     static const char *const report_keys[] = {"dir", "plot", "tensorboard", NULL};
     int rc;
     int64_t i64;
@@ -357,7 +363,13 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             (rc = get_i32(dist, "dist", "master_port", 29500, RANGE(1, 65535, 0, 0),
                           &c->dist.master_port)) ||
             (rc = get_i32(dist, "dist", "timeout_s", 600, RANGE(1, 86400, 0, 0),
-                          &c->dist.timeout_s)))
+                          &c->dist.timeout_s)) ||
+            (rc = get_i32(dist, "dist", "heartbeat_timeout_s", 60, RANGE(1, 86400, 0, 0),
+                          &c->dist.heartbeat_timeout_s)))
+            break;
+        json_t *sf = json_object_get(dist, "secret_file");
+        if (sf && !json_is_null(sf) &&
+            (rc = get_str(dist, "dist", "secret_file", NULL, &c->dist.secret_file)))
             break;
         if ((rc = check_keys(cuda, "cuda", cuda_keys)) ||
             (rc = get_enum(cuda, "cuda", "attention", BT_CUDA_ATTN_WMMA, attn_impls,
@@ -374,7 +386,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             (rc = get_enum(root, NULL, "base_dtype", BT_BASE_NF4, dtypes, &c->base_dtype)) ||
             (rc = get_str(root, NULL, "base_model_name_or_path",
                           "HuggingFaceTB/SmolLM2-135M-Instruct", &c->base_model_name_or_path)) ||
-            (rc = get_str(root, NULL, "socket", BT_DEFAULT_SOCKET, &c->socket)))
+            (rc = get_str(root, NULL, "socket", bt_config_default_socket(), &c->socket)))
             break;
         /* data */
         int fmt;
@@ -519,6 +531,7 @@ void bt_config_free(bt_train_config *c) {
     free(c->base_model_name_or_path);
     free(c->socket);
     free(c->dist.master_addr);
+    free(c->dist.secret_file);
     free_strv(c->data.shards, c->data.n_shards);
     free(c->data.format);
     free(c->data.text_field);
@@ -792,9 +805,12 @@ char *bt_config_dump(const bt_train_config *c) {
                                                                                      : "dequant"));
     json_object_set_new(j, "report", json_pack("{s:s, s:b, s:b}", "dir", c->report.dir, "plot",
                                                c->report.plot, "tensorboard", c->report.tensorboard));
-    json_object_set_new(j, "dist", json_pack("{s:s, s:i, s:i}", "master_addr", c->dist.master_addr,
-                                             "master_port", c->dist.master_port, "timeout_s",
-                                             c->dist.timeout_s));
+    json_object_set_new(j, "dist", json_pack("{s:s, s:i, s:i, s:i, s:o}", "master_addr",
+                                             c->dist.master_addr, "master_port", c->dist.master_port,
+                                             "timeout_s", c->dist.timeout_s, "heartbeat_timeout_s",
+                                             c->dist.heartbeat_timeout_s, "secret_file",
+                                             c->dist.secret_file ? json_string(c->dist.secret_file)
+                                                                 : json_null()));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(j);
     return s;

@@ -9,7 +9,9 @@
  *   model (required)                   path of the base model .gguf (llama architecture)
  *   base_dtype "nf4" | "fp32"          how the frozen base linears are held (default "nf4")
  *   base_model_name_or_path "HuggingFaceTB/SmolLM2-135M-Instruct"   written to adapter_config.json
- *   socket "/run/loaderd/loaderd.sock" loaderd control socket
+ *   socket                             loaderd control socket; when the job does not set it (nor
+ *                                      --set socket=...): $LOADERD_SOCKET, else
+ *                                      "/run/loaderd/loaderd.sock" (bt_config_default_socket)
  *   data: { shards (required, [glob, ...]), format "chat" ("chat"|"text"|"alpaca"),
  *           text_field "text", seq_len 512, micro_batch_size 4, seed 1234, tokenizer_threads 2 }
  *          (all sent to loaderd in the job spec, with "tokenizer" = model)
@@ -26,7 +28,9 @@
  *   activation_checkpointing false     recompute each layer's activations in backward
  *   save_every 0                       also save the adapter every N steps (0 = only at the end)
  *   out_dir "runs/adapter"             adapter directory (replaced atomically on every save)
- *   threads 0                          OpenMP threads for every kernel (0 = OpenMP default)
+ *   threads 0                          OpenMP threads for every kernel (0 = the CPUs Slurm gives
+ *                                      the task, trainer/dist.h bt_dist_slurm_cpus, else OpenMP's
+ *                                      default: every CPU the process may run on)
  *   device "cpu"                       "cpu" | "cuda" (the GPU trainer, trainer/cuda/; only in a
  *                                      trainer built with `make CUDA=1`, else refused at start)
  *   cuda: { attention "wmma", nf4_matmul "dequant" }
@@ -35,7 +39,8 @@
  *                                      (attention_mma.cu, register-resident mma.sync FA2);
  *                                      nf4_matmul "dequant" (dequantise the weight, then cuBLAS)
  *                                      | "fused" (nf4_gemm.cu: dequantise in the GEMM main loop)
- *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600 }
+ *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600, heartbeat_timeout_s 60,
+ *           secret_file null }
  *                                      data-parallel training over several processes, one per GPU
  *                                      (device "cuda"; trainer/dist.h): rank 0's address and TCP
  *                                      port for the start-up rendezvous (the environment's
@@ -43,7 +48,17 @@
  *                                      them, take precedence), and how long the rendezvous and
  *                                      NCCL start-up wait for every rank; rank and world size come
  *                                      from RANK / WORLD_SIZE / LOCAL_RANK or SLURM_PROCID /
- *                                      SLURM_NTASKS / SLURM_LOCALID (one process: rank 0 of 1)
+ *                                      SLURM_NTASKS / SLURM_LOCALID (one process: rank 0 of 1).
+ *                                      timeout_s also bounds each NCCL collective: a rank that has
+ *                                      not reached a collective another rank has waited in this
+ *                                      long is named and the run ends. heartbeat_timeout_s: a rank
+ *                                      that dies, is stopped or loses its network is named on
+ *                                      every rank and the run ends within this time
+ *                                      (trainer/dist_monitor.h). secret_file: a file only you can
+ *                                      read (mode 0600) holding the job secret that authenticates
+ *                                      the ranks at the rendezvous; null: $BT_DIST_SECRET, which
+ *                                      scripts/train.sbatch sets per job (trainer/dist.h
+ *                                      bt_dist_key_load)
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)
  *   timeout_s 600                      longest wait for one batch from loaderd, in [1, 2147483]
@@ -150,6 +165,8 @@ typedef struct {
         char *master_addr;
         int master_port;            /* [1, 65535] */
         int timeout_s;              /* [1, 86400] */
+        int heartbeat_timeout_s;    /* [1, 86400] */
+        char *secret_file;          /* NULL: $BT_DIST_SECRET */
     } dist;
     struct {
         char *dir;                  /* run report directory (owned; never NULL after parsing) */
@@ -200,6 +217,10 @@ enum { BT_CMD_TRAIN = 0, BT_CMD_EVAL, BT_CMD_ESTIMATE };
  * Returns 1 (read) or 0 (ignored). */
 int bt_config_key_used(int command, const char *path, const bt_train_config *cfg);
 
+/* The socket a job uses when it does not set "socket": $LOADERD_SOCKET when set and non-empty,
+ * else BT_DEFAULT_SOCKET (proto/client.h), as loaderctl does. Borrowed string. */
+const char *bt_config_default_socket(void);
+
 /* The loaderd job spec (JSON object text, malloc'd; free()) for the training stream
  * (eval = 0: data.shards, epochs 0 = endless) or the held-out stream (eval = 1: eval.shards,
  * epochs 1). Keys as proto/client.h lists; "tokenizer" is the model path. Relative shard globs
@@ -231,7 +252,9 @@ extern const char *const bt_config_template_names[];
  *   --check JOB.json|JOB.yaml [--set k=v ...] validate a job and print its effective config
  *                                    (compact JSON);
  *   --format json|yaml               how both are printed (yaml: bt_yaml_dump, "#" keys as
- *                                    comments; default json).
+ *                                    comments; default json);
+ *       with --print KEY (dotted, e.g. socket, dist.master_port) only that key's value: a string
+ *       as is, anything else as JSON (scripts ask the trainer this way: train.sbatch's socket).
  * Returns the exit status: 0, 1 (I/O), 2 (usage or configuration error; message on stderr
  * naming the key). */
 int bt_config_cmd(int argc, char **argv, FILE *out);

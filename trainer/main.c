@@ -2,7 +2,8 @@
  *   trainer train --config job.json [--set key.path=value ...]
  *   trainer eval  --config job.json [--set key.path=value ...]
  *   trainer --help
- * Exit status: 0 success, 1 runtime failure, 2 usage or configuration error. */
+ * Exit status (trainer/train.h BT_EXIT_*): 0 success, 1 runtime failure, 2 usage or
+ * configuration error, 75 interrupted (a signal; the last completed step is saved). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +34,7 @@ static void usage(FILE *f) {
             "       trainer config --template default|qlora|long-context [--documented]\n"
             "                      [--format json|yaml]\n"
             "       trainer config --check JOB [--set key.path=value ...] [--format json|yaml]\n"
+            "                      [--print KEY]\n"
             "       trainer export --model BASE.gguf --adapter DIR --format peft|gguf-lora|gguf|safetensors\n"
             "                      --out PATH [--dtype f32|f16|bf16|q8_0]   (trainer export --help)\n"
             "       trainer generate --model M.gguf (--prompt TEXT | --chat TEXT) [--adapter DIR] ...\n"
@@ -47,7 +49,8 @@ static void usage(FILE *f) {
             "       config resume_from).\n"
             "estimate  memory bill (CPU fp32 and CUDA bf16) from the model's header and the job.\n"
             "config    print a config template (--documented: with \"#\" comment keys, which the\n"
-            "          parser ignores), or validate a job and print its effective config.\n"
+            "          parser ignores), or validate a job and print its effective config (--print\n"
+            "          KEY: one key's value, e.g. --print socket).\n"
             "--resume DIR continues a run from a checkpoint (config resume_from; checkpoints are\n"
             "written every checkpoint_every steps to checkpoint_dir).\n"
             "--device cpu|cuda is config `device` (cuda: the GPU trainer, only in a trainer built\n"
@@ -68,14 +71,22 @@ static void usage(FILE *f) {
             "  eps 1e-8, warmup_steps 0, grad_clip 1.0}, steps 100, grad_accum 1,\n"
             "  schedule \"cosine\"|\"linear\"|\"constant\", min_lr_ratio 0.1,\n"
             "  activation_checkpointing false, save_every 0, out_dir \"runs/adapter\",\n"
-            "  threads 0 (OpenMP default), seed 1234, log_every 1, timeout_s 600,\n"
-            "  dist.{master_addr \"127.0.0.1\", master_port 29500, timeout_s 600}.\n"
+            "  threads 0 (Slurm's CPUs for the task, else OpenMP default), seed 1234, log_every 1,\n"
+            "  timeout_s 600, dist.{master_addr \"127.0.0.1\", master_port 29500, timeout_s 600,\n"
+            "  heartbeat_timeout_s 60, secret_file null}. socket unset: $LOADERD_SOCKET, else\n"
+            "  /run/loaderd/loaderd.sock.\n"
             "\n"
             "Several processes (one per GPU, device cuda) train data-parallel and all-reduce the\n"
             "LoRA gradients with NCCL: rank and world size come from RANK/WORLD_SIZE/LOCAL_RANK\n"
             "(torchrun) or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun; scripts/train.sbatch);\n"
             "rank 0's address from MASTER_ADDR/MASTER_PORT, else the first node of the Slurm step,\n"
-            "else dist.master_addr/master_port. Rank 0 prints progress and saves.\n");
+            "else dist.master_addr/master_port; every rank needs the same job secret\n"
+            "(BT_DIST_SECRET, or dist.secret_file). Rank 0 prints progress and saves.\n"
+            "\n"
+            "Signals: SIGINT, SIGTERM or SIGUSR1 (Slurm's early warning) stop the run mid-step;\n"
+            "the adapter and checkpoint of the last completed step are saved.\n"
+            "Exit status: 0 done, 1 failure, 2 usage or configuration error, 75 interrupted\n"
+            "(continue with --resume CHECKPOINT_DIR).\n");
 }
 
 int main(int argc, char **argv) {
@@ -225,5 +236,5 @@ int main(int argc, char **argv) {
     rc = bt_train_run(&cfg, cmd == BT_CMD_EVAL, stdout);
     if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
     bt_config_free(&cfg);
-    return rc ? 1 : 0;
+    return rc == BT_ERR_CANCELLED ? BT_EXIT_INTERRUPTED : rc ? BT_EXIT_FAILURE : BT_EXIT_OK;
 }

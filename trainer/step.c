@@ -29,6 +29,8 @@ struct bt_step_ctx {
     int n_allocs, cap_allocs;
     size_t bytes;
     bt_prof *prof; /* --profile: per-op times (NULL = off) */
+    int (*check)(void *); /* bt_step_ctx_set_check: asked between layers; NULL = never */
+    void *check_arg;
 };
 
 /* Runs `call`; when profiling, times it as op `name` writing `bytes` (trainer/profile.h). */
@@ -45,6 +47,14 @@ struct bt_step_ctx {
 #define F4(n) ((double)(n) * 4.0) /* bytes of n floats */
 
 void bt_step_ctx_set_profile(bt_step_ctx *c, bt_prof *p) { c->prof = p; }
+
+void bt_step_ctx_set_check(bt_step_ctx *c, int (*check)(void *arg), void *arg) {
+    c->check = check;
+    c->check_arg = arg;
+}
+
+/* 0, or the check's error: the caller abandons the micro-batch. */
+static int asked_to_stop(bt_step_ctx *c) { return c->check ? c->check(c->check_arg) : 0; }
 
 static float *ctx_alloc(bt_step_ctx *c, size_t n_floats) {
     if (c->n_allocs == c->cap_allocs) {
@@ -303,7 +313,10 @@ static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
 
     OP(c, "embedding fwd", F4((int64_t)M * c->D),
        bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D));
-    for (int l = 0; l < c->n_layer; l++) layer_fwd(c, m, lo, l, mb, drop_key);
+    for (int l = 0; l < c->n_layer; l++) {
+        if ((rc = asked_to_stop(c))) return rc;
+        layer_fwd(c, m, lo, l, mb, drop_key);
+    }
     OP(c, "rmsnorm fwd", F4((int64_t)M * c->D + M),
        bt_rmsnorm_fwd(c->xf, c->rstdf, c->x_in[c->n_layer], bt_lora_norm(lo, m, c->n_layer, 0),
                       M, c->D, m->hp.rms_eps));
@@ -339,10 +352,14 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
     if (loss_sum) *loss_sum = loss;
     if (n_valid) *n_valid = nv;
     if (!backward) return 0;
+    if ((rc = asked_to_stop(c))) return rc;
     OP(c, "rmsnorm bwd", F4((int64_t)M * c->D),
        bt_rmsnorm_bwd(c->dx, bt_lora_dnorm(lo, c->n_layer, 0), c->dtmp, xL,
                       bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D));
-    for (int l = c->n_layer - 1; l >= 0; l--) layer_bwd(c, m, lo, l, mb, drop_key);
+    for (int l = c->n_layer - 1; l >= 0; l--) {
+        if ((rc = asked_to_stop(c))) return rc;
+        layer_bwd(c, m, lo, l, mb, drop_key);
+    }
     /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
     if (bt_lora_dembed(lo))
         OP(c, "embedding bwd", F4((int64_t)c->V * c->D),

@@ -52,6 +52,13 @@ size_t bt_step_ctx_bytes(const bt_step_ctx *c);
 struct bt_prof;
 void bt_step_ctx_set_profile(bt_step_ctx *c, struct bt_prof *p);
 
+/* A check asked before every layer of the forward and of the backward (and before the loss's
+ * backward): check(arg) returns 0 to go on, or a negative bt_err (with bt_last_error set) that
+ * bt_forward_backward / bt_forward_hidden then return at once, abandoning the micro-batch. The
+ * trainer uses it to stop mid-step on a signal (BT_ERR_CANCELLED) whatever the step's length:
+ * the wait is bounded by one layer's forward or backward. check NULL (default): never asked. */
+void bt_step_ctx_set_check(bt_step_ctx *c, int (*check)(void *arg), void *arg);
+
 /* Check the micro-batch against the model (ids and labels in range, cu_seqlens well formed,
  * M <= max_M) and write the shifted targets into targets[M] (may be NULL). Returns the number of
  * labelled targets (>= 0), or BT_ERR_INVALID / BT_ERR_RANGE with a message. */
@@ -61,7 +68,8 @@ int bt_shift_targets(int32_t *targets, const bt_microbatch *mb, int vocab);
  * drop_key: 0 = no dropout (evaluation), else the step's dropout key (see bt_lora_drop_key).
  * grad_scale: multiplies dLoss_sum/d(everything) (see above). LoRA grads ACCUMULATE.
  * *loss_sum: sum of token losses (nats); *n_valid: labelled targets. Either may be NULL.
- * Errors: those of bt_shift_targets; the context is unchanged on error. */
+ * Errors: those of bt_shift_targets (the context is then unchanged), or the error of the check
+ * (bt_step_ctx_set_check; the LoRA grads then hold a partial sum: drop the step). */
 int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
                         int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
                         int *n_valid);

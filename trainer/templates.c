@@ -81,7 +81,10 @@ static json_t *build(const recipe *R, const ctx_t *c) {
         "how the frozen base linears are held: \"nf4\" (QLoRA, bitsandbytes layout) or \"fp32\"");
     put(c, root, "base_model_name_or_path", json_string("HuggingFaceTB/SmolLM2-135M-Instruct"),
         "written to adapter_config.json so PEFT can find the base model");
-    put(c, root, "socket", json_string("/run/loaderd/loaderd.sock"), "loaderd control socket");
+    if (c->doc) /* unset: $LOADERD_SOCKET, else the default; a template pins neither */
+        json_object_set_new(root, "#socket",
+                            json_string("loaderd control socket; unset: $LOADERD_SOCKET, else "
+                                        "/run/loaderd/loaderd.sock (set it: \"socket\": PATH)"));
 
     json_t *data = obj_doc(c, "the training stream, served by loaderd");
     const char *const shards[] = {"data/train-*.jsonl.zst", NULL};
@@ -140,7 +143,8 @@ static json_t *build(const recipe *R, const ctx_t *c) {
     put(c, root, "resume_from", json_null(), "checkpoint directory to continue from (or --resume)");
     put(c, root, "stop_at_step", json_integer(0),
         "stop and checkpoint after this many steps, keeping the schedule of `steps` (0 = off)");
-    put(c, root, "threads", json_integer(0), "OpenMP threads (0 = all cores)");
+    put(c, root, "threads", json_integer(0),
+        "OpenMP threads (0 = the CPUs Slurm gives the task, else every core the process may use)");
     put(c, root, "seed", json_integer(1234), "LoRA initialisation and dropout seed");
     put(c, root, "log_every", json_integer(R->log_every), "progress line every N steps");
     put(c, root, "timeout_s", json_integer(600), "longest wait for one batch from loaderd");
@@ -172,8 +176,33 @@ static char *as_yaml(char *json_text) {
     return y;
 }
 
+/* The value at dotted `key` of the effective config `dump` (JSON text): a string as is, anything
+ * else as compact JSON, then a newline. 2 with a message when there is no such key. */
+static int print_key(const char *dump, const char *key, FILE *out) {
+    json_t *root = json_loads(dump, 0, NULL), *v = root;
+    char part[256];
+    for (const char *p = key; v && *p;) {
+        size_t n = strcspn(p, ".");
+        snprintf(part, sizeof part, "%.*s", (int)(n < sizeof part ? n : sizeof part - 1), p);
+        v = json_is_object(v) ? json_object_get(v, part) : NULL;
+        p += n + (p[n] == '.');
+    }
+    int rc = 0;
+    if (!v || !*key) {
+        fprintf(stderr, "trainer config: --print %s: no such key in the effective config (trainer config "
+                "--check JOB.json lists them all)\n", key);
+        rc = 2;
+    } else {
+        char *text = json_is_string(v) ? NULL : json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+        if (fprintf(out, "%s\n", text ? text : json_string_value(v)) < 0 || fflush(out) != 0) rc = 1;
+        free(text);
+    }
+    json_decref(root);
+    return rc;
+}
+
 int bt_config_cmd(int argc, char **argv, FILE *out) {
-    const char *tmpl = NULL, *check = NULL, *format = "json";
+    const char *tmpl = NULL, *check = NULL, *print = NULL, *format = "json";
     int documented = 0, n_sets = 0;
     const char **sets = calloc((size_t)(argc > 0 ? argc : 1), sizeof(char *));
     if (!sets) return 1;
@@ -186,12 +215,13 @@ int bt_config_cmd(int argc, char **argv, FILE *out) {
         else if (!strcmp(a, "--format") && i + 1 < argc) format = argv[++i];
         else if (!strncmp(a, "--format=", 9)) format = a + 9;
         else if (!strcmp(a, "--check") && i + 1 < argc) check = argv[++i];
+        else if (!strcmp(a, "--print") && i + 1 < argc) print = argv[++i];
         else if (!strcmp(a, "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
         else if (!strncmp(a, "--set=", 6)) sets[n_sets++] = a + 6;
         else {
             fprintf(stderr, "trainer config: unexpected argument \"%s\" (usage: trainer config "
                     "--template default|qlora|long-context [--documented] | --check JOB.json "
-                    "[--set key=value ...]) [--format json|yaml]\n", a);
+                    "[--set key=value ...] [--print KEY]) [--format json|yaml]\n", a);
             rc = 2;
         }
     }
@@ -213,6 +243,10 @@ int bt_config_cmd(int argc, char **argv, FILE *out) {
         fprintf(stderr, "trainer config: give exactly one of --template NAME or --check JOB.json\n");
         rc = 2;
     }
+    if (rc == 0 && print && !check) {
+        fprintf(stderr, "trainer config: --print KEY goes with --check JOB.json\n");
+        rc = 2;
+    }
     if (rc == 0 && tmpl) {
         char *s = bt_config_template(tmpl, documented);
         if (s && yaml) s = as_yaml(s);
@@ -230,8 +264,9 @@ int bt_config_cmd(int argc, char **argv, FILE *out) {
             rc = 2;
         } else {
             char *d = bt_config_dump(&cfg);
-            if (d && yaml) d = as_yaml(d);
-            if (!d || fprintf(out, yaml ? "%s" : "%s\n", d) < 0) rc = 1;
+            if (!d) rc = 1;
+            else if (print) rc = print_key(d, print, out);
+            else if ((d = yaml ? as_yaml(d) : d) == NULL || fprintf(out, yaml ? "%s" : "%s\n", d) < 0) rc = 1;
             free(d);
             bt_config_free(&cfg);
         }

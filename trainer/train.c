@@ -5,6 +5,7 @@
 #include <math.h>
 #include <omp.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -16,6 +17,7 @@
 #include "trainer/adapter_load.h"
 #include "trainer/checkpoint.h"
 #include "trainer/dist.h"
+#include "trainer/dist_monitor.h"
 #include "trainer/optim.h"
 #include "trainer/profile.h"
 #include "trainer/report.h"
@@ -73,26 +75,51 @@ static int dist_agree(int rc, const char *what) {
     return f > 0 ? bt_fail(BT_ERR_IO, "%s failed on another rank (see its log)", what) : 0;
 }
 
-/* A checkpoint of every rank's loader state (gathered: collective), written by rank 0. */
+/* A checkpoint of every rank's loader state `all` (gathered with the step), written by rank 0;
+ * every rank learns whether it worked (collective). */
 static int save_checkpoint(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, int step,
-                           const uint8_t *resume) {
-    uint8_t *all = malloc((size_t)g_dist.world * BT_RESUME_STATE_BYTES);
-    if (!all) return bt_fail(BT_ERR_NOMEM, "out of memory");
-    int rc = dist_gather_resume(resume, all);
-    if (!rc && g_dist.rank == 0) {
+                           const uint8_t *all) {
+    int rc = 0;
+    if (g_dist.rank == 0) {
         rc = sync_host_lora(lo, 1);
         if (!rc) rc = bt_checkpoint_save_ex(cfg->checkpoint_dir, cfg, m, lo, step, all,
                                             g_dist.world);
     }
-    free(all);
     return dist_agree(rc, "saving the checkpoint");
 }
 
-static volatile sig_atomic_t g_stop;
-static void on_signal(int sig) {
-    (void)sig;
-    g_stop = 1;
+/* The signal that asked this process to stop (SIGINT, SIGTERM, SIGUSR1: Slurm's early warning
+ * before a time limit, scripts/train.sbatch); 0 = none. */
+static atomic_int g_stop;
+static void on_signal(int sig) { atomic_store(&g_stop, sig); }
+static const int k_stop_signals[] = {SIGINT, SIGTERM, SIGUSR1};
+#define N_STOP_SIGNALS 3
+
+/* several ranks: the watchdog that names a rank that dies or stalls and relays stop requests */
+static bt_dist_monitor *g_mon;
+
+static const char *stop_signal_name(int sig) {
+    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "a signal";
 }
+
+/* 0 to go on; else why to stop now, with bt_last_error set: BT_ERR_CANCELLED for a stop request
+ * (a signal to this process, or one relayed from another rank), another code when another rank
+ * failed (trainer/dist_monitor.h names it). Asked while waiting for batches, before every layer
+ * (bt_step_ctx_set_check, bt_cuda_hooks) and in every NCCL wait: a stop lands mid-step. */
+static int stop_check(void *arg) {
+    (void)arg;
+    int rc = bt_dist_monitor_check(g_mon);
+    if (rc) return rc;
+    int sig = atomic_load(&g_stop);
+    return sig ? bt_fail(BT_ERR_CANCELLED, "interrupted by %s", stop_signal_name(sig)) : 0;
+}
+
+#ifdef BT_WITH_CUDA
+static void on_collective(void *arg, int entering) {
+    (void)arg;
+    bt_dist_monitor_collective(g_mon, entering);
+}
+#endif
 
 void bt_fmt_duration(char *buf, size_t n, double s) {
     if (!(s >= 0) || s > 1e9) s = 0;
@@ -179,9 +206,10 @@ static int attach(bt_client **cl, const bt_train_config *cfg, int eval, const ui
     return rc;
 }
 
-/* 0: a batch in *dst; 1: end of data; 2: SIGINT/SIGTERM while waiting (nothing taken); <0: error.
- * The wait (up to timeout_s) is cut into 1 s slices so that a signal stops it promptly: the
- * client retries EINTR, so the handler alone would only take effect once a batch arrived. */
+/* 0: a batch in *dst; 1: end of data; 2: a stop request while waiting (nothing taken); <0: error
+ * (another rank's failure included). The wait (up to timeout_s) is cut into 1 s slices so that
+ * a signal stops it promptly: the client retries EINTR, so the handler alone would only take
+ * effect once a batch arrived. */
 static int next_batch(bt_client *cl, const bt_train_config *cfg, mb_copy *dst, const char *what) {
     bt_batch_view v;
     double deadline = bt_now() + cfg->timeout_s;
@@ -190,7 +218,8 @@ static int next_batch(bt_client *cl, const bt_train_config *cfg, mb_copy *dst, c
         double left = deadline - bt_now();
         rc = bt_client_next(cl, &v, left >= 1.0 ? 1000 : left > 0 ? (int)(left * 1000.0) : 0);
         if (rc != BT_ERR_TIMEOUT || bt_now() >= deadline) break;
-        if (g_stop) return 2;
+        int st = stop_check(NULL);
+        if (st) return st == BT_ERR_CANCELLED ? 2 : st;
     }
     if (rc == 1) return 1;
     if (rc == BT_ERR_TIMEOUT)
@@ -206,7 +235,7 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
                     double *mean_loss, long long *n_tokens, int *interrupted) {
     *mean_loss = NAN;
     *n_tokens = 0;
-    int cut = 0; /* stopped by SIGINT/SIGTERM before the end of the held-out set */
+    int cut = 0; /* stopped by a stop request before the end of the held-out set */
     bt_client *cl = NULL;
     mb_copy mc = {0};
     double sum = 0;
@@ -232,15 +261,25 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
         else
 #endif
             rc = bt_forward_backward(ctx, m, lo, &mb, 0, 1.0f, 0, &ls, &nv);
+        if (rc == BT_ERR_CANCELLED) { /* mid-batch: that batch does not count */
+            cut = 1;
+            rc = 0;
+            break;
+        }
         if (rc) break;
         sum += ls;
         cnt += nv;
         nb++;
         bt_log(BT_LOG_DEBUG, "trainer", "held-out batch %d: %d labelled tokens", nb, nv);
-        if (g_stop && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
+        if (atomic_load(&g_stop) && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
             cut = 1;
             break;
         }
+    }
+    if (cut && g_dist.world > 1) { /* every rank stops (relayed): no collective any more */
+        rc = stop_check(NULL);
+        if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+        goto out;
     }
     /* every rank evaluated its own share of the held-out stream: add them up (a collective; a
      * rank whose evaluation failed still takes part, so that none of the others waits forever) */
@@ -278,8 +317,12 @@ out:
 }
 
 /* kernels/cpu keeps OpenBLAS at one thread and parallelises everything (GEMMs included) with
- * OpenMP (kernels/cpu/blas_par.c), so the OpenMP team size is the one knob. */
+ * OpenMP (kernels/cpu/blas_par.c), so the OpenMP team size is the one knob. threads 0: the CPUs
+ * Slurm gives the task (a node's other tasks must not be oversubscribed), else OpenMP's default. */
 static void set_threads(int n) {
+    char how[128];
+    if (n <= 0 && (n = bt_dist_slurm_cpus(how, sizeof how)) > 0)
+        bt_log(BT_LOG_INFO, "trainer", "threads: %d (%s)", n, how);
     if (n > 0) omp_set_num_threads(n);
 }
 
@@ -308,6 +351,60 @@ static int print_profile(const bt_train_config *cfg, const bt_prof *p, int step,
     return rc;
 }
 
+/* An interrupted run keeps its last completed step: rank 0 saves the adapter and a checkpoint
+ * (every rank's loader state after that step: all_done, gathered with it, so no collective is
+ * needed now that the others may be gone) and writes where into saved. */
+static int save_interrupted(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, int step,
+                            const uint8_t *all_done, char *saved, size_t n) {
+    int rc = sync_host_lora(lo, 1);
+    if (!rc) rc = bt_adapter_save(lo, cfg->base_model_name_or_path, cfg->out_dir);
+    if (rc) return rc;
+    int ck = step < cfg->steps && strcmp(cfg->checkpoint_dir, cfg->out_dir) != 0;
+    if (ck && (rc = bt_checkpoint_save_ex(cfg->checkpoint_dir, cfg, m, lo, step, all_done,
+                                          g_dist.world)))
+        return rc;
+    if (ck)
+        snprintf(saved, n, "adapter saved to %s, checkpoint to %s (continue with --resume %s)",
+                 cfg->out_dir, cfg->checkpoint_dir, cfg->checkpoint_dir);
+    else
+        snprintf(saved, n, "adapter saved to %s", cfg->out_dir);
+    return 0;
+}
+
+/* Data-parallel start-up (trainer/dist.h): the job key, the rendezvous that checks every rank
+ * runs this job and hands out rank 0's NCCL id, then the watchdog on its connections. */
+static int dist_start(const bt_train_config *cfg, uint8_t nccl_id[128]) {
+#ifdef BT_WITH_CUDA
+    char addr[256], src[300];
+    int port = 0, rc;
+    uint8_t key[BT_DIST_KEY_BYTES];
+    if ((rc = bt_dist_master_resolve(&g_dist, cfg->dist.master_addr, cfg->dist.master_port, addr,
+                                     sizeof addr, &port)) ||
+        (rc = bt_dist_key_load(cfg->dist.secret_file, key, src, sizeof src)))
+        return rc;
+    char *dump = bt_config_dump(cfg);
+    if (!dump) return bt_fail(BT_ERR_NOMEM, "out of memory");
+    uint8_t digest[32];
+    bt_dist_digest(dump, strlen(dump), digest);
+    free(dump);
+    if (g_dist.rank == 0 && (rc = bt_cuda_dist_unique_id(nccl_id))) return rc;
+    bt_log(BT_LOG_INFO, "trainer", "rank %d of %d (local rank %d, from %s): rendezvous at %s:%d, "
+           "job secret from %s", g_dist.rank, g_dist.world, g_dist.local_rank, g_dist.source, addr,
+           port, src);
+    bt_dist_link *link = NULL;
+    rc = bt_dist_rendezvous(addr, port, g_dist.rank, g_dist.world, digest, key, nccl_id, 128,
+                            cfg->dist.timeout_s, &link);
+    memset(key, 0, sizeof key);
+    if (rc) return rc;
+    bt_dist_monitor_opts mo = {cfg->dist.heartbeat_timeout_s, cfg->dist.timeout_s, &g_stop};
+    return bt_dist_monitor_start(&g_mon, link, &mo);
+#else
+    (void)cfg;
+    (void)nccl_id;
+    return bt_fail(BT_ERR_UNSUPPORTED, "data-parallel training needs a trainer built with CUDA");
+#endif
+}
+
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
 #ifndef BT_WITH_CUDA
     if (cfg->device == BT_DEVICE_CUDA)
@@ -315,13 +412,11 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                        "without CUDA (make CUDA=1)");
 #endif
     set_threads(cfg->threads);
-    g_stop = 0;
-    struct sigaction sa;
+    atomic_store(&g_stop, 0);
+    struct sigaction sa, old_sa[N_STOP_SIGNALS];
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
-    struct sigaction old_int, old_term;
-    sigaction(SIGINT, &sa, &old_int);
-    sigaction(SIGTERM, &sa, &old_term);
+    for (int i = 0; i < N_STOP_SIGNALS; i++) sigaction(k_stop_signals[i], &sa, &old_sa[i]);
 
     bt_model model;
     bt_lora lora;
@@ -332,11 +427,12 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     bt_step_ctx *ctx = NULL;
     bt_client *cl = NULL;
     mb_copy *mbs = NULL;
+    uint8_t *all_done = NULL, *all_next = NULL; /* every rank's loader state, see save_interrupted */
     int B = cfg->data.micro_batch_size, T = cfg->data.seq_len, M = B * T;
-    int rc;
+    int rc, start_step = 0, done_steps = 0;
+    int at_mb = 0; /* the micro-batch of the step in progress (for the stop message) */
 
-    /* data-parallel start-up (trainer/dist.h): rank/world from the launcher's environment, then
-     * the rendezvous that checks every rank runs this job and hands out rank 0's NCCL id */
+    /* data-parallel start-up: rank/world from the launcher's environment, then dist_start */
     uint8_t nccl_id[128];
     memset(nccl_id, 0, sizeof nccl_id);
     if ((rc = bt_dist_env_resolve(&g_dist))) goto done_nomodel;
@@ -347,27 +443,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                          g_dist.source, g_dist.rank);
             goto done_nomodel;
         }
-#ifdef BT_WITH_CUDA
-        char addr[256];
-        int port = 0;
-        if ((rc = bt_dist_master_resolve(&g_dist, cfg->dist.master_addr, cfg->dist.master_port,
-                                         addr, sizeof addr, &port)))
-            goto done_nomodel;
-        char *dump = bt_config_dump(cfg);
-        if (!dump) {
-            rc = bt_fail(BT_ERR_NOMEM, "out of memory");
-            goto done_nomodel;
-        }
-        uint8_t digest[32];
-        bt_dist_digest(dump, strlen(dump), digest);
-        free(dump);
-        if (g_dist.rank == 0 && (rc = bt_cuda_dist_unique_id(nccl_id))) goto done_nomodel;
-        bt_log(BT_LOG_INFO, "trainer", "rank %d of %d (local rank %d, from %s): rendezvous at "
-               "%s:%d", g_dist.rank, g_dist.world, g_dist.local_rank, g_dist.source, addr, port);
-        if ((rc = bt_dist_rendezvous(addr, port, g_dist.rank, g_dist.world, digest, nccl_id,
-                                     sizeof nccl_id, cfg->dist.timeout_s)))
-            goto done_nomodel;
-#endif
+        if ((rc = dist_start(cfg, nccl_id))) goto done_nomodel;
     }
 
     double t0 = bt_now();
@@ -389,7 +465,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
            lora.r, lora.alpha, lora.dropout, (long long)lora.n_params,
            trainable ? " (LoRA+: with dense embed_tokens/norm weights)" : "");
     /* resume: parameters, AdamW moments, step and the loader position */
-    int start_step = 0, has_resume = 0;
+    int has_resume = 0;
     uint8_t resume[BT_RESUME_STATE_BYTES];
     memset(resume, 0, sizeof resume);
     if (eval_only && cfg->eval_adapter) { /* trainer eval --adapter DIR: its own r, targets... */
@@ -420,6 +496,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         if (!eval_only)
             bt_log(BT_LOG_INFO, "trainer", "resumed from %s at step %d", cfg->resume_from, start_step);
     }
+    done_steps = start_step;
 #ifdef BT_WITH_CUDA
     if (cfg->device == BT_DEVICE_CUDA) {
         bt_cuda_trainer_opts co;
@@ -429,6 +506,11 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         co.nf4_impl = cfg->cuda_nf4_matmul == BT_CUDA_NF4_FUSED;
         if ((rc = bt_cuda_device_for_local_rank(g_dist.local_rank, &co.device))) goto done;
         if ((rc = bt_cuda_trainer_new_ex(&g_cuda, &model, &lora, M, &co))) goto done;
+        /* a collective waits at most dist.timeout_s, plus the time the watchdog needs to name a
+         * lost rank first (rank 0's straggler check uses dist.timeout_s itself) */
+        bt_cuda_hooks hooks = {stop_check, on_collective, NULL,
+                               (double)cfg->dist.timeout_s + cfg->dist.heartbeat_timeout_s};
+        bt_cuda_trainer_set_hooks(g_cuda, &hooks);
         if ((rc = bt_cuda_trainer_dist_init(g_cuda, nccl_id, g_dist.rank, g_dist.world))) goto done;
         if (g_dist.world > 1)
             bt_log(BT_LOG_INFO, "trainer", "NCCL: rank %d of %d on CUDA device %d", g_dist.rank,
@@ -442,6 +524,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
 #endif
     {
     if ((rc = bt_step_ctx_new(&ctx, &model, &lora, M, cfg->activation_checkpointing))) goto done;
+    bt_step_ctx_set_check(ctx, stop_check, NULL);
     bt_log(BT_LOG_INFO, "trainer", "workspace for %dx%d tokens: %.0f MiB%s", B, T,
            bt_step_ctx_bytes(ctx) / 1048576.0,
            cfg->activation_checkpointing ? " (activation checkpointing)" : "");
@@ -450,9 +533,10 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     double before = NAN, after = NAN;
     long long n_eval = 0;
     int eval_cut = 0;
-    if (cfg->eval.n_shards > 0) {
-        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval, &eval_cut)))
-            goto done;
+    if (cfg->eval.n_shards > 0 &&
+        (rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval, &eval_cut))) {
+        if (eval_only) goto done;
+        goto stop_or_fail;
     }
     if (!eval_only && g_dist.rank == 0) {
         if ((rc = bt_report_open(&rep, cfg, start_step))) goto done;
@@ -465,21 +549,35 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             rc = bt_fail(BT_ERR_INVALID, "config: eval.shards: required for `trainer eval`");
             goto done;
         }
-        if (g_dist.rank != 0) goto done;
-        if (eval_cut && n_eval == 0)
-            fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
-        else
-            fprintf(out, "held-out loss%s: %.4f, perplexity %.3f (%lld tokens%s%s)\n",
-                    eval_cut ? " (partial, interrupted)" : "", before, exp(before), n_eval,
-                    cfg->eval_adapter ? "; adapter " : cfg->resume_from ? "; checkpoint " : "",
-                    cfg->eval_adapter ? cfg->eval_adapter : cfg->resume_from ? cfg->resume_from : "");
-        fflush(out);
+        if (g_dist.rank == 0) {
+            if (eval_cut && n_eval == 0)
+                fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
+            else
+                fprintf(out, "held-out loss%s: %.4f, perplexity %.3f (%lld tokens%s%s)\n",
+                        eval_cut ? " (partial, interrupted)" : "", before, exp(before), n_eval,
+                        cfg->eval_adapter ? "; adapter " : cfg->resume_from ? "; checkpoint " : "",
+                        cfg->eval_adapter ? cfg->eval_adapter
+                        : cfg->resume_from ? cfg->resume_from
+                                           : "");
+            fflush(out);
+        }
+        if (eval_cut) rc = stop_check(NULL);
+        if (eval_cut && !rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+        if (rc == BT_ERR_CANCELLED)
+            rc = bt_fail(rc, "%s: the held-out evaluation is partial", bt_last_error());
         goto done;
+    }
+    if (eval_cut) {
+        rc = stop_check(NULL);
+        if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+        goto stop_or_fail;
     }
 
     if ((rc = attach(&cl, cfg, 0, has_resume ? resume : NULL))) goto done;
     mbs = calloc((size_t)cfg->grad_accum, sizeof(mb_copy));
-    if (!mbs) {
+    all_done = calloc((size_t)g_dist.world, BT_RESUME_STATE_BYTES);
+    all_next = calloc((size_t)g_dist.world, BT_RESUME_STATE_BYTES);
+    if (!mbs || !all_done || !all_next) {
         rc = bt_fail(BT_ERR_NOMEM, "out of memory");
         goto done;
     }
@@ -488,20 +586,17 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     bt_schedule sched = {cfg->schedule, cfg->optim.lr, cfg->min_lr_ratio, cfg->optim.warmup_steps,
                          cfg->steps};
     double train_t0 = bt_now();
-    int done_steps = start_step;
     int end_step = cfg->stop_at_step > 0 ? cfg->stop_at_step : cfg->steps;
     double last_loss = NAN;
     int ck_step = -1; /* the step of the last checkpoint written */
-    uint8_t resume_done[BT_RESUME_STATE_BYTES]; /* loader state after the last completed step */
-    memcpy(resume_done, resume, sizeof resume_done);
-    /* stop_all: a SIGINT/SIGTERM seen by any rank (agreed on in the step's collectives, so that
-     * every rank stops after the same step; for one process simply g_stop) */
-    int stop_all = 0;
     /* --profile: the second step of the run (the first warms caches and pages), or the only one */
     const int prof_step = !cfg->profile ? -1 : end_step - start_step >= 2 ? start_step + 1 : start_step;
-    for (int step = start_step; step < end_step && !stop_all && !(g_dist.world == 1 && g_stop);
-         step++) {
+    /* A stop request (a signal on any rank, relayed by the watchdog) lands mid-step: every wait
+     * and every layer asks stop_check, the step is dropped, and `interrupted` keeps the last
+     * completed one. */
+    for (int step = start_step; step < end_step; step++) {
         double ts = bt_now();
+        if ((rc = stop_check(NULL))) goto stop_or_fail;
         if (step == prof_step) {
             if (!(prof = bt_prof_new())) {
                 rc = bt_fail(BT_ERR_NOMEM, "out of memory");
@@ -518,7 +613,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
          *    micro-batches, and of how rows fall onto ranks), so they are counted before any
          *    backward. */
         long long n_lab = 0, n_real = 0;
-        int got = 0; /* 0 ok, 1 end of stream, 2 signalled while waiting, <0 error */
+        int got = 0; /* 0 ok, 1 end of stream, 2 stop request while waiting, <0 error */
         double wait_s = 0; /* time spent waiting for loaderd in this step */
         for (int i = 0; i < cfg->grad_accum && got == 0; i++) {
             double tw = bt_now();
@@ -535,29 +630,30 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             n_lab += n;
             n_real += mbs[i].n_real;
         }
+        if (got == 2) {
+            rc = stop_check(NULL);
+            if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+            goto stop_or_fail;
+        }
         if (got == 1)
             got = bt_fail(BT_ERR_CLOSED, "the training stream ended after step %d of %d%s", step,
                           cfg->steps, g_dist.world > 1 ? " (on this rank)" : "");
         const long long n_real_local = n_real;
-        /* ... over all ranks: counts, and whether any rank was stopped or failed */
-        double st[4] = {(double)n_lab, (double)n_real, got == 2 || (g_dist.world > 1 && g_stop),
-                        got < 0};
-        if ((rc = dist_sum(st, 4))) goto done;
+        /* ... over all ranks: counts, and whether any rank's stream failed */
+        double st[3] = {(double)n_lab, (double)n_real, got < 0};
+        if ((rc = dist_sum(st, 3))) goto stop_or_fail;
         n_lab = (long long)st[0];
         n_real = (long long)st[1];
-        if (st[3] > 0) { /* the batch stream failed (here or on another rank) */
+        if (st[2] > 0) { /* the batch stream failed (here or on another rank) */
             rc = got < 0 ? got
                          : bt_fail(BT_ERR_CLOSED, "another rank could not get its batches for "
                                    "step %d (see its log)", step + 1);
             goto failed;
         }
-        if (st[2] > 0) { /* signalled while waiting: the step is dropped */
-            stop_all = 1;
-            rc = 0;
-            goto stopped;
-        }
         memcpy(resume, mbs[cfg->grad_accum - 1].resume, BT_RESUME_STATE_BYTES);
         has_resume = 1;
+        /* every rank's loader state after this step (for checkpoints: see save_interrupted) */
+        if ((rc = dist_gather_resume(resume, all_next))) goto stop_or_fail;
         /* 2. forward + backward */
 #ifdef BT_WITH_CUDA
         if (g_cuda && (rc = bt_cuda_trainer_zero_grad(g_cuda))) goto done;
@@ -569,6 +665,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         for (int i = 0; i < cfg->grad_accum; i++) {
             bt_microbatch mb;
             mb_view(&mbs[i], B, T, &mb);
+            at_mb = i + 1;
             /* the dropout key also depends on the rank: the ranks' rows are different rows */
             uint64_t key = bt_hash64(cfg->seed ^ bt_hash64(((uint64_t)step << 20) + (uint64_t)i + 1));
             if (g_dist.rank > 0) key = bt_hash64(key ^ (uint64_t)g_dist.rank);
@@ -578,19 +675,15 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             else
 #endif
                 rc = bt_forward_backward(ctx, &model, &lora, &mb, 1, gscale, key | 1, &ls, NULL);
-            if (rc) goto done;
+            if (rc) goto stop_or_fail;
             loss_sum += ls;
         }
 #ifdef BT_WITH_CUDA
         /* sum of every rank's d(loss_sum / n_lab): the gradient of the global mean loss */
-        if (g_cuda && g_dist.world > 1 && (rc = bt_cuda_trainer_allreduce_grads(g_cuda))) goto done;
+        if (g_cuda && g_dist.world > 1 && (rc = bt_cuda_trainer_allreduce_grads(g_cuda)))
+            goto stop_or_fail;
 #endif
-        {
-            double v[2] = {loss_sum, g_stop};
-            if ((rc = dist_sum(v, 2))) goto done;
-            loss_sum = v[0];
-            stop_all = v[1] > 0; /* one process: its own g_stop */
-        }
+        if ((rc = dist_sum(&loss_sum, 1))) goto stop_or_fail;
         double loss = n_lab > 0 ? loss_sum / (double)n_lab : NAN;
         /* 3. clip + AdamW (every rank holds the same summed gradients, so every rank computes
          *    the same norm and the same update) */
@@ -632,14 +725,17 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             bt_prof_add(prof, "adamw", bt_now() - t_opt, 4.0 * 3.0 * (double)lora.n_params);
         }
         done_steps = step + 1;
-        memcpy(resume_done, resume, sizeof resume_done);
+        at_mb = 0;
+        uint8_t *swap = all_done;
+        all_done = all_next;
+        all_next = swap;
         last_loss = loss;
         /* 4. progress: tokens/s of all ranks on the console (rank 0), this rank's to loaderd */
         double now = bt_now(), dt = now - ts, el = now - train_t0;
         double tps = dt > 0 ? (double)n_real / dt : 0;
         bt_client_report(cl, (uint64_t)done_steps, loss, dt > 0 ? (double)n_real_local / dt : 0);
         if (g_dist.rank == 0 && (done_steps % cfg->log_every == 0 || done_steps == cfg->steps ||
-                                 done_steps == end_step || stop_all)) {
+                                 done_steps == end_step)) {
             char e1[24], e2[24];
             bt_fmt_duration(e1, sizeof e1, el);
             bt_fmt_duration(e2, sizeof e2, el / (done_steps - start_step) * (end_step - done_steps));
@@ -670,10 +766,9 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             bt_prof_free(prof);
             prof = NULL;
         }
-        int last = done_steps == end_step || stop_all;
         if (cfg->checkpoint_every > 0 && done_steps < cfg->steps &&
-            (done_steps % cfg->checkpoint_every == 0 || last)) {
-            if ((rc = save_checkpoint(cfg, &model, &lora, done_steps, resume))) goto done;
+            (done_steps % cfg->checkpoint_every == 0 || done_steps == end_step)) {
+            if ((rc = save_checkpoint(cfg, &model, &lora, done_steps, all_done))) goto stop_or_fail;
             if (g_dist.rank == 0)
                 bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
                        cfg->checkpoint_dir);
@@ -687,34 +782,32 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                     bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done_steps,
                            cfg->out_dir);
             }
-            if ((rc = dist_agree(rc, "saving the adapter"))) goto done;
+            if ((rc = dist_agree(rc, "saving the adapter"))) goto stop_or_fail;
         }
     }
-    if (g_dist.world == 1) stop_all = g_stop;
-stopped:
-    if (stop_all) bt_log(BT_LOG_WARN, "trainer", "interrupted after step %d; saving", done_steps);
-    else if (end_step < cfg->steps)
+    if (end_step < cfg->steps)
         bt_log(BT_LOG_INFO, "trainer", "stopped after step %d of %d (stop_at_step)", done_steps,
                cfg->steps);
-    if (stop_all && cfg->checkpoint_every > 0 && done_steps > start_step &&
-        done_steps < cfg->steps && ck_step != done_steps) { /* stopped while waiting */
-        if ((rc = save_checkpoint(cfg, &model, &lora, done_steps, resume_done))) goto done;
-        if (g_dist.rank == 0)
-            bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done_steps,
-                   cfg->checkpoint_dir);
-    }
     bt_client_close(cl);
     cl = NULL;
     if (g_dist.rank == 0) {
         rc = sync_host_lora(&lora, 0);
         if (!rc) rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
     }
-    if ((rc = dist_agree(rc, "saving the adapter"))) goto done;
+    if ((rc = dist_agree(rc, "saving the adapter"))) goto stop_or_fail;
     if (g_dist.rank == 0)
         bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
                done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
-    if (cfg->eval.n_shards > 0 && !stop_all) {
-        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, NULL))) goto done;
+    if (cfg->eval.n_shards > 0) {
+        int cut = 0;
+        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, &cut))) goto stop_or_fail;
+        if (cut) { /* the training is complete and saved: only the evaluation was cut short */
+            rc = stop_check(NULL);
+            if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+            rc = bt_fail(rc, "%s during the final held-out evaluation; adapter for step %d of %d "
+                         "saved to %s", bt_last_error(), done_steps, cfg->steps, cfg->out_dir);
+            goto done;
+        }
         if (rep && (rc = bt_report_eval(rep, done_steps, after, n_eval))) goto done;
         if (g_dist.rank == 0)
             fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
@@ -725,6 +818,38 @@ stopped:
         fflush(out);
     }
     goto done;
+stop_or_fail: /* rc from a wait, a layer or a collective: a stop request, or a failure */
+    if (rc != BT_ERR_CANCELLED) goto done;
+    { /* interrupted: keep the last completed step; with several ranks every rank comes here
+       * (relayed), no collective is used any more, and rank 0 alone saves */
+        char why[600], saved[1200] = "";
+        snprintf(why, sizeof why, "%s", bt_last_error());
+        bt_client_close(cl);
+        cl = NULL;
+        int src = 0;
+        if (at_mb > 0)
+            bt_log(BT_LOG_WARN, "trainer", "%s: stopping mid-step %d (in micro-batch %d of %d)",
+                   why, done_steps + 1, at_mb, cfg->grad_accum);
+        else
+            bt_log(BT_LOG_WARN, "trainer", "%s: stopping before step %d's forward", why,
+                   done_steps + 1);
+        if (g_dist.rank == 0 && done_steps > start_step) {
+            src = save_interrupted(cfg, &model, &lora, done_steps, all_done, saved, sizeof saved);
+        }
+        if (src)
+            rc = bt_fail(BT_ERR_IO, "%s after step %d; saving it failed: %s", why, done_steps,
+                         bt_last_error());
+        else if (g_dist.rank != 0)
+            rc = bt_fail(BT_ERR_CANCELLED, "%s: stopped after step %d of %d (rank 0 saves)", why,
+                         done_steps, cfg->steps);
+        else if (done_steps > start_step)
+            rc = bt_fail(BT_ERR_CANCELLED, "%s: stopped after step %d of %d; %s", why, done_steps,
+                         cfg->steps, saved);
+        else
+            rc = bt_fail(BT_ERR_CANCELLED, "%s before step %d completed: nothing new to save", why,
+                         start_step + 1);
+        goto done;
+    }
 failed: /* the batch stream failed after some steps: keep them (adapter + checkpoint); with
          * several ranks every rank comes here together (the step's first collective) */
     if (done_steps > start_step) {
@@ -739,7 +864,7 @@ failed: /* the batch stream failed after some steps: keep them (adapter + checkp
         }
         src = dist_agree(src, "saving the adapter");
         if (!src && cfg->checkpoint_every > 0 && ck_step != done_steps)
-            src = save_checkpoint(cfg, &model, &lora, done_steps, resume_done);
+            src = save_checkpoint(cfg, &model, &lora, done_steps, all_done);
         if (src)
             rc = bt_fail(rc, "%s; saving step %d also failed: %s", why, done_steps,
                          bt_last_error());
@@ -755,16 +880,32 @@ done:
     if (mbs)
         for (int i = 0; i < cfg->grad_accum; i++) mb_free(&mbs[i]);
     free(mbs);
+    free(all_done);
+    free(all_next);
     bt_client_close(cl);
     bt_step_ctx_free(ctx);
 #ifdef BT_WITH_CUDA
+    if (rc == BT_ERR_CANCELLED) bt_cuda_trainer_dist_abort(g_cuda); /* peers may be gone */
     bt_cuda_trainer_free(g_cuda);
     g_cuda = NULL;
 #endif
     bt_lora_free(&lora);
     bt_model_free(&model);
 done_nomodel:
-    sigaction(SIGINT, &old_int, NULL);
-    sigaction(SIGTERM, &old_term, NULL);
+    if (g_mon) { /* the last word to the other ranks: goodbye, or this rank's error */
+        char keep[1400];
+        snprintf(keep, sizeof keep, "%s", bt_last_error());
+        if (rc == 0 || rc == BT_ERR_CANCELLED) {
+            int frc = bt_dist_monitor_finish(g_mon);
+            if (!rc && frc) rc = frc;
+            else bt_fail(rc, "%s", keep);
+        } else {
+            if (!bt_dist_monitor_check(g_mon)) bt_dist_monitor_fail(g_mon, keep); /* else known */
+            bt_fail(rc, "%s", keep);
+        }
+        bt_dist_monitor_free(g_mon);
+        g_mon = NULL;
+    }
+    for (int i = 0; i < N_STOP_SIGNALS; i++) sigaction(k_stop_signals[i], &old_sa[i], NULL);
     return rc;
 }

@@ -9,6 +9,17 @@
 #include "trainer/model.h"
 #include "trainer/step.h"
 
+/* The trainer's exit statuses (trainer/main.c), in one table so that every way of stopping keeps
+ * its own number; scripts/train.sbatch and the README rely on them:
+ *   0   done: `steps` (or stop_at_step) completed, adapter saved
+ *   1   failure (the message on stderr says why; completed steps are saved when possible)
+ *   2   usage or configuration error (the message names the argument or key)
+ *   75  interrupted: SIGINT, SIGTERM or SIGUSR1 (Slurm's warning before a time limit) on any
+ *       rank; stopped mid-step, the adapter and checkpoint of the last completed step are saved:
+ *       continue with --resume CHECKPOINT_DIR (sysexits.h EX_TEMPFAIL: "try again later")
+ *   76..79  reserved for other deliberate stops of a run (e.g. a divergence stop). */
+enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_INTERRUPTED = 75 };
+
 /* Run a job. eval_only = 0: `trainer train` (eval before if eval.shards, train cfg->steps steps,
  * save the adapter every save_every steps and at the end, eval after, summary); eval_only = 1:
  * `trainer eval` (held-out loss of the base model only). Progress lines and the summary go to
@@ -17,11 +28,17 @@
  *   held-out loss: before 2.9134 -> after 2.4512 (-15.9%)
  *   adapter: runs/demo/adapter
  * loss = the step's mean loss per labelled target over its grad_accum micro-batches; tok/s = real
- * (non-padding) tokens of the step / its wall time. SIGINT/SIGTERM stop after the current step,
- * or within ~1 s while waiting for a batch (the adapter, and a checkpoint when checkpoint_every
- * is set, are still saved). When the batch stream fails after some steps (loaderd gone, timeout)
- * the adapter and checkpoint of the last completed step are saved too, the error message says
- * so, and the error is returned. Returns 0 or a negative bt_err with bt_last_error() set. */
+ * (non-padding) tokens of the step / its wall time. SIGINT, SIGTERM and SIGUSR1 stop mid-step,
+ * whatever the step's length: the wait for a batch is sliced (~1 s), every layer of the forward
+ * and backward asks (bt_step_ctx_set_check, bt_cuda_hooks), and so does every NCCL wait; the
+ * step in progress is dropped and rank 0 saves the adapter and a checkpoint (to checkpoint_dir,
+ * whatever checkpoint_every; not when it equals out_dir) of the last completed step, without any
+ * collective. With several ranks a signal on one stops all of them (trainer/dist_monitor.h
+ * relays it), and another rank that dies or stalls ends the run naming it. Returns
+ * BT_ERR_CANCELLED then, with the message saying what was saved where. When the batch stream
+ * fails after some steps (loaderd gone, timeout) the adapter and checkpoint of the last completed
+ * step are saved too, the error message says so, and the error is returned. Returns 0 or a
+ * negative bt_err with bt_last_error() set. */
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out);
 
 /* Held-out evaluation: attach a job for cfg's eval stream (epochs 1), run the forward (no

@@ -18,14 +18,17 @@ Fixtures:
                     tools/mk_tiny_gguf are built and the model is present; serve(data_dir) ->
                     Loaderd starts the plain (non-ASan) loaderd without a notify socket, with
                     data_roots [data_dir] and model_roots [tmp_path, the model's directory]
-  chat_line(u, a) / write_shard(path, lines) / tiny_model(path, seed) helpers and the ROOT /
-  BUILD / MODEL paths are importable from conftest (`from conftest import chat_line`).
+  chat_line(u, a) / write_shard(path, lines) / tiny_model(path, seed) / tiny_model_hd64(path, seed) /
+  read_safetensors(path) /
+  rel_l2(a, b, part) / ckpt_step(dir) helpers and the ROOT / BUILD / MODEL paths are importable
+  from conftest (`from conftest import chat_line`).
 """
 import json
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import time
@@ -39,6 +42,9 @@ collect_ignore = [] if os.environ.get("BT_EMU_TRAINER") else ["test_e2e_cuda_emu
 # test_export_hf.py (HF's own check of our exports) likewise.
 if not os.environ.get("BT_VENV_TORCH"):
     collect_ignore += ["test_python_client_hf.py", "test_export_hf.py"]
+# test_slurm.py brings up a real Slurm; `make test-slurm` runs it (BT_SLURM=1), after test-emu.
+if os.environ.get("BT_SLURM") != "1":
+    collect_ignore.append("test_slurm.py")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
@@ -76,6 +82,52 @@ def tiny_model(path, seed=7):
     subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(path),
                     "--tokenizer-from", MODEL, "--layers", "2", "--hidden", "64", "--heads", "4",
                     "--kv-heads", "2", "--ffn", "128", "--seed", str(seed)], check=True)
+    return path
+
+
+def read_safetensors(path):
+    """{name: (shape, values)} of an F32 safetensors file (the PEFT adapters the trainer writes)."""
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        assert meta["dtype"] == "F32", (name, meta)
+        a, b = meta["data_offsets"]
+        count = (b - a) // 4
+        out[name] = (meta["shape"], struct.unpack(f"<{count}f", raw[8 + n + a:8 + n + b]))
+    return out
+
+
+def rel_l2(a, b, part):
+    """||a - b|| / ||b|| over the tensors of two read_safetensors results whose name holds part."""
+    num = den = 0.0
+    for name, (shape, bvals) in b.items():
+        if part not in name:
+            continue
+        ashape, avals = a[name]
+        assert ashape == shape, name
+        num += sum((x - y) ** 2 for x, y in zip(avals, bvals))
+        den += sum(y * y for y in bvals)
+    assert den > 0, part
+    return (num / den) ** 0.5
+
+
+def ckpt_step(d):
+    """The optimiser step of the trainer checkpoint in directory d (trainer/checkpoint.h)."""
+    raw = open(os.path.join(str(d), "trainer_state.bin"), "rb").read()
+    assert raw[:6] == b"BTCKPT"
+    return struct.unpack_from("<q", raw, 16)[0]
+
+
+def tiny_model_hd64(path, seed=11):
+    """Like tiny_model, with head_dim 64 (the GPU attention supports 64 and 128): hidden 128, 2
+    heads, 1 KV head, FFN 256. Returns path."""
+    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(path), "--tokenizer-from", MODEL,
+                    "--layers", "2", "--hidden", "128", "--heads", "2", "--kv-heads", "1", "--ffn", "256",
+                    "--seed", str(seed)], check=True)
     return path
 
 

@@ -22,30 +22,17 @@ Collected only when $BT_EMU_TRAINER is set (conftest.py)."""
 import json
 import os
 import re
+import signal
 import socket
-import struct
 import subprocess
+import time
 
 import pytest
 
-from conftest import BUILD, MODEL, chat_line, write_shard
+from conftest import BUILD, chat_line, read_safetensors, rel_l2, tiny_model_hd64, write_shard
 
 EMU_TRAINER = os.environ.get("BT_EMU_TRAINER", "")
-
-
-def read_safetensors(path):
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        assert meta["dtype"] == "F32", (name, meta)
-        a, b = meta["data_offsets"]
-        count = (b - a) // 4
-        out[name] = (meta["shape"], struct.unpack(f"<{count}f", raw[8 + n + a:8 + n + b]))
-    return out
+JOB_SECRET = os.urandom(16).hex()  # the per-job secret a launcher hands every rank (trainer/dist.h)
 
 
 @pytest.fixture
@@ -57,10 +44,7 @@ def env(tmp_path, trainer_stack):
     good = [chat_line(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}.") for i in range(40)]
     write_shard(data / "train-000.jsonl.zst", good)
     write_shard(data / "eval.jsonl.zst", good[:8])
-    model = tmp_path / "tiny64.gguf"
-    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(model),
-                    "--tokenizer-from", MODEL, "--layers", "2", "--hidden", "128", "--heads", "2",
-                    "--kv-heads", "1", "--ffn", "256", "--seed", "11"], check=True)
+    model = tiny_model_hd64(tmp_path / "tiny64.gguf", 11)
     ld = trainer_stack(data)
     return {"tmp": tmp_path, "data": data, "model": model, "sock": ld.sock, "loaderd": ld}
 
@@ -105,19 +89,6 @@ def run_job(env, name, binary, device, extra=None, args=()):
     return parse_run(text, out)
 
 
-def rel_l2(a, b, part):
-    num = den = 0.0
-    for name, (shape, bvals) in b.items():
-        if part not in name:
-            continue
-        ashape, avals = a[name]
-        assert ashape == shape, name
-        num += sum((x - y) ** 2 for x, y in zip(avals, bvals))
-        den += sum(y * y for y in bvals)
-    assert den > 0, part
-    return (num / den) ** 0.5
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,7 +103,7 @@ def launch_ranks(cfgs, port, world=2, args=(), extra_env=None):
     for rank, cfg in enumerate(cfgs):
         e = {**base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_EMU_TIMEOUT_S": "60",
-             **(extra_env or {})}
+             "BT_DIST_SECRET": JOB_SECRET, **(extra_env or {})}
         procs.append(subprocess.Popen([EMU_TRAINER, "train", "--config", str(cfg),
                                        "--set", "dist.timeout_s=60", *args], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -245,3 +216,48 @@ def test_cuda_trainer_on_emulator_follows_cpu(env, kernels):
     err = {part: rel_l2(gpu["adapter"], cpu["adapter"], part) for part in ("lora_A", "lora_B")}
     print(f"{tag}: adapter rel_l2 lora_A {err['lora_A']:.3e} lora_B {err['lora_B']:.3e}")
     assert err["lora_A"] <= 1e-2 and err["lora_B"] <= 1e-1, err
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_lost_rank_ends_every_rank_naming_it(env, how):
+    """Three ranks train; rank 1 is SIGKILLed, or SIGSTOPped, mid-run. The emulated NCCL is put in
+    NCCL's own one-node behaviour (NCCL_EMU_PEER_LOSS=hang: nothing notices the lost peer, and no
+    emulator timeout), so only the trainer's watchdog (trainer/dist_monitor.h) and its
+    ncclCommAbort can end the others' waits: ranks 0 and 2 must both exit with a message naming
+    rank 1 and its pid."""
+    data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
+            "micro_batch_size": 1, "seed": 5}
+    cfg, _ = job_config(env, f"dp-lost-{how}", "cuda", {"data": data, "steps": 100000, "eval": {}})
+    port = free_port()
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR")}
+    outs = [env["tmp"] / f"rank{r}-{how}.log" for r in range(3)]
+    procs = []
+    for rank in range(3):
+        e = {**base, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "BT_DIST_SECRET": JOB_SECRET, "NCCL_EMU_PEER_LOSS": "hang",
+             "NCCL_EMU_TIMEOUT_S": "0"}
+        procs.append(subprocess.Popen([EMU_TRAINER, "train", "--config", str(cfg), "--set", "dist.timeout_s=600",
+                                       "--set", "dist.heartbeat_timeout_s=3"], env=e,
+                                      stdout=open(outs[rank], "wb"), stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 600
+        while not re.search(r"^step 2/100000 ", outs[0].read_text(errors="replace"), re.M):
+            assert all(p.poll() is None for p in procs), [o.read_text() for o in outs]
+            assert time.time() < deadline, outs[0].read_text()
+            time.sleep(0.1)
+        victim = procs[1]
+        victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        for r in (0, 2):
+            procs[r].wait(timeout=180)  # the heartbeat timeout is 3 s: this is only a hang guard
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.send_signal(signal.SIGCONT)
+                p.wait()
+    word = "died" if how == "killed" else "stopped responding"
+    for r in (0, 2):
+        text = outs[r].read_text(errors="replace")
+        assert procs[r].returncode == 1, f"rank {r} exited {procs[r].returncode}:\n{text[-3000:]}"
+        assert f"rank 1 (pid {victim.pid} on " in text and word in text, f"rank {r}:\n{text[-3000:]}"

@@ -137,4 +137,26 @@ def test_distributed_environment_is_checked_before_anything_runs(tmp_path):
     r = run("config", "--check", str(p), "--set", "dist.rank=1")
     assert r.returncode == 2 and 'unknown key "dist.rank"' in r.stderr, r.stderr
     eff = json.loads(run("config", "--check", str(p), "--set", "dist.master_port=29600").stdout)
-    assert eff["dist"] == {"master_addr": "127.0.0.1", "master_port": 29600, "timeout_s": 600}
+    assert eff["dist"] == {"master_addr": "127.0.0.1", "master_port": 29600, "timeout_s": 600,
+                           "heartbeat_timeout_s": 60, "secret_file": None}
+    for key, bad in (("dist.heartbeat_timeout_s", "0"), ("dist.secret_file", "3")):
+        r = run("config", "--check", str(p), "--set", f"{key}={bad}")
+        assert r.returncode == 2 and key in r.stderr, r.stderr
+    # `config --print KEY` is how scripts ask the trainer (scripts/train.sbatch: the socket):
+    # the job's socket, else $LOADERD_SOCKET, else the default
+    no_sock = {k: v for k, v in clean.items() if k != "LOADERD_SOCKET"}
+    job = json.loads(p.read_text())
+    assert "socket" not in job, "templates must not pin the socket"
+    r = run("config", "--check", str(p), "--print", "socket", env=no_sock)
+    assert r.returncode == 0 and r.stdout == "/run/loaderd/loaderd.sock\n", r.stdout + r.stderr
+    r = run("config", "--check", str(p), "--print", "socket", env={**no_sock, "LOADERD_SOCKET": "/tmp/e.sock"})
+    assert r.stdout == "/tmp/e.sock\n", r.stdout + r.stderr
+    r = run("config", "--check", str(p), "--set", "socket=/tmp/s.sock", "--print", "socket",
+            env={**no_sock, "LOADERD_SOCKET": "/tmp/e.sock"})
+    assert r.stdout == "/tmp/s.sock\n", r.stdout + r.stderr
+    r = run("config", "--check", str(p), "--print", "dist.master_port")
+    assert r.returncode == 0 and r.stdout == "29500\n", r.stdout + r.stderr
+    r = run("config", "--check", str(p), "--print", "dist.nothing")
+    assert r.returncode == 2 and "--print dist.nothing: no such key" in r.stderr, r.stderr
+    r = run("config", "--template", "default", "--print", "socket")
+    assert r.returncode == 2 and "--print KEY goes with --check" in r.stderr, r.stderr

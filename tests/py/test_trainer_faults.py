@@ -4,19 +4,22 @@
   saves the adapter and a checkpoint of the last completed step, and says so.
 - SIGTERM while the trainer waits for a batch (loaderd SIGSTOPped): it stops within a couple of
   seconds (the wait is sliced; the client itself retries EINTR) and saves adapter + checkpoint.
-- SIGINT during `trainer eval`: the held-out loss is marked partial, not printed as complete.
+- SIGTERM or SIGUSR1 (Slurm's early warning) in the middle of a long step (grad_accum 150): the
+  step is dropped mid-way (the message says in which micro-batch), the adapter and a checkpoint
+  of the last completed step are saved although checkpoint_every is 0, exit status 75.
+- SIGINT during `trainer eval`: the held-out loss is marked partial, not printed as complete;
+  exit status 75 (interrupted).
 Set BT_TRAINER_ASAN=1 to run the ASan+UBSan trainer."""
 import json
 import os
 import re
 import signal
-import struct
 import subprocess
 import time
 
 import pytest
 
-from conftest import BUILD, SAN_ENV, chat_line, tiny_model, write_shard
+from conftest import BUILD, SAN_ENV, chat_line, ckpt_step, tiny_model, write_shard
 
 ASAN = os.environ.get("BT_TRAINER_ASAN") == "1"
 TRAINER = os.path.join(BUILD, "asan", "trainer") if ASAN else os.path.join(BUILD, "trainer")
@@ -100,12 +103,6 @@ def last_step(stdout):
     return steps[-1]
 
 
-def ckpt_step(d):
-    raw = (d / "trainer_state.bin").read_bytes()
-    assert raw[:6] == b"BTCKPT"
-    return struct.unpack_from("<q", raw, 16)[0]
-
-
 def test_loaderd_killed_mid_run_saves_completed_steps(env):
     p, out, err = start(env, "train", job(env), {"LOADERD_RECONNECT_S": "0"})
     try:
@@ -150,14 +147,40 @@ def test_sigterm_while_waiting_for_a_batch_stops_promptly_and_saves(env):
             p.kill()
             p.wait()
     stdout, stderr = out.read_text(), err.read_text()
-    assert rc == 0, stdout[-2000:] + stderr[-4000:]
+    assert rc == 75, stdout[-2000:] + stderr[-4000:]
     assert took < 4, f"took {took:.1f} s to stop"
     n = last_step(stdout)
-    assert f"interrupted after step {n}; saving" in stderr, stderr[-4000:]
-    assert f"step {n}: checkpoint saved to" in stderr, stderr[-4000:]
+    assert f"interrupted by SIGTERM: stopping before step {n + 1}'s forward" in stderr, stderr[-4000:]
+    tmp = env["tmp"]
+    assert (f"trainer: interrupted by SIGTERM: stopped after step {n} of 100000; adapter saved to "
+            f"{tmp}/adapter, checkpoint to {tmp}/ckpt (continue with --resume {tmp}/ckpt)") in stderr, stderr[-4000:]
     assert ckpt_step(env["tmp"] / "ckpt") == n
     assert (env["tmp"] / "adapter" / "adapter_model.safetensors").exists()
-    assert stdout.rstrip().endswith("adapter: " + str(env["tmp"] / "adapter"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_mid_step_keeps_the_last_completed_step(env, sig):
+    """Steps of 150 micro-batches: the signal lands in step 2's forward/backward, which is dropped;
+    with checkpoint_every 0 the checkpoint is still written, for --resume."""
+    p, out, err = start(env, "train", job(env, grad_accum=150, checkpoint_every=0))
+    try:
+        wait_for(p, out, r"^step 1/100000 ", 300)
+        p.send_signal(sig)
+        rc = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    stdout, stderr = out.read_text(), err.read_text()
+    assert rc == 75, stdout[-2000:] + stderr[-4000:]
+    assert last_step(stdout) == 1, stdout
+    name = signal.Signals(sig).name
+    m = re.search(rf"interrupted by {name}: stopping mid-step 2 \(in micro-batch (\d+) of 150\)", stderr)
+    assert m and int(m.group(1)) < 150, stderr[-4000:]
+    assert "stopped after step 1 of 100000; adapter saved to" in stderr, stderr[-4000:]
+    assert ckpt_step(env["tmp"] / "ckpt") == 1
+    assert (env["tmp"] / "adapter" / "adapter_model.safetensors").exists()
+    assert "LeakSanitizer" not in stderr and "runtime error" not in stderr
 
 
 def test_sigint_during_heldout_eval_is_marked_partial(env):
@@ -177,7 +200,8 @@ def test_sigint_during_heldout_eval_is_marked_partial(env):
             p.kill()
             p.wait()
     stdout, stderr = out.read_text(), err.read_text()
-    assert rc == 0, stdout + stderr[-4000:]
+    assert rc == 75, stdout + stderr[-4000:]
+    assert "trainer: interrupted by SIGINT: the held-out evaluation is partial" in stderr, stderr[-2000:]
     assert re.search(r"^held-out loss \(partial, interrupted\): [0-9.]+, perplexity [0-9.]+ "
                      r"\(\d+ tokens\)$", stdout, re.M), stdout + stderr[-2000:]
     assert "held-out loss:" not in stdout

@@ -20,6 +20,7 @@
 static void test_defaults(void **st) {
     (void)st;
     bt_train_config c;
+    unsetenv("LOADERD_SOCKET");
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
     assert_string_equal(c.model, "m.gguf");
     assert_int_equal(c.base_dtype, BT_BASE_NF4);
@@ -339,12 +340,47 @@ static void test_templates(void **st) {
     assert_null(bt_config_template(NULL, 1));
 }
 
+/* "socket" unset: $LOADERD_SOCKET (non-empty), else the default; set in the job or by --set: as
+ * given. dist.heartbeat_timeout_s and dist.secret_file defaults and checks. */
+static void test_socket_rule_and_dist_keys(void **st) {
+    (void)st;
+    bt_train_config c;
+    setenv("LOADERD_SOCKET", "/tmp/env.sock", 1);
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
+    assert_string_equal(c.socket, "/tmp/env.sock");
+    assert_int_equal(c.dist.heartbeat_timeout_s, 60);
+    assert_null(c.dist.secret_file);
+    bt_config_free(&c);
+    const char *sets[] = {"socket=/tmp/set.sock", "dist.heartbeat_timeout_s=5", "dist.secret_file=/home/u/s"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", sets, 3), 0);
+    assert_string_equal(c.socket, "/tmp/set.sock");
+    assert_int_equal(c.dist.heartbeat_timeout_s, 5);
+    assert_string_equal(c.dist.secret_file, "/home/u/s");
+    bt_config_free(&c);
+    assert_int_equal(bt_config_parse(&c, "{\"model\": \"m\", \"socket\": \"/tmp/job.sock\", "
+                                         "\"data\": {\"shards\": [\"x\"]}}", "t", NULL, 0), 0);
+    assert_string_equal(c.socket, "/tmp/job.sock");
+    bt_config_free(&c);
+    setenv("LOADERD_SOCKET", "", 1);
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
+    assert_string_equal(c.socket, "/run/loaderd/loaderd.sock");
+    bt_config_free(&c);
+    unsetenv("LOADERD_SOCKET");
+    const char *bad[] = {"dist.heartbeat_timeout_s=0"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", bad, 1), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "dist.heartbeat_timeout_s"));
+    const char *bad2[] = {"dist.secret_file=7"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", bad2, 1), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "dist.secret_file"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
         cmocka_unit_test(test_refusals),   cmocka_unit_test(test_load_file),
         cmocka_unit_test(test_demo_config), cmocka_unit_test(test_new_keys),
         cmocka_unit_test(test_comment_keys), cmocka_unit_test(test_templates), cmocka_unit_test(test_cuda_keys),
+        cmocka_unit_test(test_socket_rule_and_dist_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,10 +3,19 @@
  * collectives train.c needs. API and semantics: cuda_trainer.h ("Data-parallel"). NCCL calls are
  * enqueued on the trainer's stream, so they are ordered after the backward that produced the
  * gradients and before the clip + AdamW that read them; NCCL's ring/tree all-reduce hands every
- * rank the same bits, so every rank's AdamW update (and so its weights) stays identical. */
+ * rank the same bits, so every rank's AdamW update (and so its weights) stays identical.
+ *
+ * A rank that dies or stalls never hangs the others: the communicator is non-blocking
+ * (ncclConfig_t.blocking = 0) and every wait is NCCL's fault-tolerance loop (NCCL User Guide,
+ * "Fault Tolerance": poll cudaStreamQuery and ncclCommGetAsyncError instead of blocking in
+ * cudaStreamSynchronize; on an error, ncclCommAbort), extended with the trainer's hooks
+ * (bt_cuda_trainer_set_hooks: a stop request, or another rank's failure as trainer/dist_monitor.h
+ * reports it, naming the rank) and a timeout. NCCL itself does not notice a peer that dies or is
+ * stopped within one node: the hooks and the timeout are what end such a wait. */
 #include "trainer/cuda/cuda_trainer_internal.h"
 
 #include <cstring>
+#include <ctime>
 
 static int btc_nccl_(bt_cuda_trainer *t, ncclResult_t r, const char *what, const char *file, int line)
 {
@@ -19,6 +28,110 @@ static int btc_nccl_(bt_cuda_trainer *t, ncclResult_t r, const char *what, const
                    last && *last ? ": " : "", last ? last : "");
 }
 #define BTC_NCCL(t, call) btc_nccl_((t), (call), #call, __FILE__, __LINE__)
+
+extern "C" void bt_cuda_trainer_set_hooks(bt_cuda_trainer *t, const bt_cuda_hooks *h)
+{
+    if (h)
+        t->hooks = *h;
+    else
+        memset(&t->hooks, 0, sizeof t->hooks);
+}
+
+int btc_check(bt_cuda_trainer *t)
+{
+    return t->hooks.check ? t->hooks.check(t->hooks.arg) : 0;
+}
+
+static double btc_now()
+{
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Give up on the communicator: ncclCommAbort ends NCCL work still waiting for peers (the stream
+ * then drains); the trainer has no communicator afterwards (collectives fail, free is a no-op). */
+static void btc_dist_abort(bt_cuda_trainer *t)
+{
+    if (t->comm)
+        ncclCommAbort(t->comm);
+    t->comm = nullptr;
+    t->comm_failed = 1;
+}
+
+/* NCCL reported `r` for `what`: abort, and fail with the hooks' explanation when they have one
+ * within 2 s (the other rank that died or asked to stop, named by the monitor; a relayed stop
+ * keeps BT_ERR_CANCELLED), else with NCCL's own message. */
+static int btc_dist_failed(bt_cuda_trainer *t, ncclResult_t r, const char *what)
+{
+    char nccl[600];
+    const char *last = t->comm ? ncclGetLastError(t->comm) : ncclGetLastError(nullptr);
+    snprintf(nccl, sizeof nccl, "nccl: %s: %s%s%s", what, ncclGetErrorString(r), last && *last ? ": " : "",
+             last ? last : "");
+    btc_dist_abort(t);
+    for (const double until = btc_now() + 2.0; t->hooks.check && btc_now() < until;) {
+        const int rc = btc_check(t);
+        if (rc)
+            return bt_fail(rc, "%s (%s)", bt_last_error(), nccl);
+        const timespec ts = {0, 10000000};
+        nanosleep(&ts, nullptr);
+    }
+    return bt_fail(BT_ERR_IO, "%s", nccl);
+}
+
+/* NCCL's fault-tolerance loop for the call `what` just issued (it returned `issued`): until the
+ * trainer's stream is idle (with_stream) or, for the init, until ncclCommGetAsyncError leaves
+ * ncclInProgress. Each round: an NCCL error, the hooks' check, and the timeout
+ * (bt_cuda_hooks.timeout_s, counted from here) end the wait with ncclCommAbort. Sleeps grow from
+ * 50 us to 2 ms, so a quick collective costs little and a long wait little CPU. */
+static int btc_dist_wait(bt_cuda_trainer *t, ncclResult_t issued, const char *what, int with_stream)
+{
+    if (issued != ncclSuccess && issued != ncclInProgress)
+        return btc_dist_failed(t, issued, what);
+    if (t->hooks.collective)
+        t->hooks.collective(t->hooks.arg, 1);
+    const double t0 = btc_now(), limit = t->hooks.timeout_s;
+    long sleep_ns = 50000;
+    int rc = 0;
+    for (;;) {
+        ncclResult_t st = ncclSuccess;
+        const ncclResult_t q = ncclCommGetAsyncError(t->comm, &st);
+        if (q != ncclSuccess || (st != ncclSuccess && st != ncclInProgress)) {
+            rc = btc_dist_failed(t, q != ncclSuccess ? q : st, what);
+            break;
+        }
+        if (st == ncclSuccess) {
+            if (!with_stream)
+                break;
+            const cudaError_t e = cudaStreamQuery(t->stream);
+            if (e == cudaSuccess)
+                break;
+            if (e != cudaErrorNotReady) {
+                btc_dist_abort(t);
+                rc = BTC_CUDA(e);
+                break;
+            }
+        }
+        if ((rc = btc_check(t))) { /* a stop request, or another rank failed: abandon the call */
+            btc_dist_abort(t);
+            rc = bt_fail(rc, "%s (while in %s)", bt_last_error(), what);
+            break;
+        }
+        if (limit > 0 && btc_now() - t0 > limit) {
+            btc_dist_abort(t);
+            rc = bt_fail(BT_ERR_TIMEOUT, "nccl: %s did not complete within %.0f s (dist.timeout_s): a rank "
+                         "stopped taking part; communicator aborted", what, limit);
+            break;
+        }
+        const timespec ts = {0, sleep_ns};
+        nanosleep(&ts, nullptr);
+        if (sleep_ns < 2000000)
+            sleep_ns += sleep_ns / 2;
+    }
+    if (t->hooks.collective)
+        t->hooks.collective(t->hooks.arg, 0);
+    return rc;
+}
 
 extern "C" int bt_cuda_dist_unique_id(uint8_t id[BT_CUDA_DIST_ID_BYTES])
 {
@@ -67,29 +180,61 @@ extern "C" int bt_cuda_trainer_dist_init(bt_cuda_trainer *t, const uint8_t id[BT
                       "all-gather scratch"));
     ncclUniqueId u;
     memcpy(&u, id, sizeof u);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0; /* every wait below is ours: abortable, with a timeout */
     ncclComm_t c = nullptr;
-    BTC_TRY(BTC_NCCL(t, ncclCommInitRank(&c, world, u, rank)));
-    t->comm = c;
-    return 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&c, world, u, rank, &cfg);
+    t->comm = c; /* valid while the init is in progress (NCCL's non-blocking mode) */
+    return btc_dist_wait(t, r, "ncclCommInitRankConfig (every rank joins)", 0);
 }
 
+/* A clean end flushes the communicator (ncclCommFinalize; non-blocking: polled, at most 60 s) then
+ * destroys it; after a failure, or when the flush fails, it is aborted (never waits on a peer). */
 void btc_dist_free(bt_cuda_trainer *t)
 {
     if (!t->comm)
         return;
-    if (t->comm_failed)
-        ncclCommAbort(t->comm);
-    else
-        ncclCommDestroy(t->comm);
-    t->comm = nullptr;
+    if (!t->comm_failed) {
+        ncclResult_t r = ncclCommFinalize(t->comm), st = r;
+        for (const double until = btc_now() + 60; r == ncclInProgress || st == ncclInProgress;) {
+            if (ncclCommGetAsyncError(t->comm, &st) != ncclSuccess || btc_now() > until) {
+                st = ncclInternalError;
+                break;
+            }
+            r = ncclSuccess;
+            const timespec ts = {0, 1000000};
+            nanosleep(&ts, nullptr);
+        }
+        if (st == ncclSuccess) {
+            ncclCommDestroy(t->comm);
+            t->comm = nullptr;
+            return;
+        }
+    }
+    btc_dist_abort(t);
+}
+
+extern "C" void bt_cuda_trainer_dist_abort(bt_cuda_trainer *t)
+{
+    if (t && t->comm)
+        btc_dist_abort(t);
+}
+
+/* The communicator, or a failure when an earlier error aborted it (world > 1). */
+static int btc_dist_ready(bt_cuda_trainer *t, const char *what)
+{
+    if (t->comm)
+        return 0;
+    return bt_fail(BT_ERR_IO, "nccl: %s on a communicator that was aborted after an earlier error", what);
 }
 
 extern "C" int bt_cuda_trainer_allreduce_grads(bt_cuda_trainer *t)
 {
-    if (!t->comm || t->n_params == 0)
+    if (t->world == 1 || t->n_params == 0)
         return 0;
-    return BTC_NCCL(t, ncclAllReduce(t->g, t->g, (size_t)t->n_params, ncclFloat32, ncclSum, t->comm,
-                                     t->stream));
+    BTC_TRY(btc_dist_ready(t, "ncclAllReduce (LoRA gradients)"));
+    return btc_dist_wait(t, ncclAllReduce(t->g, t->g, (size_t)t->n_params, ncclFloat32, ncclSum, t->comm,
+                                          t->stream), "ncclAllReduce (LoRA gradients)", 1);
 }
 
 extern "C" int bt_cuda_trainer_allreduce_sum(bt_cuda_trainer *t, double *vals, int n)
@@ -97,12 +242,13 @@ extern "C" int bt_cuda_trainer_allreduce_sum(bt_cuda_trainer *t, double *vals, i
     if (n < 0 || n > BTC_DIST_MAX_SUM)
         return bt_fail(BT_ERR_INVALID, "cuda: all-reduce of %d values (at most %d)", n,
                        BTC_DIST_MAX_SUM);
-    if (!t->comm || n == 0)
+    if (t->world == 1 || n == 0)
         return 0;
+    BTC_TRY(btc_dist_ready(t, "ncclAllReduce (step totals)"));
     const size_t b = (size_t)n * sizeof(double);
     BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_red, vals, b, cudaMemcpyHostToDevice, t->stream)));
-    BTC_TRY(BTC_NCCL(t, ncclAllReduce(t->d_red, t->d_red, (size_t)n, ncclFloat64, ncclSum, t->comm,
-                                      t->stream)));
+    BTC_TRY(btc_dist_wait(t, ncclAllReduce(t->d_red, t->d_red, (size_t)n, ncclFloat64, ncclSum, t->comm,
+                                           t->stream), "ncclAllReduce (step totals)", 1));
     BTC_TRY(BTC_CUDA(cudaMemcpyAsync(vals, t->d_red, b, cudaMemcpyDeviceToHost, t->stream)));
     return BTC_CUDA(cudaStreamSynchronize(t->stream));
 }
@@ -112,13 +258,15 @@ extern "C" int bt_cuda_trainer_allgather(bt_cuda_trainer *t, const void *mine, v
     if (bytes > BTC_DIST_MAX_GATHER)
         return bt_fail(BT_ERR_INVALID, "cuda: all-gather of %zu bytes per rank (at most %d)", bytes,
                        BTC_DIST_MAX_GATHER);
-    if (!t->comm) {
+    if (t->world == 1) {
         memmove(all, mine, bytes);
         return 0;
     }
+    BTC_TRY(btc_dist_ready(t, "ncclAllGather (loader states)"));
     uint8_t *mine_d = t->d_gather + (size_t)t->rank * bytes; /* in place: NCCL's own slot */
     BTC_TRY(BTC_CUDA(cudaMemcpyAsync(mine_d, mine, bytes, cudaMemcpyHostToDevice, t->stream)));
-    BTC_TRY(BTC_NCCL(t, ncclAllGather(mine_d, t->d_gather, bytes, ncclUint8, t->comm, t->stream)));
+    BTC_TRY(btc_dist_wait(t, ncclAllGather(mine_d, t->d_gather, bytes, ncclUint8, t->comm, t->stream),
+                          "ncclAllGather (loader states)", 1));
     BTC_TRY(BTC_CUDA(cudaMemcpyAsync(all, t->d_gather, (size_t)t->world * bytes,
                                      cudaMemcpyDeviceToHost, t->stream)));
     return BTC_CUDA(cudaStreamSynchronize(t->stream));

@@ -376,8 +376,10 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
     ap.s2_group = 0;
 
     BTC_TRY(BTC_L(bt_cuda_embedding_fwd(t->x_in[0], embed16(t), t->d_ids, M, t->D, t->V, s)));
-    for (int l = 0; l < t->L; l++)
+    for (int l = 0; l < t->L; l++) {
+        BTC_TRY(btc_check(t)); /* a stop request ends the micro-batch between layers */
         BTC_TRY(layer_fwd(t, l, M, &ap, drop_key));
+    }
     BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(t->xf, t->rstdf, t->x_in[t->L], norm_w(t, t->L, 0), M, t->D,
                                       t->md.hp.rms_eps, s)));
     /* dLoss/dxf goes into t->dtmp (free until the first layer's backward) */
@@ -389,8 +391,10 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
     if (backward) {
         BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dx, dnorm_w(t, t->L, 0), t->dtmp, t->x_in[t->L],
                                           norm_w(t, t->L, 0), t->rstdf, M, t->D, t->rms_scratch, s)));
-        for (int l = t->L - 1; l >= 0; l--)
+        for (int l = t->L - 1; l >= 0; l--) {
+            BTC_TRY(btc_check(t));
             BTC_TRY(layer_bwd(t, l, M, &ap, drop_key));
+        }
         /* t->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
         if (t->off_embed >= 0)
             BTC_TRY(BTC_L(bt_cuda_embedding_bwd(t->g + t->off_embed, t->dx, t->d_ids, M, t->D, t->V, s)));

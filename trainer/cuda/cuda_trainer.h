@@ -101,29 +101,56 @@ enum { BT_CUDA_DL_PARAMS = 1, BT_CUDA_DL_MOMENTS = 2, BT_CUDA_DL_GRADS = 4 };
 int bt_cuda_trainer_download_lora(bt_cuda_trainer *t, bt_lora *lo, unsigned what);
 int bt_cuda_trainer_upload_lora(bt_cuda_trainer *t, const bt_lora *lo);
 
+/* Hooks the trainer calls while it works (all optional; arg is passed back):
+ *   check(arg): asked between layers of bt_cuda_trainer_step (forward and backward) and in every
+ *     round of an NCCL wait: 0 = go on; a negative bt_err (bt_last_error set: BT_ERR_CANCELLED for
+ *     a stop request, another code for another rank's failure) abandons the micro-batch (its
+ *     gradients are then partial) or the collective (the communicator is aborted: later
+ *     collectives fail), and is returned;
+ *   collective(arg, entering): 1 when the trainer starts waiting for an NCCL call, 0 when the wait
+ *     ends (progress for a watchdog: trainer/dist_monitor.h);
+ *   timeout_s: the longest wait for one NCCL call, init included (> 0; 0 = none), after which the
+ *     communicator is aborted (BT_ERR_TIMEOUT naming the call).
+ * Called on the thread that calls the trainer. NULL h clears them. */
+typedef struct {
+    int (*check)(void *arg);
+    void (*collective)(void *arg, int entering);
+    void *arg;
+    double timeout_s;
+} bt_cuda_hooks;
+void bt_cuda_trainer_set_hooks(bt_cuda_trainer *t, const bt_cuda_hooks *h);
+
 /* ---- Data-parallel: one process per GPU, NCCL (trainer/cuda/cuda_dist.cu) ----
  * Start-up: rank 0 makes the id (bt_cuda_dist_unique_id) and hands it to every rank
  * (trainer/dist.h bt_dist_rendezvous); each rank picks its GPU (bt_cuda_device_for_local_rank ->
  * bt_cuda_trainer_opts.device), creates its trainer, then bt_cuda_trainer_dist_init (collective:
  * blocks until all `world` ranks have called it). Every collective below must be called by every
- * rank in the same order (NCCL semantics); a rank that fails makes the others wait until the
- * launcher (srun --kill-on-bad-exit, torchrun) ends them. world 1: no communicator, all of these
- * are local no-ops. NCCL errors are BT_ERR_IO naming the call and NCCL's last error. */
+ * rank in the same order (NCCL semantics). Each call waits NCCL's fault-tolerant way (non-blocking
+ * communicator; cudaStreamQuery + ncclCommGetAsyncError polling, ncclCommAbort on an error, on
+ * the hooks' check or on the hooks' timeout), so a rank that dies or stalls never hangs the
+ * others: the wait ends with the hook's message (naming the rank) or the timeout's. world 1: no
+ * communicator, all of these are local no-ops. NCCL errors are BT_ERR_IO naming the call and
+ * NCCL's last error; after one, the communicator is aborted and every later collective fails. */
 #define BT_CUDA_DIST_ID_BYTES 128 /* sizeof(ncclUniqueId) */
 int bt_cuda_dist_unique_id(uint8_t id[BT_CUDA_DIST_ID_BYTES]);
 /* The device ordinal for local rank `local_rank`: 0 when the process sees one GPU (Slurm
  * --gpus-per-task=1), else local_rank; BT_ERR_INVALID when local_rank >= visible GPUs (> 1),
  * BT_ERR_IO when there is none. */
 int bt_cuda_device_for_local_rank(int local_rank, int *device);
-/* ncclCommInitRank(world, id, rank) on the trainer's device (world 1: records rank 0 of 1). */
+/* ncclCommInitRankConfig(world, id, rank, non-blocking) on the trainer's device, waiting (as the
+ * collectives do, hooks and timeout included) until every rank has joined (world 1: records
+ * rank 0 of 1). Set the hooks first. */
 int bt_cuda_trainer_dist_init(bt_cuda_trainer *t, const uint8_t id[BT_CUDA_DIST_ID_BYTES], int rank,
                               int world);
-/* In-place SUM of the fp32 LoRA gradient buffer over all ranks, enqueued on the trainer's stream
- * (asynchronous; the following grad-norm / AdamW are ordered after it). Each rank's buffer holds
+/* In-place SUM of the fp32 LoRA gradient buffer over all ranks, on the trainer's stream; returns
+ * once it is complete (or failed: see above). Each rank's buffer holds
  * d(grad_scale * its loss_sum) with grad_scale = 1 / (labelled targets of ALL ranks), so the sum
  * is the gradient of the global mean loss: exactly what one process with all ranks' rows
  * computes. */
 int bt_cuda_trainer_allreduce_grads(bt_cuda_trainer *t);
+/* Give the communicator up without waiting for anyone (ncclCommAbort): after a stop request,
+ * when other ranks may already be gone; later collectives fail. NULL or world 1: no-op. */
+void bt_cuda_trainer_dist_abort(bt_cuda_trainer *t);
 /* vals[0..n) (host fp64, n <= 16) <- their sum over all ranks; synchronous. */
 int bt_cuda_trainer_allreduce_sum(bt_cuda_trainer *t, double *vals, int n);
 /* all[r * bytes .. +bytes) <- rank r's `mine` (host buffers; bytes <= 512, all holds world *

@@ -148,6 +148,7 @@ struct bt_cuda_trainer {
     /* data-parallel (cuda_dist.cu): NULL comm = one process */
     ncclComm_t comm;
     int rank, world, comm_failed; /* comm_failed: an NCCL call failed (free aborts, not waits) */
+    bt_cuda_hooks hooks;          /* bt_cuda_trainer_set_hooks (zeroed: none) */
     double *d_red;                /* [BTC_DIST_MAX_SUM] all-reduce scratch */
     uint8_t *d_gather;            /* [world * BTC_DIST_MAX_GATHER] all-gather scratch */
 };
@@ -156,6 +157,8 @@ struct bt_cuda_trainer {
 
 /* cuda_dist.cu: tear down the NCCL communicator (bt_cuda_trainer_free) */
 void btc_dist_free(bt_cuda_trainer *t);
+/* cuda_dist.cu: the hooks' check (0 without hooks): cuda_step.cu asks it between layers */
+int btc_check(bt_cuda_trainer *t);
 
 /* cuda_step.cu: device allocation owned by the trainer (freed by bt_cuda_trainer_free) */
 int btc_alloc(bt_cuda_trainer *t, void **p, size_t bytes, const char *what);
