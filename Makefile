@@ -69,7 +69,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model test unit unit-asan pytest pytest-torch demo install clean bench shards
+.PHONY: all setup model test unit unit-asan pytest pytest-torch demo install clean bench shards test-slurm
 .SECONDARY:
 
 all: $(BINS) $(TOOLS)
@@ -102,7 +102,9 @@ pytest-torch: all
 	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py
 
 # `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests (also
-# the Python client's torch / transformers tests in .venv-torch/), and the CUDA kernels and GPU tests run on the CPU emulator (test-emu; skipped without CUDA headers).
+# the Python client's torch / transformers tests in .venv-torch/), the CUDA kernels and GPU tests
+# run on the CPU emulator (test-emu; skipped without CUDA headers), and scripts/train.sbatch under
+# a real one-node Slurm (test-slurm).
 test: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all
@@ -113,6 +115,15 @@ test: setup
 	@$(MAKE) --no-print-directory pytest-torch
 	@if [ -f $(CUDA_HOME)/include/cuda_bf16.h ]; then $(MAKE) --no-print-directory test-emu; \
 	 else echo "test-emu: SKIPPED: CUDA headers not found in $(CUDA_HOME)/include"; fi
+	@$(MAKE) --no-print-directory test-slurm
+
+# `make test-slurm`: tests/py/test_slurm.py brings up a private one-node Slurm (installing Debian's
+# slurmctld, slurmd, slurm-client and munge through tests/slurm/install.sh; needs root) and
+# submits scripts/train.sbatch as the README says; the two-rank case uses the emulated-CUDA
+# trainer of test-emu when it is built. Skips, saying why, where Slurm cannot be had at all.
+test-slurm: all
+	@BT_SLURM=1 BT_BUILD=$(BUILD) BT_EMU_TRAINER=$(if $(wildcard $(EMU_TRAINER)),$(abspath $(EMU_TRAINER))) \
+		$(PYTHON) -m pytest -q -rs tests/py/test_slurm.py
 
 demo: setup
 	@$(MAKE) --no-print-directory model
