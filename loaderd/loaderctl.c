@@ -137,6 +137,59 @@ static void fmt_uptime(char *b, size_t n, double s) {
 
 static FILE *g_out; /* where replies are rendered: stdout, or a frame buffer in `watch` */
 
+/* The ranks of each data-parallel run (world size > 1) attached here, in rank order: step, loss,
+ * tokens/s, ring fill, age of the last report, and a mark on a rank that falls behind (loaderd's
+ * "behind", server_priv.h ld_rank_behind). A run is its jobs' "run" (else name + world + uid). */
+static void run_key(json_t *j, char *k, size_t n) {
+    if (json_is_string(json_object_get(j, "run")))
+        snprintf(k, n, "%s/%s", str(j, "run"), str(j, "name"));
+    else
+        snprintf(k, n, "%s/%.0f/%.0f", str(j, "name"), num(j, "world_size"), num(json_object_get(j, "peer"), "uid"));
+}
+
+static void print_runs(json_t *jobs) {
+    size_t n = json_array_size(jobs);
+    char *done = calloc(n ? n : 1, 1);
+    if (!done) return;
+    for (size_t a = 0; a < n; a++) {
+        json_t *ja = json_array_get(jobs, a);
+        if (done[a] || num(ja, "world_size") < 2) continue;
+        char ka[256], kb[256];
+        run_key(ja, ka, sizeof ka);
+        size_t here = 0;
+        for (size_t b = a; b < n; b++) {
+            run_key(json_array_get(jobs, b), kb, sizeof kb);
+            here += !strcmp(ka, kb);
+        }
+        json_t *run = json_object_get(ja, "run");
+        fprintf(g_out, "\nrun %s \"%s\": %zu of %.0f ranks on this node\n", json_is_string(run) ? str(ja, "run") : "-",
+                str(ja, "name"), here, num(ja, "world_size"));
+        fprintf(g_out, "  %-7s %8s %8s %9s %7s %12s\n", "RANK", "STEP", "LOSS", "TOK/S", "RING", "LAST REPORT");
+        for (double want = 0; want < num(ja, "world_size"); want++) /* rank order */
+            for (size_t b = a; b < n; b++) {
+                json_t *j = json_array_get(jobs, b);
+                run_key(j, kb, sizeof kb);
+                if (done[b] || strcmp(ka, kb) || num(j, "rank") != want) continue;
+                done[b] = 1;
+                json_t *t = json_object_get(j, "trainer");
+                char rank[24], ring[24], step[24] = "-", loss[24] = "-", tps[16], age[24] = "none";
+                snprintf(rank, sizeof rank, "%.0f/%.0f", num(j, "rank"), num(j, "world_size"));
+                snprintf(ring, sizeof ring, "%.0f/%.0f", num(j, "ring_fill"), num(j, "ring_slots"));
+                fmt_rate(tps, sizeof tps, json_is_object(t) ? num(t, "tokens_per_s") : NAN);
+                if (json_is_object(t)) {
+                    snprintf(step, sizeof step, "%.0f", num(t, "step"));
+                    if (isfinite(num(t, "loss"))) snprintf(loss, sizeof loss, "%.4f", num(t, "loss"));
+                    snprintf(age, sizeof age, "%.1fs ago", num(t, "age_s"));
+                }
+                fprintf(g_out, "  %-7s %8s %8s %9s %7s %12s", rank, step, loss, tps, ring, age);
+                if (json_is_true(json_object_get(j, "behind")))
+                    fprintf(g_out, "  << BEHIND: %s", str(j, "behind_reason"));
+                fputc('\n', g_out);
+            }
+    }
+    free(done);
+}
+
 static void print_status(json_t *r) {
     char up[32];
     fmt_uptime(up, sizeof up, num(r, "uptime_s"));
@@ -192,6 +245,7 @@ static void print_status(json_t *r) {
         if (any) fprintf(g_out, "\n");
         if (json_object_get(j, "error")) fprintf(g_out, "job %.0f error: %s\n", num(j, "job_id"), str(j, "error"));
     }
+    print_runs(jobs);
 }
 
 static void print_jobs(json_t *r) {

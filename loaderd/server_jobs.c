@@ -22,6 +22,7 @@ typedef struct {
     cfg_ref *cfg;
     json_t *job_obj; /* deep copy, owned by the request */
     uint32_t rank, world;
+    char run[LD_RUN_MAX + 1];
     int has_resume;
     uint8_t resume[BT_RESUME_STATE_BYTES];
     job *j; /* result */
@@ -301,6 +302,7 @@ static void attach_work(uv_work_t *w) {
     j->T = j->spec.T;
     j->rank = r->rank;
     j->world = r->world;
+    memcpy(j->run, r->run, sizeof j->run);
     j->slots = slots;
     j->n_shards = n_files;
     size_t sb = bt_batch_slot_bytes(j->B, j->T);
@@ -447,6 +449,7 @@ void ld_op_attach(conn *c, ld_request *rq) {
     r->job_obj = json_deep_copy(rq->job);
     r->rank = rq->rank;
     r->world = rq->world;
+    memcpy(r->run, rq->run, sizeof r->run);
     r->has_resume = rq->has_resume;
     memcpy(r->resume, rq->resume, sizeof r->resume);
     if (!r->job_obj || uv_queue_work(s->loop, &r->w, attach_work, attach_done) != 0) {
@@ -484,10 +487,13 @@ void ld_op_detach(conn *c, ld_request *rq) {
 void ld_op_report(conn *c, ld_request *rq) {
     job *j = find_own_job(c, rq, "report");
     if (!j) return;
+    double now = bt_now();
+    if (j->has_report && rq->step > j->rep_step) /* the trainer's step period, for `behind` */
+        j->rep_period = (now - j->rep_t) / (double)(rq->step - j->rep_step);
     j->has_report = 1;
     j->rep_step = rq->step;
     j->rep_loss = rq->loss;
     j->rep_tps = rq->tokens_per_s;
-    j->rep_t = bt_now();
+    j->rep_t = now;
     ld_conn_send(c, json_pack("{s:b, s:s}", "ok", 1, "op", "report"));
 }

@@ -59,6 +59,7 @@ typedef struct job {
     struct server *s;
     struct conn *owner; /* NULL once torn down */
     uint32_t id, rank, world, B, T, slots;
+    char run[LD_RUN_MAX + 1]; /* the attach's "run" ("" when the trainer gave none) */
     ld_job_spec spec;
     tok_entry *tok;
     bt_ring ring;
@@ -82,6 +83,7 @@ typedef struct job {
     int has_report;
     uint64_t rep_step;
     double rep_loss, rep_tps, rep_t;
+    double rep_period; /* seconds per step between its last two reports (0 = unknown) */
     struct job *next;
     uv_work_t teardown;
 } job;
@@ -159,6 +161,23 @@ uint32_t ld_job_count(const server *s);
 void ld_op_attach(conn *c, ld_request *rq);
 void ld_op_detach(conn *c, ld_request *rq);
 void ld_op_report(conn *c, ld_request *rq);
+
+/* ---- status of a training run's ranks (server_status.c) ---- */
+#define LD_BEHIND_MIN_S 30.0   /* a rank silent this much longer than the freshest one is behind */
+#define LD_MAX_STATUS_RANKS 256 /* ranks of one run looked at together */
+typedef struct {
+    int has_report;  /* the rank reported at least once */
+    uint64_t step;   /* its last reported step */
+    double age_s;    /* seconds since that report */
+    double period_s; /* seconds per step between its last two reports (0 = unknown) */
+} ld_rank_progress;
+/* Whether rank r[i] of the n ranks of one run (those attached to this loaderd) falls behind the
+ * others. Synchronous data-parallel ranks report the same step, at most one apart while a step
+ * ends, at about the same time. Behind: its step is 2 or more below the highest; or it never
+ * reported while another rank reached step 2; or its last report is older than the freshest
+ * one by more than max(LD_BEHIND_MIN_S, 3 x the longest step period seen). Never with fewer
+ * than 2 ranks or no report at all. why (may be NULL): a short reason ("3 steps behind"). */
+int ld_rank_behind(const ld_rank_progress *r, int n, int i, char *why, size_t why_n);
 /* Stop when draining and nothing is left. */
 void ld_check_drained(server *s);
 

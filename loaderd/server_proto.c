@@ -44,8 +44,16 @@ static int parse_job_id(ld_request *r, char *err, size_t errlen) {
 static int parse_attach(ld_request *r, char *err, size_t errlen) {
     json_t *jo = json_object_get(r->root, "job");
     json_t *rk = json_object_get(r->root, "rank"), *ws = json_object_get(r->root, "world_size");
-    json_t *rs = json_object_get(r->root, "resume");
+    json_t *rs = json_object_get(r->root, "resume"), *run = json_object_get(r->root, "run");
     if (!json_is_object(jo)) return bad(err, errlen, "\"job\": expected the job spec object");
+    if (run && !json_is_null(run)) {
+        const char *t = json_string_value(run);
+        size_t n = t ? json_string_length(run) : 0;
+        if (!t || n == 0 || n > LD_RUN_MAX || strspn(t, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                     "0123456789._:-") != n)
+            return bad(err, errlen, "\"run\": expected 1 to %d characters of [A-Za-z0-9._:-]", LD_RUN_MAX);
+        memcpy(r->run, t, n + 1);
+    }
     if (rk && (!json_is_integer(rk) || json_integer_value(rk) < 0 || json_integer_value(rk) > 65535))
         return bad(err, errlen, "\"rank\": expected an integer in [0, 65535]");
     if (ws && (!json_is_integer(ws) || json_integer_value(ws) < 1 || json_integer_value(ws) > 65536))

@@ -26,6 +26,8 @@ const char *ld_op_name(ld_op op);
 /* Comma-separated list of every op name, for error messages and the hello reply. */
 const char *ld_op_list(void);
 
+#define LD_RUN_MAX 64 /* bytes of an attach's "run" */
+
 typedef struct {
     json_t *root;          /* owned: the parsed request object (ld_request_free) */
     ld_op op;
@@ -33,6 +35,7 @@ typedef struct {
     /* attach */
     json_t *job;           /* borrowed from root: the job spec object (not yet checked) */
     uint32_t rank, world;  /* default 0 / 1; rank < world */
+    char run[LD_RUN_MAX + 1]; /* "run": the training run the rank belongs to; "" when absent */
     int has_resume;
     uint8_t resume[BT_RESUME_STATE_BYTES];
     /* detach / report */
@@ -48,7 +51,8 @@ typedef struct {
  * (ld_json_depth_ok), valid JSON object, "v" == BT_PROTO_VERSION, "op" one of ld_op_list(),
  * and the op's own arguments:
  *   attach: "job" object; "rank" int [0, 65535]; "world_size" int [1, 65536]; rank < world;
- *           "resume" null or 2*BT_RESUME_STATE_BYTES hex digits.
+ *           "resume" null or 2*BT_RESUME_STATE_BYTES hex digits; "run" null or 1..LD_RUN_MAX
+ *           characters of [A-Za-z0-9._:-] (the training run the rank belongs to).
  *   detach: "job_id" (optional) int [0, 2^32).
  *   report: "step" int >= 0; "loss"/"tokens_per_s" number or null; "job_id" as detach.
  * Returns 0 with *r filled (free with ld_request_free), or 1 for a bad request: err (errlen

@@ -60,6 +60,64 @@ double ld_jobs_tick(server *s, double now) {
     return tok_total;
 }
 
+/* ------------------------------------------------------------------ ranks of a run */
+
+int ld_rank_behind(const ld_rank_progress *r, int n, int i, char *why, size_t why_n) {
+    uint64_t top = 0;
+    double freshest = INFINITY, period = 0;
+    int any = 0;
+    for (int k = 0; k < n; k++) {
+        if (!r[k].has_report) continue;
+        any = 1;
+        if (r[k].step > top) top = r[k].step;
+        if (r[k].age_s < freshest) freshest = r[k].age_s;
+        if (r[k].period_s > period) period = r[k].period_s;
+    }
+    if (why && why_n) why[0] = 0;
+    if (!any || n < 2) return 0;
+    if (!r[i].has_report) {
+        if (top < 2) return 0; /* the others have barely started */
+        if (why) snprintf(why, why_n, "no report yet, the others are at step %llu", (unsigned long long)top);
+        return 1;
+    }
+    if (top - r[i].step >= 2) {
+        if (why) snprintf(why, why_n, "%llu steps behind", (unsigned long long)(top - r[i].step));
+        return 1;
+    }
+    double lim = 3 * period > LD_BEHIND_MIN_S ? 3 * period : LD_BEHIND_MIN_S;
+    if (r[i].age_s - freshest > lim) {
+        if (why) snprintf(why, why_n, "no report for %.0f s, the others reported %.0f s ago", r[i].age_s, freshest);
+        return 1;
+    }
+    return 0;
+}
+
+/* The ranks attached here that belong to j's training run: the same "run" when the trainer gave
+ * one, else the same name, world size and user. Fills `out` (<= cap entries, j included) and
+ * returns their number. */
+static int run_members(server *s, job *j, job **out, int cap) {
+    int n = 0;
+    for (job *k = s->jobs; k && n < cap; k = k->next) {
+        int same = j->run[0] ? !strcmp(k->run, j->run) && !strcmp(k->spec.name, j->spec.name)
+                             : !k->run[0] && !strcmp(k->spec.name, j->spec.name) && k->world == j->world &&
+                                   k->peer.uid == j->peer.uid;
+        if (same) out[n++] = k;
+    }
+    return n;
+}
+
+/* "behind" and why, for job j among its run's ranks here. */
+static int job_behind(server *s, job *j, double now, char *why, size_t n) {
+    job *m[LD_MAX_STATUS_RANKS];
+    ld_rank_progress p[LD_MAX_STATUS_RANKS];
+    int k = run_members(s, j, m, LD_MAX_STATUS_RANKS), me = 0;
+    for (int i = 0; i < k; i++) {
+        p[i] = (ld_rank_progress){m[i]->has_report, m[i]->rep_step, now - m[i]->rep_t, m[i]->rep_period};
+        if (m[i] == j) me = i;
+    }
+    return ld_rank_behind(p, k, me, why, n);
+}
+
 /* ------------------------------------------------------------------ status, jobs */
 
 static json_t *num_or_null(double x) { return isfinite(x) ? json_real(x) : json_null(); }
@@ -106,6 +164,11 @@ static json_t *job_json(job *j, int full, double now) {
                                       num_or_null(j->rep_loss), "tokens_per_s", num_or_null(j->rep_tps), "age_s",
                                       now - j->rep_t));
     else json_object_set_new(o, "trainer", json_null());
+    json_object_set_new(o, "run", j->run[0] ? json_string(j->run) : json_null());
+    char why[160];
+    int behind = job_behind(j->s, j, now, why, sizeof why);
+    json_object_set_new(o, "behind", json_boolean(behind));
+    json_object_set_new(o, "behind_reason", behind ? json_string(why) : json_null());
     return o;
 }
 

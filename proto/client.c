@@ -42,6 +42,7 @@ struct bt_client {
     char *sock_path;
     char *job_text;   /* the job spec with absolute paths, as first sent */
     int rank, world;
+    char *run;        /* the attach's "run", or NULL */
     int have_resume;  /* resume holds the state to re-attach with (else: from the start) */
     uint8_t resume[BT_RESUME_STATE_BYTES];
     double reconnect_s;
@@ -190,6 +191,7 @@ static void client_free(bt_client *c) {
     free(c->buf);
     free(c->sock_path);
     free(c->job_text);
+    free(c->run);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
@@ -217,6 +219,7 @@ static int do_attach(bt_client *c) {
         rc = bt_fail(BT_ERR_NOMEM, "attach: cannot encode the request");
         goto fail;
     }
+    if (c->run) json_object_set_new(req, "run", json_string(c->run));
     if (c->have_resume) {
         char hex[2 * BT_RESUME_STATE_BYTES + 1];
         for (unsigned i = 0; i < BT_RESUME_STATE_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", c->resume[i]);
@@ -282,6 +285,11 @@ fail:
 
 int bt_client_attach(bt_client **out, const char *socket_path, const char *job_json, int rank, int world_size,
                      const uint8_t *resume_state) {
+    return bt_client_attach_run(out, socket_path, job_json, rank, world_size, resume_state, NULL);
+}
+
+int bt_client_attach_run(bt_client **out, const char *socket_path, const char *job_json, int rank, int world_size,
+                         const uint8_t *resume_state, const char *run) {
     *out = NULL;
     if (!socket_path) socket_path = getenv("LOADERD_SOCKET") ? getenv("LOADERD_SOCKET") : BT_DEFAULT_SOCKET;
     struct sockaddr_un sa;
@@ -306,6 +314,7 @@ int bt_client_attach(bt_client **out, const char *socket_path, const char *job_j
     c->job_text = text;
     c->rank = rank;
     c->world = world_size;
+    c->run = run && *run ? bt_xstrdup(run) : NULL;
     if (resume_state) {
         memcpy(c->resume, resume_state, BT_RESUME_STATE_BYTES);
         c->have_resume = 1;

@@ -1,7 +1,8 @@
 /* Trainer-side client of loaderd's control socket (protocol: proto/PROTOCOL.md).
  * Newline-delimited JSON, every message carries "v": BT_PROTO_VERSION.
  * attach request:
- *   {"v":1,"op":"attach","job":{...job spec...},"rank":R,"world_size":W,"resume":"<hex>"?}
+ *   {"v":1,"op":"attach","job":{...job spec...},"rank":R,"world_size":W,"resume":"<hex>"?,
+ *    "run":"<id>"?}
  * job spec keys: "name" (str), "shards" ([glob,...]), "format" ("chat"|"text"|"alpaca"),
  *   "text_field" (str, default "text"), "tokenizer" (path to .gguf), "seq_len" (T),
  *   "micro_batch_size" (B), "seed" (u64), "epochs" (0 = endless), "ring_slots" (optional).
@@ -31,6 +32,12 @@ typedef struct bt_client bt_client;
  * its message is in bt_last_error). */
 int bt_client_attach(bt_client **out, const char *socket_path, const char *job_json, int rank,
                      int world_size, const uint8_t *resume_state);
+/* bt_client_attach that also names the training run the rank belongs to (the attach's "run",
+ * PROTOCOL.md; NULL or "" = none), so that `loaderctl status` shows a run's ranks together and
+ * marks one that falls behind: the same string on every rank of one run, 1..64 characters of
+ * [A-Za-z0-9._:-] (loaderd refuses anything else). Re-attaches send it too. */
+int bt_client_attach_run(bt_client **out, const char *socket_path, const char *job_json, int rank,
+                         int world_size, const uint8_t *resume_state, const char *run);
 /* Wait for the next batch (timeout_ms, -1 forever). 0: *v points at it (valid until release;
  * a next without release releases the previous batch), already checked with bt_batch_validate
  * (against B, T and the vocabulary), job id and consecutive step numbers;

@@ -4,10 +4,12 @@
 #include <errno.h>
 #include <math.h>
 #include <omp.h>
+#include <openssl/evp.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/resource.h>
 
 #include "common/bt_common.h"
@@ -42,6 +44,8 @@ static int sync_host_lora(bt_lora *lo, int moments) {
 
 /* this process's place in a data-parallel run (trainer/dist.h; rank 0 of 1 by default) */
 static bt_dist_env g_dist = {0, 1, 0, "single"};
+/* the run's name for loaderd (the attach's "run"): the same on every rank (run_id_init) */
+static char g_run[17];
 
 /* vals[0..n) <- their sum over all ranks (a no-op for one process). Every rank must call it at
  * the same point (an NCCL collective on device "cuda"). */
@@ -191,7 +195,7 @@ static void mb_free(mb_copy *c) {
 static int attach(bt_client **cl, const bt_train_config *cfg, int eval, const uint8_t *resume) {
     char *job = bt_config_job_json(cfg, eval);
     if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
-    int rc = bt_client_attach(cl, cfg->socket, job, g_dist.rank, g_dist.world, resume);
+    int rc = bt_client_attach_run(cl, cfg->socket, job, g_dist.rank, g_dist.world, resume, g_run);
     free(job);
     if (rc) return bt_fail(rc, "attach to loaderd at %s (%s stream): %s", cfg->socket,
                            eval ? "eval" : "train", bt_last_error());
@@ -371,6 +375,18 @@ static int save_interrupted(const bt_train_config *cfg, const bt_model *m, bt_lo
     return 0;
 }
 
+/* g_run, 16 hex digits: the first 8 bytes of SHA-256 of the NCCL id rank 0 handed every rank
+ * (world > 1: the same on all ranks, and no way back to the id), else 8 random bytes. */
+static int run_id_init(const uint8_t nccl_id[128]) {
+    uint8_t h[32];
+    unsigned n = 0;
+    if (g_dist.world > 1 ? EVP_Digest(nccl_id, 128, h, &n, EVP_sha256(), NULL) != 1
+                         : getrandom(h, 8, 0) != 8)
+        return bt_fail(BT_ERR_IO, "cannot make the run's id");
+    for (int i = 0; i < 8; i++) snprintf(g_run + 2 * i, 3, "%02x", h[i]);
+    return 0;
+}
+
 /* Data-parallel start-up (trainer/dist.h): the job key, the rendezvous that checks every rank
  * runs this job and hands out rank 0's NCCL id, then the watchdog on its connections. */
 static int dist_start(const bt_train_config *cfg, uint8_t nccl_id[128]) {
@@ -445,6 +461,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         }
         if ((rc = dist_start(cfg, nccl_id))) goto done_nomodel;
     }
+    if ((rc = run_id_init(nccl_id))) goto done_nomodel;
 
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};

@@ -246,6 +246,11 @@ def test_a_lost_rank_ends_every_rank_naming_it(env, how):
             assert all(p.poll() is None for p in procs), [o.read_text() for o in outs]
             assert time.time() < deadline, outs[0].read_text()
             time.sleep(0.1)
+        # loaderd sees one run (the attach's "run": the same id on every rank) of three ranks
+        st = json.loads(env["loaderd"].ctl("status", "--json").stdout)
+        mine = [j for j in st["jobs"] if j["name"] == f"dp-lost-{how}"]
+        assert sorted(j["rank"] for j in mine) == [0, 1, 2], st
+        assert len({j["run"] for j in mine}) == 1 and len(mine[0]["run"]) == 16, mine
         victim = procs[1]
         victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         for r in (0, 2):

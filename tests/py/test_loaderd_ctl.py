@@ -84,6 +84,42 @@ def test_status_consumer_lag_and_metrics(loaderd, dataset, model_path):
     ring.close()
 
 
+def test_status_shows_a_runs_ranks_and_marks_the_one_behind(loaderd, dataset, model_path):
+    """Ranks of one data-parallel run (the attach's "run") are shown together, in rank order, with
+    step, loss, tokens/s, ring fill and the age of their last report; a rank two or more steps
+    behind the others, or without any report while the others are past step 1, is marked.
+    (The rule for a rank that stops reporting is unit-tested: tests/unit/test_rank_status.c.)"""
+    d = loaderd(base_config(dataset, model_path))
+    spec = job_spec(dataset, model_path, name="sft")
+    ranks = [attach(d, spec, rank=r, world=4, extra={"run": "r-1a2b.c:3"}) for r in (2, 0, 3, 1)]
+    solo = attach(d, job_spec(dataset, model_path, name="solo"), extra={"run": None})
+    assert all(rep["ok"] for _, rep, _ in ranks + [solo]), [rep for _, rep, _ in ranks + [solo]]
+    for (s, rep, _), step in zip(ranks, (7, 10, None, 10)):  # ranks 2, 0, 3, 1
+        if step is not None:
+            r = d.request({"op": "report", "job_id": rep["job_id"], "step": step, "loss": 1.5 + step / 100,
+                           "tokens_per_s": 900.0}, sock=s)
+            assert r["ok"], r
+    st = ctl_json(d, "status")
+    sft = {j["rank"]: j for j in st["jobs"] if j["name"] == "sft"}
+    assert [sft[r]["run"] for r in range(4)] == ["r-1a2b.c:3"] * 4
+    assert [sft[r]["behind"] for r in range(4)] == [False, False, True, True], sft
+    assert sft[2]["behind_reason"] == "3 steps behind"
+    assert sft[3]["behind_reason"] == "no report yet, the others are at step 10"
+    other = [j for j in st["jobs"] if j["name"] == "solo"][0]
+    assert other["run"] is None and other["behind"] is False and other["behind_reason"] is None
+    out = d.ctl("status").stdout
+    assert 'run r-1a2b.c:3 "sft": 4 of 4 ranks on this node' in out, out
+    rows = [l for l in out.splitlines() if re.match(r"^  [0-3]/4 ", l)]
+    assert [l.split()[0] for l in rows] == ["0/4", "1/4", "2/4", "3/4"], out
+    assert re.match(r"^  2/4 +7 +1\.5700 +900\.0 +\d+/\d+ +\d+\.\ds ago  << BEHIND: 3 steps behind$", rows[2]), rows
+    assert rows[3].rstrip().endswith("none  << BEHIND: no report yet, the others are at step 10"), rows
+    assert "BEHIND" not in rows[0] + rows[1], rows
+    # "run" is checked like every other key
+    for bad in ("", "x" * 65, "a b", 5, "é"):
+        _, rep, ring = attach(d, spec, extra={"run": bad})
+        assert not rep["ok"] and '"run"' in rep["error"] and ring is None, (bad, rep)
+
+
 def test_metrics_are_wellformed_exposition(loaderd, dataset, model_path):
     """Every sample line parses (name, optional labels, float); HELP/TYPE come once per family
     and before its samples; label values are escaped."""

@@ -146,10 +146,12 @@ def job_spec(dataset, model_path, **extra):
     return spec
 
 
-def attach(d, spec, rank=0, world=1):
-    """Attach over a fresh connection; returns (socket, reply, Ring or None)."""
+def attach(d, spec, rank=0, world=1, extra=None):
+    """Attach over a fresh connection (extra: more request keys, e.g. "run"); returns (socket,
+    reply, Ring or None)."""
     s = d.connect()
-    s.sendall(json.dumps({"v": 1, "op": "attach", "job": spec, "rank": rank, "world_size": world}).encode() + b"\n")
+    req = {"v": 1, "op": "attach", "job": spec, "rank": rank, "world_size": world, **(extra or {})}
+    s.sendall(json.dumps(req).encode() + b"\n")
     buf, fds = b"", []
     while b"\n" not in buf:
         msg, got, _, _ = socket.recv_fds(s, 65536, 4)
