@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from conftest import BUILD, chat_line, read_safetensors, rel_l2, tiny_model_hd64, write_shard
+from conftest import BUILD, chat_line, ckpt_step, read_safetensors, rel_l2, tiny_model_hd64, write_shard
 
 EMU_TRAINER = os.environ.get("BT_EMU_TRAINER", "")
 JOB_SECRET = os.urandom(16).hex()  # the per-job secret a launcher hands every rank (trainer/dist.h)
@@ -266,3 +266,56 @@ def test_a_lost_rank_ends_every_rank_naming_it(env, how):
         text = outs[r].read_text(errors="replace")
         assert procs[r].returncode == 1, f"rank {r} exited {procs[r].returncode}:\n{text[-3000:]}"
         assert f"rank 1 (pid {victim.pid} on " in text and word in text, f"rank {r}:\n{text[-3000:]}"
+
+
+def test_a_signal_on_one_rank_stops_every_rank_mid_step_and_keeps_the_last_step(env):
+    """Two ranks, steps of 4 micro-batches each. SIGTERM to rank 1 alone once step 1 is done:
+    the watchdog relays the stop, both ranks drop step 2 mid-way and exit 75, rank 0 saves a
+    checkpoint of step 1 holding both ranks' loader positions (gathered with the step, no
+    collective after the stop), and resuming both ranks from it reproduces the uninterrupted
+    run's steps 2 and 3 bit for bit."""
+    data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
+            "micro_batch_size": 1, "seed": 5}
+    over = {"data": data, "grad_accum": 4, "eval": {}}
+    full, _ = job_config(env, "dp-sig-full", "cuda", over)
+    ck = env["tmp"] / "dp-sig-ckpt"
+    part, _ = job_config(env, "dp-sig-part", "cuda", {**over, "checkpoint_dir": str(ck)})
+    dbg = {"BT_LOG_LEVEL": "debug"}
+    exact = re.compile(r"step (\d+) loss ([0-9.e+-]+) grad norm ([0-9.e+-]+)")
+    want = dict((int(n), (l, g)) for n, l, g in exact.findall(launch_ranks([full, full], free_port(),
+                                                                          extra_env=dbg)[0][1]))
+    assert sorted(want) == [1, 2, 3], want
+    port = free_port()
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR")}
+    outs = [env["tmp"] / f"sig-rank{r}.log" for r in range(2)]
+    procs = [subprocess.Popen([EMU_TRAINER, "train", "--config", str(part)], stdout=open(outs[r], "wb"),
+                              stderr=subprocess.STDOUT,
+                              env={**base, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "BT_DIST_SECRET": JOB_SECRET, **dbg}) for r in range(2)]
+    try:
+        deadline = time.time() + 600
+        while not re.search(r"^step 1/3 ", outs[0].read_text(errors="replace"), re.M):
+            assert all(p.poll() is None for p in procs), [o.read_text() for o in outs]
+            assert time.time() < deadline, outs[0].read_text()
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)
+        rcs = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [o.read_text(errors="replace") for o in outs]
+    assert rcs == [75, 75], texts
+    assert "interrupted by SIGTERM: stopping mid-step 2 (in micro-batch" in texts[1], texts[1]
+    assert f"dist: rank 1 (pid {procs[1].pid} on " in texts[0] and "was interrupted (SIGTERM)" in texts[0], texts[0]
+    assert re.search(r"stopping mid-step 2 \(in micro-batch \d+ of 4\)", texts[0]), texts[0]
+    assert "stopped after step 1 of 3; adapter saved to" in texts[0] and f"checkpoint to {ck}" in texts[0], texts[0]
+    assert ckpt_step(ck) == 1
+    res = launch_ranks([part, part], free_port(), args=("--resume", str(ck)), extra_env=dbg)
+    for rank, (rc, text) in enumerate(res):
+        assert rc == 0, f"resumed rank {rank}:\n{text}"
+    got = dict((int(n), (l, g)) for n, l, g in exact.findall(res[0][1]))
+    assert got == {2: want[2], 3: want[3]}, (got, want)
