@@ -95,8 +95,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_ranks(cfgs, port, world=2, args=(), extra_env=None):
-    """Start one emulated trainer per config with torchrun's environment; wait for all."""
+def start_ranks(cfgs, port, world=2, args=(), extra_env=None, logs=None):
+    """One emulated trainer per config, rank r from cfgs[r], with torchrun's environment and the
+    job secret; its output to logs[r] (a path) or to a pipe (text)."""
     base = {k: v for k, v in os.environ.items()
             if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR")}
     procs = []
@@ -104,9 +105,15 @@ def launch_ranks(cfgs, port, world=2, args=(), extra_env=None):
         e = {**base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_EMU_TIMEOUT_S": "60",
              "BT_DIST_SECRET": JOB_SECRET, **(extra_env or {})}
-        procs.append(subprocess.Popen([EMU_TRAINER, "train", "--config", str(cfg),
-                                       "--set", "dist.timeout_s=60", *args], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        out = open(logs[rank], "wb") if logs else subprocess.PIPE
+        procs.append(subprocess.Popen([EMU_TRAINER, "train", "--config", str(cfg), "--set", "dist.timeout_s=60",
+                                       *args], env=e, stdout=out, stderr=subprocess.STDOUT, text=not logs))
+    return procs
+
+
+def launch_ranks(cfgs, port, world=2, args=(), extra_env=None):
+    """start_ranks, then wait for all: [(exit status, output)]."""
+    procs = start_ranks(cfgs, port, world, args, extra_env)
     outs = []
     for p in procs:
         try:
@@ -116,6 +123,24 @@ def launch_ranks(cfgs, port, world=2, args=(), extra_env=None):
                 q.kill()
             raise
     return [(p.returncode, o) for p, o in zip(procs, outs)]
+
+
+def wait_for_line(procs, log, pattern, timeout=600):
+    """Until rank 0's log has a line matching pattern, every rank still running."""
+    deadline = time.time() + timeout
+    while not re.search(pattern, log.read_text(errors="replace"), re.M):
+        assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+        assert time.time() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def end_all(procs):
+    """Kill what still runs (stopped ones too) and reap everything."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.send_signal(signal.SIGCONT)
+            p.wait()
 
 
 def test_two_ranks_reproduce_one_process_with_both_rows(env):
@@ -228,24 +253,12 @@ def test_a_lost_rank_ends_every_rank_naming_it(env, how):
     data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
             "micro_batch_size": 1, "seed": 5}
     cfg, _ = job_config(env, f"dp-lost-{how}", "cuda", {"data": data, "steps": 100000, "eval": {}})
-    port = free_port()
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR")}
     outs = [env["tmp"] / f"rank{r}-{how}.log" for r in range(3)]
-    procs = []
-    for rank in range(3):
-        e = {**base, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "BT_DIST_SECRET": JOB_SECRET, "NCCL_EMU_PEER_LOSS": "hang",
-             "NCCL_EMU_TIMEOUT_S": "0"}
-        procs.append(subprocess.Popen([EMU_TRAINER, "train", "--config", str(cfg), "--set", "dist.timeout_s=600",
-                                       "--set", "dist.heartbeat_timeout_s=3"], env=e,
-                                      stdout=open(outs[rank], "wb"), stderr=subprocess.STDOUT))
+    procs = start_ranks([cfg] * 3, free_port(), 3,
+                        ("--set", "dist.timeout_s=600", "--set", "dist.heartbeat_timeout_s=3"),
+                        {"NCCL_EMU_PEER_LOSS": "hang", "NCCL_EMU_TIMEOUT_S": "0"}, outs)
     try:
-        deadline = time.time() + 600
-        while not re.search(r"^step 2/100000 ", outs[0].read_text(errors="replace"), re.M):
-            assert all(p.poll() is None for p in procs), [o.read_text() for o in outs]
-            assert time.time() < deadline, outs[0].read_text()
-            time.sleep(0.1)
+        wait_for_line(procs, outs[0], r"^step 2/100000 ")
         # loaderd sees one run (the attach's "run": the same id on every rank) of three ranks
         st = json.loads(env["loaderd"].ctl("status", "--json").stdout)
         mine = [j for j in st["jobs"] if j["name"] == f"dp-lost-{how}"]
@@ -256,11 +269,7 @@ def test_a_lost_rank_ends_every_rank_naming_it(env, how):
         for r in (0, 2):
             procs[r].wait(timeout=180)  # the heartbeat timeout is 3 s: this is only a hang guard
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.send_signal(signal.SIGCONT)
-                p.wait()
+        end_all(procs)
     word = "died" if how == "killed" else "stopped responding"
     for r in (0, 2):
         text = outs[r].read_text(errors="replace")
@@ -285,28 +294,14 @@ def test_a_signal_on_one_rank_stops_every_rank_mid_step_and_keeps_the_last_step(
     want = dict((int(n), (l, g)) for n, l, g in exact.findall(launch_ranks([full, full], free_port(),
                                                                           extra_env=dbg)[0][1]))
     assert sorted(want) == [1, 2, 3], want
-    port = free_port()
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR")}
     outs = [env["tmp"] / f"sig-rank{r}.log" for r in range(2)]
-    procs = [subprocess.Popen([EMU_TRAINER, "train", "--config", str(part)], stdout=open(outs[r], "wb"),
-                              stderr=subprocess.STDOUT,
-                              env={**base, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "BT_DIST_SECRET": JOB_SECRET, **dbg}) for r in range(2)]
+    procs = start_ranks([part, part], free_port(), 2, extra_env=dbg, logs=outs)
     try:
-        deadline = time.time() + 600
-        while not re.search(r"^step 1/3 ", outs[0].read_text(errors="replace"), re.M):
-            assert all(p.poll() is None for p in procs), [o.read_text() for o in outs]
-            assert time.time() < deadline, outs[0].read_text()
-            time.sleep(0.1)
+        wait_for_line(procs, outs[0], r"^step 1/3 ")
         procs[1].send_signal(signal.SIGTERM)
         rcs = [p.wait(timeout=300) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        end_all(procs)
     texts = [o.read_text(errors="replace") for o in outs]
     assert rcs == [75, 75], texts
     assert "interrupted by SIGTERM: stopping mid-step 2 (in micro-batch" in texts[1], texts[1]

@@ -54,6 +54,10 @@ TWO_GPUS = "sbatch --ntasks-per-node=2 --gpus-per-task=1 "
 CANCEL = "scancel "
 
 
+def test_every_readme_line_is_run_here():
+    assert sorted(readme_line(p) for p in (ONE_TASK, TWO_GPUS, CANCEL)) == sorted(readme_lines())
+
+
 @pytest.fixture(scope="module")
 def slurm():
     c = SlurmCluster(kill_wait=KILL_WAIT)

@@ -77,39 +77,76 @@ static int child_exit(pid_t pid) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-/* A child rank that waits for a report with code `want_rc` whose message holds every `want`
- * substring (NULL-terminated), and exits 0 iff it got it. */
-static pid_t spawn_watcher(int port, int rank, int world, double hb_s, int want_rc, const char *w1, const char *w2) {
+/* What a child rank does with its monitor; its result is the child's exit status (0 = ok). */
+typedef int (*rank_body)(bt_dist_monitor *m, int rank, const void *arg);
+
+/* Fork a child that joins as `rank` of `world` (heartbeat timeout hb_s; its stop flag, set by the
+ * body, is relayed), runs body, frees the monitor and exits with body's result. */
+static atomic_int g_child_stop;
+static pid_t spawn_rank(int port, int rank, int world, double hb_s, rank_body body, const void *arg) {
     fflush(NULL);
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid) return pid;
-    bt_dist_monitor *m = join(port, rank, world, hb_s, 0, NULL);
+    bt_dist_monitor *m = join(port, rank, world, hb_s, 0, &g_child_stop);
     if (!m) _exit(2);
-    int rc = wait_report(m);
-    int ok = rc == want_rc && (!w1 || strstr(bt_last_error(), w1)) && (!w2 || strstr(bt_last_error(), w2));
-    if (!ok) fprintf(stderr, "rank %d: got %d (want %d): %s\n", rank, rc, want_rc, bt_last_error());
-    (void)bt_dist_monitor_finish(m); /* as the trainer ends: waits for rank 0 unless it is lost */
+    int rc = body(m, rank, arg);
     bt_dist_monitor_free(m);
-    _exit(ok ? 0 : 1);
+    _exit(rc);
 }
 
-/* A child rank that only keeps its monitor running until it is killed. */
-static pid_t spawn_idle(int port, int rank, int world, double hb_s) {
-    fflush(NULL);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid) return pid;
-    bt_dist_monitor *m = join(port, rank, world, hb_s, 0, NULL);
-    if (!m) _exit(2);
+typedef struct {
+    int rc;
+    const char *w1, *w2;
+} want;
+
+/* Wait for a report with code w->rc whose message holds w->w1 and w->w2, then end as the
+ * trainer does (finish: waits for rank 0 unless it is lost). */
+static int watch(bt_dist_monitor *m, int rank, const void *arg) {
+    const want *w = arg;
+    int rc = wait_report(m);
+    int ok = rc == w->rc && (!w->w1 || strstr(bt_last_error(), w->w1)) && (!w->w2 || strstr(bt_last_error(), w->w2));
+    if (!ok) fprintf(stderr, "rank %d: got %d (want %d): %s\n", rank, rc, w->rc, bt_last_error());
+    (void)bt_dist_monitor_finish(m);
+    return ok ? 0 : 1;
+}
+
+static int idle(bt_dist_monitor *m, int rank, const void *arg) { /* until killed */
+    (void)m, (void)rank, (void)arg;
     for (;;) pause();
+    return 0;
+}
+
+static int stop_then_finish(bt_dist_monitor *m, int rank, const void *arg) {
+    (void)rank, (void)arg;
+    atomic_store(&g_child_stop, SIGTERM);
+    return bt_dist_monitor_finish(m) == 0 ? 0 : 1; /* rank 0's goodbye ends the wait */
+}
+
+static int fail_with(bt_dist_monitor *m, int rank, const void *arg) {
+    (void)rank;
+    bt_dist_monitor_fail(m, arg);
+    return 0;
+}
+
+static int finish_clean(bt_dist_monitor *m, int rank, const void *arg) {
+    (void)rank, (void)arg;
+    int rc = bt_dist_monitor_finish(m); /* returns once rank 0 said goodbye */
+    return rc == 0 && bt_dist_monitor_check(m) == 0 ? 0 : 1;
+}
+
+static pid_t spawn_watcher(int port, int rank, int world, double hb_s, int want_rc, const char *w1, const char *w2) {
+    static want w[8];
+    static int n;
+    w[n % 8] = (want){want_rc, w1, w2};
+    return spawn_rank(port, rank, world, hb_s, watch, &w[n++ % 8]);
 }
 
 /* rank 1 killed: rank 0 names it at once ("died"), rank 2 hears it from rank 0 */
 static void test_killed_rank(void **st) {
     (void)st;
     int port = free_port();
-    pid_t victim = spawn_idle(port, 1, 3, 30);
+    pid_t victim = spawn_rank(port, 1, 3, 30, idle, NULL);
     pid_t w2 = spawn_watcher(port, 2, 3, 30, BT_ERR_IO, "rank 1 (pid", "died");
     bt_dist_monitor *m = join(port, 0, 3, 30, 0, NULL);
     assert_non_null(m);
@@ -129,7 +166,7 @@ static void test_killed_rank(void **st) {
 static void test_stopped_rank(void **st) {
     (void)st;
     int port = free_port();
-    pid_t victim = spawn_idle(port, 1, 3, 1.0);
+    pid_t victim = spawn_rank(port, 1, 3, 1.0, idle, NULL);
     pid_t w2 = spawn_watcher(port, 2, 3, 1.0, BT_ERR_IO, "rank 1 (pid", "stopped responding");
     bt_dist_monitor *m = join(port, 0, 3, 1.0, 0, NULL);
     assert_non_null(m);
@@ -148,14 +185,7 @@ static void test_stopped_rank(void **st) {
 static void test_rank0_lost(void **st) {
     (void)st;
     int port = free_port();
-    fflush(NULL);
-    pid_t r0 = fork();
-    assert_true(r0 >= 0);
-    if (!r0) {
-        bt_dist_monitor *m = join(port, 0, 2, 30, 0, NULL);
-        if (!m) _exit(2);
-        for (;;) pause();
-    }
+    pid_t r0 = spawn_rank(port, 0, 2, 30, idle, NULL);
     bt_dist_monitor *m = join(port, 1, 2, 30, 0, NULL);
     assert_non_null(m);
     kill(r0, SIGKILL);
@@ -173,18 +203,7 @@ static void test_stop_relayed(void **st) {
     (void)st;
     int port = free_port();
     pid_t w1 = spawn_watcher(port, 1, 3, 30, BT_ERR_CANCELLED, "rank 2 (pid", "SIGTERM");
-    fflush(NULL);
-    pid_t r2 = fork();
-    assert_true(r2 >= 0);
-    if (!r2) {
-        static atomic_int stop;
-        bt_dist_monitor *m = join(port, 2, 3, 30, 0, &stop);
-        if (!m) _exit(2);
-        atomic_store(&stop, SIGTERM);
-        int rc = bt_dist_monitor_finish(m); /* then waits for rank 0's goodbye */
-        bt_dist_monitor_free(m);
-        _exit(rc == 0 ? 0 : 1);
-    }
+    pid_t r2 = spawn_rank(port, 2, 3, 30, stop_then_finish, NULL);
     bt_dist_monitor *m = join(port, 0, 3, 30, 0, NULL);
     assert_non_null(m);
     assert_int_equal(wait_report(m), BT_ERR_CANCELLED);
@@ -201,16 +220,7 @@ static void test_failure_message(void **st) {
     (void)st;
     int port = free_port();
     pid_t w2 = spawn_watcher(port, 2, 3, 30, BT_ERR_IO, "rank 1 (pid", "failed: cuda: out of memory");
-    fflush(NULL);
-    pid_t r1 = fork();
-    assert_true(r1 >= 0);
-    if (!r1) {
-        bt_dist_monitor *m = join(port, 1, 3, 30, 0, NULL);
-        if (!m) _exit(2);
-        bt_dist_monitor_fail(m, "cuda: out of memory");
-        bt_dist_monitor_free(m);
-        _exit(0);
-    }
+    pid_t r1 = spawn_rank(port, 1, 3, 30, fail_with, "cuda: out of memory");
     bt_dist_monitor *m = join(port, 0, 3, 30, 0, NULL);
     assert_non_null(m);
     assert_int_equal(wait_report(m), BT_ERR_IO);
@@ -224,27 +234,9 @@ static void test_failure_message(void **st) {
 static void test_clean_finish(void **st) {
     (void)st;
     int port = free_port();
-    int go[2];
-    assert_int_equal(pipe(go), 0);
-    fflush(NULL);
-    pid_t r1 = fork();
-    assert_true(r1 >= 0);
-    if (!r1) {
-        close(go[0]);
-        bt_dist_monitor *m = join(port, 1, 2, 30, 0, NULL);
-        if (!m) _exit(2);
-        if (write(go[1], "x", 1) != 1) _exit(3);
-        int rc = bt_dist_monitor_finish(m); /* returns once rank 0 said goodbye */
-        int later = bt_dist_monitor_check(m);
-        bt_dist_monitor_free(m);
-        _exit(rc == 0 && later == 0 ? 0 : 1);
-    }
-    close(go[1]);
+    pid_t r1 = spawn_rank(port, 1, 2, 30, finish_clean, NULL);
     bt_dist_monitor *m = join(port, 0, 2, 30, 0, NULL);
     assert_non_null(m);
-    char c;
-    assert_int_equal(read(go[0], &c, 1), 1);
-    close(go[0]);
     assert_int_equal(bt_dist_monitor_finish(m), 0);
     assert_int_equal(child_exit(r1), 0);
     assert_int_equal(bt_dist_monitor_check(m), 0); /* rank 1 closing after its goodbye: no loss */
