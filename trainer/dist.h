@@ -138,7 +138,7 @@ int bt_dist_slurm_cpus(char *how, size_t how_size);
  * each said an authenticated hello; then it stops listening:
  *   - a connection that sends a bad magic or version or garbage, or closes before a full hello,
  *     is dropped and counted (WARN log); a silent one is kept pending until the end, the oldest
- *     being dropped once 64 are pending (a peer dropped before its challenge connects again);
+ *     being dropped once 64 are pending (a peer whose connection is dropped connects again);
  *   - a hello without a valid proof of the key (a stray or hostile client, or a rank with another
  *     secret) gets a plain "authentication failed" refusal and is dropped: whatever it claims
  *     (rank, world, digest), it cannot end, block or delay the rendezvous, and never sees the
@@ -166,11 +166,12 @@ int bt_dist_slurm_cpus(char *how, size_t how_size);
  *                   resolver failure other than EAI_NONAME / EAI_AGAIN (those are retried);
  *   BT_ERR_TIMEOUT  rank 0: "... ranks never arrived: 1,3-5 (N stray connections dropped, M of
  *                   them without the job secret)"; others: "could not reach rank 0 at addr:port
- *                   ..." or, when connected, that rank 0 did not answer in time;
+ *                   ... (last error: ...)" or, when connected, that rank 0 did not answer in
+ *                   time;
  *   BT_ERR_IO       socket / bind / listen / accept failures (port in use, out of fds), getrandom;
- *   BT_ERR_CLOSED   a peer: rank 0 closed the connection before replying (it died, or is not a
- *                   BarqTrain rank 0); rank 0: a rank went away while being sent the blob (the
- *                   ranks not yet served then get the error too);
+ *   BT_ERR_CLOSED   rank 0: a rank went away while being sent the blob (the ranks not yet served
+ *                   then get the error too); (a peer whose connection rank 0 closes before
+ *                   replying connects again until the deadline: BT_ERR_TIMEOUT, naming it);
  *   BT_ERR_FORMAT   a peer: rank 0's challenge or reply is malformed, or its blob length is not
  *                   blob_len.
  * Every socket is closed on every path (but those handed to *link); sends use MSG_NOSIGNAL (no

@@ -611,9 +611,10 @@ static int run_peer(peer *p) {
                 return 0;
             }
             close(fd);
-            /* rank 0 dropped us before its challenge (a flood of stray connections evicts the
-             * oldest pending ones): connect again */
-            if (rc != BT_ERR_CLOSED || !strstr(bt_last_error(), "before its challenge")) return rc;
+            /* the connection closed before rank 0 answered it: a flood of stray connections made
+             * rank 0 drop it (the oldest pending go first), or rank 0 is gone: connect again until
+             * the deadline */
+            if (rc != BT_ERR_CLOSED) return rc;
             snprintf(last, sizeof last, "%s", bt_last_error());
         }
         int ms = 100 + (p->rank * 37 + attempt * 53) % 101, left = ms_left(p->deadline); /* 100-200 ms */
