@@ -7,6 +7,7 @@ configs here have no "socket", so the trainer's own rule finds it), $JOBID, and 
 emulated-CUDA trainer.
 
 - one CPU task runs to completion and writes its adapter;
+- SET's words reach the trainer as written (no glob expansion), and the messages follow out_dir;
 - two emulated-CUDA ranks (build/emu/trainer, NCCL emulated across processes) train to completion
   and end with the adapter of one process with twice the micro-batch (losses to 4 digits, adapter
   rel_l2 as in test_e2e_cuda_emu.py), their rendezvous authenticated by the script's per-job
@@ -128,10 +129,26 @@ def test_one_cpu_task_to_completion(site):
     assert j["JobState"] == "COMPLETED" and j["ExitCode"] == "0:0", f"{j}\n{text}"
     assert [s for s, _ in progress(text)] == [1, 2, 3], text
     assert f"train.sbatch: done: adapter in runs/slurm-{job_id}/adapter" in text, text
+    assert f"checkpoints runs/slurm-{job_id}/checkpoint" in text, text
     adapter = site["work"] / "runs" / f"slurm-{job_id}" / "adapter"
     assert len(read_safetensors(adapter / "adapter_model.safetensors")) == 2 * 7 * 2
     assert (adapter / "adapter_config.json").exists()
     assert f"loaderd {site['loaderd'].sock}" in text, text  # found through $LOADERD_SOCKET
+
+
+def test_set_words_reach_the_trainer_as_written(site):
+    """SET is split on blanks only: a word with a glob character is not expanded against the files of
+    the submit directory (the decoy "out_dir=outX" would match "out_dir=out*"), and the script's
+    messages name the outputs where SET moved them."""
+    write_job(site)
+    (site["work"] / "out_dir=outX").write_text("decoy")
+    job_id = submit(site, readme_line(ONE_TASK), {"SET": "steps=2 out_dir=out* checkpoint_dir=ck"})
+    j, text = finished(site, job_id)
+    assert j["JobState"] == "COMPLETED" and j["ExitCode"] == "0:0", f"{j}\n{text}"
+    assert [s for s, _ in progress(text)] == [1, 2], text
+    assert "adapter out*; checkpoints ck" in text and "train.sbatch: done: adapter in out*" in text, text
+    assert (site["work"] / "out*" / "adapter_model.safetensors").exists(), text
+    assert not (site["work"] / "outX").exists()
 
 
 def test_two_emulated_cuda_ranks_match_one_process_with_twice_the_batch(site):
