@@ -10,6 +10,7 @@
 - SIGINT during `trainer eval`: the held-out loss is marked partial, not printed as complete;
   exit status 75 (interrupted).
 Set BT_TRAINER_ASAN=1 to run the ASan+UBSan trainer."""
+import contextlib
 import json
 import os
 import re
@@ -73,6 +74,18 @@ def start(env, cmd, cfg, extra_env=None):
     return p, out, err
 
 
+@contextlib.contextmanager
+def running(env, cmd, cfg, extra_env=None):
+    """start() for a with-block: (p, out, err); the trainer is killed if it still runs at the end."""
+    p, out, err = start(env, cmd, cfg, extra_env)
+    try:
+        yield p, out, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def wait_for(p, path, pattern, timeout=120):
     end = time.time() + timeout
     while time.time() < end:
@@ -104,16 +117,11 @@ def last_step(stdout):
 
 
 def test_loaderd_killed_mid_run_saves_completed_steps(env):
-    p, out, err = start(env, "train", job(env), {"LOADERD_RECONNECT_S": "0"})
-    try:
+    with running(env, "train", job(env), {"LOADERD_RECONNECT_S": "0"}) as (p, out, err):
         wait_for(p, out, r"^step 3/100000 ", 120)
         env["loaderd"].proc.send_signal(signal.SIGKILL)
         env["loaderd"].proc.wait()
         rc = p.wait(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     stdout, stderr = out.read_text(), err.read_text()
     assert rc == 1, stdout[-2000:] + stderr[-4000:]
     n = last_step(stdout)
@@ -162,15 +170,10 @@ def test_sigterm_while_waiting_for_a_batch_stops_promptly_and_saves(env):
 def test_signal_mid_step_keeps_the_last_completed_step(env, sig):
     """Steps of 150 micro-batches: the signal lands in step 2's forward/backward, which is dropped;
     with checkpoint_every 0 the checkpoint is still written, for --resume."""
-    p, out, err = start(env, "train", job(env, grad_accum=150, checkpoint_every=0))
-    try:
+    with running(env, "train", job(env, grad_accum=150, checkpoint_every=0)) as (p, out, err):
         wait_for(p, out, r"^step 1/100000 ", 300)
         p.send_signal(sig)
         rc = p.wait(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     stdout, stderr = out.read_text(), err.read_text()
     assert rc == 75, stdout[-2000:] + stderr[-4000:]
     assert last_step(stdout) == 1, stdout
