@@ -253,8 +253,10 @@ extern const char *const bt_config_template_names[];
  *                                    (compact JSON);
  *   --format json|yaml               how both are printed (yaml: bt_yaml_dump, "#" keys as
  *                                    comments; default json);
- *       with --print KEY (dotted, e.g. socket, dist.master_port) only that key's value: a string
- *       as is, anything else as JSON (scripts ask the trainer this way: train.sbatch's socket).
+ *   --print KEY                      with --check: only that key's value (dotted, e.g. socket,
+ *                                    dist.master_port), a string as is, anything else as JSON,
+ *                                    whatever --format says (scripts ask the trainer this way:
+ *                                    train.sbatch's socket, out_dir, checkpoint_dir).
  * Returns the exit status: 0, 1 (I/O), 2 (usage or configuration error; message on stderr
  * naming the key). */
 int bt_config_cmd(int argc, char **argv, FILE *out);

@@ -160,3 +160,10 @@ def test_distributed_environment_is_checked_before_anything_runs(tmp_path):
     assert r.returncode == 2 and "--print dist.nothing: no such key" in r.stderr, r.stderr
     r = run("config", "--template", "default", "--print", "socket")
     assert r.returncode == 2 and "--print KEY goes with --check" in r.stderr, r.stderr
+    # a YAML job the same way; --print gives the value itself whatever --format says
+    y = p.with_suffix(".yaml")
+    y.write_text(run("config", "--check", str(p), "--format", "yaml").stdout)
+    r = run("config", "--check", str(y), "--set", "socket=/tmp/y.sock", "--format", "yaml", "--print", "socket")
+    assert r.returncode == 0 and r.stdout == "/tmp/y.sock\n", r.stdout + r.stderr
+    r = run("config", "--check", str(y), "--format", "yaml", "--print", "dist.master_port")
+    assert r.returncode == 0 and r.stdout == "29500\n", r.stdout + r.stderr
