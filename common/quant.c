@@ -96,34 +96,32 @@ typedef struct {
 
 /* Sizes from ggml-common.h (static_asserts there): Q4_0 2+16, Q4_1 2*2+16, Q5_0 2+4+16,
  * Q5_1 2*2+4+16, Q8_0 2+32, Q8_1 2*2+32, Q2_K 2*2+256/16+256/4, Q3_K 2+256/4+256/8+12,
- * Q4_K 2*2+12+256/2, Q5_K 2*2+12+256/2+256/8, Q6_K 2+256/16+3*256/4, Q8_K 4+256+256/16*2. */
+ * Q4_K 2*2+12+256/2, Q5_K 2*2+12+256/2+256/8, Q6_K 2+256/16+3*256/4, Q8_K 4+256+256/16*2.
+ * The other types ggml defines (IQ*, TQ*, MXFP4, integer and F64 tensors; ggml.h enum ggml_type,
+ * sizes as gguf-py constants.py GGML_QUANT_SIZES and ggml-common.h block_mxfp4) have a known size,
+ * so files holding them open and their tensors can be named in an error, but no decoder. */
 static const type_info *info(int type) {
-    static const type_info f32 = {"F32", 1, 4, 1}, f16 = {"F16", 1, 2, 1},
-                           bf16 = {"BF16", 1, 2, 1}, q4_0 = {"Q4_0", 32, 18, 1},
-                           q4_1 = {"Q4_1", 32, 20, 1}, q5_0 = {"Q5_0", 32, 22, 1},
-                           q5_1 = {"Q5_1", 32, 24, 1}, q8_0 = {"Q8_0", 32, 34, 1},
-                           q8_1 = {"Q8_1", 32, 36, 0}, q2_k = {"Q2_K", 256, 84, 0},
-                           q3_k = {"Q3_K", 256, 110, 0}, q4_k = {"Q4_K", 256, 144, 1},
-                           q5_k = {"Q5_K", 256, 176, 1}, q6_k = {"Q6_K", 256, 210, 1},
-                           q8_k = {"Q8_K", 256, 292, 0};
-    switch (type) {
-    case BT_GGML_F32: return &f32;
-    case BT_GGML_F16: return &f16;
-    case BT_GGML_BF16: return &bf16;
-    case BT_GGML_Q4_0: return &q4_0;
-    case BT_GGML_Q4_1: return &q4_1;
-    case BT_GGML_Q5_0: return &q5_0;
-    case BT_GGML_Q5_1: return &q5_1;
-    case BT_GGML_Q8_0: return &q8_0;
-    case BT_GGML_Q8_1: return &q8_1;
-    case BT_GGML_Q2_K: return &q2_k;
-    case BT_GGML_Q3_K: return &q3_k;
-    case BT_GGML_Q4_K: return &q4_k;
-    case BT_GGML_Q5_K: return &q5_k;
-    case BT_GGML_Q6_K: return &q6_k;
-    case BT_GGML_Q8_K: return &q8_k;
-    default: return NULL;
-    }
+    static const type_info table[] = {
+        [BT_GGML_F32] = {"F32", 1, 4, 1},          [BT_GGML_F16] = {"F16", 1, 2, 1},
+        [BT_GGML_Q4_0] = {"Q4_0", 32, 18, 1},      [BT_GGML_Q4_1] = {"Q4_1", 32, 20, 1},
+        [BT_GGML_Q5_0] = {"Q5_0", 32, 22, 1},      [BT_GGML_Q5_1] = {"Q5_1", 32, 24, 1},
+        [BT_GGML_Q8_0] = {"Q8_0", 32, 34, 1},      [BT_GGML_Q8_1] = {"Q8_1", 32, 36, 0},
+        [BT_GGML_Q2_K] = {"Q2_K", 256, 84, 1},     [BT_GGML_Q3_K] = {"Q3_K", 256, 110, 1},
+        [BT_GGML_Q4_K] = {"Q4_K", 256, 144, 1},    [BT_GGML_Q5_K] = {"Q5_K", 256, 176, 1},
+        [BT_GGML_Q6_K] = {"Q6_K", 256, 210, 1},    [BT_GGML_Q8_K] = {"Q8_K", 256, 292, 0},
+        [16] = {"IQ2_XXS", 256, 66, 0},            [17] = {"IQ2_XS", 256, 74, 0},
+        [18] = {"IQ3_XXS", 256, 98, 0},            [19] = {"IQ1_S", 256, 50, 0},
+        [20] = {"IQ4_NL", 32, 18, 0},              [21] = {"IQ3_S", 256, 110, 0},
+        [22] = {"IQ2_S", 256, 82, 0},              [23] = {"IQ4_XS", 256, 136, 0},
+        [24] = {"I8", 1, 1, 0},                    [25] = {"I16", 1, 2, 0},
+        [26] = {"I32", 1, 4, 0},                   [27] = {"I64", 1, 8, 0},
+        [28] = {"F64", 1, 8, 0},                   [29] = {"IQ1_M", 256, 56, 0},
+        [BT_GGML_BF16] = {"BF16", 1, 2, 1},        [34] = {"TQ1_0", 256, 54, 0},
+        [35] = {"TQ2_0", 256, 66, 0},              [39] = {"MXFP4", 32, 17, 0},
+    };
+    if (type < 0 || type >= (int)(sizeof table / sizeof table[0]) || !table[type].name)
+        return NULL;
+    return &table[type];
 }
 
 const char *bt_ggml_type_name(int type) {
@@ -303,6 +301,64 @@ static void deq_q6_k(const uint8_t *b, float *y) {
     }
 }
 
+/* block_q2_K {uint8 scales[16]; uint8 qs[64]; half d, dmin} (ggml-quants.c dequantize_row_q2_K;
+ * gguf-py Q2_K): 16 groups of 16; group scale byte: low nibble scale, high nibble min;
+ * y = (d * (sc & 15)) * q - dmin * (sc >> 4), q = 2-bit field `shift` of qs[l] */
+static void deq_q2_k(const uint8_t *b, float *y) {
+    const uint8_t *scales = b;
+    const uint8_t *q = b + 16;
+    const float d = h2f(b + 80), min = h2f(b + 82);
+    int is = 0;
+    for (int n = 0; n < 256; n += 128) {
+        int shift = 0;
+        for (int j = 0; j < 4; ++j) {
+            uint8_t sc = scales[is++];
+            float dl = d * (sc & 0xF), ml = min * (sc >> 4);
+            for (int l = 0; l < 16; ++l) *y++ = dl * ((q[l] >> shift) & 3) - ml;
+            sc = scales[is++];
+            dl = d * (sc & 0xF);
+            ml = min * (sc >> 4);
+            for (int l = 0; l < 16; ++l) *y++ = dl * ((q[l + 16] >> shift) & 3) - ml;
+            shift += 2;
+        }
+        q += 32;
+    }
+}
+
+/* Signed 6-bit group scale i (0..15) of a Q3_K block, minus 32 (ggml-quants.c
+ * dequantize_row_q3_K's kmask1/kmask2 unpacking): low 4 bits in byte i % 8 (low nibble for
+ * i < 8, high nibble after), high 2 bits in byte 8 + i % 4 at bit 2 * (i / 4). */
+static inline int q3_k_scale(const uint8_t *sc12, int i) {
+    const int lo = i < 8 ? (sc12[i] & 0xF) : (sc12[i - 8] >> 4);
+    const int hi = (sc12[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+/* block_q3_K {uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; half d} (dequantize_row_q3_K;
+ * gguf-py Q3_K): y = (d * scale) * (q2 - (hmask bit set ? 0 : 4)) */
+static void deq_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hm = b;
+    const uint8_t *q = b + 32;
+    const uint8_t *sc12 = b + 96;
+    const float d_all = h2f(b + 108);
+    int is = 0;
+    uint8_t m = 1;
+    for (int n = 0; n < 256; n += 128) {
+        int shift = 0;
+        for (int j = 0; j < 4; ++j) {
+            float dl = d_all * q3_k_scale(sc12, is++);
+            for (int l = 0; l < 16; ++l)
+                *y++ = dl * (((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+            dl = d_all * q3_k_scale(sc12, is++);
+            for (int l = 0; l < 16; ++l)
+                *y++ = dl * (((q[l + 16] >> shift) & 3) - ((hm[l + 16] & m) ? 0 : 4));
+            shift += 2;
+            m = (uint8_t)(m << 1);
+        }
+        q += 32;
+    }
+}
+
 int bt_ggml_dequantize(int type, const void *src, float *dst, int64_t n) {
     const type_info *t = info(type);
     if (!t || !t->dequant)
@@ -336,6 +392,8 @@ int bt_ggml_dequantize(int type, const void *src, float *dst, int64_t n) {
         case BT_GGML_Q5_0: fn = deq_q5_0; break;
         case BT_GGML_Q5_1: fn = deq_q5_1; break;
         case BT_GGML_Q8_0: fn = deq_q8_0; break;
+        case BT_GGML_Q2_K: fn = deq_q2_k; break;
+        case BT_GGML_Q3_K: fn = deq_q3_k; break;
         case BT_GGML_Q4_K: fn = deq_q4_k; break;
         case BT_GGML_Q5_K: fn = deq_q5_k; break;
         case BT_GGML_Q6_K: fn = deq_q6_k; break;

@@ -1,7 +1,8 @@
 /* ggml block formats (dequantisation) and 16-bit float conversions.
  * Block layouts and formulas match ggml/src/ggml-quants.c (dequantize_row_*) and the Python
- * reference gguf-py/gguf/quants.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (block 32), Q4_K, Q5_K, Q6_K
- * (super-block 256), F16, BF16, F32. */
+ * reference gguf-py/gguf/quants.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (block 32), Q2_K, Q3_K, Q4_K,
+ * Q5_K, Q6_K (super-block 256), F16, BF16, F32; and encoders for the same types
+ * (common/quant_encode.c, bt_ggml_quantize). */
 #ifndef BT_QUANT_H
 #define BT_QUANT_H
 #include <stdint.h>
@@ -31,9 +32,25 @@ size_t bt_ggml_row_size(int type, int64_t ne0);
  * quants.dequantize (tests/fixtures/quant). BT_ERR_UNSUPPORTED for unknown types or types
  * without a decoder, BT_ERR_INVALID for a bad n or NULL buffers. */
 int bt_ggml_dequantize(int type, const void *src, float *dst, int64_t n);
-/* 1 if bt_ggml_dequantize supports `type` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
- * Q5_K, Q6_K), else 0. Q8_1, Q2_K, Q3_K, Q8_K have known sizes (so GGUF files holding them open)
- * but cannot be dequantised. */
+/* 1 if bt_ggml_dequantize supports `type` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+ * Q3_K, Q4_K, Q5_K, Q6_K), else 0. The other ggml types (Q8_1, Q8_K, IQ*, TQ*, MXFP4, I8..I64,
+ * F64) have known sizes (so GGUF files holding them open and their tensors can be named) but
+ * cannot be dequantised. */
 int bt_ggml_can_dequantize(int type);
+
+/* Encode n floats (n a multiple of the block size) from src into dst (bt_ggml_row_size(type, n)
+ * bytes, caller-owned, any alignment) as ggml `type` (common/quant_encode.c):
+ *   F32, F16, BF16: the conversions above (numpy astype / gguf-py BF16);
+ *   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: ggml-quants.c quantize_row_*_ref, bit-identical to gguf-py
+ *     quants.quantize (tests/fixtures/quant/<T>.enc.*, gen_quant_fixtures.py);
+ *   Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: round-to-nearest with the layout of ggml-common.h (per-group
+ *     scale/min from the group's range, the 4/6/8-bit group scales rounded against the
+ *     super-block's fp16 d/dmin). NOT llama.cpp's quantize_row_*_ref, which searches the scales
+ *     (make_qkx2_quants / make_q3_quants): our blocks decode with every ggml dequantiser but the
+ *     error is somewhat higher. Use them for test models; real K-quant files come from llama.cpp.
+ * Non-finite inputs give unspecified (but valid, finite-scaled) blocks. Errors: BT_ERR_INVALID
+ * (n negative or not a multiple of the block size, NULL buffers), BT_ERR_UNSUPPORTED (any other
+ * type). */
+int bt_ggml_quantize(int type, const float *src, void *dst, int64_t n);
 
 #endif

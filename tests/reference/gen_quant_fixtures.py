@@ -4,14 +4,22 @@
 The reference is gguf-py's numpy implementation (gguf/quants.py, gguf==0.17.1), which mirrors
 ggml/src/ggml-quants.c dequantize_row_* and ggml-impl.h ggml_compute_fp32_to_bf16.
 
-For every type T in F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K it writes into
+For every type T in F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K Q2_K Q3_K it writes into
 tests/fixtures/quant/:
   T.blocks   raw block bytes (as stored in a GGUF tensor)
   T.f32      float32 little-endian: gguf.quants.dequantize(blocks, T)
+(Q2_K and Q3_K were added later and draw from their own random stream, seed + 1, so the files of
+the other types stay byte-identical.)
 Blocks come from gguf.quants.quantize (Q4_0..Q8_0, BF16, F16: normal-distributed data with
 outliers, an all-zero block and a constant block) followed by random raw blocks (every bit
 pattern of the quant fields; the fp16 scales are forced finite). gguf-py has no quantizer for the
 K-quants, so their blocks are random raw bytes with finite fp16 d/dmin.
+
+Encoders (common/quant_encode.c bt_ggml_quantize), for T in F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0,
+from a third random stream (seed + 2):
+  T.enc.in.f32   float32 inputs (normal data with outliers, an all-zero block, a constant block,
+                 a block of exact ties for the rounding)
+  T.enc.blocks   gguf.quants.quantize(inputs, T)
 
 Conversions (float -> 16-bit, round-to-nearest-even):
   fp32_conv.in.f32        the float32 inputs
@@ -52,6 +60,13 @@ TYPES = [
     (T.Q5_K, 256, 176, [0, 2]),
     (T.Q6_K, 256, 210, [208]),
 ]
+# added later, generated from their own random stream (seed + 1)
+TYPES_LATER = [
+    (T.Q2_K, 256, 84, [80, 82]),
+    (T.Q3_K, 256, 110, [108]),
+]
+# encoders checked against gguf-py's quantize (random stream seed + 2)
+ENCODED = [T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 QUANTIZABLE = {T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
 
 
@@ -97,6 +112,31 @@ def make_blocks(rng, qtype, blck, bsize, scale_offs):
     return np.concatenate(parts).astype(np.uint8)
 
 
+def encoder_inputs(rng, n_blocks=64, blck=32):
+    x = source_data(rng, n_blocks * blck).reshape(n_blocks, blck)
+    x[0] = 0.0
+    x[1] = 0.3
+    # exact ties of the rounding: multiples of half a step of a block whose extreme is 8 / -8
+    x[2] = (np.arange(blck, dtype=np.float32) - blck / 2) * np.float32(0.5)
+    x[3] = np.linspace(-1, 1, blck, dtype=np.float32)
+    return x.reshape(-1)
+
+
+def write_dequant(rng, args, qtype, blck, bsize, scale_offs):
+    blocks = make_blocks(rng, qtype, blck, bsize, scale_offs)
+    assert blocks.size % bsize == 0
+    with np.errstate(all="ignore"):
+        y = quants.dequantize(blocks, qtype).astype(np.float32).reshape(-1)
+    assert y.size == blocks.size // bsize * blck
+    total = 0
+    for suffix, arr in ((".blocks", blocks), (".f32", y)):
+        path = os.path.join(args.out, qtype.name + suffix)
+        arr.astype(arr.dtype.newbyteorder("<")).tofile(path)
+        total += os.path.getsize(path)
+    print(f"{qtype.name}: {blocks.size // bsize} blocks, {y.size} values")
+    return total
+
+
 def conversion_inputs(rng):
     special = np.array([
         0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e6, np.inf, -np.inf, np.nan,
@@ -132,16 +172,7 @@ def main():
     rng = np.random.default_rng(args.seed)
     total = 0
     for qtype, blck, bsize, scale_offs in TYPES:
-        blocks = make_blocks(rng, qtype, blck, bsize, scale_offs)
-        assert blocks.size % bsize == 0
-        with np.errstate(all="ignore"):
-            y = quants.dequantize(blocks, qtype).astype(np.float32).reshape(-1)
-        assert y.size == blocks.size // bsize * blck
-        for suffix, arr in ((".blocks", blocks), (".f32", y)):
-            path = os.path.join(args.out, qtype.name + suffix)
-            arr.astype(arr.dtype.newbyteorder("<")).tofile(path)
-            total += os.path.getsize(path)
-        print(f"{qtype.name}: {blocks.size // bsize} blocks, {y.size} values")
+        total += write_dequant(rng, args, qtype, blck, bsize, scale_offs)
     x = conversion_inputs(rng)
     with np.errstate(all="ignore"):
         f16 = x.astype(np.float16).view(np.uint16)
@@ -151,6 +182,19 @@ def main():
         path = os.path.join(args.out, name)
         arr.tofile(path)
         total += os.path.getsize(path)
+    rng_later = np.random.default_rng(args.seed + 1)
+    for qtype, blck, bsize, scale_offs in TYPES_LATER:
+        total += write_dequant(rng_later, args, qtype, blck, bsize, scale_offs)
+    rng_enc = np.random.default_rng(args.seed + 2)
+    for qtype in ENCODED:
+        blck = 32 if qtype not in (T.F16, T.BF16) else 1
+        x = encoder_inputs(rng_enc)
+        blocks = quants.quantize(x.reshape(-1, blck) if blck > 1 else x, qtype).reshape(-1)
+        for suffix, arr in ((".enc.in.f32", x), (".enc.blocks", blocks.view(np.uint8))):
+            path = os.path.join(args.out, qtype.name + suffix)
+            arr.tofile(path)
+            total += os.path.getsize(path)
+        print(f"{qtype.name} encoder: {x.size} values")
     print(f"conversions: {x.size} values; total {total} bytes in {args.out}")
 
 

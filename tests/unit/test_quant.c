@@ -77,6 +77,8 @@ static void test_fixture_q5_0(void **s) { (void)s; check_fixture(BT_GGML_Q5_0); 
 static void test_fixture_q5_1(void **s) { (void)s; check_fixture(BT_GGML_Q5_1); }
 static void test_fixture_q8_0(void **s) { (void)s; check_fixture(BT_GGML_Q8_0); }
 static void test_fixture_q4_k(void **s) { (void)s; check_fixture(BT_GGML_Q4_K); }
+static void test_fixture_q2_k(void **s) { (void)s; check_fixture(BT_GGML_Q2_K); }
+static void test_fixture_q3_k(void **s) { (void)s; check_fixture(BT_GGML_Q3_K); }
 static void test_fixture_q5_k(void **s) { (void)s; check_fixture(BT_GGML_Q5_K); }
 static void test_fixture_q6_k(void **s) { (void)s; check_fixture(BT_GGML_Q6_K); }
 
@@ -195,6 +197,17 @@ static void test_type_table(void **s) {
     assert_int_equal(bt_ggml_block_bytes(BT_GGML_Q3_K), 110);
     assert_int_equal(bt_ggml_block_bytes(BT_GGML_Q8_K), 292);
     assert_int_equal(bt_ggml_block_bytes(31), 0);
+    /* types without a decoder still have their sizes (files holding them open) */
+    assert_string_equal(bt_ggml_type_name(23), "IQ4_XS");
+    assert_int_equal(bt_ggml_block_bytes(23), 136);
+    assert_int_equal(bt_ggml_block_elems(23), 256);
+    assert_int_equal(bt_ggml_block_bytes(20), 18); /* IQ4_NL */
+    assert_int_equal(bt_ggml_block_bytes(35), 66); /* TQ2_0 */
+    assert_int_equal(bt_ggml_block_bytes(39), 17); /* MXFP4 */
+    assert_int_equal(bt_ggml_block_bytes(36), 0);  /* removed IQ4_NL_4_4 */
+    assert_int_equal(bt_ggml_block_bytes(40), 0);
+    assert_false(bt_ggml_can_dequantize(23));
+    assert_false(bt_ggml_can_dequantize(BT_GGML_Q8_K));
     assert_int_equal(bt_ggml_row_size(BT_GGML_Q4_1, 576), 360);
     assert_int_equal(bt_ggml_row_size(BT_GGML_Q8_0, 576), 612);
     assert_int_equal(bt_ggml_row_size(BT_GGML_F32, 576), 2304);
@@ -204,7 +217,8 @@ static void test_type_table(void **s) {
     assert_int_equal(bt_ggml_row_size(BT_GGML_F32, INT64_C(1) << 62), 0); /* 2^64 bytes */
     assert_int_equal(bt_ggml_row_size(77, 32), 0);
     assert_true(bt_ggml_can_dequantize(BT_GGML_Q6_K));
-    assert_false(bt_ggml_can_dequantize(BT_GGML_Q2_K));
+    assert_true(bt_ggml_can_dequantize(BT_GGML_Q2_K));
+    assert_true(bt_ggml_can_dequantize(BT_GGML_Q3_K));
     assert_false(bt_ggml_can_dequantize(1234));
 }
 
@@ -216,7 +230,9 @@ static void test_dequant_errors(void **s) {
     assert_non_null(strstr(bt_last_error(), "Q4_0"));
     assert_int_equal(bt_ggml_dequantize(BT_GGML_Q4_0, blk, out, -32), BT_ERR_INVALID);
     assert_int_equal(bt_ggml_dequantize(99, blk, out, 32), BT_ERR_UNSUPPORTED);
-    assert_int_equal(bt_ggml_dequantize(BT_GGML_Q2_K, blk, out, 256), BT_ERR_UNSUPPORTED);
+    assert_int_equal(bt_ggml_dequantize(BT_GGML_Q8_K, blk, out, 256), BT_ERR_UNSUPPORTED);
+    assert_int_equal(bt_ggml_dequantize(23 /* IQ4_XS */, blk, out, 256), BT_ERR_UNSUPPORTED);
+    assert_non_null(strstr(bt_last_error(), "IQ4_XS"));
     assert_int_equal(bt_ggml_dequantize(BT_GGML_Q8_0, NULL, out, 32), BT_ERR_INVALID);
     assert_int_equal(bt_ggml_dequantize(BT_GGML_Q8_0, blk, out, 0), BT_OK);
 }
@@ -259,6 +275,128 @@ static void test_hand_blocks(void **s) {
     for (int j = 0; j < 256; j++) assert_true(y[j] == -64.0f);
 }
 
+
+/* Encoders of the block-32 types and 16-bit floats against gguf-py quants.quantize (fixtures
+ * T.enc.in.f32 -> T.enc.blocks): byte for byte. */
+static void check_encoder_fixture(int type) {
+    const char *name = bt_ggml_type_name(type);
+    char fn[64];
+    size_t nx, nb;
+    snprintf(fn, sizeof fn, "%s.enc.in.f32", name);
+    float *x = slurp(fn, &nx);
+    snprintf(fn, sizeof fn, "%s.enc.blocks", name);
+    uint8_t *want = slurp(fn, &nb);
+    const int64_t n = (int64_t)(nx / 4);
+    assert_int_equal(bt_ggml_row_size(type, n), nb);
+    uint8_t *got = malloc(nb);
+    assert_int_equal(bt_ggml_quantize(type, x, got, n), BT_OK);
+    size_t bad = 0;
+    for (size_t i = 0; i < nb; i++)
+        if (got[i] != want[i]) {
+            if (bad < 5)
+                print_error("%s encoder: byte %zu (block %zu): got 0x%02x want 0x%02x\n", name, i,
+                            i / bt_ggml_block_bytes(type), got[i], want[i]);
+            bad++;
+        }
+    assert_int_equal(bad, 0);
+    free(got);
+    free(x);
+    free(want);
+}
+
+static void test_encoders_vs_ggufpy(void **s) {
+    (void)s;
+    const int types[] = {BT_GGML_F16, BT_GGML_BF16, BT_GGML_Q4_0, BT_GGML_Q4_1,
+                         BT_GGML_Q5_0, BT_GGML_Q5_1, BT_GGML_Q8_0};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) check_encoder_fixture(types[i]);
+}
+
+/* K-quant encoders (round to nearest, no scale search): the blocks decode (with the
+ * fixture-checked decoders) to within the quantisation step of every group. Per element: half a
+ * step of the group, plus what rounding the group's scale (and min) code against the fp16
+ * super-block scale costs at the group's extreme (at most (levels + 1) half code steps), plus a
+ * small slack for the fp16 rounding of d; and the relative rms error must be what the bit width
+ * allows. The symmetric types (Q3_K, Q6_K) reach one step less on the side opposite their group's
+ * extreme, so there the bound is a full step. */
+static void test_kquant_encoders_roundtrip(void **s) {
+    (void)s;
+    const struct {
+        int type, gsize, levels;
+        double rms_max; /* relative rms error ceiling for N(0,1) data */
+    } ks[] = {{BT_GGML_Q2_K, 16, 3, 0.40}, {BT_GGML_Q3_K, 16, 7, 0.20},
+              {BT_GGML_Q4_K, 32, 15, 0.10}, {BT_GGML_Q5_K, 32, 31, 0.05},
+              {BT_GGML_Q6_K, 16, 63, 0.025}};
+    enum { N = 256 * 48 };
+    float *x = malloc(N * 4), *y = malloc(N * 4);
+    uint8_t *b = malloc(N);
+    uint64_t st = 0x1234567;
+    for (size_t k = 0; k < sizeof ks / sizeof ks[0]; k++) {
+        for (int i = 0; i < N; i++) {
+            /* Box-Muller from a xorshift stream; blocks of different scales, a zero block, a
+             * constant block and an all-negative block */
+            st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+            double u1 = ((st >> 11) + 0.5) / 9007199254740992.0;
+            st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+            double u2 = (st >> 11) / 9007199254740992.0;
+            double z = sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2);
+            x[i] = (float)(z * pow(2.0, (i / 256) % 7 - 3));
+        }
+        for (int i = 0; i < 256; i++) x[i] = 0.0f, x[256 + i] = 0.75f, x[512 + i] = -fabsf(x[512 + i]);
+        const int t = ks[k].type;
+        assert_int_equal(bt_ggml_quantize(t, x, b, N), BT_OK);
+        assert_int_equal(bt_ggml_dequantize(t, b, y, N), BT_OK);
+        for (int i = 0; i < 256; i++) assert_true(y[i] == 0.0f);
+        double num = 0, den = 0;
+        for (int g = 0; g < N / ks[k].gsize; g++) {
+            float lo = 0, hi = 0, amax = 0;
+            for (int l = 0; l < ks[k].gsize; l++) {
+                float v = x[g * ks[k].gsize + l];
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+                amax = fabsf(v) > amax ? fabsf(v) : amax;
+            }
+            /* a step of the group (asymmetric: range / levels; symmetric: 2 amax / (levels+1)) and
+             * the largest group of the super-block bounds the code rounding */
+            float sb_lo = 0, sb_hi = 0;
+            const int sb = g * ks[k].gsize / 256 * 256;
+            for (int l = 0; l < 256; l++) {
+                sb_lo = x[sb + l] < sb_lo ? x[sb + l] : sb_lo;
+                sb_hi = x[sb + l] > sb_hi ? x[sb + l] : sb_hi;
+            }
+            /* asymmetric types (Q2_K, Q4_K, Q5_K) spread [min(0, lo), hi] over `levels` steps;
+             * symmetric ones (Q3_K, Q6_K) put the extreme at -(levels+1)/2 steps */
+            const int sym = t == BT_GGML_Q3_K || t == BT_GGML_Q6_K;
+            const double step = sym ? 2.0 * amax / (ks[k].levels + 1)
+                                    : (double)(hi - lo) / ks[k].levels;
+            const double sb_step = (double)(sb_hi - sb_lo) / ks[k].levels;
+            const double code_step = sb_step / (t == BT_GGML_Q2_K ? 15 : t == BT_GGML_Q6_K ? 127 : 31);
+            /* symmetric: the side opposite the extreme reaches one step less (q in [-4, 3]), so a
+             * value there may be clipped by up to a full step */
+            const double bound = (sym ? 1.0 : 0.5) * step + (ks[k].levels + 1) * code_step +
+                                 1e-3 * sb_step;
+            for (int l = 0; l < ks[k].gsize; l++) {
+                const int i = g * ks[k].gsize + l;
+                const double e = fabs((double)x[i] - (double)y[i]);
+                if (e > bound)
+                    fail_msg("%s: element %d: x %g decoded %g: error %g > bound %g (group step %g)",
+                             bt_ggml_type_name(t), i, x[i], y[i], e, bound, step);
+                num += e * e;
+                den += (double)x[i] * x[i];
+            }
+        }
+        const double rel = sqrt(num / den);
+        print_message("%s: relative rms error %.4f (ceiling %.3f)\n", bt_ggml_type_name(t), rel,
+                      ks[k].rms_max);
+        assert_true(rel < ks[k].rms_max);
+    }
+    assert_int_equal(bt_ggml_quantize(BT_GGML_Q4_K, x, b, 255), BT_ERR_INVALID);
+    assert_int_equal(bt_ggml_quantize(BT_GGML_Q8_K, x, b, 256), BT_ERR_UNSUPPORTED);
+    assert_int_equal(bt_ggml_quantize(BT_GGML_Q4_0, NULL, b, 32), BT_ERR_INVALID);
+    free(x);
+    free(y);
+    free(b);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fixture_f32),   cmocka_unit_test(test_fixture_f16),
@@ -270,6 +408,8 @@ int main(void) {
         cmocka_unit_test(test_fp16_hand),     cmocka_unit_test(test_bf16_hand),
         cmocka_unit_test(test_type_table),    cmocka_unit_test(test_dequant_errors),
         cmocka_unit_test(test_hand_blocks),
+        cmocka_unit_test(test_fixture_q2_k),  cmocka_unit_test(test_fixture_q3_k),
+        cmocka_unit_test(test_encoders_vs_ggufpy), cmocka_unit_test(test_kquant_encoders_roundtrip),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
