@@ -56,6 +56,48 @@ void bt_nf4_linear_fwd(float *Y, const float *X, const bt_nf4 *Wq, int M, int K,
 void bt_nf4_linear_bwd_x(float *dX, const float *dY, const bt_nf4 *Wq, int M, int K, int N,
                          float beta, float *scratch);
 
+/* ---- ggml block-quantised weights (GGUF's own formats; the "GGUF-native" base) ----
+ * A frozen linear W[rows = out, cols = in] kept in the blocks of its GGUF file, without
+ * re-quantisation: row r is bytes [r * row_bytes, (r+1) * row_bytes) of `data`, each row
+ * cols / block_elems consecutive ggml blocks (ggml-common.h layouts; blocks run along `cols`,
+ * GGUF ne[0]). Types: every one common/quant.h bt_ggml_can_dequantize accepts (Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16, F32). Dequantisation goes through
+ * common/quant.c bt_ggml_dequantize, so every value the matmuls below use is bit-identical to
+ * gguf-py's quants.dequantize of the same bytes (tests/fixtures/quant). */
+typedef struct {
+    int type;          /* bt_ggml_type (common/gguf.h) */
+    int64_t rows, cols;
+    size_t row_bytes;  /* bt_ggml_row_size(type, cols) */
+    uint8_t *data;     /* [rows * row_bytes], owned (bt_aligned_alloc; free with bt_ggml_mat_free) */
+} bt_ggml_mat;
+/* Copy a [rows, cols] ggml tensor into *w (allocated here). Row r of w is row row_src[r] of
+ * `src` (row_src NULL: row r; a permutation lets the loader undo llama.cpp's Q/K row order on
+ * the blocks themselves, which is exact: blocks never cross rows). src: rows * row_bytes bytes,
+ * any alignment, read only during the call. Errors (w zeroed): BT_ERR_UNSUPPORTED (type without a
+ * decoder; the message lists the supported types), BT_ERR_INVALID (rows/cols < 1, cols not a
+ * multiple of the block size, row_src entry out of range, NULL src), BT_ERR_NOMEM. */
+int bt_ggml_mat_init(bt_ggml_mat *w, int type, int64_t rows, int64_t cols, const void *src,
+                     const int32_t *row_src);
+void bt_ggml_mat_free(bt_ggml_mat *w);
+/* Bytes held by w's blocks (rows * row_bytes). */
+size_t bt_ggml_mat_bytes(const bt_ggml_mat *w);
+/* Dequantise rows [r0, r0+nr) into out[nr, cols] fp32 (caller owned), bit-identical to
+ * bt_ggml_dequantize of those rows' bytes; rows in parallel (OpenMP) when large. Out-of-range
+ * arguments are a caller bug: nothing is written. */
+void bt_ggml_mat_dequantize_rows(const bt_ggml_mat *w, int64_t r0, int64_t nr, float *out);
+/* Y[M,N] = X[M,K] @ deq(W)[N,K]^T + beta*Y, W rows == N, cols == K, dequantising BT_TILE_ROWS
+ * (128) rows at a time per thread into scratch (>= bt_ggml_scratch_floats(K) floats, the same
+ * size as bt_nf4_scratch_floats) and multiplying each tile with a single-threaded sgemm: the
+ * NF4 path's driver (kernels/cpu/tiled_gemm.c). The fp32 weight is never formed; F32 tensors
+ * skip the copy (bt_linear_fwd on the blocks themselves). Same result as bt_linear_fwd on the
+ * dequantised matrix up to sgemm summation order. */
+size_t bt_ggml_scratch_floats(int K);
+void bt_ggml_linear_fwd(float *Y, const float *X, const bt_ggml_mat *W, int M, int K, int N,
+                        float beta, float *scratch);
+/* dX[M,K] = dY[M,N] @ deq(W)[N,K] + beta*dX (input gradient of the frozen base), same tiling. */
+void bt_ggml_linear_bwd_x(float *dX, const float *dY, const bt_ggml_mat *W, int M, int K, int N,
+                          float beta, float *scratch);
+
 /* ---- RMSNorm (Zhang & Sennrich 2019; HF LlamaRMSNorm: y = w * x * rsqrt(mean(x^2) + eps)) ---- */
 /* x,y [M,D]; w [D]; rstd [M] saved for backward. */
 void bt_rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w, int M, int D, float eps);

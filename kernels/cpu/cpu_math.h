@@ -45,4 +45,23 @@ int bt_cpu_max_threads(void);
  * BLAS goes through bt_sgemm, which calls this first. */
 void bt_cpu_blas_init(void);
 
+/* ---- tiled "dequantise then GEMM" driver (kernels/cpu/tiled_gemm.c) shared by the NF4 and the
+ * ggml block-format linears: the weight W[N, K] is never materialised in fp32 as a whole; each
+ * OpenMP thread dequantises BT_TILE_ROWS rows at a time into its own part of `scratch` and runs a
+ * single-threaded sgemm on that tile. ----
+ * A tile dequantiser writes rows [n0, n0 + nt) of the weight `w` (K columns) as fp32 into
+ * tile[nt, K]; it is called concurrently from several threads on disjoint tiles. */
+#define BT_TILE_ROWS 128
+typedef void (*bt_tile_dequant_fn)(const void *w, int n0, int nt, int K, float *tile);
+/* Floats of scratch the two drivers need for inner dimension K: one BT_TILE_ROWS x K tile per
+ * OpenMP thread (omp_get_max_threads() at the time of the call). */
+size_t bt_tiled_scratch_floats(int K);
+/* Y[M,N] = X[M,K] @ W[N,K]^T + beta*Y: thread t owns a contiguous range of W rows (= Y columns). */
+void bt_tiled_linear_fwd(float *Y, const float *X, const void *w, bt_tile_dequant_fn dq, int M,
+                         int K, int N, float beta, float *scratch);
+/* dX[M,K] = dY[M,N] @ W[N,K] + beta*dX: thread t owns a contiguous range of dX rows and walks all
+ * of W tile by tile (every thread dequantises the whole weight). */
+void bt_tiled_linear_bwd_x(float *dX, const float *dY, const void *w, bt_tile_dequant_fn dq, int M,
+                           int K, int N, float beta, float *scratch);
+
 #endif

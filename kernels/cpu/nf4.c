@@ -23,9 +23,6 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* bitsandbytes get_4bit_type("nf4"); float literals exactly as in csrc/kernels.cu. */
 const float bt_nf4_code[16] = {
@@ -378,119 +375,47 @@ void bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out)
         dequant_range(q, code, (r0 + r) * cols, (r0 + r + 1) * cols, out + r * cols);
 }
 
-/* ---- fused dequantise + GEMM ---- */
+/* ---- fused dequantise + GEMM (the tiled driver of kernels/cpu/tiled_gemm.c) ---- */
 
-/* Rows of W dequantised per step by one thread: enough for an efficient sgemm, small enough that
- * the tile (BT_NF4_TILE_ROWS x K floats) stays in L2. */
-#define BT_NF4_TILE_ROWS 128
-
-/* Threads for a region that splits `rows` rows in chunks of 16: all of OpenMP's (one when already
- * inside a parallel region), at most one per chunk. */
-static int nf4_threads(int rows)
+/* Dequantise rows [n0, n0 + nt) of Wq (K columns) into tile [nt, K] (bt_tile_dequant_fn). */
+static void dequant_tile(const void *w, int n0, int nt, int K, float *tile)
 {
-#ifdef _OPENMP
-    const int nthr = omp_in_parallel() ? 1 : omp_get_max_threads();
-    return nthr > (rows + 15) / 16 ? (rows + 15) / 16 : nthr;
-#else
-    (void)rows;
-    return 1;
-#endif
-}
-
-/* Inside the OpenMP region: this thread's BT_NF4_TILE_ROWS x K tile of scratch, and its share
- * [*a, *b) of `rows` rows (contiguous, a multiple of 16 long; empty for spare threads). */
-static float *thread_share(float *scratch, int K, int rows, int *a, int *b)
-{
-#ifdef _OPENMP
-    const int id = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-    const int id = 0, n = 1;
-#endif
-    int chunk = (rows + n - 1) / n;
-    chunk = (chunk + 15) / 16 * 16;
-    *a = id * chunk;
-    *b = *a + chunk < rows ? *a + chunk : rows;
-    return scratch + (size_t)id * BT_NF4_TILE_ROWS * (size_t)K;
-}
-
-/* Dequantise rows [n0, n0 + nt) of Wq (K columns) into tile [nt, K]. */
-static void dequant_tile(const bt_nf4 *Wq, const float *code, int n0, int nt, int K, float *tile)
-{
+    const bt_nf4 *Wq = w;
+    const float *code = code8_table();
     for (int r = 0; r < nt; r++)
         dequant_range(Wq, code, (int64_t)(n0 + r) * K, (int64_t)(n0 + r + 1) * K,
                       tile + (size_t)r * K);
 }
 
 /* Floats of scratch needed by bt_nf4_linear_fwd / bt_nf4_linear_bwd_x for inner dimension K: one
- * BT_NF4_TILE_ROWS x K tile per OpenMP thread (omp_get_max_threads() at the time of the call, so
+ * BT_TILE_ROWS x K tile per OpenMP thread (omp_get_max_threads() at the time of the call, so
  * query it after setting the thread count). */
 size_t bt_nf4_scratch_floats(int K)
 {
-#ifdef _OPENMP
-    const size_t nt = (size_t)omp_get_max_threads();
-#else
-    const size_t nt = 1;
-#endif
-    return nt * (size_t)BT_NF4_TILE_ROWS * (size_t)(K > 0 ? K : 0);
+    return bt_tiled_scratch_floats(K);
 }
 
 /* Y[M,N] = X[M,K] @ deq(Wq)[N,K]^T + beta*Y (fp32, row-major). Wq has rows == N, cols == K.
  * One OpenMP region, no barriers inside: thread t owns a contiguous range of W rows (= Y columns)
- * and, BT_NF4_TILE_ROWS rows at a time, dequantises them into its part of scratch (>=
+ * and, BT_TILE_ROWS rows at a time, dequantises them into its part of scratch (>=
  * bt_nf4_scratch_floats(K) floats, caller owned) and runs a single-threaded sgemm on them
  * (Y columns [n0, n0+nt), ldc = N). Same result as a dense sgemm on the fully dequantised matrix
  * up to sgemm summation order; the full fp32 matrix is never formed. */
 void bt_nf4_linear_fwd(float *Y, const float *X, const bt_nf4 *Wq, int M, int K, int N, float beta,
                        float *scratch)
 {
-    if (M <= 0 || N <= 0)
-        return;
-    bt_cpu_blas_init();
-    const float *code = code8_table();
-    const int nthr = nf4_threads(N);
-#pragma omp parallel num_threads(nthr) if (nthr > 1)
-    {
-        int a, b;
-        float *tile = thread_share(scratch, K, N, &a, &b);
-        for (int n0 = a; n0 < b; n0 += BT_NF4_TILE_ROWS) {
-            const int nt = b - n0 < BT_NF4_TILE_ROWS ? b - n0 : BT_NF4_TILE_ROWS;
-            dequant_tile(Wq, code, n0, nt, K, tile);
-            bt_sgemm(0, 1, M, nt, K, 1.0f, X, K, tile, K, beta, Y + n0, N);
-        }
-    }
+    code8_table(); /* build the map before the threads need it */
+    bt_tiled_linear_fwd(Y, X, Wq, dequant_tile, M, K, N, beta, scratch);
 }
 
 /* dX[M,K] = dY[M,N] @ deq(Wq)[N,K] + beta*dX (fp32, row-major). One OpenMP region: thread t owns a
- * contiguous range of dX rows and walks all of W in BT_NF4_TILE_ROWS-row tiles, dequantising each
+ * contiguous range of dX rows and walks all of W in BT_TILE_ROWS-row tiles, dequantising each
  * tile into its own scratch (every thread dequantises the whole matrix: N*K table lookups, small
  * next to its 2*M*N*K/threads GEMM flops) and accumulating dX[rows] += dY[rows, tile] @ tile
  * (the first tile applies beta). scratch as for bt_nf4_linear_fwd. */
 void bt_nf4_linear_bwd_x(float *dX, const float *dY, const bt_nf4 *Wq, int M, int K, int N,
                          float beta, float *scratch)
 {
-    if (M <= 0 || K <= 0)
-        return;
-    if (N <= 0) {
-        if (beta == 0.0f)
-            memset(dX, 0, (size_t)M * (size_t)K * sizeof(float));
-        else
-            bt_scale(dX, (int64_t)M * K, beta);
-        return;
-    }
-    bt_cpu_blas_init();
-    const float *code = code8_table();
-    const int nthr = nf4_threads(M);
-#pragma omp parallel num_threads(nthr) if (nthr > 1)
-    {
-        int a, b;
-        float *tile = thread_share(scratch, K, M, &a, &b);
-        if (a < b) {
-            for (int n0 = 0; n0 < N; n0 += BT_NF4_TILE_ROWS) {
-                const int nt = N - n0 < BT_NF4_TILE_ROWS ? N - n0 : BT_NF4_TILE_ROWS;
-                dequant_tile(Wq, code, n0, nt, K, tile);
-                bt_sgemm(0, 0, b - a, K, nt, 1.0f, dY + (size_t)a * N + n0, N, tile, K,
-                         n0 == 0 ? beta : 1.0f, dX + (size_t)a * K, K);
-            }
-        }
-    }
+    code8_table();
+    bt_tiled_linear_bwd_x(dX, dY, Wq, dequant_tile, M, K, N, beta, scratch);
 }
