@@ -55,7 +55,8 @@ $(1)/trainer: $(1)/obj/trainer/main.o $(1)/libbarq.a
 $(1)/tests/%: $(1)/obj/tests/unit/%.o $$(patsubst %.c,$(1)/obj/%.o,$$(TESTUTIL_SRC)) $(1)/libbarq.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(2) -o $$@ $$^ $$(LDLIBS) $$(TESTLIBS)
-$(1)/tools/%: $(1)/obj/tests/tools/%.o $(1)/libbarq.a
+# tools link tests/unit/util/tiny_gguf.c (no cmocka) besides the library
+$(1)/tools/%: $(1)/obj/tests/tools/%.o $(1)/obj/tests/unit/util/tiny_gguf.o $(1)/libbarq.a
 	@mkdir -p $$(dir $$@)
 	$$(CC) $(2) -o $$@ $$^ $$(LDLIBS)
 endef

@@ -17,6 +17,7 @@
 #include "common/gguf.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -127,6 +128,27 @@ static const type_info *info(int type) {
 const char *bt_ggml_type_name(int type) {
     const type_info *t = info(type);
     return t ? t->name : "?";
+}
+
+void bt_ggml_type_mix(const int64_t weight[BT_GGML_TYPE_SLOTS], char *out, size_t cap) {
+    if (!out || cap == 0) return;
+    out[0] = 0;
+    int64_t w[BT_GGML_TYPE_SLOTS];
+    memcpy(w, weight, sizeof w);
+    size_t len = 0;
+    for (;;) {
+        int best = -1;
+        for (int t = 0; t < BT_GGML_TYPE_SLOTS; t++)
+            if (w[t] > 0 && (best < 0 || w[t] > w[best])) best = t;
+        if (best < 0) return;
+        w[best] = 0;
+        const char *name = bt_ggml_type_name(best);
+        if (len + strlen(name) + 1 + 4 >= cap) { /* room for "+name", and "+..." after */
+            if (len + 5 <= cap) snprintf(out + len, cap - len, "+...");
+            return;
+        }
+        len += (size_t)snprintf(out + len, cap - len, "%s%s", len ? "+" : "", name);
+    }
 }
 
 int64_t bt_ggml_block_elems(int type) {

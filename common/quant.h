@@ -20,6 +20,12 @@ uint16_t bt_fp32_to_bf16(float f);
 
 /* Name of a ggml type ("Q4_1"), "?" if unknown. */
 const char *bt_ggml_type_name(int type);
+/* The ggml types of a tensor mix for messages: the names of the types t < BT_GGML_TYPE_SLOTS with
+ * weight[t] > 0, largest weight first (ties: lower id first), joined with '+' ("Q4_K+Q6_K"),
+ * written NUL-terminated into out[cap] (truncated with "+..." when it does not fit; "" when every
+ * weight is 0). weight is not modified. */
+#define BT_GGML_TYPE_SLOTS 64
+void bt_ggml_type_mix(const int64_t weight[BT_GGML_TYPE_SLOTS], char *out, size_t cap);
 /* Elements per block (1 for F32/F16/BF16), 0 if unsupported. */
 int64_t bt_ggml_block_elems(int type);
 /* Bytes per block, 0 if unsupported. */

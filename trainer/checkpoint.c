@@ -308,8 +308,8 @@ int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_
                      H.n_layer, H.d_model, H.vocab, cfg->model, m->hp.n_layer, m->hp.d_model,
                      m->hp.vocab);
     } else if (H.base_dtype != m->base_dtype) {
-        rc = MISMATCH("base_dtype", "%s", H.base_dtype == BT_BASE_NF4 ? "nf4" : "fp32",
-                      m->base_dtype == BT_BASE_NF4 ? "nf4" : "fp32");
+        rc = MISMATCH("base_dtype", "%s", bt_base_dtype_name(H.base_dtype),
+                      bt_base_dtype_name(m->base_dtype));
     } else if (H.model_fp != mfp) {
         rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: the base model "
                      "weights differ (fingerprint %016llx, %s has %016llx)", dir,

@@ -16,6 +16,11 @@ static const char *const k_mod_names[BT_MOD_N] = {"q_proj", "k_proj",    "v_proj
                                                   "gate_proj", "up_proj", "down_proj"};
 static const char *const k_trainable_names[BT_TRAINABLE_N] = {"embed_tokens", "norm"};
 
+const char *bt_base_dtype_name(int base_dtype) {
+    static const char *const names[] = {"nf4", "fp32", "gguf", "auto"};
+    return base_dtype >= 0 && base_dtype <= BT_BASE_AUTO ? names[base_dtype] : "?";
+}
+
 const char *bt_module_name(int mod) {
     return (mod >= 0 && mod < BT_MOD_N) ? k_mod_names[mod] : NULL;
 }
@@ -314,7 +319,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
                                             NULL};
     static const char *const optim_keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay",
                                              "warmup_steps", "grad_clip", NULL};
-    static const char *const dtypes[] = {"nf4", "fp32", NULL};
+    static const char *const dtypes[] = {"nf4", "fp32", "gguf", "auto", NULL}; /* BT_BASE_* order */
     static const char *const scheds[] = {"cosine", "linear", "constant", NULL};
     static const char *const formats[] = {"chat", "text", "alpaca", NULL};
     static const char *const devices[] = {"cpu", "cuda", NULL};
@@ -383,7 +388,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             break;
         if ((rc = get_str(root, NULL, "name", "barqtrain", &c->name)) ||
             (rc = get_str(root, NULL, "model", NULL, &c->model)) ||
-            (rc = get_enum(root, NULL, "base_dtype", BT_BASE_NF4, dtypes, &c->base_dtype)) ||
+            (rc = get_enum(root, NULL, "base_dtype", BT_BASE_AUTO, dtypes, &c->base_dtype)) ||
             (rc = get_str(root, NULL, "base_model_name_or_path",
                           "HuggingFaceTB/SmolLM2-135M-Instruct", &c->base_model_name_or_path)) ||
             (rc = get_str(root, NULL, "socket", bt_config_default_socket(), &c->socket)))
@@ -755,7 +760,6 @@ char *bt_config_job_json(const bt_train_config *c, int eval) {
 }
 
 char *bt_config_dump(const bt_train_config *c) {
-    static const char *const dtypes[] = {"nf4", "fp32"};
     static const char *const scheds[] = {"cosine", "linear", "constant"};
     json_t *tm = json_array();
     for (int m = 0; m < BT_MOD_N; m++)
@@ -771,7 +775,7 @@ char *bt_config_dump(const bt_train_config *c) {
         " s:{s:i, s:f, s:f, s:o},"
         " s:{s:f, s:f, s:f, s:f, s:f, s:i, s:f},"
         " s:i, s:i, s:s, s:f, s:b, s:i, s:s, s:i, s:I, s:i, s:i}",
-        "name", c->name, "model", c->model, "base_dtype", dtypes[c->base_dtype],
+        "name", c->name, "model", c->model, "base_dtype", bt_base_dtype_name(c->base_dtype),
         "base_model_name_or_path", c->base_model_name_or_path, "socket", c->socket,
         "data", "shards", strv_json(c->data.shards, c->data.n_shards), "format", c->data.format,
         "text_field", c->data.text_field, "seq_len", c->data.seq_len, "micro_batch_size",

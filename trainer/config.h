@@ -7,7 +7,11 @@
  * Keys and defaults (every key is optional unless marked required):
  *   name "barqtrain"                   job name given to loaderd
  *   model (required)                   path of the base model .gguf (llama architecture)
- *   base_dtype "nf4" | "fp32"          how the frozen base linears are held (default "nf4")
+ *   base_dtype "auto"                  how the frozen base linears are held: "gguf" keeps a GGUF
+ *                                      file's own blocks (Q4_0..Q6_K, F16/BF16/F32; no
+ *                                      re-quantisation), "nf4" re-quantises to NF4 (QLoRA),
+ *                                      "fp32" dequantises; "auto" = "gguf" for a .gguf model,
+ *                                      "nf4" for a Hugging Face directory
  *   base_model_name_or_path "HuggingFaceTB/SmolLM2-135M-Instruct"   written to adapter_config.json
  *   socket                             loaderd control socket; when the job does not set it (nor
  *                                      --set socket=...): $LOADERD_SOCKET, else
@@ -98,7 +102,16 @@
 #include <stdint.h>
 #include <stdio.h>
 
-enum { BT_BASE_NF4 = 0, BT_BASE_FP32 = 1 };
+/* How the frozen base linears are held (config base_dtype; trainer/model.h):
+ *   BT_BASE_NF4   re-quantised to NF4 with double quantisation (bitsandbytes layout, QLoRA);
+ *   BT_BASE_FP32  dequantised to fp32 (plain LoRA);
+ *   BT_BASE_GGUF  kept in the GGUF file's own ggml blocks (Q4_0 .. Q6_K, F16/BF16/F32), no
+ *                 re-quantisation: the adapter trains against exactly the weights llama.cpp runs;
+ *   BT_BASE_AUTO  (config only; the default) GGUF for a .gguf model, NF4 for a Hugging Face
+ *                 directory; resolved when the model loads (bt_model_load). */
+enum { BT_BASE_NF4 = 0, BT_BASE_FP32 = 1, BT_BASE_GGUF = 2, BT_BASE_AUTO = 3 };
+/* "nf4", "fp32", "gguf", "auto"; "?" for other values. */
+const char *bt_base_dtype_name(int base_dtype);
 enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
 enum { BT_DEVICE_CPU = 0, BT_DEVICE_CUDA = 1 };
 enum { BT_CUDA_ATTN_WMMA = 0, BT_CUDA_ATTN_MMA = 1 };
@@ -114,7 +127,7 @@ const char *bt_module_name(int mod);
 typedef struct {
     char *name;
     char *model;
-    int base_dtype;                 /* BT_BASE_* */
+    int base_dtype;                 /* BT_BASE_* (BT_BASE_AUTO until the model resolves it) */
     char *base_model_name_or_path;
     char *socket;
     struct {

@@ -162,7 +162,7 @@ void bt_generate_usage(FILE *f) {
     fprintf(f,
             "usage: trainer generate --model PATH.gguf [--adapter DIR] (--prompt TEXT | --chat TEXT)\n"
             "                        [--system TEXT] [--max-new-tokens N] [--temperature T]\n"
-            "                        [--top-p P] [--seed S] [--base-dtype nf4|fp32]\n"
+            "                        [--top-p P] [--seed S] [--base-dtype auto|gguf|nf4|fp32]\n"
             "                        [--ignore-eos] [--show-special]\n"
             "\n"
             "Generate a continuation with the base model (plus a PEFT LoRA adapter directory with\n"
@@ -174,7 +174,9 @@ void bt_generate_usage(FILE *f) {
             "  --temperature T      0 (default) = greedy; > 0 samples from softmax(logits / T)\n"
             "  --top-p P            nucleus sampling mass in (0, 1], default 1 (off)\n"
             "  --seed S             sampling seed, default 0 (same seed, same output)\n"
-            "  --base-dtype D       frozen base linears as nf4 (default, as trained) or fp32\n"
+            "  --base-dtype D       frozen base linears as gguf (the file's own blocks), nf4 or\n"
+            "                       fp32; default auto (gguf for a .gguf, nf4 for a directory):\n"
+            "                       use the base the adapter was trained against\n"
             "  --ignore-eos         do not stop at EOS / <|im_end|>\n"
             "  --show-special       also print control tokens (<|im_end|>, ...)\n"
             "Generation stops at the tokenizer's EOS or <|im_end|>, or after N tokens.\n");
@@ -228,7 +230,7 @@ static int parse_args(gen_args *a, int argc, char **argv) {
     memset(a, 0, sizeof *a);
     a->max_new = 256;
     a->top_p = 1.f;
-    a->base_dtype = BT_BASE_NF4;
+    a->base_dtype = BT_BASE_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
@@ -292,10 +294,12 @@ static int parse_args(gen_args *a, int argc, char **argv) {
             }
             a->top_p_given = 1;
         } else { /* --base-dtype */
-            if (!strcmp(v, "nf4")) a->base_dtype = BT_BASE_NF4;
-            else if (!strcmp(v, "fp32")) a->base_dtype = BT_BASE_FP32;
-            else {
-                fprintf(stderr, "trainer generate: --base-dtype: expected nf4 or fp32, got \"%s\"\n", v);
+            a->base_dtype = -1;
+            for (int d = BT_BASE_NF4; d <= BT_BASE_AUTO; d++)
+                if (!strcmp(v, bt_base_dtype_name(d))) a->base_dtype = d;
+            if (a->base_dtype < 0) {
+                fprintf(stderr, "trainer generate: --base-dtype: expected auto, gguf, nf4 or fp32, "
+                        "got \"%s\"\n", v);
                 return 2;
             }
         }
@@ -377,7 +381,7 @@ int bt_generate_cli(int argc, char **argv) {
     stream_ctx sc = {tok, a.show_special};
     double t1 = bt_now();
     bt_log(BT_LOG_INFO, "generate", "model loaded in %.1f s (%s base%s), prompt %zu tokens",
-           t1 - t0, a.base_dtype == BT_BASE_NF4 ? "nf4" : "fp32", a.adapter ? " + adapter" : "",
+           t1 - t0, bt_base_dtype_name(m.base_dtype), a.adapter ? " + adapter" : "",
            ids.n);
     int n_new = 0;
     rc = bt_generate(s, ids.v, (int)ids.n, &o, stream_token, &sc, NULL, &n_new);

@@ -1,4 +1,5 @@
-/* Frozen Llama base: GGUF loading (dequantise, un-permute Q/K, NF4-quantise), random init. */
+/* Frozen Llama base: GGUF loading (dequantise, un-permute Q/K, NF4-quantise; or keep the file's
+ * own ggml blocks), random init. */
 #include "trainer/model.h"
 
 #include <math.h>
@@ -60,9 +61,9 @@ int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head
 }
 
 size_t bt_model_scratch_floats(const bt_model *m) {
-    if (m->base_dtype != BT_BASE_NF4) return 1;
-    /* K of every NF4 GEMM is a linear's cols: d_model, d_ff, or n_head * head_dim (o_proj; may
-     * exceed both with an explicit HF head_dim) */
+    if (m->base_dtype != BT_BASE_NF4 && m->base_dtype != BT_BASE_GGUF) return 1;
+    /* K of every NF4 / ggml GEMM is a linear's cols: d_model, d_ff, or n_head * head_dim (o_proj;
+     * may exceed both with an explicit HF head_dim); both use the tiled driver's scratch */
     size_t a = bt_nf4_scratch_floats(m->hp.d_model), b = bt_nf4_scratch_floats(m->hp.d_ff);
     size_t c = bt_nf4_scratch_floats(m->hp.n_head * m->hp.head_dim);
     if (b > a) a = b;
@@ -72,6 +73,7 @@ size_t bt_model_scratch_floats(const bt_model *m) {
 void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float beta,
                  float *scratch) {
     if (l->is_nf4) bt_nf4_linear_fwd(Y, X, &l->q, M, l->cols, l->rows, beta, scratch);
+    else if (l->is_gguf) bt_ggml_linear_fwd(Y, X, &l->g, M, l->cols, l->rows, beta, scratch);
     else bt_linear_fwd(Y, X, l->w, M, l->cols, l->rows, beta);
     if (l->bias) {
         const float *b = l->bias;
@@ -85,11 +87,13 @@ void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float
 void bt_base_bwd_x(float *dX, const float *dY, const bt_base_linear *l, int M, float beta,
                    float *scratch) {
     if (l->is_nf4) bt_nf4_linear_bwd_x(dX, dY, &l->q, M, l->cols, l->rows, beta, scratch);
+    else if (l->is_gguf) bt_ggml_linear_bwd_x(dX, dY, &l->g, M, l->cols, l->rows, beta, scratch);
     else bt_linear_bwd_x(dX, dY, l->w, M, l->cols, l->rows, beta);
 }
 
 static void lin_free(bt_base_linear *l) {
     if (l->is_nf4) bt_nf4_free(&l->q);
+    if (l->is_gguf) bt_ggml_mat_free(&l->g);
     free(l->w);
     free(l->bias);
     memset(l, 0, sizeof *l);
@@ -158,17 +162,45 @@ int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
     return 0;
 }
 
+/* Bytes of one base linear's weight (no bias). */
+static size_t lin_bytes(const bt_base_linear *l) {
+    size_t n = (size_t)l->rows * l->cols;
+    if (l->is_nf4) return n / 2 + n / 64 + (n / 64 / 256 + 1) * 4;
+    if (l->is_gguf) return bt_ggml_mat_bytes(&l->g);
+    return n * 4;
+}
+
 size_t bt_model_bytes(const bt_model *m) {
     size_t b = (size_t)m->hp.vocab * m->hp.d_model * 4 * (m->tied ? 1 : 2);
     b += (size_t)m->hp.d_model * 4 * (1 + 2 * (size_t)m->hp.n_layer);
     for (int i = 0; i < m->hp.n_layer; i++)
         for (int j = 0; j < BT_MOD_N; j++) {
             const bt_base_linear *l = &m->layers[i].lin[j];
-            size_t n = (size_t)l->rows * l->cols;
-            b += l->is_nf4 ? n / 2 + n / 64 + (n / 64 / 256 + 1) * 4 : n * 4;
+            b += lin_bytes(l);
             if (l->bias) b += (size_t)l->rows * 4;
         }
     return b;
+}
+
+void bt_model_base_info(const bt_model *m, bt_base_info *out) {
+    memset(out, 0, sizeof *out);
+    out->base_dtype = m->base_dtype;
+    int64_t per_type[BT_GGML_TYPE_SLOTS] = {0}; /* ggml weights per type */
+    for (int i = 0; m->layers && i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            const bt_base_linear *l = &m->layers[i].lin[j];
+            const int64_t n = (int64_t)l->rows * l->cols;
+            out->n_weights += n;
+            out->bytes += lin_bytes(l);
+            if (l->is_gguf && l->g.type >= 0 && l->g.type < BT_GGML_TYPE_SLOTS)
+                per_type[l->g.type] += n;
+        }
+    out->bits_per_weight = out->n_weights ? 8.0 * (double)out->bytes / (double)out->n_weights : 0;
+    if (m->base_dtype != BT_BASE_GGUF) {
+        snprintf(out->types, sizeof out->types, "%s", bt_base_dtype_name(m->base_dtype));
+        return;
+    }
+    bt_ggml_type_mix(per_type, out->types, sizeof out->types);
 }
 
 int bt_model_lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_dtype,
@@ -220,10 +252,10 @@ static int kv_float(const bt_gguf *g, const char *path, const char *key, int req
     return 0;
 }
 
-/* Dequantise tensor `name` of logical PyTorch shape [rows, cols] (rows = 0: 1-D [cols]) into a
- * new fp32 buffer. */
-static int load_tensor(const bt_gguf *g, const char *path, const char *name, int rows, int cols,
-                       float **out) {
+/* Tensor `name` with logical PyTorch shape [rows, cols] (rows = 0: 1-D [cols]), a type with a
+ * decoder and enough bytes, else an error naming the tensor. */
+static int find_tensor_checked(const bt_gguf *g, const char *path, const char *name, int rows,
+                               int cols, const bt_gguf_tensor **out) {
     *out = NULL;
     const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
     if (!t) return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor %s", path, name);
@@ -237,17 +269,33 @@ static int load_tensor(const bt_gguf *g, const char *path, const char *name, int
                        path, name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
                        (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], t->n_dims, cols,
                        (unsigned long long)r, want_dims);
-    int64_t n = (int64_t)r * cols;
     size_t row = bt_ggml_row_size(t->type, cols);
-    if (row == 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: tensor %s: unsupported type %s (%d)", path,
-                       name, bt_ggml_type_name(t->type), t->type);
+    if (row == 0 || !bt_ggml_can_dequantize(t->type))
+        return bt_fail(BT_ERR_UNSUPPORTED,
+                       "model: %s: tensor %s has ggml type %s (%d), which the trainer cannot decode "
+                       "(supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, "
+                       "BF16, F32, for every base_dtype): convert the file to one of them, e.g. "
+                       "with llama.cpp's llama-quantize", path, name, bt_ggml_type_name(t->type),
+                       t->type);
     if ((uint64_t)row * r > t->nbytes)
         return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: %llu bytes, expected %llu", path, name,
                        (unsigned long long)t->nbytes, (unsigned long long)row * r);
+    *out = t;
+    return 0;
+}
+
+/* Dequantise tensor `name` of logical PyTorch shape [rows, cols] (rows = 0: 1-D [cols]) into a
+ * new fp32 buffer. */
+static int load_tensor(const bt_gguf *g, const char *path, const char *name, int rows, int cols,
+                       float **out) {
+    *out = NULL;
+    const bt_gguf_tensor *t;
+    int rc = find_tensor_checked(g, path, name, rows, cols, &t);
+    if (rc) return rc;
+    const int64_t n = (int64_t)(rows ? rows : 1) * cols;
     float *w = bt_aligned_alloc((size_t)n * sizeof(float));
     if (!w) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", path, name);
-    int rc = bt_ggml_dequantize(t->type, t->data, w, n);
+    rc = bt_ggml_dequantize(t->type, t->data, w, n);
     if (rc) {
         free(w);
         return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error());
@@ -281,10 +329,54 @@ static int unpermute_rows(float *w, int nh, int hd, int cols) {
     return 0;
 }
 
-int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts) {
+/* Linear `name` [rows, cols] kept in its own ggml blocks (BT_BASE_GGUF): rows copied in HF order
+ * (for q/k, nh > 0: HF row h*hd + j*hd/2 + i is GGUF row h*hd + 2*i + j, the unpermute_rows map
+ * applied to whole block rows, so no value changes), then every value decoded once to check it is
+ * finite (the dequantised-base loaders check the same). */
+static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name, int rows,
+                            int cols, int nh, int hd, bt_base_linear *l) {
+    const bt_gguf_tensor *t;
+    int rc = find_tensor_checked(g, path, name, rows, cols, &t);
+    if (rc) return rc;
+    int32_t *perm = NULL;
+    if (nh > 0) {
+        perm = malloc((size_t)rows * sizeof *perm);
+        if (!perm) return bt_fail(BT_ERR_NOMEM, "model: out of memory (un-permute)");
+        const int half = hd / 2;
+        for (int h = 0; h < nh; h++)
+            for (int i = 0; i < half; i++)
+                for (int j = 0; j < 2; j++) perm[h * hd + j * half + i] = h * hd + 2 * i + j;
+    }
+    rc = bt_ggml_mat_init(&l->g, t->type, rows, cols, t->data, perm);
+    free(perm);
+    if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error());
+    l->rows = rows;
+    l->cols = cols;
+    l->is_gguf = 1;
+    float *buf = malloc((size_t)cols * sizeof(float));
+    if (!buf) return bt_fail(BT_ERR_NOMEM, "model: out of memory (%s)", name);
+    for (int r = 0; r < rows && !rc; r++) {
+        bt_ggml_mat_dequantize_rows(&l->g, r, 1, buf);
+        for (int c = 0; c < cols; c++)
+            if (!isfinite(buf[c])) {
+                /* report the element in the file's own (GGUF) order */
+                const int fr = nh > 0 ? (r / hd) * hd + 2 * (r % hd % (hd / 2)) + (r % hd) / (hd / 2)
+                                      : r;
+                rc = bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: non-finite value at element "
+                             "%lld", path, name, (long long)fr * cols + c);
+                break;
+            }
+    }
+    free(buf);
+    return rc;
+}
+
+int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts_in) {
     memset(m, 0, sizeof *m);
-    bt_model_load_opts def = {BT_BASE_NF4, 0};
-    if (!opts) opts = &def;
+    bt_model_load_opts opts_v = {BT_BASE_AUTO, 0};
+    if (opts_in) opts_v = *opts_in;
+    if (opts_v.base_dtype == BT_BASE_AUTO) opts_v.base_dtype = BT_BASE_GGUF;
+    const bt_model_load_opts *opts = &opts_v;
     bt_gguf *g = NULL;
     int rc = bt_gguf_open(&g, path);
     if (rc) return bt_fail(rc, "model: %s", bt_last_error());
@@ -401,6 +493,14 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
             int rows, cols;
             bt_model_lin_shape(hp, j, &rows, &cols);
             snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
+            if (opts->base_dtype == BT_BASE_GGUF) {
+                const int qk = !opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K);
+                const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
+                if ((rc = load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim,
+                                           &L->lin[j])))
+                    goto fail;
+                continue;
+            }
             float *w;
             if ((rc = load_tensor(g, path, name, rows, cols, &w))) goto fail;
             if (!opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K)) {
@@ -441,6 +541,10 @@ int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp_in, int base_dt
     if (rc) return rc;
     if (hp->rope_type == BT_ROPE_FREQS)
         return bt_fail(BT_ERR_INVALID, "model: random init: RoPE type rope_freqs needs a GGUF");
+    if (base_dtype != BT_BASE_NF4 && base_dtype != BT_BASE_FP32)
+        return bt_fail(BT_ERR_INVALID, "model: random init: base_dtype %s (random weights are fp32 "
+                       "or NF4; bt_model_to_ggml makes ggml blocks of an fp32 model)",
+                       bt_base_dtype_name(base_dtype));
     if ((rc = bt_model_rope_init(m, NULL))) return rc;
     m->base_dtype = base_dtype;
     bt_rng r;
@@ -472,4 +576,38 @@ int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp_in, int base_dt
 oom:
     bt_model_free(m);
     return bt_fail(BT_ERR_NOMEM, "model: out of memory (random init)");
+}
+
+int bt_model_to_ggml(bt_model *m, int type) {
+    if (!m || m->base_dtype != BT_BASE_FP32 || !m->layers)
+        return bt_fail(BT_ERR_INVALID, "model: bt_model_to_ggml needs an fp32 base");
+    const int64_t blck = bt_ggml_block_elems(type);
+    if (!bt_ggml_can_dequantize(type))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: ggml type %s has no decoder",
+                       bt_ggml_type_name(type));
+    for (int i = 0; i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            bt_base_linear *l = &m->layers[i].lin[j];
+            if (blck < 1 || l->cols % blck != 0)
+                return bt_fail(BT_ERR_INVALID, "model: layer %d %s: %d columns is not a multiple "
+                               "of the %s block size %lld", i, bt_module_name(j), l->cols,
+                               bt_ggml_type_name(type), (long long)blck);
+        }
+    m->base_dtype = BT_BASE_GGUF; /* scratch sizing and exports follow the converted linears */
+    for (int i = 0; i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            bt_base_linear *l = &m->layers[i].lin[j];
+            if (l->is_nf4 || l->is_gguf || !l->w) continue;
+            const size_t bytes = bt_ggml_row_size(type, l->cols) * (size_t)l->rows;
+            uint8_t *blocks = malloc(bytes ? bytes : 1);
+            if (!blocks) return bt_fail(BT_ERR_NOMEM, "model: out of memory (to ggml)");
+            int rc = bt_ggml_quantize(type, l->w, blocks, (int64_t)l->rows * l->cols);
+            if (!rc) rc = bt_ggml_mat_init(&l->g, type, l->rows, l->cols, blocks, NULL);
+            free(blocks);
+            if (rc) return rc;
+            free(l->w);
+            l->w = NULL;
+            l->is_gguf = 1;
+        }
+    return 0;
 }

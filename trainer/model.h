@@ -4,7 +4,9 @@
  * row-major fp32 (or NF4 of that same matrix); q_proj/k_proj rows are in HF order, i.e. the
  * llama.cpp GGUF Q/K permutation is undone at load, so RoPE is the "rotate_half" form of
  * kernels.h (bt_rope_*). Embedding, lm_head and norms stay fp32 (as bitsandbytes QLoRA keeps
- * them unquantised); the seven linears per layer are BT_BASE_NF4 (kernels.h bt_nf4) or fp32. */
+ * them unquantised); the seven linears per layer are NF4 (BT_BASE_NF4, kernels.h bt_nf4), the
+ * GGUF file's own ggml blocks (BT_BASE_GGUF, kernels.h bt_ggml_mat: no re-quantisation; q/k rows
+ * moved back to HF order block-row by block-row) or fp32 (BT_BASE_FP32). */
 #ifndef BT_TRAINER_MODEL_H
 #define BT_TRAINER_MODEL_H
 #include <stdint.h>
@@ -43,13 +45,15 @@ static inline float bt_rope_pos_scale(const bt_llama_hparams *hp) {
                                                                      : 1.0f;
 }
 
-/* One frozen linear W[rows=out, cols=in] (+ optional bias). Exactly one of w / q is in use
- * (is_nf4). */
+/* One frozen linear W[rows=out, cols=in] (+ optional bias). Exactly one of w / q / g is in use
+ * (is_nf4: q; is_gguf: g; neither: w). */
 typedef struct {
     int rows, cols;
     int is_nf4;
-    float *w;     /* [rows, cols] fp32 when !is_nf4 (owned) */
+    int is_gguf;
+    float *w;     /* [rows, cols] fp32 when neither is_nf4 nor is_gguf (owned) */
     bt_nf4 q;     /* when is_nf4 (owned) */
+    bt_ggml_mat g; /* when is_gguf (owned): the GGUF tensor's blocks, HF row order */
     float *bias;  /* [rows] fp32 or NULL (owned): Qwen2 q/k/v, Llama attention_bias/mlp_bias */
 } bt_base_linear;
 
@@ -61,7 +65,7 @@ typedef struct {
 
 typedef struct {
     bt_llama_hparams hp;
-    int base_dtype;        /* BT_BASE_NF4 | BT_BASE_FP32 */
+    int base_dtype;        /* BT_BASE_NF4 | BT_BASE_FP32 | BT_BASE_GGUF (never AUTO once loaded) */
     float *tok_embd;       /* [vocab, d_model] fp32 (owned) */
     float *lm_head;        /* [vocab, d_model]; == tok_embd when tied (not separately owned) */
     int tied;
@@ -84,7 +88,7 @@ typedef struct {
 int bt_model_rope_init(bt_model *m, const float *rope_freqs);
 
 typedef struct {
-    int base_dtype;          /* BT_BASE_NF4 | BT_BASE_FP32 */
+    int base_dtype;          /* BT_BASE_NF4 | BT_BASE_FP32 | BT_BASE_GGUF | BT_BASE_AUTO */
     int keep_gguf_qk_order;  /* testing only: 1 = do NOT undo llama.cpp's Q/K permutation */
 } bt_model_load_opts;
 
@@ -98,6 +102,10 @@ typedef struct {
  * against the hyper-parameters. q/k rows are un-permuted (inverse of convert_hf_to_gguf.py
  * LlamaModel.permute: w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)). With NF4 the
  * fp32 copy of each linear is freed right after quantisation (peak extra memory: one matrix).
+ * base_dtype BT_BASE_GGUF (and BT_BASE_AUTO, which resolves to it here): each linear keeps its
+ * tensor's bytes (bt_ggml_mat_init; the q/k un-permutation moves whole block rows, exact), every
+ * value is checked finite once, nothing is re-quantised; a linear whose type has no decoder is
+ * refused naming the tensor, its type and the supported types (kernels.h bt_ggml_mat).
  * *m is owned by the caller (bt_model_free). Errors: BT_ERR_IO / BT_ERR_FORMAT from the reader,
  * BT_ERR_UNSUPPORTED (architecture, tensor type), BT_ERR_NOTFOUND (missing key or tensor),
  * BT_ERR_FORMAT (shape mismatch), BT_ERR_NOMEM; the message names the file and key/tensor. */
@@ -126,6 +134,8 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
  * bitsandbytes 4-bit checkpoint (see bt_nf4_from_bnb) is taken as is when base_dtype is NF4 and
  * the checkpoint uses double quantisation, dequantised exactly for an fp32 base, and
  * dequantised then re-quantised (logged) for an NF4 base without double quantisation.
+ * base_dtype BT_BASE_AUTO means BT_BASE_NF4 here; BT_BASE_GGUF is refused (BT_ERR_INVALID: a
+ * directory has no GGUF blocks to keep).
  * Unknown extra tensors are ignored. *m is owned by the caller (bt_model_free).
  * Errors (message names the file and key/tensor): BT_ERR_IO (unreadable file), BT_ERR_FORMAT
  * (bad JSON, wrong key type, shape mismatch, non-finite weight, lying safetensors header),
@@ -135,9 +145,13 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
 int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts);
 
 /* The trainer's `model` key: a directory is a Hugging Face model (bt_model_load_hf), anything
- * else a GGUF file (bt_model_load_gguf). Errors: those of the chosen loader; BT_ERR_IO when
- * `path` does not exist. */
+ * else a GGUF file (bt_model_load_gguf); opts->base_dtype BT_BASE_AUTO becomes BT_BASE_GGUF for
+ * a GGUF file and BT_BASE_NF4 for a directory (bt_model_resolve_base_dtype). Errors: those of
+ * the chosen loader; BT_ERR_IO when `path` does not exist. */
 int bt_model_load(bt_model *m, const char *path, const bt_model_load_opts *opts);
+/* base_dtype as bt_model_load would hold `path`'s base: BT_BASE_AUTO -> BT_BASE_GGUF for a file,
+ * BT_BASE_NF4 for a directory (or a path that cannot be stat'ed); other values unchanged. */
+int bt_model_resolve_base_dtype(const char *path, int base_dtype);
 
 /* One bitsandbytes 4-bit linear in its checkpoint layout (QuantState.as_dict(packed=True);
  * ../shared/research/kernels.md §1.4) from safetensors `files` (`path` is for messages):
@@ -165,20 +179,30 @@ int bt_nf4_from_bnb(bt_nf4 *q, struct bt_st_file *const *files, int n_files,
  * activations keep unit scale through the layers and gradients are well above fp32 noise),
  * norm weights 1 + N(0, 0.1) (so they are not trivially 1), lm_head tied to the embedding when
  * tied != 0, else its own N(0, 1/d_model). hp->head_dim must equal d_model / n_head; for NF4 every
- * linear's element count must be a multiple of 64. Deterministic in seed.
+ * linear's element count must be a multiple of 64. Deterministic in seed. base_dtype
+ * BT_BASE_GGUF / AUTO are refused (BT_ERR_INVALID; use bt_model_to_ggml on an fp32 model).
  * Errors: BT_ERR_INVALID (bad hparams), BT_ERR_UNSUPPORTED (NF4 size), BT_ERR_NOMEM. */
 int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp, int base_dtype, int tied,
                          uint64_t seed);
 
+/* Tests and benchmarks: turn every fp32 base linear of m (base_dtype BT_BASE_FP32) into ggml
+ * `type` blocks in place (common/quant.h bt_ggml_quantize; the fp32 copies are freed), so that
+ * m->base_dtype becomes BT_BASE_GGUF, as if loaded from a GGUF of that type (rows in HF order).
+ * Errors: BT_ERR_INVALID (m not fp32, or a linear's cols not a multiple of the type's block:
+ * m unchanged), BT_ERR_UNSUPPORTED (type without encoder/decoder), BT_ERR_NOMEM (then m is a
+ * GGUF base whose remaining linears are still fp32: usable, bt_model_free frees it). */
+int bt_model_to_ggml(bt_model *m, int type);
+
 void bt_model_free(bt_model *m);
 
 /* Scratch (floats) needed by bt_base_fwd / bt_base_bwd_x for this model: for every OpenMP thread
- * (omp_get_max_threads() now, so query it after setting the thread count) one NF4 tile as wide as
- * the widest linear input (d_model, d_ff or n_head * head_dim); 1 for an fp32 base. */
+ * (omp_get_max_threads() now, so query it after setting the thread count) one dequantisation tile
+ * (NF4 or ggml, kernels/cpu/tiled_gemm.c) as wide as the widest linear input (d_model, d_ff or
+ * n_head * head_dim); 1 for an fp32 base. */
 size_t bt_model_scratch_floats(const bt_model *m);
 
-/* Y[M, rows] = X[M, cols] @ W^T (+ bias[rows] broadcast over M when l->bias) + beta * Y, W fp32
- * or NF4 (dequantised tile by tile). */
+/* Y[M, rows] = X[M, cols] @ W^T (+ bias[rows] broadcast over M when l->bias) + beta * Y, W fp32,
+ * NF4 or ggml blocks (the last two dequantised tile by tile). */
 void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float beta,
                  float *scratch);
 /* dX[M, cols] = dY[M, rows] @ W + beta * dX (the bias does not enter the input gradient). */
@@ -187,5 +211,17 @@ void bt_base_bwd_x(float *dX, const float *dY, const bt_base_linear *l, int M, f
 
 /* Bytes held by the model's tensors (for logs). */
 size_t bt_model_bytes(const bt_model *m);
+
+/* What the frozen base linears hold, for logs, `trainer estimate` and the trainer's report to
+ * loaderd: the seven linears of every layer (biases, embedding and norms excluded). */
+typedef struct {
+    int base_dtype;         /* BT_BASE_* of the model */
+    int64_t n_weights;      /* elements of all base linears */
+    uint64_t bytes;         /* bytes they occupy (blocks, NF4 codes + scales, or fp32) */
+    double bits_per_weight; /* 8 * bytes / n_weights */
+    char types[64];         /* "nf4", "fp32", or the ggml types present, most weights first
+                             * ("Q4_K+Q6_K"); truncated with "+..." past 63 bytes */
+} bt_base_info;
+void bt_model_base_info(const bt_model *m, bt_base_info *out);
 
 #endif

@@ -686,11 +686,17 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
 
 /* ---------------------------------------------------------------- loader */
 
-int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts) {
+int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts_in) {
     memset(m, 0, sizeof *m);
-    bt_model_load_opts def = {BT_BASE_NF4, 0};
-    if (!opts) opts = &def;
+    bt_model_load_opts opts_v = {BT_BASE_NF4, 0};
+    if (opts_in) opts_v = *opts_in;
+    const bt_model_load_opts *opts = &opts_v;
     if (!dir) return bt_fail(BT_ERR_INVALID, "model: NULL directory");
+    if (opts_v.base_dtype == BT_BASE_AUTO) opts_v.base_dtype = BT_BASE_NF4;
+    if (opts_v.base_dtype == BT_BASE_GGUF)
+        return bt_fail(BT_ERR_INVALID, "model: %s is a Hugging Face directory: base_dtype \"gguf\" "
+                       "keeps a GGUF file's own blocks and needs a .gguf model (use \"nf4\", "
+                       "\"fp32\" or \"auto\")", dir);
     char *cpath = path_join(dir, "config.json");
     json_error_t je;
     cfgj c = {json_load_file(cpath, 0, &je), cpath};
@@ -773,4 +779,11 @@ int bt_model_load(bt_model *m, const char *path, const bt_model_load_opts *opts)
         return bt_fail(BT_ERR_IO, "model: %s: %s", path, strerror(errno));
     if (S_ISDIR(st.st_mode)) return bt_model_load_hf(m, path, opts);
     return bt_model_load_gguf(m, path, opts);
+}
+
+int bt_model_resolve_base_dtype(const char *path, int base_dtype) {
+    if (base_dtype != BT_BASE_AUTO) return base_dtype;
+    struct stat st;
+    if (path && stat(path, &st) == 0 && !S_ISDIR(st.st_mode)) return BT_BASE_GGUF;
+    return BT_BASE_NF4;
 }

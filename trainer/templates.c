@@ -51,8 +51,8 @@ static const char *const k_attn[] = {"q_proj", "k_proj", "v_proj", "o_proj", NUL
 
 static const recipe k_recipes[] = {
     {"default",
-     "The SmolLM2-135M demo job: QLoRA (NF4 base) r 16 on all linear layers, 512-token packed "
-     "rows x 4, 30 steps, cosine schedule.",
+     "The SmolLM2-135M demo job: LoRA r 16 on all linear layers over the GGUF's own Q4_1 "
+     "weights (base_dtype auto = gguf), 512-token packed rows x 4, 30 steps, cosine schedule.",
      512, 4, 1, 30, 3, 16, 0, 0, 1, 32, 0.05, 1e-3, 0.0, 1.0, 0.1, "cosine", k_all},
     {"qlora",
      "QLoRA recipe (Dettmers et al. 2023, arXiv 2305.14314): NF4 base with double quantisation, "
@@ -77,8 +77,11 @@ static json_t *build(const recipe *R, const ctx_t *c) {
     put(c, root, "name", json_string(R->name), "job name given to loaderd");
     put(c, root, "model", json_string("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         "base model: a llama-architecture .gguf file (required)");
-    put(c, root, "base_dtype", json_string("nf4"),
-        "how the frozen base linears are held: \"nf4\" (QLoRA, bitsandbytes layout) or \"fp32\"");
+    const int qlora = !strcmp(R->name, "qlora"); /* the paper's recipe is an NF4 base */
+    put(c, root, "base_dtype", json_string(qlora ? "nf4" : "auto"),
+        "how the frozen base linears are held: \"gguf\" (the GGUF file's own blocks, no "
+        "re-quantisation), \"nf4\" (QLoRA, bitsandbytes layout), \"fp32\", or \"auto\" (gguf "
+        "for a .gguf model, nf4 for a Hugging Face directory)");
     put(c, root, "base_model_name_or_path", json_string("HuggingFaceTB/SmolLM2-135M-Instruct"),
         "written to adapter_config.json so PEFT can find the base model");
     if (c->doc) /* unset: $LOADERD_SOCKET, else the default; a template pins neither */

@@ -466,13 +466,19 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};
     if ((rc = bt_model_load(&model, cfg->model, &lopts))) goto done_nomodel;
+    bt_base_info binfo;
+    bt_model_base_info(&model, &binfo);
     bt_log(BT_LOG_INFO, "trainer",
-           "model %s: %d layers, d_model %d, heads %d/%d, ffn %d, vocab %d, %s%s, %.0f MiB, "
-           "loaded in %.1f s",
+           "model %s: %d layers, d_model %d, heads %d/%d, ffn %d, vocab %d%s, %.0f MiB, "
+           "loaded in %.1f s; base linears %s (%s: %.2f bits per weight, %.1f MiB)",
            cfg->model, model.hp.n_layer, model.hp.d_model, model.hp.n_head, model.hp.n_kv_head,
-           model.hp.d_ff, model.hp.vocab, cfg->base_dtype == BT_BASE_NF4 ? "nf4" : "fp32",
-           model.tied ? ", tied embeddings" : "", bt_model_bytes(&model) / 1048576.0,
-           bt_now() - t0);
+           model.hp.d_ff, model.hp.vocab, model.tied ? ", tied embeddings" : "",
+           bt_model_bytes(&model) / 1048576.0, bt_now() - t0,
+           bt_base_dtype_name(model.base_dtype),
+           model.base_dtype == BT_BASE_GGUF ? binfo.types
+           : model.base_dtype == BT_BASE_NF4 ? "re-quantised, double-quantised absmax"
+                                             : "dequantised",
+           binfo.bits_per_weight, binfo.bytes / 1048576.0);
     unsigned trainable = ((cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
                          ((cfg->trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
     if ((rc = bt_lora_init_ex(&lora, &model, cfg->lora.r, cfg->lora.alpha, cfg->lora.dropout,

@@ -23,7 +23,7 @@ static void test_defaults(void **st) {
     unsetenv("LOADERD_SOCKET");
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
     assert_string_equal(c.model, "m.gguf");
-    assert_int_equal(c.base_dtype, BT_BASE_NF4);
+    assert_int_equal(c.base_dtype, BT_BASE_AUTO); /* gguf for a .gguf, nf4 for a directory */
     assert_string_equal(c.socket, "/run/loaderd/loaderd.sock");
     assert_string_equal(c.base_model_name_or_path, "HuggingFaceTB/SmolLM2-135M-Instruct");
     assert_int_equal(c.data.n_shards, 1);
@@ -57,7 +57,12 @@ static void test_defaults(void **st) {
     char *dump = bt_config_dump(&c);
     assert_non_null(dump);
     assert_non_null(strstr(dump, "\"lr\":"));
+    assert_non_null(strstr(dump, "\"base_dtype\":\"auto\""));
     free(dump);
+    bt_config_free(&c);
+    const char *gg[] = {"base_dtype=gguf"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", gg, 1), 0);
+    assert_int_equal(c.base_dtype, BT_BASE_GGUF);
     bt_config_free(&c);
 }
 
@@ -80,6 +85,7 @@ static void test_full_and_sets(void **st) {
     bt_train_config c;
     assert_int_equal(bt_config_parse(&c, txt, "t", sets, 7), 0);
     assert_int_equal(c.base_dtype, BT_BASE_FP32);
+    assert_string_equal(bt_base_dtype_name(c.base_dtype), "fp32");
     assert_true(c.optim.lr == 3e-4);                  /* JSON number */
     assert_string_equal(c.socket, "/run/other.sock"); /* not JSON -> string */
     assert_string_equal(c.name, "my job");
@@ -155,7 +161,8 @@ static void test_refusals(void **st) {
     expect_refused(MINIMAL, "lora.target_modules=[\"q_proj\",\"foo_proj\"]",
                    "lora.target_modules");
     expect_refused(MINIMAL, "lora.target_modules=[]", "lora.target_modules");
-    expect_refused(MINIMAL, "base_dtype=int8", "base_dtype: expected one of \"nf4\", \"fp32\"");
+    expect_refused(MINIMAL, "base_dtype=int8",
+                   "base_dtype: expected one of \"nf4\", \"fp32\", \"gguf\", \"auto\"");
     expect_refused(MINIMAL, "schedule=exp", "schedule");
     expect_refused(MINIMAL, "data.format=xml", "data.format");
     expect_refused(MINIMAL, "optim.beta2=1", "optim.beta2");
