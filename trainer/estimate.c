@@ -10,6 +10,7 @@
 
 #include "common/bt_common.h"
 #include "common/gguf.h"
+#include "common/quant.h"
 #include "kernels/kernels.h"
 
 #define MIB 1048576.0
@@ -43,6 +44,36 @@ static int gguf_int(const bt_gguf *g, const char *path, const char *key, int req
     return 0;
 }
 
+/* The base linears of a GGUF as the file holds them: bytes, bytes on the GPU, types. */
+static void gguf_linears(bt_est_model *em, const bt_gguf *g) {
+    static const char *const names[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                                "ffn_gate", "ffn_up", "ffn_down"};
+    bt_llama_hparams hp = em->hp;
+    hp.head_dim = hp.d_model / hp.n_head;
+    int64_t per_type[BT_GGML_TYPE_SLOTS] = {0};
+    char name[96];
+    for (int l = 0; l < hp.n_layer; l++)
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            int64_t rows, cols;
+            lin_shape(&hp, mod, &rows, &cols);
+            const int64_t n = rows * cols;
+            em->lin_weights += n;
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, names[mod]);
+            const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
+            if (!t) { /* the loader will refuse it; count it at fp32 */
+                em->gguf_lin_bytes += (uint64_t)n * 4;
+                em->gguf_lin_bytes_cuda += (uint64_t)n * 2;
+                continue;
+            }
+            const int dense = t->type == BT_GGML_F32 || t->type == BT_GGML_F16 ||
+                              t->type == BT_GGML_BF16;
+            em->gguf_lin_bytes += t->nbytes;
+            em->gguf_lin_bytes_cuda += dense ? (uint64_t)n * 2 : t->nbytes;
+            if (t->type >= 0 && t->type < BT_GGML_TYPE_SLOTS) per_type[t->type] += n;
+        }
+    bt_ggml_type_mix(per_type, em->gguf_types, sizeof em->gguf_types);
+}
+
 static int read_gguf(bt_est_model *em, const char *path) {
     bt_gguf *g = NULL;
     int rc = bt_gguf_open(&g, path);
@@ -72,6 +103,8 @@ static int read_gguf(bt_est_model *em, const char *path) {
     em->file_tensor_bytes = 0;
     for (int64_t i = 0; i < bt_gguf_n_tensors(g); i++)
         em->file_tensor_bytes += bt_gguf_tensor_at(g, i)->nbytes;
+    em->gguf = 1;
+    if (hp->n_head > 0 && hp->d_model % hp->n_head == 0) gguf_linears(em, g);
 out:
     bt_gguf_close(g);
     return rc;
@@ -154,6 +187,12 @@ int bt_est_model_read(bt_est_model *em, const char *path) {
     return 0;
 }
 
+/* The base_dtype the trainer will hold the model's base in (bt_model_load's AUTO rule). */
+static int est_base_dtype(const bt_est_model *em, const bt_train_config *cfg) {
+    if (cfg->base_dtype != BT_BASE_AUTO) return cfg->base_dtype;
+    return em->gguf ? BT_BASE_GGUF : BT_BASE_NF4;
+}
+
 void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
                       bt_mem_bill *b) {
     memset(b, 0, sizeof *b);
@@ -165,6 +204,7 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     const int cuda = dev == BT_EST_CUDA;
     const double act = cuda ? 2.0 : 4.0; /* bytes per activation element */
     if (threads < 1) threads = 1;
+    const int bd = est_base_dtype(em, cfg);
 
     /* base linears */
     int n_mods = 0;
@@ -173,10 +213,10 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
         int64_t rows, cols;
         lin_shape(hp, mod, &rows, &cols);
         double n = (double)rows * cols;
-        if (cfg->base_dtype == BT_BASE_NF4) {
+        if (bd == BT_BASE_NF4) {
             double blocks = n / 64.0;
             b->base += L * (n / 2 + blocks + 4.0 * (double)(((int64_t)blocks + 255) / 256));
-        } else {
+        } else if (bd != BT_BASE_GGUF) {
             b->base += L * n * (cuda ? 2.0 : 4.0);
         }
         if (cfg->lora.target_mask & (1u << mod)) {
@@ -184,6 +224,8 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
             lora_per_layer += r * (double)(rows + cols);
         }
     }
+    if (bd == BT_BASE_GGUF) /* the file's blocks, as read from its tensor table */
+        b->base = (double)(cuda ? em->gguf_lin_bytes_cuda : em->gguf_lin_bytes);
     /* embedding / lm_head, norms */
     double wbytes = cuda ? 2.0 : 4.0;
     b->embed = V * D * wbytes * (em->tied ? 1 : 2);
@@ -219,13 +261,13 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     b->other = other_elems * act + M * 4.0 /* rstdf */ +
                (double)cfg->grad_accum * (4 * M + 1) * 4.0 /* batch copies */ +
                M * 4.0 /* targets */;
-    if (cfg->base_dtype == BT_BASE_NF4 && !cuda) {
-        /* K of every NF4 GEMM is a linear's cols: d_model, d_ff or n_head * head_dim (o_proj,
-         * larger than both with an explicit HF head_dim), as trainer/model.c
+    if ((bd == BT_BASE_NF4 || bd == BT_BASE_GGUF) && !cuda) {
+        /* K of every NF4 / ggml GEMM is a linear's cols: d_model, d_ff or n_head * head_dim
+         * (o_proj, larger than both with an explicit HF head_dim), as trainer/model.c
          * bt_model_scratch_floats sizes it */
         double K = hp->d_ff > hp->d_model ? hp->d_ff : hp->d_model;
         if (Dq > K) K = Dq;
-        b->other += (double)threads * 128.0 /* kernels/cpu/nf4.c BT_NF4_TILE_ROWS */ * K * 4.0;
+        b->other += (double)threads * 128.0 /* kernels/cpu/cpu_math.h BT_TILE_ROWS */ * K * 4.0;
     }
     if (cuda) b->other += (double)em->max_linear * 2.0; /* one dequantised bf16 base weight */
     b->runtime = cuda ? BT_EST_CUDA_CONTEXT_MIB * MIB
@@ -238,9 +280,10 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
                b->other + b->save + b->runtime;
     if (!cuda) {
         /* loading: the mapped file's tensor pages + the model built so far + one fp32 matrix in
-         * flight (plus its NF4 copy) + the runtime */
+         * flight (plus its NF4 copy; a GGUF base copies blocks and needs no fp32 matrix) + the
+         * runtime */
         b->load_peak = (double)em->file_tensor_bytes + b->base + b->embed + b->norms +
-                       (double)em->max_linear * 4.0 + b->runtime;
+                       (bd == BT_BASE_GGUF ? 0.0 : (double)em->max_linear * 4.0) + b->runtime;
     }
     b->peak = b->total > b->load_peak ? b->total : b->load_peak;
 }
@@ -258,7 +301,10 @@ int bt_estimate_print(const bt_train_config *cfg, FILE *out) {
     bt_estimate_bill(&em, cfg, BT_EST_CPU, threads, &c);
     bt_estimate_bill(&em, cfg, BT_EST_CUDA, threads, &g);
     const bt_llama_hparams *hp = &em.hp;
-    int nf4 = cfg->base_dtype == BT_BASE_NF4;
+    const int bd = est_base_dtype(&em, cfg);
+    if (bd == BT_BASE_GGUF && !em.gguf)
+        return bt_fail(BT_ERR_INVALID, "estimate: base_dtype \"gguf\" needs a .gguf model; %s is "
+                       "a Hugging Face directory", cfg->model);
     fprintf(out, "memory estimate: model %s (%d layers, d_model %d, heads %d/%d, ffn %d, vocab %d%s)\n",
             cfg->model, hp->n_layer, hp->d_model, hp->n_head, hp->n_kv_head, hp->d_ff, hp->vocab,
             em.tied ? ", tied embeddings" : "");
@@ -269,8 +315,16 @@ int bt_estimate_print(const bt_train_config *cfg, FILE *out) {
             cfg->activation_checkpointing ? ", activation checkpointing" : "");
     if (c.n_dense) fprintf(out, "  LoRA+ dense parameters: %lld\n", (long long)c.n_dense);
     fprintf(out, "  %-44s %14s %14s\n", "", "CPU (fp32)", "CUDA (bf16)");
-    row(out, nf4 ? "base linears (NF4 packed + scales)" : "base linears (fp32 / bf16)", c.base,
-        g.base);
+    char bl[512];
+    const double nw = em.gguf ? (double)em.lin_weights : 0;
+    if (bd == BT_BASE_GGUF)
+        snprintf(bl, sizeof bl, "base linears (GGUF %s, %.2f bits/weight)", em.gguf_types,
+                 nw > 0 ? 8.0 * (double)em.gguf_lin_bytes / nw : 0.0);
+    else if (bd == BT_BASE_NF4)
+        snprintf(bl, sizeof bl, "base linears (NF4, %.2f bits/weight)", 4.0 + 8.0 / 64 + 32.0 / 64 / 256);
+    else
+        snprintf(bl, sizeof bl, "base linears (fp32 / bf16)");
+    row(out, bl, c.base, g.base);
     row(out, em.tied ? "embedding (tied lm_head)" : "embedding + lm_head", c.embed, g.embed);
     row(out, "norms", c.norms, g.norms);
     row(out, "LoRA params + grads + AdamW m, v", c.lora, g.lora);

@@ -3,7 +3,9 @@
  *
  * CPU backend (fp32 reference, the layout trainer/model.c, lora.c and step.c allocate):
  *   base linears   NF4: n/2 packed + n/64 absmax codes + ceil(n/64/256) fp32 nested absmax bytes
- *                  per linear of n weights (bitsandbytes double quantisation, kernels.h); fp32: 4n
+ *                  per linear of n weights (bitsandbytes double quantisation, kernels.h); fp32: 4n;
+ *                  GGUF (base_dtype gguf, or auto with a .gguf model): the linears' tensor bytes
+ *                  in the file, read from its tensor table (their real bits per weight)
  *   embed/lm_head  fp32 [vocab, d_model] (x2 when untied)
  *   norms          fp32 (2 * n_layer + 1) * d_model
  *   LoRA           params + grads + AdamW m + v: 16 bytes per LoRA parameter
@@ -24,7 +26,8 @@
  * and touched (counted in RSS) on top of the model being built, plus one fp32 matrix in flight.
  *
  * CUDA backend (DESIGN.md numerics: bf16 compute, fp32 LoRA master weights and optimiser state;
- * kernels/cuda/kernels_cuda.h): base NF4 as above; embedding / lm_head / norms bf16; LoRA fp32
+ * kernels/cuda/kernels_cuda.h): base NF4 / GGUF blocks as above (a GGUF's F16/BF16/F32 linears
+ * as bf16: 2 bytes per weight); embedding / lm_head / norms bf16; LoRA fp32
  * master + grad + m + v plus a bf16 compute copy (18 bytes per parameter); LoRA+ dense the same
  * 18 bytes per parameter (fp32 master/grad/m/v + the bf16 weight the kernels read, which replaces
  * the frozen bf16 copy); activations as on CPU but 2 bytes per element (the attention lse and
@@ -48,9 +51,17 @@ typedef struct {
     int tied;                  /* lm_head shares the embedding */
     uint64_t file_tensor_bytes; /* bytes of tensor data in the file(s) (touched while loading) */
     int64_t max_linear;        /* elements of the largest base linear */
+    /* GGUF files: the base linears as the file holds them (for base_dtype gguf) */
+    int gguf;                  /* the model is a GGUF file */
+    int64_t lin_weights;       /* elements of all n_layer * 7 base linears */
+    uint64_t gguf_lin_bytes;   /* their tensor bytes in the file */
+    uint64_t gguf_lin_bytes_cuda; /* as the GPU trainer holds them (F16/BF16/F32 as bf16) */
+    char gguf_types[64];       /* their ggml types, most weights first ("Q4_K+Q6_K") */
 } bt_est_model;
 
-/* Read the hyper-parameters of a llama-architecture .gguf (header and tensor table only) or a
+/* Read the hyper-parameters of a llama-architecture .gguf (header and tensor table only: also the
+ * base linears' bytes and types, blk.N.{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,
+ * ffn_down}.weight, missing ones counted at the fp32 size) or a
  * Hugging Face model directory (config.json: hidden_size, num_hidden_layers,
  * num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings;
  * file_tensor_bytes = the size of its *.safetensors files).
@@ -69,7 +80,8 @@ typedef struct {
 } bt_mem_bill;
 
 /* Fill *b for the job `cfg` on model `em` and backend `dev` (BT_EST_*). threads: the OpenMP
- * team size the CPU run will use (cfg->threads, or the machine's when 0). */
+ * team size the CPU run will use (cfg->threads, or the machine's when 0). cfg->base_dtype
+ * BT_BASE_AUTO is GGUF for a GGUF model (em->gguf), NF4 otherwise, as bt_model_load holds it. */
 void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
                       bt_mem_bill *b);
 
