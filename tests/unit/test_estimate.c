@@ -1,8 +1,9 @@
 /* `trainer estimate` (trainer/estimate.h): the bill's parts against what the trainer really
  * allocates on a random tiny Llama (LoRA and LoRA+ parameter counts, base bytes, the step
  * workspace of bt_step_ctx_new with and without activation checkpointing), the CUDA bill's
- * relations, and reading the hyper-parameters from a GGUF header ($BT_MODEL, skipped when
- * absent) or refusing bad files. The end-to-end check against measured peak RSS is
+ * relations, reading the hyper-parameters from a GGUF header ($BT_MODEL, skipped when
+ * absent) or refusing bad files, and a GGUF-native base billed at its file's tensor bytes (a tiny
+ * Q4_K / F16 model: base, model bytes and step workspace against what the trainer holds). The end-to-end check against measured peak RSS is
  * tests/py/test_trainer_cli.py. */
 #include <stdarg.h>
 #include <stddef.h>
@@ -24,6 +25,8 @@
 #include "trainer/lora.h"
 #include "trainer/model.h"
 #include "trainer/step.h"
+#include "tests/unit/util/test_util.h"
+#include "tests/unit/util/tiny_gguf.h"
 
 static const bt_llama_hparams k_hp = {
     .n_layer = 3, .d_model = 64, .n_head = 4, .n_kv_head = 2, .head_dim = 16, .d_ff = 128,
@@ -178,6 +181,10 @@ static void test_read_gguf(void **st) {
         assert_int_equal(em.hp.vocab, 49152);
         assert_int_equal(em.tied, 1);
         assert_true(em.file_tensor_bytes > 50u << 20 && em.file_tensor_bytes < 100u << 20);
+        /* its linears are Q4_1: 20 bytes per 32 weights = 5 bits per weight */
+        assert_int_equal(em.gguf, 1);
+        assert_string_equal(em.gguf_types, "Q4_1");
+        assert_int_equal(em.gguf_lin_bytes * 32, (uint64_t)em.lin_weights * 20);
     } else {
         print_message("skipping the GGUF part: %s not present\n", model);
     }
@@ -192,12 +199,69 @@ static void test_read_gguf(void **st) {
     unlink(tmp);
 }
 
+/* A GGUF-native base: the bill's base is the file's linear tensor bytes, the same bytes the
+ * loaded model holds; with the embedding and norms it is the model's size; the step workspace
+ * (tile scratch like NF4) matches bt_step_ctx_bytes. CUDA: the blocks as they are, F16 as bf16. */
+static void test_gguf_base(void **st) {
+    (void)st;
+    char dir[128], path[256];
+    assert_int_equal(tu_make_tmpdir(dir, sizeof dir, "est_gguf"), 0);
+    const int types[2] = {BT_GGML_Q4_K, BT_GGML_F16};
+    for (int i = 0; i < 2; i++) {
+        tu_tiny_spec sp = tu_tiny_default();
+        sp.hidden = 256, sp.ffn = 512, sp.vocab = 300, sp.type = types[i];
+        sp.embd_type = BT_GGML_Q8_0;
+        snprintf(path, sizeof path, "%s/m%d.gguf", dir, i);
+        assert_int_equal(tu_tiny_gguf_write(path, &sp, NULL), 0);
+        bt_est_model em;
+        assert_int_equal(bt_est_model_read(&em, path), 0);
+        assert_int_equal(em.gguf, 1);
+        bt_train_config c;
+        config(&c, NULL);
+        assert_int_equal(c.base_dtype, BT_BASE_AUTO);
+        bt_model m;
+        bt_model_load_opts o = {BT_BASE_AUTO, 0};
+        assert_int_equal(bt_model_load(&m, path, &o), 0);
+        bt_base_info bi;
+        bt_model_base_info(&m, &bi);
+        assert_int_equal(em.gguf_lin_bytes, bi.bytes);
+        assert_string_equal(em.gguf_types, bi.types);
+        const int threads = omp_get_max_threads();
+        bt_mem_bill b, g;
+        bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+        bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &g);
+        assert_true(b.base == (double)bi.bytes);
+        assert_true(fabs(b.base + b.embed + b.norms - (double)bt_model_bytes(&m)) < 1.0);
+        /* CUDA: Q4_K blocks as they are, F16 as bf16 (2 bytes per weight either way) */
+        assert_true(g.base == (double)bi.bytes);
+        bt_lora lo;
+        assert_int_equal(bt_lora_init(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask, 1), 0);
+        const int M = c.data.seq_len * c.data.micro_batch_size;
+        bt_step_ctx *ctx = NULL;
+        assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, M, 0), 0);
+        const double ws = b.acts + b.loss_ws + b.other - (double)c.grad_accum * (4.0 * M + 1) * 4.0 -
+                          4.0 * M;
+        const double real = (double)bt_step_ctx_bytes(ctx);
+        if (fabs(ws - real) > 0.01 * real)
+            fail_msg("gguf: step workspace estimate %.0f bytes, bt_step_ctx_bytes %.0f", ws, real);
+        /* explicit base dtypes still bill what they hold */
+        c.base_dtype = BT_BASE_FP32;
+        bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+        assert_true(b.base == 4.0 * (double)em.lin_weights);
+        bt_step_ctx_free(ctx);
+        bt_lora_free(&lo);
+        bt_model_free(&m);
+        bt_config_free(&c);
+    }
+    assert_int_equal(tu_remove_dir(dir), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_nf4),     cmocka_unit_test(test_fp32_untied),
         cmocka_unit_test(test_checkpointing), cmocka_unit_test(test_lora_plus),
         cmocka_unit_test(test_scaling),       cmocka_unit_test(test_read_gguf),
-        cmocka_unit_test(test_wide_heads_nf4),
+        cmocka_unit_test(test_wide_heads_nf4), cmocka_unit_test(test_gguf_base),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
