@@ -169,6 +169,60 @@ int bt_cuda_nf4_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
 int bt_cuda_nf4_gemm_fwd_impl(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
                               const bt_cuda_nf4 *W, int M, int K, int N, float beta, int impl);
 
+/* ================================= GGUF-native base: ggml blocks (ggml.cu, nf4_gemm.cu) */
+
+/* A frozen linear W[rows = out, cols = in] resident on the device in its GGUF file's own ggml
+ * blocks (no re-quantisation; kernels/kernels.h bt_ggml_mat is the host side): row r is bytes
+ * [r * row_bytes, (r+1) * row_bytes) of `data`, cols / block_elems consecutive blocks
+ * (ggml-common.h layouts). Types with a device decoder (ggml.h enum values): Q4_0 = 2, Q4_1 = 3,
+ * Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14. Decoded values are bit-identical to
+ * common/quant.c bt_ggml_dequantize (gguf-py quants.dequantize) before the bf16 rounding
+ * (kernels/cuda/ggml_decode.h). */
+typedef struct {
+    int type;
+    int64_t rows, cols;
+    int64_t row_bytes;     /* cols / block_elems * block_bytes */
+    const uint8_t *data;   /* device [rows * row_bytes] (one cudaMalloc, 256-byte aligned) */
+} bt_cuda_ggml;
+
+/* 1 if `type` has a device decoder (the six types above), else 0. */
+int bt_cuda_ggml_supported(int type);
+/* Copy a host ggml tensor [rows, cols] (rows * row_bytes bytes, HF row order) to one fresh
+ * cudaMalloc (synchronous). Errors: BT_ERR_UNSUPPORTED (type without a device decoder),
+ * BT_ERR_INVALID (rows/cols < 1, cols not a multiple of the block, NULL), BT_ERR_NOMEM. Free with
+ * bt_cuda_ggml_free. */
+int bt_cuda_ggml_upload(bt_cuda_ggml *dst, int type, int64_t rows, int64_t cols,
+                        const uint8_t *data_host);
+void bt_cuda_ggml_free(bt_cuda_ggml *w);
+
+/* Dequantise rows [r0, r0+nr) of W into out[nr, cols] bf16 (16-byte aligned): one thread per 32
+ * elements (a Q4_0/Q4_1/Q8_0 block or a K-quant sub-block), value = bf16_rn(the fp32 value
+ * bt_ggml_dequantize gives). Errors: BT_ERR_INVALID (NULL, range), BT_ERR_UNSUPPORTED (type,
+ * misaligned out). */
+int bt_cuda_ggml_dequant(bt_bf16 *out, const bt_cuda_ggml *w, int64_t r0, int64_t nr,
+                         cudaStream_t stream);
+/* Y[M,N] = X[M,K] @ deq(W)[N,K]^T + beta*Y and dX[M,K] = dY[M,N] @ deq(W)[N,K] + beta*dX by
+ * dequantising into wbuf (>= N*K bf16, 16-byte aligned) then one cuBLAS GEMM, exactly as
+ * bt_cuda_nf4_linear_fwd / _bwd_x (wbuf_valid: wbuf already holds deq(W)). Errors as those. */
+int bt_cuda_ggml_linear_fwd(cublasHandle_t h, cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
+                            const bt_cuda_ggml *W, int M, int K, int N, float beta, bt_bf16 *wbuf);
+int bt_cuda_ggml_linear_bwd_x(cublasHandle_t h, cudaStream_t stream, bt_bf16 *dX,
+                              const bt_bf16 *dY, const bt_cuda_ggml *W, int M, int K, int N,
+                              float beta, bt_bf16 *wbuf, int wbuf_valid);
+/* Fused ggml GEMMs: the tiled tensor-core kernel of bt_cuda_nf4_gemm_fwd / _bwd_x (nf4_gemm.cu;
+ * same tiles, stages, shared memory and epilogue) with the weight tile decoded by the ggml
+ * decoders instead of NF4: each thread loads one 32-element chunk of a weight row per step and
+ * writes its 32 bf16 values to shared memory. The decoded values equal bt_cuda_ggml_dequant's,
+ * so results match bt_cuda_ggml_linear_fwd / _bwd_x up to fp32 summation order and the final
+ * bf16 rounding. Any M >= 1 (always the tiled kernel: there is no small-M variant for ggml),
+ * N >= 1. Requirements (else BT_ERR_UNSUPPORTED): a supported type; X/Y (dY/dX) 16-byte aligned;
+ * ceil(M/128) <= 65535. Errors: BT_ERR_INVALID for NULL pointers, M/K/N < 1, W->rows != N or
+ * W->cols != K; BT_ERR_IO if the launch fails. Input and output must not overlap. */
+int bt_cuda_ggml_gemm_fwd(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X, const bt_cuda_ggml *W,
+                          int M, int K, int N, float beta);
+int bt_cuda_ggml_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
+                            const bt_cuda_ggml *W, int M, int K, int N, float beta);
+
 /* ========================================== RMSNorm, RoPE, SwiGLU, embedding (elementwise.cu) */
 
 /* RMSNorm forward (Zhang & Sennrich 2019; HF LlamaRMSNorm): y = w * (x * rstd),

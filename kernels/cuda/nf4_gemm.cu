@@ -1,5 +1,9 @@
-/* Fused NF4 x bf16 GEMMs: the 4-bit weight is decoded inside the GEMM main loop (never written to
- * global memory as bf16). Two kernels:
+/* Fused NF4 x bf16 and ggml-blocks x bf16 GEMMs: the quantised weight is decoded inside the GEMM
+ * main loop (never written to global memory as bf16). The tiled kernel is a template over the
+ * weight source (NF4, or one of the ggml block formats of the GGUF-native base, ggml_decode.h);
+ * everything below describes it with NF4, the ggml sources differ only in what a thread loads and
+ * decodes per step (one 32-element chunk of a weight row: a Q4_0/Q4_1/Q8_0 block or a K-quant
+ * sub-block, decoded by GgmlDec<T>, see the end of this file). Two kernels:
  *
  *  1. Tiled tensor-core kernel (any M): CTA tile 128 x 128 outputs, reduction step 64, 256 threads
  *     = 8 warps as 2 (rows) x 4 (cols), warp tile 64 x 32 = 4 x 2 nvcuda::wmma 16x16x16 bf16
@@ -36,6 +40,7 @@
  * (bitsandbytes dequantize_blockwise + offset, then kDequantizeBlockwise<NF4>; research §1.2-1.3).
  * The GEMM therefore multiplies exactly the bf16 weight the dequantise + cuBLAS path would. */
 #include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/ggml_decode.h"
 
 #include <mma.h>
 #include <type_traits>
@@ -103,19 +108,11 @@ constexpr size_t SMEM_TILED = SM_LUT + SM_SCR + 2 * (size_t)STAGE_ELEMS * 2; /* 
 static_assert((A_ELEMS * 2) % 128 == 0 && (B_ELEMS * 2) % 128 == 0, "stage alignment");
 static_assert(SM_LUT % 128 == 0 && SM_SCR % 128 == 0, "region alignment");
 
-/* What one thread carries from the global loads of step s+1 to the smem stores after step s. */
-struct TilePrefetch {
-    uint4 a[4];  /* 4 x 8 activation elements */
-    uint4 wq;    /* 16 packed bytes = 32 weight elements */
-    float am;    /* their block's absmax */
-    bool wvalid; /* false: weight chunk outside W (stored as zeros) */
-};
-
 /* Activation tile rows m0..m0+127, reduction cols k0..k0+63 of A [M][Kred] (row stride Kred).
  * Chunk id = tid + 256 i (i < 4): row id/8, cols (id%8)*8 .. +8: 8 threads read one 128-byte row
  * segment. avec (Kred % 8 == 0, A 16-byte aligned): 16-byte loads (a chunk is then either wholly
  * inside or wholly outside [0, Kred)); otherwise element loads. Out-of-range elements are 0. */
-__device__ __forceinline__ void tile_load_a(TilePrefetch &p, const bt_bf16 *__restrict__ A, int M,
+__device__ __forceinline__ void tile_load_a(uint4 a[4], const bt_bf16 *__restrict__ A, int M,
                                             int Kred, bool avec, int m0, int k0, int tid)
 {
     const uint16_t *Ah = reinterpret_cast<const uint16_t *>(A);
@@ -140,48 +137,103 @@ __device__ __forceinline__ void tile_load_a(TilePrefetch &p, const bt_bf16 *__re
                 v.w = h[6] | (h[7] << 16);
             }
         }
-        p.a[i] = v;
+        a[i] = v;
     }
 }
 
-/* Weight chunk of this thread for the step: W row wrow, W cols wcol .. wcol+31 (wcol % 32 == 0,
- * Kw % 64 == 0, so the 32 elements lie in one 64-block and are 16-byte aligned in `packed`). */
-__device__ __forceinline__ void tile_load_w(TilePrefetch &p, const Nf4Dev &w, int64_t Wrows,
-                                            int64_t Kw, int64_t wrow, int64_t wcol)
-{
-    p.wvalid = wrow < Wrows && wcol < Kw;
-    p.wq = make_uint4(0u, 0u, 0u, 0u);
-    p.am = 0.0f;
-    if (p.wvalid) {
-        const int64_t e = wrow * Kw + wcol;
-        p.wq = __ldg(reinterpret_cast<const uint4 *>(w.packed + (e >> 1)));
-        p.am = nf4_block_absmax(w, e >> 6);
-    }
-}
+/* ---- weight sources of the tiled kernel: what one thread loads for its 32-element chunk of a
+ * weight row (W row wrow, cols wcol .. wcol+31, wcol % 32 == 0) before the MMAs of a step
+ * (load: global -> registers, `valid` false outside W) and decodes into 32 bf16 of shared memory
+ * after them (store; zeros when not valid). ---- */
 
-/* Decode the thread's 32 weight elements into dst[0..31] (16-byte aligned smem). */
-__device__ __forceinline__ void tile_store_w(bt_bf16 *dst, const TilePrefetch &p, const float *lut)
-{
-    const uint32_t wq[4] = {p.wq.x, p.wq.y, p.wq.z, p.wq.w};
+/* NF4: 16 packed bytes (one 16-byte load; Kw % 64 == 0 keeps the 32 elements inside one 64-block)
+ * and that block's absmax; decoded with the 16-entry LUT in shared memory. */
+struct Nf4Src {
+    Nf4Dev w;
+    static constexpr bool kLut = true;
+    struct Raw {
+        uint4 wq;
+        float am;
+        bool valid;
+    };
+    __device__ __forceinline__ void load(Raw &p, int64_t Wrows, int64_t Kw, int64_t wrow,
+                                         int64_t wcol) const
+    {
+        p.valid = wrow < Wrows && wcol < Kw;
+        p.wq = make_uint4(0u, 0u, 0u, 0u);
+        p.am = 0.0f;
+        if (p.valid) {
+            const int64_t e = wrow * Kw + wcol;
+            p.wq = __ldg(reinterpret_cast<const uint4 *>(w.packed + (e >> 1)));
+            p.am = nf4_block_absmax(w, e >> 6);
+        }
+    }
+    __device__ __forceinline__ void store(bt_bf16 *dst, const Raw &p, const float *lut) const
+    {
+        const uint32_t wq[4] = {p.wq.x, p.wq.y, p.wq.z, p.wq.w};
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
-        uint32_t o[4] = {0u, 0u, 0u, 0u};
-        if (p.wvalid)
-            nf4_decode_word(wq[q], p.am, lut, o);
-        *reinterpret_cast<uint4 *>(dst + q * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+        for (int q = 0; q < 4; q++) {
+            uint32_t o[4] = {0u, 0u, 0u, 0u};
+            if (p.valid)
+                nf4_decode_word(wq[q], p.am, lut, o);
+            *reinterpret_cast<uint4 *>(dst + q * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
     }
-}
+};
 
-/* C[M][Nout] = A[M][Kred] @ B + beta*C, B[Kred][Nout] taken from the NF4 weight W:
+/* ggml blocks of type T (GGUF-native base): rows of row_bytes, GgmlDec<T> per 32-element chunk. */
+template <int T>
+struct GgmlSrc {
+    const uint8_t *data;
+    int64_t row_bytes;
+    static constexpr bool kLut = false;
+    struct Raw {
+        typename GgmlDec<T>::Raw r;
+        bool valid;
+    };
+    __device__ __forceinline__ void load(Raw &p, int64_t Wrows, int64_t Kw, int64_t wrow,
+                                         int64_t wcol) const
+    {
+        p.valid = wrow < Wrows && wcol < Kw;
+        if (p.valid)
+            GgmlDec<T>::load(p.r, data + wrow * row_bytes, (int)wcol);
+    }
+    __device__ __forceinline__ void store(bt_bf16 *dst, const Raw &p, const float *) const
+    {
+        uint32_t o[16];
+        if (p.valid) {
+            GgmlDec<T>::decode(p.r, o);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                o[i] = 0u;
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            *reinterpret_cast<uint4 *>(dst + q * 8) =
+                make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+    }
+};
+
+/* What one thread carries from the global loads of step s+1 to the smem stores after step s. */
+template <class WS>
+struct TilePrefetch {
+    uint4 a[4];            /* 4 x 8 activation elements */
+    typename WS::Raw w;    /* its weight chunk */
+};
+
+/* C[M][Nout] = A[M][Kred] @ B + beta*C, B[Kred][Nout] taken from the quantised weight W (source
+ * WS: Nf4Src or GgmlSrc<T>):
  *   BWD == false (forward):  W is [Nout rows][Kred cols], B = W^T   (Y = X W^T)
  *   BWD == true  (bwd_x):    W is [Kred rows][Nout cols], B = W     (dX = dY W)
  * Row strides: A Kred, C Nout. Grid (ceil(Nout/128), ceil(M/128)), 256 threads, SMEM_TILED bytes.
- * Requires Kw (W cols: Kred forward, Nout backward) % 64 == 0, W.packed 16-byte aligned, C and A
- * 16-byte aligned (checked by the launcher); avec/cvec say whether Kred/Nout are multiples of 8. */
-template <bool BWD>
+ * Requires (checked by the launchers) Kw (W cols: Kred forward, Nout backward) % 64 == 0 and
+ * W.packed 16-byte aligned for NF4, Kw % 32 == 0 for ggml (a chunk is then wholly inside or
+ * outside W), C and A 16-byte aligned; avec/cvec say whether Kred/Nout are multiples of 8. */
+template <bool BWD, class WS>
 __global__ void __launch_bounds__(NT, 1)
-nf4_gemm_tiled_kernel(bt_bf16 *__restrict__ C, const bt_bf16 *__restrict__ A, const Nf4Dev w,
-                      int M, int Nout, int Kred, float beta)
+dq_gemm_tiled_kernel(bt_bf16 *__restrict__ C, const bt_bf16 *__restrict__ A, const WS w, int M,
+                     int Nout, int Kred, float beta)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     float *lut = reinterpret_cast<float *>(smem);
@@ -195,7 +247,7 @@ nf4_gemm_tiled_kernel(bt_bf16 *__restrict__ C, const bt_bf16 *__restrict__ A, co
     const int64_t Kw = BWD ? Nout : Kred;    /* W cols */
     const int64_t Wrows = BWD ? Kred : Nout; /* W rows */
 
-    if (tid < 16)
+    if (WS::kLut && tid < 16)
         lut[tid] = c_nf4g_lut[tid];
     __syncthreads();
 
@@ -204,15 +256,15 @@ nf4_gemm_tiled_kernel(bt_bf16 *__restrict__ C, const bt_bf16 *__restrict__ A, co
     const int wr_b = tid >> 2, wc_b = (tid & 3) * 32; /* backward: 64 rows x 4 quarters */
     const int w_soff = BWD ? wr_b * LDBB + wc_b : wr_f * LDBF + wc_f;
 
-    auto load_step = [&](TilePrefetch &p, int s) {
+    auto load_step = [&](TilePrefetch<WS> &p, int s) {
         const int k0 = s * TK;
-        tile_load_a(p, A, M, Kred, avec, m0, k0, tid);
+        tile_load_a(p.a, A, M, Kred, avec, m0, k0, tid);
         if (BWD)
-            tile_load_w(p, w, Wrows, Kw, (int64_t)k0 + wr_b, (int64_t)n0 + wc_b);
+            w.load(p.w, Wrows, Kw, (int64_t)k0 + wr_b, (int64_t)n0 + wc_b);
         else
-            tile_load_w(p, w, Wrows, Kw, (int64_t)n0 + wr_f, (int64_t)k0 + wc_f);
+            w.load(p.w, Wrows, Kw, (int64_t)n0 + wr_f, (int64_t)k0 + wc_f);
     };
-    auto store_step = [&](const TilePrefetch &p, int stage) {
+    auto store_step = [&](const TilePrefetch<WS> &p, int stage) {
         bt_bf16 *As = stages + stage * STAGE_ELEMS;
         bt_bf16 *Bs = As + A_ELEMS;
 #pragma unroll
@@ -220,7 +272,7 @@ nf4_gemm_tiled_kernel(bt_bf16 *__restrict__ C, const bt_bf16 *__restrict__ A, co
             const int id = tid + NT * i;
             *reinterpret_cast<uint4 *>(As + (id >> 3) * LDA_S + (id & 7) * 8) = p.a[i];
         }
-        tile_store_w(Bs + w_soff, p, lut);
+        w.store(Bs + w_soff, p.w, lut);
     };
 
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
@@ -231,7 +283,7 @@ nf4_gemm_tiled_kernel(bt_bf16 *__restrict__ C, const bt_bf16 *__restrict__ A, co
             wmma::fill_fragment(acc[i][j], 0.0f);
 
     const int nsteps = (Kred + TK - 1) / TK;
-    TilePrefetch pf;
+    TilePrefetch<WS> pf;
     load_step(pf, 0);
     store_step(pf, 0);
     __syncthreads();
@@ -427,15 +479,15 @@ int launch_gemv(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X, const Nf4Dev 
     return BT_CU_OK;
 }
 
-template <bool BWD>
-int launch_tiled(cudaStream_t stream, bt_bf16 *C, const bt_bf16 *A, const Nf4Dev &w, int M,
-                 int Nout, int Kred, float beta)
+template <bool BWD, class WS>
+int launch_tiled(cudaStream_t stream, bt_bf16 *C, const bt_bf16 *A, const WS &w, int M, int Nout,
+                 int Kred, float beta)
 {
-    BT_TRY(BT_CUDA_CHECK(cudaFuncSetAttribute(nf4_gemm_tiled_kernel<BWD>,
+    BT_TRY(BT_CUDA_CHECK(cudaFuncSetAttribute(dq_gemm_tiled_kernel<BWD, WS>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)SMEM_TILED)));
     const dim3 grid((unsigned)bt_ceil_div(Nout, TN), (unsigned)bt_ceil_div(M, TM));
-    nf4_gemm_tiled_kernel<BWD><<<grid, NT, SMEM_TILED, stream>>>(C, A, w, M, Nout, Kred, beta);
+    dq_gemm_tiled_kernel<BWD, WS><<<grid, NT, SMEM_TILED, stream>>>(C, A, w, M, Nout, Kred, beta);
     BT_LAUNCH_CHECK();
     return BT_CU_OK;
 }
@@ -481,7 +533,7 @@ extern "C" int bt_cuda_nf4_gemm_fwd_impl(cudaStream_t stream, bt_bf16 *Y, const 
             return launch_gemv<8>(stream, Y, X, w, M, K, N, beta);
         return launch_gemv<16>(stream, Y, X, w, M, K, N, beta);
     }
-    return launch_tiled<false>(stream, Y, X, w, M, N, K, beta);
+    return launch_tiled<false>(stream, Y, X, Nf4Src{w}, M, N, K, beta);
 }
 
 extern "C" int bt_cuda_nf4_gemm_fwd(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
@@ -496,5 +548,63 @@ extern "C" int bt_cuda_nf4_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt
     Nf4Dev w;
     BT_TRY(nf4_gemm_args(dX, dY, W, M, K, N, &w));
     /* C = dX [M][K] (Nout = K), A = dY [M][N] (Kred = N), W [N rows = Kred][K cols = Nout] */
-    return launch_tiled<true>(stream, dX, dY, w, M, K, N, beta);
+    return launch_tiled<true>(stream, dX, dY, Nf4Src{w}, M, K, N, beta);
+}
+
+/* ============================================================ ggml weight sources */
+
+namespace {
+
+/* Argument checks of the ggml GEMMs (kernels_cuda.h). */
+int ggml_gemm_args(const bt_bf16 *out, const bt_bf16 *in, const bt_cuda_ggml *W, int M, int K,
+                   int N)
+{
+    if (!out || !in || !W || !W->data || M < 1 || K < 1 || N < 1 || W->rows != N || W->cols != K)
+        return BT_CU_ERR_INVALID;
+    if (!bt_cuda_ggml_supported(W->type) || K % 32 != 0 || ((uintptr_t)out & 15) != 0 ||
+        ((uintptr_t)in & 15) != 0 || bt_ceil_div(M, TM) > 65535)
+        return BT_CU_ERR_UNSUPPORTED;
+    return BT_CU_OK;
+}
+
+/* C = A @ B with B from W (forward: Nout = N, Kred = K; backward: Nout = K, Kred = N) */
+template <bool BWD>
+int ggml_launch(cudaStream_t stream, bt_bf16 *C, const bt_bf16 *A, const bt_cuda_ggml *W, int M,
+                int Nout, int Kred, float beta)
+{
+    const uint8_t *d = W->data;
+    const int64_t rb = W->row_bytes;
+    switch (W->type) {
+    case BT_CU_GGML_Q4_0:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q4_0>{d, rb}, M, Nout, Kred, beta);
+    case BT_CU_GGML_Q4_1:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q4_1>{d, rb}, M, Nout, Kred, beta);
+    case BT_CU_GGML_Q8_0:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q8_0>{d, rb}, M, Nout, Kred, beta);
+    case BT_CU_GGML_Q4_K:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q4_K>{d, rb}, M, Nout, Kred, beta);
+    case BT_CU_GGML_Q5_K:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q5_K>{d, rb}, M, Nout, Kred, beta);
+    case BT_CU_GGML_Q6_K:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q6_K>{d, rb}, M, Nout, Kred, beta);
+    default:
+        return BT_CU_ERR_UNSUPPORTED;
+    }
+}
+
+} /* namespace */
+
+extern "C" int bt_cuda_ggml_gemm_fwd(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
+                                     const bt_cuda_ggml *W, int M, int K, int N, float beta)
+{
+    BT_TRY(ggml_gemm_args(Y, X, W, M, K, N));
+    return ggml_launch<false>(stream, Y, X, W, M, N, K, beta);
+}
+
+extern "C" int bt_cuda_ggml_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
+                                       const bt_cuda_ggml *W, int M, int K, int N, float beta)
+{
+    BT_TRY(ggml_gemm_args(dX, dY, W, M, K, N));
+    /* C = dX [M][K] (Nout = K), A = dY [M][N] (Kred = N), W [N rows = Kred][K cols = Nout] */
+    return ggml_launch<true>(stream, dX, dY, W, M, K, N, beta);
 }

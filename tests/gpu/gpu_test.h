@@ -301,4 +301,125 @@ struct HostNF4 {
     }
 };
 
+/* ---- quantised GEMM checks (test_nf4_gemm_gpu.cu, test_ggml_gpu.cu): an output buffer with a
+ * sentinel tail, the per-element bound of a bf16 GEMM against the fp32 reference, and the
+ * reference itself. The tolerance is derived in test_nf4_gemm_gpu.cu's file comment:
+ *   |gpu_i - ref_i| <= 2^-8 |ref_i| + 4 (R+2) 2^-24 abs_i (tol; tol2 = twice that, for two GPU
+ *   paths against each other), abs_i = sum_k |x_k w_k| (+ |beta y_i|), R the reduction length. */
+static const uint16_t SENTINEL = 0x7fbf; /* a bf16 NaN bit pattern no kernel produces */
+static const size_t TAIL = 256;
+
+
+/* Output buffer with a sentinel tail: n elements + TAIL. */
+struct OutBuf {
+    DBuf<bt_bf16> b;
+    size_t n;
+    explicit OutBuf(size_t n_) : b(n_ + TAIL), n(n_) {}
+    /* main part: init (beta != 0) or NaN (beta == 0); tail: SENTINEL */
+    void fill(const std::vector<float> *init)
+    {
+        std::vector<uint16_t> h(n + TAIL, SENTINEL);
+        if (init)
+            for (size_t i = 0; i < n; i++) {
+                bt_bf16 v = __float2bfloat16((*init)[i]);
+                memcpy(&h[i], &v, 2);
+            }
+        else
+            for (size_t i = 0; i < n; i++)
+                h[i] = 0xffff; /* NaN: must never be read when beta == 0 */
+        CU(cudaMemcpy(b.p, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    }
+    std::vector<float> get() const { return down_bf16(b.p, n); }
+    bool tail_ok() const
+    {
+        std::vector<uint16_t> h(TAIL);
+        CU(cudaMemcpy(h.data(), b.p + n, TAIL * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < TAIL; i++)
+            if (h[i] != SENTINEL)
+                return false;
+        return true;
+    }
+};
+
+/* Element-wise bound check: |g-r| <= tol[i] for every i, and rel_l2 <= rl2_tol. Prints one line:
+ * n, max abs err, max rel err (over |ref| > 1e-6 max|ref|), the element with the largest err/tol
+ * (row, col, gpu, ref, tol), the violation count, rel_l2. Non-finite g always violates. */
+static inline bool check_bound(const char *what, const std::vector<float> &g, const std::vector<float> &r,
+                        const std::vector<float> &tol, int ncols, double rl2_tol)
+{
+    const size_t n = r.size();
+    double num = 0, den = 0, maxabs = 0, maxrel = 0, worst_ratio = -1, maxref = 0;
+    size_t worst = 0, bad = 0;
+    for (size_t i = 0; i < n; i++)
+        maxref = std::max(maxref, (double)fabsf(r[i]));
+    for (size_t i = 0; i < n; i++) {
+        const double e = fabs((double)g[i] - (double)r[i]);
+        const bool ok = std::isfinite(g[i]) && e <= (double)tol[i];
+        if (!ok)
+            bad++;
+        const double ratio = std::isfinite(e) ? e / ((double)tol[i] + 1e-37) : 1e30;
+        if (ratio > worst_ratio) {
+            worst_ratio = ratio;
+            worst = i;
+        }
+        if (std::isfinite(e)) {
+            num += e * e;
+            maxabs = std::max(maxabs, e);
+            if (fabs(r[i]) > 1e-6 * maxref)
+                maxrel = std::max(maxrel, e / fabs((double)r[i]));
+        } else {
+            num = INFINITY;
+        }
+        den += (double)r[i] * r[i];
+    }
+    const double rl2 = den > 0 ? sqrt(num / den) : sqrt(num);
+    /* rel_l2 is a statistical criterion: only for n >= 256 (with a handful of outputs a single
+     * cancelling sum can make it exceed the bf16 rounding level legitimately; the per-element
+     * bound above is rigorous for every n) */
+    const bool ok = bad == 0 && (n < 256 || rl2 <= rl2_tol);
+    printf("    %-44s n=%-7zu max_abs=%.3e max_rel=%.2e rel_l2=%.2e (tol %.0e) worst err/tol=%.2f "
+           "at [%zu,%zu] gpu %.6g ref %.6g tol %.3g; violations %zu%s\n",
+           what, n, maxabs, maxrel, rl2, rl2_tol, worst_ratio, worst / (size_t)ncols,
+           worst % (size_t)ncols, n ? (double)g[worst] : 0.0, n ? (double)r[worst] : 0.0,
+           n ? (double)tol[worst] : 0.0, bad, ok ? "" : "  <-- FAIL");
+    if (!ok)
+        g_case_ok = false;
+    return ok;
+}
+
+/* ref = op (+ beta*init) and per-element tolerances (see the file comment).
+ * fwd: A = X [M,K], ref [M,N] = X Wd^T; bwd: A = dY [M,N], ref [M,K] = dY Wd. */
+struct RefOut {
+    std::vector<float> ref, tol, tol2;
+};
+static inline RefOut make_ref(bool bwd, const std::vector<float> &A, const std::vector<float> &Wd, int M,
+                       int K, int N, float beta, const std::vector<float> &init)
+{
+    const int Nout = bwd ? K : N, R = bwd ? N : K;
+    RefOut o;
+    o.ref = init;
+    std::vector<float> absA(A.size()), absW(Wd.size()), absv((size_t)M * Nout);
+    for (size_t i = 0; i < A.size(); i++)
+        absA[i] = fabsf(A[i]);
+    for (size_t i = 0; i < Wd.size(); i++)
+        absW[i] = fabsf(Wd[i]);
+    for (size_t i = 0; i < absv.size(); i++)
+        absv[i] = fabsf(beta * init[i]);
+    if (bwd) {
+        ref_gemm(0, 0, M, K, N, 1.0f, A.data(), N, Wd.data(), K, beta, o.ref.data(), K);
+        ref_gemm(0, 0, M, K, N, 1.0f, absA.data(), N, absW.data(), K, 1.0f, absv.data(), K);
+    } else {
+        ref_gemm(0, 1, M, N, K, 1.0f, A.data(), K, Wd.data(), K, beta, o.ref.data(), N);
+        ref_gemm(0, 1, M, N, K, 1.0f, absA.data(), K, absW.data(), K, 1.0f, absv.data(), N);
+    }
+    const double u = 1.0 / 256.0, g = (R + 2) * ldexp(1.0, -24);
+    o.tol.resize(o.ref.size());
+    o.tol2.resize(o.ref.size());
+    for (size_t i = 0; i < o.ref.size(); i++) {
+        o.tol[i] = (float)(u * fabs(o.ref[i]) + 4.0 * g * absv[i]) * 1.0001f + 1e-30f;
+        o.tol2[i] = (float)(2.0 * u * fabs(o.ref[i]) + 8.0 * g * absv[i]) * 1.0001f + 1e-30f;
+    }
+    return o;
+}
+
 #endif
