@@ -1,7 +1,9 @@
 /* GPU trainer parity (trainer/cuda/cuda_trainer.h) against the CPU fp32 trainer step
  * (trainer/step.h bt_forward_backward; clip + AdamW as trainer/train.c):
  *   - one micro-batch forward + backward on a tiny random Llama (bt_model_init_random) in several
- *     configurations (NF4 / fp32 base, tied / untied, LoRA dropout, activation checkpointing,
+ *     configurations (NF4 / fp32 / GGUF-native base -- the fp32 linears encoded as Q4_0, Q4_1,
+ *     Q8_0, Q4_K, Q5_K, Q6_K or F16 blocks by bt_model_to_ggml, both GPU matmul paths; a type
+ *     without a CUDA decoder refused --, tied / untied, LoRA dropout, activation checkpointing,
  *     LoRA+ trainable embedding + norms, packed segments with reset position_ids), and on
  *     SmolLM2-135M (BT_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf; skipped if absent);
  *   - 10 optimiser steps on SmolLM2 with the GPU loss following the CPU loss curve.
@@ -17,6 +19,8 @@
 
 extern "C" {
 #include "common/bt_common.h"
+#include "common/gguf.h"
+#include "common/quant.h"
 #include "trainer/lora.h"
 #include "trainer/model.h"
 #include "trainer/optim.h"
@@ -141,6 +145,9 @@ static void randomise_B(bt_lora *lo, float sd)
 
 /* kernel choices for the GPU side of step_parity (bt_cuda_trainer_opts attn_impl / nf4_impl) */
 static int g_attn_impl = 0, g_nf4_impl = 0;
+/* >= 0: run_tiny_case turns the fp32 model's linears into ggml blocks of this type
+ * (bt_model_to_ggml: a GGUF-native base; the CPU reference multiplies the same blocks) */
+static int g_gguf_type = -1;
 
 static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t drop_key)
 {
@@ -261,6 +268,12 @@ static void run_tiny_case(const Case &cs, bool llama3 = false)
         g_case_ok = false;
         return;
     }
+    if (g_gguf_type >= 0 && bt_model_to_ggml(&m, g_gguf_type) != 0) {
+        printf("    bt_model_to_ggml: %s\n", bt_last_error());
+        g_case_ok = false;
+        bt_model_free(&m);
+        return;
+    }
     bt_lora lo;
     if (bt_lora_init_ex(&lo, &m, 8, 16.0, cs.dropout, (1u << BT_MOD_N) - 1, cs.trainable, 7) != 0) {
         printf("    bt_lora_init_ex: %s\n", bt_last_error());
@@ -326,6 +339,49 @@ static void test_tiny_mma_fused(void)
     g_nf4_impl = 0;
 }
 
+/* GGUF-native base, every type with a CUDA decoder, dequantise + cuBLAS and fused GEMM paths; F16
+ * blocks take the dense bf16 path; a type without a decoder (Q5_0) is refused with the list. */
+static void test_tiny_gguf(void)
+{
+    const struct {
+        int type, fused;
+    } runs[] = {{BT_GGML_Q4_0, 0}, {BT_GGML_Q8_0, 0}, {BT_GGML_Q5_K, 0}, {BT_GGML_F16, 0},
+                {BT_GGML_Q4_1, 1}, {BT_GGML_Q4_K, 1}, {BT_GGML_Q6_K, 1}};
+    static char names[8][96];
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+        g_gguf_type = runs[i].type;
+        g_nf4_impl = runs[i].fused;
+        snprintf(names[i], sizeof names[i], "gguf-native %s tied, dropout 0.05 [%s]",
+                 bt_ggml_type_name(runs[i].type), runs[i].fused ? "fused GEMM" : "dequant+cuBLAS");
+        run_tiny_case({names[i], BT_BASE_FP32, 1, 0, 0.05f, 0, 2, 128, 3});
+    }
+    g_gguf_type = -1;
+    g_nf4_impl = 0;
+    bt_llama_hparams hp;
+    memset(&hp, 0, sizeof hp);
+    hp.n_layer = 1, hp.d_model = 256, hp.n_head = 4, hp.n_kv_head = 2, hp.head_dim = 64;
+    hp.d_ff = 512, hp.vocab = 100, hp.ctx = 256, hp.rope_theta = 10000.f, hp.rms_eps = 1e-5f;
+    bt_model m;
+    bt_lora lo;
+    if (bt_model_init_random(&m, &hp, BT_BASE_FP32, 1, 3) || bt_model_to_ggml(&m, BT_GGML_Q5_0) ||
+        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 1)) {
+        printf("    set-up: %s\n", bt_last_error());
+        g_case_ok = false;
+        return;
+    }
+    bt_cuda_trainer *t = nullptr;
+    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64);
+    const char *e = bt_last_error();
+    check_true("Q5_0 base refused (BT_ERR_UNSUPPORTED)", rc == BT_ERR_UNSUPPORTED && !t);
+    check_true("  ... naming the type, the supported ones and base_dtype nf4",
+               strstr(e, "Q5_0") && strstr(e, "Q4_K") && strstr(e, "base_dtype \"nf4\""));
+    printf("    message: %s\n", e);
+    if (t)
+        bt_cuda_trainer_free(t);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
+}
+
 /* ------------------------------------------------------------------------ SmolLM2 */
 static const char *model_path(void)
 {
@@ -383,6 +439,39 @@ static void test_smollm2_step(void)
     step_parity(&g_smol, &lo, cs2, 0xabcdef12345ull);
     g_attn_impl = g_nf4_impl = 0;
     bt_lora_free(&lo);
+}
+
+/* SmolLM2-135M-Instruct trained on its own Q4_1 blocks (base_dtype gguf): the GPU step on the
+ * uploaded blocks (both matmul paths) against the CPU step on the same blocks. */
+static void test_smollm2_gguf_step(void)
+{
+    if (!load_smol())
+        return;
+    bt_model m;
+    bt_model_load_opts lo_opts = {BT_BASE_GGUF, 0};
+    if (bt_model_load(&m, model_path(), &lo_opts) != 0) {
+        printf("    bt_model_load (gguf): %s\n", bt_last_error());
+        g_case_ok = false;
+        return;
+    }
+    bt_lora lo;
+    if (bt_lora_init(&lo, &m, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 1234) != 0) {
+        printf("    bt_lora_init: %s\n", bt_last_error());
+        g_case_ok = false;
+        bt_model_free(&m);
+        return;
+    }
+    randomise_B(&lo, 0.01f);
+    Case cs = {"SmolLM2 gguf-native Q4_1, dropout 0.05 [dequant+cuBLAS]", BT_BASE_GGUF, 1, 0, 0.05f,
+               0, 2, 256, 3};
+    step_parity(&m, &lo, cs, 0xabcdef12345ull);
+    g_nf4_impl = 1;
+    Case cs2 = {"SmolLM2 gguf-native Q4_1, dropout 0.05 [fused GEMM]", BT_BASE_GGUF, 1, 0, 0.05f, 0,
+                2, 256, 3};
+    step_parity(&m, &lo, cs2, 0xabcdef12345ull);
+    g_nf4_impl = 0;
+    bt_lora_free(&lo);
+    bt_model_free(&m);
 }
 
 static void test_smollm2_10_steps(void)
@@ -469,7 +558,9 @@ int main(int argc, char **argv)
     RUN_TEST(test_tiny_long_doc);
     RUN_TEST(test_tiny_llama3_rope);
     RUN_TEST(test_tiny_mma_fused);
+    RUN_TEST(test_tiny_gguf);
     RUN_TEST(test_smollm2_step);
+    RUN_TEST(test_smollm2_gguf_step);
     RUN_TEST(test_smollm2_10_steps);
     if (g_have_smol)
         bt_model_free(&g_smol);

@@ -1,8 +1,15 @@
 /* Upload of a bt_model (trainer/model.h) to the device: NF4 linears as NF4 (bt_cuda_nf4_upload),
- * fp32 linears / embedding / lm_head as bf16 (round to nearest even), norms and biases fp32.
+ * GGUF-native linears as their ggml blocks (bt_cuda_ggml_upload: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+ * Q6_K; F16 / BF16 / F32 tensors as bf16, the value the decoders would give; other types are
+ * refused naming the supported ones and the base_dtype that converts them), fp32 linears /
+ * embedding / lm_head as bf16 (round to nearest even), norms and biases fp32.
  * Also the random-weight variant used by the benchmarks (no host weights needed). */
 #include "common/rng.h"
 #include "trainer/cuda/cuda_trainer_internal.h"
+extern "C" {
+#include "common/gguf.h"
+#include "common/quant.h"
+}
 
 #include <cstring>
 
@@ -68,6 +75,35 @@ int upload_bf16(bt_bf16 *dst, const float *src, int64_t n)
     return 0;
 }
 
+/* A GGUF-native linear: its blocks when the type has a device decoder; F16 / BF16 / F32 as bf16
+ * (exactly bf16(dequantised value), what a decoder would produce); otherwise refused. */
+int upload_gguf_linear(btc_model *dm, btc_linear *d, const bt_base_linear *bl, int l, int mod)
+{
+    const int t = bl->g.type;
+    const int64_t n = (int64_t)bl->rows * bl->cols;
+    if (bt_cuda_ggml_supported(t)) {
+        d->is_gguf = 1;
+        int rc = bt_cuda_ggml_upload(&d->g, t, bl->rows, bl->cols, bl->g.data);
+        if (rc)
+            return bt_fail(rc == BT_ERR_NOMEM ? BT_ERR_NOMEM : rc, "cuda: upload of layer %d %s "
+                           "(%s blocks, %zu MiB) failed%s", l, bt_module_name(mod),
+                           bt_ggml_type_name(t), bt_ggml_mat_bytes(&bl->g) >> 20,
+                           rc == BT_ERR_NOMEM ? ": out of device memory" : "");
+        dm->bytes += bt_ggml_mat_bytes(&bl->g);
+        return 0;
+    }
+    if (t != BT_GGML_F32 && t != BT_GGML_F16 && t != BT_GGML_BF16)
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: layer %d %s is %s, which has no CUDA kernel for "
+                       "the GGUF-native base (on the GPU: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and "
+                       "F16/BF16/F32 held as bf16): set base_dtype \"nf4\" to re-quantise the base "
+                       "to NF4 (or \"fp32\"), or train on the CPU (device \"cpu\" supports every "
+                       "type)", l, bt_module_name(mod), bt_ggml_type_name(t));
+    std::vector<float> f((size_t)n);
+    bt_ggml_mat_dequantize_rows(&bl->g, 0, bl->rows, f.data());
+    int rc = dmalloc(dm, (void **)&d->w16, (size_t)n * sizeof(bt_bf16), "a linear");
+    return rc ? rc : upload_bf16(d->w16, f.data(), n);
+}
+
 int fill_random(bt_bf16 *dst, int64_t n, uint64_t seed, float scale)
 {
     fill_rand_bf16_kernel<<<grid_of(n, 256), 256>>>(dst, n, seed, scale);
@@ -94,6 +130,8 @@ void btc_model_free(btc_model *dm)
             btc_linear *l = &dm->lin[i];
             if (l->is_nf4)
                 bt_cuda_nf4_free(&l->q);
+            if (l->is_gguf)
+                bt_cuda_ggml_free(&l->g);
             cudaFree(l->w16);
             cudaFree(l->bias);
         }
@@ -165,6 +203,8 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
                 if (rc)
                     rc = bt_fail(rc, "cuda: NF4 upload of layer %d %s failed (out of device memory?)",
                                  l, bt_module_name(mod));
+            } else if (bl->is_gguf) {
+                rc = upload_gguf_linear(dm, d, bl, l, mod);
             } else {
                 if (!(rc = dmalloc(dm, (void **)&d->w16, (size_t)n * sizeof(bt_bf16), "a linear")))
                     rc = upload_bf16(d->w16, bl->w, n);

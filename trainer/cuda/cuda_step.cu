@@ -125,6 +125,11 @@ static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf1
         BTC_TRY(BTC_L(bt_cuda_nf4_gemm_fwd(t->stream, y, x, &bl->q, M, K, N, 0.f)));
     else if (bl->is_nf4)
         BTC_TRY(BTC_L(bt_cuda_nf4_linear_fwd(t->blas, t->stream, y, x, &bl->q, M, K, N, 0.f, t->wbuf)));
+    else if (bl->is_gguf && t->nf4_impl)
+        BTC_TRY(BTC_L(bt_cuda_ggml_gemm_fwd(t->stream, y, x, &bl->g, M, K, N, 0.f)));
+    else if (bl->is_gguf)
+        BTC_TRY(BTC_L(bt_cuda_ggml_linear_fwd(t->blas, t->stream, y, x, &bl->g, M, K, N, 0.f,
+                                              t->wbuf)));
     else
         BTC_TRY(BTC_L(bt_cuda_gemm(t->blas, t->stream, 0, 1, M, N, K, 1.f, x, K, bl->w16, K, 0.f, y,
                                    N, 0)));
@@ -158,6 +163,11 @@ static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf
     else if (bl->is_nf4)
         BTC_TRY(BTC_L(bt_cuda_nf4_linear_bwd_x(t->blas, t->stream, dx, dy, &bl->q, M, K, N, beta,
                                                t->wbuf, 0)));
+    else if (bl->is_gguf && t->nf4_impl)
+        BTC_TRY(BTC_L(bt_cuda_ggml_gemm_bwd_x(t->stream, dx, dy, &bl->g, M, K, N, beta)));
+    else if (bl->is_gguf)
+        BTC_TRY(BTC_L(bt_cuda_ggml_linear_bwd_x(t->blas, t->stream, dx, dy, &bl->g, M, K, N, beta,
+                                                t->wbuf, 0)));
     else
         BTC_TRY(BTC_L(bt_cuda_gemm(t->blas, t->stream, 0, 0, M, K, N, 1.f, dy, N, bl->w16, K, beta,
                                    dx, K, 0)));
@@ -557,11 +567,11 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     BTC_TRY(talloc(t, &t->dh, M * F, "workspace"));
     BTC_TRY(talloc(t, &t->dxa, M * r, "workspace"));
     BTC_TRY(talloc(t, &t->xd, M * wide, "dropout workspace"));
-    bool any_nf4 = false;
+    bool any_quant = false;
     for (int i = 0; i < t->L * BT_MOD_N; i++)
-        any_nf4 = any_nf4 || t->md.lin[i].is_nf4;
-    if (any_nf4 && !t->nf4_impl) /* the fused GEMM dequantises tiles in shared memory */
-        BTC_TRY(talloc(t, &t->wbuf, (size_t)t->md.max_nk, "NF4 dequantisation buffer"));
+        any_quant = any_quant || t->md.lin[i].is_nf4 || t->md.lin[i].is_gguf;
+    if (any_quant && !t->nf4_impl) /* the fused GEMMs dequantise tiles in shared memory */
+        BTC_TRY(talloc(t, &t->wbuf, (size_t)t->md.max_nk, "dequantisation buffer"));
     BTC_TRY(talloc(t, &t->rstdf, M, "workspace"));
     BTC_TRY(talloc(t, &t->row_loss, M, "workspace"));
     BTC_TRY(talloc(t, &t->delta, M * (size_t)t->Hq, "workspace"));

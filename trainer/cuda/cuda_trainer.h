@@ -3,7 +3,9 @@
  * (trainer/cuda/ .cu files, kernels/cuda launchers).
  *
  * Numerics (../../../shared/DESIGN.md "Numerics"): activations and the frozen base are bf16 (NF4
- * linears stay NF4 and are dequantised to bf16 per layer; fp32 base linears are held as bf16),
+ * linears stay NF4 and are dequantised to bf16 per layer; GGUF-native linears stay in their ggml
+ * blocks likewise (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; F16/BF16/F32 ones are held as bf16);
+ * fp32 base linears are held as bf16),
  * norm weights fp32, accumulation fp32; LoRA master weights, their gradients and the AdamW moments
  * fp32 (with a bf16 copy of the LoRA weights that the AdamW kernel refreshes). The CPU fp32 step
  * (trainer/step.h) is the reference: tests/gpu/test_trainer_gpu.cu checks loss and LoRA gradients.
@@ -41,7 +43,8 @@ typedef struct {
                           * (bt_cuda_attn_fwd_mma/bwd_mma); config cuda.attention */
     int nf4_impl;        /* 0 = dequantise + cuBLAS (bt_cuda_nf4_linear_fwd/bwd_x), 1 = fused NF4
                           * GEMM (bt_cuda_nf4_gemm_fwd/bwd_x, no dequantisation buffer);
-                          * config cuda.nf4_matmul */
+                          * config cuda.nf4_matmul; the same choice for a GGUF-native base
+                          * (bt_cuda_ggml_linear_* / bt_cuda_ggml_gemm_*) */
     /* Benchmarks only: do not read the model's weights (m may then hold only hp, tied and each
      * layer's lin[].rows/cols/is_nf4); fill the device with deterministic random weights of the
      * right shapes instead (NF4 codes with |w| ~ 0.02, bf16 embeddings ~ N(0, 0.02^2)-like,
@@ -55,8 +58,9 @@ typedef struct {
  * from the host moments), and allocate the workspace for micro-batches of up to max_M tokens.
  * lo must stay valid (layout only) for the trainer's lifetime. Requirements checked here (else
  * BT_ERR_UNSUPPORTED with a message): head_dim 64 or 128; d_model % 8 == 0; NF4 linears have
- * cols % 64 == 0. Errors also: BT_ERR_NOMEM (device memory; the message gives the sizes), BT_ERR_IO
- * (no device / CUDA error). */
+ * cols % 64 == 0; GGUF-native linears have a type with a CUDA decoder or F16/BF16/F32 (others are
+ * refused naming the supported types and base_dtype "nf4"). Errors also: BT_ERR_NOMEM (device
+ * memory; the message gives the sizes), BT_ERR_IO (no device / CUDA error). */
 int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M);
 int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
                            const bt_cuda_trainer_opts *opts);

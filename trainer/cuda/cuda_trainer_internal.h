@@ -69,10 +69,12 @@ static inline int btc_launch_(int rc, const char *what, const char *file, int li
             return rc_;    \
     } while (0)
 
-/* One frozen linear on the device: NF4 (q) or dense bf16 (w16); optional fp32 bias. */
+/* One frozen linear on the device: NF4 (q), the GGUF file's own ggml blocks (g; GGUF-native
+ * base) or dense bf16 (w16); optional fp32 bias. */
 typedef struct {
-    int rows, cols, is_nf4;
+    int rows, cols, is_nf4, is_gguf;
     bt_cuda_nf4 q;
+    bt_cuda_ggml g;
     bt_bf16 *w16;
     float *bias;
 } btc_linear;
