@@ -244,6 +244,10 @@ static void print_status(json_t *r) {
         }
         if (any) fprintf(g_out, "\n");
         if (json_object_get(j, "error")) fprintf(g_out, "job %.0f error: %s\n", num(j, "job_id"), str(j, "error"));
+        json_t *t = json_object_get(j, "trainer"), *b = json_is_object(t) ? json_object_get(t, "base") : NULL;
+        if (json_is_object(b))
+            fprintf(g_out, "job %.0f base: %s %s, %.2f bits per weight, %.1f MiB of linears\n", num(j, "job_id"),
+                    str(b, "dtype"), str(b, "types"), num(b, "bits_per_weight"), num(b, "bytes") / 1048576.0);
     }
     print_runs(jobs);
 }

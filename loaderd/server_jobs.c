@@ -495,5 +495,12 @@ void ld_op_report(conn *c, ld_request *rq) {
     j->rep_loss = rq->loss;
     j->rep_tps = rq->tokens_per_s;
     j->rep_t = now;
+    if (rq->has_base) {
+        j->has_base = 1;
+        memcpy(j->base_dtype, rq->base_dtype, sizeof j->base_dtype);
+        memcpy(j->base_types, rq->base_types, sizeof j->base_types);
+        j->base_bpw = rq->base_bpw;
+        j->base_bytes = rq->base_bytes;
+    }
     ld_conn_send(c, json_pack("{s:b, s:s}", "ok", 1, "op", "report"));
 }

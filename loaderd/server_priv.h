@@ -84,6 +84,10 @@ typedef struct job {
     uint64_t rep_step;
     double rep_loss, rep_tps, rep_t;
     double rep_period; /* seconds per step between its last two reports (0 = unknown) */
+    int has_base; /* the trainer's frozen base, from its reports */
+    char base_dtype[16], base_types[64];
+    double base_bpw;
+    uint64_t base_bytes;
     struct job *next;
     uv_work_t teardown;
 } job;

@@ -76,6 +76,35 @@ static int parse_attach(ld_request *r, char *err, size_t errlen) {
     return 0;
 }
 
+/* a "base" string: 1..cap-1 bytes of [A-Za-z0-9_+.-] (shown on operators' terminals) */
+static int base_token(json_t *v, char *dst, size_t cap) {
+    const char *s = json_string_value(v);
+    if (!s || json_string_length(v) < 1 || json_string_length(v) >= cap) return -1;
+    for (size_t i = 0; i < json_string_length(v); i++) {
+        const char ch = s[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '_' || ch == '+' || ch == '.' || ch == '-'))
+            return -1;
+    }
+    memcpy(dst, s, json_string_length(v) + 1);
+    return 0;
+}
+
+static int parse_base(ld_request *r, json_t *b, char *err, size_t errlen) {
+    if (!b || json_is_null(b)) return 0;
+    json_t *bpw = json_object_get(b, "bits_per_weight"), *by = json_object_get(b, "bytes");
+    if (!json_is_object(b) || base_token(json_object_get(b, "dtype"), r->base_dtype, sizeof r->base_dtype) ||
+        base_token(json_object_get(b, "types"), r->base_types, sizeof r->base_types) || !json_is_number(bpw) ||
+        !(json_number_value(bpw) >= 0 && json_number_value(bpw) <= 64) || !json_is_integer(by) ||
+        json_integer_value(by) < 0 || json_integer_value(by) >= (json_int_t)1 << 53)
+        return bad(err, errlen, "\"base\": expected {\"dtype\": 1-15 chars, \"types\": 1-63 chars "
+                   "(A-Z a-z 0-9 _ + . -), \"bits_per_weight\": 0..64, \"bytes\": integer >= 0}");
+    r->base_bpw = json_number_value(bpw);
+    r->base_bytes = (uint64_t)json_integer_value(by);
+    r->has_base = 1;
+    return 0;
+}
+
 static int parse_report(ld_request *r, char *err, size_t errlen) {
     json_t *st = json_object_get(r->root, "step"), *lo = json_object_get(r->root, "loss"),
            *tp = json_object_get(r->root, "tokens_per_s");
@@ -86,6 +115,7 @@ static int parse_report(ld_request *r, char *err, size_t errlen) {
     r->step = (uint64_t)json_integer_value(st);
     r->loss = json_is_number(lo) ? json_number_value(lo) : NAN;
     r->tokens_per_s = json_is_number(tp) ? json_number_value(tp) : NAN;
+    if (parse_base(r, json_object_get(r->root, "base"), err, errlen)) return 1;
     return parse_job_id(r, err, errlen);
 }
 

@@ -44,6 +44,10 @@ typedef struct {
     /* report */
     uint64_t step;
     double loss, tokens_per_s; /* NaN when null/absent */
+    int has_base;              /* "base" present (the trainer's frozen base) */
+    char base_dtype[16], base_types[64];
+    double base_bpw;
+    uint64_t base_bytes;
 } ld_request;
 
 /* Parse and check one request line p[0..n) (no '\n'; trailing '\r', blanks already removed by
@@ -54,7 +58,9 @@ typedef struct {
  *           "resume" null or 2*BT_RESUME_STATE_BYTES hex digits; "run" null or 1..LD_RUN_MAX
  *           characters of [A-Za-z0-9._:-] (the training run the rank belongs to).
  *   detach: "job_id" (optional) int [0, 2^32).
- *   report: "step" int >= 0; "loss"/"tokens_per_s" number or null; "job_id" as detach.
+ *   report: "step" int >= 0; "loss"/"tokens_per_s" number or null; "job_id" as detach; "base"
+ *           (optional) object: "dtype" 1..15 and "types" 1..63 bytes of [A-Za-z0-9_+.-],
+ *           "bits_per_weight" number in [0, 64], "bytes" int in [0, 2^53) (other keys ignored).
  * Returns 0 with *r filled (free with ld_request_free), or 1 for a bad request: err (errlen
  * bytes) holds a message for the client and *r holds only op/op_name (for the reply's "op"
  * echo, r->op_name NULL when unknown) and root (may be NULL); ld_request_free is still

@@ -158,12 +158,18 @@ static json_t *job_json(job *j, int full, double now) {
     json_object_set_new(o, "consumer_idle_s", json_real(now - j->t_last_take));
     json_object_set_new(o, "peer", json_pack("{s:i, s:I, s:I}", "pid", (int)j->peer.pid, "uid", (json_int_t)j->peer.uid,
                                              "gid", (json_int_t)j->peer.gid));
-    if (j->has_report)
-        json_object_set_new(o, "trainer",
-                            json_pack("{s:I, s:o, s:o, s:f}", "step", (json_int_t)j->rep_step, "loss",
-                                      num_or_null(j->rep_loss), "tokens_per_s", num_or_null(j->rep_tps), "age_s",
-                                      now - j->rep_t));
-    else json_object_set_new(o, "trainer", json_null());
+    if (j->has_report) {
+        json_t *t = json_pack("{s:I, s:o, s:o, s:f}", "step", (json_int_t)j->rep_step, "loss",
+                              num_or_null(j->rep_loss), "tokens_per_s", num_or_null(j->rep_tps), "age_s",
+                              now - j->rep_t);
+        json_object_set_new(t, "base", j->has_base ? json_pack("{s:s, s:s, s:f, s:I}", "dtype", j->base_dtype,
+                                                               "types", j->base_types, "bits_per_weight",
+                                                               j->base_bpw, "bytes", (json_int_t)j->base_bytes)
+                                                   : json_null());
+        json_object_set_new(o, "trainer", t);
+    } else {
+        json_object_set_new(o, "trainer", json_null());
+    }
     json_object_set_new(o, "run", j->run[0] ? json_string(j->run) : json_null());
     char why[160];
     int behind = job_behind(j->s, j, now, why, sizeof why);

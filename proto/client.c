@@ -49,6 +49,11 @@ struct bt_client {
     uint64_t reconnects;
     pthread_mutex_t mu; /* the socket and buf: report vs. reconnect vs. close */
     int reconnecting;   /* under mu: a reconnect owns sock/buf/job_id; report fails fast */
+    /* the frozen base, sent with reports once set (bt_client_set_base) */
+    int have_base;
+    char base_dtype[BT_CLIENT_BASE_DTYPE_MAX + 1], base_types[BT_CLIENT_BASE_TYPES_MAX + 1];
+    double base_bpw;
+    uint64_t base_bytes;
 };
 
 /* Send all of `s` (MSG_NOSIGNAL: a dead loaderd must not SIGPIPE the trainer). */
@@ -483,6 +488,29 @@ int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per
 
 uint64_t bt_client_reconnects(const bt_client *c) { return c->reconnects; }
 
+/* copy s into dst[cap] (cut to cap-1 bytes), bytes outside [A-Za-z0-9_+.-] become '?' */
+static void copy_token(char *dst, size_t cap, const char *s) {
+    size_t n = 0;
+    for (; s && s[n] && n + 1 < cap; n++) {
+        const char ch = s[n];
+        const int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                       (ch >= '0' && ch <= '9') || ch == '_' || ch == '+' || ch == '.' || ch == '-';
+        dst[n] = ok ? ch : '?';
+    }
+    dst[n] = 0;
+}
+
+void bt_client_set_base(bt_client *c, const char *dtype, const char *types,
+                        double bits_per_weight, uint64_t bytes) {
+    if (!c) return;
+    copy_token(c->base_dtype, sizeof c->base_dtype, dtype);
+    copy_token(c->base_types, sizeof c->base_types, types);
+    c->base_bpw = isfinite(bits_per_weight) && bits_per_weight >= 0 && bits_per_weight <= 64
+                      ? bits_per_weight : 0;
+    c->base_bytes = bytes < (UINT64_C(1) << 53) ? bytes : (UINT64_C(1) << 53) - 1;
+    c->have_base = c->base_dtype[0] != 0;
+}
+
 static int report_locked(bt_client *c, uint64_t step, double loss, double tokens_per_s) {
     if (c->sock < 0) return bt_fail(BT_ERR_IO, "report: not connected to loaderd");
     /* non-finite values (a diverged loss) travel as null: JSON has no NaN */
@@ -491,6 +519,12 @@ static int report_locked(bt_client *c, uint64_t step, double loss, double tokens
                             isfinite(loss) ? json_real(loss) : json_null(), "tokens_per_s",
                             isfinite(tokens_per_s) ? json_real(tokens_per_s) : json_null());
     if (!req) return bt_fail(BT_ERR_NOMEM, "report: cannot encode");
+    if (c->have_base)
+        json_object_set_new(req, "base",
+                            json_pack("{s:s, s:s, s:f, s:I}", "dtype", c->base_dtype, "types",
+                                      c->base_types[0] ? c->base_types : c->base_dtype,
+                                      "bits_per_weight", c->base_bpw, "bytes",
+                                      (json_int_t)c->base_bytes));
     int rc = send_json(c->sock, req);
     json_decref(req);
     if (rc) return rc;

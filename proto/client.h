@@ -61,6 +61,17 @@ void bt_client_release(bt_client *c);
  * returned, not fatal). Non-finite loss / tokens_per_s are sent as null. While bt_client_next is
  * reconnecting to loaderd it fails at once with BT_ERR_CLOSED. */
 int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per_s);
+/* What the trainer holds as its frozen base, sent as the "base" object of every later report
+ * (loaderd shows it in `status` and `loaderctl status`): dtype ("gguf", "nf4", "fp32"), types
+ * (the GGUF's ggml types, e.g. "Q4_K+Q6_K"; the dtype otherwise), bits_per_weight (of the base
+ * linears as held), bytes (those linears' bytes). Strings are copied, cut to
+ * BT_CLIENT_BASE_DTYPE_MAX / BT_CLIENT_BASE_TYPES_MAX bytes, and any byte outside
+ * [A-Za-z0-9_+.-] becomes '?' (loaderd refuses others). Not thread-safe with bt_client_report:
+ * call it before reporting starts. */
+#define BT_CLIENT_BASE_DTYPE_MAX 15
+#define BT_CLIENT_BASE_TYPES_MAX 63
+void bt_client_set_base(bt_client *c, const char *dtype, const char *types,
+                        double bits_per_weight, uint64_t bytes);
 /* Number of successful re-attaches after loaderd went away. */
 uint64_t bt_client_reconnects(const bt_client *c);
 /* Job id of the current attachment (changes after a re-attach). */

@@ -597,6 +597,9 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     }
 
     if ((rc = attach(&cl, cfg, 0, has_resume ? resume : NULL))) goto done;
+    /* loaderd shows the base this run trains against (loaderctl status): type and real size */
+    bt_client_set_base(cl, bt_base_dtype_name(binfo.base_dtype), binfo.types,
+                       binfo.bits_per_weight, binfo.bytes);
     mbs = calloc((size_t)cfg->grad_accum, sizeof(mb_copy));
     all_done = calloc((size_t)g_dist.world, BT_RESUME_STATE_BYTES);
     all_next = calloc((size_t)g_dist.world, BT_RESUME_STATE_BYTES);

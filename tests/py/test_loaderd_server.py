@@ -180,6 +180,15 @@ def test_ready_attach_batches_status(loaderd, dataset, model_path):
         ring.release()
     s.sendall(b'{"v":1,"op":"report","job_id":%d,"step":41,"loss":1.75,"tokens_per_s":321.5}\n' % rep["job_id"])
     assert json.loads(read_line(s))["ok"] is True
+    assert json.loads(d.ctl("status", "--json").stdout)["jobs"][0]["trainer"]["base"] is None
+    # the trainer's frozen base rides on its reports (kept until the next one that carries it)
+    base = {"dtype": "gguf", "types": "Q4_K+Q6_K", "bits_per_weight": 4.75, "bytes": 3 << 20}
+    s.sendall(json.dumps({"v": 1, "op": "report", "step": 41, "loss": 1.75, "base": base}).encode() + b"\n")
+    assert json.loads(read_line(s))["ok"] is True
+    s.sendall(b'{"v":1,"op":"report","job_id":%d,"step":41,"loss":1.75,"tokens_per_s":321.5}\n' % rep["job_id"])
+    assert json.loads(read_line(s))["ok"] is True
+    assert json.loads(d.ctl("status", "--json").stdout)["jobs"][0]["trainer"]["base"] == base
+    assert "base: gguf Q4_K+Q6_K, 4.75 bits per weight, 3.0 MiB of linears" in d.ctl("status").stdout
     time.sleep(1.2)  # one rate tick
     out = d.ctl("status")
     assert out.returncode == 0, out.stderr
@@ -316,6 +325,15 @@ def test_hostile_clients(loaderd, dataset, model_path):
         s.sendall(bad)
         rep = json.loads(read_line(s))
         assert rep["ok"] is False and rep["v"] == 1 and rep["error"], bad
+    # a report's "base" (the trainer's frozen base, shown on operators' terminals): terminal
+    # escapes, overlong or mistyped fields are refused before anything else is looked at
+    ok = {"dtype": "gguf", "types": "Q4_K", "bits_per_weight": 4.5, "bytes": 1}
+    for bad in ({**ok, "dtype": "\u001b[2J"}, {**ok, "types": "Q" * 64}, {**ok, "types": "Q4 K"},
+                {**ok, "dtype": ""}, {**ok, "bits_per_weight": 1e300}, {**ok, "bits_per_weight": "4.5"},
+                {**ok, "bytes": -1}, {**ok, "bytes": 2 ** 53}, {"dtype": "gguf"}, "gguf", [ok]):
+        s.sendall(json.dumps({"v": 1, "op": "report", "step": 1, "base": bad}).encode() + b"\n")
+        rep = json.loads(read_line(s))
+        assert rep["ok"] is False and '"base"' in rep["error"], (bad, rep)
     s.sendall(b'{"v":1,"op":"status"}\r\n')
     assert json.loads(read_line(s))["ok"] is True
     s.close()
