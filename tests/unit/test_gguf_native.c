@@ -13,7 +13,11 @@
  *    tests/unit/util/tiny_gguf.c) and SmolLM2-135M-Instruct (Q4_1, $BT_MODEL);
  *  - loading: q/k rows un-permuted on the blocks (dequantised rows == the fp32 loader's rows, bit
  *    for bit), bytes / bits per weight, refusals (a type without decoder, names the tensor and the
- *    supported types; a non-finite block; base_dtype gguf for a Hugging Face directory).
+ *    supported types; a non-finite block; base_dtype gguf for a Hugging Face directory);
+ *  - the llama.cpp LoRA export applied to the very GGUF the base came from: W (the file's Q4_K
+ *    blocks decoded in GGUF row order) + (alpha / r) * lora_b @ lora_a (our gguf-lora file, q/k
+ *    lora_b rows in GGUF order) equals our merged GGUF export bit for bit (gguf-py's side of the
+ *    same identity: tests/py/test_gguf_native.py).
  * Tolerances for the fp32-vs-fp32 comparisons (different summation orders only): loss relative
  * 1e-5, gradients relative L2 1e-4 (measured values are printed). */
 #include <stdarg.h>
@@ -34,6 +38,7 @@
 #include "common/quant.h"
 #include "kernels/kernels.h"
 #include "trainer/config.h"
+#include "trainer/export.h"
 #include "trainer/lora.h"
 #include "trainer/model.h"
 #include "trainer/step.h"
@@ -443,6 +448,80 @@ static void test_load_refusals(void **s) {
     assert_int_equal(bt_model_resolve_base_dtype(tu_model_path(), BT_BASE_FP32), BT_BASE_FP32);
 }
 
+/* ---------------------------------------------------------------- exports */
+
+static float *tensor_f32(const bt_gguf *g, const char *name, int64_t n) {
+    const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
+    if (!t) fail_msg("tensor %s missing", name);
+    float *out = malloc((size_t)n * sizeof(float));
+    assert_int_equal(bt_ggml_dequantize(t->type, t->data, out, n), 0);
+    return out;
+}
+
+static void test_lora_export_on_base(void **s) {
+    (void)s;
+    char dir[128], base[256], lora[256], merged[256];
+    assert_int_equal(tu_make_tmpdir(dir, sizeof dir, "gguf_lora"), 0);
+    snprintf(base, sizeof base, "%s/base.gguf", dir);
+    snprintf(lora, sizeof lora, "%s/lora.gguf", dir);
+    snprintf(merged, sizeof merged, "%s/merged.gguf", dir);
+    tu_tiny_spec sp = tu_tiny_default();
+    sp.hidden = 256, sp.ffn = 512, sp.heads = 4, sp.kv_heads = 2, sp.vocab = 120;
+    sp.type = BT_GGML_Q4_K, sp.embd_type = BT_GGML_Q8_0, sp.seed = 5;
+    assert_int_equal(tu_tiny_gguf_write(base, &sp, NULL), 0);
+    bt_model mg, mf;
+    bt_model_load_opts og = {BT_BASE_GGUF, 0}, of = {BT_BASE_FP32, 0};
+    assert_int_equal(bt_model_load(&mg, base, &og), 0);
+    assert_int_equal(bt_model_load(&mf, base, &of), 0);
+    /* an adapter as trained against the GGUF-native base: A and B random and non-zero */
+    bt_lora lo;
+    assert_int_equal(bt_lora_init(&lo, &mg, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 3), 0);
+    for (int64_t i = 0; i < lo.n_lora; i++) lo.params[i] = 0.05f * frand();
+    assert_int_equal(bt_export_gguf_lora(&mg, &lo, BT_EXPORT_F32, lora), 0);
+    bt_gguf *gb, *gl, *gm;
+    assert_int_equal(bt_gguf_open(&gb, base), 0);
+    assert_int_equal(bt_export_gguf_merged(&mf, &lo, gb, BT_EXPORT_F32, merged), 0);
+    assert_int_equal(bt_gguf_open(&gl, lora), 0);
+    assert_int_equal(bt_gguf_open(&gm, merged), 0);
+    double alpha;
+    assert_int_equal(bt_gguf_get_f64(gl, "adapter.lora.alpha", &alpha), 0);
+    static const char *const lin[BT_MOD_N] = {"attn_q", "attn_k", "attn_v", "attn_output",
+                                              "ffn_gate", "ffn_up", "ffn_down"};
+    char name[96], na[112], nb[112];
+    size_t bad = 0, total = 0;
+    for (int l = 0; l < mg.hp.n_layer; l++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            const int rows = mg.layers[l].lin[j].rows, cols = mg.layers[l].lin[j].cols, r = lo.r;
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, lin[j]);
+            snprintf(na, sizeof na, "%s.lora_a", name);
+            snprintf(nb, sizeof nb, "%s.lora_b", name);
+            assert_int_equal(bt_gguf_find_tensor(gb, name)->type, BT_GGML_Q4_K);
+            float *W = tensor_f32(gb, name, (int64_t)rows * cols);
+            float *A = tensor_f32(gl, na, (int64_t)r * cols), *B = tensor_f32(gl, nb, (int64_t)rows * r);
+            float *Mg = tensor_f32(gm, name, (int64_t)rows * cols);
+            const float scale = (float)(alpha / r); /* 8 / 4: exact */
+            float *acc = malloc((size_t)cols * sizeof(float));
+            for (int o = 0; o < rows; o++) { /* as llama.cpp: W x + scale * B (A x), merged */
+                memset(acc, 0, (size_t)cols * sizeof(float));
+                for (int k = 0; k < r; k++)
+                    for (int c = 0; c < cols; c++) acc[c] += B[(size_t)o * r + k] * A[(size_t)k * cols + c];
+                for (int c = 0; c < cols; c++) {
+                    const float want = W[(size_t)o * cols + c] + acc[c] * scale;
+                    bad += !same_bits(Mg[(size_t)o * cols + c], want);
+                    total++;
+                }
+            }
+            free(acc), free(W), free(A), free(B), free(Mg);
+        }
+    print_message("gguf-lora applied to the Q4_K base vs the merged export: %zu of %zu values "
+                  "differ\n", bad, total);
+    assert_int_equal(bad, 0);
+    bt_gguf_close(gb), bt_gguf_close(gl), bt_gguf_close(gm);
+    bt_lora_free(&lo);
+    bt_model_free(&mg), bt_model_free(&mf);
+    assert_int_equal(tu_remove_dir(dir), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tile_dequant_vs_ggufpy),
@@ -452,6 +531,7 @@ int main(void) {
         cmocka_unit_test(test_smollm2_q4_1),
         cmocka_unit_test(test_to_ggml),
         cmocka_unit_test(test_load_refusals),
+        cmocka_unit_test(test_lora_export_on_base),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
