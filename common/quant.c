@@ -169,6 +169,10 @@ size_t bt_ggml_row_size(int type, int64_t ne0) {
     return (size_t)r;
 }
 
+const char *bt_ggml_decodable_types(void) {
+    return "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16, F32";
+}
+
 int bt_ggml_can_dequantize(int type) {
     const type_info *t = info(type);
     return t && t->dequant;

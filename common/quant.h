@@ -43,6 +43,9 @@ int bt_ggml_dequantize(int type, const void *src, float *dst, int64_t n);
  * F64) have known sizes (so GGUF files holding them open and their tensors can be named) but
  * cannot be dequantised. */
 int bt_ggml_can_dequantize(int type);
+/* Those types as a static string for messages: "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+ * Q5_K, Q6_K, F16, BF16, F32". */
+const char *bt_ggml_decodable_types(void);
 
 /* Encode n floats (n a multiple of the block size) from src into dst (bt_ggml_row_size(type, n)
  * bytes, caller-owned, any alignment) as ggml `type` (common/quant_encode.c):

@@ -273,10 +273,9 @@ static int find_tensor_checked(const bt_gguf *g, const char *path, const char *n
     if (row == 0 || !bt_ggml_can_dequantize(t->type))
         return bt_fail(BT_ERR_UNSUPPORTED,
                        "model: %s: tensor %s has ggml type %s (%d), which the trainer cannot decode "
-                       "(supported: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, "
-                       "BF16, F32, for every base_dtype): convert the file to one of them, e.g. "
-                       "with llama.cpp's llama-quantize", path, name, bt_ggml_type_name(t->type),
-                       t->type);
+                       "(supported, for every base_dtype: %s): convert the file to one of them, "
+                       "e.g. with llama.cpp's llama-quantize", path, name,
+                       bt_ggml_type_name(t->type), t->type, bt_ggml_decodable_types());
     if ((uint64_t)row * r > t->nbytes)
         return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: %llu bytes, expected %llu", path, name,
                        (unsigned long long)t->nbytes, (unsigned long long)row * r);

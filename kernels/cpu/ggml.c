@@ -13,8 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SUPPORTED "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16, F32"
-
 void bt_ggml_mat_free(bt_ggml_mat *w)
 {
     if (!w)
@@ -33,8 +31,8 @@ int bt_ggml_mat_init(bt_ggml_mat *w, int type, int64_t rows, int64_t cols, const
 {
     memset(w, 0, sizeof *w);
     if (!bt_ggml_can_dequantize(type))
-        return bt_fail(BT_ERR_UNSUPPORTED, "ggml type %s (%d) has no decoder (supported: " SUPPORTED
-                       ")", bt_ggml_type_name(type), type);
+        return bt_fail(BT_ERR_UNSUPPORTED, "ggml type %s (%d) has no decoder (supported: %s)",
+                       bt_ggml_type_name(type), type, bt_ggml_decodable_types());
     const size_t row_bytes = bt_ggml_row_size(type, cols);
     if (!src || rows < 1 || cols < 1 || row_bytes == 0 || rows > INT32_MAX)
         return bt_fail(BT_ERR_INVALID, "ggml matrix: %lld x %lld %s: bad shape (cols must be a "
