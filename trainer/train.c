@@ -576,7 +576,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             if (eval_cut && n_eval == 0)
                 fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
             else
-                fprintf(out, "held-out loss%s: %.4f, perplexity %.3f (%lld tokens%s%s)\n",
+                fprintf(out, "held-out loss%s: %.6f, perplexity %.3f (%lld tokens%s%s)\n",
                         eval_cut ? " (partial, interrupted)" : "", before, exp(before), n_eval,
                         cfg->eval_adapter ? "; adapter " : cfg->resume_from ? "; checkpoint " : "",
                         cfg->eval_adapter ? cfg->eval_adapter

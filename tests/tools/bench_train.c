@@ -6,18 +6,25 @@
  *  1. fused chunked linear + cross-entropy (bt_linear_ce, 256-row chunks) against the unfused
  *     path that materialises the full [M x V] logits (bt_linear_fwd, then softmax/CE/gradient,
  *     then bt_linear_bwd_x): time and the memory each needs for logits/workspace;
- *  2. NF4 (double-quantised) base linear against the fp32 linear on the same shape;
+ *  2. NF4 (double-quantised) and GGUF Q4_1 (ggml blocks, the GGUF-native base) base linears
+ *     against the fp32 linear on the same shape;
  *  3. one full training micro-batch (forward + backward, LoRA r=16 on all seven projections) of
- *     SmolLM2-135M on a packed batch of M tokens (4 documents), NF4 base against fp32 base:
- *     tokens/s and the resident size of the model.
+ *     SmolLM2-135M on a packed batch of M tokens (4 documents) with the base held three ways:
+ *     the GGUF's own Q4_1 blocks (base_dtype gguf), NF4 (nf4) and fp32 (fp32): tokens/s and the
+ *     resident size of the model. The three are measured in two interleaved rounds (gguf, nf4,
+ *     fp32, then fp32, nf4, gguf; one warm-up step per model load) so that a change in the
+ *     machine's load hits them alike; the step time is the median over both rounds.
  * Timings are wall-clock medians of N repetitions on this machine's cores; only the ratios carry
- * over to other machines. */
+ * over to other machines. Targets of the GGUF-native base (issue 13): step time <= 1.2x NF4's,
+ * model memory <= 0.35x fp32's. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/gguf.h"
+#include "common/quant.h"
 #include "kernels/kernels.h"
 #include "trainer/config.h"
 #include "trainer/lora.h"
@@ -67,8 +74,10 @@ static double unfused_ce(float *dX, float *logits, const float *X, const float *
     return loss;
 }
 
-static double train_step_tps(const char *model_path, int base_dtype, int M, int reps,
-                             double *model_mib, double *step_s)
+/* Load model_path with base_dtype, run 1 + reps forward+backward steps of M tokens, append the
+ * reps' times (s) to t[*nt], set *model_mib (bt_model_bytes). */
+static void train_step_times(const char *model_path, int base_dtype, int M, int reps,
+                             double *model_mib, double *t, int *nt)
 {
     bt_model m;
     bt_model_load_opts o = {.base_dtype = base_dtype, .keep_gguf_qk_order = 0};
@@ -95,7 +104,6 @@ static double train_step_tps(const char *model_path, int base_dtype, int M, int 
     cu[n_cu - 1] = M;
     bt_microbatch mb = {.B = 1, .T = M, .input_ids = ids, .labels = lab, .position_ids = pos,
                         .cu_seqlens = cu, .n_cu = n_cu};
-    double *t = malloc(sizeof(double) * (size_t)(reps + 1));
     for (int r = 0; r <= reps; r++) {  /* first run warms up */
         double loss; int nv;
         double t0 = bt_now();
@@ -104,14 +112,12 @@ static double train_step_tps(const char *model_path, int base_dtype, int M, int 
             fprintf(stderr, "bench_train: %s\n", bt_last_error());
             exit(1);
         }
-        t[r] = bt_now() - t0;
+        if (r > 0) t[(*nt)++] = bt_now() - t0;
     }
-    *step_s = median(t + 1, reps);
-    free(t); free(ids); free(lab); free(pos);
+    free(ids); free(lab); free(pos);
     bt_step_ctx_free(ctx);
     bt_lora_free(&lo);
     bt_model_free(&m);
-    return (double)M / *step_s;
 }
 
 int main(int argc, char **argv)
@@ -173,14 +179,21 @@ int main(int argc, char **argv)
            (double)ws_f / ((double)M * V), maxdiff);
     free(logits); free(ws); free(tg); free(dX1); free(dX2); free(W);
 
-    /* 2. NF4 vs fp32 base linear */
+    /* 2. NF4 and GGUF Q4_1 vs fp32 base linear */
     float *Wd = bt_aligned_alloc(sizeof(float) * (size_t)F * D);
     float *Y = bt_aligned_alloc(sizeof(float) * (size_t)M * F);
     for (size_t i = 0; i < (size_t)F * D; i++) Wd[i] = 0.05f * frand();
     bt_nf4 q;
     if (bt_nf4_quantize(&q, Wd, F, D) != 0) return 1;
+    const size_t q41b = bt_ggml_row_size(BT_GGML_Q4_1, D) * (size_t)F;
+    uint8_t *q41 = malloc(q41b);
+    bt_ggml_mat g;
+    if (!q41 || bt_ggml_quantize(BT_GGML_Q4_1, Wd, q41, (int64_t)F * D) != 0 ||
+        bt_ggml_mat_init(&g, BT_GGML_Q4_1, F, D, q41, NULL) != 0)
+        return 1;
+    free(q41);
     float *scr = bt_aligned_alloc(sizeof(float) * bt_nf4_scratch_floats(D));
-    double t32[16], t4[16];
+    double t32[16], t4[16], tq[16];
     for (int r = 0; r <= n; r++) {
         double t0 = bt_now();
         bt_linear_fwd(Y, X, Wd, M, D, F, 0.0f);
@@ -188,26 +201,48 @@ int main(int argc, char **argv)
         t0 = bt_now();
         bt_nf4_linear_fwd(Y, X, &q, M, D, F, 0.0f, scr);
         t4[r] = bt_now() - t0;
+        t0 = bt_now();
+        bt_ggml_linear_fwd(Y, X, &g, M, D, F, 0.0f, scr);
+        tq[r] = bt_now() - t0;
     }
-    double m32 = median(t32 + 1, n), m4 = median(t4 + 1, n);
+    double m32 = median(t32 + 1, n), m4 = median(t4 + 1, n), mg = median(tq + 1, n);
     double fl = 2.0 * M * D * F;
     printf("### Base linear %dx%d -> %d (gate_proj shape)\n\n", M, D, F);
     printf("| weights | bytes | time (ms) | GFLOP/s |\n|---|---|---|---|\n");
     printf("| fp32 | %zu | %.1f | %.0f |\n", (size_t)F * D * 4, m32 * 1e3, fl / m32 * 1e-9);
     size_t nf4b = (size_t)F * D / 2 + (size_t)F * D / 64 + ((size_t)F * D / 64 + 255) / 256 * 4 + 4;
     printf("| NF4 + double-quantised absmax | %zu | %.1f | %.0f |\n", nf4b, m4 * 1e3, fl / m4 * 1e-9);
-    printf("\nNF4/fp32: memory %.3fx, time %.2fx\n\n", (double)nf4b / ((double)F * D * 4), m4 / m32);
-    bt_nf4_free(&q); free(scr); free(Y); free(Wd); free(X);
+    printf("| GGUF Q4_1 blocks (tile dequantisation) | %zu | %.1f | %.0f |\n", q41b, mg * 1e3,
+           fl / mg * 1e-9);
+    printf("\nNF4/fp32: memory %.3fx, time %.2fx; Q4_1/fp32: memory %.3fx, time %.2fx; Q4_1/NF4 time "
+           "%.2fx\n\n", (double)nf4b / ((double)F * D * 4), m4 / m32, (double)q41b / ((double)F * D * 4),
+           mg / m32, mg / m4);
+    bt_nf4_free(&q); bt_ggml_mat_free(&g); free(scr); free(Y); free(Wd); free(X);
 
-    /* 3. whole micro-batch */
-    double mib4, mib32, s4, s32;
-    double tps4 = train_step_tps(model, BT_BASE_NF4, M, reps, &mib4, &s4);
-    double tps32 = train_step_tps(model, BT_BASE_FP32, M, reps, &mib32, &s32);
+    /* 3. whole micro-batch, the three bases in two interleaved rounds */
+    enum { NB = 3 };
+    const int bases[NB] = {BT_BASE_GGUF, BT_BASE_NF4, BT_BASE_FP32};
+    double mib[NB], *ts[NB], med[NB];
+    int nts[NB] = {0, 0, 0};
+    for (int b = 0; b < NB; b++) ts[b] = malloc(sizeof(double) * (size_t)(2 * reps));
+    for (int round = 0; round < 2; round++)
+        for (int k = 0; k < NB; k++) {
+            const int b = round == 0 ? k : NB - 1 - k;
+            train_step_times(model, bases[b], M, reps, &mib[b], ts[b], &nts[b]);
+        }
+    for (int b = 0; b < NB; b++) med[b] = median(ts[b], nts[b]);
     printf("### SmolLM2-135M training micro-batch (%d tokens, LoRA r=16 on 7 projections, fwd+bwd)\n\n", M);
+    printf("Base held three ways, measured in two interleaved rounds (gguf, nf4, fp32; fp32, nf4, gguf), "
+           "median of %d steps each.\n\n", 2 * reps);
     printf("| base | model resident (MiB) | step (s) | tokens/s |\n|---|---|---|---|\n");
-    printf("| NF4 (QLoRA) | %.0f | %.2f | %.0f |\n", mib4, s4, tps4);
-    printf("| fp32 (LoRA) | %.0f | %.2f | %.0f |\n", mib32, s32, tps32);
-    printf("\nNF4/fp32: model memory %.2fx, throughput %.2fx; process peak RSS %.0f MiB\n",
-           mib4 / mib32, tps4 / tps32, bt_peak_rss_mib());
+    printf("| GGUF Q4_1 blocks (base_dtype gguf: the file's own weights) | %.0f | %.2f | %.0f |\n",
+           mib[0], med[0], M / med[0]);
+    printf("| NF4 (QLoRA: the GGUF re-quantised) | %.0f | %.2f | %.0f |\n", mib[1], med[1], M / med[1]);
+    printf("| fp32 (LoRA: the GGUF dequantised) | %.0f | %.2f | %.0f |\n", mib[2], med[2], M / med[2]);
+    printf("\nGGUF-native: step time %.2fx NF4's (target <= 1.2x), model memory %.2fx fp32's (target "
+           "<= 0.35x), %.2fx NF4's\n", med[0] / med[1], mib[0] / mib[2], mib[0] / mib[1]);
+    printf("NF4/fp32: model memory %.2fx, throughput %.2fx; process peak RSS %.0f MiB\n",
+           mib[1] / mib[2], med[2] / med[1], bt_peak_rss_mib());
+    for (int b = 0; b < NB; b++) free(ts[b]);
     return 0;
 }
