@@ -42,7 +42,8 @@
  *                                      attention "wmma" (kernels/cuda/attention.cu) | "mma"
  *                                      (attention_mma.cu, register-resident mma.sync FA2);
  *                                      nf4_matmul "dequant" (dequantise the weight, then cuBLAS)
- *                                      | "fused" (nf4_gemm.cu: dequantise in the GEMM main loop)
+ *                                      | "fused" (nf4_gemm.cu: dequantise in the GEMM main loop);
+ *                                      the same choice for a GGUF-native base's ggml blocks
  *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600, heartbeat_timeout_s 60,
  *           secret_file null }
  *                                      data-parallel training over several processes, one per GPU
