@@ -59,62 +59,47 @@ static void min_max(const float *x, int n, float *mn, float *mx) {
 
 /* ---------------------------------------------------------------- block 32 (ggml reference) */
 
-/* Q4_0 / Q5_0: d = max / -2^(bits-1); q = trunc(f32(f64(x) * f64(1/d) + offset + 0.5)) */
-static void enc_q4_0(const float *x, uint8_t *b) {
-    const float max = signed_absmax(x, 32);
-    const float d = max / -8.0f;
+/* The nibbles (and, five != 0, the 5th bits) of a block-32 type: qs[j] holds element j in its
+ * low and element j + 16 in its high nibble; bit j of the 32-bit qh is element j's 5th bit. */
+static void pack_q32(uint8_t *qs, uint8_t *qh, const int *q, int five) {
+    uint32_t h = 0;
+    for (int j = 0; j < 32; j++) h |= (uint32_t)((q[j] >> 4) & 1) << j;
+    if (five) memcpy(qh, &h, 4);
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((q[j] & 0xF) | ((q[j + 16] & 0xF) << 4));
+}
+
+/* Q4_0 / Q5_0 (five): d = max / -2^(bits-1), q = trunc(f32(f64(x) * f64(1/d) + 2^(bits-1) + 0.5)),
+ * clamped to [0, 2^bits - 1]; blocks {d; (qh[4]); qs[16]} */
+static void enc_x_0(const float *x, uint8_t *b, int five) {
+    const float half = five ? 16.0f : 8.0f;
+    const float d = signed_absmax(x, 32) / -half;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     put_f16(b, d);
     int q[32];
     for (int j = 0; j < 32; j++)
-        q[j] = clampi(truncf((float)((double)x[j] * (double)id + 8.5)), 0, 15);
-    for (int j = 0; j < 16; j++) b[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        q[j] = clampi(truncf((float)((double)x[j] * (double)id + ((double)half + 0.5))), 0,
+                      five ? 31 : 15);
+    pack_q32(b + (five ? 6 : 2), b + 2, q, five);
 }
 
-static void enc_q5_0(const float *x, uint8_t *b) {
-    const float max = signed_absmax(x, 32);
-    const float d = max / -16.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    put_f16(b, d);
-    int q[32];
-    uint32_t qh = 0;
-    for (int j = 0; j < 32; j++) {
-        q[j] = clampi(truncf((float)((double)x[j] * (double)id + 16.5)), 0, 31);
-        qh |= (uint32_t)(q[j] >> 4) << j;
-    }
-    memcpy(b + 2, &qh, 4);
-    for (int j = 0; j < 16; j++) b[6 + j] = (uint8_t)((q[j] & 0xF) | ((q[j + 16] & 0xF) << 4));
-}
-
-/* Q4_1 / Q5_1: d = (max - min) / (2^bits - 1); q = trunc((x - min) * (1/d) + 0.5f) (fp32 ops) */
-static void enc_q4_1(const float *x, uint8_t *b) {
+/* Q4_1 / Q5_1 (five): d = (max - min) / (2^bits - 1), q = trunc((x - min) * (1/d) + 0.5f) (fp32
+ * operations), clamped; blocks {d; m = min; (qh[4]); qs[16]} */
+static void enc_x_1(const float *x, uint8_t *b, int five) {
     float mn, mx;
     min_max(x, 32, &mn, &mx);
-    const float d = (mx - mn) / 15.0f;
+    const float d = (mx - mn) / (five ? 31.0f : 15.0f);
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     put_f16(b, d);
     put_f16(b + 2, mn);
     int q[32];
-    for (int j = 0; j < 32; j++) q[j] = clampi(truncf((x[j] - mn) * id + 0.5f), 0, 15);
-    for (int j = 0; j < 16; j++) b[4 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+    for (int j = 0; j < 32; j++) q[j] = clampi(truncf((x[j] - mn) * id + 0.5f), 0, five ? 31 : 15);
+    pack_q32(b + (five ? 8 : 4), b + 4, q, five);
 }
 
-static void enc_q5_1(const float *x, uint8_t *b) {
-    float mn, mx;
-    min_max(x, 32, &mn, &mx);
-    const float d = (mx - mn) / 31.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    put_f16(b, d);
-    put_f16(b + 2, mn);
-    int q[32];
-    uint32_t qh = 0;
-    for (int j = 0; j < 32; j++) {
-        q[j] = clampi(truncf((x[j] - mn) * id + 0.5f), 0, 31);
-        qh |= (uint32_t)(q[j] >> 4) << j;
-    }
-    memcpy(b + 4, &qh, 4);
-    for (int j = 0; j < 16; j++) b[8 + j] = (uint8_t)((q[j] & 0xF) | ((q[j + 16] & 0xF) << 4));
-}
+static void enc_q4_0(const float *x, uint8_t *b) { enc_x_0(x, b, 0); }
+static void enc_q5_0(const float *x, uint8_t *b) { enc_x_0(x, b, 1); }
+static void enc_q4_1(const float *x, uint8_t *b) { enc_x_1(x, b, 0); }
+static void enc_q5_1(const float *x, uint8_t *b) { enc_x_1(x, b, 1); }
 
 /* Q8_0: d = amax / 127, q = roundf(x * (1/d)) (a NaN element gives 0) */
 static void enc_q8_0(const float *x, uint8_t *b) {

@@ -44,6 +44,17 @@ static inline int bt_cublas_check_(cublasStatus_t s, const char *what, const cha
 
 static inline int bt_ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
+/* The cuBLAS half of the "dequantise then GEMM" linears (NF4, nf4.cu; ggml blocks, ggml.cu), once
+ * wbuf holds the bf16 weight [N, K]: forward Y[M,N] = X[M,K] @ wbuf^T + beta*Y, or (bwd) the input
+ * gradient dX[M,K] = dY[M,N] @ wbuf + beta*dX (in = X or dY, out = Y or dX). */
+static inline int bt_cuda_dq_gemm(cublasHandle_t h, cudaStream_t stream, bool bwd, bt_bf16 *out,
+                                  const bt_bf16 *in, int M, int K, int N, float beta,
+                                  const bt_bf16 *wbuf)
+{
+    return bwd ? bt_cuda_gemm(h, stream, 0, 0, M, K, N, 1.0f, in, N, wbuf, K, beta, out, K, 0)
+               : bt_cuda_gemm(h, stream, 0, 1, M, N, K, 1.0f, in, K, wbuf, K, beta, out, N, 0);
+}
+
 /* ---- warp / block reductions (fp32) ---- */
 __device__ __forceinline__ float bt_warp_sum(float v)
 {

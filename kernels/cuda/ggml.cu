@@ -131,8 +131,7 @@ extern "C" int bt_cuda_ggml_linear_fwd(cublasHandle_t h, cudaStream_t stream, bt
     if (!W || W->rows != N || W->cols != K || !wbuf)
         return BT_CU_ERR_INVALID;
     BT_TRY(bt_cuda_ggml_dequant(wbuf, W, 0, N, stream));
-    /* Y[M,N] = X[M,K] @ Wd[N,K]^T + beta Y */
-    return bt_cuda_gemm(h, stream, 0, 1, M, N, K, 1.0f, X, K, wbuf, K, beta, Y, N, 0);
+    return bt_cuda_dq_gemm(h, stream, false, Y, X, M, K, N, beta, wbuf);
 }
 
 extern "C" int bt_cuda_ggml_linear_bwd_x(cublasHandle_t h, cudaStream_t stream, bt_bf16 *dX,
@@ -143,6 +142,5 @@ extern "C" int bt_cuda_ggml_linear_bwd_x(cublasHandle_t h, cudaStream_t stream, 
         return BT_CU_ERR_INVALID;
     if (!wbuf_valid)
         BT_TRY(bt_cuda_ggml_dequant(wbuf, W, 0, N, stream));
-    /* dX[M,K] = dY[M,N] @ Wd[N,K] + beta dX */
-    return bt_cuda_gemm(h, stream, 0, 0, M, K, N, 1.0f, dY, N, wbuf, K, beta, dX, K, 0);
+    return bt_cuda_dq_gemm(h, stream, true, dX, dY, M, K, N, beta, wbuf);
 }

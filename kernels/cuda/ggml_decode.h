@@ -70,6 +70,20 @@ __device__ __forceinline__ uint32_t ggml_byte(const uint32_t *w, int i)
 {
     return (w[i >> 2] >> (8 * (i & 3))) & 0xffu;
 }
+/* The 32 values f(0) .. f(31) of a chunk as 16 words of two bf16 (element 2i in the low half). */
+template <class F>
+__device__ __forceinline__ void ggml_emit(uint32_t out[16], F f)
+{
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        out[i] = ggml_pack2(f(2 * i), f(2 * i + 1));
+}
+/* Element e (0..31) of a block-32 4-bit type: the low nibble of qs byte e for e < 16, the high
+ * nibble of byte e - 16 after. */
+__device__ __forceinline__ uint32_t ggml_nib32(const uint32_t qs[4], int e)
+{
+    return e < 16 ? (ggml_byte(qs, e) & 15u) : (ggml_byte(qs, e - 16) >> 4);
+}
 
 template <int T> struct GgmlDec;
 
@@ -89,17 +103,7 @@ template <> struct GgmlDec<BT_CU_GGML_Q4_0> {
     }
     __device__ static void decode(const Raw &r, uint32_t out[16])
     {
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            float v[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int e = 2 * i + h;
-                const uint32_t q = e < 16 ? (ggml_byte(r.qs, e) & 15u) : (ggml_byte(r.qs, e - 16) >> 4);
-                v[h] = __fmul_rn((float)((int)q - 8), r.d);
-            }
-            out[i] = ggml_pack2(v[0], v[1]);
-        }
+        ggml_emit(out, [&](int e) { return __fmul_rn((float)((int)ggml_nib32(r.qs, e) - 8), r.d); });
     }
 };
 
@@ -122,17 +126,9 @@ template <> struct GgmlDec<BT_CU_GGML_Q4_1> {
     }
     __device__ static void decode(const Raw &r, uint32_t out[16])
     {
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            float v[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int e = 2 * i + h;
-                const uint32_t q = e < 16 ? (ggml_byte(r.qs, e) & 15u) : (ggml_byte(r.qs, e - 16) >> 4);
-                v[h] = __fadd_rn(__fmul_rn((float)q, r.d), r.m);
-            }
-            out[i] = ggml_pack2(v[0], v[1]);
-        }
+        ggml_emit(out, [&](int e) {
+            return __fadd_rn(__fmul_rn((float)ggml_nib32(r.qs, e), r.d), r.m);
+        });
     }
 };
 
@@ -151,12 +147,7 @@ template <> struct GgmlDec<BT_CU_GGML_Q8_0> {
     }
     __device__ static void decode(const Raw &r, uint32_t out[16])
     {
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            const float v0 = __fmul_rn((float)(int8_t)ggml_byte(r.qs, 2 * i), r.d);
-            const float v1 = __fmul_rn((float)(int8_t)ggml_byte(r.qs, 2 * i + 1), r.d);
-            out[i] = ggml_pack2(v0, v1);
-        }
+        ggml_emit(out, [&](int e) { return __fmul_rn((float)(int8_t)ggml_byte(r.qs, e), r.d); });
     }
 };
 
@@ -211,18 +202,11 @@ __device__ __forceinline__ void ggml_k45_load(GgmlK45Raw &r, const uint8_t *row,
 }
 __device__ __forceinline__ void ggml_k45_decode(const GgmlK45Raw &r, uint32_t out[16])
 {
-#pragma unroll
-    for (int i = 0; i < 16; i++) {
-        float v[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int l = 2 * i + h;
-            const uint32_t byte = ggml_byte(r.q, l);
-            const uint32_t q = (r.hi ? byte >> 4 : byte & 15u) + (((r.hbits >> l) & 1u) << 4);
-            v[h] = __fsub_rn(__fmul_rn(r.d1, (float)q), r.m1);
-        }
-        out[i] = ggml_pack2(v[0], v[1]);
-    }
+    ggml_emit(out, [&](int l) {
+        const uint32_t byte = ggml_byte(r.q, l);
+        const uint32_t q = (r.hi ? byte >> 4 : byte & 15u) + (((r.hbits >> l) & 1u) << 4);
+        return __fsub_rn(__fmul_rn(r.d1, (float)q), r.m1);
+    });
 }
 
 /* block_q4_K {half d, dmin; uint8 scales[12]; uint8 qs[128]} (144 bytes) */
@@ -282,18 +266,11 @@ template <> struct GgmlDec<BT_CU_GGML_Q6_K> {
     }
     __device__ static void decode(const Raw &r, uint32_t out[16])
     {
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            float v[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int l = 2 * i + h;
-                const int q = (int)(((r.lo[l >> 3] >> (4 * (l & 7))) & 15u) |
-                                    (((r.hb[l >> 4] >> (2 * (l & 15))) & 3u) << 4)) - 32;
-                v[h] = __fmul_rn(r.ds[l >> 4], (float)q);
-            }
-            out[i] = ggml_pack2(v[0], v[1]);
-        }
+        ggml_emit(out, [&](int l) {
+            const int q = (int)(((r.lo[l >> 3] >> (4 * (l & 7))) & 15u) |
+                                (((r.hb[l >> 4] >> (2 * (l & 15))) & 3u) << 4)) - 32;
+            return __fmul_rn(r.ds[l >> 4], (float)q);
+        });
     }
 };
 

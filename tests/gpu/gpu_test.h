@@ -204,6 +204,30 @@ static bool check_true(const char *what, bool cond)
     return cond;
 }
 
+/* Launcher return codes: each case prints "what -> want (got N)  ok|<-- FAIL". */
+struct CodeCase {
+    const char *what;
+    int got, want;
+};
+static inline void check_codes(const CodeCase *cs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        char name[128];
+        snprintf(name, sizeof name, "%s -> %d (got %d)", cs[i].what, cs[i].want, cs[i].got);
+        check_true(name, cs[i].got == cs[i].want);
+    }
+}
+/* After refused calls: the n bf16 words at p (device, zero-filled before) are still all zero. */
+static inline void check_untouched(const bt_bf16 *p, size_t n)
+{
+    std::vector<uint16_t> h(n);
+    CU(cudaMemcpy(h.data(), p, n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    bool untouched = true;
+    for (auto v : h)
+        untouched = untouched && v == 0;
+    check_true("rejected calls wrote nothing", untouched);
+}
+
 /* The current test cannot run here (no model, quick mode): prints "    SKIP: why"; RUN_TEST then
  * reports "SKIP name" and counts it as skipped, not passed (unless a check already failed). */
 static void gt_skip(const char *why)

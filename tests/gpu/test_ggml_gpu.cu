@@ -208,10 +208,7 @@ static void test_ggml_errors(void)
     bad.type = BT_GGML_Q5_0; /* a type without a device decoder */
     bt_cuda_ggml nodata = w.d;
     nodata.data = nullptr;
-    struct {
-        const char *what;
-        int got, want;
-    } cs[] = {
+    const CodeCase cs[] = {
         {"upload Q5_0", bt_cuda_ggml_upload(&tmp, BT_GGML_Q5_0, 2, 32, host.data()), -5},
         {"upload Q2_K", bt_cuda_ggml_upload(&tmp, BT_GGML_Q2_K, 2, 256, host.data()), -5},
         {"upload F16", bt_cuda_ggml_upload(&tmp, BT_GGML_F16, 2, 32, host.data()), -5},
@@ -236,11 +233,7 @@ static void test_ggml_errors(void)
         {"linear_fwd no wbuf", bt_cuda_ggml_linear_fwd(g_cublas, g_stream, o.p, a.p, &w.d, M, K, N,
                                                         0.f, nullptr), -6},
     };
-    for (auto &c : cs) {
-        char name[96];
-        snprintf(name, sizeof name, "%s -> %d (got %d)", c.what, c.want, c.got);
-        check_true(name, c.got == c.want);
-    }
+    check_codes(cs, sizeof cs / sizeof cs[0]);
     check_true("supported: Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K only",
                bt_cuda_ggml_supported(BT_GGML_Q4_0) && bt_cuda_ggml_supported(BT_GGML_Q4_1) &&
                    bt_cuda_ggml_supported(BT_GGML_Q8_0) && bt_cuda_ggml_supported(BT_GGML_Q4_K) &&
@@ -248,11 +241,7 @@ static void test_ggml_errors(void)
                    !bt_cuda_ggml_supported(BT_GGML_Q5_1) && !bt_cuda_ggml_supported(BT_GGML_Q3_K) &&
                    !bt_cuda_ggml_supported(BT_GGML_BF16));
     CU(cudaStreamSynchronize(g_stream));
-    auto h = down(reinterpret_cast<uint16_t *>(o.p), o.n);
-    bool untouched = true;
-    for (auto v : h)
-        untouched = untouched && v == 0;
-    check_true("rejected calls wrote nothing", untouched);
+    check_untouched(o.p, o.n);
 }
 
 int main(int argc, char **argv)

@@ -209,10 +209,7 @@ static void test_nf4_gemm_errors(void)
     bad.packed = nullptr;
     bt_cuda_nf4 unal = w.d;
     unal.packed = w.d.packed + 8;
-    struct {
-        const char *what;
-        int got, want;
-    } cs[] = {
+    const CodeCase cs[] = {
         {"fwd Y NULL", bt_cuda_nf4_gemm_fwd(g_stream, nullptr, a.p, &w.d, M, K, N, 0.f), -6},
         {"fwd X NULL", bt_cuda_nf4_gemm_fwd(g_stream, o.p, nullptr, &w.d, M, K, N, 0.f), -6},
         {"fwd W NULL", bt_cuda_nf4_gemm_fwd(g_stream, o.p, a.p, nullptr, M, K, N, 0.f), -6},
@@ -236,17 +233,9 @@ static void test_nf4_gemm_errors(void)
         {"bwd K%64 != 0", bt_cuda_nf4_gemm_bwd_x(g_stream, o.p, a.p, &w96.d, M, 96, 16, 0.f), -5},
         {"bwd dY misaligned", bt_cuda_nf4_gemm_bwd_x(g_stream, o.p, a.p + 2, &w.d, M, K, N, 0.f), -5},
     };
-    for (auto &c : cs) {
-        char name[96];
-        snprintf(name, sizeof name, "%s -> %d (got %d)", c.what, c.want, c.got);
-        check_true(name, c.got == c.want);
-    }
+    check_codes(cs, sizeof cs / sizeof cs[0]);
     CU(cudaStreamSynchronize(g_stream));
-    auto h = down(reinterpret_cast<uint16_t *>(o.p), o.n);
-    bool untouched = true;
-    for (auto v : h)
-        untouched = untouched && v == 0;
-    check_true("rejected calls wrote nothing", untouched);
+    check_untouched(o.p, o.n);
 }
 
 int main(int argc, char **argv)
