@@ -16,6 +16,8 @@
 #include <vector>
 
 extern "C" {
+#include "common/gguf.h"
+#include "common/quant.h"
 #include "kernels/kernels.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
@@ -240,6 +242,45 @@ int main(int argc, char **argv)
             cudaFree(wbuf);
             bt_cuda_nf4_free(&w);
         }
+    }
+    /* GGUF-native base (kernels/cuda/ggml.cu, nf4_gemm.cu's ggml sources): the gate_proj shape
+     * (K 4096, N 11008) at M = T for every type with a device decoder; random weights encoded on
+     * the host (common/quant.h bt_ggml_quantize). Dequantisation bytes = blocks read + bf16 written.
+     * FLOP = 2 M N K. */
+    {
+        const int gK = D, gN = F;
+        const int64_t wn = (int64_t)gN * gK;
+        std::vector<float> wf((size_t)wn);
+        for (size_t i = 0; i < wf.size(); i++)
+            wf[i] = 0.02f * (float)((int)((i * 2654435761u) >> 20 & 1023) - 512) / 512.f;
+        bt_bf16 *wbuf = dalloc<bt_bf16>(wn);
+        bt_bf16 *X = drand((size_t)M * gK, 1.f), *Y = dalloc<bt_bf16>((size_t)M * gN);
+        bt_bf16 *dY = drand((size_t)M * gN, 1.f), *dX = dalloc<bt_bf16>((size_t)M * gK);
+        const int types[6] = {BT_GGML_Q4_0, BT_GGML_Q4_1, BT_GGML_Q8_0,
+                              BT_GGML_Q4_K, BT_GGML_Q5_K, BT_GGML_Q6_K};
+        for (int type : types) {
+            const size_t nb = bt_ggml_row_size(type, gK) * (size_t)gN;
+            std::vector<uint8_t> blocks(nb);
+            OK(bt_ggml_quantize(type, wf.data(), blocks.data(), wn));
+            bt_cuda_ggml w;
+            OK(bt_cuda_ggml_upload(&w, type, gN, gK, blocks.data()));
+            const std::string tn = bt_ggml_type_name(type);
+            const double fl = 2.0 * M * (double)gN * gK;
+            snprintf(shp, sizeof shp, "%dx%d", gN, gK);
+            double ms = time_ms([&] { OK(bt_cuda_ggml_dequant(wbuf, &w, 0, gN, g_s)); });
+            row_bytes((tn + " dequant").c_str(), shp, ms, (double)nb + 2.0 * wn);
+            snprintf(shp, sizeof shp, "M%d K%d N%d", M, gK, gN);
+            ms = time_ms([&] { OK(bt_cuda_ggml_gemm_fwd(g_s, Y, X, &w, M, gK, gN, 0.f)); });
+            row_flops((tn + " gemm_fwd (fused)").c_str(), shp, ms, fl);
+            ms = time_ms([&] { OK(bt_cuda_ggml_linear_fwd(g_h, g_s, Y, X, &w, M, gK, gN, 0.f, wbuf)); });
+            row_flops((tn + " linear_fwd (dequant+gemm)").c_str(), shp, ms, fl);
+            ms = time_ms([&] { OK(bt_cuda_ggml_gemm_bwd_x(g_s, dX, dY, &w, M, gK, gN, 0.f)); });
+            row_flops((tn + " gemm_bwd_x (fused)").c_str(), shp, ms, fl);
+            ms = time_ms([&] { OK(bt_cuda_ggml_linear_bwd_x(g_h, g_s, dX, dY, &w, M, gK, gN, 0.f, wbuf, 0)); });
+            row_flops((tn + " linear_bwd_x (dequant+gemm)").c_str(), shp, ms, fl);
+            bt_cuda_ggml_free(&w);
+        }
+        cudaFree(wbuf); cudaFree(X); cudaFree(Y); cudaFree(dY); cudaFree(dX);
     }
     /* RMSNorm */
     {
