@@ -9,7 +9,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/bt_common.h"
@@ -39,6 +43,7 @@ int bt_atomic_open(bt_atomic_file *af, const char *path, const char *component) 
         release(af);
         return rc;
     }
+    flock(af->fd, LOCK_EX | LOCK_NB); /* "a save is writing this" (bt_clean_stale_temps) */
     af->path = bt_xstrdup(path);
     return BT_OK;
 }
@@ -174,4 +179,136 @@ int bt_mkdir_p(const char *path, const char *component) {
     }
     free(p);
     return rc;
+}
+
+/* ---------------------------------------------------------------- stale temporaries */
+
+int bt_tmpdir_create(const char *tmp, const char *component) {
+    bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
+    if (mkdir(tmp, 0755) != 0) {
+        bt_fail(BT_ERR_IO, "%s: mkdir %s: %s", component, tmp, strerror(errno));
+        return -1;
+    }
+    int fd = bt_tmpdir_lock(tmp);
+    if (fd < 0) bt_fail(BT_ERR_IO, "%s: open %s: %s", component, tmp, strerror(errno));
+    return fd;
+}
+
+int bt_tmpdir_lock(const char *tmp) {
+    int fd = open(tmp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0) flock(fd, LOCK_EX | LOCK_NB);
+    return fd;
+}
+
+/* Digits at *p (advanced past them) as a pid; -1 if none. */
+static long take_digits(const char **p) {
+    const char *s = *p;
+    long v = 0;
+    while (*s >= '0' && *s <= '9' && v < 100000000) v = v * 10 + (*s++ - '0');
+    if (s == *p || (*s >= '0' && *s <= '9')) return -1;
+    *p = s;
+    return v;
+}
+
+/* Whether `name` is base + one or more of ".tmp-N", ".old-N", ".tmp.N[.M]"; *pid = the first N. */
+static int is_our_sibling(const char *name, const char *base, long *pid) {
+    size_t bl = strlen(base);
+    if (strncmp(name, base, bl) != 0) return 0;
+    const char *p = name + bl;
+    *pid = -1;
+    int segs = 0;
+    while (*p) {
+        long v;
+        if (!strncmp(p, ".tmp-", 5) || !strncmp(p, ".old-", 5)) {
+            p += 5;
+            if ((v = take_digits(&p)) < 0) return 0;
+        } else if (!strncmp(p, ".tmp.", 5)) {
+            p += 5;
+            if ((v = take_digits(&p)) < 0) return 0;
+            if (*p == '.' && p[1] >= '0' && p[1] <= '9') { /* the writer's counter */
+                p++;
+                if (take_digits(&p) < 0) return 0;
+            }
+        } else {
+            return 0;
+        }
+        if (*pid < 0) *pid = v;
+        segs++;
+    }
+    return segs > 0;
+}
+
+/* Whether `name` (inside a destination directory) is "<x>.tmp.N[.M]" with a non-empty x. */
+static int is_our_inner_file(const char *name, long *pid) {
+    for (const char *t = strstr(name, ".tmp."); t; t = strstr(t + 1, ".tmp.")) {
+        if (t == name) continue;
+        const char *p = t + 5;
+        long v = take_digits(&p);
+        if (v < 0) continue;
+        if (*p == '.' && p[1] >= '0' && p[1] <= '9') {
+            p++;
+            if (take_digits(&p) < 0) continue;
+        }
+        if (*p == 0) {
+            *pid = v;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int is_stale(const char *path, long pid) {
+    struct stat st;
+    if (lstat(path, &st) != 0 || st.st_uid != geteuid()) return 0;
+    if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) return 0; /* symlinks etc.: never ours */
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
+    if (fd < 0) return 0;
+    int busy = flock(fd, LOCK_EX | LOCK_NB) != 0; /* a live save holds it */
+    close(fd);
+    if (busy) return 0;
+    int dead = pid > 0 && (pid == (long)getpid() || (kill((pid_t)pid, 0) != 0 && errno == ESRCH));
+    int old = time(NULL) - st.st_mtime > 3600;
+    return dead || old;
+}
+
+static int clean_in(const char *dir, const char *base, const char *component) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        long pid = -1;
+        if (!(base ? is_our_sibling(e->d_name, base, &pid) : is_our_inner_file(e->d_name, &pid))) continue;
+        char *p = NULL;
+        if (asprintf(&p, "%s/%s", dir, e->d_name) < 0) break;
+        if (is_stale(p, pid)) {
+            bt_rm_tree(p);
+            struct stat st;
+            if (lstat(p, &st) != 0) {
+                bt_log(BT_LOG_INFO, component, "removed %s: the temporary of a save killed mid-write (process %ld)",
+                       p, pid);
+                n++;
+            }
+        }
+        free(p);
+    }
+    closedir(d);
+    return n;
+}
+
+int bt_clean_stale_temps(const char *dst, const char *component) {
+    size_t n = strlen(dst);
+    while (n > 1 && dst[n - 1] == '/') n--;
+    char *d = strndup(dst, n);
+    if (!d) return 0;
+    char *slash = strrchr(d, '/');
+    const char *base = slash ? slash + 1 : d;
+    char *parent = slash ? strndup(d, slash == d ? 1 : (size_t)(slash - d)) : strdup(".");
+    int removed = 0;
+    if (parent && *base && strcmp(base, ".") && strcmp(base, "..")) removed += clean_in(parent, base, component);
+    struct stat st;
+    if (lstat(d, &st) == 0 && S_ISDIR(st.st_mode)) removed += clean_in(d, NULL, component);
+    free(parent);
+    free(d);
+    return removed;
 }

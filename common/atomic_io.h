@@ -65,4 +65,31 @@ void bt_rm_tree(const char *path);
  * <tmp> -> <dst>: ...") or BT_ERR_NOMEM and leaves tmp_dir for the caller to remove. */
 int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *component);
 
+/* ---- leftovers of saves killed mid-write (issue 10 §7) ----
+ * Our temporary names, next to a destination D (a file or a directory; B = basename of D):
+ *   B.tmp-<pid>[.tmp-<pid>]   directories built by the adapter and checkpoint writers
+ *   B.old-<pid>               a replaced directory not yet removed (bt_replace_dir fallback)
+ *   B.tmp.<pid>[.<n>]         files written by bt_atomic_open (and the export's config.json)
+ * and, inside a destination directory D, files "<name>.tmp.<pid>[.<n>]" (exports write their
+ * files into D). A writer holds an exclusive flock(2) on its temporary file or directory until
+ * it is renamed into place, so a live save is recognised whatever host or pid namespace it
+ * runs in. */
+
+/* Create the temporary directory `tmp` (a leftover of the same name is removed first: it can
+ * only come from a dead process with our pid) and return an fd holding an exclusive flock on
+ * it (close it once the directory has been renamed into place), or -1 with BT_ERR_IO in
+ * bt_last_error ("<component>: mkdir <tmp>: ..."). */
+int bt_tmpdir_create(const char *tmp, const char *component);
+/* Take the same lock on an existing temporary directory built by someone else's writer (the
+ * checkpoint writer locks the directory the adapter writer built). -1 when it cannot be opened. */
+int bt_tmpdir_lock(const char *tmp);
+
+/* Remove the leftovers of killed saves of `dst` (names above): an entry is removed only if it
+ * has our exact name pattern, belongs to our effective uid, is not a symlink, nobody holds its
+ * lock, and either the pid in its name is not a live process on this host (or is our own pid:
+ * this is called before we write anything) or it was last modified over an hour ago (a save on
+ * another host of a shared filesystem). Anything else is never touched. Each removal is logged
+ * (bt_log info, `component`). Returns the number removed. */
+int bt_clean_stale_temps(const char *dst, const char *component);
+
 #endif

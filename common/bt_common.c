@@ -1,6 +1,11 @@
 #include "bt_common.h"
 
 #include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <linux/openat2.h>
+#include <sys/syscall.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -29,6 +34,7 @@ const char *bt_strerror(int err) {
     case BT_ERR_TIMEOUT: return "timeout";
     case BT_ERR_CLOSED: return "closed";
     case BT_ERR_CANCELLED: return "cancelled";
+    case BT_ERR_DIVERGED: return "diverged";
     default: return "unknown";
     }
 }
@@ -127,10 +133,135 @@ uint64_t bt_fnv1a64(uint64_t h, const void *data, size_t n) {
     return h;
 }
 
+static _Atomic int g_refuse_links;
+
+void bt_open_refuse_symlinks(int on) { atomic_store(&g_refuse_links, on != 0); }
+
+int bt_open_ro(const char *path) {
+    /* O_NONBLOCK: a FIFO put where a file was expected must not hang the open (callers then
+     * refuse anything but a regular file); reads of regular files ignore it */
+    const int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+    if (!atomic_load(&g_refuse_links)) return open(path, flags);
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = flags;
+    how.resolve = RESOLVE_NO_SYMLINKS;
+    long fd = syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how);
+    if (fd < 0 && (errno == ENOSYS || errno == EPERM)) /* old kernel, or a seccomp filter */
+        fd = open(path, flags | O_NOFOLLOW);
+    return (int)fd;
+}
+
+/* ---- SIGBUS guard for file mappings (see bt_common.h) ----
+ * A fixed table of [lo, hi) page ranges, one per live bt_map; the signal handler only reads
+ * atomics and makes raw system calls (async-signal-safe). A slot is claimed by CAS on `lo`
+ * (0 = free, 1 = being set up), `hi` is written before `lo` gets its real value, and `lo` is
+ * cleared before munmap. */
+#define MAP_GUARD_SLOTS 4096
+static struct {
+    _Atomic uintptr_t lo, hi;
+    _Atomic int faulted;
+} g_guard[MAP_GUARD_SLOTS];
+static struct sigaction g_old_bus;
+static uintptr_t g_page = 4096; /* set before the handler is installed */
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc) {
+    uintptr_t a = (uintptr_t)si->si_addr;
+    for (int i = 0; i < MAP_GUARD_SLOTS; i++) {
+        uintptr_t lo = atomic_load_explicit(&g_guard[i].lo, memory_order_acquire);
+        if (lo <= 1 || a < lo) continue;
+        uintptr_t hi = atomic_load_explicit(&g_guard[i].hi, memory_order_relaxed);
+        if (a >= hi) continue;
+        /* a read past the file's new end: the rest of the mapping becomes zero pages (the
+         * file's pages past its end are gone anyway), and the mapping is marked changed */
+        uintptr_t from = a & ~(g_page - 1);
+        atomic_store(&g_guard[i].faulted, 1);
+        long r = syscall(SYS_mmap, (void *)from, (size_t)(hi - from), PROT_READ,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+        if (r != -1) return; /* the faulting read restarts and sees zeros */
+        break;
+    }
+    /* not ours (or the remap failed): what would have happened without us */
+    if ((g_old_bus.sa_flags & SA_SIGINFO) && g_old_bus.sa_sigaction) {
+        g_old_bus.sa_sigaction(sig, si, uc);
+    } else if (g_old_bus.sa_handler != SIG_DFL && g_old_bus.sa_handler != SIG_IGN) {
+        g_old_bus.sa_handler(sig);
+    } else {
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(SIGBUS, &dfl, NULL); /* the fault repeats and kills the process as before */
+    }
+}
+
+static pthread_mutex_t g_guard_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* Install the handler unless it is the current one: someone may have replaced it since (a
+ * test framework does around each test); the disposition found is what we chain to. */
+static void guard_install(void) {
+    pthread_mutex_lock(&g_guard_mu);
+    g_page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    struct sigaction cur;
+    sigaction(SIGBUS, NULL, &cur);
+    if (!((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus)) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_sigbus;
+        sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGBUS, &sa, &g_old_bus);
+    }
+    pthread_mutex_unlock(&g_guard_mu);
+}
+
+static int guard_add(uintptr_t lo, size_t len) {
+    guard_install();
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    for (int i = 0; i < MAP_GUARD_SLOTS; i++) {
+        uintptr_t z = 0;
+        if (!atomic_compare_exchange_strong(&g_guard[i].lo, &z, (uintptr_t)1)) continue;
+        atomic_store(&g_guard[i].faulted, 0);
+        atomic_store(&g_guard[i].hi, lo + (len + pg - 1) / pg * pg);
+        atomic_store_explicit(&g_guard[i].lo, lo, memory_order_release);
+        return i + 1;
+    }
+    return 0;
+}
+
+static void guard_remove(int guard) {
+    if (guard <= 0) return;
+    atomic_store_explicit(&g_guard[guard - 1].lo, (uintptr_t)1, memory_order_release);
+    atomic_store(&g_guard[guard - 1].hi, 0);
+    atomic_store(&g_guard[guard - 1].faulted, 0);
+    atomic_store_explicit(&g_guard[guard - 1].lo, (uintptr_t)0, memory_order_release);
+}
+
+static int64_t mtime_ns(const struct stat *st) {
+    return (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
+}
+
+void bt_test_pause_point(const char *path) {
+    const char *dir = getenv("BT_TEST_MAP_PAUSE_DIR"), *match = getenv("BT_TEST_MAP_PAUSE_MATCH");
+    if (!dir || !*dir || !match || !*match || !strstr(path, match)) return;
+    char fifo[4096];
+    snprintf(fifo, sizeof fifo, "%s/mapped", dir);
+    int fd = open(fifo, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    dprintf(fd, "%s\n", path);
+    close(fd);
+    snprintf(fifo, sizeof fifo, "%s/resume", dir);
+    fd = open(fifo, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    char b;
+    while (read(fd, &b, 1) < 0 && errno == EINTR) {
+    }
+    close(fd);
+}
+
 int bt_map_open(bt_map *m, const char *path) {
-    m->data = NULL;
-    m->size = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    memset(m, 0, sizeof *m);
+    m->fd = -1;
+    int fd = bt_open_ro(path);
     if (fd < 0) return bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0) {
@@ -149,15 +280,119 @@ int bt_map_open(bt_map *m, const char *path) {
             close(fd);
             return bt_fail(BT_ERR_IO, "%s: mmap: %s", path, strerror(e));
         }
+        m->guard = guard_add((uintptr_t)p, (size_t)st.st_size);
+        if (!m->guard) {
+            munmap(p, (size_t)st.st_size);
+            close(fd);
+            return bt_fail(BT_ERR_NOMEM, "%s: more than %d files mapped at once", path, MAP_GUARD_SLOTS);
+        }
         m->data = p;
         m->size = (size_t)st.st_size;
     }
-    close(fd);
+    m->fd = fd;
+    m->path = bt_xstrdup(path);
+    m->mtime_ns = mtime_ns(&st);
+    bt_test_pause_point(path);
     return BT_OK;
 }
 
+int bt_map_check(const bt_map *m, int rc) {
+    if (!m || !m->path || m->fd < 0) return rc;
+    int faulted = m->guard > 0 && atomic_load(&g_guard[m->guard - 1].faulted);
+    struct stat st;
+    int changed = fstat(m->fd, &st) != 0 || (size_t)st.st_size != m->size || mtime_ns(&st) != m->mtime_ns;
+    if (!faulted && !changed) return rc;
+    char now[64] = "now unreadable";
+    if (fstat(m->fd, &st) == 0) snprintf(now, sizeof now, "now %lld bytes", (long long)st.st_size);
+    return bt_fail(BT_ERR_IO,
+                   "%s: changed while being read (%zu bytes when opened, %s%s): nothing read from it is "
+                   "used; retry once the file is complete (replace files by renaming a finished copy over them)",
+                   m->path, m->size, now, faulted ? ", read past its new end" : ", modified in place");
+}
+
 void bt_map_close(bt_map *m) {
-    if (m->data) munmap((void *)m->data, m->size);
-    m->data = NULL;
-    m->size = 0;
+    if (m->path) { /* opened (a zeroed or failed map owns nothing) */
+        guard_remove(m->guard);
+        if (m->data) munmap((void *)m->data, m->size);
+        if (m->fd >= 0) close(m->fd);
+        free(m->path);
+    }
+    memset(m, 0, sizeof *m);
+    m->fd = -1;
+}
+
+int bt_read_file(const char *path, size_t max_bytes, char **out, size_t *len) {
+    *out = NULL;
+    if (len) *len = 0;
+    int fd = bt_open_ro(path);
+    if (fd < 0) return bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
+    int rc = bt_read_fd(fd, path, max_bytes, out, len);
+    close(fd);
+    return rc;
+}
+
+int bt_read_fd(int fd, const char *path, size_t max_bytes, char **out, size_t *len) {
+    *out = NULL;
+    if (len) *len = 0;
+    struct stat st, st2;
+    int rc = BT_OK;
+    char *buf = NULL;
+    size_t n = 0;
+    if (fstat(fd, &st) != 0) {
+        rc = bt_fail(BT_ERR_IO, "%s: fstat: %s", path, strerror(errno));
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = bt_fail(BT_ERR_IO, "%s: not a regular file", path);
+        goto out;
+    }
+    if (max_bytes && (uint64_t)st.st_size > max_bytes) {
+        rc = bt_fail(BT_ERR_RANGE, "%s: %lld bytes, larger than the %zu-byte limit for this file", path,
+                     (long long)st.st_size, max_bytes);
+        goto out;
+    }
+    size_t want = (size_t)st.st_size;
+    buf = malloc(want + 1);
+    if (!buf) {
+        rc = bt_fail(BT_ERR_NOMEM, "%s: out of memory (%zu bytes)", path, want + 1);
+        goto out;
+    }
+    while (n < want) {
+        ssize_t r = read(fd, buf + n, want - n > (1u << 30) ? (1u << 30) : want - n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            rc = bt_fail(BT_ERR_IO, "%s: read: %s", path, strerror(errno));
+            goto out;
+        }
+        if (r == 0) break;
+        n += (size_t)r;
+    }
+    char extra;
+    ssize_t more;
+    do more = read(fd, &extra, 1);
+    while (more < 0 && errno == EINTR);
+    if (n != want || more != 0 || fstat(fd, &st2) != 0 || st2.st_size != st.st_size ||
+        mtime_ns(&st2) != mtime_ns(&st)) {
+        rc = bt_fail(BT_ERR_IO, "%s: changed while being read (%zu bytes when opened, %zu read%s): retry once "
+                     "the file is complete", path, want, n, more > 0 ? ", and it grew" : "");
+        goto out;
+    }
+    buf[n] = 0;
+out:
+    if (rc) {
+        free(buf);
+        return rc;
+    }
+    *out = buf;
+    if (len) *len = n;
+    return BT_OK;
+}
+
+int bt_all_finite_f32(const float *x, size_t n, size_t *first) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) {
+            if (first) *first = i;
+            return 0;
+        }
+    return 1;
 }

@@ -20,6 +20,7 @@ typedef enum {
     BT_ERR_TIMEOUT = -8,     /* wait timed out */
     BT_ERR_CLOSED = -9,      /* peer closed / stream ended */
     BT_ERR_CANCELLED = -10,  /* stopped on request (a signal, another rank's failure) */
+    BT_ERR_DIVERGED = -11,   /* training diverged: non-finite loss, gradients or parameters */
 } bt_err;
 
 /* Static name of an error code ("io", "format", ...). Never NULL. */
@@ -55,18 +56,71 @@ void *bt_aligned_alloc(size_t n);
 #define BT_FNV64_INIT 0xcbf29ce484222325ULL
 uint64_t bt_fnv1a64(uint64_t h, const void *data, size_t n);
 
+/* ---- reading files that others may change under us ----
+ * Model files (GGUF, safetensors) are large and are memory-mapped; everything small (JSON
+ * configs, tokenizer.json, checkpoints' trainer_state.bin) is read into private memory with
+ * bt_read_file. Either way a file that is truncated, overwritten in place or replaced by
+ * someone else while we read it gives a clear error for that request or run and can never
+ * kill the process (issue 10 §1): a read past a new end of a mapping would raise SIGBUS; a
+ * process-wide SIGBUS handler (installed by bt_map_open when it is not the current one,
+ * chained to the disposition it replaced for every other address) maps zero pages over the
+ * rest of the mapping, marks it, and lets the read go on; bt_map_check then reports the
+ * change. Readers call it before they use what they read (bt_gguf_check, bt_st_check). */
+
+/* Open `path` read-only (O_CLOEXEC | O_NONBLOCK: a FIFO does not hang the open; the callers
+ * refuse anything but a regular file). After bt_open_refuse_symlinks(1) no component of the path
+ * may be a symbolic link (openat2 RESOLVE_NO_SYMLINKS, Linux >= 5.6; O_NOFOLLOW on the last
+ * component where openat2 is missing): loaderd turns this on, since every path it opens was
+ * resolved and checked against its roots before, so a link found at open time was swapped in
+ * afterwards to lead the read elsewhere. bt_map_open, bt_read_file and loaderd's shard reader
+ * open through it. Returns the fd, or -1 with errno set (ELOOP for a refused link). */
+int bt_open_ro(const char *path);
+/* Process-wide switch for bt_open_ro (default off). */
+void bt_open_refuse_symlinks(int on);
+
 /* Read-only memory map of a whole file. size 0 files map to data == NULL, size == 0. */
 typedef struct {
     const uint8_t *data;
     size_t size;
+    int fd;        /* kept open to notice in-place changes (fstat); -1 when closed */
+    int guard;     /* 1 + slot in the SIGBUS guard table, 0 when none */
+    char *path;    /* for messages (owned) */
+    int64_t mtime_ns; /* st_mtim at open */
 } bt_map;
-/* Map `path` (a regular file) read-only, MAP_PRIVATE; the fd is closed before returning.
- * *m owns the mapping until bt_map_close. Errors: BT_ERR_IO (open/fstat/mmap failed, or not a
- * regular file; message names the path), *m left empty. A file truncated by someone else while
- * mapped raises SIGBUS on access past its new end: use it for model/tokenizer files, never for
- * data that others may rewrite (loaderd/source.c reads shards with read(2) for that reason). */
+/* Map `path` (a regular file) read-only, MAP_PRIVATE, guarded against SIGBUS (above).
+ * *m owns the mapping (and one fd) until bt_map_close. Errors: BT_ERR_IO (open/fstat/mmap
+ * failed, or not a regular file; message names the path), BT_ERR_NOMEM (more than 4096 files
+ * mapped at once), *m left empty.
+ * Test hook: bt_test_pause_point(path) once mapped. */
 int bt_map_open(bt_map *m, const char *path);
-/* Unmap (an empty or already closed map is fine) and reset *m. */
+/* Test hook (a no-op unless both variables are set): when $BT_TEST_MAP_PAUSE_DIR names a
+ * directory holding the FIFOs "mapped" and "resume" and `path` contains
+ * $BT_TEST_MAP_PAUSE_MATCH, writes "<path>\n" to "mapped" and waits for one byte on "resume".
+ * bt_map_open calls it once a file is mapped and loaderd's shard reader once a shard is open,
+ * so process-level tests truncate or replace the file in between, deterministically. */
+void bt_test_pause_point(const char *path);
+/* Whether the file changed under the mapping since bt_map_open: a page past a new end was
+ * touched (it read as zeros), or the file's size or mtime differ now (truncated, rewritten or
+ * overwritten in place; a file replaced by rename is not a change: we hold the old one).
+ * Returns `rc` when it did not (callers pass the result of their reading, so a parse error
+ * stays theirs), else BT_ERR_IO with "<path>: changed while being read (...): nothing read from
+ * it is used; retry once the file is complete" — the change, not what the zeros led to, is
+ * the error. An empty or closed map returns rc. */
+int bt_map_check(const bt_map *m, int rc);
+/* Unmap and close (an all-zero, failed or already closed map is fine) and reset *m. */
 void bt_map_close(bt_map *m);
+
+/* Read a whole regular file into a malloc'd buffer (*out, NUL-terminated for text use; *len
+ * bytes excluding the NUL) with read(2). Refuses files over max_bytes (0 = no limit) with
+ * BT_ERR_RANGE naming the limit; BT_ERR_IO when it cannot be opened/read, is not a regular
+ * file, or shrank/grew/changed while being read (the message says so). *out = NULL on error. */
+int bt_read_file(const char *path, size_t max_bytes, char **out, size_t *len);
+/* The same from an open fd (not closed; read from its current offset, which should be 0);
+ * `path` names it in messages. */
+int bt_read_fd(int fd, const char *path, size_t max_bytes, char **out, size_t *len);
+
+/* 1 if every one of the n floats is finite; else 0 and *first (may be NULL) = the index of the
+ * first nan/inf. Writers use it so that no non-finite tensor is ever written (issue 10 §4). */
+int bt_all_finite_f32(const float *x, size_t n, size_t *first);
 
 #endif

@@ -412,7 +412,7 @@ static int parse(bt_gguf *g) {
 
 static int open_common(bt_gguf **out, bt_gguf *g, const char *name) {
     g->name = bt_xstrdup(name ? name : "<buffer>");
-    int rc = parse(g);
+    int rc = bt_gguf_check(g, parse(g)); /* a file cut while we parsed: that is the error */
     if (rc) {
         bt_gguf_close(g);
         return rc;
@@ -444,9 +444,15 @@ int bt_gguf_open_buffer(bt_gguf **out, const void *data, size_t size, const char
     return open_common(out, g, name);
 }
 
+int bt_gguf_check(const bt_gguf *g, int rc) {
+    if (!g || !g->map.path) return rc;
+    int c = bt_map_check(&g->map, BT_OK);
+    return c ? bt_fail(c, "gguf: %s", bt_last_error()) : rc;
+}
+
 void bt_gguf_close(bt_gguf *g) {
     if (!g) return;
-    if (g->map.data) bt_map_close(&g->map);
+    bt_map_close(&g->map);
     free(g->kix.slots);
     free(g->tix.slots);
     free(g->kv);
@@ -841,6 +847,10 @@ int bt_gguf_w_tensor(bt_gguf_writer *w, const char *name, int type, uint32_t n_d
     for (int64_t i = 0; i < w->n_t; i++)
         if (strcmp(w->t[i].name, name) == 0)
             return bt_fail(BT_ERR_INVALID, "gguf writer: duplicate tensor '%s'", name);
+    int64_t bad_at = 0; /* no nan/inf ever reaches a file (issue 10 §4) */
+    if (bt_ggml_all_finite(type, data, (size_t)nbytes, &bad_at) != 1)
+        return bt_fail(BT_ERR_INVALID, "gguf writer: tensor '%s' (%s) holds a non-finite value (at element "
+                       "%lld): refusing to write it", name, bt_ggml_type_name(type), (long long)bad_at);
     void *copy = malloc(nbytes ? (size_t)nbytes : 1);
     if (!copy)
         return bt_fail(BT_ERR_NOMEM, "gguf writer: tensor '%s': out of memory (%llu bytes)", name,

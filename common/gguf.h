@@ -54,6 +54,12 @@ int bt_gguf_open(bt_gguf **out, const char *path);
 /* Parse from a caller-owned buffer (not copied; must outlive the handle). `name` is for messages. */
 int bt_gguf_open_buffer(bt_gguf **out, const void *data, size_t size, const char *name);
 void bt_gguf_close(bt_gguf *g);
+/* For a handle from bt_gguf_open: whether the file changed under the mapping since it was
+ * opened (bt_map_check: truncated, rewritten in place). Returns rc when it did not, else
+ * BT_ERR_IO naming the file; every reader calls it with its own result before bt_gguf_close
+ * (`rc = bt_gguf_check(g, rc)`) and throws away what it read when it fails. A buffer handle
+ * returns rc. */
+int bt_gguf_check(const bt_gguf *g, int rc);
 
 uint32_t bt_gguf_version(const bt_gguf *g);
 uint64_t bt_gguf_alignment(const bt_gguf *g);

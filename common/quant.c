@@ -430,3 +430,71 @@ int bt_ggml_dequantize(int type, const void *src, float *dst, int64_t n) {
     }
     return BT_OK;
 }
+
+/* ---------------------------------------------------------------- finiteness (quant.h) */
+
+static int half_finite(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+    return (h & 0x7C00u) != 0x7C00u; /* exponent all ones: inf or nan */
+}
+
+int bt_ggml_all_finite(int type, const void *data, size_t nbytes, int64_t *first_elem) {
+    const type_info *ti = info(type);
+    if (!ti || nbytes % ti->bytes != 0 || (!data && nbytes)) return -1;
+    const uint8_t *b = data;
+    size_t nb = nbytes / ti->bytes;
+    /* offsets of the 16-bit scales in a block (-1: none); Q8_K has an f32 scale at 0 */
+    int h0 = -1, h1 = -1;
+    switch (type) {
+    case BT_GGML_F32:
+        for (size_t i = 0; i < nb; i++) {
+            float f;
+            memcpy(&f, b + 4 * i, 4);
+            if (!isfinite(f)) {
+                if (first_elem) *first_elem = (int64_t)i;
+                return 0;
+            }
+        }
+        return 1;
+    case BT_GGML_F16:
+        for (size_t i = 0; i < nb; i++)
+            if (!half_finite(b + 2 * i)) {
+                if (first_elem) *first_elem = (int64_t)i;
+                return 0;
+            }
+        return 1;
+    case BT_GGML_BF16:
+        for (size_t i = 0; i < nb; i++)
+            if ((b[2 * i + 1] & 0x7F) == 0x7F && (b[2 * i] & 0x80)) { /* exponent all ones */
+                if (first_elem) *first_elem = (int64_t)i;
+                return 0;
+            }
+        return 1;
+    case BT_GGML_Q4_0: case BT_GGML_Q5_0: case BT_GGML_Q8_0: h0 = 0; break;
+    case BT_GGML_Q4_1: case BT_GGML_Q5_1: case BT_GGML_Q8_1: case BT_GGML_Q4_K: case BT_GGML_Q5_K:
+        h0 = 0;
+        h1 = 2;
+        break;
+    case BT_GGML_Q2_K: h0 = 80; h1 = 82; break; /* scales[16], qs[64], d, dmin */
+    case BT_GGML_Q3_K: h0 = 108; break;         /* hmask[32], qs[64], scales[12], d */
+    case BT_GGML_Q6_K: h0 = 208; break;         /* ql[128], qh[64], scales[16], d */
+    case BT_GGML_Q8_K: break;                   /* float d first */
+    default: return -1;
+    }
+    for (size_t i = 0; i < nb; i++) {
+        const uint8_t *blk = b + i * ti->bytes;
+        int ok;
+        if (type == BT_GGML_Q8_K) {
+            float d;
+            memcpy(&d, blk, 4);
+            ok = isfinite(d);
+        } else {
+            ok = half_finite(blk + h0) && (h1 < 0 || half_finite(blk + h1));
+        }
+        if (!ok) {
+            if (first_elem) *first_elem = (int64_t)i * ti->blck;
+            return 0;
+        }
+    }
+    return 1;
+}

@@ -62,4 +62,14 @@ const char *bt_ggml_decodable_types(void);
  * type). */
 int bt_ggml_quantize(int type, const float *src, void *dst, int64_t n);
 
+/* Whether every value encoded in data[0..nbytes) (whole blocks of `type`) is finite: F32, F16,
+ * BF16 element by element; block types by their scales (a block's values are d * q (+ m / dmin
+ * terms) with small integers q, so they are finite iff its f16/f32 scales are): d of Q4_0,
+ * Q5_0, Q8_0, Q3_K, Q6_K; d and m of Q4_1, Q5_1; d and s of Q8_1; d and dmin of Q2_K, Q4_K,
+ * Q5_K; the f32 d of Q8_K (offsets from ggml-common.h block_*). Returns 1 if all are finite, 0
+ * with *first_elem (may be NULL) = the first element of the first offending value's block, -1
+ * for an unknown type or a size that is not whole blocks. Writers refuse non-finite tensors
+ * with it (issue 10 §4). */
+int bt_ggml_all_finite(int type, const void *data, size_t nbytes, int64_t *first_elem);
+
 #endif

@@ -8,8 +8,11 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/gguf.h"
+#include "common/quant.h"
 
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,13 +268,19 @@ int bt_st_open(bt_st_file **out, const char *path) {
     bt_st_file *f = bt_xcalloc(1, sizeof *f);
     f->path = bt_xstrdup(path);
     int rc = bt_map_open(&f->map, path);
-    if (rc == BT_OK) rc = parse_header(f);
+    if (rc == BT_OK) rc = bt_st_check(f, parse_header(f));
     if (rc) {
         bt_st_close(f);
         return rc;
     }
     *out = f;
     return BT_OK;
+}
+
+int bt_st_check(const bt_st_file *f, int rc) {
+    if (!f || !f->map.path) return rc;
+    int c = bt_map_check(&f->map, BT_OK);
+    return c ? bt_fail(c, "safetensors: %s", bt_last_error()) : rc;
 }
 
 int bt_st_n_tensors(const bt_st_file *f) { return f ? f->n : 0; }
@@ -374,6 +383,22 @@ int bt_st_w_tensor(bt_st_writer *w, const char *name, bt_st_dtype dtype, int n_d
     for (int i = 0; i < w->n; i++)
         if (strcmp(w->t[i].name, name) == 0)
             return bt_fail(BT_ERR_INVALID, "safetensors writer: duplicate tensor '%s'", name);
+    int64_t bad_at = 0; /* no nan/inf ever reaches a file (issue 10 §4) */
+    int gt = dtype == BT_ST_F32 ? BT_GGML_F32 : dtype == BT_ST_F16 ? BT_GGML_F16 : dtype == BT_ST_BF16 ? BT_GGML_BF16 : -1;
+    int fin = 1;
+    if (gt >= 0) fin = bt_ggml_all_finite(gt, data, nbytes, &bad_at) == 1;
+    else if (dtype == BT_ST_F64)
+        for (size_t i = 0; fin && i < nbytes / 8; i++) {
+            double d;
+            memcpy(&d, (const uint8_t *)data + 8 * i, 8);
+            if (!isfinite(d)) {
+                fin = 0;
+                bad_at = (int64_t)i;
+            }
+        }
+    if (!fin)
+        return bt_fail(BT_ERR_INVALID, "safetensors writer: tensor '%s' (%s) holds a non-finite value (at "
+                       "element %lld): refusing to write it", name, bt_st_dtype_name(dtype), (long long)bad_at);
     /* the name must be representable as a JSON key */
     json_t *probe = json_object();
     int bad = !probe || json_object_set_new(probe, name, json_null()) != 0;

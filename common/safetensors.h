@@ -34,6 +34,10 @@ typedef struct bt_st_file bt_st_file;
  * *out = NULL on error. */
 int bt_st_open(bt_st_file **out, const char *path);
 void bt_st_close(bt_st_file *f);
+/* Whether the file changed under the mapping since bt_st_open (bt_map_check); returns rc when it
+ * did not, else BT_ERR_IO naming the file. Readers call it with their own result before
+ * bt_st_close (`rc = bt_st_check(f, rc)`) and drop what they read when it fails. */
+int bt_st_check(const bt_st_file *f, int rc);
 int bt_st_n_tensors(const bt_st_file *f);
 const bt_st_tensor *bt_st_tensor_at(const bt_st_file *f, int i);
 /* NULL if out of range / absent (binary search by name). */

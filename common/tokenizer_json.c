@@ -15,6 +15,7 @@
  *   post_processor  only read for BOS/EOS: the special tokens a TemplateProcessing "single"
  *                   template puts before / after $A (nothing is ever added by bt_tokenize)
  * tokenizer_config.json (next to tokenizer.json) supplies bos/eos/pad tokens and chat_template. */
+#include "common/bt_json.h"
 #include "common/tokenizer_internal.h"
 
 #include <errno.h>
@@ -190,16 +191,11 @@ static int str_of(json_t *v, bt_str *out) {
 int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, const char *config, size_t config_len) {
     if (!out || (!json && len)) return bt_fail(BT_ERR_INVALID, "tokenizer_from_json: NULL argument");
     *out = NULL;
-    json_error_t jerr;
-    json_t *root = json_loadb(json ? json : "", len, JSON_ALLOW_NUL, &jerr);
-    if (!root) return bt_fail(BT_ERR_FORMAT, "tokenizer.json: line %d: %s", jerr.line, jerr.text);
-    json_t *cfg = NULL;
-    if (config && config_len) {
-        cfg = json_loadb(config, config_len, JSON_ALLOW_NUL, &jerr);
-        if (!cfg) {
-            json_decref(root);
-            return bt_fail(BT_ERR_FORMAT, "tokenizer_config.json: line %d: %s", jerr.line, jerr.text);
-        }
+    json_t *root = NULL, *cfg = NULL;
+    if (bt_json_loadb(&root, json, len, JSON_ALLOW_NUL, "tokenizer.json")) return BT_ERR_FORMAT;
+    if (config && config_len && bt_json_loadb(&cfg, config, config_len, JSON_ALLOW_NUL, "tokenizer_config.json")) {
+        json_decref(root);
+        return BT_ERR_FORMAT;
     }
     bt_tokenizer *t = bt_tok_new();
     bt_str *pieces = NULL, *ma = NULL, *mb = NULL;
@@ -424,13 +420,16 @@ done:
 static int read_maybe_zstd(const char *path, char **out, size_t *out_len) {
     *out = NULL;
     *out_len = 0;
-    bt_map m;
-    int rc = bt_map_open(&m, path);
+    struct {
+        char *data;
+        size_t size;
+    } m; /* read(2), not mapped: a file truncated meanwhile is an error, never a SIGBUS */
+    int rc = bt_read_file(path, (size_t)256 << 20, &m.data, &m.size); /* the largest real ones: ~35 MB */
     if (rc < 0) return rc;
     static const uint8_t zmagic[4] = {0x28, 0xB5, 0x2F, 0xFD};
     if (m.size >= 4 && memcmp(m.data, zmagic, 4) == 0) {
         ZSTD_DStream *ds = ZSTD_createDStream();
-        if (!ds) { bt_map_close(&m); return bt_fail(BT_ERR_NOMEM, "tokenizer: zstd context"); }
+        if (!ds) { free(m.data); return bt_fail(BT_ERR_NOMEM, "tokenizer: zstd context"); }
         size_t cap = m.size * 4 + 4096, n = 0;
         char *buf = bt_xmalloc(cap);
         ZSTD_inBuffer in = {m.data, m.size, 0};
@@ -451,7 +450,7 @@ static int read_maybe_zstd(const char *path, char **out, size_t *out_len) {
             if (r == 0 && in.pos == in.size) break;
         }
         ZSTD_freeDStream(ds);
-        bt_map_close(&m);
+        free(m.data);
         if (r != 0) {
             free(buf);
             return bt_fail(BT_ERR_FORMAT, "tokenizer: %s: corrupt or truncated zstd data", path);
@@ -460,12 +459,8 @@ static int read_maybe_zstd(const char *path, char **out, size_t *out_len) {
         *out_len = n;
         return 0;
     }
-    char *buf = bt_xmalloc(m.size + 1);
-    if (m.size) memcpy(buf, m.data, m.size);
-    buf[m.size] = 0;
-    *out = buf;
+    *out = m.data; /* NUL-terminated by bt_read_file */
     *out_len = m.size;
-    bt_map_close(&m);
     return 0;
 }
 
@@ -491,7 +486,11 @@ int bt_tokenizer_load(bt_tokenizer **out, const char *path) {
             bt_gguf *g = NULL;
             int rc = bt_gguf_open(&g, path);
             if (rc < 0) return rc;
-            rc = bt_tokenizer_from_gguf(out, g);
+            rc = bt_gguf_check(g, bt_tokenizer_from_gguf(out, g));
+            if (rc < 0 && *out) {
+                bt_tokenizer_free(*out); /* built from a file that changed under us */
+                *out = NULL;
+            }
             bt_gguf_close(g);
             return rc;
         }

@@ -15,6 +15,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/atomic_io.h"
@@ -273,8 +275,125 @@ static void test_fsync_and_rm_tree(void **s) {
     bt_rm_tree(p); /* missing: fine */
 }
 
+/* A pid that is not running: a child that has exited and been reaped. */
+static long dead_pid(void) {
+    pid_t p = fork();
+    assert_true(p >= 0);
+    if (p == 0) _exit(0);
+    assert_int_equal(waitpid(p, NULL, 0), p);
+    return (long)p;
+}
+
+static int exists(const char *p) {
+    struct stat st;
+    return lstat(p, &st) == 0;
+}
+
+/* Leftovers of saves killed mid-write (issue 10 §7): our own temporary names are removed when no
+ * live save holds them; nothing else is ever touched. */
+static void test_clean_stale_temps(void **s) {
+    (void)s;
+    long dead = dead_pid(), dead2 = dead_pid(), me = (long)getpid(), live = (long)getppid();
+    char out[128], p[300];
+    path_of(out, sizeof out, "out");
+    assert_int_equal(mkdir(out, 0755), 0);
+    struct {
+        const char *fmt;
+        long pid;
+        int is_dir, gone;
+    } e[] = {
+        {"out.tmp-%ld", dead, 1, 1},          /* an adapter / checkpoint directory */
+        {"out.tmp-%ld.tmp-%ld", dead2, 1, 1}, /* the adapter inside a checkpoint's */
+        {"out.old-%ld", dead2, 1, 1},         /* bt_replace_dir's fallback */
+        {"out.tmp.%ld.7", dead, 0, 1},        /* an atomic file */
+        {"out.tmp.%ld", dead, 0, 1},          /* the export's config.json temp */
+        {"out.tmp-%ld", me, 1, 1},            /* our own pid: a dead process that had it */
+        {"out.tmp-%ld", live, 1, 0},          /* a live process may be saving right now */
+        {"out.tmp-abc%ld", dead, 1, 0},       /* not our pattern: */
+        {"out.tmpx-%ld", dead, 1, 0},
+        {"outx.tmp-%ld", dead, 1, 0},
+        {"out.tmp-%ld.txt", dead, 0, 0},
+        {"out.tmp-%ld-", dead, 0, 0},
+        {"out.bak%ld", dead, 0, 0},
+        {"%ld.tmp-1", dead, 0, 0},
+    };
+    size_t ne = sizeof e / sizeof e[0];
+    for (size_t i = 0; i < ne; i++) {
+        snprintf(p, sizeof p, "%s/", g_dir);
+        size_t k = strlen(p);
+        snprintf(p + k, sizeof p - k, e[i].fmt, e[i].pid, e[i].pid);
+        if (e[i].is_dir) {
+            assert_int_equal(mkdir(p, 0755), 0);
+            char q[360];
+            snprintf(q, sizeof q, "%s/adapter_model.safetensors", p);
+            spit(q, "partial");
+        } else {
+            spit(p, "partial");
+        }
+    }
+    /* a live save holds its lock: kept even with a dead-looking pid */
+    char locked[200];
+    snprintf(locked, sizeof locked, "%s/out.tmp-%ld", g_dir, dead + 1000000);
+    int lk = bt_tmpdir_create(locked, "test");
+    assert_true(lk >= 0);
+    /* a symlink with our name pattern: never followed, never removed */
+    char target[200], link[200];
+    path_of(target, sizeof target, "keep-me");
+    assert_int_equal(mkdir(target, 0755), 0);
+    snprintf(link, sizeof link, "%s/out.tmp-%ld", g_dir, dead + 2000000);
+    assert_int_equal(symlink(target, link), 0);
+    /* inside the destination (exports write there): temporaries of dead pids only */
+    char in1[200], in2[200], in3[200];
+    snprintf(in1, sizeof in1, "%s/model.safetensors.tmp.%ld.3", out, dead);
+    snprintf(in2, sizeof in2, "%s/notes.tmp.x", out);
+    snprintf(in3, sizeof in3, "%s/a.tmp.%ld.1", out, live);
+    spit(in1, "x");
+    spit(in2, "x");
+    spit(in3, "x");
+    /* owned by someone else: kept (only when we can make such a file) */
+    char other[200];
+    snprintf(other, sizeof other, "%s/out.tmp-%ld", g_dir, dead + 3000000);
+    assert_int_equal(mkdir(other, 0755), 0);
+    int chowned = geteuid() == 0 && chown(other, 65534, 65534) == 0;
+
+    int removed = bt_clean_stale_temps(out, "test");
+    int want = 1; /* in1 */
+    for (size_t i = 0; i < ne; i++) {
+        snprintf(p, sizeof p, "%s/", g_dir);
+        size_t k = strlen(p);
+        snprintf(p + k, sizeof p - k, e[i].fmt, e[i].pid, e[i].pid);
+        if (exists(p) == e[i].gone) fail_msg("%s: %s", p, e[i].gone ? "left behind" : "removed");
+        want += e[i].gone;
+    }
+    if (!chowned) want++; /* ours after all: removed */
+    assert_int_equal(removed, want);
+    assert_true(exists(locked) && exists(link) && exists(target) && exists(out));
+    assert_true(!exists(in1) && exists(in2) && exists(in3));
+    assert_int_equal(exists(other), chowned);
+    close(lk);
+    /* once its writer is gone (the lock released), it goes too: its pid does not run */
+    assert_int_equal(bt_clean_stale_temps(out, "test"), 1);
+    assert_false(exists(locked));
+    /* an old leftover of a pid that runs now (another host on a shared filesystem) */
+    snprintf(p, sizeof p, "%s/out.tmp-%ld", g_dir, live);
+    struct timespec old[2] = {{time(NULL) - 7200, 0}, {time(NULL) - 7200, 0}};
+    assert_int_equal(utimensat(AT_FDCWD, p, old, AT_SYMLINK_NOFOLLOW), 0);
+    assert_int_equal(bt_clean_stale_temps(out, "test"), 1);
+    assert_false(exists(p));
+    /* a file destination and a bare name work too; a missing parent is fine */
+    char f[200];
+    path_of(f, sizeof f, "model.gguf.tmp.%ld.1");
+    snprintf(f, sizeof f, "%s/model.gguf.tmp.%ld.1", g_dir, dead);
+    spit(f, "x");
+    path_of(p, sizeof p, "model.gguf");
+    assert_int_equal(bt_clean_stale_temps(p, "test"), 1);
+    assert_int_equal(bt_clean_stale_temps("/nonexistent-dir/x", "test"), 0);
+    if (chowned) bt_rm_tree(other);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_clean_stale_temps, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_commit, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_abort, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_open_errors, setup_dir, teardown_dir),

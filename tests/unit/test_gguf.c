@@ -586,8 +586,57 @@ static void test_open_errors(void **s) {
     bt_gguf_close(g);
 }
 
+/* No nan/inf ever reaches a file (issue 10 §4): float tensors element by element, block types
+ * by their scales (bt_ggml_all_finite), refused by the writer naming the tensor. */
+static void test_nonfinite_refused(void **s) {
+    (void)s;
+    bt_gguf_writer *w = bt_gguf_writer_new();
+    float f[32];
+    for (int i = 0; i < 32; i++) f[i] = (float)i;
+    uint64_t ne[1] = {32};
+    assert_int_equal(bt_gguf_w_tensor(w, "ok", BT_GGML_F32, 1, ne, f, sizeof f), BT_OK);
+    f[31] = INFINITY;
+    assert_int_equal(bt_gguf_w_tensor(w, "bad", BT_GGML_F32, 1, ne, f, sizeof f), BT_ERR_INVALID);
+    assert_string_equal(bt_last_error(), "gguf writer: tensor 'bad' (F32) holds a non-finite value (at element "
+                                         "31): refusing to write it");
+    uint8_t q8[2 * 34];
+    memset(q8, 1, sizeof q8);
+    uint16_t d = bt_fp32_to_fp16(0.5f), nan16 = 0x7E00;
+    memcpy(q8, &d, 2);
+    memcpy(q8 + 34, &d, 2);
+    uint64_t ne64[1] = {64};
+    assert_int_equal(bt_gguf_w_tensor(w, "q_ok", BT_GGML_Q8_0, 1, ne64, q8, sizeof q8), BT_OK);
+    memcpy(q8 + 34, &nan16, 2); /* the second block's scale */
+    assert_int_equal(bt_gguf_w_tensor(w, "q_bad", BT_GGML_Q8_0, 1, ne64, q8, sizeof q8), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "(Q8_0) holds a non-finite value (at element 32)"));
+    bt_gguf_writer_free(w);
+    /* every block layout: a non-finite scale is found where ggml-common.h puts it */
+    static const struct { int type; int off; } scales[] = {
+        {BT_GGML_Q4_0, 0}, {BT_GGML_Q4_1, 2}, {BT_GGML_Q5_0, 0}, {BT_GGML_Q5_1, 2}, {BT_GGML_Q8_1, 2},
+        {BT_GGML_Q2_K, 80}, {BT_GGML_Q2_K, 82}, {BT_GGML_Q3_K, 108}, {BT_GGML_Q4_K, 0}, {BT_GGML_Q4_K, 2},
+        {BT_GGML_Q5_K, 2}, {BT_GGML_Q6_K, 208}};
+    uint8_t blk[512];
+    for (size_t k = 0; k < sizeof scales / sizeof scales[0]; k++) {
+        size_t bb = bt_ggml_block_bytes(scales[k].type);
+        memset(blk, 0, sizeof blk);
+        int64_t at = -1;
+        assert_int_equal(bt_ggml_all_finite(scales[k].type, blk, bb, &at), 1);
+        memcpy(blk + scales[k].off, &nan16, 2);
+        assert_int_equal(bt_ggml_all_finite(scales[k].type, blk, bb, &at), 0);
+        assert_int_equal(at, 0);
+    }
+    float inf = INFINITY;
+    memset(blk, 0, sizeof blk);
+    memcpy(blk, &inf, 4);
+    assert_int_equal(bt_ggml_all_finite(BT_GGML_Q8_K, blk, bt_ggml_block_bytes(BT_GGML_Q8_K), NULL), 0);
+    assert_int_equal(bt_ggml_all_finite(BT_GGML_Q8_0, blk, 33, NULL), -1); /* not whole blocks */
+    uint16_t bf[2] = {0x3F80, 0xFF80}; /* 1.0, -inf */
+    assert_int_equal(bt_ggml_all_finite(BT_GGML_BF16, bf, 4, NULL), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_nonfinite_refused),
         cmocka_unit_test(test_real_model),
         cmocka_unit_test(test_writer_round_trip),
         cmocka_unit_test(test_truncation),

@@ -6,12 +6,14 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/quant.h"
 #include "common/safetensors.h"
 #include "tests/unit/util/test_util.h"
 
@@ -261,8 +263,44 @@ static void test_truncation(void **s) {
     free(raw);
 }
 
+/* No nan/inf ever reaches a file (issue 10 §4): the writer refuses the tensor, naming it and
+ * the first offending element, for every float dtype; the file on disk is untouched. */
+static void test_nonfinite_refused(void **s) {
+    (void)s;
+    char p[128];
+    path_of(p, sizeof p, "nf.safetensors");
+    tu_write_file(NULL, p, "previous", 8);
+    bt_st_writer *w = bt_st_writer_new();
+    float f[4] = {1, 2, 3, 4};
+    int64_t sh[1] = {4};
+    assert_int_equal(bt_st_w_tensor(w, "ok", BT_ST_F32, 1, sh, f, sizeof f), BT_OK);
+    f[2] = NAN;
+    assert_int_equal(bt_st_w_tensor(w, "lora_B", BT_ST_F32, 1, sh, f, sizeof f), BT_ERR_INVALID);
+    assert_string_equal(bt_last_error(), "safetensors writer: tensor 'lora_B' (F32) holds a non-finite value (at "
+                                         "element 2): refusing to write it");
+    f[2] = -INFINITY;
+    assert_int_equal(bt_st_w_tensor(w, "inf", BT_ST_F32, 1, sh, f, sizeof f), BT_ERR_INVALID);
+    uint16_t h[4] = {bt_fp32_to_fp16(1.f), bt_fp32_to_fp16(70000.f) /* overflows to inf */, 0, 0};
+    assert_int_equal(bt_st_w_tensor(w, "h", BT_ST_F16, 1, sh, h, sizeof h), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "element 1"));
+    uint16_t b[4] = {0, 0, 0, bt_fp32_to_bf16(NAN)};
+    assert_int_equal(bt_st_w_tensor(w, "b", BT_ST_BF16, 1, sh, b, sizeof b), BT_ERR_INVALID);
+    double d[4] = {0, NAN, 0, 0};
+    assert_int_equal(bt_st_w_tensor(w, "d", BT_ST_F64, 1, sh, d, sizeof d), BT_ERR_INVALID);
+    int32_t i[4] = {-1, 0x7F800000, 0x7FC00000, 3}; /* integers: any bits are fine */
+    assert_int_equal(bt_st_w_tensor(w, "i", BT_ST_I32, 1, sh, i, sizeof i), BT_OK);
+    uint16_t hb[4] = {bt_fp32_to_fp16(65504.f), bt_fp32_to_fp16(-0.f), 1, 0x7BFF}; /* max, -0, subnormal */
+    assert_int_equal(bt_st_w_tensor(w, "edge", BT_ST_F16, 1, sh, hb, sizeof hb), BT_OK);
+    bt_st_writer_free(w);
+    size_t n;
+    uint8_t *raw = tu_slurp(p, &n);
+    assert_int_equal(n, 8);
+    free(raw);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_nonfinite_refused),
         cmocka_unit_test(test_dtypes),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_hostile),

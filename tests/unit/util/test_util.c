@@ -5,6 +5,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,4 +109,38 @@ char *tu_read_zst(const char *path, size_t *out_len) {
     free(src);
     *out_len = n;
     return dst;
+}
+
+int tu_st_put_nan(const char *path, const char *name, size_t elem) {
+    size_t n = 0;
+    uint8_t *b = tu_slurp(path, &n);
+    uint64_t hn;
+    assert_true(n >= 8);
+    memcpy(&hn, b, 8);
+    assert_true(hn <= n - 8);
+    json_error_t je;
+    json_t *h = json_loadb((const char *)b + 8, (size_t)hn, 0, &je);
+    assert_non_null(h);
+    json_t *t = json_object_get(h, name);
+    int done = 0;
+    if (t) {
+        const char *dt = json_string_value(json_object_get(t, "dtype"));
+        json_t *off = json_object_get(t, "data_offsets");
+        assert_non_null(dt);
+        size_t es = !strcmp(dt, "F32") ? 4 : (!strcmp(dt, "F16") || !strcmp(dt, "BF16")) ? 2 : 0;
+        assert_true(es > 0);
+        size_t at = 8 + (size_t)hn + (size_t)json_integer_value(json_array_get(off, 0)) + elem * es;
+        assert_true(at + es <= 8 + hn + (size_t)json_integer_value(json_array_get(off, 1)));
+        uint32_t f32 = 0x7FC00000u;
+        uint16_t f16 = !strcmp(dt, "F16") ? 0x7E00 : 0x7FC0;
+        memcpy(b + at, es == 4 ? (const void *)&f32 : (const void *)&f16, es);
+        FILE *f = fopen(path, "wb");
+        assert_non_null(f);
+        assert_int_equal(fwrite(b, 1, n, f), n);
+        assert_int_equal(fclose(f), 0);
+        done = 1;
+    }
+    json_decref(h);
+    free(b);
+    return done;
 }

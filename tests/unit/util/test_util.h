@@ -48,4 +48,10 @@ char *tu_read_zst(const char *path, size_t *out_len);
 /* One zstd frame (level 3) of src[0..n); *zn = its size. Caller frees. Asserts on failure. */
 void *tu_zstd_frame(const void *src, size_t n, size_t *zn);
 
+/* Overwrite element `elem` of tensor `name` in the safetensors file `path` with a NaN of the
+ * tensor's dtype (F32, F16 or BF16), in place: the hostile file our writers refuse to produce
+ * (they never write non-finite tensors). Returns 1 when patched, 0 when the file has no such
+ * tensor; asserts on anything else. */
+int tu_st_put_nan(const char *path, const char *name, size_t elem);
+
 #endif
