@@ -151,7 +151,7 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n);
     char *tmp = NULL, *p = NULL;
-    int rc = 0;
+    int rc = 0, lock = -1;
     if (!d) return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
     if ((rc = mkdir_parents(d))) goto out;
     if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0) {
@@ -159,9 +159,8 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
         rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
         goto out;
     }
-    bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
-    if (mkdir(tmp, 0755) != 0) {
-        rc = bt_fail(BT_ERR_IO, "adapter: mkdir %s: %s", tmp, strerror(errno));
+    if ((lock = bt_tmpdir_create(tmp, "adapter")) < 0) { /* locked: a save in progress */
+        rc = BT_ERR_IO;
         goto out;
     }
     if (asprintf(&p, "%s/adapter_model.safetensors", tmp) < 0) {
@@ -181,7 +180,8 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
         goto out;
     bt_fsync_parent(d, "adapter"); /* best effort: make the rename durable */
 out:
-    if (rc && tmp) bt_rm_tree(tmp);
+    if (rc && tmp && lock >= 0) bt_rm_tree(tmp);
+    if (lock >= 0) close(lock);
     free(p);
     free(tmp);
     free(d);

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "common/quant.h"
 #include "common/safetensors.h"
 #include "trainer/adapter.h"
@@ -254,15 +255,15 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
     snprintf(cpath, n, "%s/adapter_config.json", dir);
     snprintf(wpath, n, "%s/adapter_model.safetensors", dir);
     bt_st_file *f = NULL;
-    json_error_t je;
-    json_t *root = json_load_file(cpath, 0, &je);
+    json_t *root = NULL;
     int rc;
     struct stat st;
-    if (!root) {
-        rc = stat(cpath, &st) != 0
-                 ? bt_fail(BT_ERR_NOTFOUND, "adapter: %s: missing (not a PEFT adapter directory?)",
-                           cpath)
-                 : bt_fail(BT_ERR_FORMAT, "adapter: %s: line %d: %s", cpath, je.line, je.text);
+    if (stat(cpath, &st) != 0) {
+        rc = bt_fail(BT_ERR_NOTFOUND, "adapter: %s: missing (not a PEFT adapter directory?)", cpath);
+        goto out;
+    }
+    if ((rc = bt_json_load_file(&root, cpath, 0, 16u << 20))) {
+        rc = bt_fail(rc, "adapter: %s", bt_last_error());
         goto out;
     }
     if (!json_is_object(root)) {
@@ -335,6 +336,7 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
                          bt_st_n_tensors(f), expected);
     }
 out:
+    if (f && bt_st_check(f, 0)) rc = bt_fail(BT_ERR_IO, "adapter: %s", bt_last_error());
     if (rc) bt_lora_free(lo);
     bt_st_close(f);
     json_decref(root);

@@ -134,6 +134,15 @@ static void fill_header(ckpt_header *H, const bt_train_config *cfg, const bt_mod
 /* resume: NULL or world x BT_RESUME_STATE_BYTES (rank 0's is in the header) */
 static int write_state(const char *path, const ckpt_header *H, const bt_lora *lo,
                        const uint8_t *resume) {
+    /* no nan/inf ever reaches a checkpoint (issue 10 §4): the previous one stays in place */
+    const float *arrs[3] = {lo->params, lo->m, lo->v};
+    static const char *const names[3] = {"LoRA parameters", "AdamW first moments", "AdamW second moments"};
+    for (int k = 0; k < 3; k++) {
+        size_t at = 0;
+        if (arrs[k] && !bt_all_finite_f32(arrs[k], (size_t)lo->n_params, &at))
+            return bt_fail(BT_ERR_INVALID, "checkpoint: the %s hold a non-finite value (index %zu): refusing "
+                           "to write %s", names[k], at, path);
+    }
     FILE *f = fopen(path, "wb");
     if (!f) return bt_fail(BT_ERR_IO, "checkpoint: create %s: %s", path, strerror(errno));
     wsum w = {f, BT_FNV64_INIT, 0};
@@ -183,7 +192,7 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n), *tmp = NULL, *p = NULL, *dump = NULL;
     if (!d) return bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
-    int rc = 0;
+    int rc = 0, lock = -1;
     if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0) {
         tmp = NULL;
         rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
@@ -195,6 +204,7 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
         rc = bt_fail(rc, "checkpoint: %s", bt_last_error());
         goto out;
     }
+    lock = bt_tmpdir_lock(tmp); /* "a save is writing this" (bt_clean_stale_temps) */
     ckpt_header H;
     fill_header(&H, cfg, m, lo, step, resume_states, world);
     if (asprintf(&p, "%s/" CKPT_STATE, tmp) < 0) {
@@ -217,6 +227,7 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     rc = bt_fsync_parent(d, "checkpoint"); /* make the rename durable */
 out:
     if (rc && tmp) bt_rm_tree(tmp);
+    if (lock >= 0) close(lock);
     free(dump);
     free(p);
     free(tmp);
@@ -247,15 +258,18 @@ int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_
     char *path = NULL;
     if (asprintf(&path, "%s/" CKPT_STATE, dir) < 0)
         return bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
-    bt_map mp;
-    int rc = bt_map_open(&mp, path);
+    struct {
+        char *data;
+        size_t size;
+    } mp; /* read(2) into private memory: a file cut meanwhile is an error, never a SIGBUS */
+    int rc = bt_read_file(path, 0, &mp.data, &mp.size);
     if (rc) {
         rc = bt_fail(BT_ERR_IO, "checkpoint %s: cannot read %s: %s", dir, path, bt_last_error());
         free(path);
         return rc;
     }
     free(path);
-    const uint8_t *b = mp.data;
+    const uint8_t *b = (const uint8_t *)mp.data;
     ckpt_header H;
     if (mp.size < CKPT_V1_HEADER_BYTES + 8) {
         rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is truncated (%zu bytes)", dir,
@@ -357,6 +371,6 @@ int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_
                 BT_RESUME_STATE_BYTES);
     if (ckpt_steps) *ckpt_steps = H.steps;
 out:
-    bt_map_close(&mp);
+    free(mp.data);
     return rc;
 }

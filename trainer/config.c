@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "common/yaml_json.h"
 #include "proto/client.h"
 
@@ -248,7 +249,11 @@ static int apply_set(json_t *root, const char *kv) {
     if (!path) return bt_fail(BT_ERR_NOMEM, "config: out of memory");
     const char *val = eq + 1;
     json_error_t jerr;
-    json_t *jv = json_loads(val, JSON_DECODE_ANY, &jerr);
+    json_t *jv = json_loads(val, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
+    if (!jv && json_error_code(&jerr) == json_error_duplicate_key) {
+        free(path);
+        return bt_fail(BT_ERR_INVALID, "config: --set %s: %s", kv, jerr.text);
+    }
     if (!jv) jv = json_string(val);
     if (!jv) {
         free(path);
@@ -421,7 +426,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             break;
         /* lora */
         if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, 4096, 0, 0), &c->lora.r)) ||
-            (rc = get_num(lora, "lora", "lora_alpha", 32, POS, &c->lora.alpha)) ||
+            (rc = get_num(lora, "lora", "lora_alpha", 32, RANGE(0, 65536, 1, 0), &c->lora.alpha)) ||
             (rc = get_num(lora, "lora", "lora_dropout", 0.05, RANGE(0, 1, 0, 1), &c->lora.dropout)))
             break;
         json_t *tm = json_object_get(lora, "target_modules");
@@ -445,13 +450,17 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             if (rc) break;
         }
         /* optim */
-        if ((rc = get_num(optim, "optim", "lr", 2e-4, POS, &c->optim.lr)) ||
-            (rc = get_num(optim, "optim", "weight_decay", 0.0, NONNEG, &c->optim.weight_decay)) ||
+        /* ranges (issue 10 §4): AdamW moves each parameter by about lr per step, so lr > 1 can
+         * only diverge; decoupled weight decay scales by (1 - lr * wd), so wd in [0, 1]; betas
+         * are EMA factors in [0, 1); eps only guards a division */
+        if ((rc = get_num(optim, "optim", "lr", 2e-4, RANGE(0, 1, 1, 0), &c->optim.lr)) ||
+            (rc = get_num(optim, "optim", "weight_decay", 0.0, RANGE(0, 1, 0, 0),
+                          &c->optim.weight_decay)) ||
             (rc = get_num(optim, "optim", "beta1", 0.9, RANGE(0, 1, 0, 1), &c->optim.beta1)) ||
             (rc = get_num(optim, "optim", "beta2", 0.999, RANGE(0, 1, 0, 1), &c->optim.beta2)) ||
-            (rc = get_num(optim, "optim", "eps", 1e-8, POS, &c->optim.eps)) ||
+            (rc = get_num(optim, "optim", "eps", 1e-8, RANGE(0, 1, 1, 0), &c->optim.eps)) ||
             (rc = get_i32(optim, "optim", "warmup_steps", 0, NONNEG, &c->optim.warmup_steps)) ||
-            (rc = get_num(optim, "optim", "grad_clip", 1.0, NONNEG, &c->optim.grad_clip)))
+            (rc = get_num(optim, "optim", "grad_clip", 1.0, RANGE(0, 1e6, 0, 0), &c->optim.grad_clip)))
             break;
         /* loop */
         if ((rc = get_i32(root, NULL, "steps", 100, ATLEAST1, &c->steps)) ||
@@ -621,14 +630,19 @@ static int parse_root(bt_train_config *cfg, json_t *root, json_t *lines, const c
 int bt_config_parse(bt_train_config *cfg, const char *json_text, const char *origin,
                     const char *const *sets, int n_sets) {
     memset(cfg, 0, sizeof *cfg);
-    json_error_t jerr;
-    json_t *root = json_loads(json_text, 0, &jerr);
-    if (!root)
-        return bt_fail(BT_ERR_FORMAT, "config: %s: line %d column %d: %s%s",
-                       origin ? origin : "<text>", jerr.line, jerr.column, jerr.text,
-                       jerr.line == 1 && jerr.column <= 1 && origin &&
-                               !(strlen(origin) > 5 && !strcmp(origin + strlen(origin) - 5, ".json"))
-                           ? " (a YAML config needs a .yaml or .yml file name)" : "");
+    json_t *root = NULL;
+    const char *org = origin ? origin : "<text>";
+    if (bt_json_loadb(&root, json_text, strlen(json_text), 0, org)) {
+        /* "<origin>:<line>:<col>: ...": a YAML text fed to the JSON parser fails at 1:0 or 1:1 */
+        const char *msg = bt_last_error();
+        int line = 0, col = 0;
+        size_t ol = strlen(org);
+        if (!strncmp(msg, org, ol)) sscanf(msg + ol, ":%d:%d:", &line, &col);
+        int yaml_hint = line == 1 && col <= 1 && origin &&
+                        !(strlen(origin) > 5 && !strcmp(origin + strlen(origin) - 5, ".json"));
+        return bt_fail(BT_ERR_FORMAT, "config: %s%s", msg,
+                       yaml_hint ? " (a YAML config needs a .yaml or .yml file name)" : "");
+    }
     if (!json_is_object(root)) {
         json_decref(root);
         return bt_fail(BT_ERR_FORMAT, "config: %s: expected a JSON object at top level",
@@ -659,14 +673,10 @@ int bt_config_is_yaml(const char *path) {
 
 int bt_config_load(bt_train_config *cfg, const char *path, const char *const *sets, int n_sets) {
     memset(cfg, 0, sizeof *cfg);
-    bt_map m;
-    int rc = bt_map_open(&m, path);
+    char *text = NULL;
+    size_t size = 0;
+    int rc = bt_read_file(path, 64u << 20, &text, &size);
     if (rc) return bt_fail(rc, "config: cannot read %s: %s", path, bt_last_error());
-    size_t size = m.size;
-    char *text = bt_xmalloc(size + 1);
-    if (size) memcpy(text, m.data, size);
-    text[size] = 0;
-    bt_map_close(&m);
     rc = bt_config_is_yaml(path) ? bt_config_parse_yaml(cfg, text, size, path, sets, n_sets)
                                  : bt_config_parse(cfg, text, path, sets, n_sets);
     free(text);

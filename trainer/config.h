@@ -1,6 +1,6 @@
 /* Trainer job configuration: a JSON file (jansson) or a YAML file (.yaml / .yml, libyaml through
  * common/yaml_json.h: the same keys, the same tree, the same validation; messages then carry the
- * file and line of the key, e.g. "config: job.yaml:12: optim.lr: expected a number > 0, got
+ * file and line of the key, e.g. "config: job.yaml:12: optim.lr: expected a number in (0, 1], got
  * \"abc\""; duplicate keys are refused naming both lines), overridden by
  * `--set key.path=value`.
  *
@@ -22,10 +22,14 @@
  *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data;
  *           per rank: with several ranks each evaluates up to this many of its own batches and
  *           the loss is the token mean over all of them) }
- *   lora: { r 16, lora_alpha 32, lora_dropout 0.05,
+ *   lora: { r 16 [1, 4096], lora_alpha 32 (0, 65536], lora_dropout 0.05 [0, 1),
  *           target_modules ["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"] }
- *   optim: { lr 2e-4, weight_decay 0.0, beta1 0.9, beta2 0.999, eps 1e-8, warmup_steps 0,
- *            grad_clip 1.0 (0 = no clipping) }
+ *   optim: { lr 2e-4 (0, 1], weight_decay 0.0 [0, 1], beta1 0.9 [0, 1), beta2 0.999 [0, 1),
+ *            eps 1e-8 (0, 1], warmup_steps 0 (>= 0; more than `steps` is allowed, as in HF
+ *            Trainer, with a warning at start: the rate never reaches lr), grad_clip 1.0
+ *            [0, 1e6] (0 = no clipping) }  (out of range: refused at start naming the key and
+ *            the range; a run whose loss or gradients still become non-finite stops: exit
+ *            status 3, main.c)
  *   steps 100                          optimizer steps
  *   grad_accum 1                       micro-batches per optimizer step
  *   schedule "cosine" ("cosine"|"linear"|"constant"), min_lr_ratio 0.1
@@ -95,7 +99,7 @@
  * comments instead).
  *
  * Errors always name the key and what was expected, e.g.
- *   config: optim.lr: expected a number > 0, got "abc"
+ *   config: optim.lr: expected a number in (0, 1], got "abc"
  *   config: unknown key "optim.momentum" (known: lr, weight_decay, ...)
  */
 #ifndef BT_TRAINER_CONFIG_H

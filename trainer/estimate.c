@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "common/gguf.h"
 #include "common/quant.h"
 #include "kernels/kernels.h"
@@ -106,6 +107,7 @@ static int read_gguf(bt_est_model *em, const char *path) {
     em->gguf = 1;
     if (hp->n_head > 0 && hp->d_model % hp->n_head == 0) gguf_linears(em, g);
 out:
+    if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "estimate: %s", bt_last_error());
     bt_gguf_close(g);
     return rc;
 }
@@ -129,12 +131,13 @@ static int json_int(const json_t *j, const char *path, const char *key, int requ
 static int read_hf(bt_est_model *em, const char *path) {
     char *cfgp = NULL;
     if (asprintf(&cfgp, "%s/config.json", path) < 0) return bt_fail(BT_ERR_NOMEM, "out of memory");
-    json_error_t e;
-    json_t *j = json_load_file(cfgp, 0, &e);
+    json_t *j = NULL;
+    int lrc = bt_json_load_file(&j, cfgp, 0, 16u << 20);
     free(cfgp);
-    if (!j || !json_is_object(j)) {
+    if (lrc) return bt_fail(lrc, "estimate: %s", bt_last_error());
+    if (!json_is_object(j)) {
         json_decref(j);
-        return bt_fail(BT_ERR_FORMAT, "estimate: %s/config.json: %s", path, j ? "not an object" : e.text);
+        return bt_fail(BT_ERR_FORMAT, "estimate: %s/config.json: not an object", path);
     }
     bt_llama_hparams *hp = &em->hp;
     int rc;

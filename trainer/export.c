@@ -11,7 +11,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "common/gguf.h"
 #include "common/quant.h"
 #include "common/safetensors.h"
@@ -49,7 +51,8 @@ const char *bt_export_dtype_name(int d) {
 static char *peft_base_name(const char *dir) {
     char *p = NULL, *out = NULL;
     if (asprintf(&p, "%s/adapter_config.json", dir) < 0) return bt_xstrdup("");
-    json_t *j = json_load_file(p, 0, NULL);
+    json_t *j = NULL;
+    bt_json_load_file(&j, p, 0, 16u << 20); /* errors: the name stays "" (the weights load says why) */
     const json_t *v = j ? json_object_get(j, "base_model_name_or_path") : NULL;
     out = bt_xstrdup(json_is_string(v) ? json_string_value(v) : "");
     json_decref(j);
@@ -463,6 +466,7 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                            dtype);
     if (!rc && !m->tied)
         rc = add_gguf(w, "output.weight", bt_lora_lm_head(lo, m), hp->vocab, hp->d_model, dtype);
+    if (base) rc = bt_gguf_check(base, rc); /* the metadata copied from it is what was there */
     if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error());
 out:
     bt_gguf_writer_free(w);
@@ -548,6 +552,7 @@ int bt_export_run(const bt_export_opts *o) {
     struct stat st;
     if (!o->model || !o->adapter || !o->out)
         return bt_fail(BT_ERR_INVALID, "export: model, adapter and out are required");
+    bt_clean_stale_temps(o->out, "export"); /* an earlier export killed mid-write */
     if (stat(o->model, &st) != 0)
         return bt_fail(BT_ERR_IO, "export: %s: %s", o->model, strerror(errno));
     if (S_ISDIR(st.st_mode)) { /* Hugging Face directory: no GGUF metadata to carry over */
@@ -592,6 +597,7 @@ int bt_export_run(const bt_export_opts *o) {
                lo.embed ? ", LoRA+ embed_tokens" : "", lo.norms ? ", LoRA+ norms" : "");
     }
 out:
+    if (g && bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "export: %s", bt_last_error());
     free(base_name);
     bt_lora_free(&lo);
     bt_model_free(&m);

@@ -576,6 +576,8 @@ int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dt
     char *path = NULL;
     if ((rc = write_weights(m, lo, dtype, max_bytes, out_dir, &n_shards))) return rc;
     if ((rc = write_tokenizer(m, o, out_dir, &ids))) return rc;
+    /* the tokenizer and ids came from the base's mapping: a base changed under us fails here */
+    if (o && o->base_gguf && (rc = bt_gguf_check(o->base_gguf, 0))) return bt_fail(rc, "export: %s", bt_last_error());
     if (asprintf(&path, "%s/config.json", out_dir) < 0)
         return bt_fail(BT_ERR_NOMEM, "export: out of memory");
     rc = write_hf_config(m, &ids, dtype, path);

@@ -3,7 +3,9 @@
  *   trainer eval  --config job.json [--set key.path=value ...]
  *   trainer --help
  * Exit status (trainer/train.h BT_EXIT_*): 0 success, 1 runtime failure, 2 usage or
- * configuration error, 75 interrupted (a signal; the last completed step is saved). */
+ * configuration error, 3 training diverged (non-finite loss, gradients or parameters: nothing of
+ * the diverged steps was saved; out_dir and checkpoint_dir keep the last good adapter and
+ * checkpoint), 75 interrupted (a signal; the last completed step is saved). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -236,5 +238,5 @@ int main(int argc, char **argv) {
     rc = bt_train_run(&cfg, cmd == BT_CMD_EVAL, stdout);
     if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
     bt_config_free(&cfg);
-    return rc == BT_ERR_CANCELLED ? BT_EXIT_INTERRUPTED : rc ? BT_EXIT_FAILURE : BT_EXIT_OK;
+    return rc == BT_ERR_CANCELLED ? BT_EXIT_INTERRUPTED : rc == BT_ERR_DIVERGED ? BT_EXIT_DIVERGED : rc ? BT_EXIT_FAILURE : BT_EXIT_OK;
 }

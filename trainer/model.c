@@ -514,9 +514,14 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
                 goto fail;
         }
     }
+    if ((rc = bt_gguf_check(g, 0))) {
+        rc = bt_fail(rc, "model: %s", bt_last_error());
+        goto fail;
+    }
     bt_gguf_close(g);
     return 0;
 fail:
+    if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "model: %s", bt_last_error());
     bt_gguf_close(g);
     bt_model_free(m);
     return rc;

@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "common/quant.h"
 #include "common/safetensors.h"
 #include "trainer/model_internal.h"
@@ -106,12 +107,12 @@ static int bnb_read(bnb_parts *p, bt_st_file *const *files, int n_files, const c
     if (qs->dtype != BT_ST_U8)
         return bt_fail(BT_ERR_FORMAT, "model: %s: %s has dtype %s, expected U8 (JSON bytes)", path,
                        name, bt_st_dtype_name(qs->dtype));
-    json_error_t je;
-    json_t *js = json_loadb(qs->data, qs->nbytes, 0, &je);
-    if (!js || !json_is_object(js)) {
+    json_t *js = NULL;
+    if (bt_json_loadb(&js, qs->data, qs->nbytes, 0, name) || !json_is_object(js)) {
+        const char *why = js ? "wrong type" : bt_last_error();
+        int frc = bt_fail(BT_ERR_FORMAT, "model: %s: %s is not a JSON object (%s)", path, name, why);
         json_decref(js);
-        return bt_fail(BT_ERR_FORMAT, "model: %s: %s is not a JSON object (%s)", path, name,
-                       js ? "wrong type" : je.text);
+        return frc;
     }
     int rc = 0;
     double d;
@@ -310,6 +311,15 @@ static void wsrc_close(wsrc *s) {
     memset(s, 0, sizeof *s);
 }
 
+/* rc, or the error of the first weight file that changed while we read it (bt_st_check). */
+static int wsrc_check(const wsrc *s, int rc) {
+    for (int i = 0; i < s->n_files; i++) {
+        int c = bt_st_check(s->files[i], BT_OK);
+        if (c) return bt_fail(c, "model: %s", bt_last_error());
+    }
+    return rc;
+}
+
 static char *path_join(const char *dir, const char *name) {
     size_t n = strlen(dir) + strlen(name) + 2;
     char *p = bt_xmalloc(n);
@@ -356,11 +366,8 @@ static int wsrc_open(wsrc *s, const char *dir) {
     if (file_exists(idx)) {
         s->index_path = idx;
         idx = NULL;
-        json_error_t je;
-        s->index_json = json_load_file(s->index_path, 0, &je);
-        if (!s->index_json) {
-            rc = bt_fail(errno == ENOENT ? BT_ERR_IO : BT_ERR_FORMAT, "model: %s: line %d: %s",
-                         s->index_path, je.line, je.text);
+        if ((rc = bt_json_load_file(&s->index_json, s->index_path, 0, 256u << 20))) {
+            rc = bt_fail(rc, "model: %s", bt_last_error());
             goto out;
         }
         s->weight_map = json_object_get(s->index_json, "weight_map");
@@ -698,16 +705,14 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
                        "keeps a GGUF file's own blocks and needs a .gguf model (use \"nf4\", "
                        "\"fp32\" or \"auto\")", dir);
     char *cpath = path_join(dir, "config.json");
-    json_error_t je;
-    cfgj c = {json_load_file(cpath, 0, &je), cpath};
+    cfgj c = {NULL, cpath};
     wsrc s;
     memset(&s, 0, sizeof s);
-    int rc;
+    int rc = file_exists(cpath) ? bt_json_load_file(&c.root, cpath, 0, 16u << 20) : BT_ERR_NOTFOUND;
     if (!c.root) {
-        rc = file_exists(cpath) ? bt_fail(BT_ERR_FORMAT, "model: %s: line %d: %s", cpath, je.line,
-                                          je.text)
-                                : bt_fail(BT_ERR_NOTFOUND, "model: %s: missing (not a Hugging "
-                                          "Face model directory?)", cpath);
+        rc = rc != BT_ERR_NOTFOUND ? bt_fail(rc, "model: %s", bt_last_error())
+                                   : bt_fail(BT_ERR_NOTFOUND, "model: %s: missing (not a Hugging "
+                                             "Face model directory?)", cpath);
         free(cpath);
         return rc;
     }
@@ -759,11 +764,13 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
                 goto fail;
         }
     }
+    if ((rc = wsrc_check(&s, 0))) goto fail;
     wsrc_close(&s);
     json_decref(c.root);
     free(cpath);
     return 0;
 fail:
+    rc = wsrc_check(&s, rc);
     wsrc_close(&s);
     json_decref(c.root);
     free(cpath);

@@ -12,6 +12,7 @@
 #include <sys/random.h>
 #include <sys/resource.h>
 
+#include "common/atomic_io.h"
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
 #include "proto/client.h"
@@ -91,6 +92,47 @@ static int save_checkpoint(const bt_train_config *cfg, const bt_model *m, bt_lor
     }
     return dist_agree(rc, "saving the checkpoint");
 }
+
+/* A run whose loss, gradient norm or parameters became non-finite at `step` (issue 10 §4):
+ * nothing more is written (the writers refuse non-finite tensors anyway), so out_dir and
+ * checkpoint_dir keep the last good saves. Returns BT_ERR_DIVERGED with the message (exit
+ * status 3, trainer/main.c). */
+static int diverged(const bt_train_config *cfg, int step, const char *what, double lr,
+                    int adapter_step, int ck_step) {
+    char saved[1024];
+    int n = 0;
+    if (adapter_step > 0)
+        n = snprintf(saved, sizeof saved, "the adapter in %s is the one saved at step %d", cfg->out_dir,
+                     adapter_step);
+    else
+        n = snprintf(saved, sizeof saved, "no adapter was saved by this run (%s is untouched)",
+                     cfg->out_dir);
+    if (cfg->checkpoint_every > 0 && n > 0 && (size_t)n < sizeof saved) {
+        if (ck_step > 0)
+            snprintf(saved + n, sizeof saved - (size_t)n, ", the checkpoint in %s is the one of step %d",
+                     cfg->checkpoint_dir, ck_step);
+        else
+            snprintf(saved + n, sizeof saved - (size_t)n, ", no checkpoint was written by this run (%s is "
+                     "untouched)", cfg->checkpoint_dir);
+    }
+    return bt_fail(BT_ERR_DIVERGED,
+                   "training diverged at step %d: non-finite %s (learning rate %.3g): stopped without saving "
+                   "anything of this step or later; %s. Lower optim.lr (now %g), raise optim.warmup_steps or "
+                   "set optim.grad_clip, then resume from the last checkpoint or start again",
+                   step, what, lr, saved, cfg->optim.lr);
+}
+
+/* Fault injection for the tests of the divergence stop (tests/py/test_trainer_hardening.py):
+ * $BT_TEST_NONFINITE_GRAD_AT_STEP = k makes a gradient of (CPU) step k NaN, as an overflow
+ * would. A valid configuration cannot diverge within a test's few steps on a tiny fp32 model
+ * (the hyper-parameter ranges and RMSNorm see to that), so the path is driven this way. 0 when
+ * unset. */
+static int test_poison_step(void) {
+    const char *e = getenv("BT_TEST_NONFINITE_GRAD_AT_STEP");
+    return e && *e ? atoi(e) : 0;
+}
+
+static int on_device(const bt_train_config *cfg) { return cfg->device == BT_DEVICE_CUDA; }
 
 /* The signal that asked this process to stop (SIGINT, SIGTERM, SIGUSR1: Slurm's early warning
  * before a time limit, scripts/train.sbatch); 0 = none. */
@@ -452,6 +494,14 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     uint8_t nccl_id[128];
     memset(nccl_id, 0, sizeof nccl_id);
     if ((rc = bt_dist_env_resolve(&g_dist))) goto done_nomodel;
+    if (!eval_only && g_dist.rank == 0 && cfg->optim.warmup_steps > cfg->steps)
+        bt_log(BT_LOG_WARN, "trainer", "optim.warmup_steps %d > steps %d: the learning rate never reaches "
+               "optim.lr %g", cfg->optim.warmup_steps, cfg->steps, cfg->optim.lr);
+    if (!eval_only && g_dist.rank == 0) { /* saves killed mid-write by an earlier run (SIGKILL) */
+        bt_clean_stale_temps(cfg->out_dir, "trainer");
+        if (cfg->checkpoint_every > 0 || cfg->resume_from)
+            bt_clean_stale_temps(cfg->checkpoint_dir, "trainer");
+    }
     if (g_dist.world > 1) {
         if (cfg->device != BT_DEVICE_CUDA) {
             rc = bt_fail(BT_ERR_UNSUPPORTED, "%d processes (%s: rank %d): data-parallel training "
@@ -615,6 +665,8 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     int end_step = cfg->stop_at_step > 0 ? cfg->stop_at_step : cfg->steps;
     double last_loss = NAN;
     int ck_step = -1; /* the step of the last checkpoint written */
+    int adapter_step = -1; /* the step of the last adapter written by this run (save_every) */
+    const int poison_step = test_poison_step();
     /* --profile: the second step of the run (the first warms caches and pages), or the only one */
     const int prof_step = !cfg->profile ? -1 : end_step - start_step >= 2 ? start_step + 1 : start_step;
     /* A stop request (a signal on any rank, relayed by the watchdog) lands mid-step: every wait
@@ -704,6 +756,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             if (rc) goto stop_or_fail;
             loss_sum += ls;
         }
+        if (poison_step == step + 1 && lora.n_params > 0 && !on_device(cfg)) lora.grads[0] = NAN;
 #ifdef BT_WITH_CUDA
         /* sum of every rank's d(loss_sum / n_lab): the gradient of the global mean loss */
         if (g_cuda && g_dist.world > 1 && (rc = bt_cuda_trainer_allreduce_grads(g_cuda)))
@@ -735,8 +788,12 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         if (n_lab == 0) {
             bt_log(BT_LOG_WARN, "trainer", "step %d: no labelled tokens; update skipped", step + 1);
         } else if (!isfinite(gnorm) || !isfinite(loss)) {
-            bt_log(BT_LOG_WARN, "trainer", "step %d: non-finite loss %g / grad norm %g; update "
-                   "skipped", step + 1, loss, gnorm);
+            /* diverged: stop here, save nothing (every rank sees the same loss and norm) */
+            char what[96];
+            snprintf(what, sizeof what, "%s %g", !isfinite(loss) ? "loss" : "gradient norm",
+                     !isfinite(loss) ? loss : gnorm);
+            rc = diverged(cfg, step + 1, what, lr, adapter_step, ck_step);
+            goto done;
         } else if (!on_gpu) {
             /* [0, n_decay): LoRA (+ embedding) with weight decay; the LoRA+ norm weights after
              * it without (lora.h) */
@@ -749,6 +806,13 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                               lora.n_params - nd, (float)lr, (float)cfg->optim.beta1,
                               (float)cfg->optim.beta2, (float)cfg->optim.eps, 0.f, step + 1);
             bt_prof_add(prof, "adamw", bt_now() - t_opt, 4.0 * 3.0 * (double)lora.n_params);
+            size_t at = 0;
+            if (!bt_all_finite_f32(lora.params, (size_t)lora.n_params, &at)) {
+                char what[96];
+                snprintf(what, sizeof what, "LoRA parameter %zu after the update", at);
+                rc = diverged(cfg, step + 1, what, lr, adapter_step, ck_step);
+                goto done;
+            }
         }
         done_steps = step + 1;
         at_mb = 0;
@@ -809,6 +873,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                            cfg->out_dir);
             }
             if ((rc = dist_agree(rc, "saving the adapter"))) goto stop_or_fail;
+            adapter_step = done_steps;
         }
     }
     if (end_step < cfg->steps)

@@ -14,11 +14,13 @@
  *   0   done: `steps` (or stop_at_step) completed, adapter saved
  *   1   failure (the message on stderr says why; completed steps are saved when possible)
  *   2   usage or configuration error (the message names the argument or key)
+ *   3   training diverged: a non-finite loss, gradient norm or parameter; nothing of the diverged
+ *       steps was saved, out_dir and checkpoint_dir keep the last good adapter and checkpoint
  *   75  interrupted: SIGINT, SIGTERM or SIGUSR1 (Slurm's warning before a time limit) on any
  *       rank; stopped mid-step, the adapter and checkpoint of the last completed step are saved:
  *       continue with --resume CHECKPOINT_DIR (sysexits.h EX_TEMPFAIL: "try again later")
- *   76..79  reserved for other deliberate stops of a run (e.g. a divergence stop). */
-enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_INTERRUPTED = 75 };
+ *   76..79  reserved for other deliberate stops of a run. */
+enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_DIVERGED = 3, BT_EXIT_INTERRUPTED = 75 };
 
 /* Run a job. eval_only = 0: `trainer train` (eval before if eval.shards, train cfg->steps steps,
  * save the adapter every save_every steps and at the end, eval after, summary); eval_only = 1:

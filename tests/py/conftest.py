@@ -20,8 +20,8 @@ Fixtures:
                     data_roots [data_dir] and model_roots [tmp_path, the model's directory]
   chat_line(u, a) / write_shard(path, lines) / tiny_model(path, seed) / tiny_model_hd64(path, seed) /
   read_safetensors(path) /
-  rel_l2(a, b, part) / ckpt_step(dir) helpers and the ROOT / BUILD / MODEL paths are importable
-  from conftest (`from conftest import chat_line`).
+  rel_l2(a, b, part) / ckpt_step(dir) helpers, PauseHook and the ROOT / BUILD / MODEL paths are
+  importable from conftest (`from conftest import chat_line`).
 """
 import json
 import os
@@ -129,6 +129,46 @@ def tiny_model_hd64(path, seed=11):
                     "--layers", "2", "--hidden", "128", "--heads", "2", "--kv-heads", "1", "--ffn", "256",
                     "--seed", str(seed)], check=True)
     return path
+
+
+class PauseHook:
+    """The bt_test_pause_point hook (common/bt_common.h) of a process under test: pass .env to
+    the process; every file it maps or opens as a shard whose path contains `match` pauses it
+    until `action(path)` (run on a thread here, e.g. truncating that file) returns. .paths lists
+    the paths seen; .stop() ends the servicing thread."""
+
+    def __init__(self, tmp_path, match, action):
+        import threading
+        self.dir = str(tmp_path / "pause-hook")
+        os.mkdir(self.dir)
+        self.mapped, self.resume = os.path.join(self.dir, "mapped"), os.path.join(self.dir, "resume")
+        os.mkfifo(self.mapped)
+        os.mkfifo(self.resume)
+        self.env = {"BT_TEST_MAP_PAUSE_DIR": self.dir, "BT_TEST_MAP_PAUSE_MATCH": match}
+        self.paths, self.errors = [], []
+        self.action = action
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            with open(self.mapped, "rb") as f:  # blocks until a paused process (or stop) writes
+                line = f.read().decode(errors="replace").strip()
+            if line == "\0stop":
+                return
+            self.paths.append(line)
+            try:
+                self.action(line)
+            except Exception as e:  # the test sees it in .errors; the process must go on
+                self.errors.append(repr(e))
+            with open(self.resume, "wb") as f:
+                f.write(b"g")
+
+    def stop(self):
+        if self.thread.is_alive():
+            with open(self.mapped, "wb") as f:
+                f.write(b"\0stop\n")
+            self.thread.join(10)
 
 
 class Bins:

@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <dirent.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,11 +17,13 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "trainer/adapter.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/lora.h"
 #include "trainer/model.h"
 #include "trainer/rng.h"
+#include "tests/unit/util/test_util.h"
 
 static const bt_llama_hparams k_hp = {
     .n_layer = 2, .d_model = 32, .n_head = 4, .n_kv_head = 2, .head_dim = 8, .d_ff = 64,
@@ -146,6 +149,75 @@ static void test_roundtrip_lora_plus(void **st) {
     roundtrip(", \"trainable_modules\": [\"embed_tokens\", \"norm\"]");
 }
 
+/* The default config, a random fp32 model (seed 42), a trained-looking LoRA `a` (scribbled with
+ * `seed`) and a fresh one `b` to load into. */
+static void two_loras(bt_train_config *c, bt_model *m, bt_lora *a, bt_lora *b, uint64_t seed) {
+    config(c, NULL);
+    assert_int_equal(bt_model_init_random(m, &k_hp, BT_BASE_FP32, 1, 42), 0);
+    lora_for(a, m, c);
+    lora_for(b, m, c);
+    scribble(a, seed);
+}
+
+/* Non-finite state is never written (issue 10 §4): a checkpoint or adapter save of LoRA
+ * parameters or AdamW moments holding nan/inf is refused, and the previous save stays whole
+ * (no temporary directory is left either). */
+static void test_nonfinite_never_saved(void **st) {
+    (void)st;
+    bt_train_config c;
+    bt_model m;
+    bt_lora a, b;
+    two_loras(&c, &m, &a, &b, 9);
+    char dir[300], ad[300], f[400];
+    path(dir, sizeof dir, "nf/ck");
+    path(ad, sizeof ad, "nf/adapter");
+    uint8_t rs[BT_RESUME_STATE_BYTES] = {3};
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 4, rs), 0);
+    assert_int_equal(bt_adapter_save(&a, "base", ad), 0);
+    snprintf(f, sizeof f, "%s/adapter_model.safetensors", ad);
+    size_t n0;
+    uint8_t *before = tu_slurp(f, &n0);
+    const char *what[3] = {"LoRA parameters", "AdamW first moments", "AdamW second moments"};
+    float *arr[3] = {a.params, a.m, a.v};
+    for (int k = 0; k < 3; k++) {
+        float keep = arr[k][a.n_params / 2];
+        arr[k][a.n_params / 2] = k == 1 ? INFINITY : NAN;
+        assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 5, rs), BT_ERR_INVALID);
+        /* parameters: the adapter files, written first, refuse them; moments: the state file */
+        if ((k > 0 && !strstr(bt_last_error(), what[k])) || !strstr(bt_last_error(), "non-finite"))
+            fail_msg("message: %s", bt_last_error());
+        if (k == 0) { /* the adapter writer refuses it too */
+            assert_int_equal(bt_adapter_save(&a, "base", ad), BT_ERR_INVALID);
+            assert_non_null(strstr(bt_last_error(), "non-finite"));
+        }
+        arr[k][a.n_params / 2] = keep;
+    }
+    int64_t step = -1;
+    int has = 0;
+    uint8_t got[BT_RESUME_STATE_BYTES];
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(step, 4); /* the previous checkpoint, whole */
+    size_t n1;
+    uint8_t *after = tu_slurp(f, &n1);
+    assert_int_equal(n0, n1);
+    assert_memory_equal(before, after, n0);
+    free(before);
+    free(after);
+    char parent[300];
+    path(parent, sizeof parent, "nf");
+    DIR *d = opendir(parent);
+    struct dirent *e;
+    int entries = 0;
+    while ((e = readdir(d)))
+        if (e->d_name[0] != '.') entries++;
+    closedir(d);
+    assert_int_equal(entries, 2); /* ck and adapter: no temporaries */
+    bt_lora_free(&a);
+    bt_lora_free(&b);
+    bt_model_free(&m);
+    bt_config_free(&c);
+}
+
 /* Load must fail with `err` and a message containing `needle`, leaving `lo` untouched. */
 static void expect_refused(const char *dir, const bt_train_config *c, const bt_model *m,
                            bt_lora *lo, int err, const char *needle) {
@@ -181,7 +253,14 @@ static void test_mismatch(void **st) {
     bt_lora_free(&b);
     /* lora r */
     bt_train_config c2;
-    config(&c2, ", \"lora\": {\"r\": 8, \"lora_alpha\": 8}");
+    {
+        const char *rsets[] = {"lora.r=8", "lora.lora_alpha=8"}; /* a key given twice is refused */
+        char base[512];
+        snprintf(base, sizeof base, "{\"model\": \"m.gguf\", \"data\": {\"shards\": [\"d/*.jsonl\"], "
+                 "\"seq_len\": 64, \"micro_batch_size\": 2}, \"lora\": {\"r\": 4, \"lora_alpha\": 8}, "
+                 "\"steps\": 10}");
+        assert_int_equal(bt_config_parse(&c2, base, "t", rsets, 2), 0);
+    }
     lora_for(&b, &m, &c2);
     expect_refused(dir, &c2, &m, &b, BT_ERR_INVALID, "lora.r: checkpoint 4, config 8");
     bt_lora_free(&b);
@@ -318,13 +397,9 @@ static void reseal_and_write(const char *file, uint8_t *buf, size_t n) {
 static void test_world(void **st) {
     (void)st;
     bt_train_config c;
-    config(&c, NULL);
     bt_model m;
-    assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_FP32, 1, 42), 0);
     bt_lora a, b;
-    lora_for(&a, &m, &c);
-    lora_for(&b, &m, &c);
-    scribble(&a, 11);
+    two_loras(&c, &m, &a, &b, 11);
     enum { W = 3 };
     uint8_t rs[W * BT_RESUME_STATE_BYTES], got[BT_RESUME_STATE_BYTES];
     for (unsigned i = 0; i < sizeof rs; i++) rs[i] = (uint8_t)(i * 13 + i / 256);
@@ -422,7 +497,7 @@ static void test_fingerprints(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_roundtrip_lora_plus),
-        cmocka_unit_test(test_mismatch),  cmocka_unit_test(test_corrupt),
+        cmocka_unit_test(test_mismatch),  cmocka_unit_test(test_corrupt), cmocka_unit_test(test_nonfinite_never_saved),
         cmocka_unit_test(test_fingerprints), cmocka_unit_test(test_world),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

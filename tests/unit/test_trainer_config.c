@@ -148,7 +148,7 @@ static void test_refusals(void **st) {
     bt_train_config c;
     const char *s1[] = {"optim.lr=abc"};
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", s1, 1), BT_ERR_INVALID);
-    assert_string_equal(bt_last_error(), "config: optim.lr: expected a number > 0, got \"abc\"");
+    assert_string_equal(bt_last_error(), "config: optim.lr: expected a number in (0, 1], got \"abc\"");
 
     expect_refused(MINIMAL, "optim.momentum=0.9", "unknown key \"optim.momentum\"");
     expect_refused(MINIMAL, "trainer_steps=3", "unknown key \"trainer_steps\"");
@@ -197,6 +197,36 @@ static void test_refusals(void **st) {
     expect_refused("{\"model\": \"m\", \"data\": {\"shards\": [3]}}", NULL, "data.shards");
     expect_refused("{\"model\": 5, \"data\": {\"shards\": [\"a\"]}}", NULL,
                    "model: expected a non-empty string, got 5");
+
+    /* hyper-parameter ranges, refused up front naming the key and the range (issue 10 §4:
+     * optim.lr 1e308 used to run, diverge and exit 0) */
+    expect_refused(MINIMAL, "optim.lr=1e308", "optim.lr: expected a number in (0, 1], got 1e308");
+    expect_refused(MINIMAL, "optim.lr=0", "optim.lr: expected a number in (0, 1]");
+    expect_refused(MINIMAL, "optim.weight_decay=2", "optim.weight_decay: expected a number in [0, 1]");
+    expect_refused(MINIMAL, "optim.eps=0", "optim.eps: expected a number in (0, 1]");
+    expect_refused(MINIMAL, "optim.eps=10", "optim.eps");
+    expect_refused(MINIMAL, "optim.beta1=1", "optim.beta1: expected a number in [0, 1)");
+    expect_refused(MINIMAL, "optim.grad_clip=1e7", "optim.grad_clip: expected a number in [0, 1000000]");
+    expect_refused(MINIMAL, "lora.lora_alpha=1e9", "lora.lora_alpha: expected a number in (0, 65536]");
+    {   /* the edges are in; warmup past steps is allowed (HF Trainer does; train warns) */
+        const char *ok[] = {"steps=10", "optim.warmup_steps=11", "optim.lr=1", "optim.weight_decay=1"};
+        assert_int_equal(bt_config_parse(&c, MINIMAL, "t", ok, 4), 0);
+        bt_config_free(&c);
+    }
+
+    /* a key given twice is refused naming it (issue 10 §5), in the file and in a --set value */
+    assert_int_equal(bt_config_parse(&c, "{\"model\": \"a.gguf\", \"data\": {\"shards\": [\"x\"], \"seq_len\": 64,"
+                                         "\n \"seq_len\": 128}}", "job.json", NULL, 0), BT_ERR_FORMAT);
+    assert_string_equal(bt_last_error(), "config: job.json:2:10: duplicate key \"seq_len\" (each key may appear "
+                                         "only once in an object)");
+    assert_null(c.model);
+    const char *dup[] = {"lora={\"r\": 4, \"r\": 8}"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", dup, 1), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "duplicate object key near '\"r\"'"));
+    /* a UTF-8 byte-order mark is skipped */
+    assert_int_equal(bt_config_parse(&c, "\xEF\xBB\xBF" MINIMAL, "bom.json", NULL, 0), 0);
+    assert_string_equal(c.model, "m.gguf");
+    bt_config_free(&c);
 
     /* not JSON / not an object */
     assert_int_equal(bt_config_parse(&c, "{\"model\": ", "job.json", NULL, 0), BT_ERR_FORMAT);

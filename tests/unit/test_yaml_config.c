@@ -194,7 +194,7 @@ static void test_config_yaml(void **st) {
     bt_config_free(&c), bt_config_free(&cj);
 
     /* validation messages carry the file and the key's line */
-    expect_msg(parse_with(6, "  lr: abc", NULL, 0, &c), "config: job.yaml:6: optim.lr: expected a number > 0, got \"abc\"");
+    expect_msg(parse_with(6, "  lr: abc", NULL, 0, &c), "config: job.yaml:6: optim.lr: expected a number in (0, 1], got \"abc\"");
     expect_msg(parse_with(7, "  warmup: 5", NULL, 0, &c), "job.yaml:7: unknown key \"optim.warmup\"");
     expect_msg(parse_with(9, "activation_checkpointing: yes", NULL, 0, &c),
                "job.yaml:9: activation_checkpointing: expected true or false, got \"yes\"");
@@ -210,7 +210,7 @@ static void test_config_yaml(void **st) {
     assert_true(c.optim.lr == 1e-4);
     bt_config_free(&c);
     const char *bad[] = {"optim.lr=-1"};
-    expect_msg(parse_with(0, "", bad, 1, &c), "config: optim.lr: expected a number > 0, got -1");
+    expect_msg(parse_with(0, "", bad, 1, &c), "config: optim.lr: expected a number in (0, 1], got -1");
     assert_null(strstr(bt_last_error(), "job.yaml:"));
     const char *sect[] = {"optim={\"lr\": \"x\"}"};
     expect_msg(parse_with(0, "", sect, 1, &c), "config: optim.lr:");
