@@ -2,6 +2,7 @@
 #include "loaderd/config.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <glob.h>
 #include <grp.h>
 #include <pwd.h>
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "proto/client.h"
 
 #define MAX_SHARD_FILES 100000
@@ -41,6 +43,15 @@ void ld_config_defaults(ld_config *c) {
     c->client_timeout_s = 60;
     c->token_cache_max_bytes = 64ull << 30;
     c->token_cache_wait_s = 1800;
+    c->max_clients_per_uid = 32;
+    c->memory_budget_bytes = ld_default_memory_budget();
+}
+
+uint64_t ld_default_memory_budget(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGE_SIZE);
+    uint64_t phys = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz : (uint64_t)4 << 30;
+    uint64_t b = phys / 4; /* the trainers on the node need the rest */
+    return b < ((uint64_t)256 << 20) ? (uint64_t)256 << 20 : b;
 }
 
 void ld_config_free(ld_config *c) {
@@ -51,6 +62,7 @@ void ld_config_free(ld_config *c) {
     free(c->allowed_uids);
     free(c->allowed_gids);
     free(c->token_cache_dir);
+    free(c->operator_gids);
     memset(c, 0, sizeof *c);
 }
 
@@ -139,6 +151,27 @@ static int get_ids(json_t *v, const char *origin, const char *key, int is_user, 
     return BT_OK;
 }
 
+/* get_ids into *arr / *n, replacing (and freeing) what they held. */
+static int set_ids(json_t *v, const char *origin, const char *key, int is_user, unsigned **arr, int *n) {
+    unsigned *ids = NULL;
+    int k = 0, rc = get_ids(v, origin, key, is_user, &ids, &k);
+    if (rc) return rc;
+    free(*arr);
+    *arr = ids;
+    *n = k;
+    return BT_OK;
+}
+
+int ld_peer_is_operator(const ld_config *c, uid_t uid, gid_t gid, const gid_t *groups, int n_groups, uid_t self_uid) {
+    if (uid == 0 || uid == self_uid) return 1;
+    for (int i = 0; i < c->n_operator_gids; i++) {
+        if (c->operator_gids[i] == gid) return 1;
+        for (int k = 0; k < n_groups; k++)
+            if (groups[k] == c->operator_gids[i]) return 1;
+    }
+    return 0;
+}
+
 int ld_peer_allowed(const ld_config *c, uid_t uid, gid_t gid, const gid_t *groups, int n_groups, uid_t self_uid) {
     if (c->n_allowed_uids == 0 && c->n_allowed_gids == 0) return 1;
     if (uid == 0 || uid == self_uid) return 1;
@@ -209,19 +242,9 @@ static int parse_obj(ld_config *c, json_t *root, const char *origin) {
             if ((rc = get_int(v, origin, key, 2, 1000, &x))) return rc;
             c->max_json_depth = (uint32_t)x;
         } else if (!strcmp(key, "allowed_users")) {
-            unsigned *ids = NULL;
-            int n = 0;
-            if ((rc = get_ids(v, origin, key, 1, &ids, &n))) return rc;
-            free(c->allowed_uids);
-            c->allowed_uids = (uid_t *)ids;
-            c->n_allowed_uids = n;
+            if ((rc = set_ids(v, origin, key, 1, (unsigned **)&c->allowed_uids, &c->n_allowed_uids))) return rc;
         } else if (!strcmp(key, "allowed_groups")) {
-            unsigned *ids = NULL;
-            int n = 0;
-            if ((rc = get_ids(v, origin, key, 0, &ids, &n))) return rc;
-            free(c->allowed_gids);
-            c->allowed_gids = (gid_t *)ids;
-            c->n_allowed_gids = n;
+            if ((rc = set_ids(v, origin, key, 0, (unsigned **)&c->allowed_gids, &c->n_allowed_gids))) return rc;
         } else if (!strcmp(key, "client_timeout_s")) {
             if ((rc = get_int(v, origin, key, 0, 86400, &x))) return rc;
             c->client_timeout_s = (uint32_t)x;
@@ -238,12 +261,21 @@ static int parse_obj(ld_config *c, json_t *root, const char *origin) {
         } else if (!strcmp(key, "token_cache_wait_s")) {
             if ((rc = get_int(v, origin, key, 0, 86400, &x))) return rc;
             c->token_cache_wait_s = (uint32_t)x;
+        } else if (!strcmp(key, "max_clients_per_uid")) {
+            if ((rc = get_int(v, origin, key, 1, 65536, &x))) return rc;
+            c->max_clients_per_uid = (uint32_t)x;
+        } else if (!strcmp(key, "operator_groups")) {
+            if ((rc = set_ids(v, origin, key, 0, (unsigned **)&c->operator_gids, &c->n_operator_gids))) return rc;
+        } else if (!strcmp(key, "memory_budget_bytes")) {
+            if ((rc = get_int(v, origin, key, 16ll << 20, 1ll << 50, &x))) return rc;
+            c->memory_budget_bytes = (uint64_t)x;
         } else {
             return bt_fail(BT_ERR_INVALID,
                            "%s: unknown key \"%s\" (known: socket, socket_mode, socket_group, data_roots, "
-                           "model_roots, tokenizer_threads, ring_slots, max_clients, max_jobs, max_request_bytes, "
-                           "max_ring_bytes, max_json_depth, allowed_users, allowed_groups, client_timeout_s, "
-                           "token_cache_dir, token_cache_max_bytes, token_cache_wait_s)",
+                           "model_roots, tokenizer_threads, ring_slots, max_clients, max_clients_per_uid, max_jobs, "
+                           "max_request_bytes, max_ring_bytes, memory_budget_bytes, max_json_depth, allowed_users, "
+                           "allowed_groups, operator_groups, client_timeout_s, token_cache_dir, "
+                           "token_cache_max_bytes, token_cache_wait_s)",
                            origin, key);
         }
     }
@@ -251,11 +283,10 @@ static int parse_obj(ld_config *c, json_t *root, const char *origin) {
 }
 
 int ld_config_parse(ld_config *c, const char *json_text, const char *origin) {
-    json_error_t e;
-    json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &e);
-    if (!root) {
+    json_t *root = NULL; /* BOM skipped, duplicate keys refused naming the key (bt_json.h) */
+    if (bt_json_loadb(&root, json_text, strlen(json_text), 0, origin)) {
         memset(c, 0, sizeof *c);
-        return bt_fail(BT_ERR_FORMAT, "%s:%d:%d: invalid JSON: %s", origin, e.line, e.column, e.text);
+        return BT_ERR_FORMAT;
     }
     if (!json_is_object(root)) {
         json_decref(root);
@@ -271,28 +302,13 @@ int ld_config_parse(ld_config *c, const char *json_text, const char *origin) {
 
 int ld_config_load(ld_config *c, const char *path) {
     memset(c, 0, sizeof *c);
-    FILE *f = fopen(path, "rb");
-    if (!f) return bt_fail(BT_ERR_IO, "config %s: %s", path, strerror(errno));
-    size_t cap = 4096, n = 0;
-    char *buf = bt_xmalloc(cap);
-    size_t r;
-    while ((r = fread(buf + n, 1, cap - n - 1, f)) > 0) {
-        n += r;
-        if (n > (4u << 20)) {
-            fclose(f);
-            free(buf);
-            return bt_fail(BT_ERR_INVALID, "config %s: larger than 4 MiB", path);
-        }
-        if (cap - n < 2) buf = bt_xrealloc(buf, cap *= 2);
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (err) {
-        free(buf);
-        return bt_fail(BT_ERR_IO, "config %s: read error", path);
-    }
-    buf[n] = 0;
-    int rc = ld_config_parse(c, buf, path);
+    char *buf = NULL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC); /* the operator's file: a symlink is fine here */
+    if (fd < 0) return bt_fail(BT_ERR_IO, "config %s: %s", path, strerror(errno));
+    int rc = bt_read_fd(fd, path, 4u << 20, &buf, NULL);
+    close(fd);
+    if (rc) return bt_fail(rc == BT_ERR_RANGE ? BT_ERR_INVALID : rc, "config %s", bt_last_error());
+    rc = ld_config_parse(c, buf, path);
     free(buf);
     return rc;
 }
@@ -375,9 +391,12 @@ int ld_config_log_diff(const ld_config *o, const ld_config *n) {
     DIFF_U(max_ring_bytes)
     DIFF_U(max_json_depth)
     DIFF_U(client_timeout_s)
+    DIFF_U(max_clients_per_uid)
+    DIFF_U(memory_budget_bytes)
 #undef DIFF_U
     d += diff_ids("allowed_users", o->allowed_uids, o->n_allowed_uids, n->allowed_uids, n->n_allowed_uids);
     d += diff_ids("allowed_groups", o->allowed_gids, o->n_allowed_gids, n->allowed_gids, n->n_allowed_gids);
+    d += diff_ids("operator_groups", o->operator_gids, o->n_operator_gids, n->operator_gids, n->n_operator_gids);
     return d;
 }
 
@@ -417,9 +436,72 @@ static int sort_unique(char **v, int n) {
     return k;
 }
 
-/* Whether the fixed (wildcard-free) directory prefix of `pat` lies inside a data root, checked
- * before globbing: the realpath of its longest existing leading part must be inside a root.
- * Otherwise "matches no file" vs "outside" would tell a client what exists outside the roots. */
+char *ld_path_where(const char *path) {
+    if (!path || path[0] != '/') return NULL;
+    size_t cap = strlen(path) + PATH_MAX + 2;
+    char *out = bt_xmalloc(PATH_MAX + 1), *rest = bt_xmalloc(cap), *tmp = bt_xmalloc(cap);
+    size_t olen = 0; /* out[0, olen): the resolved prefix, "" standing for "/" */
+    out[0] = 0;
+    snprintf(rest, cap, "%s", path);
+    int links = 0, exists = 1;
+    char *r = rest;
+    for (;;) {
+        while (*r == '/') r++;
+        if (!*r) break;
+        char *end = strchr(r, '/');
+        size_t n = end ? (size_t)(end - r) : strlen(r);
+        if (n == 1 && r[0] == '.') {
+            r += n;
+            continue;
+        }
+        if (n == 2 && r[0] == '.' && r[1] == '.') {
+            while (olen > 0 && out[olen - 1] != '/') olen--;
+            if (olen > 0) olen--; /* drop the '/' too */
+            out[olen] = 0;
+            r += n;
+            continue;
+        }
+        if (olen + 1 + n > PATH_MAX) goto fail;
+        size_t prev = olen;
+        out[olen++] = '/';
+        memcpy(out + olen, r, n);
+        olen += n;
+        out[olen] = 0;
+        r += n;
+        struct stat st;
+        if (!exists) continue;
+        if (lstat(out, &st) != 0) { /* missing or not examinable: the rest is taken literally */
+            exists = 0;
+            continue;
+        }
+        if (!S_ISLNK(st.st_mode)) continue;
+        if (++links > 40) goto fail; /* the kernel's ELOOP limit */
+        ssize_t k = readlink(out, tmp, PATH_MAX);
+        if (k <= 0 || k >= PATH_MAX) goto fail;
+        tmp[k] = 0;
+        size_t tl = (size_t)k, rl = strlen(r);
+        if (tl + 1 + rl + 1 > cap) goto fail;
+        tmp[tl] = '/';
+        memcpy(tmp + tl + 1, r, rl + 1); /* link target, then what was left */
+        memcpy(rest, tmp, tl + 1 + rl + 1);
+        r = rest;
+        olen = tmp[0] == '/' ? 0 : prev; /* absolute target: from "/"; relative: from the link's dir */
+        out[olen] = 0;
+    }
+    free(rest);
+    free(tmp);
+    if (olen == 0) snprintf(out, PATH_MAX + 1, "/");
+    return out;
+fail:
+    free(out);
+    free(rest);
+    free(tmp);
+    return NULL;
+}
+
+/* Where the fixed (wildcard-free) directory prefix of `pat` leads (ld_path_where: existing
+ * symlinks followed, missing parts literal) must lie inside a data root, checked before
+ * globbing; else the refusal is the same as for a pattern that matches nothing. */
 static int pattern_prefix_in_roots(const ld_config *c, const char *pat) {
     size_t n = strcspn(pat, "*?[\\");
     char *pre = bt_xmalloc(n + 2);
@@ -429,23 +511,22 @@ static int pattern_prefix_in_roots(const ld_config *c, const char *pat) {
         char *sl = strrchr(pre, '/');
         sl[sl == pre ? 1 : 0] = 0; /* pat[0] == '/', so there is one */
     }
-    int in = 0;
-    for (;;) {
-        char *rp = realpath(pre, NULL);
-        if (rp) {
-            in = ld_path_in_roots(rp, c->data_roots, c->n_data_roots);
-            if (!in)
-                bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: fixed prefix %s resolves to %s, outside every "
-                                               "data root", pat, pre, rp);
-            free(rp);
-            break;
-        }
-        char *sl = strrchr(pre, '/');
-        if (!sl || (sl == pre && pre[1] == 0)) break; /* "/" cannot fail; be safe anyway */
-        sl[sl == pre ? 1 : 0] = 0;
-    }
+    char *where = ld_path_where(pre);
+    int in = where && ld_path_in_roots(where, c->data_roots, c->n_data_roots);
+    if (!in)
+        bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: fixed prefix %s leads to %s, outside every data root",
+               pat, pre, where ? where : "(a symlink loop or an over-long path)");
+    free(where);
     free(pre);
     return in;
+}
+
+/* The one reply to a shard pattern or tokenizer that names nothing usable outside the roots:
+ * identical whether the path exists, is a device, a secret, a symlink leading out, or nothing
+ * (issue 10 §3); loaderd's log has the details. */
+static int refuse_outside(const char *what, const char *path, const char *roots) {
+    return bt_fail(BT_ERR_NOTFOUND, "job: %s \"%s\": no file by that name inside %s (see loaderd's log)", what,
+                   path, roots);
 }
 
 int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns, char ***out, int *n_out) {
@@ -464,13 +545,14 @@ int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns,
             break;
         }
         if (!pattern_prefix_in_roots(c, pat)) { /* same refusal whether or not anything matches */
-            rc = bt_fail(BT_ERR_INVALID, "job: shard pattern \"%s\" reaches outside every data root", pat);
+            rc = refuse_outside("shard pattern", pat, "data_roots");
             break;
         }
         glob_t g;
         int gr = glob(pat, GLOB_ERR, NULL, &g);
         if (gr == GLOB_NOMATCH) {
-            rc = bt_fail(BT_ERR_NOTFOUND, "job: shard pattern \"%s\" matches no file", pat);
+            bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s matches no file", pat);
+            rc = refuse_outside("shard pattern", pat, "data_roots");
             globfree(&g);
             break;
         }
@@ -481,20 +563,29 @@ int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns,
             break;
         }
         for (size_t k = 0; k < g.gl_pathc && !rc; k++) {
+            /* the message goes back to the client: never name what the glob found or where it
+             * leads outside the data roots, nor whether anything is there (a dangling link
+             * leading out reads like one to an existing file); the log keeps the details */
+            char *where = ld_path_where(g.gl_pathv[k]);
+            if (!where || !ld_path_in_roots(where, c->data_roots, c->n_data_roots)) {
+                bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: match %s leads to %s, outside every data root",
+                       pat, g.gl_pathv[k], where ? where : "(a symlink loop or an over-long path)");
+                free(where);
+                rc = refuse_outside("shard pattern", pat, "data_roots");
+                break;
+            }
+            free(where);
             char *rp = realpath(g.gl_pathv[k], NULL);
             struct stat st;
-            /* the message goes back to the client: never name what the glob found or where it
-             * resolves outside the data roots (that would list directories the client may not
-             * read); the log line keeps the details for the operator */
             if (!rp || stat(rp, &st) != 0) {
                 int e = errno;
                 bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: match %s: %s", pat, g.gl_pathv[k], strerror(e));
                 rc = bt_fail(BT_ERR_NOTFOUND, "job: shard pattern \"%s\" matches an unreadable path (%s)", pat,
                              strerror(e));
-            } else if (!ld_path_in_roots(rp, c->data_roots, c->n_data_roots)) {
+            } else if (!ld_path_in_roots(rp, c->data_roots, c->n_data_roots)) { /* raced: changed meanwhile */
                 bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: match %s resolves to %s, outside every data root",
                        pat, g.gl_pathv[k], rp);
-                rc = bt_fail(BT_ERR_INVALID, "job: shard pattern \"%s\" matches a file outside every data root", pat);
+                rc = refuse_outside("shard pattern", pat, "data_roots");
             } else if (!S_ISREG(st.st_mode)) {
                 rc = bt_fail(BT_ERR_INVALID, "job: shard %s is not a regular file", rp);
             } else {
@@ -523,23 +614,36 @@ int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns,
 int ld_resolve_tokenizer(const ld_config *c, const char *path, char **out) {
     *out = NULL;
     if (!path || path[0] != '/') return bt_fail(BT_ERR_INVALID, "job: \"tokenizer\" must be an absolute file path");
+    /* first where it leads (existing links followed, missing parts literal): outside the roots
+     * is one refusal whatever is or is not there; only inside them are the details told */
+    char *where = ld_path_where(path);
+    int in = where && (ld_path_in_roots(where, c->model_roots, c->n_model_roots) ||
+                       ld_path_in_roots(where, c->data_roots, c->n_data_roots));
+    if (!in) {
+        bt_log(BT_LOG_WARN, "loaderd", "job: tokenizer %s leads to %s, outside model_roots and data_roots", path,
+               where ? where : "(a symlink loop or an over-long path)");
+        free(where);
+        return refuse_outside("tokenizer", path, "model_roots or data_roots");
+    }
+    free(where);
     char *rp = realpath(path, NULL);
     struct stat st;
     if (!rp || stat(rp, &st) != 0) {
         int e = errno;
         free(rp);
-        return bt_fail(BT_ERR_NOTFOUND, "job: tokenizer %s: %s", path, strerror(e));
+        bt_log(BT_LOG_WARN, "loaderd", "job: tokenizer %s: %s", path, strerror(e));
+        return e == ENOENT ? refuse_outside("tokenizer", path, "model_roots or data_roots")
+                           : bt_fail(BT_ERR_NOTFOUND, "job: tokenizer %s: %s", path, strerror(e));
+    }
+    if (!ld_path_in_roots(rp, c->model_roots, c->n_model_roots) &&
+        !ld_path_in_roots(rp, c->data_roots, c->n_data_roots)) { /* changed since ld_path_where */
+        bt_log(BT_LOG_WARN, "loaderd", "job: tokenizer %s resolves to %s, outside model_roots and data_roots", path, rp);
+        free(rp);
+        return refuse_outside("tokenizer", path, "model_roots or data_roots");
     }
     if (!S_ISREG(st.st_mode)) {
         free(rp);
         return bt_fail(BT_ERR_INVALID, "job: tokenizer %s is not a regular file", path);
-    }
-    if (!ld_path_in_roots(rp, c->model_roots, c->n_model_roots) &&
-        !ld_path_in_roots(rp, c->data_roots, c->n_data_roots)) {
-        bt_log(BT_LOG_WARN, "loaderd", "job: tokenizer %s resolves to %s, outside model_roots and data_roots", path, rp);
-        int rc = bt_fail(BT_ERR_INVALID, "job: tokenizer %s lies outside model_roots and data_roots", path);
-        free(rp);
-        return rc;
     }
     *out = rp;
     return BT_OK;

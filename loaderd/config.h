@@ -22,8 +22,20 @@
  *                       loaderd's own uid are always allowed. Names are resolved at load (an
  *                       unknown name is refused, naming the key).
  *   "client_timeout_s"  int 0..86400 (default 60): a connection holding half a request line, or
- *                       one without an attached job that sends nothing, for this long is closed
- *                       (slowloris); 0 disables the timeout
+ *                       one without an attached job that makes no complete (valid) request, for
+ *                       this long is closed (slowloris; blank lines and malformed requests do not
+ *                       count as activity); 0 disables the timeout
+ *   "max_clients_per_uid" int 1..65536 (default 32): simultaneous connections of one peer uid, so
+ *                       one user cannot hold every slot
+ *   "operator_groups"   [string|int] groups whose members (primary or supplementary gid) are
+ *                       operators, like root and loaderd's own uid. Operators always get through:
+ *                       past max_clients / max_clients_per_uid they have 8 more connections of
+ *                       their own (`status`, `drain` work while hostile peers hold every slot),
+ *                       and only they may `drain`.
+ *   "memory_budget_bytes" int >= 16 MiB (default: a quarter of the machine's physical memory, at
+ *                       least 256 MiB): rings plus pipeline buffers of all jobs together (each
+ *                       job: slots x slot bytes + ld_pipeline_mem_estimate); an attach past it is
+ *                       refused with the figures; usage in `status` and `metrics`
  *   "token_cache_dir"   string, absolute directory of the token cache (loaderd/tcache.h), created
  *                       if missing; on a shared filesystem, every node's loaderd can use the same
  *                       one and each shard is tokenized once per cluster. Default: none (no
@@ -64,7 +76,14 @@ typedef struct {
     char *token_cache_dir;    /* NULL: no token cache */
     uint64_t token_cache_max_bytes;
     uint32_t token_cache_wait_s;
+    uint32_t max_clients_per_uid;
+    gid_t *operator_gids;     /* resolved "operator_groups", owned */
+    int n_operator_gids;
+    uint64_t memory_budget_bytes;
 } ld_config;
+
+/* The default memory_budget_bytes: a quarter of physical memory (sysconf), at least 256 MiB. */
+uint64_t ld_default_memory_budget(void);
 
 /* Defaults as documented above (allocates socket_path). Free with ld_config_free. */
 void ld_config_defaults(ld_config *c);
@@ -84,6 +103,9 @@ int ld_config_log_diff(const ld_config *old_c, const ld_config *new_c);
  * [n_groups], may be NULL/0) may use the control socket under allowed_users/allowed_groups
  * (see above). `self_uid` is loaderd's effective uid. 1 allowed, 0 refused. */
 int ld_peer_allowed(const ld_config *c, uid_t uid, gid_t gid, const gid_t *groups, int n_groups, uid_t self_uid);
+/* Whether the peer is an operator: root, `self_uid` (loaderd's effective uid), or a member of
+ * operator_groups (primary gid or a supplementary group). 1 / 0. */
+int ld_peer_is_operator(const ld_config *c, uid_t uid, gid_t gid, const gid_t *groups, int n_groups, uid_t self_uid);
 
 /* Whether an absolute, already resolved path lies inside one of the roots (equal to a root or
  * below it, compared by whole path components). */
@@ -97,9 +119,23 @@ int ld_path_in_roots(const char *resolved, char *const *roots, int n_roots);
  * nothing, a match outside every data root, not a regular file, more than 100000 files. */
 int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns, char ***out, int *n_out);
 /* Resolve a tokenizer path: realpath, regular file, inside data_roots or model_roots.
- * *out is malloc'd. BT_ERR_NOTFOUND / BT_ERR_INVALID with message. */
+ * *out is malloc'd. BT_ERR_NOTFOUND / BT_ERR_INVALID with message.
+ * Refusals (issue 10 §3): a path that leads outside the roots (ld_path_where) gets one message,
+ * "job: tokenizer \"P\": no file by that name inside model_roots or data_roots (see loaderd's log)",
+ * whatever lies there (a secret, a device, a symlink leading out, a dangling link, nothing);
+ * the same text for a missing file inside them. ld_resolve_shards likewise: a pattern whose
+ * fixed prefix or any match leads outside, or that matches nothing, reads
+ * "job: shard pattern \"P\": no file by that name inside data_roots (see loaderd's log)". The details go to
+ * loaderd's log only. */
 int ld_resolve_tokenizer(const ld_config *c, const char *path, char **out);
 void ld_free_strv(char **v, int n);
+/* Where the absolute path `path` leads: symbolic links that exist are followed (at most 40),
+ * "." and ".." applied, and the components from the first one that does not exist (or cannot
+ * be examined) on taken literally — the file an open would reach once the missing parts were
+ * created. Unlike realpath it never fails on a missing file, so the policy can place every path
+ * inside or outside the roots without saying whether it exists. malloc'd; NULL for a relative
+ * path, a symlink loop or a path over PATH_MAX. */
+char *ld_path_where(const char *path);
 /* Whether the JSON text p[0..n) nests brackets ([ and {, outside strings) at most `max` deep
  * (the "max_json_depth" request limit; jansson's own limit is 2048). Malformed text is left
  * to the parser. */

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "common/chat.h"
 
 size_t ld_utf8_check(const uint8_t *s, size_t n) {
@@ -311,10 +312,13 @@ int ld_format_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_
     size_t badoff = ld_utf8_check((const uint8_t *)line, len);
     if (badoff != len)
         return bad(reason, LD_BAD_UTF8, msg, msglen, "invalid UTF-8 at byte %zu", badoff + 1);
+    /* a UTF-8 BOM (a shard saved "with BOM", or files concatenated) is skipped as JSON readers
+     * do; a key given twice is refused (common/bt_json.h) */
+    size_t bom = bt_utf8_bom_len(line, len);
     json_error_t jerr;
-    json_t *root = json_loadb(line, len, JSON_ALLOW_NUL, &jerr);
+    json_t *root = json_loadb(line + bom, len - bom, JSON_ALLOW_NUL | JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
-        return bad(reason, LD_BAD_JSON, msg, msglen, "column %d: %s", jerr.column, jerr.text);
+        return bad(reason, LD_BAD_JSON, msg, msglen, "column %d: %s", jerr.column + (int)bom, jerr.text);
     if (!json_is_object(root)) {
         int r = bad(reason, LD_BAD_JSON, msg, msglen, "expected an object, got %s", type_name(root));
         json_decref(root);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "loaderd/pipeline.h"
 
 #define LD_MIN_T 16u
@@ -132,9 +133,11 @@ static int get_dataset(json_t *o, size_t idx, ld_dataset_spec *ds, char *err, si
 int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_t errlen) {
     memset(spec, 0, sizeof *spec);
     if (err && errlen) err[0] = 0;
-    json_error_t jerr;
-    json_t *root = json_loads(json_text ? json_text : "", 0, &jerr);
-    if (!root) return spec_err(err, errlen, "not valid JSON (line %d column %d: %s)", jerr.line, jerr.column, jerr.text);
+    json_t *root = NULL; /* BOM skipped, duplicate keys refused naming the key (bt_json.h) */
+    if (bt_json_loadb(&root, json_text, json_text ? strlen(json_text) : 0, 0, "job spec")) {
+        if (err && errlen) snprintf(err, errlen, "%s", bt_last_error());
+        return BT_ERR_INVALID;
+    }
     if (!json_is_object(root)) {
         json_decref(root);
         return spec_err(err, errlen, "expected a JSON object");

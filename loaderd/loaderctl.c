@@ -58,13 +58,13 @@ static int request(const char *path, const char *op, char **out) {
     }
     char req[128];
     int n = snprintf(req, sizeof req, "{\"v\":%d,\"op\":\"%s\"}\n", BT_PROTO_VERSION, op);
+    int send_err = 0;
     for (int off = 0; off < n;) {
         ssize_t w = send(fd, req + off, (size_t)(n - off), MSG_NOSIGNAL);
         if (w < 0 && errno == EINTR) continue;
-        if (w < 0) {
-            fprintf(stderr, "loaderctl: send: %s\n", strerror(errno));
-            close(fd);
-            return -1;
+        if (w < 0) { /* refused at accept and closed: the reason is queued for us, read it below */
+            send_err = errno;
+            break;
         }
         off += (int)w;
     }
@@ -79,7 +79,8 @@ static int request(const char *path, const char *op, char **out) {
             continue;
         }
         if (pr <= 0) {
-            fprintf(stderr, "loaderctl: no reply from loaderd within %d s\n", TIMEOUT_MS / 1000);
+            if (send_err) fprintf(stderr, "loaderctl: send: %s\n", strerror(send_err));
+            else fprintf(stderr, "loaderctl: no reply from loaderd within %d s\n", TIMEOUT_MS / 1000);
             break;
         }
         if (cap - len < 4096) {
@@ -94,7 +95,8 @@ static int request(const char *path, const char *op, char **out) {
         ssize_t r = recv(fd, buf + len, cap - len - 1, 0);
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) {
-            fprintf(stderr, "loaderctl: loaderd closed the connection without a reply\n");
+            if (send_err) fprintf(stderr, "loaderctl: send: %s\n", strerror(send_err));
+            else fprintf(stderr, "loaderctl: loaderd closed the connection without a reply\n");
             break;
         }
         char *nl = memchr(buf + len, '\n', (size_t)r);
@@ -203,6 +205,10 @@ static void print_status(json_t *r) {
                 num(tc, "bytes") / 1048576.0, num(tc, "max_bytes") / 1048576.0, num(tc, "built"), num(tc, "hits"),
                 num(tc, "waited"), num(tc, "damaged"), num(tc, "stale"), num(tc, "bypassed"), num(tc, "evicted"),
                 num(r, "streams"));
+    double mb = num(r, "memory_budget_bytes"), mu = num(r, "memory_used_bytes");
+    if (isfinite(mb) && mb > 0)
+        fprintf(g_out, "memory: %.1f MiB of %.1f MiB budget in use (%.1f%%; rings + pipeline buffers)\n", mu / 1048576.0,
+                mb / 1048576.0, 100.0 * mu / mb);
     if (json_array_size(jobs) == 0) {
         fprintf(g_out, "no jobs attached\n");
         return;
@@ -317,26 +323,6 @@ static void usage(FILE *f) {
 
 /* ------------------------------------------------------------------ preview */
 
-static char *slurp(const char *path, size_t max) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, n = 0, r;
-    char *b = bt_xmalloc(cap);
-    while ((r = fread(b + n, 1, cap - n - 1, f)) > 0) {
-        n += r;
-        if (n > max) {
-            fclose(f);
-            free(b);
-            errno = EFBIG;
-            return NULL;
-        }
-        if (cap - n < 2) b = bt_xrealloc(b, cap *= 2);
-    }
-    fclose(f);
-    b[n] = 0;
-    return b;
-}
-
 /* Print decoded bytes for a terminal or a file: newline as a visible return sign plus a real
  * newline, tab kept, other control bytes (ESC included: nothing in the data may drive the
  * terminal) as \xNN. */
@@ -407,9 +393,9 @@ static int preview_row(const bt_tokenizer *tok, const bt_batch_view *v, uint32_t
 }
 
 static int cmd_preview(const char *job_path, long rows, int color) {
-    char *text = slurp(job_path, 4u << 20);
-    if (!text) {
-        fprintf(stderr, "loaderctl preview: cannot read %s: %s\n", job_path, strerror(errno));
+    char *text = NULL;
+    if (bt_read_file(job_path, 4u << 20, &text, NULL)) {
+        fprintf(stderr, "loaderctl preview: cannot read %s\n", bt_last_error());
         return 1;
     }
     ld_job_spec spec;

@@ -172,7 +172,7 @@ static int gguf_add_bos(const char *path) {
     bt_gguf *g = NULL;
     if (bt_gguf_open(&g, path) != BT_OK) return 0;
     int v = 0;
-    if (bt_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &v) != BT_OK) v = 0;
+    if (bt_gguf_check(g, bt_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &v)) != BT_OK) v = 0;
     bt_gguf_close(g);
     return v != 0;
 }
@@ -790,4 +790,17 @@ void ld_pipeline_free(ld_pipeline *p) {
     pthread_mutex_destroy(&p->s_mu);
     ld_scfg_put(p->cfg);
     free(p);
+}
+
+uint64_t ld_pipeline_mem_estimate(const ld_job_spec *spec) {
+    if (!spec || spec->B == 0 || spec->T == 0) return 0;
+    uint64_t threads = spec->n_threads ? spec->n_threads : 1;
+    uint64_t q = 2 * threads + 2; /* p->Q */
+    uint64_t chunks = q * (uint64_t)LD_CHUNK_BYTES * 3;
+    uint64_t wt = (uint64_t)LD_WINDOW_ROWS * spec->T;
+    uint64_t cap = LD_WINDOW_MAX_TOKENS > 2ull * spec->T ? LD_WINDOW_MAX_TOKENS : 2ull * spec->T;
+    uint64_t win = (wt < cap ? wt : cap) * 16;
+    uint64_t nd = spec->n_datasets > 0 ? (uint64_t)spec->n_datasets : 1;
+    uint64_t sources = nd * (((uint64_t)256 << 10) + ((uint64_t)256 << 10));
+    return chunks + win + bt_batch_slot_bytes(spec->B, spec->T) + sources;
 }

@@ -194,4 +194,13 @@ void ld_pipeline_free(ld_pipeline *p);
  * for that rank first (at most one window). Idempotent; NULL is a no-op. */
 void ld_pipeline_cancel(ld_pipeline *p);
 
+/* Bytes of buffers a pipeline for `spec` holds at its limits (loaderd's memory_budget_bytes
+ * accounting, loaderd/config.h): the chunk queue (2 x n_threads + 2 chunks of up to 8 MiB of
+ * line text, plus 2 bytes of token ids and mask per text byte: byte-level BPE gives at least
+ * ~4 bytes of text per token on natural text, 8 bytes per token), the packing window
+ * (win_tokens x 16 bytes: ids, mask, packer plan), one batch of private scratch
+ * (bt_batch_slot_bytes) and per dataset a shard read block and a zstd output buffer. An
+ * estimate of what the limits allow, not a measurement; 0 for a spec with B or T of 0. */
+uint64_t ld_pipeline_mem_estimate(const ld_job_spec *spec);
+
 #endif

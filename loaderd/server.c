@@ -149,6 +149,9 @@ int ld_server_run(const ld_server_opts *opts) {
     s->socket_override = opts->socket_override;
     s->t_start = bt_now();
     s->next_job_id = 1;
+    /* every path loaderd opens from here on (tokenizers, shards) was resolved and checked against
+     * the roots first: a symbolic link met at open time was swapped in since (proto/PROTOCOL.md) */
+    bt_open_refuse_symlinks(1);
     pthread_mutex_init(&s->tok_mu, NULL);
     if (load_config(s, &s->cfg)) {
         bt_log(BT_LOG_ERROR, LOGC, "%s", bt_last_error());

@@ -1,8 +1,13 @@
 /* loaderd control server: connections (internals: loaderd/server_priv.h, protocol:
- * proto/PROTOCOL.md §1). Accept with max_clients and the SO_PEERCRED / SO_PEERGROUPS check
- * against allowed_users / allowed_groups, line framing with the max_request_bytes limit,
- * client_timeout_s for idle and half-sent requests, backpressure on unread replies, dispatch of
- * checked requests (server_proto.c) to the op handlers. Loop thread only. */
+ * proto/PROTOCOL.md §1). Accept with max_clients, max_clients_per_uid and the SO_PEERCRED /
+ * SO_PEERGROUPS check against allowed_users / allowed_groups (operators — root, loaderd's own
+ * uid, operator_groups — have OPERATOR_RESERVE more connections past both limits, so `status`
+ * and `drain` always get through),
+ * line framing with the max_request_bytes limit, client_timeout_s for connections without a
+ * complete valid request (blank lines and malformed requests are not activity) and for
+ * half-sent lines, backpressure on unread replies, dispatch of checked requests
+ * (server_proto.c) to the op handlers. Every refusal is written to the peer before the close.
+ * Loop thread only. */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -15,7 +20,8 @@
 #include "loaderd/server_priv.h"
 #include "proto/client.h"
 
-const char *const ld_refuse_name[REFUSE_N] = {"max_clients", "permission", "timeout", "too_long"};
+const char *const ld_refuse_name[REFUSE_N] = {"max_clients", "permission", "timeout", "too_long",
+                                              "max_clients_per_uid"};
 
 /* ------------------------------------------------------------------ replies */
 
@@ -171,6 +177,7 @@ static void handle_line(conn *c, char *line, size_t n) {
         s->bad_requests_total++;
         ld_conn_reply_error(c, rq.op_name, "%s", err);
     } else {
+        c->t_active = bt_now(); /* only a complete, valid request is activity */
         dispatch(c, &rq);
     }
     ld_request_free(&rq);
@@ -205,7 +212,6 @@ void ld_conn_process(conn *c) {
         size_t n = (size_t)(nl - p);
         c->start += n + 1;
         c->t_partial = 0;
-        c->t_active = bt_now();
         if (n > s->cfg->c.max_request_bytes) {
             refuse_too_long(c);
             return;
@@ -219,6 +225,8 @@ void ld_conn_process(conn *c) {
 }
 
 /* ------------------------------------------------------------------ accept, peer check */
+
+#define OPERATOR_RESERVE 8 /* connections operators may open past max_clients / max_clients_per_uid */
 
 /* Supplementary groups of the peer (SO_PEERGROUPS, Linux 4.13). Returns the count (0 when
  * unavailable), at most `cap`. */
@@ -261,16 +269,44 @@ void ld_conn_on_connection(uv_stream_t *ls, int status) {
     } else {
         n_groups = peer_groups(fd, groups, MAX_PEER_GROUPS);
     }
-    if (s->n_clients > s->cfg->c.max_clients) {
+    const ld_config *cf = &s->cfg->c;
+    c->is_operator = have_cred && ld_peer_is_operator(cf, c->cred.uid, c->cred.gid, groups, n_groups, geteuid());
+    /* the slots: everyone shares max_clients, and one uid gets at most max_clients_per_uid of
+     * them; an operator past either limit gets one of OPERATOR_RESERVE slots of its own */
+    uint32_t open = 0, mine = 0, reserved = 0;
+    for (conn *o = s->conns; o; o = o->next) {
+        if (o == c || o->closing) continue;
+        if (o->reserve) {
+            reserved++;
+            continue;
+        }
+        open++;
+        mine += o->cred.uid == c->cred.uid;
+    }
+    int full = open >= cf->max_clients, uid_full = mine >= cf->max_clients_per_uid;
+    if ((full || uid_full) && c->is_operator && reserved < OPERATOR_RESERVE) {
+        c->reserve = 1;
+        full = uid_full = 0;
+    }
+    if (full) {
         s->refused[REFUSE_MAX_CLIENTS]++;
         bt_log(BT_LOG_WARN, LOGC, "refusing client pid %d uid %u: %u clients connected (max_clients %u)",
-               (int)c->cred.pid, (unsigned)c->cred.uid, s->n_clients - 1, s->cfg->c.max_clients);
-        ld_conn_reply_error(c, NULL, "too many clients (max_clients %u)", s->cfg->c.max_clients);
+               (int)c->cred.pid, (unsigned)c->cred.uid, open, cf->max_clients);
+        ld_conn_reply_error(c, NULL, "too many clients (max_clients %u): try again later", cf->max_clients);
         ld_conn_finish(c);
         return;
     }
-    if (!have_cred ||
-        !ld_peer_allowed(&s->cfg->c, c->cred.uid, c->cred.gid, groups, n_groups, geteuid())) {
+    if (uid_full) {
+        s->refused[REFUSE_PER_UID]++;
+        bt_log(BT_LOG_WARN, LOGC, "refusing client pid %d uid %u: it has %u connections (max_clients_per_uid %u)",
+               (int)c->cred.pid, (unsigned)c->cred.uid, mine, cf->max_clients_per_uid);
+        ld_conn_reply_error(c, NULL, "too many connections from uid %u: %u open (max_clients_per_uid %u): close "
+                            "some first", (unsigned)c->cred.uid, mine, cf->max_clients_per_uid);
+        ld_conn_finish(c);
+        return;
+    }
+    if (!have_cred || (!c->is_operator &&
+                       !ld_peer_allowed(cf, c->cred.uid, c->cred.gid, groups, n_groups, geteuid()))) {
         s->refused[REFUSE_PERMISSION]++;
         bt_log(BT_LOG_WARN, LOGC,
                "refusing client pid %d uid %u gid %u: not in allowed_users / allowed_groups (every request refused)",
@@ -296,7 +332,7 @@ void ld_conn_check_timeouts(server *s, double now) {
         for (job *j = s->jobs; j && !has_job; j = j->next) has_job = j->owner == c;
         const char *why = NULL;
         if (c->t_partial > 0 && now - c->t_partial > lim) why = "half a request line";
-        else if (!has_job && c->len == c->start && now - c->t_active > lim) why = "no request";
+        else if (!has_job && now - c->t_active > lim) why = "no complete request";
         if (!why) continue;
         s->refused[REFUSE_TIMEOUT]++;
         bt_log(BT_LOG_WARN, LOGC, "closing client pid %d uid %u: %s for more than %.0f s (client_timeout_s)",

@@ -138,6 +138,7 @@ static void *producer_main(void *arg) {
 void ld_job_free(job *j) {
     if (j->pipe) ld_pipeline_free(j->pipe);
     if (j->ring.hdr) bt_ring_close(&j->ring);
+    if (j->mem_bytes) atomic_fetch_sub(&j->s->mem_used, j->mem_bytes);
     ld_tok_put(j->s, j->tok);
     ld_job_spec_free(&j->spec);
     free(j);
@@ -201,6 +202,28 @@ void ld_job_teardown(job *j) {
 }
 
 /* ------------------------------------------------------------------ attach */
+
+static double mib(uint64_t b) { return (double)b / 1048576.0; }
+
+/* Reserve ring + pipeline bytes of the job in the global memory_budget_bytes (any thread: a CAS
+ * loop, so attaches racing on the pool never overshoot it). 0, or 1 with r->err set. */
+static int mem_reserve(attach_req *r, job *j, uint64_t ring, uint64_t pipe) {
+    uint64_t need = ring + pipe, budget = r->cfg->c.memory_budget_bytes;
+    uint64_t used = atomic_load(&r->s->mem_used);
+    do {
+        if (used + need > budget) {
+            snprintf(r->err, sizeof r->err,
+                     "not enough of loaderd's memory budget: this job needs %.1f MiB (ring %.1f MiB + pipeline "
+                     "buffers %.1f MiB), %.1f MiB of memory_budget_bytes %.1f MiB are in use by other jobs "
+                     "(%.1f MiB free): use a smaller ring_slots / micro_batch_size x seq_len / "
+                     "tokenizer_threads, wait for jobs to end, or ask the operator to raise memory_budget_bytes",
+                     mib(need), mib(ring), mib(pipe), mib(used), mib(budget), mib(budget > used ? budget - used : 0));
+            return 1;
+        }
+    } while (!atomic_compare_exchange_weak(&r->s->mem_used, &used, used + need));
+    j->mem_bytes = need;
+    return 0;
+}
 
 /* Resolve one "shards" array (object `holder`, key "shards") with the path policy and replace it
  * by the resolved, glob-escaped paths. `where` names it in messages ("shards",
@@ -311,6 +334,7 @@ static void attach_work(uv_work_t *w) {
                  slots, j->B, j->T, (unsigned long long)sb * slots, (unsigned long long)cfg->max_ring_bytes);
         goto fail_job;
     }
+    if (mem_reserve(r, j, (uint64_t)sb * slots, ld_pipeline_mem_estimate(&j->spec))) goto fail_job;
     if (!(j->tok = tok_get(r->s, j->spec.tokenizer, r->err, sizeof r->err))) goto fail_job;
     j->vocab = bt_tokenizer_vocab_size(j->tok->tok);
     if (bt_ring_create(&j->ring, slots, j->B, j->T)) {

@@ -37,7 +37,7 @@
 enum { JOB_RUNNING = 0, JOB_DONE, JOB_STOPPED, JOB_FAILED };
 extern const char *const ld_job_state_name[];
 
-enum { REFUSE_MAX_CLIENTS = 0, REFUSE_PERMISSION, REFUSE_TIMEOUT, REFUSE_TOO_LONG, REFUSE_N };
+enum { REFUSE_MAX_CLIENTS = 0, REFUSE_PERMISSION, REFUSE_TIMEOUT, REFUSE_TOO_LONG, REFUSE_PER_UID, REFUSE_N };
 extern const char *const ld_refuse_name[];
 
 typedef struct cfg_ref {
@@ -72,6 +72,7 @@ typedef struct job {
     char err[256]; /* written by the producer before state becomes JOB_FAILED */
     struct ucred peer;
     double t_attach;
+    uint64_t mem_bytes; /* reserved in server.mem_used (ring + pipeline buffers) */
     int32_t vocab;
     int n_shards;
     /* rates and consumer progress (loop thread) */
@@ -103,7 +104,9 @@ typedef struct conn {
     int pending;            /* thread-pool requests still pointing at this conn */
     int handle_closed;
     struct ucred cred;
-    double t_active;        /* last complete request (or accept) */
+    int is_operator;        /* root, loaderd's uid or operator_groups (may drain) */
+    int reserve;            /* an operator's connection past the slot limits (OPERATOR_RESERVE) */
+    double t_active;        /* last complete, valid request (or accept, or attach done) */
     double t_partial;       /* when the pending partial line started; 0 = none */
     uv_shutdown_t sreq;
     struct conn *next, *prev;
@@ -130,6 +133,7 @@ typedef struct server {
     ld_hub *hub;              /* one stream per job: the ranks' pipelines meet here */
     uint64_t connections_total, requests_total, bad_requests_total;
     uint64_t refused[REFUSE_N];
+    _Atomic uint64_t mem_used; /* bytes reserved by jobs and attaches in preparation (any thread) */
     double t_reload;     /* last successful reload (0: never) */
     uint64_t reloads_total, reload_failures_total;
 } server;

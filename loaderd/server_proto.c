@@ -7,6 +7,8 @@
 #include <string.h>
 
 #include "loaderd/config.h"
+#include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "proto/client.h"
 
 static const char *op_names[LD_OP_N] = {"hello", "attach", "detach", "report", "status", "jobs", "metrics", "drain"};
@@ -125,9 +127,7 @@ int ld_request_parse(ld_request *r, const char *p, size_t n, unsigned max_depth,
     r->loss = r->tokens_per_s = NAN;
     if (errlen) err[0] = 0;
     if (!ld_json_depth_ok(p, n, max_depth)) return bad(err, errlen, "request nested deeper than %u levels", max_depth);
-    json_error_t e;
-    r->root = json_loadb(p, n, JSON_REJECT_DUPLICATES, &e);
-    if (!r->root) return bad(err, errlen, "invalid JSON at column %d: %s", e.column, e.text);
+    if (bt_json_loadb(&r->root, p, n, 0, "request")) return bad(err, errlen, "%s", bt_last_error());
     if (!json_is_object(r->root)) return bad(err, errlen, "request must be a JSON object");
     json_t *v = json_object_get(r->root, "v");
     r->op_name = json_string_value(json_object_get(r->root, "op"));

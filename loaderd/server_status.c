@@ -155,6 +155,7 @@ static json_t *job_json(job *j, int full, double now) {
     json_decref(more);
     json_object_set_new(o, "stream_ranks", json_integer(ld_pipeline_sharing(j->pipe)));
     json_object_set_new(o, "consumer_lag_batches", json_integer((json_int_t)consumer_lag(j)));
+    json_object_set_new(o, "memory_bytes", json_integer((json_int_t)j->mem_bytes));
     json_object_set_new(o, "consumer_idle_s", json_real(now - j->t_last_take));
     json_object_set_new(o, "peer", json_pack("{s:i, s:I, s:I}", "pid", (int)j->peer.pid, "uid", (json_int_t)j->peer.uid,
                                              "gid", (json_int_t)j->peer.gid));
@@ -243,6 +244,9 @@ void ld_op_status(conn *c, int full) {
         json_object_set_new(r, "max_jobs", json_integer(s->cfg->c.max_jobs));
         json_object_set_new(r, "max_clients", json_integer(s->cfg->c.max_clients));
         json_object_set_new(r, "client_timeout_s", json_integer(s->cfg->c.client_timeout_s));
+        json_object_set_new(r, "max_clients_per_uid", json_integer(s->cfg->c.max_clients_per_uid));
+        json_object_set_new(r, "memory_budget_bytes", json_integer((json_int_t)s->cfg->c.memory_budget_bytes));
+        json_object_set_new(r, "memory_used_bytes", json_integer((json_int_t)atomic_load(&s->mem_used)));
     }
     ld_conn_send(c, r);
 }
@@ -272,7 +276,7 @@ static void prom_value(FILE *f, double x) {
 }
 
 typedef enum { M_DOCS, M_TOKENS, M_LABELLED, M_BATCHES, M_CONSUMED, M_LINES, M_TRUNC, M_EFF, M_FILL, M_SLOTS, M_LAG,
-               M_IDLE, M_DRATE, M_TRATE, M_EPOCH, M_STEP, M_LOSS, M_TTPS, M_N } metric_id;
+               M_IDLE, M_DRATE, M_TRATE, M_EPOCH, M_MEM, M_STEP, M_LOSS, M_TTPS, M_N } metric_id;
 static const struct {
     const char *name, *type, *help;
 } metrics[M_N] = {
@@ -291,6 +295,7 @@ static const struct {
     {"loaderd_documents_per_second", "gauge", "Documents per second (EWMA, ~5 s)."},
     {"loaderd_tokens_per_second", "gauge", "Tokenizer throughput: tokens tokenized and packed per second (EWMA, ~5 s)."},
     {"loaderd_epoch", "gauge", "Current epoch of the job's stream."},
+    {"loaderd_job_memory_bytes", "gauge", "Memory reserved for the job: ring + pipeline buffers (memory_budget_bytes)."},
     {"loaderd_trainer_step", "gauge", "Last step reported by the trainer."},
     {"loaderd_trainer_loss", "gauge", "Last loss reported by the trainer."},
     {"loaderd_trainer_tokens_per_second", "gauge", "Last tokens/s reported by the trainer."},
@@ -314,6 +319,7 @@ static double metric_value(job *j, metric_id m, double now) {
     case M_DRATE: return j->docs_rate;
     case M_TRATE: return j->tok_rate;
     case M_EPOCH: return atomic_load(&st->epoch);
+    case M_MEM: return (double)j->mem_bytes;
     case M_STEP: return j->has_report ? (double)j->rep_step : NAN;
     case M_LOSS: return j->has_report ? j->rep_loss : NAN;
     case M_TTPS: return j->has_report ? j->rep_tps : NAN;
@@ -350,6 +356,10 @@ void ld_op_metrics(conn *c) {
         {"loaderd_reloads_total", "counter", "Successful configuration reloads (SIGHUP).", (double)s->reloads_total},
         {"loaderd_tokenizer_tokens_per_second", "gauge", "Tokenizer throughput summed over all jobs (EWMA, ~5 s).",
          tok_total},
+        {"loaderd_memory_budget_bytes", "gauge", "memory_budget_bytes: rings + pipeline buffers of all jobs.",
+         (double)s->cfg->c.memory_budget_bytes},
+        {"loaderd_memory_used_bytes", "gauge", "Memory reserved by attached jobs and attaches in preparation.",
+         (double)atomic_load(&s->mem_used)},
     };
     for (size_t g = 0; g < sizeof glob / sizeof glob[0]; g++) {
         fprintf(f, "# HELP %s %s\n# TYPE %s %s\n%s", glob[g].name, glob[g].help, glob[g].name, glob[g].type,
@@ -405,10 +415,11 @@ void ld_op_metrics(conn *c) {
 
 void ld_op_drain(conn *c) {
     server *s = c->s;
-    if (c->cred.pid == -1 || (c->cred.uid != 0 && c->cred.uid != geteuid())) {
-        bt_log(BT_LOG_WARN, LOGC, "drain refused for pid %d uid %u (root and loaderd's own user only)",
-               (int)c->cred.pid, (unsigned)c->cred.uid);
-        ld_conn_reply_error(c, "drain", "drain is allowed for root and loaderd's own user only");
+    if (!c->is_operator) {
+        bt_log(BT_LOG_WARN, LOGC, "drain refused for pid %d uid %u (operators only: root, loaderd's own user, "
+               "operator_groups)", (int)c->cred.pid, (unsigned)c->cred.uid);
+        ld_conn_reply_error(c, "drain", "drain is allowed for operators only (root, loaderd's own user and the "
+                            "members of operator_groups)");
         return;
     }
     uint32_t n = ld_job_count(s);

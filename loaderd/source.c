@@ -92,7 +92,7 @@ int ld_source_open(ld_source **out, const char *path, size_t max_line) {
         return bt_fail(BT_ERR_NOMEM, "source: out of memory");
     }
     s->max_line = max_line ? max_line : LD_SOURCE_MAX_LINE;
-    s->fd = open(path, O_RDONLY | O_CLOEXEC);
+    s->fd = bt_open_ro(path); /* in loaderd: no symlink may have been swapped in since the check */
     struct stat st;
     int rc = BT_OK;
     if (s->fd < 0) rc = bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
@@ -103,6 +103,7 @@ int ld_source_open(ld_source **out, const char *path, size_t max_line) {
         return rc;
     }
     s->size0 = (size_t)st.st_size;
+    bt_test_pause_point(path); /* tests truncate the shard here (bt_common.h) */
     posix_fadvise(s->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
     uint8_t head[4];
     ssize_t h = s->size0 >= 4 ? pread(s->fd, head, 4, 0) : 0;

@@ -19,10 +19,12 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 
 #define CLIENT_MAX_LINE (1u << 20)
 #define CLIENT_ATTACH_TIMEOUT_MS 120000 /* loaderd may be loading a large tokenizer */
 #define CLIENT_REPLY_TIMEOUT_MS 5000
+#define CLIENT_REFUSAL_WAIT_MS 2000    /* a refusal is already queued when our send fails */
 #define CLIENT_PEEK_SLICE_MS 200       /* how often an idle wait looks at the socket */
 #define CLIENT_CLOSED_GRACE_MS 3000    /* producer closed: wait this long for the hang-up */
 #define CLIENT_RECONNECT_DEFAULT_S 60.0
@@ -157,6 +159,25 @@ static int parse_reply(const char *line, json_t **out) {
     return BT_OK;
 }
 
+/* Our request could not be sent (EPIPE / ECONNRESET: loaderd refused this connection — not in
+ * allowed_users, too many clients — wrote its reason and closed). Read that reason: the line is
+ * already queued on our socket, so the wait ends at once with it or with EOF
+ * (CLIENT_REFUSAL_WAIT_MS only bounds a loaderd that is hung). Returns BT_ERR_INVALID with
+ * "loaderd refused: <reason>" when there is one, else send_rc with the send error. */
+static int read_refusal(bt_client *c, int send_rc) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", bt_last_error());
+    char *line = NULL;
+    if (read_line(c, CLIENT_REFUSAL_WAIT_MS, &line, NULL) == BT_OK) {
+        json_t *rep = NULL;
+        int rc = parse_reply(line, &rep);
+        free(line);
+        json_decref(rep);
+        if (rc == BT_ERR_INVALID) return rc; /* ok:false with loaderd's reason */
+    }
+    return bt_fail(send_rc, "%s", why);
+}
+
 static int get_u32(json_t *o, const char *key, uint32_t *out) {
     json_t *x = json_object_get(o, key);
     if (!json_is_integer(x) || json_integer_value(x) < 0 || json_integer_value(x) > UINT32_MAX)
@@ -232,7 +253,10 @@ static int do_attach(bt_client *c) {
     }
     rc = send_json(c->sock, req);
     json_decref(req);
-    if (rc) goto fail;
+    if (rc) { /* refused at accept and closed: the reason waits in our receive queue */
+        rc = read_refusal(c, rc);
+        goto fail;
+    }
     char *line = NULL;
     int fd = -1;
     rc = read_line(c, CLIENT_ATTACH_TIMEOUT_MS, &line, &fd);
@@ -301,11 +325,12 @@ int bt_client_attach_run(bt_client **out, const char *socket_path, const char *j
     if (strlen(socket_path) >= sizeof sa.sun_path)
         return bt_fail(BT_ERR_INVALID, "loaderd socket path too long (%zu bytes, max %zu): %s", strlen(socket_path),
                        sizeof sa.sun_path - 1, socket_path);
-    json_error_t e;
-    json_t *job = json_loads(job_json ? job_json : "", JSON_REJECT_DUPLICATES, &e);
-    if (!job || !json_is_object(job)) {
+    json_t *job = NULL;
+    if (bt_json_loadb(&job, job_json, job_json ? strlen(job_json) : 0, 0, "job spec") || !json_is_object(job)) {
+        const char *why = job ? "not an object" : bt_last_error();
+        int rc = bt_fail(BT_ERR_INVALID, "attach: job spec is not a JSON object (%s)", why);
         json_decref(job);
-        return bt_fail(BT_ERR_INVALID, "attach: job spec is not a JSON object (%s)", e.text);
+        return rc;
     }
     absolutize_paths(job);
     char *text = json_dumps(job, JSON_COMPACT);

@@ -64,7 +64,7 @@ def test_status_consumer_lag_and_metrics(loaderd, dataset, model_path):
     jobs = ctl_json(d, "jobs")["jobs"]
     assert jobs[0]["consumed"] == 4 and "consumer_idle_s" not in jobs[0]  # the short listing
     st = ctl_json(d, "status")
-    assert st["refused"] == {"max_clients": 0, "permission": 0, "timeout": 0, "too_long": 0}
+    assert st["refused"] == {"max_clients": 0, "permission": 0, "timeout": 0, "too_long": 0, "max_clients_per_uid": 0}
     assert st["connections_total"] >= 5 and st["client_timeout_s"] == 60
     # Prometheus text: the new series, each announced by HELP and TYPE before its samples
     text = d.ctl("metrics").stdout

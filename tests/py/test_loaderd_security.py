@@ -144,7 +144,7 @@ def test_path_policy_symlinks_dotdot_and_datasets(loaderd, dataset, model_path, 
                    [str(dataset / "rel.jsonl")], [str(dataset / "sub" / ".." / ".." / "outside" / "secret.jsonl")],
                    [str(dataset / "train-000.jsonl"), str(outside / "secret.jsonl")]):
         s, rep, _ = attach(d, job_spec(dataset, model_path, shards=shards))
-        assert rep["ok"] is False and "outside every data root" in rep["error"], (shards, rep)
+        assert rep["ok"] is False and "no file by that name inside data_roots" in rep["error"], (shards, rep)
         s.close()
     # multi-dataset jobs: every dataset's shards go through the same policy
     spec = job_spec(dataset, model_path)
@@ -152,7 +152,7 @@ def test_path_policy_symlinks_dotdot_and_datasets(loaderd, dataset, model_path, 
     spec["datasets"] = [{"shards": [str(dataset / "train-*.jsonl")], "format": "chat"},
                         {"shards": [str(dataset / "dirlink" / "*.jsonl")], "format": "chat", "weight": 1}]
     s, rep, _ = attach(d, spec)
-    assert rep["ok"] is False and "outside" in rep["error"], rep
+    assert rep["ok"] is False and "no file by that name inside data_roots" in rep["error"], rep
     s.close()
     # `..` that stays inside and a symlink inside the root are fine
     s, rep, ring = attach(d, job_spec(dataset, model_path, shards=[str(inner / ".." / "sub" / "ok.jsonl")]))
@@ -242,9 +242,13 @@ def test_slowloris_and_idle_clients_time_out_without_blocking_others(loaderd, da
         t = time.time()
         assert d.request({"op": "status"})["ok"] is True
         assert time.time() - t < 0.5
-    # a client trickling one byte at a time never completes a line: still timed out
+    # a client trickling one byte at a time never completes a line: still timed out (it may be
+    # closed before it is done: no complete request since it connected)
     for ch in b'{"v":1,':
-        trickle.sendall(bytes([ch]))
+        try:
+            trickle.sendall(bytes([ch]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
         time.sleep(0.2)
     for c in (slow, trickle, idle):
         c.settimeout(10)
@@ -316,8 +320,9 @@ def test_liars_stalled_readers_and_vanishing_clients(loaderd, dataset, model_pat
 
 def test_no_existence_oracle_outside_the_roots(loaderd, dataset, model_path, tmp_path):
     """A pattern whose fixed (wildcard-free) directory prefix lies outside data_roots is refused
-    before globbing, with the same reply whether or not anything exists there: "matches no file"
-    vs "outside" must not tell a client what exists outside the roots."""
+    before globbing, with the same reply whether or not anything exists there, and that reply is
+    also the one for a pattern that matches nothing (issue 10 §3): nothing tells a client what
+    exists outside the roots."""
     outside = tmp_path / "outside"
     outside.mkdir()
     write_shard(outside / "there.jsonl", [chat_line("a", "b")])
@@ -333,13 +338,15 @@ def test_no_existence_oracle_outside_the_roots(loaderd, dataset, model_path, tmp
         for pat in (there, absent):
             s, rep, _ = attach(d, job_spec(dataset, model_path, shards=[str(pat)]))
             s.close()
-            assert rep["ok"] is False and "outside every data root" in rep["error"], (pat, rep)
+            assert rep["ok"] is False and "no file by that name inside data_roots" in rep["error"], (pat, rep)
             errs.append(rep["error"].replace(str(pat), "PAT"))
         assert errs[0] == errs[1], errs
-    # inside the roots the usual answers stay
-    s, rep, _ = attach(d, job_spec(dataset, model_path, shards=[str(dataset / "nope-*.jsonl")]))
+    # a pattern inside the roots that matches nothing reads the same
+    pat = dataset / "nope-*.jsonl"
+    s, rep, _ = attach(d, job_spec(dataset, model_path, shards=[str(pat)]))
     s.close()
-    assert rep["ok"] is False and "matches no file" in rep["error"], rep
+    assert rep["ok"] is False and rep["error"].replace(str(pat), "PAT") == errs[0], (rep, errs)
+    # inside the roots the details may be told
     s, rep, _ = attach(d, job_spec(dataset, model_path, shards=[str(dataset / "nodir" / ".." / "*.jsonl")]))
     s.close()
     assert rep["ok"] is False and "outside" not in rep["error"], rep

@@ -260,9 +260,10 @@ def test_paths_outside_roots_refused(loaderd, dataset, model_path, tmp_path):
     ]
     for spec in cases:
         s, rep, ring = attach(d, spec)
-        assert rep["ok"] is False and "outside" in rep["error"], rep
+        assert rep["ok"] is False and "no file by that name inside" in rep["error"], rep
         s.close()
-    for spec, needle in [(job_spec(dataset, model_path, shards=[str(dataset / "nope-*.jsonl")]), "matches no file"),
+    for spec, needle in [(job_spec(dataset, model_path, shards=[str(dataset / "nope-*.jsonl")]),
+                          "no file by that name inside data_roots"),
                          (job_spec(dataset, model_path, shards=["relative/*.jsonl"]), "absolute"),
                          (job_spec(dataset, model_path, seq_len="64"), "seq_len"),
                          (job_spec(dataset, model_path, bogus=1), "bogus"),
@@ -293,7 +294,7 @@ def test_refusals_do_not_list_files_outside_the_roots(loaderd, dataset, model_pa
                  job_spec(dataset, model_path, shards=[str(dataset / "*.jsonl")]),
                  job_spec(dataset, model_path, tokenizer=str(tmp_path / "tok-link.gguf"))]:
         s, rep, ring = attach(d, spec)
-        assert rep["ok"] is False and "outside" in rep["error"], rep
+        assert rep["ok"] is False and "no file by that name inside" in rep["error"], rep
         assert "hidden-name-1234" not in rep["error"], rep
         s.close()
     assert "hidden-name-1234" in d.log_text()  # the operator still sees the details
@@ -363,7 +364,8 @@ def test_hostile_clients(loaderd, dataset, model_path):
                 refused += 1
         except socket.timeout:
             pass
-    assert refused >= 10, refused
+    # (the test runs as root, an operator: 8 of its connections past max_clients are its reserve)
+    assert refused >= 5, refused
     for c in conns:
         c.close()
     idle.close()

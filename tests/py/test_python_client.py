@@ -134,7 +134,7 @@ def test_loaderd_errors_are_python_exceptions(loaderd, dataset, model_path, tmp_
     cases = [
         (dict(job_spec(dataset, model_path), seq_len=3), '"seq_len": 3 is out of range'),
         (dict(job_spec(dataset, model_path), colour="red"), "colour"),
-        (dict(job_spec(dataset, model_path), shards=["/etc/passwd"]), "reaches outside every data root"),
+        (dict(job_spec(dataset, model_path), shards=["/etc/passwd"]), "no file by that name inside data_roots"),
         (dict(job_spec(dataset, model_path), format="yaml"), "format"),
     ]
     for spec, needle in cases:

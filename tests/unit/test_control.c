@@ -73,7 +73,7 @@ static void test_bad_requests(void **state) {
         {"{\"v\":\"1\",\"op\":\"status\"}", "version", "status"},
         {"{\"v\":1}", "missing \"op\"", NULL},
         {"{\"v\":1,\"op\":\"frob\"}", "unknown op", "frob"},
-        {"{\"v\":1,\"op\":\"status\",\"op\":\"jobs\"}", "invalid JSON", NULL}, /* duplicate key */
+        {"{\"v\":1,\"op\":\"status\",\"op\":\"jobs\"}", "duplicate key \"op\"", NULL}, /* named */
         {"{\"v\":1,\"op\":\"attach\"}", "\"job\"", "attach"},
         {"{\"v\":1,\"op\":\"attach\",\"job\":[]}", "\"job\"", "attach"},
         {"{\"v\":1,\"op\":\"attach\",\"job\":{},\"rank\":-1}", "\"rank\"", "attach"},
