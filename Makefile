@@ -102,15 +102,17 @@ pytest-torch: all
 	@bash scripts/venv-torch.sh
 	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py
 
-# `make test`: set-up, model, build, unit tests (plain and sanitized), process-level tests (also
-# the Python client's torch / transformers tests in .venv-torch/), the CUDA kernels and GPU tests
-# run on the CPU emulator (test-emu; skipped without CUDA headers), and scripts/train.sbatch under
-# a real one-node Slurm (test-slurm).
+# `make test`: set-up, model, build, unit tests (plain and sanitized), a short pass of every
+# libFuzzer target (fuzz-short), process-level tests (also the Python client's torch /
+# transformers tests in .venv-torch/), the CUDA kernels and GPU tests run on the CPU emulator
+# (test-emu; skipped without CUDA headers), and scripts/train.sbatch under a real one-node Slurm
+# (test-slurm).
 test: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all
 	@$(MAKE) --no-print-directory unit
 	@$(MAKE) --no-print-directory unit-asan
+	@$(MAKE) --no-print-directory fuzz-short
 	@$(MAKE) --no-print-directory shards
 	@$(MAKE) --no-print-directory pytest
 	@$(MAKE) --no-print-directory pytest-torch
@@ -155,7 +157,8 @@ FUZZ_SECONDS ?= 30
 FUZZ_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_CFLAGS  := $(filter-out -Werror,$(WARN)) $(DEFS) -pthread -I. $(shell pkg-config --cflags libuv jansson libzstd libpcre2-8 2>/dev/null) $(FUZZ_FLAGS)
 FUZZ_LIB_SRC := $(wildcard common/*.c) $(wildcard proto/*.c) \
-                $(filter-out loaderd/main.c loaderd/loaderctl.c,$(wildcard loaderd/*.c))
+                $(filter-out loaderd/main.c loaderd/loaderctl.c,$(wildcard loaderd/*.c)) \
+                trainer/config.c trainer/templates.c
 FUZZ_BINS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/bin/%,$(wildcard tests/fuzz/fuzz_*.c))
 
 $(BUILD)/fuzz/obj/%.o: %.c $(HDRS) $(wildcard tests/fuzz/*.h)
@@ -165,9 +168,14 @@ $(BUILD)/fuzz/bin/%: $(BUILD)/fuzz/obj/tests/fuzz/%.o $(patsubst %.c,$(BUILD)/fu
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer -o $@ $^ -luv -lzstd -ljansson -lyaml -lpcre2-8 -lutf8proc -lsystemd -lcrypto -lm -lpthread
 
-.PHONY: fuzz
+.PHONY: fuzz fuzz-short
 fuzz: $(FUZZ_BINS)
 	@FUZZ_SECONDS=$(FUZZ_SECONDS) BT_MODEL=$(MODEL) bash tests/fuzz/run.sh $(BUILD)/fuzz/bin
+# the short pass of `make test`: every target replays its committed corpus, then mutates for
+# FUZZ_SHORT_SECONDS (default 3)
+FUZZ_SHORT_SECONDS ?= 3
+fuzz-short: $(FUZZ_BINS)
+	@FUZZ_SECONDS=$(FUZZ_SHORT_SECONDS) BT_MODEL=$(MODEL) bash tests/fuzz/run.sh $(BUILD)/fuzz/bin
 
 # ---- reference fixtures from the real HF / bitsandbytes / gguf libraries (needs PyPI; each
 # generator pins its versions and makes its own virtual environment; not part of `make test`).
