@@ -99,6 +99,9 @@ def _no_dupes(pairs):
     return d
 
 
+REFUSAL_WAIT_S = 2.0  # a refusal is already queued when our send fails; this bounds a hung loaderd
+
+
 def _parse_reply(line, op):
     """A reply line -> dict; LoaderdRefused for ok:false (loaderd's message), LoaderdProtocolError
     for anything that is not a version-1 reply object."""
@@ -139,7 +142,16 @@ class _Conn:
         try:
             self.sock.sendall(json.dumps(msg, separators=(",", ":"), allow_nan=False).encode() + b"\n")
         except OSError as e:
-            raise LoaderdConnectionError(f"loaderd socket {self.path}: send: {e.strerror or e}") from None
+            why = f"loaderd socket {self.path}: send: {e.strerror or e}"
+            # refused at accept and closed (allowed_users, too many connections): loaderd wrote
+            # its reason first, and it waits in our receive queue (proto/PROTOCOL.md §1)
+            op = msg.get("op", "?")
+            try:
+                line, _ = self.read_line(REFUSAL_WAIT_S, op)
+            except LoaderdError:
+                raise LoaderdConnectionError(why) from None
+            _parse_reply(line, op)  # raises LoaderdRefused with loaderd's words
+            raise LoaderdConnectionError(why) from None
 
     def read_line(self, timeout, op, want_fd=False):
         """One reply line (bytes) and the first fd passed with it (or None); other fds closed."""

@@ -5,7 +5,8 @@
 - 64+ clients trickling bare newlines: idle means "no complete request", slots are shared per
   uid, operators (root here) always get `status`, `metrics` and `drain` through (§2);
 - every refusal for a path outside the roots reads the same whatever lies there (§3);
-- refusals reach loaderctl and the client library even when their own send fails (§6);
+- refusals reach loaderctl and the client libraries (C and Python) even when their own send
+  fails (§6);
 - the global memory budget: an attach past it is refused with the figures; usage in status and
   metrics (§7).
 Switching users needs root: those tests are skipped otherwise."""
@@ -18,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import BUILD, PauseHook, chat_line, read_line, write_shard
+from conftest import BUILD, ROOT, PauseHook, chat_line, read_line, write_shard
 from test_loaderd_server import attach, base_config, check_batch, dataset, job_spec, parse_batch  # noqa: F401
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -282,6 +283,48 @@ def test_refusals_reach_loaderctl_and_the_client(loaderd, dataset, model_path, o
                            str(job), "--batches", "1")
         assert code == 1 and "loaderd refused: permission denied: uid 65534" in err, err
     assert d.proc.poll() is None
+
+
+def test_client_libraries_read_a_refusal_after_their_send_failed(sock_path, tmp_path):
+    """A peer that writes a refusal and closes without reading, as loaderd does at accept: a
+    request too large to fit the socket buffers makes the client's send fail (EPIPE) every time;
+    the C library (ld_consume) and the Python one (barq_loaderd) still report loaderd's words."""
+    import socket as so
+    import threading
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import barq_loaderd as bl
+    refusal = b'{"v":1,"ok":false,"error":"permission denied: uid 4242 (gid 4242) is not in allowed_users"}\n'
+    srv = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(8)
+    stop = []
+
+    def serve():
+        while not stop:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.sendall(refusal)
+            c.close()  # unread request bytes: the peer's send fails
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    spec = {"name": "x" * (4 << 20), "shards": ["/d/*.jsonl"], "format": "chat", "tokenizer": "/m/t.gguf",
+            "seq_len": 64, "micro_batch_size": 2}
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(spec))
+    try:
+        for _ in range(3):
+            with pytest.raises(bl.LoaderdRefused) as e:
+                bl.LoaderdClient(spec, socket_path=sock_path)
+            assert e.value.loaderd_message.startswith("permission denied: uid 4242"), e.value
+            r = subprocess.run([os.path.join(BUILD, "tools", "ld_consume"), "--socket", sock_path, "--job", str(job),
+                                "--batches", "1"], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and "loaderd refused: permission denied: uid 4242" in r.stderr, r.stderr
+    finally:
+        stop.append(1)
+        srv.close()
 
 
 # ---------------------------------------------------------------- §7 memory budget
