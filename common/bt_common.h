@@ -97,7 +97,9 @@ int bt_map_open(bt_map *m, const char *path);
  * directory holding the FIFOs "mapped" and "resume" and `path` contains
  * $BT_TEST_MAP_PAUSE_MATCH, writes "<path>\n" to "mapped" and waits for one byte on "resume".
  * bt_map_open calls it once a file is mapped and loaderd's shard reader once a shard is open,
- * so process-level tests truncate or replace the file in between, deterministically. */
+ * so process-level tests truncate or replace the file in between, deterministically; the
+ * adapter and checkpoint writers call it with their temporary directory just before it is
+ * renamed into place, so tests SIGKILL a save mid-write. */
 void bt_test_pause_point(const char *path);
 /* Whether the file changed under the mapping since bt_map_open: a page past a new end was
  * touched (it read as zeros), or the file's size or mtime differ now (truncated, rewritten or

@@ -176,6 +176,7 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
         goto out;
     }
     if ((rc = write_config(lo, base_model_name_or_path, p))) goto out;
+    bt_test_pause_point(tmp); /* tests SIGKILL the save here (bt_common.h) */
     if ((rc = bt_fsync_path(tmp, 1, "adapter")) || (rc = bt_replace_dir(tmp, d, "adapter")))
         goto out;
     bt_fsync_parent(d, "adapter"); /* best effort: make the rename durable */

@@ -221,6 +221,7 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     } else {
         p = NULL;
     }
+    bt_test_pause_point(tmp); /* tests SIGKILL the save here (bt_common.h) */
     if ((rc = bt_fsync_path(tmp, 1, "checkpoint")) ||
         (rc = bt_replace_dir(tmp, d, "checkpoint")))
         goto out;

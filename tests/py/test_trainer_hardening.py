@@ -164,3 +164,59 @@ def test_stale_temporaries_removed_at_start(tmp_path):
                         str(tmp_path / "adapter.backup"), "--format", "gguf", "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert e.returncode != 0 and not stale.exists(), e.stderr
+
+
+@pytest.mark.parametrize("match", ["/ckpt.tmp-", "/adapter.tmp-"])
+def test_save_killed_mid_write_is_cleaned_at_next_start(tmp_path, trainer_stack, match):
+    """The issue's case itself: a trainer SIGKILLed while its checkpoint (or adapter) save is
+    being written (paused by the bt_test_pause_point hook just before the rename) leaves its
+    temporary directory; the next run removes it, says so, and trains on."""
+    import signal
+    import threading
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "a.jsonl", [json.dumps({"text": f"line {i} of the shard, with words"}) for i in range(200)])
+    tiny(tmp_path / "tiny.gguf")
+    ld = trainer_stack(data)
+    cfg = write_job(tmp_path, socket=ld.sock, steps=6, save_every=3, checkpoint_every=3,
+                    data={"micro_batch_size": 2})
+    e = dict(os.environ)
+    e.update(SAN_ENV)
+    proc = {}
+    killed = threading.Event()
+
+    def kill(path):
+        if os.path.basename(path).count(".tmp-") != 1:
+            return  # the checkpoint's own adapter files, written inside ckpt.tmp-<pid>.tmp-<pid>
+        proc["p"].send_signal(signal.SIGKILL)
+        proc["p"].wait(60)
+        killed.set()
+
+    hook = PauseHook(tmp_path, match, kill)
+    e.update(hook.env)
+    proc["p"] = subprocess.Popen([TRAINER, "train", "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True, env=e)
+    try:
+        _, err = proc["p"].communicate(timeout=600)
+    finally:
+        if proc["p"].poll() is None:
+            proc["p"].kill()
+    assert killed.wait(60) and proc["p"].returncode == -signal.SIGKILL, (proc["p"].returncode, err[-3000:])
+    # the hook's thread now waits for the killed trainer to read "resume": stand in for it
+    fd = os.open(hook.resume, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        import select
+        select.select([fd], [], [], 60)
+    finally:
+        os.close(fd)
+    hook.stop()
+    assert len(hook.paths) == (2 if match == "/ckpt.tmp-" else 1) and not hook.errors, (hook.paths, hook.errors)
+    left = hook.paths[-1]
+    assert os.path.basename(left) == f"{match[1:]}{proc['p'].pid}", left
+    assert os.path.isdir(left) and os.listdir(left), left  # the killed save's temporary
+    pid = proc["p"].pid
+    r = run(cfg, "--set", "stop_at_step=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"removed {left}: the temporary of a save killed mid-write (process {pid})" in r.stderr, r.stderr[-3000:]
+    assert not os.path.exists(left)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name or ".old" in p.name] == []
