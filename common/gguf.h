@@ -120,7 +120,9 @@ int bt_gguf_w_num_arr(bt_gguf_writer *w, const char *key, bt_gguf_vtype elem_typ
 int bt_gguf_w_copy_kv(bt_gguf_writer *w, const bt_gguf *src, const char *key);
 /* Adds a tensor; data (nbytes = bt_ggml_row_size(type, ne[0]) * ne[1]*..*ne[n_dims-1]) is
  * copied. ne[0] fastest (a PyTorch [out, in] weight has ne = {in, out}). Name 1..63 bytes and
- * unique, n_dims 1..4, every ne >= 1. BT_ERR_INVALID / BT_ERR_UNSUPPORTED (type) otherwise. */
+ * unique, n_dims 1..4, every ne >= 1. BT_ERR_INVALID / BT_ERR_UNSUPPORTED (type) otherwise.
+ * A tensor holding a NaN or infinity (F32/F16/BF16 values, block scales of the Q types) is
+ * refused with BT_ERR_INVALID naming the element; IQ and TQ blocks are not inspected. */
 int bt_gguf_w_tensor(bt_gguf_writer *w, const char *name, int type, uint32_t n_dims,
                      const uint64_t *ne, const void *data, uint64_t nbytes);
 /* Writes PATH.tmp.<pid>, fsyncs, renames over PATH, fsyncs the directory. BT_ERR_IO on
