@@ -140,16 +140,40 @@ void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int 
 int bt_rope_inv_freq(float *inv_freq, int D, float theta, const char *type, float factor,
                      float low_freq_factor, float high_freq_factor, int original_max_pos);
 
-/* ---- causal attention over packed variable-length segments, GQA ----
+/* ---- causal attention over packed variable-length segments, GQA, optional S^2-Attn ----
+ * (kernels/cpu/attention.c: FlashAttention-2-style online softmax over key tiles, fp32)
  * q [M, Hq, D], k,v [M, Hkv, D], Hq % Hkv == 0 (query head h uses kv head h / (Hq/Hkv)).
- * cu_seqlens [n_seq+1] over M; token i attends to j in its own segment with j <= i.
- * out [M, Hq, D]; lse [M, Hq] (natural-log logsumexp of the scaled scores) saved for backward. */
+ * cu_seqlens [n_seq+1] over M (nondecreasing, cu[0] = 0, cu[n_seq] = M; rows outside get out = 0,
+ * lse = 0); token i attends to j in its own segment with j <= i.
+ * out [M, Hq, D]; lse [M, Hq] (natural-log logsumexp of the scaled scores) saved for backward.
+ * scale: the softmax scale (1/sqrt(D) for Llama; times mscale^2 for YaRN). All fp32, caller owned. */
 void bt_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
                  const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
 /* dq [M,Hq,D], dk, dv [M,Hkv,D] overwritten. */
 void bt_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
                  const float *lse, const float *q, const float *k, const float *v,
                  const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
+/* The same with LongLoRA's shifted sparse attention (S^2-Attn; Chen et al. 2023, arXiv 2309.12307,
+ * llama_attn_replace.py, in its varlen form without the roll) when s2_group = G > 0: positions are
+ * local to each cu_seqlens segment (document); query heads h < Hq/2 attend only within groups
+ * [kG, (k+1)G), heads h >= Hq/2 within groups shifted by G/2: [0, G/2), [G/2, 3G/2), ... (a
+ * half-size group at the start and whatever is left at the end; no token ever sees a later one, or
+ * one of another document). Causal inside each group. G = 0 is full causal attention (exactly
+ * bt_attn_fwd / bt_attn_bwd). Same semantics as kernels/cuda bt_cuda_attn_params.s2_group.
+ * Returns 0, BT_ERR_INVALID (bad shapes, G odd or < 0; outputs untouched) or BT_ERR_NOMEM
+ * (scratch: forward threads x 33 K floats; backward the same x 2 plus, with GQA, 2 x M x Hq x D
+ * floats of per-head dK/dV accumulators; the backward's outputs are zeroed then), with a message.
+ * bt_attn_fwd / bt_attn_bwd are these with G = 0 (errors leave their outputs zeroed). */
+int bt_attn_fwd_s2(float *out, float *lse, const float *q, const float *k, const float *v,
+                   const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                   int s2_group);
+int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                   const float *lse, const float *q, const float *k, const float *v,
+                   const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                   int s2_group);
+/* One past the last local position of the S^2 group that contains local position i (i >= 0):
+ * (i/G + 1) G unshifted, ((i + G/2) / G) G + G/2 shifted; INT_MAX when G <= 0 (one group). */
+int bt_s2_group_end(int i, int G, int shifted);
 
 /* ---- SwiGLU: h = silu(gate) * up (Shazeer 2020; HF LlamaMLP) ---- */
 void bt_swiglu_fwd(float *h, const float *gate, const float *up, int64_t n);

@@ -1,12 +1,12 @@
 /* GPU parity tests for the fused attention, BOTH implementations: bt_cuda_attn_fwd/bwd (wmma,
  * kernels/cuda/attention.cu) and bt_cuda_attn_fwd_mma/bwd_mma (mma.sync, attention_mma.cu), each
- * against the CPU reference (bt_rope_fwd[_freq] + bt_attn_fwd / bt_attn_bwd + bt_rope_bwd[_freq],
+ * against the CPU reference (bt_rope_fwd[_freq] + bt_attn_fwd_s2 / bt_attn_bwd_s2 + bt_rope_bwd[_freq],
  * kernels/cpu/) on identical bf16-rounded inputs: head dims 64 and 128, GQA groups 1/2/4, varlen
  * documents with odd lengths, one-token documents, lengths not a multiple of the 64/128-token
  * tiles, RoPE on load with position interpolation (pos_scale 0.5), a Llama 3.1 "llama3" inv_freq
  * table (factor 8, low 1, high 4, original_max_pos 8192) with large position offsets (angles up to
  * ~7600 rad, exercising the sin/cos range reduction), packed QKV strides, large-magnitude queries,
- * LongLoRA S^2-Attn (reference: the CPU kernel run per head on that head's group segmentation),
+ * LongLoRA S^2-Attn (reference: the CPU S^2 kernel, kernels/cpu/attention.c),
  * including GQA groups whose query heads straddle Hq/2 (shifted and unshifted heads sharing one
  * KV head), and long documents (1000 tokens; 4096 tokens with D=128, Hq 8, Hkv 2).
  * Every case runs once per implementation and prints its own PASS/FAIL line
@@ -24,6 +24,9 @@
  * Options: --impl wmma|mma (run one implementation only), --case SUBSTR (cases whose name
  * contains SUBSTR). Without a CUDA device: prints SKIPPED and exits 77. */
 #include "tests/gpu/gpu_test.h"
+extern "C" {
+#include "common/bt_common.h"
+}
 
 #include <chrono>
 #include <string>
@@ -60,48 +63,6 @@ struct AttCase {
     int pos_offset; /* position_ids = pos_offset + index within the document */
     bool cross;     /* also compare mma against wmma and check mma determinism */
 };
-
-/* CPU reference, per head with custom segmentation when G > 0. All arrays fp32, rotated q/k in. */
-static void s2_cu(const std::vector<int> &lens, int G, bool shifted, std::vector<int32_t> &cu)
-{
-    cu.assign(1, 0);
-    int base = 0;
-    for (int L : lens) {
-        int b = 0;
-        if (shifted && G / 2 < L) {
-            cu.push_back(base + G / 2);
-            b = G / 2;
-        }
-        for (b += G; b < L; b += G)
-            cu.push_back(base + b);
-        cu.push_back(base + L);
-        base += L;
-    }
-    if (G / 2 >= 1) { /* drop zero-length segments created above (harmless but tidy) */
-        std::vector<int32_t> c2(1, 0);
-        for (size_t i = 1; i < cu.size(); i++)
-            if (cu[i] != c2.back())
-                c2.push_back(cu[i]);
-        cu = c2;
-    }
-}
-
-static void extract_head(std::vector<float> &dst, const std::vector<float> &src, int M, int H, int h,
-                         int D)
-{
-    dst.resize((size_t)M * D);
-    for (int m = 0; m < M; m++)
-        memcpy(&dst[(size_t)m * D], &src[((size_t)m * H + h) * D], sizeof(float) * D);
-}
-static void insert_head(std::vector<float> &dst, const std::vector<float> &src, int M, int H, int h,
-                        int D, bool add)
-{
-    for (int m = 0; m < M; m++)
-        for (int d = 0; d < D; d++) {
-            float &o = dst[((size_t)m * H + h) * D + d];
-            o = (add ? o : 0.0f) + src[(size_t)m * D + d];
-        }
-}
 
 static const float k_theta = 10000.0f, k_pscale = 0.5f;
 
@@ -164,35 +125,15 @@ static void build_ref(const AttCase &c, AttRef &r)
     r.dk.assign(r.nk, 0.0f);
     r.dv.assign(r.nk, 0.0f);
     const int nseq = (int)c.lens.size();
-    if (c.G == 0) {
-        bt_attn_fwd(r.out.data(), r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(), nseq,
-                    M, Hq, Hkv, D, scale);
-        bt_attn_bwd(r.dq.data(), r.dk.data(), r.dv.data(), r.dout.data(), r.out.data(),
-                    r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(), nseq, M, Hq, Hkv,
-                    D, scale);
-    } else {
-        const int grp = Hq / Hkv;
-        for (int h = 0; h < Hq; h++) {
-            std::vector<int32_t> hcu;
-            s2_cu(c.lens, c.G, h >= Hq / 2, hcu);
-            std::vector<float> qh, kh, vh, doh, oh((size_t)M * D), lh(M), dqh((size_t)M * D),
-                dkh((size_t)M * D), dvh((size_t)M * D);
-            extract_head(qh, qr, M, Hq, h, D);
-            extract_head(kh, kr, M, Hkv, h / grp, D);
-            extract_head(vh, r.v, M, Hkv, h / grp, D);
-            extract_head(doh, r.dout, M, Hq, h, D);
-            const int ns = (int)hcu.size() - 1;
-            bt_attn_fwd(oh.data(), lh.data(), qh.data(), kh.data(), vh.data(), hcu.data(), ns, M, 1,
-                        1, D, scale);
-            bt_attn_bwd(dqh.data(), dkh.data(), dvh.data(), doh.data(), oh.data(), lh.data(),
-                        qh.data(), kh.data(), vh.data(), hcu.data(), ns, M, 1, 1, D, scale);
-            insert_head(r.out, oh, M, Hq, h, D, false);
-            insert_head(r.dq, dqh, M, Hq, h, D, false);
-            insert_head(r.dk, dkh, M, Hkv, h / grp, D, true);
-            insert_head(r.dv, dvh, M, Hkv, h / grp, D, true);
-            for (int m = 0; m < M; m++)
-                r.lse[(size_t)m * Hq + h] = lh[m];
-        }
+    /* kernels/cpu S^2-Attn (G = 0: full causal), itself checked against a naive masked reference
+     * in tests/unit/test_attention.c */
+    if (bt_attn_fwd_s2(r.out.data(), r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(),
+                       nseq, M, Hq, Hkv, D, scale, c.G) != 0 ||
+        bt_attn_bwd_s2(r.dq.data(), r.dk.data(), r.dv.data(), r.dout.data(), r.out.data(),
+                       r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(), nseq, M, Hq,
+                       Hkv, D, scale, c.G) != 0) {
+        printf("    CPU reference failed: %s  <-- FAIL\n", bt_last_error());
+        g_case_ok = false;
     }
     if (c.rope) {
         bt_rope_bwd_freq(r.dq.data(), r.pos.data(), M, Hq, D, r.invf.data(), k_pscale);

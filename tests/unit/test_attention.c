@@ -1,6 +1,12 @@
-/* Causal varlen GQA attention: forward and backward against a naive double-precision reference,
- * whose own gradient is checked by central differences; several segments including length-1
- * segments, GQA groups, and a segment longer than one query block (128). */
+/* Causal varlen GQA attention, with and without LongLoRA S^2-Attn: forward and backward against a
+ * naive double-precision reference that applies the mask element by element (same document,
+ * j <= i, and for S^2 the same group: floor((p_i + off) / G) == floor((p_j + off) / G) with p the
+ * position inside the document and off = G/2 for heads h >= Hq/2, else 0), whose own gradient is
+ * checked by central differences; several segments including length-1 segments, GQA and MQA
+ * groups, segments longer than one query block (128) and one key tile (256). The attention pattern
+ * itself is read back (V = identity, so out[i, h, j] = P(i attends j)) and compared with the rule:
+ * no token attends to a later one, to another document or outside its group, and every allowed
+ * pair has P > 0. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -24,7 +30,20 @@ typedef struct {
     int M, Hq, Hkv, D, n_seq;
     const int32_t *cu;
     double scale;
+    int G; /* S^2 group (0 = full causal) */
 } shape;
+
+/* may query i attend key j (absolute rows, both in segment sg) under head h: the mask, written
+ * independently of the kernel's group bounds */
+static int visible(const shape *s, int sg, int h, int i, int j)
+{
+    if (j > i)
+        return 0;
+    if (s->G <= 0)
+        return 1;
+    const int off = h >= s->Hq / 2 ? s->G / 2 : 0, pi = i - s->cu[sg], pj = j - s->cu[sg];
+    return (pi + off) / s->G == (pj + off) / s->G;
+}
 
 /* naive forward in double: out, lse */
 static void ref_fwd(const shape *s, const double *q, const double *k, const double *v, double *out,
@@ -37,7 +56,9 @@ static void ref_fwd(const shape *s, const double *q, const double *k, const doub
             int g = h / grp;
             for (int i = s->cu[sg]; i < s->cu[sg + 1]; i++) {
                 double mx = -INFINITY;
-                for (int j = s->cu[sg]; j <= i; j++) {
+                for (int j = s->cu[sg]; j < s->cu[sg + 1]; j++) {
+                    if (!visible(s, sg, h, i, j))
+                        continue;
                     double d = 0;
                     for (int c = 0; c < D; c++)
                         d += q[(i * Hq + h) * D + c] * k[(j * Hkv + g) * D + c];
@@ -45,13 +66,15 @@ static void ref_fwd(const shape *s, const double *q, const double *k, const doub
                     mx = p[j] > mx ? p[j] : mx;
                 }
                 double se = 0;
-                for (int j = s->cu[sg]; j <= i; j++)
-                    se += exp(p[j] - mx);
+                for (int j = s->cu[sg]; j < s->cu[sg + 1]; j++)
+                    if (visible(s, sg, h, i, j))
+                        se += exp(p[j] - mx);
                 lse[i * Hq + h] = mx + log(se);
                 for (int c = 0; c < D; c++) {
                     double o = 0;
-                    for (int j = s->cu[sg]; j <= i; j++)
-                        o += exp(p[j] - lse[i * Hq + h]) * v[(j * Hkv + g) * D + c];
+                    for (int j = s->cu[sg]; j < s->cu[sg + 1]; j++)
+                        if (visible(s, sg, h, i, j))
+                            o += exp(p[j] - lse[i * Hq + h]) * v[(j * Hkv + g) * D + c];
                     out[(i * Hq + h) * D + c] = o;
                 }
             }
@@ -77,6 +100,8 @@ static void ref_bwd(const shape *s, const double *q, const double *k, const doub
                 for (int c = 0; c < D; c++)
                     di += dout[(i * Hq + h) * D + c] * out[(i * Hq + h) * D + c];
                 for (int j = s->cu[sg]; j <= i; j++) {
+                    if (!visible(s, sg, h, i, j))
+                        continue;
                     double sc = 0, dp = 0;
                     for (int c = 0; c < D; c++) {
                         sc += q[(i * Hq + h) * D + c] * k[(j * Hkv + g) * D + c];
@@ -141,9 +166,16 @@ static void run(const shape *s, int fd_check)
     double *dqr = malloc(8 * nq), *dkr = malloc(8 * nkv), *dvr = malloc(8 * nkv);
     for (int i = 0; i < nkv; i++)
         dk[i] = dv[i] = NAN; /* must be overwritten */
-    bt_attn_fwd(out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv, s->D, (float)s->scale);
-    bt_attn_bwd(dq, dk, dv, dout, out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv, s->D,
-                (float)s->scale);
+    if (s->G == 0) { /* the plain entry points */
+        bt_attn_fwd(out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv, s->D, (float)s->scale);
+        bt_attn_bwd(dq, dk, dv, dout, out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv, s->D,
+                    (float)s->scale);
+    } else {
+        assert_int_equal(bt_attn_fwd_s2(out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv, s->D,
+                                        (float)s->scale, s->G), 0);
+        assert_int_equal(bt_attn_bwd_s2(dq, dk, dv, dout, out, lse, q, k, v, s->cu, s->n_seq, M,
+                                        s->Hq, s->Hkv, s->D, (float)s->scale, s->G), 0);
+    }
     ref_fwd(s, qd, kd, vd, outr, lser);
     ref_bwd(s, qd, kd, vd, dod, dqr, dkr, dvr);
     check_close("out", out, outr, nq, 1e-4, 1e-5);
@@ -173,12 +205,55 @@ static void run(const shape *s, int fd_check)
     free(lse), free(dq), free(dk), free(dv), free(outr), free(lser), free(dqr), free(dkr), free(dvr);
 }
 
+/* The attention pattern itself: V = identity (D >= the longest segment; value row j of a segment
+ * is e_(j - segment start)), so out[i, h, j - start] is the probability that query i attends key
+ * j. It must be > 0 exactly where `visible` allows, and exactly 0 elsewhere (a later token,
+ * another document, another S^2 group). */
+static void check_pattern(const shape *s)
+{
+    const int M = s->M, Hq = s->Hq, Hkv = s->Hkv, D = s->D, grp = Hq / Hkv;
+    float *q = malloc(4 * (size_t)M * Hq * D), *k = malloc(4 * (size_t)M * Hkv * D);
+    float *v = calloc((size_t)M * Hkv * D, 4), *out = malloc(4 * (size_t)M * Hq * D);
+    float *lse = malloc(4 * (size_t)M * Hq);
+    for (int i = 0; i < M * Hq * D; i++)
+        q[i] = 0.3f * frand();
+    for (int i = 0; i < M * Hkv * D; i++)
+        k[i] = 0.3f * frand();
+    for (int sg = 0; sg < s->n_seq; sg++) {
+        assert_true(s->cu[sg + 1] - s->cu[sg] <= D);
+        for (int j = s->cu[sg]; j < s->cu[sg + 1]; j++)
+            for (int g = 0; g < Hkv; g++)
+                v[((size_t)j * Hkv + g) * D + (j - s->cu[sg])] = 1.0f;
+    }
+    assert_int_equal(bt_attn_fwd_s2(out, lse, q, k, v, s->cu, s->n_seq, M, Hq, Hkv, D,
+                                    (float)s->scale, s->G), 0);
+    int n_vis = 0;
+    for (int sg = 0; sg < s->n_seq; sg++)
+        for (int h = 0; h < Hq; h++)
+            for (int i = s->cu[sg]; i < s->cu[sg + 1]; i++) {
+                const float *o = out + ((size_t)i * Hq + h) * D;
+                double sum = 0;
+                for (int c = 0; c < D; c++) {
+                    const int j = s->cu[sg] + c, in_seg = j < s->cu[sg + 1];
+                    const int vis = in_seg && visible(s, sg, h, i, j);
+                    if (vis ? !(o[c] > 0.0f) : o[c] != 0.0f)
+                        fail_msg("G %d head %d (kv %d): query %d, key %d: P = %g but the mask says "
+                                 "%s", s->G, h, h / grp, i, j, o[c], vis ? "visible" : "hidden");
+                    n_vis += vis;
+                    sum += o[c];
+                }
+                assert_true(fabs(sum - 1.0) < 1e-5); /* a distribution over its own keys only */
+            }
+    assert_true(n_vis > 0);
+    free(q), free(k), free(v), free(out), free(lse);
+}
+
 static void test_segments_gqa(void **state)
 {
     (void)state;
     /* segments of 5, 1, 0, 4, 1 tokens; 4 query heads over 2 kv heads */
     static const int32_t cu[6] = {0, 5, 6, 6, 10, 11};
-    shape s = {11, 4, 2, 8, 5, cu, 1.0 / sqrt(8.0)};
+    shape s = {11, 4, 2, 8, 5, cu, 1.0 / sqrt(8.0), 0};
     run(&s, 1);
 }
 
@@ -186,19 +261,84 @@ static void test_mha_and_mqa(void **state)
 {
     (void)state;
     static const int32_t cu[3] = {0, 7, 9};
-    shape mha = {9, 3, 3, 4, 2, cu, 0.5};
+    shape mha = {9, 3, 3, 4, 2, cu, 0.5, 0};
     run(&mha, 1);
-    shape mqa = {9, 3, 1, 4, 2, cu, 0.5};
+    shape mqa = {9, 3, 1, 4, 2, cu, 0.5, 0};
     run(&mqa, 1);
 }
 
 static void test_long_segment_blocks(void **state)
 {
     (void)state;
-    /* 300-token segment = query blocks of 128, 128, 44; SmolLM2-like head ratio 3:1 */
+    /* 300-token segment = query blocks of 128, 128, 44 and key tiles of 256, 44; SmolLM2-like head
+     * ratio 3:1 */
     static const int32_t cu[3] = {0, 300, 301};
-    shape s = {301, 3, 1, 16, 2, cu, 0.25};
+    shape s = {301, 3, 1, 16, 2, cu, 0.25, 0};
     run(&s, 0);
+}
+
+/* S^2-Attn, small: group fractions 1/2, 1/4, 1/8 of a 16-token row, packed documents (so groups
+ * restart at each document), GQA with the query heads of one kv head on both sides of Hq/2, and an
+ * odd head count (Hq/2 rounds down, as LongLoRA's num_heads // 2); gradients also by finite
+ * differences of the reference */
+static void test_s2_small(void **state)
+{
+    (void)state;
+    static const int32_t cu[5] = {0, 7, 8, 16, 19}; /* docs of 7, 1, 8 tokens; a second row of 3 */
+    for (int G = 2; G <= 8; G *= 2) {
+        shape gqa = {19, 4, 2, 8, 4, cu, 1.0 / sqrt(8.0), G};
+        run(&gqa, 1);
+        shape odd = {19, 3, 1, 4, 4, cu, 0.5, G};
+        run(&odd, G == 4);
+    }
+}
+
+/* S^2 over blocks and tiles: a 600-token document (several 128-query blocks and 256-key tiles per
+ * group) with groups of 150 and 400 (not multiples of the block sizes), plus a second document;
+ * SmolLM2's 9:3 heads */
+static void test_s2_long(void **state)
+{
+    (void)state;
+    static const int32_t cu[3] = {0, 600, 731};
+    shape a = {731, 9, 3, 8, 2, cu, 0.35, 150};
+    run(&a, 0);
+    shape b = {731, 9, 3, 8, 2, cu, 0.35, 400};
+    run(&b, 0);
+}
+
+static void test_s2_pattern(void **state)
+{
+    (void)state;
+    static const int32_t cu[5] = {0, 13, 14, 40, 47}; /* docs of 13, 1, 26, 7 tokens */
+    for (int G = 0; G <= 16; G += 2) {
+        shape gqa = {47, 6, 2, 32, 4, cu, 0.3, G};
+        check_pattern(&gqa);
+        shape odd = {47, 9, 3, 32, 4, cu, 0.3, G};
+        check_pattern(&odd);
+    }
+    /* long enough for several query blocks and key tiles per group */
+    static const int32_t cu2[3] = {0, 520, 600};
+    shape big = {600, 2, 1, 520, 2, cu2, 0.3, 300};
+    check_pattern(&big);
+}
+
+static void test_s2_bad_group(void **state)
+{
+    (void)state;
+    static const int32_t cu[2] = {0, 4};
+    float x[4 * 2 * 4] = {0}, o[4 * 2 * 4], l[8], g[3][4 * 2 * 4];
+    assert_int_equal(bt_attn_fwd_s2(o, l, x, x, x, cu, 1, 4, 2, 2, 4, 1.0f, 3), -6);
+    assert_int_equal(bt_attn_fwd_s2(o, l, x, x, x, cu, 1, 4, 2, 2, 4, 1.0f, -2), -6);
+    assert_int_equal(bt_attn_bwd_s2(g[0], g[1], g[2], x, x, l, x, x, x, cu, 1, 4, 2, 2, 4, 1.0f, 5),
+                     -6);
+    /* the group bounds helper */
+    assert_int_equal(bt_s2_group_end(0, 8, 0), 8);
+    assert_int_equal(bt_s2_group_end(7, 8, 0), 8);
+    assert_int_equal(bt_s2_group_end(8, 8, 0), 16);
+    assert_int_equal(bt_s2_group_end(0, 8, 1), 4);
+    assert_int_equal(bt_s2_group_end(3, 8, 1), 4);
+    assert_int_equal(bt_s2_group_end(4, 8, 1), 12);
+    assert_int_equal(bt_s2_group_end(11, 8, 1), 12);
 }
 
 int main(void)
@@ -207,6 +347,10 @@ int main(void)
         cmocka_unit_test(test_segments_gqa),
         cmocka_unit_test(test_mha_and_mqa),
         cmocka_unit_test(test_long_segment_blocks),
+        cmocka_unit_test(test_s2_small),
+        cmocka_unit_test(test_s2_long),
+        cmocka_unit_test(test_s2_pattern),
+        cmocka_unit_test(test_s2_bad_group),
     };
     return cmocka_run_group_tests_name("attention", tests, NULL, NULL);
 }
