@@ -135,10 +135,40 @@ void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int 
  * `scalar / tensor` as tensor.reciprocal() * scalar). factor / low / high / original_max_pos are
  * ignored by "default". The attention scaling of these types is 1. Errors (bt_fail message):
  * BT_ERR_INVALID (D odd or < 2, theta <= 0, factor <= 0, llama3 with low_freq_factor >=
- * high_freq_factor or original_max_pos < 1), BT_ERR_UNSUPPORTED (any other type, e.g. "dynamic",
- * "yarn": inv_freq untouched). */
+ * high_freq_factor or original_max_pos < 1), BT_ERR_UNSUPPORTED (any other type: inv_freq untouched;
+ * "yarn" and "dynamic" have their own functions below, since they take more parameters). */
 int bt_rope_inv_freq(float *inv_freq, int D, float theta, const char *type, float factor,
                      float low_freq_factor, float high_freq_factor, int original_max_pos);
+
+/* YaRN (Peng et al. 2023, arXiv 2309.00071) as transformers 4.46 _compute_yarn_parameters computes
+ * it in fp32 for rope_scaling {"rope_type": "yarn", factor, beta_fast, beta_slow} on a model whose
+ * max_position_embeddings is `orig`: pos_freqs = theta^(2i/D), extrapolation = 1 / pos_freqs,
+ * interpolation = 1 / (factor pos_freqs), low / high = floor / ceil of D ln(orig / (beta 2 pi)) /
+ * (2 ln theta) for beta_fast / beta_slow (clamped to [0, D-1]), ramp = clamp((i - low) /
+ * (high - low), 0, 1) (high += 0.001 when equal), e = 1 - ramp, inv = interpolation (1 - e) +
+ * extrapolation e. beta_fast / beta_slow 0 = the defaults 32 / 1. inv_freq [D/2] fp32,
+ * caller-owned. Errors: BT_ERR_INVALID (D odd, theta <= 1, factor <= 0, orig < 1, betas <= 0). */
+int bt_rope_inv_freq_yarn(float *inv_freq, int D, float theta, float factor, int orig,
+                          float beta_fast, float beta_slow);
+/* YaRN applied to an arbitrary table (composition with a model's own scaling, e.g. Llama 3.1
+ * "llama3" or GGUF rope_freqs): inv[i] = (inv[i] / factor)(1 - e_i) + inv[i] e_i with the e_i of
+ * bt_rope_inv_freq_yarn (the same ramp llama.cpp's ggml_rope_yarn_corr_dims / rope_yarn_ramp use,
+ * which also compose it with rope_freqs). In place; errors as bt_rope_inv_freq_yarn. */
+int bt_rope_yarn_mix(float *inv_freq, int D, float theta, float factor, int orig, float beta_fast,
+                     float beta_slow);
+/* YaRN's attention (cos/sin magnitude) scaling: attention_factor when > 0 (rope_scaling
+ * "attention_factor"), else 0.1 ln(factor) + 1 (the paper's mscale; transformers' default). Both
+ * q and k are scaled by it in transformers (cos and sin are multiplied), so the attention scores
+ * carry its square: the trainer folds that into the softmax scale. */
+float bt_rope_yarn_attention_factor(float factor, float attention_factor);
+/* Dynamic NTK scaling (transformers 4.46 _compute_dynamic_ntk_parameters, called from
+ * LlamaRotaryEmbedding._dynamic_frequency_update with seq_len = max(position_ids) + 1): for
+ * seq_len <= orig (max_position_embeddings) the default table; beyond, base' = theta * ((factor *
+ * seq_len / orig) - (factor - 1))^(D / (D - 2)) evaluated in fp32 as torch does it (seq_len is an
+ * int64 tensor there), inv[i] = 1 / base'^(2i/D). inv_freq [D/2] fp32 caller-owned. Errors:
+ * BT_ERR_INVALID (D odd or < 4, theta / factor <= 0, orig < 1). */
+int bt_rope_inv_freq_dynamic(float *inv_freq, int D, float theta, float factor, int orig,
+                             int64_t seq_len);
 
 /* ---- causal attention over packed variable-length segments, GQA, optional S^2-Attn ----
  * (kernels/cpu/attention.c: FlashAttention-2-style online softmax over key tiles, fp32)

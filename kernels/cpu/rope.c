@@ -210,6 +210,117 @@ int bt_rope_inv_freq(float *inv_freq, int D, float theta, const char *type, floa
     return 0;
 }
 
+/* transformers _compute_yarn_parameters' correction range, in double as Python computes it:
+ * find_correction_dim(r) = dim * ln(orig / (r * 2 pi)) / (2 ln base); low = max(floor(dim(fast)),
+ * 0), high = min(ceil(dim(slow)), dim - 1). */
+static void yarn_range(int D, double theta, int orig, double beta_fast, double beta_slow, int *lo,
+                       int *hi)
+{
+    const double pi2 = 2.0 * M_PI;
+    const double dlo = (D * log((double)orig / (beta_fast * pi2))) / (2.0 * log(theta));
+    const double dhi = (D * log((double)orig / (beta_slow * pi2))) / (2.0 * log(theta));
+    const double l = floor(dlo), h = ceil(dhi);
+    *lo = l > 0 ? (int)l : 0;
+    *hi = h < D - 1 ? (int)h : D - 1;
+}
+
+/* 1 - linear_ramp_factor(low, high, D/2)[i] in fp32 (the extrapolation weight of dimension i) */
+static float yarn_extrap_weight(int i, int lo, int hi)
+{
+    const float den = (float)(lo == hi ? (double)hi + 0.001 - lo : (double)(hi - lo));
+    float r = ((float)i - (float)lo) / den;
+    r = r < 0.0f ? 0.0f : (r > 1.0f ? 1.0f : r);
+    return 1.0f - r;
+}
+
+static int yarn_check(int D, float theta, float factor, int orig, float *beta_fast,
+                      float *beta_slow)
+{
+    if (D < 2 || D % 2 != 0 || !(theta > 1.0f) || !isfinite(theta) || !(factor > 0) ||
+        !isfinite(factor) || orig < 1)
+        return bt_fail(BT_ERR_INVALID, "rope: yarn: bad arguments (D %d, theta %g, factor %g, "
+                       "original_max_position_embeddings %d)", D, (double)theta, (double)factor,
+                       orig);
+    /* `config.rope_scaling.get("beta_fast") or 32`: absent or 0 -> the default */
+    if (*beta_fast == 0.0f)
+        *beta_fast = 32.0f;
+    if (*beta_slow == 0.0f)
+        *beta_slow = 1.0f;
+    if (!(*beta_fast > 0) || !(*beta_slow > 0) || !isfinite(*beta_fast) || !isfinite(*beta_slow))
+        return bt_fail(BT_ERR_INVALID, "rope: yarn: beta_fast %g / beta_slow %g must be > 0",
+                       (double)*beta_fast, (double)*beta_slow);
+    return 0;
+}
+
+float bt_rope_yarn_attention_factor(float factor, float attention_factor)
+{
+    if (attention_factor > 0.0f)
+        return attention_factor;
+    return (float)(0.1 * log((double)factor) + 1.0); /* a Python float; used by torch in fp32 */
+}
+
+int bt_rope_inv_freq_yarn(float *inv_freq, int D, float theta, float factor, int orig,
+                          float beta_fast, float beta_slow)
+{
+    int rc = inv_freq ? yarn_check(D, theta, factor, orig, &beta_fast, &beta_slow)
+                      : bt_fail(BT_ERR_INVALID, "rope: yarn: NULL table");
+    if (rc)
+        return rc;
+    int lo, hi;
+    yarn_range(D, theta, orig, beta_fast, beta_slow, &lo, &hi);
+    const float f = factor;
+    for (int i = 0; i < D / 2; i++) {
+        /* pos_freqs = base ** (arange(0, dim, 2).float() / dim); extrapolation = 1 / pos_freqs;
+         * interpolation = 1 / (factor * pos_freqs) */
+        const float pf = powf(theta, (float)(2 * i) / (float)D);
+        const float extrap = 1.0f / pf, interp = 1.0f / (f * pf);
+        const float e = yarn_extrap_weight(i, lo, hi);
+        inv_freq[i] = interp * (1.0f - e) + extrap * e;
+    }
+    return 0;
+}
+
+int bt_rope_yarn_mix(float *inv_freq, int D, float theta, float factor, int orig, float beta_fast,
+                     float beta_slow)
+{
+    int rc = inv_freq ? yarn_check(D, theta, factor, orig, &beta_fast, &beta_slow)
+                      : bt_fail(BT_ERR_INVALID, "rope: yarn: NULL table");
+    if (rc)
+        return rc;
+    int lo, hi;
+    yarn_range(D, theta, orig, beta_fast, beta_slow, &lo, &hi);
+    for (int i = 0; i < D / 2; i++) {
+        const float e = yarn_extrap_weight(i, lo, hi);
+        inv_freq[i] = (inv_freq[i] / factor) * (1.0f - e) + inv_freq[i] * e;
+    }
+    return 0;
+}
+
+int bt_rope_inv_freq_dynamic(float *inv_freq, int D, float theta, float factor, int orig,
+                             int64_t seq_len)
+{
+    if (!inv_freq || D < 4 || D % 2 != 0 || !(theta > 0) || !isfinite(theta) || !(factor > 0) ||
+        !isfinite(factor) || orig < 1)
+        return bt_fail(BT_ERR_INVALID, "rope: dynamic: bad arguments (D %d, theta %g, factor %g, "
+                       "max_position_embeddings %d)", D, (double)theta, (double)factor, orig);
+    if (seq_len <= orig) { /* the init-time table: base unchanged (Python floats: exactly base) */
+        default_inv_freq(inv_freq, D, theta);
+        return 0;
+    }
+    /* LlamaRotaryEmbedding._dynamic_frequency_update passes seq_len = max(position_ids) + 1 as an
+     * int64 0-dim tensor, so _compute_dynamic_ntk_parameters evaluates
+     *   base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+     * in fp32 tensor arithmetic (Python scalars cast to fp32 where they meet the tensor) */
+    float t = factor * (float)seq_len;
+    t = t / (float)orig;
+    t = t - (float)((double)factor - 1.0);
+    t = powf(t, (float)((double)D / (double)(D - 2)));
+    const float base = theta * t;
+    for (int i = 0; i < D / 2; i++)
+        inv_freq[i] = 1.0f / powf(base, (float)(2 * i) / (float)D);
+    return 0;
+}
+
 void bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
                       const float *inv_freq, float pos_scale)
 {
