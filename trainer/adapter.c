@@ -12,6 +12,7 @@
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
 #include "common/safetensors.h"
+#include "trainer/export.h"
 
 void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B) {
     const char *blk = mod <= BT_MOD_O ? "self_attn" : "mlp";
@@ -37,7 +38,34 @@ static int mkdir_parents(const char *path) {
     return 0;
 }
 
-static int write_config(const bt_lora *lo, const char *base_model, const char *path) {
+/* adapter_config.json "barqtrain_context_extension": the RoPE context extension the adapter was
+ * trained with (see adapter.h). NULL when the model carries none from the job. */
+static json_t *context_note(const bt_model *m) {
+    if (!m || !m->ctx_extended) return NULL;
+    const bt_llama_hparams *hp = &m->hp;
+    json_t *rs = NULL;
+    int max_pos = hp->ctx;
+    json_t *n = json_object();
+    json_object_set_new(n, "method", json_string(bt_rope_ext_name(hp->rope_ext)));
+    json_object_set_new(n, "target_length", json_integer(hp->ctx));
+    json_object_set_new(n, "original_length", json_integer(hp->rope_ext_orig_ctx));
+    json_object_set_new(n, "factor", json_real(hp->rope_ext_factor));
+    if (bt_export_hf_rope(m, &rs, &max_pos) == 0) { /* what transformers needs on the base */
+        json_object_set_new(n, "rope_scaling", rs);
+        json_object_set_new(n, "max_position_embeddings", json_integer(max_pos));
+    }
+    json_object_set_new(n, "note", json_string(
+        "Trained by BarqTrain on the base with its RoPE context extended (context_extension). "
+        "Load the base with these rope_scaling and max_position_embeddings (transformers: "
+        "AutoModelForCausalLM.from_pretrained(base, rope_scaling=..., max_position_embeddings=...)) "
+        "before applying the adapter; `trainer export` / `generate` apply it themselves and write "
+        "it into merged exports. PEFT before 0.14 refuses unknown adapter_config keys: delete "
+        "this one to load the adapter with those versions."));
+    return n;
+}
+
+static int write_config(const bt_lora *lo, const char *base_model, const char *path,
+                        const bt_model *m) {
     json_t *tm = json_array();
     for (int mod = 0; mod < BT_MOD_N; mod++)
         if (lo->target_mask & (1u << mod)) json_array_append_new(tm, json_string(bt_module_name(mod)));
@@ -80,6 +108,8 @@ static int write_config(const bt_lora *lo, const char *base_model, const char *p
     json_object_set_new(j, "alpha_pattern", json_object());
     json_object_set_new(j, "use_rslora", json_false());
     json_object_set_new(j, "use_dora", json_false());
+    json_t *note = context_note(m);
+    if (note) json_object_set_new(j, "barqtrain_context_extension", note);
     char *s = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
     json_decref(j);
     if (!s) return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
@@ -147,6 +177,11 @@ static int write_weights(const bt_lora *lo, const char *path) {
 }
 
 int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir) {
+    return bt_adapter_save_ex(lo, base_model_name_or_path, dir, NULL);
+}
+
+int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, const char *dir,
+                       const bt_model *m) {
     size_t n = strlen(dir);
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n);
@@ -175,7 +210,7 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
         rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
         goto out;
     }
-    if ((rc = write_config(lo, base_model_name_or_path, p))) goto out;
+    if ((rc = write_config(lo, base_model_name_or_path, p, m))) goto out;
     bt_test_pause_point(tmp); /* tests SIGKILL the save here (bt_common.h) */
     if ((rc = bt_fsync_path(tmp, 1, "adapter")) || (rc = bt_replace_dir(tmp, d, "adapter")))
         goto out;

@@ -23,6 +23,7 @@
 #define BT_TRAINER_ADAPTER_H
 
 #include "trainer/lora.h"
+#include "trainer/model.h"
 
 /* Write the adapter to `dir` atomically: both files go to a fresh sibling directory
  * "<dir>.tmp-<pid>", are fsync'ed, and that directory then replaces `dir` in one step
@@ -30,6 +31,17 @@
  * otherwise), so a reader never sees a half-written adapter. Parent directories of `dir` are
  * created. Errors: BT_ERR_IO (message names the path), BT_ERR_NOMEM. */
 int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir);
+/* The same, and when m (may be NULL) carries the job's context extension (m->ctx_extended,
+ * bt_model_extend_context) adapter_config.json also gets
+ *   "barqtrain_context_extension": {"method": "linear"|"yarn"|"dynamic", "target_length",
+ *     "original_length", "factor", "rope_scaling" (the base config's rope_scaling that reproduces
+ *     the positions in transformers, trainer/export.h bt_export_hf_rope),
+ *     "max_position_embeddings", "note" (what to do with it)}
+ * so the adapter is never applied to the unextended base by BarqTrain (trainer/adapter_load.h
+ * bt_adapter_apply_context reads it back) and says what transformers needs. PEFT >= 0.14 ignores
+ * the key with a warning; PEFT 0.13 refuses unknown keys (the note says so). */
+int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, const char *dir,
+                       const bt_model *m);
 
 /* PEFT state-dict key for (layer, module, is_B) into buf (NUL-terminated). */
 void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B);

@@ -344,3 +344,51 @@ out:
     free(wpath);
     return rc;
 }
+
+int bt_adapter_context_extension(const char *dir, int *method, int *target_length) {
+    *method = BT_ROPE_EXT_NONE;
+    *target_length = 0;
+    char *path = NULL;
+    if (asprintf(&path, "%s/adapter_config.json", dir) < 0)
+        return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    int rc = 0;
+    if (!root) {
+        rc = bt_fail(BT_ERR_IO, "adapter: %s: %s", path, je.text);
+    } else {
+        json_t *n = json_object_get(root, "barqtrain_context_extension");
+        if (n && !json_is_null(n)) {
+            const char *meth = json_string_value(json_object_get(n, "method"));
+            json_t *t = json_object_get(n, "target_length");
+            int m = bt_rope_ext_parse(meth);
+            json_int_t tl = json_is_integer(t) ? json_integer_value(t) : 0;
+            if (!json_is_object(n) || m < 0 || tl < 2 || tl > (1 << 24))
+                rc = bt_fail(BT_ERR_FORMAT, "adapter: %s: barqtrain_context_extension needs method "
+                             "\"linear\", \"yarn\" or \"dynamic\" and an integer target_length in "
+                             "[2, 16777216]", path);
+            else {
+                *method = m;
+                *target_length = (int)tl;
+            }
+        }
+    }
+    json_decref(root);
+    free(path);
+    return rc;
+}
+
+int bt_adapter_apply_context(bt_model *m, const char *dir) {
+    int method, target, rc;
+    if ((rc = bt_adapter_context_extension(dir, &method, &target))) return rc;
+    if (method == BT_ROPE_EXT_NONE) return 0;
+    const int before = m->hp.ctx;
+    if ((rc = bt_model_extend_context(m, method, target)))
+        return bt_fail(rc, "adapter %s was trained with context_extension %s to %d: %s", dir,
+                       bt_rope_ext_name(method), target, bt_last_error());
+    if (m->ctx_extended)
+        bt_log(BT_LOG_INFO, "adapter", "%s: the base's context is extended %d -> %d (%s RoPE "
+               "scaling, factor %g) as the adapter was trained", dir, before, m->hp.ctx,
+               bt_rope_ext_name(method), (double)m->hp.rope_ext_factor);
+    return 0;
+}

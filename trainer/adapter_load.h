@@ -36,4 +36,13 @@
  * BT_ERR_INVALID / BT_ERR_NOMEM from bt_lora_init. */
 int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir);
 
+/* The context extension an adapter was trained with (adapter_config.json
+ * "barqtrain_context_extension", trainer/adapter.h): *method = BT_ROPE_EXT_* (BT_ROPE_EXT_NONE
+ * when the adapter has none) and *target_length. Errors: BT_ERR_IO / BT_ERR_FORMAT (unreadable
+ * config, a note without a known method or a target_length in [2, 2^24]), naming the file. */
+int bt_adapter_context_extension(const char *dir, int *method, int *target_length);
+/* Apply it to m (bt_model_extend_context; nothing when the adapter has none, or when m already
+ * carries that extension), logging what was done. Errors: those of the two functions. */
+int bt_adapter_apply_context(bt_model *m, const char *dir);
+
 #endif

@@ -63,6 +63,12 @@ uint64_t bt_model_fingerprint(const bt_model *m) {
     /* the rotary frequency table covers every rope_scaling parameter (llama3 factors, GGUF
      * rope_freqs) in one place */
     h = h_i64(h, hp->rope_type);
+    if (hp->rope_ext != BT_ROPE_EXT_NONE) { /* context scaling (and the job's extension) */
+        h = h_i64(h, hp->rope_ext);
+        h = h_f32(h, hp->rope_ext_factor);
+        h = h_i64(h, hp->rope_ext_orig_ctx);
+        h = h_f32(h, bt_model_attn_scale(hp));
+    }
     if (m->inv_freq) h = bt_fnv1a64(h, m->inv_freq, (size_t)(hp->head_dim / 2) * sizeof(float));
     size_t D = (size_t)hp->d_model;
     if (m->output_norm) h = bt_fnv1a64(h, m->output_norm, D * sizeof(float));
@@ -200,7 +206,7 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     }
     bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
     /* the adapter files (creates tmp and the parents of d) */
-    if ((rc = bt_adapter_save(lo, cfg->base_model_name_or_path, tmp))) {
+    if ((rc = bt_adapter_save_ex(lo, cfg->base_model_name_or_path, tmp, m))) {
         rc = bt_fail(rc, "checkpoint: %s", bt_last_error());
         goto out;
     }

@@ -310,16 +310,93 @@ const char *bt_config_default_socket(void) {
 #define NONNEG RANGE(0, INFINITY, 0, 0)  /* >= 0 */
 #define ATLEAST1 RANGE(1, INFINITY, 0, 0)
 
+/* activation_checkpointing: true | false | "auto" (default), with checkpointing_min_seq_len.
+ * Needs data.seq_len parsed first. */
+static int get_checkpointing(const json_t *root, bt_train_config *c) {
+    int rc = get_i32(root, NULL, "checkpointing_min_seq_len", 4096, ATLEAST1,
+                     &c->checkpointing_min_seq_len);
+    if (rc) return rc;
+    json_t *v = json_object_get(root, "activation_checkpointing");
+    if (!v || (json_is_string(v) && !strcmp(json_string_value(v), "auto"))) {
+        c->checkpointing_auto = 1;
+        c->activation_checkpointing = c->data.seq_len >= c->checkpointing_min_seq_len;
+        return 0;
+    }
+    if (!json_is_boolean(v)) return bad(NULL, "activation_checkpointing", "true, false or \"auto\"", v);
+    c->activation_checkpointing = json_is_true(v);
+    return 0;
+}
+
+/* eval.lengths: distinct integers in [2, 2^20] (at most BT_MAX_EVAL_LENGTHS), kept sorted. */
+static int get_lengths(const json_t *eval, bt_train_config *c) {
+    json_t *v = json_object_get(eval, "lengths");
+    const char *what = "an array of distinct context lengths (integers in [2, 1048576], at most 16)";
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_array(v) || json_array_size(v) > BT_MAX_EVAL_LENGTHS) return bad("eval", "lengths", what, v);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *e = json_array_get(v, i);
+        json_int_t x = json_is_integer(e) ? json_integer_value(e) : 0;
+        if (x < 2 || x > (1 << 20)) return bad("eval", "lengths", what, e);
+        int k = c->eval.n_lengths;
+        for (int j = 0; j < k; j++)
+            if (c->eval.lengths[j] == (int)x) return bad("eval", "lengths", what, v);
+        while (k > 0 && c->eval.lengths[k - 1] > (int)x) { /* insertion: ascending */
+            c->eval.lengths[k] = c->eval.lengths[k - 1];
+            k--;
+        }
+        c->eval.lengths[k] = (int)x;
+        c->eval.n_lengths++;
+    }
+    return 0;
+}
+
+/* context_extension {target_length, method} and attention {s2: {group_fraction}}. */
+static int get_long_context(const json_t *root, bt_train_config *c, const char *const *ext_keys,
+                            const char *const *ext_methods, const char *const *attention_keys,
+                            const char *const *s2_keys) {
+    int rc;
+    json_t *ce = json_object_get(root, "context_extension");
+    if (ce && !json_is_null(ce)) {
+        if (!json_is_object(ce)) return bad(NULL, "context_extension", "an object or null", ce);
+        if ((rc = check_keys(ce, "context_extension", ext_keys))) return rc;
+        if (!json_object_get(ce, "target_length"))
+            return bt_fail(BT_ERR_INVALID, "config: context_extension.target_length: required key "
+                           "missing (expected the context length to train for, e.g. 16384)");
+        if ((rc = get_i32(ce, "context_extension", "target_length", 0, RANGE(2, 1 << 24, 0, 0),
+                          &c->context_extension.target_length)) ||
+            (rc = get_enum(ce, "context_extension", "method", BT_ROPE_EXT_LINEAR, ext_methods,
+                           &c->context_extension.method)))
+            return rc;
+        if (c->context_extension.method == BT_ROPE_EXT_NONE) c->context_extension.target_length = 0;
+    }
+    json_t *at = json_object_get(root, "attention");
+    if (!at || json_is_null(at)) return 0;
+    if (!json_is_object(at)) return bad(NULL, "attention", "an object", at);
+    if ((rc = check_keys(at, "attention", attention_keys))) return rc;
+    json_t *s2 = json_object_get(at, "s2");
+    if (!s2 || json_is_null(s2) || json_is_false(s2)) return 0;
+    if (!json_is_object(s2)) return bad("attention", "s2", "an object, null or false", s2);
+    if ((rc = check_keys(s2, "attention.s2", s2_keys))) return rc;
+    return get_num(s2, "attention.s2", "group_fraction", 0.25, RANGE(0, 1, 1, 0),
+                   &c->s2_group_fraction);
+}
+
+int bt_config_s2_group(const bt_train_config *c) {
+    if (!(c->s2_group_fraction > 0)) return 0;
+    long g = 2 * lround(c->data.seq_len * c->s2_group_fraction / 2.0);
+    return g < 2 ? 2 : (int)g;
+}
+
 static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const top_keys[] = {
         "name", "model", "base_dtype", "base_model_name_or_path", "socket", "data", "eval", "lora",
         "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
         "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
         "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", "cuda",
-        "dist", "report", NULL};
+        "dist", "report", "checkpointing_min_seq_len", "context_extension", "attention", NULL};
     static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
                                             "micro_batch_size", "seed", "tokenizer_threads", NULL};
-    static const char *const eval_keys[] = {"shards", "max_batches", NULL};
+    static const char *const eval_keys[] = {"shards", "max_batches", "lengths", NULL};
     static const char *const lora_keys[] = {"r", "lora_alpha", "lora_dropout", "target_modules",
                                             NULL};
     static const char *const optim_keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay",
@@ -328,7 +405,11 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
     static const char *const scheds[] = {"cosine", "linear", "constant", NULL};
     static const char *const formats[] = {"chat", "text", "alpaca", NULL};
     static const char *const devices[] = {"cpu", "cuda", NULL};
-    static const char *const cuda_keys[] = {"attention", "nf4_matmul", NULL};
+    static const char *const cuda_keys[] = {"attention", "nf4_matmul", "offload_checkpoints", NULL};
+    static const char *const ext_keys[] = {"target_length", "method", NULL};
+    static const char *const ext_methods[] = {"none", "linear", "yarn", "dynamic", NULL};
+    static const char *const attention_keys[] = {"s2", NULL};
+    static const char *const s2_keys[] = {"group_fraction", NULL};
     static const char *const attn_impls[] = {"wmma", "mma", NULL};
     static const char *const nf4_impls[] = {"dequant", "fused", NULL};
     static const char *const dist_keys[] = {"master_addr", "master_port", "timeout_s",
@@ -385,7 +466,8 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             (rc = get_enum(cuda, "cuda", "attention", BT_CUDA_ATTN_WMMA, attn_impls,
                            &c->cuda_attention)) ||
             (rc = get_enum(cuda, "cuda", "nf4_matmul", BT_CUDA_NF4_DEQUANT, nf4_impls,
-                           &c->cuda_nf4_matmul)))
+                           &c->cuda_nf4_matmul)) ||
+            (rc = get_bool(cuda, "cuda", "offload_checkpoints", 0, &c->cuda_offload)))
             break;
         if ((rc = check_keys(data, "data", data_keys)) || (rc = check_keys(eval, "eval", eval_keys)) ||
             (rc = check_keys(lora, "lora", lora_keys)) ||
@@ -422,7 +504,9 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
         }
         /* eval */
         if ((rc = get_strv(eval, "eval", "shards", 0, &c->eval.shards, &c->eval.n_shards)) ||
-            (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)))
+            (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)) ||
+            (rc = get_lengths(eval, c)) || (rc = get_long_context(root, c, ext_keys, ext_methods,
+                                                                   attention_keys, s2_keys)))
             break;
         /* lora */
         if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, 4096, 0, 0), &c->lora.r)) ||
@@ -467,8 +551,7 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             (rc = get_i32(root, NULL, "grad_accum", 1, RANGE(1, 65536, 0, 0), &c->grad_accum)) ||
             (rc = get_enum(root, NULL, "schedule", BT_SCHED_COSINE, scheds, &c->schedule)) ||
             (rc = get_num(root, NULL, "min_lr_ratio", 0.1, RANGE(0, 1, 0, 0), &c->min_lr_ratio)) ||
-            (rc = get_bool(root, NULL, "activation_checkpointing", 0,
-                           &c->activation_checkpointing)) ||
+            (rc = get_checkpointing(root, c)) ||
             (rc = get_i32(root, NULL, "save_every", 0, NONNEG, &c->save_every)) ||
             (rc = get_str(root, NULL, "out_dir", "runs/adapter", &c->out_dir)) ||
             (rc = get_i32(root, NULL, "threads", 0, RANGE(0, 1024, 0, 0), &c->threads)) ||
@@ -525,6 +608,13 @@ static int parse_tree(bt_train_config *c, const json_t *root) {
             rc = bt_fail(BT_ERR_INVALID, "config: checkpoint_dir: expected a directory other than "
                          "out_dir (\"%s\": every adapter save replaces out_dir and would delete the "
                          "checkpoint's trainer_state.bin)", c->out_dir);
+            break;
+        }
+        if (c->cuda_offload && !c->activation_checkpointing) {
+            rc = bt_fail(BT_ERR_INVALID, "config: cuda.offload_checkpoints: offloads the "
+                         "checkpointed layer inputs, so it needs activation_checkpointing (true, or "
+                         "\"auto\" with data.seq_len >= checkpointing_min_seq_len %d; seq_len is %d)",
+                         c->checkpointing_min_seq_len, c->data.seq_len);
             break;
         }
         if (c->stop_at_step > c->steps) {
@@ -812,13 +902,31 @@ char *bt_config_dump(const bt_train_config *c) {
     json_object_set_new(j, "resume_from", c->resume_from ? json_string(c->resume_from) : json_null());
     json_object_set_new(j, "stop_at_step", json_integer(c->stop_at_step));
     json_object_set_new(j, "device", json_string(c->device == BT_DEVICE_CUDA ? "cuda" : "cpu"));
-    json_object_set_new(j, "cuda", json_pack("{s:s, s:s}", "attention",
+    json_object_set_new(j, "cuda", json_pack("{s:s, s:s, s:b}", "attention",
                                              c->cuda_attention == BT_CUDA_ATTN_MMA ? "mma" : "wmma",
                                              "nf4_matmul",
                                              c->cuda_nf4_matmul == BT_CUDA_NF4_FUSED ? "fused"
-                                                                                     : "dequant"));
+                                                                                     : "dequant",
+                                             "offload_checkpoints", c->cuda_offload));
     json_object_set_new(j, "report", json_pack("{s:s, s:b, s:b}", "dir", c->report.dir, "plot",
                                                c->report.plot, "tensorboard", c->report.tensorboard));
+    json_object_set_new(j, "checkpointing_min_seq_len", json_integer(c->checkpointing_min_seq_len));
+    static const char *const methods[] = {"none", "linear", "yarn", "dynamic"};
+    json_object_set_new(j, "context_extension",
+                        c->context_extension.target_length > 0
+                            ? json_pack("{s:i, s:s}", "target_length",
+                                        c->context_extension.target_length, "method",
+                                        methods[c->context_extension.method])
+                            : json_null());
+    json_object_set_new(j, "attention",
+                        json_pack("{s:o}", "s2",
+                                  c->s2_group_fraction > 0
+                                      ? json_pack("{s:f}", "group_fraction", c->s2_group_fraction)
+                                      : json_null()));
+    json_t *lens = json_array();
+    for (int i = 0; i < c->eval.n_lengths; i++)
+        json_array_append_new(lens, json_integer(c->eval.lengths[i]));
+    json_object_set_new(json_object_get(j, "eval"), "lengths", lens);
     json_object_set_new(j, "dist", json_pack("{s:s, s:i, s:i, s:i, s:o}", "master_addr",
                                              c->dist.master_addr, "master_port", c->dist.master_port,
                                              "timeout_s", c->dist.timeout_s, "heartbeat_timeout_s",

@@ -21,7 +21,10 @@
  *          (all sent to loaderd in the job spec, with "tokenizer" = model)
  *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data;
  *           per rank: with several ranks each evaluates up to this many of its own batches and
- *           the loss is the token mean over all of them) }
+ *           the loss is the token mean over all of them), lengths [] (perplexity per context
+ *           length: for each L the held-out documents are cut into consecutive L-token windows
+ *           (loaderd's text packing at seq_len L) and the loss is over the windows of exactly L
+ *           tokens; [] = one evaluation at data.seq_len over every row, as before) }
  *   lora: { r 16 [1, 4096], lora_alpha 32 (0, 65536], lora_dropout 0.05 [0, 1),
  *           target_modules ["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"] }
  *   optim: { lr 2e-4 (0, 1], weight_decay 0.0 [0, 1], beta1 0.9 [0, 1), beta2 0.999 [0, 1),
@@ -33,7 +36,25 @@
  *   steps 100                          optimizer steps
  *   grad_accum 1                       micro-batches per optimizer step
  *   schedule "cosine" ("cosine"|"linear"|"constant"), min_lr_ratio 0.1
- *   activation_checkpointing false     recompute each layer's activations in backward
+ *   activation_checkpointing "auto"    recompute each layer's activations in backward instead of
+ *                                      keeping them: true, false, or "auto" = on when
+ *                                      data.seq_len >= checkpointing_min_seq_len (gradients are
+ *                                      bit-identical either way; one extra forward per step)
+ *   checkpointing_min_seq_len 4096     the row length from which "auto" checkpoints
+ *   context_extension: { target_length (required when present), method "linear" }
+ *                                      extend the model's context window: RoPE scaled so that
+ *                                      target_length positions cover the model's trained context,
+ *                                      factor = target_length / context_length, with method
+ *                                      "linear" (position interpolation, as LongLoRA), "yarn" or
+ *                                      "dynamic" (NTK-aware), each as transformers'
+ *                                      modeling_rope_utils.py defines it; composes with the
+ *                                      model's own scaling (llama3); recorded in the adapter and
+ *                                      in every export (trainer/model.h bt_model_extend_context)
+ *   attention: { s2: { group_fraction 0.25 } }
+ *                                      LongLoRA shifted sparse attention in training: groups of
+ *                                      group_fraction x seq_len tokens (rounded to even), half the
+ *                                      heads shifted by half a group; evaluation and generation
+ *                                      use full attention. Absent, null or false: full attention
  *   save_every 0                       also save the adapter every N steps (0 = only at the end)
  *   out_dir "runs/adapter"             adapter directory (replaced atomically on every save)
  *   threads 0                          OpenMP threads for every kernel (0 = the CPUs Slurm gives
@@ -41,13 +62,16 @@
  *                                      default: every CPU the process may run on)
  *   device "cpu"                       "cpu" | "cuda" (the GPU trainer, trainer/cuda/; only in a
  *                                      trainer built with `make CUDA=1`, else refused at start)
- *   cuda: { attention "wmma", nf4_matmul "dequant" }
+ *   cuda: { attention "wmma", nf4_matmul "dequant", offload_checkpoints false }
  *                                      kernel choices of the GPU trainer (ignored on the CPU):
  *                                      attention "wmma" (kernels/cuda/attention.cu) | "mma"
  *                                      (attention_mma.cu, register-resident mma.sync FA2);
  *                                      nf4_matmul "dequant" (dequantise the weight, then cuBLAS)
  *                                      | "fused" (nf4_gemm.cu: dequantise in the GEMM main loop);
  *                                      the same choice for a GGUF-native base's ggml blocks
+ *                                      offload_checkpoints: keep the checkpointed layer inputs in
+ *                                      pinned host memory instead of on the GPU (copies overlap
+ *                                      the compute; needs activation checkpointing)
  *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600, heartbeat_timeout_s 60,
  *           secret_file null }
  *                                      data-parallel training over several processes, one per GPU
@@ -121,6 +145,9 @@ enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
 enum { BT_DEVICE_CPU = 0, BT_DEVICE_CUDA = 1 };
 enum { BT_CUDA_ATTN_WMMA = 0, BT_CUDA_ATTN_MMA = 1 };
 enum { BT_CUDA_NF4_DEQUANT = 0, BT_CUDA_NF4_FUSED = 1 };
+/* RoPE context scaling methods (context_extension.method; trainer/model.h hp.rope_ext). */
+enum { BT_ROPE_EXT_NONE = 0, BT_ROPE_EXT_LINEAR = 1, BT_ROPE_EXT_YARN = 2, BT_ROPE_EXT_DYNAMIC = 3 };
+#define BT_MAX_EVAL_LENGTHS 16
 
 /* LoRA target modules, in the order used everywhere in the trainer (bit i of target_mask). */
 enum { BT_MOD_Q = 0, BT_MOD_K, BT_MOD_V, BT_MOD_O, BT_MOD_GATE, BT_MOD_UP, BT_MOD_DOWN, BT_MOD_N };
@@ -149,6 +176,8 @@ typedef struct {
         char **shards;
         int n_shards;               /* 0: no held-out evaluation */
         int max_batches;            /* 0: until END_OF_DATA */
+        int lengths[BT_MAX_EVAL_LENGTHS]; /* perplexity per context length (tokens) */
+        int n_lengths;              /* 0: one evaluation at data.seq_len */
     } eval;
     struct {
         int r;
@@ -164,7 +193,14 @@ typedef struct {
     int grad_accum;
     int schedule;                   /* BT_SCHED_* */
     double min_lr_ratio;            /* [0, 1] */
-    int activation_checkpointing;   /* bool */
+    int activation_checkpointing;   /* bool: the effective setting ("auto" resolved) */
+    int checkpointing_auto;         /* the key was "auto" (or absent) */
+    int checkpointing_min_seq_len;  /* "auto" checkpoints from this data.seq_len on */
+    struct {
+        int target_length;          /* 0: no context extension */
+        int method;                 /* BT_ROPE_EXT_LINEAR | _YARN | _DYNAMIC */
+    } context_extension;
+    double s2_group_fraction;       /* attention.s2.group_fraction; 0: full attention */
     int save_every;
     char *out_dir;
     int threads;
@@ -179,6 +215,7 @@ typedef struct {
     int device;                     /* BT_DEVICE_* */
     int cuda_attention;             /* BT_CUDA_ATTN_* (device "cuda" only) */
     int cuda_nf4_matmul;            /* BT_CUDA_NF4_* (device "cuda" only) */
+    int cuda_offload;               /* cuda.offload_checkpoints (device "cuda" only) */
     struct {
         char *master_addr;
         int master_port;            /* [1, 65535] */
@@ -195,6 +232,11 @@ typedef struct {
                                      * key; borrowed, not freed by bt_config_free) */
     int profile;                    /* `trainer train --profile` (command line only) */
 } bt_train_config;
+
+/* The S^2-Attn group size in tokens for the job: 0 when attention.s2 is off, else
+ * data.seq_len x group_fraction rounded to the nearest even number, at least 2 (LongLoRA:
+ * group_size = q_len * group_size_ratio). */
+int bt_config_s2_group(const bt_train_config *cfg);
 
 /* Parse a config from JSON text, then apply `n_sets` overrides "a.b=value" in order (value is
  * parsed as JSON when it parses, else taken as a string), then validate.
@@ -256,8 +298,10 @@ char *bt_config_dump(const bt_train_config *cfg);
  *                   schedule, max grad norm 0.3, warm-up ratio 0.03, effective batch 16);
  *   "long-context"  LongLoRA recipe (Chen et al. 2023, arXiv 2309.12307, fine-tune.py: r 8,
  *                   alpha 16, q/k/v/o, trainable embed_tokens + norm, lr 2e-5, weight decay 0,
- *                   warm-up 20, constant schedule, batch 1 x grad_accum 8, seq 8192,
- *                   activation checkpointing).
+ *                   warm-up 20, constant schedule, batch 1 x grad_accum 8) extending SmolLM2's
+ *                   8192-token context to 16384 with linear interpolation (context_extension),
+ *                   S^2-Attn with group_fraction 1/4, activation checkpointing ("auto": on at
+ *                   this length), held-out perplexity at 2K / 4K / 8K / 16K (eval.lengths).
  * documented != 0 adds "#"-comment keys (ignored by the parser) describing every section and
  * key. Returns pretty-printed JSON text (malloc'd, free()) that bt_config_parse accepts as is,
  * or NULL with BT_ERR_INVALID for an unknown name (message lists the names). */

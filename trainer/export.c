@@ -21,6 +21,9 @@
 #include "trainer/adapter_load.h"
 #include "trainer/config.h"
 #include "trainer/export_internal.h"
+#include "trainer/model_internal.h"
+
+static int gguf_rope_keys(bt_gguf_writer *w, const bt_model *m, int note);
 
 /* GGUF and Hugging Face tensor names per module, in BT_MOD_* order. */
 static const char *const k_gguf_lin[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
@@ -226,7 +229,8 @@ int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const c
         (rc = bt_gguf_w_u32(w, "general.file_type", file_type(dtype))) ||
         (rc = bt_gguf_w_u32(w, "general.quantization_version", 2)) ||
         (rc = bt_gguf_w_str(w, "adapter.type", "lora", 4)) ||
-        (rc = bt_gguf_w_f32(w, "adapter.lora.alpha", plain_alpha(lo))))
+        (rc = bt_gguf_w_f32(w, "adapter.lora.alpha", plain_alpha(lo))) ||
+        (m->ctx_extended && (rc = gguf_rope_keys(w, m, 1))))
         goto out;
     char name[96];
     for (int l = 0; l < lo->n_layer && !rc; l++)
@@ -266,7 +270,50 @@ static const char *const k_own_keys[] = {
     "llama.feed_forward_length", "llama.attention.head_count", "llama.attention.head_count_kv",
     "llama.rope.dimension_count", "llama.rope.freq_base", "llama.attention.layer_norm_rms_epsilon",
     "llama.vocab_size", "llama.attention.key_length", "llama.attention.value_length",
-    "llama.rope.scaling.type", "llama.rope.scaling.factor"};
+    "llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.scaling.original_context_length",
+    "llama.rope.scaling.attn_factor", "llama.rope.scaling.yarn_beta_fast",
+    "llama.rope.scaling.yarn_beta_slow", "llama.rope.scaling.finetuned"};
+
+int bt_export_orig_ctx(const bt_llama_hparams *hp) {
+    if (hp->rope_ext_orig_ctx > 0) return hp->rope_ext_orig_ctx;
+    return (int)lround((double)hp->ctx / (hp->rope_ext_factor > 0.f ? hp->rope_ext_factor : 1.f));
+}
+
+/* llama.rope.scaling.* for the model's context scaling, as llama.cpp reads them (llama-model.cpp
+ * load_hparams; convert_hf_to_gguf.py writes the same keys): linear {factor,
+ * original_context_length}; yarn {factor, original_context_length, attn_factor = the HF attention
+ * factor / (1 + 0.1 ln factor), because llama.cpp's rope_yarn multiplies that in itself,
+ * yarn_beta_fast / yarn_beta_slow when not 32 / 1}. Dynamic NTK has no llama.cpp equivalent: a
+ * model GGUF refuses it (BT_ERR_UNSUPPORTED); a LoRA GGUF (`note` != 0: keys llama.cpp ignores in
+ * adapters, describing the base the adapter was trained on) records it as type "dynamic". With
+ * `note`, llama.context_length is written too. Nothing is written without scaling. */
+static int gguf_rope_keys(bt_gguf_writer *w, const bt_model *m, int note) {
+    const bt_llama_hparams *hp = &m->hp;
+    if (hp->rope_ext == BT_ROPE_EXT_NONE) return 0;
+    if (hp->rope_ext == BT_ROPE_EXT_DYNAMIC && !note)
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: gguf: dynamic NTK RoPE scaling has no llama.cpp "
+                       "equivalent (llama.rope.scaling.type knows none, linear, yarn); export "
+                       "safetensors, or train with context_extension.method \"yarn\" or \"linear\"");
+    const char *ty = bt_rope_ext_name(hp->rope_ext);
+    int rc;
+    if ((rc = bt_gguf_w_str(w, "llama.rope.scaling.type", ty, strlen(ty))) ||
+        (rc = bt_gguf_w_f32(w, "llama.rope.scaling.factor", hp->rope_ext_factor)) ||
+        (rc = bt_gguf_w_u32(w, "llama.rope.scaling.original_context_length",
+                            (uint32_t)bt_export_orig_ctx(hp))) ||
+        (note && (rc = bt_gguf_w_u32(w, "llama.context_length", (uint32_t)hp->ctx))))
+        return rc;
+    if (hp->rope_ext != BT_ROPE_EXT_YARN) return 0;
+    const float af = bt_rope_yarn_attention_factor(hp->rope_ext_factor, hp->rope_attn_factor) /
+                     bt_rope_yarn_attention_factor(hp->rope_ext_factor, 0.f);
+    if ((rc = bt_gguf_w_f32(w, "llama.rope.scaling.attn_factor", af))) return rc;
+    if (hp->rope_yarn_beta_fast > 0.f && hp->rope_yarn_beta_fast != 32.f &&
+        (rc = bt_gguf_w_f32(w, "llama.rope.scaling.yarn_beta_fast", hp->rope_yarn_beta_fast)))
+        return rc;
+    if (hp->rope_yarn_beta_slow > 0.f && hp->rope_yarn_beta_slow != 1.f &&
+        (rc = bt_gguf_w_f32(w, "llama.rope.scaling.yarn_beta_slow", hp->rope_yarn_beta_slow)))
+        return rc;
+    return 0;
+}
 
 /* llama.cpp's rope_freqs.weight for Llama 3.1 scaling: convert_hf_to_gguf.py LlamaModel
  * generate_extra_tensors, evaluated in fp32 as torch does it there (freq a 0-dim fp32 tensor,
@@ -407,10 +454,7 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         ((rc = bt_gguf_w_u32(w, "llama.attention.key_length", (uint32_t)hp->head_dim)) ||
          (rc = bt_gguf_w_u32(w, "llama.attention.value_length", (uint32_t)hp->head_dim))))
         goto out;
-    if (hp->rope_type == BT_ROPE_DEFAULT && hp->rope_factor > 0.f && hp->rope_factor != 1.f &&
-        ((rc = bt_gguf_w_str(w, "llama.rope.scaling.type", "linear", 6)) ||
-         (rc = bt_gguf_w_f32(w, "llama.rope.scaling.factor", hp->rope_factor))))
-        goto out;
+    if ((rc = gguf_rope_keys(w, m, 0))) goto out;
     if (base) { /* tokenizer.*, general.name, ... verbatim, in the base's order */
         int64_t nkv = bt_gguf_n_kv(base);
         for (int64_t i = 0; i < nkv && !rc; i++) {
@@ -530,7 +574,31 @@ static int shape_model(bt_model *m, const bt_gguf *g, const char *path) {
         return bt_fail(BT_ERR_FORMAT, "export: %s: attn_q/attn_k rows do not match the head counts",
                        path);
     }
-    return 0;
+    /* RoPE (for an adapter trained with a context extension, whose keys the LoRA GGUF records) */
+    int64_t ctx = 2048;
+    double theta = 10000.0;
+    if (bt_gguf_get_i64(g, "llama.context_length", &ctx) == 0 && (ctx < 1 || ctx > (1 << 30))) ctx = 2048;
+    if (bt_gguf_get_f64(g, "llama.rope.freq_base", &theta) == 0 && !(theta > 0)) theta = 10000.0;
+    hp->ctx = (int)ctx;
+    hp->rope_theta = (float)theta;
+    int rc = bt_model_gguf_rope_scaling(g, path, hp);
+    const bt_gguf_tensor *rf = bt_gguf_find_tensor(g, "rope_freqs.weight");
+    float *ff = NULL;
+    if (!rc && rf) {
+        if (rf->type != BT_GGML_F32 || rf->ne[0] != (uint64_t)(hp->head_dim / 2) ||
+            rf->nbytes < (uint64_t)(hp->head_dim / 2) * 4)
+            rc = bt_fail(BT_ERR_FORMAT, "export: %s: rope_freqs.weight is not F32 [head_dim/2]", path);
+        else if (!(ff = malloc((size_t)(hp->head_dim / 2) * sizeof(float))))
+            rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
+        else {
+            memcpy(ff, rf->data, (size_t)(hp->head_dim / 2) * sizeof(float));
+            hp->rope_type = BT_ROPE_FREQS;
+        }
+    }
+    if (!rc) rc = bt_model_rope_init(m, ff);
+    free(ff);
+    if (rc) bt_model_free(m);
+    return rc;
 }
 
 int bt_export_run(const bt_export_opts *o) {
@@ -570,12 +638,14 @@ int bt_export_run(const bt_export_opts *o) {
         if (rc) goto out;
     }
     if ((rc = bt_lora_load_peft(&lo, &m, o->adapter))) goto out;
+    /* an adapter trained with a context extension: the export carries it */
+    if ((rc = bt_adapter_apply_context(&m, o->adapter))) goto out;
     base_name = peft_base_name(o->adapter);
     switch (o->format) {
     case BT_EXPORT_PEFT: { /* rsLoRA is normalised to the plain alpha / r rule */
         bt_lora plain = lo;
         plain.alpha = plain_alpha(&lo);
-        rc = bt_adapter_save(&plain, base_name, o->out);
+        rc = bt_adapter_save_ex(&plain, base_name, o->out, &m);
         break;
     }
     case BT_EXPORT_GGUF_LORA: rc = bt_export_gguf_lora(&m, &lo, dtype, o->out); break;

@@ -90,6 +90,21 @@ int bt_export_merged_weight(const bt_model *m, const bt_lora *lo, int layer, int
  * bytes. Source: trainer/quantize_q8.c. */
 int bt_q8_0_quantize(const float *x, void *dst, int64_t n);
 
+/* config.json's RoPE description of m with transformers' semantics (modeling_rope_utils.py), and
+ * the max_position_embeddings to write with it: *rs = JSON null (no scaling), {"rope_type":
+ * "linear", factor}, {"rope_type": "yarn", factor, original_max_position_embeddings,
+ * [attention_factor, beta_fast, beta_slow]} with max_position_embeddings = the pre-YaRN context
+ * (so transformers 4.4x, which takes YaRN's correction range from max_position_embeddings, and
+ * 5.x, which takes it from original_max_position_embeddings, agree), {"rope_type": "dynamic",
+ * factor} with max_position_embeddings = the pre-scaling context, {"rope_type": "llama3", ...},
+ * or, for a llama3 / rope_freqs table composed with linear or YaRN scaling (or any fixed table
+ * that is not Llama 3.x), {"rope_type": "longrope", short_factor = long_factor = default[i] /
+ * inv_freq[i], attention_factor, factor, original_max_position_embeddings}, which transformers
+ * evaluates to the same table at every length. *rs: a new reference (caller json_decref).
+ * Errors: BT_ERR_UNSUPPORTED (dynamic NTK on top of a llama3 / rope_freqs table), BT_ERR_INVALID. */
+struct json_t;
+int bt_export_hf_rope(const bt_model *m, struct json_t **rs, int *max_pos);
+
 /* Writers. m: the base (fp32 linears for the merged formats), lo: the adapter (non-NULL; for the
  * merged formats NULL means "base only"). base_gguf: an open reader of the base GGUF whose KVs
  * (tokenizer, general.name, ...) are copied into the merged GGUF, and whose bos/eos ids go into

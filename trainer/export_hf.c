@@ -16,6 +16,7 @@
 #include "common/quant.h"
 #include "common/safetensors.h"
 #include "common/tokenizer.h"
+#include "kernels/kernels.h"
 #include "trainer/config.h"
 #include "trainer/export.h"
 #include "trainer/export_internal.h"
@@ -83,6 +84,89 @@ static json_t *json_float(float f) {
     return json_real(strtod(buf, NULL));
 }
 
+int bt_export_hf_rope(const bt_model *m, json_t **out, int *max_pos) {
+    const bt_llama_hparams *hp = &m->hp;
+    const int half = hp->head_dim / 2;
+    json_t *rs = json_object();
+    *out = NULL;
+    *max_pos = hp->ctx;
+    const int own_default = hp->rope_type == BT_ROPE_DEFAULT;
+    if (own_default && hp->rope_ext == BT_ROPE_EXT_NONE) {
+        json_decref(rs);
+        *out = json_null();
+        return 0;
+    }
+    if (own_default) { /* linear / yarn / dynamic exactly as transformers defines them */
+        json_object_set_new(rs, "factor", json_float(hp->rope_ext_factor));
+        if (hp->rope_ext == BT_ROPE_EXT_YARN) {
+            /* max_position_embeddings = original_max_position_embeddings = the pre-YaRN context:
+             * transformers 4.4x computes YaRN's correction range from max_position_embeddings,
+             * 5.x from rope_scaling.original_max_position_embeddings; both then agree */
+            json_object_set_new(rs, "original_max_position_embeddings",
+                                json_integer(bt_export_orig_ctx(hp)));
+            if (hp->rope_attn_factor > 0.f)
+                json_object_set_new(rs, "attention_factor", json_float(hp->rope_attn_factor));
+            if (hp->rope_yarn_beta_fast > 0.f)
+                json_object_set_new(rs, "beta_fast", json_float(hp->rope_yarn_beta_fast));
+            if (hp->rope_yarn_beta_slow > 0.f)
+                json_object_set_new(rs, "beta_slow", json_float(hp->rope_yarn_beta_slow));
+            *max_pos = bt_export_orig_ctx(hp);
+        } else if (hp->rope_ext == BT_ROPE_EXT_DYNAMIC) {
+            /* dynamic NTK scales relative to max_position_embeddings */
+            *max_pos = bt_export_orig_ctx(hp);
+        }
+        json_object_set_new(rs, "rope_type", json_string(bt_rope_ext_name(hp->rope_ext)));
+        if (hp->rope_ext == BT_ROPE_EXT_LINEAR) /* older readers look for "type" */
+            json_object_set_new(rs, "type", json_string("linear"));
+        *out = rs;
+        return 0;
+    }
+    if (hp->rope_ext == BT_ROPE_EXT_NONE && !(hp->rope_attn_factor > 0.f)) {
+        float f = hp->rope_factor, lo = hp->rope_low_freq_factor, hi = hp->rope_high_freq_factor;
+        int ctx = hp->rope_orig_ctx;
+        if (hp->rope_type == BT_ROPE_LLAMA3 || bt_export_llama3_from_freqs(m, &f, &lo, &hi, &ctx) == 0) {
+            json_object_set_new(rs, "factor", json_float(f));
+            json_object_set_new(rs, "high_freq_factor", json_float(hi));
+            json_object_set_new(rs, "low_freq_factor", json_float(lo));
+            json_object_set_new(rs, "original_max_position_embeddings", json_integer(ctx));
+            json_object_set_new(rs, "rope_type", json_string("llama3"));
+            *out = rs;
+            return 0;
+        }
+    }
+    if (hp->rope_ext == BT_ROPE_EXT_DYNAMIC) {
+        json_decref(rs);
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: dynamic NTK scaling on top of a "
+                       "%s frequency table cannot be written as one transformers rope_scaling; "
+                       "use context_extension.method \"linear\" or \"yarn\", or export gguf",
+                       hp->rope_type == BT_ROPE_LLAMA3 ? "llama3" : "rope_freqs");
+    }
+    /* any other fixed table (llama3 / rope_freqs composed with linear or YaRN, or a table that is
+     * not Llama 3.x): transformers' "longrope" with equal short and long factors gives exactly
+     * inv_freq = 1 / (factor_i theta^(2i/D)) at every length, with an explicit attention factor */
+    float dflt[512];
+    if (half > 512 || !m->inv_freq ||
+        bt_rope_inv_freq(dflt, hp->head_dim, hp->rope_theta, "default", 0.f, 0.f, 0.f, 0) != 0) {
+        json_decref(rs);
+        return bt_fail(BT_ERR_INVALID, "export: no RoPE table to write");
+    }
+    json_t *lf = json_array(), *sf = json_array();
+    for (int i = 0; i < half; i++) {
+        const double fi = (double)dflt[i] / (double)m->inv_freq[i];
+        json_array_append_new(lf, json_real(fi));
+        json_array_append_new(sf, json_real(fi));
+    }
+    const int orig = hp->rope_ext != BT_ROPE_EXT_NONE ? bt_export_orig_ctx(hp) : hp->ctx;
+    json_object_set_new(rs, "attention_factor", json_float(bt_model_attn_factor(hp)));
+    json_object_set_new(rs, "factor", json_float((float)((double)hp->ctx / orig)));
+    json_object_set_new(rs, "long_factor", lf);
+    json_object_set_new(rs, "original_max_position_embeddings", json_integer(orig));
+    json_object_set_new(rs, "rope_type", json_string("longrope"));
+    json_object_set_new(rs, "short_factor", sf);
+    *out = rs;
+    return 0;
+}
+
 /* 1 if every layer's linear `mod` has a bias, 0 if none has, -1 if mixed. */
 static int bias_state(const bt_model *m, int mod) {
     int n = 0;
@@ -117,7 +201,6 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
     json_object_set_new(j, "hidden_size", json_integer(hp->d_model));
     json_object_set_new(j, "initializer_range", json_real(0.02));
     json_object_set_new(j, "intermediate_size", json_integer(hp->d_ff));
-    json_object_set_new(j, "max_position_embeddings", json_integer(hp->ctx));
     if (!qwen2) json_object_set_new(j, "mlp_bias", json_boolean(mlp_bias));
     json_object_set_new(j, "model_type", json_string(qwen2 ? "qwen2" : "llama"));
     json_object_set_new(j, "num_attention_heads", json_integer(hp->n_head));
@@ -126,29 +209,14 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
     if (ids->pad >= 0) json_object_set_new(j, "pad_token_id", json_integer(ids->pad));
     json_object_set_new(j, "pretraining_tp", json_integer(1));
     json_object_set_new(j, "rms_norm_eps", json_float(hp->rms_eps));
-    if (hp->rope_type == BT_ROPE_LLAMA3 || hp->rope_type == BT_ROPE_FREQS) {
-        float f = hp->rope_factor, lo = hp->rope_low_freq_factor, hi = hp->rope_high_freq_factor;
-        int ctx = hp->rope_orig_ctx, rc;
-        if (hp->rope_type == BT_ROPE_FREQS && (rc = bt_export_llama3_from_freqs(m, &f, &lo, &hi, &ctx))) {
-            json_decref(j);
-            return rc;
-        }
-        json_t *rs = json_object();
-        json_object_set_new(rs, "factor", json_float(f));
-        json_object_set_new(rs, "high_freq_factor", json_float(hi));
-        json_object_set_new(rs, "low_freq_factor", json_float(lo));
-        json_object_set_new(rs, "original_max_position_embeddings", json_integer(ctx));
-        json_object_set_new(rs, "rope_type", json_string("llama3"));
-        json_object_set_new(j, "rope_scaling", rs);
-    } else if (hp->rope_factor > 0.f && hp->rope_factor != 1.f) {
-        json_t *rs = json_object();
-        json_object_set_new(rs, "factor", json_float(hp->rope_factor));
-        json_object_set_new(rs, "rope_type", json_string("linear"));
-        json_object_set_new(rs, "type", json_string("linear"));
-        json_object_set_new(j, "rope_scaling", rs);
-    } else {
-        json_object_set_new(j, "rope_scaling", json_null());
+    json_t *rs = NULL;
+    int max_pos = hp->ctx, rc;
+    if ((rc = bt_export_hf_rope(m, &rs, &max_pos))) {
+        json_decref(j);
+        return rc;
     }
+    json_object_set_new(j, "max_position_embeddings", json_integer(max_pos));
+    json_object_set_new(j, "rope_scaling", rs);
     json_object_set_new(j, "rope_theta", json_float(hp->rope_theta));
     json_object_set_new(j, "tie_word_embeddings", json_boolean(m->tied));
     json_object_set_new(j, "torch_dtype", json_string(dtype == BT_EXPORT_F32   ? "float32"

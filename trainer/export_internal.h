@@ -14,5 +14,8 @@ int bt_export_lora_matches(const bt_model *m, const bt_lora *lo);
  * original context 8192, factor = the largest factor) when they reproduce it (rel. 1e-6);
  * BT_ERR_UNSUPPORTED otherwise (config.json cannot express the table). */
 int bt_export_llama3_from_freqs(const bt_model *m, float *factor, float *low, float *high, int *ctx);
+/* The context in tokens the model had before its RoPE context extension (hp->rope_ext_orig_ctx;
+ * linear scaling loaded from a file may not say: round(ctx / factor)). */
+int bt_export_orig_ctx(const bt_llama_hparams *hp);
 
 #endif

@@ -344,6 +344,7 @@ int bt_generate_cli(int argc, char **argv) {
     if ((rc = bt_tokenizer_load(&tok, a.model))) goto fail;
     if (a.adapter) {
         if ((rc = bt_lora_load_peft(&lo, &m, a.adapter))) goto fail;
+        if ((rc = bt_adapter_apply_context(&m, a.adapter))) goto fail;
     }
     if (a.chat) {
         bt_chat_msg msgs[2];

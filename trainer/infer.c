@@ -18,6 +18,8 @@ struct bt_infer {
     int D, Dq, Dkv, F, V, Hq, Hkv, hd, n_layer;
     float **kc, **vc;        /* [n_layer] each [max_ctx, Dkv] */
     float *x, *xn, *q, *att, *lse, *g, *u, *h, *as, *scratch, *scores;
+    float *rope_tab;         /* [hd/2] dynamic NTK: the table grown to dyn_len (0 = the model's) */
+    int64_t dyn_len;
     int32_t *pos_ids;        /* [max_chunk] */
     size_t bytes;
 };
@@ -46,6 +48,7 @@ void bt_infer_free(bt_infer *s) {
     free(s->scratch);
     free(s->scores);
     free(s->pos_ids);
+    free(s->rope_tab);
     free(s);
 }
 
@@ -101,7 +104,8 @@ int bt_infer_new(bt_infer **out, const bt_model *m, const bt_lora *lo, int max_c
         !(s->u = falloc(s, C * F)) || !(s->h = falloc(s, C * F)) ||
         !(s->as = falloc(s, C * (size_t)r)) ||
         !(s->scratch = falloc(s, bt_model_scratch_floats(m))) ||
-        !(s->scores = falloc(s, (size_t)s->nthr * max_ctx)))
+        !(s->scores = falloc(s, (size_t)s->nthr * max_ctx)) ||
+        !(s->rope_tab = falloc(s, (size_t)s->hd / 2)))
         goto oom;
     *out = s;
     return 0;
@@ -112,7 +116,10 @@ oom:;
                    "and chunks of %d tokens", max_ctx, cache_mib, max_chunk);
 }
 
-void bt_infer_reset(bt_infer *s) { s->pos = 0; }
+void bt_infer_reset(bt_infer *s) {
+    s->pos = 0;
+    s->dyn_len = 0;
+}
 int bt_infer_pos(const bt_infer *s) { return s->pos; }
 int bt_infer_max_ctx(const bt_infer *s) { return s->max_ctx; }
 int bt_infer_vocab(const bt_infer *s) { return s->V; }
@@ -130,7 +137,7 @@ static void proj(bt_infer *s, int l, int mod, float *y, const float *x, int n, f
 static void attn_cached(bt_infer *s, float *out, const float *q, const float *K, const float *Vv,
                         int p0, int n) {
     const int Hq = s->Hq, Hkv = s->Hkv, hd = s->hd, group = Hq / Hkv, ldk = Hkv * hd;
-    const float scale = 1.0f / sqrtf((float)hd);
+    const float scale = bt_model_attn_scale(&s->m->hp);
     const int ntask = n * Hq;
     /* a single decode step is too little work for a parallel region (~len * Hq * hd MACs) */
     const int par = (int64_t)ntask * (p0 + n) * hd >= (1 << 17);
@@ -179,8 +186,14 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
     const bt_model *m = s->m;
     const int p0 = s->pos, D = s->D;
     const bt_lora *lo = s->lo;
-    const float eps = m->hp.rms_eps, ps = bt_rope_pos_scale(&m->hp);
+    const float eps = m->hp.rms_eps;
     for (int i = 0; i < n; i++) s->pos_ids[i] = p0 + i;
+    /* dynamic NTK: as transformers' _dynamic_frequency_update, the table grows with the longest
+     * position seen in this session; cached keys keep the rotation they were stored with */
+    if (m->hp.rope_ext == BT_ROPE_EXT_DYNAMIC && (int64_t)p0 + n > s->dyn_len &&
+        bt_model_rope_table(m, (int64_t)p0 + n, s->rope_tab) == 1)
+        s->dyn_len = (int64_t)p0 + n;
+    const float *inv = s->dyn_len > 0 ? s->rope_tab : m->inv_freq;
     bt_embedding_fwd(s->x, bt_lora_embed(lo, m), ids, n, D);
     for (int l = 0; l < s->n_layer; l++) {
         float *kc = s->kc[l] + (size_t)p0 * s->Dkv, *vc = s->vc[l] + (size_t)p0 * s->Dkv;
@@ -189,12 +202,12 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
         proj(s, l, BT_MOD_Q, s->q, s->xn, n, 0.f);
         proj(s, l, BT_MOD_K, kc, s->xn, n, 0.f);
         proj(s, l, BT_MOD_V, vc, s->xn, n, 0.f);
-        bt_rope_fwd_freq(s->q, s->pos_ids, n, s->Hq, s->hd, m->inv_freq, ps);
-        bt_rope_fwd_freq(kc, s->pos_ids, n, s->Hkv, s->hd, m->inv_freq, ps);
+        bt_rope_fwd_freq(s->q, s->pos_ids, n, s->Hq, s->hd, inv, 1.0f);
+        bt_rope_fwd_freq(kc, s->pos_ids, n, s->Hkv, s->hd, inv, 1.0f);
         if (p0 == 0) {
             int32_t cu[2] = {0, n};
             bt_attn_fwd(s->att, s->lse, s->q, kc, vc, cu, 1, n, s->Hq, s->Hkv, s->hd,
-                        1.0f / sqrtf((float)s->hd));
+                        bt_model_attn_scale(&m->hp));
         } else {
             attn_cached(s, s->att, s->q, s->kc[l], s->vc[l], p0, n);
         }

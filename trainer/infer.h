@@ -5,9 +5,12 @@
  * Per layer (HF LlamaDecoderLayer, same math as step.c): RMSNorm -> q, k, v (base + LoRA) ->
  * RoPE at the tokens' absolute positions -> causal GQA attention over the cache -> o_proj (base +
  * LoRA) -> residual -> RMSNorm -> gate, up (base + LoRA) -> SwiGLU -> down (base + LoRA) ->
- * residual; then the final RMSNorm and logits = h @ lm_head^T. Linear biases (bt_base_fwd),
- * RoPE linear scaling (bt_rope_pos_scale) and the model's RoPE frequency table (bt_model.inv_freq:
- * default, Llama 3.1 "llama3", GGUF rope_freqs) are honoured; with LoRA+ (lora.h) the embedding, norm
+ * residual; then the final RMSNorm and logits = h @ lm_head^T. Linear biases (bt_base_fwd) and
+ * the model's RoPE frequency table (bt_model.inv_freq: default, Llama 3.1 "llama3", GGUF
+ * rope_freqs, with linear / YaRN scaling; for dynamic NTK the table grows with the session's
+ * longest position as transformers' LlamaRotaryEmbedding._dynamic_frequency_update grows it, keys
+ * already cached keeping their rotation) are honoured, with YaRN's attention factor in the softmax
+ * scale (bt_model_attn_scale). Attention is full (never S^2-Attn). With LoRA+ (lora.h) the embedding, norm
  * weights and tied lm_head are read through bt_lora_embed / bt_lora_norm / bt_lora_lm_head, as
  * step.c does, so a session and the training forward give the same logits.
  *

@@ -55,7 +55,7 @@ int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head
         return bt_fail(BT_ERR_INVALID, "model: %s: rope theta %g / rms eps %g must be > 0", src,
                        hp->rope_theta, hp->rms_eps);
     if (!(hp->rope_factor >= 0) || !isfinite(hp->rope_factor))
-        return bt_fail(BT_ERR_INVALID, "model: %s: RoPE linear scaling factor %g must be > 0", src,
+        return bt_fail(BT_ERR_INVALID, "model: %s: RoPE scaling factor %g must be > 0", src,
                        hp->rope_factor);
     return 0;
 }
@@ -117,23 +117,33 @@ void bt_model_free(bt_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
-    const bt_llama_hparams *hp = &m->hp;
-    free(m->inv_freq);
-    free(m->rope_freqs);
-    m->inv_freq = m->rope_freqs = NULL;
-    const int D = hp->head_dim, half = D / 2;
-    if (D < 2 || D % 2 != 0)
-        return bt_fail(BT_ERR_INVALID, "model: RoPE head_dim %d must be even and >= 2", D);
-    if (hp->rope_type == BT_ROPE_FREQS && !rope_freqs)
-        return bt_fail(BT_ERR_INVALID, "model: RoPE type rope_freqs needs the factor table");
-    float *inv = malloc((size_t)half * sizeof(float));
-    float *ff = hp->rope_type == BT_ROPE_FREQS ? malloc((size_t)half * sizeof(float)) : NULL;
-    if (!inv || (hp->rope_type == BT_ROPE_FREQS && !ff)) {
-        free(inv);
-        free(ff);
-        return bt_fail(BT_ERR_NOMEM, "model: out of memory (RoPE table)");
-    }
+int bt_rope_ext_parse(const char *name) {
+    if (!name) return -1;
+    if (!strcmp(name, "linear")) return BT_ROPE_EXT_LINEAR;
+    if (!strcmp(name, "yarn")) return BT_ROPE_EXT_YARN;
+    if (!strcmp(name, "dynamic")) return BT_ROPE_EXT_DYNAMIC;
+    return -1;
+}
+
+const char *bt_rope_ext_name(int ext) {
+    static const char *const names[] = {"none", "linear", "yarn", "dynamic"};
+    return ext >= 0 && ext <= BT_ROPE_EXT_DYNAMIC ? names[ext] : "?";
+}
+
+float bt_model_attn_factor(const bt_llama_hparams *hp) {
+    if (hp->rope_ext == BT_ROPE_EXT_YARN)
+        return bt_rope_yarn_attention_factor(hp->rope_ext_factor, hp->rope_attn_factor);
+    return hp->rope_attn_factor > 0.f ? hp->rope_attn_factor : 1.0f; /* HF longrope's */
+}
+
+float bt_model_attn_scale(const bt_llama_hparams *hp) {
+    const float s = 1.0f / sqrtf((float)hp->head_dim), a = bt_model_attn_factor(hp);
+    return a == 1.0f ? s : s * (a * a);
+}
+
+/* The model's own table (default / llama3 / rope_freqs) into inv [D/2]. */
+static int rope_own_table(const bt_llama_hparams *hp, const float *ff, float *inv) {
+    const int D = hp->head_dim;
     int rc;
     if (hp->rope_type == BT_ROPE_LLAMA3)
         rc = bt_rope_inv_freq(inv, D, hp->rope_theta, "llama3", hp->rope_factor,
@@ -143,14 +153,63 @@ int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
         rc = bt_rope_inv_freq(inv, D, hp->rope_theta, "default", 0.f, 0.f, 0.f, 0);
     else
         rc = bt_fail(BT_ERR_INVALID, "model: unknown RoPE type %d", hp->rope_type);
-    if (!rc && ff) {
-        for (int i = 0; i < half && !rc; i++) {
-            if (!(rope_freqs[i] > 0.f) || !isfinite(rope_freqs[i]))
-                rc = bt_fail(BT_ERR_INVALID, "model: RoPE frequency factor %d is %g (must be > 0)",
-                             i, (double)rope_freqs[i]);
-            ff[i] = rope_freqs[i];
+    if (!rc && hp->rope_type == BT_ROPE_FREQS)
+        for (int i = 0; i < D / 2; i++)
             inv[i] = inv[i] / ff[i]; /* ggml_rope_ext: theta = pos * base^(-2i/D) / freq_factor */
-        }
+    return rc;
+}
+
+static int rope_ext_check(const bt_llama_hparams *hp) {
+    if (hp->rope_ext == BT_ROPE_EXT_NONE) return 0;
+    if (hp->rope_ext < 0 || hp->rope_ext > BT_ROPE_EXT_DYNAMIC)
+        return bt_fail(BT_ERR_INVALID, "model: unknown RoPE scaling %d", hp->rope_ext);
+    if (!(hp->rope_ext_factor > 0.f) || !isfinite(hp->rope_ext_factor))
+        return bt_fail(BT_ERR_INVALID, "model: RoPE %s scaling factor %g must be > 0",
+                       bt_rope_ext_name(hp->rope_ext), (double)hp->rope_ext_factor);
+    if (hp->rope_ext != BT_ROPE_EXT_LINEAR && hp->rope_ext_orig_ctx < 1)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE %s scaling needs the original context length "
+                       "(got %d)", bt_rope_ext_name(hp->rope_ext), hp->rope_ext_orig_ctx);
+    return 0;
+}
+
+int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
+    const bt_llama_hparams *hp = &m->hp;
+    const int D = hp->head_dim, half = D / 2;
+    float *ff = NULL;
+    if (D >= 2 && D % 2 == 0 && hp->rope_type == BT_ROPE_FREQS && rope_freqs) {
+        if (!(ff = malloc((size_t)half * sizeof(float))))
+            return bt_fail(BT_ERR_NOMEM, "model: out of memory (RoPE table)");
+        memcpy(ff, rope_freqs, (size_t)half * sizeof(float)); /* rope_freqs may be m->rope_freqs */
+    }
+    free(m->inv_freq);
+    free(m->rope_freqs);
+    m->inv_freq = m->rope_freqs = NULL;
+    if (D < 2 || D % 2 != 0)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE head_dim %d must be even and >= 2", D);
+    if (hp->rope_type == BT_ROPE_FREQS && !ff)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE type rope_freqs needs the factor table");
+    float *inv = malloc((size_t)half * sizeof(float));
+    if (!inv) {
+        free(ff);
+        return bt_fail(BT_ERR_NOMEM, "model: out of memory (RoPE table)");
+    }
+    int rc = rope_ext_check(hp);
+    for (int i = 0; ff && i < half && !rc; i++)
+        if (!(ff[i] > 0.f) || !isfinite(ff[i]))
+            rc = bt_fail(BT_ERR_INVALID, "model: RoPE frequency factor %d is %g (must be > 0)", i,
+                         (double)ff[i]);
+    if (!rc) rc = rope_own_table(hp, ff, inv);
+    if (!rc && hp->rope_ext == BT_ROPE_EXT_LINEAR) {
+        for (int i = 0; i < half; i++) inv[i] = inv[i] / hp->rope_ext_factor; /* inv_freq /= factor */
+    } else if (!rc && hp->rope_ext == BT_ROPE_EXT_YARN) {
+        if (hp->rope_type == BT_ROPE_DEFAULT) /* exactly transformers' yarn table */
+            rc = bt_rope_inv_freq_yarn(inv, D, hp->rope_theta, hp->rope_ext_factor,
+                                       hp->rope_ext_orig_ctx, hp->rope_yarn_beta_fast,
+                                       hp->rope_yarn_beta_slow);
+        else
+            rc = bt_rope_yarn_mix(inv, D, hp->rope_theta, hp->rope_ext_factor,
+                                  hp->rope_ext_orig_ctx, hp->rope_yarn_beta_fast,
+                                  hp->rope_yarn_beta_slow);
     }
     if (rc) {
         free(inv);
@@ -168,6 +227,59 @@ static size_t lin_bytes(const bt_base_linear *l) {
     if (l->is_nf4) return n / 2 + n / 64 + (n / 64 / 256 + 1) * 4;
     if (l->is_gguf) return bt_ggml_mat_bytes(&l->g);
     return n * 4;
+}
+
+int bt_model_rope_table(const bt_model *m, int64_t seq_len, float *out) {
+    const bt_llama_hparams *hp = &m->hp;
+    const int D = hp->head_dim, half = D / 2;
+    if (!m->inv_freq || !out) return bt_fail(BT_ERR_INVALID, "model: no RoPE table");
+    if (hp->rope_ext != BT_ROPE_EXT_DYNAMIC || seq_len <= hp->rope_ext_orig_ctx) {
+        memcpy(out, m->inv_freq, (size_t)half * sizeof(float));
+        return 0;
+    }
+    int rc = bt_rope_inv_freq_dynamic(out, D, hp->rope_theta, hp->rope_ext_factor,
+                                      hp->rope_ext_orig_ctx, seq_len);
+    if (rc || hp->rope_type == BT_ROPE_DEFAULT) return rc ? rc : 1;
+    /* composed with a llama3 / rope_freqs table: every own frequency scaled as dynamic NTK scales
+     * the default one */
+    float dflt[512];
+    if (half > 512) return bt_fail(BT_ERR_INVALID, "model: head_dim %d too large", D);
+    if ((rc = bt_rope_inv_freq(dflt, D, hp->rope_theta, "default", 0.f, 0.f, 0.f, 0))) return rc;
+    for (int i = 0; i < half; i++) out[i] = m->inv_freq[i] * (out[i] / dflt[i]);
+    return 1;
+}
+
+int bt_model_extend_context(bt_model *m, int method, int target_length) {
+    bt_llama_hparams *hp = &m->hp;
+    if (method < BT_ROPE_EXT_LINEAR || method > BT_ROPE_EXT_DYNAMIC)
+        return bt_fail(BT_ERR_INVALID, "config: context_extension.method: expected \"linear\", "
+                       "\"yarn\" or \"dynamic\"");
+    if (hp->rope_ext == method && hp->ctx == target_length) return 0; /* already extended so */
+    if (!m->inv_freq) return bt_fail(BT_ERR_INVALID, "model: no RoPE table to extend");
+    if (hp->rope_ext != BT_ROPE_EXT_NONE)
+        return bt_fail(BT_ERR_INVALID, "config: context_extension: the model already has RoPE "
+                       "scaling \"%s\" (factor %g, context %d); it cannot take a second one "
+                       "(\"%s\" to %d): drop context_extension, or start from the unscaled base",
+                       bt_rope_ext_name(hp->rope_ext), (double)hp->rope_ext_factor, hp->ctx,
+                       bt_rope_ext_name(method), target_length);
+    if (hp->ctx < 1 || target_length <= hp->ctx)
+        return bt_fail(BT_ERR_INVALID, "config: context_extension.target_length: expected more "
+                       "than the model's context length %d, got %d", hp->ctx, target_length);
+    bt_llama_hparams old = *hp;
+    hp->rope_ext = method;
+    hp->rope_ext_factor = (float)((double)target_length / (double)hp->ctx);
+    hp->rope_ext_orig_ctx = hp->ctx;
+    hp->rope_yarn_beta_fast = hp->rope_yarn_beta_slow = 0.f;
+    hp->rope_attn_factor = 0.f;
+    hp->ctx = target_length;
+    int rc = bt_model_rope_init(m, m->rope_freqs);
+    if (rc) {
+        *hp = old;
+        if (bt_model_rope_init(m, m->rope_freqs) != 0) return rc; /* restore (cannot fail twice) */
+        return rc;
+    }
+    m->ctx_extended = 1;
+    return 0;
 }
 
 size_t bt_model_bytes(const bt_model *m) {
@@ -370,6 +482,54 @@ static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name
     return rc;
 }
 
+/* llama.rope.scaling.* (llama.cpp llama-model.cpp load_hparams; the keys convert_hf_to_gguf.py
+ * writes): type "none" | "linear" (factor: freq_scale = 1 / factor) | "yarn" (factor,
+ * original_context_length, attn_factor: llama.cpp's rope_yarn multiplies it by 1 + 0.1 ln factor,
+ * so the HF attention_factor is their product; yarn_beta_fast / yarn_beta_slow, default 32 / 1).
+ * Absent keys: no scaling. They compose with rope_freqs.weight as in ggml_rope_ext. */
+int bt_model_gguf_rope_scaling(const bt_gguf *g, const char *path, bt_llama_hparams *hp) {
+    if (bt_gguf_find_key(g, "llama.rope.scaling.type") < 0) return 0;
+    bt_str st = {"", 0};
+    if (bt_gguf_get_str(g, "llama.rope.scaling.type", &st) != 0)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling.type is not a string", path);
+    int ext = st.len == 6 && !memcmp(st.ptr, "linear", 6) ? BT_ROPE_EXT_LINEAR
+              : st.len == 4 && !memcmp(st.ptr, "yarn", 4) ? BT_ROPE_EXT_YARN
+              : st.len == 4 && !memcmp(st.ptr, "none", 4) ? BT_ROPE_EXT_NONE
+                                                          : -1;
+    if (ext < 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: llama.rope.scaling.type \"%.*s\" is not "
+                       "supported (none, linear, yarn; Llama 3.1 scaling comes as "
+                       "rope_freqs.weight)", path, (int)(st.len > 32 ? 32 : st.len), st.ptr);
+    if (ext == BT_ROPE_EXT_NONE) return 0;
+    int rc;
+    float f = 0.f;
+    if ((rc = kv_float(g, path, "llama.rope.scaling.factor", 1, 0, &f))) return rc;
+    if (!(f > 0.f) || !isfinite(f))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling.factor %g must be > 0", path,
+                       (double)f);
+    if (f == 1.f) return 0; /* identity */
+    hp->rope_ext = ext;
+    hp->rope_ext_factor = f;
+    if (ext == BT_ROPE_EXT_YARN) {
+        float af = 1.f, bf = 32.f, bs = 1.f;
+        if ((rc = kv_int(g, path, "llama.rope.scaling.original_context_length", 0, hp->ctx,
+                         &hp->rope_ext_orig_ctx)) ||
+            (rc = kv_float(g, path, "llama.rope.scaling.attn_factor", 0, 1.0, &af)) ||
+            (rc = kv_float(g, path, "llama.rope.scaling.yarn_beta_fast", 0, 32.0, &bf)) ||
+            (rc = kv_float(g, path, "llama.rope.scaling.yarn_beta_slow", 0, 1.0, &bs)))
+            return rc;
+        if (!(af > 0.f) || !isfinite(af) || !(bf > 0.f) || !(bs > 0.f) || hp->rope_ext_orig_ctx < 1)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling: attn_factor %g, "
+                           "yarn_beta_fast %g, yarn_beta_slow %g must be > 0 and "
+                           "original_context_length %d >= 1", path, (double)af, (double)bf,
+                           (double)bs, hp->rope_ext_orig_ctx);
+        hp->rope_yarn_beta_fast = bf;
+        hp->rope_yarn_beta_slow = bs;
+        hp->rope_attn_factor = af == 1.f ? 0.f : af * bt_rope_yarn_attention_factor(f, 0.f);
+    }
+    return 0;
+}
+
 int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts_in) {
     memset(m, 0, sizeof *m);
     bt_model_load_opts opts_v = {BT_BASE_AUTO, 0};
@@ -417,33 +577,8 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
                      "supported)", path, rope_dim, hp->head_dim);
         goto fail;
     }
-    if (bt_gguf_find_key(g, "llama.rope.scaling.type") >= 0) {
-        bt_str st = {"", 0};
-        bt_gguf_get_str(g, "llama.rope.scaling.type", &st);
-        if (st.len == 6 && !memcmp(st.ptr, "linear", 6)) {
-            /* llama.cpp LLAMA_ROPE_SCALING_TYPE_LINEAR: freq_scale = 1 / factor on positions */
-            if ((rc = kv_float(g, path, "llama.rope.scaling.factor", 1, 0, &hp->rope_factor)))
-                goto fail;
-            if (!(hp->rope_factor > 0.f) || !isfinite(hp->rope_factor)) {
-                rc = bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling.factor %g must be > 0",
-                             path, (double)hp->rope_factor);
-                goto fail;
-            }
-        } else if (!(st.len == 4 && !memcmp(st.ptr, "none", 4))) {
-            rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: llama.rope.scaling.type \"%.*s\" is not "
-                         "supported (none, linear; Llama 3.1 scaling comes as rope_freqs.weight)",
-                         path, (int)(st.len > 32 ? 32 : st.len), st.ptr);
-            goto fail;
-        }
-    }
-    if (bt_gguf_find_tensor(g, "rope_freqs.weight")) {
-        if (hp->rope_factor > 0.f && hp->rope_factor != 1.f) {
-            rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_freqs.weight together with linear "
-                         "RoPE scaling is not supported", path);
-            goto fail;
-        }
-        hp->rope_type = BT_ROPE_FREQS;
-    }
+    if ((rc = bt_model_gguf_rope_scaling(g, path, hp))) goto fail;
+    if (bt_gguf_find_tensor(g, "rope_freqs.weight")) hp->rope_type = BT_ROPE_FREQS;
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb) {
         rc = bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);

@@ -25,25 +25,38 @@ typedef struct {
     int ctx;           /* llama.context_length (informational) */
     float rope_theta;  /* llama.rope.freq_base (default 10000) */
     float rms_eps;     /* llama.attention.layer_norm_rms_epsilon */
-    float rope_factor; /* BT_ROPE_DEFAULT: HF rope_scaling {"type": "linear", "factor": f}:
-                        * RoPE positions are divided by f (transformers
-                        * LlamaLinearScalingRotaryEmbedding); 0 (the zero-initialised default)
-                        * or 1 = no scaling. BT_ROPE_LLAMA3: rope_scaling.factor */
-    int rope_type;     /* BT_ROPE_DEFAULT (0: none or linear per rope_factor), BT_ROPE_LLAMA3
-                        * (HF rope_scaling "llama3"), BT_ROPE_FREQS (GGUF rope_freqs.weight) */
+    float rope_factor; /* BT_ROPE_LLAMA3: rope_scaling.factor (0 otherwise: linear scaling is
+                        * rope_ext BT_ROPE_EXT_LINEAR) */
+    int rope_type;     /* the model's own frequency table: BT_ROPE_DEFAULT (theta^(-2i/D)),
+                        * BT_ROPE_LLAMA3 (HF rope_scaling "llama3"), BT_ROPE_FREQS (GGUF
+                        * rope_freqs.weight) */
     float rope_low_freq_factor, rope_high_freq_factor; /* llama3: rope_scaling.{low,high}_freq_factor */
     int rope_orig_ctx; /* llama3: rope_scaling.original_max_position_embeddings */
+    /* Context scaling applied on top of that table (bt_model_rope_init): HF rope_scaling
+     * "linear" / "yarn" / "dynamic", GGUF llama.rope.scaling.type "linear" / "yarn", or the job's
+     * context_extension (bt_model_extend_context). */
+    int rope_ext;             /* BT_ROPE_EXT_* (0 = none) */
+    float rope_ext_factor;    /* the scaling factor (linear: positions / factor; yarn; dynamic) */
+    int rope_ext_orig_ctx;    /* the context the model was trained with before the scaling (yarn's
+                               * correction range, dynamic's threshold) */
+    float rope_yarn_beta_fast, rope_yarn_beta_slow; /* yarn: 0 = 32 / 1 */
+    float rope_attn_factor;   /* yarn: rope_scaling.attention_factor (0 = 0.1 ln factor + 1) */
 } bt_llama_hparams;
 
 enum { BT_ROPE_DEFAULT = 0, BT_ROPE_LLAMA3 = 1, BT_ROPE_FREQS = 2 };
+/* (BT_ROPE_EXT_NONE / LINEAR / YARN / DYNAMIC: trainer/config.h) */
 
-/* Position multiplier for bt_rope_fwd/bwd's pos_scale: 1 / rope_factor for linear scaling
- * (rope_type BT_ROPE_DEFAULT with rope_factor > 0), else 1 (llama3 / GGUF rope_freqs scale the
- * frequencies instead: bt_model.inv_freq). */
-static inline float bt_rope_pos_scale(const bt_llama_hparams *hp) {
-    return hp->rope_type == BT_ROPE_DEFAULT && hp->rope_factor > 0.f ? 1.0f / hp->rope_factor
-                                                                     : 1.0f;
-}
+/* "linear" | "yarn" | "dynamic" -> BT_ROPE_EXT_* (> 0), else -1; and back ("none" for 0). */
+int bt_rope_ext_parse(const char *name);
+const char *bt_rope_ext_name(int ext);
+
+/* The attention softmax scale: 1 / sqrt(head_dim), times mscale^2 for YaRN (transformers
+ * multiplies cos and sin by the attention factor, so q.k carries its square; folding it into the
+ * scale is the same product). */
+float bt_model_attn_scale(const bt_llama_hparams *hp);
+/* The cos/sin magnitude factor itself (YaRN's bt_rope_yarn_attention_factor, or a fixed table's
+ * HF longrope attention_factor; 1 otherwise). */
+float bt_model_attn_factor(const bt_llama_hparams *hp);
 
 /* One frozen linear W[rows=out, cols=in] (+ optional bias). Exactly one of w / q / g is in use
  * (is_nf4: q; is_gguf: g; neither: w). */
@@ -75,17 +88,45 @@ typedef struct {
                             * what bt_rope_fwd_freq / bt_rope_bwd_freq rotate with */
     float *rope_freqs;     /* [head_dim/2] GGUF rope_freqs.weight factors (owned) for
                             * BT_ROPE_FREQS, else NULL */
+    int ctx_extended;      /* 1 when bt_model_extend_context scaled the RoPE (the job's
+                            * context_extension, recorded with the adapter), else 0 */
 } bt_model;
 
-/* Fill m->inv_freq (allocated here, replacing any previous table) from m->hp: rope_type
- * BT_ROPE_DEFAULT -> bt_rope_inv_freq "default" (linear scaling stays in bt_rope_pos_scale),
- * BT_ROPE_LLAMA3 -> "llama3" with hp's factor / low / high / original context (transformers
- * _compute_llama3_parameters), BT_ROPE_FREQS -> default[i] / rope_freqs[i] (llama.cpp ggml_rope_ext
- * freq_factors, the rope_freqs.weight tensor of convert_hf_to_gguf.py LlamaModel); rope_freqs
+/* Fill m->inv_freq (allocated here, replacing any previous table) from m->hp. The model's own
+ * table: rope_type BT_ROPE_DEFAULT -> bt_rope_inv_freq "default", BT_ROPE_LLAMA3 -> "llama3" with
+ * hp's factor / low / high / original context (transformers _compute_llama3_parameters),
+ * BT_ROPE_FREQS -> default[i] / rope_freqs[i] (llama.cpp ggml_rope_ext freq_factors, the
+ * rope_freqs.weight tensor of convert_hf_to_gguf.py LlamaModel). Then hp->rope_ext on top: LINEAR
+ * divides every frequency by the factor (transformers _compute_linear_scaling_rope_parameters;
+ * llama.cpp freq_scale), YARN is bt_rope_inv_freq_yarn on a default table and bt_rope_yarn_mix on
+ * the others (llama.cpp composes rope_freqs with YaRN the same way), DYNAMIC leaves the table as
+ * it is at seq_len <= the original context (bt_model_rope_table gives longer ones). rope_freqs
  * [head_dim/2] fp32 is borrowed and copied into m->rope_freqs (required for BT_ROPE_FREQS, ignored
- * otherwise). Called by every loader and bt_model_init_random. Errors: BT_ERR_INVALID (bad
- * parameters, non-finite or non-positive rope_freqs), BT_ERR_NOMEM; m->inv_freq is NULL then. */
+ * otherwise; may be m->rope_freqs itself). Called by every loader and bt_model_init_random.
+ * Errors: BT_ERR_INVALID (bad parameters, non-finite or non-positive rope_freqs), BT_ERR_NOMEM;
+ * m->inv_freq is NULL then. */
 int bt_model_rope_init(bt_model *m, const float *rope_freqs);
+
+/* The RoPE table for a forward whose largest position id is seq_len - 1: m->inv_freq, except for
+ * dynamic NTK scaling beyond the original context, where it is transformers' dynamic table for
+ * seq_len (bt_rope_inv_freq_dynamic; composed with a llama3 / rope_freqs table by scaling each of
+ * its frequencies by dynamic[i] / default[i]). out [head_dim/2] fp32, caller-owned. Returns 1 when
+ * out differs from m->inv_freq (dynamic, seq_len > original context), 0 when it is a copy, or
+ * BT_ERR_INVALID. */
+int bt_model_rope_table(const bt_model *m, int64_t seq_len, float *out);
+
+/* Context extension (the job's context_extension {target_length, method}): scale the model's
+ * RoPE so that target_length positions cover what its context hp->ctx covered, with factor =
+ * target_length / hp->ctx: method BT_ROPE_EXT_LINEAR (position interpolation, Chen et al. 2023,
+ * arXiv 2306.15595, as LongLoRA uses it), BT_ROPE_EXT_YARN (beta_fast 32, beta_slow 1, attention
+ * factor 0.1 ln factor + 1) or BT_ROPE_EXT_DYNAMIC (dynamic NTK), each with transformers'
+ * semantics for that rope_type and the model's hp->ctx as the original context; on top of the
+ * model's own table (llama3 / rope_freqs compose, see bt_model_rope_init). hp->ctx becomes
+ * target_length; the table is rebuilt. A model that already carries a scaling of the same method
+ * with this target is left as it is (returns 0, e.g. an exported extended model loaded back).
+ * Errors (message names the key and the fix): BT_ERR_INVALID (target_length <= hp->ctx, unknown
+ * method, the model already has another rope_ext), those of bt_model_rope_init. */
+int bt_model_extend_context(bt_model *m, int method, int target_length);
 
 typedef struct {
     int base_dtype;          /* BT_BASE_NF4 | BT_BASE_FP32 | BT_BASE_GGUF | BT_BASE_AUTO */

@@ -567,11 +567,156 @@ static int cfg_bool(const cfgj *c, const char *key, int def, int *out) {
     return 0;
 }
 
+/* A number > 0 at rs[key] into *out (absent or null: *out untouched, returns 0; `required`: an
+ * error). */
+static int rs_num(const cfgj *c, json_t *rs, const char *key, int required, double *out) {
+    json_t *v = json_object_get(rs, key);
+    if (!v || json_is_null(v)) {
+        if (!required) return 0;
+        const char *ty = json_string_value(json_object_get(rs, "rope_type"));
+        if (!ty) ty = json_string_value(json_object_get(rs, "type"));
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s: required for rope_type \"%s\"",
+                       c->path, key, ty ? ty : "?");
+    }
+    if (!json_num(v, out) || !isfinite(*out) || !(*out > 0))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a number > 0", c->path, key);
+    return 0;
+}
+
+/* RoPE scaling: "rope_scaling" (transformers 4.x) or "rope_parameters" (transformers 5 writes it,
+ * with rope_theta inside), with transformers' semantics per rope_type (modeling_rope_utils.py):
+ *   default / null; linear {factor}; llama3 {factor, low_freq_factor, high_freq_factor,
+ *   original_max_position_embeddings} (all required, _validate_llama3_parameters);
+ *   yarn {factor, original_max_position_embeddings (default max_position_embeddings, the
+ *   transformers 5 rule), attention_factor (or mscale / mscale_all_dim, DeepSeek), beta_fast,
+ *   beta_slow}; dynamic {factor} over max_position_embeddings; longrope whose short_factor and
+ *   long_factor are equal (a fixed per-frequency table, as trainer export writes composite
+ *   scalings; rope_freqs gets it) with attention_factor (default sqrt(1 + ln factor / ln
+ *   original), factor = max_position_embeddings / original when absent).
+ * hp->ctx (max_position_embeddings) becomes the scaled context for yarn / dynamic (original x
+ * factor) when that is larger. */
+static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
+    json_t *rs = json_object_get(c->root, "rope_scaling");
+    if (!rs || json_is_null(rs)) rs = json_object_get(c->root, "rope_parameters");
+    if (!rs || json_is_null(rs)) return 0;
+    if (!json_is_object(rs))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: \"rope_scaling\" must be null or an object", c->path);
+    json_t *th = json_object_get(c->root, "rope_theta");
+    double d;
+    if ((!th || json_is_null(th)) && json_num(json_object_get(rs, "rope_theta"), &d)) {
+        if (!isfinite(d) || !(d > 0))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_parameters.rope_theta must be > 0", c->path);
+        hp->rope_theta = (float)d; /* transformers 5: rope_theta lives in rope_parameters */
+    }
+    double prf = 1.0;
+    int rc;
+    if ((rc = rs_num(c, rs, "partial_rotary_factor", 0, &prf))) return rc;
+    if (prf != 1.0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: partial_rotary_factor %g is not supported "
+                       "(RoPE over the whole head)", c->path, prf);
+    const char *ty = json_string_value(json_object_get(rs, "rope_type"));
+    if (!ty) ty = json_string_value(json_object_get(rs, "type"));
+    if (!ty)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling lacks \"rope_type\" / \"type\"",
+                       c->path);
+    if (!strcmp(ty, "default")) return 0;
+    double f = 0;
+    if (!strcmp(ty, "llama3")) {
+        /* transformers _validate_llama3_parameters: all four keys are required */
+        static const char *const keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
+                                            "original_max_position_embeddings"};
+        double v[4];
+        for (int i = 0; i < 4; i++) {
+            json_t *x = json_object_get(rs, keys[i]);
+            if (!x)
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling type \"llama3\" lacks "
+                               "\"%s\"", c->path, keys[i]);
+            if (!json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
+                (i == 3 && (v[i] != floor(v[i]) || v[i] > 1e9)))
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a %s > 0",
+                               c->path, keys[i], i == 3 ? "integer" : "number");
+        }
+        if (!(v[2] > v[1]))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.high_freq_factor %g must "
+                           "exceed low_freq_factor %g", c->path, v[2], v[1]);
+        hp->rope_type = BT_ROPE_LLAMA3;
+        hp->rope_factor = (float)v[0];
+        hp->rope_low_freq_factor = (float)v[1];
+        hp->rope_high_freq_factor = (float)v[2];
+        hp->rope_orig_ctx = (int)v[3];
+        return 0;
+    }
+    if (!strcmp(ty, "longrope")) {
+        json_t *lf = json_object_get(rs, "long_factor"), *sf = json_object_get(rs, "short_factor");
+        const size_t half = (size_t)hp->head_dim / 2;
+        if (!json_is_array(lf) || !json_is_array(sf) || json_array_size(lf) != half ||
+            json_array_size(sf) != half || half > 512)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope needs short_factor and "
+                           "long_factor arrays of head_dim / 2 = %zu numbers", c->path, half);
+        for (size_t i = 0; i < half; i++) {
+            double a, b;
+            if (!json_num(json_array_get(lf, i), &a) || !json_num(json_array_get(sf, i), &b) ||
+                !isfinite(a) || !(a > 0) || !isfinite(b) || !(b > 0))
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope factor %zu must be "
+                               "a number > 0", c->path, i);
+            if ((float)a != (float)b)
+                return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling longrope with "
+                               "short_factor != long_factor switches tables with the sequence "
+                               "length (Phi-3); only a fixed table is supported", c->path);
+            rope_freqs[i] = (float)a;
+        }
+        double orig = hp->ctx, af = 0;
+        if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, &orig)) ||
+            (rc = rs_num(c, rs, "factor", 0, &f)) || (rc = rs_num(c, rs, "attention_factor", 0, &af)))
+            return rc;
+        if (f == 0) f = hp->ctx / orig;
+        if (af == 0) af = f <= 1.0 ? 1.0 : sqrt(1.0 + log(f) / log(orig));
+        hp->rope_type = BT_ROPE_FREQS;
+        hp->rope_attn_factor = af == 1.0 ? 0.f : (float)af;
+        return 0;
+    }
+    int ext = bt_rope_ext_parse(ty);
+    if (ext < 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling type \"%s\" is not supported "
+                       "(supported: default, linear, dynamic, yarn, llama3, longrope with a fixed "
+                       "table)", c->path, ty);
+    if ((rc = rs_num(c, rs, "factor", 1, &f))) return rc;
+    if (f == 1.0) return 0;
+    hp->rope_ext = ext;
+    hp->rope_ext_factor = (float)f;
+    if (ext == BT_ROPE_EXT_LINEAR) return 0;
+    double orig = hp->ctx;
+    if (ext == BT_ROPE_EXT_YARN) {
+        double af = 0, ms = 0, msa = 0, bf = 0, bs = 0;
+        json_t *tr = json_object_get(rs, "truncate");
+        if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, &orig)) ||
+            (rc = rs_num(c, rs, "attention_factor", 0, &af)) || (rc = rs_num(c, rs, "mscale", 0, &ms)) ||
+            (rc = rs_num(c, rs, "mscale_all_dim", 0, &msa)) || (rc = rs_num(c, rs, "beta_fast", 0, &bf)) ||
+            (rc = rs_num(c, rs, "beta_slow", 0, &bs)))
+            return rc;
+        if (tr && json_is_false(tr))
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling yarn with truncate false is "
+                           "not supported", c->path);
+        if (orig != floor(orig) || orig > 1e9)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.original_max_position_embeddings "
+                           "must be an integer", c->path);
+        if (af == 0 && ms > 0 && msa > 0) /* transformers get_mscale(factor, m) ratio (DeepSeek) */
+            af = (f <= 1 ? 1.0 : 0.1 * ms * log(f) + 1.0) / (f <= 1 ? 1.0 : 0.1 * msa * log(f) + 1.0);
+        hp->rope_attn_factor = (float)af;
+        hp->rope_yarn_beta_fast = (float)bf;
+        hp->rope_yarn_beta_slow = (float)bs;
+    }
+    hp->rope_ext_orig_ctx = (int)orig;
+    const double scaled = floor(orig * f + 0.5);
+    if (scaled > hp->ctx && scaled < 1e9) hp->ctx = (int)scaled;
+    return 0;
+}
+
 enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2 };
 
 /* Fill hp and the bias flags from config.json. */
 static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *attn_bias_qkv,
-                        int *attn_bias_o, int *mlp_bias) {
+                        int *attn_bias_o, int *mlp_bias, float *rope_freqs) {
     memset(hp, 0, sizeof *hp);
     const char *arch = NULL;
     json_t *archs = json_object_get(c->root, "architectures");
@@ -630,55 +775,7 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
                    "which equals Mistral's only for documents of at most that many tokens",
                    c->path, (long long)json_integer_value(sw));
     }
-    json_t *rs = json_object_get(c->root, "rope_scaling");
-    if (rs && !json_is_null(rs)) {
-        if (!json_is_object(rs))
-            return bt_fail(BT_ERR_FORMAT, "model: %s: \"rope_scaling\" must be null or an object",
-                           c->path);
-        const char *ty = json_string_value(json_object_get(rs, "rope_type"));
-        if (!ty) ty = json_string_value(json_object_get(rs, "type"));
-        if (!ty)
-            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling lacks \"rope_type\" / \"type\"",
-                           c->path);
-        if (!strcmp(ty, "linear")) {
-            double f;
-            if (!json_num(json_object_get(rs, "factor"), &f) || !isfinite(f) || !(f > 0))
-                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.factor must be a number > 0",
-                               c->path);
-            hp->rope_factor = (float)f;
-        } else if (!strcmp(ty, "llama3")) {
-            /* transformers _validate_llama3_parameters: all four keys are required */
-            static const char *const keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
-                                                "original_max_position_embeddings"};
-            double v[4];
-            for (int i = 0; i < 4; i++) {
-                json_t *x = json_object_get(rs, keys[i]);
-                if (!x)
-                    return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling type \"llama3\" lacks "
-                                   "\"%s\"", c->path, keys[i]);
-                if (!json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
-                    (i == 3 && (v[i] != floor(v[i]) || v[i] > 1e9)))
-                    return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a %s > 0",
-                                   c->path, keys[i], i == 3 ? "integer" : "number");
-            }
-            if (!(v[2] > v[1]))
-                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.high_freq_factor %g must "
-                               "exceed low_freq_factor %g", c->path, v[2], v[1]);
-            hp->rope_type = BT_ROPE_LLAMA3;
-            hp->rope_factor = (float)v[0];
-            hp->rope_low_freq_factor = (float)v[1];
-            hp->rope_high_freq_factor = (float)v[2];
-            hp->rope_orig_ctx = (int)v[3];
-        } else if (!strcmp(ty, "dynamic")) {
-            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling type \"dynamic\" (dynamic "
-                           "NTK) is not supported: its frequencies depend on the current sequence "
-                           "length, so it has no fixed training-time meaning (supported: \"linear\", "
-                           "\"llama3\")", c->path);
-        } else if (strcmp(ty, "default") != 0) {
-            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling type \"%s\" is not "
-                           "supported (supported: \"linear\", \"llama3\")", c->path, ty);
-        }
-    }
+    if ((rc = parse_rope(c, hp, rope_freqs))) return rc;
     json_t *qc = json_object_get(c->root, "quantization_config");
     if (qc && !json_is_null(qc)) {
         const char *qm = json_string_value(json_object_get(qc, "quant_method"));
@@ -722,8 +819,9 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
     }
     int tied = 0, bqkv = 0, bo = 0, bmlp = 0;
     bt_llama_hparams *hp = &m->hp;
-    if ((rc = parse_config(&c, hp, &tied, &bqkv, &bo, &bmlp))) goto fail;
-    if ((rc = bt_model_rope_init(m, NULL))) {
+    float rope_freqs[512];
+    if ((rc = parse_config(&c, hp, &tied, &bqkv, &bo, &bmlp, rope_freqs))) goto fail;
+    if ((rc = bt_model_rope_init(m, rope_freqs))) {
         rc = bt_fail(rc, "model: %s: %s", cpath, bt_last_error());
         goto fail;
     }

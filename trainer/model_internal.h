@@ -21,4 +21,11 @@ int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head
 int bt_model_lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_dtype,
                      const char *what);
 
+/* llama.rope.scaling.* of a GGUF (llama.cpp's keys: type none / linear / yarn, factor,
+ * original_context_length, attn_factor, yarn_beta_fast / yarn_beta_slow) into hp->rope_ext and
+ * friends (hp->ctx must already hold llama.context_length). Errors: BT_ERR_FORMAT /
+ * BT_ERR_UNSUPPORTED / BT_ERR_NOTFOUND naming the key. */
+struct bt_gguf;
+int bt_model_gguf_rope_scaling(const struct bt_gguf *g, const char *path, bt_llama_hparams *hp);
+
 #endif

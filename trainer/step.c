@@ -18,6 +18,11 @@ typedef struct {
 
 struct bt_step_ctx {
     int max_M, ckpt, n_layer;
+    int s2_group;      /* S^2-Attn group for training micro-batches (0 = full attention) */
+    int s2_now;        /* the group of the pass in progress (0 outside training) */
+    float attn_scale;  /* bt_model_attn_scale */
+    float *rope_tab;   /* [hd/2] the pass's RoPE table when it differs from m->inv_freq (dynamic) */
+    const float *inv;  /* the RoPE table of the pass in progress */
     int D, Dq, Dkv, F, V, r, Hq, Hkv, hd;
     float **x_in;      /* [n_layer + 1][max_M * D]: input of each layer; [n_layer] = final hidden */
     layer_acts *acts;  /* [n_layer], or [1] shared when checkpointing */
@@ -81,6 +86,14 @@ void bt_step_ctx_free(bt_step_ctx *c) {
 
 size_t bt_step_ctx_bytes(const bt_step_ctx *c) { return c->bytes; }
 
+int bt_step_set_s2(bt_step_ctx *c, int s2_group) {
+    if (s2_group < 0 || (s2_group & 1))
+        return bt_fail(BT_ERR_INVALID, "step: S^2-Attn group %d must be 0 or a positive even number",
+                       s2_group);
+    c->s2_group = s2_group;
+    return 0;
+}
+
 int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int max_M,
                     int checkpointing) {
     *out = NULL;
@@ -101,6 +114,7 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
     c->F = hp->d_ff;
     c->V = hp->vocab;
     c->r = lo ? lo->r : 1;
+    c->attn_scale = bt_model_attn_scale(hp);
     size_t M = (size_t)max_M, D = (size_t)c->D, F = (size_t)c->F;
     int n_acts = checkpointing ? 1 : c->n_layer;
     c->x_in = calloc((size_t)c->n_layer + 1, sizeof(float *));
@@ -133,6 +147,7 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
         !(c->du = ctx_alloc(c, M * F)) || !(c->dh = ctx_alloc(c, M * F)) ||
         !(c->das = ctx_alloc(c, M * c->r)) || !(c->xd = ctx_alloc(c, M * wide)) ||
         !(c->scratch = ctx_alloc(c, bt_model_scratch_floats(m))) ||
+        !(c->rope_tab = ctx_alloc(c, (size_t)c->hd / 2)) ||
         !(c->ce_ws = ctx_alloc(c, bt_linear_ce_workspace_floats(CE_CHUNK_ROWS, c->V))))
         goto oom;
     *out = c;
@@ -227,26 +242,28 @@ static void proj_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
                        bt_lora_drop_key(key, l, mod)));
 }
 
-static void layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
+static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
                       const bt_microbatch *mb, uint64_t key) {
     int M = mb->B * mb->T;
     layer_acts *A = &c->acts[c->ckpt ? 0 : l];
     const float *x = c->x_in[l];
     float *xout = c->x_in[l + 1];
     int64_t nD = (int64_t)M * c->D;
-    float eps = m->hp.rms_eps, ps = bt_rope_pos_scale(&m->hp);
+    float eps = m->hp.rms_eps;
 
     OP(c, "rmsnorm fwd", F4(nD + M), bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps));
     proj_fwd(c, m, lo, l, BT_MOD_Q, A->q, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
     OP(c, "rope fwd", F4((int64_t)M * c->Dq),
-       bt_rope_fwd_freq(A->q, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps));
+       bt_rope_fwd_freq(A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
-       bt_rope_fwd_freq(A->k, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps));
+       bt_rope_fwd_freq(A->k, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+    int rc;
     OP(c, "attention fwd", F4((int64_t)M * (c->Dq + c->Hq)),
-       bt_attn_fwd(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M, c->Hq,
-                   c->Hkv, c->hd, 1.0f / sqrtf((float)c->hd)));
+       rc = bt_attn_fwd_s2(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M,
+                           c->Hq, c->Hkv, c->hd, c->attn_scale, c->s2_now));
+    if (rc) return rc;
     proj_fwd(c, m, lo, l, BT_MOD_O, A->x2, A->att, M, A, key);
     OP(c, "residual add", F4(nD), add_into(A->x2, A->x2, x, nD));
     OP(c, "rmsnorm fwd", F4(nD + M),
@@ -256,19 +273,21 @@ static void layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     OP(c, "swiglu fwd", F4((int64_t)M * c->F), bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
     proj_fwd(c, m, lo, l, BT_MOD_DOWN, xout, c->h, M, A, key);
     OP(c, "residual add", F4(nD), add_into(xout, xout, A->x2, nD));
+    return 0;
 }
 
 /* On entry c->dx = dLoss/d(layer output); on exit c->dx = dLoss/d(layer input). */
-static void layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
+static int layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
                       const bt_microbatch *mb, uint64_t key) {
     int M = mb->B * mb->T;
     layer_acts *A = &c->acts[c->ckpt ? 0 : l];
     const float *x = c->x_in[l];
     int64_t nD = (int64_t)M * c->D;
-    float ps = bt_rope_pos_scale(&m->hp);
+    int rc;
 
-    if (c->ckpt) layer_fwd(c, m, lo, l, mb, key); /* recompute (rewrites x_in[l+1] identically) */
-    else /* h is not kept per layer */
+    if (c->ckpt) { /* recompute (rewrites x_in[l+1] identically) */
+        if ((rc = layer_fwd(c, m, lo, l, mb, key))) return rc;
+    } else /* h is not kept per layer */
         OP(c, "swiglu fwd (recompute)", F4((int64_t)M * c->F),
            bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
 
@@ -284,24 +303,27 @@ static void layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int 
     /* attention */
     proj_bwd(c, m, lo, l, BT_MOD_O, c->datt, c->dx2, A->att, M, 0.f, A, key);
     OP(c, "attention bwd", F4((int64_t)M * (c->Dq + 2 * c->Dkv)),
-       bt_attn_bwd(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v,
-                   mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd,
-                   1.0f / sqrtf((float)c->hd)));
+       rc = bt_attn_bwd_s2(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v,
+                           mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd, c->attn_scale,
+                           c->s2_now));
+    if (rc) return rc;
     OP(c, "rope bwd", F4((int64_t)M * c->Dq),
-       bt_rope_bwd_freq(c->dq, mb->position_ids, M, c->Hq, c->hd, m->inv_freq, ps));
+       bt_rope_bwd_freq(c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
-       bt_rope_bwd_freq(c->dk, mb->position_ids, M, c->Hkv, c->hd, m->inv_freq, ps));
+       bt_rope_bwd_freq(c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
     proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);
     OP(c, "rmsnorm bwd", F4(nD), bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 0), c->dxn, x,
                                                 bt_lora_norm(lo, m, l, 0), A->rstd1, M, c->D));
     OP(c, "residual add", F4(nD), add_into(c->dx, c->dx2, c->dtmp, nD));
+    return 0;
 }
 
-/* Validate, shift targets, then run embedding -> layers -> final RMSNorm (into c->x_in, c->xf). */
+/* Validate, shift targets, then run embedding -> layers -> final RMSNorm (into c->x_in, c->xf).
+ * training: S^2-Attn (c->s2_group) for this pass; evaluation and inference use full attention. */
 static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
-                          const bt_microbatch *mb, uint64_t drop_key) {
+                          const bt_microbatch *mb, uint64_t drop_key, int training) {
     if ((int64_t)mb->B * mb->T > c->max_M)
         return bt_fail(BT_ERR_RANGE, "step: micro-batch of %d x %d tokens exceeds the workspace (%d)",
                        mb->B, mb->T, c->max_M);
@@ -310,12 +332,18 @@ static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
     int M = mb->B * mb->T;
     if (lo && lo->mods && lo->n_layer != c->n_layer)
         return bt_fail(BT_ERR_INVALID, "step: LoRA has %d layers, model %d", lo->n_layer, c->n_layer);
+    /* the RoPE table of this pass: the model's, or dynamic NTK's for its longest position */
+    int32_t maxp = 0;
+    for (int t = 0; t < M; t++) maxp = mb->position_ids[t] > maxp ? mb->position_ids[t] : maxp;
+    if ((rc = bt_model_rope_table(m, (int64_t)maxp + 1, c->rope_tab)) < 0) return rc;
+    c->inv = rc == 1 ? c->rope_tab : m->inv_freq;
+    c->s2_now = training ? c->s2_group : 0;
 
     OP(c, "embedding fwd", F4((int64_t)M * c->D),
        bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D));
     for (int l = 0; l < c->n_layer; l++) {
         if ((rc = asked_to_stop(c))) return rc;
-        layer_fwd(c, m, lo, l, mb, drop_key);
+        if ((rc = layer_fwd(c, m, lo, l, mb, drop_key))) return rc;
     }
     OP(c, "rmsnorm fwd", F4((int64_t)M * c->D + M),
        bt_rmsnorm_fwd(c->xf, c->rstdf, c->x_in[c->n_layer], bt_lora_norm(lo, m, c->n_layer, 0),
@@ -325,7 +353,7 @@ static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
 
 int bt_forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
                       const bt_microbatch *mb, uint64_t drop_key) {
-    return forward_hidden(c, m, lo, mb, drop_key);
+    return forward_hidden(c, m, lo, mb, drop_key, 0);
 }
 
 const float *bt_step_hidden(const bt_step_ctx *c, int i) {
@@ -336,7 +364,7 @@ const float *bt_step_hidden(const bt_step_ctx *c, int i) {
 int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
                         int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
                         int *n_valid) {
-    int rc = forward_hidden(c, m, lo, mb, drop_key);
+    int rc = forward_hidden(c, m, lo, mb, drop_key, backward);
     if (rc) return rc;
     int M = mb->B * mb->T;
     float *xL = c->x_in[c->n_layer];
@@ -358,7 +386,7 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
                       bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D));
     for (int l = c->n_layer - 1; l >= 0; l--) {
         if ((rc = asked_to_stop(c))) return rc;
-        layer_bwd(c, m, lo, l, mb, drop_key);
+        if ((rc = layer_bwd(c, m, lo, l, mb, drop_key))) return rc;
     }
     /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
     if (bt_lora_dembed(lo))

@@ -1,7 +1,10 @@
 /* Forward and backward of the Llama + LoRA model over one packed micro-batch (CPU, fp32).
  *
  * Per layer (HF LlamaDecoderLayer): RMSNorm -> q,k,v (base + LoRA) -> RoPE (rotate_half,
- * position_ids from the batch) -> causal GQA attention within the batch's cu_seqlens segments ->
+ * position_ids from the batch; the model's table, or for dynamic NTK scaling the table of the
+ * micro-batch's longest position, bt_model_rope_table) -> causal GQA attention within the batch's
+ * cu_seqlens segments (with S^2-Attn on training passes when bt_step_set_s2 set a group; full
+ * attention when evaluating, as LongLoRA does; softmax scale bt_model_attn_scale) ->
  * o_proj (base + LoRA) -> residual -> RMSNorm -> gate, up (base + LoRA) -> SwiGLU -> down
  * (base + LoRA) -> residual; then the final RMSNorm and the chunked fused lm_head +
  * cross-entropy (kernels.h bt_linear_ce; [M x vocab] logits never materialised).
@@ -40,8 +43,9 @@ typedef struct {
 typedef struct bt_step_ctx bt_step_ctx;
 
 /* Workspace for micro-batches of up to max_M tokens (owned; bt_step_ctx_free). RoPE uses the
- * model's table m->inv_freq (bt_model_rope_init) with bt_rope_pos_scale. Errors: BT_ERR_INVALID
- * (max_M < 1, a model without m->inv_freq). */
+ * model's table m->inv_freq (bt_model_rope_init; bt_model_rope_table for dynamic scaling).
+ * checkpointing: 1 = keep only each layer's input and recompute the layer in backward. Errors:
+ * BT_ERR_INVALID (max_M < 1, a model without m->inv_freq). */
 int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int max_M,
                     int checkpointing);
 void bt_step_ctx_free(bt_step_ctx *c);
@@ -51,6 +55,11 @@ size_t bt_step_ctx_bytes(const bt_step_ctx *c);
  * must outlive its use); NULL turns profiling off (the default; then nothing is timed). */
 struct bt_prof;
 void bt_step_ctx_set_profile(bt_step_ctx *c, struct bt_prof *p);
+/* LongLoRA S^2-Attn for the training passes (bt_forward_backward with backward != 0): group size
+ * in tokens (kernels.h bt_attn_fwd_s2; LongLoRA's group_size_ratio x seq_len), 0 = full attention
+ * (the default). Evaluation passes (backward == 0), bt_forward_hidden and bt_forward_logits always
+ * use full attention. Errors: BT_ERR_INVALID (negative or odd group). */
+int bt_step_set_s2(bt_step_ctx *c, int s2_group);
 
 /* A check asked before every layer of the forward and of the backward (and before the loss's
  * backward): check(arg) returns 0 to go on, or a negative bt_err (with bt_last_error set) that
@@ -64,12 +73,14 @@ void bt_step_ctx_set_check(bt_step_ctx *c, int (*check)(void *arg), void *arg);
  * labelled targets (>= 0), or BT_ERR_INVALID / BT_ERR_RANGE with a message. */
 int bt_shift_targets(int32_t *targets, const bt_microbatch *mb, int vocab);
 
-/* Forward (and backward when `backward`) of one micro-batch.
+/* Forward (and backward when `backward`: a training pass, with S^2-Attn if set) of one
+ * micro-batch.
  * drop_key: 0 = no dropout (evaluation), else the step's dropout key (see bt_lora_drop_key).
  * grad_scale: multiplies dLoss_sum/d(everything) (see above). LoRA grads ACCUMULATE.
  * *loss_sum: sum of token losses (nats); *n_valid: labelled targets. Either may be NULL.
- * Errors: those of bt_shift_targets (the context is then unchanged), or the error of the check
- * (bt_step_ctx_set_check; the LoRA grads then hold a partial sum: drop the step). */
+ * Errors: those of bt_shift_targets (the context is then unchanged), BT_ERR_NOMEM from the
+ * attention's scratch, or the error of the check (bt_step_ctx_set_check; the LoRA grads then
+ * hold a partial sum: drop the step). */
 int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
                         int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
                         int *n_valid);

@@ -43,6 +43,12 @@ typedef struct {
     double alpha, dropout, lr, wd, clip, min_lr_ratio;
     const char *schedule;
     const char *const *targets;
+    /* long context: context_extension target (0 = none), S^2 group fraction (0 = off), data
+     * format, per-length held-out perplexity */
+    int ext_target;
+    double s2_fraction;
+    const char *format;
+    int long_eval;
 } recipe;
 
 static const char *const k_all[] = {"q_proj", "k_proj", "v_proj", "o_proj",
@@ -53,18 +59,23 @@ static const recipe k_recipes[] = {
     {"default",
      "The SmolLM2-135M demo job: LoRA r 16 on all linear layers over the GGUF's own Q4_1 "
      "weights (base_dtype auto = gguf), 512-token packed rows x 4, 30 steps, cosine schedule.",
-     512, 4, 1, 30, 3, 16, 0, 0, 1, 32, 0.05, 1e-3, 0.0, 1.0, 0.1, "cosine", k_all},
+     512, 4, 1, 30, 3, 16, 0, 0, 1, 32, 0.05, 1e-3, 0.0, 1.0, 0.1, "cosine", k_all, 0, 0.0, "chat",
+     0},
     {"qlora",
      "QLoRA recipe (Dettmers et al. 2023, arXiv 2305.14314): NF4 base with double quantisation, "
      "LoRA r 64 alpha 16 dropout 0.1 on all linear layers, lr 2e-4 constant, max grad norm 0.3, "
      "warm-up 3% of steps, effective batch 16.",
-     1024, 4, 4, 1000, 30, 64, 0, 0, 10, 16, 0.1, 2e-4, 0.0, 0.3, 1.0, "constant", k_all},
+     1024, 4, 4, 1000, 30, 64, 0, 0, 10, 16, 0.1, 2e-4, 0.0, 0.3, 1.0, "constant", k_all, 0, 0.0,
+     "chat", 0},
     {"long-context",
-     "LongLoRA recipe (Chen et al. 2023, arXiv 2309.12307, fine-tune.py): LoRA r 8 alpha 16 on "
-     "q/k/v/o plus trainable embed_tokens and norms (\"LoRA+\"), lr 2e-5 constant after 20 "
-     "warm-up steps, no weight decay, batch 1 x grad_accum 8, 8192-token rows, activation "
-     "checkpointing.",
-     8192, 1, 8, 1000, 20, 8, 1, 1, 10, 16, 0.0, 2e-5, 0.0, 1.0, 1.0, "constant", k_attn},
+     "LongLoRA recipe (Chen et al. 2023, arXiv 2309.12307, fine-tune.py, supervised-fine-tune "
+     "settings aside): extend the context of SmolLM2 (trained at 8192) to 16384 tokens with "
+     "linear position interpolation, train with S2-Attn (group 1/4 of the row, half the heads "
+     "shifted) and activation checkpointing on plain text rows, LoRA r 8 alpha 16 on q/k/v/o plus "
+     "trainable embed_tokens and norms (\"LoRA+\"), lr 2e-5 constant after 20 warm-up steps, no "
+     "weight decay, batch 1 x grad_accum 8; held-out perplexity at 2K / 4K / 8K / 16K tokens.",
+     16384, 1, 8, 1000, 20, 8, 1, 1, 10, 16, 0.0, 2e-5, 0.0, 1.0, 1.0, "constant", k_attn, 16384,
+     0.25, "text", 1},
 };
 
 static json_t *build(const recipe *R, const ctx_t *c) {
@@ -92,7 +103,9 @@ static json_t *build(const recipe *R, const ctx_t *c) {
     json_t *data = obj_doc(c, "the training stream, served by loaderd");
     const char *const shards[] = {"data/train-*.jsonl.zst", NULL};
     put(c, data, "shards", strs(shards), "globs of JSONL (.jsonl or .jsonl.zst) shards (required)");
-    put(c, data, "format", json_string("chat"), "\"chat\" (messages), \"text\" or \"alpaca\"");
+    put(c, data, "format", json_string(R->format),
+        "\"chat\" (messages), \"text\" (documents longer than seq_len are cut into consecutive "
+        "rows) or \"alpaca\"");
     put(c, data, "seq_len", json_integer(R->seq_len), "T: tokens per packed row");
     put(c, data, "micro_batch_size", json_integer(R->micro_batch), "B: rows per micro-batch");
     put(c, data, "seed", json_integer(1234), "shuffle seed of the data stream");
@@ -102,7 +115,32 @@ static json_t *build(const recipe *R, const ctx_t *c) {
     json_t *ev = obj_doc(c, "held-out evaluation before and after training (empty = none)");
     put(c, ev, "shards", json_array(), "globs of held-out shards");
     put(c, ev, "max_batches", json_integer(0), "batches to evaluate (0 = all)");
+    if (R->long_eval) {
+        json_t *lens = json_array();
+        for (int L = 2048; L <= R->seq_len; L *= 2) json_array_append_new(lens, json_integer(L));
+        put(c, ev, "lengths", lens,
+            "perplexity per context length: the held-out documents cut into windows of each "
+            "length (shows both the gain at long lengths and any loss at short ones)");
+    }
     put(c, root, "eval", ev, NULL);
+    if (R->ext_target > 0) {
+        json_t *ce = obj_doc(c, "extend the model's context window (RoPE scaling, transformers' "
+                                "semantics; recorded in the adapter and every export)");
+        put(c, ce, "target_length", json_integer(R->ext_target),
+            "context length to reach (factor = target_length / the model's context_length)");
+        put(c, ce, "method", json_string("linear"),
+            "\"linear\" (position interpolation, as LongLoRA), \"yarn\" or \"dynamic\" (NTK)");
+        put(c, root, "context_extension", ce, NULL);
+    }
+    if (R->s2_fraction > 0) {
+        json_t *at = obj_doc(c, "attention in training (evaluation and generation always use full "
+                                "attention)");
+        json_t *s2 = obj_doc(c, "LongLoRA shifted sparse attention: groups of group_fraction x "
+                                "seq_len tokens, half the heads shifted by half a group");
+        put(c, s2, "group_fraction", json_real(R->s2_fraction), "LongLoRA's default is 1/4");
+        put(c, at, "s2", s2, NULL);
+        put(c, root, "attention", at, NULL);
+    }
 
     json_t *lora = obj_doc(c, "LoRA (PEFT semantics): y = W x + lora_alpha / r * B A dropout(x)");
     put(c, lora, "r", json_integer(R->r), "rank");
@@ -136,8 +174,17 @@ static json_t *build(const recipe *R, const ctx_t *c) {
     put(c, root, "schedule", json_string(R->schedule), "\"cosine\", \"linear\" or \"constant\"");
     put(c, root, "min_lr_ratio", json_real(R->min_lr_ratio),
         "floor of the cosine/linear decay as a fraction of lr");
-    put(c, root, "activation_checkpointing", json_boolean(R->ckpt),
-        "recompute each layer in backward instead of keeping its activations");
+    if (R->ckpt) {
+        put(c, root, "activation_checkpointing", json_string("auto"),
+            "recompute each layer in backward instead of keeping its activations: true, false, or "
+            "\"auto\" = on when data.seq_len >= checkpointing_min_seq_len (same gradients)");
+        put(c, root, "checkpointing_min_seq_len", json_integer(4096),
+            "the row length from which \"auto\" checkpoints");
+    } else {
+        put(c, root, "activation_checkpointing", json_boolean(0),
+            "recompute each layer in backward instead of keeping its activations (true, false, or "
+            "\"auto\" = on from checkpointing_min_seq_len tokens per row)");
+    }
     put(c, root, "save_every", json_integer(0), "also save the adapter every N steps (0 = end only)");
     put(c, root, "out_dir", json_string("runs/adapter"), "PEFT adapter directory");
     put(c, root, "checkpoint_every", json_integer(0),

@@ -277,19 +277,38 @@ static int next_batch(bt_client *cl, const bt_train_config *cfg, mb_copy *dst, c
     return rc;
 }
 
-int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                    double *mean_loss, long long *n_tokens, int *interrupted) {
-    *mean_loss = NAN;
-    *n_tokens = 0;
-    int cut = 0; /* stopped by a stop request before the end of the held-out set */
+/* Labels of segments shorter than `full` tokens become -100 (in place), so that only whole
+ * `full`-token windows count; returns the number of whole windows (segments of exactly `full`
+ * tokens). full = 0: nothing changes, returns 0. */
+static int keep_full_windows(mb_copy *c, int M, int full) {
+    if (full <= 0) return 0;
+    int n = 0;
+    for (int i = 0; i + 1 < c->n_cu; i++) {
+        const int a = c->cu[i], b = c->cu[i + 1];
+        if (b - a == full) {
+            n++;
+            continue;
+        }
+        for (int t = a; t < b && t < M; t++) c->labels[t] = -100;
+    }
+    return n;
+}
+
+/* One pass over cfg's held-out stream (cfg->data.seq_len x micro_batch_size rows). full > 0:
+ * only segments of exactly `full` tokens carry loss (per-length evaluation). Sums (over all
+ * ranks) into *sum / *cnt / *windows; *cut = interrupted by a signal. */
+static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                       int full, double *sum_out, long long *cnt_out, long long *windows_out,
+                       int *cut_out, int *nb_out) {
+    int cut = 0;
     bt_client *cl = NULL;
     mb_copy mc = {0};
     double sum = 0;
-    long long cnt = 0;
+    long long cnt = 0, windows = 0;
     int nb = 0;
-    double t0 = bt_now();
+    const int B = cfg->data.micro_batch_size, T = cfg->data.seq_len;
     int rc = attach(&cl, cfg, 1, NULL); /* the eval stream restarts every time */
-    if (!rc) rc = mb_alloc(&mc, cfg->data.micro_batch_size, cfg->data.seq_len);
+    if (!rc) rc = mb_alloc(&mc, B, T);
     while (!rc && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
         rc = next_batch(cl, cfg, &mc, "eval");
         if (rc == 1 || rc == 2) {
@@ -298,8 +317,9 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
             break;
         }
         if (rc) break;
+        windows += keep_full_windows(&mc, B * T, full);
         bt_microbatch mb;
-        mb_view(&mc, cfg->data.micro_batch_size, cfg->data.seq_len, &mb);
+        mb_view(&mc, B, T, &mb);
         double ls;
         int nv;
 #ifdef BT_WITH_CUDA
@@ -330,8 +350,8 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
     /* every rank evaluated its own share of the held-out stream: add them up (a collective; a
      * rank whose evaluation failed still takes part, so that none of the others waits forever) */
     if (g_dist.world > 1) {
-        double v[5] = {sum, (double)cnt, cut, nb, rc != 0};
-        int rc2 = dist_sum(v, 5);
+        double v[6] = {sum, (double)cnt, cut, nb, rc != 0, (double)windows};
+        int rc2 = dist_sum(v, 6);
         if (!rc && rc2) rc = rc2;
         if (!rc && v[4] > 0)
             rc = bt_fail(BT_ERR_IO, "held-out evaluation failed on another rank (see its log)");
@@ -339,27 +359,108 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
         cnt = (long long)v[1];
         cut = v[2] > 0;
         nb = (int)v[3];
+        windows = (long long)v[5];
     }
-    if (rc) goto out;
+out:
+    mb_free(&mc);
+    bt_client_close(cl);
+    *sum_out = sum;
+    *cnt_out = cnt;
+    *windows_out = windows;
+    *cut_out = cut;
+    *nb_out = nb;
+    return rc;
+}
+
+int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    double *mean_loss, long long *n_tokens, int *interrupted) {
+    *mean_loss = NAN;
+    *n_tokens = 0;
+    double sum, t0 = bt_now();
+    long long cnt, windows;
+    int cut, nb;
+    int rc = eval_stream(cfg, m, lo, ctx, 0, &sum, &cnt, &windows, &cut, &nb);
+    if (rc) return rc;
     if (interrupted) *interrupted = cut;
     if (cnt == 0 && cut) {
         bt_log(BT_LOG_WARN, "trainer", "held-out evaluation interrupted before any batch");
-        goto out;
+        return 0;
     }
-    if (cnt == 0) {
-        rc = bt_fail(BT_ERR_INVALID, "the held-out stream (eval.shards) gave no labelled "
-                     "tokens in %d batches", nb);
-        goto out;
-    }
+    if (cnt == 0)
+        return bt_fail(BT_ERR_INVALID, "the held-out stream (eval.shards) gave no labelled "
+                       "tokens in %d batches", nb);
     *mean_loss = sum / (double)cnt;
     *n_tokens = cnt;
     if (g_dist.rank == 0)
         bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld labelled tokens, loss %.4f "
                "(%.1f s)", cut ? " (partial, interrupted)" : "", nb, cnt, *mean_loss, bt_now() - t0);
-out:
-    mb_free(&mc);
-    bt_client_close(cl);
+    return 0;
+}
+
+int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    int max_M, bt_eval_length *res, int *interrupted) {
+    int rc = 0, cut = 0;
+    if (interrupted) *interrupted = 0;
+    for (int i = 0; i < cfg->eval.n_lengths && !rc && !cut; i++) {
+        const int L = cfg->eval.lengths[i];
+        bt_eval_length *r = &res[i];
+        memset(r, 0, sizeof *r);
+        r->length = L;
+        r->loss = NAN;
+        /* the same stream at row length L (loaderd splits text documents into consecutive
+         * L-token pieces): as many rows as the training workspace holds, else one row in a
+         * forward-only workspace of its own (CPU) */
+        bt_train_config c = *cfg;
+        char name[600];
+        snprintf(name, sizeof name, "%s-L%d", cfg->name, L);
+        c.name = name;
+        c.data.seq_len = L;
+        c.data.micro_batch_size = L <= max_M ? max_M / L : 1;
+        if (c.data.micro_batch_size > 64) c.data.micro_batch_size = 64;
+        bt_step_ctx *ectx = ctx;
+        if (L > max_M) {
+#ifdef BT_WITH_CUDA
+            if (g_cuda)
+                return bt_fail(BT_ERR_INVALID, "config: eval.lengths: %d tokens exceed the GPU "
+                               "workspace of data.seq_len x data.micro_batch_size = %d; raise "
+                               "data.seq_len or drop that length", L, max_M);
+#endif
+            if ((rc = bt_step_ctx_new(&ectx, m, lo, L, 1))) break;
+        }
+        double sum, t0 = bt_now();
+        long long cnt, windows;
+        int nb;
+        rc = eval_stream(&c, m, lo, ectx, L, &sum, &cnt, &windows, &cut, &nb);
+        if (ectx != ctx) bt_step_ctx_free(ectx);
+        if (rc) break;
+        r->windows = windows;
+        r->tokens = cnt;
+        if (cnt > 0) r->loss = sum / (double)cnt;
+        if (g_dist.rank == 0)
+            bt_log(BT_LOG_INFO, "trainer", "held-out at %d tokens%s: %lld windows, %lld labelled "
+                   "tokens, loss %.4f, perplexity %.3f (%.1f s)", L,
+                   cut ? " (partial, interrupted)" : "", windows, cnt, r->loss, exp(r->loss),
+                   bt_now() - t0);
+        if (cnt == 0 && !cut)
+            bt_log(BT_LOG_WARN, "trainer", "held-out at %d tokens: no document has %d tokens "
+                   "(%d batches read): no perplexity at this length", L, L, nb);
+    }
+    if (interrupted) *interrupted = cut;
     return rc;
+}
+
+/* "at 2048: 12.345 (loss 2.5132, 96 windows)" lines of a per-length evaluation */
+static void print_lengths(FILE *out, const bt_eval_length *a, const bt_eval_length *b, int n) {
+    for (int i = 0; i < n; i++) {
+        if (!b)
+            fprintf(out, "held-out perplexity at %d tokens: %.3f (loss %.4f, %lld windows, %lld "
+                    "tokens)\n", a[i].length, exp(a[i].loss), a[i].loss, a[i].windows, a[i].tokens);
+        else
+            fprintf(out, "held-out perplexity at %d tokens: before %.3f -> after %.3f (loss %.4f "
+                    "-> %.4f, %lld windows)\n", a[i].length, exp(a[i].loss), exp(b[i].loss),
+                    a[i].loss, b[i].loss, b[i].windows);
+    }
+    fflush(out);
 }
 
 /* kernels/cpu keeps OpenBLAS at one thread and parallelises everything (GEMMs included) with
@@ -529,6 +630,25 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
            : model.base_dtype == BT_BASE_NF4 ? "re-quantised, double-quantised absmax"
                                              : "dequantised",
            binfo.bits_per_weight, binfo.bytes / 1048576.0);
+    if (cfg->context_extension.target_length > 0) {
+        const int ctx0 = model.hp.ctx;
+        if ((rc = bt_model_extend_context(&model, cfg->context_extension.method,
+                                          cfg->context_extension.target_length)))
+            goto done;
+        bt_log(BT_LOG_INFO, "trainer", "context extension: %d -> %d tokens, %s RoPE scaling, "
+               "factor %g%s", ctx0, model.hp.ctx, bt_rope_ext_name(model.hp.rope_ext),
+               (double)model.hp.rope_ext_factor,
+               model.ctx_extended ? "" : " (the model already carries it)");
+    } else if (T > model.hp.ctx && model.hp.ctx > 0) {
+        bt_log(BT_LOG_WARN, "trainer", "data.seq_len %d exceeds the model's context length %d: "
+               "positions beyond it were never trained (set context_extension.target_length to "
+               "extend the RoPE)", T, model.hp.ctx);
+    }
+    const int s2_group = bt_config_s2_group(cfg);
+    if (s2_group > 0)
+        bt_log(BT_LOG_INFO, "trainer", "S2-Attn in training: groups of %d tokens (group_fraction "
+               "%g of %d), half the heads shifted by %d; evaluation uses full attention", s2_group,
+               cfg->s2_group_fraction, T, s2_group / 2);
     unsigned trainable = ((cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
                          ((cfg->trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
     if ((rc = bt_lora_init_ex(&lora, &model, cfg->lora.r, cfg->lora.alpha, cfg->lora.dropout,
@@ -598,18 +718,27 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     {
     if ((rc = bt_step_ctx_new(&ctx, &model, &lora, M, cfg->activation_checkpointing))) goto done;
     bt_step_ctx_set_check(ctx, stop_check, NULL);
+    if ((rc = bt_step_set_s2(ctx, s2_group))) goto done;
     bt_log(BT_LOG_INFO, "trainer", "workspace for %dx%d tokens: %.0f MiB%s", B, T,
            bt_step_ctx_bytes(ctx) / 1048576.0,
-           cfg->activation_checkpointing ? " (activation checkpointing)" : "");
+           cfg->activation_checkpointing ? (cfg->checkpointing_auto ? " (activation checkpointing: "
+                                            "auto, seq_len >= checkpointing_min_seq_len)"
+                                                                    : " (activation checkpointing)")
+                                         : "");
     }
 
     double before = NAN, after = NAN;
     long long n_eval = 0;
     int eval_cut = 0;
-    if (cfg->eval.n_shards > 0 &&
-        (rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval, &eval_cut))) {
-        if (eval_only) goto done;
-        goto stop_or_fail;
+    bt_eval_length len_before[BT_MAX_EVAL_LENGTHS], len_after[BT_MAX_EVAL_LENGTHS];
+    const int by_len = cfg->eval.n_lengths > 0;
+    if (cfg->eval.n_shards > 0) {
+        if (by_len) rc = bt_eval_lengths(cfg, &model, &lora, ctx, M, len_before, &eval_cut);
+        else rc = bt_eval_heldout(cfg, &model, &lora, ctx, &before, &n_eval, &eval_cut);
+        if (rc) {
+            if (eval_only) goto done;
+            goto stop_or_fail;
+        }
     }
     if (!eval_only && g_dist.rank == 0) {
         if ((rc = bt_report_open(&rep, cfg, start_step))) goto done;
@@ -623,7 +752,10 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
             goto done;
         }
         if (g_dist.rank == 0) {
-            if (eval_cut && n_eval == 0)
+            if (by_len) {
+                if (eval_cut) fprintf(out, "held-out evaluation interrupted\n");
+                print_lengths(out, len_before, NULL, cfg->eval.n_lengths);
+            } else if (eval_cut && n_eval == 0)
                 fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
             else
                 fprintf(out, "held-out loss%s: %.6f, perplexity %.3f (%lld tokens%s%s)\n",
@@ -867,7 +999,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         if (cfg->save_every > 0 && done_steps % cfg->save_every == 0 && done_steps < cfg->steps) {
             if (g_dist.rank == 0) {
                 rc = sync_host_lora(&lora, 0);
-                if (!rc) rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
+                if (!rc) rc = bt_adapter_save_ex(&lora, cfg->base_model_name_or_path, cfg->out_dir, &model);
                 if (!rc)
                     bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done_steps,
                            cfg->out_dir);
@@ -883,13 +1015,24 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     cl = NULL;
     if (g_dist.rank == 0) {
         rc = sync_host_lora(&lora, 0);
-        if (!rc) rc = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
+        if (!rc) rc = bt_adapter_save_ex(&lora, cfg->base_model_name_or_path, cfg->out_dir, &model);
     }
     if ((rc = dist_agree(rc, "saving the adapter"))) goto stop_or_fail;
     if (g_dist.rank == 0)
         bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
                done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
-    if (cfg->eval.n_shards > 0) {
+    if (cfg->eval.n_shards > 0 && by_len) {
+        int cut = 0;
+        if ((rc = bt_eval_lengths(cfg, &model, &lora, ctx, M, len_after, &cut))) goto stop_or_fail;
+        if (cut) { /* the training is complete and saved: only the evaluation was cut short */
+            rc = stop_check(NULL);
+            if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+            rc = bt_fail(rc, "%s during the final held-out evaluation; adapter for step %d of %d "
+                         "saved to %s", bt_last_error(), done_steps, cfg->steps, cfg->out_dir);
+            goto done;
+        }
+        if (g_dist.rank == 0) print_lengths(out, len_before, len_after, cfg->eval.n_lengths);
+    } else if (cfg->eval.n_shards > 0) {
         int cut = 0;
         if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, &cut))) goto stop_or_fail;
         if (cut) { /* the training is complete and saved: only the evaluation was cut short */
@@ -951,7 +1094,7 @@ failed: /* the batch stream failed after some steps: keep them (adapter + checkp
         int src = 0;
         if (g_dist.rank == 0) {
             src = sync_host_lora(&lora, 1);
-            if (!src) src = bt_adapter_save(&lora, cfg->base_model_name_or_path, cfg->out_dir);
+            if (!src) src = bt_adapter_save_ex(&lora, cfg->base_model_name_or_path, cfg->out_dir, &model);
         }
         src = dist_agree(src, "saving the adapter");
         if (!src && cfg->checkpoint_every > 0 && ck_step != done_steps)

@@ -51,6 +51,22 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out);
 int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
                     double *mean_loss, long long *n_tokens, int *interrupted);
 
+/* Held-out perplexity per context length (cfg->eval.lengths): for each length L, the held-out
+ * stream again at row length L (loaderd cuts `text` documents into consecutive L-token windows,
+ * `chat`/`alpaca` ones to their first L tokens), loss over the windows of exactly L tokens only
+ * (shorter remainders carry no loss), full attention. Rows per micro-batch: max_M / L (the
+ * workspace ctx holds max_M tokens), or one row in a forward-only workspace of its own when
+ * L > max_M (CPU; on the GPU such a length is BT_ERR_INVALID). res [cfg->eval.n_lengths]: length,
+ * windows, labelled tokens and mean loss (NAN when no window had L tokens). Collective across
+ * ranks like bt_eval_heldout. */
+typedef struct {
+    int length;
+    long long windows, tokens;
+    double loss;
+} bt_eval_length;
+int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    int max_M, bt_eval_length *res, int *interrupted);
+
 /* "1m02s" / "1h02m03s" for a duration in seconds (buf >= 24 bytes). */
 void bt_fmt_duration(char *buf, size_t n, double seconds);
 

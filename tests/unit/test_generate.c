@@ -164,7 +164,8 @@ static void loss_vs_step(const bt_model *m, bt_lora *lo, const int32_t *ids, int
  * down (Qwen2 / Llama attention_bias style), RoPE linear scaling factor 2. */
 static void make_featured(bt_model *m, int tied, uint64_t seed) {
     bt_llama_hparams hp = tiny_hp();
-    hp.rope_factor = 2.f;
+    hp.rope_ext = BT_ROPE_EXT_LINEAR;
+    hp.rope_ext_factor = 2.f;
     assert_int_equal(bt_model_init_random(m, &hp, BT_BASE_FP32, tied, seed), 0);
     for (int l = 0; l < hp.n_layer; l++)
         for (int j = 0; j < BT_MOD_N; j++) {

@@ -1,8 +1,9 @@
 /* LoRA gradients of the full Llama forward/backward against central finite differences, on a
  * tiny random Llama (2 layers, hidden 32, 4 heads, 2 KV heads, FFN 64, vocab 97) with an fp32
  * and an NF4 base, over a packed batch of 2 rows holding 3 documents (one of 1 token) plus
- * padding; document isolation in packed batches; target shifting; the PEFT adapter files;
- * and a few optimiser steps that must lower the loss. */
+ * padding, also with S^2-Attn in training; document isolation in packed batches; target
+ * shifting; activation checkpointing (bit-identical); the PEFT adapter files; and a few optimiser
+ * steps that must lower the loss. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -73,18 +74,27 @@ static void rig_free(rig *r) {
     bt_model_free(&r->m);
 }
 
-static double loss_of(rig *r, const bt_microbatch *mb, uint64_t key) {
+/* The mean token loss of an evaluation pass, or (train != 0) of a training pass, which is what
+ * S^2-Attn applies to (grad_scale 0: the gradients it accumulates are zeros). */
+static double loss_of_pass(rig *r, const bt_microbatch *mb, uint64_t key, int train) {
     double s;
     int nv;
-    assert_int_equal(bt_forward_backward(r->ctx, &r->m, &r->lo, mb, 0, 1.f, key, &s, &nv), 0);
+    assert_int_equal(
+        bt_forward_backward(r->ctx, &r->m, &r->lo, mb, train, train ? 0.f : 1.f, key, &s, &nv), 0);
     return s / nv;
+}
+
+static double loss_of(rig *r, const bt_microbatch *mb, uint64_t key) {
+    return loss_of_pass(r, mb, key, 0);
 }
 
 /* Compare every LoRA tensor's gradient with central differences at sampled entries: the entry
  * with the largest |analytic grad| and 3 random ones. Loss = mean token loss. */
-static void grad_check(int base_dtype, double dropout, uint64_t key) {
+static void grad_check_ex(int base_dtype, double dropout, uint64_t key, int s2_group) {
     rig r;
     rig_init(&r, base_dtype, dropout);
+    assert_int_equal(bt_step_set_s2(r.ctx, s2_group), 0);
+    const int train = s2_group > 0;
     bt_microbatch mb = packed();
     int n = bt_shift_targets(NULL, &mb, k_hp.vocab);
     assert_int_equal(n, 10);
@@ -96,7 +106,10 @@ static void grad_check(int base_dtype, double dropout, uint64_t key) {
     assert_int_equal(nv, n);
     double l0 = s / nv;
     assert_true(isfinite(l0) && l0 > 0.5);
-    assert_true(fabs(loss_of(&r, &mb, key) - l0) < 1e-6 * l0); /* forward is deterministic */
+    assert_true(fabs(loss_of_pass(&r, &mb, key, train) - l0) < 1e-6 * l0); /* deterministic */
+    bt_lora_zero_grad(&r.lo); /* (the check above may have accumulated) ... then again */
+    assert_int_equal(
+        bt_forward_backward(r.ctx, &r.m, &r.lo, &mb, 1, 1.f / (float)n, key, &s, &nv), 0);
 
     const float eps = 1e-3f;
     bt_rng g;
@@ -120,9 +133,9 @@ static void grad_check(int base_dtype, double dropout, uint64_t key) {
                     int i = k == 0 ? imax : (int)(bt_rng_next(&g) % (uint64_t)cnt);
                     float save = p[i];
                     p[i] = save + eps;
-                    double lp = loss_of(&r, &mb, key);
+                    double lp = loss_of_pass(&r, &mb, key, train);
                     p[i] = save - eps;
-                    double lm = loss_of(&r, &mb, key);
+                    double lm = loss_of_pass(&r, &mb, key, train);
                     p[i] = save;
                     double fd = (lp - lm) / (2.0 * eps), an = gr[i];
                     double err = fabs(fd - an);
@@ -139,6 +152,10 @@ static void grad_check(int base_dtype, double dropout, uint64_t key) {
     assert_int_equal(checked, 2 * 7 * 2 * 4);
     (void)worst_i;
     rig_free(&r);
+}
+
+static void grad_check(int base_dtype, double dropout, uint64_t key) {
+    grad_check_ex(base_dtype, dropout, key, 0);
 }
 
 static void test_grad_fp32(void **st) {
@@ -282,28 +299,70 @@ static void test_accumulation(void **st) {
     rig_free(&r);
 }
 
-/* Activation checkpointing recomputes each layer: same loss and grads (dropout on). */
+/* Activation checkpointing recomputes each layer: the same loss and gradients, bit for bit
+ * (dropout on, NF4 base), also with S^2-Attn in training, a YaRN context extension and LoRA+
+ * (trainable embedding and norms). */
 static void test_checkpointing(void **st) {
     (void)st;
+    for (int cfg = 0; cfg < 3; cfg++) {
+        rig r;
+        if (cfg < 2) {
+            rig_init(&r, BT_BASE_NF4, 0.1);
+        } else { /* LoRA+ */
+            assert_int_equal(bt_model_init_random(&r.m, &k_hp, BT_BASE_NF4, 1, 42), 0);
+            assert_int_equal(bt_lora_init_ex(&r.lo, &r.m, 4, 8.0, 0.1, (1u << BT_MOD_N) - 1,
+                                             BT_TRAIN_EMBED | BT_TRAIN_NORM, 7), 0);
+            r.ctx = NULL;
+        }
+        if (cfg >= 1) assert_int_equal(bt_model_extend_context(&r.m, BT_ROPE_EXT_YARN, 256), 0);
+        bt_step_ctx_free(r.ctx);
+        bt_step_ctx *ck = NULL;
+        assert_int_equal(bt_step_ctx_new(&r.ctx, &r.m, &r.lo, 2 * T_, 0), 0);
+        assert_int_equal(bt_step_ctx_new(&ck, &r.m, &r.lo, 2 * T_, 1), 0);
+        if (cfg >= 1) {
+            assert_int_equal(bt_step_set_s2(r.ctx, 4), 0);
+            assert_int_equal(bt_step_set_s2(ck, 4), 0);
+        }
+        bt_microbatch mb = packed();
+        int64_t np = r.lo.n_params;
+        float *g = malloc((size_t)np * sizeof(float));
+        double s1, s2;
+        bt_lora_zero_grad(&r.lo);
+        assert_int_equal(bt_forward_backward(r.ctx, &r.m, &r.lo, &mb, 1, 0.1f, 77, &s1, NULL), 0);
+        memcpy(g, r.lo.grads, (size_t)np * sizeof(float));
+        bt_lora_zero_grad(&r.lo);
+        assert_int_equal(bt_forward_backward(ck, &r.m, &r.lo, &mb, 1, 0.1f, 77, &s2, NULL), 0);
+        if (s1 != s2) fail_msg("config %d: checkpointed loss %.17g != %.17g", cfg, s2, s1);
+        for (int64_t i = 0; i < np; i++)
+            if (memcmp(&g[i], &r.lo.grads[i], sizeof(float)) != 0)
+                fail_msg("config %d: checkpointed grad[%lld] %.9g != %.9g (not bit-identical)",
+                         cfg, (long long)i, r.lo.grads[i], g[i]);
+        free(g);
+        bt_step_ctx_free(ck);
+        rig_free(&r);
+    }
+}
+
+/* S^2-Attn in training: the LoRA gradients of the training pass (groups of 4 tokens: the 6- and
+ * 8-token documents split into groups, half the heads shifted) against finite differences of
+ * that same pass; the training loss differs from full attention, an evaluation pass ignores S^2,
+ * and a group as long as the row is full attention. */
+static void test_grad_s2(void **st) {
+    (void)st;
+    grad_check_ex(BT_BASE_FP32, 0.0, 0, 4);
     rig r;
-    rig_init(&r, BT_BASE_NF4, 0.1);
-    bt_step_ctx *ck = NULL;
-    assert_int_equal(bt_step_ctx_new(&ck, &r.m, &r.lo, 2 * T_, 1), 0);
+    rig_init(&r, BT_BASE_FP32, 0.0);
     bt_microbatch mb = packed();
-    int64_t np = r.lo.n_params;
-    float *g = malloc((size_t)np * sizeof(float));
-    double s1, s2;
-    bt_lora_zero_grad(&r.lo);
-    assert_int_equal(bt_forward_backward(r.ctx, &r.m, &r.lo, &mb, 1, 0.1f, 77, &s1, NULL), 0);
-    memcpy(g, r.lo.grads, (size_t)np * sizeof(float));
-    bt_lora_zero_grad(&r.lo);
-    assert_int_equal(bt_forward_backward(ck, &r.m, &r.lo, &mb, 1, 0.1f, 77, &s2, NULL), 0);
-    assert_true(fabs(s1 - s2) <= 1e-6 * fabs(s1));
-    for (int64_t i = 0; i < np; i++)
-        if (fabs(g[i] - r.lo.grads[i]) > 1e-5 * (fabs(g[i]) + 1e-3))
-            fail_msg("checkpointed grad[%lld] %g != %g", (long long)i, r.lo.grads[i], g[i]);
-    free(g);
-    bt_step_ctx_free(ck);
+    const double full_train = loss_of_pass(&r, &mb, 0, 1), full_eval = loss_of(&r, &mb, 0);
+    assert_int_equal(bt_step_set_s2(r.ctx, 4), 0);
+    const double s2_train = loss_of_pass(&r, &mb, 0, 1), s2_eval = loss_of(&r, &mb, 0);
+    fprintf(stderr, "# loss: full %.6f, S2 (G=4) training %.6f, S2 evaluation %.6f\n", full_train,
+            s2_train, s2_eval);
+    assert_true(full_train == full_eval && s2_eval == full_eval);
+    assert_true(fabs(s2_train - full_train) > 1e-4);
+    assert_int_equal(bt_step_set_s2(r.ctx, 2 * T_), 0); /* shifted groups [0, T) cover a row */
+    assert_true(loss_of_pass(&r, &mb, 0, 1) == full_train);
+    assert_int_equal(bt_step_set_s2(r.ctx, 3), BT_ERR_INVALID);
     rig_free(&r);
 }
 
@@ -443,7 +502,8 @@ int main(void) {
         cmocka_unit_test(test_grad_fp32),       cmocka_unit_test(test_grad_nf4),
         cmocka_unit_test(test_grad_dropout),    cmocka_unit_test(test_dropout_keys),
         cmocka_unit_test(test_packing_isolation), cmocka_unit_test(test_accumulation),
-        cmocka_unit_test(test_checkpointing),   cmocka_unit_test(test_adapter_files),
+        cmocka_unit_test(test_checkpointing),   cmocka_unit_test(test_grad_s2),
+        cmocka_unit_test(test_adapter_files),
         cmocka_unit_test(test_training_lowers_loss),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -396,8 +396,8 @@ static void test_rope_linear(void **st) {
     bt_model a, b;
     assert_int_equal(bt_model_load_hf(&a, d1, &k_fp32), 0);
     if (bt_model_load_hf(&b, d2, &k_fp32)) fail_msg("%s", bt_last_error());
-    assert_true(b.hp.rope_factor == 2.f);
-    assert_true(bt_rope_pos_scale(&b.hp) == 0.5f && bt_rope_pos_scale(&a.hp) == 1.f);
+    assert_true(b.hp.rope_ext == BT_ROPE_EXT_LINEAR && b.hp.rope_ext_factor == 2.f);
+    assert_true(a.hp.rope_ext == BT_ROPE_EXT_NONE);
     /* factor 2 at positions 2p == no scaling at positions p; and != no scaling at 2p */
     int32_t pos2[12];
     for (int i = 0; i < 12; i++) pos2[i] = 2 * k_pos[i];
@@ -414,7 +414,7 @@ static void test_rope_linear(void **st) {
     spec dflt = {.extra = "{\"rope_scaling\": {\"rope_type\": \"default\"}}"};
     make_model(d1, &dflt);
     assert_int_equal(bt_model_load_hf(&a, d1, &k_fp32), 0);
-    assert_true(a.hp.rope_factor == 0.f);
+    assert_true(a.hp.rope_factor == 0.f && a.hp.rope_ext == BT_ROPE_EXT_NONE);
     bt_model_free(&a);
     rm_dir(d1);
 }
@@ -501,10 +501,17 @@ static void test_config_errors(void **st) {
     FAIL_WITH(BT_ERR_NOTFOUND, "architectures", .drop = "architectures");
     FAIL_WITH(BT_ERR_FORMAT, "low_freq_factor", /* llama3 itself: tests/unit/test_rope_scaling.c */
               .extra = "{\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}}");
-    FAIL_WITH(BT_ERR_UNSUPPORTED, "dynamic",
-              .extra = "{\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}}");
-    FAIL_WITH(BT_ERR_UNSUPPORTED, "yarn",
-              .extra = "{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0}}");
+    /* yarn / dynamic / longrope themselves: tests/unit/test_rope_scaling.c */
+    FAIL_WITH(BT_ERR_FORMAT, "factor", .extra = "{\"rope_scaling\": {\"type\": \"yarn\"}}");
+    FAIL_WITH(BT_ERR_FORMAT, "factor",
+              .extra = "{\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": -1}}");
+    FAIL_WITH(BT_ERR_UNSUPPORTED, "su", .extra = "{\"rope_scaling\": {\"type\": \"su\"}}");
+    FAIL_WITH(BT_ERR_UNSUPPORTED, "truncate",
+              .extra = "{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0, "
+                       "\"truncate\": false}}");
+    FAIL_WITH(BT_ERR_UNSUPPORTED, "partial_rotary_factor",
+              .extra = "{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0, "
+                       "\"partial_rotary_factor\": 0.5}}");
     FAIL_WITH(BT_ERR_FORMAT, "rope_scaling.factor",
               .extra = "{\"rope_scaling\": {\"type\": \"linear\"}}");
     FAIL_WITH(BT_ERR_FORMAT, "rope_scaling", .extra = "{\"rope_scaling\": \"linear\"}");

@@ -9,8 +9,8 @@
  *    and its inverse, cached and uncached positions alike;
  *  - the tiny Llama with llama3 scaling loaded from its HF directory gives transformers' logits
  *    at positions 9000.. (<= 1e-4), and visibly not those without the scaling;
- *  - config.json parsing: llama3 keys required and checked, "dynamic" / "yarn" refused with a
- *    message saying why;
+ *  - config.json parsing: llama3 keys required and checked, "dynamic" / "yarn" load, a
+ *    length-switching longrope or an unknown type is refused with a message saying why;
  *  - GGUF: merged GGUF export writes rope_freqs.weight as convert_hf_to_gguf.py does (<= 1e-7 rel.
  *    of llama.cpp's own formula), and loading a GGUF with rope_freqs.weight honours it (logits
  *    parity again); the merged safetensors export writes rope_scaling llama3 back; linear
@@ -253,7 +253,7 @@ static void test_tiny_llama3_logits(void **st) {
     assert_int_equal(m.hp.rope_type, BT_ROPE_LLAMA3);
     assert_true(m.hp.rope_factor == 8.f && m.hp.rope_low_freq_factor == 1.f &&
                 m.hp.rope_high_freq_factor == 4.f && m.hp.rope_orig_ctx == 8192);
-    assert_true(bt_rope_pos_scale(&m.hp) == 1.f);
+    assert_int_equal(m.hp.rope_ext, BT_ROPE_EXT_NONE);
     assert_true(parity(&m, "HF dir") <= 1e-4);
     bt_model_free(&m);
 }
@@ -320,10 +320,15 @@ static void test_config_parsing(void **st) {
     expect("{\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, "
            "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192.5}", BT_ERR_FORMAT,
            "original_max_position_embeddings", NULL);
-    expect("{\"rope_type\": \"dynamic\", \"factor\": 2.0}", BT_ERR_UNSUPPORTED, "\"dynamic\"",
-           "sequence length");
+    /* dynamic / yarn load (their numerics: tests/unit/test_rope_extension.c); a longrope table
+     * that switches with the length, or an unknown type, does not */
+    expect("{\"rope_type\": \"dynamic\", \"factor\": 2.0}", 0, NULL, NULL);
     expect("{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 4096}",
-           BT_ERR_UNSUPPORTED, "\"yarn\"", "llama3");
+           0, NULL, NULL);
+    expect("{\"rope_type\": \"longrope\", \"factor\": 4.0, \"short_factor\": [1,1,1,1,1,1,1,1,1,1,1,"
+           "1,1,1,1,1], \"long_factor\": [2,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]}", BT_ERR_UNSUPPORTED,
+           "short_factor", NULL);
+    expect("{\"rope_type\": \"su\", \"factor\": 4.0}", BT_ERR_UNSUPPORTED, "\"su\"", "yarn");
     expect("{\"rope_type\": \"default\"}", 0, NULL, NULL);
 }
 
@@ -376,11 +381,16 @@ static void test_gguf_rope_freqs(void **st) {
     assert_memory_equal(h.inv_freq, m.inv_freq, 16 * sizeof(float));
     assert_true(parity(&h, "merged safetensors export") <= 1e-4);
     bt_model_free(&h);
-    /* a table no Llama 3.x parameters reproduce cannot be written to config.json */
+    /* a table no Llama 3.x parameters reproduce goes to config.json as a fixed "longrope" table
+     * (equal short and long factors), which loads back as the same frequencies */
     g.rope_freqs[3] *= 1.5f;
-    assert_int_equal(bt_export_safetensors_merged(&g, NULL, NULL, BT_EXPORT_F32, dir),
-                     BT_ERR_UNSUPPORTED);
-    assert_non_null(strstr(bt_last_error(), "rope_freqs"));
+    if (bt_model_rope_init(&g, g.rope_freqs)) fail_msg("%s", bt_last_error());
+    if (bt_export_safetensors_merged(&g, NULL, NULL, BT_EXPORT_F32, dir))
+        fail_msg("%s", bt_last_error());
+    if (bt_model_load_hf(&h, dir, &k_fp32)) fail_msg("%s", bt_last_error());
+    assert_int_equal(h.hp.rope_type, BT_ROPE_FREQS);
+    assert_true(max_rel(h.inv_freq, g.inv_freq, 16) <= 3e-7);
+    bt_model_free(&h);
     bt_model_free(&g);
     bt_model_free(&m);
 
@@ -414,12 +424,12 @@ static void test_gguf_rope_freqs(void **st) {
     /* 5) linear scaling goes to GGUF as llama.rope.scaling.{type,factor} and loads back */
     bt_llama_hparams hl = {.n_layer = 1, .d_model = 64, .n_head = 1, .n_kv_head = 1, .head_dim = 64,
                            .d_ff = 64, .vocab = 16, .ctx = 4096, .rope_theta = 1e4f,
-                           .rms_eps = 1e-5f, .rope_factor = 2.f};
+                           .rms_eps = 1e-5f, .rope_ext = BT_ROPE_EXT_LINEAR, .rope_ext_factor = 2.f};
     if (bt_model_init_random(&m, &hl, BT_BASE_FP32, 1, 4)) fail_msg("%s", bt_last_error());
     if (bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, path)) fail_msg("%s", bt_last_error());
     if (bt_model_load_gguf(&g, path, &k_fp32)) fail_msg("%s", bt_last_error());
     assert_int_equal(g.hp.rope_type, BT_ROPE_DEFAULT);
-    assert_true(g.hp.rope_factor == 2.f && bt_rope_pos_scale(&g.hp) == 0.5f);
+    assert_true(g.hp.rope_ext == BT_ROPE_EXT_LINEAR && g.hp.rope_ext_factor == 2.f);
     assert_null(g.rope_freqs);
     assert_memory_equal(g.inv_freq, m.inv_freq, 32 * sizeof(float));
     bt_model_free(&g);

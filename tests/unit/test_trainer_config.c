@@ -316,7 +316,8 @@ static void test_cuda_keys(void **st) {
     assert_int_equal(c.cuda_nf4_matmul, BT_CUDA_NF4_FUSED);
     assert_int_equal(c.device, BT_DEVICE_CUDA);
     char *dump = bt_config_dump(&c);
-    assert_non_null(strstr(dump, "\"cuda\":{\"attention\":\"mma\",\"nf4_matmul\":\"fused\"}"));
+    assert_non_null(strstr(dump, "\"cuda\":{\"attention\":\"mma\",\"nf4_matmul\":\"fused\","
+                                 "\"offload_checkpoints\":false}"));
     free(dump);
     bt_config_free(&c);
     expect_refused(MINIMAL, "cuda.attention=flash", "cuda.attention");
@@ -340,6 +341,75 @@ static void test_comment_keys(void **st) {
 
 /* Every template (plain and documented) parses as is, and the documented one gives the same
  * configuration; unknown names are refused. */
+/* Long-context keys: context_extension, attention.s2, activation_checkpointing "auto" with its
+ * threshold, eval.lengths, cuda.offload_checkpoints; each refusal names the key. */
+static void test_long_context_keys(void **st) {
+    (void)st;
+    bt_train_config c;
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
+    assert_int_equal(c.context_extension.target_length, 0);
+    assert_int_equal(bt_config_s2_group(&c), 0);
+    assert_int_equal(c.checkpointing_auto, 1); /* "auto", off at seq_len 512 */
+    assert_int_equal(c.activation_checkpointing, 0);
+    assert_int_equal(c.checkpointing_min_seq_len, 4096);
+    assert_int_equal(c.eval.n_lengths, 0);
+    assert_int_equal(c.cuda_offload, 0);
+    bt_config_free(&c);
+    const char *sets[] = {"data.seq_len=8192", "context_extension={\"target_length\": 16384, "
+                          "\"method\": \"yarn\"}", "attention.s2.group_fraction=0.125",
+                          "eval.lengths=[8192, 2048, 4096]", "cuda.offload_checkpoints=true"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", sets, 5), 0);
+    assert_int_equal(c.activation_checkpointing, 1); /* auto: 8192 >= 4096 */
+    assert_int_equal(c.context_extension.target_length, 16384);
+    assert_int_equal(c.context_extension.method, BT_ROPE_EXT_YARN);
+    assert_int_equal(bt_config_s2_group(&c), 1024);
+    assert_int_equal(c.eval.n_lengths, 3);
+    assert_int_equal(c.eval.lengths[0], 2048); /* sorted */
+    assert_int_equal(c.eval.lengths[2], 8192);
+    assert_int_equal(c.cuda_offload, 1);
+    /* the dump is a config that parses back to the same */
+    char *dump = bt_config_dump(&c);
+    bt_train_config d;
+    if (bt_config_parse(&d, dump, "dump", NULL, 0)) fail_msg("%s", bt_last_error());
+    char *dump2 = bt_config_dump(&d);
+    assert_string_equal(dump, dump2);
+    free(dump), free(dump2);
+    bt_config_free(&d);
+    bt_config_free(&c);
+    /* S^2 group rounding: 1000 x 0.25 = 250, 1002 x 0.25 = 250.5 -> 250, tiny -> 2 */
+    const char *g1[] = {"data.seq_len=1002", "attention={\"s2\": {}}"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", g1, 2), 0);
+    assert_int_equal(bt_config_s2_group(&c), 250);
+    bt_config_free(&c);
+    const char *g2[] = {"data.seq_len=3", "attention.s2.group_fraction=0.1"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", g2, 2), 0);
+    assert_int_equal(bt_config_s2_group(&c), 2);
+    bt_config_free(&c);
+    const char *off[] = {"attention.s2=false", "activation_checkpointing=true"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", off, 2), 0);
+    assert_int_equal(bt_config_s2_group(&c), 0);
+    assert_int_equal(c.activation_checkpointing, 1);
+    assert_int_equal(c.checkpointing_auto, 0);
+    bt_config_free(&c);
+    expect_refused(MINIMAL, "context_extension={\"method\": \"linear\"}", "target_length");
+    expect_refused(MINIMAL, "context_extension={\"target_length\": 16384, \"method\": \"ntk\"}",
+                   "context_extension.method");
+    expect_refused(MINIMAL, "context_extension={\"target_length\": 16384, \"factor\": 2}",
+                   "context_extension.factor");
+    expect_refused(MINIMAL, "context_extension=16384", "context_extension");
+    expect_refused(MINIMAL, "attention.s2.group_fraction=0", "attention.s2.group_fraction");
+    expect_refused(MINIMAL, "attention.s2.group_fraction=1.5", "attention.s2.group_fraction");
+    expect_refused(MINIMAL, "attention.s2.groups=4", "attention.s2.groups");
+    expect_refused(MINIMAL, "attention.s2=4", "attention.s2");
+    expect_refused(MINIMAL, "attention.flash=true", "attention.flash");
+    expect_refused(MINIMAL, "activation_checkpointing=sometimes", "activation_checkpointing");
+    expect_refused(MINIMAL, "checkpointing_min_seq_len=0", "checkpointing_min_seq_len");
+    expect_refused(MINIMAL, "eval.lengths=[2048, 2048]", "eval.lengths");
+    expect_refused(MINIMAL, "eval.lengths=[1]", "eval.lengths");
+    expect_refused(MINIMAL, "eval.lengths=2048", "eval.lengths");
+    expect_refused(MINIMAL, "cuda.offload_checkpoints=true", "cuda.offload_checkpoints");
+}
+
 static void test_templates(void **st) {
     (void)st;
     for (int i = 0; bt_config_template_names[i]; i++) {
@@ -360,8 +430,17 @@ static void test_templates(void **st) {
         if (!strcmp(bt_config_template_names[i], "long-context")) {
             assert_int_equal(a.trainable_mask, 3);
             assert_int_equal(a.activation_checkpointing, 1);
+            assert_int_equal(a.checkpointing_auto, 1);
             assert_int_equal(a.lora.r, 8);
             assert_int_equal(a.lora.target_mask, 0xf);
+            assert_int_equal(a.data.seq_len, 16384);
+            assert_string_equal(a.data.format, "text");
+            assert_int_equal(a.context_extension.target_length, 16384);
+            assert_int_equal(a.context_extension.method, BT_ROPE_EXT_LINEAR);
+            assert_int_equal(bt_config_s2_group(&a), 4096);
+            assert_int_equal(a.eval.n_lengths, 4);
+            assert_int_equal(a.eval.lengths[0], 2048);
+            assert_int_equal(a.eval.lengths[3], 16384);
         } else if (!strcmp(bt_config_template_names[i], "qlora")) {
             assert_int_equal(a.lora.r, 64);
             assert_true(a.optim.grad_clip == 0.3);
@@ -418,6 +497,7 @@ int main(void) {
         cmocka_unit_test(test_demo_config), cmocka_unit_test(test_new_keys),
         cmocka_unit_test(test_comment_keys), cmocka_unit_test(test_templates), cmocka_unit_test(test_cuda_keys),
         cmocka_unit_test(test_socket_rule_and_dist_keys),
+        cmocka_unit_test(test_long_context_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
