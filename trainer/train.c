@@ -697,6 +697,8 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         co.checkpointing = cfg->activation_checkpointing;
         co.attn_impl = cfg->cuda_attention == BT_CUDA_ATTN_MMA;
         co.nf4_impl = cfg->cuda_nf4_matmul == BT_CUDA_NF4_FUSED;
+        co.s2_group = s2_group;
+        co.offload = cfg->cuda_offload;
         if ((rc = bt_cuda_device_for_local_rank(g_dist.local_rank, &co.device))) goto done;
         if ((rc = bt_cuda_trainer_new_ex(&g_cuda, &model, &lora, M, &co))) goto done;
         /* a collective waits at most dist.timeout_s, plus the time the watchdog needs to name a

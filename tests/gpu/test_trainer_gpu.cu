@@ -4,9 +4,13 @@
  *     configurations (NF4 / fp32 / GGUF-native base -- the fp32 linears encoded as Q4_0, Q4_1,
  *     Q8_0, Q4_K, Q5_K, Q6_K or F16 blocks by bt_model_to_ggml, both GPU matmul paths; a type
  *     without a CUDA decoder refused --, tied / untied, LoRA dropout, activation checkpointing,
- *     LoRA+ trainable embedding + norms, packed segments with reset position_ids), and on
+ *     LoRA+ trainable embedding + norms, packed segments with reset position_ids, S^2-Attn in
+ *     training with linear / YaRN / dynamic context extension and llama3 + YaRN, both attention
+ *     kernels), and on
  *     SmolLM2-135M (BT_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf; skipped if absent);
- *   - 10 optimiser steps on SmolLM2 with the GPU loss following the CPU loss curve.
+ *   - 10 optimiser steps on SmolLM2 with the GPU loss following the CPU loss curve;
+ *   - offloading the checkpointed layer inputs to pinned host memory: bit-identical losses and
+ *     gradients to checkpointing without it.
  * Tolerances (bf16 activations vs the fp32 reference):
  *   loss_sum: |gpu - cpu| / |cpu| <= 1e-2;
  *   gradients (the whole LoRA gradient vector, and the LoRA+ blocks separately):
@@ -128,6 +132,8 @@ struct Case {
     float dropout;
     unsigned trainable;
     int B, T, docs;
+    int s2 = 0;      /* S^2-Attn group in training (0 = full attention) */
+    int offload = 0; /* offload the checkpointed layer inputs (needs ckpt) */
 };
 
 /* Give B (zero at init) small random values so dA is not trivially zero. */
@@ -155,7 +161,7 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     Batch b = make_batch(cs.B, cs.T, m->hp.vocab, cs.docs);
     /* CPU reference */
     bt_step_ctx *ctx = nullptr;
-    if (bt_step_ctx_new(&ctx, m, lo, M, cs.ckpt) != 0) {
+    if (bt_step_ctx_new(&ctx, m, lo, M, cs.ckpt) != 0 || bt_step_set_s2(ctx, cs.s2) != 0) {
         printf("    bt_step_ctx_new: %s\n", bt_last_error());
         g_case_ok = false;
         return;
@@ -163,10 +169,11 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     const int nlab = bt_shift_targets(nullptr, &b.mb, m->hp.vocab);
     const float gs = nlab > 0 ? 1.0f / (float)nlab : 0.f;
     bt_lora_zero_grad(lo);
-    double cpu_loss = 0;
+    double cpu_loss = 0, cpu_eval = 0;
     int cpu_nv = 0;
     BTOK(bt_forward_backward(ctx, m, lo, &b.mb, 1, gs, drop_key, &cpu_loss, &cpu_nv));
     std::vector<float> cg(lo->grads, lo->grads + lo->n_params);
+    BTOK(bt_forward_backward(ctx, m, lo, &b.mb, 0, 1.0f, drop_key, &cpu_eval, nullptr));
     bt_step_ctx_free(ctx);
     /* GPU */
     bt_cuda_trainer *t = nullptr;
@@ -175,6 +182,8 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     o.checkpointing = cs.ckpt;
     o.attn_impl = g_attn_impl;
     o.nf4_impl = g_nf4_impl;
+    o.s2_group = cs.s2;
+    o.offload = cs.offload;
     if (bt_cuda_trainer_new_ex(&t, m, lo, M, &o) != 0) {
         printf("    bt_cuda_trainer_new_ex: %s\n", bt_last_error());
         g_case_ok = false;
@@ -198,7 +207,15 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     const double lrel = fabs(gpu_loss - cpu_loss) / fmax(fabs(cpu_loss), 1e-30);
     printf("    loss rel err %.3e (tol 1e-2)\n", lrel);
     check_true("loss within 1e-2", lrel <= 1e-2);
-    check_true("eval loss == train loss", fabs(ev_loss - gpu_loss) <= 1e-6 * fabs(gpu_loss) + 1e-9);
+    if (cs.s2 == 0) {
+        check_true("eval loss == train loss", fabs(ev_loss - gpu_loss) <= 1e-6 * fabs(gpu_loss) + 1e-9);
+    } else { /* S^2 in training only: the eval pass is full attention, as on the CPU */
+        const double erel = fabs(ev_loss - cpu_eval) / fmax(fabs(cpu_eval), 1e-30);
+        printf("    eval pass (full attention) cpu %.6f gpu %.6f rel %.3e; S2 changes the training "
+               "loss by %.3e\n", cpu_eval, ev_loss, erel, fabs(cpu_loss - cpu_eval) / fabs(cpu_eval));
+        check_true("eval pass (full attention) within 1e-2 of the CPU's", erel <= 1e-2);
+        check_true("S2 changes the training loss", fabs(cpu_loss - cpu_eval) > 1e-4 * fabs(cpu_eval));
+    }
     check_grad_block("LoRA grads (all)", gg.data(), cg.data(), lo->n_lora, 0.99, 5e-2);
     /* per module */
     double worst = 2;
@@ -240,7 +257,7 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
 
 /* llama3: Llama 3.1 RoPE ("llama3" rope_scaling, factor 8, low 1, high 4, original 128 so that the
  * table has all three regions at head_dim 64, theta 500000): the GPU uses the model's inv_freq table. */
-static void run_tiny_case(const Case &cs, bool llama3 = false)
+static void run_tiny_case(const Case &cs, bool llama3 = false, int ext = BT_ROPE_EXT_NONE)
 {
     bt_llama_hparams hp;
     memset(&hp, 0, sizeof hp);
@@ -262,9 +279,12 @@ static void run_tiny_case(const Case &cs, bool llama3 = false)
         hp.rope_high_freq_factor = 4.f;
         hp.rope_orig_ctx = 128;
     }
+    if (ext != BT_ROPE_EXT_NONE)
+        hp.ctx = cs.T / 2; /* the rows reach twice the trained context */
     bt_model m;
-    if (bt_model_init_random(&m, &hp, cs.base_dtype, cs.tied, 42) != 0) {
-        printf("    bt_model_init_random: %s\n", bt_last_error());
+    if (bt_model_init_random(&m, &hp, cs.base_dtype, cs.tied, 42) != 0 ||
+        (ext != BT_ROPE_EXT_NONE && bt_model_extend_context(&m, ext, cs.T) != 0)) {
+        printf("    model set-up: %s\n", bt_last_error());
         g_case_ok = false;
         return;
     }
@@ -322,6 +342,100 @@ static void test_tiny_llama3_rope(void)
     run_tiny_case({"nf4 tied, llama3 rope_scaling (device inv_freq table)", BT_BASE_NF4, 1, 0, 0.f, 0,
                    1, 300, 1},
                   true);
+}
+
+/* Long context: S^2-Attn in training (groups of 32, half the heads shifted, on rows of packed
+ * documents) with each context extension (the rows run to twice the trained context; dynamic NTK
+ * uploads the table of the batch's longest position; YaRN's attention factor in the softmax
+ * scale), with checkpointing, for both attention kernels. */
+static void test_tiny_long_context(void)
+{
+    run_tiny_case({"nf4 tied, S2 32, linear extension, checkpointing", BT_BASE_NF4, 1, 1, 0.f, 0, 2,
+                   128, 2, 32, 0},
+                  false, BT_ROPE_EXT_LINEAR);
+    run_tiny_case({"nf4 tied, S2 32, YaRN extension", BT_BASE_NF4, 1, 0, 0.f, 0, 2, 128, 2, 32, 0},
+                  false, BT_ROPE_EXT_YARN);
+    run_tiny_case({"fp32 untied, dynamic NTK extension", BT_BASE_FP32, 0, 0, 0.f, 0, 1, 128, 1, 0, 0},
+                  false, BT_ROPE_EXT_DYNAMIC);
+    g_attn_impl = 1;
+    run_tiny_case({"[mma attention] nf4 tied, S2 32, llama3 + YaRN extension", BT_BASE_NF4, 1, 0, 0.f,
+                   0, 2, 128, 2, 32, 0},
+                  true, BT_ROPE_EXT_YARN);
+    g_attn_impl = 0;
+}
+
+/* Offloading the checkpointed layer inputs to pinned host memory changes nothing: loss and LoRA
+ * (+ LoRA+) gradients bit-identical to checkpointing without offload, for a training step
+ * followed by an evaluation pass and a second training step (buffers reused). (On the emulator
+ * copies are synchronous: this checks the buffer and event bookkeeping, not the overlap.) */
+static void test_tiny_offload(void)
+{
+    bt_llama_hparams hp;
+    memset(&hp, 0, sizeof hp);
+    hp.n_layer = 3;
+    hp.d_model = 256;
+    hp.n_head = 4;
+    hp.n_kv_head = 2;
+    hp.head_dim = 64;
+    hp.d_ff = 512;
+    hp.vocab = 1000;
+    hp.ctx = 1024;
+    hp.rope_theta = 10000.f;
+    hp.rms_eps = 1e-5f;
+    bt_model m;
+    bt_lora lo;
+    if (bt_model_init_random(&m, &hp, BT_BASE_NF4, 1, 42) != 0 ||
+        bt_lora_init_ex(&lo, &m, 8, 16.0, 0.1, (1u << BT_MOD_N) - 1, BT_TRAIN_EMBED | BT_TRAIN_NORM,
+                        7) != 0) {
+        printf("    set-up: %s\n", bt_last_error());
+        g_case_ok = false;
+        return;
+    }
+    randomise_B(&lo, 0.05f);
+    Batch b = make_batch(2, 128, hp.vocab, 2);
+    const int nlab = bt_shift_targets(nullptr, &b.mb, hp.vocab);
+    const float gs = 1.0f / (float)nlab;
+    std::vector<float> g[2];
+    double loss[2][3];
+    for (int off = 0; off < 2; off++) {
+        bt_cuda_trainer *t = nullptr;
+        bt_cuda_trainer_opts o;
+        memset(&o, 0, sizeof o);
+        o.checkpointing = 1;
+        o.offload = off;
+        o.s2_group = 32;
+        if (bt_cuda_trainer_new_ex(&t, &m, &lo, 256, &o) != 0) {
+            printf("    bt_cuda_trainer_new_ex(offload %d): %s\n", off, bt_last_error());
+            g_case_ok = false;
+            break;
+        }
+        BTOK(bt_cuda_trainer_zero_grad(t));
+        BTOK(bt_cuda_trainer_step(t, &b.mb, 1, gs, 0x77, &loss[off][0], nullptr));
+        BTOK(bt_cuda_trainer_step(t, &b.mb, 0, 1.0f, 0, &loss[off][1], nullptr));
+        BTOK(bt_cuda_trainer_step(t, &b.mb, 1, gs, 0x78, &loss[off][2], nullptr));
+        g[off].resize((size_t)lo.n_params);
+        bt_lora tmp = lo;
+        tmp.grads = g[off].data();
+        BTOK(bt_cuda_trainer_download_lora(t, &tmp, BT_CUDA_DL_GRADS));
+        bt_cuda_trainer_free(t);
+    }
+    if (g[1].size() == g[0].size() && !g[0].empty()) {
+        printf("    losses without offload %.9g %.9g %.9g, with %.9g %.9g %.9g\n", loss[0][0],
+               loss[0][1], loss[0][2], loss[1][0], loss[1][1], loss[1][2]);
+        check_true("offload: the same losses, bit for bit",
+                   !memcmp(loss[0], loss[1], sizeof loss[0]));
+        check_true("offload: the same gradients, bit for bit",
+                   !memcmp(g[0].data(), g[1].data(), g[0].size() * sizeof(float)));
+    }
+    /* offload without checkpointing is refused */
+    bt_cuda_trainer *t = nullptr;
+    bt_cuda_trainer_opts o;
+    memset(&o, 0, sizeof o);
+    o.offload = 1;
+    check_true("offload needs checkpointing", bt_cuda_trainer_new_ex(&t, &m, &lo, 256, &o) ==
+                                                  BT_ERR_INVALID);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
 }
 
 /* The same step with the mma.sync attention and the fused NF4 GEMM (config cuda.attention "mma",
@@ -559,6 +673,8 @@ int main(int argc, char **argv)
     RUN_TEST(test_tiny_llama3_rope);
     RUN_TEST(test_tiny_mma_fused);
     RUN_TEST(test_tiny_gguf);
+    RUN_TEST(test_tiny_long_context);
+    RUN_TEST(test_tiny_offload);
     RUN_TEST(test_smollm2_step);
     RUN_TEST(test_smollm2_gguf_step);
     RUN_TEST(test_smollm2_10_steps);

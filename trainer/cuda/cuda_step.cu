@@ -201,11 +201,11 @@ static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf
 
 static btc_acts *acts_of(bt_cuda_trainer *t, int l) { return &t->acts[t->ckpt ? 0 : (size_t)l]; }
 
-static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key)
+/* Layer l from its input x [M, D] into xout [M, D] (the next layer's input). */
+static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key,
+                     const bt_bf16 *x, bt_bf16 *xout)
 {
     btc_acts *A = acts_of(t, l);
-    const bt_bf16 *x = t->x_in[l];
-    bt_bf16 *xout = t->x_in[l + 1];
     const int64_t nD = (int64_t)M * t->D;
     const float eps = t->md.hp.rms_eps;
     cudaStream_t s = t->stream;
@@ -227,16 +227,17 @@ static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params
     return BTC_L(bt_cuda_add_bf16(xout, xout, A->x2, nD, s));
 }
 
-/* On entry t->dx = dLoss/d(layer output); on exit t->dx = dLoss/d(layer input). */
-static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key)
+/* On entry t->dx = dLoss/d(layer output); on exit t->dx = dLoss/d(layer input). x: the layer's
+ * input; recompute_out: where checkpointing's recomputed forward writes its (unused) output. */
+static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key,
+                     const bt_bf16 *x, bt_bf16 *recompute_out)
 {
     btc_acts *A = acts_of(t, l);
-    const bt_bf16 *x = t->x_in[l];
     const int64_t nD = (int64_t)M * t->D;
     cudaStream_t s = t->stream;
 
     if (t->ckpt)
-        BTC_TRY(layer_fwd(t, l, M, ap, key)); /* recompute (rewrites x_in[l+1] identically) */
+        BTC_TRY(layer_fwd(t, l, M, ap, key, x, recompute_out)); /* recompute, same values */
     else
         BTC_TRY(BTC_L(bt_cuda_swiglu_fwd(t->h, A->g, A->u, (int64_t)M * t->F, s)));
     /* MLP */
@@ -258,6 +259,52 @@ static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params
     BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dtmp, dnorm_w(t, l, 0), t->dxn, x, norm_w(t, l, 0),
                                       A->rstd1, M, t->D, t->rms_scratch, s)));
     return BTC_L(bt_cuda_add_bf16(t->dx, t->dx2, t->dtmp, nD, s));
+}
+
+/* --------------------------------------------------- layer inputs: device or offloaded */
+
+/* Device buffer of layer input l (x_in[L] = the last layer's output). */
+static bt_bf16 *xin_dev(bt_cuda_trainer *t, int l)
+{
+    return t->offload ? t->xbuf[l & 1] : t->x_in[l];
+}
+static bt_bf16 *host_xin(bt_cuda_trainer *t, int l)
+{
+    return t->h_xin + (size_t)l * t->max_M * t->D;
+}
+/* Copy layer input l to the host on the copy stream once the compute stream has produced it. */
+static int offload_out(bt_cuda_trainer *t, int l, int M)
+{
+    BTC_TRY(BTC_CUDA(cudaEventRecord(t->ev_out[l], t->stream)));
+    BTC_TRY(BTC_CUDA(cudaStreamWaitEvent(t->copy_stream, t->ev_out[l], 0)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(host_xin(t, l), xin_dev(t, l), (size_t)M * t->D * sizeof(bt_bf16),
+                                     cudaMemcpyDeviceToHost, t->copy_stream)));
+    return BTC_CUDA(cudaEventRecord(t->ev_copy[l], t->copy_stream));
+}
+
+/* Dynamic NTK scaling: the table of this micro-batch's longest position (bt_model_rope_table on
+ * the host, uploaded into d_rope_dyn), as the CPU step uses it. Other scalings: nothing. */
+static int dynamic_table(bt_cuda_trainer *t, const bt_microbatch *mb, bt_cuda_attn_params *ap)
+{
+    if (t->md.hp.rope_ext != BT_ROPE_EXT_DYNAMIC || t->h_inv_freq.empty())
+        return 0;
+    int32_t maxp = 0;
+    for (int i = 0; i < mb->B * mb->T; i++)
+        maxp = mb->position_ids[i] > maxp ? mb->position_ids[i] : maxp;
+    bt_model view;
+    memset(&view, 0, sizeof view);
+    view.hp = t->md.hp;
+    view.inv_freq = t->h_inv_freq.data();
+    std::vector<float> tab(t->h_inv_freq.size());
+    const int rc = bt_model_rope_table(&view, (int64_t)maxp + 1, tab.data());
+    if (rc < 0)
+        return rc;
+    if (rc == 1) {
+        BTC_TRY(BTC_CUDA(cudaMemcpy(t->d_rope_dyn, tab.data(), tab.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice)));
+        ap->inv_freq = t->d_rope_dyn;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------ public */
@@ -378,19 +425,28 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
     ap.ldq = t->Dq;
     ap.ldk = t->Dkv;
     ap.ldv = t->Dkv;
-    ap.scale = 1.0f / sqrtf((float)t->hd);
+    ap.scale = bt_model_attn_scale(&t->md.hp); /* 1/sqrt(hd), x mscale^2 for YaRN */
     ap.position_ids = t->d_pos;
     ap.rope_theta = t->md.hp.rope_theta;
-    ap.pos_scale = bt_rope_pos_scale(&t->md.hp);
+    ap.pos_scale = 1.0f; /* every scaling is in the table */
     ap.inv_freq = t->d_inv_freq; /* NULL only for a model without a table (derived from theta) */
-    ap.s2_group = 0;
+    ap.s2_group = backward ? t->s2_group : 0; /* S^2-Attn in training, full attention to evaluate */
+    BTC_TRY(dynamic_table(t, mb, &ap));
 
-    BTC_TRY(BTC_L(bt_cuda_embedding_fwd(t->x_in[0], embed16(t), t->d_ids, M, t->D, t->V, s)));
+    const bool off = t->offload && backward; /* evaluation passes keep nothing for backward */
+    BTC_TRY(BTC_L(bt_cuda_embedding_fwd(xin_dev(t, 0), embed16(t), t->d_ids, M, t->D, t->V, s)));
+    if (off)
+        BTC_TRY(offload_out(t, 0, M));
     for (int l = 0; l < t->L; l++) {
         BTC_TRY(btc_check(t)); /* a stop request ends the micro-batch between layers */
-        BTC_TRY(layer_fwd(t, l, M, &ap, drop_key));
+        /* layer l writes the buffer that held input l-1: its copy to the host must be done */
+        if (off && l >= 1)
+            BTC_TRY(BTC_CUDA(cudaStreamWaitEvent(s, t->ev_copy[l - 1], 0)));
+        BTC_TRY(layer_fwd(t, l, M, &ap, drop_key, xin_dev(t, l), xin_dev(t, l + 1)));
+        if (off && l + 1 < t->L)
+            BTC_TRY(offload_out(t, l + 1, M));
     }
-    BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(t->xf, t->rstdf, t->x_in[t->L], norm_w(t, t->L, 0), M, t->D,
+    BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(t->xf, t->rstdf, xin_dev(t, t->L), norm_w(t, t->L, 0), M, t->D,
                                       t->md.hp.rms_eps, s)));
     /* dLoss/dxf goes into t->dtmp (free until the first layer's backward) */
     BTC_TRY(BTC_L(bt_cuda_linear_ce(t->blas, s, t->row_loss, backward ? t->dtmp : nullptr,
@@ -399,17 +455,33 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
     BTC_TRY(BTC_L(bt_cuda_ce_reduce(t->d_loss, t->d_count, t->row_loss, t->d_tgt, M, t->V, s)));
     BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->h_loss, t->d_loss, sizeof(double), cudaMemcpyDeviceToHost, s)));
     if (backward) {
-        BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dx, dnorm_w(t, t->L, 0), t->dtmp, t->x_in[t->L],
+        BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dx, dnorm_w(t, t->L, 0), t->dtmp, xin_dev(t, t->L),
                                           norm_w(t, t->L, 0), t->rstdf, M, t->D, t->rms_scratch, s)));
+        if (off) /* the buffer of x_in[L] is free from here */
+            BTC_TRY(BTC_CUDA(cudaEventRecord(t->ev_out[t->L], s)));
         for (int l = t->L - 1; l >= 0; l--) {
             BTC_TRY(btc_check(t));
-            BTC_TRY(layer_bwd(t, l, M, &ap, drop_key));
+            if (off && l >= 1) { /* bring input l-1 back while layer l computes */
+                BTC_TRY(BTC_CUDA(cudaStreamWaitEvent(t->copy_stream, t->ev_out[l + 1], 0)));
+                BTC_TRY(BTC_CUDA(cudaMemcpyAsync(xin_dev(t, l - 1), host_xin(t, l - 1),
+                                                 (size_t)M * t->D * sizeof(bt_bf16),
+                                                 cudaMemcpyHostToDevice, t->copy_stream)));
+                BTC_TRY(BTC_CUDA(cudaEventRecord(t->ev_copy[l - 1], t->copy_stream)));
+            }
+            if (off && l + 1 < t->L) /* input l came back from the host (input L-1 never left) */
+                BTC_TRY(BTC_CUDA(cudaStreamWaitEvent(s, t->ev_copy[l], 0)));
+            BTC_TRY(layer_bwd(t, l, M, &ap, drop_key, xin_dev(t, l),
+                              t->offload ? t->xbuf[2] : t->x_in[l + 1]));
+            if (off)
+                BTC_TRY(BTC_CUDA(cudaEventRecord(t->ev_out[l], s)));
         }
         /* t->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
         if (t->off_embed >= 0)
             BTC_TRY(BTC_L(bt_cuda_embedding_bwd(t->g + t->off_embed, t->dx, t->d_ids, M, t->D, t->V, s)));
     }
     BTC_TRY(BTC_CUDA(cudaStreamSynchronize(s)));
+    if (off) /* the last copies out (of inputs no backward needed back) */
+        BTC_TRY(BTC_CUDA(cudaStreamSynchronize(t->copy_stream)));
     sample_mem(t);
     return 0;
 }
@@ -421,6 +493,18 @@ extern "C" void bt_cuda_trainer_free(bt_cuda_trainer *t)
     btc_dist_free(t); /* first: an abort ends NCCL kernels still waiting for a dead peer */
     if (t->stream)
         cudaStreamSynchronize(t->stream);
+    if (t->copy_stream) {
+        cudaStreamSynchronize(t->copy_stream);
+        cudaStreamDestroy(t->copy_stream);
+    }
+    for (cudaEvent_t e : t->ev_out)
+        if (e)
+            cudaEventDestroy(e);
+    for (cudaEvent_t e : t->ev_copy)
+        if (e)
+            cudaEventDestroy(e);
+    if (t->h_xin)
+        cudaFreeHost(t->h_xin);
     for (void *p : t->allocs)
         cudaFree(p);
     btc_model_free(&t->md);
@@ -466,6 +550,14 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     t->ce_chunk = o->ce_chunk_rows > 0 ? o->ce_chunk_rows : (max_M < 1024 ? max_M : 1024);
     t->attn_impl = o->attn_impl ? 1 : 0;
     t->nf4_impl = o->nf4_impl ? 1 : 0;
+    t->s2_group = o->s2_group;
+    t->offload = o->offload ? 1 : 0;
+    if (o->s2_group < 0 || (o->s2_group & 1))
+        return bt_fail(BT_ERR_INVALID, "cuda: S^2-Attn group %d must be 0 or a positive even number",
+                       o->s2_group);
+    if (t->offload && !t->ckpt)
+        return bt_fail(BT_ERR_INVALID, "cuda: offloading the checkpointed layer inputs needs "
+                       "activation checkpointing");
     if (t->hd != 64 && t->hd != 128)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: head_dim %d is not supported by the attention "
                        "kernels (64 or 128)", t->hd);
@@ -528,8 +620,27 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     t->x_in = (bt_bf16 **)calloc((size_t)t->L + 1, sizeof(bt_bf16 *));
     if (!t->x_in)
         return bt_fail(BT_ERR_NOMEM, "cuda: out of host memory");
-    for (int l = 0; l <= t->L; l++)
-        BTC_TRY(talloc(t, &t->x_in[l], M * D, "layer inputs"));
+    if (t->offload) { /* three device buffers; every layer input in pinned host memory */
+        for (int i = 0; i < 3; i++)
+            BTC_TRY(talloc(t, &t->xbuf[i], M * D, "layer inputs in flight (offload)"));
+        const size_t hb = ((size_t)t->L + 1) * M * D * sizeof(bt_bf16);
+        if (cudaMallocHost((void **)&t->h_xin, hb) != cudaSuccess) {
+            t->h_xin = nullptr;
+            cudaGetLastError();
+            return bt_fail(BT_ERR_NOMEM, "cuda: out of pinned host memory for the offloaded layer "
+                           "inputs (%zu MiB)", hb >> 20);
+        }
+        BTC_TRY(BTC_CUDA(cudaStreamCreateWithFlags(&t->copy_stream, cudaStreamNonBlocking)));
+        t->ev_out.assign((size_t)t->L + 1, nullptr);
+        t->ev_copy.assign((size_t)t->L + 1, nullptr);
+        for (int l = 0; l <= t->L; l++) {
+            BTC_TRY(BTC_CUDA(cudaEventCreateWithFlags(&t->ev_out[l], cudaEventDisableTiming)));
+            BTC_TRY(BTC_CUDA(cudaEventCreateWithFlags(&t->ev_copy[l], cudaEventDisableTiming)));
+        }
+    } else {
+        for (int l = 0; l <= t->L; l++)
+            BTC_TRY(talloc(t, &t->x_in[l], M * D, "layer inputs"));
+    }
     const int n_acts = t->ckpt ? 1 : t->L;
     t->acts.assign((size_t)n_acts, btc_acts{});
     for (auto &A : t->acts) {
@@ -581,10 +692,14 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     BTC_TRY(talloc(t, &t->d_ids, M, "batch"));
     BTC_TRY(talloc(t, &t->d_pos, M, "batch"));
     if (m->inv_freq) {
-        /* the model's RoPE table (default / llama3 / GGUF rope_freqs), exactly the CPU step's */
+        /* the model's RoPE table (default / llama3 / GGUF rope_freqs, context scaling), exactly
+         * the CPU step's */
         BTC_TRY(talloc(t, &t->d_inv_freq, (size_t)(t->hd / 2), "RoPE table"));
         BTC_TRY(BTC_CUDA(cudaMemcpy(t->d_inv_freq, m->inv_freq, sizeof(float) * (size_t)(t->hd / 2),
                                     cudaMemcpyHostToDevice)));
+        t->h_inv_freq.assign(m->inv_freq, m->inv_freq + t->hd / 2);
+        if (hp->rope_ext == BT_ROPE_EXT_DYNAMIC)
+            BTC_TRY(talloc(t, &t->d_rope_dyn, (size_t)(t->hd / 2), "RoPE table (dynamic)"));
     }
     BTC_TRY(talloc(t, &t->d_cu, M + 1, "batch"));
     BTC_TRY(talloc(t, &t->d_tgt, M, "batch"));

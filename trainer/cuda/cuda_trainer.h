@@ -18,7 +18,11 @@
  *     the row-major [M, in] LoRA input keeps iff 16-bit u_i >= round(p * 65536)), so CPU and GPU
  *     drop the same elements for the same key;
  *   - LoRA+ (bt_lora.trainable): trainable embedding and norm weights are supported (their
- *     gradients as in step.c; weight decay only on [0, n_decay)).
+ *     gradients as in step.c; weight decay only on [0, n_decay));
+ *   - RoPE: the model's table (bt_model.inv_freq, context extension included), for dynamic NTK
+ *     the table of the micro-batch's longest position (bt_model_rope_table, uploaded per step);
+ *     the softmax scale bt_model_attn_scale (YaRN's attention factor); S^2-Attn on training
+ *     passes only (opts.s2_group), as bt_step_set_s2.
  * All functions return 0 or a negative bt_err (common/bt_common.h) with bt_last_error() set; CUDA /
  * cuBLAS failures are BT_ERR_IO. One trainer must be used from one host thread at a time. */
 #ifndef BT_TRAINER_CUDA_TRAINER_H
@@ -45,6 +49,14 @@ typedef struct {
                           * GEMM (bt_cuda_nf4_gemm_fwd/bwd_x, no dequantisation buffer);
                           * config cuda.nf4_matmul; the same choice for a GGUF-native base
                           * (bt_cuda_ggml_linear_* / bt_cuda_ggml_gemm_*) */
+    int s2_group;        /* LongLoRA S^2-Attn group for training passes (bt_cuda_attn_params
+                          * s2_group; 0 = full attention); evaluation passes use full attention */
+    int offload;         /* with checkpointing: keep the checkpointed layer inputs in pinned host
+                          * memory; the device holds three [max_M, d_model] buffers instead of
+                          * n_layer + 1. Each layer's output is copied out on a second stream while
+                          * the next layer computes, and in backward the input of layer l-1 is
+                          * copied in while layer l's backward runs (events order the reuse of
+                          * the buffers). Same results as without (config cuda.offload_checkpoints) */
     /* Benchmarks only: do not read the model's weights (m may then hold only hp, tied and each
      * layer's lin[].rows/cols/is_nf4); fill the device with deterministic random weights of the
      * right shapes instead (NF4 codes with |w| ~ 0.02, bf16 embeddings ~ N(0, 0.02^2)-like,

@@ -119,6 +119,17 @@ struct bt_cuda_trainer {
     btc_model md;
     int max_M, ckpt, ce_chunk;
     int attn_impl, nf4_impl; /* bt_cuda_trainer_opts */
+    int s2_group;            /* S^2-Attn group of training passes (0: full attention) */
+    /* offload (opts.offload, with ckpt): layer inputs in pinned host memory h_xin [L+1][max_M*D];
+     * on the device xbuf[0..1] hold the inputs of the layers in flight (layer l's in
+     * xbuf[l % 2]) and xbuf[2] takes the output of a layer recomputed in backward; copies run on
+     * copy_stream, ordered by ev_out[l] (layer l's output is ready / its buffer is free again) and
+     * ev_copy[l] (the copy that fills or drains layer input l is done) */
+    int offload;
+    bt_bf16 *xbuf[3];
+    bt_bf16 *h_xin;
+    cudaStream_t copy_stream;
+    std::vector<cudaEvent_t> ev_out, ev_copy;
     int L, D, Dq, Dkv, F, V, Hq, Hkv, hd, r;
     float scale, dropout;
     unsigned target_mask, trainable;
@@ -143,6 +154,8 @@ struct bt_cuda_trainer {
     void *ce_ws;
     int32_t *d_ids, *d_pos, *d_cu, *d_tgt;
     float *d_inv_freq; /* [hd/2] RoPE inverse frequencies (NULL: derived from rope_theta) */
+    float *d_rope_dyn; /* [hd/2] the step's table for dynamic NTK scaling (else unused) */
+    std::vector<float> h_inv_freq; /* host copy of the model's table (dynamic NTK: the base) */
     std::vector<int32_t> h_tgt;
     double *h_loss; /* pinned [1] */
     std::vector<void *> allocs;
