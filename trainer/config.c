@@ -792,12 +792,15 @@ int bt_config_key_used(int command, const char *path, const bt_train_config *cfg
     static const char *const eval_keys[] = {
         "name", "model", "base_dtype", "socket", "data.format", "data.text_field", "data.seq_len",
         "data.micro_batch_size", "data.seed", "data.tokenizer_threads", "eval",
-        "activation_checkpointing", "threads", "timeout_s", "device", "dist", "resume_from", NULL};
+        "activation_checkpointing", "threads", "timeout_s", "device", "dist", "resume_from",
+        "context_extension", NULL};
     static const char *const ckpt_keys[] = {"lora", "trainable_modules", "seed", "grad_accum",
                                             "data.shards", NULL};
     static const char *const estimate_keys[] = {
         "model", "base_dtype", "data.seq_len", "data.micro_batch_size", "grad_accum", "lora.r",
-        "lora.target_modules", "trainable_modules", "activation_checkpointing", "threads", NULL};
+        "lora.target_modules", "trainable_modules", "activation_checkpointing", "threads",
+        "checkpointing_min_seq_len", "context_extension", "attention", "eval.lengths",
+        "eval.shards", NULL};
     static const char *const cuda_keys[] = {"cuda", NULL};
     if (in_list(path, cuda_keys) && command != BT_CMD_ESTIMATE)
         return cfg->device == BT_DEVICE_CUDA;

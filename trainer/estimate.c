@@ -196,12 +196,65 @@ static int est_base_dtype(const bt_est_model *em, const bt_train_config *cfg) {
     return em->gguf ? BT_BASE_GGUF : BT_BASE_NF4;
 }
 
+/* The step context of M tokens (step.c bt_step_ctx_new): *acts (layer inputs and the kept
+ * layer activations), *loss_ws (the CE chunk), and the other buffers' bytes as the result
+ * (backward scratch, dropout copy, final norm, RoPE table; not the NF4 tiles). elem = 2 or 4. */
+static double step_workspace(const bt_llama_hparams *hp, int n_mods, double r, double M, int ckpt,
+                             int cuda, double *acts, double *loss_ws) {
+    const double L = hp->n_layer, D = hp->d_model, V = hp->vocab, F = hp->d_ff;
+    const double Dq = (double)hp->n_head * hp->head_dim, Dkv = (double)hp->n_kv_head * hp->head_dim;
+    const double act = cuda ? 2.0 : 4.0;
+    double per_layer_elems = M * D /* xn1 */ + M * Dq /* q */ + 2 * M * Dkv /* k, v */ +
+                             M * Dq /* att */ + M * D /* x2 */ + M * D /* xn2 */ +
+                             2 * M * F /* g, u */ + n_mods * M * r /* LoRA branch */;
+    double per_layer_f32 = M * hp->n_head /* lse */ + 2 * M /* rstd1, rstd2 */;
+    double kept = ckpt ? 1 : L;
+    *acts = (L + 1) * M * D * act + kept * (per_layer_elems * act + per_layer_f32 * 4.0);
+    if (cuda) *loss_ws = (double)CE_ROWS * V * (4.0 + 2.0) + M * 4.0 /* row_loss */;
+    else *loss_ws = (double)bt_linear_ce_workspace_floats(CE_ROWS, hp->vocab) * 4.0;
+    double wide = F > D ? F : D;
+    if (Dq > wide) wide = Dq;
+    double other_elems = M * D /* xf */ + M * F /* h */ + 4 * M * D /* dx dx2 dxn dtmp */ +
+                         2 * M * Dq /* dq datt */ + 2 * M * Dkv /* dk dv */ + 3 * M * F /* dg du dh */ +
+                         M * r /* das */ + M * wide /* xd */;
+    return other_elems * act + M * 4.0 /* rstdf */ + hp->head_dim / 2 * 4.0 /* RoPE table */;
+}
+
+/* Largest multiple of 64 in [lo_T, hi_T] whose peak fits (0 if none); peak is monotone in T for a
+ * fixed checkpointing setting. */
+static int search_T(const bt_est_model *em, bt_train_config *c, int dev, int threads, double bytes,
+                    int lo_T, int hi_T) {
+    int lo = (lo_T + 63) / 64 - 1, hi = hi_T / 64; /* k = T / 64; lo = "none yet" */
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        c->data.seq_len = mid * 64;
+        bt_mem_bill b;
+        bt_estimate_bill(em, c, dev, threads, &b);
+        if (b.peak <= bytes) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo * 64 >= lo_T ? lo * 64 : 0;
+}
+
+int bt_estimate_max_seq_len(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
+                            double bytes) {
+    bt_train_config c = *cfg;
+    const int top = (1 << 24) / (cfg->data.micro_batch_size > 0 ? cfg->data.micro_batch_size : 1);
+    if (!cfg->checkpointing_auto) return search_T(em, &c, dev, threads, bytes, 64, top);
+    /* "auto": without checkpointing below the threshold, with it from there on */
+    c.activation_checkpointing = 1;
+    int best = search_T(em, &c, dev, threads, bytes, cfg->checkpointing_min_seq_len, top);
+    if (best) return best;
+    c.activation_checkpointing = 0;
+    return search_T(em, &c, dev, threads, bytes, 64, cfg->checkpointing_min_seq_len - 1);
+}
+
 void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
                       bt_mem_bill *b) {
     memset(b, 0, sizeof *b);
     const bt_llama_hparams *hp = &em->hp;
-    const double L = hp->n_layer, D = hp->d_model, V = hp->vocab, F = hp->d_ff;
-    const double Dq = (double)hp->n_head * hp->head_dim, Dkv = (double)hp->n_kv_head * hp->head_dim;
+    const double L = hp->n_layer, D = hp->d_model, V = hp->vocab;
+    const double Dq = (double)hp->n_head * hp->head_dim;
     const double M = (double)cfg->data.seq_len * cfg->data.micro_batch_size;
     const double r = cfg->lora.r;
     const int cuda = dev == BT_EST_CUDA;
@@ -245,24 +298,10 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     b->dense = dense * per_param;
     if (cuda) b->dense -= dense * 2.0; /* the bf16 copy replaces the frozen one counted above */
 
-    /* activations (step.c bt_step_ctx_new) */
-    double per_layer_elems = M * D /* xn1 */ + M * Dq /* q */ + 2 * M * Dkv /* k, v */ +
-                             M * Dq /* att */ + M * D /* x2 */ + M * D /* xn2 */ +
-                             2 * M * F /* g, u */ + n_mods * M * r /* LoRA branch */;
-    double per_layer_f32 = M * hp->n_head /* lse */ + 2 * M /* rstd1, rstd2 */;
-    double kept = cfg->activation_checkpointing ? 1 : L;
-    b->acts = (L + 1) * M * D * act + kept * (per_layer_elems * act + per_layer_f32 * 4.0);
-    /* loss chunk workspace */
-    if (cuda) b->loss_ws = (double)CE_ROWS * V * (4.0 + 2.0) + M * 4.0 /* row_loss */;
-    else b->loss_ws = (double)bt_linear_ce_workspace_floats(CE_ROWS, hp->vocab) * 4.0;
-    /* other workspace: backward buffers + dropout copy + NF4 dequant tiles + batches */
-    double wide = F > D ? F : D;
-    if (Dq > wide) wide = Dq;
-    double other_elems = M * D /* xf */ + M * F /* h */ + 4 * M * D /* dx dx2 dxn dtmp */ +
-                         2 * M * Dq /* dq datt */ + 2 * M * Dkv /* dk dv */ + 3 * M * F /* dg du dh */ +
-                         M * r /* das */ + M * wide /* xd */;
-    b->other = other_elems * act + M * 4.0 /* rstdf */ +
-               (double)cfg->grad_accum * (4 * M + 1) * 4.0 /* batch copies */ +
+    /* the step workspace (step.c bt_step_ctx_new): activations, loss chunk, other buffers */
+    const double act_other = step_workspace(hp, n_mods, r, M, cfg->activation_checkpointing, cuda,
+                                            &b->acts, &b->loss_ws);
+    b->other = act_other + (double)cfg->grad_accum * (4 * M + 1) * 4.0 /* batch copies */ +
                M * 4.0 /* targets */;
     if ((bd == BT_BASE_NF4 || bd == BT_BASE_GGUF) && !cuda) {
         /* K of every NF4 / ggml GEMM is a linear's cols: d_model, d_ff or n_head * head_dim
@@ -272,7 +311,34 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
         if (Dq > K) K = Dq;
         b->other += (double)threads * 128.0 /* kernels/cpu/cpu_math.h BT_TILE_ROWS */ * K * 4.0;
     }
-    if (cuda) b->other += (double)em->max_linear * 2.0; /* one dequantised bf16 base weight */
+    if (cuda) {
+        b->other += (double)em->max_linear * 2.0; /* one dequantised bf16 base weight */
+        b->other += M * hp->n_head * 4.0;         /* attention backward delta, fp32 */
+        if (cfg->cuda_offload && cfg->activation_checkpointing) {
+            /* the checkpointed layer inputs live in pinned host memory; three device buffers */
+            b->host = (L + 1) * M * D * act;
+            b->acts -= (L + 1 - 3) * M * D * act;
+        }
+    } else {
+        /* attention (kernels/cpu/attention.c): per-thread score tiles (BQ x KT) and, in backward,
+         * per-query-head dK/dV accumulators when Hq > Hkv; S^2-Attn changes none of it (it is
+         * a segmentation of the same tiled kernel) */
+        const double bq = 128, kt = 256;
+        const double fwd = threads * (bq * kt + 2 * bq);
+        double bwd = threads * (2 * bq * kt + bq);
+        if (hp->n_head > hp->n_kv_head) bwd += 2.0 * M * Dq;
+        b->attn = (fwd > bwd ? fwd : bwd) * 4.0;
+    }
+    /* held-out lengths longer than the micro-batch get a workspace of their own (train.c
+     * bt_eval_lengths: a checkpointed step context of that many tokens) while the training one
+     * stays allocated */
+    int max_eval = 0;
+    for (int i = 0; i < cfg->eval.n_lengths; i++)
+        if (cfg->eval.lengths[i] > max_eval) max_eval = cfg->eval.lengths[i];
+    if (!cuda && cfg->eval.n_shards > 0 && max_eval > M) {
+        double ea, el;
+        b->eval = step_workspace(hp, n_mods, r, max_eval, 1, 0, &ea, &el) + ea + el;
+    }
     b->runtime = cuda ? BT_EST_CUDA_CONTEXT_MIB * MIB
                       : (BT_EST_RUNTIME_MIB + BT_EST_THREAD_MIB * threads) * MIB;
     /* adapter save: the writer's copy of every saved tensor (fp32 on both backends) */
@@ -280,7 +346,7 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     if ((cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) && em->tied) saved += V * D;
     b->save = saved * 4.0;
     b->total = b->base + b->embed + b->norms + b->lora + b->dense + b->acts + b->loss_ws +
-               b->other + b->save + b->runtime;
+               b->other + b->attn + b->eval + b->save + b->runtime;
     if (!cuda) {
         /* loading: the mapped file's tensor pages + the model built so far + one fp32 matrix in
          * flight (plus its NF4 copy; a GGUF base copies blocks and needs no fp32 matrix) + the
@@ -296,6 +362,10 @@ static void row(FILE *out, const char *name, double a, double c) {
 }
 
 int bt_estimate_print(const bt_train_config *cfg, FILE *out) {
+    return bt_estimate_print_ex(cfg, 0.0, out);
+}
+
+int bt_estimate_print_ex(const bt_train_config *cfg, double fit_gib, FILE *out) {
     bt_est_model em;
     int rc = bt_est_model_read(&em, cfg->model);
     if (rc) return rc;
@@ -315,8 +385,24 @@ int bt_estimate_print(const bt_train_config *cfg, FILE *out) {
             cfg->data.micro_batch_size, cfg->data.seq_len,
             cfg->data.micro_batch_size * cfg->data.seq_len, cfg->grad_accum, cfg->lora.r,
             (long long)c.n_lora, c.n_dense ? ", LoRA+" : "",
-            cfg->activation_checkpointing ? ", activation checkpointing" : "");
+            cfg->activation_checkpointing
+                ? (cfg->checkpointing_auto ? ", activation checkpointing (auto)"
+                                           : ", activation checkpointing")
+                : "");
     if (c.n_dense) fprintf(out, "  LoRA+ dense parameters: %lld\n", (long long)c.n_dense);
+    if (cfg->context_extension.target_length > 0) {
+        static const char *const meth[] = {"none", "linear", "yarn", "dynamic"};
+        fprintf(out, "  context extension: %s to %d tokens (RoPE only: no memory of its own)\n",
+                meth[cfg->context_extension.method], cfg->context_extension.target_length);
+    }
+    const int G = bt_config_s2_group(cfg);
+    if (G > 0) {
+        /* causal attention work ~ T^2 / 2 per head; S^2 groups of G: ~ T G / 2 (half the heads
+         * shifted, the same up to the edges) */
+        const double T = cfg->data.seq_len, frac = G >= T ? 1.0 : (double)G / T;
+        fprintf(out, "  S2-Attn groups of %d tokens: attention work x %.2f of full attention in "
+                "training (the same memory: the kernels are tiled either way)\n", G, frac);
+    }
     fprintf(out, "  %-44s %14s %14s\n", "", "CPU (fp32)", "CUDA (bf16)");
     char bl[512];
     const double nw = em.gguf ? (double)em.lin_weights : 0;
@@ -334,15 +420,31 @@ int bt_estimate_print(const bt_train_config *cfg, FILE *out) {
     row(out, "LoRA+ embed/norm params + grads + m, v", c.dense, g.dense);
     char an[64];
     snprintf(an, sizeof an, "activations (%s)",
-             cfg->activation_checkpointing ? "checkpointed: 1 layer kept" : "all layers kept");
+             cfg->activation_checkpointing ? (g.host > 0 ? "checkpointed; GPU: offloaded"
+                                                         : "checkpointed: 1 layer kept")
+                                           : "all layers kept");
     row(out, an, c.acts, g.acts);
+    row(out, "attention scratch (tiles, GQA dK/dV)", c.attn, g.attn);
     row(out, "loss chunk workspace (256 rows x vocab)", c.loss_ws, g.loss_ws);
     row(out, "other workspace (backward, NF4 tiles, batches)", c.other, g.other);
+    if (c.eval > 0) row(out, "held-out workspace (eval.lengths > micro-batch)", c.eval, g.eval);
     row(out, "adapter save buffer (safetensors writer copy)", c.save, g.save);
     row(out, "runtime (libraries, threads / CUDA context)", c.runtime, g.runtime);
     row(out, "total while training", c.total, g.total);
     fprintf(out, "  %-44s %10.1f MiB %14s\n", "CPU load-time peak (mapped file + model)",
             c.load_peak / MIB, "-");
     row(out, "peak", c.peak, g.peak);
+    if (g.host > 0)
+        fprintf(out, "  %-44s %14s %10.1f MiB\n", "pinned host memory (offloaded inputs)", "-",
+                g.host / MIB);
+    if (fit_gib > 0) {
+        const double bytes = fit_gib * 1024.0 * MIB;
+        const int tc = bt_estimate_max_seq_len(&em, cfg, BT_EST_CPU, threads, bytes);
+        const int tg = bt_estimate_max_seq_len(&em, cfg, BT_EST_CUDA, threads, bytes);
+        fprintf(out, "longest seq_len for %g GiB (micro-batch %d, %s): CPU %d tokens, CUDA %d "
+                "tokens\n", fit_gib, cfg->data.micro_batch_size,
+                cfg->checkpointing_auto ? "checkpointing auto"
+                : cfg->activation_checkpointing ? "checkpointing" : "no checkpointing", tc, tg);
+    }
     return 0;
 }

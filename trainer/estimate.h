@@ -20,6 +20,12 @@
  *   adapter save   the safetensors writer copies every tensor it writes (common/safetensors.h):
  *                  LoRA + dense parameters (+ the lm_head copy of a tied trainable embedding),
  *                  while the training buffers are still allocated
+ *   attention      kernels/cpu/attention.c scratch: per-thread score tiles (128 x 256 floats,
+ *                  twice in backward) and, with GQA, per-query-head dK/dV accumulators
+ *                  (2 x M x n_head x head_dim floats) during backward; S^2-Attn uses the same
+ *                  tiled kernel, so it changes the work, not the memory
+ *   eval           a held-out length longer than the micro-batch (eval.lengths) gets its own
+ *                  checkpointed step context of that many tokens
  *   runtime        libraries, OpenMP/OpenBLAS per-thread buffers: a measured constant
  *                  (BT_EST_RUNTIME_MIB + BT_EST_THREAD_MIB per thread)
  * The CPU peak is max(training, load): while a GGUF loads, the file's tensor bytes are mapped
@@ -31,8 +37,11 @@
  * master + grad + m + v plus a bf16 compute copy (18 bytes per parameter); LoRA+ dense the same
  * 18 bytes per parameter (fp32 master/grad/m/v + the bf16 weight the kernels read, which replaces
  * the frozen bf16 copy); activations as on CPU but 2 bytes per element (the attention lse and
- * RMSNorm rstd stay fp32); loss chunk = chunk x vocab fp32 logits + bf16 dlogits; runtime = CUDA
- * context + cuBLAS workspace (BT_EST_CUDA_CONTEXT_MIB, typical for an H100; not device-exact). */
+ * RMSNorm rstd stay fp32), with cuda.offload_checkpoints the n_layer + 1 layer inputs move to
+ * pinned host memory and three device buffers remain; loss chunk = chunk x vocab fp32 logits +
+ * bf16 dlogits; the attention kernels are tiled (no T x T memory, S^2 or not) plus an fp32
+ * delta [M, n_head]; runtime = CUDA context + cuBLAS workspace (BT_EST_CUDA_CONTEXT_MIB, typical
+ * for an H100; not device-exact). */
 #ifndef BT_TRAINER_ESTIMATE_H
 #define BT_TRAINER_ESTIMATE_H
 #include <stdint.h>
@@ -73,6 +82,10 @@ enum { BT_EST_CPU = 0, BT_EST_CUDA = 1 };
 /* The bill in bytes. */
 typedef struct {
     double base, embed, norms, lora, dense, acts, loss_ws, other, save, runtime;
+    double attn;      /* CPU attention scratch (score tiles; per-head dK/dV with GQA), transient */
+    double eval;      /* CPU: a held-out length's own workspace (eval.lengths > the micro-batch) */
+    double host;      /* CUDA with cuda.offload_checkpoints: pinned host memory of the layer inputs
+                       * (not in total / peak, which are device bytes) */
     double total;     /* sum of the above: steady state while training */
     double load_peak; /* CPU only: while loading (0 for CUDA) */
     double peak;      /* max(total, load_peak) */
@@ -85,8 +98,16 @@ typedef struct {
 void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
                       bt_mem_bill *b);
 
+/* The longest data.seq_len (a multiple of 64) whose peak fits in `bytes` on backend `dev` for
+ * this job (micro_batch_size, LoRA, checkpointing as configured, "auto" resolved per length,
+ * offload), or 0 when not even 64 tokens fit. */
+int bt_estimate_max_seq_len(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
+                            double bytes);
+
 /* `trainer estimate`: read cfg->model's hyper-parameters and print both bills as a table to
- * `out`. Returns 0 or the error of bt_est_model_read. */
+ * `out`; fit_gib > 0 also answers "the longest seq_len that fits in fit_gib GiB" for the CPU and
+ * a GPU (bt_estimate_max_seq_len). Returns 0 or the error of bt_est_model_read. */
 int bt_estimate_print(const bt_train_config *cfg, FILE *out);
+int bt_estimate_print_ex(const bt_train_config *cfg, double fit_gib, FILE *out);
 
 #endif

@@ -31,7 +31,7 @@ static void usage(FILE *f) {
             "                     [--resume CKPT_DIR] [--device cpu|cuda] [--profile]\n"
             "       trainer eval  --config JOB [--adapter DIR | --checkpoint DIR] [--set ...]\n"
             "                     [--device cpu|cuda]\n"
-            "       trainer estimate --config JOB [--set key.path=value ...]\n"
+            "       trainer estimate --config JOB [--set key.path=value ...] [--max-seq-len-for GiB]\n"
             "       trainer report RUN_DIR             (the plot of a run's metrics.jsonl)\n"
             "       trainer config --template default|qlora|long-context [--documented]\n"
             "                      [--format json|yaml]\n"
@@ -49,7 +49,8 @@ static void usage(FILE *f) {
             "eval   held-out loss and perplexity on eval.shards of the base model, of a PEFT adapter\n"
             "       (--adapter DIR: ours or written by PEFT) or of a checkpoint (--checkpoint DIR,\n"
             "       config resume_from).\n"
-            "estimate  memory bill (CPU fp32 and CUDA bf16) from the model's header and the job.\n"
+            "estimate  memory bill (CPU fp32 and CUDA bf16) from the model's header and the job;\n"
+            "          --max-seq-len-for GiB: the longest data.seq_len that fits in that memory.\n"
             "config    print a config template (--documented: with \"#\" comment keys, which the\n"
             "          parser ignores), or validate a job and print its effective config (--print\n"
             "          KEY: one key's value, e.g. --print socket).\n"
@@ -118,6 +119,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *config = NULL;
+    double fit_gib = 0;
     static char device_set[64]; /* "--device X" is "--set device=X" */
     const char **sets = calloc((size_t)argc, sizeof(char *));
     /* what each setting was given as on the command line, for refusals */
@@ -160,6 +162,15 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--profile")) {
             if (cmd == BT_CMD_TRAIN) profile = 1;
             else opt = "--profile (trainer train --profile)";
+        } else if (!strcmp(a, "--max-seq-len-for") && i + 1 < argc) {
+            char *end;
+            if (cmd != BT_CMD_ESTIMATE) {
+                opt = "--max-seq-len-for (trainer estimate --max-seq-len-for GiB)";
+            } else if (fit_gib = strtod(argv[++i], &end), *end || !(fit_gib > 0) || fit_gib > 1e6) {
+                fprintf(stderr, "trainer: --max-seq-len-for: expected a memory size in GiB > 0, "
+                        "got \"%s\"\n", argv[i]);
+                rc = 2;
+            }
         } else {
             fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", a);
             rc = 2;
@@ -219,7 +230,7 @@ int main(int argc, char **argv) {
         return rc;
     }
     if (cmd == BT_CMD_ESTIMATE) {
-        rc = bt_estimate_print(&cfg, stdout);
+        rc = bt_estimate_print_ex(&cfg, fit_gib, stdout);
         if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
         bt_config_free(&cfg);
         return rc ? 1 : 0;

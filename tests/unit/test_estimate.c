@@ -256,12 +256,62 @@ static void test_gguf_base(void **st) {
     assert_int_equal(tu_remove_dir(dir), 0);
 }
 
+/* Long rows: offload moves the layer inputs to pinned host memory (three device buffers stay);
+ * a held-out length beyond the micro-batch adds a checkpointed workspace of that length; the
+ * CPU attention scratch holds per-head dK/dV with GQA; S^2 changes no memory; the longest
+ * seq_len that fits is found for each backend (it fits, 64 more tokens do not). */
+static void test_long_rows(void **st) {
+    (void)st;
+    bt_est_model em = est_model(1);
+    int threads = omp_get_max_threads();
+    bt_train_config c;
+    config(&c, ", \"activation_checkpointing\": true");
+    bt_mem_bill a, b;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &a);
+    c.cuda_offload = 1;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &b);
+    const double M = 48 * 3, D = k_hp.d_model;
+    assert_true(a.host == 0 && b.host == (k_hp.n_layer + 1) * M * D * 2.0);
+    assert_true(fabs((a.acts - b.acts) - (k_hp.n_layer + 1 - 3) * M * D * 2.0) < 1.0);
+    c.cuda_offload = 0;
+    bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &a);
+    assert_true(a.attn >= 2.0 * M * k_hp.n_head * k_hp.head_dim * 4.0); /* GQA 4 / 2 */
+    assert_true(a.eval == 0);
+    c.eval.n_shards = 1;
+    c.eval.n_lengths = 2;
+    c.eval.lengths[0] = 64;
+    c.eval.lengths[1] = 1000; /* > 144 tokens per micro-batch */
+    bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+    assert_true(b.eval > a.acts && b.total > a.total);
+    c.eval.n_lengths = 0;
+    c.s2_group_fraction = 0.25;
+    bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+    assert_true(b.total == a.total);
+    for (int dev = BT_EST_CPU; dev <= BT_EST_CUDA; dev++) {
+        const double budget = 64.0 * 1048576.0 + (dev ? 600.0 * 1048576.0 : 0.0);
+        const int T = bt_estimate_max_seq_len(&em, &c, dev, threads, budget);
+        assert_true(T > 0 && T % 64 == 0);
+        c.data.seq_len = T;
+        bt_estimate_bill(&em, &c, dev, threads, &b);
+        assert_true(b.peak <= budget);
+        c.data.seq_len = T + 64;
+        bt_estimate_bill(&em, &c, dev, threads, &b);
+        assert_true(b.peak > budget);
+        fprintf(stderr, "# %s: longest seq_len x 3 rows in %.0f MiB: %d\n", dev ? "CUDA" : "CPU",
+                budget / 1048576.0, T);
+        c.data.seq_len = 48;
+    }
+    assert_int_equal(bt_estimate_max_seq_len(&em, &c, BT_EST_CPU, threads, 1.0), 0);
+    bt_config_free(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_nf4),     cmocka_unit_test(test_fp32_untied),
         cmocka_unit_test(test_checkpointing), cmocka_unit_test(test_lora_plus),
         cmocka_unit_test(test_scaling),       cmocka_unit_test(test_read_gguf),
         cmocka_unit_test(test_wide_heads_nf4), cmocka_unit_test(test_gguf_base),
+        cmocka_unit_test(test_long_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
