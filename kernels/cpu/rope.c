@@ -259,15 +259,24 @@ float bt_rope_yarn_attention_factor(float factor, float attention_factor)
     return (float)(0.1 * log((double)factor) + 1.0); /* a Python float; used by torch in fp32 */
 }
 
-int bt_rope_inv_freq_yarn(float *inv_freq, int D, float theta, float factor, int orig,
-                          float beta_fast, float beta_slow)
+/* Arguments checked, default betas filled in, the correction range [*lo, *hi]. */
+static int yarn_prepare(const float *inv_freq, int D, float theta, float factor, int orig,
+                        float beta_fast, float beta_slow, int *lo, int *hi)
 {
     int rc = inv_freq ? yarn_check(D, theta, factor, orig, &beta_fast, &beta_slow)
                       : bt_fail(BT_ERR_INVALID, "rope: yarn: NULL table");
+    if (!rc)
+        yarn_range(D, theta, orig, beta_fast, beta_slow, lo, hi);
+    return rc;
+}
+
+int bt_rope_inv_freq_yarn(float *inv_freq, int D, float theta, float factor, int orig,
+                          float beta_fast, float beta_slow)
+{
+    int lo, hi;
+    int rc = yarn_prepare(inv_freq, D, theta, factor, orig, beta_fast, beta_slow, &lo, &hi);
     if (rc)
         return rc;
-    int lo, hi;
-    yarn_range(D, theta, orig, beta_fast, beta_slow, &lo, &hi);
     const float f = factor;
     for (int i = 0; i < D / 2; i++) {
         /* pos_freqs = base ** (arange(0, dim, 2).float() / dim); extrapolation = 1 / pos_freqs;
@@ -283,12 +292,10 @@ int bt_rope_inv_freq_yarn(float *inv_freq, int D, float theta, float factor, int
 int bt_rope_yarn_mix(float *inv_freq, int D, float theta, float factor, int orig, float beta_fast,
                      float beta_slow)
 {
-    int rc = inv_freq ? yarn_check(D, theta, factor, orig, &beta_fast, &beta_slow)
-                      : bt_fail(BT_ERR_INVALID, "rope: yarn: NULL table");
+    int lo, hi;
+    int rc = yarn_prepare(inv_freq, D, theta, factor, orig, beta_fast, beta_slow, &lo, &hi);
     if (rc)
         return rc;
-    int lo, hi;
-    yarn_range(D, theta, orig, beta_fast, beta_slow, &lo, &hi);
     for (int i = 0; i < D / 2; i++) {
         const float e = yarn_extrap_weight(i, lo, hi);
         inv_freq[i] = (inv_freq[i] / factor) * (1.0f - e) + inv_freq[i] * e;

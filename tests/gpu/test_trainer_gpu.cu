@@ -257,11 +257,13 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
 
 /* llama3: Llama 3.1 RoPE ("llama3" rope_scaling, factor 8, low 1, high 4, original 128 so that the
  * table has all three regions at head_dim 64, theta 500000): the GPU uses the model's inv_freq table. */
-static void run_tiny_case(const Case &cs, bool llama3 = false, int ext = BT_ROPE_EXT_NONE)
+/* The tiny Llama of these cases: n_layer layers of 256, 4 heads of 64 over 2 KV heads, FFN 512,
+ * vocab 1000, context 1024. */
+static bt_llama_hparams tiny_hp(int n_layer)
 {
     bt_llama_hparams hp;
     memset(&hp, 0, sizeof hp);
-    hp.n_layer = 2;
+    hp.n_layer = n_layer;
     hp.d_model = 256;
     hp.n_head = 4;
     hp.n_kv_head = 2;
@@ -271,6 +273,12 @@ static void run_tiny_case(const Case &cs, bool llama3 = false, int ext = BT_ROPE
     hp.ctx = 1024;
     hp.rope_theta = 10000.f;
     hp.rms_eps = 1e-5f;
+    return hp;
+}
+
+static void run_tiny_case(const Case &cs, bool llama3 = false, int ext = BT_ROPE_EXT_NONE)
+{
+    bt_llama_hparams hp = tiny_hp(2);
     if (llama3) {
         hp.rope_type = BT_ROPE_LLAMA3;
         hp.rope_theta = 500000.f;
@@ -370,18 +378,7 @@ static void test_tiny_long_context(void)
  * copies are synchronous: this checks the buffer and event bookkeeping, not the overlap.) */
 static void test_tiny_offload(void)
 {
-    bt_llama_hparams hp;
-    memset(&hp, 0, sizeof hp);
-    hp.n_layer = 3;
-    hp.d_model = 256;
-    hp.n_head = 4;
-    hp.n_kv_head = 2;
-    hp.head_dim = 64;
-    hp.d_ff = 512;
-    hp.vocab = 1000;
-    hp.ctx = 1024;
-    hp.rope_theta = 10000.f;
-    hp.rms_eps = 1e-5f;
+    const bt_llama_hparams hp = tiny_hp(3);
     bt_model m;
     bt_lora lo;
     if (bt_model_init_random(&m, &hp, BT_BASE_NF4, 1, 42) != 0 ||

@@ -37,30 +37,18 @@ Usage (repo root; `make fixtures` runs it after gen_hf_fixtures.py):
 Re-executes itself inside .venv-hf (created by gen_hf_fixtures.py). Deterministic (fixed seed,
 fp32, 1 thread).
 """
-import os
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VENV = REPO / ".venv-hf"
+sys.path.insert(0, str(HERE))
+from venv_hf import reexec_in_venv_hf  # noqa: E402
 
-if os.environ.get("BT_HF_IN_VENV") != "1" and "--no-venv" not in sys.argv:
-    py = VENV / "bin" / "python"
-    if not py.exists():
-        sys.exit(f"gen_rope_ext: {VENV} is missing: run tests/reference/gen_hf_fixtures.py first "
-                 "(it creates it with tests/reference/requirements-hf.txt)")
-    env = dict(os.environ, BT_HF_IN_VENV="1", PYTHONHASHSEED="0")
-    os.execve(str(py), [str(py), str(Path(__file__).resolve())] + sys.argv[1:], env)
-
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+reexec_in_venv_hf(__file__, "gen_rope_ext")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
@@ -68,6 +56,8 @@ from safetensors.torch import save_file  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
+
+from gen_rope_fixtures import tiny_model  # noqa: E402  (same directory)
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -102,22 +92,6 @@ TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_laye
             tie_word_embeddings=False, attention_bias=False, mlp_bias=False, rope_scaling=None)
 
 
-def tiny_model(cfg_dict):
-    cfg = LlamaConfig(**cfg_dict)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(4321)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # unit-scale activations so RoPE visibly matters (HF init is std 0.02)
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
-    return m
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "hf"))
@@ -150,7 +124,7 @@ def main():
         print(f"[gen_rope_ext] {name}: attention factor {att:.6g}, inv_freq[0] {inv[0]:.6g} "
               f"inv_freq[-1] {inv[-1]:.6g}")
 
-    base = tiny_model(TINY)
+    base = tiny_model(TINY, seed=4321)
     T = 24
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, TINY["vocab_size"], (1, T), generator=g)

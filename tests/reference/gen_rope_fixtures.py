@@ -27,26 +27,15 @@ Usage (repo root; `make fixtures` runs it after gen_hf_fixtures.py):
 Re-executes itself inside .venv-hf (created by gen_hf_fixtures.py; torch 2.5.1, transformers
 4.46.3). `--no-venv` runs in the current interpreter. Deterministic (fixed seed, fp32, 1 thread).
 """
-import os
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VENV = REPO / ".venv-hf"
+sys.path.insert(0, str(HERE))
+from venv_hf import reexec_in_venv_hf  # noqa: E402
 
-if os.environ.get("BT_HF_IN_VENV") != "1" and "--no-venv" not in sys.argv:
-    py = VENV / "bin" / "python"
-    if not py.exists():
-        sys.exit(f"gen_rope: {VENV} is missing: run tests/reference/gen_hf_fixtures.py first "
-                 "(it creates it with tests/reference/requirements-hf.txt)")
-    env = dict(os.environ, BT_HF_IN_VENV="1", PYTHONHASHSEED="0")
-    os.execve(str(py), [str(py), str(Path(__file__).resolve())] + sys.argv[1:], env)
-
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+reexec_in_venv_hf(__file__, "gen_rope")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -121,10 +110,11 @@ TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_laye
                               high_freq_factor=4.0, original_max_position_embeddings=8192))
 
 
-def tiny_model(cfg_dict):
+def tiny_model(cfg_dict, seed=1234):
+    """A LlamaForCausalLM with unit-scale random weights (also used by gen_rope_ext_fixtures.py)."""
     cfg = LlamaConfig(**cfg_dict)
     cfg._attn_implementation = "eager"
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # unit-scale activations so RoPE visibly matters (HF init is std 0.02)
         for name, p in m.named_parameters():

@@ -30,7 +30,6 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
-#include <ftw.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -49,6 +48,7 @@
 #include "trainer/lora.h"
 #include "trainer/model.h"
 #include "trainer/step.h"
+#include "tests/unit/util/test_util.h"
 
 #define FIX "tests/fixtures/hf/rope_ext.safetensors"
 #define TINY_DIR "tests/fixtures/hf/tiny-llama-ctx256"
@@ -70,29 +70,17 @@ static int setup(void **st) {
         fprintf(stderr, "cannot open %s: %s\n", FIX, bt_last_error());
         return -1;
     }
-    snprintf(g_tmp, sizeof g_tmp, "/tmp/bt_ropeext_XXXXXX");
-    return mkdtemp(g_tmp) ? 0 : -1;
-}
-
-static int rm_cb(const char *p, const struct stat *sb, int fl, struct FTW *f) {
-    (void)sb, (void)fl, (void)f;
-    return remove(p);
+    return tu_make_tmpdir(g_tmp, sizeof g_tmp, "ropeext");
 }
 
 static int teardown(void **st) {
     (void)st;
     bt_st_close(g_fix);
-    nftw(g_tmp, rm_cb, 8, FTW_DEPTH | FTW_PHYS);
-    return 0;
+    return tu_remove_dir(g_tmp);
 }
 
 static const void *fix(const char *name, bt_st_dtype dt, int64_t n) {
-    const bt_st_tensor *t = bt_st_find(g_fix, name);
-    if (!t) fail_msg("fixture lacks %s", name);
-    if (t->dtype != dt || (n >= 0 && (int64_t)(t->nbytes / 4) != n))
-        fail_msg("fixture %s: dtype %d, %zu bytes, want %lld elements", name, t->dtype, t->nbytes,
-                 (long long)n);
-    return t->data;
+    return tu_st_data(g_fix, name, dt, n);
 }
 
 static const void *fixn(const char *pre, const char *cs, bt_st_dtype dt, int64_t n) {

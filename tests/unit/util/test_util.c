@@ -14,6 +14,7 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/safetensors.h"
 #include "tests/unit/util/test_util.h"
 
 const char *tu_model_path(void) {
@@ -143,4 +144,13 @@ int tu_st_put_nan(const char *path, const char *name, size_t elem) {
     json_decref(h);
     free(b);
     return done;
+}
+
+const void *tu_st_data(struct bt_st_file *f, const char *name, int dt, int64_t n) {
+    const bt_st_tensor *t = bt_st_find(f, name);
+    if (!t) fail_msg("fixture lacks %s", name);
+    if ((int)t->dtype != dt || (n >= 0 && (int64_t)(t->nbytes / 4) != n))
+        fail_msg("fixture %s: dtype %d, %zu bytes, want dtype %d with %lld elements", name,
+                 (int)t->dtype, t->nbytes, dt, (long long)n);
+    return t->data;
 }

@@ -54,4 +54,10 @@ void *tu_zstd_frame(const void *src, size_t n, size_t *zn);
  * tensor; asserts on anything else. */
 int tu_st_put_nan(const char *path, const char *name, size_t elem);
 
+/* The data of fixture tensor `name` in an open safetensors file, checked to have dtype dt (a
+ * bt_st_dtype) and n 4-byte elements (n < 0: any count); fails the test naming the tensor
+ * otherwise. Borrowed from the file. */
+struct bt_st_file;
+const void *tu_st_data(struct bt_st_file *f, const char *name, int dt, int64_t n);
+
 #endif
