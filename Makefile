@@ -70,7 +70,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model test unit unit-asan pytest pytest-torch demo install clean bench shards test-slurm
+.PHONY: all setup model test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm
 .SECONDARY:
 
 all: $(BINS) $(TOOLS)
@@ -133,6 +133,14 @@ demo: setup
 	@$(MAKE) --no-print-directory all
 	@bash scripts/demo.sh
 
+# `make demo-long`: SmolLM2 extended 8192 -> 16384 tokens (linear interpolation + S2-Attn) on
+# long real documents, held-out perplexity at 2K / 16K before and after, S2 vs full attention
+# step time and peak memory (scripts/demo-long.sh; not part of `make test`).
+demo-long: setup
+	@$(MAKE) --no-print-directory model
+	@$(MAKE) --no-print-directory all
+	@bash scripts/demo-long.sh
+
 bench: setup
 	@$(MAKE) --no-print-directory model all
 	@bash tests/bench/run.sh
@@ -190,6 +198,7 @@ fixtures:
 	.venv-nf4/bin/pip install -q bitsandbytes==0.48.2 torch==2.15.0
 	.venv-nf4/bin/python tests/reference/gen_nf4_fixtures.py tests/fixtures/nf4
 	$(PYTHON) tests/reference/gen_rope_fixtures.py
+	$(PYTHON) tests/reference/gen_rope_ext_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs

@@ -26,6 +26,24 @@ Returns a dict of the measured differences and raises AssertionError past the to
 (build/tools/mk_tiny_gguf), trains a LoRA on it with OUR trainer through loaderd (fp32 base, all 7
 modules, lr 1e-2), converts the GGUF to a Hugging Face directory with transformers' own GGUF loader
 (independent of our code), then runs check_peft_adapter on the trained adapter.
+
+`--context-extension` (issue 12): for each method (linear, yarn, dynamic), OUR trainer trains a
+LoRA on the tiny GGUF (trained context 128) with context_extension {target_length 256, method}
+on 256-token text rows; then, at positions 200..223 (beyond the original context):
+  1. BarqTrain's logits (build/tools/bt_logits: base + adapter, which applies the extension the
+     adapter records) against transformers' on `trainer export --format safetensors --dtype f32`
+     (config.json rope_scaling / max_position_embeddings as written), and visibly not those of
+     the same weights without the scaling;
+  2. `--format gguf --dtype f32`: gguf-py reads llama.rope.scaling.{type, factor,
+     original_context_length, attn_factor} and llama.context_length; transformers' GGUF loader
+     does not map those keys to rope_scaling, so they are given to from_pretrained(gguf_file=...)
+     as the rope_scaling they describe (llama.cpp semantics: attn_factor x (1 + 0.1 ln factor) is
+     YaRN's attention factor) and the logits must match; dynamic NTK is refused (llama.cpp has no
+     equivalent) with a message;
+  3. `--format gguf-lora`: the same keys, recorded as notes for the base;
+  4. the adapter's adapter_config.json records the extension (barqtrain_context_extension).
+Run it in .venv-hf (transformers 4.46) and with the newest transformers: the exported configs are
+written so that both read the same positions.
 """
 import argparse
 import json
@@ -198,18 +216,22 @@ def check_peft_adapter(base_hf_dir, adapter_dir, base_model=None, work=None, seq
 
 # ---- --demo: an adapter trained by our trainer ----
 
-def make_trained_adapter(work, steps):
+def make_trained_adapter(work, steps, ctx=2048, job_extra=None, text=False):
     import gguf  # noqa: F401
     smol = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tiny = work / "tiny.gguf"
     subprocess.run([str(REPO / "build" / "tools" / "mk_tiny_gguf"), "--out", str(tiny),
                     "--tokenizer-from", str(smol), "--layers", "2", "--hidden", "64", "--heads", "4",
-                    "--kv-heads", "2", "--ffn", "128", "--seed", "7"], check=True)
+                    "--kv-heads", "2", "--ffn", "128", "--seed", "7", "--ctx", str(ctx)], check=True)
     data = work / "data"
     data.mkdir(exist_ok=True)
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"What is item {i}?"},
-                                      {"role": "assistant", "content": f"Item {i} is {i * 7}."}]})
-             for i in range(64)]
+    if text:  # long documents: rows of consecutive text, positions up to seq_len - 1
+        lines = [json.dumps({"text": " ".join(f"item {i * 97 + j} is {(i * 97 + j) * 7}."
+                                              for j in range(300))}) for i in range(8)]
+    else:
+        lines = [json.dumps({"messages": [{"role": "user", "content": f"What is item {i}?"},
+                                          {"role": "assistant", "content": f"Item {i} is {i * 7}."}]})
+                 for i in range(64)]
     (data / "train.jsonl").write_text("\n".join(lines) + "\n")
     sock = work / "ld.sock"
     (work / "loaderd.json").write_text(json.dumps({"socket": str(sock), "data_roots": [str(data)],
@@ -228,6 +250,9 @@ def make_trained_adapter(work, steps):
                "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
                "optim": {"lr": 1e-2, "warmup_steps": 1}, "steps": steps, "threads": 1,
                "out_dir": str(work / "adapter")}
+        if text:
+            job["data"]["format"] = "text"
+        job.update(job_extra or {})
         (work / "job.json").write_text(json.dumps(job))
         subprocess.run([str(TRAINER), "train", "--config", str(work / "job.json")], check=True,
                        cwd=REPO)
@@ -496,6 +521,96 @@ def check_hf_dir(work, shard="200MB"):
     return res
 
 
+def check_context_extension(work):
+    import numpy as np
+    import torch
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    res = {}
+    ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(200, 224).view(1, -1)
+    for method in ("linear", "yarn", "dynamic"):
+        w = work / method
+        w.mkdir(parents=True, exist_ok=True)
+        tiny, adapter = make_trained_adapter(
+            w, 2, ctx=128, text=True,
+            job_extra={"context_extension": {"target_length": 256, "method": method},
+                       "data": {"shards": [str(w / "data" / "train.jsonl")], "format": "text",
+                                "seq_len": 256, "micro_batch_size": 1, "seed": 5},
+                       "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}})
+        note = json.loads((adapter / "adapter_config.json").read_text())["barqtrain_context_extension"]
+        assert note["method"] == method and note["target_length"] == 256, note
+        out = w / "ours.f32"
+        r = subprocess.run([str(REPO / "build" / "tools" / "bt_logits"), "--model", str(tiny),
+                            "--adapter", str(adapter), "--ids", ",".join(map(str, ids[0].tolist())),
+                            "--pos0", "200", "--out", str(out)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        n, V, ctx = map(int, r.stdout.split())
+        assert ctx == 256
+        ours = torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(n, V))
+        amax = float(ours.abs().max())
+
+        def logits(m):
+            with torch.no_grad():
+                return m(input_ids=ids, position_ids=pos).logits[0].float()
+
+        # 1. merged safetensors: config.json carries the extension
+        st = w / "merged-st"
+        export(tiny, adapter, "safetensors", st, "f32")
+        cfg = json.loads((st / "config.json").read_text())
+        m = AutoModelForCausalLM.from_pretrained(st, torch_dtype=torch.float32).eval()
+        d = float((logits(m) - ours).abs().max())
+        plain = AutoModelForCausalLM.from_pretrained(st, torch_dtype=torch.float32, rope_scaling=None,
+                                                     max_position_embeddings=256).eval()
+        d0 = float((logits(plain) - ours).abs().max())
+        res[f"{method}_safetensors_logits_maxdiff"] = d
+        res[f"{method}_safetensors_rope_scaling"] = cfg["rope_scaling"]
+        res[f"{method}_vs_unscaled_logits_maxdiff"] = d0
+        assert d <= 1e-4 * max(1.0, amax), (method, d)
+        assert d0 > 100 * d, (method, d0, d)
+        # 2. merged GGUF: llama.cpp's keys
+        g = w / "merged.gguf"
+        r = subprocess.run([str(TRAINER), "export", "--model", str(tiny), "--adapter", str(adapter),
+                            "--format", "gguf", "--out", str(g), "--dtype", "f32"],
+                           capture_output=True, text=True, cwd=REPO)
+        if method == "dynamic":
+            assert r.returncode != 0 and "dynamic" in r.stderr, r.stderr
+            res["dynamic_gguf"] = "refused: " + r.stderr.strip().splitlines()[-1][:160]
+        else:
+            assert r.returncode == 0, r.stderr
+            rd = gguf.GGUFReader(str(g))
+
+            def kv(key):
+                f = rd.fields[key]
+                v = f.parts[f.data[0]]
+                return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else v[0].item()
+            assert kv("llama.rope.scaling.type") == method and kv("llama.context_length") == 256
+            factor, orig = kv("llama.rope.scaling.factor"), kv("llama.rope.scaling.original_context_length")
+            assert factor == 2.0 and orig == 128
+            rs = {"rope_type": method, "factor": factor}
+            over = {}
+            if method == "yarn":
+                rs["attention_factor"] = kv("llama.rope.scaling.attn_factor") * (0.1 * np.log(factor) + 1)
+                rs["original_max_position_embeddings"] = orig
+                over["max_position_embeddings"] = orig  # transformers 4.4x reads the range from it
+            mg = AutoModelForCausalLM.from_pretrained(str(w), gguf_file=g.name, torch_dtype=torch.float32,
+                                                      rope_scaling=rs, **over).eval()
+            if json.loads((st / "config.json").read_text()).get("tie_word_embeddings"):
+                mg.lm_head.weight = mg.model.embed_tokens.weight
+            d = float((logits(mg) - ours).abs().max())
+            res[f"{method}_gguf_logits_maxdiff"] = d
+            assert d <= 1e-4 * max(1.0, amax), (method, d)
+        # 3. the LoRA GGUF records the same keys
+        lg = w / "lora.gguf"
+        export(tiny, adapter, "gguf-lora", lg, "f32")
+        rd = gguf.GGUFReader(str(lg))
+        f = rd.fields["llama.rope.scaling.type"]
+        assert bytes(f.parts[f.data[0]]).decode() == method
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-hf")
@@ -506,12 +621,16 @@ def main():
     ap.add_argument("--hf-dir", action="store_true",
                     help="check the merged directory with AutoTokenizer / pipeline (check_hf_dir)")
     ap.add_argument("--record", help="also write the results (JSON) to this file")
+    ap.add_argument("--context-extension", action="store_true",
+                    help="check exports of extended models (check_context_extension)")
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="bt-check-exports-"))
     work.mkdir(parents=True, exist_ok=True)
     if a.hf_dir:
         results = check_hf_dir(work)
+    elif a.context_extension:
+        results = check_context_extension(work)
     elif a.demo:
         tiny, adapter = make_trained_adapter(work, a.steps)
         base_hf = gguf_to_hf(tiny, work / "base-hf")

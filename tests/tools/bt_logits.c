@@ -1,0 +1,79 @@
+/* bt_logits: BarqTrain's logits for one token sequence at chosen positions, for the reference
+ * cross-checks in Python (tests/reference/check_exports.py --context-extension):
+ *
+ *   bt_logits --model BASE.gguf|HF_DIR [--adapter PEFT_DIR] --ids 1,2,3 --pos0 P --out FILE
+ *
+ * Loads the base with fp32 linears (as `trainer export` does), the adapter when given (applying
+ * the context extension its adapter_config.json records, trainer/adapter_load.h), and writes the
+ * logits of the sequence at position_ids P, P+1, ... (one causal segment; full attention) as raw
+ * little-endian float32 [n, vocab] to FILE (step.h bt_forward_logits). Prints "n vocab ctx" on
+ * stdout. Exit 0, 1 (runtime error, message on stderr) or 2 (usage). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "trainer/adapter_load.h"
+#include "trainer/lora.h"
+#include "trainer/model.h"
+#include "trainer/step.h"
+
+static int usage(void) {
+    fprintf(stderr, "usage: bt_logits --model BASE --ids 1,2,3 --pos0 P --out FILE [--adapter DIR]\n");
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    const char *model = NULL, *adapter = NULL, *ids_s = NULL, *out = NULL;
+    long pos0 = 0;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--model")) model = argv[i + 1];
+        else if (!strcmp(argv[i], "--adapter")) adapter = argv[i + 1];
+        else if (!strcmp(argv[i], "--ids")) ids_s = argv[i + 1];
+        else if (!strcmp(argv[i], "--out")) out = argv[i + 1];
+        else if (!strcmp(argv[i], "--pos0")) pos0 = strtol(argv[i + 1], NULL, 10);
+        else return usage();
+    }
+    if (!model || !ids_s || !out || pos0 < 0 || pos0 > (1L << 30)) return usage();
+    int n = 1;
+    for (const char *p = ids_s; *p; p++) n += *p == ',';
+    int32_t *ids = calloc((size_t)n, 4), *lab = calloc((size_t)n, 4), *pos = calloc((size_t)n, 4);
+    char *end = (char *)ids_s;
+    for (int i = 0; i < n; i++) {
+        ids[i] = (int32_t)strtol(end, &end, 10);
+        if (*end == ',') end++;
+        lab[i] = -100;
+        pos[i] = (int32_t)(pos0 + i);
+    }
+    bt_model m;
+    bt_lora lo;
+    memset(&lo, 0, sizeof lo);
+    bt_model_load_opts o = {BT_BASE_FP32, 0};
+    int rc = bt_model_load(&m, model, &o);
+    if (!rc && adapter) rc = bt_lora_load_peft(&lo, &m, adapter);
+    if (!rc && adapter) rc = bt_adapter_apply_context(&m, adapter);
+    bt_step_ctx *ctx = NULL;
+    float *lg = NULL;
+    if (!rc) rc = bt_step_ctx_new(&ctx, &m, adapter ? &lo : NULL, n, 0);
+    if (!rc) {
+        int32_t cu[2] = {0, n};
+        bt_microbatch mb = {1, n, ids, lab, pos, cu, 2};
+        lg = malloc((size_t)n * m.hp.vocab * sizeof(float));
+        rc = lg ? bt_forward_logits(ctx, &m, adapter ? &lo : NULL, &mb, lg) : BT_ERR_NOMEM;
+    }
+    if (!rc) {
+        FILE *f = fopen(out, "wb");
+        if (!f || fwrite(lg, sizeof(float), (size_t)n * m.hp.vocab, f) != (size_t)n * m.hp.vocab ||
+            fclose(f) != 0)
+            rc = bt_fail(BT_ERR_IO, "cannot write %s", out);
+        else
+            printf("%d %d %d\n", n, m.hp.vocab, m.hp.ctx);
+    }
+    if (rc) fprintf(stderr, "bt_logits: %s\n", bt_last_error());
+    free(lg);
+    bt_step_ctx_free(ctx);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
+    free(ids), free(lab), free(pos);
+    return rc ? 1 : 0;
+}
