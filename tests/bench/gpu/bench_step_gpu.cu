@@ -10,6 +10,14 @@
  *                             weights); also random:smollm2-135m. Bench-only spec.
  *   --B 1 --T 4096 --r 16 --alpha 32 --dropout 0.05 --steps 10 --warmup 2 --ckpt 0|1
  *   --attn wmma|mma --nf4 dequant|fused   kernel choices (config cuda.attention / cuda.nf4_matmul)
+ * Long context (issue 12):
+ *   --s2 F          S^2-Attn in training with groups of F x T tokens (0 = full attention)
+ *   --offload 0|1   checkpointed layer inputs in pinned host memory (needs --ckpt 1)
+ *   --extend L      context_extension (linear) of the model to L >= T tokens first
+ *   --max-T 1       instead of timing: double T from --T until a step no longer fits on the device
+ *                   (trainer creation or the step fails for memory) and print the longest T that
+ *                   ran one step next to `trainer estimate`'s prediction for the device's memory
+ *                   (bt_estimate_max_seq_len with these settings, checkpointing on)
  * LoRA on all seven linears. Exit 77 without a device. */
 #include <cmath>
 #include <cstdio>
@@ -19,6 +27,8 @@
 
 extern "C" {
 #include "common/bt_common.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
 #include "trainer/lora.h"
 #include "trainer/model.h"
 #include "trainer/rng.h"
@@ -54,14 +64,93 @@ static int fake_model(bt_model *m, const char *spec)
             m->layers[l].lin[mod].cols = shape[mod][1];
             m->layers[l].lin[mod].is_nf4 = 1;
         }
-    return 0;
+    return bt_model_rope_init(m, nullptr); /* the RoPE table (a context extension scales it) */
+}
+
+/* One training step of B x T on a fresh trainer: 0 ok, 1 out of device memory, -1 other error. */
+static int try_step(const bt_model *m, bt_lora *lora, const bt_cuda_trainer_opts *o, int B, int T)
+{
+    bt_cuda_trainer *t = nullptr;
+    if (bt_cuda_trainer_new_ex(&t, m, lora, B * T, o) != 0)
+        return strstr(bt_last_error(), "out of") ? 1 : -1;
+    const int M = B * T;
+    std::vector<int32_t> ids(M), pos(M), cu(B + 1);
+    for (int i = 0; i < M; i++) {
+        ids[i] = (int32_t)((i * 7919u) % (unsigned)m->hp.vocab);
+        pos[i] = i % T;
+    }
+    for (int b = 0; b <= B; b++)
+        cu[b] = b * T;
+    bt_microbatch mb = {B, T, ids.data(), ids.data(), pos.data(), cu.data(), B + 1};
+    int rc = bt_cuda_trainer_zero_grad(t) ||
+             bt_cuda_trainer_step(t, &mb, 1, 1.0f / M, 0, nullptr, nullptr);
+    int oom = rc && (strstr(bt_last_error(), "out of memory") || strstr(bt_last_error(), "out of"));
+    bt_cuda_trainer_free(t);
+    cudaGetLastError();
+    return rc ? (oom ? 1 : -1) : 0;
+}
+
+/* The longest T (doubling from T0) that runs a step, and the estimate's answer for the device. */
+static int find_max_T(const char *model, const bt_model *m, bt_lora *lora,
+                      const bt_cuda_trainer_opts *o, int B, int T0, int r, double s2, int ext)
+{
+    size_t fr = 0, tot = 0;
+    cudaMemGetInfo(&fr, &tot);
+    int best = 0;
+    for (int T = T0; T <= (1 << 22) / B; T *= 2) {
+        bt_model mm = *m; /* the extension is a RoPE table: re-extend per length when asked */
+        float *own = mm.inv_freq;
+        if (ext) {
+            mm.inv_freq = (float *)malloc(sizeof(float) * (size_t)(m->hp.head_dim / 2));
+            memcpy(mm.inv_freq, own, sizeof(float) * (size_t)(m->hp.head_dim / 2));
+            mm.rope_freqs = nullptr;
+            if (T > mm.hp.ctx && bt_model_extend_context(&mm, BT_ROPE_EXT_LINEAR, T) != 0) {
+                free(mm.inv_freq);
+                break;
+            }
+        }
+        bt_cuda_trainer_opts oo = *o;
+        oo.s2_group = s2 > 0 ? 2 * (int)lround(T * s2 / 2) : 0;
+        const int rc = try_step(&mm, lora, &oo, B, T);
+        if (ext)
+            free(mm.inv_freq);
+        fprintf(stderr, "bench_step_gpu: T = %d: %s\n", T, rc == 0 ? "fits" : rc == 1 ? "out of memory" : bt_last_error());
+        if (rc != 0)
+            break;
+        best = T;
+    }
+    bt_est_model em;
+    memset(&em, 0, sizeof em);
+    em.hp = m->hp;
+    em.tied = m->tied;
+    for (int mod = 0; mod < BT_MOD_N; mod++) {
+        const int64_t n = (int64_t)m->layers[0].lin[mod].rows * m->layers[0].lin[mod].cols;
+        if (n > em.max_linear)
+            em.max_linear = n;
+    }
+    bt_train_config c;
+    char txt[512];
+    snprintf(txt, sizeof txt, "{\"model\": \"m\", \"data\": {\"shards\": [\"d\"], \"micro_batch_size\": "
+             "%d}, \"lora\": {\"r\": %d}, \"activation_checkpointing\": %s, \"cuda\": "
+             "{\"offload_checkpoints\": %s}}", B, r, o->checkpointing ? "true" : "false",
+             o->offload ? "true" : "false");
+    int predicted = -1;
+    if (bt_config_parse(&c, txt, "bench", nullptr, 0) == 0) {
+        predicted = bt_estimate_max_seq_len(&em, &c, BT_EST_CUDA, 1, (double)tot);
+        bt_config_free(&c);
+    }
+    printf("| barq (CUDA) longest T | %s | %d x T | %d | %s%s | T = %d runs (next doubling does not) | "
+           "estimate: %d | %.1f GiB device |\n", model, B, r, o->checkpointing ? "yes" : "no",
+           o->offload ? " + offload" : "", best, predicted, tot / 1073741824.0);
+    return best > 0 ? 0 : 1;
 }
 
 int main(int argc, char **argv)
 {
     const char *model = "random:llama2-7b";
     int B = 1, T = 4096, r = 16, steps = 10, warmup = 2, ckpt = 0, attn_mma = 0, nf4_fused = 0;
-    double alpha = 32, dropout = 0.05;
+    int offload = 0, extend = 0, max_T = 0;
+    double alpha = 32, dropout = 0.05, s2 = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--model")) model = v;
@@ -77,6 +166,10 @@ int main(int argc, char **argv)
             attn_mma = !strcmp(v, "mma");
         else if (!strcmp(a, "--nf4") && (!strcmp(v, "dequant") || !strcmp(v, "fused")))
             nf4_fused = !strcmp(v, "fused");
+        else if (!strcmp(a, "--s2")) s2 = atof(v);
+        else if (!strcmp(a, "--offload")) offload = atoi(v);
+        else if (!strcmp(a, "--extend")) extend = atoi(v);
+        else if (!strcmp(a, "--max-T")) max_T = atoi(v);
         else {
             fprintf(stderr, "unknown argument %s\n", a);
             return 2;
@@ -112,6 +205,14 @@ int main(int argc, char **argv)
     o.nf4_impl = nf4_fused;
     o.random_weights = rnd;
     o.random_seed = 1;
+    o.offload = offload;
+    o.s2_group = s2 > 0 ? 2 * (int)lround(T * s2 / 2) : 0;
+    if (max_T)
+        return find_max_T(model, &m, &lora, &o, B, T, r, s2, extend);
+    if (extend > m.hp.ctx && bt_model_extend_context(&m, BT_ROPE_EXT_LINEAR, extend) != 0) {
+        fprintf(stderr, "context extension: %s\n", bt_last_error());
+        return 1;
+    }
     bt_cuda_trainer *t = nullptr;
     if (bt_cuda_trainer_new_ex(&t, &m, &lora, B * T, &o) != 0) {
         printf("bench_step_gpu: FAILED to create the trainer: %s\n", bt_last_error());
@@ -152,14 +253,15 @@ int main(int argc, char **argv)
     const double tps = steps > 0 ? (double)M * steps / tt : 0;
     fprintf(stderr, "bench_step_gpu: last loss %.4f, peak device memory %.2f GiB (context/baseline %.2f GiB)\n",
             loss, peak / 1073741824.0, base / 1073741824.0);
-    printf("| barq (CUDA, %s attn, %s NF4) | %s | %d x %d | %d | %s | %.0f | %.1f | %.2f |\n",
-           attn_mma ? "mma" : "wmma", nf4_fused ? "fused" : "dequant", model, B, T, r,
+    char extra[96] = "";
+    if (o.s2_group || offload || extend)
+        snprintf(extra, sizeof extra, ", %s%s%s", o.s2_group ? "S2-Attn" : "full attn",
+                 offload ? ", offload" : "", extend ? ", extended" : "");
+    printf("| barq (CUDA, %s attn, %s NF4%s) | %s | %d x %d | %d | %s | %.0f | %.1f | %.2f |\n",
+           attn_mma ? "mma" : "wmma", nf4_fused ? "fused" : "dequant", extra, model, B, T, r,
            ckpt ? "yes" : "no", tps, steps > 0 ? 1e3 * tt / steps : 0.0, peak / 1073741824.0);
     bt_cuda_trainer_free(t);
     bt_lora_free(&lora);
-    if (rnd)
-        free(m.layers);
-    else
-        bt_model_free(&m);
+    bt_model_free(&m); /* random specs: layers hold only shapes (no buffers to free) */
     return 0;
 }

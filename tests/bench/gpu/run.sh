@@ -6,8 +6,14 @@
 #       transformers + PEFT (+ bitsandbytes NF4) (bench_hf_step.py), for SmolLM2-135M (BT_MODEL)
 #       and a Llama-2-7B-shaped random NF4 model, T = 4096, r = 16 on all linears.
 # Anything that cannot run prints "skipped: reason" (no GPU: the whole script says so, exits 0).
+#   (c) long context (issue 12): tokens/s of SmolLM2 and the Llama-2-7B-shaped model extended to
+#       BENCH_LONG_T tokens (linear interpolation) with S2-Attn (group 1/4) against full
+#       attention, activation checkpointing with and without offload of the checkpointed layer
+#       inputs to pinned host memory; and the longest T that runs one step on this GPU next to
+#       `trainer estimate`'s prediction for its memory.
 # Knobs: PYTHON (python3), BENCH_STEPS (10), BENCH_T (4096), BENCH_7B_CKPT (1: activation
-# checkpointing for the 7B runs, both trainers), BENCH_SKIP_HF=1, BENCH_SKIP_7B=1.
+# checkpointing for the 7B runs, both trainers), BENCH_SKIP_HF=1, BENCH_SKIP_7B=1,
+# BENCH_LONG_T (16384), BENCH_LONG_STEPS (3), BENCH_SKIP_LONG=1.
 set -u
 cd "$(dirname "$0")/../../.."
 cb=${1:-build/cuda}
@@ -16,6 +22,8 @@ STEPS=${BENCH_STEPS:-10}
 T=${BENCH_T:-4096}
 CK7=${BENCH_7B_CKPT:-1}
 MODEL=${BT_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+LT=${BENCH_LONG_T:-16384}
+LSTEPS=${BENCH_LONG_STEPS:-3}
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -qi '^GPU'; then
     echo "bench-gpu: skipped: no CUDA device (nvidia-smi lists no GPU)"
@@ -63,6 +71,34 @@ tmp=$(mktemp -d)
         if [ "${BENCH_SKIP_HF:-0}" != 1 ]; then
             $PY tests/bench/gpu/bench_hf_step.py --model llama2-7b --T "$T" --steps "$STEPS" --ckpt "$CK7" 2>"$tmp/h2.err" || echo "| HF+PEFT | llama2-7b | FAILED: $(tail -n 1 "$tmp/h2.err") | | | | | |"
         fi
+    fi
+    if [ "${BENCH_SKIP_LONG:-0}" != 1 ]; then
+        echo
+        echo "## (c) long context: T = $LT, context extended to T (linear), LoRA r 16 on all linears, checkpointing; $LSTEPS timed steps"
+        echo
+        echo "| trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB |"
+        echo "|---|---|---|---|---|---|---|---|"
+        models=()
+        [ -f "$MODEL" ] && models+=("$MODEL")
+        [ "${BENCH_SKIP_7B:-0}" != 1 ] && models+=("random:llama2-7b")
+        for mdl in "${models[@]}"; do
+            for variant in "--s2 0.25" "--s2 0" "--s2 0.25 --offload 1" "--s2 0 --offload 1"; do
+                # shellcheck disable=SC2086
+                "$cb/bench/bench_step_gpu" --model "$mdl" --T "$LT" --extend "$LT" --ckpt 1 --steps "$LSTEPS" \
+                    --warmup 1 $variant 2>>"$tmp/long.err" || echo "| barq (CUDA, $variant) | $mdl | FAILED | | | | | |"
+            done
+        done
+        echo
+        echo "Longest T that runs one training step (S2-Attn 1/4, checkpointing, context extended to T), doubling from $LT:"
+        echo
+        echo "| trainer | model | B x T | r | ckpt | longest T | trainer estimate | device memory |"
+        echo "|---|---|---|---|---|---|---|---|"
+        for mdl in "${models[@]}"; do
+            for off in 0 1; do
+                "$cb/bench/bench_step_gpu" --model "$mdl" --max-T 1 --T "$LT" --extend 1 --ckpt 1 --s2 0.25 \
+                    --offload "$off" 2>>"$tmp/long.err" || echo "| barq (CUDA) longest T | $mdl | FAILED | | | | | |"
+            done
+        done
     fi
     echo
     echo "Logs:"
