@@ -12,31 +12,8 @@ t0=$(date +%s)
 
 scripts/make-shards data/demo
 
-sock="$root/$run/loaderd.sock"
-cat > "$run/loaderd.json" <<JSON
-{
-  "socket": "$sock",
-  "socket_mode": "0660",
-  "data_roots": ["$root/data"],
-  "model_roots": ["$root/models"],
-  "tokenizer_threads": 2
-}
-JSON
-
-rm -f "$sock"
-build/loaderd --config "$run/loaderd.json" --foreground 2> "$run/loaderd.log" &
-ld_pid=$!
-status_pid=""
-cleanup() {
-  [ -n "$status_pid" ] && kill "$status_pid" 2>/dev/null || true
-  if kill -0 "$ld_pid" 2>/dev/null; then
-    kill -TERM "$ld_pid" 2>/dev/null || true
-    wait "$ld_pid" 2>/dev/null || true
-  fi
-}
-trap cleanup EXIT
-for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
-[ -S "$sock" ] || { echo "demo: loaderd did not start; see $run/loaderd.log" >&2; cat "$run/loaderd.log" >&2; exit 1; }
+. scripts/private-loaderd.sh
+start_loaderd "$run"
 echo "demo: loaderd listening on $sock (watch it live: build/loaderctl --socket $sock watch)"
 
 # Snapshot loaderd's live status every 20 s while the trainer runs.
@@ -55,7 +32,7 @@ if [ -s "$run/loaderctl-status.log" ]; then
   echo "demo: loaderd as loaderctl saw it during training (last snapshot of $run/loaderctl-status.log):"
   awk 'BEGIN{RS=""} /demo  /{last=$0} END{print last}' "$run/loaderctl-status.log"
 fi
-kill -TERM "$ld_pid"; wait "$ld_pid" || { echo "demo: loaderd exited with an error; see $run/loaderd.log" >&2; exit 1; }
+stop_loaderd || { echo "demo: loaderd exited with an error; see $run/loaderd.log" >&2; exit 1; }
 t1=$(date +%s)
 echo "demo: loaderd stopped cleanly; live status snapshots in $run/loaderctl-status.log"
 if [ -s "$run/report/report.png" ]; then

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # BarqTrain one-stop set-up: installs the Debian packages and Python test tools the build,
-# the tests and the demo need. Idempotent: does nothing when everything is present.
+# the tests and the demos need (make demo-long reads the Debian Reference and the Linux manual
+# pages: debian-reference-en, manpages, manpages-dev, rendered by man-db / groff-base). Idempotent: does nothing when everything is present.
 # Used by `make setup` (and so by `make demo`, `make test`) and by .ci/run.
 set -euo pipefail
 
 DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
           libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev libssl-dev
-          systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox gdb)
+          systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox gdb
+          debian-reference-en manpages manpages-dev man-db groff-base)
 PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.17.1" "tensorboard==2.21.0")
 
 missing=()
