@@ -645,7 +645,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                "extend the RoPE)", T, model.hp.ctx);
     }
     const int s2_group = bt_config_s2_group(cfg);
-    if (s2_group > 0)
+    if (s2_group > 0 && !eval_only)
         bt_log(BT_LOG_INFO, "trainer", "S2-Attn in training: groups of %d tokens (group_fraction "
                "%g of %d), half the heads shifted by %d; evaluation uses full attention", s2_group,
                cfg->s2_group_fraction, T, s2_group / 2);

@@ -45,6 +45,7 @@
 #include "trainer/adapter.h"
 #include "trainer/adapter_load.h"
 #include "trainer/export.h"
+#include "trainer/infer.h"
 #include "trainer/lora.h"
 #include "trainer/model.h"
 #include "trainer/step.h"
@@ -245,6 +246,43 @@ static void test_tiny_extended(void **st) {
     assert_non_null(strstr(bt_last_error(), "target_length"));
     assert_int_equal(bt_model_extend_context(&m, 7, 1024), BT_ERR_INVALID);
     assert_int_equal(m.ctx_extended, 0);
+    bt_model_free(&m);
+}
+
+/* Generation (trainer/infer.c) with dynamic NTK: a prefill of n > 256 tokens uses the table of
+ * its longest position, exactly as a training-style forward of the same tokens does; a decode
+ * step past it grows the table (transformers' _dynamic_frequency_update), while the keys already
+ * cached keep their rotation, so the chunked result differs (slightly) from the one-shot one. */
+static void test_generation_dynamic(void **st) {
+    (void)st;
+    bt_model m;
+    load_tiny(&m);
+    assert_int_equal(bt_model_extend_context(&m, BT_ROPE_EXT_DYNAMIC, 1024), 0);
+    enum { N = 300 };
+    int32_t ids[N], lab[N], pos[N], cu[2] = {0, N};
+    for (int i = 0; i < N; i++) ids[i] = (i * 37 + 11) % 64, lab[i] = -100, pos[i] = i;
+    const int V = m.hp.vocab;
+    float *full = malloc((size_t)N * V * 4), *one = malloc((size_t)V * 4), *chunk = malloc((size_t)V * 4);
+    bt_step_ctx *ctx;
+    assert_int_equal(bt_step_ctx_new(&ctx, &m, NULL, N, 0), 0);
+    bt_microbatch mb = {1, N, ids, lab, pos, cu, 2};
+    assert_int_equal(bt_forward_logits(ctx, &m, NULL, &mb, full), 0);
+    bt_step_ctx_free(ctx);
+    bt_infer *s;
+    assert_int_equal(bt_infer_new(&s, &m, NULL, 1024, 512), 0);
+    assert_int_equal(bt_infer_forward(s, ids, N, BT_INFER_LOGITS_LAST, one), 0);
+    const double e1 = maxdiff(one, full + (size_t)(N - 1) * V, V);
+    bt_infer_reset(s);
+    assert_int_equal(bt_infer_forward(s, ids, N - 20, BT_INFER_LOGITS_NONE, NULL), 0);
+    for (int i = N - 20; i < N; i++)
+        assert_int_equal(bt_infer_forward(s, ids + i, 1, BT_INFER_LOGITS_LAST, chunk), 0);
+    const double e2 = maxdiff(chunk, full + (size_t)(N - 1) * V, V);
+    fprintf(stderr, "# dynamic generation: one-shot prefill vs forward %.3g; prefill + 20 decode "
+            "steps vs forward %.3g\n", e1, e2);
+    assert_true(e1 <= 1e-4);
+    assert_true(e2 > e1 && e2 < 0.5);
+    bt_infer_free(s);
+    free(full), free(one), free(chunk);
     bt_model_free(&m);
 }
 
@@ -482,6 +520,7 @@ int main(void) {
         cmocka_unit_test(test_tables_match_transformers),
         cmocka_unit_test(test_tiny_extended),
         cmocka_unit_test(test_hf_configs),
+        cmocka_unit_test(test_generation_dynamic),
         cmocka_unit_test(test_compose_llama3),
         cmocka_unit_test(test_exports),
     };
