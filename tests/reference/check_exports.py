@@ -562,7 +562,10 @@ def check_context_extension(work):
         cfg = json.loads((st / "config.json").read_text())
         m = AutoModelForCausalLM.from_pretrained(st, torch_dtype=torch.float32).eval()
         d = float((logits(m) - ours).abs().max())
-        plain = AutoModelForCausalLM.from_pretrained(st, torch_dtype=torch.float32, rope_scaling=None,
+        # the same weights unscaled (transformers 5 keeps rope_theta inside rope_parameters)
+        unscaled = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+        plain = AutoModelForCausalLM.from_pretrained(st, torch_dtype=torch.float32,
+                                                     rope_scaling=unscaled,
                                                      max_position_embeddings=256).eval()
         d0 = float((logits(plain) - ours).abs().max())
         res[f"{method}_safetensors_logits_maxdiff"] = d
@@ -589,7 +592,7 @@ def check_context_extension(work):
             assert kv("llama.rope.scaling.type") == method and kv("llama.context_length") == 256
             factor, orig = kv("llama.rope.scaling.factor"), kv("llama.rope.scaling.original_context_length")
             assert factor == 2.0 and orig == 128
-            rs = {"rope_type": method, "factor": factor}
+            rs = {"rope_type": method, "factor": factor, "rope_theta": cfg["rope_theta"]}
             over = {}
             if method == "yarn":
                 rs["attention_factor"] = kv("llama.rope.scaling.attn_factor") * (0.1 * np.log(factor) + 1)
