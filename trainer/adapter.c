@@ -53,12 +53,13 @@ static json_t *context_note(const bt_model *m) {
     if (bt_export_hf_rope(m, &rs, &max_pos) == 0) { /* what transformers needs on the base */
         json_object_set_new(n, "rope_scaling", rs);
         json_object_set_new(n, "max_position_embeddings", json_integer(max_pos));
+        json_object_set_new(n, "rope_theta", json_real(hp->rope_theta));
     }
     json_object_set_new(n, "note", json_string(
         "Trained by BarqTrain on the base with its RoPE context extended (context_extension). "
-        "Load the base with these rope_scaling and max_position_embeddings (transformers: "
-        "AutoModelForCausalLM.from_pretrained(base, rope_scaling=..., max_position_embeddings=...)) "
-        "before applying the adapter; `trainer export` / `generate` apply it themselves and write "
+        "Load the base with these rope_scaling and max_position_embeddings (transformers 4: "
+        "AutoModelForCausalLM.from_pretrained(base, rope_scaling=..., max_position_embeddings=...); "
+        "transformers 5: rope_parameters = rope_scaling plus rope_theta) before applying the adapter; `trainer export` / `generate` apply it themselves and write "
         "it into merged exports. PEFT before 0.14 refuses unknown adapter_config keys: delete "
         "this one to load the adapter with those versions."));
     return n;

@@ -36,7 +36,7 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
  *   "barqtrain_context_extension": {"method": "linear"|"yarn"|"dynamic", "target_length",
  *     "original_length", "factor", "rope_scaling" (the base config's rope_scaling that reproduces
  *     the positions in transformers, trainer/export.h bt_export_hf_rope),
- *     "max_position_embeddings", "note" (what to do with it)}
+ *     "max_position_embeddings", "rope_theta", "note" (what to do with it)}
  * so the adapter is never applied to the unextended base by BarqTrain (trainer/adapter_load.h
  * bt_adapter_apply_context reads it back) and says what transformers needs. PEFT >= 0.14 ignores
  * the key with a warning; PEFT 0.13 refuses unknown keys (the note says so). */
