@@ -278,15 +278,18 @@ static int next_batch(bt_client *cl, const bt_train_config *cfg, mb_copy *dst, c
 }
 
 /* Labels of segments shorter than `full` tokens become -100 (in place), so that only whole
- * `full`-token windows count; returns the number of whole windows (segments of exactly `full`
- * tokens). full = 0: nothing changes, returns 0. */
+ * `full`-token windows count; returns the number of whole windows: segments of exactly `full`
+ * tokens that carry labels (a padding row is a `full`-token segment without any). full = 0:
+ * nothing changes, returns 0. */
 static int keep_full_windows(mb_copy *c, int M, int full) {
     if (full <= 0) return 0;
     int n = 0;
     for (int i = 0; i + 1 < c->n_cu; i++) {
         const int a = c->cu[i], b = c->cu[i + 1];
         if (b - a == full) {
-            n++;
+            int labelled = 0;
+            for (int t = a; t < b && t < M && !labelled; t++) labelled = c->labels[t] != -100;
+            n += labelled;
             continue;
         }
         for (int t = a; t < b && t < M; t++) c->labels[t] = -100;
