@@ -297,6 +297,27 @@ static int keep_full_windows(mb_copy *c, int M, int full) {
     return n;
 }
 
+/* Drop the trailing rows of mb that carry no label (each row starts a segment, so the rows
+ * before them are unaffected); returns the rows left (0: nothing to compute). */
+static int trim_unlabelled_rows(bt_microbatch *mb) {
+    int rows = mb->B;
+    while (rows > 0) {
+        int labelled = 0;
+        for (int t = (rows - 1) * mb->T; t < rows * mb->T && !labelled; t++)
+            labelled = mb->labels[t] != -100;
+        if (labelled) break;
+        rows--;
+    }
+    if (rows > 0 && rows < mb->B) {
+        int n = 0;
+        while (n < mb->n_cu && mb->cu_seqlens[n] < rows * mb->T) n++;
+        /* cu_seqlens[n] == rows * T: a row start is always a boundary */
+        mb->n_cu = n + 1;
+        mb->B = rows;
+    }
+    return rows;
+}
+
 /* One pass over cfg's held-out stream (cfg->data.seq_len x micro_batch_size rows). full > 0:
  * only segments of exactly `full` tokens carry loss (per-length evaluation). Sums (over all
  * ranks) into *sum / *cnt / *windows; *cut = interrupted by a signal. */
@@ -323,6 +344,12 @@ static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *l
         windows += keep_full_windows(&mc, B * T, full);
         bt_microbatch mb;
         mb_view(&mc, B, T, &mb);
+        /* rows after the last labelled one (the last batch's padding rows, or rows whose only
+         * segments are shorter than a window) change no loss: not computed */
+        if (trim_unlabelled_rows(&mb) == 0) {
+            nb++;
+            continue;
+        }
         double ls;
         int nv;
 #ifdef BT_WITH_CUDA
