@@ -163,8 +163,8 @@ static int rope_ext_check(const bt_llama_hparams *hp) {
     if (hp->rope_ext == BT_ROPE_EXT_NONE) return 0;
     if (hp->rope_ext < 0 || hp->rope_ext > BT_ROPE_EXT_DYNAMIC)
         return bt_fail(BT_ERR_INVALID, "model: unknown RoPE scaling %d", hp->rope_ext);
-    if (!(hp->rope_ext_factor > 0.f) || !isfinite(hp->rope_ext_factor))
-        return bt_fail(BT_ERR_INVALID, "model: RoPE %s scaling factor %g must be > 0",
+    if (!(hp->rope_ext_factor >= 1e-3f && hp->rope_ext_factor <= 1e6f))
+        return bt_fail(BT_ERR_INVALID, "model: RoPE %s scaling factor %g is outside [0.001, 1e6]",
                        bt_rope_ext_name(hp->rope_ext), (double)hp->rope_ext_factor);
     if (hp->rope_ext != BT_ROPE_EXT_LINEAR && hp->rope_ext_orig_ctx < 1)
         return bt_fail(BT_ERR_INVALID, "model: RoPE %s scaling needs the original context length "

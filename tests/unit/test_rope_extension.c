@@ -335,6 +335,23 @@ static void test_hf_configs(void **st) {
         {"{\"-rope_theta\": null, \"-rope_scaling\": null, \"rope_parameters\": {\"rope_type\": "
          "\"default\", \"rope_theta\": 10000.0}}", "none", BT_ROPE_EXT_NONE, 256},
     };
+    /* hostile values are refused, naming the key or the range */
+    static const char *const bad[] = {
+        "{\"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 1e-30}}",
+        "{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, \"beta_fast\": -1}}",
+        "{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+        "\"original_max_position_embeddings\": 2.5}}",
+        "{\"rope_scaling\": {\"rope_type\": \"dynamic\", \"factor\": \"4\"}}",
+        "{\"rope_scaling\": {\"rope_type\": \"longrope\", \"short_factor\": [1], \"long_factor\": [1]}}",
+        "{\"rope_scaling\": 7}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        bt_model m;
+        int rc = bt_model_load_hf(&m, variant(bad[i]), &k_fp32);
+        if (rc == 0) fail_msg("%s loaded", bad[i]);
+        fprintf(stderr, "# refused: %s\n", bt_last_error());
+        assert_null(m.inv_freq);
+    }
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         bt_model m;
         if (bt_model_load_hf(&m, variant(cases[i].patch), &k_fp32))
