@@ -693,6 +693,9 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     memset(resume, 0, sizeof resume);
     if (eval_only && cfg->eval_adapter) { /* trainer eval --adapter DIR: its own r, targets... */
         bt_lora_free(&lora);
+        /* positions as the adapter was trained (its barqtrain_context_extension note), as
+         * `trainer export` and `generate` apply it */
+        if ((rc = bt_adapter_apply_context(&model, cfg->eval_adapter))) goto done;
         if ((rc = bt_lora_load_peft(&lora, &model, cfg->eval_adapter))) goto done;
         bt_log(BT_LOG_INFO, "trainer", "evaluating adapter %s: r %d, alpha %g%s", cfg->eval_adapter,
                lora.r, lora.alpha, lora.trainable ? ", LoRA+ embed_tokens/norms" : "");

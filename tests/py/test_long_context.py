@@ -4,7 +4,8 @@
 - `trainer train` with context_extension (YaRN to 256) and S2-Attn (groups of 64) logs both,
   reports held-out perplexity per length (eval.lengths 64 and 256) before and after, and the
   adapter records the extension; `trainer eval` reports the same lengths with the number of
-  whole windows each length cut from the held-out document;
+  whole windows each length cut from the held-out document; `trainer eval --adapter` applies
+  the adapter's extension (the perplexities training reported after its last step);
 - the merged safetensors export of that adapter carries the extension in config.json (YaRN with
   max_position_embeddings = the original context), the LoRA GGUF in llama.rope.scaling.*;
 - `trainer estimate --max-seq-len-for` answers for both backends; a target that does not extend
@@ -53,6 +54,7 @@ def test_long_context_end_to_end(tmp_path, trainer_stack, bins):
     p.write_text(json.dumps(job))
     r = run("train", "--config", str(p))
     assert r.returncode == 0, r.stdout + r.stderr
+    trained = r.stdout
     assert "context extension: 128 -> 256 tokens, yarn RoPE scaling, factor 2" in r.stderr
     assert "S2-Attn in training: groups of 64 tokens" in r.stderr
     for L in (64, 256):
@@ -77,6 +79,20 @@ def test_long_context_end_to_end(tmp_path, trainer_stack, bins):
     ok = [all(got[L] == ((n + k) // L, (n + k) // L * (L - 1)) for L in (64, 256)) for k in (1, 2)]
     assert any(ok), (n, got, r.stderr)
     assert re.search(r"held-out perplexity at 64 tokens: [0-9.]+ \(loss", r.stdout), r.stdout
+
+    # `trainer eval --adapter` with a job that does not extend: the adapter's note decides the
+    # positions, so the held-out perplexity is the one training reported after its last step
+    plain = {k: v for k, v in job.items() if k not in ("context_extension", "attention")}
+    q = tmp_path / "plain.json"
+    q.write_text(json.dumps(plain))
+    r = run("eval", "--config", str(q), "--adapter", str(tmp_path / "adapter"))
+    assert r.returncode == 0, r.stderr
+    assert "the base's context is extended 128 -> 256 (yarn RoPE scaling, factor 2)" in r.stderr
+    for L in (64, 256):
+        after = re.search(rf"held-out perplexity at {L} tokens: before [0-9.]+ -> after ([0-9.]+)",
+                          trained)[1]
+        got = re.search(rf"held-out perplexity at {L} tokens: ([0-9.]+) \(loss", r.stdout)
+        assert got and abs(float(got[1]) - float(after)) <= 2e-3 * float(after), (after, r.stdout)
 
     out = tmp_path / "merged"
     r = run("export", "--model", str(tiny), "--adapter", str(tmp_path / "adapter"), "--format",
