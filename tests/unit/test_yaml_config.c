@@ -197,7 +197,8 @@ static void test_config_yaml(void **st) {
     expect_msg(parse_with(6, "  lr: abc", NULL, 0, &c), "config: job.yaml:6: optim.lr: expected a number in (0, 1], got \"abc\"");
     expect_msg(parse_with(7, "  warmup: 5", NULL, 0, &c), "job.yaml:7: unknown key \"optim.warmup\"");
     expect_msg(parse_with(9, "activation_checkpointing: yes", NULL, 0, &c),
-               "job.yaml:9: activation_checkpointing: expected true or false, got \"yes\"");
+               "job.yaml:9: activation_checkpointing: expected true, false or \"auto\", got "
+               "\"yes\"");
     expect_msg(parse_with(8, "lora: {r: 8, target_modules: [q_proj, w_proj]}", NULL, 0, &c),
                "job.yaml:8: lora.target_modules");
     /* a missing required key: the line of its enclosing section */
