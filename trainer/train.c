@@ -1056,9 +1056,11 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
     if (g_dist.rank == 0)
         bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
                done_steps, bt_now() - train_t0, last_loss, bt_peak_rss_mib());
-    if (cfg->eval.n_shards > 0 && by_len) {
+    if (cfg->eval.n_shards > 0) {
         int cut = 0;
-        if ((rc = bt_eval_lengths(cfg, &model, &lora, ctx, M, len_after, &cut))) goto stop_or_fail;
+        rc = by_len ? bt_eval_lengths(cfg, &model, &lora, ctx, M, len_after, &cut)
+                    : bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, &cut);
+        if (rc) goto stop_or_fail;
         if (cut) { /* the training is complete and saved: only the evaluation was cut short */
             rc = stop_check(NULL);
             if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
@@ -1066,21 +1068,14 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
                          "saved to %s", bt_last_error(), done_steps, cfg->steps, cfg->out_dir);
             goto done;
         }
-        if (g_dist.rank == 0) print_lengths(out, len_before, len_after, cfg->eval.n_lengths);
-    } else if (cfg->eval.n_shards > 0) {
-        int cut = 0;
-        if ((rc = bt_eval_heldout(cfg, &model, &lora, ctx, &after, &n_eval, &cut))) goto stop_or_fail;
-        if (cut) { /* the training is complete and saved: only the evaluation was cut short */
-            rc = stop_check(NULL);
-            if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
-            rc = bt_fail(rc, "%s during the final held-out evaluation; adapter for step %d of %d "
-                         "saved to %s", bt_last_error(), done_steps, cfg->steps, cfg->out_dir);
-            goto done;
+        if (by_len) {
+            if (g_dist.rank == 0) print_lengths(out, len_before, len_after, cfg->eval.n_lengths);
+        } else {
+            if (rep && (rc = bt_report_eval(rep, done_steps, after, n_eval))) goto done;
+            if (g_dist.rank == 0)
+                fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
+                        100.0 * (after - before) / before);
         }
-        if (rep && (rc = bt_report_eval(rep, done_steps, after, n_eval))) goto done;
-        if (g_dist.rank == 0)
-            fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", before, after,
-                    100.0 * (after - before) / before);
     }
     if (g_dist.rank == 0) {
         fprintf(out, "adapter: %s\n", cfg->out_dir);
