@@ -96,7 +96,8 @@ pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 	@BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py
 
 # The loaderd Python client (python/) with torch, transformers and PEFT: scripts/venv-torch.sh
-# makes .venv-torch/ from python/requirements-torch.txt and installs the client there with
+# makes .venv-torch/ from the complete lock python/requirements-torch.txt (no pip cache, ~6 GB free
+# needed) and installs the client there with
 # `pip install ./python`; tests/py/test_python_client_hf.py runs in it.
 pytest-torch: all
 	@bash scripts/venv-torch.sh
