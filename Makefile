@@ -96,7 +96,7 @@ pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 	@BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py
 
 # The loaderd Python client (python/) with torch, transformers and PEFT: scripts/venv-torch.sh
-# makes .venv-torch/ from the complete lock python/requirements-torch.txt (no pip cache, ~6 GB free
+# makes .venv-torch/ from the complete lock python/requirements-torch.txt (no pip cache, ~5.2 GB free
 # needed) and installs the client there with
 # `pip install ./python`; tests/py/test_python_client_hf.py runs in it.
 pytest-torch: all
