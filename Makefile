@@ -29,11 +29,14 @@ endif
 
 LIB_SRC := $(wildcard common/*.c) $(wildcard proto/*.c) $(wildcard kernels/cpu/*.c) \
            $(filter-out loaderd/main.c loaderd/loaderctl.c,$(wildcard loaderd/*.c)) \
-           $(filter-out trainer/main.c,$(wildcard trainer/*.c))
-TEST_SRC := $(wildcard tests/unit/test_*.c)
+           $(filter-out trainer/main.c,$(wildcard trainer/*.c)) \
+           $(filter-out trainer/cuda/%,$(wildcard trainer/*/*.c))
+# unit tests grouped by the part they test: tests/unit/{common,proto,loaderd,kernels,trainer}/
+TEST_SRC := $(filter-out tests/unit/util/%,$(wildcard tests/unit/*/test_*.c))
 TESTUTIL_SRC := $(wildcard tests/unit/util/*.c)
 TOOL_SRC := $(wildcard tests/tools/*.c)
-HDRS := $(wildcard common/*.h proto/*.h kernels/*.h kernels/cpu/*.h loaderd/*.h trainer/*.h tests/unit/util/*.h)
+HDRS := $(wildcard common/*.h proto/*.h kernels/*.h kernels/cpu/*.h loaderd/*.h trainer/*.h tests/unit/util/*.h) \
+        $(filter-out trainer/cuda/%,$(wildcard trainer/*/*.h))
 
 # ---- variant rules: $(1) = output dir, $(2) = flags ----
 define VARIANT
@@ -262,12 +265,13 @@ $(CUDA_BUILD)/bench/%: $(CUDA_BUILD)/obj/tests/bench/gpu/%.o $(CUDA_TRAINER_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX_LINK) -o $@ $< $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS)
 
-# trainer/main.c and trainer/train.c again with -DBT_WITH_CUDA (device "cuda"); only the CUDA
-# trainer binary links these (the CPU objects and libbarq.a are unchanged).
+# trainer/main.c, trainer/loop/train.c and trainer/loop/eval.c again with -DBT_WITH_CUDA (device
+# "cuda"); only the CUDA trainer binary links these (the CPU objects and libbarq.a are unchanged).
 $(CUDA_BUILD)/cobj/%.o: %.c $(HDRS) $(wildcard trainer/cuda/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_COMMON) $(OPT) -DBT_WITH_CUDA -c $< -o $@
-CUDA_TRAINER_MAIN := $(CUDA_BUILD)/cobj/trainer/main.o $(CUDA_BUILD)/cobj/trainer/train.o
+CUDA_TRAINER_MAIN := $(CUDA_BUILD)/cobj/trainer/main.o $(CUDA_BUILD)/cobj/trainer/loop/train.o \
+                     $(CUDA_BUILD)/cobj/trainer/loop/eval.o
 
 .PHONY: cuda test-gpu bench-gpu
 cuda: $(CUDA_LIB) $(CUDA_TRAINER_LIB) $(GPU_TESTS) $(GPU_BENCHES)

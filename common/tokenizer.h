@@ -133,7 +133,7 @@ const char *bt_tokenizer_pre(const bt_tokenizer *t);
  * "smollm": Digits(individual_digits) + GPT-2; "llama3": cl100k Split; "qwen2": Qwen2 Split;
  * no regex engine, so no JIT is needed, e.g. under W^X) chosen automatically when the pipeline
  * is exactly one of those, else "pcre2" (Oniguruma patterns on PCRE2, tokenizer_pre.c). Both
- * give the same ids (tests/unit/test_tokenizer_pre.c). */
+ * give the same ids (tests/unit/common/test_tokenizer_pre.c). */
 const char *bt_tokenizer_pre_engine(const bt_tokenizer *t);
 /* Version of the encoding behaviour (bt_tokenize's ids for given tokenizer contents); bumped
  * whenever a change makes any input tokenize differently, so that caches keyed by

@@ -492,7 +492,7 @@ int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n) {
  * W^X forbids it: systemd MemoryDenyWriteExecute, prctl PR_SET_MDWE). Each scanner is the
  * leftmost-first alternation of its pattern written out by hand, so it yields exactly the pieces
  * of the PCRE2 path above (checked on the parity corpora and on an adversarial Unicode corpus
- * against that path: tests/unit/test_tokenizer_pre.c):
+ * against that path: tests/unit/common/test_tokenizer_pre.c):
  *   GPT-2     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
  *   SmolLM2   Digits(individual_digits): every numeric char (Rust char::is_numeric) is a piece,
  *             then the GPT-2 pattern inside each run between them

@@ -49,7 +49,7 @@
  *                                      "dynamic" (NTK-aware), each as transformers'
  *                                      modeling_rope_utils.py defines it; composes with the
  *                                      model's own scaling (llama3); recorded in the adapter and
- *                                      in every export (trainer/model.h bt_model_extend_context)
+ *                                      in every export (trainer/model/model.h bt_model_extend_context)
  *   attention: { s2: { group_fraction 0.25 } }
  *                                      LongLoRA shifted sparse attention in training: groups of
  *                                      group_fraction x seq_len tokens (rounded to even), half the
@@ -58,7 +58,7 @@
  *   save_every 0                       also save the adapter every N steps (0 = only at the end)
  *   out_dir "runs/adapter"             adapter directory (replaced atomically on every save)
  *   threads 0                          OpenMP threads for every kernel (0 = the CPUs Slurm gives
- *                                      the task, trainer/dist.h bt_dist_slurm_cpus, else OpenMP's
+ *                                      the task, trainer/dist/dist.h bt_dist_slurm_cpus, else OpenMP's
  *                                      default: every CPU the process may run on)
  *   device "cpu"                       "cpu" | "cuda" (the GPU trainer, trainer/cuda/; only in a
  *                                      trainer built with `make CUDA=1`, else refused at start)
@@ -75,7 +75,7 @@
  *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600, heartbeat_timeout_s 60,
  *           secret_file null }
  *                                      data-parallel training over several processes, one per GPU
- *                                      (device "cuda"; trainer/dist.h): rank 0's address and TCP
+ *                                      (device "cuda"; trainer/dist/dist.h): rank 0's address and TCP
  *                                      port for the start-up rendezvous (the environment's
  *                                      MASTER_ADDR / MASTER_PORT, as torchrun and train.sbatch set
  *                                      them, take precedence), and how long the rendezvous and
@@ -87,10 +87,10 @@
  *                                      long is named and the run ends. heartbeat_timeout_s: a rank
  *                                      that dies, is stopped or loses its network is named on
  *                                      every rank and the run ends within this time
- *                                      (trainer/dist_monitor.h). secret_file: a file only you can
+ *                                      (trainer/dist/dist_monitor.h). secret_file: a file only you can
  *                                      read (mode 0600) holding the job secret that authenticates
  *                                      the ranks at the rendezvous; null: $BT_DIST_SECRET, which
- *                                      scripts/train.sbatch sets per job (trainer/dist.h
+ *                                      scripts/train.sbatch sets per job (trainer/dist/dist.h
  *                                      bt_dist_key_load)
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)
@@ -102,7 +102,7 @@
  *   checkpoint_every 0                 write a resumable checkpoint every N steps (0 = never;
  *                                      also written when a run stops early: stop_at_step, SIGINT,
  *                                      SIGTERM; not after the last step, whose result is out_dir;
- *                                      format: trainer/checkpoint.h)
+ *                                      format: trainer/loop/checkpoint.h)
  *   checkpoint_dir "runs/checkpoint"   the checkpoint directory (replaced atomically); must
  *                                      differ from out_dir when checkpoint_every > 0
  *   resume_from null                   checkpoint directory to continue from (also `--resume DIR`)
@@ -110,7 +110,7 @@
  *                                      done, keeping the schedule of `steps` (0 = run to `steps`;
  *                                      for preemptible slots)
  *   report: { dir null, plot true, tensorboard false }
- *                                      the run report (trainer/report.h): metrics.jsonl (one JSON
+ *                                      the run report (trainer/report/report.h): metrics.jsonl (one JSON
  *                                      line per step and per held-out evaluation) in `dir` (null =
  *                                      "report" beside out_dir, e.g. runs/demo/adapter ->
  *                                      runs/demo/report); plot: report.png at the end (gnuplot);
@@ -131,7 +131,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-/* How the frozen base linears are held (config base_dtype; trainer/model.h):
+/* How the frozen base linears are held (config base_dtype; trainer/model/model.h):
  *   BT_BASE_NF4   re-quantised to NF4 with double quantisation (bitsandbytes layout, QLoRA);
  *   BT_BASE_FP32  dequantised to fp32 (plain LoRA);
  *   BT_BASE_GGUF  kept in the GGUF file's own ggml blocks (Q4_0 .. Q6_K, F16/BF16/F32), no
@@ -145,7 +145,7 @@ enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
 enum { BT_DEVICE_CPU = 0, BT_DEVICE_CUDA = 1 };
 enum { BT_CUDA_ATTN_WMMA = 0, BT_CUDA_ATTN_MMA = 1 };
 enum { BT_CUDA_NF4_DEQUANT = 0, BT_CUDA_NF4_FUSED = 1 };
-/* RoPE context scaling methods (context_extension.method; trainer/model.h hp.rope_ext). */
+/* RoPE context scaling methods (context_extension.method; trainer/model/model.h hp.rope_ext). */
 enum { BT_ROPE_EXT_NONE = 0, BT_ROPE_EXT_LINEAR = 1, BT_ROPE_EXT_YARN = 2, BT_ROPE_EXT_DYNAMIC = 3 };
 #define BT_MAX_EVAL_LENGTHS 16
 

@@ -305,7 +305,7 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
                M * 4.0 /* targets */;
     if ((bd == BT_BASE_NF4 || bd == BT_BASE_GGUF) && !cuda) {
         /* K of every NF4 / ggml GEMM is a linear's cols: d_model, d_ff or n_head * head_dim
-         * (o_proj, larger than both with an explicit HF head_dim), as trainer/model.c
+         * (o_proj, larger than both with an explicit HF head_dim), as trainer/model/model.c
          * bt_model_scratch_floats sizes it */
         double K = hp->d_ff > hp->d_model ? hp->d_ff : hp->d_model;
         if (Dq > K) K = Dq;

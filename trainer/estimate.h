@@ -1,7 +1,7 @@
 /* `trainer estimate`: the memory bill of a training job, computed from the model's
  * hyper-parameters (GGUF header or HF config.json only; no weights are read) and the job config.
  *
- * CPU backend (fp32 reference, the layout trainer/model.c, lora.c and step.c allocate):
+ * CPU backend (fp32 reference, the layout trainer/model/model.c, lora.c and step.c allocate):
  *   base linears   NF4: n/2 packed + n/64 absmax codes + ceil(n/64/256) fp32 nested absmax bytes
  *                  per linear of n weights (bitsandbytes double quantisation, kernels.h); fp32: 4n;
  *                  GGUF (base_dtype gguf, or auto with a .gguf model): the linears' tensor bytes
@@ -48,7 +48,7 @@
 #include <stdio.h>
 
 #include "trainer/config.h"
-#include "trainer/model.h"
+#include "trainer/model/model.h"
 
 #define BT_EST_RUNTIME_MIB 24.0
 #define BT_EST_THREAD_MIB 4.0

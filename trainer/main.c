@@ -2,7 +2,7 @@
  *   trainer train --config job.json [--set key.path=value ...]
  *   trainer eval  --config job.json [--set key.path=value ...]
  *   trainer --help
- * Exit status (trainer/train.h BT_EXIT_*): 0 success, 1 runtime failure, 2 usage or
+ * Exit status (trainer/loop/train.h BT_EXIT_*): 0 success, 1 runtime failure, 2 usage or
  * configuration error, 3 training diverged (non-finite loss, gradients or parameters: nothing of
  * the diverged steps was saved; out_dir and checkpoint_dir keep the last good adapter and
  * checkpoint), 75 interrupted (a signal; the last completed step is saved). */
@@ -14,10 +14,10 @@
 #include "kernels/kernels.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
-#include "trainer/export.h"
-#include "trainer/generate.h"
-#include "trainer/report.h"
-#include "trainer/train.h"
+#include "trainer/io/export.h"
+#include "trainer/infer/generate.h"
+#include "trainer/report/report.h"
+#include "trainer/loop/train.h"
 
 #ifdef BT_WITH_CUDA
 #define BT_MAIN_CUDA_NOTE "; this one is"

@@ -126,7 +126,7 @@ static void build_ref(const AttCase &c, AttRef &r)
     r.dv.assign(r.nk, 0.0f);
     const int nseq = (int)c.lens.size();
     /* kernels/cpu S^2-Attn (G = 0: full causal), itself checked against a naive masked reference
-     * in tests/unit/test_attention.c */
+     * in tests/unit/kernels/test_attention.c */
     if (bt_attn_fwd_s2(r.out.data(), r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(),
                        nseq, M, Hq, Hkv, D, scale, c.G) != 0 ||
         bt_attn_bwd_s2(r.dq.data(), r.dk.data(), r.dv.data(), r.dout.data(), r.out.data(),

@@ -1,5 +1,5 @@
 /* GPU trainer parity (trainer/cuda/cuda_trainer.h) against the CPU fp32 trainer step
- * (trainer/step.h bt_forward_backward; clip + AdamW as trainer/train.c):
+ * (trainer/loop/step.h bt_forward_backward; clip + AdamW as trainer/loop/train.c):
  *   - one micro-batch forward + backward on a tiny random Llama (bt_model_init_random) in several
  *     configurations (NF4 / fp32 / GGUF-native base -- the fp32 linears encoded as Q4_0, Q4_1,
  *     Q8_0, Q4_K, Q5_K, Q6_K or F16 blocks by bt_model_to_ggml, both GPU matmul paths; a type
@@ -25,11 +25,11 @@ extern "C" {
 #include "common/bt_common.h"
 #include "common/gguf.h"
 #include "common/quant.h"
-#include "trainer/lora.h"
-#include "trainer/model.h"
-#include "trainer/optim.h"
-#include "trainer/rng.h"
-#include "trainer/step.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "trainer/loop/optim.h"
+#include "trainer/model/rng.h"
+#include "trainer/loop/step.h"
 }
 #include "trainer/cuda/cuda_trainer.h"
 

@@ -9,7 +9,7 @@ loaderd with no base_dtype in the job:
   - `trainer export` writes the llama.cpp LoRA GGUF and the merged GGUF (f32) of that adapter;
     with gguf-py 0.17.1 (when importable) the merged file equals gguf-py's own dequantisation of
     the very base file plus (alpha / r) * lora_b @ lora_a of our LoRA GGUF, tensor by tensor
-    (the C side of the same identity is tests/unit/test_gguf_native.c);
+    (the C side of the same identity is tests/unit/trainer/test_gguf_native.c);
   - an explicit base_dtype "gguf" with a Hugging Face directory is refused naming the key.
 """
 import json
@@ -89,7 +89,7 @@ def test_train_report_and_export(env):
         rc = p.wait(timeout=120)
     log.seek(0)
     text = log.read()
-    assert rc == 75, text  # interrupted (trainer/train.h BT_EXIT_INTERRUPTED)
+    assert rc == 75, text  # interrupted (trainer/loop/train.h BT_EXIT_INTERRUPTED)
     assert "base linears gguf (Q4_K: 4.50 bits per weight" in text, text
     assert "interrupted by SIGTERM: stopped after step" in text and (out / "adapter_model.safetensors").exists(), text
 

@@ -88,7 +88,7 @@ def test_status_shows_a_runs_ranks_and_marks_the_one_behind(loaderd, dataset, mo
     """Ranks of one data-parallel run (the attach's "run") are shown together, in rank order, with
     step, loss, tokens/s, ring fill and the age of their last report; a rank two or more steps
     behind the others, or without any report while the others are past step 1, is marked.
-    (The rule for a rank that stops reporting is unit-tested: tests/unit/test_rank_status.c.)"""
+    (The rule for a rank that stops reporting is unit-tested: tests/unit/loaderd/test_rank_status.c.)"""
     d = loaderd(base_config(dataset, model_path))
     spec = job_spec(dataset, model_path, name="sft")
     ranks = [attach(d, spec, rank=r, world=4, extra={"run": "r-1a2b.c:3"}) for r in (2, 0, 3, 1)]

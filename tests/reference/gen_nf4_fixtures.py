@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate NF4 double-quantisation fixtures with the real bitsandbytes, for tests/unit/test_nf4.c.
+"""Generate NF4 double-quantisation fixtures with the real bitsandbytes, for tests/unit/kernels/test_nf4.c.
 
 Pinned: bitsandbytes==0.48.2, torch==2.15.0 (CPU; bitsandbytes 0.45.x has no CPU quantize_4bit).
 Set up (from the repo root):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Context-extension RoPE fixtures (rope_scaling "linear", "yarn", "dynamic") for
-tests/unit/test_rope_extension.c.
+tests/unit/trainer/test_rope_extension.c.
 
 Uses transformers' own code on the CPU in fp32 (modeling_rope_utils.ROPE_INIT_FUNCTIONS, the
 LlamaRotaryEmbedding module and LlamaForCausalLM) and writes:

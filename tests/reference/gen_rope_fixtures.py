@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""RoPE scaling reference fixtures (rope_scaling "llama3") for tests/unit/test_rope_scaling.c.
+"""RoPE scaling reference fixtures (rope_scaling "llama3") for tests/unit/trainer/test_rope_scaling.c.
 
 Uses transformers' own code (modeling_rope_utils.ROPE_INIT_FUNCTIONS, LlamaForCausalLM) on the CPU
 in fp32 and writes:

@@ -19,7 +19,7 @@ then encodes a corpus of varied strings and writes
   "special": true  -> encoded with special-token splitting (C: parse_special = 1)
   "special": false -> encoded by a tokenizer with no added tokens (C: parse_special = 0)
 
-Multi-family parity fixtures (tokenizer.json loader, tests/unit/test_tokenizer_hf.c):
+Multi-family parity fixtures (tokenizer.json loader, tests/unit/common/test_tokenizer_hf.c):
   corpus.bin.zst                  >= 1 MB mixed corpus (Shakespeare, alpaca, Python code, CJK,
                                   Arabic, emoji/ZWJ, NFC-relevant sequences, whitespace and digit
                                   runs, special-token strings, invalid UTF-8), format in write_corpus

@@ -27,10 +27,10 @@
 #include "common/quant.h"
 #include "kernels/kernels.h"
 #include "trainer/config.h"
-#include "trainer/lora.h"
-#include "trainer/model.h"
-#include "trainer/step.h"
-#include "trainer/train.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "trainer/loop/step.h"
+#include "trainer/loop/train.h"
 
 static int cmp_d(const void *a, const void *b)
 {

@@ -4,7 +4,7 @@
  *   bt_logits --model BASE.gguf|HF_DIR [--adapter PEFT_DIR] --ids 1,2,3 --pos0 P --out FILE
  *
  * Loads the base with fp32 linears (as `trainer export` does), the adapter when given (applying
- * the context extension its adapter_config.json records, trainer/adapter_load.h), and writes the
+ * the context extension its adapter_config.json records, trainer/io/adapter_load.h), and writes the
  * logits of the sequence at position_ids P, P+1, ... (one causal segment; full attention) as raw
  * little-endian float32 [n, vocab] to FILE (step.h bt_forward_logits). Prints "n vocab ctx" on
  * stdout. Exit 0, 1 (runtime error, message on stderr) or 2 (usage). */
@@ -13,10 +13,10 @@
 #include <string.h>
 
 #include "common/bt_common.h"
-#include "trainer/adapter_load.h"
-#include "trainer/lora.h"
-#include "trainer/model.h"
-#include "trainer/step.h"
+#include "trainer/io/adapter_load.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "trainer/loop/step.h"
 
 static int usage(void) {
     fprintf(stderr, "usage: bt_logits --model BASE --ids 1,2,3 --pos0 P --out FILE [--adapter DIR]\n");

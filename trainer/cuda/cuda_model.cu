@@ -1,4 +1,4 @@
-/* Upload of a bt_model (trainer/model.h) to the device: NF4 linears as NF4 (bt_cuda_nf4_upload),
+/* Upload of a bt_model (trainer/model/model.h) to the device: NF4 linears as NF4 (bt_cuda_nf4_upload),
  * GGUF-native linears as their ggml blocks (bt_cuda_ggml_upload: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
  * Q6_K; F16 / BF16 / F32 tensors as bf16, the value the decoders would give; other types are
  * refused naming the supported ones and the base_dtype that converts them), fp32 linears /

@@ -1,7 +1,7 @@
 /* The GPU trainer's optimiser side: gradient norm + clipping (torch clip_grad_norm_ as
- * trainer/optim.c bt_clip_grad_norm) and AdamW over every trainable parameter in one launch
+ * trainer/loop/optim.c bt_clip_grad_norm) and AdamW over every trainable parameter in one launch
  * (bt_cuda_adamw_multi; two descriptors: [0, n_decay) with weight decay, the LoRA+ norm weights
- * after it without, as trainer/train.c), plus LoRA state transfers. */
+ * after it without, as trainer/loop/train.c), plus LoRA state transfers. */
 #include "trainer/cuda/cuda_trainer_internal.h"
 
 #include <cmath>
@@ -93,7 +93,7 @@ extern "C" int bt_cuda_trainer_clip_and_step(bt_cuda_trainer *t, double max_norm
         *grad_norm = norm;
     if (skip || !std::isfinite(norm))
         return 0;
-    /* trainer/optim.c: g *= (float)(max_norm / (total + 1e-6)); the AdamW kernel multiplies each
+    /* trainer/loop/optim.c: g *= (float)(max_norm / (total + 1e-6)); the AdamW kernel multiplies each
      * gradient by grad_scale in fp32 (__fmul_rn) before use: the same product */
     const float f = (max_norm > 0 && norm > max_norm) ? (float)(max_norm / (norm + 1e-6)) : 1.0f;
     BTC_TRY(bt_cuda_trainer_optimizer_step(t, lr, beta1, beta2, eps, weight_decay, f, step));

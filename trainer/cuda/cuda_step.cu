@@ -1,4 +1,4 @@
-/* The GPU trainer's forward/backward over one packed micro-batch: trainer/step.c on the
+/* The GPU trainer's forward/backward over one packed micro-batch: trainer/loop/step.c on the
  * kernels/cuda launchers (bf16 activations, fp32 accumulation). Every step of layer_fwd /
  * layer_bwd below corresponds line by line to step.c; differences are only in where RoPE happens
  * (the attention kernels apply it to Q/K as they load them, and return gradients with respect to

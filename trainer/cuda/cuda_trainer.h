@@ -1,5 +1,5 @@
-/* The GPU (CUDA) trainer: the same forward/backward as trainer/step.c and the same clip + AdamW
- * as trainer/train.c, on one CUDA device, built only with `make CUDA=1` / `make cuda`
+/* The GPU (CUDA) trainer: the same forward/backward as trainer/loop/step.c and the same clip + AdamW
+ * as trainer/loop/train.c, on one CUDA device, built only with `make CUDA=1` / `make cuda`
  * (trainer/cuda/ .cu files, kernels/cuda launchers).
  *
  * Numerics (../../../shared/DESIGN.md "Numerics"): activations and the frozen base are bf16 (NF4
@@ -8,7 +8,7 @@
  * fp32 base linears are held as bf16),
  * norm weights fp32, accumulation fp32; LoRA master weights, their gradients and the AdamW moments
  * fp32 (with a bf16 copy of the LoRA weights that the AdamW kernel refreshes). The CPU fp32 step
- * (trainer/step.h) is the reference: tests/gpu/test_trainer_gpu.cu checks loss and LoRA gradients.
+ * (trainer/loop/step.h) is the reference: tests/gpu/test_trainer_gpu.cu checks loss and LoRA gradients.
  *
  * Semantics mirrored exactly from step.c / lora.c / train.c:
  *   - targets: bt_shift_targets (labels unshifted; shift inside each row and cu_seqlens segment);
@@ -33,9 +33,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-#include "trainer/lora.h"
-#include "trainer/model.h"
-#include "trainer/step.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "trainer/loop/step.h"
 
 typedef struct bt_cuda_trainer bt_cuda_trainer;
 
@@ -103,7 +103,7 @@ int bt_cuda_trainer_optimizer_step(bt_cuda_trainer *t, float lr, float beta1, fl
                                    float eps, float weight_decay, float grad_scale, int64_t step);
 
 /* Clip (torch clip_grad_norm_: factor max_norm / (norm + 1e-6) when max_norm > 0 and
- * norm > max_norm) + AdamW, exactly as trainer/train.c does it on the CPU. *grad_norm receives the
+ * norm > max_norm) + AdamW, exactly as trainer/loop/train.c does it on the CPU. *grad_norm receives the
  * pre-clip norm. The update is skipped (and *applied = 0) when the norm is not finite or
  * skip != 0; applied / grad_norm may be NULL. */
 int bt_cuda_trainer_clip_and_step(bt_cuda_trainer *t, double max_norm, float lr, float beta1,
@@ -124,7 +124,7 @@ int bt_cuda_trainer_upload_lora(bt_cuda_trainer *t, const bt_lora *lo);
  *     gradients are then partial) or the collective (the communicator is aborted: later
  *     collectives fail), and is returned;
  *   collective(arg, entering): 1 when the trainer starts waiting for an NCCL call, 0 when the wait
- *     ends (progress for a watchdog: trainer/dist_monitor.h);
+ *     ends (progress for a watchdog: trainer/dist/dist_monitor.h);
  *   timeout_s: the longest wait for one NCCL call, init included (> 0; 0 = none), after which the
  *     communicator is aborted (BT_ERR_TIMEOUT naming the call).
  * Called on the thread that calls the trainer. NULL h clears them. */
@@ -138,7 +138,7 @@ void bt_cuda_trainer_set_hooks(bt_cuda_trainer *t, const bt_cuda_hooks *h);
 
 /* ---- Data-parallel: one process per GPU, NCCL (trainer/cuda/cuda_dist.cu) ----
  * Start-up: rank 0 makes the id (bt_cuda_dist_unique_id) and hands it to every rank
- * (trainer/dist.h bt_dist_rendezvous); each rank picks its GPU (bt_cuda_device_for_local_rank ->
+ * (trainer/dist/dist.h bt_dist_rendezvous); each rank picks its GPU (bt_cuda_device_for_local_rank ->
  * bt_cuda_trainer_opts.device), creates its trainer, then bt_cuda_trainer_dist_init (collective:
  * blocks until all `world` ranks have called it). Every collective below must be called by every
  * rank in the same order (NCCL semantics). Each call waits NCCL's fault-tolerant way (non-blocking
@@ -176,7 +176,7 @@ int bt_cuda_trainer_allgather(bt_cuda_trainer *t, const void *mine, void *all, s
 /* Peak device memory in use by the process since the trainer was created (cudaMemGetInfo samples
  * taken after each step), in bytes, and the baseline before the trainer allocated anything. */
 size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline);
-/* Profile the next bt_cuda_trainer_step calls into p (trainer/profile.h; NULL = off): every
+/* Profile the next bt_cuda_trainer_step calls into p (trainer/loop/profile.h; NULL = off): every
  * kernel / cuBLAS launch of the step is timed with a pair of CUDA events on the trainer's stream
  * and added to p under the launcher's name ("rmsnorm_fwd", "gemm", "attn_fwd", "lora_fwd", ...)
  * once the step has synchronised. p is borrowed and must outlive its use. */

@@ -29,9 +29,9 @@ extern "C" {
 #include "common/bt_common.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
-#include "trainer/lora.h"
-#include "trainer/model.h"
-#include "trainer/rng.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "trainer/model/rng.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
 #include "trainer/cuda/cuda_trainer.h"

@@ -1,0 +1,96 @@
+/* The trainer's side of the batch stream from loaderd: attach, the next batch (stoppable wait),
+ * micro-batch copies. See trainer/loop/run_internal.h. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "trainer/loop/run_internal.h"
+
+void bt_mb_view(const bt_mb_copy *c, int B, int T, bt_microbatch *mb) {
+    mb->B = B;
+    mb->T = T;
+    mb->input_ids = c->ids;
+    mb->labels = c->labels;
+    mb->position_ids = c->pos;
+    mb->cu_seqlens = c->cu;
+    mb->n_cu = c->n_cu;
+}
+
+static int mb_take(bt_mb_copy *c, const bt_batch_view *v, int B, int T) {
+    size_t M = (size_t)B * T;
+    if (v->hdr->B != (uint32_t)B || v->hdr->T != (uint32_t)T || v->hdr->n_cu < 2 ||
+        v->hdr->n_cu > M + 1)
+        return bt_fail(BT_ERR_FORMAT, "batch %llu: shape %ux%u (n_cu %u), expected %dx%d",
+                       (unsigned long long)v->hdr->step, v->hdr->B, v->hdr->T, v->hdr->n_cu, B, T);
+    memcpy(c->ids, v->input_ids, M * 4);
+    memcpy(c->labels, v->labels, M * 4);
+    memcpy(c->pos, v->position_ids, M * 4);
+    memcpy(c->cu, v->cu_seqlens, (size_t)v->hdr->n_cu * 4);
+    c->n_cu = (int)v->hdr->n_cu;
+    c->n_real = v->hdr->n_real_tokens;
+    memcpy(c->resume, v->hdr->resume_state, BT_RESUME_STATE_BYTES);
+    return 0;
+}
+
+int bt_mb_alloc(bt_mb_copy *c, int B, int T) {
+    size_t M = (size_t)B * T;
+    c->ids = malloc(M * 4);
+    c->labels = malloc(M * 4);
+    c->pos = malloc(M * 4);
+    c->cu = malloc((M + 1) * 4);
+    if (!c->ids || !c->labels || !c->pos || !c->cu)
+        return bt_fail(BT_ERR_NOMEM, "out of memory for batch copies");
+    return 0;
+}
+
+void bt_mb_free(bt_mb_copy *c) {
+    free(c->ids);
+    free(c->labels);
+    free(c->pos);
+    free(c->cu);
+    memset(c, 0, sizeof *c);
+}
+
+/* resume: NULL = from the start, else the BT_RESUME_STATE_BYTES state to continue after. */
+int bt_run_attach(bt_client **cl, const bt_train_config *cfg, int eval, const uint8_t *resume) {
+    char *job = bt_config_job_json(cfg, eval);
+    if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
+    int rc = bt_client_attach_run(cl, cfg->socket, job, bt_run_dist.rank, bt_run_dist.world, resume, bt_run_id);
+    free(job);
+    if (rc) return bt_fail(rc, "attach to loaderd at %s (%s stream): %s", cfg->socket,
+                           eval ? "eval" : "train", bt_last_error());
+    if (bt_client_B(*cl) != (uint32_t)cfg->data.micro_batch_size ||
+        bt_client_T(*cl) != (uint32_t)cfg->data.seq_len) {
+        rc = bt_fail(BT_ERR_FORMAT, "loaderd serves %ux%u batches, config asks %dx%d",
+                     bt_client_B(*cl), bt_client_T(*cl), cfg->data.micro_batch_size,
+                     cfg->data.seq_len);
+        bt_client_close(*cl);
+        *cl = NULL;
+    }
+    return rc;
+}
+
+/* 0: a batch in *dst; 1: end of data; 2: a stop request while waiting (nothing taken); <0: error
+ * (another rank's failure included). The wait (up to timeout_s) is cut into 1 s slices so that
+ * a signal stops it promptly: the client retries EINTR, so the handler alone would only take
+ * effect once a batch arrived. */
+int bt_run_next_batch(bt_client *cl, const bt_train_config *cfg, bt_mb_copy *dst, const char *what) {
+    bt_batch_view v;
+    double deadline = bt_now() + cfg->timeout_s;
+    int rc;
+    for (;;) {
+        double left = deadline - bt_now();
+        rc = bt_client_next(cl, &v, left >= 1.0 ? 1000 : left > 0 ? (int)(left * 1000.0) : 0);
+        if (rc != BT_ERR_TIMEOUT || bt_now() >= deadline) break;
+        int st = bt_run_stop_check(NULL);
+        if (st) return st == BT_ERR_CANCELLED ? 2 : st;
+    }
+    if (rc == 1) return 1;
+    if (rc == BT_ERR_TIMEOUT)
+        return bt_fail(rc, "no %s batch from loaderd within %d s (timeout_s)", what,
+                       cfg->timeout_s);
+    if (rc) return bt_fail(rc, "%s batch: %s", what, bt_last_error());
+    rc = mb_take(dst, &v, cfg->data.micro_batch_size, cfg->data.seq_len);
+    bt_client_release(cl);
+    return rc;
+}

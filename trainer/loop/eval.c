@@ -1,0 +1,224 @@
+/* Held-out evaluation: one pass over the eval stream (bt_eval_heldout), or one per length over
+ * whole-window documents (bt_eval_lengths). See train.h; shared run state in
+ * trainer/loop/run_internal.h. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "trainer/loop/run_internal.h"
+/* Labels of segments shorter than `full` tokens become -100 (in place), so that only whole
+ * `full`-token windows count; returns the number of whole windows: segments of exactly `full`
+ * tokens that carry labels (a padding row is a `full`-token segment without any). full = 0:
+ * nothing changes, returns 0. */
+static int keep_full_windows(bt_mb_copy *c, int M, int full) {
+    if (full <= 0) return 0;
+    int n = 0;
+    for (int i = 0; i + 1 < c->n_cu; i++) {
+        const int a = c->cu[i], b = c->cu[i + 1];
+        if (b - a == full) {
+            int labelled = 0;
+            for (int t = a; t < b && t < M && !labelled; t++) labelled = c->labels[t] != -100;
+            n += labelled;
+            continue;
+        }
+        for (int t = a; t < b && t < M; t++) c->labels[t] = -100;
+    }
+    return n;
+}
+
+/* Drop the trailing rows of mb that carry no label (each row starts a segment, so the rows
+ * before them are unaffected); returns the rows left (0: nothing to compute). */
+static int trim_unlabelled_rows(bt_microbatch *mb) {
+    int rows = mb->B;
+    while (rows > 0) {
+        int labelled = 0;
+        for (int t = (rows - 1) * mb->T; t < rows * mb->T && !labelled; t++)
+            labelled = mb->labels[t] != -100;
+        if (labelled) break;
+        rows--;
+    }
+    if (rows > 0 && rows < mb->B) {
+        int n = 0;
+        while (n < mb->n_cu && mb->cu_seqlens[n] < rows * mb->T) n++;
+        /* cu_seqlens[n] == rows * T: a row start is always a boundary */
+        mb->n_cu = n + 1;
+        mb->B = rows;
+    }
+    return rows;
+}
+
+/* One pass over cfg's held-out stream (cfg->data.seq_len x micro_batch_size rows). full > 0:
+ * only segments of exactly `full` tokens carry loss (per-length evaluation). Sums (over all
+ * ranks) into *sum / *cnt / *windows; *cut = interrupted by a signal. */
+static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                       int full, double *sum_out, long long *cnt_out, long long *windows_out,
+                       int *cut_out, int *nb_out) {
+    int cut = 0;
+    bt_client *cl = NULL;
+    bt_mb_copy mc = {0};
+    double sum = 0;
+    long long cnt = 0, windows = 0;
+    int nb = 0;
+    const int B = cfg->data.micro_batch_size, T = cfg->data.seq_len;
+    int rc = bt_run_attach(&cl, cfg, 1, NULL); /* the eval stream restarts every time */
+    if (!rc) rc = bt_mb_alloc(&mc, B, T);
+    while (!rc && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
+        rc = bt_run_next_batch(cl, cfg, &mc, "eval");
+        if (rc == 1 || rc == 2) {
+            cut = rc == 2;
+            rc = 0;
+            break;
+        }
+        if (rc) break;
+        windows += keep_full_windows(&mc, B * T, full);
+        bt_microbatch mb;
+        bt_mb_view(&mc, B, T, &mb);
+        /* rows after the last labelled one (the last batch's padding rows, or rows whose only
+         * segments are shorter than a window) change no loss: not computed */
+        if (trim_unlabelled_rows(&mb) == 0) {
+            nb++;
+            continue;
+        }
+        double ls;
+        int nv;
+#ifdef BT_WITH_CUDA
+        if (bt_run_cuda) rc = bt_cuda_trainer_step(bt_run_cuda, &mb, 0, 1.0f, 0, &ls, &nv);
+        else
+#endif
+            rc = bt_forward_backward(ctx, m, lo, &mb, 0, 1.0f, 0, &ls, &nv);
+        if (rc == BT_ERR_CANCELLED) { /* mid-batch: that batch does not count */
+            cut = 1;
+            rc = 0;
+            break;
+        }
+        if (rc) break;
+        sum += ls;
+        cnt += nv;
+        nb++;
+        bt_log(BT_LOG_DEBUG, "trainer", "held-out batch %d: %d labelled tokens", nb, nv);
+        if (atomic_load(&bt_run_stop_sig) && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
+            cut = 1;
+            break;
+        }
+    }
+    if (cut && bt_run_dist.world > 1) { /* every rank stops (relayed): no collective any more */
+        rc = bt_run_stop_check(NULL);
+        if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+        goto out;
+    }
+    /* every rank evaluated its own share of the held-out stream: add them up (a collective; a
+     * rank whose evaluation failed still takes part, so that none of the others waits forever) */
+    if (bt_run_dist.world > 1) {
+        double v[6] = {sum, (double)cnt, cut, nb, rc != 0, (double)windows};
+        int rc2 = bt_run_dist_sum(v, 6);
+        if (!rc && rc2) rc = rc2;
+        if (!rc && v[4] > 0)
+            rc = bt_fail(BT_ERR_IO, "held-out evaluation failed on another rank (see its log)");
+        sum = v[0];
+        cnt = (long long)v[1];
+        cut = v[2] > 0;
+        nb = (int)v[3];
+        windows = (long long)v[5];
+    }
+out:
+    bt_mb_free(&mc);
+    bt_client_close(cl);
+    *sum_out = sum;
+    *cnt_out = cnt;
+    *windows_out = windows;
+    *cut_out = cut;
+    *nb_out = nb;
+    return rc;
+}
+
+int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    double *mean_loss, long long *n_tokens, int *interrupted) {
+    *mean_loss = NAN;
+    *n_tokens = 0;
+    double sum, t0 = bt_now();
+    long long cnt, windows;
+    int cut, nb;
+    int rc = eval_stream(cfg, m, lo, ctx, 0, &sum, &cnt, &windows, &cut, &nb);
+    if (rc) return rc;
+    if (interrupted) *interrupted = cut;
+    if (cnt == 0 && cut) {
+        bt_log(BT_LOG_WARN, "trainer", "held-out evaluation interrupted before any batch");
+        return 0;
+    }
+    if (cnt == 0)
+        return bt_fail(BT_ERR_INVALID, "the held-out stream (eval.shards) gave no labelled "
+                       "tokens in %d batches", nb);
+    *mean_loss = sum / (double)cnt;
+    *n_tokens = cnt;
+    if (bt_run_dist.rank == 0)
+        bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld labelled tokens, loss %.4f "
+               "(%.1f s)", cut ? " (partial, interrupted)" : "", nb, cnt, *mean_loss, bt_now() - t0);
+    return 0;
+}
+
+int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    int max_M, bt_eval_length *res, int *interrupted) {
+    int rc = 0, cut = 0;
+    if (interrupted) *interrupted = 0;
+    for (int i = 0; i < cfg->eval.n_lengths && !rc && !cut; i++) {
+        const int L = cfg->eval.lengths[i];
+        bt_eval_length *r = &res[i];
+        memset(r, 0, sizeof *r);
+        r->length = L;
+        r->loss = NAN;
+        /* the same stream at row length L (loaderd splits text documents into consecutive
+         * L-token pieces): as many rows as the training workspace holds, else one row in a
+         * forward-only workspace of its own (CPU) */
+        bt_train_config c = *cfg;
+        char name[600];
+        snprintf(name, sizeof name, "%s-L%d", cfg->name, L);
+        c.name = name;
+        c.data.seq_len = L;
+        c.data.micro_batch_size = L <= max_M ? max_M / L : 1;
+        if (c.data.micro_batch_size > 64) c.data.micro_batch_size = 64;
+        bt_step_ctx *ectx = ctx;
+        if (L > max_M) {
+#ifdef BT_WITH_CUDA
+            if (bt_run_cuda)
+                return bt_fail(BT_ERR_INVALID, "config: eval.lengths: %d tokens exceed the GPU "
+                               "workspace of data.seq_len x data.micro_batch_size = %d; raise "
+                               "data.seq_len or drop that length", L, max_M);
+#endif
+            if ((rc = bt_step_ctx_new(&ectx, m, lo, L, 1))) break;
+        }
+        double sum, t0 = bt_now();
+        long long cnt, windows;
+        int nb;
+        rc = eval_stream(&c, m, lo, ectx, L, &sum, &cnt, &windows, &cut, &nb);
+        if (ectx != ctx) bt_step_ctx_free(ectx);
+        if (rc) break;
+        r->windows = windows;
+        r->tokens = cnt;
+        if (cnt > 0) r->loss = sum / (double)cnt;
+        if (bt_run_dist.rank == 0)
+            bt_log(BT_LOG_INFO, "trainer", "held-out at %d tokens%s: %lld windows, %lld labelled "
+                   "tokens, loss %.4f, perplexity %.3f (%.1f s)", L,
+                   cut ? " (partial, interrupted)" : "", windows, cnt, r->loss, exp(r->loss),
+                   bt_now() - t0);
+        if (cnt == 0 && !cut)
+            bt_log(BT_LOG_WARN, "trainer", "held-out at %d tokens: no document has %d tokens "
+                   "(%d batches read): no perplexity at this length", L, L, nb);
+    }
+    if (interrupted) *interrupted = cut;
+    return rc;
+}
+
+/* "at 2048: 12.345 (loss 2.5132, 96 windows)" lines of a per-length evaluation */
+void bt_eval_print_lengths(FILE *out, const bt_eval_length *a, const bt_eval_length *b, int n) {
+    for (int i = 0; i < n; i++) {
+        if (!b)
+            fprintf(out, "held-out perplexity at %d tokens: %.3f (loss %.4f, %lld windows, %lld "
+                    "tokens)\n", a[i].length, exp(a[i].loss), a[i].loss, a[i].windows, a[i].tokens);
+        else
+            fprintf(out, "held-out perplexity at %d tokens: before %.3f -> after %.3f (loss %.4f "
+                    "-> %.4f, %lld windows)\n", a[i].length, exp(a[i].loss), exp(b[i].loss),
+                    a[i].loss, b[i].loss, b[i].windows);
+    }
+    fflush(out);
+}

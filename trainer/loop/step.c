@@ -1,0 +1,396 @@
+/* Forward/backward orchestration of Llama + LoRA on the CPU kernels. See step.h. */
+#include "trainer/loop/step.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "kernels/kernels.h"
+#include "trainer/loop/profile.h"
+
+#define CE_CHUNK_ROWS 256
+
+typedef struct {
+    float *xn1, *rstd1, *q, *k, *v, *att, *lse, *x2, *xn2, *rstd2, *g, *u;
+    float *as[BT_MOD_N];
+} layer_acts;
+
+struct bt_step_ctx {
+    int max_M, ckpt, n_layer;
+    int s2_group;      /* S^2-Attn group for training micro-batches (0 = full attention) */
+    int s2_now;        /* the group of the pass in progress (0 outside training) */
+    float attn_scale;  /* bt_model_attn_scale */
+    float *rope_tab;   /* [hd/2] the pass's RoPE table when it differs from m->inv_freq (dynamic) */
+    const float *inv;  /* the RoPE table of the pass in progress */
+    int D, Dq, Dkv, F, V, r, Hq, Hkv, hd;
+    float **x_in;      /* [n_layer + 1][max_M * D]: input of each layer; [n_layer] = final hidden */
+    layer_acts *acts;  /* [n_layer], or [1] shared when checkpointing */
+    float *xf, *rstdf, *h;
+    float *dx, *dx2, *dxn, *dtmp, *dq, *dk, *dv, *datt, *dg, *du, *dh, *das, *xd;
+    float *scratch, *ce_ws;
+    int32_t *targets;
+    void **allocs;
+    int n_allocs, cap_allocs;
+    size_t bytes;
+    bt_prof *prof; /* --profile: per-op times (NULL = off) */
+    int (*check)(void *); /* bt_step_ctx_set_check: asked between layers; NULL = never */
+    void *check_arg;
+};
+
+/* Runs `call`; when profiling, times it as op `name` writing `bytes` (trainer/loop/profile.h). */
+#define OP(c, name, bytes, call)                                                                   \
+    do {                                                                                           \
+        if (!(c)->prof) {                                                                          \
+            call;                                                                                  \
+            break;                                                                                 \
+        }                                                                                          \
+        double t0_ = bt_now();                                                                     \
+        call;                                                                                      \
+        bt_prof_add((c)->prof, (name), bt_now() - t0_, (double)(bytes));                           \
+    } while (0)
+#define F4(n) ((double)(n) * 4.0) /* bytes of n floats */
+
+void bt_step_ctx_set_profile(bt_step_ctx *c, bt_prof *p) { c->prof = p; }
+
+void bt_step_ctx_set_check(bt_step_ctx *c, int (*check)(void *arg), void *arg) {
+    c->check = check;
+    c->check_arg = arg;
+}
+
+/* 0, or the check's error: the caller abandons the micro-batch. */
+static int asked_to_stop(bt_step_ctx *c) { return c->check ? c->check(c->check_arg) : 0; }
+
+static float *ctx_alloc(bt_step_ctx *c, size_t n_floats) {
+    if (c->n_allocs == c->cap_allocs) {
+        c->cap_allocs = c->cap_allocs ? 2 * c->cap_allocs : 64;
+        c->allocs = bt_xrealloc(c->allocs, (size_t)c->cap_allocs * sizeof(void *));
+    }
+    float *p = bt_aligned_alloc((n_floats ? n_floats : 1) * sizeof(float));
+    if (p) {
+        c->allocs[c->n_allocs++] = p;
+        c->bytes += n_floats * sizeof(float);
+    }
+    return p;
+}
+
+void bt_step_ctx_free(bt_step_ctx *c) {
+    if (!c) return;
+    for (int i = 0; i < c->n_allocs; i++) free(c->allocs[i]);
+    free(c->allocs);
+    free(c->x_in);
+    free(c->acts);
+    free(c->targets);
+    free(c);
+}
+
+size_t bt_step_ctx_bytes(const bt_step_ctx *c) { return c->bytes; }
+
+int bt_step_set_s2(bt_step_ctx *c, int s2_group) {
+    if (s2_group < 0 || (s2_group & 1))
+        return bt_fail(BT_ERR_INVALID, "step: S^2-Attn group %d must be 0 or a positive even number",
+                       s2_group);
+    c->s2_group = s2_group;
+    return 0;
+}
+
+int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int max_M,
+                    int checkpointing) {
+    *out = NULL;
+    if (max_M < 1) return bt_fail(BT_ERR_INVALID, "step: max_M %d < 1", max_M);
+    if (!m->inv_freq)
+        return bt_fail(BT_ERR_INVALID, "step: the model has no RoPE table (bt_model_rope_init)");
+    bt_step_ctx *c = bt_xcalloc(1, sizeof *c);
+    const bt_llama_hparams *hp = &m->hp;
+    c->max_M = max_M;
+    c->ckpt = checkpointing;
+    c->n_layer = hp->n_layer;
+    c->D = hp->d_model;
+    c->Hq = hp->n_head;
+    c->Hkv = hp->n_kv_head;
+    c->hd = hp->head_dim;
+    c->Dq = hp->n_head * hp->head_dim;
+    c->Dkv = hp->n_kv_head * hp->head_dim;
+    c->F = hp->d_ff;
+    c->V = hp->vocab;
+    c->r = lo ? lo->r : 1;
+    c->attn_scale = bt_model_attn_scale(hp);
+    size_t M = (size_t)max_M, D = (size_t)c->D, F = (size_t)c->F;
+    int n_acts = checkpointing ? 1 : c->n_layer;
+    c->x_in = calloc((size_t)c->n_layer + 1, sizeof(float *));
+    c->acts = calloc((size_t)n_acts, sizeof(layer_acts));
+    c->targets = malloc(M * sizeof(int32_t));
+    if (!c->x_in || !c->acts || !c->targets) goto oom;
+    for (int l = 0; l <= c->n_layer; l++)
+        if (!(c->x_in[l] = ctx_alloc(c, M * D))) goto oom;
+    for (int a = 0; a < n_acts; a++) {
+        layer_acts *A = &c->acts[a];
+        if (!(A->xn1 = ctx_alloc(c, M * D)) || !(A->rstd1 = ctx_alloc(c, M)) ||
+            !(A->q = ctx_alloc(c, M * c->Dq)) || !(A->k = ctx_alloc(c, M * c->Dkv)) ||
+            !(A->v = ctx_alloc(c, M * c->Dkv)) || !(A->att = ctx_alloc(c, M * c->Dq)) ||
+            !(A->lse = ctx_alloc(c, M * c->Hq)) || !(A->x2 = ctx_alloc(c, M * D)) ||
+            !(A->xn2 = ctx_alloc(c, M * D)) || !(A->rstd2 = ctx_alloc(c, M)) ||
+            !(A->g = ctx_alloc(c, M * F)) || !(A->u = ctx_alloc(c, M * F)))
+            goto oom;
+        for (int mod = 0; mod < BT_MOD_N; mod++)
+            if (lo && (lo->target_mask & (1u << mod)))
+                if (!(A->as[mod] = ctx_alloc(c, M * c->r))) goto oom;
+    }
+    size_t wide = F > D ? F : D;
+    if ((size_t)c->Dq > wide) wide = (size_t)c->Dq;
+    if (!(c->xf = ctx_alloc(c, M * D)) || !(c->rstdf = ctx_alloc(c, M)) ||
+        !(c->h = ctx_alloc(c, M * F)) || !(c->dx = ctx_alloc(c, M * D)) ||
+        !(c->dx2 = ctx_alloc(c, M * D)) || !(c->dxn = ctx_alloc(c, M * D)) ||
+        !(c->dtmp = ctx_alloc(c, M * D)) || !(c->dq = ctx_alloc(c, M * c->Dq)) ||
+        !(c->dk = ctx_alloc(c, M * c->Dkv)) || !(c->dv = ctx_alloc(c, M * c->Dkv)) ||
+        !(c->datt = ctx_alloc(c, M * c->Dq)) || !(c->dg = ctx_alloc(c, M * F)) ||
+        !(c->du = ctx_alloc(c, M * F)) || !(c->dh = ctx_alloc(c, M * F)) ||
+        !(c->das = ctx_alloc(c, M * c->r)) || !(c->xd = ctx_alloc(c, M * wide)) ||
+        !(c->scratch = ctx_alloc(c, bt_model_scratch_floats(m))) ||
+        !(c->rope_tab = ctx_alloc(c, (size_t)c->hd / 2)) ||
+        !(c->ce_ws = ctx_alloc(c, bt_linear_ce_workspace_floats(CE_CHUNK_ROWS, c->V))))
+        goto oom;
+    *out = c;
+    return 0;
+oom:;
+    size_t want = c->bytes;
+    bt_step_ctx_free(c);
+    return bt_fail(BT_ERR_NOMEM, "step: out of memory for activations of %d tokens (%zu MiB "
+                   "allocated so far; try activation_checkpointing or a smaller micro-batch)",
+                   max_M, want >> 20);
+}
+
+int bt_shift_targets(int32_t *targets, const bt_microbatch *mb, int vocab) {
+    if (mb->B < 1 || mb->T < 1 || (int64_t)mb->B * mb->T > (1 << 26))
+        return bt_fail(BT_ERR_INVALID, "batch: bad shape B=%d T=%d", mb->B, mb->T);
+    int M = mb->B * mb->T;
+    const int32_t *cu = mb->cu_seqlens;
+    if (mb->n_cu < 2 || mb->n_cu > M + 1 || cu[0] != 0 || cu[mb->n_cu - 1] != M)
+        return bt_fail(BT_ERR_INVALID, "batch: cu_seqlens must run from 0 to %d (n_cu %d)", M,
+                       mb->n_cu);
+    int row_start_ok = 1, next_row = 0;
+    for (int i = 0; i < mb->n_cu; i++) {
+        if (i > 0 && cu[i] <= cu[i - 1])
+            return bt_fail(BT_ERR_INVALID, "batch: cu_seqlens not strictly increasing at %d", i);
+        while (next_row * mb->T < cu[i]) {
+            row_start_ok = 0; /* a row start was skipped */
+            next_row++;
+        }
+        if (next_row * mb->T == cu[i]) next_row++;
+    }
+    if (!row_start_ok)
+        return bt_fail(BT_ERR_INVALID, "batch: cu_seqlens lacks a row start (segments cross rows)");
+    for (int t = 0; t < M; t++) {
+        if (mb->input_ids[t] < 0 || mb->input_ids[t] >= vocab)
+            return bt_fail(BT_ERR_RANGE, "batch: input_ids[%d] = %d outside [0, %d)", t,
+                           mb->input_ids[t], vocab);
+        if (mb->labels[t] != -100 && (mb->labels[t] < 0 || mb->labels[t] >= vocab))
+            return bt_fail(BT_ERR_RANGE, "batch: labels[%d] = %d outside [0, %d) and not -100", t,
+                           mb->labels[t], vocab);
+        if (mb->position_ids[t] < 0)
+            return bt_fail(BT_ERR_RANGE, "batch: position_ids[%d] = %d < 0", t, mb->position_ids[t]);
+    }
+    int n = 0, seg = 1; /* cu[seg] is the next boundary after t */
+    for (int t = 0; t < M; t++) {
+        while (seg < mb->n_cu && cu[seg] <= t) seg++;
+        int nxt = t + 1;
+        int32_t tg = -100;
+        if (nxt < M && nxt % mb->T != 0 && !(seg < mb->n_cu && cu[seg] == nxt))
+            tg = mb->labels[nxt];
+        if (targets) targets[t] = tg;
+        if (tg != -100) n++;
+    }
+    return n;
+}
+
+static void add_into(float *dst, const float *a, const float *b, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) dst[i] = a[i] + b[i];
+}
+
+/* Base linear + LoRA branch for module `mod` of layer `l`: y = W x (+ lora). */
+static void proj_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l, int mod,
+                     float *y, const float *x, int M, layer_acts *A, uint64_t key) {
+    const bt_base_linear *b = &m->layers[l].lin[mod];
+    char nm[2][48];
+    if (c->prof) {
+        snprintf(nm[0], sizeof nm[0], "%s base fwd%s", bt_module_name(mod), b->is_nf4 ? " (nf4)" : "");
+        snprintf(nm[1], sizeof nm[1], "%s lora fwd", bt_module_name(mod));
+    }
+    OP(c, nm[0], F4((int64_t)M * b->rows), bt_base_fwd(y, x, b, M, 0.f, c->scratch));
+    const bt_lora_mod *md = bt_lora_get(lo, l, mod);
+    if (md)
+        OP(c, nm[1], F4((int64_t)M * (b->rows + lo->r)),
+           bt_lora_fwd(lo, md, y, x, M, A->as[mod], c->xd, bt_lora_drop_key(key, l, mod)));
+}
+
+/* dx (+)= dy @ W (+ LoRA backward, which also accumulates the LoRA grads). */
+static void proj_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l, int mod,
+                     float *dx, const float *dy, const float *x, int M, float beta, layer_acts *A,
+                     uint64_t key) {
+    const bt_base_linear *b = &m->layers[l].lin[mod];
+    char nm[2][48];
+    if (c->prof) {
+        snprintf(nm[0], sizeof nm[0], "%s base bwd%s", bt_module_name(mod), b->is_nf4 ? " (nf4)" : "");
+        snprintf(nm[1], sizeof nm[1], "%s lora bwd", bt_module_name(mod));
+    }
+    OP(c, nm[0], F4((int64_t)M * b->cols), bt_base_bwd_x(dx, dy, b, M, beta, c->scratch));
+    const bt_lora_mod *md = bt_lora_get(lo, l, mod);
+    if (md)
+        OP(c, nm[1], F4((int64_t)M * b->cols + (int64_t)lo->r * (b->rows + b->cols)),
+           bt_lora_bwd(lo, md, dx, dy, x, A->as[mod], M, c->das, c->xd,
+                       bt_lora_drop_key(key, l, mod)));
+}
+
+static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
+                      const bt_microbatch *mb, uint64_t key) {
+    int M = mb->B * mb->T;
+    layer_acts *A = &c->acts[c->ckpt ? 0 : l];
+    const float *x = c->x_in[l];
+    float *xout = c->x_in[l + 1];
+    int64_t nD = (int64_t)M * c->D;
+    float eps = m->hp.rms_eps;
+
+    OP(c, "rmsnorm fwd", F4(nD + M), bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps));
+    proj_fwd(c, m, lo, l, BT_MOD_Q, A->q, A->xn1, M, A, key);
+    proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
+    proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
+    OP(c, "rope fwd", F4((int64_t)M * c->Dq),
+       bt_rope_fwd_freq(A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+    OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
+       bt_rope_fwd_freq(A->k, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+    int rc;
+    OP(c, "attention fwd", F4((int64_t)M * (c->Dq + c->Hq)),
+       rc = bt_attn_fwd_s2(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M,
+                           c->Hq, c->Hkv, c->hd, c->attn_scale, c->s2_now));
+    if (rc) return rc;
+    proj_fwd(c, m, lo, l, BT_MOD_O, A->x2, A->att, M, A, key);
+    OP(c, "residual add", F4(nD), add_into(A->x2, A->x2, x, nD));
+    OP(c, "rmsnorm fwd", F4(nD + M),
+       bt_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, bt_lora_norm(lo, m, l, 1), M, c->D, eps));
+    proj_fwd(c, m, lo, l, BT_MOD_GATE, A->g, A->xn2, M, A, key);
+    proj_fwd(c, m, lo, l, BT_MOD_UP, A->u, A->xn2, M, A, key);
+    OP(c, "swiglu fwd", F4((int64_t)M * c->F), bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
+    proj_fwd(c, m, lo, l, BT_MOD_DOWN, xout, c->h, M, A, key);
+    OP(c, "residual add", F4(nD), add_into(xout, xout, A->x2, nD));
+    return 0;
+}
+
+/* On entry c->dx = dLoss/d(layer output); on exit c->dx = dLoss/d(layer input). */
+static int layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
+                      const bt_microbatch *mb, uint64_t key) {
+    int M = mb->B * mb->T;
+    layer_acts *A = &c->acts[c->ckpt ? 0 : l];
+    const float *x = c->x_in[l];
+    int64_t nD = (int64_t)M * c->D;
+    int rc;
+
+    if (c->ckpt) { /* recompute (rewrites x_in[l+1] identically) */
+        if ((rc = layer_fwd(c, m, lo, l, mb, key))) return rc;
+    } else /* h is not kept per layer */
+        OP(c, "swiglu fwd (recompute)", F4((int64_t)M * c->F),
+           bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
+
+    /* MLP */
+    proj_bwd(c, m, lo, l, BT_MOD_DOWN, c->dh, c->dx, c->h, M, 0.f, A, key);
+    OP(c, "swiglu bwd", F4(2 * (int64_t)M * c->F),
+       bt_swiglu_bwd(c->dg, c->du, c->dh, A->g, A->u, (int64_t)M * c->F));
+    proj_bwd(c, m, lo, l, BT_MOD_GATE, c->dxn, c->dg, A->xn2, M, 0.f, A, key);
+    proj_bwd(c, m, lo, l, BT_MOD_UP, c->dxn, c->du, A->xn2, M, 1.f, A, key);
+    OP(c, "rmsnorm bwd", F4(nD), bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 1), c->dxn, A->x2,
+                                                bt_lora_norm(lo, m, l, 1), A->rstd2, M, c->D));
+    OP(c, "residual add", F4(nD), add_into(c->dx2, c->dx, c->dtmp, nD));
+    /* attention */
+    proj_bwd(c, m, lo, l, BT_MOD_O, c->datt, c->dx2, A->att, M, 0.f, A, key);
+    OP(c, "attention bwd", F4((int64_t)M * (c->Dq + 2 * c->Dkv)),
+       rc = bt_attn_bwd_s2(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v,
+                           mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd, c->attn_scale,
+                           c->s2_now));
+    if (rc) return rc;
+    OP(c, "rope bwd", F4((int64_t)M * c->Dq),
+       bt_rope_bwd_freq(c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+    OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
+       bt_rope_bwd_freq(c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+    proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
+    proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
+    proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);
+    OP(c, "rmsnorm bwd", F4(nD), bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 0), c->dxn, x,
+                                                bt_lora_norm(lo, m, l, 0), A->rstd1, M, c->D));
+    OP(c, "residual add", F4(nD), add_into(c->dx, c->dx2, c->dtmp, nD));
+    return 0;
+}
+
+/* Validate, shift targets, then run embedding -> layers -> final RMSNorm (into c->x_in, c->xf).
+ * training: S^2-Attn (c->s2_group) for this pass; evaluation and inference use full attention. */
+static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                          const bt_microbatch *mb, uint64_t drop_key, int training) {
+    if ((int64_t)mb->B * mb->T > c->max_M)
+        return bt_fail(BT_ERR_RANGE, "step: micro-batch of %d x %d tokens exceeds the workspace (%d)",
+                       mb->B, mb->T, c->max_M);
+    int rc = bt_shift_targets(c->targets, mb, c->V);
+    if (rc < 0) return rc;
+    int M = mb->B * mb->T;
+    if (lo && lo->mods && lo->n_layer != c->n_layer)
+        return bt_fail(BT_ERR_INVALID, "step: LoRA has %d layers, model %d", lo->n_layer, c->n_layer);
+    /* the RoPE table of this pass: the model's, or dynamic NTK's for its longest position */
+    int32_t maxp = 0;
+    for (int t = 0; t < M; t++) maxp = mb->position_ids[t] > maxp ? mb->position_ids[t] : maxp;
+    if ((rc = bt_model_rope_table(m, (int64_t)maxp + 1, c->rope_tab)) < 0) return rc;
+    c->inv = rc == 1 ? c->rope_tab : m->inv_freq;
+    c->s2_now = training ? c->s2_group : 0;
+
+    OP(c, "embedding fwd", F4((int64_t)M * c->D),
+       bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D));
+    for (int l = 0; l < c->n_layer; l++) {
+        if ((rc = asked_to_stop(c))) return rc;
+        if ((rc = layer_fwd(c, m, lo, l, mb, drop_key))) return rc;
+    }
+    OP(c, "rmsnorm fwd", F4((int64_t)M * c->D + M),
+       bt_rmsnorm_fwd(c->xf, c->rstdf, c->x_in[c->n_layer], bt_lora_norm(lo, m, c->n_layer, 0),
+                      M, c->D, m->hp.rms_eps));
+    return 0;
+}
+
+int bt_forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                      const bt_microbatch *mb, uint64_t drop_key) {
+    return forward_hidden(c, m, lo, mb, drop_key, 0);
+}
+
+const float *bt_step_hidden(const bt_step_ctx *c, int i) {
+    if (i < 0 || i > c->n_layer + 1) return NULL;
+    return i <= c->n_layer ? c->x_in[i] : c->xf;
+}
+
+int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                        int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
+                        int *n_valid) {
+    int rc = forward_hidden(c, m, lo, mb, drop_key, backward);
+    if (rc) return rc;
+    int M = mb->B * mb->T;
+    float *xL = c->x_in[c->n_layer];
+    int nv = 0;
+    /* dLoss/dxf goes into c->dtmp (free until the first layer's backward). */
+    /* LoRA+: a trainable embedding tied to lm_head also gets the CE's weight gradient */
+    double loss = 0;
+    OP(c, backward ? "lm_head + cross-entropy fwd+bwd" : "lm_head + cross-entropy fwd",
+       backward ? F4((int64_t)M * c->D) : 0.0,
+       loss = bt_linear_ce_dw(backward ? c->dtmp : NULL, backward ? bt_lora_dlm_head(lo) : NULL,
+                              &nv, c->xf, bt_lora_lm_head(lo, m), c->targets, M, c->D, c->V,
+                              CE_CHUNK_ROWS, grad_scale, c->ce_ws));
+    if (loss_sum) *loss_sum = loss;
+    if (n_valid) *n_valid = nv;
+    if (!backward) return 0;
+    if ((rc = asked_to_stop(c))) return rc;
+    OP(c, "rmsnorm bwd", F4((int64_t)M * c->D),
+       bt_rmsnorm_bwd(c->dx, bt_lora_dnorm(lo, c->n_layer, 0), c->dtmp, xL,
+                      bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D));
+    for (int l = c->n_layer - 1; l >= 0; l--) {
+        if ((rc = asked_to_stop(c))) return rc;
+        if ((rc = layer_bwd(c, m, lo, l, mb, drop_key))) return rc;
+    }
+    /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
+    if (bt_lora_dembed(lo))
+        OP(c, "embedding bwd", F4((int64_t)c->V * c->D),
+           bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V));
+    return 0;
+}

@@ -1,0 +1,76 @@
+/* The CPU training loop: loaderd batches -> forward/backward -> clip -> AdamW -> progress,
+ * reports, adapter checkpoints, held-out evaluation before and after. */
+#ifndef BT_TRAINER_TRAIN_H
+#define BT_TRAINER_TRAIN_H
+#include <stdio.h>
+
+#include "trainer/config.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "trainer/loop/step.h"
+
+/* The trainer's exit statuses (trainer/main.c), in one table so that every way of stopping keeps
+ * its own number; scripts/train.sbatch and the README rely on them:
+ *   0   done: `steps` (or stop_at_step) completed, adapter saved
+ *   1   failure (the message on stderr says why; completed steps are saved when possible)
+ *   2   usage or configuration error (the message names the argument or key)
+ *   3   training diverged: a non-finite loss, gradient norm or parameter; nothing of the diverged
+ *       steps was saved, out_dir and checkpoint_dir keep the last good adapter and checkpoint
+ *   75  interrupted: SIGINT, SIGTERM or SIGUSR1 (Slurm's warning before a time limit) on any
+ *       rank; stopped mid-step, the adapter and checkpoint of the last completed step are saved:
+ *       continue with --resume CHECKPOINT_DIR (sysexits.h EX_TEMPFAIL: "try again later")
+ *   76..79  reserved for other deliberate stops of a run. */
+enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_DIVERGED = 3, BT_EXIT_INTERRUPTED = 75 };
+
+/* Run a job. eval_only = 0: `trainer train` (eval before if eval.shards, train cfg->steps steps,
+ * save the adapter every save_every steps and at the end, eval after, summary); eval_only = 1:
+ * `trainer eval` (held-out loss of the base model only). Progress lines and the summary go to
+ * `out` (stdout in the CLI), diagnostics to stderr via bt_log:
+ *   step 12/60 | loss 2.3141 | lr 1.95e-04 | 1843 tok/s | elapsed 1m02s | eta 4m10s
+ *   held-out loss: before 2.9134 -> after 2.4512 (-15.9%)
+ *   adapter: runs/demo/adapter
+ * loss = the step's mean loss per labelled target over its grad_accum micro-batches; tok/s = real
+ * (non-padding) tokens of the step / its wall time. SIGINT, SIGTERM and SIGUSR1 stop mid-step,
+ * whatever the step's length: the wait for a batch is sliced (~1 s), every layer of the forward
+ * and backward asks (bt_step_ctx_set_check, bt_cuda_hooks), and so does every NCCL wait; the
+ * step in progress is dropped and rank 0 saves the adapter and a checkpoint (to checkpoint_dir,
+ * whatever checkpoint_every; not when it equals out_dir) of the last completed step, without any
+ * collective. With several ranks a signal on one stops all of them (trainer/dist/dist_monitor.h
+ * relays it), and another rank that dies or stalls ends the run naming it. Returns
+ * BT_ERR_CANCELLED then, with the message saying what was saved where. When the batch stream
+ * fails after some steps (loaderd gone, timeout) the adapter and checkpoint of the last completed
+ * step are saved too, the error message says so, and the error is returned. Returns 0 or a
+ * negative bt_err with bt_last_error() set. */
+int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out);
+
+/* Held-out evaluation: attach a job for cfg's eval stream (epochs 1), run the forward (no
+ * dropout) over every batch until END_OF_DATA or cfg->eval.max_batches, and return the mean
+ * loss per labelled target in *mean_loss and their count in *n_tokens. lo may be NULL (base).
+ * SIGINT/SIGTERM (during bt_train_run) cut it short: *interrupted (when not NULL) is then 1 and
+ * the loss covers only the batches seen (NAN, 0 tokens and no error when there were none). */
+int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    double *mean_loss, long long *n_tokens, int *interrupted);
+
+/* Held-out perplexity per context length (cfg->eval.lengths): for each length L, the held-out
+ * stream again at row length L (loaderd cuts `text` documents into consecutive L-token windows,
+ * `chat`/`alpaca` ones to their first L tokens), loss over the windows of exactly L tokens only
+ * (shorter remainders carry no loss), full attention. Rows per micro-batch: max_M / L (the
+ * workspace ctx holds max_M tokens), or one row in a forward-only workspace of its own when
+ * L > max_M (CPU; on the GPU such a length is BT_ERR_INVALID). res [cfg->eval.n_lengths]: length,
+ * windows, labelled tokens and mean loss (NAN when no window had L tokens). Collective across
+ * ranks like bt_eval_heldout. */
+typedef struct {
+    int length;
+    long long windows, tokens;
+    double loss;
+} bt_eval_length;
+int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
+                    int max_M, bt_eval_length *res, int *interrupted);
+
+/* "1m02s" / "1h02m03s" for a duration in seconds (buf >= 24 bytes). */
+void bt_fmt_duration(char *buf, size_t n, double seconds);
+
+/* Peak resident set size of this process in MiB (getrusage ru_maxrss). */
+double bt_peak_rss_mib(void);
+
+#endif

@@ -1,0 +1,752 @@
+/* Frozen Llama base: GGUF loading (dequantise, un-permute Q/K, NF4-quantise; or keep the file's
+ * own ggml blocks), random init. */
+#include "trainer/model/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "common/gguf.h"
+#include "common/quant.h"
+#include "trainer/model/model_internal.h"
+#include "trainer/model/rng.h"
+
+/* GGUF tensor suffix per module, in BT_MOD_* order. */
+static const char *const k_gguf_lin[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                                 "ffn_gate", "ffn_up", "ffn_down"};
+
+void bt_model_lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *cols) {
+    int D = hp->d_model, q = hp->n_head * hp->head_dim, kv = hp->n_kv_head * hp->head_dim;
+    switch (mod) {
+    case BT_MOD_Q: *rows = q, *cols = D; break;
+    case BT_MOD_K:
+    case BT_MOD_V: *rows = kv, *cols = D; break;
+    case BT_MOD_O: *rows = D, *cols = q; break;
+    case BT_MOD_GATE:
+    case BT_MOD_UP: *rows = hp->d_ff, *cols = D; break;
+    default: *rows = D, *cols = hp->d_ff; break; /* down */
+    }
+}
+
+int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head_dim_free) {
+    if (hp->n_layer < 1 || hp->n_layer > 1024 || hp->d_model < 2 || hp->n_head < 1 ||
+        hp->n_kv_head < 1 || hp->d_ff < 1 || hp->vocab < 2 || hp->d_model > (1 << 16) ||
+        hp->d_ff > (1 << 18) || hp->vocab > (1 << 24))
+        return bt_fail(BT_ERR_INVALID,
+                       "model: %s: implausible hyper-parameters (layers %d, d_model %d, heads %d/%d,"
+                       " ffn %d, vocab %d)",
+                       src, hp->n_layer, hp->d_model, hp->n_head, hp->n_kv_head, hp->d_ff, hp->vocab);
+    if (hp->n_head % hp->n_kv_head != 0)
+        return bt_fail(BT_ERR_INVALID, "model: %s: head_count %d is not a multiple of head_count_kv %d",
+                       src, hp->n_head, hp->n_kv_head);
+    if (head_dim_free && (hp->head_dim < 2 || hp->head_dim > 1024 || hp->head_dim % 2 != 0 ||
+                          (int64_t)hp->head_dim * hp->n_head > (1 << 16)))
+        return bt_fail(BT_ERR_INVALID, "model: %s: head_dim %d must be even, in [2, 1024], and "
+                       "head_dim x heads %d at most 65536", src, hp->head_dim, hp->n_head);
+    if (!head_dim_free && (hp->head_dim * hp->n_head != hp->d_model || hp->head_dim % 2 != 0))
+        return bt_fail(BT_ERR_INVALID,
+                       "model: %s: head_dim %d x head_count %d must equal embedding_length %d "
+                       "(and head_dim be even)",
+                       src, hp->head_dim, hp->n_head, hp->d_model);
+    if (!(hp->rope_theta > 0) || !(hp->rms_eps > 0) || !isfinite(hp->rope_theta) ||
+        !isfinite(hp->rms_eps))
+        return bt_fail(BT_ERR_INVALID, "model: %s: rope theta %g / rms eps %g must be > 0", src,
+                       hp->rope_theta, hp->rms_eps);
+    if (!(hp->rope_factor >= 0) || !isfinite(hp->rope_factor))
+        return bt_fail(BT_ERR_INVALID, "model: %s: RoPE scaling factor %g must be > 0", src,
+                       hp->rope_factor);
+    return 0;
+}
+
+size_t bt_model_scratch_floats(const bt_model *m) {
+    if (m->base_dtype != BT_BASE_NF4 && m->base_dtype != BT_BASE_GGUF) return 1;
+    /* K of every NF4 / ggml GEMM is a linear's cols: d_model, d_ff, or n_head * head_dim (o_proj;
+     * may exceed both with an explicit HF head_dim); both use the tiled driver's scratch */
+    size_t a = bt_nf4_scratch_floats(m->hp.d_model), b = bt_nf4_scratch_floats(m->hp.d_ff);
+    size_t c = bt_nf4_scratch_floats(m->hp.n_head * m->hp.head_dim);
+    if (b > a) a = b;
+    return c > a ? c : a;
+}
+
+void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float beta,
+                 float *scratch) {
+    if (l->is_nf4) bt_nf4_linear_fwd(Y, X, &l->q, M, l->cols, l->rows, beta, scratch);
+    else if (l->is_gguf) bt_ggml_linear_fwd(Y, X, &l->g, M, l->cols, l->rows, beta, scratch);
+    else bt_linear_fwd(Y, X, l->w, M, l->cols, l->rows, beta);
+    if (l->bias) {
+        const float *b = l->bias;
+        int N = l->rows;
+#pragma omp parallel for schedule(static)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) Y[(size_t)i * N + j] += b[j];
+    }
+}
+
+void bt_base_bwd_x(float *dX, const float *dY, const bt_base_linear *l, int M, float beta,
+                   float *scratch) {
+    if (l->is_nf4) bt_nf4_linear_bwd_x(dX, dY, &l->q, M, l->cols, l->rows, beta, scratch);
+    else if (l->is_gguf) bt_ggml_linear_bwd_x(dX, dY, &l->g, M, l->cols, l->rows, beta, scratch);
+    else bt_linear_bwd_x(dX, dY, l->w, M, l->cols, l->rows, beta);
+}
+
+static void lin_free(bt_base_linear *l) {
+    if (l->is_nf4) bt_nf4_free(&l->q);
+    if (l->is_gguf) bt_ggml_mat_free(&l->g);
+    free(l->w);
+    free(l->bias);
+    memset(l, 0, sizeof *l);
+}
+
+void bt_model_free(bt_model *m) {
+    if (!m) return;
+    if (m->layers) {
+        for (int i = 0; i < m->hp.n_layer; i++) {
+            free(m->layers[i].attn_norm);
+            free(m->layers[i].ffn_norm);
+            for (int j = 0; j < BT_MOD_N; j++) lin_free(&m->layers[i].lin[j]);
+        }
+        free(m->layers);
+    }
+    if (!m->tied) free(m->lm_head);
+    free(m->tok_embd);
+    free(m->output_norm);
+    free(m->inv_freq);
+    free(m->rope_freqs);
+    memset(m, 0, sizeof *m);
+}
+
+int bt_rope_ext_parse(const char *name) {
+    if (!name) return -1;
+    if (!strcmp(name, "linear")) return BT_ROPE_EXT_LINEAR;
+    if (!strcmp(name, "yarn")) return BT_ROPE_EXT_YARN;
+    if (!strcmp(name, "dynamic")) return BT_ROPE_EXT_DYNAMIC;
+    return -1;
+}
+
+const char *bt_rope_ext_name(int ext) {
+    static const char *const names[] = {"none", "linear", "yarn", "dynamic"};
+    return ext >= 0 && ext <= BT_ROPE_EXT_DYNAMIC ? names[ext] : "?";
+}
+
+float bt_model_attn_factor(const bt_llama_hparams *hp) {
+    if (hp->rope_ext == BT_ROPE_EXT_YARN)
+        return bt_rope_yarn_attention_factor(hp->rope_ext_factor, hp->rope_attn_factor);
+    return hp->rope_attn_factor > 0.f ? hp->rope_attn_factor : 1.0f; /* HF longrope's */
+}
+
+float bt_model_attn_scale(const bt_llama_hparams *hp) {
+    const float s = 1.0f / sqrtf((float)hp->head_dim), a = bt_model_attn_factor(hp);
+    return a == 1.0f ? s : s * (a * a);
+}
+
+/* The model's own table (default / llama3 / rope_freqs) into inv [D/2]. */
+static int rope_own_table(const bt_llama_hparams *hp, const float *ff, float *inv) {
+    const int D = hp->head_dim;
+    int rc;
+    if (hp->rope_type == BT_ROPE_LLAMA3)
+        rc = bt_rope_inv_freq(inv, D, hp->rope_theta, "llama3", hp->rope_factor,
+                              hp->rope_low_freq_factor, hp->rope_high_freq_factor,
+                              hp->rope_orig_ctx);
+    else if (hp->rope_type == BT_ROPE_DEFAULT || hp->rope_type == BT_ROPE_FREQS)
+        rc = bt_rope_inv_freq(inv, D, hp->rope_theta, "default", 0.f, 0.f, 0.f, 0);
+    else
+        rc = bt_fail(BT_ERR_INVALID, "model: unknown RoPE type %d", hp->rope_type);
+    if (!rc && hp->rope_type == BT_ROPE_FREQS)
+        for (int i = 0; i < D / 2; i++)
+            inv[i] = inv[i] / ff[i]; /* ggml_rope_ext: theta = pos * base^(-2i/D) / freq_factor */
+    return rc;
+}
+
+static int rope_ext_check(const bt_llama_hparams *hp) {
+    if (hp->rope_ext == BT_ROPE_EXT_NONE) return 0;
+    if (hp->rope_ext < 0 || hp->rope_ext > BT_ROPE_EXT_DYNAMIC)
+        return bt_fail(BT_ERR_INVALID, "model: unknown RoPE scaling %d", hp->rope_ext);
+    if (!(hp->rope_ext_factor >= 1e-3f && hp->rope_ext_factor <= 1e6f))
+        return bt_fail(BT_ERR_INVALID, "model: RoPE %s scaling factor %g is outside [0.001, 1e6]",
+                       bt_rope_ext_name(hp->rope_ext), (double)hp->rope_ext_factor);
+    if (hp->rope_ext != BT_ROPE_EXT_LINEAR && hp->rope_ext_orig_ctx < 1)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE %s scaling needs the original context length "
+                       "(got %d)", bt_rope_ext_name(hp->rope_ext), hp->rope_ext_orig_ctx);
+    return 0;
+}
+
+int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
+    const bt_llama_hparams *hp = &m->hp;
+    const int D = hp->head_dim, half = D / 2;
+    float *ff = NULL;
+    if (D >= 2 && D % 2 == 0 && hp->rope_type == BT_ROPE_FREQS && rope_freqs) {
+        if (!(ff = malloc((size_t)half * sizeof(float))))
+            return bt_fail(BT_ERR_NOMEM, "model: out of memory (RoPE table)");
+        memcpy(ff, rope_freqs, (size_t)half * sizeof(float)); /* rope_freqs may be m->rope_freqs */
+    }
+    free(m->inv_freq);
+    free(m->rope_freqs);
+    m->inv_freq = m->rope_freqs = NULL;
+    if (D < 2 || D % 2 != 0)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE head_dim %d must be even and >= 2", D);
+    if (hp->rope_type == BT_ROPE_FREQS && !ff)
+        return bt_fail(BT_ERR_INVALID, "model: RoPE type rope_freqs needs the factor table");
+    float *inv = malloc((size_t)half * sizeof(float));
+    if (!inv) {
+        free(ff);
+        return bt_fail(BT_ERR_NOMEM, "model: out of memory (RoPE table)");
+    }
+    int rc = rope_ext_check(hp);
+    for (int i = 0; ff && i < half && !rc; i++)
+        if (!(ff[i] > 0.f) || !isfinite(ff[i]))
+            rc = bt_fail(BT_ERR_INVALID, "model: RoPE frequency factor %d is %g (must be > 0)", i,
+                         (double)ff[i]);
+    if (!rc) rc = rope_own_table(hp, ff, inv);
+    if (!rc && hp->rope_ext == BT_ROPE_EXT_LINEAR) {
+        for (int i = 0; i < half; i++) inv[i] = inv[i] / hp->rope_ext_factor; /* inv_freq /= factor */
+    } else if (!rc && hp->rope_ext == BT_ROPE_EXT_YARN) {
+        if (hp->rope_type == BT_ROPE_DEFAULT) /* exactly transformers' yarn table */
+            rc = bt_rope_inv_freq_yarn(inv, D, hp->rope_theta, hp->rope_ext_factor,
+                                       hp->rope_ext_orig_ctx, hp->rope_yarn_beta_fast,
+                                       hp->rope_yarn_beta_slow);
+        else
+            rc = bt_rope_yarn_mix(inv, D, hp->rope_theta, hp->rope_ext_factor,
+                                  hp->rope_ext_orig_ctx, hp->rope_yarn_beta_fast,
+                                  hp->rope_yarn_beta_slow);
+    }
+    if (rc) {
+        free(inv);
+        free(ff);
+        return rc;
+    }
+    m->inv_freq = inv;
+    m->rope_freqs = ff;
+    return 0;
+}
+
+/* Bytes of one base linear's weight (no bias). */
+static size_t lin_bytes(const bt_base_linear *l) {
+    size_t n = (size_t)l->rows * l->cols;
+    if (l->is_nf4) return n / 2 + n / 64 + (n / 64 / 256 + 1) * 4;
+    if (l->is_gguf) return bt_ggml_mat_bytes(&l->g);
+    return n * 4;
+}
+
+int bt_model_rope_table(const bt_model *m, int64_t seq_len, float *out) {
+    const bt_llama_hparams *hp = &m->hp;
+    const int D = hp->head_dim, half = D / 2;
+    if (!m->inv_freq || !out) return bt_fail(BT_ERR_INVALID, "model: no RoPE table");
+    if (hp->rope_ext != BT_ROPE_EXT_DYNAMIC || seq_len <= hp->rope_ext_orig_ctx) {
+        memcpy(out, m->inv_freq, (size_t)half * sizeof(float));
+        return 0;
+    }
+    int rc = bt_rope_inv_freq_dynamic(out, D, hp->rope_theta, hp->rope_ext_factor,
+                                      hp->rope_ext_orig_ctx, seq_len);
+    if (rc || hp->rope_type == BT_ROPE_DEFAULT) return rc ? rc : 1;
+    /* composed with a llama3 / rope_freqs table: every own frequency scaled as dynamic NTK scales
+     * the default one */
+    float dflt[512];
+    if (half > 512) return bt_fail(BT_ERR_INVALID, "model: head_dim %d too large", D);
+    if ((rc = bt_rope_inv_freq(dflt, D, hp->rope_theta, "default", 0.f, 0.f, 0.f, 0))) return rc;
+    for (int i = 0; i < half; i++) out[i] = m->inv_freq[i] * (out[i] / dflt[i]);
+    return 1;
+}
+
+int bt_model_extend_context(bt_model *m, int method, int target_length) {
+    bt_llama_hparams *hp = &m->hp;
+    if (method < BT_ROPE_EXT_LINEAR || method > BT_ROPE_EXT_DYNAMIC)
+        return bt_fail(BT_ERR_INVALID, "config: context_extension.method: expected \"linear\", "
+                       "\"yarn\" or \"dynamic\"");
+    if (hp->rope_ext == method && hp->ctx == target_length) return 0; /* already extended so */
+    if (!m->inv_freq) return bt_fail(BT_ERR_INVALID, "model: no RoPE table to extend");
+    if (hp->rope_ext != BT_ROPE_EXT_NONE)
+        return bt_fail(BT_ERR_INVALID, "config: context_extension: the model already has RoPE "
+                       "scaling \"%s\" (factor %g, context %d); it cannot take a second one "
+                       "(\"%s\" to %d): drop context_extension, or start from the unscaled base",
+                       bt_rope_ext_name(hp->rope_ext), (double)hp->rope_ext_factor, hp->ctx,
+                       bt_rope_ext_name(method), target_length);
+    if (hp->ctx < 1 || target_length <= hp->ctx)
+        return bt_fail(BT_ERR_INVALID, "config: context_extension.target_length: expected more "
+                       "than the model's context length %d, got %d", hp->ctx, target_length);
+    bt_llama_hparams old = *hp;
+    hp->rope_ext = method;
+    hp->rope_ext_factor = (float)((double)target_length / (double)hp->ctx);
+    hp->rope_ext_orig_ctx = hp->ctx;
+    hp->rope_yarn_beta_fast = hp->rope_yarn_beta_slow = 0.f;
+    hp->rope_attn_factor = 0.f;
+    hp->ctx = target_length;
+    int rc = bt_model_rope_init(m, m->rope_freqs);
+    if (rc) {
+        *hp = old;
+        if (bt_model_rope_init(m, m->rope_freqs) != 0) return rc; /* restore (cannot fail twice) */
+        return rc;
+    }
+    m->ctx_extended = 1;
+    return 0;
+}
+
+size_t bt_model_bytes(const bt_model *m) {
+    size_t b = (size_t)m->hp.vocab * m->hp.d_model * 4 * (m->tied ? 1 : 2);
+    b += (size_t)m->hp.d_model * 4 * (1 + 2 * (size_t)m->hp.n_layer);
+    for (int i = 0; i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            const bt_base_linear *l = &m->layers[i].lin[j];
+            b += lin_bytes(l);
+            if (l->bias) b += (size_t)l->rows * 4;
+        }
+    return b;
+}
+
+void bt_model_base_info(const bt_model *m, bt_base_info *out) {
+    memset(out, 0, sizeof *out);
+    out->base_dtype = m->base_dtype;
+    int64_t per_type[BT_GGML_TYPE_SLOTS] = {0}; /* ggml weights per type */
+    for (int i = 0; m->layers && i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            const bt_base_linear *l = &m->layers[i].lin[j];
+            const int64_t n = (int64_t)l->rows * l->cols;
+            out->n_weights += n;
+            out->bytes += lin_bytes(l);
+            if (l->is_gguf && l->g.type >= 0 && l->g.type < BT_GGML_TYPE_SLOTS)
+                per_type[l->g.type] += n;
+        }
+    out->bits_per_weight = out->n_weights ? 8.0 * (double)out->bytes / (double)out->n_weights : 0;
+    if (m->base_dtype != BT_BASE_GGUF) {
+        snprintf(out->types, sizeof out->types, "%s", bt_base_dtype_name(m->base_dtype));
+        return;
+    }
+    bt_ggml_type_mix(per_type, out->types, sizeof out->types);
+}
+
+int bt_model_lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_dtype,
+                     const char *what) {
+    l->rows = rows;
+    l->cols = cols;
+    if (base_dtype == BT_BASE_FP32) {
+        l->w = w;
+        l->is_nf4 = 0;
+        return 0;
+    }
+    if (((int64_t)rows * cols) % BT_NF4_BLOCKSIZE != 0) {
+        free(w);
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %d x %d elements is not a multiple of the NF4 "
+                       "block size 64 (use base_dtype fp32)", what, rows, cols);
+    }
+    int rc = bt_nf4_quantize(&l->q, w, rows, cols);
+    free(w);
+    if (rc) return bt_fail(rc, "model: %s: NF4 quantisation failed: %s", what, bt_last_error());
+    l->is_nf4 = 1;
+    return 0;
+}
+
+/* ---- GGUF ---- */
+
+static int kv_int(const bt_gguf *g, const char *path, const char *key, int required, int64_t def,
+                  int *out) {
+    int64_t v;
+    int rc = bt_gguf_get_i64(g, key, &v);
+    if (rc == BT_ERR_NOTFOUND && !required) v = def;
+    else if (rc == BT_ERR_NOTFOUND)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing metadata key %s", path, key);
+    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error());
+    if (v < 0 || v > 0x7fffffff)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: %s = %lld out of range", path, key, (long long)v);
+    *out = (int)v;
+    return 0;
+}
+
+static int kv_float(const bt_gguf *g, const char *path, const char *key, int required, double def,
+                    float *out) {
+    double v;
+    int rc = bt_gguf_get_f64(g, key, &v);
+    if (rc == BT_ERR_NOTFOUND && !required) v = def;
+    else if (rc == BT_ERR_NOTFOUND)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing metadata key %s", path, key);
+    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error());
+    *out = (float)v;
+    return 0;
+}
+
+/* Tensor `name` with logical PyTorch shape [rows, cols] (rows = 0: 1-D [cols]), a type with a
+ * decoder and enough bytes, else an error naming the tensor. */
+static int find_tensor_checked(const bt_gguf *g, const char *path, const char *name, int rows,
+                               int cols, const bt_gguf_tensor **out) {
+    *out = NULL;
+    const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
+    if (!t) return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor %s", path, name);
+    int want_dims = rows ? 2 : 1;
+    uint64_t r = rows ? (uint64_t)rows : 1;
+    if (t->n_dims != (uint32_t)want_dims || t->ne[0] != (uint64_t)cols || t->ne[1] != r ||
+        t->ne[2] != 1 || t->ne[3] != 1)
+        return bt_fail(BT_ERR_FORMAT,
+                       "model: %s: tensor %s has shape (ne) [%llu, %llu, %llu, %llu] / %u dims, "
+                       "expected [%d, %llu] (%d dims)",
+                       path, name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+                       (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], t->n_dims, cols,
+                       (unsigned long long)r, want_dims);
+    size_t row = bt_ggml_row_size(t->type, cols);
+    if (row == 0 || !bt_ggml_can_dequantize(t->type))
+        return bt_fail(BT_ERR_UNSUPPORTED,
+                       "model: %s: tensor %s has ggml type %s (%d), which the trainer cannot decode "
+                       "(supported, for every base_dtype: %s): convert the file to one of them, "
+                       "e.g. with llama.cpp's llama-quantize", path, name,
+                       bt_ggml_type_name(t->type), t->type, bt_ggml_decodable_types());
+    if ((uint64_t)row * r > t->nbytes)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: %llu bytes, expected %llu", path, name,
+                       (unsigned long long)t->nbytes, (unsigned long long)row * r);
+    *out = t;
+    return 0;
+}
+
+/* Dequantise tensor `name` of logical PyTorch shape [rows, cols] (rows = 0: 1-D [cols]) into a
+ * new fp32 buffer. */
+static int load_tensor(const bt_gguf *g, const char *path, const char *name, int rows, int cols,
+                       float **out) {
+    *out = NULL;
+    const bt_gguf_tensor *t;
+    int rc = find_tensor_checked(g, path, name, rows, cols, &t);
+    if (rc) return rc;
+    const int64_t n = (int64_t)(rows ? rows : 1) * cols;
+    float *w = bt_aligned_alloc((size_t)n * sizeof(float));
+    if (!w) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", path, name);
+    rc = bt_ggml_dequantize(t->type, t->data, w, n);
+    if (rc) {
+        free(w);
+        return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error());
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(w[i])) {
+            free(w);
+            return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: non-finite value at element %lld",
+                           path, name, (long long)i);
+        }
+    *out = w;
+    return 0;
+}
+
+/* Inverse of convert_hf_to_gguf.py LlamaModel.permute(w, n_head, n_head_kv):
+ *   gguf = w.reshape(nh, 2, hd/2, cols).swapaxes(1, 2).reshape(rows, cols)
+ * so gguf row h*hd + 2*i + j holds HF row h*hd + j*hd/2 + i. */
+static int unpermute_rows(float *w, int nh, int hd, int cols) {
+    size_t rowb = (size_t)cols * sizeof(float);
+    float *tmp = malloc((size_t)hd * rowb);
+    if (!tmp) return bt_fail(BT_ERR_NOMEM, "model: out of memory (un-permute)");
+    int half = hd / 2;
+    for (int h = 0; h < nh; h++) {
+        float *base = w + (size_t)h * hd * cols;
+        memcpy(tmp, base, (size_t)hd * rowb);
+        for (int i = 0; i < half; i++)
+            for (int j = 0; j < 2; j++)
+                memcpy(base + (size_t)(j * half + i) * cols, tmp + (size_t)(2 * i + j) * cols, rowb);
+    }
+    free(tmp);
+    return 0;
+}
+
+/* Linear `name` [rows, cols] kept in its own ggml blocks (BT_BASE_GGUF): rows copied in HF order
+ * (for q/k, nh > 0: HF row h*hd + j*hd/2 + i is GGUF row h*hd + 2*i + j, the unpermute_rows map
+ * applied to whole block rows, so no value changes), then every value decoded once to check it is
+ * finite (the dequantised-base loaders check the same). */
+static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name, int rows,
+                            int cols, int nh, int hd, bt_base_linear *l) {
+    const bt_gguf_tensor *t;
+    int rc = find_tensor_checked(g, path, name, rows, cols, &t);
+    if (rc) return rc;
+    int32_t *perm = NULL;
+    if (nh > 0) {
+        perm = malloc((size_t)rows * sizeof *perm);
+        if (!perm) return bt_fail(BT_ERR_NOMEM, "model: out of memory (un-permute)");
+        const int half = hd / 2;
+        for (int h = 0; h < nh; h++)
+            for (int i = 0; i < half; i++)
+                for (int j = 0; j < 2; j++) perm[h * hd + j * half + i] = h * hd + 2 * i + j;
+    }
+    rc = bt_ggml_mat_init(&l->g, t->type, rows, cols, t->data, perm);
+    free(perm);
+    if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error());
+    l->rows = rows;
+    l->cols = cols;
+    l->is_gguf = 1;
+    float *buf = malloc((size_t)cols * sizeof(float));
+    if (!buf) return bt_fail(BT_ERR_NOMEM, "model: out of memory (%s)", name);
+    for (int r = 0; r < rows && !rc; r++) {
+        bt_ggml_mat_dequantize_rows(&l->g, r, 1, buf);
+        for (int c = 0; c < cols; c++)
+            if (!isfinite(buf[c])) {
+                /* report the element in the file's own (GGUF) order */
+                const int fr = nh > 0 ? (r / hd) * hd + 2 * (r % hd % (hd / 2)) + (r % hd) / (hd / 2)
+                                      : r;
+                rc = bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: non-finite value at element "
+                             "%lld", path, name, (long long)fr * cols + c);
+                break;
+            }
+    }
+    free(buf);
+    return rc;
+}
+
+/* llama.rope.scaling.* (llama.cpp llama-model.cpp load_hparams; the keys convert_hf_to_gguf.py
+ * writes): type "none" | "linear" (factor: freq_scale = 1 / factor) | "yarn" (factor,
+ * original_context_length, attn_factor: llama.cpp's rope_yarn multiplies it by 1 + 0.1 ln factor,
+ * so the HF attention_factor is their product; yarn_beta_fast / yarn_beta_slow, default 32 / 1).
+ * Absent keys: no scaling. They compose with rope_freqs.weight as in ggml_rope_ext. */
+int bt_model_gguf_rope_scaling(const bt_gguf *g, const char *path, bt_llama_hparams *hp) {
+    if (bt_gguf_find_key(g, "llama.rope.scaling.type") < 0) return 0;
+    bt_str st = {"", 0};
+    if (bt_gguf_get_str(g, "llama.rope.scaling.type", &st) != 0)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling.type is not a string", path);
+    int ext = st.len == 6 && !memcmp(st.ptr, "linear", 6) ? BT_ROPE_EXT_LINEAR
+              : st.len == 4 && !memcmp(st.ptr, "yarn", 4) ? BT_ROPE_EXT_YARN
+              : st.len == 4 && !memcmp(st.ptr, "none", 4) ? BT_ROPE_EXT_NONE
+                                                          : -1;
+    if (ext < 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: llama.rope.scaling.type \"%.*s\" is not "
+                       "supported (none, linear, yarn; Llama 3.1 scaling comes as "
+                       "rope_freqs.weight)", path, (int)(st.len > 32 ? 32 : st.len), st.ptr);
+    if (ext == BT_ROPE_EXT_NONE) return 0;
+    int rc;
+    float f = 0.f;
+    if ((rc = kv_float(g, path, "llama.rope.scaling.factor", 1, 0, &f))) return rc;
+    if (!(f > 0.f) || !isfinite(f))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling.factor %g must be > 0", path,
+                       (double)f);
+    if (f == 1.f) return 0; /* identity */
+    hp->rope_ext = ext;
+    hp->rope_ext_factor = f;
+    if (ext == BT_ROPE_EXT_YARN) {
+        float af = 1.f, bf = 32.f, bs = 1.f;
+        if ((rc = kv_int(g, path, "llama.rope.scaling.original_context_length", 0, hp->ctx,
+                         &hp->rope_ext_orig_ctx)) ||
+            (rc = kv_float(g, path, "llama.rope.scaling.attn_factor", 0, 1.0, &af)) ||
+            (rc = kv_float(g, path, "llama.rope.scaling.yarn_beta_fast", 0, 32.0, &bf)) ||
+            (rc = kv_float(g, path, "llama.rope.scaling.yarn_beta_slow", 0, 1.0, &bs)))
+            return rc;
+        if (!(af > 0.f) || !isfinite(af) || !(bf > 0.f) || !(bs > 0.f) || hp->rope_ext_orig_ctx < 1)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: llama.rope.scaling: attn_factor %g, "
+                           "yarn_beta_fast %g, yarn_beta_slow %g must be > 0 and "
+                           "original_context_length %d >= 1", path, (double)af, (double)bf,
+                           (double)bs, hp->rope_ext_orig_ctx);
+        hp->rope_yarn_beta_fast = bf;
+        hp->rope_yarn_beta_slow = bs;
+        hp->rope_attn_factor = af == 1.f ? 0.f : af * bt_rope_yarn_attention_factor(f, 0.f);
+    }
+    return 0;
+}
+
+int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts_in) {
+    memset(m, 0, sizeof *m);
+    bt_model_load_opts opts_v = {BT_BASE_AUTO, 0};
+    if (opts_in) opts_v = *opts_in;
+    if (opts_v.base_dtype == BT_BASE_AUTO) opts_v.base_dtype = BT_BASE_GGUF;
+    const bt_model_load_opts *opts = &opts_v;
+    bt_gguf *g = NULL;
+    int rc = bt_gguf_open(&g, path);
+    if (rc) return bt_fail(rc, "model: %s", bt_last_error());
+    bt_str arch;
+    rc = bt_gguf_get_str(g, "general.architecture", &arch);
+    if (rc) {
+        rc = bt_fail(rc == BT_ERR_NOTFOUND ? BT_ERR_NOTFOUND : BT_ERR_FORMAT,
+                     "model: %s: general.architecture: %s", path,
+                     rc == BT_ERR_NOTFOUND ? "missing" : bt_last_error());
+        goto fail;
+    }
+    if (arch.len != 5 || memcmp(arch.ptr, "llama", 5) != 0) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED,
+                     "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\"",
+                     path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+        goto fail;
+    }
+    bt_llama_hparams *hp = &m->hp;
+    int rope_dim = 0;
+    if ((rc = kv_int(g, path, "llama.block_count", 1, 0, &hp->n_layer)) ||
+        (rc = kv_int(g, path, "llama.embedding_length", 1, 0, &hp->d_model)) ||
+        (rc = kv_int(g, path, "llama.attention.head_count", 1, 0, &hp->n_head)) ||
+        (rc = kv_int(g, path, "llama.feed_forward_length", 1, 0, &hp->d_ff)) ||
+        (rc = kv_int(g, path, "llama.context_length", 0, 2048, &hp->ctx)) ||
+        (rc = kv_float(g, path, "llama.attention.layer_norm_rms_epsilon", 1, 0, &hp->rms_eps)) ||
+        (rc = kv_float(g, path, "llama.rope.freq_base", 0, 10000.0, &hp->rope_theta)))
+        goto fail;
+    if ((rc = kv_int(g, path, "llama.attention.head_count_kv", 0, hp->n_head, &hp->n_kv_head)))
+        goto fail;
+    if (hp->n_head <= 0) {
+        rc = bt_fail(BT_ERR_FORMAT, "model: %s: llama.attention.head_count is 0", path);
+        goto fail;
+    }
+    hp->head_dim = hp->d_model / hp->n_head;
+    if ((rc = kv_int(g, path, "llama.rope.dimension_count", 0, hp->head_dim, &rope_dim))) goto fail;
+    if (rope_dim != hp->head_dim) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED,
+                     "model: %s: llama.rope.dimension_count %d != head_dim %d (partial RoPE is not "
+                     "supported)", path, rope_dim, hp->head_dim);
+        goto fail;
+    }
+    if ((rc = bt_model_gguf_rope_scaling(g, path, hp))) goto fail;
+    if (bt_gguf_find_tensor(g, "rope_freqs.weight")) hp->rope_type = BT_ROPE_FREQS;
+    const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
+    if (!emb) {
+        rc = bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);
+        goto fail;
+    }
+    hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
+    if ((rc = bt_model_check_hparams(hp, path, 0))) goto fail;
+    m->base_dtype = opts->base_dtype;
+    if (hp->rope_type == BT_ROPE_FREQS) {
+        float *ff = NULL;
+        if ((rc = load_tensor(g, path, "rope_freqs.weight", 0, hp->head_dim / 2, &ff))) goto fail;
+        rc = bt_model_rope_init(m, ff);
+        free(ff);
+        if (rc) {
+            rc = bt_fail(rc, "model: %s: rope_freqs.weight: %s", path, bt_last_error());
+            goto fail;
+        }
+    } else if ((rc = bt_model_rope_init(m, NULL))) {
+        goto fail;
+    }
+
+    if ((rc = load_tensor(g, path, "token_embd.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||
+        (rc = load_tensor(g, path, "output_norm.weight", 0, hp->d_model, &m->output_norm)))
+        goto fail;
+    if (bt_gguf_find_tensor(g, "output.weight")) {
+        if ((rc = load_tensor(g, path, "output.weight", hp->vocab, hp->d_model, &m->lm_head)))
+            goto fail;
+        m->tied = 0;
+    } else {
+        m->lm_head = m->tok_embd;
+        m->tied = 1;
+    }
+    m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
+    if (!m->layers) {
+        rc = bt_fail(BT_ERR_NOMEM, "model: out of memory");
+        goto fail;
+    }
+    char name[96];
+    for (int l = 0; l < hp->n_layer; l++) {
+        bt_layer *L = &m->layers[l];
+        snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->attn_norm))) goto fail;
+        snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->ffn_norm))) goto fail;
+        for (int j = 0; j < BT_MOD_N; j++) {
+            int rows, cols;
+            bt_model_lin_shape(hp, j, &rows, &cols);
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
+            if (opts->base_dtype == BT_BASE_GGUF) {
+                const int qk = !opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K);
+                const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
+                if ((rc = load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim,
+                                           &L->lin[j])))
+                    goto fail;
+                continue;
+            }
+            float *w;
+            if ((rc = load_tensor(g, path, name, rows, cols, &w))) goto fail;
+            if (!opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K)) {
+                rc = unpermute_rows(w, j == BT_MOD_Q ? hp->n_head : hp->n_kv_head, hp->head_dim,
+                                    cols);
+                if (rc) {
+                    free(w);
+                    goto fail;
+                }
+            }
+            if ((rc = bt_model_lin_set(&L->lin[j], w, rows, cols, opts->base_dtype, name)))
+                goto fail;
+        }
+    }
+    if ((rc = bt_gguf_check(g, 0))) {
+        rc = bt_fail(rc, "model: %s", bt_last_error());
+        goto fail;
+    }
+    bt_gguf_close(g);
+    return 0;
+fail:
+    if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "model: %s", bt_last_error());
+    bt_gguf_close(g);
+    bt_model_free(m);
+    return rc;
+}
+
+/* ---- random ---- */
+
+static float *rand_buf(bt_rng *r, size_t n, float mean, float std) {
+    float *w = bt_aligned_alloc(n * sizeof(float));
+    if (!w) return NULL;
+    for (size_t i = 0; i < n; i++) w[i] = mean + std * bt_rng_normal(r);
+    return w;
+}
+
+int bt_model_init_random(bt_model *m, const bt_llama_hparams *hp_in, int base_dtype, int tied,
+                         uint64_t seed) {
+    memset(m, 0, sizeof *m);
+    m->hp = *hp_in;
+    bt_llama_hparams *hp = &m->hp;
+    int rc = bt_model_check_hparams(hp, "random", 0);
+    if (rc) return rc;
+    if (hp->rope_type == BT_ROPE_FREQS)
+        return bt_fail(BT_ERR_INVALID, "model: random init: RoPE type rope_freqs needs a GGUF");
+    if (base_dtype != BT_BASE_NF4 && base_dtype != BT_BASE_FP32)
+        return bt_fail(BT_ERR_INVALID, "model: random init: base_dtype %s (random weights are fp32 "
+                       "or NF4; bt_model_to_ggml makes ggml blocks of an fp32 model)",
+                       bt_base_dtype_name(base_dtype));
+    if ((rc = bt_model_rope_init(m, NULL))) return rc;
+    m->base_dtype = base_dtype;
+    bt_rng r;
+    bt_rng_seed(&r, seed);
+    size_t VD = (size_t)hp->vocab * hp->d_model;
+    m->tok_embd = rand_buf(&r, VD, 0.f, 1.f);
+    m->output_norm = rand_buf(&r, (size_t)hp->d_model, 1.f, 0.1f);
+    m->tied = tied;
+    m->lm_head = tied ? m->tok_embd : rand_buf(&r, VD, 0.f, 1.f / sqrtf((float)hp->d_model));
+    m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
+    if (!m->tok_embd || !m->output_norm || !m->lm_head || !m->layers) goto oom;
+    for (int l = 0; l < hp->n_layer; l++) {
+        bt_layer *L = &m->layers[l];
+        L->attn_norm = rand_buf(&r, (size_t)hp->d_model, 1.f, 0.1f);
+        L->ffn_norm = rand_buf(&r, (size_t)hp->d_model, 1.f, 0.1f);
+        if (!L->attn_norm || !L->ffn_norm) goto oom;
+        for (int j = 0; j < BT_MOD_N; j++) {
+            int rows, cols;
+            bt_model_lin_shape(hp, j, &rows, &cols);
+            float *w = rand_buf(&r, (size_t)rows * cols, 0.f, 1.f / sqrtf((float)cols));
+            if (!w) goto oom;
+            if ((rc = bt_model_lin_set(&L->lin[j], w, rows, cols, base_dtype, "random"))) {
+                bt_model_free(m);
+                return rc;
+            }
+        }
+    }
+    return 0;
+oom:
+    bt_model_free(m);
+    return bt_fail(BT_ERR_NOMEM, "model: out of memory (random init)");
+}
+
+int bt_model_to_ggml(bt_model *m, int type) {
+    if (!m || m->base_dtype != BT_BASE_FP32 || !m->layers)
+        return bt_fail(BT_ERR_INVALID, "model: bt_model_to_ggml needs an fp32 base");
+    const int64_t blck = bt_ggml_block_elems(type);
+    if (!bt_ggml_can_dequantize(type))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: ggml type %s has no decoder",
+                       bt_ggml_type_name(type));
+    for (int i = 0; i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            bt_base_linear *l = &m->layers[i].lin[j];
+            if (blck < 1 || l->cols % blck != 0)
+                return bt_fail(BT_ERR_INVALID, "model: layer %d %s: %d columns is not a multiple "
+                               "of the %s block size %lld", i, bt_module_name(j), l->cols,
+                               bt_ggml_type_name(type), (long long)blck);
+        }
+    m->base_dtype = BT_BASE_GGUF; /* scratch sizing and exports follow the converted linears */
+    for (int i = 0; i < m->hp.n_layer; i++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            bt_base_linear *l = &m->layers[i].lin[j];
+            if (l->is_nf4 || l->is_gguf || !l->w) continue;
+            const size_t bytes = bt_ggml_row_size(type, l->cols) * (size_t)l->rows;
+            uint8_t *blocks = malloc(bytes ? bytes : 1);
+            if (!blocks) return bt_fail(BT_ERR_NOMEM, "model: out of memory (to ggml)");
+            int rc = bt_ggml_quantize(type, l->w, blocks, (int64_t)l->rows * l->cols);
+            if (!rc) rc = bt_ggml_mat_init(&l->g, type, l->rows, l->cols, blocks, NULL);
+            free(blocks);
+            if (rc) return rc;
+            free(l->w);
+            l->w = NULL;
+            l->is_gguf = 1;
+        }
+    return 0;
+}

@@ -1,0 +1,894 @@
+/* Hugging Face model directories (config.json + safetensors, sharded or not, F32/F16/BF16 or
+ * bitsandbytes 4-bit) and the GGUF-or-directory dispatch. See model.h.
+ *
+ * Semantics followed (transformers 4.46): LlamaForCausalLM / MistralForCausalLM /
+ * Qwen2ForCausalLM modeling files (Qwen2Attention: q/k/v Linear(bias=True), o_proj bias=False;
+ * LlamaAttention: bias=config.attention_bias on q/k/v/o; LlamaMLP: bias=config.mlp_bias),
+ * LlamaLinearScalingRotaryEmbedding (position / factor), modeling_utils.py sharded loading
+ * (model.safetensors.index.json "weight_map"), bitsandbytes QuantState.as_dict(packed=True)
+ * (../shared/research/kernels.md §1.4). */
+#include "trainer/model/model.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/bt_common.h"
+#include "common/bt_json.h"
+#include "common/quant.h"
+#include "common/safetensors.h"
+#include "trainer/model/model_internal.h"
+
+/* HF module path per linear, in BT_MOD_* order. */
+static const char *const k_hf_lin[BT_MOD_N] = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+
+/* ---------------------------------------------------------------- bitsandbytes 4-bit */
+
+/* The pieces of one bnb 4-bit linear, validated; pointers borrow the mapped files. */
+typedef struct {
+    int64_t n;                  /* rows * cols */
+    const uint8_t *packed;      /* [ceil(n/2)] */
+    int fp4;                    /* quant_type "fp4" */
+    int blocksize;              /* 64 for every default bnb 4-bit checkpoint */
+    int nested;                 /* double quantisation (absmax U8) */
+    const void *absmax;         /* U8 [nb] (nested) or F32 [nb] (any alignment) */
+    int64_t nb;                 /* ceil(n / blocksize) */
+    float qmap[16];
+    const void *nested_absmax;  /* F32 [ceil(nb / nested_blocksize)] */
+    int64_t n_nested;
+    float nmap[256];
+    int nested_blocksize;
+    float offset;
+} bnb_parts;
+
+static const bt_st_tensor *find_any(bt_st_file *const *files, int n_files, const char *name) {
+    for (int i = 0; i < n_files; i++) {
+        const bt_st_tensor *t = bt_st_find(files[i], name);
+        if (t) return t;
+    }
+    return NULL;
+}
+
+static int64_t numel(const bt_st_tensor *t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->n_dims; i++) n *= t->shape[i];
+    return n;
+}
+
+/* Fetch `<w><suffix>` with the given dtype and element count (shape otherwise free). */
+static int bnb_get(const bt_st_tensor **out, bt_st_file *const *files, int n_files,
+                   const char *w, const char *suffix, bt_st_dtype dtype, int64_t count,
+                   const char *path) {
+    char name[512];
+    snprintf(name, sizeof name, "%s%s", w, suffix);
+    const bt_st_tensor *t = find_any(files, n_files, name);
+    *out = t;
+    if (!t)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s: bitsandbytes tensor %s is missing", path, name);
+    if (t->dtype != dtype)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: bitsandbytes tensor %s has dtype %s, expected %s",
+                       path, name, bt_st_dtype_name(t->dtype), bt_st_dtype_name(dtype));
+    if (count >= 0 && numel(t) != count)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: bitsandbytes tensor %s has %lld elements, "
+                       "expected %lld", path, name, (long long)numel(t), (long long)count);
+    return 0;
+}
+
+static int json_num(json_t *v, double *out) {
+    if (!json_is_number(v)) return 0;
+    *out = json_number_value(v);
+    return 1;
+}
+
+/* Read and validate every piece of the bnb checkpoint of weight `w` [rows, cols]. */
+static int bnb_read(bnb_parts *p, bt_st_file *const *files, int n_files, const char *w,
+                    int64_t rows, int64_t cols, const char *path) {
+    memset(p, 0, sizeof *p);
+    p->n = rows * cols;
+    const bt_st_tensor *t, *qs;
+    char name[512];
+    snprintf(name, sizeof name, "%s.quant_state.bitsandbytes__nf4", w);
+    qs = find_any(files, n_files, name);
+    if (!qs) {
+        snprintf(name, sizeof name, "%s.quant_state.bitsandbytes__fp4", w);
+        qs = find_any(files, n_files, name);
+        p->fp4 = 1;
+    }
+    if (!qs)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s: %s.quant_state.bitsandbytes__nf4 is missing",
+                       path, w);
+    if (qs->dtype != BT_ST_U8)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: %s has dtype %s, expected U8 (JSON bytes)", path,
+                       name, bt_st_dtype_name(qs->dtype));
+    json_t *js = NULL;
+    if (bt_json_loadb(&js, qs->data, qs->nbytes, 0, name) || !json_is_object(js)) {
+        const char *why = js ? "wrong type" : bt_last_error();
+        int frc = bt_fail(BT_ERR_FORMAT, "model: %s: %s is not a JSON object (%s)", path, name, why);
+        json_decref(js);
+        return frc;
+    }
+    int rc = 0;
+    double d;
+    const char *qt = json_string_value(json_object_get(js, "quant_type"));
+    json_t *shape = json_object_get(js, "shape");
+    if (!qt || strcmp(qt, p->fp4 ? "fp4" : "nf4") != 0) {
+        rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: quant_type is \"%s\", expected \"%s\"", path,
+                     name, qt ? qt : "(missing)", p->fp4 ? "fp4" : "nf4");
+        goto out;
+    }
+    if (!json_num(json_object_get(js, "blocksize"), &d) || d < 16 || d > 4096 ||
+        d != floor(d) || ((int)d & ((int)d - 1)) != 0) {
+        rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: blocksize missing or not a power of two in "
+                     "[16, 4096]", path, name);
+        goto out;
+    }
+    p->blocksize = (int)d;
+    if (!json_is_array(shape) || json_array_size(shape) != 2 ||
+        json_integer_value(json_array_get(shape, 0)) != rows ||
+        json_integer_value(json_array_get(shape, 1)) != cols) {
+        char *s = shape ? json_dumps(shape, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+        rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: shape %s, expected [%lld, %lld]", path, name,
+                     s ? s : "(missing)", (long long)rows, (long long)cols);
+        free(s);
+        goto out;
+    }
+    p->nb = (p->n + p->blocksize - 1) / p->blocksize;
+    if ((rc = bnb_get(&t, files, n_files, w, "", BT_ST_U8, (p->n + 1) / 2, path))) goto out;
+    p->packed = t->data;
+    if ((rc = bnb_get(&t, files, n_files, w, ".quant_map", BT_ST_F32, 16, path))) goto out;
+    memcpy(p->qmap, t->data, sizeof p->qmap);
+    snprintf(name, sizeof name, "%s.absmax", w);
+    t = find_any(files, n_files, name);
+    if (!t) {
+        rc = bt_fail(BT_ERR_NOTFOUND, "model: %s: bitsandbytes tensor %s is missing", path, name);
+        goto out;
+    }
+    p->nested = t->dtype == BT_ST_U8;
+    if ((rc = bnb_get(&t, files, n_files, w, ".absmax", p->nested ? BT_ST_U8 : BT_ST_F32, p->nb,
+                      path)))
+        goto out;
+    p->absmax = t->data;
+    if (p->nested) {
+        if (!json_num(json_object_get(js, "nested_blocksize"), &d) || d < 1 || d > 65536 ||
+            d != floor(d)) {
+            rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: nested_blocksize missing or invalid", path,
+                         w);
+            goto out;
+        }
+        p->nested_blocksize = (int)d;
+        if (!json_num(json_object_get(js, "nested_offset"), &d) || !isfinite(d)) {
+            rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: nested_offset missing or not a finite "
+                         "number", path, w);
+            goto out;
+        }
+        p->offset = (float)d;
+        p->n_nested = (p->nb + p->nested_blocksize - 1) / p->nested_blocksize;
+        if ((rc = bnb_get(&t, files, n_files, w, ".nested_absmax", BT_ST_F32, p->n_nested, path)))
+            goto out;
+        p->nested_absmax = t->data;
+        if ((rc = bnb_get(&t, files, n_files, w, ".nested_quant_map", BT_ST_F32, 256, path)))
+            goto out;
+        memcpy(p->nmap, t->data, sizeof p->nmap);
+    }
+out:
+    json_decref(js);
+    return rc;
+}
+
+static float ld_f32(const void *base, int64_t i) {
+    float v;
+    memcpy(&v, (const uint8_t *)base + i * 4, 4);
+    return v;
+}
+
+/* Exact bitsandbytes dequantisation with the stored maps (functional.dequantize_4bit):
+ * absmax[b] = nested ? nmap[q[b]] * nested_absmax[b / nbs] + offset : absmax_f32[b];
+ * out[i] = qmap[nibble(i)] * absmax[i / blocksize], element 2j in the high nibble. */
+static int bnb_dequant(const bnb_parts *p, float **out, const char *w, const char *path) {
+    float *am = malloc((size_t)p->nb * sizeof(float));
+    float *o = bt_aligned_alloc((size_t)p->n * sizeof(float));
+    if (!am || !o) {
+        free(am);
+        free(o);
+        return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory dequantising %s", path, w);
+    }
+    for (int64_t b = 0; b < p->nb; b++)
+        am[b] = p->nested ? p->nmap[((const uint8_t *)p->absmax)[b]] *
+                                    ld_f32(p->nested_absmax, b / p->nested_blocksize) +
+                                p->offset
+                          : ld_f32(p->absmax, b);
+    for (int64_t i = 0; i < p->n; i++) {
+        uint8_t byte = p->packed[i / 2];
+        o[i] = p->qmap[(i & 1) ? (byte & 15) : (byte >> 4)] * am[i / p->blocksize];
+    }
+    free(am);
+    for (int64_t i = 0; i < p->n; i++)
+        if (!isfinite(o[i])) {
+            free(o);
+            return bt_fail(BT_ERR_FORMAT, "model: %s: %s: non-finite value at element %lld after "
+                           "dequantisation", path, w, (long long)i);
+        }
+    *out = o;
+    return 0;
+}
+
+/* Whether the checkpoint is exactly what bt_nf4 holds (and decodes with bt_nf4_code /
+ * bt_dynamic_code8); on 0 the message says why not. */
+static int bnb_direct_ok(const bnb_parts *p, const char *w, const char *path) {
+    if (p->fp4) return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s: fp4 is not held as NF4", path, w);
+    if (!p->nested)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s: no double quantisation (F32 absmax)",
+                       path, w);
+    if (p->blocksize != BT_NF4_BLOCKSIZE || p->nested_blocksize != BT_NF4_NESTED_BLOCKSIZE ||
+        p->n % BT_NF4_BLOCKSIZE != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s: blocksize %d / nested %d / %lld "
+                       "elements (the NF4 base needs 64 / 256 / a multiple of 64)", path, w,
+                       p->blocksize, p->nested_blocksize, (long long)p->n);
+    for (int i = 0; i < 16; i++)
+        if (p->qmap[i] != bt_nf4_code[i])
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s.quant_map[%d] = %.9g differs from "
+                           "the NF4 table (%.9g)", path, w, i, p->qmap[i], bt_nf4_code[i]);
+    int code0_used = 0;
+    for (int64_t b = 0; b < p->nb; b++) code0_used |= ((const uint8_t *)p->absmax)[b] == 0;
+    for (int i = 0; i < 256; i++) {
+        if (p->nmap[i] == bt_dynamic_code8(i)) continue;
+        /* bnb's CPU quantize_blockwise overwrites code[0] with -1.0 in its cached map; harmless
+         * when no block uses code 0 (tests/reference/README.md, NF4 CPU-path notes). */
+        if (i == 0 && p->nmap[0] == -1.0f && !code0_used) continue;
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s.nested_quant_map[%d] = %.9g differs "
+                       "from the signed dynamic 8-bit map (%.9g)", path, w, i, p->nmap[i],
+                       bt_dynamic_code8(i));
+    }
+    return 0;
+}
+
+static int bnb_to_nf4(bt_nf4 *q, const bnb_parts *p, int64_t rows, int64_t cols, const char *w,
+                      const char *path) {
+    memset(q, 0, sizeof *q);
+    q->n = p->n;
+    q->rows = rows;
+    q->cols = cols;
+    q->packed = bt_aligned_alloc((size_t)p->n / 2);
+    q->absmax_q = bt_aligned_alloc((size_t)p->nb);
+    q->nested_absmax = bt_aligned_alloc((size_t)p->n_nested * sizeof(float));
+    if (!q->packed || !q->absmax_q || !q->nested_absmax) {
+        bt_nf4_free(q);
+        return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", path, w);
+    }
+    memcpy(q->packed, p->packed, (size_t)p->n / 2);
+    memcpy(q->absmax_q, p->absmax, (size_t)p->nb);
+    memcpy(q->nested_absmax, p->nested_absmax, (size_t)p->n_nested * sizeof(float));
+    q->offset = p->offset;
+    for (int64_t i = 0; i < p->n_nested; i++)
+        if (!isfinite(q->nested_absmax[i])) {
+            bt_nf4_free(q);
+            return bt_fail(BT_ERR_FORMAT, "model: %s: %s.nested_absmax[%lld] is not finite", path,
+                           w, (long long)i);
+        }
+    return 0;
+}
+
+int bt_nf4_from_bnb(bt_nf4 *q, struct bt_st_file *const *files, int n_files,
+                    const char *weight_name, int64_t rows, int64_t cols, const char *path) {
+    memset(q, 0, sizeof *q);
+    if (!files || n_files < 1 || !weight_name || rows < 1 || cols < 1)
+        return bt_fail(BT_ERR_INVALID, "model: bt_nf4_from_bnb: bad arguments");
+    bnb_parts p;
+    int rc = bnb_read(&p, files, n_files, weight_name, rows, cols, path);
+    if (!rc) rc = bnb_direct_ok(&p, weight_name, path);
+    if (!rc) rc = bnb_to_nf4(q, &p, rows, cols, weight_name, path);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- weight sources */
+
+typedef struct {
+    const char *dir;
+    char *index_path;        /* NULL for a single model.safetensors */
+    json_t *weight_map;      /* borrowed from index_json */
+    json_t *index_json;
+    bt_st_file **files;
+    char **names;            /* file names relative to dir */
+    int n_files;
+} wsrc;
+
+static void wsrc_close(wsrc *s) {
+    for (int i = 0; i < s->n_files; i++) {
+        bt_st_close(s->files[i]);
+        free(s->names[i]);
+    }
+    free(s->files);
+    free(s->names);
+    free(s->index_path);
+    json_decref(s->index_json);
+    memset(s, 0, sizeof *s);
+}
+
+/* rc, or the error of the first weight file that changed while we read it (bt_st_check). */
+static int wsrc_check(const wsrc *s, int rc) {
+    for (int i = 0; i < s->n_files; i++) {
+        int c = bt_st_check(s->files[i], BT_OK);
+        if (c) return bt_fail(c, "model: %s", bt_last_error());
+    }
+    return rc;
+}
+
+static char *path_join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = bt_xmalloc(n);
+    snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+static int file_exists(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+static int wsrc_add(wsrc *s, const char *name) {
+    for (int i = 0; i < s->n_files; i++)
+        if (!strcmp(s->names[i], name)) return 0;
+    if (!*name || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: weight_map names \"%s\", which is not a file "
+                       "name inside the model directory", s->index_path, name);
+    char *p = path_join(s->dir, name);
+    bt_st_file *f = NULL;
+    int rc = bt_st_open(&f, p);
+    if (rc) {
+        rc = bt_fail(rc == BT_ERR_IO && !file_exists(p) ? BT_ERR_NOTFOUND : rc,
+                     "model: %s%s%s: %s", s->index_path ? s->index_path : "",
+                     s->index_path ? ": shard " : "", name, bt_last_error());
+        free(p);
+        return rc;
+    }
+    free(p);
+    s->files = bt_xrealloc(s->files, (size_t)(s->n_files + 1) * sizeof *s->files);
+    s->names = bt_xrealloc(s->names, (size_t)(s->n_files + 1) * sizeof *s->names);
+    s->files[s->n_files] = f;
+    s->names[s->n_files] = bt_xstrdup(name);
+    s->n_files++;
+    return 0;
+}
+
+static int wsrc_open(wsrc *s, const char *dir) {
+    memset(s, 0, sizeof *s);
+    s->dir = dir;
+    char *idx = path_join(dir, "model.safetensors.index.json");
+    char *single = path_join(dir, "model.safetensors");
+    int rc = 0;
+    if (file_exists(idx)) {
+        s->index_path = idx;
+        idx = NULL;
+        if ((rc = bt_json_load_file(&s->index_json, s->index_path, 0, 256u << 20))) {
+            rc = bt_fail(rc, "model: %s", bt_last_error());
+            goto out;
+        }
+        s->weight_map = json_object_get(s->index_json, "weight_map");
+        if (!json_is_object(s->weight_map)) {
+            rc = bt_fail(BT_ERR_FORMAT, "model: %s: \"weight_map\" is missing or not an object",
+                         s->index_path);
+            goto out;
+        }
+        const char *key;
+        json_t *v;
+        json_object_foreach(s->weight_map, key, v) {
+            if (!json_is_string(v)) {
+                rc = bt_fail(BT_ERR_FORMAT, "model: %s: weight_map[\"%s\"] is not a string",
+                             s->index_path, key);
+                goto out;
+            }
+            if ((rc = wsrc_add(s, json_string_value(v)))) goto out;
+        }
+        if (s->n_files == 0) {
+            rc = bt_fail(BT_ERR_FORMAT, "model: %s: weight_map is empty", s->index_path);
+            goto out;
+        }
+    } else if (file_exists(single)) {
+        rc = wsrc_add(s, "model.safetensors");
+    } else {
+        char *bin = path_join(dir, "pytorch_model.bin");
+        int has_bin = file_exists(bin);
+        free(bin);
+        rc = bt_fail(has_bin ? BT_ERR_UNSUPPORTED : BT_ERR_NOTFOUND,
+                     "model: %s: no model.safetensors or model.safetensors.index.json%s", dir,
+                     has_bin ? " (pytorch_model.bin is not supported: convert it to safetensors)"
+                             : "");
+    }
+out:
+    free(idx);
+    free(single);
+    if (rc) wsrc_close(s);
+    return rc;
+}
+
+/* Tensor `name` or NULL (no error) when the checkpoint does not have it; *err set when the
+ * index names a shard that lacks it. */
+static const bt_st_tensor *wsrc_find(const wsrc *s, const char *name, int *err) {
+    *err = 0;
+    if (!s->weight_map) return bt_st_find(s->files[0], name);
+    const char *fn = json_string_value(json_object_get(s->weight_map, name));
+    if (!fn) return NULL;
+    for (int i = 0; i < s->n_files; i++)
+        if (!strcmp(s->names[i], fn)) {
+            const bt_st_tensor *t = bt_st_find(s->files[i], name);
+            if (!t)
+                *err = bt_fail(BT_ERR_FORMAT, "model: %s: weight_map puts %s in %s, which does not "
+                               "contain it", s->index_path, name, fn);
+            return t;
+        }
+    return NULL; /* unreachable: every mapped shard was opened */
+}
+
+static const char *wsrc_where(const wsrc *s) {
+    return s->index_path ? s->index_path : s->names[0];
+}
+
+/* Tensor `name` as new fp32 [rows, cols] (rows 0: 1-D [cols]); F32/F16/BF16. */
+static int load_f32(const wsrc *s, const char *name, int rows, int cols, float **out) {
+    *out = NULL;
+    int err;
+    const bt_st_tensor *t = wsrc_find(s, name, &err);
+    if (err) return err;
+    if (!t)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s/%s: missing tensor %s", s->dir, wsrc_where(s),
+                       name);
+    int want_dims = rows ? 2 : 1;
+    if (t->n_dims != want_dims || (rows && t->shape[0] != rows) ||
+        t->shape[want_dims - 1] != cols) {
+        char got[160] = "";
+        size_t o = 0;
+        for (int i = 0; i < t->n_dims && o < sizeof got - 24; i++)
+            o += (size_t)snprintf(got + o, sizeof got - o, "%s%lld", i ? ", " : "",
+                                  (long long)t->shape[i]);
+        if (rows)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s has shape [%s], expected [%d, %d]",
+                           s->dir, name, got, rows, cols);
+        return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s has shape [%s], expected [%d]", s->dir,
+                       name, got, cols);
+    }
+    if (t->dtype != BT_ST_F32 && t->dtype != BT_ST_F16 && t->dtype != BT_ST_BF16)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: tensor %s has dtype %s (supported: F32, "
+                       "F16, BF16, and bitsandbytes 4-bit linears)", s->dir, name,
+                       bt_st_dtype_name(t->dtype));
+    int64_t n = (int64_t)(rows ? rows : 1) * cols;
+    float *w = bt_aligned_alloc((size_t)n * sizeof(float));
+    if (!w) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", s->dir, name);
+    const uint8_t *src = t->data;
+    if (t->dtype == BT_ST_F32) memcpy(w, src, (size_t)n * 4);
+    else
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            w[i] = t->dtype == BT_ST_F16 ? bt_fp16_to_fp32(h) : bt_bf16_to_fp32(h);
+        }
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(w[i])) {
+            free(w);
+            return bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: non-finite value at element %lld",
+                           s->dir, name, (long long)i);
+        }
+    *out = w;
+    return 0;
+}
+
+static int wsrc_has(const wsrc *s, const char *name) {
+    int err;
+    return wsrc_find(s, name, &err) != NULL || err;
+}
+
+/* One frozen linear `<prefix>.weight` (+ `<prefix>.bias` when with_bias). */
+static int load_linear(const wsrc *s, bt_base_linear *l, const char *prefix, int rows, int cols,
+                       int with_bias, int base_dtype) {
+    char w[400], name[480];
+    snprintf(w, sizeof w, "%s.weight", prefix);
+    snprintf(name, sizeof name, "%s.quant_state.bitsandbytes__nf4", w);
+    int bnb = wsrc_has(s, name);
+    snprintf(name, sizeof name, "%s.quant_state.bitsandbytes__fp4", w);
+    bnb |= wsrc_has(s, name);
+    int rc;
+    if (bnb) {
+        bnb_parts p;
+        if ((rc = bnb_read(&p, s->files, s->n_files, w, rows, cols, s->dir))) return rc;
+        if (base_dtype == BT_BASE_NF4 && bnb_direct_ok(&p, w, s->dir) == 0) {
+            if ((rc = bnb_to_nf4(&l->q, &p, rows, cols, w, s->dir))) return rc;
+            l->rows = rows;
+            l->cols = cols;
+            l->is_nf4 = 1;
+        } else {
+            if (base_dtype == BT_BASE_NF4)
+                bt_log(BT_LOG_WARN, "model", "%s; dequantising and re-quantising it to NF4 with "
+                       "double quantisation (not bit-identical to the checkpoint)", bt_last_error());
+            float *f = NULL;
+            if ((rc = bnb_dequant(&p, &f, w, s->dir))) return rc;
+            if ((rc = bt_model_lin_set(l, f, rows, cols, base_dtype, w))) return rc;
+        }
+    } else {
+        float *f = NULL;
+        if ((rc = load_f32(s, w, rows, cols, &f))) return rc;
+        if ((rc = bt_model_lin_set(l, f, rows, cols, base_dtype, w))) return rc;
+    }
+    if (with_bias) {
+        snprintf(name, sizeof name, "%s.bias", prefix);
+        if ((rc = load_f32(s, name, 0, rows, &l->bias))) return rc;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- config.json */
+
+typedef struct {
+    json_t *root;
+    const char *path;
+} cfgj;
+
+static int cfg_int(const cfgj *c, const char *key, int required, int def, int *out) {
+    json_t *v = json_object_get(c->root, key);
+    if (!v || json_is_null(v)) {
+        if (required)
+            return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing key \"%s\"", c->path, key);
+        *out = def;
+        return 0;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > INT_MAX)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: \"%s\" must be a positive integer", c->path, key);
+    *out = (int)json_integer_value(v);
+    return 0;
+}
+
+static int cfg_float(const cfgj *c, const char *key, int required, double def, float *out) {
+    json_t *v = json_object_get(c->root, key);
+    double d = def;
+    if (!v || json_is_null(v)) {
+        if (required)
+            return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing key \"%s\"", c->path, key);
+    } else if (!json_num(v, &d) || !isfinite(d) || !(d > 0)) {
+        return bt_fail(BT_ERR_FORMAT, "model: %s: \"%s\" must be a number > 0", c->path, key);
+    }
+    *out = (float)d;
+    return 0;
+}
+
+static int cfg_bool(const cfgj *c, const char *key, int def, int *out) {
+    json_t *v = json_object_get(c->root, key);
+    if (!v || json_is_null(v)) {
+        *out = def;
+        return 0;
+    }
+    if (!json_is_boolean(v))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: \"%s\" must be true or false", c->path, key);
+    *out = json_is_true(v);
+    return 0;
+}
+
+/* A number > 0 at rs[key] into *out (absent or null: *out untouched, returns 0; `required`: an
+ * error). */
+static int rs_num(const cfgj *c, json_t *rs, const char *key, int required, double *out) {
+    json_t *v = json_object_get(rs, key);
+    if (!v || json_is_null(v)) {
+        if (!required) return 0;
+        const char *ty = json_string_value(json_object_get(rs, "rope_type"));
+        if (!ty) ty = json_string_value(json_object_get(rs, "type"));
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s: required for rope_type \"%s\"",
+                       c->path, key, ty ? ty : "?");
+    }
+    if (!json_num(v, out) || !isfinite(*out) || !(*out > 0))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a number > 0", c->path, key);
+    return 0;
+}
+
+/* RoPE scaling: "rope_scaling" (transformers 4.x) or "rope_parameters" (transformers 5 writes it,
+ * with rope_theta inside), with transformers' semantics per rope_type (modeling_rope_utils.py):
+ *   default / null; linear {factor}; llama3 {factor, low_freq_factor, high_freq_factor,
+ *   original_max_position_embeddings} (all required, _validate_llama3_parameters);
+ *   yarn {factor, original_max_position_embeddings (default max_position_embeddings, the
+ *   transformers 5 rule), attention_factor (or mscale / mscale_all_dim, DeepSeek), beta_fast,
+ *   beta_slow}; dynamic {factor} over max_position_embeddings; longrope whose short_factor and
+ *   long_factor are equal (a fixed per-frequency table, as trainer export writes composite
+ *   scalings; rope_freqs gets it) with attention_factor (default sqrt(1 + ln factor / ln
+ *   original), factor = max_position_embeddings / original when absent).
+ * hp->ctx (max_position_embeddings) becomes the scaled context for yarn / dynamic (original x
+ * factor) when that is larger. */
+static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
+    json_t *rs = json_object_get(c->root, "rope_scaling");
+    if (!rs || json_is_null(rs)) rs = json_object_get(c->root, "rope_parameters");
+    if (!rs || json_is_null(rs)) return 0;
+    if (!json_is_object(rs))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: \"rope_scaling\" must be null or an object", c->path);
+    json_t *th = json_object_get(c->root, "rope_theta");
+    double d;
+    if ((!th || json_is_null(th)) && json_num(json_object_get(rs, "rope_theta"), &d)) {
+        if (!isfinite(d) || !(d > 0))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_parameters.rope_theta must be > 0", c->path);
+        hp->rope_theta = (float)d; /* transformers 5: rope_theta lives in rope_parameters */
+    }
+    double prf = 1.0;
+    int rc;
+    if ((rc = rs_num(c, rs, "partial_rotary_factor", 0, &prf))) return rc;
+    if (prf != 1.0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: partial_rotary_factor %g is not supported "
+                       "(RoPE over the whole head)", c->path, prf);
+    const char *ty = json_string_value(json_object_get(rs, "rope_type"));
+    if (!ty) ty = json_string_value(json_object_get(rs, "type"));
+    if (!ty)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling lacks \"rope_type\" / \"type\"",
+                       c->path);
+    if (!strcmp(ty, "default")) return 0;
+    double f = 0;
+    if (!strcmp(ty, "llama3")) {
+        /* transformers _validate_llama3_parameters: all four keys are required */
+        static const char *const keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
+                                            "original_max_position_embeddings"};
+        double v[4];
+        for (int i = 0; i < 4; i++) {
+            json_t *x = json_object_get(rs, keys[i]);
+            if (!x)
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling type \"llama3\" lacks "
+                               "\"%s\"", c->path, keys[i]);
+            if (!json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
+                (i == 3 && (v[i] != floor(v[i]) || v[i] > 1e9)))
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a %s > 0",
+                               c->path, keys[i], i == 3 ? "integer" : "number");
+        }
+        if (!(v[2] > v[1]))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.high_freq_factor %g must "
+                           "exceed low_freq_factor %g", c->path, v[2], v[1]);
+        hp->rope_type = BT_ROPE_LLAMA3;
+        hp->rope_factor = (float)v[0];
+        hp->rope_low_freq_factor = (float)v[1];
+        hp->rope_high_freq_factor = (float)v[2];
+        hp->rope_orig_ctx = (int)v[3];
+        return 0;
+    }
+    if (!strcmp(ty, "longrope")) {
+        json_t *lf = json_object_get(rs, "long_factor"), *sf = json_object_get(rs, "short_factor");
+        const size_t half = (size_t)hp->head_dim / 2;
+        if (!json_is_array(lf) || !json_is_array(sf) || json_array_size(lf) != half ||
+            json_array_size(sf) != half || half > 512)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope needs short_factor and "
+                           "long_factor arrays of head_dim / 2 = %zu numbers", c->path, half);
+        for (size_t i = 0; i < half; i++) {
+            double a, b;
+            if (!json_num(json_array_get(lf, i), &a) || !json_num(json_array_get(sf, i), &b) ||
+                !isfinite(a) || !(a > 0) || !isfinite(b) || !(b > 0))
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope factor %zu must be "
+                               "a number > 0", c->path, i);
+            if ((float)a != (float)b)
+                return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling longrope with "
+                               "short_factor != long_factor switches tables with the sequence "
+                               "length (Phi-3); only a fixed table is supported", c->path);
+            rope_freqs[i] = (float)a;
+        }
+        double orig = hp->ctx, af = 0;
+        if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, &orig)) ||
+            (rc = rs_num(c, rs, "factor", 0, &f)) || (rc = rs_num(c, rs, "attention_factor", 0, &af)))
+            return rc;
+        if (f == 0) f = hp->ctx / orig;
+        if (af == 0) af = f <= 1.0 ? 1.0 : sqrt(1.0 + log(f) / log(orig));
+        hp->rope_type = BT_ROPE_FREQS;
+        hp->rope_attn_factor = af == 1.0 ? 0.f : (float)af;
+        return 0;
+    }
+    int ext = bt_rope_ext_parse(ty);
+    if (ext < 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling type \"%s\" is not supported "
+                       "(supported: default, linear, dynamic, yarn, llama3, longrope with a fixed "
+                       "table)", c->path, ty);
+    if ((rc = rs_num(c, rs, "factor", 1, &f))) return rc;
+    if (f == 1.0) return 0;
+    hp->rope_ext = ext;
+    hp->rope_ext_factor = (float)f;
+    if (ext == BT_ROPE_EXT_LINEAR) return 0;
+    double orig = hp->ctx;
+    if (ext == BT_ROPE_EXT_YARN) {
+        double af = 0, ms = 0, msa = 0, bf = 0, bs = 0;
+        json_t *tr = json_object_get(rs, "truncate");
+        if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, &orig)) ||
+            (rc = rs_num(c, rs, "attention_factor", 0, &af)) || (rc = rs_num(c, rs, "mscale", 0, &ms)) ||
+            (rc = rs_num(c, rs, "mscale_all_dim", 0, &msa)) || (rc = rs_num(c, rs, "beta_fast", 0, &bf)) ||
+            (rc = rs_num(c, rs, "beta_slow", 0, &bs)))
+            return rc;
+        if (tr && json_is_false(tr))
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling yarn with truncate false is "
+                           "not supported", c->path);
+        if (orig != floor(orig) || orig > 1e9)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.original_max_position_embeddings "
+                           "must be an integer", c->path);
+        if (af == 0 && ms > 0 && msa > 0) /* transformers get_mscale(factor, m) ratio (DeepSeek) */
+            af = (f <= 1 ? 1.0 : 0.1 * ms * log(f) + 1.0) / (f <= 1 ? 1.0 : 0.1 * msa * log(f) + 1.0);
+        hp->rope_attn_factor = (float)af;
+        hp->rope_yarn_beta_fast = (float)bf;
+        hp->rope_yarn_beta_slow = (float)bs;
+    }
+    hp->rope_ext_orig_ctx = (int)orig;
+    const double scaled = floor(orig * f + 0.5);
+    if (scaled > hp->ctx && scaled < 1e9) hp->ctx = (int)scaled;
+    return 0;
+}
+
+enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2 };
+
+/* Fill hp and the bias flags from config.json. */
+static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *attn_bias_qkv,
+                        int *attn_bias_o, int *mlp_bias, float *rope_freqs) {
+    memset(hp, 0, sizeof *hp);
+    const char *arch = NULL;
+    json_t *archs = json_object_get(c->root, "architectures");
+    if (json_is_array(archs) && json_array_size(archs) >= 1)
+        arch = json_string_value(json_array_get(archs, 0));
+    else if (archs && !json_is_null(archs))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: \"architectures\" must be a non-empty array of "
+                       "strings", c->path);
+    const char *mt = json_string_value(json_object_get(c->root, "model_type"));
+    int a;
+    if (arch ? !strcmp(arch, "LlamaForCausalLM") : mt && !strcmp(mt, "llama")) a = ARCH_LLAMA;
+    else if (arch ? !strcmp(arch, "MistralForCausalLM") : mt && !strcmp(mt, "mistral"))
+        a = ARCH_MISTRAL;
+    else if (arch ? !strcmp(arch, "Qwen2ForCausalLM") : mt && !strcmp(mt, "qwen2")) a = ARCH_QWEN2;
+    else if (!arch && !mt)
+        return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing key \"architectures\"", c->path);
+    else
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: architecture \"%s\" is not supported "
+                       "(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)",
+                       c->path, arch ? arch : mt);
+    int rc;
+    if ((rc = cfg_int(c, "hidden_size", 1, 0, &hp->d_model)) ||
+        (rc = cfg_int(c, "intermediate_size", 1, 0, &hp->d_ff)) ||
+        (rc = cfg_int(c, "num_hidden_layers", 1, 0, &hp->n_layer)) ||
+        (rc = cfg_int(c, "num_attention_heads", 1, 0, &hp->n_head)) ||
+        (rc = cfg_int(c, "vocab_size", 1, 0, &hp->vocab)) ||
+        (rc = cfg_float(c, "rms_norm_eps", 1, 0, &hp->rms_eps)) ||
+        (rc = cfg_float(c, "rope_theta", 0, 10000.0, &hp->rope_theta)) ||
+        (rc = cfg_int(c, "max_position_embeddings", 0, 2048, &hp->ctx)) ||
+        (rc = cfg_int(c, "num_key_value_heads", 0, hp->n_head, &hp->n_kv_head)) ||
+        (rc = cfg_int(c, "head_dim", 0, hp->d_model / hp->n_head, &hp->head_dim)) ||
+        (rc = cfg_bool(c, "tie_word_embeddings", 0, tied)))
+        return rc;
+    const char *act = json_string_value(json_object_get(c->root, "hidden_act"));
+    json_t *actv = json_object_get(c->root, "hidden_act");
+    if (actv && !json_is_null(actv) && (!act || strcmp(act, "silu") != 0))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: hidden_act \"%s\" is not supported (silu)",
+                       c->path, act ? act : "(not a string)");
+    *attn_bias_qkv = *attn_bias_o = *mlp_bias = 0;
+    if (a == ARCH_LLAMA) {
+        if ((rc = cfg_bool(c, "attention_bias", 0, attn_bias_qkv)) ||
+            (rc = cfg_bool(c, "mlp_bias", 0, mlp_bias)))
+            return rc;
+        *attn_bias_o = *attn_bias_qkv;
+    } else if (a == ARCH_QWEN2) {
+        int sw;
+        *attn_bias_qkv = 1;
+        if ((rc = cfg_bool(c, "use_sliding_window", 0, &sw))) return rc;
+        if (sw)
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: use_sliding_window true is not "
+                           "supported (attention is full causal)", c->path);
+    } else {
+        json_t *sw = json_object_get(c->root, "sliding_window");
+        if (json_is_integer(sw) && json_integer_value(sw) < hp->ctx)
+            bt_log(BT_LOG_WARN, "model", "%s: sliding_window %lld: attention here is full causal, "
+                   "which equals Mistral's only for documents of at most that many tokens",
+                   c->path, (long long)json_integer_value(sw));
+    }
+    if ((rc = parse_rope(c, hp, rope_freqs))) return rc;
+    json_t *qc = json_object_get(c->root, "quantization_config");
+    if (qc && !json_is_null(qc)) {
+        const char *qm = json_string_value(json_object_get(qc, "quant_method"));
+        json_t *l8 = json_object_get(qc, "load_in_8bit");
+        if (!qm || strcmp(qm, "bitsandbytes") != 0 || json_is_true(l8))
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: quantization_config %s%s is not "
+                           "supported (only bitsandbytes 4-bit)", c->path,
+                           qm ? qm : "(no quant_method)", json_is_true(l8) ? " 8-bit" : "");
+    }
+    return bt_model_check_hparams(hp, c->path, 1);
+}
+
+/* ---------------------------------------------------------------- loader */
+
+int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts_in) {
+    memset(m, 0, sizeof *m);
+    bt_model_load_opts opts_v = {BT_BASE_NF4, 0};
+    if (opts_in) opts_v = *opts_in;
+    const bt_model_load_opts *opts = &opts_v;
+    if (!dir) return bt_fail(BT_ERR_INVALID, "model: NULL directory");
+    if (opts_v.base_dtype == BT_BASE_AUTO) opts_v.base_dtype = BT_BASE_NF4;
+    if (opts_v.base_dtype == BT_BASE_GGUF)
+        return bt_fail(BT_ERR_INVALID, "model: %s is a Hugging Face directory: base_dtype \"gguf\" "
+                       "keeps a GGUF file's own blocks and needs a .gguf model (use \"nf4\", "
+                       "\"fp32\" or \"auto\")", dir);
+    char *cpath = path_join(dir, "config.json");
+    cfgj c = {NULL, cpath};
+    wsrc s;
+    memset(&s, 0, sizeof s);
+    int rc = file_exists(cpath) ? bt_json_load_file(&c.root, cpath, 0, 16u << 20) : BT_ERR_NOTFOUND;
+    if (!c.root) {
+        rc = rc != BT_ERR_NOTFOUND ? bt_fail(rc, "model: %s", bt_last_error())
+                                   : bt_fail(BT_ERR_NOTFOUND, "model: %s: missing (not a Hugging "
+                                             "Face model directory?)", cpath);
+        free(cpath);
+        return rc;
+    }
+    if (!json_is_object(c.root)) {
+        rc = bt_fail(BT_ERR_FORMAT, "model: %s: not a JSON object", cpath);
+        goto fail;
+    }
+    int tied = 0, bqkv = 0, bo = 0, bmlp = 0;
+    bt_llama_hparams *hp = &m->hp;
+    float rope_freqs[512];
+    if ((rc = parse_config(&c, hp, &tied, &bqkv, &bo, &bmlp, rope_freqs))) goto fail;
+    if ((rc = bt_model_rope_init(m, rope_freqs))) {
+        rc = bt_fail(rc, "model: %s: %s", cpath, bt_last_error());
+        goto fail;
+    }
+    if ((rc = wsrc_open(&s, dir))) goto fail;
+    m->base_dtype = opts->base_dtype;
+    if ((rc = load_f32(&s, "model.embed_tokens.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||
+        (rc = load_f32(&s, "model.norm.weight", 0, hp->d_model, &m->output_norm)))
+        goto fail;
+    if (tied) {
+        m->lm_head = m->tok_embd;
+        m->tied = 1;
+    } else {
+        if (!wsrc_has(&s, "lm_head.weight")) {
+            rc = bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor lm_head.weight "
+                         "(tie_word_embeddings is false)", dir);
+            goto fail;
+        }
+        if ((rc = load_f32(&s, "lm_head.weight", hp->vocab, hp->d_model, &m->lm_head))) goto fail;
+    }
+    m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
+    if (!m->layers) {
+        rc = bt_fail(BT_ERR_NOMEM, "model: out of memory");
+        goto fail;
+    }
+    char name[160];
+    for (int l = 0; l < hp->n_layer; l++) {
+        bt_layer *L = &m->layers[l];
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        if ((rc = load_f32(&s, name, 0, hp->d_model, &L->attn_norm))) goto fail;
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        if ((rc = load_f32(&s, name, 0, hp->d_model, &L->ffn_norm))) goto fail;
+        for (int j = 0; j < BT_MOD_N; j++) {
+            int rows, cols;
+            bt_model_lin_shape(hp, j, &rows, &cols);
+            int bias = j <= BT_MOD_V ? bqkv : j == BT_MOD_O ? bo : bmlp;
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, k_hf_lin[j]);
+            if ((rc = load_linear(&s, &L->lin[j], name, rows, cols, bias, opts->base_dtype)))
+                goto fail;
+        }
+    }
+    if ((rc = wsrc_check(&s, 0))) goto fail;
+    wsrc_close(&s);
+    json_decref(c.root);
+    free(cpath);
+    return 0;
+fail:
+    rc = wsrc_check(&s, rc);
+    wsrc_close(&s);
+    json_decref(c.root);
+    free(cpath);
+    bt_model_free(m);
+    return rc;
+}
+
+int bt_model_load(bt_model *m, const char *path, const bt_model_load_opts *opts) {
+    memset(m, 0, sizeof *m);
+    if (!path) return bt_fail(BT_ERR_INVALID, "model: NULL path");
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return bt_fail(BT_ERR_IO, "model: %s: %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode)) return bt_model_load_hf(m, path, opts);
+    return bt_model_load_gguf(m, path, opts);
+}
+
+int bt_model_resolve_base_dtype(const char *path, int base_dtype) {
+    if (base_dtype != BT_BASE_AUTO) return base_dtype;
+    struct stat st;
+    if (path && stat(path, &st) == 0 && !S_ISDIR(st.st_mode)) return BT_BASE_GGUF;
+    return BT_BASE_NF4;
+}

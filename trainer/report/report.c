@@ -1,0 +1,340 @@
+/* The run report: metrics.jsonl, report.png (gnuplot), TensorBoard events. See report.h. */
+#include "trainer/report/report.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/atomic_io.h"
+#include "common/bt_common.h"
+#include "trainer/report/tb_events.h"
+
+extern char **environ;
+
+struct bt_report {
+    FILE *f;
+    char *path;
+    bt_tb_writer *tb;
+    char *dir;
+};
+
+static double wall_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The lines of an existing metrics.jsonl with step <= keep_step (a resumed run continues it). */
+static char *kept_lines(const char *path, int keep_step) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, n = 0;
+    char *out = malloc(cap), *line = NULL;
+    size_t lcap = 0;
+    ssize_t len;
+    while (out && (len = getline(&line, &lcap, f)) > 0) {
+        json_t *j = json_loads(line, 0, NULL);
+        json_t *st = j ? json_object_get(j, "step") : NULL;
+        int keep = json_is_integer(st) && json_integer_value(st) <= keep_step;
+        json_decref(j);
+        if (!keep) continue;
+        if (n + (size_t)len + 1 > cap) {
+            while (n + (size_t)len + 1 > cap) cap *= 2;
+            char *p = realloc(out, cap);
+            if (!p) {
+                free(out);
+                out = NULL;
+                break;
+            }
+            out = p;
+        }
+        memcpy(out + n, line, (size_t)len);
+        n += (size_t)len;
+    }
+    if (out) out[n] = 0;
+    free(line);
+    fclose(f);
+    return out;
+}
+
+int bt_report_open(bt_report **out, const bt_train_config *cfg, int start_step) {
+    *out = NULL;
+    int rc = bt_mkdir_p(cfg->report.dir, "report");
+    if (rc) return rc;
+    bt_report *r = calloc(1, sizeof *r);
+    if (!r) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    r->dir = bt_xstrdup(cfg->report.dir);
+    if (asprintf(&r->path, "%s/metrics.jsonl", cfg->report.dir) < 0) r->path = NULL;
+    char *keep = r->path && start_step > 0 ? kept_lines(r->path, start_step) : NULL;
+    r->f = r->path ? fopen(r->path, "wb") : NULL;
+    if (!r->f) {
+        rc = bt_fail(BT_ERR_IO, "report: create %s: %s", r->path ? r->path : cfg->report.dir,
+                     strerror(errno));
+    } else if (keep && (fputs(keep, r->f) < 0 || fflush(r->f))) {
+        rc = bt_fail(BT_ERR_IO, "report: write %s: %s", r->path, strerror(errno));
+    }
+    free(keep);
+    if (!rc && cfg->report.tensorboard) rc = bt_tb_open(&r->tb, cfg->report.dir);
+    if (rc) {
+        bt_report_close(r, 0);
+        return rc;
+    }
+    bt_log(BT_LOG_INFO, "report", "metrics: %s%s%s", r->path, r->tb ? ", TensorBoard: " : "",
+           r->tb ? bt_tb_path(r->tb) : "");
+    *out = r;
+    return 0;
+}
+
+static json_t *num(double x) { return isfinite(x) ? json_real(x) : json_null(); }
+
+static int put_line(bt_report *r, json_t *j) {
+    char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(15)); /* "time" to the ms */
+    json_decref(j);
+    if (!s) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    int rc = 0;
+    if (fputs(s, r->f) < 0 || fputc('\n', r->f) == EOF || fflush(r->f))
+        rc = bt_fail(BT_ERR_IO, "report: write %s: %s", r->path, strerror(errno));
+    free(s);
+    return rc;
+}
+
+int bt_report_step(bt_report *r, const bt_step_metrics *m) {
+    if (!r) return 0;
+    double t = wall_now();
+    double tps = m->step_s > 0 ? (double)m->tokens / m->step_s : 0;
+    json_t *j = json_pack("{s:s, s:i, s:o, s:o, s:o, s:I, s:o, s:o, s:o, s:o}", "type", "train",
+                          "step", m->step, "loss", num(m->loss), "lr", num(m->lr), "grad_norm",
+                          num(m->grad_norm), "tokens", (json_int_t)m->tokens, "tokens_per_s",
+                          num(tps), "step_s", num(m->step_s), "data_wait_s", num(m->data_wait_s),
+                          "peak_rss_mib", num(m->peak_rss_mib));
+    if (!j) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    if (m->device_mib >= 0) json_object_set_new(j, "device_mib", num(m->device_mib));
+    json_object_set_new(j, "time", json_real(t));
+    int rc = put_line(r, j);
+    if (!rc && r->tb) {
+        static const char *const tags[] = {"train/loss", "train/lr", "train/grad_norm",
+                                           "train/tokens_per_s", "train/data_wait_s",
+                                           "train/peak_rss_mib"};
+        const double v[] = {m->loss, m->lr, m->grad_norm, tps, m->data_wait_s, m->peak_rss_mib};
+        for (int i = 0; i < 6 && !rc; i++)
+            if (isfinite(v[i])) rc = bt_tb_scalar(r->tb, tags[i], m->step, t, (float)v[i]);
+    }
+    return rc;
+}
+
+int bt_report_eval(bt_report *r, int step, double loss, long long tokens) {
+    if (!r) return 0;
+    double t = wall_now();
+    json_t *j = json_pack("{s:s, s:i, s:o, s:o, s:I, s:f}", "type", "eval", "step", step, "loss",
+                          num(loss), "perplexity", num(exp(loss)), "tokens", (json_int_t)tokens,
+                          "time", t);
+    if (!j) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    int rc = put_line(r, j);
+    if (!rc && r->tb && isfinite(loss)) {
+        rc = bt_tb_scalar(r->tb, "eval/loss", step, t, (float)loss);
+        if (!rc && isfinite(exp(loss))) rc = bt_tb_scalar(r->tb, "eval/perplexity", step, t, (float)exp(loss));
+    }
+    return rc;
+}
+
+void bt_report_close(bt_report *r, int plot) {
+    if (!r) return;
+    if (r->f) fclose(r->f);
+    bt_tb_close(r->tb);
+    if (plot) {
+        int n = 0;
+        if (bt_report_plot(r->dir, &n) == 0)
+            bt_log(BT_LOG_INFO, "report", "plot of %d steps: %s/report.png", n, r->dir);
+        else
+            bt_log(BT_LOG_WARN, "report", "no plot: %s (the metrics are in %s)", bt_last_error(),
+                   r->path);
+    }
+    free(r->path);
+    free(r->dir);
+    free(r);
+}
+
+/* ---- the plot ---- */
+
+/* Runs `gnuplot script` and waits; BT_ERR_IO when it cannot start or fails. */
+static int run_gnuplot(const char *script) {
+    pid_t pid;
+    char *argv[] = {"gnuplot", (char *)script, NULL};
+    int err = posix_spawnp(&pid, "gnuplot", NULL, NULL, argv, environ);
+    if (err)
+        return bt_fail(BT_ERR_IO, "cannot run gnuplot (%s): install it with apt-get install "
+                       "gnuplot-nox", strerror(err));
+    int st;
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR) return bt_fail(BT_ERR_IO, "gnuplot: waitpid: %s", strerror(errno));
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        return bt_fail(BT_ERR_IO, "gnuplot failed (status %d; see its message above)", st);
+    return 0;
+}
+
+typedef struct {
+    int n_train, n_eval, n_bad;
+    double first_loss, last_loss, eval_first, eval_last, tps_sum;
+    int eval_first_step, eval_last_step;
+} summary_t;
+
+/* metrics.jsonl -> train.dat (step loss lr tokens/s) and eval.dat (step loss). */
+static int write_data(const char *dir, const char *tmp, summary_t *s) {
+    char *mp = NULL, *tp = NULL, *ep = NULL;
+    int rc = 0;
+    if (asprintf(&mp, "%s/metrics.jsonl", dir) < 0 || asprintf(&tp, "%s.train.dat", tmp) < 0 ||
+        asprintf(&ep, "%s.eval.dat", tmp) < 0)
+        return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    FILE *in = fopen(mp, "rb"), *ft = NULL, *fe = NULL;
+    if (!in) {
+        rc = bt_fail(BT_ERR_IO, "report: %s: %s", mp, strerror(errno));
+        goto out;
+    }
+    ft = fopen(tp, "wb"), fe = fopen(ep, "wb");
+    if (!ft || !fe) {
+        rc = bt_fail(BT_ERR_IO, "report: create %s: %s", tp, strerror(errno));
+        goto out;
+    }
+    char *line = NULL;
+    size_t cap = 0;
+    memset(s, 0, sizeof *s);
+    while (getline(&line, &cap, in) > 0) {
+        json_t *j = json_loads(line, 0, NULL);
+        const char *type = json_string_value(json_object_get(j, "type"));
+        json_t *step = json_object_get(j, "step"), *loss = json_object_get(j, "loss");
+        if (!json_is_object(j) || !type || !json_is_integer(step)) {
+            s->n_bad++;
+        } else if (!strcmp(type, "train")) {
+            double l = json_is_number(loss) ? json_number_value(loss) : NAN;
+            double lr = json_number_value(json_object_get(j, "lr"));
+            double tps = json_number_value(json_object_get(j, "tokens_per_s"));
+            fprintf(ft, "%lld %.9g %.9g %.9g\n", (long long)json_integer_value(step),
+                    isfinite(l) ? l : NAN, lr, tps);
+            if (isfinite(l)) {
+                if (!s->n_train) s->first_loss = l;
+                s->last_loss = l;
+            }
+            s->tps_sum += tps;
+            s->n_train++;
+        } else if (!strcmp(type, "eval") && json_is_number(loss)) {
+            double l = json_number_value(loss);
+            int st = (int)json_integer_value(step);
+            fprintf(fe, "%d %.9g\n", st, l);
+            if (!s->n_eval) s->eval_first = l, s->eval_first_step = st;
+            s->eval_last = l, s->eval_last_step = st;
+            s->n_eval++;
+        } else {
+            s->n_bad++;
+        }
+        json_decref(j);
+    }
+    free(line);
+    if (s->n_bad)
+        bt_log(BT_LOG_WARN, "report", "%s: %d lines skipped (not a train or eval metrics object)",
+               mp, s->n_bad);
+    if (!s->n_train) rc = bt_fail(BT_ERR_INVALID, "report: %s has no train lines to plot", mp);
+out:
+    if (in) fclose(in);
+    if (ft && fclose(ft) && !rc) rc = bt_fail(BT_ERR_IO, "report: write %s", tp);
+    if (fe && fclose(fe) && !rc) rc = bt_fail(BT_ERR_IO, "report: write %s", ep);
+    free(mp), free(tp), free(ep);
+    return rc;
+}
+
+/* gnuplot string literal: single quotes, ' doubled. */
+static void gp_str(FILE *f, const char *s) {
+    fputc('\'', f);
+    for (; *s; s++) {
+        if (*s == '\'') fputc('\'', f);
+        fputc(*s == '\n' ? ' ' : *s, f);
+    }
+    fputc('\'', f);
+}
+
+static int plot_with(const char *dir, summary_t *s) {
+    char *tmp = NULL, *gp = NULL, *png = NULL, *out = NULL;
+    if (asprintf(&tmp, "%s/.plot-%d", dir, (int)getpid()) < 0 || asprintf(&gp, "%s.gp", tmp) < 0 ||
+        asprintf(&png, "%s.png", tmp) < 0 || asprintf(&out, "%s/report.png", dir) < 0)
+        return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    int rc = write_data(dir, tmp, s);
+    FILE *f = rc ? NULL : fopen(gp, "wb");
+    if (!rc && !f) rc = bt_fail(BT_ERR_IO, "report: create %s: %s", gp, strerror(errno));
+    if (f) {
+        char dat[1024];
+        fputs("set terminal pngcairo noenhanced size 1200,900 font 'sans,10'\nset output ", f);
+        gp_str(f, png);
+        fputs("\nset multiplot layout 3,1 title ", f);
+        gp_str(f, dir);
+        fputs("\nset grid\nset key top right\nset xlabel 'step'\nset ylabel 'loss'\n", f);
+        snprintf(dat, sizeof dat, "%s.train.dat", tmp);
+        fputs("plot ", f);
+        gp_str(f, dat);
+        fputs(" using 1:2 with lines lw 2 title 'train'", f);
+        if (s->n_eval) {
+            snprintf(dat, sizeof dat, "%s.eval.dat", tmp);
+            fputs(", ", f);
+            gp_str(f, dat);
+            fputs(" using 1:2 with linespoints pt 7 ps 1.2 lw 2 title 'held-out'", f);
+        }
+        snprintf(dat, sizeof dat, "%s.train.dat", tmp);
+        fputs("\nset ylabel 'learning rate'\nset format y '%.1e'\nplot ", f);
+        gp_str(f, dat);
+        fputs(" using 1:3 with lines lw 2 title 'lr'\nset format y '%g'\n"
+              "set ylabel 'tokens/s'\nplot ", f);
+        gp_str(f, dat);
+        fputs(" using 1:4 with lines lw 2 title 'tokens/s'\nunset multiplot\n", f);
+        if (fclose(f)) rc = bt_fail(BT_ERR_IO, "report: write %s", gp);
+        if (!rc) rc = run_gnuplot(gp);
+        if (!rc && rename(png, out) != 0)
+            rc = bt_fail(BT_ERR_IO, "report: rename %s -> %s: %s", png, out, strerror(errno));
+    }
+    char *rm[4] = {gp, png, NULL, NULL};
+    if (asprintf(&rm[2], "%s.train.dat", tmp) < 0) rm[2] = NULL;
+    if (asprintf(&rm[3], "%s.eval.dat", tmp) < 0) rm[3] = NULL;
+    for (int i = 0; i < 4; i++)
+        if (rm[i]) unlink(rm[i]);
+    free(rm[2]), free(rm[3]);
+    free(tmp), free(gp), free(png), free(out);
+    return rc;
+}
+
+int bt_report_plot(const char *dir, int *n_steps) {
+    summary_t s;
+    int rc = plot_with(dir, &s);
+    if (n_steps) *n_steps = rc ? 0 : s.n_train;
+    return rc;
+}
+
+int bt_report_cli(int argc, char **argv) {
+    if (argc != 2 || argv[1][0] == '-') {
+        int help = argc == 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
+        fprintf(help ? stdout : stderr,
+                "usage: trainer report RUN_DIR\n"
+                "Draws RUN_DIR/report.png (loss: train and held-out, learning rate, tokens/s\n"
+                "against step; gnuplot) from RUN_DIR/metrics.jsonl, which every run writes to its\n"
+                "report.dir (default: \"report\" beside out_dir), and prints a summary.\n");
+        return help ? 0 : 2;
+    }
+    summary_t s;
+    if (plot_with(argv[1], &s) != 0) {
+        fprintf(stderr, "trainer report: %s\n", bt_last_error());
+        return 1;
+    }
+    printf("%s/report.png: %d steps, loss %.4f -> %.4f, mean %.0f tokens/s", argv[1], s.n_train,
+           s.first_loss, s.last_loss, s.tps_sum / s.n_train);
+    if (s.n_eval > 1)
+        printf(", held-out loss %.4f (step %d) -> %.4f (step %d)", s.eval_first, s.eval_first_step,
+               s.eval_last, s.eval_last_step);
+    else if (s.n_eval == 1)
+        printf(", held-out loss %.4f (step %d)", s.eval_first, s.eval_first_step);
+    printf("\n");
+    return 0;
+}
