@@ -188,91 +188,131 @@ static int str_of(json_t *v, bt_str *out) {
     return 0;
 }
 
-int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, const char *config, size_t config_len) {
-    if (!out || (!json && len)) return bt_fail(BT_ERR_INVALID, "tokenizer_from_json: NULL argument");
-    *out = NULL;
-    json_t *root = NULL, *cfg = NULL;
-    if (bt_json_loadb(&root, json, len, JSON_ALLOW_NUL, "tokenizer.json")) return BT_ERR_FORMAT;
-    if (config && config_len && bt_json_loadb(&cfg, config, config_len, JSON_ALLOW_NUL, "tokenizer_config.json")) {
-        json_decref(root);
-        return BT_ERR_FORMAT;
+/* model: an object of type BPE (or untyped) without the options a byte-level BPE cannot honour
+ * (dropout, byte_fallback, continuing_subword_prefix / end_of_word_suffix); reads fuse_unk and
+ * ignore_merges into t. *model = root.model (borrowed). */
+static int parse_model(bt_tokenizer *t, json_t *root, json_t **model) {
+    *model = json_object_get(root, "model");
+    if (!json_is_object(root) || !json_is_object(*model)) return jfail("model", "missing or not an object");
+    const char *mty = type_of(*model);
+    if (mty && strcmp(mty, "BPE") != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model \"%s\" unsupported (only byte-level BPE)", mty);
+    json_t *d = json_object_get(*model, "dropout");
+    if (d && !json_is_null(d) && !(json_is_number(d) && json_number_value(d) == 0.0))
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.dropout unsupported (must be null)");
+    static const char *const empty_keys[] = {"continuing_subword_prefix", "end_of_word_suffix"};
+    for (int k = 0; k < 2; k++) {
+        json_t *v = json_object_get(*model, empty_keys[k]);
+        if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
+            return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.%s unsupported (must be null or \"\")", empty_keys[k]);
     }
-    bt_tokenizer *t = bt_tok_new();
-    bt_str *pieces = NULL, *ma = NULL, *mb = NULL;
-    uint8_t *types = NULL, *in_model = NULL;
-    int rc = 0;
-    fam_t fam = {0};
-    json_t *model = json_object_get(root, "model");
-    if (!json_is_object(root) || !json_is_object(model)) { rc = jfail("model", "missing or not an object"); goto done; }
-    const char *mty = type_of(model);
-    if (mty && strcmp(mty, "BPE") != 0) {
-        rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model \"%s\" unsupported (only byte-level BPE)", mty);
-        goto done;
-    }
-    {
-        json_t *d = json_object_get(model, "dropout");
-        if (d && !json_is_null(d) && !(json_is_number(d) && json_number_value(d) == 0.0)) {
-            rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.dropout unsupported (must be null)");
-            goto done;
-        }
-        static const char *const empty_keys[] = {"continuing_subword_prefix", "end_of_word_suffix"};
-        for (int k = 0; k < 2; k++) {
-            json_t *v = json_object_get(model, empty_keys[k]);
-            if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0)) {
-                rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.%s unsupported (must be null or \"\")", empty_keys[k]);
-                goto done;
-            }
-        }
-        int bf;
-        if ((rc = get_bool(model, "byte_fallback", 0, &bf)) < 0) goto done;
-        if (bf) { rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.byte_fallback = true unsupported"); goto done; }
-        if ((rc = get_bool(model, "fuse_unk", 0, &t->fuse_unk)) < 0) goto done;
-        if ((rc = get_bool(model, "ignore_merges", 0, &t->ignore_merges)) < 0) goto done;
-    }
-    if ((rc = parse_normalizer(t, json_object_get(root, "normalizer"))) < 0) goto done;
-    if ((rc = parse_pre(t, json_object_get(root, "pre_tokenizer"), &fam)) < 0) goto done;
-    if (t->n_pre == 0 || t->pre_steps[t->n_pre - 1].kind != PRE_BYTELEVEL) {
-        rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer has no ByteLevel step (needed by a byte-level BPE)");
-        goto done;
-    }
-    {
-        json_t *dec = json_object_get(root, "decoder");
-        const char *dty = json_is_object(dec) ? type_of(dec) : NULL;
-        if (dec && !json_is_null(dec) && (!dty || strcmp(dty, "ByteLevel") != 0)) {
-            rc = bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: decoder \"%s\" unsupported (ByteLevel)", dty ? dty : "?");
-            goto done;
-        }
-    }
+    int bf, rc;
+    if ((rc = get_bool(*model, "byte_fallback", 0, &bf)) < 0) return rc;
+    if (bf) return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.byte_fallback = true unsupported");
+    if ((rc = get_bool(*model, "fuse_unk", 0, &t->fuse_unk)) < 0) return rc;
+    return get_bool(*model, "ignore_merges", 0, &t->ignore_merges);
+}
 
-    /* id space: model vocabulary and added tokens */
-    json_t *vocab = json_object_get(model, "vocab"), *added = json_object_get(root, "added_tokens");
-    if (!json_is_object(vocab) || json_object_size(vocab) == 0) { rc = jfail("model.vocab", "missing or empty"); goto done; }
-    if (added && !json_is_null(added) && !json_is_array(added)) { rc = jfail("added_tokens", "not an array"); goto done; }
+/* The text pipeline: normalizer, pre_tokenizer (must end in ByteLevel), decoder (ByteLevel or
+ * null). Records in *fam what the family detection of pre_family needs. */
+static int parse_pipeline(bt_tokenizer *t, json_t *root, fam_t *fam) {
+    int rc;
+    if ((rc = parse_normalizer(t, json_object_get(root, "normalizer"))) < 0) return rc;
+    if ((rc = parse_pre(t, json_object_get(root, "pre_tokenizer"), fam)) < 0) return rc;
+    if (t->n_pre == 0 || t->pre_steps[t->n_pre - 1].kind != PRE_BYTELEVEL)
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer has no ByteLevel step (needed by a byte-level BPE)");
+    json_t *dec = json_object_get(root, "decoder");
+    const char *dty = json_is_object(dec) ? type_of(dec) : NULL;
+    if (dec && !json_is_null(dec) && (!dty || strcmp(dty, "ByteLevel") != 0))
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: decoder \"%s\" unsupported (ByteLevel)", dty ? dty : "?");
+    return 0;
+}
+
+/* The id space: model.vocab (non-empty object) and added_tokens (array or absent/null), every
+ * id an integer in [0, 2^30); *n = largest id + 1. */
+static int id_space(json_t *vocab, json_t *added, int32_t *n) {
+    if (!json_is_object(vocab) || json_object_size(vocab) == 0) return jfail("model.vocab", "missing or empty");
+    if (added && !json_is_null(added) && !json_is_array(added)) return jfail("added_tokens", "not an array");
     int64_t max_id = -1;
     const char *key;
     size_t klen;
     json_t *val;
     json_object_keylen_foreach(vocab, key, klen, val) {
-        if (!json_is_integer(val) || json_integer_value(val) < 0 || json_integer_value(val) >= INT32_MAX / 2) {
-            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: model.vocab[\"%.*s\"]: id not an integer in [0, 2^30)",
-                         (int)(klen > 64 ? 64 : klen), key);
-            goto done;
-        }
+        if (!json_is_integer(val) || json_integer_value(val) < 0 || json_integer_value(val) >= INT32_MAX / 2)
+            return bt_fail(BT_ERR_FORMAT, "tokenizer.json: model.vocab[\"%.*s\"]: id not an integer in [0, 2^30)",
+                           (int)(klen > 64 ? 64 : klen), key);
         if (json_integer_value(val) > max_id) max_id = json_integer_value(val);
     }
     for (size_t i = 0; i < json_array_size(added); i++) {
         json_t *id = json_object_get(json_array_get(added, i), "id");
-        if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= INT32_MAX / 2) {
-            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: added_tokens[%zu].id not an integer in [0, 2^30)", i);
-            goto done;
-        }
+        if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= INT32_MAX / 2)
+            return bt_fail(BT_ERR_FORMAT, "tokenizer.json: added_tokens[%zu].id not an integer in [0, 2^30)", i);
         if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
     }
-    int32_t n = (int32_t)max_id + 1;
-    pieces = bt_xcalloc((size_t)n, sizeof *pieces);
-    types = bt_xmalloc((size_t)n);
-    in_model = bt_xcalloc((size_t)n, 1);
+    *n = (int32_t)max_id + 1;
+    return 0;
+}
+
+/* added_tokens[i] = a into pieces/types and t->added[t->n_added++] (text normalized when
+ * "normalized"). An existing vocabulary string keeps its id (HF AddedVocabulary::add_tokens). */
+static int add_token(bt_tokenizer *t, json_t *vocab, json_t *a, size_t i, bt_str *pieces, uint8_t *types) {
+    bt_str content;
+    if (str_of(json_object_get(a, "content"), &content) < 0 || content.len == 0)
+        return bt_fail(BT_ERR_FORMAT, "tokenizer.json: added_tokens[%zu].content missing or empty", i);
+    bt_added *e = &t->added[t->n_added];
+    int sp, lstrip, rstrip, sw, norm, rc;
+    if ((rc = get_bool(a, "special", 0, &sp)) < 0 || (rc = get_bool(a, "lstrip", 0, &lstrip)) < 0 ||
+        (rc = get_bool(a, "rstrip", 0, &rstrip)) < 0 || (rc = get_bool(a, "single_word", 0, &sw)) < 0 ||
+        (rc = get_bool(a, "normalized", !sp, &norm)) < 0)
+        return rc;
+    int32_t id = (int32_t)json_integer_value(json_object_get(a, "id"));
+    json_t *vv = json_object_getn(vocab, content.ptr, content.len);
+    if (vv && json_integer_value(vv) != id) {
+        bt_log(BT_LOG_WARN, LOGC, "tokenizer.json: added token \"%.*s\" has id %d but vocabulary id %d: using %d",
+               (int)(content.len > 64 ? 64 : content.len), content.ptr, id, (int)json_integer_value(vv),
+               (int)json_integer_value(vv));
+        id = (int32_t)json_integer_value(vv);
+    }
+    if (pieces[id].ptr && !(pieces[id].len == content.len && memcmp(pieces[id].ptr, content.ptr, content.len) == 0))
+        return bt_fail(BT_ERR_FORMAT, "tokenizer.json: added token \"%.*s\" id %d already holds \"%.*s\"",
+                       (int)(content.len > 64 ? 64 : content.len), content.ptr, id,
+                       (int)(pieces[id].len > 64 ? 64 : pieces[id].len), pieces[id].ptr);
+    pieces[id] = content;
+    types[id] = sp ? TT_CONTROL : TT_USER;
+    e->id = id;
+    e->special = (uint8_t)sp;
+    e->lstrip = (uint8_t)lstrip;
+    e->rstrip = (uint8_t)rstrip;
+    e->single_word = (uint8_t)sw;
+    e->normalized = (uint8_t)norm;
+    char *nt = NULL;
+    size_t nl = 0;
+    if (norm && (rc = bt_tok_normalize(t, content.ptr, content.len, &nt, &nl)) < 0) return rc;
+    if (!nt) {
+        nt = bt_xmalloc(content.len + 1);
+        memcpy(nt, content.ptr, content.len);
+        nt[content.len] = 0;
+        nl = content.len;
+    }
+    e->text = nt;
+    e->len = (uint32_t)nl;
+    t->n_added++;
+    return 0;
+}
+
+/* The vocabulary: model.vocab ids (each id once), then the added tokens, into t
+ * (bt_tok_set_vocab; ids used by neither are holes). */
+static int build_vocab(bt_tokenizer *t, json_t *model, json_t *added) {
+    json_t *vocab = json_object_get(model, "vocab");
+    int32_t n = 0;
+    int rc = id_space(vocab, added, &n);
+    if (rc < 0) return rc;
+    bt_str *pieces = bt_xcalloc((size_t)n, sizeof *pieces);
+    uint8_t *types = bt_xmalloc((size_t)n), *in_model = bt_xcalloc((size_t)n, 1);
     memset(types, TT_NORMAL, (size_t)n);
+    const char *key;
+    size_t klen;
+    json_t *val;
     json_object_keylen_foreach(vocab, key, klen, val) {
         int32_t id = (int32_t)json_integer_value(val);
         if (pieces[id].ptr) {
@@ -282,66 +322,26 @@ int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, con
         pieces[id] = (bt_str){key, klen};
         in_model[id] = 1;
     }
-    /* added tokens: an existing vocabulary string keeps its id (HF AddedVocabulary::add_tokens) */
     size_t n_add = json_array_size(added);
     t->added = bt_xcalloc(n_add + 1, sizeof *t->added);
-    for (size_t i = 0; i < n_add; i++) {
-        json_t *a = json_array_get(added, i);
-        bt_str content;
-        if (str_of(json_object_get(a, "content"), &content) < 0 || content.len == 0) {
-            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: added_tokens[%zu].content missing or empty", i);
-            goto done;
-        }
-        bt_added *e = &t->added[t->n_added];
-        int sp, lstrip, rstrip, sw, norm;
-        if ((rc = get_bool(a, "special", 0, &sp)) < 0 || (rc = get_bool(a, "lstrip", 0, &lstrip)) < 0 ||
-            (rc = get_bool(a, "rstrip", 0, &rstrip)) < 0 || (rc = get_bool(a, "single_word", 0, &sw)) < 0 ||
-            (rc = get_bool(a, "normalized", !sp, &norm)) < 0)
-            goto done;
-        int32_t id = (int32_t)json_integer_value(json_object_get(a, "id"));
-        json_t *vv = json_object_getn(vocab, content.ptr, content.len);
-        if (vv && json_integer_value(vv) != id) {
-            bt_log(BT_LOG_WARN, LOGC, "tokenizer.json: added token \"%.*s\" has id %d but vocabulary id %d: using %d",
-                   (int)(content.len > 64 ? 64 : content.len), content.ptr, id, (int)json_integer_value(vv),
-                   (int)json_integer_value(vv));
-            id = (int32_t)json_integer_value(vv);
-        }
-        if (pieces[id].ptr && !(pieces[id].len == content.len && memcmp(pieces[id].ptr, content.ptr, content.len) == 0)) {
-            rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: added token \"%.*s\" id %d already holds \"%.*s\"",
-                         (int)(content.len > 64 ? 64 : content.len), content.ptr, id,
-                         (int)(pieces[id].len > 64 ? 64 : pieces[id].len), pieces[id].ptr);
-            goto done;
-        }
-        pieces[id] = content;
-        types[id] = sp ? TT_CONTROL : TT_USER;
-        e->id = id;
-        e->special = (uint8_t)sp;
-        e->lstrip = (uint8_t)lstrip;
-        e->rstrip = (uint8_t)rstrip;
-        e->single_word = (uint8_t)sw;
-        e->normalized = (uint8_t)norm;
-        char *nt = NULL;
-        size_t nl = 0;
-        if (norm && (rc = bt_tok_normalize(t, content.ptr, content.len, &nt, &nl)) < 0) goto done;
-        if (!nt) {
-            nt = bt_xmalloc(content.len + 1);
-            memcpy(nt, content.ptr, content.len);
-            nt[content.len] = 0;
-            nl = content.len;
-        }
-        e->text = nt;
-        e->len = (uint32_t)nl;
-        t->n_added++;
-    }
-    if ((rc = bt_tok_set_vocab(t, n, pieces, types, in_model)) < 0) goto done;
+    for (size_t i = 0; i < n_add; i++)
+        if ((rc = add_token(t, vocab, json_array_get(added, i), i, pieces, types)) < 0) goto done;
+    rc = bt_tok_set_vocab(t, n, pieces, types, in_model);
+done:
+    free(pieces);
+    free(types);
+    free(in_model);
+    return rc;
+}
 
-    /* merges */
+/* model.merges: "a b" strings or ["a", "b"] pairs, rank = index (bt_tok_set_merges). */
+static int parse_merges(bt_tokenizer *t, json_t *model) {
     json_t *merges = json_object_get(model, "merges");
-    if (!json_is_array(merges)) { rc = jfail("model.merges", "missing or not an array"); goto done; }
+    if (!json_is_array(merges)) return jfail("model.merges", "missing or not an array");
     size_t nm = json_array_size(merges);
-    ma = bt_xmalloc((nm + 1) * sizeof *ma);
-    mb = bt_xmalloc((nm + 1) * sizeof *mb);
-    for (size_t m = 0; m < nm; m++) {
+    bt_str *ma = bt_xmalloc((nm + 1) * sizeof *ma), *mb = bt_xmalloc((nm + 1) * sizeof *mb);
+    int rc = 0;
+    for (size_t m = 0; m < nm && rc == 0; m++) {
         json_t *e = json_array_get(merges, m);
         if (json_is_array(e) && json_array_size(e) == 2 && str_of(json_array_get(e, 0), &ma[m]) == 0 &&
             str_of(json_array_get(e, 1), &mb[m]) == 0)
@@ -356,54 +356,90 @@ int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, con
             }
         }
         rc = bt_fail(BT_ERR_FORMAT, "tokenizer.json: model.merges[%zu] is neither \"a b\" nor [\"a\", \"b\"]", m);
-        goto done;
     }
-    if ((rc = bt_tok_set_merges(t, nm, ma, mb)) < 0) goto done;
-    {
-        json_t *unk = json_object_get(model, "unk_token");
-        if (json_is_string(unk)) {
-            t->unk = bt_tok_vocab_find(t, json_string_value(unk), json_string_length(unk));
-            if (t->unk < 0) { rc = jfail("model.unk_token", "not in the vocabulary"); goto done; }
-        }
-    }
-    if ((rc = bt_tok_build_added(t)) < 0) goto done;
-
-    /* special ids: post-processor template, then tokenizer_config.json */
-    post_processor_ids(json_object_get(root, "post_processor"), &t->bos, &t->eos);
-    if (t->bos >= n) t->bos = -1;
-    if (t->eos >= n) t->eos = -1;
-    if (cfg) {
-        t->bos = config_token(t, cfg, "bos_token", t->bos);
-        t->eos = config_token(t, cfg, "eos_token", t->eos);
-        t->pad = config_token(t, cfg, "pad_token", t->pad);
-        json_t *tpl = json_object_get(cfg, "chat_template");
-        if (json_is_array(tpl)) { /* [{"name": "default", "template": ...}, ...] */
-            json_t *pick = NULL;
-            for (size_t i = 0; i < json_array_size(tpl); i++) {
-                json_t *nm2 = json_object_get(json_array_get(tpl, i), "name");
-                if (json_is_string(nm2) && strcmp(json_string_value(nm2), "default") == 0) pick = json_array_get(tpl, i);
-            }
-            tpl = pick ? json_object_get(pick, "template") : NULL;
-        }
-        if (json_is_string(tpl)) t->chat_template = bt_xstrdup(json_string_value(tpl));
-    }
-    {
-        const char *name = "custom";
-        const bt_pre_step *last = &t->pre_steps[t->n_pre - 1];
-        if (last->add_prefix_space || t->n_norm > (fam.known_split == 2)) name = "custom";
-        else if (t->n_pre == 1 && last->re) name = "gpt2";
-        else if (t->n_pre == 2 && last->re && fam.known_split == 10 && t->pre_steps[0].behavior == BEH_ISOLATED) name = "smollm";
-        else if (t->n_pre == 2 && !last->re && fam.known_split == 1 && t->n_norm == 0) name = "llama3";
-        else if (t->n_pre == 2 && !last->re && fam.known_split == 2 && t->n_norm == 1 && t->norm[0] == NORM_NFC) name = "qwen2";
-        t->pre = bt_xstrdup(name);
-    }
-    bt_tok_pre_select(t);
-done:
-    free(pieces);
-    free(types);
-    free(in_model);
+    if (rc == 0) rc = bt_tok_set_merges(t, nm, ma, mb);
     free(ma);
     free(mb);
+    return rc;
+}
+
+/* model.unk_token (a string; must be in the vocabulary) into t->unk. */
+static int parse_unk(bt_tokenizer *t, json_t *model) {
+    json_t *unk = json_object_get(model, "unk_token");
+    if (!json_is_string(unk)) return 0;
+    t->unk = bt_tok_vocab_find(t, json_string_value(unk), json_string_length(unk));
+    return t->unk < 0 ? jfail("model.unk_token", "not in the vocabulary") : 0;
+}
+
+/* bos/eos from the post-processor template (ids outside the vocabulary dropped), then
+ * tokenizer_config.json bos_token / eos_token / pad_token (cfg may be NULL) over them. */
+static void special_ids(bt_tokenizer *t, json_t *root, json_t *cfg) {
+    post_processor_ids(json_object_get(root, "post_processor"), &t->bos, &t->eos);
+    if (t->bos >= t->n_vocab) t->bos = -1;
+    if (t->eos >= t->n_vocab) t->eos = -1;
+    if (!cfg) return;
+    t->bos = config_token(t, cfg, "bos_token", t->bos);
+    t->eos = config_token(t, cfg, "eos_token", t->eos);
+    t->pad = config_token(t, cfg, "pad_token", t->pad);
+}
+
+/* tokenizer_config.json chat_template: a string, or [{"name": "default", "template": s}, ...];
+ * NULL when absent. Borrowed from cfg. */
+static const char *chat_template(json_t *cfg) {
+    json_t *tpl = json_object_get(cfg, "chat_template");
+    if (json_is_array(tpl)) {
+        json_t *pick = NULL;
+        for (size_t i = 0; i < json_array_size(tpl); i++) {
+            json_t *name = json_object_get(json_array_get(tpl, i), "name");
+            if (json_is_string(name) && strcmp(json_string_value(name), "default") == 0) pick = json_array_get(tpl, i);
+        }
+        tpl = pick ? json_object_get(pick, "template") : NULL;
+    }
+    return json_is_string(tpl) ? json_string_value(tpl) : NULL;
+}
+
+/* The pre-tokenizer family (t->pre) whose dedicated pipeline bt_tok_pre_select may use: gpt2,
+ * smollm, llama3, qwen2 when the steps are exactly theirs, else custom (the generic regex path). */
+static const char *pre_family(const bt_tokenizer *t, const fam_t *fam) {
+    const bt_pre_step *last = &t->pre_steps[t->n_pre - 1];
+    if (last->add_prefix_space || t->n_norm > (fam->known_split == 2)) return "custom";
+    if (t->n_pre == 1 && last->re) return "gpt2";
+    if (t->n_pre == 2 && last->re && fam->known_split == 10 && t->pre_steps[0].behavior == BEH_ISOLATED)
+        return "smollm";
+    if (t->n_pre == 2 && !last->re && fam->known_split == 1 && t->n_norm == 0) return "llama3";
+    if (t->n_pre == 2 && !last->re && fam->known_split == 2 && t->n_norm == 1 && t->norm[0] == NORM_NFC)
+        return "qwen2";
+    return "custom";
+}
+
+/* Contract (id space, token types, bos/eos/pad, ownership, errors) in tokenizer.h; the format
+ * is tokenizers 0.20.3's, as listed at the top of this file. Stages, in order: model options,
+ * text pipeline, vocabulary + added tokens, merges, unk token, added-token match sets, special
+ * ids, chat template, pre-tokenizer family; the first failing stage's error is returned. */
+int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, const char *config, size_t config_len) {
+    if (!out || (!json && len)) return bt_fail(BT_ERR_INVALID, "tokenizer_from_json: NULL argument");
+    *out = NULL;
+    json_t *root = NULL, *cfg = NULL, *model = NULL;
+    if (bt_json_loadb(&root, json, len, JSON_ALLOW_NUL, "tokenizer.json")) return BT_ERR_FORMAT;
+    if (config && config_len && bt_json_loadb(&cfg, config, config_len, JSON_ALLOW_NUL, "tokenizer_config.json")) {
+        json_decref(root);
+        return BT_ERR_FORMAT;
+    }
+    bt_tokenizer *t = bt_tok_new();
+    fam_t fam = {0};
+    int rc = parse_model(t, root, &model);
+    if (rc >= 0) rc = parse_pipeline(t, root, &fam);
+    if (rc >= 0) rc = build_vocab(t, model, json_object_get(root, "added_tokens"));
+    if (rc >= 0) rc = parse_merges(t, model);
+    if (rc >= 0) rc = parse_unk(t, model);
+    if (rc >= 0) rc = bt_tok_build_added(t);
+    if (rc >= 0) {
+        special_ids(t, root, cfg);
+        const char *tpl = cfg ? chat_template(cfg) : NULL;
+        if (tpl) t->chat_template = bt_xstrdup(tpl);
+        t->pre = bt_xstrdup(pre_family(t, &fam));
+        bt_tok_pre_select(t);
+    }
     json_decref(root);
     json_decref(cfg);
     if (rc < 0) {

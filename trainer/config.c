@@ -351,9 +351,11 @@ static int get_lengths(const json_t *eval, bt_train_config *c) {
 }
 
 /* context_extension {target_length, method} and attention {s2: {group_fraction}}. */
-static int get_long_context(const json_t *root, bt_train_config *c, const char *const *ext_keys,
-                            const char *const *ext_methods, const char *const *attention_keys,
-                            const char *const *s2_keys) {
+static int get_long_context(const json_t *root, bt_train_config *c) {
+    static const char *const ext_keys[] = {"target_length", "method", NULL};
+    static const char *const ext_methods[] = {"none", "linear", "yarn", "dynamic", NULL};
+    static const char *const attention_keys[] = {"s2", NULL};
+    static const char *const s2_keys[] = {"group_fraction", NULL};
     int rc;
     json_t *ce = json_object_get(root, "context_extension");
     if (ce && !json_is_null(ce)) {
@@ -387,245 +389,302 @@ int bt_config_s2_group(const bt_train_config *c) {
     return g < 2 ? 2 : (int)g;
 }
 
-static int parse_tree(bt_train_config *c, const json_t *root) {
-    static const char *const top_keys[] = {
-        "name", "model", "base_dtype", "base_model_name_or_path", "socket", "data", "eval", "lora",
-        "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
-        "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
-        "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", "cuda",
-        "dist", "report", "checkpointing_min_seq_len", "context_extension", "attention", NULL};
-    static const char *const data_keys[] = {"shards", "format", "text_field", "seq_len",
-                                            "micro_batch_size", "seed", "tokenizer_threads", NULL};
-    static const char *const eval_keys[] = {"shards", "max_batches", "lengths", NULL};
-    static const char *const lora_keys[] = {"r", "lora_alpha", "lora_dropout", "target_modules",
-                                            NULL};
-    static const char *const optim_keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay",
-                                             "warmup_steps", "grad_clip", NULL};
-    static const char *const dtypes[] = {"nf4", "fp32", "gguf", "auto", NULL}; /* BT_BASE_* order */
-    static const char *const scheds[] = {"cosine", "linear", "constant", NULL};
-    static const char *const formats[] = {"chat", "text", "alpaca", NULL};
-    static const char *const devices[] = {"cpu", "cuda", NULL};
-    static const char *const cuda_keys[] = {"attention", "nf4_matmul", "offload_checkpoints", NULL};
-    static const char *const ext_keys[] = {"target_length", "method", NULL};
-    static const char *const ext_methods[] = {"none", "linear", "yarn", "dynamic", NULL};
-    static const char *const attention_keys[] = {"s2", NULL};
-    static const char *const s2_keys[] = {"group_fraction", NULL};
+/* The keys each object of the tree may hold (config.h documents them; check_keys refuses
+ * others). */
+static const char *const k_top_keys[] = {
+    "name", "model", "base_dtype", "base_model_name_or_path", "socket", "data", "eval", "lora",
+    "optim", "steps", "grad_accum", "schedule", "min_lr_ratio", "activation_checkpointing",
+    "save_every", "out_dir", "threads", "seed", "log_every", "timeout_s", "trainable_modules",
+    "checkpoint_every", "checkpoint_dir", "resume_from", "stop_at_step", "device", "cuda",
+    "dist", "report", "checkpointing_min_seq_len", "context_extension", "attention", NULL};
+static const char *const k_data_keys[] = {"shards", "format", "text_field", "seq_len",
+                                          "micro_batch_size", "seed", "tokenizer_threads", NULL};
+static const char *const k_eval_keys[] = {"shards", "max_batches", "lengths", NULL};
+static const char *const k_lora_keys[] = {"r", "lora_alpha", "lora_dropout", "target_modules",
+                                          NULL};
+static const char *const k_optim_keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay",
+                                           "warmup_steps", "grad_clip", NULL};
+static const char *const k_cuda_keys[] = {"attention", "nf4_matmul", "offload_checkpoints", NULL};
+static const char *const k_dist_keys[] = {"master_addr", "master_port", "timeout_s",
+                                          "heartbeat_timeout_s", "secret_file", NULL};
+static const char *const k_report_keys[] = {"dir", "plot", "tensorboard", NULL};
+
+/* The section objects of the tree, borrowed; an absent section is the caller's empty object. */
+typedef struct {
+    json_t *report, *dist, *cuda, *data, *eval, *lora, *optim;
+} sections;
+
+/* Refuses unknown top-level keys and non-object sections (in this order), then fills *s. */
+static int get_sections(const json_t *root, json_t *empty, sections *s) {
+    int rc;
+    if ((rc = check_keys(root, NULL, k_top_keys)) || (rc = get_obj(root, "report", &s->report)) ||
+        (rc = get_obj(root, "cuda", &s->cuda)) || (rc = get_obj(root, "dist", &s->dist)) ||
+        (rc = get_obj(root, "data", &s->data)) || (rc = get_obj(root, "eval", &s->eval)) ||
+        (rc = get_obj(root, "lora", &s->lora)) || (rc = get_obj(root, "optim", &s->optim)))
+        return rc;
+    json_t **all[] = {&s->report, &s->dist, &s->cuda, &s->data, &s->eval, &s->lora, &s->optim};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (!*all[i]) *all[i] = empty;
+    return 0;
+}
+
+/* A list of names from names[0..n) as a bit mask: bit i set for names[i] (OR-ed into *mask).
+ * nonempty: [] is refused too. Any error names sect.key with `expect`. */
+static int get_name_mask(const json_t *v, const char *sect, const char *key, const char *expect,
+                         const char *const *names, int n, int nonempty, unsigned *mask) {
+    if (!json_is_array(v) || (nonempty && json_array_size(v) == 0))
+        return bad(sect, key, expect, v);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *e = json_array_get(v, i);
+        int found = -1;
+        for (int m = 0; m < n && json_is_string(e); m++)
+            if (!strcmp(json_string_value(e), names[m])) found = m;
+        if (found < 0) return bad(sect, key, expect, e);
+        *mask |= 1u << found;
+    }
+    return 0;
+}
+
+/* report {dir (null -> beside out_dir, see default_report_dir), plot, tensorboard}. */
+static int parse_report(const json_t *report, bt_train_config *c) {
+    int rc;
+    if ((rc = check_keys(report, "report", k_report_keys)) ||
+        (rc = get_bool(report, "report", "plot", 1, &c->report.plot)) ||
+        (rc = get_bool(report, "report", "tensorboard", 0, &c->report.tensorboard)))
+        return rc;
+    json_t *rd = json_object_get(report, "dir");
+    if (rd && !json_is_null(rd)) return get_str(report, "report", "dir", NULL, &c->report.dir);
+    return 0;
+}
+
+/* dist {master_addr, master_port, timeout_s, heartbeat_timeout_s, secret_file (null: none)}. */
+static int parse_dist(const json_t *dist, bt_train_config *c) {
+    int rc;
+    if ((rc = check_keys(dist, "dist", k_dist_keys)) ||
+        (rc = get_str(dist, "dist", "master_addr", "127.0.0.1", &c->dist.master_addr)) ||
+        (rc = get_i32(dist, "dist", "master_port", 29500, RANGE(1, 65535, 0, 0),
+                      &c->dist.master_port)) ||
+        (rc = get_i32(dist, "dist", "timeout_s", 600, RANGE(1, 86400, 0, 0), &c->dist.timeout_s)) ||
+        (rc = get_i32(dist, "dist", "heartbeat_timeout_s", 60, RANGE(1, 86400, 0, 0),
+                      &c->dist.heartbeat_timeout_s)))
+        return rc;
+    json_t *sf = json_object_get(dist, "secret_file");
+    if (sf && !json_is_null(sf))
+        return get_str(dist, "dist", "secret_file", NULL, &c->dist.secret_file);
+    return 0;
+}
+
+/* cuda {attention, nf4_matmul, offload_checkpoints}. */
+static int parse_cuda(const json_t *cuda, bt_train_config *c) {
     static const char *const attn_impls[] = {"wmma", "mma", NULL};
     static const char *const nf4_impls[] = {"dequant", "fused", NULL};
-    static const char *const dist_keys[] = {"master_addr", "master_port", "timeout_s",
-                                            "heartbeat_timeout_s", "secret_file", NULL};
-    static const char *const report_keys[] = {"dir", "plot", "tensorboard", NULL};
     int rc;
-    int64_t i64;
-#define TRY(x)                                                                                     \
-    do {                                                                                           \
-        if ((rc = (x)) != 0) return rc;                                                            \
-    } while (0)
+    if ((rc = check_keys(cuda, "cuda", k_cuda_keys)) ||
+        (rc = get_enum(cuda, "cuda", "attention", BT_CUDA_ATTN_WMMA, attn_impls,
+                       &c->cuda_attention)) ||
+        (rc = get_enum(cuda, "cuda", "nf4_matmul", BT_CUDA_NF4_DEQUANT, nf4_impls,
+                       &c->cuda_nf4_matmul)))
+        return rc;
+    return get_bool(cuda, "cuda", "offload_checkpoints", 0, &c->cuda_offload);
+}
 
-    TRY(check_keys(root, NULL, top_keys));
-    json_t *data = NULL, *eval = NULL, *lora = NULL, *optim = NULL, *cuda = NULL, *dist = NULL;
-    json_t *report = NULL;
-    TRY(get_obj(root, "report", &report));
-    TRY(get_obj(root, "cuda", &cuda));
-    TRY(get_obj(root, "dist", &dist));
-    TRY(get_obj(root, "data", &data));
-    TRY(get_obj(root, "eval", &eval));
-    TRY(get_obj(root, "lora", &lora));
-    TRY(get_obj(root, "optim", &optim));
+/* Top-level identity: name, model (required), base_dtype, base_model_name_or_path, socket. */
+static int parse_identity(const json_t *root, bt_train_config *c) {
+    static const char *const dtypes[] = {"nf4", "fp32", "gguf", "auto", NULL}; /* BT_BASE_* order */
+    int rc;
+    if ((rc = get_str(root, NULL, "name", "barqtrain", &c->name)) ||
+        (rc = get_str(root, NULL, "model", NULL, &c->model)) ||
+        (rc = get_enum(root, NULL, "base_dtype", BT_BASE_AUTO, dtypes, &c->base_dtype)) ||
+        (rc = get_str(root, NULL, "base_model_name_or_path", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                      &c->base_model_name_or_path)))
+        return rc;
+    return get_str(root, NULL, "socket", bt_config_default_socket(), &c->socket);
+}
+
+/* data {shards (required), format, text_field, seq_len, micro_batch_size, seed,
+ * tokenizer_threads}; a micro-batch holds at most 2^24 tokens. */
+static int parse_data(const json_t *data, bt_train_config *c) {
+    static const char *const formats[] = {"chat", "text", "alpaca", NULL};
+    int rc, fmt;
+    int64_t seed;
+    if ((rc = get_strv(data, "data", "shards", 1, &c->data.shards, &c->data.n_shards)) ||
+        (rc = get_enum(data, "data", "format", 0, formats, &fmt)) ||
+        (rc = get_str(data, "data", "text_field", "text", &c->data.text_field)) ||
+        (rc = get_i32(data, "data", "seq_len", 512, RANGE(2, 1 << 20, 0, 0), &c->data.seq_len)) ||
+        (rc = get_i32(data, "data", "micro_batch_size", 4, RANGE(1, 4096, 0, 0),
+                      &c->data.micro_batch_size)) ||
+        (rc = get_int(data, "data", "seed", 1234, NONNEG, &seed)))
+        return rc;
+    c->data.format = bt_xstrdup(formats[fmt]);
+    c->data.seed = (uint64_t)seed;
+    if ((rc = get_i32(data, "data", "tokenizer_threads", 2, RANGE(1, 256, 0, 0),
+                      &c->data.tokenizer_threads)))
+        return rc;
+    if ((int64_t)c->data.seq_len * c->data.micro_batch_size > (1 << 24))
+        return bt_fail(BT_ERR_INVALID,
+                       "config: data.seq_len x data.micro_batch_size = %lld tokens per micro-batch"
+                       " exceeds 16777216",
+                       (long long)c->data.seq_len * c->data.micro_batch_size);
+    return 0;
+}
+
+/* eval {shards, max_batches, lengths}. */
+static int parse_eval(const json_t *eval, bt_train_config *c) {
+    int rc;
+    if ((rc = get_strv(eval, "eval", "shards", 0, &c->eval.shards, &c->eval.n_shards)) ||
+        (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)))
+        return rc;
+    return get_lengths(eval, c);
+}
+
+/* lora {r, lora_alpha, lora_dropout, target_modules (absent: all BT_MOD_N modules)}. */
+static int parse_lora(const json_t *lora, bt_train_config *c) {
+    int rc;
+    if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, 4096, 0, 0), &c->lora.r)) ||
+        (rc = get_num(lora, "lora", "lora_alpha", 32, RANGE(0, 65536, 1, 0), &c->lora.alpha)) ||
+        (rc = get_num(lora, "lora", "lora_dropout", 0.05, RANGE(0, 1, 0, 1), &c->lora.dropout)))
+        return rc;
+    json_t *tm = json_object_get(lora, "target_modules");
+    if (!tm) {
+        c->lora.target_mask = (1u << BT_MOD_N) - 1;
+        return 0;
+    }
+    return get_name_mask(tm, "lora", "target_modules",
+                         "a non-empty array of module names (q_proj, k_proj, v_proj, o_proj, "
+                         "gate_proj, up_proj, down_proj)",
+                         k_mod_names, BT_MOD_N, 1, &c->lora.target_mask);
+}
+
+/* optim {lr, weight_decay, beta1, beta2, eps, warmup_steps, grad_clip}.
+ * Ranges (issue 10 §4): AdamW moves each parameter by about lr per step, so lr > 1 can only
+ * diverge; decoupled weight decay scales by (1 - lr * wd), so wd in [0, 1]; betas are EMA
+ * factors in [0, 1); eps only guards a division. */
+static int parse_optim(const json_t *optim, bt_train_config *c) {
+    int rc;
+    if ((rc = get_num(optim, "optim", "lr", 2e-4, RANGE(0, 1, 1, 0), &c->optim.lr)) ||
+        (rc = get_num(optim, "optim", "weight_decay", 0.0, RANGE(0, 1, 0, 0),
+                      &c->optim.weight_decay)) ||
+        (rc = get_num(optim, "optim", "beta1", 0.9, RANGE(0, 1, 0, 1), &c->optim.beta1)) ||
+        (rc = get_num(optim, "optim", "beta2", 0.999, RANGE(0, 1, 0, 1), &c->optim.beta2)) ||
+        (rc = get_num(optim, "optim", "eps", 1e-8, RANGE(0, 1, 1, 0), &c->optim.eps)) ||
+        (rc = get_i32(optim, "optim", "warmup_steps", 0, NONNEG, &c->optim.warmup_steps)))
+        return rc;
+    return get_num(optim, "optim", "grad_clip", 1.0, RANGE(0, 1e6, 0, 0), &c->optim.grad_clip);
+}
+
+/* Top-level loop scalars: steps, grad_accum, schedule, min_lr_ratio, activation checkpointing,
+ * save_every, out_dir, threads, device, seed, log_every, timeout_s. Needs data.seq_len. */
+static int parse_loop(const json_t *root, bt_train_config *c) {
+    static const char *const scheds[] = {"cosine", "linear", "constant", NULL};
+    static const char *const devices[] = {"cpu", "cuda", NULL};
+    int rc;
+    int64_t seed;
+    if ((rc = get_i32(root, NULL, "steps", 100, ATLEAST1, &c->steps)) ||
+        (rc = get_i32(root, NULL, "grad_accum", 1, RANGE(1, 65536, 0, 0), &c->grad_accum)) ||
+        (rc = get_enum(root, NULL, "schedule", BT_SCHED_COSINE, scheds, &c->schedule)) ||
+        (rc = get_num(root, NULL, "min_lr_ratio", 0.1, RANGE(0, 1, 0, 0), &c->min_lr_ratio)) ||
+        (rc = get_checkpointing(root, c)) ||
+        (rc = get_i32(root, NULL, "save_every", 0, NONNEG, &c->save_every)) ||
+        (rc = get_str(root, NULL, "out_dir", "runs/adapter", &c->out_dir)) ||
+        (rc = get_i32(root, NULL, "threads", 0, RANGE(0, 1024, 0, 0), &c->threads)) ||
+        (rc = get_enum(root, NULL, "device", BT_DEVICE_CPU, devices, &c->device)) ||
+        (rc = get_int(root, NULL, "seed", 1234, NONNEG, &seed)))
+        return rc;
+    c->seed = (uint64_t)seed;
+    if ((rc = get_i32(root, NULL, "log_every", 1, ATLEAST1, &c->log_every))) return rc;
+    /* timeout_s <= INT_MAX / 1000: train.c waits timeout_s * 1000 ms (an int) */
+    return get_i32(root, NULL, "timeout_s", 600, RANGE(1, 2147483, 0, 0), &c->timeout_s);
+}
+
+/* LoRA+ / LongLoRA trainable_modules (absent: none). */
+static int parse_trainable(const json_t *root, bt_train_config *c) {
+    json_t *tr = json_object_get(root, "trainable_modules");
+    if (!tr) return 0;
+    return get_name_mask(tr, NULL, "trainable_modules",
+                         "an array of module names (embed_tokens, norm)", k_trainable_names,
+                         BT_TRAINABLE_N, 0, &c->trainable_mask);
+}
+
+/* report.dir when not given: "report" beside the adapter directory, i.e. dirname(out_dir). */
+static int default_report_dir(bt_train_config *c) {
+    if (c->report.dir) return 0;
+    size_t n = strlen(c->out_dir);
+    while (n > 1 && c->out_dir[n - 1] == '/') n--;
+    while (n > 0 && c->out_dir[n - 1] != '/') n--;
+    while (n > 1 && c->out_dir[n - 1] == '/') n--;
+    if (asprintf(&c->report.dir, "%.*s%sreport", (int)n, c->out_dir,
+                 n == 0 || c->out_dir[n - 1] == '/' ? "" : "/") < 0)
+        c->report.dir = NULL;
+    if (!c->report.dir) return bt_fail(BT_ERR_NOMEM, "config: out of memory");
+    return 0;
+}
+
+/* Checkpoints and resume: checkpoint_every, checkpoint_dir, stop_at_step, resume_from (null:
+ * none). */
+static int parse_checkpoints(const json_t *root, bt_train_config *c) {
+    int rc;
+    if ((rc = get_i32(root, NULL, "checkpoint_every", 0, NONNEG, &c->checkpoint_every)) ||
+        (rc = get_str(root, NULL, "checkpoint_dir", "runs/checkpoint", &c->checkpoint_dir)) ||
+        (rc = get_i32(root, NULL, "stop_at_step", 0, NONNEG, &c->stop_at_step)))
+        return rc;
+    json_t *rf = json_object_get(root, "resume_from");
+    if (rf && !json_is_null(rf)) return get_str(root, NULL, "resume_from", NULL, &c->resume_from);
+    return 0;
+}
+
+/* Constraints between keys of different sections, once every key is parsed. */
+static int check_combinations(const bt_train_config *c) {
+    /* the adapter saves replace out_dir as a whole: a checkpoint written there would lose
+     * its trainer_state.bin at the next adapter save (save_every, or the final save right
+     * after a stop_at_step / SIGTERM checkpoint) */
+    if (c->checkpoint_every > 0 && same_dir(c->checkpoint_dir, c->out_dir))
+        return bt_fail(BT_ERR_INVALID, "config: checkpoint_dir: expected a directory other than "
+                       "out_dir (\"%s\": every adapter save replaces out_dir and would delete the "
+                       "checkpoint's trainer_state.bin)", c->out_dir);
+    if (c->cuda_offload && !c->activation_checkpointing)
+        return bt_fail(BT_ERR_INVALID, "config: cuda.offload_checkpoints: offloads the "
+                       "checkpointed layer inputs, so it needs activation_checkpointing (true, or "
+                       "\"auto\" with data.seq_len >= checkpointing_min_seq_len %d; seq_len is %d)",
+                       c->checkpointing_min_seq_len, c->data.seq_len);
+    if (c->stop_at_step > c->steps)
+        return bt_fail(BT_ERR_INVALID, "config: stop_at_step: expected an integer in [0, steps = %d], "
+                       "got %d", c->steps, c->stop_at_step);
+    return 0;
+}
+
+/* Validates the job config tree `root` (a JSON object, borrowed; --set overrides already applied)
+ * into *c (zeroed by the caller): every key of config.h with its default, type and range.
+ * Sections are read in a fixed order (unknown top-level keys and non-object sections first, then
+ * report, dist, cuda, the unknown keys of data/eval/lora/optim, identity, data, eval, long
+ * context, lora, optim, loop, trainable modules, checkpoints, cross-key constraints), so the
+ * first error reported for a given tree is always the same. Strings in *c are owned by *c.
+ * Returns 0, or BT_ERR_INVALID / BT_ERR_NOMEM with bt_last_error() "config: <key path>: ..."
+ * (the form message_path reads); *c is then partly filled and the caller frees it with
+ * bt_config_free. */
+static int parse_tree(bt_train_config *c, const json_t *root) {
     json_t *empty = json_object();
-    if (!data) data = empty;
-    if (!eval) eval = empty;
-    if (!lora) lora = empty;
-    if (!optim) optim = empty;
-    if (!cuda) cuda = empty;
-    if (!dist) dist = empty;
-    if (!report) report = empty;
-    rc = 0;
-    do {
-        if ((rc = check_keys(report, "report", report_keys)) ||
-            (rc = get_bool(report, "report", "plot", 1, &c->report.plot)) ||
-            (rc = get_bool(report, "report", "tensorboard", 0, &c->report.tensorboard)))
-            break;
-        json_t *rd = json_object_get(report, "dir");
-        if (rd && !json_is_null(rd) && (rc = get_str(report, "report", "dir", NULL, &c->report.dir)))
-            break;
-        if ((rc = check_keys(dist, "dist", dist_keys)) ||
-            (rc = get_str(dist, "dist", "master_addr", "127.0.0.1", &c->dist.master_addr)) ||
-            (rc = get_i32(dist, "dist", "master_port", 29500, RANGE(1, 65535, 0, 0),
-                          &c->dist.master_port)) ||
-            (rc = get_i32(dist, "dist", "timeout_s", 600, RANGE(1, 86400, 0, 0),
-                          &c->dist.timeout_s)) ||
-            (rc = get_i32(dist, "dist", "heartbeat_timeout_s", 60, RANGE(1, 86400, 0, 0),
-                          &c->dist.heartbeat_timeout_s)))
-            break;
-        json_t *sf = json_object_get(dist, "secret_file");
-        if (sf && !json_is_null(sf) &&
-            (rc = get_str(dist, "dist", "secret_file", NULL, &c->dist.secret_file)))
-            break;
-        if ((rc = check_keys(cuda, "cuda", cuda_keys)) ||
-            (rc = get_enum(cuda, "cuda", "attention", BT_CUDA_ATTN_WMMA, attn_impls,
-                           &c->cuda_attention)) ||
-            (rc = get_enum(cuda, "cuda", "nf4_matmul", BT_CUDA_NF4_DEQUANT, nf4_impls,
-                           &c->cuda_nf4_matmul)) ||
-            (rc = get_bool(cuda, "cuda", "offload_checkpoints", 0, &c->cuda_offload)))
-            break;
-        if ((rc = check_keys(data, "data", data_keys)) || (rc = check_keys(eval, "eval", eval_keys)) ||
-            (rc = check_keys(lora, "lora", lora_keys)) ||
-            (rc = check_keys(optim, "optim", optim_keys)))
-            break;
-        if ((rc = get_str(root, NULL, "name", "barqtrain", &c->name)) ||
-            (rc = get_str(root, NULL, "model", NULL, &c->model)) ||
-            (rc = get_enum(root, NULL, "base_dtype", BT_BASE_AUTO, dtypes, &c->base_dtype)) ||
-            (rc = get_str(root, NULL, "base_model_name_or_path",
-                          "HuggingFaceTB/SmolLM2-135M-Instruct", &c->base_model_name_or_path)) ||
-            (rc = get_str(root, NULL, "socket", bt_config_default_socket(), &c->socket)))
-            break;
-        /* data */
-        int fmt;
-        if ((rc = get_strv(data, "data", "shards", 1, &c->data.shards, &c->data.n_shards)) ||
-            (rc = get_enum(data, "data", "format", 0, formats, &fmt)) ||
-            (rc = get_str(data, "data", "text_field", "text", &c->data.text_field)) ||
-            (rc = get_i32(data, "data", "seq_len", 512, RANGE(2, 1 << 20, 0, 0), &c->data.seq_len)) ||
-            (rc = get_i32(data, "data", "micro_batch_size", 4, RANGE(1, 4096, 0, 0),
-                          &c->data.micro_batch_size)) ||
-            (rc = get_int(data, "data", "seed", 1234, NONNEG, &i64)))
-            break;
-        c->data.format = bt_xstrdup(formats[fmt]);
-        c->data.seed = (uint64_t)i64;
-        if ((rc = get_i32(data, "data", "tokenizer_threads", 2, RANGE(1, 256, 0, 0),
-                          &c->data.tokenizer_threads)))
-            break;
-        if ((int64_t)c->data.seq_len * c->data.micro_batch_size > (1 << 24)) {
-            rc = bt_fail(BT_ERR_INVALID,
-                         "config: data.seq_len x data.micro_batch_size = %lld tokens per micro-batch"
-                         " exceeds 16777216",
-                         (long long)c->data.seq_len * c->data.micro_batch_size);
-            break;
-        }
-        /* eval */
-        if ((rc = get_strv(eval, "eval", "shards", 0, &c->eval.shards, &c->eval.n_shards)) ||
-            (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)) ||
-            (rc = get_lengths(eval, c)) || (rc = get_long_context(root, c, ext_keys, ext_methods,
-                                                                   attention_keys, s2_keys)))
-            break;
-        /* lora */
-        if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, 4096, 0, 0), &c->lora.r)) ||
-            (rc = get_num(lora, "lora", "lora_alpha", 32, RANGE(0, 65536, 1, 0), &c->lora.alpha)) ||
-            (rc = get_num(lora, "lora", "lora_dropout", 0.05, RANGE(0, 1, 0, 1), &c->lora.dropout)))
-            break;
-        json_t *tm = json_object_get(lora, "target_modules");
-        if (!tm) {
-            c->lora.target_mask = (1u << BT_MOD_N) - 1;
-        } else {
-            const char *expect = "a non-empty array of module names (q_proj, k_proj, v_proj, "
-                                 "o_proj, gate_proj, up_proj, down_proj)";
-            if (!json_is_array(tm) || json_array_size(tm) == 0) {
-                rc = bad("lora", "target_modules", expect, tm);
-                break;
-            }
-            for (size_t i = 0; i < json_array_size(tm) && rc == 0; i++) {
-                json_t *e = json_array_get(tm, i);
-                int found = -1;
-                for (int m = 0; m < BT_MOD_N && json_is_string(e); m++)
-                    if (!strcmp(json_string_value(e), k_mod_names[m])) found = m;
-                if (found < 0) rc = bad("lora", "target_modules", expect, e);
-                else c->lora.target_mask |= 1u << found;
-            }
-            if (rc) break;
-        }
-        /* optim */
-        /* ranges (issue 10 §4): AdamW moves each parameter by about lr per step, so lr > 1 can
-         * only diverge; decoupled weight decay scales by (1 - lr * wd), so wd in [0, 1]; betas
-         * are EMA factors in [0, 1); eps only guards a division */
-        if ((rc = get_num(optim, "optim", "lr", 2e-4, RANGE(0, 1, 1, 0), &c->optim.lr)) ||
-            (rc = get_num(optim, "optim", "weight_decay", 0.0, RANGE(0, 1, 0, 0),
-                          &c->optim.weight_decay)) ||
-            (rc = get_num(optim, "optim", "beta1", 0.9, RANGE(0, 1, 0, 1), &c->optim.beta1)) ||
-            (rc = get_num(optim, "optim", "beta2", 0.999, RANGE(0, 1, 0, 1), &c->optim.beta2)) ||
-            (rc = get_num(optim, "optim", "eps", 1e-8, RANGE(0, 1, 1, 0), &c->optim.eps)) ||
-            (rc = get_i32(optim, "optim", "warmup_steps", 0, NONNEG, &c->optim.warmup_steps)) ||
-            (rc = get_num(optim, "optim", "grad_clip", 1.0, RANGE(0, 1e6, 0, 0), &c->optim.grad_clip)))
-            break;
-        /* loop */
-        if ((rc = get_i32(root, NULL, "steps", 100, ATLEAST1, &c->steps)) ||
-            (rc = get_i32(root, NULL, "grad_accum", 1, RANGE(1, 65536, 0, 0), &c->grad_accum)) ||
-            (rc = get_enum(root, NULL, "schedule", BT_SCHED_COSINE, scheds, &c->schedule)) ||
-            (rc = get_num(root, NULL, "min_lr_ratio", 0.1, RANGE(0, 1, 0, 0), &c->min_lr_ratio)) ||
-            (rc = get_checkpointing(root, c)) ||
-            (rc = get_i32(root, NULL, "save_every", 0, NONNEG, &c->save_every)) ||
-            (rc = get_str(root, NULL, "out_dir", "runs/adapter", &c->out_dir)) ||
-            (rc = get_i32(root, NULL, "threads", 0, RANGE(0, 1024, 0, 0), &c->threads)) ||
-            (rc = get_enum(root, NULL, "device", BT_DEVICE_CPU, devices, &c->device)) ||
-            (rc = get_int(root, NULL, "seed", 1234, NONNEG, &i64)))
-            break;
-        c->seed = (uint64_t)i64;
-        if ((rc = get_i32(root, NULL, "log_every", 1, ATLEAST1, &c->log_every)) ||
-            (rc = get_i32(root, NULL, "timeout_s", 600, RANGE(1, 2147483, 0, 0), &c->timeout_s)))
-            break; /* timeout_s <= INT_MAX / 1000: train.c waits timeout_s * 1000 ms (an int) */
-        /* LoRA+ trainable modules */
-        json_t *tr = json_object_get(root, "trainable_modules");
-        if (tr) {
-            const char *expect = "an array of module names (embed_tokens, norm)";
-            if (!json_is_array(tr)) {
-                rc = bad(NULL, "trainable_modules", expect, tr);
-                break;
-            }
-            for (size_t i = 0; i < json_array_size(tr) && rc == 0; i++) {
-                json_t *e = json_array_get(tr, i);
-                int found = -1;
-                for (int m = 0; m < BT_TRAINABLE_N && json_is_string(e); m++)
-                    if (!strcmp(json_string_value(e), k_trainable_names[m])) found = m;
-                if (found < 0) rc = bad(NULL, "trainable_modules", expect, e);
-                else c->trainable_mask |= 1u << found;
-            }
-            if (rc) break;
-        }
-        if (!c->report.dir) { /* "report" beside the adapter directory: dirname(out_dir) */
-            size_t n = strlen(c->out_dir);
-            while (n > 1 && c->out_dir[n - 1] == '/') n--;
-            while (n > 0 && c->out_dir[n - 1] != '/') n--;
-            while (n > 1 && c->out_dir[n - 1] == '/') n--;
-            if (asprintf(&c->report.dir, "%.*s%sreport", (int)n, c->out_dir,
-                         n == 0 || c->out_dir[n - 1] == '/' ? "" : "/") < 0)
-                c->report.dir = NULL;
-            if (!c->report.dir) {
-                rc = bt_fail(BT_ERR_NOMEM, "config: out of memory");
-                break;
-            }
-        }
-        /* checkpoints / resume */
-        if ((rc = get_i32(root, NULL, "checkpoint_every", 0, NONNEG, &c->checkpoint_every)) ||
-            (rc = get_str(root, NULL, "checkpoint_dir", "runs/checkpoint", &c->checkpoint_dir)) ||
-            (rc = get_i32(root, NULL, "stop_at_step", 0, NONNEG, &c->stop_at_step)))
-            break;
-        json_t *rf = json_object_get(root, "resume_from");
-        if (rf && !json_is_null(rf) && (rc = get_str(root, NULL, "resume_from", NULL, &c->resume_from)))
-            break;
-        /* the adapter saves replace out_dir as a whole: a checkpoint written there would lose
-         * its trainer_state.bin at the next adapter save (save_every, or the final save right
-         * after a stop_at_step / SIGTERM checkpoint) */
-        if (c->checkpoint_every > 0 && same_dir(c->checkpoint_dir, c->out_dir)) {
-            rc = bt_fail(BT_ERR_INVALID, "config: checkpoint_dir: expected a directory other than "
-                         "out_dir (\"%s\": every adapter save replaces out_dir and would delete the "
-                         "checkpoint's trainer_state.bin)", c->out_dir);
-            break;
-        }
-        if (c->cuda_offload && !c->activation_checkpointing) {
-            rc = bt_fail(BT_ERR_INVALID, "config: cuda.offload_checkpoints: offloads the "
-                         "checkpointed layer inputs, so it needs activation_checkpointing (true, or "
-                         "\"auto\" with data.seq_len >= checkpointing_min_seq_len %d; seq_len is %d)",
-                         c->checkpointing_min_seq_len, c->data.seq_len);
-            break;
-        }
-        if (c->stop_at_step > c->steps) {
-            rc = bt_fail(BT_ERR_INVALID, "config: stop_at_step: expected an integer in [0, steps = %d], "
-                         "got %d", c->steps, c->stop_at_step);
-            break;
-        }
-    } while (0);
+    sections s;
+    int rc = get_sections(root, empty, &s);
+    if (!rc) rc = parse_report(s.report, c);
+    if (!rc) rc = parse_dist(s.dist, c);
+    if (!rc) rc = parse_cuda(s.cuda, c);
+    if (!rc) rc = check_keys(s.data, "data", k_data_keys);
+    if (!rc) rc = check_keys(s.eval, "eval", k_eval_keys);
+    if (!rc) rc = check_keys(s.lora, "lora", k_lora_keys);
+    if (!rc) rc = check_keys(s.optim, "optim", k_optim_keys);
+    if (!rc) rc = parse_identity(root, c);
+    if (!rc) rc = parse_data(s.data, c);
+    if (!rc) rc = parse_eval(s.eval, c);
+    if (!rc) rc = get_long_context(root, c);
+    if (!rc) rc = parse_lora(s.lora, c);
+    if (!rc) rc = parse_optim(s.optim, c);
+    if (!rc) rc = parse_loop(root, c); /* after data: "auto" checkpointing reads data.seq_len */
+    if (!rc) rc = parse_trainable(root, c);
+    if (!rc) rc = default_report_dir(c); /* after out_dir */
+    if (!rc) rc = parse_checkpoints(root, c);
+    if (!rc) rc = check_combinations(c);
     json_decref(empty);
     return rc;
-#undef TRY
 }
 
 void bt_config_free(bt_train_config *c) {
