@@ -52,6 +52,12 @@ int bt_fail(int err, const char *fmt, ...) {
 
 const char *bt_last_error(void) { return g_err; }
 
+const char *bt_last_error_in(const char *part) {
+    size_t n = strlen(part);
+    if (strncmp(g_err, part, n) == 0 && g_err[n] == ':' && g_err[n + 1] == ' ') return g_err + n + 2;
+    return g_err;
+}
+
 void bt_log_set_level(int level) { g_level = level; }
 
 static int log_level(void) {

@@ -33,6 +33,12 @@ int bt_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)))
 /* This thread's last error message ("" if none). Valid until the next bt_fail on this thread. */
 const char *bt_last_error(void);
 
+/* bt_last_error() without a leading "<part>: " when the message already carries it, for a caller
+ * that wraps the message in its own context with the same part name: `bt_fail(rc, "model: %s:
+ * %s", path, bt_last_error_in("model"))` gives "model: x.gguf: RoPE ...", not "model: x.gguf:
+ * model: RoPE ...". part: the component prefix without ": ". Same lifetime as bt_last_error(). */
+const char *bt_last_error_in(const char *part);
+
 enum { BT_LOG_DEBUG = 0, BT_LOG_INFO = 1, BT_LOG_WARN = 2, BT_LOG_ERROR = 3 };
 /* Minimum level printed (default BT_LOG_INFO; env BT_LOG_LEVEL=debug|info|warn|error overrides). */
 void bt_log_set_level(int level);

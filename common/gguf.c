@@ -447,7 +447,7 @@ int bt_gguf_open_buffer(bt_gguf **out, const void *data, size_t size, const char
 int bt_gguf_check(const bt_gguf *g, int rc) {
     if (!g || !g->map.path) return rc;
     int c = bt_map_check(&g->map, BT_OK);
-    return c ? bt_fail(c, "gguf: %s", bt_last_error()) : rc;
+    return c ? bt_fail(c, "gguf: %s", bt_last_error_in("gguf")) : rc;
 }
 
 void bt_gguf_close(bt_gguf *g) {

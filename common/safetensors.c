@@ -280,7 +280,7 @@ int bt_st_open(bt_st_file **out, const char *path) {
 int bt_st_check(const bt_st_file *f, int rc) {
     if (!f || !f->map.path) return rc;
     int c = bt_map_check(&f->map, BT_OK);
-    return c ? bt_fail(c, "safetensors: %s", bt_last_error()) : rc;
+    return c ? bt_fail(c, "safetensors: %s", bt_last_error_in("safetensors")) : rc;
 }
 
 int bt_st_n_tensors(const bt_st_file *f) { return f ? f->n : 0; }

@@ -104,7 +104,7 @@ static void *producer_main(void *arg) {
             rc = ld_pipeline_next(j->pipe, &v, j->id);
             if (rc < 0 && atomic_load(&j->stop)) break; /* cancelled by the teardown: not a failure */
             if (rc < 0) {
-                snprintf(j->err, sizeof j->err, "pipeline: %s", bt_last_error());
+                snprintf(j->err, sizeof j->err, "pipeline: %s", bt_last_error_in("pipeline"));
                 state = JOB_FAILED;
                 break;
             }

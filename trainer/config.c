@@ -808,7 +808,7 @@ int bt_config_parse_yaml(bt_train_config *cfg, const char *text, size_t len, con
     if (!origin) origin = "<yaml>";
     json_t *root = NULL, *lines = NULL;
     int rc = bt_yaml_load(text, len, origin, &root, &lines);
-    if (rc) return bt_fail(rc, "config: %s", bt_last_error());
+    if (rc) return bt_fail(rc, "config: %s", bt_last_error_in("config"));
     rc = parse_root(cfg, root, lines, origin, sets, n_sets);
     json_decref(root);
     json_decref(lines);
@@ -825,7 +825,7 @@ int bt_config_load(bt_train_config *cfg, const char *path, const char *const *se
     char *text = NULL;
     size_t size = 0;
     int rc = bt_read_file(path, 64u << 20, &text, &size);
-    if (rc) return bt_fail(rc, "config: cannot read %s: %s", path, bt_last_error());
+    if (rc) return bt_fail(rc, "config: cannot read %s: %s", path, bt_last_error_in("config"));
     rc = bt_config_is_yaml(path) ? bt_config_parse_yaml(cfg, text, size, path, sets, n_sets)
                                  : bt_config_parse(cfg, text, path, sets, n_sets);
     free(text);

@@ -38,7 +38,7 @@ static int gguf_int(const bt_gguf *g, const char *path, const char *key, int req
     if (rc == BT_ERR_NOTFOUND && !required) v = def;
     else if (rc == BT_ERR_NOTFOUND)
         return bt_fail(BT_ERR_NOTFOUND, "estimate: %s: missing metadata key %s", path, key);
-    else if (rc) return bt_fail(rc, "estimate: %s: %s", path, bt_last_error());
+    else if (rc) return bt_fail(rc, "estimate: %s: %s", path, bt_last_error_in("estimate"));
     if (v < 0 || v > 0x7fffffff)
         return bt_fail(BT_ERR_FORMAT, "estimate: %s: %s = %lld out of range", path, key, (long long)v);
     *out = (int)v;
@@ -78,7 +78,7 @@ static void gguf_linears(bt_est_model *em, const bt_gguf *g) {
 static int read_gguf(bt_est_model *em, const char *path) {
     bt_gguf *g = NULL;
     int rc = bt_gguf_open(&g, path);
-    if (rc) return bt_fail(rc, "estimate: %s", bt_last_error());
+    if (rc) return bt_fail(rc, "estimate: %s", bt_last_error_in("estimate"));
     bt_llama_hparams *hp = &em->hp;
     bt_str arch;
     if (bt_gguf_get_str(g, "general.architecture", &arch) != 0 || arch.len != 5 ||
@@ -107,7 +107,7 @@ static int read_gguf(bt_est_model *em, const char *path) {
     em->gguf = 1;
     if (hp->n_head > 0 && hp->d_model % hp->n_head == 0) gguf_linears(em, g);
 out:
-    if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "estimate: %s", bt_last_error());
+    if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "estimate: %s", bt_last_error_in("estimate"));
     bt_gguf_close(g);
     return rc;
 }
@@ -134,7 +134,7 @@ static int read_hf(bt_est_model *em, const char *path) {
     json_t *j = NULL;
     int lrc = bt_json_load_file(&j, cfgp, 0, 16u << 20);
     free(cfgp);
-    if (lrc) return bt_fail(lrc, "estimate: %s", bt_last_error());
+    if (lrc) return bt_fail(lrc, "estimate: %s", bt_last_error_in("estimate"));
     if (!json_is_object(j)) {
         json_decref(j);
         return bt_fail(BT_ERR_FORMAT, "estimate: %s/config.json: not an object", path);

@@ -365,8 +365,9 @@ def test_failed_job_raises_with_loaderds_error(loaderd, tmp_path, model_path):
     spec = {"name": "bad", "shards": [str(data / "a.jsonl")], "format": "chat", "tokenizer": model_path,
             "seq_len": 64, "micro_batch_size": 1}
     with client(d, spec) as c:
-        with pytest.raises(bl.LoaderdClosed, match="job failed: .*no valid documents"):
+        with pytest.raises(bl.LoaderdClosed, match="job failed: .*no valid documents") as e:
             c.next(timeout=60)
+    assert str(e.value).count("pipeline: ") == 1, str(e.value)  # the part is named once
 
 
 def test_ring_without_libatomic_on_x86_64(monkeypatch):

@@ -173,7 +173,7 @@ static int write_weights(const bt_lora *lo, const char *path) {
     }
     if (rc == 0) rc = bt_st_writer_write(w, path);
     bt_st_writer_free(w);
-    if (rc) return bt_fail(rc, "adapter: %s: %s", path, bt_last_error());
+    if (rc) return bt_fail(rc, "adapter: %s: %s", path, bt_last_error_in("adapter"));
     return 0;
 }
 

@@ -263,7 +263,7 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
         goto out;
     }
     if ((rc = bt_json_load_file(&root, cpath, 0, 16u << 20))) {
-        rc = bt_fail(rc, "adapter: %s", bt_last_error());
+        rc = bt_fail(rc, "adapter: %s", bt_last_error_in("adapter"));
         goto out;
     }
     if (!json_is_object(root)) {
@@ -292,7 +292,7 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
         if (stat(wpath, &st) != 0)
             rc = bt_fail(BT_ERR_NOTFOUND, "adapter: %s: missing (adapter_model.bin is not "
                          "supported)", wpath);
-        else rc = bt_fail(rc, "adapter: %s", bt_last_error());
+        else rc = bt_fail(rc, "adapter: %s", bt_last_error_in("adapter"));
         goto out;
     }
     if (trainable && (m->hp.vocab < 1 || m->hp.d_model < 1)) {
@@ -336,7 +336,7 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
                          bt_st_n_tensors(f), expected);
     }
 out:
-    if (f && bt_st_check(f, 0)) rc = bt_fail(BT_ERR_IO, "adapter: %s", bt_last_error());
+    if (f && bt_st_check(f, 0)) rc = bt_fail(BT_ERR_IO, "adapter: %s", bt_last_error_in("adapter"));
     if (rc) bt_lora_free(lo);
     bt_st_close(f);
     json_decref(root);

@@ -183,7 +183,7 @@ static int add_gguf(bt_gguf_writer *w, const char *name, const float *x, int64_t
     if (rc) return rc;
     rc = bt_gguf_w_tensor(w, name, t, rows ? 2 : 1, ne, b, nb);
     free(b);
-    if (rc) return bt_fail(rc, "export: tensor %s: %s", name, bt_last_error());
+    if (rc) return bt_fail(rc, "export: tensor %s: %s", name, bt_last_error_in("export"));
     return 0;
 }
 
@@ -254,7 +254,7 @@ int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const c
             snprintf(name, sizeof name, "blk.%d.%s.weight.lora_b", l, k_gguf_lin[mod]);
             rc = add_gguf(w, name, b, md->out, lo->r, dtype);
         }
-    if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error());
+    if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error_in("export"));
 out:
     free(perm);
     bt_gguf_writer_free(w);
@@ -466,7 +466,7 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                 break;
             }
             if ((rc = bt_gguf_w_copy_kv(w, base, key)))
-                rc = bt_fail(rc, "export: copy KV %s: %s", key, bt_last_error());
+                rc = bt_fail(rc, "export: copy KV %s: %s", key, bt_last_error_in("export"));
             free(key);
         }
         if (rc) goto out;
@@ -511,7 +511,7 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
     if (!rc && !m->tied)
         rc = add_gguf(w, "output.weight", bt_lora_lm_head(lo, m), hp->vocab, hp->d_model, dtype);
     if (base) rc = bt_gguf_check(base, rc); /* the metadata copied from it is what was there */
-    if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error());
+    if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error_in("export"));
 out:
     bt_gguf_writer_free(w);
     return rc;
@@ -631,7 +631,7 @@ int bt_export_run(const bt_export_opts *o) {
                    o->model);
     } else {
         if ((rc = bt_gguf_open(&g, o->model))) {
-            rc = bt_fail(rc, "export: %s", bt_last_error());
+            rc = bt_fail(rc, "export: %s", bt_last_error_in("export"));
             goto out;
         }
         rc = merged ? bt_model_load_gguf(&m, o->model, &lopt) : shape_model(&m, g, o->model);
@@ -667,7 +667,7 @@ int bt_export_run(const bt_export_opts *o) {
                lo.embed ? ", LoRA+ embed_tokens" : "", lo.norms ? ", LoRA+ norms" : "");
     }
 out:
-    if (g && bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "export: %s", bt_last_error());
+    if (g && bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "export: %s", bt_last_error_in("export"));
     free(base_name);
     bt_lora_free(&lo);
     bt_model_free(&m);

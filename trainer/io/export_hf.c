@@ -70,7 +70,7 @@ static int add_st(bt_st_writer *w, const char *name, const float *x, int64_t row
         rc = bt_st_w_tensor(w, name, t, nd, shape, h, n * 2);
         free(h);
     }
-    if (rc) return bt_fail(rc, "export: tensor %s: %s", name, bt_last_error());
+    if (rc) return bt_fail(rc, "export: tensor %s: %s", name, bt_last_error_in("export"));
     return 0;
 }
 
@@ -470,7 +470,7 @@ static int write_weights(const bt_model *m, const bt_lora *lo, int dtype, uint64
             path = NULL;
             rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
         }
-        if (!rc && (rc = bt_st_writer_write(w, path))) rc = bt_fail(rc, "export: %s", bt_last_error());
+        if (!rc && (rc = bt_st_writer_write(w, path))) rc = bt_fail(rc, "export: %s", bt_last_error_in("export"));
         free(path);
         path = NULL;
         bt_st_writer_free(w); /* frees this shard's copies before the next one is built */
@@ -645,7 +645,7 @@ int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dt
     if ((rc = write_weights(m, lo, dtype, max_bytes, out_dir, &n_shards))) return rc;
     if ((rc = write_tokenizer(m, o, out_dir, &ids))) return rc;
     /* the tokenizer and ids came from the base's mapping: a base changed under us fails here */
-    if (o && o->base_gguf && (rc = bt_gguf_check(o->base_gguf, 0))) return bt_fail(rc, "export: %s", bt_last_error());
+    if (o && o->base_gguf && (rc = bt_gguf_check(o->base_gguf, 0))) return bt_fail(rc, "export: %s", bt_last_error_in("export"));
     if (asprintf(&path, "%s/config.json", out_dir) < 0)
         return bt_fail(BT_ERR_NOMEM, "export: out of memory");
     rc = write_hf_config(m, &ids, dtype, path);

@@ -207,7 +207,7 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
     /* the adapter files (creates tmp and the parents of d) */
     if ((rc = bt_adapter_save_ex(lo, cfg->base_model_name_or_path, tmp, m))) {
-        rc = bt_fail(rc, "checkpoint: %s", bt_last_error());
+        rc = bt_fail(rc, "checkpoint: %s", bt_last_error_in("checkpoint"));
         goto out;
     }
     lock = bt_tmpdir_lock(tmp); /* "a save is writing this" (bt_clean_stale_temps) */

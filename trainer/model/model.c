@@ -331,7 +331,7 @@ int bt_model_lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_d
     }
     int rc = bt_nf4_quantize(&l->q, w, rows, cols);
     free(w);
-    if (rc) return bt_fail(rc, "model: %s: NF4 quantisation failed: %s", what, bt_last_error());
+    if (rc) return bt_fail(rc, "model: %s: NF4 quantisation failed: %s", what, bt_last_error_in("model"));
     l->is_nf4 = 1;
     return 0;
 }
@@ -345,7 +345,7 @@ static int kv_int(const bt_gguf *g, const char *path, const char *key, int requi
     if (rc == BT_ERR_NOTFOUND && !required) v = def;
     else if (rc == BT_ERR_NOTFOUND)
         return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing metadata key %s", path, key);
-    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error());
+    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error_in("model"));
     if (v < 0 || v > 0x7fffffff)
         return bt_fail(BT_ERR_FORMAT, "model: %s: %s = %lld out of range", path, key, (long long)v);
     *out = (int)v;
@@ -359,7 +359,7 @@ static int kv_float(const bt_gguf *g, const char *path, const char *key, int req
     if (rc == BT_ERR_NOTFOUND && !required) v = def;
     else if (rc == BT_ERR_NOTFOUND)
         return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing metadata key %s", path, key);
-    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error());
+    else if (rc) return bt_fail(rc, "model: %s: %s", path, bt_last_error_in("model"));
     *out = (float)v;
     return 0;
 }
@@ -409,7 +409,7 @@ static int load_tensor(const bt_gguf *g, const char *path, const char *name, int
     rc = bt_ggml_dequantize(t->type, t->data, w, n);
     if (rc) {
         free(w);
-        return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error());
+        return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error_in("model"));
     }
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(w[i])) {
@@ -460,7 +460,7 @@ static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name
     }
     rc = bt_ggml_mat_init(&l->g, t->type, rows, cols, t->data, perm);
     free(perm);
-    if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error());
+    if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error_in("model"));
     l->rows = rows;
     l->cols = cols;
     l->is_gguf = 1;
@@ -538,7 +538,7 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
     const bt_model_load_opts *opts = &opts_v;
     bt_gguf *g = NULL;
     int rc = bt_gguf_open(&g, path);
-    if (rc) return bt_fail(rc, "model: %s", bt_last_error());
+    if (rc) return bt_fail(rc, "model: %s", bt_last_error_in("model"));
     bt_str arch;
     rc = bt_gguf_get_str(g, "general.architecture", &arch);
     if (rc) {
@@ -593,7 +593,7 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
         rc = bt_model_rope_init(m, ff);
         free(ff);
         if (rc) {
-            rc = bt_fail(rc, "model: %s: rope_freqs.weight: %s", path, bt_last_error());
+            rc = bt_fail(rc, "model: %s: rope_freqs.weight: %s", path, bt_last_error_in("model"));
             goto fail;
         }
     } else if ((rc = bt_model_rope_init(m, NULL))) {
@@ -650,13 +650,13 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
         }
     }
     if ((rc = bt_gguf_check(g, 0))) {
-        rc = bt_fail(rc, "model: %s", bt_last_error());
+        rc = bt_fail(rc, "model: %s", bt_last_error_in("model"));
         goto fail;
     }
     bt_gguf_close(g);
     return 0;
 fail:
-    if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "model: %s", bt_last_error());
+    if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "model: %s", bt_last_error_in("model"));
     bt_gguf_close(g);
     bt_model_free(m);
     return rc;

@@ -315,7 +315,7 @@ static void wsrc_close(wsrc *s) {
 static int wsrc_check(const wsrc *s, int rc) {
     for (int i = 0; i < s->n_files; i++) {
         int c = bt_st_check(s->files[i], BT_OK);
-        if (c) return bt_fail(c, "model: %s", bt_last_error());
+        if (c) return bt_fail(c, "model: %s", bt_last_error_in("model"));
     }
     return rc;
 }
@@ -367,7 +367,7 @@ static int wsrc_open(wsrc *s, const char *dir) {
         s->index_path = idx;
         idx = NULL;
         if ((rc = bt_json_load_file(&s->index_json, s->index_path, 0, 256u << 20))) {
-            rc = bt_fail(rc, "model: %s", bt_last_error());
+            rc = bt_fail(rc, "model: %s", bt_last_error_in("model"));
             goto out;
         }
         s->weight_map = json_object_get(s->index_json, "weight_map");
@@ -807,7 +807,7 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
     memset(&s, 0, sizeof s);
     int rc = file_exists(cpath) ? bt_json_load_file(&c.root, cpath, 0, 16u << 20) : BT_ERR_NOTFOUND;
     if (!c.root) {
-        rc = rc != BT_ERR_NOTFOUND ? bt_fail(rc, "model: %s", bt_last_error())
+        rc = rc != BT_ERR_NOTFOUND ? bt_fail(rc, "model: %s", bt_last_error_in("model"))
                                    : bt_fail(BT_ERR_NOTFOUND, "model: %s: missing (not a Hugging "
                                              "Face model directory?)", cpath);
         free(cpath);
@@ -822,7 +822,7 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
     float rope_freqs[512];
     if ((rc = parse_config(&c, hp, &tied, &bqkv, &bo, &bmlp, rope_freqs))) goto fail;
     if ((rc = bt_model_rope_init(m, rope_freqs))) {
-        rc = bt_fail(rc, "model: %s: %s", cpath, bt_last_error());
+        rc = bt_fail(rc, "model: %s: %s", cpath, bt_last_error_in("model"));
         goto fail;
     }
     if ((rc = wsrc_open(&s, dir))) goto fail;

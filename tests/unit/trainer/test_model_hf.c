@@ -206,6 +206,10 @@ static void expect_fail(const spec *s, int err, const char *what) {
     int rc = bt_model_load_hf(&m, dir, &k_fp32);
     if (rc != err || !strstr(bt_last_error(), what))
         fail_msg("expected error %d naming \"%s\", got %d: %s", err, what, rc, bt_last_error());
+    /* one "model: " prefix, however deep the error came from (bt_last_error_in) */
+    const char *first = strstr(bt_last_error(), "model: ");
+    if (first && strstr(first + 1, "model: "))
+        fail_msg("the part prefix is repeated: %s", bt_last_error());
     assert_null(m.layers);
     assert_null(m.tok_embd);
     rm_dir(dir);
@@ -515,6 +519,9 @@ static void test_config_errors(void **st) {
     FAIL_WITH(BT_ERR_FORMAT, "rope_scaling.factor",
               .extra = "{\"rope_scaling\": {\"type\": \"linear\"}}");
     FAIL_WITH(BT_ERR_FORMAT, "rope_scaling", .extra = "{\"rope_scaling\": \"linear\"}");
+    /* passes config.json's checks, refused by the RoPE set-up (one "model: " prefix) */
+    FAIL_WITH(BT_ERR_INVALID, "outside [0.001, 1e6]",
+              .extra = "{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 1e9}}");
     FAIL_WITH(BT_ERR_UNSUPPORTED, "hidden_act", .extra = "{\"hidden_act\": \"gelu\"}");
     FAIL_WITH(BT_ERR_UNSUPPORTED, "gptq",
               .extra = "{\"quantization_config\": {\"quant_method\": \"gptq\"}}");
