@@ -156,7 +156,9 @@ def test_sigterm_while_waiting_for_a_batch_stops_promptly_and_saves(env):
             p.wait()
     stdout, stderr = out.read_text(), err.read_text()
     assert rc == 75, stdout[-2000:] + stderr[-4000:]
-    assert took < 4, f"took {took:.1f} s to stop"
+    # promptly = without waiting out the batch wait (timeout_s 120; the wait is cut into 1 s
+    # slices that ask for a stop): a bound far from both, so that a loaded machine cannot fail it
+    assert took < 120 / 4, f"took {took:.1f} s to stop: the wait for a batch was not cut short"
     n = last_step(stdout)
     assert f"interrupted by SIGTERM: stopping before step {n + 1}'s forward" in stderr, stderr[-4000:]
     tmp = env["tmp"]
