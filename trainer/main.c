@@ -95,6 +95,159 @@ static void usage(FILE *f) {
             "(continue with --resume CHECKPOINT_DIR).\n");
 }
 
+/* The options of `trainer train|eval|estimate` (argv is borrowed; sets/given are owned). */
+typedef struct {
+    int cmd; /* BT_CMD_TRAIN, BT_CMD_EVAL, BT_CMD_ESTIMATE */
+    const char *name; /* the command as typed, for messages */
+    const char *config, *resume, *checkpoint, *adapter;
+    int profile;
+    double fit_gib; /* estimate --max-seq-len-for GiB; 0: not asked */
+    const char **sets;  /* "key=value" settings: --set, and --device X as device=X */
+    const char **given; /* what each setting was given as on the command line, for refusals */
+    int n_sets;
+    char device_set[64];
+} run_args;
+
+/* Command-line parsing of train/eval/estimate into *a (a->sets/given allocated here: free them).
+ * Returns 0, 2 for a usage error (message on stderr), or -1 when --help was printed. An option
+ * that another command takes is refused naming the command that does, never ignored. */
+static int parse_run_args(int argc, char **argv, run_args *a) {
+    const int cmd = a->cmd;
+    a->sets = calloc((size_t)argc, sizeof(char *));
+    a->given = calloc((size_t)argc, sizeof(char *));
+    if (!a->sets || !a->given) {
+        fprintf(stderr, "trainer: out of memory\n");
+        return 2;
+    }
+    for (int i = 2; i < argc; i++) {
+        const char *arg = argv[i];
+        const char *opt = NULL; /* an option this command does not take */
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            usage(stdout);
+            return -1;
+        } else if (!strcmp(arg, "--config") && i + 1 < argc) {
+            a->config = argv[++i];
+        } else if (!strncmp(arg, "--config=", 9)) {
+            a->config = arg + 9;
+        } else if (!strcmp(arg, "--set") && i + 1 < argc) {
+            a->given[a->n_sets] = "--set";
+            a->sets[a->n_sets++] = argv[++i];
+        } else if (!strncmp(arg, "--set=", 6)) {
+            a->given[a->n_sets] = "--set";
+            a->sets[a->n_sets++] = arg + 6;
+        } else if (!strcmp(arg, "--device") && i + 1 < argc) {
+            snprintf(a->device_set, sizeof a->device_set, "device=%s", argv[++i]);
+            a->given[a->n_sets] = "--device";
+            a->sets[a->n_sets++] = a->device_set;
+        } else if (!strcmp(arg, "--resume") && i + 1 < argc) {
+            if (cmd == BT_CMD_TRAIN) a->resume = argv[++i];
+            else opt = cmd == BT_CMD_EVAL ? "--resume continues training; evaluate a checkpoint "
+                                            "with --checkpoint DIR" : "--resume";
+        } else if (!strcmp(arg, "--checkpoint") && i + 1 < argc) {
+            if (cmd == BT_CMD_EVAL) a->checkpoint = argv[++i];
+            else opt = cmd == BT_CMD_TRAIN ? "--checkpoint is for eval; continue training from a "
+                                             "checkpoint with --resume DIR" : "--checkpoint";
+        } else if (!strcmp(arg, "--adapter") && i + 1 < argc) {
+            if (cmd == BT_CMD_EVAL) a->adapter = argv[++i];
+            else opt = "--adapter (evaluate an adapter with trainer eval --adapter DIR)";
+        } else if (!strcmp(arg, "--profile")) {
+            if (cmd == BT_CMD_TRAIN) a->profile = 1;
+            else opt = "--profile (trainer train --profile)";
+        } else if (!strcmp(arg, "--max-seq-len-for") && i + 1 < argc) {
+            char *end;
+            if (cmd != BT_CMD_ESTIMATE) {
+                opt = "--max-seq-len-for (trainer estimate --max-seq-len-for GiB)";
+            } else if (a->fit_gib = strtod(argv[++i], &end),
+                       *end || !(a->fit_gib > 0) || a->fit_gib > 1e6) {
+                fprintf(stderr, "trainer: --max-seq-len-for: expected a memory size in GiB > 0, "
+                        "got \"%s\"\n", argv[i]);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", arg);
+            return 2;
+        }
+        if (opt) {
+            fprintf(stderr, "trainer %s: %s is not an option of this command: refused rather than "
+                    "ignored\n", a->name, opt);
+            return 2;
+        }
+    }
+    if (a->adapter && a->checkpoint) {
+        fprintf(stderr, "trainer eval: give --adapter DIR or --checkpoint DIR, not both\n");
+        return 2;
+    }
+    if (!a->config) {
+        fprintf(stderr, "trainer: --config JOB.json|JOB.yaml is required (try --help)\n");
+        return 2;
+    }
+    return 0;
+}
+
+/* The job config of a's --config with its settings, then the command line's own options.
+ * Refuses (2, message on stderr; *cfg freed) a setting the command would not read
+ * (bt_config_key_used) and two sources of the weights to evaluate. */
+static int load_run_config(const run_args *a, bt_train_config *cfg) {
+    if (bt_config_load(cfg, a->config, a->sets, a->n_sets)) {
+        fprintf(stderr, "trainer: %s\n", bt_last_error());
+        return 2;
+    }
+    if (a->resume || a->checkpoint) {
+        free(cfg->resume_from);
+        cfg->resume_from = bt_xstrdup(a->resume ? a->resume : a->checkpoint);
+    }
+    cfg->eval_adapter = a->adapter;
+    cfg->profile = a->profile;
+    int rc = 0;
+    for (int i = 0; i < a->n_sets && !rc; i++) {
+        const char *set = a->sets[i], *eq = strchr(set, '=');
+        char path[256];
+        snprintf(path, sizeof path, "%.*s", eq ? (int)(eq - set) : 0, set);
+        if (!bt_config_key_used(a->cmd, path, cfg)) {
+            fprintf(stderr, "trainer %s: %s %s: %s does not use %s%s; refused rather than "
+                    "ignored\n", a->name, a->given[i], !strcmp(a->given[i], "--set") ? set : eq + 1,
+                    a->name, path,
+                    a->cmd == BT_CMD_EVAL && a->adapter ? " when evaluating --adapter (the "
+                    "adapter's adapter_config.json decides)" : !strncmp(path, "cuda", 4) &&
+                    cfg->device != BT_DEVICE_CUDA ? " on device \"cpu\"" : "");
+            rc = 2;
+        }
+    }
+    if (!rc && a->cmd == BT_CMD_EVAL && a->adapter && cfg->resume_from) {
+        fprintf(stderr, "trainer eval: --adapter DIR and resume_from (%s) both name the weights to "
+                "evaluate: drop one\n", cfg->resume_from);
+        rc = 2;
+    }
+#ifndef BT_WITH_CUDA
+    if (!rc && a->cmd != BT_CMD_ESTIMATE && cfg->device == BT_DEVICE_CUDA) {
+        fprintf(stderr, "trainer: config: device: \"cuda\": this trainer was built without CUDA "
+                "(make CUDA=1)\n");
+        rc = 2;
+    }
+#endif
+    if (rc) bt_config_free(cfg);
+    return rc;
+}
+
+/* Runs a loaded train/eval/estimate; returns the process exit status (train.h's table). */
+static int run_command(const run_args *a, const bt_train_config *cfg) {
+    int rc;
+    if (a->cmd == BT_CMD_ESTIMATE) {
+        rc = bt_estimate_print_ex(cfg, a->fit_gib, stdout);
+        if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
+        return rc ? BT_EXIT_FAILURE : BT_EXIT_OK;
+    }
+    char *dump = bt_config_dump(cfg);
+    if (dump) bt_log(BT_LOG_INFO, "trainer", "config: %s", dump);
+    free(dump);
+    rc = bt_train_run(cfg, a->cmd == BT_CMD_EVAL, stdout);
+    if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
+    return rc == BT_ERR_CANCELLED ? BT_EXIT_INTERRUPTED
+           : rc == BT_ERR_DIVERGED ? BT_EXIT_DIVERGED
+           : rc                    ? BT_EXIT_FAILURE
+                                   : BT_EXIT_OK;
+}
+
 int main(int argc, char **argv) {
     /* OpenBLAS mis-detects recent x86 CPUs (~8x slower sgemm); fixes it by re-exec'ing with
      * OPENBLAS_CORETYPE set (kernels.h). Must run before any BLAS call. */
@@ -110,147 +263,23 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "export")) return bt_export_main(argc - 1, argv + 1);
     if (!strcmp(argv[1], "generate")) return bt_generate_cli(argc - 1, argv + 1);
     if (!strcmp(argv[1], "config")) return bt_config_cmd(argc - 1, argv + 1, stdout);
-    int cmd;
-    const char *resume = NULL, *checkpoint = NULL, *adapter = NULL;
-    int profile = 0;
-    if (!strcmp(argv[1], "train")) cmd = BT_CMD_TRAIN;
-    else if (!strcmp(argv[1], "eval")) cmd = BT_CMD_EVAL;
-    else if (!strcmp(argv[1], "estimate")) cmd = BT_CMD_ESTIMATE;
-    else if (!strcmp(argv[1], "report")) return bt_report_cli(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "report")) return bt_report_cli(argc - 1, argv + 1);
+    static run_args a; /* device_set outlives the config load */
+    a.name = argv[1];
+    if (!strcmp(argv[1], "train")) a.cmd = BT_CMD_TRAIN;
+    else if (!strcmp(argv[1], "eval")) a.cmd = BT_CMD_EVAL;
+    else if (!strcmp(argv[1], "estimate")) a.cmd = BT_CMD_ESTIMATE;
     else {
         fprintf(stderr, "trainer: unknown command \"%s\" (try --help)\n", argv[1]);
         return 2;
     }
-    const char *config = NULL;
-    double fit_gib = 0;
-    static char device_set[64]; /* "--device X" is "--set device=X" */
-    const char **sets = calloc((size_t)argc, sizeof(char *));
-    /* what each setting was given as on the command line, for refusals */
-    const char **given = calloc((size_t)argc, sizeof(char *));
-    int n_sets = 0;
-    if (!sets || !given) return 1;
-    int rc = 0;
-    for (int i = 2; i < argc && !rc; i++) {
-        const char *a = argv[i];
-        const char *opt = NULL; /* an option this command does not take */
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            free(sets), free(given);
-            return 0;
-        } else if (!strcmp(a, "--config") && i + 1 < argc) {
-            config = argv[++i];
-        } else if (!strncmp(a, "--config=", 9)) {
-            config = a + 9;
-        } else if (!strcmp(a, "--set") && i + 1 < argc) {
-            given[n_sets] = "--set";
-            sets[n_sets++] = argv[++i];
-        } else if (!strncmp(a, "--set=", 6)) {
-            given[n_sets] = "--set";
-            sets[n_sets++] = a + 6;
-        } else if (!strcmp(a, "--device") && i + 1 < argc) {
-            snprintf(device_set, sizeof device_set, "device=%s", argv[++i]);
-            given[n_sets] = "--device";
-            sets[n_sets++] = device_set;
-        } else if (!strcmp(a, "--resume") && i + 1 < argc) {
-            if (cmd == BT_CMD_TRAIN) resume = argv[++i];
-            else opt = cmd == BT_CMD_EVAL ? "--resume continues training; evaluate a checkpoint "
-                                            "with --checkpoint DIR" : "--resume";
-        } else if (!strcmp(a, "--checkpoint") && i + 1 < argc) {
-            if (cmd == BT_CMD_EVAL) checkpoint = argv[++i];
-            else opt = cmd == BT_CMD_TRAIN ? "--checkpoint is for eval; continue training from a "
-                                             "checkpoint with --resume DIR" : "--checkpoint";
-        } else if (!strcmp(a, "--adapter") && i + 1 < argc) {
-            if (cmd == BT_CMD_EVAL) adapter = argv[++i];
-            else opt = "--adapter (evaluate an adapter with trainer eval --adapter DIR)";
-        } else if (!strcmp(a, "--profile")) {
-            if (cmd == BT_CMD_TRAIN) profile = 1;
-            else opt = "--profile (trainer train --profile)";
-        } else if (!strcmp(a, "--max-seq-len-for") && i + 1 < argc) {
-            char *end;
-            if (cmd != BT_CMD_ESTIMATE) {
-                opt = "--max-seq-len-for (trainer estimate --max-seq-len-for GiB)";
-            } else if (fit_gib = strtod(argv[++i], &end), *end || !(fit_gib > 0) || fit_gib > 1e6) {
-                fprintf(stderr, "trainer: --max-seq-len-for: expected a memory size in GiB > 0, "
-                        "got \"%s\"\n", argv[i]);
-                rc = 2;
-            }
-        } else {
-            fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", a);
-            rc = 2;
-        }
-        if (opt) {
-            fprintf(stderr, "trainer %s: %s is not an option of this command: refused rather than "
-                    "ignored\n", argv[1], opt);
-            rc = 2;
-        }
-    }
-    if (!rc && adapter && checkpoint) {
-        fprintf(stderr, "trainer eval: give --adapter DIR or --checkpoint DIR, not both\n");
-        rc = 2;
-    }
-    if (!rc && !config) {
-        fprintf(stderr, "trainer: --config JOB.json|JOB.yaml is required (try --help)\n");
-        rc = 2;
-    }
+    int rc = parse_run_args(argc, argv, &a);
     bt_train_config cfg;
-    if (!rc && (rc = bt_config_load(&cfg, config, sets, n_sets))) {
-        fprintf(stderr, "trainer: %s\n", bt_last_error());
-        rc = 2;
-    }
-    if (rc) {
-        free(sets), free(given);
-        return rc;
-    }
-    if (resume || checkpoint) {
-        free(cfg.resume_from);
-        cfg.resume_from = bt_xstrdup(resume ? resume : checkpoint);
-    }
-    cfg.eval_adapter = adapter;
-    cfg.profile = profile;
-    /* every command line setting must be one this command reads (bt_config_key_used) */
-    for (int i = 0; i < n_sets && !rc; i++) {
-        const char *eq = strchr(sets[i], '=');
-        char path[256];
-        snprintf(path, sizeof path, "%.*s", eq ? (int)(eq - sets[i]) : 0, sets[i]);
-        if (!bt_config_key_used(cmd, path, &cfg)) {
-            fprintf(stderr, "trainer %s: %s %s: %s does not use %s%s; refused rather than "
-                    "ignored\n", argv[1], given[i], !strcmp(given[i], "--set") ? sets[i] : eq + 1,
-                    argv[1], path,
-                    cmd == BT_CMD_EVAL && adapter ? " when evaluating --adapter (the adapter's "
-                    "adapter_config.json decides)" : !strncmp(path, "cuda", 4) &&
-                    cfg.device != BT_DEVICE_CUDA ? " on device \"cpu\"" : "");
-            rc = 2;
-        }
-    }
-    if (!rc && cmd == BT_CMD_EVAL && adapter && cfg.resume_from) {
-        fprintf(stderr, "trainer eval: --adapter DIR and resume_from (%s) both name the weights to "
-                "evaluate: drop one\n", cfg.resume_from);
-        rc = 2;
-    }
-    free(sets), free(given);
-    if (rc) {
-        bt_config_free(&cfg);
-        return rc;
-    }
-    if (cmd == BT_CMD_ESTIMATE) {
-        rc = bt_estimate_print_ex(&cfg, fit_gib, stdout);
-        if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
-        bt_config_free(&cfg);
-        return rc ? 1 : 0;
-    }
-#ifndef BT_WITH_CUDA
-    if (cfg.device == BT_DEVICE_CUDA) {
-        fprintf(stderr, "trainer: config: device: \"cuda\": this trainer was built without CUDA "
-                "(make CUDA=1)\n");
-        bt_config_free(&cfg);
-        return 2;
-    }
-#endif
-    char *dump = bt_config_dump(&cfg);
-    if (dump) bt_log(BT_LOG_INFO, "trainer", "config: %s", dump);
-    free(dump);
-    rc = bt_train_run(&cfg, cmd == BT_CMD_EVAL, stdout);
-    if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
+    if (!rc) rc = load_run_config(&a, &cfg);
+    free(a.sets);
+    free(a.given);
+    if (rc) return rc < 0 ? 0 : rc;
+    rc = run_command(&a, &cfg);
     bt_config_free(&cfg);
-    return rc == BT_ERR_CANCELLED ? BT_EXIT_INTERRUPTED : rc == BT_ERR_DIVERGED ? BT_EXIT_DIVERGED : rc ? BT_EXIT_FAILURE : BT_EXIT_OK;
+    return rc;
 }
