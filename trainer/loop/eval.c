@@ -186,6 +186,9 @@ int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
                                "data.seq_len or drop that length", L, max_M);
 #endif
             if ((rc = bt_step_ctx_new(&ectx, m, lo, L, 1))) break;
+            /* a stop request lands before every layer of this long forward too, as in the
+             * run's own context (trainer/loop/train.c, run_init_backend) */
+            bt_step_ctx_set_check(ectx, bt_run_stop_check, NULL);
         }
         double sum, t0 = bt_now();
         long long cnt, windows;
