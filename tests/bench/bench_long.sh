@@ -13,7 +13,8 @@ BUILD=${BUILD:-build}
 run=runs/bench-long
 mkdir -p "$run"
 make -s "$BUILD/trainer" "$BUILD/loaderd" "$BUILD/loaderctl" >&2
-scripts/make-long-docs data/long >&2
+# its own directory: scripts/demo-long.sh cuts data/long with its own number of held-out documents
+scripts/make-long-docs data/long-bench >&2
 . scripts/private-loaderd.sh
 start_loaderd "$run"
 "$BUILD/trainer" config --template long-context > "$run/job.template.json"
@@ -27,7 +28,7 @@ echo "| T | step time | measured peak RSS | trainer estimate | estimate error |"
 echo "|---|---|---|---|---|"
 fail=0
 for T in ${BENCH_LONG_T:-4096 8192 16384}; do
-  sets=(--set "socket=$sock" --set "data.shards=[\"data/long/train-*.jsonl.zst\"]"
+  sets=(--set "socket=$sock" --set "data.shards=[\"data/long-bench/train-*.jsonl.zst\"]"
         --set "eval.shards=[]" --set "data.seq_len=$T" --set "steps=1" --set "grad_accum=1"
         --set "save_every=0" --set "threads=0" --set "out_dir=$run/adapter-$T" --set "name=bench-long-$T")
   [ "$T" -gt 8192 ] && sets+=(--set "context_extension.target_length=$T") \
