@@ -530,31 +530,30 @@ int bt_model_gguf_rope_scaling(const bt_gguf *g, const char *path, bt_llama_hpar
     return 0;
 }
 
-int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts_in) {
-    memset(m, 0, sizeof *m);
-    bt_model_load_opts opts_v = {BT_BASE_AUTO, 0};
-    if (opts_in) opts_v = *opts_in;
-    if (opts_v.base_dtype == BT_BASE_AUTO) opts_v.base_dtype = BT_BASE_GGUF;
-    const bt_model_load_opts *opts = &opts_v;
-    bt_gguf *g = NULL;
-    int rc = bt_gguf_open(&g, path);
-    if (rc) return bt_fail(rc, "model: %s", bt_last_error_in("model"));
+/* Stage: general.architecture of `g` must be "llama". Reads g; writes nothing. Errors:
+ * BT_ERR_NOTFOUND (key missing), BT_ERR_FORMAT (not a string), BT_ERR_UNSUPPORTED (another
+ * architecture, named in the message). */
+static int gguf_check_arch(const bt_gguf *g, const char *path) {
     bt_str arch;
-    rc = bt_gguf_get_str(g, "general.architecture", &arch);
-    if (rc) {
-        rc = bt_fail(rc == BT_ERR_NOTFOUND ? BT_ERR_NOTFOUND : BT_ERR_FORMAT,
-                     "model: %s: general.architecture: %s", path,
-                     rc == BT_ERR_NOTFOUND ? "missing" : bt_last_error());
-        goto fail;
-    }
-    if (arch.len != 5 || memcmp(arch.ptr, "llama", 5) != 0) {
-        rc = bt_fail(BT_ERR_UNSUPPORTED,
-                     "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\"",
-                     path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
-        goto fail;
-    }
-    bt_llama_hparams *hp = &m->hp;
-    int rope_dim = 0;
+    int rc = bt_gguf_get_str(g, "general.architecture", &arch);
+    if (rc)
+        return bt_fail(rc == BT_ERR_NOTFOUND ? BT_ERR_NOTFOUND : BT_ERR_FORMAT,
+                       "model: %s: general.architecture: %s", path,
+                       rc == BT_ERR_NOTFOUND ? "missing" : bt_last_error());
+    if (arch.len != 5 || memcmp(arch.ptr, "llama", 5) != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED,
+                       "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\"",
+                       path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+    return 0;
+}
+
+/* Stage: the llama.* shape keys (llama.cpp llama-model.cpp load_hparams names and defaults:
+ * context_length 2048, rope.freq_base 10000, head_count_kv = head_count, rope.dimension_count =
+ * head_dim) into hp; head_dim = embedding_length / head_count. Reads g; writes the shape fields
+ * of hp. Errors: those of kv_int / kv_float (BT_ERR_NOTFOUND missing required key,
+ * BT_ERR_FORMAT bad value), BT_ERR_FORMAT (head_count 0), BT_ERR_UNSUPPORTED (partial RoPE). */
+static int gguf_shape_keys(const bt_gguf *g, const char *path, bt_llama_hparams *hp) {
+    int rc, rope_dim = 0;
     if ((rc = kv_int(g, path, "llama.block_count", 1, 0, &hp->n_layer)) ||
         (rc = kv_int(g, path, "llama.embedding_length", 1, 0, &hp->d_model)) ||
         (rc = kv_int(g, path, "llama.attention.head_count", 1, 0, &hp->n_head)) ||
@@ -562,93 +561,138 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
         (rc = kv_int(g, path, "llama.context_length", 0, 2048, &hp->ctx)) ||
         (rc = kv_float(g, path, "llama.attention.layer_norm_rms_epsilon", 1, 0, &hp->rms_eps)) ||
         (rc = kv_float(g, path, "llama.rope.freq_base", 0, 10000.0, &hp->rope_theta)))
-        goto fail;
+        return rc;
     if ((rc = kv_int(g, path, "llama.attention.head_count_kv", 0, hp->n_head, &hp->n_kv_head)))
-        goto fail;
-    if (hp->n_head <= 0) {
-        rc = bt_fail(BT_ERR_FORMAT, "model: %s: llama.attention.head_count is 0", path);
-        goto fail;
-    }
+        return rc;
+    if (hp->n_head <= 0)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.attention.head_count is 0", path);
     hp->head_dim = hp->d_model / hp->n_head;
-    if ((rc = kv_int(g, path, "llama.rope.dimension_count", 0, hp->head_dim, &rope_dim))) goto fail;
-    if (rope_dim != hp->head_dim) {
-        rc = bt_fail(BT_ERR_UNSUPPORTED,
-                     "model: %s: llama.rope.dimension_count %d != head_dim %d (partial RoPE is not "
-                     "supported)", path, rope_dim, hp->head_dim);
-        goto fail;
-    }
-    if ((rc = bt_model_gguf_rope_scaling(g, path, hp))) goto fail;
+    if ((rc = kv_int(g, path, "llama.rope.dimension_count", 0, hp->head_dim, &rope_dim))) return rc;
+    if (rope_dim != hp->head_dim)
+        return bt_fail(BT_ERR_UNSUPPORTED,
+                       "model: %s: llama.rope.dimension_count %d != head_dim %d (partial RoPE is not "
+                       "supported)", path, rope_dim, hp->head_dim);
+    return 0;
+}
+
+/* Stage: every hyper-parameter: the shape keys, llama.rope.scaling.* (bt_model_gguf_rope_scaling),
+ * rope_type BT_ROPE_FREQS when a rope_freqs.weight tensor exists, vocab = token_embd.weight
+ * ne[1]; then bt_model_check_hparams. Reads g; writes hp. Errors: those of the stages named, in
+ * that order; BT_ERR_NOTFOUND (no token_embd.weight); BT_ERR_INVALID (implausible values). */
+static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp) {
+    int rc;
+    if ((rc = gguf_shape_keys(g, path, hp))) return rc;
+    if ((rc = bt_model_gguf_rope_scaling(g, path, hp))) return rc;
     if (bt_gguf_find_tensor(g, "rope_freqs.weight")) hp->rope_type = BT_ROPE_FREQS;
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
-    if (!emb) {
-        rc = bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);
-        goto fail;
-    }
+    if (!emb) return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);
     hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
-    if ((rc = bt_model_check_hparams(hp, path, 0))) goto fail;
-    m->base_dtype = opts->base_dtype;
-    if (hp->rope_type == BT_ROPE_FREQS) {
-        float *ff = NULL;
-        if ((rc = load_tensor(g, path, "rope_freqs.weight", 0, hp->head_dim / 2, &ff))) goto fail;
-        rc = bt_model_rope_init(m, ff);
-        free(ff);
-        if (rc) {
-            rc = bt_fail(rc, "model: %s: rope_freqs.weight: %s", path, bt_last_error_in("model"));
-            goto fail;
-        }
-    } else if ((rc = bt_model_rope_init(m, NULL))) {
-        goto fail;
-    }
+    return bt_model_check_hparams(hp, path, 0);
+}
 
+/* Stage: the RoPE tables (bt_model_rope_init) from m->hp, with rope_freqs.weight [head_dim / 2]
+ * (dequantised, finite) for BT_ROPE_FREQS. Reads g, m->hp; writes m->inv_freq / m->rope_freqs.
+ * Errors: those of load_tensor; those of bt_model_rope_init (prefixed with the file and tensor
+ * for a rope_freqs table). */
+static int gguf_rope_setup(bt_model *m, const bt_gguf *g, const char *path) {
+    if (m->hp.rope_type != BT_ROPE_FREQS) return bt_model_rope_init(m, NULL);
+    float *ff = NULL;
+    int rc = load_tensor(g, path, "rope_freqs.weight", 0, m->hp.head_dim / 2, &ff);
+    if (rc) return rc;
+    rc = bt_model_rope_init(m, ff);
+    free(ff);
+    if (rc) return bt_fail(rc, "model: %s: rope_freqs.weight: %s", path, bt_last_error_in("model"));
+    return 0;
+}
+
+/* Stage: the tensors outside the blocks: token_embd [vocab, d_model], output_norm [d_model],
+ * output [vocab, d_model] (absent: lm_head aliases tok_embd, m->tied = 1). Reads g, m->hp;
+ * writes m->tok_embd, m->output_norm, m->lm_head, m->tied (owned by m). Errors: those of
+ * load_tensor. */
+static int gguf_globals(bt_model *m, const bt_gguf *g, const char *path) {
+    const bt_llama_hparams *hp = &m->hp;
+    int rc;
     if ((rc = load_tensor(g, path, "token_embd.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||
         (rc = load_tensor(g, path, "output_norm.weight", 0, hp->d_model, &m->output_norm)))
-        goto fail;
+        return rc;
     if (bt_gguf_find_tensor(g, "output.weight")) {
         if ((rc = load_tensor(g, path, "output.weight", hp->vocab, hp->d_model, &m->lm_head)))
-            goto fail;
+            return rc;
         m->tied = 0;
     } else {
         m->lm_head = m->tok_embd;
         m->tied = 1;
     }
-    m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
-    if (!m->layers) {
-        rc = bt_fail(BT_ERR_NOMEM, "model: out of memory");
-        goto fail;
+    return 0;
+}
+
+/* Stage: one block linear (module j, tensor `name`) into *l in opts->base_dtype: BT_BASE_GGUF
+ * keeps the file's blocks (load_linear_gguf), fp32 / NF4 dequantise then bt_model_lin_set; q/k
+ * rows un-permuted to HF order unless opts->keep_gguf_qk_order. Reads g; writes *l (owned by
+ * the model). Errors: those of load_linear_gguf, load_tensor, unpermute_rows, bt_model_lin_set. */
+static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
+                       const bt_llama_hparams *hp, int j, const bt_model_load_opts *opts,
+                       bt_base_linear *l) {
+    int rows, cols, rc;
+    bt_model_lin_shape(hp, j, &rows, &cols);
+    const int qk = !opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K);
+    const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
+    if (opts->base_dtype == BT_BASE_GGUF)
+        return load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim, l);
+    float *w;
+    if ((rc = load_tensor(g, path, name, rows, cols, &w))) return rc;
+    if (qk && (rc = unpermute_rows(w, nh, hp->head_dim, cols))) {
+        free(w);
+        return rc;
     }
+    return bt_model_lin_set(l, w, rows, cols, opts->base_dtype, name);
+}
+
+/* Stage: block l's tensors blk.l.{attn_norm, ffn_norm} [d_model] and its seven linears (BT_MOD_*
+ * order, k_gguf_lin names). Reads g, m->hp; writes m->layers[l] (owned by m). Errors: those of
+ * load_tensor and gguf_linear, the first in that order. */
+static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
+                      const bt_model_load_opts *opts) {
+    const bt_llama_hparams *hp = &m->hp;
+    bt_layer *L = &m->layers[l];
     char name[96];
-    for (int l = 0; l < hp->n_layer; l++) {
-        bt_layer *L = &m->layers[l];
-        snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
-        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->attn_norm))) goto fail;
-        snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
-        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->ffn_norm))) goto fail;
-        for (int j = 0; j < BT_MOD_N; j++) {
-            int rows, cols;
-            bt_model_lin_shape(hp, j, &rows, &cols);
-            snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
-            if (opts->base_dtype == BT_BASE_GGUF) {
-                const int qk = !opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K);
-                const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
-                if ((rc = load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim,
-                                           &L->lin[j])))
-                    goto fail;
-                continue;
-            }
-            float *w;
-            if ((rc = load_tensor(g, path, name, rows, cols, &w))) goto fail;
-            if (!opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K)) {
-                rc = unpermute_rows(w, j == BT_MOD_Q ? hp->n_head : hp->n_kv_head, hp->head_dim,
-                                    cols);
-                if (rc) {
-                    free(w);
-                    goto fail;
-                }
-            }
-            if ((rc = bt_model_lin_set(&L->lin[j], w, rows, cols, opts->base_dtype, name)))
-                goto fail;
-        }
+    int rc;
+    snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
+    if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->attn_norm))) return rc;
+    snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
+    if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->ffn_norm))) return rc;
+    for (int j = 0; j < BT_MOD_N; j++) {
+        snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
+        if ((rc = gguf_linear(g, path, name, hp, j, opts, &L->lin[j]))) return rc;
     }
+    return 0;
+}
+
+/* Stage: m->layers [n_layer] allocated, then every block in order (gguf_layer). Writes
+ * m->layers (owned by m; a partly filled array is freed by bt_model_free). Errors: BT_ERR_NOMEM,
+ * those of gguf_layer. */
+static int gguf_layers(bt_model *m, const bt_gguf *g, const char *path,
+                       const bt_model_load_opts *opts) {
+    m->layers = calloc((size_t)m->hp.n_layer, sizeof(bt_layer));
+    if (!m->layers) return bt_fail(BT_ERR_NOMEM, "model: out of memory");
+    int rc = 0;
+    for (int l = 0; l < m->hp.n_layer && !rc; l++) rc = gguf_layer(m, g, path, l, opts);
+    return rc;
+}
+
+int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts_in) {
+    memset(m, 0, sizeof *m);
+    bt_model_load_opts opts = {BT_BASE_AUTO, 0};
+    if (opts_in) opts = *opts_in;
+    if (opts.base_dtype == BT_BASE_AUTO) opts.base_dtype = BT_BASE_GGUF;
+    bt_gguf *g = NULL;
+    int rc = bt_gguf_open(&g, path);
+    if (rc) return bt_fail(rc, "model: %s", bt_last_error_in("model"));
+    if ((rc = gguf_check_arch(g, path)) || (rc = gguf_hparams(g, path, &m->hp))) goto fail;
+    m->base_dtype = opts.base_dtype;
+    if ((rc = gguf_rope_setup(m, g, path)) || (rc = gguf_globals(m, g, path)) ||
+        (rc = gguf_layers(m, g, path, &opts)))
+        goto fail;
     if ((rc = bt_gguf_check(g, 0))) {
         rc = bt_fail(rc, "model: %s", bt_last_error_in("model"));
         goto fail;
@@ -656,6 +700,7 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
     bt_gguf_close(g);
     return 0;
 fail:
+    /* the file changed under the mapping: what was read is void, the error says so */
     if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "model: %s", bt_last_error_in("model"));
     bt_gguf_close(g);
     bt_model_free(m);

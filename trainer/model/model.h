@@ -133,13 +133,18 @@ typedef struct {
     int keep_gguf_qk_order;  /* testing only: 1 = do NOT undo llama.cpp's Q/K permutation */
 } bt_model_load_opts;
 
-/* Load a llama-architecture GGUF (general.architecture == "llama"). Hyper-parameters from the
- * llama.* keys; tensors token_embd, output_norm, output (optional: tied to token_embd when
- * absent), blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
- * ffn_down}.weight, any ggml type bt_ggml_dequantize supports; optional rope_freqs.weight (F32
- * [head_dim/2], llama.cpp's Llama 3.1 RoPE factors: inv_freq = default / rope_freqs ->
- * BT_ROPE_FREQS); llama.rope.scaling.type "linear" with llama.rope.scaling.factor (or "none").
- * Each tensor's shape is checked
+/* Load a llama-architecture GGUF (general.architecture == "llama"), the format llama.cpp's
+ * convert_hf_to_gguf.py writes and llama-model.cpp load_hparams reads. Stages (model.c):
+ * architecture; hyper-parameters from the llama.* keys (block_count, embedding_length,
+ * attention.head_count, feed_forward_length, attention.layer_norm_rms_epsilon required;
+ * context_length 2048, rope.freq_base 10000, attention.head_count_kv = head_count,
+ * rope.dimension_count = head_dim by default; partial RoPE refused); llama.rope.scaling.*
+ * ("none", "linear", "yarn"; bt_model_gguf_rope_scaling); RoPE tables, with optional
+ * rope_freqs.weight (F32 [head_dim/2], llama.cpp's Llama 3.1 RoPE factors: inv_freq = default /
+ * rope_freqs -> BT_ROPE_FREQS); tensors token_embd [vocab, d_model] (vocab is its ne[1]),
+ * output_norm, output (optional: tied to token_embd when absent); then per block
+ * blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up,
+ * ffn_down}.weight, any ggml type bt_ggml_dequantize supports. Each tensor's shape is checked
  * against the hyper-parameters. q/k rows are un-permuted (inverse of convert_hf_to_gguf.py
  * LlamaModel.permute: w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)). With NF4 the
  * fp32 copy of each linear is freed right after quantisation (peak extra memory: one matrix).
@@ -147,9 +152,12 @@ typedef struct {
  * tensor's bytes (bt_ggml_mat_init; the q/k un-permutation moves whole block rows, exact), every
  * value is checked finite once, nothing is re-quantised; a linear whose type has no decoder is
  * refused naming the tensor, its type and the supported types (kernels.h bt_ggml_mat).
- * *m is owned by the caller (bt_model_free). Errors: BT_ERR_IO / BT_ERR_FORMAT from the reader,
- * BT_ERR_UNSUPPORTED (architecture, tensor type), BT_ERR_NOTFOUND (missing key or tensor),
- * BT_ERR_FORMAT (shape mismatch), BT_ERR_NOMEM; the message names the file and key/tensor. */
+ * *m is owned by the caller (bt_model_free); on error *m is freed and zeroed. Errors:
+ * BT_ERR_IO / BT_ERR_FORMAT from the reader (BT_ERR_IO too when the file changed under the
+ * mapping while loading, bt_gguf_check), BT_ERR_UNSUPPORTED (architecture, partial RoPE, RoPE
+ * scaling type, tensor type), BT_ERR_NOTFOUND (missing key or tensor), BT_ERR_FORMAT (shape
+ * mismatch, bad key value, non-finite weight), BT_ERR_INVALID (implausible hyper-parameters,
+ * bt_model_check_hparams), BT_ERR_NOMEM; the message names the file and key/tensor. */
 int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts);
 
 /* Load a Hugging Face model directory (trainer/model/model_hf.c): <dir>/config.json and either
