@@ -583,19 +583,14 @@ static int rs_num(const cfgj *c, json_t *rs, const char *key, int required, doub
     return 0;
 }
 
-/* RoPE scaling: "rope_scaling" (transformers 4.x) or "rope_parameters" (transformers 5 writes it,
- * with rope_theta inside), with transformers' semantics per rope_type (modeling_rope_utils.py):
- *   default / null; linear {factor}; llama3 {factor, low_freq_factor, high_freq_factor,
- *   original_max_position_embeddings} (all required, _validate_llama3_parameters);
- *   yarn {factor, original_max_position_embeddings (default max_position_embeddings, the
- *   transformers 5 rule), attention_factor (or mscale / mscale_all_dim, DeepSeek), beta_fast,
- *   beta_slow}; dynamic {factor} over max_position_embeddings; longrope whose short_factor and
- *   long_factor are equal (a fixed per-frequency table, as trainer export writes composite
- *   scalings; rope_freqs gets it) with attention_factor (default sqrt(1 + ln factor / ln
- *   original), factor = max_position_embeddings / original when absent).
- * hp->ctx (max_position_embeddings) becomes the scaled context for yarn / dynamic (original x
- * factor) when that is larger. */
-static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
+/* rope_scaling / rope_parameters, stage 1: the object itself (*rs = NULL when absent or null)
+ * and the keys every kind shares: rope_theta inside it (transformers 5 moved it there; used only
+ * when the top-level rope_theta is absent), partial_rotary_factor (must be 1), and the kind
+ * (*ty: "rope_type", else the older "type"). Reads c; writes *rs, *ty, hp->rope_theta. Errors:
+ * BT_ERR_FORMAT (not an object, rope_theta <= 0, no kind), BT_ERR_UNSUPPORTED (partial RoPE). */
+static int rope_common(const cfgj *c, json_t **rs_out, const char **ty_out, bt_llama_hparams *hp) {
+    *rs_out = NULL;
+    *ty_out = NULL;
     json_t *rs = json_object_get(c->root, "rope_scaling");
     if (!rs || json_is_null(rs)) rs = json_object_get(c->root, "rope_parameters");
     if (!rs || json_is_null(rs)) return 0;
@@ -619,97 +614,155 @@ static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
     if (!ty)
         return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling lacks \"rope_type\" / \"type\"",
                        c->path);
-    if (!strcmp(ty, "default")) return 0;
-    double f = 0;
-    if (!strcmp(ty, "llama3")) {
-        /* transformers _validate_llama3_parameters: all four keys are required */
-        static const char *const keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
-                                            "original_max_position_embeddings"};
-        double v[4];
-        for (int i = 0; i < 4; i++) {
-            json_t *x = json_object_get(rs, keys[i]);
-            if (!x)
-                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling type \"llama3\" lacks "
-                               "\"%s\"", c->path, keys[i]);
-            if (!json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
-                (i == 3 && (v[i] != floor(v[i]) || v[i] > 1e9)))
-                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a %s > 0",
-                               c->path, keys[i], i == 3 ? "integer" : "number");
-        }
-        if (!(v[2] > v[1]))
-            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.high_freq_factor %g must "
-                           "exceed low_freq_factor %g", c->path, v[2], v[1]);
-        hp->rope_type = BT_ROPE_LLAMA3;
-        hp->rope_factor = (float)v[0];
-        hp->rope_low_freq_factor = (float)v[1];
-        hp->rope_high_freq_factor = (float)v[2];
-        hp->rope_orig_ctx = (int)v[3];
-        return 0;
+    *rs_out = rs;
+    *ty_out = ty;
+    return 0;
+}
+
+/* rope_type "llama3" (transformers _compute_llama3_parameters): factor, low_freq_factor,
+ * high_freq_factor > low_freq_factor, original_max_position_embeddings (an integer), all four
+ * required as _validate_llama3_parameters requires them, checked in that order. Writes
+ * hp->rope_type = BT_ROPE_LLAMA3 and its four fields. Errors: BT_ERR_FORMAT naming the key. */
+static int rope_llama3(const cfgj *c, json_t *rs, bt_llama_hparams *hp) {
+    static const char *const keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings"};
+    double v[4];
+    for (int i = 0; i < 4; i++) {
+        json_t *x = json_object_get(rs, keys[i]);
+        if (!x)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling type \"llama3\" lacks "
+                           "\"%s\"", c->path, keys[i]);
+        if (!json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
+            (i == 3 && (v[i] != floor(v[i]) || v[i] > 1e9)))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a %s > 0",
+                           c->path, keys[i], i == 3 ? "integer" : "number");
     }
-    if (!strcmp(ty, "longrope")) {
-        json_t *lf = json_object_get(rs, "long_factor"), *sf = json_object_get(rs, "short_factor");
-        const size_t half = (size_t)hp->head_dim / 2;
-        if (!json_is_array(lf) || !json_is_array(sf) || json_array_size(lf) != half ||
-            json_array_size(sf) != half || half > 512)
-            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope needs short_factor and "
-                           "long_factor arrays of head_dim / 2 = %zu numbers", c->path, half);
-        for (size_t i = 0; i < half; i++) {
-            double a, b;
-            if (!json_num(json_array_get(lf, i), &a) || !json_num(json_array_get(sf, i), &b) ||
-                !isfinite(a) || !(a > 0) || !isfinite(b) || !(b > 0))
-                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope factor %zu must be "
-                               "a number > 0", c->path, i);
-            if ((float)a != (float)b)
-                return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling longrope with "
-                               "short_factor != long_factor switches tables with the sequence "
-                               "length (Phi-3); only a fixed table is supported", c->path);
-            rope_freqs[i] = (float)a;
-        }
-        double orig = hp->ctx, af = 0;
-        if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, &orig)) ||
-            (rc = rs_num(c, rs, "factor", 0, &f)) || (rc = rs_num(c, rs, "attention_factor", 0, &af)))
-            return rc;
-        if (f == 0) f = hp->ctx / orig;
-        if (af == 0) af = f <= 1.0 ? 1.0 : sqrt(1.0 + log(f) / log(orig));
-        hp->rope_type = BT_ROPE_FREQS;
-        hp->rope_attn_factor = af == 1.0 ? 0.f : (float)af;
-        return 0;
+    if (!(v[2] > v[1]))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.high_freq_factor %g must "
+                       "exceed low_freq_factor %g", c->path, v[2], v[1]);
+    hp->rope_type = BT_ROPE_LLAMA3;
+    hp->rope_factor = (float)v[0];
+    hp->rope_low_freq_factor = (float)v[1];
+    hp->rope_high_freq_factor = (float)v[2];
+    hp->rope_orig_ctx = (int)v[3];
+    return 0;
+}
+
+/* rope_type "longrope" with short_factor == long_factor (arrays of head_dim / 2 numbers > 0):
+ * a fixed per-frequency table, as trainer export writes composite scalings. Writes
+ * rope_freqs[0, head_dim / 2) (the table), hp->rope_type = BT_ROPE_FREQS and
+ * hp->rope_attn_factor (attention_factor; default transformers' sqrt(1 + ln factor / ln
+ * original), factor = max_position_embeddings / original_max_position_embeddings when absent;
+ * 0 meaning 1). Errors: BT_ERR_FORMAT (array sizes, a factor not > 0, bad number keys),
+ * BT_ERR_UNSUPPORTED (short_factor != long_factor: Phi-3's length-switched tables). */
+static int rope_longrope(const cfgj *c, json_t *rs, bt_llama_hparams *hp, float *rope_freqs) {
+    json_t *lf = json_object_get(rs, "long_factor"), *sf = json_object_get(rs, "short_factor");
+    const size_t half = (size_t)hp->head_dim / 2;
+    if (!json_is_array(lf) || !json_is_array(sf) || json_array_size(lf) != half ||
+        json_array_size(sf) != half || half > 512)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope needs short_factor and "
+                       "long_factor arrays of head_dim / 2 = %zu numbers", c->path, half);
+    for (size_t i = 0; i < half; i++) {
+        double a, b;
+        if (!json_num(json_array_get(lf, i), &a) || !json_num(json_array_get(sf, i), &b) ||
+            !isfinite(a) || !(a > 0) || !isfinite(b) || !(b > 0))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope factor %zu must be "
+                           "a number > 0", c->path, i);
+        if ((float)a != (float)b)
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling longrope with "
+                           "short_factor != long_factor switches tables with the sequence "
+                           "length (Phi-3); only a fixed table is supported", c->path);
+        rope_freqs[i] = (float)a;
     }
-    int ext = bt_rope_ext_parse(ty);
+    double orig = hp->ctx, af = 0, f = 0;
+    int rc;
+    if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, &orig)) ||
+        (rc = rs_num(c, rs, "factor", 0, &f)) || (rc = rs_num(c, rs, "attention_factor", 0, &af)))
+        return rc;
+    if (f == 0) f = hp->ctx / orig;
+    if (af == 0) af = f <= 1.0 ? 1.0 : sqrt(1.0 + log(f) / log(orig));
+    hp->rope_type = BT_ROPE_FREQS;
+    hp->rope_attn_factor = af == 1.0 ? 0.f : (float)af;
+    return 0;
+}
+
+/* The yarn keys over factor f (transformers _compute_yarn_parameters): *orig =
+ * original_max_position_embeddings (an integer; *orig holds the default on entry),
+ * attention_factor (or DeepSeek's mscale / mscale_all_dim ratio of get_mscale), beta_fast,
+ * beta_slow (0: the defaults, bt_rope_inv_freq_yarn). Writes *orig, hp->rope_attn_factor,
+ * hp->rope_yarn_beta_fast / _slow. Errors: BT_ERR_FORMAT (a key not a number > 0, orig not an
+ * integer), BT_ERR_UNSUPPORTED (truncate false). */
+static int rope_yarn(const cfgj *c, json_t *rs, double f, bt_llama_hparams *hp, double *orig) {
+    double af = 0, ms = 0, msa = 0, bf = 0, bs = 0;
+    json_t *tr = json_object_get(rs, "truncate");
+    int rc;
+    if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, orig)) ||
+        (rc = rs_num(c, rs, "attention_factor", 0, &af)) || (rc = rs_num(c, rs, "mscale", 0, &ms)) ||
+        (rc = rs_num(c, rs, "mscale_all_dim", 0, &msa)) || (rc = rs_num(c, rs, "beta_fast", 0, &bf)) ||
+        (rc = rs_num(c, rs, "beta_slow", 0, &bs)))
+        return rc;
+    if (tr && json_is_false(tr))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling yarn with truncate false is "
+                       "not supported", c->path);
+    if (*orig != floor(*orig) || *orig > 1e9)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.original_max_position_embeddings "
+                       "must be an integer", c->path);
+    if (af == 0 && ms > 0 && msa > 0) /* transformers get_mscale(factor, m) ratio (DeepSeek) */
+        af = (f <= 1 ? 1.0 : 0.1 * ms * log(f) + 1.0) / (f <= 1 ? 1.0 : 0.1 * msa * log(f) + 1.0);
+    hp->rope_attn_factor = (float)af;
+    hp->rope_yarn_beta_fast = (float)bf;
+    hp->rope_yarn_beta_slow = (float)bs;
+    return 0;
+}
+
+/* rope_type "linear" | "dynamic" | "yarn" (bt_rope_ext_parse): a context extension over the
+ * model's own table with the required "factor" > 0 (1: identity, nothing set). Writes
+ * hp->rope_ext, rope_ext_factor; for dynamic / yarn rope_ext_orig_ctx (original context:
+ * max_position_embeddings, or yarn's original_max_position_embeddings) and hp->ctx = original x
+ * factor when that is larger. Errors: BT_ERR_UNSUPPORTED (another kind, the message lists the
+ * supported ones), those of rs_num and rope_yarn. */
+static int rope_extension(const cfgj *c, json_t *rs, const char *ty, bt_llama_hparams *hp) {
+    int ext = bt_rope_ext_parse(ty), rc;
     if (ext < 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling type \"%s\" is not supported "
                        "(supported: default, linear, dynamic, yarn, llama3, longrope with a fixed "
                        "table)", c->path, ty);
+    double f = 0;
     if ((rc = rs_num(c, rs, "factor", 1, &f))) return rc;
     if (f == 1.0) return 0;
     hp->rope_ext = ext;
     hp->rope_ext_factor = (float)f;
     if (ext == BT_ROPE_EXT_LINEAR) return 0;
     double orig = hp->ctx;
-    if (ext == BT_ROPE_EXT_YARN) {
-        double af = 0, ms = 0, msa = 0, bf = 0, bs = 0;
-        json_t *tr = json_object_get(rs, "truncate");
-        if ((rc = rs_num(c, rs, "original_max_position_embeddings", 0, &orig)) ||
-            (rc = rs_num(c, rs, "attention_factor", 0, &af)) || (rc = rs_num(c, rs, "mscale", 0, &ms)) ||
-            (rc = rs_num(c, rs, "mscale_all_dim", 0, &msa)) || (rc = rs_num(c, rs, "beta_fast", 0, &bf)) ||
-            (rc = rs_num(c, rs, "beta_slow", 0, &bs)))
-            return rc;
-        if (tr && json_is_false(tr))
-            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_scaling yarn with truncate false is "
-                           "not supported", c->path);
-        if (orig != floor(orig) || orig > 1e9)
-            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.original_max_position_embeddings "
-                           "must be an integer", c->path);
-        if (af == 0 && ms > 0 && msa > 0) /* transformers get_mscale(factor, m) ratio (DeepSeek) */
-            af = (f <= 1 ? 1.0 : 0.1 * ms * log(f) + 1.0) / (f <= 1 ? 1.0 : 0.1 * msa * log(f) + 1.0);
-        hp->rope_attn_factor = (float)af;
-        hp->rope_yarn_beta_fast = (float)bf;
-        hp->rope_yarn_beta_slow = (float)bs;
-    }
+    if (ext == BT_ROPE_EXT_YARN && (rc = rope_yarn(c, rs, f, hp, &orig))) return rc;
     hp->rope_ext_orig_ctx = (int)orig;
     const double scaled = floor(orig * f + 0.5);
     if (scaled > hp->ctx && scaled < 1e9) hp->ctx = (int)scaled;
     return 0;
+}
+
+/* RoPE scaling: "rope_scaling" (transformers 4.x) or "rope_parameters" (transformers 5 writes it,
+ * with rope_theta inside), with transformers' semantics per rope_type (modeling_rope_utils.py):
+ *   default / null; linear {factor}; llama3 {factor, low_freq_factor, high_freq_factor,
+ *   original_max_position_embeddings} (all required, _validate_llama3_parameters);
+ *   yarn {factor, original_max_position_embeddings (default max_position_embeddings, the
+ *   transformers 5 rule), attention_factor (or mscale / mscale_all_dim, DeepSeek), beta_fast,
+ *   beta_slow}; dynamic {factor} over max_position_embeddings; longrope whose short_factor and
+ *   long_factor are equal (a fixed per-frequency table, as trainer export writes composite
+ *   scalings; rope_freqs gets it) with attention_factor (default sqrt(1 + ln factor / ln
+ *   original), factor = max_position_embeddings / original when absent).
+ * hp->ctx (max_position_embeddings) becomes the scaled context for yarn / dynamic (original x
+ * factor) when that is larger. Reads c (hp->ctx, hp->head_dim set); writes hp's RoPE fields and,
+ * for longrope, rope_freqs [head_dim / 2] (caller's buffer). Errors: those of rope_common, then
+ * of the kind's helper (rope_llama3, rope_longrope, rope_extension). */
+static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
+    json_t *rs;
+    const char *ty;
+    int rc = rope_common(c, &rs, &ty, hp);
+    if (rc || !rs || !strcmp(ty, "default")) return rc;
+    if (!strcmp(ty, "llama3")) return rope_llama3(c, rs, hp);
+    if (!strcmp(ty, "longrope")) return rope_longrope(c, rs, hp, rope_freqs);
+    return rope_extension(c, rs, ty, hp);
 }
 
 enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2 };
