@@ -96,92 +96,99 @@ static int set_pre(bt_tokenizer *t, bt_str s) {
     return rc;
 }
 
-int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
-    if (!out || !g) return bt_fail(BT_ERR_INVALID, "tokenizer_from_gguf: NULL argument");
-    *out = NULL;
+/* Stage: tokenizer.ggml.model must be "gpt2" (byte-level BPE) and tokenizer.ggml.pre present.
+ * Reads g; writes *pre (points into g's mapping). Errors: BT_ERR_NOTFOUND (either key missing),
+ * BT_ERR_UNSUPPORTED (another model), the reader's error for a key of the wrong type. */
+static int gguf_tok_kind(const bt_gguf *g, bt_str *pre) {
     bt_str s;
     int rc = bt_gguf_get_str(g, "tokenizer.ggml.model", &s);
     if (rc < 0) return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.model key") : rc;
     if (s.len != 4 || memcmp(s.ptr, "gpt2", 4) != 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: model \"%.*s\" unsupported (only \"gpt2\" byte-level BPE)",
                        (int)(s.len > 64 ? 64 : s.len), s.ptr);
-    bt_str pre_name;
-    rc = bt_gguf_get_str(g, "tokenizer.ggml.pre", &pre_name);
+    rc = bt_gguf_get_str(g, "tokenizer.ggml.pre", pre);
     if (rc < 0)
         return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.pre key (pre-tokeniser unknown)") : rc;
+    return 0;
+}
 
-    bt_str *toks = NULL, *merges = NULL, *ma = NULL, *mb = NULL;
-    uint64_t n_tok = 0, n_merge = 0;
-    uint8_t *types = NULL;
-    bt_tokenizer *t = bt_tok_new();
-    if ((rc = set_pre(t, pre_name)) < 0) goto fail;
-    if ((rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n_tok)) < 0) goto fail;
-    if (n_tok == 0 || n_tok > (uint64_t)INT32_MAX / 2) {
-        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.tokens has %llu entries", (unsigned long long)n_tok);
-        goto fail;
+/* Stage: tokenizer.ggml.token_type into types [n_tok] (pre-filled by the caller with TT_NORMAL:
+ * an absent key means all normal, as llama.cpp). Reads g; writes types. Errors: BT_ERR_FORMAT
+ * (count differs from n_tok, an element not an integer in [0, 255]), the reader's error. */
+static int gguf_tok_types(const bt_gguf *g, uint64_t n_tok, uint8_t *types) {
+    bt_gguf_vtype et;
+    const void *data;
+    uint64_t cnt;
+    int rc = bt_gguf_get_num_arr(g, "tokenizer.ggml.token_type", &et, &data, &cnt);
+    if (rc == BT_ERR_NOTFOUND) return 0;
+    if (rc != 0) return rc;
+    if (cnt != n_tok)
+        return bt_fail(BT_ERR_FORMAT, "tokenizer: token_type has %llu entries, tokens %llu",
+                       (unsigned long long)cnt, (unsigned long long)n_tok);
+    for (uint64_t i = 0; i < cnt; i++) {
+        int64_t v;
+        if (read_int_elem(et, data, i, &v) < 0 || v < 0 || v > 255)
+            return bt_fail(BT_ERR_FORMAT, "tokenizer: token_type[%llu] invalid (element type %d)",
+                           (unsigned long long)i, (int)et);
+        types[i] = (uint8_t)v;
     }
-    int32_t n = (int32_t)n_tok;
+    return 0;
+}
 
-    /* token types (optional: absent means all normal, as llama.cpp) */
-    types = bt_xmalloc((size_t)n);
-    memset(types, TT_NORMAL, (size_t)n);
-    {
-        bt_gguf_vtype et;
-        const void *data;
-        uint64_t cnt;
-        rc = bt_gguf_get_num_arr(g, "tokenizer.ggml.token_type", &et, &data, &cnt);
-        if (rc == 0) {
-            if (cnt != n_tok) {
-                rc = bt_fail(BT_ERR_FORMAT, "tokenizer: token_type has %llu entries, tokens %llu",
-                             (unsigned long long)cnt, (unsigned long long)n_tok);
-                goto fail;
-            }
-            for (uint64_t i = 0; i < cnt; i++) {
-                int64_t v;
-                if (read_int_elem(et, data, i, &v) < 0 || v < 0 || v > 255) {
-                    rc = bt_fail(BT_ERR_FORMAT, "tokenizer: token_type[%llu] invalid (element type %d)",
-                                 (unsigned long long)i, (int)et);
-                    goto fail;
-                }
-                types[i] = (uint8_t)v;
-            }
-        } else if (rc != BT_ERR_NOTFOUND) {
-            goto fail;
-        }
-    }
-    if ((rc = bt_tok_set_vocab(t, n, toks, types, NULL)) < 0) goto fail;
-
-    /* merges: "A B" in the byte alphabet, rank = index */
-    if ((rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.merges", &merges, &n_merge)) < 0) goto fail;
+/* Stage: tokenizer.ggml.merges ("A B" in the byte alphabet, rank = index) into t
+ * (bt_tok_set_merges, which copies). Reads g; writes t's merge table; the temporary arrays are
+ * freed here. Errors: BT_ERR_FORMAT (too many merges, a merge not exactly "A B"), those of the
+ * reader and of bt_tok_set_merges. */
+static int gguf_tok_merges(bt_tokenizer *t, const bt_gguf *g) {
+    bt_str *merges = NULL, *ma = NULL, *mb = NULL;
+    uint64_t n_merge = 0;
+    int rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.merges", &merges, &n_merge);
+    if (rc < 0) return rc;
     if (n_merge > (uint64_t)INT32_MAX / 4) {
-        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.merges has %llu entries", (unsigned long long)n_merge);
-        goto fail;
+        free(merges);
+        return bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.merges has %llu entries", (unsigned long long)n_merge);
     }
     ma = bt_xmalloc(((size_t)n_merge + 1) * sizeof *ma);
     mb = bt_xmalloc(((size_t)n_merge + 1) * sizeof *mb);
-    for (uint64_t m = 0; m < n_merge; m++) {
+    for (uint64_t m = 0; m < n_merge && rc >= 0; m++) {
         const char *p = merges[m].ptr;
         size_t len = merges[m].len;
         const char *sp = memchr(p, ' ', len);
         if (!sp || sp == p || (size_t)(sp - p) + 1 >= len || memchr(sp + 1, ' ', len - (size_t)(sp - p) - 1)) {
             rc = bt_fail(BT_ERR_FORMAT, "tokenizer: merge %llu \"%.*s\" is not \"A B\"", (unsigned long long)m,
                          (int)(len > 64 ? 64 : len), p);
-            goto fail;
+            break;
         }
         ma[m] = (bt_str){p, (size_t)(sp - p)};
         mb[m] = (bt_str){sp + 1, len - (size_t)(sp - p) - 1};
     }
-    if ((rc = bt_tok_set_merges(t, n_merge, ma, mb)) < 0) goto fail;
+    if (rc >= 0) rc = bt_tok_set_merges(t, n_merge, ma, mb);
+    free(merges);
+    free(ma);
+    free(mb);
+    return rc;
+}
 
-    /* special ids */
-    if ((rc = get_opt_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos)) < 0) goto fail;
-    if ((rc = get_opt_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos)) < 0) goto fail;
-    if ((rc = get_opt_id(g, "tokenizer.ggml.padding_token_id", n, &t->pad)) < 0) goto fail;
+/* Stage: the optional special ids (bos / eos / padding, get_opt_id) and tokenizer.chat_template
+ * (copied). Reads g; writes t->bos, t->eos, t->pad, t->chat_template (owned by t). Errors: those
+ * of get_opt_id, the reader's error for a chat_template that is not a string. */
+static int gguf_tok_specials(bt_tokenizer *t, const bt_gguf *g, int32_t n) {
+    int rc;
+    if ((rc = get_opt_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos)) < 0) return rc;
+    if ((rc = get_opt_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos)) < 0) return rc;
+    if ((rc = get_opt_id(g, "tokenizer.ggml.padding_token_id", n, &t->pad)) < 0) return rc;
+    bt_str s;
     rc = bt_gguf_get_str(g, "tokenizer.chat_template", &s);
     if (rc == 0) t->chat_template = dup_str(s);
-    else if (rc != BT_ERR_NOTFOUND) goto fail;
+    else if (rc != BT_ERR_NOTFOUND) return rc;
+    return 0;
+}
 
-    /* added tokens: control and user-defined tokens with valid UTF-8 text */
+/* Stage: added tokens: control (type 3, special) and user-defined (type 4, non-special) tokens
+ * with valid UTF-8 text; others of those types become TT_UNUSED (never matched). Reads toks /
+ * types [n]; writes t->added (texts copied, owned by t), t->type. Errors: those of
+ * bt_tok_build_added. */
+static int gguf_tok_added(bt_tokenizer *t, const bt_str *toks, const uint8_t *types, int32_t n) {
     t->added = bt_xmalloc(((size_t)n + 1) * sizeof *t->added);
     for (int32_t i = 0; i < n; i++) {
         if (types[i] != TT_CONTROL && types[i] != TT_USER) continue;
@@ -196,19 +203,43 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
         a->len = (uint32_t)toks[i].len;
         a->special = types[i] == TT_CONTROL;
     }
-    if ((rc = bt_tok_build_added(t)) < 0) goto fail;
+    return bt_tok_build_added(t);
+}
+
+/* Stages, in order (each error stops the load): model / pre keys (gguf_tok_kind), the
+ * pre-tokenizer (set_pre), tokens, token types (gguf_tok_types), vocabulary, merges
+ * (gguf_tok_merges), special ids and chat template (gguf_tok_specials), added tokens
+ * (gguf_tok_added). Contract: common/tokenizer.h. */
+int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
+    if (!out || !g) return bt_fail(BT_ERR_INVALID, "tokenizer_from_gguf: NULL argument");
+    *out = NULL;
+    bt_str pre_name;
+    int rc = gguf_tok_kind(g, &pre_name);
+    if (rc < 0) return rc;
+    bt_str *toks = NULL;
+    uint64_t n_tok = 0;
+    uint8_t *types = NULL;
+    bt_tokenizer *t = bt_tok_new();
+    if ((rc = set_pre(t, pre_name)) < 0) goto fail;
+    if ((rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n_tok)) < 0) goto fail;
+    if (n_tok == 0 || n_tok > (uint64_t)INT32_MAX / 2) {
+        rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.tokens has %llu entries", (unsigned long long)n_tok);
+        goto fail;
+    }
+    const int32_t n = (int32_t)n_tok;
+    types = bt_xmalloc((size_t)n);
+    memset(types, TT_NORMAL, (size_t)n);
+    if ((rc = gguf_tok_types(g, n_tok, types)) != 0) goto fail;
+    if ((rc = bt_tok_set_vocab(t, n, toks, types, NULL)) < 0) goto fail;
+    if ((rc = gguf_tok_merges(t, g)) < 0) goto fail;
+    if ((rc = gguf_tok_specials(t, g, n)) != 0) goto fail;
+    if ((rc = gguf_tok_added(t, toks, types, n)) < 0) goto fail;
     free(toks);
-    free(merges);
-    free(ma);
-    free(mb);
     free(types);
     *out = t;
     return 0;
 fail:
     free(toks);
-    free(merges);
-    free(ma);
-    free(mb);
     free(types);
     bt_tokenizer_free(t);
     return rc;
