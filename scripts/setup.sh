@@ -9,7 +9,7 @@ DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
           libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev libssl-dev
           systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox gdb
           debian-reference-en manpages manpages-dev man-db groff-base)
-PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.17.1" "tensorboard==2.21.0")
+PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.19.0" "tensorboard==2.21.0")
 
 missing=()
 for p in "${DEB_PKGS[@]}"; do
@@ -28,8 +28,10 @@ fi
 
 PY=${PYTHON:-python3}
 for spec in "${PY_PKGS[@]}"; do
-  mod=${spec%%=*}
-  if ! "$PY" -c "import $mod" 2>/dev/null; then
+  mod=${spec%%=*} ver=${spec##*==}
+  # installed at exactly the pinned version (a different one is replaced: the tests' readers are
+  # checked against the pinned gguf-py, the newest on PyPI when pinned)
+  if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$mod') != '$ver')" 2>/dev/null; then
     echo "setup: installing Python package $spec"
     "$PY" -m pip install -q --disable-pip-version-check "$spec"
   fi

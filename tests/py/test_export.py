@@ -6,7 +6,7 @@ Always (standard library only): exit codes and usage errors, the PEFT output's f
 and dtype, the merged safetensors' keys, shapes, dtypes, config.json, and its merged values
 against W + (alpha/r) B A computed here; sanitizer-clean runs of the ASan build when it exists.
 
-When the `gguf` package (gguf-py 0.17.1, with numpy) is importable: our GGUF files read back with
+When the `gguf` package (gguf-py 0.19.0, with numpy) is importable: our GGUF files read back with
 gguf.GGUFReader (architecture, general.type, adapter.type, alpha, tensor names / shapes / types),
 lora_b un-permuted equals B, the merged GGUF equals permute(W + s B A), our Q8_0 bytes equal
 gguf.quants.quantize of the F32 export, and (with $BT_MODEL) the real SmolLM2 GGUF's tokenizer
@@ -37,7 +37,7 @@ try:
     HAVE_GGUF = True
 except ImportError:  # CI installs only pytest by default
     HAVE_GGUF = False
-needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="gguf-py (pip install gguf==0.17.1 numpy) "
+needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="gguf-py (pip install gguf==0.19.0 numpy) "
                                 "not installed")
 
 

@@ -7,7 +7,7 @@ loaderd with no base_dtype in the job:
     and loaderd shows the same in `status --json` (trainer.base) and `loaderctl status` while it
     trains (the trainer's reports carry it); SIGTERM stops it and it saves the adapter;
   - `trainer export` writes the llama.cpp LoRA GGUF and the merged GGUF (f32) of that adapter;
-    with gguf-py 0.17.1 (when importable) the merged file equals gguf-py's own dequantisation of
+    with gguf-py 0.19.0 (when importable) the merged file equals gguf-py's own dequantisation of
     the very base file plus (alpha / r) * lora_b @ lora_a of our LoRA GGUF, tensor by tensor
     (the C side of the same identity is tests/unit/trainer/test_gguf_native.c);
   - an explicit base_dtype "gguf" with a Hugging Face directory is refused naming the key.
@@ -100,7 +100,7 @@ def test_train_report_and_export(env):
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
     if not HAVE_GGUF:
-        pytest.skip("gguf-py (pip install gguf==0.17.1 numpy) not installed: exports not cross-checked")
+        pytest.skip("gguf-py (pip install gguf==0.19.0 numpy) not installed: exports not cross-checked")
     base_r, lora_r, merged_r = (gguf.GGUFReader(str(f)) for f in (env["model"], lora, merged))
     bt = {t.name: t for t in base_r.tensors}
     lt = {t.name: t for t in lora_r.tensors}
