@@ -264,8 +264,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "generate")) return bt_generate_cli(argc - 1, argv + 1);
     if (!strcmp(argv[1], "config")) return bt_config_cmd(argc - 1, argv + 1, stdout);
     if (!strcmp(argv[1], "report")) return bt_report_cli(argc - 1, argv + 1);
-    static run_args a; /* device_set outlives the config load */
-    a.name = argv[1];
+    run_args a = {.name = argv[1]};
     if (!strcmp(argv[1], "train")) a.cmd = BT_CMD_TRAIN;
     else if (!strcmp(argv[1], "eval")) a.cmd = BT_CMD_EVAL;
     else if (!strcmp(argv[1], "estimate")) a.cmd = BT_CMD_ESTIMATE;

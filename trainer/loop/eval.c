@@ -103,8 +103,7 @@ static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *l
         }
     }
     if (cut && bt_run_dist.world > 1) { /* every rank stops (relayed): no collective any more */
-        rc = bt_run_stop_check(NULL);
-        if (!rc) rc = bt_fail(BT_ERR_CANCELLED, "interrupted");
+        rc = bt_run_stop_error();
         goto out;
     }
     /* every rank evaluated its own share of the held-out stream: add them up (a collective; a

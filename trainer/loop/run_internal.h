@@ -39,6 +39,11 @@ extern atomic_int bt_run_stop_sig;
  * bt_step_ctx_set_check and bt_cuda_hooks). */
 int bt_run_stop_check(void *arg);
 
+/* The stop request that cut a wait or an evaluation short, as an error: bt_run_stop_check's
+ * code and message (BT_ERR_CANCELLED, or another rank's failure), else BT_ERR_CANCELLED
+ * "interrupted" (the request was seen earlier and nothing is pending now). Never 0. */
+int bt_run_stop_error(void);
+
 /* vals[0..n) <- their sum over all ranks (a no-op for one process). Every rank must call it at
  * the same point (an NCCL collective on device "cuda"). Returns 0 or the collective's error. */
 int bt_run_dist_sum(double *vals, int n);

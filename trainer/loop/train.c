@@ -162,6 +162,11 @@ int bt_run_stop_check(void *arg) {
     return sig ? bt_fail(BT_ERR_CANCELLED, "interrupted by %s", stop_signal_name(sig)) : 0;
 }
 
+int bt_run_stop_error(void) {
+    int rc = bt_run_stop_check(NULL);
+    return rc ? rc : bt_fail(BT_ERR_CANCELLED, "interrupted");
+}
+
 #ifdef BT_WITH_CUDA
 static void on_collective(void *arg, int entering) {
     (void)arg;
@@ -337,13 +342,6 @@ typedef struct {
 static int run_end_with(bt_run *r, run_end how, int rc) {
     r->end = how;
     return rc;
-}
-
-/* The stop request that cut a wait or an evaluation short, as an error (BT_ERR_CANCELLED, or
- * another rank's failure that bt_run_stop_check names). */
-static int stop_error(void) {
-    int rc = bt_run_stop_check(NULL);
-    return rc ? rc : bt_fail(BT_ERR_CANCELLED, "interrupted");
 }
 
 /* Stage 1. Rank and world from the launcher's environment, warnings and stale temporaries (rank
@@ -550,7 +548,7 @@ static int run_eval_only(bt_run *r) {
         fflush(out);
     }
     if (!r->eval_cut) return 0;
-    int rc = stop_error();
+    int rc = bt_run_stop_error();
     if (rc == BT_ERR_CANCELLED)
         rc = bt_fail(rc, "%s: the held-out evaluation is partial", bt_last_error());
     return rc;
@@ -567,7 +565,7 @@ static int run_begin_training(bt_run *r) {
             (rc = bt_report_eval(r->rep, r->start_step, r->before, r->n_eval)))
             return rc;
     }
-    if (r->eval_cut) return run_end_with(r, RUN_END_STOP_OR_FAIL, stop_error());
+    if (r->eval_cut) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error());
     if ((rc = bt_run_attach(&r->cl, cfg, 0, r->has_resume ? r->resume : NULL))) return rc;
     /* loaderd shows the base this run trains against (loaderctl status): type and real size */
     bt_client_set_base(r->cl, bt_base_dtype_name(r->binfo.base_dtype), r->binfo.types,
@@ -635,7 +633,7 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
         n_lab += n;
         n_real += r->mbs[i].n_real;
     }
-    if (got == 2) return run_end_with(r, RUN_END_STOP_OR_FAIL, stop_error());
+    if (got == 2) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error());
     if (got == 1)
         got = bt_fail(BT_ERR_CLOSED, "the training stream ended after step %d of %d%s", step,
                       cfg->steps, bt_run_dist.world > 1 ? " (on this rank)" : "");
@@ -880,7 +878,7 @@ static int run_finish(bt_run *r) {
         if ((rc = run_eval(r, &r->after, r->len_after, &cut)))
             return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
         if (cut) { /* the training is complete and saved: only the evaluation was cut short */
-            rc = stop_error();
+            rc = bt_run_stop_error();
             return bt_fail(rc, "%s during the final held-out evaluation; adapter for step %d of "
                            "%d saved to %s", bt_last_error(), r->done_steps, cfg->steps,
                            cfg->out_dir);
