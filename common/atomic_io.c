@@ -95,7 +95,8 @@ void bt_atomic_abort(bt_atomic_file *af) {
 }
 
 int bt_fsync_path(const char *path, int is_dir, const char *component) {
-    int fd = open(path, (is_dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO found at `path` must not hang the writer (its fsync answers EINVAL) */
+    int fd = open(path, (is_dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return bt_fail(BT_ERR_IO, "%s: open %s: %s", component, path, strerror(errno));
     int rc = fsync(fd) != 0 && errno != EINVAL
                  ? bt_fail(BT_ERR_IO, "%s: fsync %s: %s", component, path, strerror(errno))

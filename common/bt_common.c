@@ -13,7 +13,9 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -143,20 +145,89 @@ static _Atomic int g_refuse_links;
 
 void bt_open_refuse_symlinks(int on) { atomic_store(&g_refuse_links, on != 0); }
 
-int bt_open_ro(const char *path) {
-    /* O_NONBLOCK: a FIFO put where a file was expected must not hang the open (callers then
-     * refuse anything but a regular file); reads of regular files ignore it */
-    const int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
-    if (!atomic_load(&g_refuse_links)) return open(path, flags);
-    struct open_how how;
-    memset(&how, 0, sizeof how);
-    how.flags = flags;
-    how.resolve = RESOLVE_NO_SYMLINKS;
-    long fd = syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how);
-    if (fd < 0 && (errno == ENOSYS || errno == EPERM)) /* old kernel, or a seccomp filter */
-        fd = open(path, flags | O_NOFOLLOW);
+/* Pseudo filesystems: their files are views of kernel state, not data (procfs and sysfs files
+ * report size 0 or 4096 whatever they hold; reading some has side effects). Magic numbers:
+ * <linux/magic.h>. */
+static const struct {
+    unsigned long magic;
+    const char *name;
+} g_pseudo_fs[] = {
+    {PROC_SUPER_MAGIC, "procfs"},     {SYSFS_MAGIC, "sysfs"},        {DEBUGFS_MAGIC, "debugfs"},
+    {TRACEFS_MAGIC, "tracefs"},       {SECURITYFS_MAGIC, "securityfs"}, {CGROUP_SUPER_MAGIC, "cgroupfs"},
+    {CGROUP2_SUPER_MAGIC, "cgroup2"}, {BPF_FS_MAGIC, "bpffs"},       {0x62656570UL, "configfs"},
+    {EFIVARFS_MAGIC, "efivarfs"},     {PSTOREFS_MAGIC, "pstore"},    {SELINUX_MAGIC, "selinuxfs"},
+    {SMACK_MAGIC, "smackfs"},         {BINFMTFS_MAGIC, "binfmt_misc"}, {0x65735543UL, "fusectl"},
+    {NSFS_MAGIC, "nsfs"},             {DEVPTS_SUPER_MAGIC, "devpts"}, {RDTGROUP_SUPER_MAGIC, "resctrl"},
+    {AUTOFS_SUPER_MAGIC, "autofs"},   {0x1373UL, "devfs"},            {AAFS_MAGIC, "apparmorfs"},
+};
+
+static const char *pseudo_fs_name(const struct statfs *sf) {
+    for (size_t i = 0; i < sizeof g_pseudo_fs / sizeof g_pseudo_fs[0]; i++)
+        if ((unsigned long)sf->f_type == g_pseudo_fs[i].magic) return g_pseudo_fs[i].name;
+    return NULL;
+}
+
+const char *bt_pseudo_fs(const char *path) {
+    struct statfs sf;
+    return statfs(path, &sf) == 0 ? pseudo_fs_name(&sf) : NULL;
+}
+
+static const char *kind_of(mode_t m) {
+    return S_ISDIR(m) ? "a directory" : S_ISFIFO(m) ? "a FIFO" : S_ISSOCK(m) ? "a socket" : S_ISCHR(m) ? "a character device"
+         : S_ISBLK(m) ? "a block device" : "not a plain file";
+}
+
+int bt_open_file(const char *path, unsigned flags, struct stat *st_out) {
+    /* O_NONBLOCK: a FIFO put where a file was expected must not hang the open (it is refused
+     * below); reads of regular files ignore it */
+    const int oflags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+    int refuse = (flags & BT_OPEN_NO_LINKS) || (!(flags & BT_OPEN_LINKS_OK) && atomic_load(&g_refuse_links));
+    long fd;
+    if (!refuse) {
+        fd = open(path, oflags);
+    } else {
+        struct open_how how;
+        memset(&how, 0, sizeof how);
+        how.flags = oflags;
+        how.resolve = RESOLVE_NO_SYMLINKS;
+        fd = syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how);
+        if (fd < 0 && (errno == ENOSYS || errno == EPERM)) /* old kernel, or a seccomp filter */
+            fd = open(path, oflags | O_NOFOLLOW);
+    }
+    if (fd < 0) {
+        int e = errno;
+        if (e == ELOOP && refuse)
+            bt_fail(BT_ERR_IO, "%s: a symbolic link on the way (refused: the path was checked without it)", path);
+        else
+            bt_fail(BT_ERR_IO, "%s: %s", path, strerror(e));
+        errno = e;
+        return -1;
+    }
+    struct stat st;
+    struct statfs sf;
+    const char *fs = NULL;
+    int e = 0;
+    if (fstat((int)fd, &st) != 0) {
+        e = errno;
+        bt_fail(BT_ERR_IO, "%s: fstat: %s", path, strerror(e));
+    } else if (!S_ISREG(st.st_mode)) {
+        e = S_ISDIR(st.st_mode) ? EISDIR : ENXIO;
+        bt_fail(BT_ERR_IO, "%s: not a regular file (%s)", path, kind_of(st.st_mode));
+    } else if (fstatfs((int)fd, &sf) == 0 && (fs = pseudo_fs_name(&sf))) {
+        e = ENXIO;
+        bt_fail(BT_ERR_IO, "%s: not a regular file (on %s, a pseudo filesystem: its files are views of kernel "
+                "state, not data)", path, fs);
+    }
+    if (e) {
+        close((int)fd);
+        errno = e;
+        return -1;
+    }
+    if (st_out) *st_out = st;
     return (int)fd;
 }
+
+int bt_open_ro(const char *path) { return bt_open_file(path, 0, NULL); }
 
 /* ---- SIGBUS guard for file mappings (see bt_common.h) ----
  * A fixed table of [lo, hi) page ranges, one per live bt_map; the signal handler only reads
@@ -267,18 +338,9 @@ void bt_test_pause_point(const char *path) {
 int bt_map_open(bt_map *m, const char *path) {
     memset(m, 0, sizeof *m);
     m->fd = -1;
-    int fd = bt_open_ro(path);
-    if (fd < 0) return bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
-        close(fd);
-        return bt_fail(BT_ERR_IO, "%s: fstat: %s", path, strerror(e));
-    }
-    if (!S_ISREG(st.st_mode)) {
-        close(fd);
-        return bt_fail(BT_ERR_IO, "%s: not a regular file", path);
-    }
+    int fd = bt_open_file(path, 0, &st);
+    if (fd < 0) return BT_ERR_IO; /* the message names the path and why */
     if (st.st_size > 0) {
         void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
         if (p == MAP_FAILED) {
@@ -331,7 +393,7 @@ int bt_read_file(const char *path, size_t max_bytes, char **out, size_t *len) {
     *out = NULL;
     if (len) *len = 0;
     int fd = bt_open_ro(path);
-    if (fd < 0) return bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
+    if (fd < 0) return BT_ERR_IO; /* the message names the path and why */
     int rc = bt_read_fd(fd, path, max_bytes, out, len);
     close(fd);
     return rc;

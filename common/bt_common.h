@@ -73,16 +73,33 @@ uint64_t bt_fnv1a64(uint64_t h, const void *data, size_t n);
  * rest of the mapping, marks it, and lets the read go on; bt_map_check then reports the
  * change. Readers call it before they use what they read (bt_gguf_check, bt_st_check). */
 
-/* Open `path` read-only (O_CLOEXEC | O_NONBLOCK: a FIFO does not hang the open; the callers
- * refuse anything but a regular file). After bt_open_refuse_symlinks(1) no component of the path
- * may be a symbolic link (openat2 RESOLVE_NO_SYMLINKS, Linux >= 5.6; O_NOFOLLOW on the last
- * component where openat2 is missing): loaderd turns this on, since every path it opens was
- * resolved and checked against its roots before, so a link found at open time was swapped in
- * afterwards to lead the read elsewhere. bt_map_open, bt_read_file and loaderd's shard reader
- * open through it. Returns the fd, or -1 with errno set (ELOOP for a refused link). */
+/* The one safe open of a file to read (every file loaderd reads, every model file the trainer
+ * reads): O_RDONLY | O_CLOEXEC | O_NONBLOCK, so a FIFO put where a file was expected never
+ * hangs the open (nor the thread, nor the event loop, nor a SIGTERM waiting for them); then only
+ * a regular file is kept: a directory, FIFO, socket or device is refused, and so is a file on a
+ * pseudo filesystem (procfs, sysfs, debugfs, tracefs, cgroupfs, ...: views of kernel state whose
+ * sizes say nothing of what a read returns, e.g. 0 bytes for /proc/self/status; magic numbers
+ * from <linux/magic.h>). Symbolic links: with BT_OPEN_LINKS_OK followed (an operator's own
+ * file, e.g. loaderd's --config); with BT_OPEN_NO_LINKS refused in every component; otherwise
+ * as bt_open_refuse_symlinks says (loaderd turns refusal on: every path it opens was resolved
+ * and checked against its roots before, so a link found at open time was swapped in afterwards
+ * to lead the read elsewhere). Refusal: openat2 RESOLVE_NO_SYMLINKS (Linux >= 5.6; O_NOFOLLOW on
+ * the last component where openat2 is missing).
+ * Returns the fd (and *st_out when not NULL: its fstat), or -1 with errno set (ELOOP for a
+ * refused link, EISDIR / ENXIO for what is not a regular file, else open's) and the reason in
+ * bt_last_error() ("<path>: not a regular file (a FIFO)", "<path>: not a regular file (on procfs,
+ * a pseudo filesystem ...)", "<path>: No such file or directory", ...; BT_ERR_IO). */
+enum { BT_OPEN_LINKS_OK = 1u, BT_OPEN_NO_LINKS = 2u };
+struct stat;
+int bt_open_file(const char *path, unsigned flags, struct stat *st_out);
+/* bt_open_file(path, 0, NULL). */
 int bt_open_ro(const char *path);
-/* Process-wide switch for bt_open_ro (default off). */
+/* Process-wide switch for bt_open_file without a link flag (default off: links followed). */
 void bt_open_refuse_symlinks(int on);
+/* Name of the pseudo filesystem `path` lies on ("procfs", "sysfs", ...; the list bt_open_file
+ * refuses), NULL for any other filesystem or when it cannot be stat'ed. Static string. Checks
+ * made before a file is opened (loaderd's attach) use it to refuse with the same reason. */
+const char *bt_pseudo_fs(const char *path);
 
 /* Read-only memory map of a whole file. size 0 files map to data == NULL, size == 0. */
 typedef struct {
@@ -97,7 +114,8 @@ typedef struct {
  * *m owns the mapping (and one fd) until bt_map_close. Errors: BT_ERR_IO (open/fstat/mmap
  * failed, or not a regular file; message names the path), BT_ERR_NOMEM (more than 4096 files
  * mapped at once), *m left empty.
- * Test hook: bt_test_pause_point(path) once mapped. */
+ * Test hook: bt_test_pause_point(path) once mapped. Opened with bt_open_file (so only a
+ * regular file on a real filesystem; links as bt_open_refuse_symlinks says). */
 int bt_map_open(bt_map *m, const char *path);
 /* Test hook (a no-op unless both variables are set): when $BT_TEST_MAP_PAUSE_DIR names a
  * directory holding the FIFOs "mapped" and "resume" and `path` contains

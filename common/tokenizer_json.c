@@ -513,11 +513,13 @@ int bt_tokenizer_load(bt_tokenizer **out, const char *path) {
         if (strlen(path) >= sizeof file) return bt_fail(BT_ERR_INVALID, "tokenizer: path too long");
         strcpy(file, path);
         /* GGUF by magic */
-        FILE *f = fopen(path, "rb");
-        if (!f) return bt_fail(BT_ERR_IO, "tokenizer: %s: %s", path, strerror(errno));
+        int fd = bt_open_ro(path); /* the one safe open: a regular file, never blocking */
+        if (fd < 0) return bt_fail(BT_ERR_IO, "tokenizer: %s", bt_last_error());
         char magic[4] = {0};
-        size_t got = fread(magic, 1, 4, f);
-        fclose(f);
+        ssize_t got;
+        do got = pread(fd, magic, 4, 0);
+        while (got < 0 && errno == EINTR);
+        close(fd);
         if (got == 4 && memcmp(magic, "GGUF", 4) == 0) {
             bt_gguf *g = NULL;
             int rc = bt_gguf_open(&g, path);

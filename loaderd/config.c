@@ -303,8 +303,10 @@ int ld_config_parse(ld_config *c, const char *json_text, const char *origin) {
 int ld_config_load(ld_config *c, const char *path) {
     memset(c, 0, sizeof *c);
     char *buf = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC); /* the operator's file: a symlink is fine here */
-    if (fd < 0) return bt_fail(BT_ERR_IO, "config %s: %s", path, strerror(errno));
+    /* the operator's file: a symlink is fine here; but never a FIFO or device: SIGHUP reloads it
+     * on the event loop, which must not block in open(2) or read(2) (bt_open_file) */
+    int fd = bt_open_file(path, BT_OPEN_LINKS_OK, NULL);
+    if (fd < 0) return bt_fail(BT_ERR_IO, "config %s", bt_last_error());
     int rc = bt_read_fd(fd, path, 4u << 20, &buf, NULL);
     close(fd);
     if (rc) return bt_fail(rc == BT_ERR_RANGE ? BT_ERR_INVALID : rc, "config %s", bt_last_error());
@@ -653,14 +655,17 @@ int ld_socket_clear_stale(const char *path) {
     struct stat st;
     if (lstat(path, &st) != 0) return errno == ENOENT ? BT_OK : bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
     if (!S_ISSOCK(st.st_mode)) return bt_fail(BT_ERR_INVALID, "%s exists and is not a socket: refusing to replace it", path);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    /* non-blocking: a listener whose backlog is full (a hung process) must not hang us here with
+     * SIGTERM unanswered; EAGAIN means someone listens */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return bt_fail(BT_ERR_IO, "socket: %s", strerror(errno));
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
     int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
     int e = errno;
     close(fd);
-    if (rc == 0) return bt_fail(BT_ERR_INVALID, "%s: another loaderd is already listening there", path);
+    if (rc == 0 || e == EAGAIN || e == EINPROGRESS)
+        return bt_fail(BT_ERR_INVALID, "%s: another loaderd is already listening there", path);
     if (e != ECONNREFUSED) return bt_fail(BT_ERR_IO, "%s: probing the old socket: %s", path, strerror(e));
     bt_log(BT_LOG_INFO, "loaderd", "removing stale socket %s", path);
     if (unlink(path) != 0 && errno != ENOENT) return bt_fail(BT_ERR_IO, "unlink %s: %s", path, strerror(errno));

@@ -92,15 +92,14 @@ int ld_source_open(ld_source **out, const char *path, size_t max_line) {
         return bt_fail(BT_ERR_NOMEM, "source: out of memory");
     }
     s->max_line = max_line ? max_line : LD_SOURCE_MAX_LINE;
-    s->fd = bt_open_ro(path); /* in loaderd: no symlink may have been swapped in since the check */
+    /* the one safe open (bt_common.h): a regular file only, never blocking; in loaderd no
+     * symlink may have been swapped in since the path was checked */
     struct stat st;
     int rc = BT_OK;
-    if (s->fd < 0) rc = bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
-    else if (fstat(s->fd, &st) != 0) rc = bt_fail(BT_ERR_IO, "%s: fstat: %s", path, strerror(errno));
-    else if (!S_ISREG(st.st_mode)) rc = bt_fail(BT_ERR_IO, "%s: not a regular file", path);
-    if (rc != BT_OK) {
+    s->fd = bt_open_file(path, 0, &st);
+    if (s->fd < 0) {
         ld_source_close(s);
-        return rc;
+        return BT_ERR_IO; /* bt_last_error names the path and why */
     }
     s->size0 = (size_t)st.st_size;
     bt_test_pause_point(path); /* tests truncate the shard here (bt_common.h) */

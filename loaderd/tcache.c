@@ -238,13 +238,11 @@ static int same_stat(const memo *m, const struct stat *st) {
 /* SHA-256 and size of the shard's bytes, remembered per (dev, inode, size, mtime, ctime).
  * BT_OK, or BT_ERR_IO (unreadable, not a regular file, or changed while being hashed). */
 static int shard_hash(ld_tcache *c, const char *path, uint8_t sha[32], uint64_t *size) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
     struct stat st, st2;
-    if (fd < 0) return bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return bt_fail(BT_ERR_IO, "%s: not a regular file", path);
-    }
+    /* the one safe open: the shard may have been replaced since the attach checked it (by a
+     * link leading out of the roots, a FIFO that would block this thread forever, ...) */
+    int fd = bt_open_file(path, 0, &st);
+    if (fd < 0) return BT_ERR_IO; /* bt_last_error names the path and why */
     size_t b = (size_t)((uint64_t)st.st_ino * 0x9E3779B97F4A7C15ull >> 54) % MEMO_BUCKETS;
     pthread_mutex_lock(&c->mu);
     for (memo *m = c->memo[b]; m; m = m->next)
@@ -323,7 +321,7 @@ static int shard_key(ld_tcache *c, const ld_tc_shard *sh, uint8_t key[32], uint8
 /* Exclusive flock on "<k>.lock": 1 held (*fd), 0 held by someone else, <0 cannot lock. */
 static int lock_try(ld_tcache *c, const uint8_t key[32], int *fd) {
     char *p = tc_path(c, key, ".lock", 1);
-    *fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0640);
+    *fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0640);
     if (*fd < 0) {
         int rc = bt_fail(BT_ERR_IO, "token cache: %s: %s", p, strerror(errno));
         free(p);
@@ -523,8 +521,8 @@ static void *feed_main(void *arg) {
 /* Hash the bytes of path from `from` to `to` (what the source did not read after a zstd error). */
 static int hash_rest(tc_sha *s, const char *path, uint64_t from, uint64_t to) {
     if (from >= to) return BT_OK;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return bt_fail(BT_ERR_IO, "%s: %s", path, strerror(errno));
+    int fd = bt_open_ro(path); /* the one safe open (see shard_hash) */
+    if (fd < 0) return BT_ERR_IO;
     char buf[65536];
     int rc = BT_OK;
     while (from < to) {
@@ -641,7 +639,7 @@ static int open_entry(ld_tcache *c, const ld_tc_shard *sh, const uint8_t key[32]
     tc_inuse_add(c, key); /* before opening: eviction elsewhere in this process keeps off it */
     int rc = tc_reader_open(c, p, key, bt_tokenizer_vocab_size(sh->fcfg->tok), out);
     if (rc == TC_OPEN_OK) {
-        int fd = open(p, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        int fd = open(p, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd >= 0) { /* least recently used = oldest mtime */
             futimens(fd, NULL);
             close(fd);

@@ -152,15 +152,20 @@ static int open_bad(ld_tcache *c, const char *path, dev_t dev, ino_t ino, int st
 
 int tc_reader_open(ld_tcache *c, const char *path, const uint8_t key[32], int32_t vocab, ld_tc_reader **out) {
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    struct stat st;
+    /* the one safe open, links refused: a regular file or nothing, never blocking */
+    int fd = bt_open_file(path, BT_OPEN_NO_LINKS, &st);
     if (fd < 0) {
         if (errno == ENOENT) return TC_OPEN_MISSING;
-        return open_bad(c, path, 0, 0, 0, strerror(errno)); /* a symlink (ELOOP), no permission, ... */
+        char why[256]; /* a symlink, a FIFO, a directory, no permission, ...: without the path */
+        const char *e = bt_last_error();
+        snprintf(why, sizeof why, "%s", strncmp(e, path, strlen(path)) == 0 && e[strlen(path)] == ':'
+                                            ? e + strlen(path) + 2 : e);
+        return open_bad(c, path, 0, 0, 0, why);
     }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (st.st_uid != geteuid()) { /* only loaderd's user can write the tree (tcache.c, trust) */
         close(fd);
-        return open_bad(c, path, st.st_dev, 0, 0, "not a regular file");
+        return open_bad(c, path, st.st_dev, st.st_ino, 0, "not owned by loaderd's user");
     }
     ld_tc_reader *r = bt_xcalloc(1, sizeof *r);
     r->c = c;

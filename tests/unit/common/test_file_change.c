@@ -286,6 +286,77 @@ static void test_open_refusing_links(void **st) {
     free(buf);
 }
 
+/* The one safe open (issue 21 §3, §5, §11): whatever sits where a file was expected, the open
+ * returns at once (a FIFO with no writer would block a plain open(2) forever), and only a
+ * regular file on a real filesystem is kept, with the reason in bt_last_error; every reader
+ * built on it (bt_read_file, bt_map_open, the tokenizer loader, GGUF) says the same. */
+static void test_safe_open_regular_only(void **st) {
+    (void)st;
+    char fifo[128], dir[128], reg[128], link[128];
+    path_of(fifo, sizeof fifo, "safe-fifo");
+    path_of(dir, sizeof dir, "safe-dir");
+    path_of(reg, sizeof reg, "safe.txt");
+    path_of(link, sizeof link, "safe-link");
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    assert_int_equal(mkdir(dir, 0700), 0);
+    tu_write_file(NULL, reg, "abc", 3);
+    assert_int_equal(symlink(reg, link), 0);
+    struct stat sb;
+    int fd = bt_open_file(reg, 0, &sb);
+    assert_true(fd >= 0);
+    assert_int_equal(sb.st_size, 3);
+    close(fd);
+    const struct {
+        const char *path, *why;
+        int err;
+    } bad[] = {
+        {fifo, "not a regular file (a FIFO)", ENXIO},
+        {dir, "not a regular file (a directory)", EISDIR},
+        {"/dev/null", "not a regular file (a character device)", ENXIO},
+        {"/proc/self/status", "not a regular file (on procfs, a pseudo filesystem", ENXIO},
+        {"/proc/sys/kernel/hostname", "on procfs", ENXIO},
+        {"/sys/kernel/mm/transparent_hugepage/enabled", "on sysfs", ENXIO},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        if (access(bad[i].path, F_OK) != 0) continue; /* no /sys in this container */
+        errno = 0;
+        assert_int_equal(bt_open_file(bad[i].path, 0, NULL), -1);
+        assert_int_equal(errno, bad[i].err);
+        if (!strstr(bt_last_error(), bad[i].why) || strncmp(bt_last_error(), bad[i].path, strlen(bad[i].path)))
+            fail_msg("%s: %s", bad[i].path, bt_last_error());
+        char *buf = NULL;
+        size_t n;
+        assert_int_equal(bt_read_file(bad[i].path, 0, &buf, &n), BT_ERR_IO);
+        assert_non_null(strstr(bt_last_error(), bad[i].why));
+        bt_map m;
+        assert_int_equal(bt_map_open(&m, bad[i].path), BT_ERR_IO);
+        assert_non_null(strstr(bt_last_error(), bad[i].why));
+    }
+    /* the tokenizer loader and the GGUF reader: a FIFO is refused, not waited on */
+    bt_tokenizer *t = NULL;
+    assert_int_not_equal(bt_tokenizer_load(&t, fifo), BT_OK);
+    assert_null(t);
+    assert_non_null(strstr(bt_last_error(), "not a regular file (a FIFO)"));
+    bt_gguf *g = NULL;
+    assert_int_equal(bt_gguf_open(&g, fifo), BT_ERR_IO);
+    /* links: followed by default, refused with BT_OPEN_NO_LINKS, followed with BT_OPEN_LINKS_OK
+     * even when the process refuses them (loaderd's own --config) */
+    assert_true((fd = bt_open_file(link, 0, NULL)) >= 0);
+    close(fd);
+    errno = 0;
+    assert_int_equal(bt_open_file(link, BT_OPEN_NO_LINKS, NULL), -1);
+    assert_int_equal(errno, ELOOP);
+    assert_non_null(strstr(bt_last_error(), "a symbolic link on the way"));
+    bt_open_refuse_symlinks(1);
+    assert_int_equal(bt_open_file(link, 0, NULL), -1);
+    assert_true((fd = bt_open_file(link, BT_OPEN_LINKS_OK, NULL)) >= 0);
+    close(fd);
+    bt_open_refuse_symlinks(0);
+    /* bt_pseudo_fs names what bt_open_file refuses */
+    assert_string_equal(bt_pseudo_fs("/proc/self/status"), "procfs");
+    assert_null(bt_pseudo_fs(reg));
+}
+
 /* A GGUF cut after it was opened: reading its tensors does not crash, bt_gguf_check reports. */
 static void test_gguf_cut(void **st) {
     (void)st;
@@ -411,6 +482,7 @@ int main(void) {
         cmocka_unit_test(test_foreign_sigbus_still_kills),
         cmocka_unit_test(test_read_file),
         cmocka_unit_test(test_open_refusing_links),
+        cmocka_unit_test(test_safe_open_regular_only),
         cmocka_unit_test(test_gguf_cut),
         cmocka_unit_test(test_safetensors_cut),
         cmocka_unit_test(test_tokenizer_cut_while_loading),
