@@ -201,14 +201,15 @@ static void print_status(json_t *r) {
     json_t *tc = json_object_get(r, "token_cache");
     if (json_is_object(tc))
         fprintf(g_out, "token cache %s: %.1f of %.1f MiB, %.0f shard(s) tokenized here, %.0f hit(s), %.0f wait(s), "
-                "%.0f damaged, %.0f stale, %.0f bypassed, %.0f evicted; %.0f stream(s)\n", str(tc, "dir"),
+                "%.0f damaged, %.0f stale, %.0f bypassed (%.0f untrusted), %.0f evicted, %.0f stale temporary "
+                "file(s) removed; %.0f stream(s)\n", str(tc, "dir"),
                 num(tc, "bytes") / 1048576.0, num(tc, "max_bytes") / 1048576.0, num(tc, "built"), num(tc, "hits"),
-                num(tc, "waited"), num(tc, "damaged"), num(tc, "stale"), num(tc, "bypassed"), num(tc, "evicted"),
-                num(r, "streams"));
-    double mb = num(r, "memory_budget_bytes"), mu = num(r, "memory_used_bytes");
+                num(tc, "waited"), num(tc, "damaged"), num(tc, "stale"), num(tc, "bypassed"), num(tc, "untrusted"),
+                num(tc, "evicted"), num(tc, "temps_removed"), num(r, "streams"));
+    double mb = num(r, "memory_budget_bytes"), mu = num(r, "memory_used_bytes"), mt = num(r, "tokenizer_memory_bytes");
     if (isfinite(mb) && mb > 0)
-        fprintf(g_out, "memory: %.1f MiB of %.1f MiB budget in use (%.1f%%; rings + pipeline buffers)\n", mu / 1048576.0,
-                mb / 1048576.0, 100.0 * mu / mb);
+        fprintf(g_out, "memory: %.1f MiB of %.1f MiB budget in use (%.1f%%; rings + pipeline buffers, and %.1f MiB of "
+                "tokenizers)\n", mu / 1048576.0, mb / 1048576.0, 100.0 * mu / mb, isfinite(mt) ? mt / 1048576.0 : 0.0);
     if (json_array_size(jobs) == 0) {
         fprintf(g_out, "no jobs attached\n");
         return;

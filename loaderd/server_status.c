@@ -197,6 +197,8 @@ static const struct {
     F(build_tokens, "Tokens written into the token cache."),
     F(read_bytes, "Token-cache entry bytes read."),
     F(hashed_bytes, "Shard bytes hashed for token-cache keys."),
+    F(temps_removed, "Temporary files of token-cache builders that died, removed (at start and while evicting)."),
+    F(untrusted, "Token-cache lookups that did without the cache: a level of its tree is not loaderd's alone."),
 #undef F
 };
 
@@ -372,7 +374,7 @@ void ld_op_metrics(conn *c) {
                "# TYPE loaderd_streams gauge\nloaderd_streams %u\n", streams);
     if (s->tcache) {
         ld_tcache_stats *st = ld_tcache_stats_of(s->tcache);
-        fprintf(f, "# HELP loaderd_token_cache_bytes Size of the token cache's entries.\n"
+        fprintf(f, "# HELP loaderd_token_cache_bytes Size of the token cache's entries and live builders' temporary files.\n"
                    "# TYPE loaderd_token_cache_bytes gauge\nloaderd_token_cache_bytes %llu\n",
                 (unsigned long long)atomic_load(&st->bytes));
         for (size_t i = 0; i < sizeof tc_fields / sizeof tc_fields[0]; i++)

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <limits.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -19,7 +20,7 @@
 
 #define ADD(field, n) atomic_fetch_add_explicit(&c->st.field, (uint64_t)(n), memory_order_relaxed)
 #define MEMO_BUCKETS 1024
-#define TMP_MAX_AGE_S 3600
+#define TMP_GRACE_S 2 /* a temporary file younger than this may be one whose writer is about to lock it */
 
 typedef struct keynode {
     uint8_t key[32];
@@ -46,6 +47,8 @@ struct ld_tcache {
     keynode *building;     /* keys being built by this process */
     keynode *inuse;        /* keys being read by this process (refs) */
     memo *memo[MEMO_BUCKETS];
+    char distrust[512];    /* the last reason the tree failed its check ("" while trusted; under mu) */
+    char distrust_path[4096]; /* the level that failed */
     ld_tcache_stats st;
 };
 
@@ -128,6 +131,104 @@ char *tc_path(const ld_tcache *c, const uint8_t key[32], const char *suffix, int
     return p;
 }
 
+/* ------------------------------------------------------------------ trust
+ *
+ * Anyone who can write a directory of the cache can plant an entry whose checksums are valid:
+ * loaderd would serve it as the training data. So every level loaderd creates or reads must be
+ * writable by loaderd's user only: the directory itself, v1/ and each <k0k1>/ are real
+ * directories (not symbolic links) owned by our effective uid with neither the group nor the
+ * other write bit (a sticky bit does not make them safe: anyone may still add files); each
+ * ancestor of the directory is owned by root or by us and, when others may write it, sticky (so
+ * nobody else can rename our directory away and put theirs in its place). Checked at start
+ * (ld_tcache_open refuses) and before every use (the cache is bypassed while it fails). */
+
+/* One level: BT_OK, or BT_ERR_INVALID with the reason (bt_fail). ancestor: the looser rule. */
+static int level_ok(const char *path, int ancestor) {
+    struct stat st;
+    uid_t me = geteuid();
+    if (lstat(path, &st) != 0)
+        return bt_fail(BT_ERR_INVALID, "%s: %s", path, strerror(errno));
+    if (S_ISLNK(st.st_mode))
+        return bt_fail(BT_ERR_INVALID, "%s is a symbolic link (the cache tree must be real directories)", path);
+    if (!S_ISDIR(st.st_mode)) return bt_fail(BT_ERR_INVALID, "%s is not a directory", path);
+    if (ancestor) {
+        if (st.st_uid != 0 && st.st_uid != me)
+            return bt_fail(BT_ERR_INVALID, "%s (a parent of the cache) is owned by uid %u, not by root or loaderd's "
+                           "user (uid %u): its owner could swap the cache for another", path, (unsigned)st.st_uid,
+                           (unsigned)me);
+        if ((st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX))
+            return bt_fail(BT_ERR_INVALID, "%s (a parent of the cache) is %s-writable and not sticky (mode %04o): "
+                           "anyone there could swap the cache for another", path,
+                           (st.st_mode & S_IWOTH) ? "world" : "group", (unsigned)(st.st_mode & 07777));
+        return BT_OK;
+    }
+    if (st.st_uid != me)
+        return bt_fail(BT_ERR_INVALID, "%s is owned by uid %u, not by loaderd's user (uid %u): its owner could plant "
+                       "entries (chown it to loaderd's user)", path, (unsigned)st.st_uid, (unsigned)me);
+    if (st.st_mode & (S_IWGRP | S_IWOTH))
+        return bt_fail(BT_ERR_INVALID, "%s is %s-writable (mode %04o%s): others could plant entries (chmod go-w it; "
+                       "0750 or 0700)", path, (st.st_mode & S_IWOTH) ? "world" : "group",
+                       (unsigned)(st.st_mode & 07777), (st.st_mode & S_ISVTX) ? ", sticky bit or not" : "");
+    return BT_OK;
+}
+
+/* The chain from / to the cache directory, the directory, v1/ and, when sub is not NULL, the
+ * entry directory v1/<sub>/ (when it exists: a missing one is created 0750 by loaderd).
+ * BT_OK, or BT_ERR_INVALID with the reason. */
+static int tree_ok(const ld_tcache *c, const char *sub, char *bad, size_t bad_n) {
+    char path[PATH_MAX];
+    size_t n = strlen(c->dir);
+    if (n >= sizeof path) return bt_fail(BT_ERR_INVALID, "token cache: directory path too long");
+    snprintf(path, sizeof path, "/");
+    int rc = level_ok(path, 1);
+    for (size_t i = 1; rc == BT_OK && i < n; i++)
+        if (c->dir[i] == '/') {
+            memcpy(path, c->dir, i);
+            path[i] = 0;
+            rc = level_ok(path, 1);
+        }
+    for (int lv = 0; lv < 2 && rc == BT_OK; lv++) { /* the directory, then v1/ */
+        snprintf(path, sizeof path, "%s", lv ? c->vdir : c->dir);
+        rc = level_ok(path, 0);
+    }
+    if (rc == BT_OK && sub) {
+        snprintf(path, sizeof path, "%s/%s", c->vdir, sub);
+        struct stat st;
+        if (lstat(path, &st) == 0 || errno != ENOENT) rc = level_ok(path, 0);
+    }
+    if (rc != BT_OK && bad) snprintf(bad, bad_n, "%s", path);
+    return rc;
+}
+
+/* Before a use of the entries of `key`: 1 when the tree passes (tree_ok), else 0 after counting
+ * the lookup as untrusted and logging the reason (once, until that level passes again). */
+static int trusted_for(ld_tcache *c, const uint8_t key[32]) {
+    char k[33], bad[PATH_MAX];
+    hex(key, 1, k);
+    int ok = tree_ok(c, k, bad, sizeof bad) == BT_OK;
+    char was[PATH_MAX] = "";
+    int log_bad = 0;
+    pthread_mutex_lock(&c->mu);
+    if (!ok) {
+        log_bad = strcmp(c->distrust, bt_last_error()) != 0;
+        snprintf(c->distrust, sizeof c->distrust, "%s", bt_last_error());
+        snprintf(c->distrust_path, sizeof c->distrust_path, "%s", bad);
+    } else if (c->distrust[0] && level_ok(c->distrust_path, strlen(c->distrust_path) < strlen(c->dir)) == BT_OK) {
+        snprintf(was, sizeof was, "%s", c->distrust_path);
+        c->distrust[0] = c->distrust_path[0] = 0;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (!ok) {
+        atomic_fetch_add_explicit(&c->st.untrusted, 1, memory_order_relaxed);
+        if (log_bad)
+            bt_log(BT_LOG_WARN, "loaderd", "token cache: not used while its directory fails the check: %s",
+                   c->distrust);
+    } else if (was[0]) {
+        bt_log(BT_LOG_INFO, "loaderd", "token cache: %s passes the ownership check again: in use", was);
+    }
+    return ok;
+}
+
 /* ------------------------------------------------------------------ open / free */
 
 static int mkdir_p(const char *path) {
@@ -153,31 +254,44 @@ int ld_tcache_open(ld_tcache **out, const char *dir, uint64_t max_bytes, uint32_
     if (!dir || dir[0] != '/')
         return bt_fail(BT_ERR_INVALID, "token cache: \"token_cache_dir\" must be an absolute directory path");
     ld_tcache *c = bt_xcalloc(1, sizeof *c);
-    c->dir = bt_xstrdup(dir);
-    size_t n = strlen(dir) + 4;
-    c->vdir = bt_xmalloc(n);
-    snprintf(c->vdir, n, "%s/v1", dir);
     c->max_bytes = max_bytes;
     c->wait_s = wait_s;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
-    struct stat st;
     int rc = BT_OK;
-    if (mkdir_p(c->vdir) != 0 || stat(dir, &st) != 0)
+    size_t n = strlen(dir) + 4;
+    char *v = bt_xmalloc(n);
+    snprintf(v, n, "%s/v1", dir);
+    if (mkdir_p(v) != 0)
         rc = bt_fail(BT_ERR_IO, "token cache: cannot create %s: %s (create it, owned by loaderd's user, or fix "
-                     "\"token_cache_dir\"; a systemd unit needs it in ReadWritePaths=)", c->vdir, strerror(errno));
-    else if (!S_ISDIR(st.st_mode))
-        rc = bt_fail(BT_ERR_IO, "token cache: %s is not a directory", dir);
-    else if ((st.st_mode & S_IWOTH) && !(st.st_mode & S_ISVTX))
-        rc = bt_fail(BT_ERR_INVALID, "token cache: %s is world-writable: anyone could plant entries there "
-                     "(chmod o-w it, or use a directory only loaderd's user can write)", dir);
+                     "\"token_cache_dir\"; a systemd unit needs it in ReadWritePaths=)", v, strerror(errno));
+    free(v);
+    /* from here on the real path: every level of it is checked, and files in it are opened with
+     * symbolic links refused */
+    if (rc == BT_OK && !(c->dir = realpath(dir, NULL)))
+        rc = bt_fail(BT_ERR_IO, "token cache: %s: %s", dir, strerror(errno));
+    if (rc == BT_OK) {
+        n = strlen(c->dir) + 4;
+        c->vdir = bt_xmalloc(n);
+        snprintf(c->vdir, n, "%s/v1", c->dir);
+        if (tree_ok(c, NULL, NULL, 0) != BT_OK)
+            rc = bt_fail(BT_ERR_INVALID, "token cache: %s", bt_last_error());
+    }
+    if (rc == BT_OK) { /* every entry directory there now */
+        DIR *top = opendir(c->vdir);
+        struct dirent *d;
+        while (top && rc == BT_OK && (d = readdir(top)))
+            if (d->d_name[0] != '.' && tree_ok(c, d->d_name, NULL, 0) != BT_OK)
+                rc = bt_fail(BT_ERR_INVALID, "token cache: %s", bt_last_error());
+        if (top) closedir(top);
+    }
     if (rc == BT_OK) {
         char probe[64];
         snprintf(probe, sizeof probe, "/.probe.%d", (int)getpid());
         size_t pn = strlen(c->vdir) + sizeof probe;
         char *pp = bt_xmalloc(pn);
         snprintf(pp, pn, "%s%s", c->vdir, probe);
-        int fd = open(pp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+        int fd = open(pp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0640);
         if (fd < 0)
             rc = bt_fail(BT_ERR_IO, "token cache: %s is not writable: %s (give loaderd's user write access; a "
                          "systemd unit needs it in ReadWritePaths=)", c->vdir, strerror(errno));
@@ -192,8 +306,13 @@ int ld_tcache_open(ld_tcache **out, const char *dir, uint64_t max_bytes, uint32_
         return rc;
     }
     atomic_store(&c->st.bytes, scan(c, NULL, 0));
-    bt_log(BT_LOG_INFO, "loaderd", "token cache: %s, %.1f MiB of entries (max %.1f MiB)", dir,
-           (double)atomic_load(&c->st.bytes) / 1048576.0, (double)max_bytes / 1048576.0);
+    uint64_t tmps = atomic_load(&c->st.temps_removed);
+    char removed[96] = "";
+    if (tmps)
+        snprintf(removed, sizeof removed, ", %llu stale temporary file(s) of killed builders removed",
+                 (unsigned long long)tmps);
+    bt_log(BT_LOG_INFO, "loaderd", "token cache: %s, %.1f MiB of entries (max %.1f MiB)%s", c->dir,
+           (double)atomic_load(&c->st.bytes) / 1048576.0, (double)max_bytes / 1048576.0, removed);
     *out = c;
     return BT_OK;
 }
@@ -370,8 +489,27 @@ static int unhex16(const char *s, uint8_t out[16]) {
     return 0;
 }
 
-/* Size of the entries; with evict, remove the least recently used ones (never `keep` nor one in
- * use here) until they fit in 90% of max_bytes, and leftover temporary files. */
+/* Whether the temporary file at path (lstat: st) was left by a builder that died, and if so
+ * remove it: its writer (common/atomic_io.h bt_atomic_open) holds an exclusive flock on it
+ * until it is renamed into place, and the kernel releases that lock when the writer dies (on
+ * NFS, Lustre and GPFS with locking enabled too, whichever node it ran on). A file nobody
+ * locks, older than TMP_GRACE_S (the moment between its creation and its lock), is stale. */
+static int tmp_stale(const char *path, const struct stat *st, time_t now) {
+    if (now - st->st_mtim.tv_sec < TMP_GRACE_S) return 0;
+    /* opened for writing: an exclusive lock on NFS (flock emulated with fcntl locks) needs it */
+    int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return 0;
+    struct stat fst;
+    int stale = fstat(fd, &fst) == 0 && fst.st_dev == st->st_dev && fst.st_ino == st->st_ino &&
+                flock(fd, LOCK_EX | LOCK_NB) == 0 && unlink(path) == 0;
+    close(fd);
+    return stale;
+}
+
+/* Size of the entries and of the temporary files of live builders (they count against
+ * max_bytes while they exist); temporary files of builders that died are removed (tmp_stale,
+ * counted in temps_removed). With evict, remove the least recently used entries (never `keep`
+ * nor one in use here) until the total fits in 90% of max_bytes. */
 static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
     entry_info *v = NULL;
     size_t n = 0, cap = 0;
@@ -400,8 +538,14 @@ static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
                 free(path);
                 continue;
             }
-            if (is_tmp) {
-                if (evict && now - st.st_mtim.tv_sec > TMP_MAX_AGE_S) unlink(path);
+            if (is_tmp) { /* removed when nobody writes it any more, else counted as it is */
+                if (tmp_stale(path, &st, now)) {
+                    ADD(temps_removed, 1);
+                    bt_log(BT_LOG_INFO, "loaderd", "token cache: removed %s (%.1f MiB): temporary file of a builder "
+                           "that was killed", path, (double)st.st_size / 1048576.0);
+                } else {
+                    total += (uint64_t)st.st_size;
+                }
                 free(path);
                 continue;
             }
@@ -677,6 +821,7 @@ static int build_other(ld_tcache *c, const uint8_t waiting[32], const ld_tc_shar
         uint8_t key[32], content[32];
         uint64_t size;
         if (shard_key(c, &others[i], key, content, &size) != BT_OK || !memcmp(key, waiting, 32)) continue;
+        if (!trusted_for(c, key)) return 0;
         char *p = tc_path(c, key, ".btc", 0);
         int exists = access(p, F_OK) == 0;
         free(p);
@@ -729,6 +874,10 @@ int ld_tcache_acquire(ld_tcache *c, const ld_tc_shard *sh, const ld_tc_shard *ot
     unsigned pause = 20;
     for (;;) {
         if (atomic_load(stop)) return bt_fail(BT_ERR_TIMEOUT, "token cache: stopped");
+        if (!trusted_for(c, key)) { /* before every use: logged once per reason */
+            ADD(bypassed, 1);
+            return LD_TC_BYPASS;
+        }
         if (open_entry(c, sh, key, out) == TC_OPEN_OK) {
             ADD(hits, 1);
             return BT_OK;

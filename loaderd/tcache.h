@@ -31,8 +31,13 @@
  * is damaged: counted, removed and rebuilt; the records already delivered stay valid and the
  * rest of the shard is read raw (LD_TC_DAMAGED). A file whose header holds another key is stale
  * (counted, removed, rebuilt). Nothing in a cache file can crash loaderd; entries are trusted
- * no further than their checksums (anyone who can write the directory can forge an entry:
- * keep it owned by loaderd's user, mode 0750 or tighter; a world-writable directory is refused).
+ * no further than their checksums, and anyone who can write a level of the tree could forge one:
+ * so every level (the directory, v1/, each v1/<xx>/) must be a real directory owned by
+ * loaderd's effective uid and writable by nobody else (no group/other write bit, sticky or
+ * not), each parent owned by root or that uid and sticky if others may write it; checked at
+ * ld_tcache_open (refused) and before every use (bypassed, counted as untrusted). Entry files
+ * not owned by that uid are removed. Shards are opened with bt_open_file (regular files only,
+ * never blocking, no link swapped in after the attach check).
  *
  * Building and sharing: whoever needs a missing entry takes an exclusive flock(2) on
  * "<k>.lock" next to it (released by the kernel if the process dies; works between nodes on
@@ -44,9 +49,11 @@
  * cannot be read to its end, its content changes while being built, the directory cannot be
  * written or the wait times out, the shard is read raw instead (counted as bypassed).
  *
- * Size: after a build, when the entries exceed max_bytes, the least recently used ones (file
- * mtime, refreshed on every read) are removed until they fit in 90% of it, never one this
- * process is reading; temporary files of crashed builders older than an hour go too.
+ * Size: entries and the temporary files of live builders count; after a build, when they exceed
+ * max_bytes, the least recently used entries (file mtime, refreshed on every read) are removed
+ * until they fit in 90% of it, never one this process is reading. Temporary files of builders
+ * that died (nobody holds the flock their writer keeps until the rename; common/atomic_io.h) are
+ * removed at open and at every such scan, and counted (temps_removed).
  * Thread-safe. */
 #ifndef LD_TCACHE_H
 #define LD_TCACHE_H
@@ -76,15 +83,20 @@ typedef struct {
     _Atomic uint64_t build_tokens; /* tokens written into entries */
     _Atomic uint64_t read_bytes;   /* entry bytes read */
     _Atomic uint64_t hashed_bytes; /* shard bytes hashed for keys */
-    _Atomic uint64_t bytes;        /* size of the entries at the last scan, plus builds since */
+    _Atomic uint64_t bytes;        /* size of the entries and of live builders' temporary files at
+                                      the last scan, plus builds since */
+    _Atomic uint64_t temps_removed; /* temporary files of builders that died, removed */
+    _Atomic uint64_t untrusted;    /* lookups that bypassed the cache: its tree failed the check */
 } ld_tcache_stats;
 
 typedef struct ld_tcache ld_tcache;
 
-/* Open (create if missing, mode 0750) the cache directory `dir` (absolute path). max_bytes:
- * size bound of the entries (>= 16 MiB); wait_s: longest wait for another builder (0: never
- * wait, read raw at once). BT_ERR_INVALID for a relative path or a world-writable directory,
- * BT_ERR_IO when it cannot be created or written (message names the path and the fix). */
+/* Open (create if missing, mode 0750) the cache directory `dir` (absolute path; used by its
+ * realpath), check its whole tree (above), remove stale temporary files. max_bytes: size bound
+ * of the entries (>= 16 MiB); wait_s: longest wait for another builder (0: never wait, read raw
+ * at once). BT_ERR_INVALID for a relative path or a level that fails the check (message names
+ * the level and why), BT_ERR_IO when it cannot be created or written (message names the path and
+ * the fix). */
 int ld_tcache_open(ld_tcache **out, const char *dir, uint64_t max_bytes, uint32_t wait_s);
 void ld_tcache_free(ld_tcache *c);
 const char *ld_tcache_dir(const ld_tcache *c);

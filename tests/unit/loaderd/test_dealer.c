@@ -15,12 +15,15 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <fcntl.h>
 #include <glob.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/bt_common.h"
@@ -607,6 +610,97 @@ static void test_cache_eviction(void **state) {
     ld_tcache_free(c);
 }
 
+/* The cache tree is loaderd's alone (issue 21 §3): a level writable by others (group, world,
+ * sticky or not) or a link in the tree is refused at open with the level and the reason; a
+ * level found so later makes those lookups read raw (counted as untrusted), the batches stay
+ * the record's, and once fixed the cache is used again. */
+static void test_cache_tree_trust(void **state) {
+    (void)state;
+    char p[192];
+    ld_tcache *c = NULL;
+    assert_int_equal(mkdir(g_cache, 0750), 0);
+    static const struct {
+        mode_t mode;
+        const char *why;
+    } modes[] = {{0770, "is group-writable (mode 0770)"}, {0757, "is world-writable (mode 0757)"},
+                 {01777, "is world-writable (mode 1777, sticky bit or not)"}, {0775, "is group-writable"}};
+    for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
+        assert_int_equal(chmod(g_cache, modes[i].mode), 0);
+        assert_int_equal(ld_tcache_open(&c, g_cache, 1ull << 30, 60), BT_ERR_INVALID);
+        assert_null(c);
+        if (!strstr(bt_last_error(), modes[i].why) || !strstr(bt_last_error(), g_cache))
+            fail_msg("mode %o: %s", (unsigned)modes[i].mode, bt_last_error());
+    }
+    assert_int_equal(chmod(g_cache, 0750), 0);
+    snprintf(p, sizeof p, "%s/v1/zz", g_cache);
+    assert_int_equal(mkdir(p, 0777), 0);
+    assert_int_equal(chmod(p, 0777), 0);
+    assert_int_equal(ld_tcache_open(&c, g_cache, 1ull << 30, 60), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "/v1/zz is world-writable"));
+    assert_int_equal(rmdir(p), 0);
+    snprintf(p, sizeof p, "%s/v1/yy", g_cache);
+    assert_int_equal(symlink("/tmp", p), 0);
+    assert_int_equal(ld_tcache_open(&c, g_cache, 1ull << 30, 60), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "/v1/yy is a symbolic link"));
+    assert_int_equal(unlink(p), 0);
+    /* trusted: used; then every entry directory opened to others: read raw, same batches */
+    c = open_cache(1ull << 30);
+    run_cached(c, 2, 11, "trusted cache");
+    assert_int_equal(ST(c, built), 3);
+    assert_int_equal(ST(c, untrusted), 0);
+    glob_t gl;
+    snprintf(p, sizeof p, "%s/v1/??", g_cache);
+    assert_int_equal(glob(p, 0, NULL, &gl), 0);
+    for (size_t i = 0; i < gl.gl_pathc; i++) assert_int_equal(chmod(gl.gl_pathv[i], 0777), 0);
+    uint64_t hits = ST(c, hits);
+    run_cached(c, 2, 11, "untrusted cache");
+    assert_true(ST(c, untrusted) >= 3);
+    assert_int_equal(ST(c, hits), hits); /* nothing read from it */
+    assert_int_equal(ST(c, built), 3);
+    for (size_t i = 0; i < gl.gl_pathc; i++) assert_int_equal(chmod(gl.gl_pathv[i], 0750), 0);
+    globfree(&gl);
+    run_cached(c, 2, 11, "trusted again");
+    assert_true(ST(c, hits) > hits);
+    ld_tcache_free(c);
+}
+
+/* Temporary files of builders that died (issue 21 §4): removed at open and counted; one a live
+ * builder holds (its flock) stays and counts in the cache's bytes. */
+static void test_cache_stale_temporaries(void **state) {
+    (void)state;
+    ld_tcache *c = open_cache(1ull << 30);
+    run_cached(c, 1, 11, "build");
+    uint64_t entry_bytes = ST(c, bytes);
+    ld_tcache_free(c);
+    size_t n;
+    char **e = entries(&n);
+    assert_int_equal(n, 3);
+    char stale[256], live[256];
+    snprintf(stale, sizeof stale, "%s.tmp.4194301.7", e[0]);
+    snprintf(live, sizeof live, "%s.tmp.4194302.7", e[1]);
+    static char zeros[3 << 16];
+    write_bytes(stale, zeros, 1 << 16);
+    write_bytes(live, zeros, sizeof zeros);
+    struct timespec past[2] = {{time(NULL) - 60, 0}, {time(NULL) - 60, 0}};
+    assert_int_equal(utimensat(AT_FDCWD, stale, past, 0), 0);
+    assert_int_equal(utimensat(AT_FDCWD, live, past, 0), 0);
+    int held = open(live, O_RDWR);
+    assert_true(held >= 0);
+    assert_int_equal(flock(held, LOCK_EX), 0);
+    c = open_cache(1ull << 30);
+    assert_int_equal(ST(c, temps_removed), 1);
+    assert_int_equal(ST(c, bytes), entry_bytes + sizeof zeros);
+    assert_int_equal(access(stale, F_OK), -1);
+    assert_int_equal(access(live, F_OK), 0);
+    ld_tcache_free(c);
+    close(held);
+    c = open_cache(1ull << 30); /* its builder gone: removed now */
+    assert_int_equal(ST(c, temps_removed), 1);
+    assert_int_equal(ST(c, bytes), entry_bytes);
+    ld_tcache_free(c);
+    free_strv(e);
+}
+
 static int record(const char *path) {
     FILE *f = fopen(path, "w");
     if (!f) return 1;
@@ -644,6 +738,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_cache_nodes_tokenize_once, cache_setup, cache_teardown),
         cmocka_unit_test_setup_teardown(test_cache_resume, cache_setup, cache_teardown),
         cmocka_unit_test_setup_teardown(test_cache_eviction, cache_setup, cache_teardown),
+        cmocka_unit_test_setup_teardown(test_cache_tree_trust, cache_setup, cache_teardown),
+        cmocka_unit_test_setup_teardown(test_cache_stale_temporaries, cache_setup, cache_teardown),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
     free(g_slot);
