@@ -41,6 +41,20 @@ const char *bt_strerror(int err) {
     }
 }
 
+/* How many bytes of m to skip so that it does not start with the same "<part>: " twice (a
+ * message wrapped by a caller that adds the part its callee already wrote: "token cache: token
+ * cache: x" -> "token cache: x"). A part is at most 64 bytes. */
+static size_t repeated_lead(const char *m) {
+    size_t skip = 0;
+    for (;;) {
+        const char *s = m + skip, *c = strstr(s, ": ");
+        if (!c || c == s || c - s > 64) return skip;
+        size_t n = (size_t)(c - s) + 2;
+        if (strncmp(s, s + n, n) != 0) return skip;
+        skip += n;
+    }
+}
+
 int bt_fail(int err, const char *fmt, ...) {
     /* Format into a local buffer first: callers may pass bt_last_error() as an argument. */
     char tmp[sizeof g_err];
@@ -48,7 +62,9 @@ int bt_fail(int err, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
-    memcpy(g_err, tmp, sizeof g_err);
+    size_t k = repeated_lead(tmp);
+    memmove(g_err, tmp + k, sizeof g_err - k);
+    g_err[sizeof g_err - 1] = 0;
     return err;
 }
 
@@ -58,6 +74,76 @@ const char *bt_last_error_in(const char *part) {
     size_t n = strlen(part);
     if (strncmp(g_err, part, n) == 0 && g_err[n] == ':' && g_err[n + 1] == ' ') return g_err + n + 2;
     return g_err;
+}
+
+/* ---- text that reaches a terminal, a log line or a metric label ---- */
+
+/* One UTF-8 sequence at s[0..n): its code point and length, or -1 (length 1) when invalid
+ * (overlong, surrogate, above U+10FFFF, truncated). RFC 3629 §4. */
+static int32_t utf8_one(const uint8_t *s, size_t n, size_t *len) {
+    uint8_t b = s[0];
+    *len = 1;
+    if (b < 0x80) return b;
+    size_t k = b >= 0xF0 && b <= 0xF4 ? 4 : b >= 0xE0 ? (b <= 0xEF ? 3 : 0) : b >= 0xC2 ? 2 : 0;
+    if (!k || k > n) return -1;
+    int32_t cp = b & (0x7F >> k);
+    for (size_t i = 1; i < k; i++) {
+        if ((s[i] & 0xC0) != 0x80) return -1;
+        cp = cp << 6 | (s[i] & 0x3F);
+    }
+    if ((k == 3 && cp < 0x800) || (k == 4 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp <= 0xDFFF))
+        return -1;
+    *len = k;
+    return cp;
+}
+
+static int unsafe_cp(int32_t cp) {
+    return cp < 0x20 || cp == 0x7F || (cp >= 0x80 && cp <= 0x9F) || cp == 0x061C || cp == 0x200E ||
+           cp == 0x200F || (cp >= 0x202A && cp <= 0x202E) || (cp >= 0x2066 && cp <= 0x2069);
+}
+
+size_t bt_text_unsafe(const char *s, size_t n, int32_t *cp) {
+    const uint8_t *p = (const uint8_t *)s;
+    for (size_t i = 0; i < n;) {
+        size_t len;
+        int32_t c = utf8_one(p + i, n - i, &len);
+        if (c < 0 || unsafe_cp(c)) {
+            if (cp) *cp = c < 0 ? -(int32_t)p[i] - 1 : c;
+            return i;
+        }
+        i += len;
+    }
+    return n;
+}
+
+size_t bt_escape_text(char *dst, size_t cap, const char *src, size_t n) {
+    if (!cap) return 0;
+    const uint8_t *p = (const uint8_t *)src;
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        size_t len;
+        int32_t c = utf8_one(p + i, n - i, &len);
+        char esc[16];
+        const char *add = (const char *)p + i;
+        size_t an = len;
+        if (c < 0) {
+            an = (size_t)snprintf(esc, sizeof esc, "\\x%02x", p[i]);
+            add = esc;
+        } else if (unsafe_cp(c)) {
+            if (c == '\n') an = (size_t)snprintf(esc, sizeof esc, "\\n");
+            else if (c == '\t') an = (size_t)snprintf(esc, sizeof esc, "\\t");
+            else if (c == '\r') an = (size_t)snprintf(esc, sizeof esc, "\\r");
+            else if (c < 0x80) an = (size_t)snprintf(esc, sizeof esc, "\\x%02x", (unsigned)c);
+            else an = (size_t)snprintf(esc, sizeof esc, "\\u%04x", (unsigned)c);
+            add = esc;
+        }
+        if (o + an >= cap) break; /* whole characters and escapes only */
+        memcpy(dst + o, add, an);
+        o += an;
+        i += len;
+    }
+    dst[o] = 0;
+    return o;
 }
 
 void bt_log_set_level(int level) { g_level = level; }
@@ -84,14 +170,21 @@ void bt_log(int level, const char *component, const char *fmt, ...) {
     struct tm tm;
     gmtime_r(&now.tv_sec, &tm);
     strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
-    char msg[2048];
+    char msg[2048], safe[4096];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    /* one event, one line: whatever the message carries (a client's string, a file name, a
+     * library's error) cannot end the line, start a forged one or drive the terminal; and it
+     * names its part once ("token cache: token cache: x" is a wrapping slip) */
+    const char *m = msg + repeated_lead(msg);
+    size_t cl = strlen(component);
+    if (strncmp(m, component, cl) == 0 && m[cl] == ':' && m[cl + 1] == ' ') m += cl + 2;
+    bt_escape_text(safe, sizeof safe, m, strlen(m));
     pthread_mutex_lock(&g_log_mu);
     fprintf(stderr, "%s.%03ldZ %s %s: %s\n", ts, now.tv_nsec / 1000000L,
-            names[level < 0 ? 0 : level > 3 ? 3 : level], component, msg);
+            names[level < 0 ? 0 : level > 3 ? 3 : level], component, safe);
     pthread_mutex_unlock(&g_log_mu);
 }
 

@@ -27,7 +27,9 @@ typedef enum {
 const char *bt_strerror(int err);
 
 /* Record a printf-style message as this thread's last error and return `err` (so callers can
- * write `return bt_fail(BT_ERR_FORMAT, "gguf: %s: bad magic", path);`). */
+ * write `return bt_fail(BT_ERR_FORMAT, "gguf: %s: bad magic", path);`). A leading part written
+ * twice by wrapping ("token cache: token cache: x") is kept once; callers that wrap a message in
+ * the middle use bt_last_error_in. */
 int bt_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* This thread's last error message ("" if none). Valid until the next bt_fail on this thread. */
@@ -39,10 +41,28 @@ const char *bt_last_error(void);
  * model: RoPE ...". part: the component prefix without ": ". Same lifetime as bt_last_error(). */
 const char *bt_last_error_in(const char *part);
 
+/* ---- text that reaches a terminal, a log line or a metric label ----
+ * "Unsafe" characters: the C0 controls (U+0000..U+001F: newline, ESC, BEL, ...), DEL, the C1
+ * controls (U+0080..U+009F, e.g. U+009B, a one-character CSI) and the bidirectional formatting
+ * characters (U+061C, U+200E, U+200F, U+202A..U+202E, U+2066..U+2069: they reorder what a
+ * terminal shows, CVE-2021-42574), and every byte that is not part of valid UTF-8 (RFC 3629).
+ * A string holding none of them prints as itself: it cannot end a line, forge another, move
+ * the cursor, retitle a window (OSC), ring the bell or reorder the text around it. */
+/* Offset of the first unsafe character of s[0..n) (n when there is none); *cp (may be NULL) gets
+ * its code point, or -1 - byte for a byte of invalid UTF-8. */
+size_t bt_text_unsafe(const char *s, size_t n, int32_t *cp);
+/* Copy s[0..n) into dst (cap bytes, always NUL-terminated when cap > 0) with each unsafe
+ * character made visible: \n \t \r, \xNN for other C0 controls, DEL and invalid bytes, \uNNNN
+ * for C1 and bidirectional controls; whole characters only (cut short when dst is full). Returns
+ * the bytes written (without the NUL). bt_log applies it to every message. */
+size_t bt_escape_text(char *dst, size_t cap, const char *s, size_t n);
+
 enum { BT_LOG_DEBUG = 0, BT_LOG_INFO = 1, BT_LOG_WARN = 2, BT_LOG_ERROR = 3 };
 /* Minimum level printed (default BT_LOG_INFO; env BT_LOG_LEVEL=debug|info|warn|error overrides). */
 void bt_log_set_level(int level);
-/* Log one line to stderr: "<ISO time> <level> <component>: message". Thread-safe. */
+/* Log one line to stderr: "<ISO time> <level> <component>: message". The message is passed
+ * through bt_escape_text (one event is one line, whatever it quotes) and written without a
+ * leading part it repeats ("x: x: " or "<component>: "). Thread-safe. */
 void bt_log(int level, const char *component, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* Monotonic clock in seconds (CLOCK_MONOTONIC). */

@@ -588,8 +588,17 @@ int ld_resolve_shards(const ld_config *c, char *const *patterns, int n_patterns,
                 bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s: match %s resolves to %s, outside every data root",
                        pat, g.gl_pathv[k], rp);
                 rc = refuse_outside("shard pattern", pat, "data_roots");
+            } else if (bt_text_unsafe(rp, strlen(rp), NULL) < strlen(rp)) { /* would reach logs and terminals */
+                bt_log(BT_LOG_WARN, "loaderd", "job: shard pattern %s matches %s: a name holding a control character",
+                       pat, rp);
+                rc = bt_fail(BT_ERR_INVALID, "job: shard pattern \"%s\" matches a file whose name holds a control "
+                             "character (or is not UTF-8): rename it; names and paths may not hold control "
+                             "characters", pat);
             } else if (!S_ISREG(st.st_mode)) {
                 rc = bt_fail(BT_ERR_INVALID, "job: shard %s is not a regular file", rp);
+            } else if (bt_pseudo_fs(rp)) { /* /proc, /sys, ...: sizes say nothing (0 for most) */
+                rc = bt_fail(BT_ERR_INVALID, "job: shard %s is not a regular file (on %s, a pseudo filesystem: its "
+                             "files are views of kernel state, not data)", rp, bt_pseudo_fs(rp));
             } else {
                 /* duplicates go at the end (sort + unique; the pipeline sorts the paths again, so
                  * the order does not matter); compact early to bound memory */
@@ -643,9 +652,17 @@ int ld_resolve_tokenizer(const ld_config *c, const char *path, char **out) {
         free(rp);
         return refuse_outside("tokenizer", path, "model_roots or data_roots");
     }
-    if (!S_ISREG(st.st_mode)) {
+    if (bt_text_unsafe(rp, strlen(rp), NULL) < strlen(rp)) { /* would reach logs and terminals */
+        bt_log(BT_LOG_WARN, "loaderd", "job: tokenizer %s resolves to %s: a name holding a control character", path, rp);
         free(rp);
-        return bt_fail(BT_ERR_INVALID, "job: tokenizer %s is not a regular file", path);
+        return bt_fail(BT_ERR_INVALID, "job: tokenizer %s resolves to a file whose name holds a control character (or "
+                       "is not UTF-8): rename it; names and paths may not hold control characters", path);
+    }
+    if (!S_ISREG(st.st_mode) || bt_pseudo_fs(rp)) {
+        const char *fs = S_ISREG(st.st_mode) ? bt_pseudo_fs(rp) : NULL;
+        free(rp);
+        return bt_fail(BT_ERR_INVALID, "job: tokenizer %s is not a regular file%s%s%s", path, fs ? " (on " : "",
+                       fs ? fs : "", fs ? ", a pseudo filesystem)" : "");
     }
     *out = rp;
     return BT_OK;

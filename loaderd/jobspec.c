@@ -61,6 +61,13 @@ static int get_string(json_t *v, const char *key, char **out, char *err, size_t 
     if (!json_is_string(v) || json_string_length(v) == 0 ||
         strlen(json_string_value(v)) != json_string_length(v))
         return spec_err(err, errlen, "\"%s\": expected a non-empty string", key);
+    /* names and paths reach terminals, log lines and metric labels (common/bt_common.h) */
+    int32_t cp;
+    size_t off = bt_text_unsafe(json_string_value(v), json_string_length(v), &cp);
+    if (off < json_string_length(v))
+        return spec_err(err, errlen, "\"%s\": holds a control character (%s%04X at byte %zu): names and paths may not "
+                        "hold control or bidirectional-control characters", key, cp < 0 ? "byte 0x" : "U+",
+                        (unsigned)(cp < 0 ? -cp - 1 : cp), off);
     free(*out);
     *out = bt_xstrdup(json_string_value(v));
     return 0;

@@ -118,9 +118,31 @@ static double num(json_t *o, const char *k) {
     return json_is_number(v) ? json_number_value(v) : NAN;
 }
 
+/* A string of the reply, for the terminal: control characters made visible (bt_escape_text),
+ * so nothing a client or a file name put there can forge lines or drive the terminal. Valid
+ * until 16 more calls (a ring of buffers: one printf uses several). */
 static const char *str(json_t *o, const char *k) {
+    static char ring[16][2048];
+    static unsigned next;
     const char *s = json_string_value(json_object_get(o, k));
-    return s ? s : "-";
+    if (!s) return "-";
+    char *b = ring[next++ % 16];
+    bt_escape_text(b, sizeof ring[0], s, json_string_length(json_object_get(o, k)));
+    return b;
+}
+
+/* Text of several lines (the metrics exposition): each line escaped as str() does. */
+static void put_lines(const char *s, FILE *f) {
+    static char b[8192];
+    while (*s) {
+        const char *nl = strchr(s, '\n');
+        size_t n = nl ? (size_t)(nl - s) : strlen(s);
+        bt_escape_text(b, sizeof b, s, n);
+        fputs(b, f);
+        if (!nl) break;
+        fputc('\n', f);
+        s = nl + 1;
+    }
 }
 
 static void fmt_rate(char *b, size_t n, double x) {
@@ -246,7 +268,9 @@ static void print_status(json_t *r) {
         json_object_foreach(bad, k, v) {
             if (json_integer_value(v) == 0) continue;
             if (!any) fprintf(g_out, "job %.0f bad lines:", num(j, "job_id"));
-            fprintf(g_out, " %s=%lld", k, (long long)json_integer_value(v));
+            char kb[128];
+            bt_escape_text(kb, sizeof kb, k, strlen(k));
+            fprintf(g_out, " %s=%lld", kb, (long long)json_integer_value(v));
             any = 1;
         }
         if (any) fprintf(g_out, "\n");
@@ -290,18 +314,21 @@ static int run_once(const char *sock, const char *cmd, int as_json) {
         return 1;
     }
     int rc = 0;
+    /* --json: the reply re-encoded with every non-ASCII character escaped (\u001b, not ESC) */
+    char *js = as_json ? json_dumps(r, JSON_COMPACT | JSON_ENSURE_ASCII) : NULL;
     if (!json_is_true(json_object_get(r, "ok"))) {
-        if (as_json) fprintf(g_out, "%s\n", line);
+        if (as_json) fprintf(g_out, "%s\n", js ? js : "{}");
         fprintf(stderr, "loaderctl: loaderd refused %s: %s\n", op, str(r, "error"));
         rc = 1;
     } else if (as_json) {
-        fprintf(g_out, "%s\n", line);
+        fprintf(g_out, "%s\n", js ? js : "{}");
     } else if (!strcmp(op, "status")) {
         print_status(r);
     } else if (!strcmp(op, "jobs")) {
         print_jobs(r);
     } else if (!strcmp(op, "metrics")) {
-        fputs(str(r, "text"), g_out);
+        const char *t = json_string_value(json_object_get(r, "text"));
+        put_lines(t ? t : "", g_out);
     } else if (!strcmp(op, "hello")) {
         fprintf(g_out, "loaderd pid %.0f speaks protocol %.0f (ring v%.0f, batch layout v%.0f); you are uid %.0f gid %.0f\n",
                 num(r, "pid"), num(r, "proto"), num(r, "ring_version"), num(r, "batch_layout_version"), num(r, "uid"),
@@ -310,6 +337,7 @@ static int run_once(const char *sock, const char *cmd, int as_json) {
         fprintf(g_out, "loaderd is draining: %.0f job(s) left; it exits when they detach\n", num(r, "jobs"));
     }
     fflush(g_out);
+    free(js);
     json_decref(r);
     free(line);
     return rc;

@@ -74,11 +74,13 @@ int ld_conn_reply_error(conn *c, const char *op, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    /* json_pack refuses invalid UTF-8 (and the reply would be lost): messages echo client paths
-     * and may be cut inside a multi-byte character by the fixed-size buffers on the way here */
-    size_t n = strlen(msg), off;
-    while ((off = ld_utf8_check((const uint8_t *)msg, n)) < n) msg[off] = '?';
-    json_t *r = json_pack("{s:b, s:s}", "ok", 0, "error", msg);
+    /* messages quote paths (file names found on disk may hold any byte) and end on the client's
+     * terminal: every control character and invalid UTF-8 byte is made visible (bt_escape_text;
+     * json_pack would also refuse invalid UTF-8, and a message cut inside a multi-byte
+     * character by the fixed-size buffers on the way here is one) */
+    char safe[2048];
+    bt_escape_text(safe, sizeof safe, msg, strlen(msg));
+    json_t *r = json_pack("{s:b, s:s}", "ok", 0, "error", safe);
     if (op) json_object_set_new(r, "op", json_string(op));
     ld_conn_send(c, r);
     return 0;

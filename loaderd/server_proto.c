@@ -121,6 +121,56 @@ static int parse_report(ld_request *r, char *err, size_t errlen) {
     return parse_job_id(r, err, errlen);
 }
 
+/* Client-chosen text reaches operators' terminals (loaderctl status / jobs / metrics labels),
+ * loaderd's log and other clients' error messages: every string and every key of a request must
+ * be safe text (bt_text_unsafe: no control characters, no bidirectional controls, valid
+ * UTF-8), whatever op it belongs to. where: the JSON path so far ("job.datasets[0].shards[2]",
+ * in a buffer of cap bytes, len used). 0, or 1 with err naming the path and the character. */
+static int unsafe_text(const char *what, const char *s, size_t n, const char *where, char *err, size_t errlen) {
+    int32_t cp;
+    size_t off = bt_text_unsafe(s, n, &cp);
+    if (off == n) return 0;
+    char ch[40];
+    if (cp < 0) snprintf(ch, sizeof ch, "byte 0x%02x (not UTF-8)", (unsigned)(-cp - 1) & 0xFFu);
+    else snprintf(ch, sizeof ch, "U+%04X", (unsigned)cp);
+    return bad(err, errlen, "%s%s%s holds a control character (%s at byte %zu): names, paths and other strings may not "
+               "hold control or bidirectional-control characters", what, where[0] ? " " : "", where, ch, off);
+}
+
+static int check_text(json_t *v, char *where, size_t cap, size_t len, char *err, size_t errlen) {
+    if (json_is_string(v)) {
+        char w[300];
+        snprintf(w, sizeof w, "\"%s\"", where);
+        return unsafe_text("request: string", json_string_value(v), json_string_length(v), w, err, errlen);
+    }
+    if (json_is_array(v)) {
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x) {
+            int k = snprintf(where + len, cap - len, "[%zu]", i);
+            size_t l2 = len + (k > 0 && (size_t)k < cap - len ? (size_t)k : 0);
+            if (check_text(x, where, cap, l2, err, errlen)) return 1;
+            where[len] = 0;
+        }
+        return 0;
+    }
+    if (json_is_object(v)) {
+        const char *key;
+        size_t klen;
+        json_t *x;
+        json_object_keylen_foreach(v, key, klen, x) {
+            char w[300];
+            snprintf(w, sizeof w, "inside \"%s\"", len ? where : "(the request)");
+            if (unsafe_text("request: a key", key, klen, w, err, errlen)) return 1;
+            int k = snprintf(where + len, cap - len, "%s%s", len ? "." : "", key);
+            size_t l2 = len + (k > 0 && (size_t)k < cap - len ? (size_t)k : 0);
+            if (check_text(x, where, cap, l2, err, errlen)) return 1;
+            where[len] = 0;
+        }
+    }
+    return 0;
+}
+
 int ld_request_parse(ld_request *r, const char *p, size_t n, unsigned max_depth, char *err, size_t errlen) {
     memset(r, 0, sizeof *r);
     r->op = LD_OP_N;
@@ -129,6 +179,8 @@ int ld_request_parse(ld_request *r, const char *p, size_t n, unsigned max_depth,
     if (!ld_json_depth_ok(p, n, max_depth)) return bad(err, errlen, "request nested deeper than %u levels", max_depth);
     if (bt_json_loadb(&r->root, p, n, 0, "request")) return bad(err, errlen, "%s", bt_last_error());
     if (!json_is_object(r->root)) return bad(err, errlen, "request must be a JSON object");
+    char where[256] = "";
+    if (check_text(r->root, where, sizeof where, 0, err, errlen)) return 1; /* before "op" is taken */
     json_t *v = json_object_get(r->root, "v");
     r->op_name = json_string_value(json_object_get(r->root, "op"));
     if (r->op_name)

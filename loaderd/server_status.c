@@ -122,15 +122,25 @@ static int job_behind(server *s, job *j, double now, char *why, size_t n) {
 
 static json_t *num_or_null(double x) { return isfinite(x) ? json_real(x) : json_null(); }
 
+/* A string for operators' eyes: names were checked at attach, but paths come from the disk
+ * (realpath of a link may lead to any file name) and errors quote them: every control
+ * character is made visible (bt_escape_text), here as in the log. */
+static json_t *safe_str(const char *s) {
+    char b[2048];
+    bt_escape_text(b, sizeof b, s, strlen(s));
+    return json_string(b);
+}
+
 static json_t *job_json(job *j, int full, double now) {
     int state = atomic_load(&j->state);
     ld_job_observe_consumer(j, now);
-    json_t *o = json_pack("{s:I, s:s, s:I, s:I, s:s}", "job_id", (json_int_t)j->id, "name", j->spec.name, "rank",
-                          (json_int_t)j->rank, "world_size", (json_int_t)j->world, "state", ld_job_state_name[state]);
+    json_t *o = json_pack("{s:I, s:o, s:I, s:I, s:s}", "job_id", (json_int_t)j->id, "name", safe_str(j->spec.name),
+                          "rank", (json_int_t)j->rank, "world_size", (json_int_t)j->world, "state",
+                          ld_job_state_name[state]);
     json_object_set_new(o, "peer_pid", json_integer(j->peer.pid));
     json_object_set_new(o, "batches", json_integer((json_int_t)atomic_load(&j->stats.batches)));
     json_object_set_new(o, "consumed", json_integer((json_int_t)j->consumed));
-    if (state == JOB_FAILED) json_object_set_new(o, "error", json_string(j->err));
+    if (state == JOB_FAILED) json_object_set_new(o, "error", safe_str(j->err));
     if (!full) return o;
     ld_stats *st = &j->stats;
     json_t *bad = json_object();
@@ -141,14 +151,14 @@ static json_t *job_json(job *j, int full, double now) {
         json_object_set_new(bad, ld_bad_reason_name(r), json_integer((json_int_t)n));
     }
 #define U64(x) ((json_int_t)atomic_load(&(x)))
-    json_t *more = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:I, s:I, s:o, s:I, s:I, s:s, s:f}",
+    json_t *more = json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f, s:I, s:I, s:o, s:I, s:I, s:o, s:f}",
                              "B", (json_int_t)j->B, "T", (json_int_t)j->T, "docs", U64(st->docs), "tokens",
                              U64(st->tokens), "labelled_tokens", U64(st->labelled), "lines", U64(st->lines),
                              "truncated", U64(st->truncated), "epoch", (json_int_t)atomic_load(&st->epoch),
                              "docs_per_s", j->docs_rate, "tokens_per_s", j->tok_rate, "packing_efficiency",
                              packing_eff(j), "ring_fill", (json_int_t)bt_ring_fill(&j->ring), "ring_slots",
                              (json_int_t)j->slots, "bad_lines", bad, "bad_lines_total", (json_int_t)bad_total,
-                             "shards", (json_int_t)j->n_shards, "tokenizer", j->spec.tokenizer, "attached_s",
+                             "shards", (json_int_t)j->n_shards, "tokenizer", safe_str(j->spec.tokenizer), "attached_s",
                              now - j->t_attach);
 #undef U64
     json_object_update(o, more);
@@ -255,9 +265,13 @@ void ld_op_status(conn *c, int full) {
 
 /* ------------------------------------------------------------------ metrics */
 
-/* Prometheus label value escaping (exposition format: backslash, double quote, newline). */
-static void prom_label(FILE *f, const char *v) {
-    for (; *v; v++) {
+/* Prometheus label value escaping (exposition format: backslash, double quote, newline), after
+ * every control character was made visible (bt_escape_text: no raw ESC reaches whoever reads
+ * the exposition on a terminal). */
+static void prom_label(FILE *f, const char *raw) {
+    char safe[1024];
+    bt_escape_text(safe, sizeof safe, raw, strlen(raw));
+    for (const char *v = safe; *v; v++) {
         if (*v == '\\') fputs("\\\\", f);
         else if (*v == '"') fputs("\\\"", f);
         else if (*v == '\n') fputs("\\n", f);

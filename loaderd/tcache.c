@@ -710,7 +710,7 @@ int tc_build(ld_tcache *c, const ld_tc_shard *sh, const char *path, const uint8_
              const uint8_t content[32], uint64_t size, uint32_t n_threads, const _Atomic int *stop) {
     build_t b = {.sh = sh};
     if (ld_source_open(&b.src, sh->path, 0) != BT_OK) {
-        bt_log(BT_LOG_WARN, "loaderd", "token cache: %s", bt_last_error());
+        bt_log(BT_LOG_WARN, "loaderd", "token cache: %s", bt_last_error_in("token cache"));
         return LD_TC_BYPASS;
     }
     int rc = tc_sha_init(&b.sha);
@@ -721,7 +721,8 @@ int tc_build(ld_tcache *c, const ld_tc_shard *sh, const char *path, const uint8_
     ld_source_observe(b.src, tc_sha_cb, &b.sha);
     tc_writer w;
     if (tc_writer_open(&w, path, key, size) != BT_OK) {
-        bt_log(BT_LOG_WARN, "loaderd", "token cache: cannot write an entry (%s): reading %s raw", bt_last_error(),
+        bt_log(BT_LOG_WARN, "loaderd", "token cache: cannot write an entry (%s): reading %s raw",
+               bt_last_error_in("token cache"),
                sh->path);
         tc_sha_free(&b.sha);
         ld_source_close(b.src);
@@ -747,7 +748,8 @@ int tc_build(ld_tcache *c, const ld_tc_shard *sh, const char *path, const uint8_
     }
     int bypass = 0;
     if (rc != BT_OK) { /* the shard could not be read to its end, or the entry not written */
-        bt_log(BT_LOG_WARN, "loaderd", "token cache: %s: %s not cached, read raw", b.io_failed ? b.io_msg : bt_last_error(),
+        bt_log(BT_LOG_WARN, "loaderd", "token cache: %s: %s not cached, read raw",
+               b.io_failed ? b.io_msg : bt_last_error_in("token cache"),
                sh->path);
         bypass = 1;
         tc_sha_free(&b.sha);
@@ -766,7 +768,8 @@ int tc_build(ld_tcache *c, const ld_tc_shard *sh, const char *path, const uint8_
         if (tc_writer_commit(&w, b.n_lines, b.n_blank) == BT_OK)
             atomic_fetch_add_explicit(&ld_tcache_stats_of(c)->build_tokens, tokens, memory_order_relaxed);
         else {
-            bt_log(BT_LOG_WARN, "loaderd", "token cache: %s: reading %s raw", bt_last_error(), sh->path);
+            bt_log(BT_LOG_WARN, "loaderd", "token cache: %s: reading %s raw", bt_last_error_in("token cache"),
+                   sh->path);
             bypass = 1;
         }
     } else {
@@ -865,7 +868,7 @@ int ld_tcache_acquire(ld_tcache *c, const ld_tc_shard *sh, const ld_tc_shard *ot
     uint8_t key[32], content[32];
     uint64_t size;
     if (shard_key(c, sh, key, content, &size) != BT_OK) {
-        bt_log(BT_LOG_WARN, "loaderd", "token cache: %s: read raw", bt_last_error());
+        bt_log(BT_LOG_WARN, "loaderd", "token cache: %s: read raw", bt_last_error_in("token cache"));
         ADD(bypassed, 1);
         return LD_TC_BYPASS;
     }

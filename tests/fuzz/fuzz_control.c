@@ -4,13 +4,29 @@
  * byte 0 picks the depth limit (2 + byte % 64).
  * Invariants: never crashes or leaks; a rejected line has a message; an accepted one has a known
  * op, and for attach a job object and rank < world_size, for report a step, and its job_id when
- * given fits 32 bits; report numbers are finite or NaN (null). */
+ * given fits 32 bits; report numbers are finite or NaN (null); no string or key of an accepted
+ * request holds a control character (bt_text_unsafe), nor does the line once passed through
+ * bt_escape_text (what every output to operators applies, error replies included). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "fuzz_common.h"
 #include "loaderd/server_proto.h"
+
+static int all_safe(json_t *v) {
+    if (json_is_string(v)) return bt_text_unsafe(json_string_value(v), json_string_length(v), NULL) == json_string_length(v);
+    size_t i;
+    const char *k;
+    json_t *x;
+    if (json_is_array(v)) {
+        json_array_foreach(v, i, x) if (!all_safe(x)) return 0;
+    }
+    if (json_is_object(v)) {
+        json_object_foreach(v, k, x) if (bt_text_unsafe(k, strlen(k), NULL) != strlen(k) || !all_safe(x)) return 0;
+    }
+    return 1;
+}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size == 0) return 0;
@@ -22,6 +38,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         ld_request r;
         char err[512];
         int rc = ld_request_parse(&r, p, n, depth, err, sizeof err);
+        char esc[4096];
+        size_t en = bt_escape_text(esc, sizeof esc, p, n);
+        if (en >= sizeof esc || bt_text_unsafe(esc, en, NULL) != en) fuzz_fail("escaped text still unsafe");
         if (rc == 1) {
             if (!err[0]) fuzz_fail("rejected request without a message");
         } else if (rc == 0) {
@@ -31,6 +50,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                 fuzz_fail("accepted attach without a job object or with rank >= world_size");
             if (r.op == LD_OP_REPORT && (isinf(r.loss) || isinf(r.tokens_per_s)))
                 fuzz_fail("accepted report with an infinite number");
+            if (!all_safe(r.root)) fuzz_fail("accepted request with a control character");
         } else {
             fuzz_fail("unexpected return value");
         }

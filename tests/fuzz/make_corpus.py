@@ -38,6 +38,9 @@ def control():
     put("fuzz_control", "report", b'\x20{"v":1,"op":"report","job_id":3,"step":9,"loss":1.5,"tokens_per_s":null}\n'
                                   b'{"v":1,"op":"detach"}')
     put("fuzz_control", "dup", b'\x20{"v":1,"op":"status","op":"drain"}\n\n   \n{"v":1,"op":"hello"}')
+    put("fuzz_control", "controls", b'\x20{"v":1,"op":"attach","job":{"name":"x\\u001b]0;t\\u0007\\n",'
+                                    b'"shards":["/d/\xe2\x80\xae.jsonl"],"na\\u009bme":1}}\n'
+                                    b'{"v":1,"op":"status\x1b[2J"}\n{"v":1,"op":"hello","n":"\xc2\x9b\xff"}')
 
 
 def jsonl_sample():

@@ -122,9 +122,10 @@ def test_status_shows_a_runs_ranks_and_marks_the_one_behind(loaderd, dataset, mo
 
 def test_metrics_are_wellformed_exposition(loaderd, dataset, model_path):
     """Every sample line parses (name, optional labels, float); HELP/TYPE come once per family
-    and before its samples; label values are escaped."""
+    and before its samples; label values are escaped (a newline cannot be in one: names with
+    control characters are refused at attach, issue 21 §10)."""
     d = loaderd(base_config(dataset, model_path))
-    s, rep, ring = attach(d, job_spec(dataset, model_path, name='a"b\\c\nd'))
+    s, rep, ring = attach(d, job_spec(dataset, model_path, name='a"b\\c d'))
     ring.next()
     text = d.ctl("metrics").stdout
     assert text.endswith("\n")
@@ -144,7 +145,7 @@ def test_metrics_are_wellformed_exposition(loaderd, dataset, model_path):
             m = sample.match(line)
             assert m, "bad sample line: %r" % line
             assert m.group(1) in typed, "sample before TYPE: " + line
-    assert 'job="a\\"b\\\\c\\nd"' in text
+    assert 'job="a\\"b\\\\c d"' in text
     s.close()
     ring.close()
 

@@ -107,6 +107,40 @@ static void test_bad_requests(void **state) {
     ld_request_free(&r);
 }
 
+/* Control characters anywhere in a request (issue 21 §10): every string and key, whatever the
+ * op, refused naming where and which character, before "op" is taken (so an error reply never
+ * echoes it); the request's text is never quoted. Plain UTF-8 names pass. */
+static void test_control_characters_refused(void **state) {
+    (void)state;
+    ld_request r;
+    char err[512];
+    static const struct {
+        const char *line, *want;
+    } bad[] = {
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{\"name\":\"x\\u001b]0;t\\u0007\"}}",
+         "request: string \"job.name\" holds a control character (U+001B at byte 1)"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{\"shards\":[\"/a\",\"/b\\nc\"]}}",
+         "string \"job.shards[1]\" holds a control character (U+000A at byte 2)"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{\"datasets\":[{\"text_field\":\"t\\u202e\"}]}}",
+         "\"job.datasets[0].text_field\" holds a control character (U+202E at byte 1)"},
+        {"{\"v\":1,\"op\":\"attach\",\"job\":{\"na\\u009bme\":1}}",
+         "request: a key inside \"job\" holds a control character (U+009B at byte 2)"},
+        {"{\"v\":1,\"op\":\"status\\u001b[2J\"}", "string \"op\" holds a control character (U+001B"},
+        {"{\"v\":1,\"op\":\"report\",\"step\":1,\"x\\u0001\":2}", "a key inside \"(the request)\""},
+        {"{\"v\":1,\"op\":\"hello\",\"note\":\"\\u007f\"}", "(U+007F at byte 0)"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        err[0] = 0;
+        assert_int_equal(parse(bad[i].line, &r, err), 1);
+        if (!strstr(err, bad[i].want)) fail_msg("%zu: %s", i, err);
+        assert_null(r.op_name); /* never echoed in the error reply */
+        assert_int_equal(bt_text_unsafe(err, strlen(err), NULL), strlen(err));
+        ld_request_free(&r);
+    }
+    assert_int_equal(parse("{\"v\":1,\"op\":\"attach\",\"job\":{\"name\":\"caf\u00e9 \u2713\"}}", &r, err), 0);
+    ld_request_free(&r);
+}
+
 static void test_depth_limit(void **state) {
     (void)state;
     ld_request r;
@@ -161,6 +195,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ops_accepted),
         cmocka_unit_test(test_bad_requests),
+        cmocka_unit_test(test_control_characters_refused),
         cmocka_unit_test(test_depth_limit),
         cmocka_unit_test(test_peer_allowed_and_config),
     };
