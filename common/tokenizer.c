@@ -231,8 +231,14 @@ void bt_tokenizer_free(bt_tokenizer *t) {
 }
 
 int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8_t *types, const uint8_t *in_model) {
+    if (n > (int32_t)BT_TOKENIZER_MAX_VOCAB)
+        return bt_fail(BT_ERR_RANGE, "tokenizer: vocabulary of %d tokens, more than the %u accepted (the largest real "
+                       "ones have ~262k)", n, BT_TOKENIZER_MAX_VOCAB);
     uint64_t total = 0;
     for (int32_t i = 0; i < n; i++) total += (toks[i].ptr ? toks[i].len : 0) + 1;
+    if (n > 0 && total - (uint64_t)n > BT_TOKENIZER_MAX_TEXT)
+        return bt_fail(BT_ERR_RANGE, "tokenizer: %llu bytes of token text, more than the %llu MiB accepted",
+                       (unsigned long long)(total - (uint64_t)n), (unsigned long long)(BT_TOKENIZER_MAX_TEXT >> 20));
     if (n <= 0 || total > UINT32_MAX)
         return bt_fail(BT_ERR_FORMAT, "tokenizer: vocabulary of %d tokens, %llu string bytes", n,
                        (unsigned long long)total);
@@ -312,7 +318,10 @@ int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8
 }
 
 int bt_tok_set_merges(bt_tokenizer *t, uint64_t n_merge, const bt_str *ma, const bt_str *mb) {
-    if (n_merge == 0 || n_merge > (uint64_t)INT32_MAX / 4)
+    if (n_merge > BT_TOKENIZER_MAX_MERGES)
+        return bt_fail(BT_ERR_RANGE, "tokenizer: %llu merges, more than the %u accepted", (unsigned long long)n_merge,
+                       BT_TOKENIZER_MAX_MERGES);
+    if (n_merge == 0)
         return bt_fail(BT_ERR_FORMAT, "tokenizer: %llu merges (a BPE vocabulary needs at least one)",
                        (unsigned long long)n_merge);
     t->mmask = pow2_at_least(n_merge * 2) - 1;
@@ -819,6 +828,35 @@ int bt_detokenize(const bt_tokenizer *t, const int32_t *ids, size_t n, int keep_
 }
 
 int32_t bt_tokenizer_vocab_size(const bt_tokenizer *t) { return t ? t->n_vocab : 0; }
+
+uint64_t bt_tok_mem_formula(uint64_t n, uint64_t text, uint64_t m, uint64_t a, uint64_t added_text, uint64_t other) {
+    uint64_t b = sizeof(bt_tokenizer) + other;
+    b += 2 * n;                                          /* type, byte_ok */
+    b += 2 * (text + n);                                 /* pieces, raw (NUL-terminated / same size) */
+    b += 2 * 4 * (n + 1);                                /* piece_off, raw_off */
+    b += 2 * 4 * (uint64_t)pow2_at_least(2 * n);         /* vslot, rslot */
+    if (m) b += sizeof(struct bt_merge_slot) * (uint64_t)pow2_at_least(2 * m);
+    b += (a + 1) * sizeof(bt_added) + added_text + a;    /* added tokens and their texts */
+    b += 2 * 4 * (a + 1);                                /* set_raw, set_norm */
+    return b;
+}
+
+static uint64_t re_size(const pcre2_code *re) {
+    size_t sz = 0;
+    return re && pcre2_pattern_info(re, PCRE2_INFO_SIZE, &sz) == 0 ? sz : 0;
+}
+
+uint64_t bt_tokenizer_mem_bytes(const bt_tokenizer *t) {
+    if (!t) return 0;
+    uint64_t n = (uint64_t)t->n_vocab, text = n ? (uint64_t)t->piece_off[n] - n : 0, added_text = 0, other = 0;
+    for (int32_t i = 0; i < t->n_added; i++) added_text += t->added[i].len;
+    for (int i = 0; i < t->n_pre; i++) other += re_size(t->pre_steps[i].re) + t->pre_steps[i].src_len;
+    other += re_size(t->re_word);
+    if (t->pre) other += strlen(t->pre) + 1;
+    if (t->chat_template) other += strlen(t->chat_template) + 1;
+    uint64_t m = t->merges ? ((uint64_t)t->mmask + 1) / 2 : 0;
+    return bt_tok_mem_formula(n, text, m, (uint64_t)t->n_added, added_text, other);
+}
 
 int32_t bt_tokenizer_find(const bt_tokenizer *t, const char *piece) {
     if (!t || !piece) return -1;

@@ -109,6 +109,26 @@ int bt_tokenizer_hf_from_gguf(const bt_gguf *g, int64_t model_max_length, bt_hf_
 void bt_hf_tokenizer_files_free(bt_hf_tokenizer_files *f);
 
 int32_t bt_tokenizer_vocab_size(const bt_tokenizer *t);
+
+/* ---- bounds and memory (issue 21 §8: a tokenizer is data a user may name) ----
+ * Every loader refuses a tokenizer past these bounds (BT_ERR_RANGE, naming the bound) before
+ * anything proportional to it is allocated. BT_TOKENIZER_MAX_VOCAB: 2^20 = 1,048,576 ids, four
+ * times the largest real vocabularies (Gemma 3: 262,144; Gemma 2: 256,000; Llama 4: 202,048;
+ * Qwen2/3: 151,936; Llama 3: 128,256), so every real tokenizer loads while no file can make a
+ * load cost more than ~200 MiB. Token text: 64 MiB in all (real ones: 1-3 MB). Merges: 2^21
+ * (real: at most ~280k, Llama 3). */
+#define BT_TOKENIZER_MAX_VOCAB (1u << 20)
+#define BT_TOKENIZER_MAX_TEXT ((uint64_t)64 << 20)
+#define BT_TOKENIZER_MAX_MERGES (2u << 20)
+/* Bytes a loaded tokenizer holds (its tables, strings, regexes; what it keeps resident). */
+uint64_t bt_tokenizer_mem_bytes(const bt_tokenizer *t);
+/* Upper bound of the memory bt_tokenizer_load(path) will hold at its peak (*bytes), read from
+ * the file without loading it: for a GGUF, from the counts and string sizes of its
+ * tokenizer.ggml.* arrays (mapped, nothing proportional to them kept); for a tokenizer.json,
+ * 20 x its text (the parsed JSON tree dominates; plus tokenizer_config.json). BT_ERR_RANGE for a
+ * tokenizer past the bounds above, else the errors of bt_tokenizer_load's first steps (BT_ERR_IO,
+ * BT_ERR_FORMAT, ...). loaderd checks it against memory_budget_bytes before loading. */
+int bt_tokenizer_load_estimate(const char *path, uint64_t *bytes);
 /* Id of an exact token string (e.g. "<|im_start|>"), -1 if absent. */
 int32_t bt_tokenizer_find(const bt_tokenizer *t, const char *piece);
 /* Token text (in the GPT-2 byte alphabet, as stored in the vocabulary), NULL if out of range. */

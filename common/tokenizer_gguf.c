@@ -189,7 +189,9 @@ static int gguf_tok_specials(bt_tokenizer *t, const bt_gguf *g, int32_t n) {
  * types [n]; writes t->added (texts copied, owned by t), t->type. Errors: those of
  * bt_tok_build_added. */
 static int gguf_tok_added(bt_tokenizer *t, const bt_str *toks, const uint8_t *types, int32_t n) {
-    t->added = bt_xmalloc(((size_t)n + 1) * sizeof *t->added);
+    int32_t n_add = 0;
+    for (int32_t i = 0; i < n; i++) n_add += types[i] == TT_CONTROL || types[i] == TT_USER;
+    t->added = bt_xmalloc(((size_t)n_add + 1) * sizeof *t->added); /* not one per token: few are */
     for (int32_t i = 0; i < n; i++) {
         if (types[i] != TT_CONTROL && types[i] != TT_USER) continue;
         if (!bt_tok_utf8_valid((const uint8_t *)toks[i].ptr, toks[i].len)) {
@@ -204,6 +206,41 @@ static int gguf_tok_added(bt_tokenizer *t, const bt_str *toks, const uint8_t *ty
         a->special = types[i] == TT_CONTROL;
     }
     return bt_tok_build_added(t);
+}
+
+/* Element count of the array at key (0 when absent or not an array). */
+static uint64_t arr_count(const bt_gguf *g, const char *key) {
+    int64_t i = bt_gguf_find_key(g, key);
+    uint64_t n = 0;
+    bt_gguf_vtype et;
+    if (i >= 0) bt_gguf_kv_type(g, i, &et, &n);
+    return n;
+}
+
+int bt_tok_gguf_estimate(const bt_gguf *g, uint64_t *bytes) {
+    *bytes = 0;
+    uint64_t n = arr_count(g, "tokenizer.ggml.tokens"), m = arr_count(g, "tokenizer.ggml.merges");
+    if (n > BT_TOKENIZER_MAX_VOCAB)
+        return bt_fail(BT_ERR_RANGE, "tokenizer: vocabulary of %llu tokens, more than the %u accepted (the largest real "
+                       "ones have ~262k)", (unsigned long long)n, BT_TOKENIZER_MAX_VOCAB);
+    if (m > BT_TOKENIZER_MAX_MERGES)
+        return bt_fail(BT_ERR_RANGE, "tokenizer: %llu merges, more than the %u accepted", (unsigned long long)m,
+                       BT_TOKENIZER_MAX_MERGES);
+    bt_str *toks = NULL;
+    uint64_t got = 0, text = 0, tmpl = 0;
+    int rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &got);
+    if (rc < 0) return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.tokens key") : rc;
+    for (uint64_t i = 0; i < got; i++) text += toks[i].len;
+    free(toks);
+    if (text > BT_TOKENIZER_MAX_TEXT)
+        return bt_fail(BT_ERR_RANGE, "tokenizer: %llu bytes of token text, more than the %llu MiB accepted",
+                       (unsigned long long)text, (unsigned long long)(BT_TOKENIZER_MAX_TEXT >> 20));
+    bt_str s;
+    if (bt_gguf_get_str(g, "tokenizer.chat_template", &s) == 0) tmpl = s.len + 1;
+    /* resident: every token could be an added one; regexes and per-thread scratch: 1 MiB;
+     * transient while building: the token array (16 B each) and types, the merge arrays (48 B each) */
+    *bytes = bt_tok_mem_formula(n, text, m, n, text, tmpl + ((uint64_t)1 << 20)) + 17 * n + 48 * (m + 1);
+    return BT_OK;
 }
 
 /* Stages, in order (each error stops the load): model / pre keys (gguf_tok_kind), the
@@ -221,6 +258,8 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
     uint8_t *types = NULL;
     bt_tokenizer *t = bt_tok_new();
     if ((rc = set_pre(t, pre_name)) < 0) goto fail;
+    uint64_t est;
+    if ((rc = bt_tok_gguf_estimate(g, &est)) < 0) goto fail; /* the bounds, before any large allocation */
     if ((rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n_tok)) < 0) goto fail;
     if (n_tok == 0 || n_tok > (uint64_t)INT32_MAX / 2) {
         rc = bt_fail(BT_ERR_FORMAT, "tokenizer: tokenizer.ggml.tokens has %llu entries", (unsigned long long)n_tok);

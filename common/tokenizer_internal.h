@@ -131,6 +131,13 @@ bt_tokenizer *bt_tok_new(void);
  * string table over 4 GiB. */
 int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *pieces, const uint8_t *types,
                      const uint8_t *in_model);
+/* Upper bound of a GGUF tokenizer's peak memory (bt_tokenizer_load_estimate), refusing one past
+ * the bounds (tokenizer.h). BT_OK or BT_ERR_RANGE / the reader's error. */
+int bt_tok_gguf_estimate(const bt_gguf *g, uint64_t *bytes);
+/* Resident bytes of a tokenizer of n ids, `text` bytes of token text, m merges, a added tokens
+ * (texts: added_text bytes), plus `other` (strings, regexes): the formula bt_tokenizer_mem_bytes
+ * evaluates and bt_tok_gguf_estimate bounds. */
+uint64_t bt_tok_mem_formula(uint64_t n, uint64_t text, uint64_t m, uint64_t a, uint64_t added_text, uint64_t other);
 /* Merges: pair m is (a[m], b[m]), rank m; later duplicates win (HF builds a HashMap).
  * BT_ERR_FORMAT for zero merges or a part/result missing from the vocabulary. */
 int bt_tok_set_merges(bt_tokenizer *t, uint64_t n, const bt_str *a, const bt_str *b);

@@ -249,6 +249,9 @@ static int id_space(json_t *vocab, json_t *added, int32_t *n) {
             return bt_fail(BT_ERR_FORMAT, "tokenizer.json: added_tokens[%zu].id not an integer in [0, 2^30)", i);
         if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
     }
+    if (max_id + 1 > (int64_t)BT_TOKENIZER_MAX_VOCAB) /* before the tables of that size are made */
+        return bt_fail(BT_ERR_RANGE, "tokenizer.json: ids up to %lld: a vocabulary of more than the %u tokens "
+                       "accepted (the largest real ones have ~262k)", (long long)max_id, BT_TOKENIZER_MAX_VOCAB);
     *n = (int32_t)max_id + 1;
     return 0;
 }
@@ -497,6 +500,69 @@ static int read_maybe_zstd(const char *path, char **out, size_t *out_len) {
     }
     *out = m.data; /* NUL-terminated by bt_read_file */
     *out_len = m.size;
+    return 0;
+}
+
+/* Bytes of text in a tokenizer.json or tokenizer_config.json file (plain, or the content size
+ * a zstd frame declares; 32 x the compressed size when it declares none). 0 when absent. */
+static int json_text_bytes(const char *path, int must_exist, uint64_t *bytes) {
+    *bytes = 0;
+    struct stat st;
+    int fd = bt_open_file(path, 0, &st);
+    if (fd < 0) {
+        if (!must_exist && errno == ENOENT) return 0;
+        return bt_fail(BT_ERR_IO, "tokenizer: %s", bt_last_error());
+    }
+    uint8_t head[18];
+    ssize_t got;
+    do got = pread(fd, head, sizeof head, 0);
+    while (got < 0 && errno == EINTR);
+    close(fd);
+    *bytes = (uint64_t)st.st_size;
+    static const uint8_t zmagic[4] = {0x28, 0xB5, 0x2F, 0xFD};
+    if (got >= 4 && memcmp(head, zmagic, 4) == 0) {
+        unsigned long long c = ZSTD_getFrameContentSize(head, (size_t)got);
+        *bytes = c != ZSTD_CONTENTSIZE_UNKNOWN && c != ZSTD_CONTENTSIZE_ERROR ? c : 32 * (uint64_t)st.st_size;
+    }
+    return 0;
+}
+
+int bt_tokenizer_load_estimate(const char *path, uint64_t *bytes) {
+    if (!path || !bytes) return bt_fail(BT_ERR_INVALID, "tokenizer_load_estimate: NULL argument");
+    *bytes = 0;
+    struct stat st;
+    if (stat(path, &st) != 0) return bt_fail(BT_ERR_IO, "tokenizer: %s: %s", path, strerror(errno));
+    char file[PATH_MAX], cfgp[PATH_MAX];
+    if ((size_t)snprintf(file, sizeof file, S_ISDIR(st.st_mode) ? "%s/tokenizer.json" : "%s", path) >= sizeof file)
+        return bt_fail(BT_ERR_INVALID, "tokenizer: path too long");
+    if (!S_ISDIR(st.st_mode)) {
+        int fd = bt_open_ro(path);
+        if (fd < 0) return bt_fail(BT_ERR_IO, "tokenizer: %s", bt_last_error());
+        char magic[4] = {0};
+        ssize_t got;
+        do got = pread(fd, magic, 4, 0);
+        while (got < 0 && errno == EINTR);
+        close(fd);
+        if (got == 4 && memcmp(magic, "GGUF", 4) == 0) {
+            bt_gguf *g = NULL;
+            int rc = bt_gguf_open(&g, path);
+            if (rc < 0) return rc;
+            rc = bt_gguf_check(g, bt_tok_gguf_estimate(g, bytes));
+            bt_gguf_close(g);
+            return rc;
+        }
+    }
+    uint64_t jb = 0, cb = 0;
+    int rc = json_text_bytes(file, 1, &jb);
+    if (rc < 0) return rc;
+    const char *slash = strrchr(file, '/');
+    size_t dl = slash ? (size_t)(slash - file) + 1 : 0;
+    if (dl + sizeof "tokenizer_config.json" <= sizeof cfgp) {
+        memcpy(cfgp, file, dl);
+        strcpy(cfgp + dl, "tokenizer_config.json");
+        if ((rc = json_text_bytes(cfgp, 0, &cb)) < 0) return rc;
+    }
+    *bytes = 20 * (jb + cb) + ((uint64_t)1 << 20);
     return 0;
 }
 

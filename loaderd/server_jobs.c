@@ -31,9 +31,26 @@ typedef struct {
 
 /* ------------------------------------------------------------------ tokenizer cache */
 
+static double mib(uint64_t b) { return (double)b / 1048576.0; }
+
+/* Reserve `need` bytes of memory_budget_bytes (any thread: a CAS loop, so attaches racing on the
+ * pool never overshoot it). 1 when reserved, 0 when it does not fit (*used: what was in use). */
+static int budget_take(server *s, uint64_t budget, uint64_t need, uint64_t *used) {
+    *used = atomic_load(&s->mem_used);
+    do {
+        if (*used + need > budget) return 0;
+    } while (!atomic_compare_exchange_weak(&s->mem_used, used, *used + need));
+    return 1;
+}
+
 /* The load itself runs without tok_mu: the loop thread takes the lock (ld_tok_put, status) and
  * must never wait on a slow tokenizer load. Two attaches racing on the same new path may both
- * load it; the loser frees its copy and uses the cached one. */
+ * load it; the loser frees its copy and uses the cached one.
+ * Memory: a tokenizer is counted in memory_budget_bytes once, whatever number of jobs share it.
+ * Before loading, the most the load may take (bt_tokenizer_load_estimate: from the file's
+ * counts, refusing a vocabulary past the bounds) is reserved, and the attach refused when it
+ * does not fit; once loaded the reservation becomes what the tokenizer holds
+ * (bt_tokenizer_mem_bytes), released with the entry. */
 static tok_entry *tok_find_ref(server *s, const char *path) {
     tok_entry *e = s->toks;
     while (e && strcmp(e->path, path)) e = e->next;
@@ -41,19 +58,44 @@ static tok_entry *tok_find_ref(server *s, const char *path) {
     return e;
 }
 
-static tok_entry *tok_get(server *s, const char *path, char *err, size_t errlen) {
+static tok_entry *tok_get(server *s, uint64_t budget, const char *path, char *err, size_t errlen) {
     pthread_mutex_lock(&s->tok_mu);
     tok_entry *e = tok_find_ref(s, path);
     pthread_mutex_unlock(&s->tok_mu);
     if (e) return e;
+    uint64_t est = 0, used = 0;
+    if (bt_tokenizer_load_estimate(path, &est) != BT_OK) {
+        const char *why = bt_last_error_in("tokenizer");
+        size_t pl = strlen(path);
+        if (strncmp(why, path, pl) == 0 && why[pl] == ':' && why[pl + 1] == ' ') why += pl + 2;
+        snprintf(err, errlen, "tokenizer %s: %s", path, why);
+        return NULL;
+    }
+    if (!budget_take(s, budget, est, &used)) {
+        snprintf(err, errlen,
+                 "not enough of loaderd's memory budget to load tokenizer %s: it needs up to %.1f MiB, %.1f MiB of "
+                 "memory_budget_bytes %.1f MiB are in use (%.1f MiB free): use a tokenizer another job has loaded, "
+                 "wait for jobs to end, or ask the operator to raise memory_budget_bytes",
+                 path, mib(est), mib(used), mib(budget), mib(budget > used ? budget - used : 0));
+        return NULL;
+    }
     bt_tokenizer *t = NULL;
     double t0 = bt_now();
     if (bt_tokenizer_load(&t, path)) {
-        snprintf(err, errlen, "tokenizer %s: %s", path, bt_last_error());
+        atomic_fetch_sub(&s->mem_used, est);
+        /* the loader's messages already say "tokenizer: <path>: ..." */
+        const char *why = bt_last_error_in("tokenizer");
+        size_t pl = strlen(path);
+        if (strncmp(why, path, pl) == 0 && why[pl] == ':' && why[pl + 1] == ' ') why += pl + 2;
+        snprintf(err, errlen, "tokenizer %s: %s", path, why);
         return NULL;
     }
-    bt_log(BT_LOG_INFO, LOGC, "loaded tokenizer %s (vocab %d) in %.2f s", path, bt_tokenizer_vocab_size(t),
-           bt_now() - t0);
+    uint64_t held = bt_tokenizer_mem_bytes(t);
+    /* the reservation becomes what it holds (the estimate bounds it; stay right if it did not) */
+    if (held <= est) atomic_fetch_sub(&s->mem_used, est - held);
+    else atomic_fetch_add(&s->mem_used, held - est);
+    bt_log(BT_LOG_INFO, LOGC, "loaded tokenizer %s (vocab %d, %.1f MiB) in %.2f s", path, bt_tokenizer_vocab_size(t),
+           mib(held), bt_now() - t0);
     pthread_mutex_lock(&s->tok_mu);
     e = tok_find_ref(s, path);
     if (!e) {
@@ -61,12 +103,17 @@ static tok_entry *tok_get(server *s, const char *path, char *err, size_t errlen)
         e->path = bt_xstrdup(path);
         e->tok = t;
         e->refs = 1;
+        e->mem_bytes = held;
+        atomic_fetch_add(&s->tok_mem, held);
         e->next = s->toks;
         s->toks = e;
         t = NULL;
     }
     pthread_mutex_unlock(&s->tok_mu);
-    if (t) bt_tokenizer_free(t); /* another attach cached the same tokenizer meanwhile */
+    if (t) { /* another attach cached the same tokenizer meanwhile */
+        bt_tokenizer_free(t);
+        atomic_fetch_sub(&s->mem_used, held);
+    }
     return e;
 }
 
@@ -79,6 +126,8 @@ void ld_tok_put(server *s, tok_entry *e) {
                 *pp = e->next;
                 break;
             }
+        atomic_fetch_sub(&s->mem_used, e->mem_bytes);
+        atomic_fetch_sub(&s->tok_mem, e->mem_bytes);
         bt_tokenizer_free(e->tok);
         free(e->path);
         free(e);
@@ -203,24 +252,19 @@ void ld_job_teardown(job *j) {
 
 /* ------------------------------------------------------------------ attach */
 
-static double mib(uint64_t b) { return (double)b / 1048576.0; }
-
-/* Reserve ring + pipeline bytes of the job in the global memory_budget_bytes (any thread: a CAS
- * loop, so attaches racing on the pool never overshoot it). 0, or 1 with r->err set. */
+/* Reserve ring + pipeline bytes of the job in the global memory_budget_bytes (budget_take). 0,
+ * or 1 with r->err set. */
 static int mem_reserve(attach_req *r, job *j, uint64_t ring, uint64_t pipe) {
-    uint64_t need = ring + pipe, budget = r->cfg->c.memory_budget_bytes;
-    uint64_t used = atomic_load(&r->s->mem_used);
-    do {
-        if (used + need > budget) {
-            snprintf(r->err, sizeof r->err,
-                     "not enough of loaderd's memory budget: this job needs %.1f MiB (ring %.1f MiB + pipeline "
-                     "buffers %.1f MiB), %.1f MiB of memory_budget_bytes %.1f MiB are in use by other jobs "
-                     "(%.1f MiB free): use a smaller ring_slots / micro_batch_size x seq_len / "
-                     "tokenizer_threads, wait for jobs to end, or ask the operator to raise memory_budget_bytes",
-                     mib(need), mib(ring), mib(pipe), mib(used), mib(budget), mib(budget > used ? budget - used : 0));
-            return 1;
-        }
-    } while (!atomic_compare_exchange_weak(&r->s->mem_used, &used, used + need));
+    uint64_t need = ring + pipe, budget = r->cfg->c.memory_budget_bytes, used;
+    if (!budget_take(r->s, budget, need, &used)) {
+        snprintf(r->err, sizeof r->err,
+                 "not enough of loaderd's memory budget: this job needs %.1f MiB (ring %.1f MiB + pipeline "
+                 "buffers %.1f MiB), %.1f MiB of memory_budget_bytes %.1f MiB are in use by other jobs and "
+                 "tokenizers (%.1f MiB free): use a smaller ring_slots / micro_batch_size x seq_len / "
+                 "tokenizer_threads, wait for jobs to end, or ask the operator to raise memory_budget_bytes",
+                 mib(need), mib(ring), mib(pipe), mib(used), mib(budget), mib(budget > used ? budget - used : 0));
+        return 1;
+    }
     j->mem_bytes = need;
     return 0;
 }
@@ -335,7 +379,7 @@ static void attach_work(uv_work_t *w) {
         goto fail_job;
     }
     if (mem_reserve(r, j, (uint64_t)sb * slots, ld_pipeline_mem_estimate(&j->spec))) goto fail_job;
-    if (!(j->tok = tok_get(r->s, j->spec.tokenizer, r->err, sizeof r->err))) goto fail_job;
+    if (!(j->tok = tok_get(r->s, cfg->memory_budget_bytes, j->spec.tokenizer, r->err, sizeof r->err))) goto fail_job;
     j->vocab = bt_tokenizer_vocab_size(j->tok->tok);
     if (bt_ring_create(&j->ring, slots, j->B, j->T)) {
         snprintf(r->err, sizeof r->err, "%s", bt_last_error());

@@ -49,6 +49,7 @@ typedef struct tok_entry {
     char *path;
     bt_tokenizer *tok;
     int refs;
+    uint64_t mem_bytes; /* reserved in server.mem_used while the entry lives (bt_tokenizer_mem_bytes) */
     struct tok_entry *next;
 } tok_entry;
 
@@ -133,7 +134,8 @@ typedef struct server {
     ld_hub *hub;              /* one stream per job: the ranks' pipelines meet here */
     uint64_t connections_total, requests_total, bad_requests_total;
     uint64_t refused[REFUSE_N];
-    _Atomic uint64_t mem_used; /* bytes reserved by jobs and attaches in preparation (any thread) */
+    _Atomic uint64_t mem_used; /* bytes reserved by jobs, attaches in preparation and tokenizers (any thread) */
+    _Atomic uint64_t tok_mem;  /* of which the cached tokenizers (each counted once, however many jobs use it) */
     double t_reload;     /* last successful reload (0: never) */
     uint64_t reloads_total, reload_failures_total;
 } server;

@@ -259,6 +259,7 @@ void ld_op_status(conn *c, int full) {
         json_object_set_new(r, "max_clients_per_uid", json_integer(s->cfg->c.max_clients_per_uid));
         json_object_set_new(r, "memory_budget_bytes", json_integer((json_int_t)s->cfg->c.memory_budget_bytes));
         json_object_set_new(r, "memory_used_bytes", json_integer((json_int_t)atomic_load(&s->mem_used)));
+        json_object_set_new(r, "tokenizer_memory_bytes", json_integer((json_int_t)atomic_load(&s->tok_mem)));
     }
     ld_conn_send(c, r);
 }
@@ -372,10 +373,14 @@ void ld_op_metrics(conn *c) {
         {"loaderd_reloads_total", "counter", "Successful configuration reloads (SIGHUP).", (double)s->reloads_total},
         {"loaderd_tokenizer_tokens_per_second", "gauge", "Tokenizer throughput summed over all jobs (EWMA, ~5 s).",
          tok_total},
-        {"loaderd_memory_budget_bytes", "gauge", "memory_budget_bytes: rings + pipeline buffers of all jobs.",
+        {"loaderd_memory_budget_bytes", "gauge",
+         "memory_budget_bytes: rings + pipeline buffers of all jobs + the tokenizers they use.",
          (double)s->cfg->c.memory_budget_bytes},
-        {"loaderd_memory_used_bytes", "gauge", "Memory reserved by attached jobs and attaches in preparation.",
+        {"loaderd_memory_used_bytes", "gauge",
+         "Memory reserved by attached jobs, attaches in preparation and loaded tokenizers.",
          (double)atomic_load(&s->mem_used)},
+        {"loaderd_tokenizer_memory_bytes", "gauge", "Memory held by loaded tokenizers (each counted once).",
+         (double)atomic_load(&s->tok_mem)},
     };
     for (size_t g = 0; g < sizeof glob / sizeof glob[0]; g++) {
         fprintf(f, "# HELP %s %s\n# TYPE %s %s\n%s", glob[g].name, glob[g].help, glob[g].name, glob[g].type,

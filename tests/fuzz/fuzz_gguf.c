@@ -6,13 +6,16 @@
  * typed getter either answers or refuses with a message, string arrays and numeric arrays lie
  * inside the buffer, every tensor has 1..4 dimensions, data inside the buffer at an aligned
  * offset past the data section start, nbytes = row size x rows, and is found by its name; a
- * tokenizer built from it has a vocabulary of at least one token, and every token decodes. */
+ * tokenizer built from it has a vocabulary of at least one token (and at most
+ * BT_TOKENIZER_MAX_VOCAB), every token decodes, and the memory estimate made from the file's
+ * counts (bt_tok_gguf_estimate, what loaderd checks its budget with) bounds what it holds. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/gguf.h"
 #include "common/quant.h"
+#include "common/tokenizer_internal.h"
 #include "fuzz_common.h"
 
 static int inside(const void *p, uint64_t n, const uint8_t *b, size_t size) {
@@ -86,6 +89,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (bt_tokenizer_from_gguf(&tok, g) == 0) {
         int32_t nv = bt_tokenizer_vocab_size(tok);
         if (nv < 1) fuzz_fail("tokenizer with an empty vocabulary");
+        if ((uint32_t)nv > BT_TOKENIZER_MAX_VOCAB) fuzz_fail("tokenizer past the vocabulary bound");
+        uint64_t est = 0;
+        if (bt_tok_gguf_estimate(g, &est) != BT_OK || est < bt_tokenizer_mem_bytes(tok))
+            fuzz_fail("the memory estimate does not bound the tokenizer");
         for (int32_t id = 0; id < nv && id < 4096; id++) {
             char *text = NULL;
             size_t len = 0;

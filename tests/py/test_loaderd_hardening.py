@@ -340,10 +340,11 @@ def test_memory_budget(loaderd, dataset, model_path):
     e = r2["error"]
     assert "MiB of memory_budget_bytes 150.0 MiB are in use" in e and f"needs {job_mem / 1048576:.1f} MiB" in e, e
     st = status(d)
-    assert st["memory_used_bytes"] == job_mem
+    tok = st["tokenizer_memory_bytes"]  # the job's tokenizer counts too (issue 21 §8)
+    assert st["memory_used_bytes"] == job_mem + tok and tok > 0, st
     assert "memory: " in d.ctl("status").stdout
     m = d.ctl("metrics").stdout
-    assert f"loaderd_memory_used_bytes {job_mem}" in m and "loaderd_job_memory_bytes{" in m, m
+    assert f"loaderd_memory_used_bytes {job_mem + tok}" in m and "loaderd_job_memory_bytes{" in m, m
     s1.close()
     ring1.close()
     wait_until(lambda: status(d)["memory_used_bytes"] == 0, what="memory released after detach")

@@ -474,6 +474,57 @@ static void test_synthetic(void **state) {
     rmdir(g_tmpdir);
 }
 
+/* Bounds and memory (issue 21 §8): the real tokenizer's estimate bounds what it holds (and not
+ * by far); a vocabulary past BT_TOKENIZER_MAX_VOCAB is refused, from the GGUF's counts, by the
+ * estimate and by the loader, and in a tokenizer.json before its tables are made. */
+static void test_bounds_and_memory(void **state) {
+    (void)state;
+    uint64_t est = 0;
+    assert_int_equal(bt_tokenizer_load_estimate(tu_model_path(), &est), 0);
+    bt_tokenizer *t = NULL;
+    assert_int_equal(bt_tokenizer_load(&t, tu_model_path()), 0);
+    uint64_t held = bt_tokenizer_mem_bytes(t);
+    fprintf(stderr, "SmolLM2 tokenizer: %.2f MiB held, estimate %.2f MiB\n", held / 1048576.0, est / 1048576.0);
+    assert_true(held > (uint64_t)bt_tokenizer_vocab_size(t) * 20); /* its tables, at least */
+    assert_true(est >= held && est < 4 * held);
+    bt_tokenizer_free(t);
+
+    char dir[] = "/tmp/bt_tok_bound_XXXXXX", path[256];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/big.gguf", dir);
+    const int n = (int)BT_TOKENIZER_MAX_VOCAB + 1;
+    const char **toks = malloc((size_t)n * sizeof *toks);
+    char (*names)[8] = malloc((size_t)n * sizeof *names);
+    for (int i = 0; i < n; i++) {
+        snprintf(names[i], sizeof names[i], "t%06x", i);
+        toks[i] = names[i];
+    }
+    const char *merges[] = {"t t"};
+    assert_int_equal(make_gguf(path, "gpt2", "gpt2", toks, n, NULL, 0, merges, 1), 0);
+    assert_int_equal(bt_tokenizer_load_estimate(path, &est), BT_ERR_RANGE);
+    assert_non_null(strstr(bt_last_error(), "1048577 tokens, more than the 1048576 accepted"));
+    assert_int_equal(bt_tokenizer_load(&t, path), BT_ERR_RANGE);
+    assert_null(t);
+    /* at the bound: accepted by the estimate, which then bounds it */
+    assert_int_equal(make_gguf(path, "gpt2", "gpt2", toks, n - 1, NULL, 0, merges, 1), 0);
+    assert_int_equal(bt_tokenizer_load_estimate(path, &est), 0);
+    assert_true(est < ((uint64_t)256 << 20));
+    free(toks);
+    free(names);
+    unlink(path);
+    /* tokenizer.json: an id past the bound, refused before the tables of that size */
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    const char *js = "{\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, \"decoder\": {\"type\": \"ByteLevel\"}, "
+                     "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 999999999}, \"merges\": []}}";
+    tu_write_file(NULL, path, js, strlen(js));
+    assert_int_equal(bt_tokenizer_load_estimate(path, &est), 0);
+    assert_true(est >= 20 * strlen(js));
+    assert_int_equal(bt_tokenizer_load(&t, path), BT_ERR_RANGE);
+    assert_non_null(strstr(bt_last_error(), "more than the 1048576 tokens accepted"));
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_metadata),
@@ -485,6 +536,7 @@ int main(void) {
         cmocka_unit_test(test_large_inputs),
         cmocka_unit_test(test_bad_args),
         cmocka_unit_test(test_synthetic),
+        cmocka_unit_test(test_bounds_and_memory),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
