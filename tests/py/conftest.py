@@ -20,11 +20,13 @@ Fixtures:
                     data_roots [data_dir] and model_roots [tmp_path, the model's directory]
   chat_line(u, a) / write_shard(path, lines) / tiny_model(path, seed) / tiny_model_hd64(path, seed) /
   read_safetensors(path) /
-  rel_l2(a, b, part) / ckpt_step(dir) helpers, PauseHook and the ROOT / BUILD / MODEL paths are
-  importable from conftest (`from conftest import chat_line`).
+  rel_l2(a, b, part) / ckpt_step(dir) helpers, PauseHook, reachable_by_all(binary) (a copy any
+  user can run, for tests that switch users) and the ROOT / BUILD / MODEL paths are importable
+  from conftest (`from conftest import chat_line`).
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -129,6 +131,29 @@ def tiny_model_hd64(path, seed=11):
                     "--layers", "2", "--hidden", "128", "--heads", "2", "--kv-heads", "1", "--ffn", "256",
                     "--seed", str(seed)], check=True)
     return path
+
+
+_SHARED_BIN_DIR = []
+
+
+def reachable_by_all(path):
+    """A copy of the executable `path` that any user can run, for tests that run it as another
+    user (nobody): the clone may sit under a directory other users cannot enter (mode 0700, as
+    `mktemp -d` makes and as many home directories are), so build/... is out of their reach.
+    The copy lives in one world-readable temporary directory per session (removed at exit)."""
+    import atexit
+    if not _SHARED_BIN_DIR:
+        d = tempfile.mkdtemp(prefix="bt-bin-", dir="/tmp")
+        os.chmod(d, 0o755)
+        atexit.register(shutil.rmtree, d, True)
+        _SHARED_BIN_DIR.append(d)
+    rel = os.path.relpath(os.path.abspath(path), BUILD).replace(os.sep, "_")
+    dst = os.path.join(_SHARED_BIN_DIR[0], rel)
+    if not os.path.exists(dst) or os.path.getmtime(dst) < os.path.getmtime(path):
+        shutil.copy2(path, dst + ".new")
+        os.chmod(dst + ".new", 0o755)
+        os.replace(dst + ".new", dst)
+    return dst
 
 
 class PauseHook:

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import BUILD, ROOT, PauseHook, chat_line, read_line, write_shard
+from conftest import BUILD, ROOT, PauseHook, chat_line, reachable_by_all, read_line, write_shard
 from test_loaderd_server import attach, base_config, check_batch, dataset, job_spec, parse_batch  # noqa: F401
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
@@ -119,9 +119,12 @@ sys.stdout.write(str(r.returncode) + "\n" + r.stderr)
 
 
 def run_as(uid, *cmd, groups=()):
-    """Run cmd as uid (primary gid = uid, supplementary `groups`); (exit code, stderr)."""
-    r = subprocess.run([sys.executable, "-c", AS_USER_RUN, str(uid), ",".join(map(str, groups)), *cmd],
-                       capture_output=True, text=True, timeout=120)
+    """Run cmd as uid (primary gid = uid, supplementary `groups`); (exit code, stderr). cmd[0] is
+    run from a copy that user can reach (reachable_by_all), from "/" (the clone may be out of its
+    reach)."""
+    exe = reachable_by_all(cmd[0])
+    r = subprocess.run([sys.executable, "-c", AS_USER_RUN, str(uid), ",".join(map(str, groups)), exe, *cmd[1:]],
+                       capture_output=True, text=True, timeout=120, cwd="/")
     assert r.returncode == 0, r.stderr
     code, _, err = r.stdout.partition("\n")
     return int(code), err
@@ -172,7 +175,7 @@ def trickle(sock, uid, n, limit_s):
     """Start n connections of `uid` sending a bare newline every 0.2 s until loaderd closes them
     (or limit_s). Returns the Popen; its stdout says when all are connected, then the outcome."""
     p = subprocess.Popen([sys.executable, "-c", TRICKLE, str(uid), sock, str(n), "0.2", str(limit_s)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")  # out of the clone
     line = p.stdout.readline()
     assert line and json.loads(line)["connected"] == n, p.stderr.read()
     return p

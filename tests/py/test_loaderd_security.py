@@ -49,7 +49,7 @@ print(buf.split(b"\n")[0].decode() or json.dumps({"eof": True}))
 
 def as_user(sock, uid, gid, groups=()):
     r = subprocess.run([sys.executable, "-c", AS_USER, str(uid), str(gid), ",".join(map(str, groups)), sock],
-                       capture_output=True, text=True, timeout=30)
+                       capture_output=True, text=True, timeout=30, cwd="/")  # the clone may be out of its reach
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -119,7 +119,7 @@ while True:
 sys.stdout.write(data.decode())
 """
     r = subprocess.run([sys.executable, "-c", code, d.sock, json.dumps(job_spec(dataset, model_path))],
-                       capture_output=True, text=True, timeout=30)
+                       capture_output=True, text=True, timeout=30, cwd="/")
     assert "permission denied" in r.stdout and r.stdout.count("\n") == 1, r
     assert json.loads(d.ctl("status", "--json").stdout)["jobs"] == []
     d.stop()
