@@ -11,7 +11,8 @@ Fixtures:
   notify_socket  -> NotifySocket: an AF_UNIX datagram socket standing in for systemd's
                     $NOTIFY_SOCKET (.path, .wait_for("READY=1", timeout))
   loaderd        -> factory: loaderd(config: dict, asan=None, notify=True, args=(), wait=True,
-                    env=None) -> Loaderd (asan=None: the ASan build when it exists),
+                    env=None, preexec=None) -> Loaderd (asan=None: the ASan build when it exists;
+                    preexec: run in the child before exec, e.g. to set a resource limit),
                     started and READY; every daemon still running at the end is stopped with
                     SIGTERM and must exit 0
   trainer_stack  -> for trainer runs on a tiny model: skips unless loaderd, trainer and
@@ -283,7 +284,7 @@ def thread_stacks(pid):
 class Loaderd:
     """A running loaderd. .sock, .proc, .log_text(), .request(obj), .ctl(*args), .stop()."""
 
-    def __init__(self, bins, cfg_path, sock, asan, notify, log_path, args=(), extra_env=None):
+    def __init__(self, bins, cfg_path, sock, asan, notify, log_path, args=(), extra_env=None, preexec=None):
         self.bins, self.sock, self.asan, self.notify = bins, sock, asan, notify
         self.cfg_path, self.log_path = cfg_path, log_path
         env = dict(os.environ)
@@ -295,7 +296,7 @@ class Loaderd:
             env.pop("NOTIFY_SOCKET", None)
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen([bins.path("loaderd", asan), "--config", cfg_path, "--foreground", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
 
     def wait_ready(self, timeout=30.0):
         if self.notify is not None:
@@ -350,6 +351,12 @@ class Loaderd:
         return rc
 
 
+# "x: x: " in a log line: a message wrapped by a caller that adds the part (or path) its callee
+# already wrote ("token cache: token cache: ..."); the loaderd fixture fails a test whose daemon
+# logged one.
+DOUBLED_PART = re.compile(r"(?:^|: )([^:\n]{1,200}): \1: ", re.M)
+
+
 def read_line(s, limit=64 << 20):
     """Read one '\\n'-terminated line from a stream socket (bytes, without the newline)."""
     buf = b""
@@ -368,7 +375,7 @@ def loaderd(bins, tmp_path, sock_path):
     """Factory starting loaderd with a config dict ("socket" defaults to a fresh tmp path)."""
     started = []
 
-    def start(config=None, asan=None, notify=True, args=(), wait=True, env=None):
+    def start(config=None, asan=None, notify=True, args=(), wait=True, env=None, preexec=None):
         if asan is None:
             asan = bins.have("loaderd", asan=True)
         if not bins.have("loaderd", asan):
@@ -379,7 +386,8 @@ def loaderd(bins, tmp_path, sock_path):
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
         n = NotifySocket() if notify else None
-        d = Loaderd(bins, cfg_path, cfg["socket"], asan, n, str(tmp_path / f"loaderd-{len(started)}.log"), args, env)
+        d = Loaderd(bins, cfg_path, cfg["socket"], asan, n, str(tmp_path / f"loaderd-{len(started)}.log"), args, env,
+                    preexec)
         started.append(d)
         if wait:
             d.wait_ready()
@@ -392,6 +400,9 @@ def loaderd(bins, tmp_path, sock_path):
             rc = d.stop()
             if rc != 0:
                 failures.append(f"loaderd exited {rc} at teardown\n{d.log_text()[-4000:]}")
+        doubled = DOUBLED_PART.search(d.log_text())
+        if doubled:  # a message wrapped with the part it already names (issue 21 §11)
+            failures.append(f"loaderd's log names a part twice: {doubled.group(0)!r}")
         if d.notify is not None:
             d.notify.close()
     assert not failures, "\n".join(failures)
