@@ -161,9 +161,28 @@ static int log_level(void) {
     return l;
 }
 
+/* 1 when stderr is journald's stream (systemd sets $JOURNAL_STREAM to "DEV:INODE" of the stream it
+ * connected, systemd.exec(5)): lines then carry their priority as a "<N>" prefix (sd-daemon(3)'s
+ * SD_ERR ... SD_DEBUG, which journald parses) and no timestamp of their own. Decided once. */
+static int log_to_journal(void) {
+    static int cached = -1;
+    if (cached >= 0) return cached;
+    int j = 0;
+    const char *e = getenv("JOURNAL_STREAM");
+    unsigned long long dev, ino;
+    struct stat st;
+    if (e && sscanf(e, "%llu:%llu", &dev, &ino) == 2 && fstat(STDERR_FILENO, &st) == 0 &&
+        (unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino)
+        j = 1;
+    cached = j;
+    return j;
+}
+
 void bt_log(int level, const char *component, const char *fmt, ...) {
     if (level < log_level()) return;
     static const char *names[] = {"debug", "info", "warn", "error"};
+    static const int prio[] = {7, 6, 4, 3}; /* SD_DEBUG, SD_INFO, SD_WARNING, SD_ERR */
+    const int li = level < 0 ? 0 : level > 3 ? 3 : level;
     char ts[32];
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
@@ -183,8 +202,8 @@ void bt_log(int level, const char *component, const char *fmt, ...) {
     if (strncmp(m, component, cl) == 0 && m[cl] == ':' && m[cl + 1] == ' ') m += cl + 2;
     bt_escape_text(safe, sizeof safe, m, strlen(m));
     pthread_mutex_lock(&g_log_mu);
-    fprintf(stderr, "%s.%03ldZ %s %s: %s\n", ts, now.tv_nsec / 1000000L,
-            names[level < 0 ? 0 : level > 3 ? 3 : level], component, safe);
+    if (log_to_journal()) fprintf(stderr, "<%d>%s: %s\n", prio[li], component, safe);
+    else fprintf(stderr, "%s.%03ldZ %s %s: %s\n", ts, now.tv_nsec / 1000000L, names[li], component, safe);
     pthread_mutex_unlock(&g_log_mu);
 }
 

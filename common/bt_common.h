@@ -60,9 +60,12 @@ size_t bt_escape_text(char *dst, size_t cap, const char *s, size_t n);
 enum { BT_LOG_DEBUG = 0, BT_LOG_INFO = 1, BT_LOG_WARN = 2, BT_LOG_ERROR = 3 };
 /* Minimum level printed (default BT_LOG_INFO; env BT_LOG_LEVEL=debug|info|warn|error overrides). */
 void bt_log_set_level(int level);
-/* Log one line to stderr: "<ISO time> <level> <component>: message". The message is passed
- * through bt_escape_text (one event is one line, whatever it quotes) and written without a
- * leading part it repeats ("x: x: " or "<component>: "). Thread-safe. */
+/* Log one line to stderr: "<ISO time> <level> <component>: message"; when stderr is journald's
+ * stream ($JOURNAL_STREAM, systemd.exec(5)) "<N><component>: message" instead, N the syslog
+ * priority (7 debug, 6 info, 4 warn, 3 error: sd-daemon(3)), so `journalctl -p warning` filters by
+ * level and the journal's own timestamp is the only one. The message is passed through
+ * bt_escape_text (one event is one line, whatever it quotes) and written without a leading part
+ * it repeats ("x: x: " or "<component>: "). Thread-safe. */
 void bt_log(int level, const char *component, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* Monotonic clock in seconds (CLOCK_MONOTONIC). */

@@ -1,8 +1,13 @@
 /* loaderctl: operator client of loaderd's control socket (protocol: proto/PROTOCOL.md).
- *   loaderctl [--socket PATH] status|jobs|metrics|drain|watch|hello [--json] [--interval S]
+ *   loaderctl [--socket PATH | --config FILE] status|jobs|metrics|drain|reload|watch|hello [--json]
+ *             [--interval S]
  *   loaderctl preview --job JOB.json [--rows N] [--color|--no-color]
  *   loaderctl tokenize --tokenizer PATH [--ids] [--no-special]
- * Default socket: $LOADERD_SOCKET, else /run/loaderd/loaderd.sock. Human tables by default;
+ * Default socket: $LOADERD_SOCKET, else /run/loaderd/loaderd.sock; --config FILE takes the "socket"
+ * of loaderd's configuration file instead (the default when FILE does not say or does not parse:
+ * loaderd itself then says what is wrong with it). `reload` asks loaderd to re-read its
+ * configuration (as SIGHUP does; operators only) and exits 1 when loaderd refuses the new one and
+ * keeps the running one: the unit's ExecReload=, so `systemctl reload loaderd` reports it. Human tables by default;
  * --json prints loaderd's raw reply line. `watch` redraws the status table in place every
  * --interval seconds (default 2) until Ctrl-C.
  * `preview` needs no daemon: it runs the job's pipeline in this process (ld_job_spec_parse,
@@ -28,6 +33,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_json.h"
 #include "common/tokenizer.h"
 #include "loaderd/pipeline.h"
 #include "proto/batch.h"
@@ -335,6 +341,8 @@ static int run_once(const char *sock, const char *cmd, int as_json) {
                 num(r, "gid"));
     } else if (!strcmp(op, "drain")) {
         fprintf(g_out, "loaderd is draining: %.0f job(s) left; it exits when they detach\n", num(r, "jobs"));
+    } else if (!strcmp(op, "reload")) {
+        fprintf(g_out, "loaderd reloaded %s: %.0f setting(s) changed\n", str(r, "config"), num(r, "changed"));
     }
     fflush(g_out);
     free(js);
@@ -344,7 +352,8 @@ static int run_once(const char *sock, const char *cmd, int as_json) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: loaderctl [--socket PATH] status|jobs|metrics|drain|watch|hello [--json] [--interval S]\n"
+    fprintf(f, "usage: loaderctl [--socket PATH | --config FILE] status|jobs|metrics|drain|reload|watch|hello [--json]\n"
+               "                 [--interval S]\n"
                "       loaderctl preview --job JOB.json [--rows N] [--color|--no-color]\n"
                "       loaderctl tokenize --tokenizer PATH [--ids] [--no-special]   (text lines on stdin)\n"
                "  default socket: $LOADERD_SOCKET or %s\n", BT_DEFAULT_SOCKET);
@@ -536,8 +545,24 @@ static int cmd_tokenize(const char *tok_path, int ids_only, int parse_special) {
     return status;
 }
 
+/* The "socket" of loaderd's configuration file `path` (a copy in buf), else BT_DEFAULT_SOCKET with a
+ * note on stderr: a file that is unreadable or broken still leads to the default socket, where a
+ * running loaderd refuses the file with its own reason (`loaderctl --config F reload`). */
+static const char *socket_of_config(const char *path, char *buf, size_t cap) {
+    json_t *root = NULL;
+    const char *s = NULL;
+    if (bt_json_load_file(&root, path, 0, 1u << 20) == 0 && json_is_object(root))
+        s = json_string_value(json_object_get(root, "socket"));
+    else if (!root)
+        fprintf(stderr, "loaderctl: %s: %s; trying the default socket %s\n", path, bt_last_error(), BT_DEFAULT_SOCKET);
+    if (s && strlen(s) < cap) snprintf(buf, cap, "%s", s);
+    else snprintf(buf, cap, "%s", BT_DEFAULT_SOCKET);
+    json_decref(root);
+    return buf;
+}
+
 static int is_cmd(const char *a) {
-    static const char *cmds[] = {"status", "jobs", "metrics", "drain", "watch", "hello", "preview", "tokenize"};
+    static const char *cmds[] = {"status", "jobs", "metrics", "drain", "reload", "watch", "hello", "preview", "tokenize"};
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (!strcmp(a, cmds[i])) return 1;
     return 0;
@@ -550,8 +575,10 @@ int main(int argc, char **argv) {
     int as_json = 0, ids_only = 0, parse_special = 1, color = -1;
     long rows = 4;
     double interval = 2.0;
+    char conf_sock[4096];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--socket") && i + 1 < argc) sock = argv[++i];
+        else if (!strcmp(argv[i], "--config") && i + 1 < argc) sock = socket_of_config(argv[++i], conf_sock, sizeof conf_sock);
         else if (!strcmp(argv[i], "--json")) as_json = 1;
         else if (!strcmp(argv[i], "--job") && i + 1 < argc) job = argv[++i];
         else if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) tokp = argv[++i];

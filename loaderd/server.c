@@ -3,7 +3,7 @@
  * Configuration load and SIGHUP reload, socket bind/permissions, signals, the 1 s tick
  * (rates, client timeouts, STATUS=), the systemd watchdog, and the orderly stop.
  * The rest of the server: server_conn.c (connections), server_jobs.c (jobs, producers),
- * server_status.c (status, metrics, drain), server_proto.c (request parsing). */
+ * server_status.c (status, metrics, drain, reload), server_proto.c (request parsing). */
 #include "loaderd/server.h"
 
 #include <signal.h>
@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "loaderd/sandbox.h"
 #include "loaderd/server_priv.h"
 #include "loaderd/tcache.h"
 
@@ -94,28 +95,37 @@ static int load_config(server *s, cfg_ref **out) {
     return BT_OK;
 }
 
+int ld_srv_reload(server *s, int *changed) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    /* MONOTONIC_USEC: required by Type=notify-reload (systemd >= 253), ignored before */
+    sd_notifyf(0, "RELOADING=1\nSTATUS=reloading %s\nMONOTONIC_USEC=%llu", s->config_path,
+               (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000ull);
+    cfg_ref *n = NULL;
+    int rc = load_config(s, &n);
+    *changed = 0;
+    if (rc) {
+        rc = bt_fail(BT_ERR_INVALID, "reload of %s failed, keeping the running configuration: %s", s->config_path,
+                     bt_last_error());
+        bt_log(BT_LOG_ERROR, LOGC, "%s", bt_last_error());
+        s->reload_failures_total++;
+    } else {
+        *changed = ld_config_log_diff(&s->cfg->c, &n->c);
+        bt_log(BT_LOG_INFO, LOGC, "reloaded %s: %d setting(s) changed", s->config_path, *changed);
+        ld_cfg_put(s->cfg);
+        s->cfg = n;
+        s->reloads_total++;
+        s->t_reload = bt_now();
+    }
+    sd_notifyf(0, "READY=1\nSTATUS=listening on %s (config %s)", s->socket_path, rc ? "reload failed" : "reloaded");
+    return rc;
+}
+
 static void on_signal(uv_signal_t *h, int signum) {
     server *s = h->data;
     if (signum == SIGHUP) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        /* MONOTONIC_USEC: required by Type=notify-reload (systemd >= 253), ignored before */
-        sd_notifyf(0, "RELOADING=1\nSTATUS=reloading %s\nMONOTONIC_USEC=%llu", s->config_path,
-                   (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000ull);
-        cfg_ref *n = NULL;
-        if (load_config(s, &n)) {
-            bt_log(BT_LOG_ERROR, LOGC, "reload of %s failed, keeping the running configuration: %s", s->config_path,
-                   bt_last_error());
-            s->reload_failures_total++;
-        } else {
-            int d = ld_config_log_diff(&s->cfg->c, &n->c);
-            bt_log(BT_LOG_INFO, LOGC, "reloaded %s: %d setting(s) changed", s->config_path, d);
-            ld_cfg_put(s->cfg);
-            s->cfg = n;
-            s->reloads_total++;
-            s->t_reload = bt_now();
-        }
-        sd_notifyf(0, "READY=1\nSTATUS=listening on %s (config reloaded)", s->socket_path);
+        int changed;
+        ld_srv_reload(s, &changed);
         return;
     }
     ld_srv_stop(s, signum == SIGTERM ? "SIGTERM" : "SIGINT");
@@ -158,6 +168,9 @@ int ld_server_run(const ld_server_opts *opts) {
         pthread_mutex_destroy(&s->tok_mu);
         return 1;
     }
+    /* loaderd never runs a program: refuse execve/execveat to every thread from here on */
+    if (ld_sandbox_no_exec() == BT_OK) s->no_exec = 1;
+    else bt_log(BT_LOG_WARN, LOGC, "%s: going on without it (the unit's NoExecPaths= still holds)", bt_last_error());
     if (s->cfg->c.n_data_roots == 0)
         bt_log(BT_LOG_WARN, LOGC, "no usable data_roots: every attach will be refused until the config lists one");
     if (s->cfg->c.token_cache_dir && ld_tcache_open(&s->tcache, s->cfg->c.token_cache_dir, s->cfg->c.token_cache_max_bytes,

@@ -164,6 +164,7 @@ static void dispatch(conn *c, ld_request *rq) {
     case LD_OP_JOBS: ld_op_status(c, 0); break;
     case LD_OP_METRICS: ld_op_metrics(c); break;
     case LD_OP_DRAIN: ld_op_drain(c); break;
+    case LD_OP_RELOAD: ld_op_reload(c); break;
     default: ld_conn_reply_error(c, rq->op_name, "unknown op (%s)", ld_op_list()); break;
     }
 }

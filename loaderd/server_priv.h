@@ -138,10 +138,16 @@ typedef struct server {
     _Atomic uint64_t tok_mem;  /* of which the cached tokenizers (each counted once, however many jobs use it) */
     double t_reload;     /* last successful reload (0: never) */
     uint64_t reloads_total, reload_failures_total;
+    int no_exec;         /* ld_sandbox_no_exec() holds for this process (status: sandbox.no_exec) */
 } server;
 
 /* server.c */
 void ld_srv_stop(server *s, const char *why);
+/* Re-read s->config_path (SIGHUP and the "reload" op): on success the new configuration replaces
+ * the running one, the changes are logged one line each, *changed gets their count and 0 is
+ * returned; on failure the running configuration is kept, the reason is logged and left in
+ * bt_last_error(), and BT_ERR_INVALID is returned. Notifies systemd (RELOADING=1 ... READY=1). */
+int ld_srv_reload(server *s, int *changed);
 void ld_cfg_put(cfg_ref *r);
 
 /* server_conn.c */
@@ -195,6 +201,7 @@ void ld_check_drained(server *s);
 void ld_op_status(conn *c, int full);
 void ld_op_metrics(conn *c);
 void ld_op_drain(conn *c);
+void ld_op_reload(conn *c);
 void ld_op_hello(conn *c);
 /* Refresh rates and consumer progress of every job (1 s tick); returns total tokens/s. */
 double ld_jobs_tick(server *s, double now);

@@ -11,11 +11,11 @@
 #include "common/bt_json.h"
 #include "proto/client.h"
 
-static const char *op_names[LD_OP_N] = {"hello", "attach", "detach", "report", "status", "jobs", "metrics", "drain"};
+static const char *op_names[LD_OP_N] = {"hello", "attach", "detach", "report", "status", "jobs", "metrics", "drain", "reload"};
 
 const char *ld_op_name(ld_op op) { return (unsigned)op < LD_OP_N ? op_names[op] : "?"; }
 
-const char *ld_op_list(void) { return "hello, attach, detach, report, status, jobs, metrics, drain"; }
+const char *ld_op_list(void) { return "hello, attach, detach, report, status, jobs, metrics, drain, reload"; }
 
 static int bad(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int bad(char *err, size_t errlen, const char *fmt, ...) {

@@ -18,6 +18,7 @@ typedef enum {
     LD_OP_JOBS,
     LD_OP_METRICS,
     LD_OP_DRAIN,
+    LD_OP_RELOAD,
     LD_OP_N
 } ld_op;
 

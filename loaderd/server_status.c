@@ -253,6 +253,7 @@ void ld_op_status(conn *c, int full) {
         json_object_set_new(r, "connections_total", json_integer((json_int_t)s->connections_total));
         json_object_set_new(r, "refused", refused);
         json_object_set_new(r, "reloads_total", json_integer((json_int_t)s->reloads_total));
+        json_object_set_new(r, "sandbox", json_pack("{s:b}", "no_exec", s->no_exec));
         json_object_set_new(r, "max_jobs", json_integer(s->cfg->c.max_jobs));
         json_object_set_new(r, "max_clients", json_integer(s->cfg->c.max_clients));
         json_object_set_new(r, "client_timeout_s", json_integer(s->cfg->c.client_timeout_s));
@@ -451,6 +452,28 @@ void ld_op_drain(conn *c) {
     sd_notifyf(0, "STATUS=draining: %u job(s) left", n);
     ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", "drain", "jobs", (json_int_t)n));
     ld_check_drained(s);
+}
+
+/* "reload": the SIGHUP reload, asked for over the socket by an operator (`loaderctl reload`, the
+ * unit's ExecReload=), answered with its outcome so that `systemctl reload` fails when the new
+ * configuration is refused (the running one is kept either way). */
+void ld_op_reload(conn *c) {
+    server *s = c->s;
+    if (!c->is_operator) {
+        bt_log(BT_LOG_WARN, LOGC, "reload refused for pid %d uid %u (operators only)", (int)c->cred.pid,
+               (unsigned)c->cred.uid);
+        ld_conn_reply_error(c, "reload", "reload is allowed for operators only (root, loaderd's own user and the "
+                            "members of operator_groups)");
+        return;
+    }
+    bt_log(BT_LOG_INFO, LOGC, "reload requested by pid %d uid %u", (int)c->cred.pid, (unsigned)c->cred.uid);
+    int changed = 0;
+    if (ld_srv_reload(s, &changed)) {
+        ld_conn_reply_error(c, "reload", "%s", bt_last_error());
+        return;
+    }
+    ld_conn_send(c, json_pack("{s:b, s:s, s:s, s:i}", "ok", 1, "op", "reload", "config", s->config_path, "changed",
+                              changed));
 }
 
 void ld_op_hello(conn *c) {

@@ -6,9 +6,9 @@
 set -euo pipefail
 
 DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
-          libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev libssl-dev
+          libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev libseccomp-dev libssl-dev
           systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox gdb
-          debian-reference-en manpages manpages-dev man-db groff-base)
+          debian-reference-en manpages manpages-dev man-db groff-base debootstrap systemd-container)
 PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.19.0" "tensorboard==2.21.0")
 
 missing=()

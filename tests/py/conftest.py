@@ -48,6 +48,9 @@ if not os.environ.get("BT_VENV_TORCH"):
 # test_slurm.py brings up a real Slurm; `make test-slurm` runs it (BT_SLURM=1), after test-emu.
 if os.environ.get("BT_SLURM") != "1":
     collect_ignore.append("test_slurm.py")
+# test_systemd.py boots a container with systemd as PID 1; `make test-systemd` runs it (BT_SYSTEMD=1).
+if os.environ.get("BT_SYSTEMD") != "1":
+    collect_ignore.append("test_systemd.py")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))

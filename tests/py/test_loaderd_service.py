@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, NotifySocket
+from conftest import BUILD, ROOT, NotifySocket
+from test_loaderd_hardening import NOBODY, open_dir, run_as  # noqa: F401
 from test_loaderd_server import attach, base_config, check_batch, dataset, job_spec, parse_batch  # noqa: F401
 
 UNIT = os.path.join(ROOT, "scripts", "loaderd.service")
@@ -35,8 +36,10 @@ def installed_unit(tmp_path, bins):
     """The unit as `make install` writes it, pointing at the built binary."""
     if not bins.have("loaderd"):
         pytest.skip("build/loaderd not built")
-    text = open(UNIT).read()
-    text = text.replace("@BINDIR@", os.path.dirname(bins.path("loaderd"))).replace("@SYSCONFDIR@", str(tmp_path))
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "render-unit.sh"), UNIT,
+                        os.path.dirname(bins.path("loaderd")), str(tmp_path), bins.path("loaderd"),
+                        bins.path("loaderctl")], capture_output=True, text=True, timeout=60, check=True)
+    text = r.stdout
     assert not re.search(r"@[A-Z]+@", text), "unsubstituted placeholder"
     p = tmp_path / "loaderd.service"
     p.write_text(text)
@@ -53,7 +56,7 @@ def directives(path):
     return d
 
 
-def test_unit_verifies_and_is_hardened(installed_unit):
+def test_unit_verifies_and_is_hardened(installed_unit, bins, tmp_path):
     analyze = need("systemd-analyze")
     r = subprocess.run([analyze, "verify", str(installed_unit)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
@@ -67,7 +70,15 @@ def test_unit_verifies_and_is_hardened(installed_unit):
     for k, v in expect.items():
         assert v in d.get(k, []), f"{k}={v} missing from the unit"
     assert "DynamicUser" not in d, "DynamicUser implies RemoveIPC and a changing uid"
-    assert d["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    # reload through loaderctl (no /bin/kill: procps is not on minimal systems, and NoExecPaths=
+    # leaves only loaderd, loaderctl and their libraries executable)
+    assert d["ExecReload"] == [f"{os.path.dirname(bins.path('loaderd'))}/loaderctl --config {tmp_path}/loaderd/loaderd.json reload"]
+    assert d["NoExecPaths"] == ["/ /dev /dev/shm /tmp /var/tmp /run /run/loaderd /var/cache/loaderd"]
+    execp = d["ExecPaths"][0].split()
+    assert execp[:2] == [bins.path("loaderd"), bins.path("loaderctl")] and len(execp) > 2, execp
+    libc = subprocess.run(["ldd", bins.path("loaderd")], capture_output=True, text=True).stdout
+    m = re.search(r"libc\.so\.6 => (\S+)", libc)
+    assert m and os.path.dirname(os.path.realpath(m.group(1))) in execp, (execp, libc)
     r = subprocess.run([analyze, "security", "--offline=yes", str(installed_unit)], capture_output=True, text=True,
                        timeout=60)
     m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
@@ -202,3 +213,82 @@ def test_works_under_memory_deny_write_execute(bins, dataset, model_path, tmp_pa
         log.close()
         notify.close()
         assert rc == 0, open(tmp_path / "mdwe.log").read()
+
+
+# ---------------------------------------------------------------- reload over the socket (issue 31)
+
+def test_loaderctl_reload_reports_the_outcome(loaderd, dataset, model_path, tmp_path, open_dir):
+    """`loaderctl --config F reload` (the unit's ExecReload=): loaderd re-reads F as on SIGHUP and
+    answers with the outcome, so `systemctl reload` fails when the new configuration is refused;
+    operators only; --config finds the socket in F, or the default when F does not parse."""
+    d = loaderd(base_config(dataset, model_path, socket_mode="0666"))
+    ctl = [os.path.join(BUILD, "loaderctl"), "--config", d.cfg_path]
+    cfg = json.load(open(d.cfg_path))
+    cfg["ring_slots"] = 5
+    json.dump(cfg, open(d.cfg_path, "w"))
+    r = subprocess.run(ctl + ["reload"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert re.match(r"loaderd reloaded \S+: 1 setting\(s\) changed", r.stdout), r.stdout
+    assert "ring_slots: 8 -> 5" in d.log_text() and "reload requested by pid" in d.log_text()
+    assert d.request({"op": "status"})["reloads_total"] == 1
+    # a refused configuration: exit 1 with loaderd's reason, the running one is kept
+    open(d.cfg_path, "w").write(json.dumps({**cfg, "ring_slots": "many"}))
+    r = subprocess.run(ctl + ["reload"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "keeping the running configuration" in r.stderr and "ring_slots" in r.stderr, r.stderr
+    assert d.proc.poll() is None and d.ctl("status").returncode == 0
+    st = d.request({"op": "status"})
+    assert st["reloads_total"] == 1
+    # not an operator: refused, nothing reloaded
+    code, err = run_as(NOBODY, os.path.join(BUILD, "loaderctl"), "--socket", d.sock, "reload")
+    assert code == 1 and "operators only" in err, err
+    # --config on a file that does not parse: a note, then the default socket
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"socket": ')
+    r = subprocess.run([os.path.join(BUILD, "loaderctl"), "--config", str(bad), "hello"], capture_output=True,
+                       text=True, timeout=30, env={**os.environ, "LOADERD_SOCKET": d.sock})
+    assert r.returncode == 1 and str(bad) in r.stderr and "/run/loaderd/loaderd.sock" in r.stderr, r.stderr
+
+
+def test_log_lines_carry_journal_priorities(bins, dataset, model_path, tmp_path, sock_path):
+    """With stderr connected to journald ($JOURNAL_STREAM names its device and inode) every line
+    is "<N>component: message" (N the syslog priority), so `journalctl -p` filters by level; with
+    stderr anywhere else, the ISO timestamp and level words as before."""
+    cfg = tmp_path / "loaderd.json"
+    cfg.write_text(json.dumps(base_config(dataset, model_path, socket=sock_path, ring_slots=4)))
+    for journal in (True, False):
+        log = tmp_path / f"stderr-{journal}.log"
+        with open(log, "wb") as f:
+            st = os.fstat(f.fileno())
+            env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino + (0 if journal else 1)}"}
+            p = subprocess.Popen([bins.path("loaderd"), "--config", str(cfg)], stderr=f, env=env)
+            try:
+                end = time.time() + 20
+                while "listening on" not in log.read_text():
+                    assert time.time() < end and p.poll() is None, log.read_text()
+                    time.sleep(0.05)
+                cfg.write_text(json.dumps(base_config(dataset, model_path, socket=sock_path, ring_slots="x")))
+                p.send_signal(signal.SIGHUP)
+                while "keeping the running configuration" not in log.read_text():
+                    assert time.time() < end, log.read_text()
+                    time.sleep(0.05)
+            finally:
+                p.send_signal(signal.SIGTERM)
+                assert p.wait(30) == 0
+        cfg.write_text(json.dumps(base_config(dataset, model_path, socket=sock_path, ring_slots=4)))
+        lines = log.read_text().splitlines()
+        if journal:
+            assert all(re.match(r"<[3467]>[a-z_ ]+: ", l) for l in lines), lines
+            assert any(l.startswith("<6>loaderd: listening on ") for l in lines), lines
+            assert any(l.startswith("<3>loaderd: reload of ") for l in lines), lines
+        else:
+            assert all(re.match(r"\d{4}-\d\d-\d\dT[\d:.]+Z (debug|info|warn|error) ", l) for l in lines), lines
+
+
+def test_loaderd_refuses_execve_itself(loaderd, dataset, model_path):
+    """loaderd installs its own seccomp filter against execve/execveat (loaderd/sandbox.h) and says
+    so in status; the filter itself is checked in tests/unit/loaderd/test_sandbox.c."""
+    d = loaderd(base_config(dataset, model_path))
+    assert d.request({"op": "status"})["sandbox"] == {"no_exec": True}
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        st = dict(l.split(":", 1) for l in f if ":" in l)
+    assert st["NoNewPrivs"].strip() == "1" and st["Seccomp"].strip() == "2", st
