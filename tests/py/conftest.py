@@ -45,6 +45,10 @@ if not os.environ.get("BT_VENV_TORCH"):
 # test_slurm.py brings up a real Slurm; `make test-slurm` runs it (BT_SLURM=1), after test-emu.
 if os.environ.get("BT_SLURM") != "1":
     collect_ignore.append("test_slurm.py")
+# test_llamacpp.py needs llama.cpp's library (scripts/llamacpp-ref.sh); `make test-llamacpp` runs
+# it (BT_LLAMACPP=1) after installing it, and reports SKIPPED with the reason where it cannot.
+if os.environ.get("BT_LLAMACPP") != "1":
+    collect_ignore.append("test_llamacpp.py")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))
