@@ -17,7 +17,7 @@ first call. Its Python-extension symbols (_Py_NoneStruct, ...) resolve against t
 interpreter, so the library is loaded from Python (any CPython 3), never from a C program.
 
 Usage:
-    lc = LlamaCpp(".llamacpp/libllama-cpu.so")          # or LlamaCpp.from_env()
+    lc = LlamaCpp.from_env()                            # or LlamaCpp(path of the .so)
     m = lc.load_model("base.gguf")                      # Model; vocab_only=True for tokenizing
     ids = m.tokenize(b"Hello", parse_special=True)      # [int]
     ctx = m.context(n_ctx=256, adapter=m.lora("a.gguf")) # F32 KV cache unless kv_type given
