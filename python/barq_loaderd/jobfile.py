@@ -311,7 +311,8 @@ class _Yaml:
                 self.fail(e.start_mark, f"integer {s[:40]} does not fit in 64 bits")
             return v
         if kind in (None, "float") and (_is_float(s) or num):
-            v = float(s) if num is None or num[0] == 10 else float(int(num[1], num[0]))
+            # an integer form keeps its base (0o17 -> 15.0), saturating at 2^64 - 1 as strtoull
+            v = float(s) if num is None or num[0] == 10 else float(min(int(num[1], num[0]), (1 << 64) - 1))
             if v in (float("inf"), float("-inf")):
                 self.fail(e.start_mark, f"number {s[:40]} is out of range")
             return v

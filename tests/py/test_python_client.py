@@ -411,8 +411,8 @@ YAML_CASES = [
     ("name: yjob\nmodel: models/m.gguf\ndata:\n  shards: &sh [data/a.jsonl, \"data/b c.jsonl\"]\n"
      "eval:\n  shards: *sh\n", "an anchored list reused by an alias"),
     ("name: yjob\nmodel: models/m.gguf\n\"#k\": &k socket\n*k : /tmp/aliased.sock\n"
-     "data: {shards: data/a.jsonl, seq_len: 0x100, micro_batch_size: 0o7, seed: !!float 9}\n",
-     "an alias as a key, a single string as a list, hex / octal integers, an integral !!float"),
+     "data: {shards: data/a.jsonl, seq_len: 0x100, micro_batch_size: 0o7, seed: !!float 0o11}\n",
+     "an alias as a key, a single string as a list, hex / octal integers, an octal !!float"),
     ("name: yes\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl], format: text, text_field: on}\n"
      "optim: {lr: 1e-3}\n", "yes / on are strings (YAML 1.2), 1e-3 a number"),
     ("name: yjob\nmodel: models/m.gguf\ndata:\n  shards: [data/a.jsonl]\n  seq_len: 256\n  seq_len: 512\n",
