@@ -313,8 +313,9 @@ def test_lora_gguf_in_llamacpp(lc, tiny, dtype, tmp_path):
         assert m.tokenize(prompt, parse_special=True) == ids  # llama.cpp's ids are ours
         want = bt_logits(tiny["base"], ids, tmp_path, adapter=tiny["peft"])
         check_logits(f"lora {dtype} {prompt[:20]!r}", ctx.logits(ids), want, TOL[dtype])
-        # the adapter matters far beyond the tolerance (an adapter ignored would fail above)
-        assert np.max(np.abs(plain.logits(ids) - want)) > 20 * TOL[dtype]
+        # the adapter moves the logits well past the tolerance, so the check above fails if
+        # llama.cpp ignores it or applies it at a wrong scale (measured: about 1.2 here)
+        assert np.max(np.abs(plain.logits(ids) - want)) > 4 * TOL[dtype]
         check_greedy(f"lora {dtype} {prompt[:20]!r}", m, ctx, tiny["base"], prompt, ids,
                      TOL[dtype], tmp_path, adapter=tiny["peft"], strict=dtype == "f32")
     m.close()
