@@ -74,7 +74,7 @@ TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
 .PHONY: all setup model test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
-        test-systemd
+        test-systemd llamacpp-ref test-llamacpp
 .SECONDARY:
 
 all: $(BINS) $(TOOLS)
@@ -107,9 +107,21 @@ pytest-torch: all
 	@bash scripts/venv-torch.sh
 	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py
 
+# llama.cpp itself as a reference: scripts/llamacpp-ref.sh puts the CPU library of the pinned
+# llama-cpp-cffi wheel (sha256-checked; llama.cpp b4965) into .llamacpp/, and
+# tests/py/test_llamacpp.py loads it with ctypes (tests/py/llamacpp_ref.py) to check our LoRA GGUF
+# and merged GGUF exports (logits and greedy text against `trainer generate` / bt_logits) and our
+# tokenizers against llama.cpp's. SKIPPED, with the reason, only where the wheel cannot be had.
+llamacpp-ref:
+	@bash scripts/llamacpp-ref.sh
+
+test-llamacpp: all llamacpp-ref
+	@BT_LLAMACPP=1 BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q -rs tests/py/test_llamacpp.py
+
 # `make test`: set-up, model, build, unit tests (plain and sanitized), a short pass of every
 # libFuzzer target (fuzz-short), process-level tests (also the Python client's torch /
-# transformers tests in .venv-torch/), the CUDA kernels and GPU tests run on the CPU emulator
+# transformers tests in .venv-torch/, and llama.cpp as a reference: test-llamacpp), the CUDA
+# kernels and GPU tests run on the CPU emulator
 # (test-emu; skipped without CUDA headers), and scripts/train.sbatch under a real one-node Slurm
 # (test-slurm).
 test: setup
@@ -121,6 +133,7 @@ test: setup
 	@$(MAKE) --no-print-directory shards
 	@$(MAKE) --no-print-directory pytest
 	@$(MAKE) --no-print-directory pytest-torch
+	@$(MAKE) --no-print-directory test-llamacpp
 	@if [ -f $(CUDA_HOME)/include/cuda_bf16.h ]; then $(MAKE) --no-print-directory test-emu; \
 	 else echo "test-emu: SKIPPED: CUDA headers not found in $(CUDA_HOME)/include"; fi
 	@$(MAKE) --no-print-directory test-slurm

@@ -139,7 +139,9 @@ static int resolve(const ctx_t *c, const yaml_event_t *e, json_t **out) {
         return *out = json_integer(v), 0;
     }
     if ((!kind || !strcmp(kind, "float")) && (is_float(s) || is_int(s, &base, &digits))) {
-        double v = strtod(s, NULL);
+        /* an integer form tagged !!float keeps its base: strtod reads 0x.. but not 0o.. */
+        double v = is_int(s, &base, &digits) && base != 10 ? (double)strtoull(digits, NULL, base)
+                                                           : strtod(s, NULL);
         if (!isfinite(v)) return fail_at(c, &e->start_mark, "number %.40s is out of range", s);
         return *out = json_real(v), 0;
     }

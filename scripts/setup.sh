@@ -9,7 +9,7 @@ DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
           libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev libseccomp-dev libssl-dev
           systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox gdb
           debian-reference-en manpages manpages-dev man-db groff-base debootstrap systemd-container)
-PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.19.0" "tensorboard==2.21.0")
+PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.19.0" "tensorboard==2.21.0" "cffi==2.0.0" "PyYAML==6.0.3")
 
 missing=()
 for p in "${DEB_PKGS[@]}"; do

@@ -22,9 +22,11 @@ import threading
 import time
 import warnings
 
+from . import gguf_meta
 from . import layout as L
 from .batch import read_batch, validate
 from .dist import resolve_rank_world
+from .jobfile import load_job
 from .errors import (LoaderdClosed, LoaderdConnectionError, LoaderdError, LoaderdProtocolError, LoaderdRefused,
                      LoaderdTimeout)
 from .ring import Ring
@@ -64,30 +66,154 @@ def job_digest(spec):
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+# The trainer's defaults (trainer/config.c parse_identity; the C trainer writes this name into
+# adapter_config.json when the job does not give base_model_name_or_path).
+TRAINER_BASE_MODEL_DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _render(v):
+    s = json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _bad(path, expect, v):
+    return ValueError(f"config: {path}: expected {expect}, got {_render(v)}")
+
+
+def _get_obj(root, key):
+    if key not in root:
+        return {}
+    if not isinstance(root[key], dict):
+        raise _bad(key, "an object", root[key])
+    return root[key]
+
+
+def _get_str(o, sect, key, default):
+    path = f"{sect}.{key}" if sect else key
+    if key not in o:
+        if default is None:
+            raise ValueError(f"config: {path}: required key missing (expected a string)")
+        return default
+    v = o[key]
+    if not isinstance(v, str) or not v:
+        raise _bad(path, "a non-empty string", v)
+    if "\0" in v:
+        raise _bad(path, "a string without NUL bytes", v)
+    return v
+
+
+def _get_strv(o, sect, key, required):
+    path = f"{sect}.{key}"
+    if key not in o:
+        if required:
+            raise ValueError(f"config: {path}: required key missing (expected a non-empty array of strings)")
+        return []
+    v = o[key]
+    if isinstance(v, str) and v:  # a single string is a 1-list
+        return [v]
+    if not isinstance(v, list) or (required and not v):
+        raise _bad(path, "a non-empty array of strings" if required else "an array of strings", v)
+    if not all(isinstance(e, str) and e for e in v):
+        raise _bad(path, "an array of non-empty strings", v)
+    return list(v)
+
+
+def _get_int(o, sect, key, default, lo, hi):
+    """trainer/config.c get_int / get_i32: an integer (or an integral real) in [lo, hi]."""
+    path = f"{sect}.{key}"
+    if key not in o:
+        return default
+    v = o[key]
+    what = f"an integer >= {lo:.15g}" if hi is None else f"an integer in [{lo:.15g}, {hi:.15g}]"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(path, what, v)
+    if isinstance(v, float) and not (math.isfinite(v) and v == math.floor(v)):
+        raise _bad(path, what, v)
+    if v < lo or (hi is not None and v > hi) or abs(v) > 9.0e15:
+        raise _bad(path, what, v)
+    return int(v)
+
+
+def read_trainer_config(config):
+    """A trainer job config as the trainer reads it: a dict as is, or the path of a job file
+    (JSON, or YAML for .yaml / .yml: barq_loaderd.jobfile.load_job, the trainer's reader)."""
+    if isinstance(config, (str, os.PathLike)):
+        config = load_job(config)
+    if not isinstance(config, dict):
+        raise ValueError("trainer config: expected a JSON object (or the path of a job file)")
+    return config
+
+
+def trainer_socket(config):
+    """The control socket our trainer uses for this job config (trainer/config.c
+    parse_identity + bt_config_default_socket): config "socket" (a non-empty string), else
+    $LOADERD_SOCKET when set and non-empty, else /run/loaderd/loaderd.sock."""
+    config = read_trainer_config(config)
+    return _get_str(config, None, "socket", None) if "socket" in config else default_socket(None)
+
+
+def base_model_name_or_path(config):
+    """The base model an adapter trained on this job config should record
+    (adapter_config.json base_model_name_or_path) so that PEFT loads the right model:
+      1. the job's base_model_name_or_path (what our trainer writes);
+      2. for a .gguf model, the source its metadata names (gguf_meta.source_model:
+         general.source.huggingface.repository / repo_url / url);
+      3. for a model directory, that directory (absolute): its config.json is there;
+      4. otherwise the trainer's own default, TRAINER_BASE_MODEL_DEFAULT, with a RuntimeWarning
+         saying to set base_model_name_or_path (the C trainer writes that default silently).
+    config: a dict or the path of a job file."""
+    config = read_trainer_config(config)
+    if "base_model_name_or_path" in config:
+        return _get_str(config, None, "base_model_name_or_path", None)
+    model = _get_str(config, None, "model", None)
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    if os.path.isfile(model):
+        with open(model, "rb") as f:
+            is_gguf = f.read(4) == b"GGUF"
+        src = gguf_meta.source_model(model) if is_gguf else None
+        if src:
+            return src
+    warnings.warn(f"{model}: neither the job (base_model_name_or_path) nor the model's metadata "
+                  f"(general.source.*) names the base model; the adapter records the trainer's default "
+                  f"{TRAINER_BASE_MODEL_DEFAULT!r}: set base_model_name_or_path in the job if that is not it",
+                  RuntimeWarning, stacklevel=2)
+    return TRAINER_BASE_MODEL_DEFAULT
+
+
 def trainer_job_spec(config, eval=False):
     """The loaderd job spec our trainer sends for a trainer job config (trainer/config.c
     bt_config_job_json, keys and defaults of trainer/config.h): config is a dict or the path of
-    the job JSON. Returns (spec, socket_path). eval=True: the held-out stream (eval.shards,
-    one epoch, name + "-eval")."""
-    if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
-    if not isinstance(config, dict):
-        raise ValueError("trainer config: expected a JSON object")
-    data = config.get("data") or {}
-    if "model" not in config:
-        raise ValueError("trainer config: \"model\" is required (its tokenizer is loaderd's)")
-    shards = (config.get("eval") or {}).get("shards") if eval else data.get("shards")
-    if not shards:
-        raise ValueError(f"trainer config: {'eval' if eval else 'data'}.shards is required")
+    the job file (JSON or YAML, read as the trainer reads it: jobfile.load_job). The keys used
+    are checked with the trainer's rules (types, ranges, a single string for a list of shards)
+    and a violation raises ValueError naming the key as the trainer does. Returns (spec,
+    socket_path), the socket found as the trainer finds it (trainer_socket). eval=True: the
+    held-out stream (eval.shards, one epoch, name + "-eval")."""
+    config = read_trainer_config(config)
+    data, ev = _get_obj(config, "data"), _get_obj(config, "eval")
+    name = _get_str(config, None, "name", "barqtrain")
+    model = _get_str(config, None, "model", None)
+    shards = _get_strv(data, "data", "shards", True)
+    eval_shards = _get_strv(ev, "eval", "shards", False)
     fmt = data.get("format", "chat")
-    spec = {"name": config.get("name", "barqtrain") + ("-eval" if eval else ""), "shards": list(shards),
-            "format": fmt, "tokenizer": config["model"], "seq_len": data.get("seq_len", 512),
-            "micro_batch_size": data.get("micro_batch_size", 4), "seed": data.get("seed", 1234),
-            "epochs": 1 if eval else 0, "tokenizer_threads": data.get("tokenizer_threads", 2)}
+    if fmt not in ("chat", "text", "alpaca"):
+        raise _bad("data.format", 'one of "chat", "text", "alpaca"', fmt)
+    text_field = _get_str(data, "data", "text_field", "text")
+    seq_len = _get_int(data, "data", "seq_len", 512, 2, 1 << 20)
+    mbs = _get_int(data, "data", "micro_batch_size", 4, 1, 4096)
+    seed = _get_int(data, "data", "seed", 1234, 0, None)
+    threads = _get_int(data, "data", "tokenizer_threads", 2, 1, 256)
+    if seq_len * mbs > 1 << 24:
+        raise ValueError(f"config: data.seq_len x data.micro_batch_size = {seq_len * mbs} tokens per "
+                         f"micro-batch exceeds 16777216")
+    if eval and not eval_shards:
+        raise ValueError("trainer config: eval.shards is required for the held-out stream")
+    spec = {"name": name + ("-eval" if eval else ""), "shards": eval_shards if eval else shards,
+            "format": fmt, "tokenizer": model, "seq_len": seq_len, "micro_batch_size": mbs, "seed": seed,
+            "epochs": 1 if eval else 0, "tokenizer_threads": threads}
     if fmt == "text":  # loaderd refuses text_field with other formats
-        spec["text_field"] = data.get("text_field", "text")
-    return absolute_job_spec(spec), config.get("socket", L.DEFAULT_SOCKET)
+        spec["text_field"] = text_field
+    return absolute_job_spec(spec), trainer_socket(config)
 
 
 def _no_dupes(pairs):

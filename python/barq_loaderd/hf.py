@@ -37,19 +37,26 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .errors import LoaderdError
+from .gguf_meta import source_model
+from .schedule import trainer_schedule
 from .torch import LoaderdDataset
 
 logger = logging.getLogger("barq_loaderd")
 STATE_FILE = "loaderd_state_rank{rank}.json"
 
 
-def from_gguf(path, dtype=None, **kwargs):
+def from_gguf(path, dtype=None, name_or_path=None, **kwargs):
     """A transformers causal LM from a .gguf file (loaderd's tokenizers are GGUF files, so this is
     the model whose vocabulary matches), as a plain dense model that Trainer, PEFT and
     save_pretrained accept: transformers' GGUF loader (GgufConfig(dequantize=True): every weight
     unpacked, as gguf-py dequantises it, to `dtype`, default float32), then its GGUF quantizer
     marker removed (transformers 5.x keeps it on a fully dequantised model and then refuses to
-    train or save it). kwargs go to from_pretrained."""
+    train or save it). kwargs go to from_pretrained.
+
+    name_or_path: the model's name_or_path (and config._name_or_path), which PEFT records as the
+    adapter's base_model_name_or_path: give the job's (barq_loaderd.base_model_name_or_path(job));
+    else the source the GGUF's metadata names (gguf_meta.source_model), else transformers' own
+    value, the GGUF's folder, where PEFT finds no config.json (a warning says so)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -66,7 +73,41 @@ def from_gguf(path, dtype=None, **kwargs):
         if not getattr(q.quantization_config, "dequantize", False):
             raise RuntimeError(f"{path}: transformers kept GGUF blocks packed; cannot return a dense model")
         q.remove_quantization_config(model)
+    name = name_or_path or source_model(path)
+    if name:
+        set_name_or_path(model, name)
+    else:
+        logger.warning("barq_loaderd: %s names no source model (general.source.*): an adapter saved from it "
+                       "records %s as its base, where PEFT finds no config.json; pass name_or_path (the job's "
+                       "base_model_name_or_path)", path, model.name_or_path)
     return model
+
+
+def set_name_or_path(model, name):
+    """Make `name` the model's name_or_path (what PEFT's get_peft_model records as the adapter's
+    base_model_name_or_path, and save_pretrained as config._name_or_path). Call it before
+    get_peft_model; on a PeftModel it also updates every adapter's config."""
+    for m in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model", None)):
+        if m is not None and hasattr(m, "config") and hasattr(m, "name_or_path"):
+            m.name_or_path = name
+            m.config._name_or_path = name
+    for cfg in (getattr(model, "peft_config", None) or {}).values():
+        cfg.base_model_name_or_path = name
+
+
+def job_lr_scheduler(optimizer, config, total_steps=None):
+    """A torch LambdaLR giving `optimizer` our trainer's learning-rate curve for a job config
+    (barq_loaderd.schedule: warm-up from lr / warmup_steps, not from 0; decay to
+    lr * min_lr_ratio): the optimiser's lr after k scheduler steps is trainer_schedule(config)(k),
+    the lr `trainer train` uses for its optimiser step k. The optimiser's base lr must be the job's
+    optim.lr (TrainingArguments.learning_rate)."""
+    from torch.optim.lr_scheduler import LambdaLR
+    lr_of = trainer_schedule(config, total_steps)
+    for g in optimizer.param_groups:
+        base = g.get("initial_lr", g["lr"])
+        if abs(base - lr_of.lr) > 1e-12 * max(1.0, lr_of.lr):
+            raise ValueError(f"job_lr_scheduler: the optimiser's lr {base!r} is not the job's optim.lr {lr_of.lr!r}")
+    return LambdaLR(optimizer, lambda step: lr_of(step) / lr_of.lr)
 
 
 def _configs(model):

@@ -51,6 +51,10 @@ if os.environ.get("BT_SLURM") != "1":
 # test_systemd.py boots a container with systemd as PID 1; `make test-systemd` runs it (BT_SYSTEMD=1).
 if os.environ.get("BT_SYSTEMD") != "1":
     collect_ignore.append("test_systemd.py")
+# test_llamacpp.py needs llama.cpp's library (scripts/llamacpp-ref.sh); `make test-llamacpp` runs
+# it (BT_LLAMACPP=1) after installing it, and reports SKIPPED with the reason where it cannot.
+if os.environ.get("BT_LLAMACPP") != "1":
+    collect_ignore.append("test_llamacpp.py")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.join(ROOT, os.environ.get("BT_BUILD", "build"))

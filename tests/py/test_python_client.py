@@ -8,6 +8,7 @@ loaderd restarts are survived like the C client does. The torch / transformers s
 tests/py/test_python_client_hf.py (.venv-torch)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -392,3 +393,218 @@ def test_ring_without_libatomic_on_x86_64(monkeypatch):
     r.close()
     assert r.buffer is None
     monkeypatch.setattr(R, "_ATOMICS", None)  # the next ring gets the native atomics again
+
+
+# ---- the client reads job files, finds the socket and names the base model as the trainer does ----
+
+JOB_BASE = """name: yjob
+model: models/m.gguf
+data:
+  shards: [data/a.jsonl]
+"""
+
+# (YAML text, what it tests); each is read by `trainer config --check` and by barq_loaderd; both
+# must accept it with the same values, or both refuse it (at the same line when the trainer says one)
+YAML_CASES = [
+    (JOB_BASE, "plain"),
+    ("\ufeff" + JOB_BASE, "a UTF-8 BOM"),
+    ("name: yjob\nmodel: models/m.gguf\ndata:\n  shards: &sh [data/a.jsonl, \"data/b c.jsonl\"]\n"
+     "eval:\n  shards: *sh\n", "an anchored list reused by an alias"),
+    ("name: yjob\nmodel: models/m.gguf\n\"#k\": &k socket\n*k : /tmp/aliased.sock\n"
+     "data: {shards: data/a.jsonl, seq_len: 0x100, micro_batch_size: 0o7, seed: !!float 0o11}\n",
+     "an alias as a key, a single string as a list, hex / octal integers, an octal !!float"),
+    ("name: yes\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl], format: text, text_field: on}\n"
+     "optim: {lr: 1e-3}\n", "yes / on are strings (YAML 1.2), 1e-3 a number"),
+    ("name: yjob\nmodel: models/m.gguf\ndata:\n  shards: [data/a.jsonl]\n  seq_len: 256\n  seq_len: 512\n",
+     "a duplicate key"),
+    ("base: &b {shards: [data/a.jsonl]}\nname: yjob\nmodel: models/m.gguf\ndata:\n  <<: *b\n", "a merge key"),
+    (JOB_BASE + "---\nname: other\n", "two documents"),
+    (JOB_BASE + "threads: !!python/object:os.system ls\n", "a foreign tag"),
+    ("name: yjob\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl], seq_len: .inf}\n", "an infinity"),
+    ("name: yjob\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl], seq_len: \"512\"}\n",
+     "a quoted number is a string"),
+    ("name: ~\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl]}\n", "null for a string"),
+    ("name: yjob\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl], seed: 99999999999999999999}\n",
+     "an integer past 64 bits"),
+    ("name: yjob\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl], micro_batch_size: 4.5}\n",
+     "a fraction for an integer"),
+    ("\"#deep\": " + "[" * 70 + "]" * 70 + "\n" + JOB_BASE, "nesting past 64 levels"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n"
+     + JOB_BASE, "a billion laughs"),
+    ("- name: yjob\n", "a list at the top"),
+    ("name: yjob\nmodel: models/m.gguf\ndata: {shards: [data/a.jsonl]\n", "a syntax error"),
+]
+JSON_CASES = [
+    ('{"name": "j", "model": "models/m.gguf", "data": {"shards": ["data/a.jsonl"], "seq_len": 64}}', "plain"),
+    ('{"name": "j", "name": "k", "model": "models/m.gguf", "data": {"shards": ["data/a.jsonl"]}}',
+     "a duplicate key"),
+    ('{"name": "j", "model": "models/m.gguf", "data": {"shards": ["data/a.jsonl"], "seed": NaN}}', "NaN"),
+    ('{"name": "j", "model": "models/m.gguf", "data": {"shards": "data/a.jsonl", "seed": 7.0}}',
+     "a single string as a list, an integral real"),
+    ('{"name": "j\\u0000", "model": "models/m.gguf", "data": {"shards": ["data/a.jsonl"]}}', "a NUL"),
+    ('{"name": "j", "model": "models/m.gguf", "data": {"shards": ["data/a.jsonl"], "seed": 1e400}}',
+     "a real overflow"),
+    ("name: j\n", "YAML in a .json file"),
+]
+
+
+def trainer_check(bins, path, env=None, print_key=None):
+    args = [bins.path("trainer"), "config", "--check", str(path), "--format", "json"]
+    if print_key:
+        args[-2:] = ["--print", print_key]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize("kind", ["yaml", "json"])
+def test_job_files_are_read_as_the_trainer_reads_them(bins, tmp_path, kind):
+    """Every case: `trainer config --check` and barq_loaderd.trainer_job_spec agree on the job spec
+    (stream keys, model, socket) or both refuse the file, at the same line when the trainer names
+    one. YAML's anchors, aliases (also as keys), duplicate and merge keys, tags, YAML 1.1 words,
+    billion laughs; JSON's duplicates, NaN, NUL, overflow."""
+    if not bins.have("trainer"):
+        pytest.skip("build/trainer not built")
+    env = {k: v for k, v in os.environ.items() if k != "LOADERD_SOCKET"}
+    cases = YAML_CASES if kind == "yaml" else JSON_CASES
+    for i, (text, what) in enumerate(cases):
+        path = tmp_path / f"job{i}.{kind}"
+        path.write_text(text, encoding="utf-8")
+        t = trainer_check(bins, path, env)
+        try:
+            spec, sock = bl.trainer_job_spec(str(path))
+            err = None
+        except ValueError as e:
+            err = str(e)
+        if t.returncode != 0:
+            assert t.returncode == 2, (what, t.stderr)
+            assert err is not None, f"{what}: the trainer refuses it ({t.stderr.strip()}), the client read {spec}"
+            if err.startswith(str(path)):  # the reader refused: at the trainer's line
+                m = re.search(re.escape(str(path)) + r":(\d+):", t.stderr)
+                assert m and err.startswith(f"{path}:{m.group(1)}:"), (what, t.stderr, err)
+            else:  # a key's value refused: in the trainer's words
+                assert err.startswith("config: ") and err[len("config: "):] in t.stderr, (what, t.stderr, err)
+            continue
+        assert err is None, f"{what}: the trainer reads it, the client refused: {err}"
+        eff = json.loads(t.stdout)
+        cwd = os.getcwd()
+        want = {"name": eff["name"], "shards": [os.path.join(cwd, s) for s in eff["data"]["shards"]],
+                "format": eff["data"]["format"], "tokenizer": os.path.join(cwd, eff["model"]),
+                "seq_len": eff["data"]["seq_len"], "micro_batch_size": eff["data"]["micro_batch_size"],
+                "seed": eff["data"]["seed"], "epochs": 0, "tokenizer_threads": eff["data"]["tokenizer_threads"]}
+        if eff["data"]["format"] == "text":
+            want["text_field"] = eff["data"]["text_field"]
+        assert spec == want, what
+        assert sock == eff["socket"], what
+        job = bl.load_job(str(path))
+        if "optim" in job:
+            assert job["optim"]["lr"] == eff["optim"]["lr"], what  # 1e-3: a number, as for the trainer
+    # the client's own reader is what refused, not a later check: the parse error names the line
+    dup = (r"job5\.yaml:6:\d+: duplicate key \"data\.seq_len\" \(first at line 5\)" if kind == "yaml" else
+           r"job1\.json:1:\d+: duplicate key 'name'")
+    with pytest.raises(bl.JobFileError, match=dup):
+        bl.load_job(str(tmp_path / ("job5.yaml" if kind == "yaml" else "job1.json")))
+
+
+def test_socket_is_found_as_the_trainer_finds_it(bins, tmp_path, monkeypatch):
+    """The job's socket, else $LOADERD_SOCKET (set and non-empty), else /run/loaderd/loaderd.sock:
+    trainer_job_spec / trainer_socket give what `trainer config --print socket` gives, for JSON
+    and YAML jobs."""
+    if not bins.have("trainer"):
+        pytest.skip("build/trainer not built")
+    base = {"name": "j", "model": "models/m.gguf", "data": {"shards": ["data/a.jsonl"]}}
+    for env_sock in (None, "", "/tmp/from-env.sock"):
+        for job_sock in (None, "/tmp/from-job.sock"):
+            job = dict(base, **({"socket": job_sock} if job_sock else {}))
+            for kind in ("json", "yaml"):
+                path = tmp_path / f"job.{kind}"
+                path.write_text(json.dumps(job))  # JSON is YAML too
+                env = {k: v for k, v in os.environ.items() if k != "LOADERD_SOCKET"}
+                monkeypatch.delenv("LOADERD_SOCKET", raising=False)
+                if env_sock is not None:
+                    env["LOADERD_SOCKET"] = env_sock
+                    monkeypatch.setenv("LOADERD_SOCKET", env_sock)
+                t = trainer_check(bins, path, env, print_key="socket")
+                assert t.returncode == 0, t.stderr
+                want = t.stdout.strip().strip('"')
+                assert want == (job_sock or env_sock or "/run/loaderd/loaderd.sock")
+                assert bl.trainer_job_spec(str(path))[1] == want, (env_sock, job_sock, kind)
+                assert bl.trainer_socket(job) == want
+    with pytest.raises(ValueError, match='config: socket: expected a non-empty string, got ""'):
+        bl.trainer_socket(dict(base, socket=""))
+
+
+def write_gguf_meta(path, **kv):
+    """A metadata-only GGUF (gguf-py's writer) with the given general.* strings."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in kv.items():
+        w.add_string(k.replace("__", "."), v)
+    w.add_array("tokenizer.ggml.tokens", ["a", "b"])  # arrays are skipped by the reader
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_base_model_is_the_real_one(tmp_path, model_path):
+    """base_model_name_or_path: the job's key, else the GGUF's general.source.* (a Hugging Face
+    URL as its repo id), else a model directory itself, else the trainer's default with a
+    warning; general.base_model.* (the parent model) is not taken for this model."""
+    job = {"model": model_path, "data": {"shards": ["x"]}}
+    assert bl.base_model_name_or_path(dict(job, base_model_name_or_path="org/exact")) == "org/exact"
+    g = tmp_path / "g"
+    g.mkdir()
+    cases = [({"general__source__url": "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct/tree/main"},
+              "HuggingFaceTB/SmolLM2-135M-Instruct"),
+             ({"general__source__repo_url": "https://huggingface.co/Qwen/Qwen2.5-0.5B"}, "Qwen/Qwen2.5-0.5B"),
+             ({"general__source__huggingface__repository": "meta-llama/Llama-3.2-1B"}, "meta-llama/Llama-3.2-1B"),
+             ({"general__source__url": "https://example.org/models/x"}, "https://example.org/models/x")]
+    for i, (kv, want) in enumerate(cases):
+        p = write_gguf_meta(g / f"m{i}.gguf", **kv)
+        assert bl.base_model_name_or_path(dict(job, model=p)) == want, kv
+    parent_only = write_gguf_meta(g / "parent.gguf", general__base_model__0__repo_url="https://huggingface.co/a/b")
+    for m in (parent_only, model_path):  # the real SmolLM2 GGUF names no source either
+        with pytest.warns(RuntimeWarning, match="set base_model_name_or_path"):
+            assert bl.base_model_name_or_path(dict(job, model=m)) == bl.client.TRAINER_BASE_MODEL_DEFAULT
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    assert bl.base_model_name_or_path(dict(job, model=str(hf_dir))) == str(hf_dir)
+    bad = g / "bad.gguf"
+    bad.write_bytes(open(cases and g / "m0.gguf", "rb").read()[:40])
+    with pytest.raises(ValueError, match="truncated GGUF header"):
+        bl.base_model_name_or_path(dict(job, model=str(bad)))
+    with pytest.raises(ValueError, match="base_model_name_or_path: expected a non-empty string"):
+        bl.base_model_name_or_path(dict(job, base_model_name_or_path=""))
+
+
+def test_learning_rate_schedule_is_the_trainers(trainer_stack, tmp_path):
+    """barq_loaderd.trainer_schedule gives, step by step, the lr `trainer train` used (its
+    metrics.jsonl), for warm-up + cosine and warm-up + linear with a floor: the first step's lr is
+    lr / warmup_steps, not 0."""
+    from conftest import tiny_model
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "train.jsonl", [chat_line(f"q{i}", f"answer number {i} " * 5) for i in range(40)])
+    ld = trainer_stack(data)
+    model = tiny_model(tmp_path / "tiny.gguf")
+    for sched, ratio in (("cosine", 0.2), ("linear", 0.0)):
+        job = {"name": f"lr-{sched}", "model": str(model), "base_dtype": "fp32", "socket": ld.sock,
+               "data": {"shards": [str(data / "train.jsonl")], "seq_len": 64, "micro_batch_size": 1,
+                        "tokenizer_threads": 1},
+               "optim": {"lr": 3e-3, "warmup_steps": 3}, "schedule": sched, "min_lr_ratio": ratio,
+               "steps": 7, "threads": 1, "out_dir": str(tmp_path / f"out-{sched}"),
+               "report": {"dir": str(tmp_path / f"rep-{sched}"), "plot": False}}
+        path = tmp_path / f"job-{sched}.yaml"
+        path.write_text(json.dumps(job))
+        p = subprocess.run([os.path.join(ROOT, os.environ.get("BT_BUILD", "build"), "trainer"), "train",
+                            "--config", str(path)], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rows = [json.loads(line) for line in open(tmp_path / f"rep-{sched}" / "metrics.jsonl")]
+        lrs = [(r["step"], r["lr"]) for r in rows if "lr" in r and "loss" in r]
+        assert len(lrs) == 7, rows
+        lr_of = bl.trainer_schedule(str(path))
+        for step, lr in lrs:
+            assert abs(lr_of(step - 1) - lr) <= 1e-9 * lr + 1e-15, (sched, step, lr, lr_of(step - 1))
+        assert lrs[0][1] == pytest.approx(1e-3)  # 3e-3 / 3: the first update is not at lr 0

@@ -237,20 +237,51 @@ def test_first_step_loss_equals_our_trainer_then_hf_trainer_trains(stack, tmp_pa
     assert json.loads(stack["ld"].ctl("status", "--json").stdout)["jobs"] == []
 
 
+def write_zero_adapter(d, n_layers=2, hidden=64, r=1):
+    """A PEFT adapter with B = 0 on q_proj (no effect): `trainer export` needs one to write a base."""
+    from safetensors.torch import save_file
+    os.makedirs(d)
+    t = {}
+    for i in range(n_layers):
+        pre = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        t[pre + ".lora_A.weight"] = torch.zeros(r, hidden)
+        t[pre + ".lora_B.weight"] = torch.zeros(hidden, r)
+    save_file(t, os.path.join(d, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": ["q_proj"]}, f)
+
+
 def test_readme_example_trains_and_resumes(stack, tmp_path):
-    # a tiny random Llama with SmolLM2's tokenizer (the script is the same for any model)
-    cfg = job_config(stack, name="example", model=str(tiny_model(tmp_path / "tiny.gguf")), steps=4, save_every=2,
-                     lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.05})
-    cfg_path = tmp_path / "job.json"
-    cfg_path.write_text(json.dumps(cfg))
+    """The example as a user runs it: a YAML job file without a socket key ($LOADERD_SOCKET
+    names loaderd's, as for our trainer), naming its base model (a Hugging Face directory of the
+    same weights) in base_model_name_or_path. It trains, stops, resumes from its checkpoint with
+    the loaderd stream; its learning rate follows the trainer's schedule (the first step at
+    lr / warmup_steps, not 0); the adapter names the real base, so PEFT saves it without "Could not
+    find a config file" and AutoPeftModelForCausalLM loads it with that base."""
+    import yaml
+    # a tiny random Llama with SmolLM2's tokenizer (the script is the same for any model), and the
+    # same weights as a Hugging Face directory (our export of the base: an all-zero adapter)
+    tiny = str(tiny_model(tmp_path / "tiny.gguf"))
+    write_zero_adapter(str(tmp_path / "zero"))
+    hf_base = tmp_path / "tiny-hf"
+    subprocess.run([os.path.join(BUILD, "trainer"), "export", "--model", tiny, "--adapter", str(tmp_path / "zero"),
+                    "--format", "safetensors", "--dtype", "f32", "--out", str(hf_base)], check=True,
+                   capture_output=True)
+    cfg = job_config(stack, name="example", model=tiny, steps=4, save_every=2, base_model_name_or_path=str(hf_base),
+                     lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.05},
+                     optim={"lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.0}, min_lr_ratio=0.25)
+    sock = cfg.pop("socket")
+    cfg_path = tmp_path / "job.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     script = os.path.join(ROOT, "python", "examples", "hf_trainer.py")
     out = tmp_path / "out"
 
     def run(*extra):
         r = subprocess.run([sys.executable, script, "--config", str(cfg_path), "--output-dir", str(out), "--cpu",
                             *extra], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                           env=dict(os.environ, OMP_NUM_THREADS="2"))
+                           env=dict(os.environ, OMP_NUM_THREADS="2", LOADERD_SOCKET=sock))
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+        assert "Could not find a config file" not in r.stderr, r.stderr[-3000:]
         return r
 
     run("--max-steps", "2")
@@ -261,6 +292,32 @@ def test_readme_example_trains_and_resumes(stack, tmp_path):
     assert "loaderd: 2 batches read, stream at step 4" in r.stdout, r.stdout[-2000:]
     state = json.loads((out / "checkpoint-4" / "loaderd_state_rank0.json").read_text())
     assert state["next_step"] == 4, "the resumed run read batches 2 and 3, not 0 and 1 again"
+    # the learning rate of every step (transformers logs the one the step used) is the trainer's
+    from barq_loaderd import trainer_schedule
+    lr_of = trainer_schedule(str(cfg_path))
+    hist = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    lrs = [(h["step"], h["learning_rate"]) for h in hist if "learning_rate" in h]
+    assert [s for s, _ in lrs] == [1, 2, 3, 4], hist
+    for step, lr in lrs:
+        assert lr == pytest.approx(lr_of(step - 1), rel=1e-9), (step, lr)
+    assert lrs[0][1] == pytest.approx(1e-3 / 2)  # warm-up 1/2, 2/2 (transformers: 0, 1/2)
+    # half-way down the cosine to the floor lr * min_lr_ratio (transformers: to 0, 0.5e-3)
+    assert lrs[3][1] == pytest.approx(0.25e-3 + 0.75e-3 * 0.5)
+    # the adapter names the real base; PEFT loads it with that base
     assert (out / "adapter" / "adapter_model.safetensors").exists()
     cfg_json = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert cfg_json["r"] == 4 and cfg_json["lora_alpha"] == 8
+    assert cfg_json["base_model_name_or_path"] == str(hf_base)
+    for ck in ("checkpoint-2", "checkpoint-4"):
+        assert json.loads((out / ck / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf_base)
+    import warnings
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        loaded = AutoPeftModelForCausalLM.from_pretrained(str(out / "adapter"), dtype=torch.float32)
+    assert not [x for x in w if "config file" in str(x.message)], [str(x.message) for x in w]
+    ref = PeftModel.from_pretrained(from_gguf(tiny), str(out / "adapter"))
+    ids = torch.tensor([[1, 42, 7, 900, 5]])
+    with torch.no_grad():
+        a, b = loaded(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5), float((a - b).abs().max())

@@ -1,5 +1,6 @@
 /* Tokenizer throughput, single thread:
- *   bench_tok [--min-seconds S] [--dump FILE] [--wx] [--engine dedicated|pcre2] TOKENIZER CORPUS
+ *   bench_tok [--min-seconds S] [--dump FILE] [--wx] [--engine dedicated|pcre2] [--special-flags]
+ *             TOKENIZER CORPUS
  * TOKENIZER: anything bt_tokenizer_load accepts (GGUF, tokenizer.json[.zst], model directory).
  * CORPUS: a BTTKCORP record file (tests/fixtures/tokenizer/corpus.bin.zst format: "BTTKCORP",
  * u32 count, then u8 flags, u32 length, bytes per document; zstd-compressed or not) or a plain
@@ -17,7 +18,11 @@
  * bt_tokenizer_pre_engine). "jit" says whether PCRE2 could JIT in this process. The thread's
  * piece cache is released after every pass (bt_tokenize_release_cache), so repeating the corpus
  * does not turn it into a lookup table.
- * --dump FILE writes the ids of the first pass: per document u32 n then n int32 (little endian). */
+ * --dump FILE writes the ids of the first pass: per document u32 n then n int32 (little endian).
+ * --special-flags: encode each BTTKCORP document with parse_special = bit 0 of its flags byte, as
+ * the parity fixtures do (gen_tokenizer_fixtures.py), instead of parse_special = 0 for all; with
+ * --min-seconds 0 --dump this gives our ids of a parity corpus, for the llama.cpp cross-check
+ * (tests/py/test_llamacpp.py). */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <stdio.h>
@@ -82,6 +87,7 @@ static char *read_all(const char *path, size_t *len) {
 typedef struct {
     const char *p;
     size_t n;
+    int special; /* parse_special for this document */
 } doc_t;
 
 static double thread_cpu(void) {
@@ -103,18 +109,19 @@ static int jit_works(void) {
 int main(int argc, char **argv) {
     double min_s = 2.0;
     const char *dump = NULL, *engine = NULL;
-    int wx = 0;
+    int wx = 0, special_flags = 0;
     int i = 1;
     for (; i < argc && argv[i][0] == '-' && argv[i][1] == '-'; i++) {
         if (strcmp(argv[i], "--min-seconds") == 0 && i + 1 < argc) min_s = atof(argv[++i]);
         else if (strcmp(argv[i], "--dump") == 0 && i + 1 < argc) dump = argv[++i];
         else if (strcmp(argv[i], "--engine") == 0 && i + 1 < argc) engine = argv[++i];
         else if (strcmp(argv[i], "--wx") == 0) wx = 1;
+        else if (strcmp(argv[i], "--special-flags") == 0) special_flags = 1;
         else break;
     }
     if (argc - i != 2 || (engine && strcmp(engine, "pcre2") != 0 && strcmp(engine, "dedicated") != 0)) {
-        fprintf(stderr, "usage: %s [--min-seconds S] [--dump FILE] [--wx] [--engine dedicated|pcre2] TOKENIZER CORPUS\n",
-                argv[0]);
+        fprintf(stderr, "usage: %s [--min-seconds S] [--dump FILE] [--wx] [--engine dedicated|pcre2] "
+                        "[--special-flags] TOKENIZER CORPUS\n", argv[0]);
         return 2;
     }
     if (wx && prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0L, 0L, 0L) != 0) {
@@ -144,10 +151,11 @@ int main(int argc, char **argv) {
         while (off + 5 <= len) {
             uint32_t l;
             memcpy(&l, buf + off + 1, 4);
+            int sp = special_flags && (buf[off] & 1);
             off += 5;
             if (l > len - off) break;
             if (nd == cap) docs = realloc(docs, (cap *= 2) * sizeof *docs);
-            docs[nd++] = (doc_t){buf + off, l};
+            docs[nd++] = (doc_t){buf + off, l, sp};
             off += l;
         }
     } else {
@@ -156,7 +164,7 @@ int main(int argc, char **argv) {
             if (k == len || buf[k] == '\n') {
                 if (k > a) {
                     if (nd == cap) docs = realloc(docs, (cap *= 2) * sizeof *docs);
-                    docs[nd++] = (doc_t){buf + a, k - a};
+                    docs[nd++] = (doc_t){buf + a, k - a, 0};
                 }
                 a = k + 1;
             }
@@ -173,7 +181,7 @@ int main(int argc, char **argv) {
     do {
         for (size_t k = 0; k < nd; k++) {
             ids.n = 0;
-            if (bt_tokenize(t, docs[k].p, docs[k].n, 0, &ids) < 0) {
+            if (bt_tokenize(t, docs[k].p, docs[k].n, docs[k].special, &ids) < 0) {
                 fprintf(stderr, "bench_tok: doc %zu: %s\n", k, bt_last_error());
                 return 1;
             }
