@@ -298,6 +298,17 @@ static int same_dir(const char *a, const char *b) {
     return na == nb && !memcmp(a, b, na);
 }
 
+/* `inner` is `outer` or a path below it, as written (same normalisation as same_dir). */
+static int same_or_inside(const char *outer, const char *inner) {
+    while (outer[0] == '.' && outer[1] == '/') outer += 2;
+    while (inner[0] == '.' && inner[1] == '/') inner += 2;
+    size_t no = strlen(outer), ni = strlen(inner);
+    while (no > 1 && outer[no - 1] == '/') no--;
+    while (ni > 1 && inner[ni - 1] == '/') ni--;
+    if (ni < no || memcmp(outer, inner, no)) return 0;
+    return ni == no || inner[no] == '/' || (no == 1 && outer[0] == '/');
+}
+
 const char *bt_config_default_socket(void) {
     const char *e = getenv("LOADERD_SOCKET");
     return e && *e ? e : BT_DEFAULT_SOCKET;
@@ -641,6 +652,21 @@ static int check_combinations(const bt_train_config *c) {
         return bt_fail(BT_ERR_INVALID, "config: checkpoint_dir: expected a directory other than "
                        "out_dir (\"%s\": every adapter save replaces out_dir and would delete the "
                        "checkpoint's trainer_state.bin)", c->out_dir);
+    /* each output directory belongs to one writer (trainer/io/outputs.h): one inside another would
+     * be deleted by its replacement, or make it refuse to save */
+    const struct {
+        const char *key, *path;
+    } outs[] = {{"out_dir", c->out_dir}, {"checkpoint_dir", c->checkpoint_dir}, {"report.dir", c->report.dir}};
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 3; j++) {
+            if (i == j || (i + j == 1 && same_dir(c->out_dir, c->checkpoint_dir))) continue; /* checked above */
+            if (same_or_inside(outs[i].path, outs[j].path))
+                return bt_fail(BT_ERR_INVALID, "config: %s: \"%s\" is %s %s \"%s\": each of out_dir, checkpoint_dir "
+                               "and report.dir must be a directory of its own, none inside another (every save "
+                               "replaces out_dir and checkpoint_dir as a whole)", outs[j].key, outs[j].path,
+                               same_dir(outs[i].path, outs[j].path) ? "the same directory as" : "inside",
+                               outs[i].key, outs[i].path);
+        }
     if (c->cuda_offload && !c->activation_checkpointing)
         return bt_fail(BT_ERR_INVALID, "config: cuda.offload_checkpoints: offloads the "
                        "checkpointed layer inputs, so it needs activation_checkpointing (true, or "

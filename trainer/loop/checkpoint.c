@@ -9,9 +9,11 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/out_dir.h"
 #include "trainer/io/adapter.h"
+#include "trainer/io/outputs.h"
 
-#define CKPT_MAGIC "BTCKPT\0\1"
+#define CKPT_MAGIC BT_CKPT_MAGIC
 #define CKPT_VERSION 2u /* 2: world size + every rank's loader state; 1 (one rank) still loads */
 #define CKPT_V1_HEADER_BYTES (112u + BT_RESUME_STATE_BYTES)
 #define CKPT_STATE "trainer_state.bin"
@@ -198,19 +200,31 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n), *tmp = NULL, *p = NULL, *dump = NULL;
     if (!d) return bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
-    int rc = 0, lock = -1;
+    int rc = 0, lock = -1, made = 0; /* made: tmp is ours to remove on failure */
     if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0) {
         tmp = NULL;
         rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
         goto out;
     }
-    bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
-    /* the adapter files (creates tmp and the parents of d) */
+    /* never replace a directory BarqTrain did not write (common/out_dir.h): refused before any
+     * file is written (bt_replace_dir checks again) */
+    if ((rc = bt_out_dir_check(d, &bt_out_checkpoint, "checkpoint"))) goto out;
+    if (access(tmp, F_OK) == 0) { /* leftovers of a crashed save by a process with our pid */
+        if (!bt_tmp_is_ours(tmp)) {
+            rc = bt_fail(BT_ERR_IO, "checkpoint: %s exists and was not written by BarqTrain: refusing to "
+                         "remove it", tmp);
+            goto out;
+        }
+        bt_rm_tree(tmp);
+    }
+    /* the adapter files and the marker (creates tmp and the parents of d) */
     if ((rc = bt_adapter_save_ex(lo, cfg->base_model_name_or_path, tmp, m))) {
         rc = bt_fail(rc, "checkpoint: %s", bt_last_error_in("checkpoint"));
         goto out;
     }
+    made = 1;
     lock = bt_tmpdir_lock(tmp); /* "a save is writing this" (bt_clean_stale_temps) */
+    if ((rc = bt_out_dir_mark(tmp, &bt_out_checkpoint, "checkpoint"))) goto out;
     ckpt_header H;
     fill_header(&H, cfg, m, lo, step, resume_states, world);
     if (asprintf(&p, "%s/" CKPT_STATE, tmp) < 0) {
@@ -229,11 +243,11 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     }
     bt_test_pause_point(tmp); /* tests SIGKILL the save here (bt_common.h) */
     if ((rc = bt_fsync_path(tmp, 1, "checkpoint")) ||
-        (rc = bt_replace_dir(tmp, d, "checkpoint")))
+        (rc = bt_replace_dir(tmp, d, &bt_out_checkpoint, "checkpoint")))
         goto out;
     rc = bt_fsync_parent(d, "checkpoint"); /* make the rename durable */
 out:
-    if (rc && tmp) bt_rm_tree(tmp);
+    if (rc && made) bt_rm_tree(tmp);
     if (lock >= 0) close(lock);
     free(dump);
     free(p);

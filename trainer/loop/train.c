@@ -19,6 +19,7 @@
 #include "proto/client.h"
 #include "trainer/io/adapter.h"
 #include "trainer/io/adapter_load.h"
+#include "trainer/io/outputs.h"
 #include "trainer/loop/checkpoint.h"
 #include "trainer/dist/dist.h"
 #include "trainer/dist/dist_monitor.h"
@@ -357,6 +358,9 @@ static int run_rendezvous(bt_run *r) {
         bt_clean_stale_temps(cfg->out_dir, "trainer");
         if (cfg->checkpoint_every > 0 || cfg->resume_from)
             bt_clean_stale_temps(cfg->checkpoint_dir, "trainer");
+        /* every destination, before anything is loaded: creatable, writable, and holding nothing
+         * BarqTrain did not write (issue 21 §1, §2; trainer/io/outputs.h) */
+        if ((rc = bt_train_check_outputs(cfg))) return rc;
     }
     if (bt_run_dist.world > 1) {
         if (cfg->device != BT_DEVICE_CUDA)

@@ -490,6 +490,19 @@ static void test_socket_rule_and_dist_keys(void **st) {
     assert_non_null(strstr(bt_last_error(), "dist.secret_file"));
 }
 
+/* Each output directory belongs to one writer (issue 21 §1): out_dir, checkpoint_dir and
+ * report.dir are three directories, none inside another. */
+static void test_output_dirs_not_nested(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "checkpoint_dir=\"runs/adapter/ckpt\"", "checkpoint_dir: \"runs/adapter/ckpt\" is inside out_dir");
+    expect_refused(MINIMAL, "report.dir=\"runs/adapter\"", "report.dir: \"runs/adapter\" is the same directory as out_dir");
+    expect_refused(MINIMAL, "out_dir=\"runs\"", "checkpoint_dir: \"runs/checkpoint\" is inside out_dir");
+    bt_train_config c;
+    const char *same[] = {"out_dir=\"runs/x\"", "checkpoint_dir=\"runs/x/\""}; /* no checkpoints: allowed */
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", same, 2), 0);
+    bt_config_free(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
@@ -498,6 +511,7 @@ int main(void) {
         cmocka_unit_test(test_comment_keys), cmocka_unit_test(test_templates), cmocka_unit_test(test_cuda_keys),
         cmocka_unit_test(test_socket_rule_and_dist_keys),
         cmocka_unit_test(test_long_context_keys),
+        cmocka_unit_test(test_output_dirs_not_nested),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
