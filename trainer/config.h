@@ -231,6 +231,8 @@ typedef struct {
     const char *eval_adapter;       /* `trainer eval --adapter DIR` (command line only, not a
                                      * key; borrowed, not freed by bt_config_free) */
     int profile;                    /* `trainer train --profile` (command line only) */
+    int force;                      /* `trainer train --force`: start even when the memory plan
+                                     * exceeds what the process may use (command line only) */
 } bt_train_config;
 
 /* The S^2-Attn group size in tokens for the job: 0 when attention.s2 is off, else

@@ -1,0 +1,129 @@
+"""The trainer against issue 21's outside checks:
+
+- §7 memory the node does not have: `train` compares its memory plan (trainer estimate's bill) with
+  what it may use (here RLIMIT_AS, set for real with prlimit) before allocating, and refuses with
+  the figures and what to change; --force starts anyway (and then fails cleanly, not killed).
+Set BT_TRAINER_ASAN=1 to run the ASan+UBSan trainer (the prlimit cases then skip: ASan reserves
+more address space than any RLIMIT_AS leaves)."""
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import BUILD, MODEL, SAN_ENV, write_shard
+
+ASAN = os.environ.get("BT_TRAINER_ASAN") == "1"
+TRAINER = os.path.join(BUILD, "asan", "trainer") if ASAN else os.path.join(BUILD, "trainer")
+
+
+def tiny(path, seed=7):
+    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(path), "--tokenizer-from", MODEL,
+                    "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+                    "--seed", str(seed), "--tied", "1"], check=True)
+    return path
+
+
+def trainer(*args, env=None, prefix=(), timeout=600):
+    e = dict(os.environ)
+    e.update(SAN_ENV)
+    e.update(env or {})
+    return subprocess.run([*prefix, TRAINER, *[str(a) for a in args]], capture_output=True, text=True, env=e,
+                          timeout=timeout)
+
+
+def write_job(tmp, **over):
+    j = {"model": str(tmp / "tiny.gguf"), "base_dtype": "fp32", "socket": str(tmp / "no.sock"),
+         "data": {"shards": [str(tmp / "data" / "*.jsonl")], "format": "text", "seq_len": 32,
+                  "micro_batch_size": 2, "seed": 5, "tokenizer_threads": 1},
+         "eval": {"shards": [str(tmp / "data" / "*.jsonl")], "max_batches": 2},
+         "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}, "optim": {"lr": 1e-3},
+         "steps": 4, "threads": 1, "timeout_s": 120, "out_dir": str(tmp / "adapter"),
+         "checkpoint_dir": str(tmp / "ckpt"), "report": {"dir": str(tmp / "report"), "plot": False}}
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(j.get(k), dict):
+            j[k].update(v)
+        else:
+            j[k] = v
+    p = tmp / "job.json"
+    p.write_text(json.dumps(j))
+    return p
+
+
+def write_adapter(d, alpha=4.0, value=0.01, layers=2, hidden=64, kv=32, r=2):
+    """A PEFT adapter for the tiny model (q_proj and v_proj of every layer, every value `value`)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj"]}))
+    tensors, blobs, off = {}, [], 0
+    for l in range(layers):
+        for mod, out in (("q_proj", hidden), ("v_proj", kv)):
+            for ab, shape in (("A", [r, hidden]), ("B", [out, r])):
+                a = np.full(shape, value, dtype=np.float32).tobytes()
+                tensors[f"base_model.model.model.layers.{l}.self_attn.{mod}.lora_{ab}.weight"] = {
+                    "dtype": "F32", "shape": shape, "data_offsets": [off, off + len(a)]}
+                blobs.append(a)
+                off += len(a)
+    header = json.dumps(tensors).encode()
+    header += b" " * (-len(header) % 8)
+    (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"".join(blobs))
+    return d
+
+
+@pytest.fixture
+def stack(tmp_path, trainer_stack):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "a.jsonl", [json.dumps({"text": f"line {i} of the shard, with words"}) for i in range(200)])
+    tiny(tmp_path / "tiny.gguf")
+    return trainer_stack(data)
+
+
+# ---------------------------------------------------------------- §7
+
+def mem_available_gib():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / (1 << 20)
+    return float("inf")
+
+
+def test_memory_plan_checked_before_allocating(tmp_path, model_path):
+    """The issue's job: lora.r 4096 on SmolLM2 needs ~32 GiB (trainer estimate); with an address
+    space of 1 GiB (RLIMIT_AS, set with prlimit) train refuses before loading the model, with the
+    figures and what to change, instead of being SIGKILLed by the OOM killer; --force starts anyway
+    and fails cleanly at the first allocation it cannot make; a plan that fits starts."""
+    if ASAN:
+        pytest.skip("ASan reserves more address space than RLIMIT_AS leaves")
+    if not shutil.which("prlimit"):
+        pytest.skip("prlimit (util-linux) not installed")
+    cfg = write_job(tmp_path, model=model_path, base_dtype="gguf", lora={"r": 4096},
+                    data={"seq_len": 512, "micro_batch_size": 4})
+    est = trainer("estimate", "--config", cfg)
+    assert est.returncode == 0, est.stderr
+    peak = float(re.search(r"^  peak\s+([0-9.]+) MiB", est.stdout, re.M).group(1)) / 1024
+    limit = 1 << 30
+    t0 = time.monotonic()
+    r = trainer("train", "--config", cfg, prefix=("prlimit", f"--as={limit}"))
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert f"memory: this run needs about {peak:.1f} GiB" in r.stderr, r.stderr[-3000:]
+    assert "RLIMIT_AS 1.0 GiB" in r.stderr, r.stderr[-3000:]
+    if mem_available_gib() > 2:  # else the busy machine's MemAvailable is the smaller limit
+        assert "more than the 1.0 GiB this process may use (RLIMIT_AS;" in r.stderr, r.stderr[-3000:]
+    assert "lower lora.r (now 4096)" in r.stderr and "--force" in r.stderr
+    assert "info trainer: model " not in r.stderr and time.monotonic() - t0 < 60  # before loading anything
+    r = trainer("train", "--config", cfg, "--force", prefix=("prlimit", f"--as={limit}"))
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])  # a clean failure, not -SIGKILL
+    assert "starting anyway (--force)" in r.stderr and "out of memory" in r.stderr, r.stderr[-3000:]
+    # a plan that fits starts as before (here: no loaderd, so it stops at the attach)
+    r = trainer("train", "--config", cfg, "--set", "lora.r=4", "--set", "data.seq_len=64", "--set",
+                "data.micro_batch_size=1", prefix=("prlimit", f"--as={limit}"))
+    assert "memory: this run needs about" in r.stderr and "attach to loaderd" in r.stderr, r.stderr[-3000:]
+    r2 = trainer("eval", "--config", cfg, "--force")
+    assert r2.returncode == 2 and "--force (trainer train --force)" in r2.stderr, r2.stderr
