@@ -551,8 +551,8 @@ static int parse_eval(const json_t *eval, bt_train_config *c) {
 /* lora {r, lora_alpha, lora_dropout, target_modules (absent: all BT_MOD_N modules)}. */
 static int parse_lora(const json_t *lora, bt_train_config *c) {
     int rc;
-    if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, 4096, 0, 0), &c->lora.r)) ||
-        (rc = get_num(lora, "lora", "lora_alpha", 32, RANGE(0, 65536, 1, 0), &c->lora.alpha)) ||
+    if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, BT_LORA_R_MAX, 0, 0), &c->lora.r)) ||
+        (rc = get_num(lora, "lora", "lora_alpha", 32, RANGE(0, BT_LORA_ALPHA_MAX, 1, 0), &c->lora.alpha)) ||
         (rc = get_num(lora, "lora", "lora_dropout", 0.05, RANGE(0, 1, 0, 1), &c->lora.dropout)))
         return rc;
     json_t *tm = json_object_get(lora, "target_modules");

@@ -1,5 +1,9 @@
 """The trainer against issue 21's outside checks:
 
+- §6 diverged results never exit 0: `trainer eval --adapter` with lora_alpha 1e38 is refused by the
+  adapter loader with the job config's own limit; an adapter whose (finite) weights overflow makes
+  the held-out evaluation end with a clear message and exit status 3, never "held-out loss: -nan";
+  `trainer generate` likewise for non-finite logits;
 - §7 memory the node does not have: `train` compares its memory plan (trainer estimate's bill) with
   what it may use (here RLIMIT_AS, set for real with prlimit) before allocating, and refuses with
   the figures and what to change; --force starts anyway (and then fails cleanly, not killed).
@@ -82,6 +86,50 @@ def stack(tmp_path, trainer_stack):
     write_shard(data / "a.jsonl", [json.dumps({"text": f"line {i} of the shard, with words"}) for i in range(200)])
     tiny(tmp_path / "tiny.gguf")
     return trainer_stack(data)
+
+
+# ---------------------------------------------------------------- §6
+
+def test_adapter_past_the_config_limits_is_refused(tmp_path, bins):
+    """The issue's adapter: lora_alpha 1e38 (the job config caps it at 65536); refused by the
+    adapter loader with the same limit, before any evaluation."""
+    if not bins.have("tools/mk_tiny_gguf"):
+        pytest.skip("tools/mk_tiny_gguf not built")
+    tiny(tmp_path / "tiny.gguf")
+    cfg = write_job(tmp_path)
+    for alpha, r_, want in ((1e38, 2, 'got 1e+38'), (8.0, 4097, '"r" must be an integer in [1, 4096]')):
+        ad = write_adapter(tmp_path / f"ad{r_}", alpha=alpha, r=r_ if r_ < 4097 else 2)
+        if r_ == 4097:  # the config says 4097, the tensors do not matter: refused first
+            c = json.loads((ad / "adapter_config.json").read_text())
+            c["r"] = 4097
+            (ad / "adapter_config.json").write_text(json.dumps(c))
+        r = trainer("eval", "--config", cfg, "--adapter", ad)
+        assert r.returncode == 1, (r.returncode, r.stdout, r.stderr[-3000:])
+        assert want in r.stderr and "held-out loss" not in r.stdout, r.stderr[-3000:]
+    r = trainer("generate", "--model", tmp_path / "tiny.gguf", "--adapter", tmp_path / "ad2", "--prompt", "hi",
+                "--max-new-tokens", "2")
+    assert r.returncode == 1 and "lora_alpha" in r.stderr, r.stderr[-3000:]
+
+
+def test_nonfinite_heldout_loss_and_logits_are_errors(tmp_path, stack):
+    """An adapter within every limit whose weights overflow fp32 (B A x past 3.4e38): `trainer
+    eval` ends with a clear message and exit status 3, never a "-nan" loss with status 0; so does
+    `trainer generate`, without sampling a token."""
+    cfg = write_job(tmp_path, socket=stack.sock)
+    ad = write_adapter(tmp_path / "huge", value=3e37)
+    r = trainer("eval", "--config", cfg, "--adapter", ad)
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-3000:])
+    assert "held-out evaluation: batch 1: the loss is" in r.stderr and "not a number" in r.stderr, r.stderr[-3000:]
+    assert f"with adapter {ad}" in r.stderr and "held-out loss" not in r.stdout, (r.stdout, r.stderr[-3000:])
+    # the same adapter at a sane scale evaluates to a finite loss
+    ok = write_adapter(tmp_path / "sane", value=0.01)
+    r = trainer("eval", "--config", cfg, "--adapter", ok)
+    assert r.returncode == 0 and re.search(r"held-out loss: \d+\.\d+", r.stdout), r.stderr[-3000:]
+    r = trainer("generate", "--model", tmp_path / "tiny.gguf", "--adapter", ad, "--prompt", "hello there",
+                "--max-new-tokens", "4")
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-3000:])
+    assert "infer: the logits at position" in r.stderr and "are not finite" in r.stderr, r.stderr[-3000:]
+    assert r.stdout.strip() == "", r.stdout  # nothing was sampled from them
 
 
 # ---------------------------------------------------------------- §7

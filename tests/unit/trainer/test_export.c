@@ -811,6 +811,12 @@ static void test_peft_bad_inputs(void **st) {
         {"{\"peft_type\": \"LORA\", \"r\": 3, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\", \"v_proj\"]}",
          BAD_NONE}, /* r != tensors */
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": -1, \"target_modules\": [\"q_proj\"]}", BAD_NONE},
+        /* past the job config's limits (trainer/config.h BT_LORA_*; issue 21 §6: alpha 1e38 made
+         * every logit nan) */
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 1e38, \"target_modules\": [\"q_proj\", \"v_proj\"]}",
+         BAD_NONE},
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 65536.5, \"target_modules\": [\"q_proj\", \"v_proj\"]}",
+         BAD_NONE},
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\", \"v_proj\"],"
          " \"use_dora\": true}", BAD_NONE},
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\", \"lm_head\"]}",

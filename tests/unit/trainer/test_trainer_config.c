@@ -503,6 +503,14 @@ static void test_output_dirs_not_nested(void **st) {
     bt_config_free(&c);
 }
 
+/* The LoRA limits are one definition shared with the adapter loader (trainer/config.h BT_LORA_*;
+ * issue 21 §6). */
+static void test_lora_limits(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "lora.r=4097", "lora.r: expected an integer in [1, 4096]");
+    expect_refused(MINIMAL, "lora.lora_alpha=1e38", "lora.lora_alpha: expected a number in (0, 65536]");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
@@ -512,6 +520,7 @@ int main(void) {
         cmocka_unit_test(test_socket_rule_and_dist_keys),
         cmocka_unit_test(test_long_context_keys),
         cmocka_unit_test(test_output_dirs_not_nested),
+        cmocka_unit_test(test_lora_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
