@@ -12,6 +12,7 @@
 #include "common/bt_json.h"
 #include "common/yaml_json.h"
 #include "proto/client.h"
+#include "proto/job_limits.h"
 
 static const char *const k_mod_names[BT_MOD_N] = {"q_proj", "k_proj",    "v_proj", "o_proj",
                                                   "gate_proj", "up_proj", "down_proj"};
@@ -338,16 +339,19 @@ static int get_checkpointing(const json_t *root, bt_train_config *c) {
     return 0;
 }
 
-/* eval.lengths: distinct integers in [2, 2^20] (at most BT_MAX_EVAL_LENGTHS), kept sorted. */
+/* eval.lengths: distinct integers in [BT_JOB_MIN_SEQ_LEN, BT_JOB_MAX_SEQ_LEN] (each is the seq_len of
+ * a held-out stream from loaderd; at most BT_MAX_EVAL_LENGTHS), kept sorted. */
 static int get_lengths(const json_t *eval, bt_train_config *c) {
     json_t *v = json_object_get(eval, "lengths");
-    const char *what = "an array of distinct context lengths (integers in [2, 1048576], at most 16)";
+    char what[160];
+    snprintf(what, sizeof what, "an array of distinct context lengths (integers in [%u, %u], at most %d)",
+             BT_JOB_MIN_SEQ_LEN, BT_JOB_MAX_SEQ_LEN, BT_MAX_EVAL_LENGTHS);
     if (!v || json_is_null(v)) return 0;
     if (!json_is_array(v) || json_array_size(v) > BT_MAX_EVAL_LENGTHS) return bad("eval", "lengths", what, v);
     for (size_t i = 0; i < json_array_size(v); i++) {
         json_t *e = json_array_get(v, i);
         json_int_t x = json_is_integer(e) ? json_integer_value(e) : 0;
-        if (x < 2 || x > (1 << 20)) return bad("eval", "lengths", what, e);
+        if (x < BT_JOB_MIN_SEQ_LEN || x > BT_JOB_MAX_SEQ_LEN) return bad("eval", "lengths", what, e);
         int k = c->eval.n_lengths;
         for (int j = 0; j < k; j++)
             if (c->eval.lengths[j] == (int)x) return bad("eval", "lengths", what, v);
@@ -521,21 +525,26 @@ static int parse_data(const json_t *data, bt_train_config *c) {
     if ((rc = get_strv(data, "data", "shards", 1, &c->data.shards, &c->data.n_shards)) ||
         (rc = get_enum(data, "data", "format", 0, formats, &fmt)) ||
         (rc = get_str(data, "data", "text_field", "text", &c->data.text_field)) ||
-        (rc = get_i32(data, "data", "seq_len", 512, RANGE(2, 1 << 20, 0, 0), &c->data.seq_len)) ||
+        /* what loaderd accepts (proto/job_limits.h): refused here, not at attach */
+        (rc = get_i32(data, "data", "seq_len", 512, RANGE(BT_JOB_MIN_SEQ_LEN, BT_JOB_MAX_SEQ_LEN, 0, 0),
+                      &c->data.seq_len)) ||
         (rc = get_i32(data, "data", "micro_batch_size", 4, RANGE(1, 4096, 0, 0),
                       &c->data.micro_batch_size)) ||
         (rc = get_int(data, "data", "seed", 1234, NONNEG, &seed)))
         return rc;
     c->data.format = bt_xstrdup(formats[fmt]);
     c->data.seed = (uint64_t)seed;
-    if ((rc = get_i32(data, "data", "tokenizer_threads", 2, RANGE(1, 256, 0, 0),
+    if ((rc = get_i32(data, "data", "tokenizer_threads", 2, RANGE(1, BT_JOB_MAX_TOKENIZER_THREADS, 0, 0),
                       &c->data.tokenizer_threads)))
         return rc;
-    if ((int64_t)c->data.seq_len * c->data.micro_batch_size > (1 << 24))
+    if ((int64_t)c->data.seq_len * c->data.micro_batch_size > BT_JOB_MAX_BATCH_TOKENS)
         return bt_fail(BT_ERR_INVALID,
                        "config: data.seq_len x data.micro_batch_size = %lld tokens per micro-batch"
-                       " exceeds 16777216",
-                       (long long)c->data.seq_len * c->data.micro_batch_size);
+                       " exceeds %u",
+                       (long long)c->data.seq_len * c->data.micro_batch_size, BT_JOB_MAX_BATCH_TOKENS);
+    if ((unsigned)c->data.n_shards > BT_JOB_MAX_SHARD_PATTERNS)
+        return bt_fail(BT_ERR_INVALID, "config: data.shards: %d patterns, loaderd takes at most %u",
+                       c->data.n_shards, BT_JOB_MAX_SHARD_PATTERNS);
     return 0;
 }
 
@@ -545,6 +554,9 @@ static int parse_eval(const json_t *eval, bt_train_config *c) {
     if ((rc = get_strv(eval, "eval", "shards", 0, &c->eval.shards, &c->eval.n_shards)) ||
         (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)))
         return rc;
+    if ((unsigned)c->eval.n_shards > BT_JOB_MAX_SHARD_PATTERNS)
+        return bt_fail(BT_ERR_INVALID, "config: eval.shards: %d patterns, loaderd takes at most %u",
+                       c->eval.n_shards, BT_JOB_MAX_SHARD_PATTERNS);
     return get_lengths(eval, c);
 }
 

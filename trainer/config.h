@@ -17,11 +17,14 @@
  *                                      --set socket=...): $LOADERD_SOCKET, else
  *                                      "/run/loaderd/loaderd.sock" (bt_config_default_socket)
  *   data: { shards (required, [glob, ...]), format "chat" ("chat"|"text"|"alpaca"),
- *           text_field "text", seq_len 512, micro_batch_size 4, seed 1234, tokenizer_threads 2 }
- *          (all sent to loaderd in the job spec, with "tokenizer" = model)
+ *           text_field "text", seq_len 512 [16, 2^20], micro_batch_size 4 [1, 4096], seed 1234,
+ *           tokenizer_threads 2 [1, 256] }, seq_len x micro_batch_size <= 2^24
+ *          (all sent to loaderd in the job spec, with "tokenizer" = model; the ranges are the ones
+ *          loaderd accepts, proto/job_limits.h, so `trainer config --check` refuses what loaderd
+ *          would)
  *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data;
  *           per rank: with several ranks each evaluates up to this many of its own batches and
- *           the loss is the token mean over all of them), lengths [] (perplexity per context
+ *           the loss is the token mean over all of them), lengths [] (each in [16, 2^20]; perplexity per context
  *           length: for each L the held-out documents are cut into consecutive L-token windows
  *           (loaderd's text packing at seq_len L) and the loss is over the windows of exactly L
  *           tokens; [] = one evaluation at data.seq_len over every row, as before) }

@@ -1,4 +1,4 @@
-"""The trainer against issue 21's outside checks:
+"""The trainer against the rest of issue 21's outside checks:
 
 - §6 diverged results never exit 0: `trainer eval --adapter` with lora_alpha 1e38 is refused by the
   adapter loader with the job config's own limit; an adapter whose (finite) weights overflow makes
@@ -6,7 +6,10 @@
   `trainer generate` likewise for non-finite logits;
 - §7 memory the node does not have: `train` compares its memory plan (trainer estimate's bill) with
   what it may use (here RLIMIT_AS, set for real with prlimit) before allocating, and refuses with
-  the figures and what to change; --force starts anyway (and then fails cleanly, not killed).
+  the figures and what to change; --force starts anyway (and then fails cleanly, not killed);
+- §9 the reason for a failed job: when loaderd fails the job (every record empty), the trainer
+  prints loaderd's own reason, asked before it detaches; `trainer config --check` refuses a
+  seq_len loaderd would refuse;
 Set BT_TRAINER_ASAN=1 to run the ASan+UBSan trainer (the prlimit cases then skip: ASan reserves
 more address space than any RLIMIT_AS leaves)."""
 import json
@@ -175,3 +178,32 @@ def test_memory_plan_checked_before_allocating(tmp_path, model_path):
     assert "memory: this run needs about" in r.stderr and "attach to loaderd" in r.stderr, r.stderr[-3000:]
     r2 = trainer("eval", "--config", cfg, "--force")
     assert r2.returncode == 2 and "--force (trainer train --force)" in r2.stderr, r2.stderr
+
+
+# ---------------------------------------------------------------- §9
+
+def test_failed_job_reason_reaches_the_trainer(tmp_path, trainer_stack):
+    """loaderd fails the job (every record empty: no valid document in an epoch); the trainer's
+    error carries loaderd's reason, asked while still attached (after the trainer exits the job is
+    gone from `loaderctl status`)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "a.jsonl", [json.dumps({"text": ""}) for _ in range(50)])
+    tiny(tmp_path / "tiny.gguf")
+    ld = trainer_stack(data)
+    cfg = write_job(tmp_path, socket=ld.sock, eval={"shards": []})
+    r = trainer("train", "--config", cfg)
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert re.search(r"loaderd closed the stream of job \d+ before its end: job failed: pipeline: epoch 0 has no "
+                     r"valid documents", r.stderr), r.stderr[-3000:]
+    assert "see loaderctl status" not in r.stderr
+
+
+def test_config_check_refuses_what_loaderd_refuses(tmp_path):
+    cfg = write_job(tmp_path)
+    r = trainer("config", "--check", cfg, "--set", "data.seq_len=8")
+    assert r.returncode == 2 and "data.seq_len: expected an integer in [16, 1048576], got 8" in r.stderr, r.stderr
+    r = trainer("config", "--check", cfg, "--set", "eval.lengths=[8, 64]")
+    assert r.returncode == 2 and "eval.lengths" in r.stderr and "[16, 1048576]" in r.stderr, r.stderr
+    r = trainer("config", "--check", cfg, "--set", "data.seq_len=16")
+    assert r.returncode == 0, r.stderr

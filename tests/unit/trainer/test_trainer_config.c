@@ -381,7 +381,7 @@ static void test_long_context_keys(void **st) {
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", g1, 2), 0);
     assert_int_equal(bt_config_s2_group(&c), 250);
     bt_config_free(&c);
-    const char *g2[] = {"data.seq_len=3", "attention.s2.group_fraction=0.1"};
+    const char *g2[] = {"data.seq_len=16", "attention.s2.group_fraction=0.1"};
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", g2, 2), 0);
     assert_int_equal(bt_config_s2_group(&c), 2);
     bt_config_free(&c);
@@ -511,6 +511,17 @@ static void test_lora_limits(void **st) {
     expect_refused(MINIMAL, "lora.lora_alpha=1e38", "lora.lora_alpha: expected a number in (0, 65536]");
 }
 
+/* What loaderd would refuse is refused here, from proto/job_limits.h (issue 21 §9). */
+static void test_loaderd_limits(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "data.seq_len=15", "data.seq_len: expected an integer in [16, 1048576], got 15");
+    expect_refused(MINIMAL, "eval.lengths=[8]", "eval.lengths");
+    bt_train_config c;
+    const char *sixteen[] = {"data.seq_len=16"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", sixteen, 1), 0);
+    bt_config_free(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
@@ -521,6 +532,7 @@ int main(void) {
         cmocka_unit_test(test_long_context_keys),
         cmocka_unit_test(test_output_dirs_not_nested),
         cmocka_unit_test(test_lora_limits),
+        cmocka_unit_test(test_loaderd_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
