@@ -10,6 +10,8 @@
 - §9 the reason for a failed job: when loaderd fails the job (every record empty), the trainer
   prints loaderd's own reason, asked before it detaches; `trainer config --check` refuses a
   seq_len loaderd would refuse;
+- §11 `--set optim..lr=0.5` is refused (not taken as optim.lr); a checkpoint's 3 GiB sparse
+  trainer_state.bin is refused by its size, not read.
 Set BT_TRAINER_ASAN=1 to run the ASan+UBSan trainer (the prlimit cases then skip: ASan reserves
 more address space than any RLIMIT_AS leaves)."""
 import json
@@ -207,3 +209,24 @@ def test_config_check_refuses_what_loaderd_refuses(tmp_path):
     assert r.returncode == 2 and "eval.lengths" in r.stderr and "[16, 1048576]" in r.stderr, r.stderr
     r = trainer("config", "--check", cfg, "--set", "data.seq_len=16")
     assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------- §11
+
+def test_sparse_checkpoint_state_is_not_read(tmp_path, stack):
+    """A checkpoint whose trainer_state.bin is a 3 GiB sparse file: refused by its size before it
+    is read (the resumed run's peak RSS stays far below it)."""
+    cfg = write_job(tmp_path, socket=stack.sock, steps=4, stop_at_step=2, checkpoint_every=2)
+    r = trainer("train", "--config", cfg)
+    assert r.returncode == 0 and (tmp_path / "ckpt" / "trainer_state.bin").is_file(), r.stderr[-3000:]
+    os.truncate(tmp_path / "ckpt" / "trainer_state.bin", 3 << 30)
+    e = dict(os.environ)
+    e.update(SAN_ENV)
+    with open(tmp_path / "err.txt", "w") as ef:
+        p = subprocess.Popen([TRAINER, "train", "--config", str(cfg), "--resume", str(tmp_path / "ckpt")],
+                             stdout=subprocess.DEVNULL, stderr=ef, env=e)
+        _, status, ru = os.wait4(p.pid, 0)  # this child's own peak RSS
+    err = (tmp_path / "err.txt").read_text()
+    assert os.waitstatus_to_exitcode(status) == 1, err[-3000:]
+    assert "trainer_state.bin is 3221225472 bytes, more than a checkpoint of this job's" in err, err[-3000:]
+    assert ru.ru_maxrss < 1024 * 1024, ru.ru_maxrss  # KiB: well under the file's 3 GiB

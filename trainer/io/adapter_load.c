@@ -359,11 +359,10 @@ int bt_adapter_context_extension(const char *dir, int *method, int *target_lengt
     char *path = NULL;
     if (asprintf(&path, "%s/adapter_config.json", dir) < 0)
         return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
-    json_error_t je;
-    json_t *root = json_load_file(path, 0, &je);
-    int rc = 0;
-    if (!root) {
-        rc = bt_fail(BT_ERR_IO, "adapter: %s: %s", path, je.text);
+    json_t *root = NULL; /* read with a size limit, like every file read whole (issue 21 §11) */
+    int rc = bt_json_load_file(&root, path, 0, 16u << 20);
+    if (rc) {
+        rc = bt_fail(rc, "adapter: %s", bt_last_error_in("adapter"));
     } else {
         json_t *n = json_object_get(root, "barqtrain_context_extension");
         if (n && !json_is_null(n)) {

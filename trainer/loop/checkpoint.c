@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/atomic_io.h"
@@ -271,6 +272,87 @@ int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_mod
                                  1);
 }
 
+/* The identity fields of header H (checkpoint.h) against the running job; 0 or BT_ERR_INVALID naming
+ * the first that differs. */
+static int check_identity(const char *dir, const ckpt_header *hp, const bt_train_config *cfg, const bt_model *m,
+                          const bt_lora *lo, int world) {
+    const ckpt_header H = *hp;
+    int rc = 0;
+    uint64_t mfp = bt_model_fingerprint(m);
+    if (H.n_layer != m->hp.n_layer || H.d_model != m->hp.d_model || H.vocab != m->hp.vocab) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: checkpoint "
+                     "written for %d layers, d_model %d, vocab %d; %s has %d, %d, %d", dir,
+                     H.n_layer, H.d_model, H.vocab, cfg->model, m->hp.n_layer, m->hp.d_model,
+                     m->hp.vocab);
+    } else if (H.base_dtype != m->base_dtype) {
+        rc = MISMATCH("base_dtype", "%s", bt_base_dtype_name(H.base_dtype),
+                      bt_base_dtype_name(m->base_dtype));
+    } else if (H.model_fp != mfp) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: the base model "
+                     "weights differ (fingerprint %016llx, %s has %016llx)", dir,
+                     (unsigned long long)H.model_fp, cfg->model, (unsigned long long)mfp);
+    } else if (H.r != lo->r) {
+        rc = MISMATCH("lora.r", "%d", H.r, lo->r);
+    } else if (H.alpha != lo->alpha) {
+        rc = MISMATCH("lora.lora_alpha", "%g", (double)H.alpha, (double)lo->alpha);
+    } else if (H.dropout != lo->dropout) {
+        rc = MISMATCH("lora.lora_dropout", "%g", (double)H.dropout, (double)lo->dropout);
+    } else if (H.target_mask != lo->target_mask) {
+        rc = MISMATCH("lora.target_modules", "mask %#x", H.target_mask, lo->target_mask);
+    } else if (H.trainable != lo->trainable) {
+        rc = MISMATCH("trainable_modules", "mask %#x", H.trainable, lo->trainable);
+    } else if (H.seq_len != cfg->data.seq_len) {
+        rc = MISMATCH("data.seq_len", "%d", H.seq_len, cfg->data.seq_len);
+    } else if (H.micro_batch != cfg->data.micro_batch_size) {
+        rc = MISMATCH("data.micro_batch_size", "%d", H.micro_batch, cfg->data.micro_batch_size);
+    } else if (H.grad_accum != cfg->grad_accum) {
+        rc = MISMATCH("grad_accum", "%d", H.grad_accum, cfg->grad_accum);
+    } else if (H.data_fp != bt_config_data_fingerprint(cfg)) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: data: shards, format, "
+                     "text_field or data.seed differ, so the saved loader position does not apply",
+                     dir);
+    } else if (H.seed != cfg->seed) {
+        rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);
+    } else if (H.n_params != lo->n_params) {
+        rc = MISMATCH("parameter count", "%lld", (long long)H.n_params, (long long)lo->n_params);
+    } else if (H.world != world && H.has_resume) {
+        /* every rank's loader stream depends on the world size (proto/batch.h resume state) */
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: world size: "
+                     "checkpoint written by %d rank(s), this run has %d (resume with the same "
+                     "number of processes)", dir, H.world, world);
+    }
+    return rc;
+}
+
+/* *limit = the size trainer_state.bin may have for this job: its header (v2; v1 is smaller), the
+ * loader states of at most BT_CKPT_MAX_WORLD ranks, the job's parameters and moments, the checksum.
+ * The header is read first (pread) so that a file past that size is refused with its identity
+ * mismatch when there is one ("lora.r: checkpoint 64, config 8"), else by its size; 0 when the
+ * file is within the limit (or too short for a header: the reader says "truncated"). */
+static int size_limit(int fd, const char *dir, const bt_train_config *cfg, const bt_model *m, const bt_lora *lo,
+                      int world, size_t *limit) {
+    *limit = sizeof(ckpt_header) + (size_t)(BT_CKPT_MAX_WORLD - 1) * BT_RESUME_STATE_BYTES +
+             (size_t)lo->n_params * 12 + 8;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return bt_fail(BT_ERR_IO, "checkpoint %s: " CKPT_STATE ": %s", dir, strerror(errno));
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size <= *limit) return 0; /* bt_read_fd says the rest */
+    ckpt_header H;
+    memset(&H, 0, sizeof H);
+    int rc = 0;
+    if (pread(fd, &H, CKPT_V1_HEADER_BYTES, 0) == (ssize_t)CKPT_V1_HEADER_BYTES &&
+        !memcmp(H.magic, CKPT_MAGIC, 8)) {
+        H.world = 1;
+        if (H.version == CKPT_VERSION && pread(fd, &H, sizeof H, 0) != (ssize_t)sizeof H) H.world = 1;
+        if (H.world < 1 || H.world > BT_CKPT_MAX_WORLD) H.world = 1;
+        rc = check_identity(dir, &H, cfg, m, lo, world);
+    }
+    if (!rc)
+        rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is %lld bytes, more than a checkpoint of this "
+                     "job's %lld LoRA parameters can be (%zu bytes): not read", dir, (long long)st.st_size,
+                     (long long)lo->n_params, *limit);
+    return rc;
+}
+
 int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
                           bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
                           int *ckpt_steps, int rank, int world) {
@@ -282,8 +364,23 @@ int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_
     struct {
         char *data;
         size_t size;
-    } mp; /* read(2) into private memory: a file cut meanwhile is an error, never a SIGBUS */
-    int rc = bt_read_file(path, 0, &mp.data, &mp.size);
+    } mp = {NULL, 0}; /* read(2) into private memory: a file cut meanwhile is an error, never a SIGBUS */
+    int fd = bt_open_ro(path), rc = 0;
+    if (fd < 0) {
+        rc = bt_fail(BT_ERR_IO, "checkpoint %s: cannot read %s: %s", dir, path, strerror(errno));
+        free(path);
+        return rc;
+    }
+    /* the largest file a checkpoint of this job can be, known before a byte is read: a file past it
+     * (a 3 GiB sparse one, a checkpoint of a far larger LoRA) is never read whole (issue 21 §11) */
+    size_t limit;
+    if ((rc = size_limit(fd, dir, cfg, m, lo, world, &limit))) {
+        close(fd);
+        free(path);
+        return rc;
+    }
+    rc = bt_read_fd(fd, path, limit, &mp.data, &mp.size);
+    close(fd);
     if (rc) {
         rc = bt_fail(BT_ERR_IO, "checkpoint %s: cannot read %s: %s", dir, path, bt_last_error());
         free(path);
@@ -335,51 +432,7 @@ int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_
                      mp.size, (long long)H.n_params);
         goto out;
     }
-    /* identity */
-    uint64_t mfp = bt_model_fingerprint(m);
-    if (H.n_layer != m->hp.n_layer || H.d_model != m->hp.d_model || H.vocab != m->hp.vocab) {
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: checkpoint "
-                     "written for %d layers, d_model %d, vocab %d; %s has %d, %d, %d", dir,
-                     H.n_layer, H.d_model, H.vocab, cfg->model, m->hp.n_layer, m->hp.d_model,
-                     m->hp.vocab);
-    } else if (H.base_dtype != m->base_dtype) {
-        rc = MISMATCH("base_dtype", "%s", bt_base_dtype_name(H.base_dtype),
-                      bt_base_dtype_name(m->base_dtype));
-    } else if (H.model_fp != mfp) {
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: the base model "
-                     "weights differ (fingerprint %016llx, %s has %016llx)", dir,
-                     (unsigned long long)H.model_fp, cfg->model, (unsigned long long)mfp);
-    } else if (H.r != lo->r) {
-        rc = MISMATCH("lora.r", "%d", H.r, lo->r);
-    } else if (H.alpha != lo->alpha) {
-        rc = MISMATCH("lora.lora_alpha", "%g", (double)H.alpha, (double)lo->alpha);
-    } else if (H.dropout != lo->dropout) {
-        rc = MISMATCH("lora.lora_dropout", "%g", (double)H.dropout, (double)lo->dropout);
-    } else if (H.target_mask != lo->target_mask) {
-        rc = MISMATCH("lora.target_modules", "mask %#x", H.target_mask, lo->target_mask);
-    } else if (H.trainable != lo->trainable) {
-        rc = MISMATCH("trainable_modules", "mask %#x", H.trainable, lo->trainable);
-    } else if (H.seq_len != cfg->data.seq_len) {
-        rc = MISMATCH("data.seq_len", "%d", H.seq_len, cfg->data.seq_len);
-    } else if (H.micro_batch != cfg->data.micro_batch_size) {
-        rc = MISMATCH("data.micro_batch_size", "%d", H.micro_batch, cfg->data.micro_batch_size);
-    } else if (H.grad_accum != cfg->grad_accum) {
-        rc = MISMATCH("grad_accum", "%d", H.grad_accum, cfg->grad_accum);
-    } else if (H.data_fp != bt_config_data_fingerprint(cfg)) {
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: data: shards, format, "
-                     "text_field or data.seed differ, so the saved loader position does not apply",
-                     dir);
-    } else if (H.seed != cfg->seed) {
-        rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);
-    } else if (H.n_params != lo->n_params) {
-        rc = MISMATCH("parameter count", "%lld", (long long)H.n_params, (long long)lo->n_params);
-    } else if (H.world != world && H.has_resume) {
-        /* every rank's loader stream depends on the world size (proto/batch.h resume state) */
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: world size: "
-                     "checkpoint written by %d rank(s), this run has %d (resume with the same "
-                     "number of processes)", dir, H.world, world);
-    }
-    if (rc) goto out;
+    if ((rc = check_identity(dir, &H, cfg, m, lo, world))) goto out;
     size_t nb = (size_t)H.n_params * sizeof(float);
     const uint8_t *arr = b + hb;
     memcpy(lo->params, arr, nb);
