@@ -248,6 +248,19 @@ static int apply_set(json_t *root, const char *kv) {
         return bt_fail(BT_ERR_INVALID, "config: --set \"%s\": expected key.path=value", kv);
     char *path = strndup(kv, (size_t)(eq - kv));
     if (!path) return bt_fail(BT_ERR_NOMEM, "config: out of memory");
+    /* every segment of the key path names a key: "optim..lr", ".lr" or "optim." would otherwise be
+     * read as another key (strtok skips empty segments), and a "#" comment key is never read */
+    size_t pl = strlen(path);
+    const char *why = path[0] == '.' ? "starts with '.'" : path[pl - 1] == '.' ? "ends with '.'"
+                      : strstr(path, "..")                     ? "has an empty segment (\"..\")"
+                      : path[0] == '#' || strstr(path, ".#")   ? "names a comment key (\"#...\"), which is never read"
+                                                               : NULL;
+    if (why) {
+        int rc = bt_fail(BT_ERR_INVALID, "config: --set \"%s\": the key path \"%s\" %s (write section.key, e.g. "
+                         "optim.lr=1e-4)", kv, path, why);
+        free(path);
+        return rc;
+    }
     const char *val = eq + 1;
     json_error_t jerr;
     json_t *jv = json_loads(val, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);

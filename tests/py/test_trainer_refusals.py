@@ -213,6 +213,17 @@ def test_config_check_refuses_what_loaderd_refuses(tmp_path):
 
 # ---------------------------------------------------------------- §11
 
+def test_set_paths_name_one_key(tmp_path):
+    cfg = write_job(tmp_path)
+    for bad, why in (("optim..lr=0.5", 'has an empty segment'), (".optim.lr=0.5", "starts with '.'"),
+                     ("optim.lr.=0.5", "ends with '.'"), ("optim.#lr=0.5", "comment key")):
+        for cmd in (("config", "--check", cfg), ("train", "--config", cfg)):
+            r = trainer(*cmd, "--set", bad)
+            assert r.returncode == 2 and why in r.stderr and f'--set "{bad}"' in r.stderr, (cmd, bad, r.stderr)
+    r = trainer("config", "--check", cfg, "--set", "optim.lr=0.5", "--print", "optim.lr")
+    assert r.returncode == 0 and r.stdout.strip() == "0.5", (r.stdout, r.stderr)
+
+
 def test_sparse_checkpoint_state_is_not_read(tmp_path, stack):
     """A checkpoint whose trainer_state.bin is a 3 GiB sparse file: refused by its size before it
     is read (the resumed run's peak RSS stays far below it)."""

@@ -522,6 +522,23 @@ static void test_loaderd_limits(void **st) {
     bt_config_free(&c);
 }
 
+/* A --set key path names exactly one key (issue 21 §11): empty segments, leading / trailing dots
+ * and comment keys are refused, not read as another key. */
+static void test_set_paths(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "optim..lr=0.5", "the key path \"optim..lr\" has an empty segment");
+    expect_refused(MINIMAL, ".optim.lr=0.5", "starts with '.'");
+    expect_refused(MINIMAL, "optim.lr.=0.5", "ends with '.'");
+    expect_refused(MINIMAL, ".=0.5", "starts with '.'");
+    expect_refused(MINIMAL, "optim.#lr=0.5", "comment key");
+    expect_refused(MINIMAL, "#note=x", "comment key");
+    bt_train_config c;
+    const char *ok[] = {"optim.lr=0.5"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", ok, 1), 0);
+    assert_true(c.optim.lr == 0.5);
+    bt_config_free(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
@@ -533,6 +550,7 @@ int main(void) {
         cmocka_unit_test(test_output_dirs_not_nested),
         cmocka_unit_test(test_lora_limits),
         cmocka_unit_test(test_loaderd_limits),
+        cmocka_unit_test(test_set_paths),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
