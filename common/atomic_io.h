@@ -92,9 +92,10 @@ int bt_atomic_tmp_name(const char *name);
  * (empty, or holding BarqTrain's marker). */
 
 /* Create the temporary directory `tmp` (a leftover of the same name is removed first when
- * bt_tmp_is_ours: it can only come from a dead process with our pid; else -1, refused) and return an fd holding an exclusive flock on
- * it (close it once the directory has been renamed into place), or -1 with BT_ERR_IO in
- * bt_last_error ("<component>: mkdir <tmp>: ..."). */
+ * bt_tmp_is_ours: it can only come from a dead process with our pid; else -1, refused) and
+ * return an fd holding an exclusive flock on it (close it once the directory has been renamed
+ * into place), or -1 with BT_ERR_IO in bt_last_error ("<component>: mkdir <tmp>: ...",
+ * "<component>: <tmp> exists and was not written by BarqTrain: ..."). */
 int bt_tmpdir_create(const char *tmp, const char *component);
 /* Take the same lock on an existing temporary directory built by someone else's writer (the
  * checkpoint writer locks the directory the adapter writer built). -1 when it cannot be opened. */
@@ -102,11 +103,11 @@ int bt_tmpdir_lock(const char *tmp);
 
 /* Remove the leftovers of killed saves of `dst` (names above): an entry is removed only if it
  * has our exact name pattern, belongs to our effective uid, is not a symlink, is ours by
- * bt_tmp_is_ours (a directory: empty or marked), nobody holds its
- * lock, and either the pid in its name is not a live process on this host (or is our own pid:
- * this is called before we write anything) or it was last modified over an hour ago (a save on
- * another host of a shared filesystem). Anything else is never touched. Each removal is logged
- * (bt_log info, `component`). Returns the number removed. */
+ * bt_tmp_is_ours (a directory: empty or marked), nobody holds its lock, and either the pid in
+ * its name is not a live process on this host (or is our own pid: this is called before we
+ * write anything) or it was last modified over an hour ago (a save on another host of a shared
+ * filesystem). Anything else is never touched. Each removal is logged (bt_log info,
+ * `component`). Returns the number removed. */
 int bt_clean_stale_temps(const char *dst, const char *component);
 
 #endif

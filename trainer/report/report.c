@@ -300,9 +300,15 @@ static void gp_str(FILE *f, const char *s) {
 
 static int plot_with(const char *dir, summary_t *s) {
     memset(s, 0, sizeof *s);
+    /* nothing to plot: say so first (nothing would be written) */
+    char *mp = NULL;
+    if (asprintf(&mp, "%s/metrics.jsonl", dir) < 0) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    struct stat mst;
+    int rc = stat(mp, &mst) != 0 ? bt_fail(BT_ERR_IO, "report: %s: %s", mp, strerror(errno)) : 0;
+    free(mp);
     /* report.png and the plot's temporaries go only into a report directory of ours
      * (common/out_dir.h; `trainer report DIR` names any directory) */
-    int rc = bt_out_dir_check(dir, &bt_out_report, "report");
+    if (!rc) rc = bt_out_dir_check(dir, &bt_out_report, "report");
     if (rc) return rc;
     char *tmp = NULL, *gp = NULL, *png = NULL, *out = NULL;
     if (asprintf(&tmp, "%s/.plot-%d", dir, (int)getpid()) < 0 || asprintf(&gp, "%s.gp", tmp) < 0 ||
