@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/out_dir.h"
 
 static void release(bt_atomic_file *af) {
     free(af->tmp);
@@ -127,27 +128,30 @@ static int rm_cb(const char *fpath, const struct stat *sb, int typeflag, struct 
 
 void bt_rm_tree(const char *path) { nftw(path, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
 
-int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *component) {
+int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const bt_out_kind *kind, const char *component) {
     struct stat st;
-    if (stat(dst_dir, &st) != 0) {
+    if (lstat(dst_dir, &st) != 0) {
         if (rename(tmp_dir, dst_dir) != 0)
             return bt_fail(BT_ERR_IO, "%s: rename %s -> %s: %s", component, tmp_dir, dst_dir,
                            strerror(errno));
         return BT_OK;
     }
-    if (!S_ISDIR(st.st_mode))
+    if (!S_ISDIR(st.st_mode) && !S_ISLNK(st.st_mode))
         return bt_fail(BT_ERR_IO, "%s: %s exists and is not a directory", component, dst_dir);
+    /* never replace what BarqTrain did not write (common/out_dir.h): a link, foreign files */
+    int rc = bt_out_dir_check(dst_dir, kind, component);
+    if (rc) return rc;
     if (renameat2(AT_FDCWD, tmp_dir, AT_FDCWD, dst_dir, RENAME_EXCHANGE) == 0) {
-        bt_rm_tree(tmp_dir); /* now holds the previous contents */
+        bt_out_dir_remove_old(tmp_dir, kind, component); /* now holds the previous contents */
         return BT_OK;
     }
     /* filesystems without RENAME_EXCHANGE: two renames, brief gap */
     char *old = NULL;
     if (asprintf(&old, "%s.old-%d", dst_dir, (int)getpid()) < 0)
         return bt_fail(BT_ERR_NOMEM, "%s: out of memory", component);
-    int rc = BT_OK;
-    bt_rm_tree(old);
-    if (rename(dst_dir, old) != 0) {
+    if (lstat(old, &st) == 0 && !bt_tmp_is_ours(old)) {
+        rc = bt_fail(BT_ERR_IO, "%s: replace %s: %s exists and was not written by BarqTrain", component, dst_dir, old);
+    } else if (bt_rm_tree(old), rename(dst_dir, old) != 0) {
         rc = bt_fail(BT_ERR_IO, "%s: replace %s: rename to %s: %s", component, dst_dir, old, strerror(errno));
     } else if (rename(tmp_dir, dst_dir) != 0) {
         int e = errno;
@@ -158,10 +162,25 @@ int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *compone
         else
             rc = bt_fail(BT_ERR_IO, "%s: replace %s: %s (previous contents kept)", component, dst_dir, strerror(e));
     } else {
-        bt_rm_tree(old);
+        bt_out_dir_remove_old(old, kind, component);
     }
     free(old);
     return rc;
+}
+
+int bt_tmp_is_ours(const char *path) {
+    struct stat st;
+    if (lstat(path, &st) != 0) return 0;
+    if (S_ISREG(st.st_mode)) return 1; /* a file of ours: "<x>.tmp.<pid>[.<n>]" by name */
+    if (!S_ISDIR(st.st_mode)) return 0;
+    if (bt_out_dir_marked(path)) return 1;
+    DIR *d = opendir(path);
+    if (!d) return 0;
+    int empty = 1;
+    for (struct dirent *e; empty && (e = readdir(d));)
+        empty = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+    closedir(d);
+    return empty;
 }
 
 int bt_mkdir_p(const char *path, const char *component) {
@@ -185,7 +204,15 @@ int bt_mkdir_p(const char *path, const char *component) {
 /* ---------------------------------------------------------------- stale temporaries */
 
 int bt_tmpdir_create(const char *tmp, const char *component) {
-    bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
+    struct stat st;
+    if (lstat(tmp, &st) == 0) { /* a leftover of a crashed save by a process with our pid */
+        if (!bt_tmp_is_ours(tmp)) {
+            bt_fail(BT_ERR_IO, "%s: %s exists and was not written by BarqTrain: refusing to remove it", component,
+                    tmp);
+            return -1;
+        }
+        bt_rm_tree(tmp);
+    }
     if (mkdir(tmp, 0755) != 0) {
         bt_fail(BT_ERR_IO, "%s: mkdir %s: %s", component, tmp, strerror(errno));
         return -1;
@@ -258,10 +285,16 @@ static int is_our_inner_file(const char *name, long *pid) {
     return 0;
 }
 
+int bt_atomic_tmp_name(const char *name) {
+    long pid;
+    return is_our_inner_file(name, &pid);
+}
+
 static int is_stale(const char *path, long pid) {
     struct stat st;
     if (lstat(path, &st) != 0 || st.st_uid != geteuid()) return 0;
     if (!S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) return 0; /* symlinks etc.: never ours */
+    if (!bt_tmp_is_ours(path)) return 0; /* a directory without our marker: not a save of ours */
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
     if (fd < 0) return 0;
     int busy = flock(fd, LOCK_EX | LOCK_NB) != 0; /* a live save holds it */

@@ -55,15 +55,30 @@ int bt_mkdir_p(const char *path, const char *component);
  * Best effort: errors are ignored. */
 void bt_rm_tree(const char *path);
 
-/* Put the finished directory tmp_dir in place at dst_dir (no trailing '/'). If dst_dir exists
- * it must be a directory: it is swapped atomically with renameat2(RENAME_EXCHANGE) and the old
- * contents removed; where the filesystem lacks RENAME_EXCHANGE, dst_dir is renamed to
- * "<dst_dir>.old-<pid>" and tmp_dir renamed to dst_dir (a brief gap), then the old one is
- * removed. If dst_dir does not exist tmp_dir is simply renamed. Does not fsync the parent (call
- * bt_fsync_parent(dst_dir, ...) for durability). On failure returns BT_ERR_IO ("<component>:
- * <dst> exists and is not a directory", "<component>: replace <dst>: ...", "<component>: rename
- * <tmp> -> <dst>: ...") or BT_ERR_NOMEM and leaves tmp_dir for the caller to remove. */
-int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *component);
+/* Put the finished directory tmp_dir in place at dst_dir (no trailing '/'). If dst_dir exists it
+ * must be a directory that a `kind` writer may replace (common/out_dir.h bt_out_dir_check: empty,
+ * or holding only that kind's files and BarqTrain's marker; never a link, never a user's files):
+ * it is swapped atomically with renameat2(RENAME_EXCHANGE) and the old contents removed (only the
+ * files the kind owns: bt_out_dir_remove_old); where the filesystem lacks RENAME_EXCHANGE, dst_dir
+ * is renamed to "<dst_dir>.old-<pid>" and tmp_dir renamed to dst_dir (a brief gap), then the old
+ * one is removed the same way. If dst_dir does not exist tmp_dir is simply renamed. Does not fsync
+ * the parent (call bt_fsync_parent(dst_dir, ...) for durability). On failure returns
+ * BT_ERR_INVALID (bt_out_dir_check's refusal: "<component>: <dst> holds 2 entries that BarqTrain
+ * did not write ..."), BT_ERR_IO ("<component>: <dst> exists and is not a directory",
+ * "<component>: replace <dst>: ...", "<component>: rename <tmp> -> <dst>: ...") or BT_ERR_NOMEM
+ * and leaves tmp_dir for the caller to remove. */
+struct bt_out_kind;
+int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const struct bt_out_kind *kind,
+                   const char *component);
+
+/* Whether the temporary `path` (a name of ours, below) may be removed as BarqTrain's own: a
+ * regular file, an empty directory, or a directory holding BarqTrain's marker (every temporary
+ * directory of a save gets it first: common/out_dir.h). A directory without it is never ours. */
+int bt_tmp_is_ours(const char *path);
+
+/* Whether `name` (a file name inside a destination directory) is one of bt_atomic_open's
+ * temporaries, "<x>.tmp.<pid>[.<n>]" with a non-empty x. */
+int bt_atomic_tmp_name(const char *name);
 
 /* ---- leftovers of saves killed mid-write (issue 10 §7) ----
  * Our temporary names, next to a destination D (a file or a directory; B = basename of D):
@@ -73,23 +88,26 @@ int bt_replace_dir(const char *tmp_dir, const char *dst_dir, const char *compone
  * and, inside a destination directory D, files "<name>.tmp.<pid>[.<n>]" (exports write their
  * files into D). A writer holds an exclusive flock(2) on its temporary file or directory until
  * it is renamed into place, so a live save is recognised whatever host or pid namespace it
- * runs in. */
+ * runs in. A directory is only ever recognised as a temporary of ours when bt_tmp_is_ours says so
+ * (empty, or holding BarqTrain's marker). */
 
-/* Create the temporary directory `tmp` (a leftover of the same name is removed first: it can
- * only come from a dead process with our pid) and return an fd holding an exclusive flock on
- * it (close it once the directory has been renamed into place), or -1 with BT_ERR_IO in
- * bt_last_error ("<component>: mkdir <tmp>: ..."). */
+/* Create the temporary directory `tmp` (a leftover of the same name is removed first when
+ * bt_tmp_is_ours: it can only come from a dead process with our pid; else -1, refused) and
+ * return an fd holding an exclusive flock on it (close it once the directory has been renamed
+ * into place), or -1 with BT_ERR_IO in bt_last_error ("<component>: mkdir <tmp>: ...",
+ * "<component>: <tmp> exists and was not written by BarqTrain: ..."). */
 int bt_tmpdir_create(const char *tmp, const char *component);
 /* Take the same lock on an existing temporary directory built by someone else's writer (the
  * checkpoint writer locks the directory the adapter writer built). -1 when it cannot be opened. */
 int bt_tmpdir_lock(const char *tmp);
 
 /* Remove the leftovers of killed saves of `dst` (names above): an entry is removed only if it
- * has our exact name pattern, belongs to our effective uid, is not a symlink, nobody holds its
- * lock, and either the pid in its name is not a live process on this host (or is our own pid:
- * this is called before we write anything) or it was last modified over an hour ago (a save on
- * another host of a shared filesystem). Anything else is never touched. Each removal is logged
- * (bt_log info, `component`). Returns the number removed. */
+ * has our exact name pattern, belongs to our effective uid, is not a symlink, is ours by
+ * bt_tmp_is_ours (a directory: empty or marked), nobody holds its lock, and either the pid in
+ * its name is not a live process on this host (or is our own pid: this is called before we
+ * write anything) or it was last modified over an hour ago (a save on another host of a shared
+ * filesystem). Anything else is never touched. Each removal is logged (bt_log info,
+ * `component`). Returns the number removed. */
 int bt_clean_stale_temps(const char *dst, const char *component);
 
 #endif

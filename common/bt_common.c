@@ -526,7 +526,11 @@ int bt_read_fd(int fd, const char *path, size_t max_bytes, char **out, size_t *l
         rc = bt_fail(BT_ERR_IO, "%s: not a regular file", path);
         goto out;
     }
-    if (max_bytes && (uint64_t)st.st_size > max_bytes) {
+    if (!max_bytes) { /* every whole-file read names its bound (issue 21 §11) */
+        rc = bt_fail(BT_ERR_INVALID, "%s: read whole without a size limit (a caller's error)", path);
+        goto out;
+    }
+    if ((uint64_t)st.st_size > max_bytes) {
         rc = bt_fail(BT_ERR_RANGE, "%s: %lld bytes, larger than the %zu-byte limit for this file", path,
                      (long long)st.st_size, max_bytes);
         goto out;

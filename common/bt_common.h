@@ -160,9 +160,12 @@ int bt_map_check(const bt_map *m, int rc);
 void bt_map_close(bt_map *m);
 
 /* Read a whole regular file into a malloc'd buffer (*out, NUL-terminated for text use; *len
- * bytes excluding the NUL) with read(2). Refuses files over max_bytes (0 = no limit) with
- * BT_ERR_RANGE naming the limit; BT_ERR_IO when it cannot be opened/read, is not a regular
- * file, or shrank/grew/changed while being read (the message says so). *out = NULL on error. */
+ * bytes excluding the NUL) with read(2). Its size is checked (fstat) before anything is read or
+ * allocated: files over max_bytes are refused with BT_ERR_RANGE naming the limit, so a huge or
+ * sparse file never costs its size in memory. Every caller names the largest file it expects
+ * (max_bytes 0 is BT_ERR_INVALID: there is no unbounded whole-file read). BT_ERR_IO when it
+ * cannot be opened/read, is not a regular file, or shrank/grew/changed while being read (the
+ * message says so). *out = NULL on error. */
 int bt_read_file(const char *path, size_t max_bytes, char **out, size_t *len);
 /* The same from an open fd (not closed; read from its current offset, which should be 0);
  * `path` names it in messages. */

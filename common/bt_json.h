@@ -25,9 +25,10 @@ size_t bt_utf8_bom_len(const void *p, size_t n);
  * *out = NULL. */
 int bt_json_loadb(json_t **out, const void *p, size_t n, size_t flags, const char *origin);
 
-/* Read `path` whole (bt_read_file: at most max_bytes, 0 = no limit; refuses a file that changes
- * while being read) and parse it as bt_json_loadb does (origin = path). Errors: those of
- * bt_read_file (BT_ERR_IO / BT_ERR_RANGE / BT_ERR_NOMEM) and of bt_json_loadb. */
+/* Read `path` whole (bt_read_file: at most max_bytes, which must be > 0, checked before reading;
+ * refuses a file that changes while being read) and parse it as bt_json_loadb does (origin =
+ * path). Errors: those of bt_read_file (BT_ERR_IO / BT_ERR_RANGE / BT_ERR_NOMEM / BT_ERR_INVALID
+ * for max_bytes 0) and of bt_json_loadb. */
 int bt_json_load_file(json_t **out, const char *path, size_t flags, size_t max_bytes);
 
 #endif

@@ -9,11 +9,13 @@
 #include "common/bt_common.h"
 #include "common/bt_json.h"
 #include "loaderd/pipeline.h"
+#include "proto/job_limits.h"
 
-#define LD_MIN_T 16u
-#define LD_MAX_T (1u << 20)
-#define LD_MAX_BT (1u << 24)
-#define LD_MAX_THREADS 256u
+/* one definition with the clients that check jobs up front (proto/job_limits.h) */
+#define LD_MIN_T BT_JOB_MIN_SEQ_LEN
+#define LD_MAX_T BT_JOB_MAX_SEQ_LEN
+#define LD_MAX_BT BT_JOB_MAX_BATCH_TOKENS
+#define LD_MAX_THREADS BT_JOB_MAX_TOKENIZER_THREADS
 
 static int spec_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int spec_err(char *err, size_t errlen, const char *fmt, ...) {
@@ -75,7 +77,7 @@ static int get_string(json_t *v, const char *key, char **out, char *err, size_t 
 
 /* Array of glob strings at key `key` -> *out / *n (owned). */
 static int get_shards(json_t *v, const char *key, char ***out, int *n, char *err, size_t errlen) {
-    if (!json_is_array(v) || json_array_size(v) == 0 || json_array_size(v) > 100000)
+    if (!json_is_array(v) || json_array_size(v) == 0 || json_array_size(v) > BT_JOB_MAX_SHARD_PATTERNS)
         return spec_err(err, errlen, "\"%s\": expected a non-empty array of glob strings", key);
     size_t m = json_array_size(v);
     *out = bt_xcalloc(m, sizeof(char *));

@@ -429,6 +429,48 @@ static int reconnect(bt_client *c) {
     return rc;
 }
 
+/* loaderd's account of why job c->job_id's stream stopped early, into buf[n]: "job failed: <its
+ * error>" (or "job stopped" ...), from a `jobs` request on a fresh connection, asked while we are
+ * still attached (the job leaves loaderd's list once we detach), as the Python client does
+ * (python/barq_loaderd/client.py _job_outcome). "loaderd's job list unavailable (...)" or "the
+ * job is no longer listed" otherwise. */
+static void job_outcome(const bt_client *c, char *buf, size_t n) {
+    bt_client q;
+    memset(&q, 0, sizeof q);
+    q.sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    strcpy(sa.sun_path, c->sock_path); /* length checked in bt_client_attach */
+    json_t *req = json_pack("{s:i, s:s}", "v", BT_PROTO_VERSION, "op", "jobs"), *rep = NULL;
+    char *line = NULL;
+    int rc = q.sock < 0 ? bt_fail(BT_ERR_IO, "socket: %s", strerror(errno))
+             : connect(q.sock, (struct sockaddr *)&sa, sizeof sa) != 0
+                 ? bt_fail(BT_ERR_IO, "connect %s: %s", c->sock_path, strerror(errno))
+                 : !req ? bt_fail(BT_ERR_NOMEM, "out of memory")
+                        : send_json(q.sock, req);
+    if (!rc) rc = read_line(&q, CLIENT_REPLY_TIMEOUT_MS, &line, NULL);
+    if (!rc) rc = parse_reply(line, &rep);
+    if (rc) {
+        snprintf(buf, n, "loaderd's job list unavailable (%s)", bt_last_error());
+    } else {
+        snprintf(buf, n, "the job is no longer listed (see loaderd's log)");
+        size_t i;
+        json_t *j;
+        json_array_foreach(json_object_get(rep, "jobs"), i, j) {
+            json_t *id = json_object_get(j, "job_id");
+            if (!json_is_integer(id) || json_integer_value(id) != (json_int_t)c->job_id) continue;
+            const char *st = json_string_value(json_object_get(j, "state"));
+            const char *err = json_string_value(json_object_get(j, "error"));
+            snprintf(buf, n, "job %s%s%.900s", st ? st : "?", err ? ": " : "", err ? err : "");
+            break;
+        }
+    }
+    json_decref(rep);
+    json_decref(req);
+    free(line);
+    free(q.buf);
+    if (q.sock >= 0) close(q.sock);
+}
+
 int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms) {
     if (c->holding) bt_client_release(c);
     if (c->ended) return 1;
@@ -461,8 +503,9 @@ int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms) {
                 if (rc) return rc;
                 continue;
             }
-            return bt_fail(BT_ERR_CLOSED, "loaderd closed the stream of job %u before its end (see loaderctl status)",
-                           c->job_id);
+            char why[1024];
+            job_outcome(c, why, sizeof why);
+            return bt_fail(BT_ERR_CLOSED, "loaderd closed the stream of job %u before its end: %s", c->job_id, why);
         }
         return err ? err : BT_ERR_IO;
     }

@@ -52,7 +52,9 @@ int bt_client_attach_run(bt_client **out, const char *socket_path, const char *j
  * updated). It retries with backoff (50 ms doubling to 1 s) for up to $LOADERD_RECONNECT_S
  * seconds (default 60; 0 disables reconnecting); this wait is not bounded by timeout_ms.
  * A producer-closed ring with the socket still open after 3 s is BT_ERR_CLOSED (job failed or
- * stopped by loaderd). Hang-ups are detected while waiting on an empty ring (every 200 ms). */
+ * stopped by loaderd); its message carries loaderd's reason, asked with a `jobs` request on a
+ * fresh connection before the caller detaches (after that the job is gone from loaderd's list):
+ * "loaderd closed the stream of job 7 before its end: job failed: <loaderd's error>". Hang-ups are detected while waiting on an empty ring (every 200 ms). */
 int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms);
 /* Release the batch returned by the last bt_client_next (its view must not be used afterwards);
  * a no-op when none is held. */

@@ -12,6 +12,7 @@
 #include "common/bt_json.h"
 #include "common/yaml_json.h"
 #include "proto/client.h"
+#include "proto/job_limits.h"
 
 static const char *const k_mod_names[BT_MOD_N] = {"q_proj", "k_proj",    "v_proj", "o_proj",
                                                   "gate_proj", "up_proj", "down_proj"};
@@ -247,6 +248,19 @@ static int apply_set(json_t *root, const char *kv) {
         return bt_fail(BT_ERR_INVALID, "config: --set \"%s\": expected key.path=value", kv);
     char *path = strndup(kv, (size_t)(eq - kv));
     if (!path) return bt_fail(BT_ERR_NOMEM, "config: out of memory");
+    /* every segment of the key path names a key: "optim..lr", ".lr" or "optim." would otherwise be
+     * read as another key (strtok skips empty segments), and a "#" comment key is never read */
+    size_t pl = strlen(path);
+    const char *why = path[0] == '.' ? "starts with '.'" : path[pl - 1] == '.' ? "ends with '.'"
+                      : strstr(path, "..")                     ? "has an empty segment (\"..\")"
+                      : path[0] == '#' || strstr(path, ".#")   ? "names a comment key (\"#...\"), which is never read"
+                                                               : NULL;
+    if (why) {
+        int rc = bt_fail(BT_ERR_INVALID, "config: --set \"%s\": the key path \"%s\" %s (write section.key, e.g. "
+                         "optim.lr=1e-4)", kv, path, why);
+        free(path);
+        return rc;
+    }
     const char *val = eq + 1;
     json_error_t jerr;
     json_t *jv = json_loads(val, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
@@ -298,6 +312,17 @@ static int same_dir(const char *a, const char *b) {
     return na == nb && !memcmp(a, b, na);
 }
 
+/* `inner` is `outer` or a path below it, as written (same normalisation as same_dir). */
+static int same_or_inside(const char *outer, const char *inner) {
+    while (outer[0] == '.' && outer[1] == '/') outer += 2;
+    while (inner[0] == '.' && inner[1] == '/') inner += 2;
+    size_t no = strlen(outer), ni = strlen(inner);
+    while (no > 1 && outer[no - 1] == '/') no--;
+    while (ni > 1 && inner[ni - 1] == '/') ni--;
+    if (ni < no || memcmp(outer, inner, no)) return 0;
+    return ni == no || inner[no] == '/' || (no == 1 && outer[0] == '/');
+}
+
 const char *bt_config_default_socket(void) {
     const char *e = getenv("LOADERD_SOCKET");
     return e && *e ? e : BT_DEFAULT_SOCKET;
@@ -327,16 +352,19 @@ static int get_checkpointing(const json_t *root, bt_train_config *c) {
     return 0;
 }
 
-/* eval.lengths: distinct integers in [2, 2^20] (at most BT_MAX_EVAL_LENGTHS), kept sorted. */
+/* eval.lengths: distinct integers in [BT_JOB_MIN_SEQ_LEN, BT_JOB_MAX_SEQ_LEN] (each is the seq_len of
+ * a held-out stream from loaderd; at most BT_MAX_EVAL_LENGTHS), kept sorted. */
 static int get_lengths(const json_t *eval, bt_train_config *c) {
     json_t *v = json_object_get(eval, "lengths");
-    const char *what = "an array of distinct context lengths (integers in [2, 1048576], at most 16)";
+    char what[160];
+    snprintf(what, sizeof what, "an array of distinct context lengths (integers in [%u, %u], at most %d)",
+             BT_JOB_MIN_SEQ_LEN, BT_JOB_MAX_SEQ_LEN, BT_MAX_EVAL_LENGTHS);
     if (!v || json_is_null(v)) return 0;
     if (!json_is_array(v) || json_array_size(v) > BT_MAX_EVAL_LENGTHS) return bad("eval", "lengths", what, v);
     for (size_t i = 0; i < json_array_size(v); i++) {
         json_t *e = json_array_get(v, i);
         json_int_t x = json_is_integer(e) ? json_integer_value(e) : 0;
-        if (x < 2 || x > (1 << 20)) return bad("eval", "lengths", what, e);
+        if (x < BT_JOB_MIN_SEQ_LEN || x > BT_JOB_MAX_SEQ_LEN) return bad("eval", "lengths", what, e);
         int k = c->eval.n_lengths;
         for (int j = 0; j < k; j++)
             if (c->eval.lengths[j] == (int)x) return bad("eval", "lengths", what, v);
@@ -510,21 +538,26 @@ static int parse_data(const json_t *data, bt_train_config *c) {
     if ((rc = get_strv(data, "data", "shards", 1, &c->data.shards, &c->data.n_shards)) ||
         (rc = get_enum(data, "data", "format", 0, formats, &fmt)) ||
         (rc = get_str(data, "data", "text_field", "text", &c->data.text_field)) ||
-        (rc = get_i32(data, "data", "seq_len", 512, RANGE(2, 1 << 20, 0, 0), &c->data.seq_len)) ||
+        /* what loaderd accepts (proto/job_limits.h): refused here, not at attach */
+        (rc = get_i32(data, "data", "seq_len", 512, RANGE(BT_JOB_MIN_SEQ_LEN, BT_JOB_MAX_SEQ_LEN, 0, 0),
+                      &c->data.seq_len)) ||
         (rc = get_i32(data, "data", "micro_batch_size", 4, RANGE(1, 4096, 0, 0),
                       &c->data.micro_batch_size)) ||
         (rc = get_int(data, "data", "seed", 1234, NONNEG, &seed)))
         return rc;
     c->data.format = bt_xstrdup(formats[fmt]);
     c->data.seed = (uint64_t)seed;
-    if ((rc = get_i32(data, "data", "tokenizer_threads", 2, RANGE(1, 256, 0, 0),
+    if ((rc = get_i32(data, "data", "tokenizer_threads", 2, RANGE(1, BT_JOB_MAX_TOKENIZER_THREADS, 0, 0),
                       &c->data.tokenizer_threads)))
         return rc;
-    if ((int64_t)c->data.seq_len * c->data.micro_batch_size > (1 << 24))
+    if ((int64_t)c->data.seq_len * c->data.micro_batch_size > BT_JOB_MAX_BATCH_TOKENS)
         return bt_fail(BT_ERR_INVALID,
                        "config: data.seq_len x data.micro_batch_size = %lld tokens per micro-batch"
-                       " exceeds 16777216",
-                       (long long)c->data.seq_len * c->data.micro_batch_size);
+                       " exceeds %u",
+                       (long long)c->data.seq_len * c->data.micro_batch_size, BT_JOB_MAX_BATCH_TOKENS);
+    if ((unsigned)c->data.n_shards > BT_JOB_MAX_SHARD_PATTERNS)
+        return bt_fail(BT_ERR_INVALID, "config: data.shards: %d patterns, loaderd takes at most %u",
+                       c->data.n_shards, BT_JOB_MAX_SHARD_PATTERNS);
     return 0;
 }
 
@@ -534,14 +567,17 @@ static int parse_eval(const json_t *eval, bt_train_config *c) {
     if ((rc = get_strv(eval, "eval", "shards", 0, &c->eval.shards, &c->eval.n_shards)) ||
         (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)))
         return rc;
+    if ((unsigned)c->eval.n_shards > BT_JOB_MAX_SHARD_PATTERNS)
+        return bt_fail(BT_ERR_INVALID, "config: eval.shards: %d patterns, loaderd takes at most %u",
+                       c->eval.n_shards, BT_JOB_MAX_SHARD_PATTERNS);
     return get_lengths(eval, c);
 }
 
 /* lora {r, lora_alpha, lora_dropout, target_modules (absent: all BT_MOD_N modules)}. */
 static int parse_lora(const json_t *lora, bt_train_config *c) {
     int rc;
-    if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, 4096, 0, 0), &c->lora.r)) ||
-        (rc = get_num(lora, "lora", "lora_alpha", 32, RANGE(0, 65536, 1, 0), &c->lora.alpha)) ||
+    if ((rc = get_i32(lora, "lora", "r", 16, RANGE(1, BT_LORA_R_MAX, 0, 0), &c->lora.r)) ||
+        (rc = get_num(lora, "lora", "lora_alpha", 32, RANGE(0, BT_LORA_ALPHA_MAX, 1, 0), &c->lora.alpha)) ||
         (rc = get_num(lora, "lora", "lora_dropout", 0.05, RANGE(0, 1, 0, 1), &c->lora.dropout)))
         return rc;
     json_t *tm = json_object_get(lora, "target_modules");
@@ -641,6 +677,21 @@ static int check_combinations(const bt_train_config *c) {
         return bt_fail(BT_ERR_INVALID, "config: checkpoint_dir: expected a directory other than "
                        "out_dir (\"%s\": every adapter save replaces out_dir and would delete the "
                        "checkpoint's trainer_state.bin)", c->out_dir);
+    /* each output directory belongs to one writer (trainer/io/outputs.h): one inside another would
+     * be deleted by its replacement, or make it refuse to save */
+    const struct {
+        const char *key, *path;
+    } outs[] = {{"out_dir", c->out_dir}, {"checkpoint_dir", c->checkpoint_dir}, {"report.dir", c->report.dir}};
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 3; j++) {
+            if (i == j || (i + j == 1 && same_dir(c->out_dir, c->checkpoint_dir))) continue; /* checked above */
+            if (same_or_inside(outs[i].path, outs[j].path))
+                return bt_fail(BT_ERR_INVALID, "config: %s: \"%s\" is %s %s \"%s\": each of out_dir, checkpoint_dir "
+                               "and report.dir must be a directory of its own, none inside another (every save "
+                               "replaces out_dir and checkpoint_dir as a whole)", outs[j].key, outs[j].path,
+                               same_dir(outs[i].path, outs[j].path) ? "the same directory as" : "inside",
+                               outs[i].key, outs[i].path);
+        }
     if (c->cuda_offload && !c->activation_checkpointing)
         return bt_fail(BT_ERR_INVALID, "config: cuda.offload_checkpoints: offloads the "
                        "checkpointed layer inputs, so it needs activation_checkpointing (true, or "

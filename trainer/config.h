@@ -17,15 +17,19 @@
  *                                      --set socket=...): $LOADERD_SOCKET, else
  *                                      "/run/loaderd/loaderd.sock" (bt_config_default_socket)
  *   data: { shards (required, [glob, ...]), format "chat" ("chat"|"text"|"alpaca"),
- *           text_field "text", seq_len 512, micro_batch_size 4, seed 1234, tokenizer_threads 2 }
- *          (all sent to loaderd in the job spec, with "tokenizer" = model)
+ *           text_field "text", seq_len 512 [16, 2^20], micro_batch_size 4 [1, 4096], seed 1234,
+ *           tokenizer_threads 2 [1, 256] }, seq_len x micro_batch_size <= 2^24
+ *          (all sent to loaderd in the job spec, with "tokenizer" = model; the ranges are the ones
+ *          loaderd accepts, proto/job_limits.h, so `trainer config --check` refuses what loaderd
+ *          would)
  *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data;
  *           per rank: with several ranks each evaluates up to this many of its own batches and
- *           the loss is the token mean over all of them), lengths [] (perplexity per context
+ *           the loss is the token mean over all of them), lengths [] (each in [16, 2^20]; perplexity per context
  *           length: for each L the held-out documents are cut into consecutive L-token windows
  *           (loaderd's text packing at seq_len L) and the loss is over the windows of exactly L
  *           tokens; [] = one evaluation at data.seq_len over every row, as before) }
- *   lora: { r 16 [1, 4096], lora_alpha 32 (0, 65536], lora_dropout 0.05 [0, 1),
+ *   lora: { r 16 [1, 4096], lora_alpha 32 (0, 65536], lora_dropout 0.05 [0, 1) (BT_LORA_*: the
+ *           same limits apply to an adapter read from disk, trainer/io/adapter_load.h),
  *           target_modules ["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"] }
  *   optim: { lr 2e-4 (0, 1], weight_decay 0.0 [0, 1], beta1 0.9 [0, 1), beta2 0.999 [0, 1),
  *            eps 1e-8 (0, 1], warmup_steps 0 (>= 0; more than `steps` is allowed, as in HF
@@ -149,6 +153,13 @@ enum { BT_CUDA_NF4_DEQUANT = 0, BT_CUDA_NF4_FUSED = 1 };
 enum { BT_ROPE_EXT_NONE = 0, BT_ROPE_EXT_LINEAR = 1, BT_ROPE_EXT_YARN = 2, BT_ROPE_EXT_DYNAMIC = 3 };
 #define BT_MAX_EVAL_LENGTHS 16
 
+/* LoRA hyper-parameter limits, one definition for the job config (lora.r, lora.lora_alpha) and for
+ * every adapter the trainer reads (trainer/io/adapter_load.h bt_lora_load_peft): r in
+ * [1, BT_LORA_R_MAX], lora_alpha in (0, BT_LORA_ALPHA_MAX], lora_dropout in [0, 1). A larger
+ * alpha / r scale only overflows fp32 (lora_alpha 1e38 makes every logit nan). */
+#define BT_LORA_R_MAX 4096
+#define BT_LORA_ALPHA_MAX 65536.0
+
 /* LoRA target modules, in the order used everywhere in the trainer (bit i of target_mask). */
 enum { BT_MOD_Q = 0, BT_MOD_K, BT_MOD_V, BT_MOD_O, BT_MOD_GATE, BT_MOD_UP, BT_MOD_DOWN, BT_MOD_N };
 /* LongLoRA trainable modules (bit i of trainable_mask): "embed_tokens", "norm". */
@@ -231,6 +242,8 @@ typedef struct {
     const char *eval_adapter;       /* `trainer eval --adapter DIR` (command line only, not a
                                      * key; borrowed, not freed by bt_config_free) */
     int profile;                    /* `trainer train --profile` (command line only) */
+    int force;                      /* `trainer train --force`: start even when the memory plan
+                                     * exceeds what the process may use (command line only) */
 } bt_train_config;
 
 /* The S^2-Attn group size in tokens for the job: 0 when attention.s2 is off, else

@@ -448,3 +448,60 @@ int bt_estimate_print_ex(const bt_train_config *cfg, double fit_gib, FILE *out) 
     }
     return 0;
 }
+
+/* ---- does the run fit (train's check before it allocates) ---- */
+
+typedef struct {
+    double bytes;
+    const char *what, *change;
+} bill_item;
+
+int bt_estimate_check_fits(const bt_train_config *cfg, int threads, const bt_mem_limits *l) {
+    const char *which;
+    const double limit = bt_mem_limit_min(l, &which);
+    if (limit < 0) return 0;
+    bt_est_model em;
+    if (bt_est_model_read(&em, cfg->model)) return 0; /* the model loader says why */
+    bt_mem_bill b, g;
+    bt_estimate_bill(&em, cfg, BT_EST_CPU, threads, &b);
+    const int cuda = cfg->device == BT_DEVICE_CUDA;
+    double need = b.peak;
+    if (cuda) {
+        bt_estimate_bill(&em, cfg, BT_EST_CUDA, threads, &g);
+        need = b.load_peak + g.host;
+    }
+    if (need <= limit) {
+        bt_log(BT_LOG_INFO, "trainer", "memory: this run needs about %.2f GiB of host memory (trainer estimate), "
+               "%.2f GiB may be used (%s)", need / (1024.0 * MIB), limit / (1024.0 * MIB), which);
+        return 0;
+    }
+    /* the two largest items of the bill, with the setting that shrinks each */
+    char lora_what[96], lora_change[96];
+    snprintf(lora_what, sizeof lora_what, "LoRA r %d parameters, gradients and AdamW moments", cfg->lora.r);
+    snprintf(lora_change, sizeof lora_change, "lower lora.r (now %d) or lora.target_modules", cfg->lora.r);
+    bill_item it[] = {
+        {b.lora + b.dense, lora_what, lora_change},
+        {b.acts + b.attn + b.other + b.loss_ws, "activations and workspace",
+         "lower data.micro_batch_size or data.seq_len, or set activation_checkpointing true"},
+        {b.base + b.embed + b.norms, "the base model", "use base_dtype \"nf4\" or \"gguf\" (a 4-bit base)"},
+        {b.load_peak > b.total ? b.load_peak : 0, "loading (the mapped file + the model)",
+         "use a smaller or pre-quantised model file"},
+        {b.eval, "held-out evaluation at long eval.lengths", "drop the longest eval.lengths"},
+    };
+    const int n = (int)(sizeof it / sizeof it[0]);
+    int i1 = 0, i2 = 1;
+    for (int i = 0; i < n; i++)
+        if (it[i].bytes > it[i1].bytes) i1 = i;
+    if (i2 == i1) i2 = 0;
+    for (int i = 0; i < n; i++)
+        if (i != i1 && it[i].bytes > it[i2].bytes) i2 = i;
+    char lim[800];
+    bt_mem_limits_describe(l, lim, sizeof lim);
+    return bt_fail(BT_ERR_NOMEM,
+                   "memory: this run needs about %.1f GiB%s (trainer estimate's bill: %s %.1f GiB, %s %.1f GiB), "
+                   "more than the %.1f GiB this process may use (%s; %s): %s, or %s (`trainer estimate --config "
+                   "JOB` itemises the bill); `trainer train --force` tries anyway",
+                   need / (1024.0 * MIB), cuda ? " of host memory" : "", it[i1].what, it[i1].bytes / (1024.0 * MIB),
+                   it[i2].what, it[i2].bytes / (1024.0 * MIB), limit / (1024.0 * MIB), which, lim, it[i1].change,
+                   it[i2].change);
+}

@@ -48,6 +48,7 @@
 #include <stdio.h>
 
 #include "trainer/config.h"
+#include "trainer/mem_limits.h"
 #include "trainer/model/model.h"
 
 #define BT_EST_RUNTIME_MIB 24.0
@@ -109,5 +110,15 @@ int bt_estimate_max_seq_len(const bt_est_model *em, const bt_train_config *cfg, 
  * a GPU (bt_estimate_max_seq_len). Returns 0 or the error of bt_est_model_read. */
 int bt_estimate_print(const bt_train_config *cfg, FILE *out);
 int bt_estimate_print_ex(const bt_train_config *cfg, double fit_gib, FILE *out);
+
+/* `trainer train`'s check before it allocates (issue 21 §7): the job's memory plan (this bill:
+ * the CPU peak on device "cpu"; on "cuda" the host side, i.e. the CPU load-time peak plus pinned
+ * offload memory) against the limits `l` (trainer/mem_limits.h). threads as for bt_estimate_bill.
+ * Returns 0 when it fits, when no limit is known, or when the model's header cannot be read (the
+ * model loader then says why); else BT_ERR_NOMEM with the figures and what to change, e.g.
+ * "memory: this run needs about 24.4 GiB (trainer estimate: LoRA r 4096 parameters, gradients and
+ * AdamW moments 17.1 GiB, ...), more than the 15.0 GiB this process may use (RLIMIT_AS; ...):
+ * lower lora.r (now 4096) ...; `trainer train --force` tries anyway". */
+int bt_estimate_check_fits(const bt_train_config *cfg, int threads, const bt_mem_limits *l);
 
 #endif

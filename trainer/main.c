@@ -28,7 +28,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: trainer train --config JOB.json|JOB.yaml [--set key.path=value ...]\n"
-            "                     [--resume CKPT_DIR] [--device cpu|cuda] [--profile]\n"
+            "                     [--resume CKPT_DIR] [--device cpu|cuda] [--profile] [--force]\n"
             "       trainer eval  --config JOB [--adapter DIR | --checkpoint DIR] [--set ...]\n"
             "                     [--device cpu|cuda]\n"
             "       trainer estimate --config JOB [--set key.path=value ...] [--max-seq-len-for GiB]\n"
@@ -60,6 +60,11 @@ static void usage(FILE *f) {
             "with `make CUDA=1`" BT_MAIN_CUDA_NOTE ").\n"
             "\n"
             "--profile (train) prints the time and memory of every op of one step.\n"
+            "Before it loads anything, train checks that every output directory (out_dir,\n"
+            "checkpoint_dir, report.dir) can be written and holds nothing BarqTrain did not write,\n"
+            "and that its memory plan (the bill of `trainer estimate`) fits in what the process may\n"
+            "use (MemAvailable, the cgroup's memory limit, RLIMIT_AS); --force (train) starts\n"
+            "anyway when the plan does not fit.\n"
             "--set overrides a config key; the value is parsed as JSON when it parses, else taken\n"
             "as a string: --set optim.lr=1e-3 --set socket=/tmp/loaderd.sock\n"
             "         --set lora.target_modules='[\"q_proj\",\"v_proj\"]'\n"
@@ -100,7 +105,7 @@ typedef struct {
     int cmd; /* BT_CMD_TRAIN, BT_CMD_EVAL, BT_CMD_ESTIMATE */
     const char *name; /* the command as typed, for messages */
     const char *config, *resume, *checkpoint, *adapter;
-    int profile;
+    int profile, force;
     double fit_gib; /* estimate --max-seq-len-for GiB; 0: not asked */
     const char **sets;  /* "key=value" settings: --set, and --device X as device=X */
     const char **given; /* what each setting was given as on the command line, for refusals */
@@ -153,6 +158,9 @@ static int parse_run_args(int argc, char **argv, run_args *a) {
         } else if (!strcmp(arg, "--profile")) {
             if (cmd == BT_CMD_TRAIN) a->profile = 1;
             else opt = "--profile (trainer train --profile)";
+        } else if (!strcmp(arg, "--force")) {
+            if (cmd == BT_CMD_TRAIN) a->force = 1;
+            else opt = "--force (trainer train --force)";
         } else if (!strcmp(arg, "--max-seq-len-for") && i + 1 < argc) {
             char *end;
             if (cmd != BT_CMD_ESTIMATE) {
@@ -198,6 +206,7 @@ static int load_run_config(const run_args *a, bt_train_config *cfg) {
     }
     cfg->eval_adapter = a->adapter;
     cfg->profile = a->profile;
+    cfg->force = a->force;
     int rc = 0;
     for (int i = 0; i < a->n_sets && !rc; i++) {
         const char *set = a->sets[i], *eq = strchr(set, '=');

@@ -9,8 +9,11 @@
  * their documented ranges (loaderd: max_clients >= 1, max_clients_per_uid >= 1, memory budget
  * >= 16 MiB, socket mode <= 0777; job spec: 16 <= T <= 2^20, B >= 1, B*T <= 2^24, 1..256
  * threads, at least one dataset with shards; trainer: 0 < lr <= 1, 0 <= betas < 1,
- * 0 < eps <= 1, 0 <= weight_decay <= 1, stop_at_step <= steps), a text with a key given twice in one object is
- * refused, and the trainer's effective config (bt_config_dump) parses again to the same dump. */
+ * 0 < eps <= 1, 0 <= weight_decay <= 1, stop_at_step <= steps, loaderd's seq_len range
+ * (proto/job_limits.h), the LoRA limits the adapter loader shares (BT_LORA_*)), an accepted
+ * --set names its key with no empty segment (issue 21 §11), a text with a key given twice in one
+ * object is refused, and the trainer's effective config (bt_config_dump) parses again to the same
+ * dump. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +21,7 @@
 #include "fuzz_common.h"
 #include "loaderd/config.h"
 #include "loaderd/pipeline.h"
+#include "proto/job_limits.h"
 #include "trainer/config.h"
 
 static char *dup_n(const uint8_t *p, size_t n) {
@@ -80,8 +84,16 @@ static void fuzz_trainer_config(const char *text) {
     if (!(c.optim.lr > 0 && c.optim.lr <= 1) || !(c.optim.beta1 >= 0 && c.optim.beta1 < 1) ||
         !(c.optim.beta2 >= 0 && c.optim.beta2 < 1) || !(c.optim.eps > 0 && c.optim.eps <= 1) ||
         !(c.optim.weight_decay >= 0 && c.optim.weight_decay <= 1) || c.optim.warmup_steps < 0 ||
-        c.stop_at_step > c.steps || c.steps < 1 || c.data.seq_len < 2 || c.lora.r < 1)
+        c.stop_at_step > c.steps || c.steps < 1 || c.data.seq_len < (int)BT_JOB_MIN_SEQ_LEN ||
+        c.data.seq_len > (int)BT_JOB_MAX_SEQ_LEN || c.lora.r < 1 || c.lora.r > BT_LORA_R_MAX ||
+        !(c.lora.alpha > 0 && c.lora.alpha <= BT_LORA_ALPHA_MAX))
         fuzz_fail("trainer config accepted out of range");
+    for (int i = 0; i < n_sets; i++) { /* every accepted --set path names a key */
+        const char *eq = strchr(sets[i], '=');
+        size_t k = eq ? (size_t)(eq - sets[i]) : 0;
+        if (!k || sets[i][0] == '.' || sets[i][k - 1] == '.' || memmem(sets[i], k, "..", 2))
+            fuzz_fail("a --set with an empty key segment was accepted");
+    }
     char *dump = bt_config_dump(&c);
     if (!dump) fuzz_fail("no effective config");
     bt_train_config c2;

@@ -159,6 +159,18 @@ def safetensors_seeds():
                                                ("m", "BOOL", [3], b"\x01\x00\x01")]))
 
 
+def mem_limits():
+    """fuzz_mem_limits: meminfo \0 cgroup \0 mountinfo \0 limit-file text ("<tmp>/cg" is the
+    target's own cgroup mount; "/tmp/bt_fuzz_mem_*" stands for it in the seeds)."""
+    meminfo = b"MemTotal:       16384000 kB\nMemFree:         1000 kB\nMemAvailable:    1048576 kB\n"
+    put("fuzz_mem_limits", "v2", meminfo + b"\x00" + b"0::/a/b\n" + b"\x00" +
+        b"30 25 0:26 / /tmp/bt_fuzz_mem_X/cg rw,nosuid - cgroup2 cgroup2 rw\n" + b"\x00" + b"2147483648\n")
+    put("fuzz_mem_limits", "v1", meminfo + b"\x00" + b"4:memory:/a/b\n0::/\n" + b"\x00" +
+        b"40 25 0:30 /a /tmp/a\\040b rw - cgroup cgroup rw,memory\n" + b"\x00" + b"9223372036854771712\n")
+    put("fuzz_mem_limits", "max", b"MemAvailable: 1 kB\n\x000::/\n\x00" +
+        b"1 1 0:1 / / rw - cgroup2 x rw\n\x00max\n")
+
+
 def chat_template():
     rs, us = b"\x1e", b"\x1f"
     put("fuzz_chat_template", "chatml", b"\x00" + b"\x00" + us + b"Be brief." + rs + b"\x01" + us + b"Hi there?" +
@@ -184,6 +196,7 @@ def main():
     gguf_seeds()
     safetensors_seeds()
     chat_template()
+    mem_limits()
     n = sum(len(fs) for _, _, fs in os.walk(OUT))
     print(f"make_corpus: {n} seed files under {os.path.relpath(OUT, ROOT)}")
     return 0

@@ -4,7 +4,9 @@
 - a run whose loss becomes non-finite after some good steps: it stops at that step with exit
   status 3, writes nothing more, and out_dir / checkpoint_dir keep the last good adapter and
   checkpoint (§4); hyper-parameters out of range are refused up front, naming the key (§4);
-- leftovers of saves killed mid-write are removed at the next start, and nothing else (§7).
+- leftovers of saves killed mid-write are removed at the next start, and nothing else (§7): a
+  directory of our temporary name is removed only when it carries BarqTrain's marker (every
+  save writes it first: issue 21 §1) or is empty.
 Set BT_TRAINER_ASAN=1 to run the ASan+UBSan trainer."""
 import json
 import os
@@ -66,11 +68,18 @@ def test_model_truncated_while_loading(tmp_path, bins, model_path):
         pytest.skip("tools/mk_tiny_gguf not built")
     model = tiny(tmp_path / "tiny.gguf")
     size = model.stat().st_size
-    hook = PauseHook(tmp_path, "/tiny.gguf", lambda p: os.truncate(p, size // 2))
+    mapped = []
+
+    def cut_at_load(p):  # the first mapping is the memory check's header read (issue 21 §7)
+        mapped.append(p)
+        if len(mapped) == 2:
+            os.truncate(p, size // 2)
+
+    hook = PauseHook(tmp_path, "/tiny.gguf", cut_at_load)
     cfg = write_job(tmp_path)
     r = run(cfg, env=hook.env)
     hook.stop()
-    assert hook.paths == [str(model)] and not hook.errors, (hook.paths, hook.errors)
+    assert hook.paths == [str(model)] * 2 and not hook.errors, (hook.paths, hook.errors)
     assert r.returncode == 1, (r.returncode, r.stderr[-3000:])  # not -SIGBUS
     assert "changed while being read" in r.stderr and "tiny.gguf" in r.stderr, r.stderr[-3000:]
     assert f"{size} bytes when opened, now {size // 2} bytes" in r.stderr, r.stderr[-3000:]
@@ -145,10 +154,13 @@ def test_stale_temporaries_removed_at_start(tmp_path):
     cfg = write_job(tmp_path, model=str(tmp_path / "missing.gguf"), checkpoint_every=5)
     leftovers = [tmp_path / f"adapter.tmp-{dead}", tmp_path / f"ckpt.tmp-{dead}",
                  tmp_path / f"ckpt.tmp-{dead}.tmp-{dead}", tmp_path / f"adapter.old-{dead}"]
-    keep = [tmp_path / "adapter.tmp-notapid", tmp_path / "adapter.backup", tmp_path / f"other.tmp-{dead}"]
+    keep = [tmp_path / "adapter.tmp-notapid", tmp_path / "adapter.backup", tmp_path / f"other.tmp-{dead}",
+            tmp_path / f"adapter.tmp-{dead + 5000000}"]  # our name, but not marked: a user's directory
     for p in leftovers + keep:
         p.mkdir()
         (p / "adapter_model.safetensors").write_bytes(b"partial")
+        if p in leftovers:  # as a save leaves it: the marker is its first file
+            (p / ".barqtrain").write_text('{"written_by": "BarqTrain", "kind": "adapter"}\n')
     r = run(cfg)
     assert r.returncode == 1 and "missing.gguf" in r.stderr, r.stderr  # fails after cleaning
     for p in leftovers:

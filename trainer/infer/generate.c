@@ -396,7 +396,7 @@ int bt_generate_cli(int argc, char **argv) {
     goto done;
 fail:
     fprintf(stderr, "trainer generate: %s\n", bt_last_error());
-    exit_code = 1;
+    exit_code = rc == BT_ERR_DIVERGED ? 3 : 1; /* non-finite logits: trainer/loop/train.h BT_EXIT_DIVERGED */
 done:
     bt_infer_free(s);
     bt_ids_free(&ids);

@@ -56,7 +56,8 @@ typedef struct {
  * id, max_new_tokens, or the callback asks to stop. New ids are appended to *out (caller-owned,
  * may be NULL); *n_new (may be NULL) gets their count. Needs n_prompt + max_new_tokens - 1 <=
  * bt_infer_max_ctx(s). Errors: BT_ERR_INVALID (bad options), BT_ERR_RANGE (context too small,
- * prompt id out of range), BT_ERR_NOMEM; tokens produced before an error stay in *out. */
+ * prompt id out of range), BT_ERR_NOMEM, BT_ERR_DIVERGED (logits not finite: bt_infer_forward;
+ * nothing is sampled from them); tokens produced before an error stay in *out. */
 int bt_generate(bt_infer *s, const int32_t *prompt, int n_prompt, const bt_gen_opts *o,
                 bt_gen_cb cb, void *ud, bt_ids *out, int *n_new);
 
@@ -69,7 +70,8 @@ int bt_gen_chat_prompt(const bt_tokenizer *t, const bt_chat_msg *msgs, int n, bt
 /* `trainer generate ...`; argv[0] is "generate". Prints the usage on --help. Streams the decoded
  * continuation to stdout (flushed per token; control tokens such as <|im_end|> are not printed
  * unless --show-special), a summary (tokens, tok/s) to stderr. Returns the process exit status:
- * 0 success, 1 runtime failure, 2 usage error. */
+ * 0 success, 1 runtime failure, 2 usage error, 3 the logits are not finite (the model or adapter
+ * overflows fp32: bt_infer_forward's BT_ERR_DIVERGED). */
 int bt_generate_cli(int argc, char **argv);
 /* The usage text of `trainer generate`. */
 void bt_generate_usage(FILE *f);

@@ -245,10 +245,24 @@ int bt_infer_forward(bt_infer *s, const int32_t *ids, int n, int which, float *l
     for (int done = 0; done < n;) {
         int c = n - done < s->max_chunk ? n - done : s->max_chunk;
         chunk_fwd(s, ids + done, c);
-        if (which == BT_INFER_LOGITS_ALL)
-            bt_linear_fwd(logits + (size_t)done * s->V, s->xn, lm_head, c, s->D, s->V, 0.f);
-        else if (which == BT_INFER_LOGITS_LAST && done + c == n)
+        size_t at = 0, rows = 0;
+        float *out = NULL;
+        if (which == BT_INFER_LOGITS_ALL) {
+            out = logits + (size_t)done * s->V;
+            rows = (size_t)c;
+            bt_linear_fwd(out, s->xn, lm_head, c, s->D, s->V, 0.f);
+        } else if (which == BT_INFER_LOGITS_LAST && done + c == n) {
+            out = logits;
+            rows = 1;
             bt_linear_fwd(logits, s->xn + (size_t)(c - 1) * s->D, lm_head, 1, s->D, s->V, 0.f);
+        }
+        /* no caller ever samples from or scores non-finite logits (issue 21 §6) */
+        if (out && !bt_all_finite_f32(out, rows * (size_t)s->V, &at)) {
+            const int row = rows == 1 ? c - 1 : (int)(at / (size_t)s->V); /* within this chunk */
+            return bt_fail(BT_ERR_DIVERGED, "infer: the logits at position %d are not finite (token id %zu: %g): "
+                           "the model or adapter overflows fp32 (weights, or lora_alpha / r, too large)",
+                           s->pos - c + row, at % (size_t)s->V, (double)out[at]);
+        }
         done += c;
     }
     return 0;

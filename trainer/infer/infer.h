@@ -62,7 +62,9 @@ size_t bt_infer_bytes(const bt_infer *s);
  *   which == BT_INFER_LOGITS_LAST: logits[vocab] for ids[n-1];
  *   which == BT_INFER_LOGITS_NONE: logits unused (may be NULL; prefill only).
  * Errors (the cache is unchanged): BT_ERR_INVALID (n < 1, NULL ids, NULL logits when requested,
- * bad `which`), BT_ERR_RANGE (an id outside [0, vocab), or pos + n > max_ctx). */
+ * bad `which`), BT_ERR_RANGE (an id outside [0, vocab), or pos + n > max_ctx). A requested logit
+ * that is nan or infinite is BT_ERR_DIVERGED naming its position and token id (the tokens are then
+ * in the cache: bt_infer_reset before reusing the session): no caller samples from it. */
 int bt_infer_forward(bt_infer *s, const int32_t *ids, int n, int which, float *logits);
 
 #endif

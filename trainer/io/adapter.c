@@ -11,8 +11,10 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/out_dir.h"
 #include "common/safetensors.h"
 #include "trainer/io/export.h"
+#include "trainer/io/outputs.h"
 
 void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B) {
     const char *blk = mod <= BT_MOD_O ? "self_attn" : "mlp";
@@ -64,6 +66,11 @@ static json_t *context_note(const bt_model *m) {
         "this one to load the adapter with those versions."));
     return n;
 }
+
+const char *const bt_adapter_config_keys[] = {
+    "peft_type", "task_type", "base_model_name_or_path", "revision", "r", "lora_alpha", "lora_dropout",
+    "target_modules", "bias", "fan_in_fan_out", "inference_mode", "init_lora_weights", "modules_to_save",
+    "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", NULL};
 
 static int write_config(const bt_lora *lo, const char *base_model, const char *path,
                         const bt_model *m) {
@@ -189,7 +196,9 @@ int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, c
     char *tmp = NULL, *p = NULL;
     int rc = 0, lock = -1;
     if (!d) return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
-    if ((rc = mkdir_parents(d))) goto out;
+    /* never replace a directory BarqTrain did not write (common/out_dir.h): refused before any
+     * file is written (bt_replace_dir checks again) */
+    if ((rc = bt_out_dir_check(d, &bt_out_adapter, "adapter")) || (rc = mkdir_parents(d))) goto out;
     if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0) {
         tmp = NULL;
         rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
@@ -199,6 +208,7 @@ int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, c
         rc = BT_ERR_IO;
         goto out;
     }
+    if ((rc = bt_out_dir_mark(tmp, &bt_out_adapter, "adapter"))) goto out; /* first: a leftover is ours */
     if (asprintf(&p, "%s/adapter_model.safetensors", tmp) < 0) {
         p = NULL;
         rc = bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
@@ -213,7 +223,7 @@ int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, c
     }
     if ((rc = write_config(lo, base_model_name_or_path, p, m))) goto out;
     bt_test_pause_point(tmp); /* tests SIGKILL the save here (bt_common.h) */
-    if ((rc = bt_fsync_path(tmp, 1, "adapter")) || (rc = bt_replace_dir(tmp, d, "adapter")))
+    if ((rc = bt_fsync_path(tmp, 1, "adapter")) || (rc = bt_replace_dir(tmp, d, &bt_out_adapter, "adapter")))
         goto out;
     bt_fsync_parent(d, "adapter"); /* best effort: make the rename durable */
 out:

@@ -25,11 +25,14 @@
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
 
-/* Write the adapter to `dir` atomically: both files go to a fresh sibling directory
- * "<dir>.tmp-<pid>", are fsync'ed, and that directory then replaces `dir` in one step
- * (renameat2 RENAME_EXCHANGE when `dir` exists, then the old copy is removed; plain rename
- * otherwise), so a reader never sees a half-written adapter. Parent directories of `dir` are
- * created. Errors: BT_ERR_IO (message names the path), BT_ERR_NOMEM. */
+/* Write the adapter to `dir` atomically: BarqTrain's marker (common/out_dir.h BT_OUT_MARKER) and
+ * both files go to a fresh sibling directory "<dir>.tmp-<pid>", are fsync'ed, and that directory
+ * then replaces `dir` in one step (renameat2 RENAME_EXCHANGE when `dir` exists, then the old
+ * copy's files are removed; plain rename otherwise), so a reader never sees a half-written
+ * adapter. An existing `dir` must be one BarqTrain may replace (trainer/io/outputs.h
+ * bt_out_adapter: empty, or only an adapter's / a checkpoint's files): anything else is refused
+ * before a file is written. Parent directories of `dir` are created. Errors: BT_ERR_INVALID (a
+ * directory that is not ours, a link), BT_ERR_IO (message names the path), BT_ERR_NOMEM. */
 int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir);
 /* The same, and when m (may be NULL) carries the job's context extension (m->ctx_extended,
  * bt_model_extend_context) adapter_config.json also gets
@@ -42,6 +45,11 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
  * the key with a warning; PEFT 0.13 refuses unknown keys (the note says so). */
 int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, const char *dir,
                        const bt_model *m);
+
+/* The keys adapter_config.json gets from bt_adapter_save (besides the optional
+ * "barqtrain_context_extension"), NULL-terminated: how an adapter directory written before the
+ * marker is recognised as ours (trainer/io/outputs.h). */
+extern const char *const bt_adapter_config_keys[];
 
 /* PEFT state-dict key for (layer, module, is_B) into buf (NUL-terminated). */
 void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B);

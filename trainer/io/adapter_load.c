@@ -60,13 +60,21 @@ static int parse_adapter_config(json_t *root, const char *path, int *r, double *
         return bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: peft_type must be \"LORA\"", path);
     v = json_object_get(root, "r");
     if (!v) return bt_fail(BT_ERR_NOTFOUND, "adapter: %s: missing key \"r\"", path);
-    if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 65536)
-        return bt_fail(BT_ERR_FORMAT, "adapter: %s: \"r\" must be an integer in [1, 65536]", path);
+    /* the job config's limits (trainer/config.h BT_LORA_*): an adapter read from disk is held to
+     * the same as one configured */
+    if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > BT_LORA_R_MAX)
+        return bt_fail(BT_ERR_FORMAT, "adapter: %s: \"r\" must be an integer in [1, %d] (as lora.r)", path,
+                       BT_LORA_R_MAX);
     *r = (int)json_integer_value(v);
     v = json_object_get(root, "lora_alpha");
     if (!v) return bt_fail(BT_ERR_NOTFOUND, "adapter: %s: missing key \"lora_alpha\"", path);
-    if (!json_is_number(v) || !(json_number_value(v) > 0) || !isfinite(json_number_value(v)))
-        return bt_fail(BT_ERR_FORMAT, "adapter: %s: \"lora_alpha\" must be a number > 0", path);
+    if (!json_is_number(v) || !(json_number_value(v) > 0) || !(json_number_value(v) <= BT_LORA_ALPHA_MAX)) {
+        char got[64];
+        if (json_is_number(v)) snprintf(got, sizeof got, "%g", json_number_value(v));
+        else snprintf(got, sizeof got, "not a number");
+        return bt_fail(BT_ERR_FORMAT, "adapter: %s: \"lora_alpha\" must be a number in (0, %g] (as "
+                       "lora.lora_alpha), got %s", path, BT_LORA_ALPHA_MAX, got);
+    }
     *alpha = json_number_value(v);
     v = json_object_get(root, "lora_dropout");
     *dropout = 0;
@@ -351,11 +359,10 @@ int bt_adapter_context_extension(const char *dir, int *method, int *target_lengt
     char *path = NULL;
     if (asprintf(&path, "%s/adapter_config.json", dir) < 0)
         return bt_fail(BT_ERR_NOMEM, "adapter: out of memory");
-    json_error_t je;
-    json_t *root = json_load_file(path, 0, &je);
-    int rc = 0;
-    if (!root) {
-        rc = bt_fail(BT_ERR_IO, "adapter: %s: %s", path, je.text);
+    json_t *root = NULL; /* read with a size limit, like every file read whole (issue 21 §11) */
+    int rc = bt_json_load_file(&root, path, 0, 16u << 20);
+    if (rc) {
+        rc = bt_fail(rc, "adapter: %s", bt_last_error_in("adapter"));
     } else {
         json_t *n = json_object_get(root, "barqtrain_context_extension");
         if (n && !json_is_null(n)) {

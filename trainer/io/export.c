@@ -21,6 +21,7 @@
 #include "trainer/io/adapter_load.h"
 #include "trainer/config.h"
 #include "trainer/io/export_internal.h"
+#include "trainer/io/outputs.h"
 #include "trainer/model/model_internal.h"
 
 static int gguf_rope_keys(bt_gguf_writer *w, const bt_model *m, int note);
@@ -228,6 +229,7 @@ int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const c
         (rc = bt_gguf_w_str(w, "general.name", "BarqTrain LoRA", 14)) ||
         (rc = bt_gguf_w_u32(w, "general.file_type", file_type(dtype))) ||
         (rc = bt_gguf_w_u32(w, "general.quantization_version", 2)) ||
+        (rc = bt_gguf_w_str(w, BT_EXPORT_GGUF_MARK_KEY, "gguf-lora", 9)) ||
         (rc = bt_gguf_w_str(w, "adapter.type", "lora", 4)) ||
         (rc = bt_gguf_w_f32(w, "adapter.lora.alpha", plain_alpha(lo))) ||
         (m->ctx_extended && (rc = gguf_rope_keys(w, m, 1))))
@@ -266,7 +268,7 @@ out:
 /* Keys written from the model (never copied from the base). */
 static const char *const k_own_keys[] = {
     "general.architecture", "general.type", "general.file_type", "general.quantization_version",
-    "general.alignment", "llama.block_count", "llama.context_length", "llama.embedding_length",
+    "general.alignment", BT_EXPORT_GGUF_MARK_KEY, "llama.block_count", "llama.context_length", "llama.embedding_length",
     "llama.feed_forward_length", "llama.attention.head_count", "llama.attention.head_count_kv",
     "llama.rope.dimension_count", "llama.rope.freq_base", "llama.attention.layer_norm_rms_epsilon",
     "llama.vocab_size", "llama.attention.key_length", "llama.attention.value_length",
@@ -439,6 +441,7 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         (rc = bt_gguf_w_str(w, "general.type", "model", 5)) ||
         (rc = bt_gguf_w_u32(w, "general.file_type", file_type(dtype))) ||
         (rc = bt_gguf_w_u32(w, "general.quantization_version", 2)) ||
+        (rc = bt_gguf_w_str(w, BT_EXPORT_GGUF_MARK_KEY, "gguf", 4)) ||
         (rc = bt_gguf_w_u32(w, "llama.block_count", (uint32_t)hp->n_layer)) ||
         (rc = bt_gguf_w_u32(w, "llama.context_length", (uint32_t)hp->ctx)) ||
         (rc = bt_gguf_w_u32(w, "llama.embedding_length", (uint32_t)hp->d_model)) ||
@@ -621,6 +624,12 @@ int bt_export_run(const bt_export_opts *o) {
     if (!o->model || !o->adapter || !o->out)
         return bt_fail(BT_ERR_INVALID, "export: model, adapter and out are required");
     bt_clean_stale_temps(o->out, "export"); /* an earlier export killed mid-write */
+    /* the destination, before anything is loaded: never a file or directory BarqTrain did not
+     * write, and one that can be written (trainer/io/outputs.h) */
+    rc = o->format == BT_EXPORT_PEFT          ? bt_out_dir_check(o->out, &bt_out_adapter, "export")
+         : o->format == BT_EXPORT_SAFETENSORS ? bt_out_dir_check(o->out, &bt_out_export, "export")
+                                              : bt_out_file_check(o->out, bt_out_gguf_is_ours, "export");
+    if (rc) return rc;
     if (stat(o->model, &st) != 0)
         return bt_fail(BT_ERR_IO, "export: %s: %s", o->model, strerror(errno));
     if (S_ISDIR(st.st_mode)) { /* Hugging Face directory: no GGUF metadata to carry over */

@@ -54,7 +54,10 @@
  * PEFT lora_alpha with use_rslora false).
  *
  * Every file is written atomically (temp file + fsync + rename, see common/gguf.h,
- * common/safetensors.h). */
+ * common/safetensors.h). `out` must be a destination BarqTrain may write (trainer/io/outputs.h):
+ * a GGUF file is created, or replaces only a GGUF an export of ours wrote (BT_EXPORT_GGUF_MARK_KEY);
+ * a directory is created, or must be empty or hold only that format's files and BarqTrain's
+ * marker; anything else is refused before the model is loaded. */
 #ifndef BT_TRAINER_EXPORT_H
 #define BT_TRAINER_EXPORT_H
 #include <stddef.h>
@@ -63,6 +66,16 @@
 #include "common/gguf.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
+
+/* The GGUF KV (a string: "gguf-lora" or "gguf") every GGUF this exporter writes carries, so that a
+ * later export recognises the file as BarqTrain's before replacing it (trainer/io/outputs.h
+ * bt_out_gguf_is_ours); llama.cpp ignores keys it does not know. */
+#define BT_EXPORT_GGUF_MARK_KEY "barqtrain.export"
+
+/* 1 when `name` is a file a merged Hugging Face export writes (config.json, generation_config.json,
+ * the tokenizer files, model.safetensors, model.safetensors.index.json,
+ * model-NNNNN-of-NNNNN.safetensors): the bt_out_export kind (trainer/io/outputs.h). */
+int bt_export_hf_owns(const char *name);
 
 enum { BT_EXPORT_PEFT = 0, BT_EXPORT_GGUF_LORA, BT_EXPORT_GGUF, BT_EXPORT_SAFETENSORS };
 enum { BT_EXPORT_F32 = 0, BT_EXPORT_F16, BT_EXPORT_BF16, BT_EXPORT_Q8_0 };

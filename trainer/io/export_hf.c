@@ -19,6 +19,7 @@
 #include "kernels/kernels.h"
 #include "trainer/config.h"
 #include "trainer/io/export.h"
+#include "trainer/io/outputs.h"
 #include "trainer/io/export_internal.h"
 
 /* Special token ids for config.json / generation_config.json (-1 = none). */
@@ -627,6 +628,13 @@ static int write_tokenizer(const bt_model *m, const bt_hf_export_opts *o, const 
     return rc;
 }
 
+int bt_export_hf_owns(const char *name) {
+    if (weights_name(name) || !strcmp(name, "config.json")) return 1;
+    for (int i = 0; k_hf_tok_files[i]; i++)
+        if (!strcmp(name, k_hf_tok_files[i])) return 1;
+    return 0;
+}
+
 /* ---- the directory ---- */
 
 int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dtype,
@@ -639,7 +647,10 @@ int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dt
     uint64_t max_bytes = o && o->max_shard_bytes > 0 ? (uint64_t)o->max_shard_bytes
                                                      : BT_EXPORT_DEFAULT_SHARD_BYTES;
     int rc = bt_export_lora_matches(m, lo), n_shards = 0;
-    if (rc || (rc = bt_mkdir_p(out_dir, "export"))) return rc;
+    /* a directory of ours, or a new one: written into, never a user's (trainer/io/outputs.h) */
+    if (rc || (rc = bt_out_dir_check(out_dir, &bt_out_export, "export")) ||
+        (rc = bt_mkdir_p(out_dir, "export")) || (rc = bt_out_dir_mark(out_dir, &bt_out_export, "export")))
+        return rc;
     hf_ids ids = {-1, -1, -1, -1};
     char *path = NULL;
     if ((rc = write_weights(m, lo, dtype, max_bytes, out_dir, &n_shards))) return rc;

@@ -5,13 +5,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/out_dir.h"
 #include "trainer/io/adapter.h"
+#include "trainer/io/outputs.h"
 
-#define CKPT_MAGIC "BTCKPT\0\1"
+#define CKPT_MAGIC BT_CKPT_MAGIC
 #define CKPT_VERSION 2u /* 2: world size + every rank's loader state; 1 (one rank) still loads */
 #define CKPT_V1_HEADER_BYTES (112u + BT_RESUME_STATE_BYTES)
 #define CKPT_STATE "trainer_state.bin"
@@ -198,19 +201,31 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n), *tmp = NULL, *p = NULL, *dump = NULL;
     if (!d) return bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
-    int rc = 0, lock = -1;
+    int rc = 0, lock = -1, made = 0; /* made: tmp is ours to remove on failure */
     if (asprintf(&tmp, "%s.tmp-%d", d, (int)getpid()) < 0) {
         tmp = NULL;
         rc = bt_fail(BT_ERR_NOMEM, "checkpoint: out of memory");
         goto out;
     }
-    bt_rm_tree(tmp); /* leftovers of a crashed save by a process with our pid */
-    /* the adapter files (creates tmp and the parents of d) */
+    /* never replace a directory BarqTrain did not write (common/out_dir.h): refused before any
+     * file is written (bt_replace_dir checks again) */
+    if ((rc = bt_out_dir_check(d, &bt_out_checkpoint, "checkpoint"))) goto out;
+    if (access(tmp, F_OK) == 0) { /* leftovers of a crashed save by a process with our pid */
+        if (!bt_tmp_is_ours(tmp)) {
+            rc = bt_fail(BT_ERR_IO, "checkpoint: %s exists and was not written by BarqTrain: refusing to "
+                         "remove it", tmp);
+            goto out;
+        }
+        bt_rm_tree(tmp);
+    }
+    /* the adapter files and the marker (creates tmp and the parents of d) */
     if ((rc = bt_adapter_save_ex(lo, cfg->base_model_name_or_path, tmp, m))) {
         rc = bt_fail(rc, "checkpoint: %s", bt_last_error_in("checkpoint"));
         goto out;
     }
+    made = 1;
     lock = bt_tmpdir_lock(tmp); /* "a save is writing this" (bt_clean_stale_temps) */
+    if ((rc = bt_out_dir_mark(tmp, &bt_out_checkpoint, "checkpoint"))) goto out;
     ckpt_header H;
     fill_header(&H, cfg, m, lo, step, resume_states, world);
     if (asprintf(&p, "%s/" CKPT_STATE, tmp) < 0) {
@@ -229,11 +244,11 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
     }
     bt_test_pause_point(tmp); /* tests SIGKILL the save here (bt_common.h) */
     if ((rc = bt_fsync_path(tmp, 1, "checkpoint")) ||
-        (rc = bt_replace_dir(tmp, d, "checkpoint")))
+        (rc = bt_replace_dir(tmp, d, &bt_out_checkpoint, "checkpoint")))
         goto out;
     rc = bt_fsync_parent(d, "checkpoint"); /* make the rename durable */
 out:
-    if (rc && tmp) bt_rm_tree(tmp);
+    if (rc && made) bt_rm_tree(tmp);
     if (lock >= 0) close(lock);
     free(dump);
     free(p);
@@ -257,6 +272,87 @@ int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_mod
                                  1);
 }
 
+/* The identity fields of header H (checkpoint.h) against the running job; 0 or BT_ERR_INVALID naming
+ * the first that differs. */
+static int check_identity(const char *dir, const ckpt_header *hp, const bt_train_config *cfg, const bt_model *m,
+                          const bt_lora *lo, int world) {
+    const ckpt_header H = *hp;
+    int rc = 0;
+    uint64_t mfp = bt_model_fingerprint(m);
+    if (H.n_layer != m->hp.n_layer || H.d_model != m->hp.d_model || H.vocab != m->hp.vocab) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: checkpoint "
+                     "written for %d layers, d_model %d, vocab %d; %s has %d, %d, %d", dir,
+                     H.n_layer, H.d_model, H.vocab, cfg->model, m->hp.n_layer, m->hp.d_model,
+                     m->hp.vocab);
+    } else if (H.base_dtype != m->base_dtype) {
+        rc = MISMATCH("base_dtype", "%s", bt_base_dtype_name(H.base_dtype),
+                      bt_base_dtype_name(m->base_dtype));
+    } else if (H.model_fp != mfp) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: the base model "
+                     "weights differ (fingerprint %016llx, %s has %016llx)", dir,
+                     (unsigned long long)H.model_fp, cfg->model, (unsigned long long)mfp);
+    } else if (H.r != lo->r) {
+        rc = MISMATCH("lora.r", "%d", H.r, lo->r);
+    } else if (H.alpha != lo->alpha) {
+        rc = MISMATCH("lora.lora_alpha", "%g", (double)H.alpha, (double)lo->alpha);
+    } else if (H.dropout != lo->dropout) {
+        rc = MISMATCH("lora.lora_dropout", "%g", (double)H.dropout, (double)lo->dropout);
+    } else if (H.target_mask != lo->target_mask) {
+        rc = MISMATCH("lora.target_modules", "mask %#x", H.target_mask, lo->target_mask);
+    } else if (H.trainable != lo->trainable) {
+        rc = MISMATCH("trainable_modules", "mask %#x", H.trainable, lo->trainable);
+    } else if (H.seq_len != cfg->data.seq_len) {
+        rc = MISMATCH("data.seq_len", "%d", H.seq_len, cfg->data.seq_len);
+    } else if (H.micro_batch != cfg->data.micro_batch_size) {
+        rc = MISMATCH("data.micro_batch_size", "%d", H.micro_batch, cfg->data.micro_batch_size);
+    } else if (H.grad_accum != cfg->grad_accum) {
+        rc = MISMATCH("grad_accum", "%d", H.grad_accum, cfg->grad_accum);
+    } else if (H.data_fp != bt_config_data_fingerprint(cfg)) {
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: data: shards, format, "
+                     "text_field or data.seed differ, so the saved loader position does not apply",
+                     dir);
+    } else if (H.seed != cfg->seed) {
+        rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);
+    } else if (H.n_params != lo->n_params) {
+        rc = MISMATCH("parameter count", "%lld", (long long)H.n_params, (long long)lo->n_params);
+    } else if (H.world != world && H.has_resume) {
+        /* every rank's loader stream depends on the world size (proto/batch.h resume state) */
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: world size: "
+                     "checkpoint written by %d rank(s), this run has %d (resume with the same "
+                     "number of processes)", dir, H.world, world);
+    }
+    return rc;
+}
+
+/* *limit = the size trainer_state.bin may have for this job: its header (v2; v1 is smaller), the
+ * loader states of at most BT_CKPT_MAX_WORLD ranks, the job's parameters and moments, the checksum.
+ * The header is read first (pread) so that a file past that size is refused with its identity
+ * mismatch when there is one ("lora.r: checkpoint 64, config 8"), else by its size; 0 when the
+ * file is within the limit (or too short for a header: the reader says "truncated"). */
+static int size_limit(int fd, const char *dir, const bt_train_config *cfg, const bt_model *m, const bt_lora *lo,
+                      int world, size_t *limit) {
+    *limit = sizeof(ckpt_header) + (size_t)(BT_CKPT_MAX_WORLD - 1) * BT_RESUME_STATE_BYTES +
+             (size_t)lo->n_params * 12 + 8;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return bt_fail(BT_ERR_IO, "checkpoint %s: " CKPT_STATE ": %s", dir, strerror(errno));
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size <= *limit) return 0; /* bt_read_fd says the rest */
+    ckpt_header H;
+    memset(&H, 0, sizeof H);
+    int rc = 0;
+    if (pread(fd, &H, CKPT_V1_HEADER_BYTES, 0) == (ssize_t)CKPT_V1_HEADER_BYTES &&
+        !memcmp(H.magic, CKPT_MAGIC, 8)) {
+        H.world = 1;
+        if (H.version == CKPT_VERSION && pread(fd, &H, sizeof H, 0) != (ssize_t)sizeof H) H.world = 1;
+        if (H.world < 1 || H.world > BT_CKPT_MAX_WORLD) H.world = 1;
+        rc = check_identity(dir, &H, cfg, m, lo, world);
+    }
+    if (!rc)
+        rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is %lld bytes, more than a checkpoint of this "
+                     "job's %lld LoRA parameters can be (%zu bytes): not read", dir, (long long)st.st_size,
+                     (long long)lo->n_params, *limit);
+    return rc;
+}
+
 int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
                           bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
                           int *ckpt_steps, int rank, int world) {
@@ -268,8 +364,23 @@ int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_
     struct {
         char *data;
         size_t size;
-    } mp; /* read(2) into private memory: a file cut meanwhile is an error, never a SIGBUS */
-    int rc = bt_read_file(path, 0, &mp.data, &mp.size);
+    } mp = {NULL, 0}; /* read(2) into private memory: a file cut meanwhile is an error, never a SIGBUS */
+    int fd = bt_open_ro(path), rc = 0;
+    if (fd < 0) {
+        rc = bt_fail(BT_ERR_IO, "checkpoint %s: cannot read %s: %s", dir, path, strerror(errno));
+        free(path);
+        return rc;
+    }
+    /* the largest file a checkpoint of this job can be, known before a byte is read: a file past it
+     * (a 3 GiB sparse one, a checkpoint of a far larger LoRA) is never read whole (issue 21 §11) */
+    size_t limit;
+    if ((rc = size_limit(fd, dir, cfg, m, lo, world, &limit))) {
+        close(fd);
+        free(path);
+        return rc;
+    }
+    rc = bt_read_fd(fd, path, limit, &mp.data, &mp.size);
+    close(fd);
     if (rc) {
         rc = bt_fail(BT_ERR_IO, "checkpoint %s: cannot read %s: %s", dir, path, bt_last_error());
         free(path);
@@ -321,51 +432,7 @@ int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_
                      mp.size, (long long)H.n_params);
         goto out;
     }
-    /* identity */
-    uint64_t mfp = bt_model_fingerprint(m);
-    if (H.n_layer != m->hp.n_layer || H.d_model != m->hp.d_model || H.vocab != m->hp.vocab) {
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: checkpoint "
-                     "written for %d layers, d_model %d, vocab %d; %s has %d, %d, %d", dir,
-                     H.n_layer, H.d_model, H.vocab, cfg->model, m->hp.n_layer, m->hp.d_model,
-                     m->hp.vocab);
-    } else if (H.base_dtype != m->base_dtype) {
-        rc = MISMATCH("base_dtype", "%s", bt_base_dtype_name(H.base_dtype),
-                      bt_base_dtype_name(m->base_dtype));
-    } else if (H.model_fp != mfp) {
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: model: the base model "
-                     "weights differ (fingerprint %016llx, %s has %016llx)", dir,
-                     (unsigned long long)H.model_fp, cfg->model, (unsigned long long)mfp);
-    } else if (H.r != lo->r) {
-        rc = MISMATCH("lora.r", "%d", H.r, lo->r);
-    } else if (H.alpha != lo->alpha) {
-        rc = MISMATCH("lora.lora_alpha", "%g", (double)H.alpha, (double)lo->alpha);
-    } else if (H.dropout != lo->dropout) {
-        rc = MISMATCH("lora.lora_dropout", "%g", (double)H.dropout, (double)lo->dropout);
-    } else if (H.target_mask != lo->target_mask) {
-        rc = MISMATCH("lora.target_modules", "mask %#x", H.target_mask, lo->target_mask);
-    } else if (H.trainable != lo->trainable) {
-        rc = MISMATCH("trainable_modules", "mask %#x", H.trainable, lo->trainable);
-    } else if (H.seq_len != cfg->data.seq_len) {
-        rc = MISMATCH("data.seq_len", "%d", H.seq_len, cfg->data.seq_len);
-    } else if (H.micro_batch != cfg->data.micro_batch_size) {
-        rc = MISMATCH("data.micro_batch_size", "%d", H.micro_batch, cfg->data.micro_batch_size);
-    } else if (H.grad_accum != cfg->grad_accum) {
-        rc = MISMATCH("grad_accum", "%d", H.grad_accum, cfg->grad_accum);
-    } else if (H.data_fp != bt_config_data_fingerprint(cfg)) {
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: data: shards, format, "
-                     "text_field or data.seed differ, so the saved loader position does not apply",
-                     dir);
-    } else if (H.seed != cfg->seed) {
-        rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);
-    } else if (H.n_params != lo->n_params) {
-        rc = MISMATCH("parameter count", "%lld", (long long)H.n_params, (long long)lo->n_params);
-    } else if (H.world != world && H.has_resume) {
-        /* every rank's loader stream depends on the world size (proto/batch.h resume state) */
-        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: world size: "
-                     "checkpoint written by %d rank(s), this run has %d (resume with the same "
-                     "number of processes)", dir, H.world, world);
-    }
-    if (rc) goto out;
+    if ((rc = check_identity(dir, &H, cfg, m, lo, world))) goto out;
     size_t nb = (size_t)H.n_params * sizeof(float);
     const uint8_t *arr = b + hb;
     memcpy(lo->params, arr, nb);

@@ -35,6 +35,9 @@
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
 
+/* The first 8 bytes of trainer_state.bin. */
+#define BT_CKPT_MAGIC "BTCKPT\0\1"
+
 /* 64-bit fingerprint of the loaded base model: FNV-1a over its hyper-parameters, base dtype, tying,
  * every norm weight, and a strided sample (every 4093rd float plus the last row) of the token
  * embedding and, if untied, lm_head. Cheap (well under a millisecond per MB of model) and

@@ -93,6 +93,13 @@ static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *l
             break;
         }
         if (rc) break;
+        if (!isfinite(ls)) { /* never reported as a loss (issue 21 §6): the weights overflow */
+            rc = bt_fail(BT_ERR_DIVERGED, "held-out evaluation: batch %d: the loss is %g, not a number: the model%s%s "
+                         "gives non-finite logits (weights, or lora_alpha / r, that overflow fp32); no held-out "
+                         "loss to report", nb + 1, ls, cfg->eval_adapter ? " with adapter " : "",
+                         cfg->eval_adapter ? cfg->eval_adapter : "");
+            break;
+        }
         sum += ls;
         cnt += nv;
         nb++;

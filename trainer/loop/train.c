@@ -19,6 +19,8 @@
 #include "proto/client.h"
 #include "trainer/io/adapter.h"
 #include "trainer/io/adapter_load.h"
+#include "trainer/io/outputs.h"
+#include "trainer/estimate.h"
 #include "trainer/loop/checkpoint.h"
 #include "trainer/dist/dist.h"
 #include "trainer/dist/dist_monitor.h"
@@ -344,6 +346,19 @@ static int run_end_with(bt_run *r, run_end how, int rc) {
     return rc;
 }
 
+/* `trainer train`, before anything is allocated (issue 21 §7): the run's memory plan against what
+ * this process may use (trainer/estimate.h bt_estimate_check_fits); --force only warns. */
+static int check_memory(const bt_train_config *cfg) {
+    bt_mem_limits l;
+    bt_mem_limits_read(&l, NULL);
+    int rc = bt_estimate_check_fits(cfg, cfg->threads > 0 ? cfg->threads : omp_get_max_threads(), &l);
+    if (rc && cfg->force) {
+        bt_log(BT_LOG_WARN, "trainer", "%s: starting anyway (--force)", bt_last_error());
+        return 0;
+    }
+    return rc;
+}
+
 /* Stage 1. Rank and world from the launcher's environment, warnings and stale temporaries (rank
  * 0), the rendezvous and watchdog (world > 1: trainer/dist/dist.h), the run id. */
 static int run_rendezvous(bt_run *r) {
@@ -357,7 +372,11 @@ static int run_rendezvous(bt_run *r) {
         bt_clean_stale_temps(cfg->out_dir, "trainer");
         if (cfg->checkpoint_every > 0 || cfg->resume_from)
             bt_clean_stale_temps(cfg->checkpoint_dir, "trainer");
+        /* every destination, before anything is loaded: creatable, writable, and holding nothing
+         * BarqTrain did not write (issue 21 §1, §2; trainer/io/outputs.h) */
+        if ((rc = bt_train_check_outputs(cfg))) return rc;
     }
+    if (!r->eval_only && (rc = check_memory(cfg))) return rc;
     if (bt_run_dist.world > 1) {
         if (cfg->device != BT_DEVICE_CUDA)
             return bt_fail(BT_ERR_UNSUPPORTED, "%d processes (%s: rank %d): data-parallel training "

@@ -15,7 +15,9 @@
  *   1   failure (the message on stderr says why; completed steps are saved when possible)
  *   2   usage or configuration error (the message names the argument or key)
  *   3   training diverged: a non-finite loss, gradient norm or parameter; nothing of the diverged
- *       steps was saved, out_dir and checkpoint_dir keep the last good adapter and checkpoint
+ *       steps was saved, out_dir and checkpoint_dir keep the last good adapter and checkpoint;
+ *       also a held-out loss (`trainer eval`, the evaluations of `train`) or logits (`trainer
+ *       generate`) that are not finite: the model or adapter overflows fp32
  *   75  interrupted: SIGINT, SIGTERM or SIGUSR1 (Slurm's warning before a time limit) on any
  *       rank; stopped mid-step, the adapter and checkpoint of the last completed step are saved:
  *       continue with --resume CHECKPOINT_DIR (sysexits.h EX_TEMPFAIL: "try again later")

@@ -668,11 +668,34 @@ static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
     return 0;
 }
 
-/* Stage: m->layers [n_layer] allocated, then every block in order (gguf_layer). Writes
- * m->layers (owned by m; a partly filled array is freed by bt_model_free). Errors: BT_ERR_NOMEM,
- * those of gguf_layer. */
+int bt_model_layer_of(const char *name, const char *prefix) {
+    size_t n = strlen(prefix);
+    if (strncmp(name, prefix, n) != 0) return -1;
+    const char *p = name + n;
+    long v = 0;
+    int digits = 0;
+    while (*p >= '0' && *p <= '9' && digits < 9) v = v * 10 + (*p++ - '0'), digits++;
+    return digits && *p == '.' ? (int)v : -1;
+}
+
+/* Stage: m->layers [n_layer] allocated, then every block in order (gguf_layer). Refuses a file
+ * holding blocks past llama.block_count (bt_model_layer_of). Writes m->layers (owned by m; a
+ * partly filled array is freed by bt_model_free). Errors: BT_ERR_FORMAT, BT_ERR_NOMEM, those of
+ * gguf_layer. */
 static int gguf_layers(bt_model *m, const bt_gguf *g, const char *path,
                        const bt_model_load_opts *opts) {
+    int top = -1;
+    for (int64_t i = 0; i < bt_gguf_n_tensors(g); i++) {
+        const bt_gguf_tensor *t = bt_gguf_tensor_at(g, i);
+        char nm[96];
+        snprintf(nm, sizeof nm, "%.*s", (int)(t->name.len < 95 ? t->name.len : 95), t->name.ptr);
+        int l = bt_model_layer_of(nm, "blk.");
+        if (l > top) top = l;
+    }
+    if (top >= m->hp.n_layer)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.block_count is %d, but the file holds the tensors of %d "
+                       "blocks (up to blk.%d.*): refusing to load part of the model (the header or the file is "
+                       "wrong)", path, m->hp.n_layer, top + 1, top);
     m->layers = calloc((size_t)m->hp.n_layer, sizeof(bt_layer));
     if (!m->layers) return bt_fail(BT_ERR_NOMEM, "model: out of memory");
     int rc = 0;

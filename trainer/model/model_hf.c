@@ -478,6 +478,29 @@ static int load_f32(const wsrc *s, const char *name, int rows, int cols, float *
     return 0;
 }
 
+/* Refuse weights of layers at or past num_hidden_layers (bt_model_layer_of): every tensor name of
+ * the index's weight_map, or of the single file. */
+static int wsrc_check_layers(const wsrc *s, int n_layer, const char *cpath) {
+    int top = -1;
+    if (s->weight_map) {
+        const char *key;
+        json_t *v;
+        json_object_foreach(s->weight_map, key, v) {
+            int l = bt_model_layer_of(key, "model.layers.");
+            if (l > top) top = l;
+        }
+    } else {
+        for (int i = 0; i < bt_st_n_tensors(s->files[0]); i++) {
+            int l = bt_model_layer_of(bt_st_tensor_at(s->files[0], i)->name, "model.layers.");
+            if (l > top) top = l;
+        }
+    }
+    if (top < n_layer) return 0;
+    return bt_fail(BT_ERR_FORMAT, "model: %s: num_hidden_layers is %d, but %s holds the weights of %d layers "
+                   "(up to model.layers.%d.*): refusing to load part of the model (config.json or the weights "
+                   "are wrong)", cpath, n_layer, wsrc_where(s), top + 1, top);
+}
+
 static int wsrc_has(const wsrc *s, const char *name) {
     int err;
     return wsrc_find(s, name, &err) != NULL || err;
@@ -878,7 +901,7 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
         rc = bt_fail(rc, "model: %s: %s", cpath, bt_last_error_in("model"));
         goto fail;
     }
-    if ((rc = wsrc_open(&s, dir))) goto fail;
+    if ((rc = wsrc_open(&s, dir)) || (rc = wsrc_check_layers(&s, hp->n_layer, cpath))) goto fail;
     m->base_dtype = opts->base_dtype;
     if ((rc = load_f32(&s, "model.embed_tokens.weight", hp->vocab, hp->d_model, &m->tok_embd)) ||
         (rc = load_f32(&s, "model.norm.weight", 0, hp->d_model, &m->output_norm)))

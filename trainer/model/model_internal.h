@@ -15,6 +15,13 @@ void bt_model_lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *col
  * configs with an explicit head_dim). BT_ERR_INVALID with a message otherwise. */
 int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head_dim_free);
 
+/* The layer index of a weight named "<prefix><N>.<...>" (prefix "blk." in GGUF files,
+ * "model.layers." in Hugging Face checkpoints), or -1 for any other name. The loaders take every
+ * layer index found in a file and refuse one at or past the layer count their header / config.json
+ * gives: a header that claims fewer layers than the weights hold would load part of the model
+ * silently (issue 21 §11; every other dimension is checked by the tensors' exact shapes). */
+int bt_model_layer_of(const char *name, const char *prefix);
+
 /* Make *l the frozen linear of fp32 w[rows, cols], taking ownership of w (freed on every path
  * when quantised or on error): fp32 base keeps it, NF4 base quantises it (bt_nf4_quantize; the
  * element count must be a multiple of 64, else BT_ERR_UNSUPPORTED naming `what`). */

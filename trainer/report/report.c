@@ -2,6 +2,7 @@
 #include "trainer/report/report.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <spawn.h>
@@ -15,6 +16,8 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/out_dir.h"
+#include "trainer/io/outputs.h"
 #include "trainer/report/tb_events.h"
 
 extern char **environ;
@@ -32,56 +35,75 @@ static double wall_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The lines of an existing metrics.jsonl with step <= keep_step (a resumed run continues it). */
-static char *kept_lines(const char *path, int keep_step) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, n = 0;
-    char *out = malloc(cap), *line = NULL;
-    size_t lcap = 0;
-    ssize_t len;
-    while (out && (len = getline(&line, &lcap, f)) > 0) {
+/* The longest metrics line we read back: ours are ~300 bytes; a longer one is not ours. */
+#define METRICS_LINE_MAX 65536
+
+/* One line of `f` into buf[METRICS_LINE_MAX] (without the newline): 1, 0 at the end, -1 for a line
+ * longer than the buffer (skipped to its end). Never reads more than the buffer at once, so a
+ * file with no newline costs no more memory than that (issue 21 §11). */
+static int read_line_bounded(FILE *f, char *buf) {
+    if (!fgets(buf, METRICS_LINE_MAX, f)) return 0;
+    size_t n = strlen(buf);
+    if (n && buf[n - 1] == '\n') {
+        buf[n - 1] = 0;
+        return 1;
+    }
+    if (n < METRICS_LINE_MAX - 1) return 1; /* the last line, without a newline */
+    int c;
+    while ((c = fgetc(f)) != EOF && c != '\n') {}
+    return -1;
+}
+
+/* Copy the lines of an existing metrics.jsonl (`path`) with step <= keep_step to `out` (a
+ * resumed run continues it), line by line. Returns 0 or BT_ERR_IO. */
+static int copy_kept_lines(const char *path, int keep_step, FILE *out, const char *out_path) {
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    FILE *f = fd >= 0 ? fdopen(fd, "rb") : NULL;
+    if (!f) {
+        if (fd >= 0) close(fd);
+        return 0; /* no earlier metrics: nothing to keep */
+    }
+    char *line = malloc(METRICS_LINE_MAX);
+    int rc = line ? 0 : bt_fail(BT_ERR_NOMEM, "report: out of memory"), r;
+    while (!rc && (r = read_line_bounded(f, line)) != 0) {
+        if (r < 0) continue;
         json_t *j = json_loads(line, 0, NULL);
         json_t *st = j ? json_object_get(j, "step") : NULL;
         int keep = json_is_integer(st) && json_integer_value(st) <= keep_step;
         json_decref(j);
-        if (!keep) continue;
-        if (n + (size_t)len + 1 > cap) {
-            while (n + (size_t)len + 1 > cap) cap *= 2;
-            char *p = realloc(out, cap);
-            if (!p) {
-                free(out);
-                out = NULL;
-                break;
-            }
-            out = p;
-        }
-        memcpy(out + n, line, (size_t)len);
-        n += (size_t)len;
+        if (keep && (fputs(line, out) < 0 || fputc('\n', out) == EOF))
+            rc = bt_fail(BT_ERR_IO, "report: write %s: %s", out_path, strerror(errno));
     }
-    if (out) out[n] = 0;
     free(line);
     fclose(f);
-    return out;
+    return rc;
 }
 
 int bt_report_open(bt_report **out, const bt_train_config *cfg, int start_step) {
     *out = NULL;
-    int rc = bt_mkdir_p(cfg->report.dir, "report");
-    if (rc) return rc;
+    /* never write into a directory holding files BarqTrain did not write (common/out_dir.h) */
+    int rc = bt_out_dir_check(cfg->report.dir, &bt_out_report, "report");
+    if (rc || (rc = bt_mkdir_p(cfg->report.dir, "report")) ||
+        (rc = bt_out_dir_mark(cfg->report.dir, &bt_out_report, "report")))
+        return rc;
     bt_report *r = calloc(1, sizeof *r);
     if (!r) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
     r->dir = bt_xstrdup(cfg->report.dir);
     if (asprintf(&r->path, "%s/metrics.jsonl", cfg->report.dir) < 0) r->path = NULL;
-    char *keep = r->path && start_step > 0 ? kept_lines(r->path, start_step) : NULL;
-    r->f = r->path ? fopen(r->path, "wb") : NULL;
-    if (!r->f) {
-        rc = bt_fail(BT_ERR_IO, "report: create %s: %s", r->path ? r->path : cfg->report.dir,
-                     strerror(errno));
-    } else if (keep && (fputs(keep, r->f) < 0 || fflush(r->f))) {
-        rc = bt_fail(BT_ERR_IO, "report: write %s: %s", r->path, strerror(errno));
+    /* a fresh file (or the kept lines of a resumed run) put in place of the old one by rename */
+    bt_atomic_file af = {.fd = -1};
+    if (!r->path) rc = bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    else if (!(rc = bt_atomic_open(&af, r->path, "report")) && !(r->f = fdopen(af.fd, "wb")))
+        rc = bt_fail(BT_ERR_IO, "report: %s: %s", af.tmp, strerror(errno));
+    if (!rc && start_step > 0) rc = copy_kept_lines(r->path, start_step, r->f, af.tmp);
+    if (!rc && (fflush(r->f) || rename(af.tmp, r->path) != 0))
+        rc = bt_fail(BT_ERR_IO, "report: create %s: %s", r->path, strerror(errno));
+    if (r->f) af.fd = -1; /* the FILE owns it now */
+    if (rc) bt_atomic_abort(&af);
+    else {
+        free(af.tmp);
+        free(af.path);
     }
-    free(keep);
     if (!rc && cfg->report.tensorboard) rc = bt_tb_open(&r->tb, cfg->report.dir);
     if (rc) {
         bt_report_close(r, 0);
@@ -193,9 +215,19 @@ static int write_data(const char *dir, const char *tmp, summary_t *s) {
     if (asprintf(&mp, "%s/metrics.jsonl", dir) < 0 || asprintf(&tp, "%s.train.dat", tmp) < 0 ||
         asprintf(&ep, "%s.eval.dat", tmp) < 0)
         return bt_fail(BT_ERR_NOMEM, "report: out of memory");
-    FILE *in = fopen(mp, "rb"), *ft = NULL, *fe = NULL;
-    if (!in) {
+    /* read as it is written: a regular file, line by line (never a FIFO, never whole) */
+    int fd = open(mp, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat fst;
+    FILE *in = NULL, *ft = NULL, *fe = NULL;
+    if (fd < 0 || fstat(fd, &fst) != 0) {
         rc = bt_fail(BT_ERR_IO, "report: %s: %s", mp, strerror(errno));
+    } else if (!S_ISREG(fst.st_mode)) {
+        rc = bt_fail(BT_ERR_IO, "report: %s: not a regular file", mp);
+    } else if (!(in = fdopen(fd, "rb"))) {
+        rc = bt_fail(BT_ERR_IO, "report: %s: %s", mp, strerror(errno));
+    }
+    if (rc) {
+        if (fd >= 0) close(fd);
         goto out;
     }
     ft = fopen(tp, "wb"), fe = fopen(ep, "wb");
@@ -203,10 +235,17 @@ static int write_data(const char *dir, const char *tmp, summary_t *s) {
         rc = bt_fail(BT_ERR_IO, "report: create %s: %s", tp, strerror(errno));
         goto out;
     }
-    char *line = NULL;
-    size_t cap = 0;
+    char *line = malloc(METRICS_LINE_MAX);
+    if (!line) {
+        rc = bt_fail(BT_ERR_NOMEM, "report: out of memory");
+        goto out;
+    }
     memset(s, 0, sizeof *s);
-    while (getline(&line, &cap, in) > 0) {
+    for (int got; (got = read_line_bounded(in, line)) != 0;) {
+        if (got < 0) { /* longer than any line of ours */
+            s->n_bad++;
+            continue;
+        }
         json_t *j = json_loads(line, 0, NULL);
         const char *type = json_string_value(json_object_get(j, "type"));
         json_t *step = json_object_get(j, "step"), *loss = json_object_get(j, "loss");
@@ -260,11 +299,22 @@ static void gp_str(FILE *f, const char *s) {
 }
 
 static int plot_with(const char *dir, summary_t *s) {
+    memset(s, 0, sizeof *s);
+    /* nothing to plot: say so first (nothing would be written) */
+    char *mp = NULL;
+    if (asprintf(&mp, "%s/metrics.jsonl", dir) < 0) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    struct stat mst;
+    int rc = stat(mp, &mst) != 0 ? bt_fail(BT_ERR_IO, "report: %s: %s", mp, strerror(errno)) : 0;
+    free(mp);
+    /* report.png and the plot's temporaries go only into a report directory of ours
+     * (common/out_dir.h; `trainer report DIR` names any directory) */
+    if (!rc) rc = bt_out_dir_check(dir, &bt_out_report, "report");
+    if (rc) return rc;
     char *tmp = NULL, *gp = NULL, *png = NULL, *out = NULL;
     if (asprintf(&tmp, "%s/.plot-%d", dir, (int)getpid()) < 0 || asprintf(&gp, "%s.gp", tmp) < 0 ||
         asprintf(&png, "%s.png", tmp) < 0 || asprintf(&out, "%s/report.png", dir) < 0)
         return bt_fail(BT_ERR_NOMEM, "report: out of memory");
-    int rc = write_data(dir, tmp, s);
+    rc = write_data(dir, tmp, s);
     FILE *f = rc ? NULL : fopen(gp, "wb");
     if (!rc && !f) rc = bt_fail(BT_ERR_IO, "report: create %s: %s", gp, strerror(errno));
     if (f) {

@@ -1,6 +1,8 @@
-/* Tests for common/atomic_io.c: atomic file commit/abort (no torn or leftover files), directory
- * replacement (fresh rename and RENAME_EXCHANGE over an existing directory), fsync helpers,
- * bt_rm_tree, and the errors (with the caller's component prefix) for unwritable places. */
+/* Tests for common/atomic_io.c and common/out_dir.c: atomic file commit/abort (no torn or leftover
+ * files), directory replacement (fresh rename and RENAME_EXCHANGE over an existing directory),
+ * fsync helpers, bt_rm_tree, the errors (with the caller's component prefix) for unwritable
+ * places, and the ownership rule of output directories (issue 21 §1, §2): a directory holding
+ * anything BarqTrain did not write is never replaced, written into or cleaned up. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -21,6 +23,7 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/out_dir.h"
 #include "tests/unit/util/test_util.h"
 
 static char g_dir[64];
@@ -58,6 +61,20 @@ static int teardown_dir(void **s) {
 }
 
 static void path_of(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", g_dir, name); }
+
+/* The output kind of these tests: its writer leaves a.txt, b.txt, c.txt, adapter_model.safetensors;
+ * g_legacy says whether a marker-less directory of those is "an earlier version's". */
+static int g_legacy;
+static int owns_test(const char *name) {
+    return !strcmp(name, "a.txt") || !strcmp(name, "b.txt") || !strcmp(name, "c.txt") ||
+           !strcmp(name, "adapter_model.safetensors");
+}
+static int legacy_test(const char *dir) {
+    (void)dir;
+    return g_legacy;
+}
+static const bt_out_kind k_test = {"test output", owns_test, legacy_test, 1};
+static const bt_out_kind k_inplace = {"test output", owns_test, NULL, 0};
 
 /* number of entries in dir (without "." and "..") */
 static int n_entries(const char *dir) {
@@ -159,9 +176,11 @@ static void test_open_errors(void **s) {
     }
 }
 
+/* A directory as a writer builds it: BarqTrain's marker, then its file. */
 static void make_dir_with(const char *dir, const char *name, const char *text) {
     char p[192];
     assert_int_equal(mkdir(dir, 0755), 0);
+    assert_int_equal(bt_out_dir_mark(dir, &k_test, "test"), BT_OK);
     snprintf(p, sizeof p, "%s/%s", dir, name);
     spit(p, text);
 }
@@ -174,7 +193,7 @@ static void test_replace_dir(void **s) {
 
     /* destination missing: plain rename */
     make_dir_with(tmp, "a.txt", "one");
-    assert_int_equal(bt_replace_dir(tmp, dst, "adapter"), BT_OK);
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_OK);
     snprintf(p, sizeof p, "%s/a.txt", dst);
     assert_file_text(p, "one");
     assert_int_equal(access(tmp, F_OK), -1);
@@ -182,20 +201,21 @@ static void test_replace_dir(void **s) {
 
     /* destination exists: exchanged, the previous contents removed, nothing else left */
     make_dir_with(tmp, "b.txt", "two");
-    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_OK);
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "checkpoint"), BT_OK);
     snprintf(p, sizeof p, "%s/b.txt", dst);
     assert_file_text(p, "two");
     snprintf(p, sizeof p, "%s/a.txt", dst);
     assert_int_equal(access(p, F_OK), -1);
     assert_int_equal(n_entries(g_dir), 1);
-    assert_int_equal(n_entries(dst), 1);
+    assert_int_equal(n_entries(dst), 2); /* b.txt and the marker */
+    assert_true(bt_out_dir_marked(dst));
 
     /* destination is a file: error, tmp left for the caller */
     char file[128];
     path_of(file, sizeof file, "afile");
     spit(file, "x");
     make_dir_with(tmp, "c.txt", "three");
-    assert_int_equal(bt_replace_dir(tmp, file, "checkpoint"), BT_ERR_IO);
+    assert_int_equal(bt_replace_dir(tmp, file, &k_test, "checkpoint"), BT_ERR_IO);
     assert_error_prefix("checkpoint: ");
     assert_non_null(strstr(bt_last_error(), "is not a directory"));
     assert_int_equal(access(tmp, F_OK), 0);
@@ -203,7 +223,7 @@ static void test_replace_dir(void **s) {
 
     /* rename into a missing parent: error */
     path_of(p, sizeof p, "no/such/run");
-    assert_int_equal(bt_replace_dir(tmp, p, "adapter"), BT_ERR_IO);
+    assert_int_equal(bt_replace_dir(tmp, p, &k_test, "adapter"), BT_ERR_IO);
     assert_error_prefix("adapter: rename ");
     assert_int_equal(access(tmp, F_OK), 0);
 }
@@ -220,7 +240,7 @@ static void test_replace_dir_fallback(void **s) {
 
     /* fallback succeeds */
     make_dir_with(tmp, "b.txt", "two");
-    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_OK);
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "checkpoint"), BT_OK);
     snprintf(p, sizeof p, "%s/b.txt", dst);
     assert_file_text(p, "two");
     assert_int_equal(n_entries(g_dir), 1);
@@ -228,18 +248,18 @@ static void test_replace_dir_fallback(void **s) {
     /* second rename fails: destination restored, tmp left for the caller, error reported */
     make_dir_with(tmp, "c.txt", "three");
     g_fail_rename_from = tmp;
-    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_ERR_IO);
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "checkpoint"), BT_ERR_IO);
     g_fail_rename_from = NULL;
     assert_error_prefix("checkpoint: replace ");
     snprintf(p, sizeof p, "%s/b.txt", dst);
     assert_file_text(p, "two");
-    assert_int_equal(n_entries(dst), 1);
+    assert_int_equal(n_entries(dst), 2);
     assert_int_equal(access(tmp, F_OK), 0);
     assert_int_equal(n_entries(g_dir), 2); /* run and run.tmp-1: no run.old-<pid> */
 
     /* first rename fails: nothing moved */
     g_fail_rename_from = dst;
-    assert_int_equal(bt_replace_dir(tmp, dst, "checkpoint"), BT_ERR_IO);
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "checkpoint"), BT_ERR_IO);
     g_fail_rename_from = NULL;
     assert_file_text(p, "two");
     assert_int_equal(access(tmp, F_OK), 0);
@@ -302,6 +322,7 @@ static void test_clean_stale_temps(void **s) {
         long pid;
         int is_dir, gone;
     } e[] = {
+        {"out.tmp-%ld", dead + 4000000, 3, 0}, /* our pattern, but no marker: not a save of ours */
         {"out.tmp-%ld", dead, 1, 1},          /* an adapter / checkpoint directory */
         {"out.tmp-%ld.tmp-%ld", dead2, 1, 1}, /* the adapter inside a checkpoint's */
         {"out.old-%ld", dead2, 1, 1},         /* bt_replace_dir's fallback */
@@ -322,8 +343,9 @@ static void test_clean_stale_temps(void **s) {
         snprintf(p, sizeof p, "%s/", g_dir);
         size_t k = strlen(p);
         snprintf(p + k, sizeof p - k, e[i].fmt, e[i].pid, e[i].pid);
-        if (e[i].is_dir) {
+        if (e[i].is_dir) { /* as a save leaves it: the marker first (3: a user's, unmarked) */
             assert_int_equal(mkdir(p, 0755), 0);
+            if (e[i].is_dir == 1) assert_int_equal(bt_out_dir_mark(p, &k_test, "test"), BT_OK);
             char q[360];
             snprintf(q, sizeof q, "%s/adapter_model.safetensors", p);
             spit(q, "partial");
@@ -391,8 +413,189 @@ static void test_clean_stale_temps(void **s) {
     if (chowned) bt_rm_tree(other);
 }
 
+/* A directory holding anything BarqTrain did not write is never replaced (issue 21 §1): foreign
+ * files, a subdirectory, a link, a forged marker, or our file names without the marker (unless
+ * the kind recognises an earlier version's); empty and our own directories are. */
+static void test_replace_dir_refuses_foreign(void **s) {
+    (void)s;
+    char tmp[128], dst[128], p[192], target[128];
+    path_of(tmp, sizeof tmp, "run.tmp-1");
+    path_of(dst, sizeof dst, "run");
+    for (g_no_exchange = 0; g_no_exchange < 2; g_no_exchange++) { /* both ways of replacing */
+        make_dir_with(dst, "a.txt", "ours");
+        snprintf(p, sizeof p, "%s/notes.txt", dst);
+        spit(p, "the user's");
+        make_dir_with(tmp, "b.txt", "new");
+        assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_ERR_INVALID);
+        assert_error_prefix("adapter: ");
+        assert_non_null(strstr(bt_last_error(), "holds 1 entry that BarqTrain did not write (\"notes.txt\")"));
+        assert_non_null(strstr(bt_last_error(), "refusing to replace it"));
+        assert_file_text(p, "the user's");
+        assert_int_equal(n_entries(dst), 3);
+        assert_int_equal(access(tmp, F_OK), 0); /* left for the caller */
+        bt_rm_tree(tmp);
+        bt_rm_tree(dst);
+    }
+    g_no_exchange = 0;
+    /* a subdirectory */
+    make_dir_with(dst, "a.txt", "ours");
+    snprintf(p, sizeof p, "%s/photos", dst);
+    assert_int_equal(mkdir(p, 0755), 0);
+    make_dir_with(tmp, "b.txt", "new");
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "\"photos (not a regular file)\""));
+    assert_int_equal(access(p, F_OK), 0);
+    bt_rm_tree(dst);
+    /* a link to a directory: refused, the target untouched */
+    path_of(target, sizeof target, "elsewhere");
+    make_dir_with(target, "a.txt", "ours");
+    assert_int_equal(symlink(target, dst), 0);
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "is a symbolic link"));
+    unlink(dst);
+    /* our names without the marker: an earlier version's only if the kind recognises them */
+    assert_int_equal(mkdir(dst, 0755), 0);
+    snprintf(p, sizeof p, "%s/a.txt", dst);
+    spit(p, "old");
+    g_legacy = 0;
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "no .barqtrain marker"));
+    assert_file_text(p, "old");
+    g_legacy = 1;
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_OK);
+    g_legacy = 0;
+    assert_int_equal(access(p, F_OK), -1);
+    assert_int_equal(n_entries(g_dir), 2); /* run, elsewhere */
+    /* a marker that is not ours */
+    snprintf(p, sizeof p, "%s/" BT_OUT_MARKER, dst);
+    spit(p, "{\"mine\": true}");
+    make_dir_with(tmp, "c.txt", "new");
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "not BarqTrain's marker"));
+    bt_rm_tree(dst);
+    /* empty, and only the marker: replaced */
+    assert_int_equal(mkdir(dst, 0755), 0);
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_OK);
+    make_dir_with(tmp, "a.txt", "newer");
+    assert_int_equal(bt_replace_dir(tmp, dst, &k_test, "adapter"), BT_OK);
+    snprintf(p, sizeof p, "%s/a.txt", dst);
+    assert_file_text(p, "newer");
+}
+
+/* bt_out_dir_check before any work (issue 21 §2): creatable, writable, a directory. */
+static void test_out_dir_check(void **s) {
+    (void)s;
+    char p[192], f[128];
+    path_of(p, sizeof p, "new/deeper/out");
+    assert_int_equal(bt_out_dir_check(p, &k_test, "test"), BT_OK); /* created later, parents too */
+    assert_int_equal(access(p, F_OK), -1);                          /* the check creates nothing */
+    path_of(f, sizeof f, "afile");
+    spit(f, "x");
+    assert_int_equal(bt_out_dir_check(f, &k_test, "out_dir"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "exists and is not a directory"));
+    snprintf(p, sizeof p, "%s/afile/out", g_dir);
+    assert_int_equal(bt_out_dir_check(p, &k_test, "out_dir"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "cannot be created:"));
+    assert_non_null(strstr(bt_last_error(), "afile is not a directory"));
+    /* written into in place: the same rule, and our own temporaries inside are ours */
+    path_of(p, sizeof p, "inplace");
+    make_dir_with(p, "a.txt", "x");
+    char q[300];
+    snprintf(q, sizeof q, "%s/a.txt.tmp.12345.3", p);
+    spit(q, "partial");
+    assert_int_equal(bt_out_dir_check(p, &k_inplace, "report"), BT_OK);
+    snprintf(q, sizeof q, "%s/mine.csv", p);
+    spit(q, "x");
+    assert_int_equal(bt_out_dir_check(p, &k_inplace, "report"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "refusing to write into it"));
+    assert_int_equal(bt_out_dir_check(p, &k_inplace, "report"), BT_ERR_INVALID);
+    /* a directory that cannot be written (not as root: root writes anyway) */
+    if (geteuid() != 0) {
+        path_of(p, sizeof p, "ro");
+        assert_int_equal(mkdir(p, 0555), 0);
+        assert_int_equal(bt_out_dir_check(p, &k_test, "out_dir"), BT_ERR_IO);
+        assert_non_null(strstr(bt_last_error(), "Permission denied"));
+        chmod(p, 0755);
+    }
+}
+
+/* The old contents after a swap: only what the kind owns is removed; anything put in meanwhile is
+ * kept under <old>.kept-<pid>. */
+static void test_remove_old_keeps_foreign(void **s) {
+    (void)s;
+    char old[128], p[192], kept[192];
+    path_of(old, sizeof old, "run.tmp-9");
+    make_dir_with(old, "a.txt", "ours");
+    bt_out_dir_remove_old(old, &k_test, "test");
+    assert_int_equal(n_entries(g_dir), 0);
+    make_dir_with(old, "a.txt", "ours");
+    snprintf(p, sizeof p, "%s/user.txt", old);
+    spit(p, "the user's");
+    bt_out_dir_remove_old(old, &k_test, "test");
+    snprintf(kept, sizeof kept, "%s.kept-%d/user.txt", old, (int)getpid());
+    assert_file_text(kept, "the user's");
+    assert_int_equal(n_entries(g_dir), 1);
+    snprintf(kept, sizeof kept, "%s.kept-%d", old, (int)getpid());
+    assert_int_equal(n_entries(kept), 1);
+}
+
+static int g_ours_file;
+static int ours_file(const char *path) {
+    (void)path;
+    return g_ours_file;
+}
+
+/* Whole-file writers (GGUF exports): create, or replace only a file recognised as ours. */
+static void test_out_file_check(void **s) {
+    (void)s;
+    char p[192], l[192];
+    path_of(p, sizeof p, "model.gguf");
+    assert_int_equal(bt_out_file_check(p, ours_file, "export"), BT_OK);
+    spit(p, "the user's model");
+    g_ours_file = 0;
+    assert_int_equal(bt_out_file_check(p, ours_file, "export"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "exists and was not written by BarqTrain: refusing to overwrite it"));
+    assert_int_equal(bt_out_file_check(p, NULL, "export"), BT_ERR_INVALID);
+    g_ours_file = 1;
+    assert_int_equal(bt_out_file_check(p, ours_file, "export"), BT_OK);
+    path_of(l, sizeof l, "link.gguf");
+    assert_int_equal(symlink(p, l), 0);
+    assert_int_equal(bt_out_file_check(l, ours_file, "export"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "is a symbolic link"));
+    assert_int_equal(bt_out_file_check(g_dir, ours_file, "export"), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "is a directory"));
+    path_of(p, sizeof p, "no/such/model.gguf");
+    assert_int_equal(bt_out_file_check(p, ours_file, "export"), BT_ERR_IO);
+    assert_non_null(strstr(bt_last_error(), "cannot be created"));
+    g_ours_file = 0;
+}
+
+/* A temporary directory of our name that is not ours (no marker, not empty) is never removed. */
+static void test_tmpdir_create_refuses_foreign(void **s) {
+    (void)s;
+    char tmp[128], p[192];
+    path_of(tmp, sizeof tmp, "out.tmp-77");
+    assert_int_equal(mkdir(tmp, 0755), 0);
+    snprintf(p, sizeof p, "%s/thesis.tex", tmp);
+    spit(p, "the user's");
+    assert_int_equal(bt_tmpdir_create(tmp, "adapter"), -1);
+    assert_non_null(strstr(bt_last_error(), "was not written by BarqTrain"));
+    assert_file_text(p, "the user's");
+    unlink(p);
+    assert_int_equal(bt_out_dir_mark(tmp, &k_test, "test"), BT_OK); /* ours: removed, made anew */
+    int fd = bt_tmpdir_create(tmp, "adapter");
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(n_entries(tmp), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_replace_dir_refuses_foreign, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_out_dir_check, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_remove_old_keeps_foreign, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_out_file_check, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_tmpdir_create_refuses_foreign, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_clean_stale_temps, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_commit, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_abort, setup_dir, teardown_dir),

@@ -231,20 +231,33 @@ static void test_read_file(void **st) {
     size_t n = 0;
     path_of(p, sizeof p, "r.txt");
     tu_write_file(NULL, p, "hello", 5);
-    assert_int_equal(bt_read_file(p, 0, &buf, &n), BT_OK);
+    assert_int_equal(bt_read_file(p, 1 << 20, &buf, &n), BT_OK);
     assert_int_equal(n, 5);
     assert_string_equal(buf, "hello");
     free(buf);
     assert_int_equal(bt_read_file(p, 4, &buf, &n), BT_ERR_RANGE);
     assert_null(buf);
-    assert_int_equal(bt_read_file(g_dir, 0, &buf, &n), BT_ERR_IO);
+    /* no unbounded whole-file read (issue 21 §11): a limit of 0 is the caller's error */
+    assert_int_equal(bt_read_file(p, 0, &buf, &n), BT_ERR_INVALID);
+    assert_null(buf);
+    /* a 3 GiB sparse file: refused by its size before anything is allocated or read */
+    path_of(p, sizeof p, "sparse.bin");
+    int sfd = open(p, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    assert_true(sfd >= 0);
+    assert_int_equal(ftruncate(sfd, (off_t)3 << 30), 0);
+    close(sfd);
+    assert_int_equal(bt_read_file(p, 64u << 20, &buf, &n), BT_ERR_RANGE);
+    assert_non_null(strstr(bt_last_error(), "3221225472 bytes, larger than the 67108864-byte limit"));
+    assert_null(buf);
+    unlink(p);
+    assert_int_equal(bt_read_file(g_dir, 1 << 20, &buf, &n), BT_ERR_IO);
     assert_non_null(strstr(bt_last_error(), "not a regular file"));
     path_of(p, sizeof p, "missing");
-    assert_int_equal(bt_read_file(p, 0, &buf, &n), BT_ERR_IO);
+    assert_int_equal(bt_read_file(p, 1 << 20, &buf, &n), BT_ERR_IO);
     /* a FIFO where a file was expected: refused at once, not a reader hung in open(2) */
     path_of(p, sizeof p, "fifo");
     assert_int_equal(mkfifo(p, 0600), 0);
-    assert_int_equal(bt_read_file(p, 0, &buf, &n), BT_ERR_IO);
+    assert_int_equal(bt_read_file(p, 1 << 20, &buf, &n), BT_ERR_IO);
     assert_non_null(strstr(bt_last_error(), "not a regular file"));
     bt_map m;
     assert_int_equal(bt_map_open(&m, p), BT_ERR_IO);
@@ -280,9 +293,9 @@ static void test_open_refusing_links(void **st) {
     assert_int_equal(bt_open_ro(via), -1);
     char *buf = NULL;
     size_t n;
-    assert_int_equal(bt_read_file(via, 0, &buf, &n), BT_ERR_IO);
+    assert_int_equal(bt_read_file(via, 1 << 20, &buf, &n), BT_ERR_IO);
     bt_open_refuse_symlinks(0);
-    assert_int_equal(bt_read_file(via, 0, &buf, &n), BT_OK);
+    assert_int_equal(bt_read_file(via, 1 << 20, &buf, &n), BT_OK);
     free(buf);
 }
 

@@ -51,11 +51,11 @@ static void test_loadb(void **st) {
     assert_int_equal(tu_make_tmpdir(dir, sizeof dir, "json"), 0);
     snprintf(p, sizeof p, "%s/config.json", dir);
     tu_write_file(NULL, p, BOM "{\"k\": [1, 2]}", 16);
-    assert_int_equal(bt_json_load_file(&j, p, 0, 0), BT_OK);
+    assert_int_equal(bt_json_load_file(&j, p, 0, 1 << 20), BT_OK);
     assert_int_equal(json_array_size(json_object_get(j, "k")), 2);
     json_decref(j);
     tu_write_file(NULL, p, "{\"k\": 1, \"k\": 2}", 16);
-    assert_int_equal(bt_json_load_file(&j, p, 0, 0), BT_ERR_FORMAT);
+    assert_int_equal(bt_json_load_file(&j, p, 0, 1 << 20), BT_ERR_FORMAT);
     assert_non_null(strstr(bt_last_error(), "config.json:1:"));
     assert_non_null(strstr(bt_last_error(), "duplicate key \"k\""));
     assert_int_equal(bt_json_load_file(&j, p, 0, 4), BT_ERR_RANGE);

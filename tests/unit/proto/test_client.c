@@ -1,6 +1,8 @@
 /* Tests for proto/client.c against a fake loaderd (a thread that answers one attach with a ring
- * memfd): the END_OF_DATA batch is checked for its job id like any batch, and a report made while
- * bt_client_next is reconnecting fails at once instead of waiting out the reconnect window. */
+ * memfd): the END_OF_DATA batch is checked for its job id like any batch, a report made while
+ * bt_client_next is reconnecting fails at once instead of waiting out the reconnect window, and
+ * a stream loaderd failed ends with loaderd's own reason, asked before the client detaches
+ * (issue 21 §9). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -178,10 +180,57 @@ static void test_report_fails_fast_while_reconnecting(void **s) {
     bt_client_close(c);
 }
 
+/* Answer one `jobs` request on a new connection: job JOB_ID failed with `why`. */
+typedef struct {
+    fake *f;
+    const char *why;
+    char request[256];
+} jobs_arg;
+
+static void *jobs_serve(void *arg) {
+    jobs_arg *a = arg;
+    int fd = accept(a->f->lfd, NULL, NULL);
+    if (fd < 0) return NULL;
+    size_t n = 0;
+    char c;
+    while (n + 1 < sizeof a->request && recv(fd, &c, 1, 0) == 1 && c != '\n') a->request[n++] = c;
+    a->request[n] = 0;
+    char rep[512];
+    int k = snprintf(rep, sizeof rep,
+                     "{\"v\":%d,\"ok\":true,\"op\":\"jobs\",\"jobs\":[{\"job_id\":3,\"state\":\"running\"},"
+                     "{\"job_id\":%u,\"name\":\"t\",\"state\":\"failed\",\"error\":\"%s\"}]}\n",
+                     BT_PROTO_VERSION, JOB_ID, a->why);
+    (void)send(fd, rep, (size_t)k, MSG_NOSIGNAL);
+    close(fd);
+    return NULL;
+}
+
+/* loaderd fails the job (closes the ring, keeps the connection): the client's error carries the
+ * job's error from loaderd's `jobs` list, which it asks while still attached (after a detach the
+ * job is gone from the list and the reason would be lost). */
+static void test_failed_job_reason(void **s) {
+    (void)s;
+    fake f;
+    bt_client *c = fake_attach(&f);
+    jobs_arg a = {&f, "every record is empty at seq_len 16 (4 records read)", ""};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, jobs_serve, &a), 0);
+    bt_ring_producer_close(&f.ring);
+    bt_batch_view v;
+    assert_int_equal(bt_client_next(c, &v, 10000), BT_ERR_CLOSED);
+    pthread_join(th, NULL);
+    assert_non_null(strstr(a.request, "\"op\":\"jobs\""));
+    assert_non_null(strstr(bt_last_error(), "loaderd closed the stream of job 7 before its end: job failed: every "
+                                            "record is empty at seq_len 16 (4 records read)"));
+    bt_client_close(c);
+    fake_close(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_end_of_data_checks_job_id, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_report_fails_fast_while_reconnecting, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_failed_job_reason, setup_dir, teardown_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -494,11 +495,54 @@ static void test_fingerprints(void **st) {
     bt_model_free(&m2);
 }
 
+static long peak_rss_kib(void) {
+    struct rusage ru;
+    assert_int_equal(getrusage(RUSAGE_SELF, &ru), 0);
+    return ru.ru_maxrss;
+}
+
+/* trainer_state.bin's size is checked before it is read (issue 21 §11): a 3 GiB sparse file is
+ * refused by its size without costing its size in memory; one that is too large for this job but
+ * whose header is another job's says which setting differs. */
+static void test_state_size_checked_before_reading(void **st) {
+    (void)st;
+    bt_train_config c;
+    config(&c, NULL);
+    bt_model m;
+    assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_FP32, 1, 42), 0);
+    bt_lora a;
+    lora_for(&a, &m, &c);
+    scribble(&a, 4);
+    char dir[300], file[400];
+    path(dir, sizeof dir, "huge");
+    snprintf(file, sizeof file, "%s/trainer_state.bin", dir);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL), 0);
+    assert_int_equal(truncate(file, (off_t)3 << 30), 0);
+    long rss0 = peak_rss_kib();
+    expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "is 3221225472 bytes, more than a checkpoint of this job's");
+    assert_true(peak_rss_kib() - rss0 < 64 * 1024); /* not read: well under its 3 GiB */
+    /* another job's (larger) checkpoint, grown past this job's limit: named by its identity */
+    bt_train_config c64;
+    config(&c64, ", \"seed\": 1234");
+    c64.lora.r = 64;
+    bt_lora b;
+    lora_for(&b, &m, &c64);
+    assert_int_equal(bt_checkpoint_save(dir, &c64, &m, &b, 3, NULL), 0);
+    assert_int_equal(truncate(file, (off_t)1 << 30), 0);
+    expect_refused(dir, &c, &m, &a, BT_ERR_INVALID, "lora.r: checkpoint 64, config 4");
+    bt_lora_free(&b);
+    bt_config_free(&c64);
+    bt_lora_free(&a);
+    bt_model_free(&m);
+    bt_config_free(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip), cmocka_unit_test(test_roundtrip_lora_plus),
         cmocka_unit_test(test_mismatch),  cmocka_unit_test(test_corrupt), cmocka_unit_test(test_nonfinite_never_saved),
         cmocka_unit_test(test_fingerprints), cmocka_unit_test(test_world),
+        cmocka_unit_test(test_state_size_checked_before_reading),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

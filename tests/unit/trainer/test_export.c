@@ -796,8 +796,8 @@ static void test_peft_bad_inputs(void **st) {
                        "[\"q_proj\", \"v_proj\"], \"eva_config\": null}";
     write_peft(dir, good, BAD_NONE);
     for (int fmt = 0; fmt < 4; fmt++) {
-        snprintf(out, sizeof out, "%s", tpath(fmt == BT_EXPORT_PEFT || fmt == BT_EXPORT_SAFETENSORS
-                                                  ? "bad_out_dir" : "bad_out.gguf"));
+        snprintf(out, sizeof out, "%s", tpath(fmt == BT_EXPORT_PEFT ? "bad_out_peft" : fmt == BT_EXPORT_SAFETENSORS
+                                                  ? "bad_out_st" : "bad_out.gguf"));
         bt_export_opts o = {base, dir, out, fmt, -1, 0};
         assert_int_equal(bt_export_run(&o), 0);
     }
@@ -811,6 +811,12 @@ static void test_peft_bad_inputs(void **st) {
         {"{\"peft_type\": \"LORA\", \"r\": 3, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\", \"v_proj\"]}",
          BAD_NONE}, /* r != tensors */
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": -1, \"target_modules\": [\"q_proj\"]}", BAD_NONE},
+        /* past the job config's limits (trainer/config.h BT_LORA_*; issue 21 §6: alpha 1e38 made
+         * every logit nan) */
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 1e38, \"target_modules\": [\"q_proj\", \"v_proj\"]}",
+         BAD_NONE},
+        {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 65536.5, \"target_modules\": [\"q_proj\", \"v_proj\"]}",
+         BAD_NONE},
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\", \"v_proj\"],"
          " \"use_dora\": true}", BAD_NONE},
         {"{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\", \"lm_head\"]}",
@@ -931,10 +937,14 @@ static void test_run_and_main(void **st) {
     assert_int_equal(bt_st_find(f, "lm_head.weight")->dtype, BT_ST_F16);
     bt_st_close(f);
     /* errors */
-    o = (bt_export_opts){tpath("missing.gguf"), adir, o1, BT_EXPORT_GGUF, -1, 0};
+    o = (bt_export_opts){tpath("missing.gguf"), adir, tpath("run_none.gguf"), BT_EXPORT_GGUF, -1, 0};
     assert_int_equal(bt_export_run(&o), BT_ERR_IO);
-    o = (bt_export_opts){base, tpath("missing_dir"), o1, BT_EXPORT_GGUF_LORA, -1, 0};
+    o = (bt_export_opts){base, tpath("missing_dir"), tpath("run_none.gguf"), BT_EXPORT_GGUF_LORA, -1, 0};
     assert_int_equal(bt_export_run(&o), BT_ERR_NOTFOUND);
+    /* a destination BarqTrain did not write is refused before anything is loaded (issue 21 §1) */
+    o = (bt_export_opts){tpath("missing.gguf"), adir, o1, BT_EXPORT_GGUF, -1, 0};
+    assert_int_equal(bt_export_run(&o), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "is a directory"));
     /* command line */
     char *a1[] = {"export", "--model", base, "--adapter", adir, "--format", "gguf-lora", "--out",
                   o2, "--dtype=f32", NULL};

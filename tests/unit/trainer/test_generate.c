@@ -295,6 +295,34 @@ static void test_infer_errors(void **st) {
     bt_model_free(&m);
 }
 
+/* Logits that overflow (an adapter whose weights are finite but huge: B A x past fp32) are an error
+ * naming the position, never sampled from (issue 21 §6); so is the decode loop's. */
+static void test_infer_nonfinite_logits(void **st) {
+    (void)st;
+    bt_llama_hparams hp = tiny_hp();
+    bt_model m;
+    assert_int_equal(bt_model_init_random(&m, &hp, BT_BASE_FP32, 1, 31), 0);
+    bt_lora lo;
+    make_lora(&lo, &m, 0);
+    for (int64_t i = 0; i < lo.n_lora; i++) lo.params[i] = 3e37f;
+    bt_infer *s = NULL;
+    assert_int_equal(bt_infer_new(&s, &m, &lo, 8, 4), 0);
+    float lg[2 * 96];
+    int32_t ids[2] = {1, 2};
+    assert_int_equal(bt_infer_forward(s, ids, 2, BT_INFER_LOGITS_LAST, lg), BT_ERR_DIVERGED);
+    assert_non_null(strstr(bt_last_error(), "infer: the logits at position 1 are not finite"));
+    bt_infer_reset(s);
+    assert_int_equal(bt_infer_forward(s, ids, 2, BT_INFER_LOGITS_ALL, lg), BT_ERR_DIVERGED);
+    assert_non_null(strstr(bt_last_error(), "at position 0"));
+    bt_gen_opts o = {4, 0.f, 1.f, 1, NULL, 0};
+    int n_new = -1;
+    assert_int_equal(bt_generate(s, ids, 2, &o, NULL, NULL, NULL, &n_new), BT_ERR_DIVERGED);
+    assert_int_equal(n_new, 0); /* no token was sampled */
+    bt_infer_free(s);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
+}
+
 static void test_sampler(void **st) {
     (void)st;
     enum { V = 200 };
@@ -519,6 +547,7 @@ int main(void) {
         cmocka_unit_test(test_decode_matches_full_tiny),
         cmocka_unit_test(test_loss_matches_step),
         cmocka_unit_test(test_infer_errors),
+        cmocka_unit_test(test_infer_nonfinite_logits),
         cmocka_unit_test(test_sampler),
         cmocka_unit_test(test_generate_loop),
         cmocka_unit_test(test_cli_usage_errors),

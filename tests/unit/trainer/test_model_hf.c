@@ -498,6 +498,12 @@ static void test_config_errors(void **st) {
     FAIL_WITH(BT_ERR_NOTFOUND, "vocab_size", .drop = "vocab_size");
     FAIL_WITH(BT_ERR_FORMAT, "intermediate_size", .extra = "{\"intermediate_size\": \"64\"}");
     FAIL_WITH(BT_ERR_FORMAT, "num_hidden_layers", .extra = "{\"num_hidden_layers\": -2}");
+    /* fewer layers than the weights hold: refused naming both counts, not a partial model (issue 21
+     * §11); every other dimension is held to the tensors' exact shapes (test_tensor_errors) */
+    FAIL_WITH(BT_ERR_FORMAT, "num_hidden_layers is 1, but model.safetensors holds the weights of 2 layers",
+              .extra = "{\"num_hidden_layers\": 1}");
+    FAIL_WITH(BT_ERR_FORMAT, "model.safetensors.index.json holds the weights of 2 layers (up to model.layers.1.*)",
+              .extra = "{\"num_hidden_layers\": 1}", .shards = 2);
     FAIL_WITH(BT_ERR_FORMAT, "rope_theta", .extra = "{\"rope_theta\": 0}");
     FAIL_WITH(BT_ERR_FORMAT, "tie_word_embeddings", .extra = "{\"tie_word_embeddings\": 1}");
     FAIL_WITH(BT_ERR_UNSUPPORTED, "GemmaForCausalLM", .arch = "GemmaForCausalLM");

@@ -41,6 +41,7 @@ typedef struct {
     const char *skip_tensor;  /* leave this tensor out */
     const char *bad_shape;    /* write this tensor with a wrong shape */
     int skip_head_count;
+    int block_count; /* llama.block_count written (0: the SL blocks the file holds) */
 } synth_opts;
 
 static float *g_wq_hf, *g_wk_hf; /* layer 1's HF-layout q/k written by make_synth */
@@ -59,7 +60,7 @@ static void make_synth(const char *path, const synth_opts *o) {
     assert_non_null(w);
     const char *arch = o->arch ? o->arch : "llama";
     assert_int_equal(bt_gguf_w_str(w, "general.architecture", arch, strlen(arch)), 0);
-    assert_int_equal(bt_gguf_w_u32(w, "llama.block_count", SL), 0);
+    assert_int_equal(bt_gguf_w_u32(w, "llama.block_count", o->block_count ? (uint32_t)o->block_count : SL), 0);
     assert_int_equal(bt_gguf_w_u32(w, "llama.embedding_length", SD), 0);
     if (!o->skip_head_count) assert_int_equal(bt_gguf_w_u32(w, "llama.attention.head_count", SH), 0);
     assert_int_equal(bt_gguf_w_u32(w, "llama.attention.head_count_kv", SKV), 0);
@@ -165,6 +166,9 @@ static void test_synthetic(void **st) {
         {{.skip_tensor = "output_norm.weight"}, BT_ERR_NOTFOUND, "output_norm.weight"},
         {{.bad_shape = "blk.0.ffn_down.weight"}, BT_ERR_FORMAT, "blk.0.ffn_down.weight"},
         {{.skip_head_count = 1}, BT_ERR_NOTFOUND, "llama.attention.head_count"},
+        /* a header claiming fewer blocks than the file holds: never a silently partial model
+         * (issue 21 §11) */
+        {{.block_count = SL - 1}, BT_ERR_FORMAT, "llama.block_count is 1, but the file holds the tensors of 2 blocks"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         make_synth(path, &bad[i].o);

@@ -381,7 +381,7 @@ static void test_long_context_keys(void **st) {
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", g1, 2), 0);
     assert_int_equal(bt_config_s2_group(&c), 250);
     bt_config_free(&c);
-    const char *g2[] = {"data.seq_len=3", "attention.s2.group_fraction=0.1"};
+    const char *g2[] = {"data.seq_len=16", "attention.s2.group_fraction=0.1"};
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", g2, 2), 0);
     assert_int_equal(bt_config_s2_group(&c), 2);
     bt_config_free(&c);
@@ -490,6 +490,55 @@ static void test_socket_rule_and_dist_keys(void **st) {
     assert_non_null(strstr(bt_last_error(), "dist.secret_file"));
 }
 
+/* Each output directory belongs to one writer (issue 21 §1): out_dir, checkpoint_dir and
+ * report.dir are three directories, none inside another. */
+static void test_output_dirs_not_nested(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "checkpoint_dir=\"runs/adapter/ckpt\"", "checkpoint_dir: \"runs/adapter/ckpt\" is inside out_dir");
+    expect_refused(MINIMAL, "report.dir=\"runs/adapter\"", "report.dir: \"runs/adapter\" is the same directory as out_dir");
+    expect_refused(MINIMAL, "out_dir=\"runs\"", "checkpoint_dir: \"runs/checkpoint\" is inside out_dir");
+    bt_train_config c;
+    const char *same[] = {"out_dir=\"runs/x\"", "checkpoint_dir=\"runs/x/\""}; /* no checkpoints: allowed */
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", same, 2), 0);
+    bt_config_free(&c);
+}
+
+/* The LoRA limits are one definition shared with the adapter loader (trainer/config.h BT_LORA_*;
+ * issue 21 §6). */
+static void test_lora_limits(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "lora.r=4097", "lora.r: expected an integer in [1, 4096]");
+    expect_refused(MINIMAL, "lora.lora_alpha=1e38", "lora.lora_alpha: expected a number in (0, 65536]");
+}
+
+/* What loaderd would refuse is refused here, from proto/job_limits.h (issue 21 §9). */
+static void test_loaderd_limits(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "data.seq_len=15", "data.seq_len: expected an integer in [16, 1048576], got 15");
+    expect_refused(MINIMAL, "eval.lengths=[8]", "eval.lengths");
+    bt_train_config c;
+    const char *sixteen[] = {"data.seq_len=16"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", sixteen, 1), 0);
+    bt_config_free(&c);
+}
+
+/* A --set key path names exactly one key (issue 21 §11): empty segments, leading / trailing dots
+ * and comment keys are refused, not read as another key. */
+static void test_set_paths(void **st) {
+    (void)st;
+    expect_refused(MINIMAL, "optim..lr=0.5", "the key path \"optim..lr\" has an empty segment");
+    expect_refused(MINIMAL, ".optim.lr=0.5", "starts with '.'");
+    expect_refused(MINIMAL, "optim.lr.=0.5", "ends with '.'");
+    expect_refused(MINIMAL, ".=0.5", "starts with '.'");
+    expect_refused(MINIMAL, "optim.#lr=0.5", "comment key");
+    expect_refused(MINIMAL, "#note=x", "comment key");
+    bt_train_config c;
+    const char *ok[] = {"optim.lr=0.5"};
+    assert_int_equal(bt_config_parse(&c, MINIMAL, "t", ok, 1), 0);
+    assert_true(c.optim.lr == 0.5);
+    bt_config_free(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),   cmocka_unit_test(test_full_and_sets),
@@ -498,6 +547,10 @@ int main(void) {
         cmocka_unit_test(test_comment_keys), cmocka_unit_test(test_templates), cmocka_unit_test(test_cuda_keys),
         cmocka_unit_test(test_socket_rule_and_dist_keys),
         cmocka_unit_test(test_long_context_keys),
+        cmocka_unit_test(test_output_dirs_not_nested),
+        cmocka_unit_test(test_lora_limits),
+        cmocka_unit_test(test_loaderd_limits),
+        cmocka_unit_test(test_set_paths),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
