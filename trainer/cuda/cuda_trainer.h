@@ -35,7 +35,7 @@ extern "C" {
 #endif
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
-#include "trainer/loop/step.h"
+#include "trainer/backend/microbatch.h"
 
 typedef struct bt_cuda_trainer bt_cuda_trainer;
 
@@ -176,7 +176,7 @@ int bt_cuda_trainer_allgather(bt_cuda_trainer *t, const void *mine, void *all, s
 /* Peak device memory in use by the process since the trainer was created (cudaMemGetInfo samples
  * taken after each step), in bytes, and the baseline before the trainer allocated anything. */
 size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline);
-/* Profile the next bt_cuda_trainer_step calls into p (trainer/loop/profile.h; NULL = off): every
+/* Profile the next bt_cuda_trainer_step calls into p (trainer/backend/profile.h; NULL = off): every
  * kernel / cuBLAS launch of the step is timed with a pair of CUDA events on the trainer's stream
  * and added to p under the launcher's name ("rmsnorm_fwd", "gemm", "attn_fwd", "lora_fwd", ...)
  * once the step has synchronised. p is borrowed and must outlive its use. */

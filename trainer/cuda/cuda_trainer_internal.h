@@ -6,7 +6,7 @@
 #endif
 extern "C" {
 #include "common/bt_common.h"
-#include "trainer/loop/profile.h"
+#include "trainer/backend/profile.h"
 #include "trainer/model/rng.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
@@ -25,7 +25,7 @@ static inline int btc_cuda_(cudaError_t e, const char *what, const char *file, i
     return bt_fail(BT_ERR_IO, "cuda: %s:%d: %s: %s", file, line, what, cudaGetErrorString(e));
 }
 #define BTC_CUDA(call) btc_cuda_((call), #call, __FILE__, __LINE__)
-/* `trainer train --profile` on the GPU (trainer/loop/profile.h): while a step is profiled,
+/* `trainer train --profile` on the GPU (trainer/backend/profile.h): while a step is profiled,
  * btc_prof_cur points at its state and every BTC_L launch is bracketed by two CUDA events recorded
  * on the step's stream; bt_cuda_trainer_step turns them into per-op times after it synchronises. */
 struct btc_prof_rec {

@@ -27,18 +27,9 @@
 #define BT_TRAINER_STEP_H
 #include <stdint.h>
 
+#include "trainer/backend/microbatch.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
-
-/* A packed micro-batch (borrowed arrays, proto/batch.h conventions). */
-typedef struct {
-    int B, T;                    /* M = B * T tokens */
-    const int32_t *input_ids;    /* [M] in [0, vocab) */
-    const int32_t *labels;       /* [M] unshifted, -100 = no loss */
-    const int32_t *position_ids; /* [M] >= 0 */
-    const int32_t *cu_seqlens;   /* [n_cu], 0 .. M strictly increasing, every row start present */
-    int n_cu;
-} bt_microbatch;
 
 typedef struct bt_step_ctx bt_step_ctx;
 
@@ -51,7 +42,7 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
 void bt_step_ctx_free(bt_step_ctx *c);
 /* Bytes of workspace held (for logs). */
 size_t bt_step_ctx_bytes(const bt_step_ctx *c);
-/* Profile every op of the following forward/backward calls into p (trainer/loop/profile.h; borrowed,
+/* Profile every op of the following forward/backward calls into p (trainer/backend/profile.h; borrowed,
  * must outlive its use); NULL turns profiling off (the default; then nothing is timed). */
 struct bt_prof;
 void bt_step_ctx_set_profile(bt_step_ctx *c, struct bt_prof *p);
@@ -67,11 +58,6 @@ int bt_step_set_s2(bt_step_ctx *c, int s2_group);
  * trainer uses it to stop mid-step on a signal (BT_ERR_CANCELLED) whatever the step's length:
  * the wait is bounded by one layer's forward or backward. check NULL (default): never asked. */
 void bt_step_ctx_set_check(bt_step_ctx *c, int (*check)(void *arg), void *arg);
-
-/* Check the micro-batch against the model (ids and labels in range, cu_seqlens well formed,
- * M <= max_M) and write the shifted targets into targets[M] (may be NULL). Returns the number of
- * labelled targets (>= 0), or BT_ERR_INVALID / BT_ERR_RANGE with a message. */
-int bt_shift_targets(int32_t *targets, const bt_microbatch *mb, int vocab);
 
 /* Forward (and backward when `backward`: a training pass, with S^2-Attn if set) of one
  * micro-batch.

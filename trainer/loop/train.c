@@ -25,7 +25,7 @@
 #include "trainer/dist/dist.h"
 #include "trainer/dist/dist_monitor.h"
 #include "trainer/loop/optim.h"
-#include "trainer/loop/profile.h"
+#include "trainer/backend/profile.h"
 #include "trainer/report/report.h"
 #include "trainer/model/rng.h"
 #include "trainer/loop/run_internal.h"

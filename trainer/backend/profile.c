@@ -1,5 +1,5 @@
 /* Per-op step profile. See profile.h. */
-#include "trainer/loop/profile.h"
+#include "trainer/backend/profile.h"
 
 #include <errno.h>
 #include <jansson.h>
