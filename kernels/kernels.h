@@ -1,6 +1,9 @@
-/* BarqTrain numeric kernels: the backend-neutral API. This header is the CPU (fp32) reference
- * backend's API, implemented in kernels/cpu/ (OpenBLAS sgemm for matmuls, threads via OpenMP
- * where it pays). All tensors are row-major, contiguous, fp32 unless stated; M = number of
+/* BarqTrain numeric kernels, CPU reference API: the fp32 kernels of kernels/cpu/ (one file per op:
+ * linear, nf4, ggml, norm, rope, attention, swiglu, embedding, loss, optim; OpenBLAS sgemm for
+ * matmuls, threads via OpenMP where it pays). They define the numerics every other backend is
+ * checked against: kernels/cuda/kernels_cuda.h is the GPU API, with the same op names file for
+ * file (kernels/cpu/X.c <-> kernels/cuda/X.cu), and tests/gpu/ compares each launcher with the
+ * function here. All tensors are row-major, contiguous, fp32 unless stated; M = number of
  * tokens (B*T flattened). Weights follow torch.nn.Linear: W[out, in].
  * Functions with `beta` compute out = op(...) + beta * out (beta 0 overwrites). */
 #ifndef BT_KERNELS_H
@@ -114,16 +117,39 @@ void bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, fl
 
 /* RoPE with a precomputed inverse-frequency table (kernels/cpu/rope.c): x [M, H, D] fp32 rotated in
  * place, pair (x[i], x[i+D/2]) by angle ((float)position_ids[m] * pos_scale) * inv_freq[i] (fp32,
- * cos/sin in double rounded to fp32); inv_freq [D/2] fp32, borrowed (read during the call; the
- * cos/sin cache keeps its own copy). position_ids [M] int32 (any value; negative or >= 2^20 are
- * computed uncached). D even. No errors (M, H <= 0 or D < 2 do nothing). bt_rope_fwd(theta) equals
- * bt_rope_fwd_freq with the "default" table of bt_rope_inv_freq, bit for bit. */
+ * cos/sin in double rounded to fp32); inv_freq [D/2] fp32, borrowed (read during the call).
+ * position_ids [M] int32 (any value). D even. No errors (M, H <= 0 or D < 2 do nothing).
+ * Every row's cos/sin is computed here; bt_rope_fwd_cached is the same rotation with a table kept
+ * between calls. bt_rope_fwd(theta) equals bt_rope_fwd_freq with the "default" table of
+ * bt_rope_inv_freq, bit for bit. */
 void bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
                       const float *inv_freq, float pos_scale);
 /* Backward of bt_rope_fwd_freq: dx [M, H, D] in place gets the transposed (inverse) rotation
  * dx[i] = dy[i]*cos + dy[i+D/2]*sin, dx[i+D/2] = dy[i+D/2]*cos - dy[i]*sin. Same arguments. */
 void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
                       const float *inv_freq, float pos_scale);
+/* The cos/sin table of bt_rope_fwd_cached / bt_rope_bwd_cached, owned by its user (the trainer's
+ * step context, the inference state: never process-wide). Zero-initialised = empty; the first
+ * call builds the table of its (inv_freq, pos_scale, D) for positions [0, max(4096, needed)), a
+ * later call with more positions doubles it (capped at 2^20 positions: beyond, rows are computed
+ * directly), and one with another table, scale or head size replaces it (cos_sin: npos * D/2
+ * (cos, sin) fp32 pairs; inv: a copy of the inv_freq it was built from). Not thread-safe: one
+ * caller at a time (the rotation itself runs on OpenMP threads). bt_rope_cache_free releases it
+ * and leaves it empty; NULL is a no-op. */
+typedef struct {
+    float pos_scale;
+    int D, npos;    /* the table covers positions [0, npos) for head dim D */
+    float *inv;     /* [D/2] */
+    float *cos_sin; /* [npos][D/2][2] */
+} bt_rope_cache;
+void bt_rope_cache_free(bt_rope_cache *cache);
+/* bt_rope_fwd_freq / bt_rope_bwd_freq with the cos/sin table kept in *cache (NULL: none, every
+ * row computed): bit for bit the same results (the table holds the same fp32 values). When the
+ * table cannot be allocated, rows are computed directly (no error). */
+void bt_rope_fwd_cached(bt_rope_cache *cache, float *x, const int32_t *position_ids, int M, int H,
+                        int D, const float *inv_freq, float pos_scale);
+void bt_rope_bwd_cached(bt_rope_cache *cache, float *dx, const int32_t *position_ids, int M, int H,
+                        int D, const float *inv_freq, float pos_scale);
 /* inv_freq [D/2] fp32 (caller-owned output) as transformers 4.46 modeling_rope_utils.py computes
  * it in fp32 (ROPE_INIT_FUNCTIONS[type]): type NULL or "default" (_compute_default_rope_parameters:
  * 1.0 / theta ** (arange(0, D, 2).float() / D)); "linear" (_compute_linear_scaling_rope_parameters:

@@ -7,31 +7,19 @@
  * modeling_rope_utils.py does: "default" 1 / theta^(2i/D), "linear", "llama3"); p = (float)position
  * * pos_scale in fp32 and the angle = p * inv_freq[i] rounded to fp32 like HF's fp32 matmul; cos/sin
  * of that fp32 angle are evaluated in double and rounded (torch's fp32 cos/sin are within ~1 ulp
- * of that). cos/sin tables are cached per (inv_freq table, pos_scale, D) for positions [0, cached)
- * and grown on demand under a rwlock; positions outside [0, 1<<20) are computed directly. */
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* pthread_rwlock_t under -std=c17 */
-#endif
+ * of that). The _cached forms keep a cos/sin table per (inv_freq table, pos_scale, D) for positions
+ * [0, npos) in a cache their caller owns (bt_rope_cache: the step context's, the inference
+ * state's), grown on demand; positions outside [0, 1<<20), and every position of the uncached
+ * forms, are computed directly, with the same function, so both give the same bits. */
 #include "kernels/kernels.h"
 
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/bt_common.h"
 
 #define BT_ROPE_MAX_CACHED_POS (1 << 20)
-
-typedef struct {
-    pthread_rwlock_t lock;
-    float pos_scale;
-    int D, npos;    /* table covers positions [0, npos) for head dim D */
-    float *inv;     /* [D/2] copy of the inv_freq table the cos/sin table was built from */
-    float *cos_sin; /* [npos][D/2][2]: cos, sin interleaved */
-} rope_cache;
-
-static rope_cache g_rope = {PTHREAD_RWLOCK_INITIALIZER, 0.0f, 0, 0, NULL, NULL};
 
 static void rope_angle_cs(int32_t pos, float inv_freq, float pos_scale, float *c, float *s)
 {
@@ -41,62 +29,75 @@ static void rope_angle_cs(int32_t pos, float inv_freq, float pos_scale, float *c
     *s = (float)sin((double)ang);
 }
 
-/* The cache holds (inv, pos_scale, D) covering [0, need). Caller holds a lock. */
-static int rope_cache_hit(int need, int D, const float *inv, float pos_scale)
+void bt_rope_cache_free(bt_rope_cache *c)
 {
-    return g_rope.cos_sin && g_rope.D == D && g_rope.pos_scale == pos_scale &&
-           g_rope.npos >= need && !memcmp(g_rope.inv, inv, (size_t)(D / 2) * sizeof(float));
+    if (!c)
+        return;
+    free(c->cos_sin);
+    free(c->inv);
+    memset(c, 0, sizeof *c);
 }
 
-/* Ensure the cache covers positions [0, need) for (inv, pos_scale, D); returns with the read lock
- * held, or with no lock held and NULL if allocation failed (callers then compute directly). */
-static const float *rope_table_acquire(int need, int D, const float *inv, float pos_scale)
+/* The cos/sin table of c covering positions [0, need) for (inv, pos_scale, D), built or grown
+ * when it does not (a different table, scale or head size replaces it); NULL without a cache or
+ * when the allocation fails (the caller then computes every row directly). */
+static const float *rope_table(bt_rope_cache *c, int need, int D, const float *inv, float pos_scale)
 {
-    pthread_rwlock_rdlock(&g_rope.lock);
-    if (rope_cache_hit(need, D, inv, pos_scale))
-        return g_rope.cos_sin;
-    pthread_rwlock_unlock(&g_rope.lock);
-
-    pthread_rwlock_wrlock(&g_rope.lock);
-    if (!rope_cache_hit(need, D, inv, pos_scale)) {
-        const int half = D / 2;
-        const int same = g_rope.cos_sin && g_rope.D == D && g_rope.pos_scale == pos_scale &&
-                         !memcmp(g_rope.inv, inv, (size_t)half * sizeof(float));
-        int npos = need < 4096 ? 4096 : need;
-        if (same && npos < 2 * g_rope.npos)
-            npos = 2 * g_rope.npos;
-        if (npos > BT_ROPE_MAX_CACHED_POS)
-            npos = BT_ROPE_MAX_CACHED_POS;
-        float *t = malloc((size_t)npos * (size_t)half * 2 * sizeof(float));
-        float *ic = malloc((size_t)half * sizeof(float));
-        if (!t || !ic) {
-            free(t);
-            free(ic);
-            pthread_rwlock_unlock(&g_rope.lock);
-            return NULL;
-        }
-        memcpy(ic, inv, (size_t)half * sizeof(float));
-#pragma omp parallel for schedule(static)
-        for (int p = 0; p < npos; p++)
-            for (int i = 0; i < half; i++)
-                rope_angle_cs(p, ic[i], pos_scale, &t[((size_t)p * half + i) * 2],
-                              &t[((size_t)p * half + i) * 2 + 1]);
-        free(g_rope.cos_sin);
-        free(g_rope.inv);
-        g_rope.cos_sin = t;
-        g_rope.inv = ic;
-        g_rope.npos = npos;
-        g_rope.D = D;
-        g_rope.pos_scale = pos_scale;
+    if (!c)
+        return NULL;
+    const int half = D / 2;
+    const int same = c->cos_sin && c->D == D && c->pos_scale == pos_scale &&
+                     !memcmp(c->inv, inv, (size_t)half * sizeof(float));
+    if (same && c->npos >= need)
+        return c->cos_sin;
+    int npos = need < 4096 ? 4096 : need;
+    if (same && npos < 2 * c->npos)
+        npos = 2 * c->npos;
+    if (npos > BT_ROPE_MAX_CACHED_POS)
+        npos = BT_ROPE_MAX_CACHED_POS;
+    float *t = malloc((size_t)npos * (size_t)half * 2 * sizeof(float));
+    float *ic = malloc((size_t)half * sizeof(float));
+    if (!t || !ic) {
+        free(t);
+        free(ic);
+        return NULL;
     }
-    pthread_rwlock_unlock(&g_rope.lock);
-    /* re-acquire for reading; another thread may have replaced the table meanwhile, so re-check */
-    return rope_table_acquire(need, D, inv, pos_scale);
+    memcpy(ic, inv, (size_t)half * sizeof(float));
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < npos; p++)
+        for (int i = 0; i < half; i++)
+            rope_angle_cs(p, ic[i], pos_scale, &t[((size_t)p * half + i) * 2],
+                          &t[((size_t)p * half + i) * 2 + 1]);
+    free(c->cos_sin);
+    free(c->inv);
+    c->cos_sin = t;
+    c->inv = ic;
+    c->npos = npos;
+    c->D = D;
+    c->pos_scale = pos_scale;
+    return t;
 }
 
-/* dir = +1: forward rotation; dir = -1: inverse (transpose) rotation. */
-static void rope_apply(float *x, const int32_t *pos, int M, int H, int D, const float *inv,
-                       float pos_scale, float dir)
+/* Rotate the H heads of one token by the (cos, sin) pairs cs[2i], cs[2i+1] (sin times dir). */
+static inline void rope_rotate_row(float *x, int H, int D, const float *cs, float dir)
+{
+    const int half = D / 2;
+    for (int h = 0; h < H; h++) {
+        float *xr = x + (size_t)h * D;
+#pragma omp simd
+        for (int i = 0; i < half; i++) {
+            const float c = cs[2 * i], s = dir * cs[2 * i + 1];
+            const float x1 = xr[i], x2 = xr[i + half];
+            xr[i] = x1 * c - x2 * s;
+            xr[i + half] = x2 * c + x1 * s;
+        }
+    }
+}
+
+/* dir = +1: forward rotation; dir = -1: inverse (transpose) rotation. cache NULL: every row's
+ * cos/sin computed directly. */
+static void rope_apply(bt_rope_cache *cache, float *x, const int32_t *pos, int M, int H, int D,
+                       const float *inv, float pos_scale, float dir)
 {
     if (M <= 0 || H <= 0 || D < 2)
         return;
@@ -106,49 +107,27 @@ static void rope_apply(float *x, const int32_t *pos, int M, int H, int D, const 
         if (pos[m] > maxp)
             maxp = pos[m];
     const int need = maxp < BT_ROPE_MAX_CACHED_POS ? maxp + 1 : BT_ROPE_MAX_CACHED_POS;
-    const float *tab = rope_table_acquire(need, D, inv, pos_scale);
+    const float *tab = rope_table(cache, need, D, inv, pos_scale);
 #pragma omp parallel for schedule(static) if ((int64_t)M * H * D >= 32768)
     for (int m = 0; m < M; m++) {
         const int32_t p = pos[m];
-        float cs_local[2 * 256];
-        const float *cs;
+        float *xm = x + (size_t)m * H * D;
         if (tab && p >= 0 && p < need) {
-            cs = tab + (size_t)p * half * 2;
-        } else {
-            /* uncached position (negative, huge, or no table): compute this row directly */
-            float *buf = cs_local;
-            float *heap = NULL;
-            if (half > 256)
-                buf = heap = malloc((size_t)half * 2 * sizeof(float));
-            if (!buf)
-                continue;
-            for (int i = 0; i < half; i++)
-                rope_angle_cs(p, inv[i], pos_scale, &buf[2 * i], &buf[2 * i + 1]);
-            for (int h = 0; h < H; h++) {
-                float *xr = x + ((size_t)m * H + h) * D;
-                for (int i = 0; i < half; i++) {
-                    const float c = buf[2 * i], s = dir * buf[2 * i + 1];
-                    const float x1 = xr[i], x2 = xr[i + half];
-                    xr[i] = x1 * c - x2 * s;
-                    xr[i + half] = x2 * c + x1 * s;
-                }
-            }
-            free(heap);
+            rope_rotate_row(xm, H, D, tab + (size_t)p * half * 2, dir);
             continue;
         }
-        for (int h = 0; h < H; h++) {
-            float *xr = x + ((size_t)m * H + h) * D;
-#pragma omp simd
-            for (int i = 0; i < half; i++) {
-                const float c = cs[2 * i], s = dir * cs[2 * i + 1];
-                const float x1 = xr[i], x2 = xr[i + half];
-                xr[i] = x1 * c - x2 * s;
-                xr[i + half] = x2 * c + x1 * s;
-            }
-        }
+        /* uncached position (negative, huge, or no table): compute this row directly */
+        float cs_local[2 * 256];
+        float *buf = cs_local, *heap = NULL;
+        if (half > 256)
+            buf = heap = malloc((size_t)half * 2 * sizeof(float));
+        if (!buf)
+            continue;
+        for (int i = 0; i < half; i++)
+            rope_angle_cs(p, inv[i], pos_scale, &buf[2 * i], &buf[2 * i + 1]);
+        rope_rotate_row(xm, H, D, buf, dir);
+        free(heap);
     }
-    if (tab)
-        pthread_rwlock_unlock(&g_rope.lock);
 }
 
 /* HF _compute_default_rope_parameters in fp32:
@@ -331,13 +310,25 @@ int bt_rope_inv_freq_dynamic(float *inv_freq, int D, float theta, float factor, 
 void bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
                       const float *inv_freq, float pos_scale)
 {
-    rope_apply(x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
+    rope_apply(NULL, x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
 }
 
 void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
                       const float *inv_freq, float pos_scale)
 {
-    rope_apply(dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
+    rope_apply(NULL, dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
+}
+
+void bt_rope_fwd_cached(bt_rope_cache *cache, float *x, const int32_t *position_ids, int M, int H,
+                        int D, const float *inv_freq, float pos_scale)
+{
+    rope_apply(cache, x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
+}
+
+void bt_rope_bwd_cached(bt_rope_cache *cache, float *dx, const int32_t *position_ids, int M, int H,
+                        int D, const float *inv_freq, float pos_scale)
+{
+    rope_apply(cache, dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
 }
 
 /* The theta form: the default table (on the stack up to D = 1024) then the table form. */
@@ -350,7 +341,7 @@ static void rope_theta_apply(float *x, const int32_t *pos, int M, int H, int D, 
     if (D / 2 > 512 && !(inv = heap = malloc((size_t)(D / 2) * sizeof(float))))
         return;
     default_inv_freq(inv, D, theta);
-    rope_apply(x, pos, M, H, D, inv, pos_scale, dir);
+    rope_apply(NULL, x, pos, M, H, D, inv, pos_scale, dir);
     free(heap);
 }
 

@@ -20,6 +20,7 @@ struct bt_infer {
     float *x, *xn, *q, *att, *lse, *g, *u, *h, *as, *scratch, *scores;
     float *rope_tab;         /* [hd/2] dynamic NTK: the table grown to dyn_len (0 = the model's) */
     int64_t dyn_len;
+    bt_rope_cache rope;      /* cos/sin of the RoPE table by position (kernels.h), this state's own */
     int32_t *pos_ids;        /* [max_chunk] */
     size_t bytes;
 };
@@ -49,6 +50,7 @@ void bt_infer_free(bt_infer *s) {
     free(s->scores);
     free(s->pos_ids);
     free(s->rope_tab);
+    bt_rope_cache_free(&s->rope);
     free(s);
 }
 
@@ -202,8 +204,8 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
         proj(s, l, BT_MOD_Q, s->q, s->xn, n, 0.f);
         proj(s, l, BT_MOD_K, kc, s->xn, n, 0.f);
         proj(s, l, BT_MOD_V, vc, s->xn, n, 0.f);
-        bt_rope_fwd_freq(s->q, s->pos_ids, n, s->Hq, s->hd, inv, 1.0f);
-        bt_rope_fwd_freq(kc, s->pos_ids, n, s->Hkv, s->hd, inv, 1.0f);
+        bt_rope_fwd_cached(&s->rope, s->q, s->pos_ids, n, s->Hq, s->hd, inv, 1.0f);
+        bt_rope_fwd_cached(&s->rope, kc, s->pos_ids, n, s->Hkv, s->hd, inv, 1.0f);
         if (p0 == 0) {
             int32_t cu[2] = {0, n};
             bt_attn_fwd(s->att, s->lse, s->q, kc, vc, cu, 1, n, s->Hq, s->Hkv, s->hd,

@@ -23,6 +23,7 @@ struct bt_step_ctx {
     float attn_scale;  /* bt_model_attn_scale */
     float *rope_tab;   /* [hd/2] the pass's RoPE table when it differs from m->inv_freq (dynamic) */
     const float *inv;  /* the RoPE table of the pass in progress */
+    bt_rope_cache rope; /* cos/sin of `inv` by position (kernels.h), this context's own */
     int D, Dq, Dkv, F, V, r, Hq, Hkv, hd;
     float **x_in;      /* [n_layer + 1][max_M * D]: input of each layer; [n_layer] = final hidden */
     layer_acts *acts;  /* [n_layer], or [1] shared when checkpointing */
@@ -81,6 +82,7 @@ void bt_step_ctx_free(bt_step_ctx *c) {
     free(c->x_in);
     free(c->acts);
     free(c->targets);
+    bt_rope_cache_free(&c->rope);
     free(c);
 }
 
@@ -213,9 +215,9 @@ static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
     proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
     OP(c, "rope fwd", F4((int64_t)M * c->Dq),
-       bt_rope_fwd_freq(A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+       bt_rope_fwd_cached(&c->rope, A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
-       bt_rope_fwd_freq(A->k, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+       bt_rope_fwd_cached(&c->rope, A->k, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
     int rc;
     OP(c, "attention fwd", F4((int64_t)M * (c->Dq + c->Hq)),
        rc = bt_attn_fwd_s2(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M,
@@ -265,9 +267,9 @@ static int layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
                            c->s2_now));
     if (rc) return rc;
     OP(c, "rope bwd", F4((int64_t)M * c->Dq),
-       bt_rope_bwd_freq(c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+       bt_rope_bwd_cached(&c->rope, c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
-       bt_rope_bwd_freq(c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+       bt_rope_bwd_cached(&c->rope, c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
     proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);

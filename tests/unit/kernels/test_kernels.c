@@ -233,6 +233,85 @@ static void test_rope_inverse_and_transpose(void **state)
     free(x), free(x0), free(y), free(y0);
 }
 
+/* The cos/sin cache belongs to its caller (bt_rope_cache; the step context and the inference
+ * state each own one): the cached rotation equals the computed one bit for bit whatever the cache
+ * holds (empty, grown, replaced by another table or scale, positions past it or negative), and a
+ * cache is touched only by the calls given it, so two callers with different tables never share
+ * (or thrash) one table. */
+static void test_rope_cache_owned_and_exact(void **state)
+{
+    (void)state;
+    enum { M = 10, H = 2, D = 64, HALF = D / 2 };
+    const int32_t pos[M] = {0, 1, 4095, 4096, 9000, 5, -3, 7, 8191, 2};
+    float inv_a[HALF], inv_b[HALF];
+    assert_int_equal(bt_rope_inv_freq(inv_a, D, 10000.0f, NULL, 1, 1, 1, 0), 0);
+    assert_int_equal(bt_rope_inv_freq(inv_b, D, 500000.0f, "linear", 4.0f, 1, 1, 0), 0);
+    float *x0 = rand_buf(M * H * D, 1), *want = malloc(sizeof(float) * M * H * D),
+          *got = malloc(sizeof(float) * M * H * D);
+    assert_non_null(want);
+    assert_non_null(got);
+    bt_rope_cache ca, cb;
+    memset(&ca, 0, sizeof ca);
+    memset(&cb, 0, sizeof cb);
+    /* (table, pos_scale, positions used, direction) in an order that builds, grows, replaces and
+     * reuses the caches */
+    const struct {
+        const float *inv;
+        float scale;
+        int m;
+        int fwd;
+        bt_rope_cache *c;
+    } calls[] = {
+        {inv_a, 1.0f, 3, 1, &ca},  /* builds ca for [0, 4096) */
+        {inv_a, 1.0f, 5, 0, &ca},  /* 9000: grows ca */
+        {inv_b, 1.0f, 10, 1, &cb}, /* cb is another table: ca stays */
+        {inv_a, 1.0f, 10, 1, &ca}, /* a hit; -3 is a computed row */
+        {inv_a, 0.5f, 10, 0, &ca}, /* another scale: replaces ca */
+        {inv_b, 1.0f, 4, 0, &cb},
+    };
+    for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++) {
+        const int n = calls[k].m * H * D;
+        memcpy(want, x0, sizeof(float) * n);
+        memcpy(got, x0, sizeof(float) * n);
+        if (calls[k].fwd) {
+            bt_rope_fwd_freq(want, pos, calls[k].m, H, D, calls[k].inv, calls[k].scale);
+            bt_rope_fwd_cached(calls[k].c, got, pos, calls[k].m, H, D, calls[k].inv, calls[k].scale);
+        } else {
+            bt_rope_bwd_freq(want, pos, calls[k].m, H, D, calls[k].inv, calls[k].scale);
+            bt_rope_bwd_cached(calls[k].c, got, pos, calls[k].m, H, D, calls[k].inv, calls[k].scale);
+        }
+        if (memcmp(want, got, sizeof(float) * n))
+            fail_msg("call %zu: the cached rotation differs from the computed one", k);
+        /* the cache given holds this call's table; the other one is untouched */
+        assert_non_null(calls[k].c->cos_sin);
+        assert_memory_equal(calls[k].c->inv, calls[k].inv, sizeof inv_a);
+        assert_true(calls[k].c->pos_scale == calls[k].scale && calls[k].c->D == D);
+        if (k == 0)
+            assert_int_equal(ca.npos, 4096);
+        if (k == 1)
+            assert_int_equal(ca.npos, 9001); /* > 2 * 4096: exactly what was asked */
+        if (k == 2 || k == 3) {
+            assert_memory_equal(ca.inv, inv_a, sizeof inv_a);
+            assert_memory_equal(cb.inv, inv_b, sizeof inv_b);
+        }
+        if (k >= 3)
+            assert_int_equal(ca.npos, 9001);
+    }
+    /* the theta form is the default table, uncached, bit for bit */
+    memcpy(want, x0, sizeof(float) * M * H * D);
+    memcpy(got, x0, sizeof(float) * M * H * D);
+    bt_rope_fwd(want, pos, M, H, D, 10000.0f, 1.0f);
+    bt_rope_fwd_cached(&cb, got, pos, M, H, D, inv_a, 1.0f);
+    assert_memory_equal(want, got, sizeof(float) * M * H * D);
+    bt_rope_cache_free(&ca);
+    bt_rope_cache_free(&cb);
+    assert_null(ca.cos_sin);
+    assert_null(cb.inv);
+    assert_int_equal(cb.npos, 0);
+    bt_rope_cache_free(NULL);
+    free(x0), free(want), free(got);
+}
+
 /* ---- SwiGLU ---- */
 
 static void test_swiglu(void **state)
@@ -307,6 +386,7 @@ int main(void)
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope_hand_value),
         cmocka_unit_test(test_rope_inverse_and_transpose),
+        cmocka_unit_test(test_rope_cache_owned_and_exact),
         cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_embedding_sumsq_scale),
         cmocka_unit_test(test_expf),
