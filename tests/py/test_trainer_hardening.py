@@ -21,6 +21,8 @@ from conftest import BUILD, MODEL, SAN_ENV, PauseHook, write_shard
 
 ASAN = os.environ.get("BT_TRAINER_ASAN") == "1"
 TRAINER = os.path.join(BUILD, "asan", "trainer") if ASAN else os.path.join(BUILD, "trainer")
+# `trainer train` with a fault injected through the run's test hooks (tests/tools/train_faults.c)
+TRAIN_FAULTS = os.path.join(BUILD, "asan" if ASAN else "", "tools", "train_faults")
 
 
 def tiny(path, tied=1, seed=7):
@@ -118,8 +120,9 @@ def ckpt_step(d):
 
 def test_divergence_stops_and_keeps_the_last_good_saves(tmp_path, trainer_stack):
     """A run whose gradients become non-finite at step 8 (injected as an overflow would make
-    them: BT_TEST_NONFINITE_GRAD_AT_STEP) after saves at steps 3 and 6: it stops at step 8 with
-    exit status 3, writes nothing of steps 7-8, and the adapter and checkpoint of step 6 stay."""
+    them, through the run's test hooks: tools/train_faults) after saves at steps 3 and 6: it stops
+    at step 8 with exit status 3, writes nothing of steps 7-8, and the adapter and checkpoint of
+    step 6 stay."""
     data = tmp_path / "data"
     data.mkdir()
     write_shard(data / "a.jsonl", [json.dumps({"text": f"line {i} of the shard, with words"}) for i in range(400)])
@@ -127,7 +130,11 @@ def test_divergence_stops_and_keeps_the_last_good_saves(tmp_path, trainer_stack)
     ld = trainer_stack(data)
     cfg = write_job(tmp_path, socket=ld.sock, steps=50, save_every=3, checkpoint_every=3,
                     data={"micro_batch_size": 2})
-    r = run(cfg, env={"BT_TEST_NONFINITE_GRAD_AT_STEP": "8"})
+    assert os.access(TRAIN_FAULTS, os.X_OK), f"{TRAIN_FAULTS} not built (make all builds tools/)"
+    e = dict(os.environ)
+    e.update(SAN_ENV)
+    r = subprocess.run([TRAIN_FAULTS, "--nonfinite-grad-at-step", "8", "--config", str(cfg)],
+                       capture_output=True, text=True, env=e, timeout=600)
     assert r.returncode == 3, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
     assert re.search(r"trainer: training diverged at step 8: non-finite gradient norm nan \(learning rate [0-9.e-]+\): "
                      r"stopped without saving anything of this step or later", r.stderr), r.stderr[-4000:]

@@ -126,18 +126,6 @@ static int diverged(const bt_train_config *cfg, int step, const char *what, doub
                    step, what, lr, saved, cfg->optim.lr);
 }
 
-/* Fault injection for the tests of the divergence stop (tests/py/test_trainer_hardening.py):
- * $BT_TEST_NONFINITE_GRAD_AT_STEP = k makes a gradient of (CPU) step k NaN, as an overflow
- * would. A valid configuration cannot diverge within a test's few steps on a tiny fp32 model
- * (the hyper-parameter ranges and RMSNorm see to that), so the path is driven this way. 0 when
- * unset. */
-static int test_poison_step(void) {
-    const char *e = getenv("BT_TEST_NONFINITE_GRAD_AT_STEP");
-    return e && *e ? atoi(e) : 0;
-}
-
-static int on_device(const bt_train_config *cfg) { return cfg->device == BT_DEVICE_CUDA; }
-
 /* The signal that asked this process to stop (SIGINT, SIGTERM, SIGUSR1: Slurm's early warning
  * before a time limit, scripts/train.sbatch); 0 = none. */
 atomic_int bt_run_stop_sig;
@@ -306,6 +294,7 @@ typedef enum {
 
 typedef struct {
     const bt_train_config *cfg;
+    const bt_run_hooks *hooks; /* test fault injection (train.h); NULL in production */
     int eval_only;
     FILE *out;
     run_end end;
@@ -338,7 +327,7 @@ typedef struct {
     int end_step;     /* steps, or stop_at_step */
     int ck_step;      /* the step of the last checkpoint written, -1: none */
     int adapter_step; /* the step of the last adapter written by this run (save_every), -1: none */
-    int poison_step, prof_step;
+    int prof_step;
 } bt_run;
 
 static int run_end_with(bt_run *r, run_end how, int rc) {
@@ -602,7 +591,6 @@ static int run_begin_training(bt_run *r) {
     r->last_loss = NAN;
     r->ck_step = -1;
     r->adapter_step = -1;
-    r->poison_step = test_poison_step();
     /* --profile: the second step of the run (the first warms caches and pages), or the only one */
     r->prof_step = !cfg->profile ? -1
                    : r->end_step - r->start_step >= 2 ? r->start_step + 1
@@ -704,8 +692,7 @@ static int step_forward_backward(bt_run *r, int step, long long n_lab, double *l
         if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
         loss_sum += ls;
     }
-    if (r->poison_step == step + 1 && r->lora.n_params > 0 && !on_device(cfg))
-        r->lora.grads[0] = NAN;
+    if (r->hooks && r->hooks->after_backward) r->hooks->after_backward(r->hooks->arg, step + 1, &r->lora);
 #ifdef BT_WITH_CUDA
     /* sum of every rank's d(loss_sum / n_lab): the gradient of the global mean loss */
     if (bt_run_cuda && bt_run_dist.world > 1 && (rc = bt_cuda_trainer_allreduce_grads(bt_run_cuda)))
@@ -1030,6 +1017,10 @@ static int run_farewell(int rc) {
 }
 
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
+    return bt_train_run_ex(cfg, eval_only, out, NULL);
+}
+
+int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const bt_run_hooks *hooks) {
 #ifndef BT_WITH_CUDA
     if (cfg->device == BT_DEVICE_CUDA)
         return bt_fail(BT_ERR_UNSUPPORTED, "config: device: \"cuda\": this trainer was built "
@@ -1049,6 +1040,7 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
         goto out;
     }
     r->cfg = cfg;
+    r->hooks = hooks;
     r->eval_only = eval_only;
     r->out = out;
     r->B = cfg->data.micro_batch_size;

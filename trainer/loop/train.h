@@ -45,6 +45,20 @@ enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_DIVERGED 
  * negative bt_err with bt_last_error() set. */
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out);
 
+/* Faults a test injects into a run (bt_train_run_ex), never read from the environment: the
+ * divergence stop cannot be reached within a test's few steps on a tiny fp32 model (the
+ * hyper-parameter ranges and RMSNorm see to that), so tests/tools/train_faults.c drives it this
+ * way. Production runs pass none. */
+typedef struct {
+    /* After the backward passes of optimiser step `step` (1-based), before the gradients are
+     * summed over ranks and clipped: lo->grads (n_params floats) is the host gradient buffer,
+     * the live one of the CPU backend (a GPU backend's gradients are on the device). NULL: none. */
+    void (*after_backward)(void *arg, int step, bt_lora *lo);
+    void *arg;
+} bt_run_hooks;
+/* bt_train_run with hooks (NULL: none; borrowed for the call). */
+int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const bt_run_hooks *hooks);
+
 /* Held-out evaluation: attach a job for cfg's eval stream (epochs 1), run the forward (no
  * dropout) over every batch until END_OF_DATA or cfg->eval.max_batches, and return the mean
  * loss per labelled target in *mean_loss and their count in *n_tokens. lo may be NULL (base).
