@@ -289,13 +289,12 @@ $(CUDA_BUILD)/bench/%: $(CUDA_BUILD)/obj/tests/bench/gpu/%.o $(CUDA_TRAINER_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX_LINK) -o $@ $< $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS)
 
-# trainer/main.c, trainer/loop/train.c and trainer/loop/eval.c again with -DBT_WITH_CUDA (device
-# "cuda"); only the CUDA trainer binary links these (the CPU objects and libbarq.a are unchanged).
-$(CUDA_BUILD)/cobj/%.o: %.c $(HDRS) $(wildcard trainer/cuda/*.h)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_COMMON) $(OPT) -DBT_WITH_CUDA -c $< -o $@
-CUDA_TRAINER_MAIN := $(CUDA_BUILD)/cobj/trainer/main.o $(CUDA_BUILD)/cobj/trainer/loop/train.o \
-                     $(CUDA_BUILD)/cobj/trainer/loop/eval.o
+# The trainer with device "cuda" is the same trainer/main.o and libbarq.a (compiled once, no
+# #ifdef) linked with trainer/cuda/backend_cuda.o AS AN OBJECT: it defines bt_backend_cuda_reg,
+# which the registry (trainer/loop/backends.c) refers to weakly (trainer/backend/backend.h,
+# "Registration"); a weak reference never pulls an archive member, so naming the object is what
+# puts the CUDA backend in a program.
+CUDA_TRAINER_MAIN := $(BUILD)/obj/trainer/main.o $(CUDA_BUILD)/obj/trainer/cuda/backend_cuda.o
 
 .PHONY: cuda test-gpu bench-gpu
 cuda: $(CUDA_LIB) $(CUDA_TRAINER_LIB) $(GPU_TESTS) $(GPU_BENCHES)
@@ -356,12 +355,14 @@ $(EMU_BUILD)/tests/%: $(EMU_BUILD)/obj/tests/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/lib
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
 
-# build/emu/trainer: the trainer built with device "cuda" whose kernels run on the emulator, for
+# build/emu/trainer: the trainer with the CUDA backend, whose kernels run on the emulator, for
 # the end-to-end run loaderd -> trainer --device cuda (tests/py/test_e2e_cuda_emu.py).
 EMU_TRAINER  := $(EMU_BUILD)/trainer
-$(EMU_TRAINER): $(CUDA_TRAINER_MAIN) $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
+# (EMU_LIB_OBJ names the emulated trainer/cuda/backend_cuda.o: the registry finds the CUDA backend,
+# as in the real CUDA link.)
+$(EMU_TRAINER): $(BUILD)/obj/trainer/main.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)
-	$(EMU_CXX) -o $@ $(CUDA_TRAINER_MAIN) $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
+	$(EMU_CXX) -o $@ $(BUILD)/obj/trainer/main.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
 
 .PHONY: test-emu
 test-emu: $(EMU_TESTS) $(EMU_NCCL_TEST) $(EMU_TRAINER)

@@ -1,4 +1,5 @@
-/* trainer: the BarqTrain LoRA/QLoRA trainer (CPU backend).
+/* trainer: the BarqTrain LoRA/QLoRA trainer (the CPU backend, and the CUDA one when linked with it:
+ * trainer/backend/backend.h).
  *   trainer train --config job.json [--set key.path=value ...]
  *   trainer eval  --config job.json [--set key.path=value ...]
  *   trainer --help
@@ -12,18 +13,13 @@
 
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
+#include "trainer/backend/backend.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
 #include "trainer/io/export.h"
 #include "trainer/infer/generate.h"
 #include "trainer/report/report.h"
 #include "trainer/loop/train.h"
-
-#ifdef BT_WITH_CUDA
-#define BT_MAIN_CUDA_NOTE "; this one is"
-#else
-#define BT_MAIN_CUDA_NOTE "; this one is not"
-#endif
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -57,7 +53,7 @@ static void usage(FILE *f) {
             "--resume DIR continues a run from a checkpoint (config resume_from; checkpoints are\n"
             "written every checkpoint_every steps to checkpoint_dir).\n"
             "--device cpu|cuda is config `device` (cuda: the GPU trainer, only in a trainer built\n"
-            "with `make CUDA=1`" BT_MAIN_CUDA_NOTE ").\n"
+            "with `make CUDA=1`%s).\n"
             "\n"
             "--profile (train) prints the time and memory of every op of one step.\n"
             "Before it loads anything, train checks that every output directory (out_dir,\n"
@@ -97,7 +93,8 @@ static void usage(FILE *f) {
             "Signals: SIGINT, SIGTERM or SIGUSR1 (Slurm's early warning) stop the run mid-step;\n"
             "the adapter and checkpoint of the last completed step are saved.\n"
             "Exit status: 0 done, 1 failure, 2 usage or configuration error, 75 interrupted\n"
-            "(continue with --resume CHECKPOINT_DIR).\n");
+            "(continue with --resume CHECKPOINT_DIR).\n",
+            bt_backend_find(BT_DEVICE_CUDA) ? "; this one is" : "; this one is not");
 }
 
 /* The options of `trainer train|eval|estimate` (argv is borrowed; sets/given are owned). */
@@ -227,13 +224,11 @@ static int load_run_config(const run_args *a, bt_train_config *cfg) {
                 "evaluate: drop one\n", cfg->resume_from);
         rc = 2;
     }
-#ifndef BT_WITH_CUDA
-    if (!rc && a->cmd != BT_CMD_ESTIMATE && cfg->device == BT_DEVICE_CUDA) {
-        fprintf(stderr, "trainer: config: device: \"cuda\": this trainer was built without CUDA "
-                "(make CUDA=1)\n");
+    const bt_backend_reg *reg;
+    if (!rc && a->cmd != BT_CMD_ESTIMATE && bt_backend_get(cfg->device, &reg)) {
+        fprintf(stderr, "trainer: %s\n", bt_last_error()); /* a device this build has not */
         rc = 2;
     }
-#endif
     if (rc) bt_config_free(cfg);
     return rc;
 }

@@ -1,10 +1,10 @@
 /* The trainer's side of the batch stream from loaderd: attach, the next batch (stoppable wait),
- * micro-batch copies. See trainer/loop/run_internal.h. */
+ * micro-batch copies. See trainer/loop/run.h. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/bt_common.h"
-#include "trainer/loop/run_internal.h"
+#include "trainer/loop/run.h"
 
 void bt_mb_view(const bt_mb_copy *c, int B, int T, bt_microbatch *mb) {
     mb->B = B;
@@ -52,10 +52,11 @@ void bt_mb_free(bt_mb_copy *c) {
 }
 
 /* resume: NULL = from the start, else the BT_RESUME_STATE_BYTES state to continue after. */
-int bt_run_attach(bt_client **cl, const bt_train_config *cfg, int eval, const uint8_t *resume) {
+int bt_run_attach(bt_run *r, bt_client **cl, const bt_train_config *cfg, int eval,
+                  const uint8_t *resume) {
     char *job = bt_config_job_json(cfg, eval);
     if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
-    int rc = bt_client_attach_run(cl, cfg->socket, job, bt_run_dist.rank, bt_run_dist.world, resume, bt_run_id);
+    int rc = bt_client_attach_run(cl, cfg->socket, job, r->dist.rank, r->dist.world, resume, r->id);
     free(job);
     if (rc) return bt_fail(rc, "attach to loaderd at %s (%s stream): %s", cfg->socket,
                            eval ? "eval" : "train", bt_last_error());
@@ -74,7 +75,8 @@ int bt_run_attach(bt_client **cl, const bt_train_config *cfg, int eval, const ui
  * (another rank's failure included). The wait (up to timeout_s) is cut into 1 s slices so that
  * a signal stops it promptly: the client retries EINTR, so the handler alone would only take
  * effect once a batch arrived. */
-int bt_run_next_batch(bt_client *cl, const bt_train_config *cfg, bt_mb_copy *dst, const char *what) {
+int bt_run_next_batch(bt_run *r, bt_client *cl, const bt_train_config *cfg, bt_mb_copy *dst,
+                      const char *what) {
     bt_batch_view v;
     double deadline = bt_now() + cfg->timeout_s;
     int rc;
@@ -82,7 +84,7 @@ int bt_run_next_batch(bt_client *cl, const bt_train_config *cfg, bt_mb_copy *dst
         double left = deadline - bt_now();
         rc = bt_client_next(cl, &v, left >= 1.0 ? 1000 : left > 0 ? (int)(left * 1000.0) : 0);
         if (rc != BT_ERR_TIMEOUT || bt_now() >= deadline) break;
-        int st = bt_run_stop_check(NULL);
+        int st = bt_run_stop_check(r);
         if (st) return st == BT_ERR_CANCELLED ? 2 : st;
     }
     if (rc == 1) return 1;

@@ -1,12 +1,12 @@
 /* Held-out evaluation: one pass over the eval stream (bt_eval_heldout), or one per length over
- * whole-window documents (bt_eval_lengths). See train.h; shared run state in
- * trainer/loop/run_internal.h. */
+ * whole-window documents (bt_eval_lengths), on the run's backend. See trainer/loop/run.h. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/bt_common.h"
-#include "trainer/loop/run_internal.h"
+#include "trainer/loop/run.h"
+
 /* Labels of segments shorter than `full` tokens become -100 (in place), so that only whole
  * `full`-token windows count; returns the number of whole windows: segments of exactly `full`
  * tokens that carry labels (a padding row is a `full`-token segment without any). full = 0:
@@ -48,12 +48,12 @@ static int trim_unlabelled_rows(bt_microbatch *mb) {
     return rows;
 }
 
-/* One pass over cfg's held-out stream (cfg->data.seq_len x micro_batch_size rows). full > 0:
- * only segments of exactly `full` tokens carry loss (per-length evaluation). Sums (over all
- * ranks) into *sum / *cnt / *windows; *cut = interrupted by a signal. */
-static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                       int full, double *sum_out, long long *cnt_out, long long *windows_out,
-                       int *cut_out, int *nb_out) {
+/* One pass over cfg's held-out stream (cfg->data.seq_len x micro_batch_size rows) on backend be.
+ * full > 0: only segments of exactly `full` tokens carry loss (per-length evaluation). Sums (over
+ * all ranks) into *sum / *cnt / *windows; *cut = interrupted by a signal. */
+static int eval_stream(bt_run *r, const bt_train_config *cfg, bt_backend *be, int full,
+                       double *sum_out, long long *cnt_out, long long *windows_out, int *cut_out,
+                       int *nb_out) {
     int cut = 0;
     bt_client *cl = NULL;
     bt_mb_copy mc = {0};
@@ -61,10 +61,10 @@ static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *l
     long long cnt = 0, windows = 0;
     int nb = 0;
     const int B = cfg->data.micro_batch_size, T = cfg->data.seq_len;
-    int rc = bt_run_attach(&cl, cfg, 1, NULL); /* the eval stream restarts every time */
+    int rc = bt_run_attach(r, &cl, cfg, 1, NULL); /* the eval stream restarts every time */
     if (!rc) rc = bt_mb_alloc(&mc, B, T);
     while (!rc && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
-        rc = bt_run_next_batch(cl, cfg, &mc, "eval");
+        rc = bt_run_next_batch(r, cl, cfg, &mc, "eval");
         if (rc == 1 || rc == 2) {
             cut = rc == 2;
             rc = 0;
@@ -82,11 +82,7 @@ static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *l
         }
         double ls;
         int nv;
-#ifdef BT_WITH_CUDA
-        if (bt_run_cuda) rc = bt_cuda_trainer_step(bt_run_cuda, &mb, 0, 1.0f, 0, &ls, &nv);
-        else
-#endif
-            rc = bt_forward_backward(ctx, m, lo, &mb, 0, 1.0f, 0, &ls, &nv);
+        rc = bt_backend_step(be, &mb, 0, 1.0f, 0, &ls, &nv);
         if (rc == BT_ERR_CANCELLED) { /* mid-batch: that batch does not count */
             cut = 1;
             rc = 0;
@@ -109,15 +105,15 @@ static int eval_stream(const bt_train_config *cfg, const bt_model *m, bt_lora *l
             break;
         }
     }
-    if (cut && bt_run_dist.world > 1) { /* every rank stops (relayed): no collective any more */
-        rc = bt_run_stop_error();
+    if (cut && r->dist.world > 1) { /* every rank stops (relayed): no collective any more */
+        rc = bt_run_stop_error(r);
         goto out;
     }
     /* every rank evaluated its own share of the held-out stream: add them up (a collective; a
      * rank whose evaluation failed still takes part, so that none of the others waits forever) */
-    if (bt_run_dist.world > 1) {
+    if (r->dist.world > 1) {
         double v[6] = {sum, (double)cnt, cut, nb, rc != 0, (double)windows};
-        int rc2 = bt_run_dist_sum(v, 6);
+        int rc2 = bt_run_dist_sum(r, v, 6);
         if (!rc && rc2) rc = rc2;
         if (!rc && v[4] > 0)
             rc = bt_fail(BT_ERR_IO, "held-out evaluation failed on another rank (see its log)");
@@ -138,14 +134,14 @@ out:
     return rc;
 }
 
-int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                    double *mean_loss, long long *n_tokens, int *interrupted) {
+int bt_eval_heldout(bt_run *r, double *mean_loss, long long *n_tokens, int *interrupted) {
+    const bt_train_config *cfg = r->cfg;
     *mean_loss = NAN;
     *n_tokens = 0;
     double sum, t0 = bt_now();
     long long cnt, windows;
     int cut, nb;
-    int rc = eval_stream(cfg, m, lo, ctx, 0, &sum, &cnt, &windows, &cut, &nb);
+    int rc = eval_stream(r, cfg, r->be, 0, &sum, &cnt, &windows, &cut, &nb);
     if (rc) return rc;
     if (interrupted) *interrupted = cut;
     if (cnt == 0 && cut) {
@@ -157,25 +153,26 @@ int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
                        "tokens in %d batches", nb);
     *mean_loss = sum / (double)cnt;
     *n_tokens = cnt;
-    if (bt_run_dist.rank == 0)
+    if (r->dist.rank == 0)
         bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld labelled tokens, loss %.4f "
                "(%.1f s)", cut ? " (partial, interrupted)" : "", nb, cnt, *mean_loss, bt_now() - t0);
     return 0;
 }
 
-int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                    int max_M, bt_eval_length *res, int *interrupted) {
+int bt_eval_lengths(bt_run *r, bt_eval_length *res, int *interrupted) {
+    const bt_train_config *cfg = r->cfg;
+    const int max_M = r->M;
     int rc = 0, cut = 0;
     if (interrupted) *interrupted = 0;
     for (int i = 0; i < cfg->eval.n_lengths && !rc && !cut; i++) {
         const int L = cfg->eval.lengths[i];
-        bt_eval_length *r = &res[i];
-        memset(r, 0, sizeof *r);
-        r->length = L;
-        r->loss = NAN;
+        bt_eval_length *e = &res[i];
+        memset(e, 0, sizeof *e);
+        e->length = L;
+        e->loss = NAN;
         /* the same stream at row length L (loaderd splits text documents into consecutive
          * L-token pieces): as many rows as the training workspace holds, else one row in a
-         * forward-only workspace of its own (CPU) */
+         * forward-only workspace of its own (the CPU's; the GPU's is fixed) */
         bt_train_config c = *cfg;
         char name[600];
         snprintf(name, sizeof name, "%s-L%d", cfg->name, L);
@@ -183,32 +180,25 @@ int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, 
         c.data.seq_len = L;
         c.data.micro_batch_size = L <= max_M ? max_M / L : 1;
         if (c.data.micro_batch_size > 64) c.data.micro_batch_size = 64;
-        bt_step_ctx *ectx = ctx;
+        bt_backend *ebe = r->be;
         if (L > max_M) {
-#ifdef BT_WITH_CUDA
-            if (bt_run_cuda)
-                return bt_fail(BT_ERR_INVALID, "config: eval.lengths: %d tokens exceed the GPU "
-                               "workspace of data.seq_len x data.micro_batch_size = %d; raise "
-                               "data.seq_len or drop that length", L, max_M);
-#endif
-            if ((rc = bt_step_ctx_new(&ectx, m, lo, L, 1))) break;
-            /* a stop request lands before every layer of this long forward too, as in the
-             * run's own context (trainer/loop/train.c, run_init_backend) */
-            bt_step_ctx_set_check(ectx, bt_run_stop_check, NULL);
+            /* a workspace of its own for this long forward, with the run's stop check before
+             * every layer (the GPU's cannot grow: refused naming the keys) */
+            if ((rc = bt_backend_eval_workspace(r->be, L, &ebe))) break;
         }
         double sum, t0 = bt_now();
         long long cnt, windows;
         int nb;
-        rc = eval_stream(&c, m, lo, ectx, L, &sum, &cnt, &windows, &cut, &nb);
-        if (ectx != ctx) bt_step_ctx_free(ectx);
+        rc = eval_stream(r, &c, ebe, L, &sum, &cnt, &windows, &cut, &nb);
+        if (ebe != r->be) bt_backend_free(ebe);
         if (rc) break;
-        r->windows = windows;
-        r->tokens = cnt;
-        if (cnt > 0) r->loss = sum / (double)cnt;
-        if (bt_run_dist.rank == 0)
+        e->windows = windows;
+        e->tokens = cnt;
+        if (cnt > 0) e->loss = sum / (double)cnt;
+        if (r->dist.rank == 0)
             bt_log(BT_LOG_INFO, "trainer", "held-out at %d tokens%s: %lld windows, %lld labelled "
                    "tokens, loss %.4f, perplexity %.3f (%.1f s)", L,
-                   cut ? " (partial, interrupted)" : "", windows, cnt, r->loss, exp(r->loss),
+                   cut ? " (partial, interrupted)" : "", windows, cnt, e->loss, exp(e->loss),
                    bt_now() - t0);
         if (cnt == 0 && !cut)
             bt_log(BT_LOG_WARN, "trainer", "held-out at %d tokens: no document has %d tokens "

@@ -1,13 +1,13 @@
-/* The training run (`trainer train` / `trainer eval`), stage by stage. See train.h; the held-out
- * evaluation is trainer/loop/eval.c, the batch stream trainer/loop/batches.c. */
+/* The training run (`trainer train` / `trainer eval`), stage by stage. See train.h; the run's
+ * state is a bt_run (trainer/loop/run.h), the step runs on the backend of cfg->device
+ * (trainer/backend/backend.h), the held-out evaluation is trainer/loop/eval.c, the batch stream
+ * trainer/loop/batches.c, stop requests and collectives trainer/loop/run.c. */
 #include "trainer/loop/train.h"
 
 #include <errno.h>
 #include <math.h>
 #include <omp.h>
 #include <openssl/evp.h>
-#include <signal.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -15,86 +15,25 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
-#include "kernels/kernels.h"
 #include "proto/client.h"
+#include "trainer/estimate.h"
 #include "trainer/io/adapter.h"
 #include "trainer/io/adapter_load.h"
 #include "trainer/io/outputs.h"
-#include "trainer/estimate.h"
 #include "trainer/loop/checkpoint.h"
-#include "trainer/dist/dist.h"
-#include "trainer/dist/dist_monitor.h"
-#include "trainer/loop/optim.h"
-#include "trainer/backend/profile.h"
-#include "trainer/report/report.h"
+#include "trainer/loop/run.h"
 #include "trainer/model/rng.h"
-#include "trainer/loop/run_internal.h"
-#ifdef BT_WITH_CUDA
-#include "trainer/cuda/cuda_trainer.h"
-/* device "cuda" (make CUDA=1): the GPU trainer replaces the CPU step context; NULL on the CPU */
-bt_cuda_trainer *bt_run_cuda;
-#endif
-
-/* device "cuda": bring the host LoRA state up to date before it is saved (no-op on the CPU). */
-static int sync_host_lora(bt_lora *lo, int moments) {
-#ifdef BT_WITH_CUDA
-    if (bt_run_cuda)
-        return bt_cuda_trainer_download_lora(bt_run_cuda, lo,
-                                             BT_CUDA_DL_PARAMS | (moments ? BT_CUDA_DL_MOMENTS : 0));
-#endif
-    (void)lo;
-    (void)moments;
-    return 0;
-}
-
-/* this process's place in a data-parallel run (trainer/dist/dist.h; rank 0 of 1 by default) */
-bt_dist_env bt_run_dist = {0, 1, 0, "single"};
-/* the run's name for loaderd (the attach's "run"): the same on every rank (run_id_init) */
-char bt_run_id[17];
-
-/* vals[0..n) <- their sum over all ranks (a no-op for one process). Every rank must call it at
- * the same point (an NCCL collective on device "cuda"). */
-int bt_run_dist_sum(double *vals, int n) {
-#ifdef BT_WITH_CUDA
-    if (bt_run_dist.world > 1 && bt_run_cuda) return bt_cuda_trainer_allreduce_sum(bt_run_cuda, vals, n);
-#endif
-    (void)vals;
-    (void)n;
-    return 0;
-}
-
-/* all[r * BT_RESUME_STATE_BYTES ...] <- rank r's loader state (collective, like bt_run_dist_sum). */
-static int dist_gather_resume(const uint8_t *mine, uint8_t *all) {
-#ifdef BT_WITH_CUDA
-    if (bt_run_dist.world > 1 && bt_run_cuda)
-        return bt_cuda_trainer_allgather(bt_run_cuda, mine, all, BT_RESUME_STATE_BYTES);
-#endif
-    memcpy(all, mine, BT_RESUME_STATE_BYTES);
-    return 0;
-}
-
-/* After a step that only rank 0 performed (a save): every rank learns whether it failed, so all
- * of them stop together instead of the others waiting forever in the next collective. */
-static int dist_agree(int rc, const char *what) {
-    if (bt_run_dist.world == 1) return rc;
-    double f = rc != 0;
-    int rc2 = bt_run_dist_sum(&f, 1);
-    if (rc) return rc;
-    if (rc2) return rc2;
-    return f > 0 ? bt_fail(BT_ERR_IO, "%s failed on another rank (see its log)", what) : 0;
-}
 
 /* A checkpoint of every rank's loader state `all` (gathered with the step), written by rank 0;
  * every rank learns whether it worked (collective). */
-static int save_checkpoint(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, int step,
-                           const uint8_t *all) {
+static int save_checkpoint(bt_run *r, int step, const uint8_t *all) {
     int rc = 0;
-    if (bt_run_dist.rank == 0) {
-        rc = sync_host_lora(lo, 1);
-        if (!rc) rc = bt_checkpoint_save_ex(cfg->checkpoint_dir, cfg, m, lo, step, all,
-                                            bt_run_dist.world);
+    if (r->dist.rank == 0) {
+        rc = bt_backend_sync_lora(r->be, 1);
+        if (!rc) rc = bt_checkpoint_save_ex(r->cfg->checkpoint_dir, r->cfg, &r->model, &r->lora,
+                                            step, all, r->dist.world);
     }
-    return dist_agree(rc, "saving the checkpoint");
+    return bt_run_agree(r, rc, "saving the checkpoint");
 }
 
 /* A run whose loss, gradient norm or parameters became non-finite at `step` (issue 10 §4):
@@ -126,44 +65,6 @@ static int diverged(const bt_train_config *cfg, int step, const char *what, doub
                    step, what, lr, saved, cfg->optim.lr);
 }
 
-/* The signal that asked this process to stop (SIGINT, SIGTERM, SIGUSR1: Slurm's early warning
- * before a time limit, scripts/train.sbatch); 0 = none. */
-atomic_int bt_run_stop_sig;
-static void on_signal(int sig) { atomic_store(&bt_run_stop_sig, sig); }
-static const int k_stop_signals[] = {SIGINT, SIGTERM, SIGUSR1};
-#define N_STOP_SIGNALS 3
-
-/* several ranks: the watchdog that names a rank that dies or stalls and relays stop requests */
-static bt_dist_monitor *g_mon;
-
-static const char *stop_signal_name(int sig) {
-    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "a signal";
-}
-
-/* 0 to go on; else why to stop now, with bt_last_error set: BT_ERR_CANCELLED for a stop request
- * (a signal to this process, or one relayed from another rank), another code when another rank
- * failed (trainer/dist/dist_monitor.h names it). Asked while waiting for batches, before every layer
- * (bt_step_ctx_set_check, bt_cuda_hooks) and in every NCCL wait: a stop lands mid-step. */
-int bt_run_stop_check(void *arg) {
-    (void)arg;
-    int rc = bt_dist_monitor_check(g_mon);
-    if (rc) return rc;
-    int sig = atomic_load(&bt_run_stop_sig);
-    return sig ? bt_fail(BT_ERR_CANCELLED, "interrupted by %s", stop_signal_name(sig)) : 0;
-}
-
-int bt_run_stop_error(void) {
-    int rc = bt_run_stop_check(NULL);
-    return rc ? rc : bt_fail(BT_ERR_CANCELLED, "interrupted");
-}
-
-#ifdef BT_WITH_CUDA
-static void on_collective(void *arg, int entering) {
-    (void)arg;
-    bt_dist_monitor_collective(g_mon, entering);
-}
-#endif
-
 void bt_fmt_duration(char *buf, size_t n, double s) {
     if (!(s >= 0) || s > 1e9) s = 0;
     long t = (long)(s + 0.5);
@@ -191,15 +92,11 @@ static void set_threads(int n) {
 
 /* --profile: the table on `out`, profile.json in the report directory. */
 static int print_profile(const bt_train_config *cfg, const bt_prof *p, int step, double step_s,
-                         const bt_step_ctx *ctx, FILE *out) {
+                         const bt_backend *be, FILE *out) {
     char title[160];
-    double ws = ctx ? bt_step_ctx_bytes(ctx) / 1048576.0 : 0, dev = -1;
-#ifdef BT_WITH_CUDA
-    if (bt_run_cuda) {
-        ws = bt_cuda_trainer_bytes(bt_run_cuda) / 1048576.0;
-        dev = bt_cuda_trainer_peak_used(bt_run_cuda, NULL) / 1048576.0;
-    }
-#endif
+    size_t held, peak;
+    double ws = bt_backend_bytes(be) / 1048576.0, dev = -1;
+    if (bt_backend_device_memory(be, &held, &peak)) dev = peak / 1048576.0;
     snprintf(title, sizeof title, "step %d, %d x %d tokens x grad_accum %d, %s%s", step,
              cfg->data.micro_batch_size, cfg->data.seq_len, cfg->grad_accum,
              cfg->device == BT_DEVICE_CUDA ? "cuda (CUDA events)" : "cpu",
@@ -217,14 +114,14 @@ static int print_profile(const bt_train_config *cfg, const bt_prof *p, int step,
 /* An interrupted run keeps its last completed step: rank 0 saves the adapter and a checkpoint
  * (every rank's loader state after that step: all_done, gathered with it, so no collective is
  * needed now that the others may be gone) and writes where into saved. */
-static int save_interrupted(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, int step,
-                            const uint8_t *all_done, char *saved, size_t n) {
-    int rc = sync_host_lora(lo, 1);
-    if (!rc) rc = bt_adapter_save(lo, cfg->base_model_name_or_path, cfg->out_dir);
+static int save_interrupted(bt_run *r, int step, const uint8_t *all_done, char *saved, size_t n) {
+    const bt_train_config *cfg = r->cfg;
+    int rc = bt_backend_sync_lora(r->be, 1);
+    if (!rc) rc = bt_adapter_save(&r->lora, cfg->base_model_name_or_path, cfg->out_dir);
     if (rc) return rc;
     int ck = step < cfg->steps && strcmp(cfg->checkpoint_dir, cfg->out_dir) != 0;
-    if (ck && (rc = bt_checkpoint_save_ex(cfg->checkpoint_dir, cfg, m, lo, step, all_done,
-                                          bt_run_dist.world)))
+    if (ck && (rc = bt_checkpoint_save_ex(cfg->checkpoint_dir, cfg, &r->model, &r->lora, step,
+                                          all_done, r->dist.world)))
         return rc;
     if (ck)
         snprintf(saved, n, "adapter saved to %s, checkpoint to %s (continue with --resume %s)",
@@ -234,26 +131,28 @@ static int save_interrupted(const bt_train_config *cfg, const bt_model *m, bt_lo
     return 0;
 }
 
-/* bt_run_id, 16 hex digits: the first 8 bytes of SHA-256 of the NCCL id rank 0 handed every rank
- * (world > 1: the same on all ranks, and no way back to the id), else 8 random bytes. */
-static int run_id_init(const uint8_t nccl_id[128]) {
+/* r->id, 16 hex digits: the first 8 bytes of SHA-256 of the id rank 0 handed every rank (world
+ * > 1: the same on all ranks, and no way back to the id), else 8 random bytes. */
+static int run_id_init(bt_run *r) {
     uint8_t h[32];
     unsigned n = 0;
-    if (bt_run_dist.world > 1 ? EVP_Digest(nccl_id, 128, h, &n, EVP_sha256(), NULL) != 1
-                         : getrandom(h, 8, 0) != 8)
+    if (r->dist.world > 1 ? EVP_Digest(r->dist_id, sizeof r->dist_id, h, &n, EVP_sha256(), NULL) != 1
+                          : getrandom(h, 8, 0) != 8)
         return bt_fail(BT_ERR_IO, "cannot make the run's id");
-    for (int i = 0; i < 8; i++) snprintf(bt_run_id + 2 * i, 3, "%02x", h[i]);
+    for (int i = 0; i < 8; i++) snprintf(r->id + 2 * i, 3, "%02x", h[i]);
     return 0;
 }
 
 /* Data-parallel start-up (trainer/dist/dist.h): the job key, the rendezvous that checks every rank
- * runs this job and hands out rank 0's NCCL id, then the watchdog on its connections. */
-static int dist_start(const bt_train_config *cfg, uint8_t nccl_id[128]) {
-#ifdef BT_WITH_CUDA
+ * runs this job and hands out rank 0's id (the backend's: reg->dist_unique_id), then the watchdog
+ * on its connections. */
+static int dist_start(bt_run *r) {
+    const bt_train_config *cfg = r->cfg;
+    const bt_backend_reg *reg = r->reg;
     char addr[256], src[300];
     int port = 0, rc;
     uint8_t key[BT_DIST_KEY_BYTES];
-    if ((rc = bt_dist_master_resolve(&bt_run_dist, cfg->dist.master_addr, cfg->dist.master_port, addr,
+    if ((rc = bt_dist_master_resolve(&r->dist, cfg->dist.master_addr, cfg->dist.master_port, addr,
                                      sizeof addr, &port)) ||
         (rc = bt_dist_key_load(cfg->dist.secret_file, key, src, sizeof src)))
         return rc;
@@ -262,75 +161,26 @@ static int dist_start(const bt_train_config *cfg, uint8_t nccl_id[128]) {
     uint8_t digest[32];
     bt_dist_digest(dump, strlen(dump), digest);
     free(dump);
-    if (bt_run_dist.rank == 0 && (rc = bt_cuda_dist_unique_id(nccl_id))) return rc;
+    if (r->dist.rank == 0 && (rc = reg->dist_unique_id(r->dist_id))) return rc;
     bt_log(BT_LOG_INFO, "trainer", "rank %d of %d (local rank %d, from %s): rendezvous at %s:%d, "
-           "job secret from %s", bt_run_dist.rank, bt_run_dist.world, bt_run_dist.local_rank, bt_run_dist.source, addr,
-           port, src);
+           "job secret from %s", r->dist.rank, r->dist.world, r->dist.local_rank, r->dist.source,
+           addr, port, src);
     bt_dist_link *link = NULL;
-    rc = bt_dist_rendezvous(addr, port, bt_run_dist.rank, bt_run_dist.world, digest, key, nccl_id, 128,
-                            cfg->dist.timeout_s, &link);
+    rc = bt_dist_rendezvous(addr, port, r->dist.rank, r->dist.world, digest, key, r->dist_id,
+                            sizeof r->dist_id, cfg->dist.timeout_s, &link);
     memset(key, 0, sizeof key);
     if (rc) return rc;
     bt_dist_monitor_opts mo = {cfg->dist.heartbeat_timeout_s, cfg->dist.timeout_s, &bt_run_stop_sig};
-    return bt_dist_monitor_start(&g_mon, link, &mo);
-#else
-    (void)cfg;
-    (void)nccl_id;
-    return bt_fail(BT_ERR_UNSUPPORTED, "data-parallel training needs a trainer built with CUDA");
-#endif
+    return bt_dist_monitor_start(&r->mon, link, &mo);
 }
 
 /* ---- bt_train_run, stage by stage ----------------------------------------------------------
- * One run's state, shared by its stages: rendezvous, the model, the LoRA weights (fresh, an
- * adapter to evaluate, or a checkpoint to resume), the backend, the held-out evaluation before,
- * the step loop, the final save and evaluation, the two ways a run ends early (a stop request;
- * the batch stream failing) and teardown. A stage returns 0 or an error code; with an error it
- * sets `end` to say which ending applies. */
-typedef enum {
-    RUN_END_DONE,         /* rc is final: tear down */
-    RUN_END_STOP_OR_FAIL, /* rc from a wait, a layer or a collective: a stop request, or a failure */
-    RUN_END_FAILED,       /* the batch stream failed after some steps: keep them */
-} run_end;
-
-typedef struct {
-    const bt_train_config *cfg;
-    const bt_run_hooks *hooks; /* test fault injection (train.h); NULL in production */
-    int eval_only;
-    FILE *out;
-    run_end end;
-    int have_model; /* model and lora to free (bt_model_load succeeded) */
-    bt_model model;
-    bt_lora lora;
-    bt_base_info binfo;
-    int B, T, M, s2_group;
-    uint8_t nccl_id[128];
-    /* resume: parameters, AdamW moments, step and the loader position */
-    int has_resume;
-    uint8_t resume[BT_RESUME_STATE_BYTES];
-    int start_step, done_steps;
-    int at_mb; /* the micro-batch of the step in progress (for the stop message) */
-    /* held-out evaluation: before and after training */
-    int by_len, eval_cut;
-    double before, after;
-    long long n_eval;
-    bt_eval_length len_before[BT_MAX_EVAL_LENGTHS], len_after[BT_MAX_EVAL_LENGTHS];
-    /* training */
-    bt_report *rep; /* the run report (trainer/report/report.h; rank 0 of `trainer train`) */
-    int rep_steps;  /* steps it recorded */
-    bt_prof *prof;  /* --profile: the profiled step's per-op times */
-    bt_step_ctx *ctx;
-    bt_client *cl;
-    bt_mb_copy *mbs;                 /* grad_accum micro-batch copies */
-    uint8_t *all_done, *all_next; /* every rank's loader state, see save_interrupted */
-    bt_schedule sched;
-    double train_t0, last_loss;
-    int end_step;     /* steps, or stop_at_step */
-    int ck_step;      /* the step of the last checkpoint written, -1: none */
-    int adapter_step; /* the step of the last adapter written by this run (save_every), -1: none */
-    int prof_step;
-} bt_run;
-
-static int run_end_with(bt_run *r, run_end how, int rc) {
+ * One run's state (bt_run, trainer/loop/run.h), shared by its stages: rendezvous, the model, the
+ * LoRA weights (fresh, an adapter to evaluate, or a checkpoint to resume), the backend, the
+ * held-out evaluation before, the step loop, the final save and evaluation, the two ways a run
+ * ends early (a stop request; the batch stream failing) and teardown. A stage returns 0 or an
+ * error code; with an error it sets `end` to say which ending applies. */
+static int run_end_with(bt_run *r, bt_run_end how, int rc) {
     r->end = how;
     return rc;
 }
@@ -353,11 +203,11 @@ static int check_memory(const bt_train_config *cfg) {
 static int run_rendezvous(bt_run *r) {
     const bt_train_config *cfg = r->cfg;
     int rc;
-    if ((rc = bt_dist_env_resolve(&bt_run_dist))) return rc;
-    if (!r->eval_only && bt_run_dist.rank == 0 && cfg->optim.warmup_steps > cfg->steps)
+    if ((rc = bt_dist_env_resolve(&r->dist))) return rc;
+    if (!r->eval_only && r->dist.rank == 0 && cfg->optim.warmup_steps > cfg->steps)
         bt_log(BT_LOG_WARN, "trainer", "optim.warmup_steps %d > steps %d: the learning rate never reaches "
                "optim.lr %g", cfg->optim.warmup_steps, cfg->steps, cfg->optim.lr);
-    if (!r->eval_only && bt_run_dist.rank == 0) { /* saves killed mid-write by an earlier run (SIGKILL) */
+    if (!r->eval_only && r->dist.rank == 0) { /* saves killed mid-write by an earlier run (SIGKILL) */
         bt_clean_stale_temps(cfg->out_dir, "trainer");
         if (cfg->checkpoint_every > 0 || cfg->resume_from)
             bt_clean_stale_temps(cfg->checkpoint_dir, "trainer");
@@ -366,14 +216,14 @@ static int run_rendezvous(bt_run *r) {
         if ((rc = bt_train_check_outputs(cfg))) return rc;
     }
     if (!r->eval_only && (rc = check_memory(cfg))) return rc;
-    if (bt_run_dist.world > 1) {
-        if (cfg->device != BT_DEVICE_CUDA)
+    if (r->dist.world > 1) {
+        if (!r->reg->dist_unique_id) /* a backend without collectives: one process only */
             return bt_fail(BT_ERR_UNSUPPORTED, "%d processes (%s: rank %d): data-parallel training "
-                           "all-reduces gradients with NCCL and needs device \"cuda\"", bt_run_dist.world,
-                           bt_run_dist.source, bt_run_dist.rank);
-        if ((rc = dist_start(cfg, r->nccl_id))) return rc;
+                           "all-reduces gradients with NCCL and needs device \"cuda\"", r->dist.world,
+                           r->dist.source, r->dist.rank);
+        if ((rc = dist_start(r))) return rc;
     }
-    return run_id_init(r->nccl_id);
+    return run_id_init(r);
 }
 
 /* Stage 2. The base model (its own dtype: trainer/model/model.h), then the context extension. */
@@ -446,7 +296,7 @@ static int run_init_lora(bt_run *r) {
         int64_t st = 0;
         int ck_steps = 0;
         if ((rc = bt_checkpoint_load_ex(cfg->resume_from, cfg, &r->model, lo, &st, r->resume,
-                                        &r->has_resume, &ck_steps, bt_run_dist.rank, bt_run_dist.world)))
+                                        &r->has_resume, &ck_steps, r->dist.rank, r->dist.world)))
             return rc;
         if (r->eval_only)
             bt_log(BT_LOG_INFO, "trainer", "evaluating checkpoint %s (step %lld)", cfg->resume_from,
@@ -467,63 +317,30 @@ static int run_init_lora(bt_run *r) {
     return 0;
 }
 
-#ifdef BT_WITH_CUDA
-/* Stage 4, device "cuda": the GPU trainer (trainer/cuda/cuda_trainer.h) on this rank's device,
- * its stop and collective hooks, and NCCL. */
-static int run_init_cuda(bt_run *r) {
-    const bt_train_config *cfg = r->cfg;
-    bt_cuda_trainer_opts co;
-    memset(&co, 0, sizeof co);
-    co.checkpointing = cfg->activation_checkpointing;
-    co.attn_impl = cfg->cuda_attention == BT_CUDA_ATTN_MMA;
-    co.nf4_impl = cfg->cuda_nf4_matmul == BT_CUDA_NF4_FUSED;
-    co.s2_group = r->s2_group;
-    co.offload = cfg->cuda_offload;
-    int rc;
-    if ((rc = bt_cuda_device_for_local_rank(bt_run_dist.local_rank, &co.device))) return rc;
-    if ((rc = bt_cuda_trainer_new_ex(&bt_run_cuda, &r->model, &r->lora, r->M, &co))) return rc;
-    /* a collective waits at most dist.timeout_s, plus the time the watchdog needs to name a
-     * lost rank first (rank 0's straggler check uses dist.timeout_s itself) */
-    bt_cuda_hooks hooks = {bt_run_stop_check, on_collective, NULL,
-                           (double)cfg->dist.timeout_s + cfg->dist.heartbeat_timeout_s};
-    bt_cuda_trainer_set_hooks(bt_run_cuda, &hooks);
-    if ((rc = bt_cuda_trainer_dist_init(bt_run_cuda, r->nccl_id, bt_run_dist.rank, bt_run_dist.world))) return rc;
-    if (bt_run_dist.world > 1)
-        bt_log(BT_LOG_INFO, "trainer", "NCCL: rank %d of %d on CUDA device %d", bt_run_dist.rank,
-               bt_run_dist.world, co.device);
-    bt_log(BT_LOG_INFO, "trainer", "CUDA device %s: model + LoRA + workspace for %dx%d tokens: "
-           "%.0f MiB%s; attention %s, NF4 matmul %s", bt_cuda_trainer_device_name(bt_run_cuda), r->B,
-           r->T, bt_cuda_trainer_bytes(bt_run_cuda) / 1048576.0,
-           cfg->activation_checkpointing ? " (activation checkpointing)" : "",
-           co.attn_impl ? "mma" : "wmma", co.nf4_impl ? "fused" : "dequant+cuBLAS");
-    return 0;
-}
-#endif
-
-/* Stage 4. The backend: the GPU trainer, or the CPU step context (trainer/loop/step.h) with the stop
- * check before every layer and S2-Attn. */
+/* Stage 4. The backend of cfg->device (trainer/backend/backend.h): the CPU step context or the GPU
+ * trainer on this rank's device, with the stop check before every layer (and in every collective
+ * wait, which the watchdog follows), S2-Attn, and the collectives between ranks. */
 static int run_init_backend(bt_run *r) {
-    const bt_train_config *cfg = r->cfg;
-#ifdef BT_WITH_CUDA
-    if (cfg->device == BT_DEVICE_CUDA) return run_init_cuda(r);
-#endif
-    int rc = bt_step_ctx_new(&r->ctx, &r->model, &r->lora, r->M, cfg->activation_checkpointing);
-    if (rc) return rc;
-    bt_step_ctx_set_check(r->ctx, bt_run_stop_check, NULL);
-    if ((rc = bt_step_set_s2(r->ctx, r->s2_group))) return rc;
-    bt_log(BT_LOG_INFO, "trainer", "workspace for %dx%d tokens: %.0f MiB%s", r->B, r->T,
-           bt_step_ctx_bytes(r->ctx) / 1048576.0,
-           cfg->activation_checkpointing ? (cfg->checkpointing_auto ? " (activation checkpointing: "
-                                            "auto, seq_len >= checkpointing_min_seq_len)"
-                                                                    : " (activation checkpointing)")
-                                         : "");
-    return 0;
+    bt_backend_params p = {
+        .cfg = r->cfg,
+        .model = &r->model,
+        .lora = &r->lora,
+        .max_M = r->M,
+        .s2_group = r->s2_group,
+        .rank = r->dist.rank,
+        .world = r->dist.world,
+        .local_rank = r->dist.local_rank,
+        .dist_id = r->dist_id,
+        .check = bt_run_stop_check,
+        .collective = bt_run_on_collective,
+        .hook_arg = r,
+    };
+    return r->reg->init(&r->be, &p);
 }
 
 /* The held-out evaluation (per length with eval.lengths), into *loss / len. */
 static int run_eval(bt_run *r, double *loss, bt_eval_length *len, int *cut) {
-    return r->by_len ? bt_eval_lengths(r->cfg, &r->model, &r->lora, r->ctx, r->M, len, cut)
-                     : bt_eval_heldout(r->cfg, &r->model, &r->lora, r->ctx, loss, &r->n_eval, cut);
+    return r->by_len ? bt_eval_lengths(r, len, cut) : bt_eval_heldout(r, loss, &r->n_eval, cut);
 }
 
 /* Stage 5. The held-out evaluation before training (or the one of `trainer eval`). */
@@ -539,7 +356,7 @@ static int run_eval_only(bt_run *r) {
     FILE *out = r->out;
     if (cfg->eval.n_shards == 0)
         return bt_fail(BT_ERR_INVALID, "config: eval.shards: required for `trainer eval`");
-    if (bt_run_dist.rank == 0) {
+    if (r->dist.rank == 0) {
         if (r->by_len) {
             if (r->eval_cut) fprintf(out, "held-out evaluation interrupted\n");
             bt_eval_print_lengths(out, r->len_before, NULL, cfg->eval.n_lengths);
@@ -556,7 +373,7 @@ static int run_eval_only(bt_run *r) {
         fflush(out);
     }
     if (!r->eval_cut) return 0;
-    int rc = bt_run_stop_error();
+    int rc = bt_run_stop_error(r);
     if (rc == BT_ERR_CANCELLED)
         rc = bt_fail(rc, "%s: the held-out evaluation is partial", bt_last_error());
     return rc;
@@ -567,20 +384,20 @@ static int run_eval_only(bt_run *r) {
 static int run_begin_training(bt_run *r) {
     const bt_train_config *cfg = r->cfg;
     int rc;
-    if (bt_run_dist.rank == 0) {
+    if (r->dist.rank == 0) {
         if ((rc = bt_report_open(&r->rep, cfg, r->start_step))) return rc;
         if (cfg->eval.n_shards > 0 && !(r->eval_cut && r->n_eval == 0) &&
             (rc = bt_report_eval(r->rep, r->start_step, r->before, r->n_eval)))
             return rc;
     }
-    if (r->eval_cut) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error());
-    if ((rc = bt_run_attach(&r->cl, cfg, 0, r->has_resume ? r->resume : NULL))) return rc;
+    if (r->eval_cut) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error(r));
+    if ((rc = bt_run_attach(r, &r->cl, cfg, 0, r->has_resume ? r->resume : NULL))) return rc;
     /* loaderd shows the base this run trains against (loaderctl status): type and real size */
     bt_client_set_base(r->cl, bt_base_dtype_name(r->binfo.base_dtype), r->binfo.types,
                        r->binfo.bits_per_weight, r->binfo.bytes);
     r->mbs = calloc((size_t)cfg->grad_accum, sizeof(bt_mb_copy));
-    r->all_done = calloc((size_t)bt_run_dist.world, BT_RESUME_STATE_BYTES);
-    r->all_next = calloc((size_t)bt_run_dist.world, BT_RESUME_STATE_BYTES);
+    r->all_done = calloc((size_t)r->dist.world, BT_RESUME_STATE_BYTES);
+    r->all_next = calloc((size_t)r->dist.world, BT_RESUME_STATE_BYTES);
     if (!r->mbs || !r->all_done || !r->all_next) return bt_fail(BT_ERR_NOMEM, "out of memory");
     for (int i = 0; i < cfg->grad_accum; i++)
         if ((rc = bt_mb_alloc(&r->mbs[i], r->B, r->T))) return rc;
@@ -596,17 +413,6 @@ static int run_begin_training(bt_run *r) {
                    : r->end_step - r->start_step >= 2 ? r->start_step + 1
                                                       : r->start_step;
     return 0;
-}
-
-/* --profile: collect per-op times in this step (prof != NULL) or stop collecting (NULL). */
-static void run_set_profile(bt_run *r, bt_prof *prof) {
-#ifdef BT_WITH_CUDA
-    if (bt_run_cuda) {
-        bt_cuda_trainer_set_profile(bt_run_cuda, prof);
-        return;
-    }
-#endif
-    bt_step_ctx_set_profile(r->ctx, prof);
 }
 
 /* What one step gathered: labelled targets and real tokens over all ranks, this rank's real
@@ -627,7 +433,7 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
     double wait_s = 0;
     for (int i = 0; i < cfg->grad_accum && got == 0; i++) {
         double tw = bt_now();
-        got = bt_run_next_batch(r->cl, cfg, &r->mbs[i], "train");
+        got = bt_run_next_batch(r, r->cl, cfg, &r->mbs[i], "train");
         wait_s += bt_now() - tw;
         if (got) break;
         bt_microbatch mb;
@@ -640,15 +446,15 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
         n_lab += n;
         n_real += r->mbs[i].n_real;
     }
-    if (got == 2) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error());
+    if (got == 2) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error(r));
     if (got == 1)
         got = bt_fail(BT_ERR_CLOSED, "the training stream ended after step %d of %d%s", step,
-                      cfg->steps, bt_run_dist.world > 1 ? " (on this rank)" : "");
+                      cfg->steps, r->dist.world > 1 ? " (on this rank)" : "");
     sb->n_real_local = n_real;
     sb->wait_s = wait_s;
     /* ... over all ranks: counts, and whether any rank's stream failed */
     double st[3] = {(double)n_lab, (double)n_real, got < 0};
-    int rc = bt_run_dist_sum(st, 3);
+    int rc = bt_run_dist_sum(r, st, 3);
     if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     sb->n_lab = (long long)st[0];
     sb->n_real = (long long)st[1];
@@ -659,7 +465,7 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
                                               "batches for step %d (see its log)", step + 1));
     memcpy(r->resume, r->mbs[cfg->grad_accum - 1].resume, BT_RESUME_STATE_BYTES);
     r->has_resume = 1;
-    rc = dist_gather_resume(r->resume, r->all_next);
+    rc = bt_run_gather_resume(r, r->resume, r->all_next);
     return rc ? run_end_with(r, RUN_END_STOP_OR_FAIL, rc) : 0;
 }
 
@@ -667,12 +473,8 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
  * over ranks; *loss = the global mean loss (NAN without labelled targets). */
 static int step_forward_backward(bt_run *r, int step, long long n_lab, double *loss) {
     const bt_train_config *cfg = r->cfg;
-    int rc;
-#ifdef BT_WITH_CUDA
-    if (bt_run_cuda && (rc = bt_cuda_trainer_zero_grad(bt_run_cuda))) return rc;
-    if (!bt_run_cuda)
-#endif
-        bt_lora_zero_grad(&r->lora);
+    int rc = bt_backend_zero_grad(r->be);
+    if (rc) return rc;
     double loss_sum = 0;
     float gscale = n_lab > 0 ? (float)(1.0 / (double)n_lab) : 0.f;
     for (int i = 0; i < cfg->grad_accum; i++) {
@@ -681,55 +483,38 @@ static int step_forward_backward(bt_run *r, int step, long long n_lab, double *l
         r->at_mb = i + 1;
         /* the dropout key also depends on the rank: the ranks' rows are different rows */
         uint64_t key = bt_hash64(cfg->seed ^ bt_hash64(((uint64_t)step << 20) + (uint64_t)i + 1));
-        if (bt_run_dist.rank > 0) key = bt_hash64(key ^ (uint64_t)bt_run_dist.rank);
+        if (r->dist.rank > 0) key = bt_hash64(key ^ (uint64_t)r->dist.rank);
         double ls;
-#ifdef BT_WITH_CUDA
-        if (bt_run_cuda) rc = bt_cuda_trainer_step(bt_run_cuda, &mb, 1, gscale, key | 1, &ls, NULL);
-        else
-#endif
-            rc = bt_forward_backward(r->ctx, &r->model, &r->lora, &mb, 1, gscale, key | 1, &ls,
-                                     NULL);
+        rc = bt_backend_step(r->be, &mb, 1, gscale, key | 1, &ls, NULL);
         if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
         loss_sum += ls;
     }
     if (r->hooks && r->hooks->after_backward) r->hooks->after_backward(r->hooks->arg, step + 1, &r->lora);
-#ifdef BT_WITH_CUDA
     /* sum of every rank's d(loss_sum / n_lab): the gradient of the global mean loss */
-    if (bt_run_cuda && bt_run_dist.world > 1 && (rc = bt_cuda_trainer_allreduce_grads(bt_run_cuda)))
+    if (r->dist.world > 1 && (rc = bt_backend_allreduce_grads(r->be)))
         return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
-#endif
-    if ((rc = bt_run_dist_sum(&loss_sum, 1))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+    if ((rc = bt_run_dist_sum(r, &loss_sum, 1))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     *loss = n_lab > 0 ? loss_sum / (double)n_lab : NAN;
     return 0;
 }
 
-/* Step, part 3. Clip + AdamW (every rank holds the same summed gradients, so every rank computes
- * the same norm and the same update; on the GPU the same on the device, skipped in the same
- * cases). A non-finite loss, norm or parameter stops the run (diverged). */
+/* Step, part 3. Clip + AdamW on the backend (every rank holds the same summed gradients, so every
+ * rank computes the same norm and the same update; nothing is applied without labelled targets
+ * or with a non-finite loss or norm). A non-finite loss, norm or parameter stops the run
+ * (diverged). */
 static int step_update(bt_run *r, int step, long long n_lab, double loss, double *lr_out,
                        double *gnorm_out) {
     const bt_train_config *cfg = r->cfg;
-    bt_lora *lo = &r->lora;
-    double lr = bt_schedule_lr(&r->sched, step), gnorm;
-    int on_gpu = 0;
+    double lr = bt_schedule_lr(&r->sched, step), gnorm = 0;
+    int64_t bad = -1;
     *lr_out = lr;
-#ifdef BT_WITH_CUDA
-    if (bt_run_cuda) {
-        on_gpu = 1;
-        int rc = bt_cuda_trainer_clip_and_step(
-            bt_run_cuda, cfg->optim.grad_clip, (float)lr, (float)cfg->optim.beta1,
-            (float)cfg->optim.beta2, (float)cfg->optim.eps, (float)cfg->optim.weight_decay,
-            step + 1, n_lab == 0 || !isfinite(loss), &gnorm, NULL);
-        if (rc) return rc;
-    } else
-#endif
-    {
-        double t_clip = bt_now();
-        gnorm = bt_clip_grad_norm(lo->grads, lo->n_params, cfg->optim.grad_clip);
-        bt_prof_add(r->prof, "clip grad norm", bt_now() - t_clip, 0.0);
-    }
+    const bt_backend_update u = {cfg->optim.grad_clip,      (float)lr,
+                                 (float)cfg->optim.beta1,   (float)cfg->optim.beta2,
+                                 (float)cfg->optim.eps,     (float)cfg->optim.weight_decay,
+                                 step + 1,                  n_lab == 0 || !isfinite(loss)};
+    int rc = bt_backend_update_params(r->be, &u, &gnorm, &bad);
+    if (rc) return rc;
     *gnorm_out = gnorm;
-    double t_opt = bt_now();
     if (n_lab == 0) {
         bt_log(BT_LOG_WARN, "trainer", "step %d: no labelled tokens; update skipped", step + 1);
         return 0;
@@ -741,22 +526,9 @@ static int step_update(bt_run *r, int step, long long n_lab, double loss, double
                  !isfinite(loss) ? loss : gnorm);
         return diverged(cfg, step + 1, what, lr, r->adapter_step, r->ck_step);
     }
-    if (on_gpu) return 0;
-    /* [0, n_decay): LoRA (+ embedding) with weight decay; the LoRA+ norm weights after it
-     * without (lora.h) */
-    bt_adamw_step(lo->params, lo->grads, lo->m, lo->v, lo->n_decay, (float)lr,
-                  (float)cfg->optim.beta1, (float)cfg->optim.beta2, (float)cfg->optim.eps,
-                  (float)cfg->optim.weight_decay, step + 1);
-    int64_t nd = lo->n_decay;
-    if (lo->n_params > nd)
-        bt_adamw_step(lo->params + nd, lo->grads + nd, lo->m + nd, lo->v + nd, lo->n_params - nd,
-                      (float)lr, (float)cfg->optim.beta1, (float)cfg->optim.beta2,
-                      (float)cfg->optim.eps, 0.f, step + 1);
-    bt_prof_add(r->prof, "adamw", bt_now() - t_opt, 4.0 * 3.0 * (double)lo->n_params);
-    size_t at = 0;
-    if (!bt_all_finite_f32(lo->params, (size_t)lo->n_params, &at)) {
+    if (bad >= 0) {
         char what[96];
-        snprintf(what, sizeof what, "LoRA parameter %zu after the update", at);
+        snprintf(what, sizeof what, "LoRA parameter %zu after the update", (size_t)bad);
         return diverged(cfg, step + 1, what, lr, r->adapter_step, r->ck_step);
     }
     return 0;
@@ -771,7 +543,7 @@ static int step_record(bt_run *r, double ts, double loss, double lr, double gnor
     double now = bt_now(), dt = now - ts, el = now - r->train_t0;
     double tps = dt > 0 ? (double)sb->n_real / dt : 0;
     bt_client_report(r->cl, (uint64_t)done, loss, dt > 0 ? (double)sb->n_real_local / dt : 0);
-    if (bt_run_dist.rank == 0 &&
+    if (r->dist.rank == 0 &&
         (done % cfg->log_every == 0 || done == cfg->steps || done == r->end_step)) {
         char e1[24], e2[24];
         bt_fmt_duration(e1, sizeof e1, el);
@@ -786,15 +558,14 @@ static int step_record(bt_run *r, double ts, double loss, double lr, double gnor
     if (r->rep) {
         bt_step_metrics sm = {done, loss, lr, gnorm, sb->n_real, dt, sb->wait_s,
                               bt_peak_rss_mib(), -1};
-#ifdef BT_WITH_CUDA
-        if (bt_run_cuda) sm.device_mib = bt_cuda_trainer_bytes(bt_run_cuda) / 1048576.0;
-#endif
+        size_t held, peak;
+        if (bt_backend_device_memory(r->be, &held, &peak)) sm.device_mib = held / 1048576.0;
         if ((rc = bt_report_step(r->rep, &sm))) return rc;
         r->rep_steps++;
     }
     if (r->prof) {
-        run_set_profile(r, NULL);
-        if (bt_run_dist.rank == 0 && (rc = print_profile(cfg, r->prof, done, dt, r->ctx, r->out)))
+        bt_backend_set_profile(r->be, NULL);
+        if (r->dist.rank == 0 && (rc = print_profile(cfg, r->prof, done, dt, r->be, r->out)))
             return rc;
         bt_prof_free(r->prof);
         r->prof = NULL;
@@ -810,23 +581,23 @@ static int step_save(bt_run *r) {
     int rc = 0;
     if (cfg->checkpoint_every > 0 && done < cfg->steps &&
         (done % cfg->checkpoint_every == 0 || done == r->end_step)) {
-        if ((rc = save_checkpoint(cfg, &r->model, &r->lora, done, r->all_done)))
+        if ((rc = save_checkpoint(r, done, r->all_done)))
             return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
-        if (bt_run_dist.rank == 0)
+        if (r->dist.rank == 0)
             bt_log(BT_LOG_INFO, "trainer", "step %d: checkpoint saved to %s", done,
                    cfg->checkpoint_dir);
         r->ck_step = done;
     }
     if (cfg->save_every > 0 && done % cfg->save_every == 0 && done < cfg->steps) {
-        if (bt_run_dist.rank == 0) {
-            rc = sync_host_lora(&r->lora, 0);
+        if (r->dist.rank == 0) {
+            rc = bt_backend_sync_lora(r->be, 0);
             if (!rc)
                 rc = bt_adapter_save_ex(&r->lora, cfg->base_model_name_or_path, cfg->out_dir,
                                         &r->model);
             if (!rc)
                 bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done, cfg->out_dir);
         }
-        if ((rc = dist_agree(rc, "saving the adapter")))
+        if ((rc = bt_run_agree(r, rc, "saving the adapter")))
             return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
         r->adapter_step = done;
     }
@@ -839,10 +610,10 @@ static int step_save(bt_run *r) {
 static int run_step(bt_run *r, int step) {
     double ts = bt_now();
     int rc;
-    if ((rc = bt_run_stop_check(NULL))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+    if ((rc = bt_run_stop_check(r))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     if (step == r->prof_step) {
         if (!(r->prof = bt_prof_new())) return bt_fail(BT_ERR_NOMEM, "out of memory");
-        run_set_profile(r, r->prof);
+        bt_backend_set_profile(r->be, r->prof);
     }
     step_batches sb = {0};
     double loss = NAN, lr = 0, gnorm = 0;
@@ -870,13 +641,13 @@ static int run_finish(bt_run *r) {
                cfg->steps);
     bt_client_close(r->cl);
     r->cl = NULL;
-    if (bt_run_dist.rank == 0) {
-        rc = sync_host_lora(&r->lora, 0);
+    if (r->dist.rank == 0) {
+        rc = bt_backend_sync_lora(r->be, 0);
         if (!rc)
             rc = bt_adapter_save_ex(&r->lora, cfg->base_model_name_or_path, cfg->out_dir, &r->model);
     }
-    if ((rc = dist_agree(rc, "saving the adapter"))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
-    if (bt_run_dist.rank == 0)
+    if ((rc = bt_run_agree(r, rc, "saving the adapter"))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+    if (r->dist.rank == 0)
         bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
                r->done_steps, bt_now() - r->train_t0, r->last_loss, bt_peak_rss_mib());
     if (cfg->eval.n_shards > 0) {
@@ -884,22 +655,22 @@ static int run_finish(bt_run *r) {
         if ((rc = run_eval(r, &r->after, r->len_after, &cut)))
             return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
         if (cut) { /* the training is complete and saved: only the evaluation was cut short */
-            rc = bt_run_stop_error();
+            rc = bt_run_stop_error(r);
             return bt_fail(rc, "%s during the final held-out evaluation; adapter for step %d of "
                            "%d saved to %s", bt_last_error(), r->done_steps, cfg->steps,
                            cfg->out_dir);
         }
         if (r->by_len) {
-            if (bt_run_dist.rank == 0) bt_eval_print_lengths(out, r->len_before, r->len_after, cfg->eval.n_lengths);
+            if (r->dist.rank == 0) bt_eval_print_lengths(out, r->len_before, r->len_after, cfg->eval.n_lengths);
         } else {
             if (r->rep && (rc = bt_report_eval(r->rep, r->done_steps, r->after, r->n_eval)))
                 return rc;
-            if (bt_run_dist.rank == 0)
+            if (r->dist.rank == 0)
                 fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", r->before,
                         r->after, 100.0 * (r->after - r->before) / r->before);
         }
     }
-    if (bt_run_dist.rank == 0) {
+    if (r->dist.rank == 0) {
         fprintf(out, "adapter: %s\n", cfg->out_dir);
         fflush(out);
     }
@@ -930,12 +701,12 @@ static int run_interrupted(bt_run *r, int rc) {
     else
         bt_log(BT_LOG_WARN, "trainer", "%s: stopping before step %d's forward", why, done + 1);
     int src = 0;
-    if (bt_run_dist.rank == 0 && done > r->start_step)
-        src = save_interrupted(cfg, &r->model, &r->lora, done, r->all_done, saved, sizeof saved);
+    if (r->dist.rank == 0 && done > r->start_step)
+        src = save_interrupted(r, done, r->all_done, saved, sizeof saved);
     if (src)
         return bt_fail(BT_ERR_IO, "%s after step %d; saving it failed: %s", why, done,
                        bt_last_error());
-    if (bt_run_dist.rank != 0)
+    if (r->dist.rank != 0)
         return bt_fail(BT_ERR_CANCELLED, "%s: stopped after step %d of %d (rank 0 saves)", why,
                        done, cfg->steps);
     if (done > r->start_step)
@@ -957,14 +728,14 @@ static int run_stream_failed(bt_run *r, int rc) {
     bt_client_close(r->cl); /* first: its best-effort detach may overwrite bt_last_error */
     r->cl = NULL;
     int src = 0;
-    if (bt_run_dist.rank == 0) {
-        src = sync_host_lora(&r->lora, 1);
+    if (r->dist.rank == 0) {
+        src = bt_backend_sync_lora(r->be, 1);
         if (!src)
             src = bt_adapter_save_ex(&r->lora, cfg->base_model_name_or_path, cfg->out_dir, &r->model);
     }
-    src = dist_agree(src, "saving the adapter");
+    src = bt_run_agree(r, src, "saving the adapter");
     if (!src && cfg->checkpoint_every > 0 && r->ck_step != done)
-        src = save_checkpoint(cfg, &r->model, &r->lora, done, r->all_done);
+        src = save_checkpoint(r, done, r->all_done);
     if (src)
         return bt_fail(rc, "%s; saving step %d also failed: %s", why, done, bt_last_error());
     return bt_fail(rc, "%s; adapter for step %d of %d saved to %s%s%s", why, done, cfg->steps,
@@ -983,14 +754,9 @@ static void run_teardown(bt_run *r, int rc) {
     free(r->all_done);
     free(r->all_next);
     bt_client_close(r->cl);
-    bt_step_ctx_free(r->ctx);
-#ifdef BT_WITH_CUDA
-    if (rc == BT_ERR_CANCELLED) bt_cuda_trainer_dist_abort(bt_run_cuda); /* peers may be gone */
-    bt_cuda_trainer_free(bt_run_cuda);
-    bt_run_cuda = NULL;
-#else
-    (void)rc;
-#endif
+    if (rc == BT_ERR_CANCELLED) bt_backend_abort(r->be); /* peers may be gone */
+    bt_backend_free(r->be);
+    r->be = NULL;
     if (r->have_model) {
         bt_lora_free(&r->lora);
         bt_model_free(&r->model);
@@ -999,20 +765,20 @@ static void run_teardown(bt_run *r, int rc) {
 
 /* Several ranks: the last word to the others through the watchdog (goodbye, or this rank's
  * error), keeping rc's message. Returns the run's final rc. */
-static int run_farewell(int rc) {
-    if (!g_mon) return rc;
+static int run_farewell(bt_run *r, int rc) {
+    if (!r->mon) return rc;
     char keep[1400];
     snprintf(keep, sizeof keep, "%s", bt_last_error());
     if (rc == 0 || rc == BT_ERR_CANCELLED) {
-        int frc = bt_dist_monitor_finish(g_mon);
+        int frc = bt_dist_monitor_finish(r->mon);
         if (!rc && frc) rc = frc;
         else bt_fail(rc, "%s", keep);
     } else {
-        if (!bt_dist_monitor_check(g_mon)) bt_dist_monitor_fail(g_mon, keep); /* else known */
+        if (!bt_dist_monitor_check(r->mon)) bt_dist_monitor_fail(r->mon, keep); /* else known */
         bt_fail(rc, "%s", keep);
     }
-    bt_dist_monitor_free(g_mon);
-    g_mon = NULL;
+    bt_dist_monitor_free(r->mon);
+    r->mon = NULL;
     return rc;
 }
 
@@ -1021,28 +787,24 @@ int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out) {
 }
 
 int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const bt_run_hooks *hooks) {
-#ifndef BT_WITH_CUDA
-    if (cfg->device == BT_DEVICE_CUDA)
-        return bt_fail(BT_ERR_UNSUPPORTED, "config: device: \"cuda\": this trainer was built "
-                       "without CUDA (make CUDA=1)");
-#endif
+    const bt_backend_reg *reg;
+    int rc = bt_backend_get(cfg->device, &reg); /* a device this trainer was built without */
+    if (rc) return rc;
     set_threads(cfg->threads);
-    atomic_store(&bt_run_stop_sig, 0);
-    struct sigaction sa, old_sa[N_STOP_SIGNALS];
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    for (int i = 0; i < N_STOP_SIGNALS; i++) sigaction(k_stop_signals[i], &sa, &old_sa[i]);
+    bt_run_signals signals;
+    bt_run_catch_signals(&signals);
 
     bt_run *r = calloc(1, sizeof *r);
-    int rc;
     if (!r) {
         rc = bt_fail(BT_ERR_NOMEM, "out of memory");
         goto out;
     }
     r->cfg = cfg;
     r->hooks = hooks;
+    r->reg = reg;
     r->eval_only = eval_only;
     r->out = out;
+    r->dist = (bt_dist_env){0, 1, 0, "single"};
     r->B = cfg->data.micro_batch_size;
     r->T = cfg->data.seq_len;
     r->M = r->B * r->T;
@@ -1059,9 +821,9 @@ int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const 
     if (rc && r->end == RUN_END_STOP_OR_FAIL) rc = run_interrupted(r, rc);
     else if (rc && r->end == RUN_END_FAILED) rc = run_stream_failed(r, rc);
     run_teardown(r, rc);
+    rc = run_farewell(r, rc);
     free(r);
 out:
-    rc = run_farewell(rc);
-    for (int i = 0; i < N_STOP_SIGNALS; i++) sigaction(k_stop_signals[i], &old_sa[i], NULL);
+    bt_run_restore_signals(&signals);
     return rc;
 }

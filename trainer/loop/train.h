@@ -1,13 +1,12 @@
-/* The CPU training loop: loaderd batches -> forward/backward -> clip -> AdamW -> progress,
- * reports, adapter checkpoints, held-out evaluation before and after. */
+/* The training run: loaderd batches -> forward/backward -> clip -> AdamW on the backend of the
+ * config's device (trainer/backend/backend.h: CPU or CUDA) -> progress, reports, adapter
+ * checkpoints, held-out evaluation before and after. */
 #ifndef BT_TRAINER_TRAIN_H
 #define BT_TRAINER_TRAIN_H
 #include <stdio.h>
 
 #include "trainer/config.h"
 #include "trainer/model/lora.h"
-#include "trainer/model/model.h"
-#include "trainer/loop/step.h"
 
 /* The trainer's exit statuses (trainer/main.c), in one table so that every way of stopping keeps
  * its own number; scripts/train.sbatch and the README rely on them:
@@ -34,7 +33,7 @@ enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_DIVERGED 
  * loss = the step's mean loss per labelled target over its grad_accum micro-batches; tok/s = real
  * (non-padding) tokens of the step / its wall time. SIGINT, SIGTERM and SIGUSR1 stop mid-step,
  * whatever the step's length: the wait for a batch is sliced (~1 s), every layer of the forward
- * and backward asks (bt_step_ctx_set_check, bt_cuda_hooks), and so does every NCCL wait; the
+ * and backward asks (bt_backend_params.check), and so does every NCCL wait; the
  * step in progress is dropped and rank 0 saves the adapter and a checkpoint (to checkpoint_dir,
  * whatever checkpoint_every; not when it equals out_dir) of the last completed step, without any
  * collective. With several ranks a signal on one stops all of them (trainer/dist/dist_monitor.h
@@ -42,7 +41,8 @@ enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_DIVERGED 
  * BT_ERR_CANCELLED then, with the message saying what was saved where. When the batch stream
  * fails after some steps (loaderd gone, timeout) the adapter and checkpoint of the last completed
  * step are saved too, the error message says so, and the error is returned. Returns 0 or a
- * negative bt_err with bt_last_error() set. */
+ * negative bt_err with bt_last_error() set. A device this trainer was built without is
+ * BT_ERR_UNSUPPORTED (bt_backend_get). */
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out);
 
 /* Faults a test injects into a run (bt_train_run_ex), never read from the environment: the
@@ -59,29 +59,14 @@ typedef struct {
 /* bt_train_run with hooks (NULL: none; borrowed for the call). */
 int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const bt_run_hooks *hooks);
 
-/* Held-out evaluation: attach a job for cfg's eval stream (epochs 1), run the forward (no
- * dropout) over every batch until END_OF_DATA or cfg->eval.max_batches, and return the mean
- * loss per labelled target in *mean_loss and their count in *n_tokens. lo may be NULL (base).
- * SIGINT/SIGTERM (during bt_train_run) cut it short: *interrupted (when not NULL) is then 1 and
- * the loss covers only the batches seen (NAN, 0 tokens and no error when there were none). */
-int bt_eval_heldout(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                    double *mean_loss, long long *n_tokens, int *interrupted);
-
-/* Held-out perplexity per context length (cfg->eval.lengths): for each length L, the held-out
- * stream again at row length L (loaderd cuts `text` documents into consecutive L-token windows,
- * `chat`/`alpaca` ones to their first L tokens), loss over the windows of exactly L tokens only
- * (shorter remainders carry no loss), full attention. Rows per micro-batch: max_M / L (the
- * workspace ctx holds max_M tokens), or one row in a forward-only workspace of its own when
- * L > max_M (CPU; on the GPU such a length is BT_ERR_INVALID). res [cfg->eval.n_lengths]: length,
- * windows, labelled tokens and mean loss (NAN when no window had L tokens). Collective across
- * ranks like bt_eval_heldout. */
+/* One length's result of the held-out perplexity per context length (cfg->eval.lengths;
+ * trainer/loop/run.h bt_eval_lengths): the length L, the windows of exactly L tokens, their
+ * labelled tokens and mean loss (NAN when no window had L tokens). */
 typedef struct {
     int length;
     long long windows, tokens;
     double loss;
 } bt_eval_length;
-int bt_eval_lengths(const bt_train_config *cfg, const bt_model *m, bt_lora *lo, bt_step_ctx *ctx,
-                    int max_M, bt_eval_length *res, int *interrupted);
 
 /* "1m02s" / "1h02m03s" for a duration in seconds (buf >= 24 bytes). */
 void bt_fmt_duration(char *buf, size_t n, double seconds);
