@@ -465,9 +465,9 @@ extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, floa
                                 cudaStream_t stream)
 {
     const void *ptrs[] = {out, lse, q, k, v};
-    BT_TRY(bt_att_check(p, ptrs, 5));
-    if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
-        return BT_CU_OK;
+    const int e = bt_att_enter(p, ptrs, 5, false, lse, nullptr);
+    if (e)
+        return e > 0 ? BT_CU_OK : e;
     const BtAttArgs a = bt_att_args(p, 64);
     const int64_t gx = (int64_t)p->n_seq * a.nblk;
     if (gx > 0x7fffffff || p->Hq > 65535)
@@ -490,11 +490,9 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
                                 const bt_bf16 *v, float *delta, cudaStream_t stream)
 {
     const void *ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    BT_TRY(bt_att_check(p, ptrs, 8));
-    if (!lse || !delta)
-        return BT_CU_ERR_INVALID;
-    if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
-        return BT_CU_OK;
+    const int e = bt_att_enter(p, ptrs, 8, true, lse, delta);
+    if (e)
+        return e > 0 ? BT_CU_OK : e;
     const int64_t rows = (int64_t)p->M * p->Hq, nthr = rows * (p->D / 8);
     if (p->D == 64)
         bt_att_delta_kernel<64><<<(unsigned)((nthr + 255) / 256), 256, 0, stream>>>(delta, dout, out, rows);

@@ -1,7 +1,8 @@
 /* Pieces shared by the two attention implementations, kernels/cuda/attention.cu (wmma) and
  * kernels/cuda/attention_mma.cu (mma.sync): the LongLoRA S^2-Attn group bounds, the causal/S^2
  * visibility rule, the RoPE frequency table in shared memory, shared-memory carving, the
- * launcher argument checks and the dynamic shared-memory opt-in. Semantics: kernels_cuda.h
+ * launchers' argument checks and common entry, the delta (rowsum dO*O) kernel of both backwards
+ * and the dynamic shared-memory opt-in. Semantics: kernels_cuda.h
  * (bt_cuda_attn_params). Include only from .cu files. */
 #ifndef BT_ATTENTION_COMMON_H
 #define BT_ATTENTION_COMMON_H
@@ -98,6 +99,21 @@ static inline int bt_att_check(const bt_cuda_attn_params *p, const void *const *
             return BT_CU_ERR_UNSUPPORTED;
     }
     return BT_CU_OK;
+}
+
+/* The common entry of the four launchers (bt_cuda_attn_fwd/bwd and their _mma twins): the checks
+ * of bt_att_check on ptrs, and for a backward (bwd) lse and delta present (else
+ * BT_CU_ERR_INVALID). Returns the error, 1 when there is nothing to compute (no token, document or
+ * row: the launcher enqueues nothing and returns BT_CU_OK), or 0 to go on. */
+static inline int bt_att_enter(const bt_cuda_attn_params *p, const void *const *ptrs, int nptr,
+                               bool bwd, const float *lse, const float *delta)
+{
+    const int rc = bt_att_check(p, ptrs, nptr);
+    if (rc)
+        return rc;
+    if (bwd && (!lse || !delta))
+        return BT_CU_ERR_INVALID;
+    return p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0 ? 1 : 0;
 }
 
 /* Backward pass 1 of both implementations (FlashAttention-2 Algorithm 2 line 4):

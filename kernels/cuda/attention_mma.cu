@@ -956,9 +956,9 @@ extern "C" int bt_cuda_attn_fwd_mma(const bt_cuda_attn_params *p, bt_bf16 *out, 
                                     cudaStream_t stream)
 {
     const void *ptrs[] = {out, lse, q, k, v};
-    BT_TRY(bt_att_check(p, ptrs, 5));
-    if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
-        return BT_CU_OK;
+    const int e = bt_att_enter(p, ptrs, 5, false, lse, nullptr);
+    if (e)
+        return e > 0 ? BT_CU_OK : e;
     if (p->Hq > 65535)
         return BT_CU_ERR_UNSUPPORTED;
     const BtAttArgs a = bt_att_args(p, MF_BR);
@@ -975,11 +975,9 @@ extern "C" int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, b
                                     const bt_bf16 *v, float *delta, cudaStream_t stream)
 {
     const void *ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    BT_TRY(bt_att_check(p, ptrs, 8));
-    if (!lse || !delta)
-        return BT_CU_ERR_INVALID;
-    if (p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0)
-        return BT_CU_OK;
+    const int e = bt_att_enter(p, ptrs, 8, true, lse, delta);
+    if (e)
+        return e > 0 ? BT_CU_OK : e;
     if (p->Hq > 65535)
         return BT_CU_ERR_UNSUPPORTED;
     if (!ma_grid(p->Hq, bt_att_args(p, MF_BR)) || !ma_grid(p->Hkv, bt_att_args(p, MB_BN)))

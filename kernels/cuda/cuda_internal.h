@@ -44,6 +44,37 @@ static inline int bt_cublas_check_(cublasStatus_t s, const char *what, const cha
 
 static inline int bt_ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
+/* Blocks of `threads` for a grid-stride loop over n elements: ceil(n / threads), at least 1, at
+ * most cap (the loops stride over the rest). */
+static inline unsigned bt_grid_for(int64_t n, int threads, int64_t cap = 65535LL * 16)
+{
+    int64_t b = (n + threads - 1) / threads;
+    if (b < 1)
+        b = 1;
+    return (unsigned)(b < cap ? b : cap);
+}
+
+/* 8 bf16 <-> 8 floats through one 16-byte access */
+__device__ __forceinline__ void bt_unpack8(const uint4 &r, float f[8])
+{
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float2 t = __bfloat1622float2(h[j]);
+        f[2 * j] = t.x;
+        f[2 * j + 1] = t.y;
+    }
+}
+__device__ __forceinline__ uint4 bt_pack8(const float f[8])
+{
+    uint4 r;
+    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&r);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+    return r;
+}
+
 /* The cuBLAS half of the "dequantise then GEMM" linears (NF4, nf4.cu; ggml blocks, ggml.cu), once
  * wbuf holds the bf16 weight [N, K]: forward Y[M,N] = X[M,K] @ wbuf^T + beta*Y, or (bwd) the input
  * gradient dX[M,K] = dY[M,N] @ wbuf + beta*dX (in = X or dY, out = Y or dX). */

@@ -1,4 +1,6 @@
-/* BarqTrain CUDA backend: public launcher API (C linkage; implemented in kernels/cuda/ .cu files).
+/* BarqTrain CUDA backend: public launcher API (C linkage; implemented in kernels/cuda/ .cu files,
+ * which mirror kernels/cpu/ file for file: norm, rope, swiglu, embedding, optim, linear, nf4, ggml,
+ * attention, loss; plus convert.cu for the bf16 conversions the fp32 CPU backend does not need).
  *
  * Conventions (every launcher below unless its comment says otherwise):
  *   - All pointers are DEVICE pointers, except where a parameter is named *_host.
@@ -34,7 +36,8 @@ extern "C" {
 
 typedef __nv_bfloat16 bt_bf16;
 
-/* ======================================================================= utilities (misc.cu) */
+/* ================= utilities: device count, dtype conversions, residual add (convert.cu);
+ * the gradient norm's sum of squares and the clipping scale (optim.cu) */
 
 /* Device count (0 when there is no usable device or no driver); never aborts. If reason/len are
  * given, a human-readable reason is written when the count is 0 (e.g. "cudaGetDeviceCount: no
@@ -223,7 +226,7 @@ int bt_cuda_ggml_gemm_fwd(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X, con
 int bt_cuda_ggml_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
                             const bt_cuda_ggml *W, int M, int K, int N, float beta);
 
-/* ========================================== RMSNorm, RoPE, SwiGLU, embedding (elementwise.cu) */
+/* ====================================================================== RMSNorm (norm.cu) */
 
 /* RMSNorm forward (Zhang & Sennrich 2019; HF LlamaRMSNorm): y = w * (x * rstd),
  * rstd = 1/sqrt(mean(x^2) + eps) in fp32. x, y [M,D] bf16 (y may alias x), w [D] fp32 (the master
@@ -241,6 +244,8 @@ size_t bt_cuda_rmsnorm_bwd_scratch_floats(int M, int D);
 int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, const bt_bf16 *x, const float *w,
                         const float *rstd, int M, int D, float *scratch, cudaStream_t stream);
 
+/* ========================================================================= RoPE (rope.cu) */
+
 /* RoPE in place, HF rotate_half layout (same math as bt_rope_fwd/bt_rope_bwd): x has M tokens, H
  * heads of D (even) elements, token stride ld elements (ld >= H*D; lets it run on one part of a
  * packed QKV buffer). Position p = position_ids[m] * pos_scale; angle = p * theta^(-2i/D) in fp32,
@@ -254,12 +259,16 @@ int bt_cuda_rope(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D, i
 int bt_cuda_rope_freq(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D, int64_t ld,
                       const float *inv_freq, float pos_scale, int inverse, cudaStream_t stream);
 
+/* ===================================================================== SwiGLU (swiglu.cu) */
+
 /* SwiGLU (Shazeer 2020; HF LlamaMLP): h = silu(g) * u, fp32 math, bf16 in/out, n elements.
  * Backward, s = sigmoid(g): dg = dh*u*s*(1 + g*(1-s)), du = dh*g*s; each element's inputs are read
  * before its outputs are written, so dg/du may alias g/u/dh (Unsloth swiglu_DWf_DW_dfg in place). */
 int bt_cuda_swiglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, cudaStream_t stream);
 int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
                        const bt_bf16 *u, int64_t n, cudaStream_t stream);
+
+/* ================================================================ embedding (embedding.cu) */
 
 /* Embedding: out[m,:] = table[ids[m],:] (bf16 table [V,D], bf16 out [M,D]); ids outside [0,V)
  * give a zero row (the data pipeline validates ids; the kernel never reads out of bounds). */
@@ -270,7 +279,7 @@ int bt_cuda_embedding_fwd(bt_bf16 *out, const bt_bf16 *table, const int32_t *ids
 int bt_cuda_embedding_bwd(float *dtable, const bt_bf16 *dout, const int32_t *ids, int M, int D, int V,
                           cudaStream_t stream);
 
-/* ============================================================ AdamW (elementwise.cu) */
+/* ====================================================================== AdamW (optim.cu) */
 
 /* One tensor of a multi-tensor AdamW step (all device pointers, fp32, n elements). p16 (optional,
  * may be NULL) receives bf16(p) after the update: the bf16 compute copy of a LoRA weight. */

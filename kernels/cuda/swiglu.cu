@@ -1,0 +1,89 @@
+/* SwiGLU forward and backward of the CUDA backend, 16-byte (8 x bf16) accesses where the layout
+ * allows. Contracts: kernels/cuda/kernels_cuda.h; the fp32 reference is kernels/cpu/swiglu.c. */
+#include "kernels/cuda/cuda_internal.h"
+
+#include <cmath>
+
+__device__ __forceinline__ float silu_sig(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+__global__ void swiglu_fwd_kernel(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, int vec)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    if (vec) { /* n % 8 == 0 and all pointers 16-byte aligned */
+        const int64_t nv = n / 8;
+        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nv; t += stride) {
+            float fg[8], fu[8], fh[8];
+            bt_unpack8(reinterpret_cast<const uint4 *>(g)[t], fg);
+            bt_unpack8(reinterpret_cast<const uint4 *>(u)[t], fu);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                fh[j] = fg[j] * silu_sig(fg[j]) * fu[j];
+            reinterpret_cast<uint4 *>(h)[t] = bt_pack8(fh);
+        }
+        return;
+    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float gv = __bfloat162float(g[i]);
+        h[i] = __float2bfloat16_rn(gv * silu_sig(gv) * __bfloat162float(u[i]));
+    }
+}
+__global__ void swiglu_bwd_kernel(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                                  const bt_bf16 *u, int64_t n, int vec)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    if (vec) {
+        const int64_t nv = n / 8;
+        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nv; t += stride) {
+            float fg[8], fu[8], fd[8], og[8], ou[8];
+            bt_unpack8(reinterpret_cast<const uint4 *>(g)[t], fg);
+            bt_unpack8(reinterpret_cast<const uint4 *>(u)[t], fu);
+            bt_unpack8(reinterpret_cast<const uint4 *>(dh)[t], fd);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float s = silu_sig(fg[j]);
+                og[j] = fd[j] * fu[j] * (s * (1.0f + fg[j] * (1.0f - s)));
+                ou[j] = fd[j] * (fg[j] * s);
+            }
+            reinterpret_cast<uint4 *>(dg)[t] = bt_pack8(og);
+            reinterpret_cast<uint4 *>(du)[t] = bt_pack8(ou);
+        }
+        return;
+    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float gv = __bfloat162float(g[i]), uv = __bfloat162float(u[i]),
+                    d = __bfloat162float(dh[i]);
+        const float s = silu_sig(gv);
+        dg[i] = __float2bfloat16_rn(d * uv * (s * (1.0f + gv * (1.0f - s))));
+        du[i] = __float2bfloat16_rn(d * (gv * s));
+    }
+}
+static int vec8_ok(int64_t n, const void *a, const void *b, const void *c, const void *d = nullptr,
+                   const void *e = nullptr)
+{
+    uintptr_t o = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e;
+    return n % 8 == 0 && (o & 15) == 0;
+}
+extern "C" int bt_cuda_swiglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n,
+                                  cudaStream_t stream)
+{
+    if (n < 0 || (n > 0 && (!h || !g || !u)))
+        return BT_CU_ERR_INVALID;
+    if (n == 0)
+        return BT_CU_OK;
+    const int vec = vec8_ok(n, h, g, u);
+    swiglu_fwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(h, g, u, n, vec);
+    BT_LAUNCH_CHECK();
+    return BT_CU_OK;
+}
+extern "C" int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                                  const bt_bf16 *u, int64_t n, cudaStream_t stream)
+{
+    if (n < 0 || (n > 0 && (!dg || !du || !dh || !g || !u)))
+        return BT_CU_ERR_INVALID;
+    if (n == 0)
+        return BT_CU_OK;
+    const int vec = vec8_ok(n, dg, du, dh, g, u);
+    swiglu_bwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(dg, du, dh, g, u, n, vec);
+    BT_LAUNCH_CHECK();
+    return BT_CU_OK;
+}
