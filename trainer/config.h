@@ -106,7 +106,7 @@
  *   checkpoint_every 0                 write a resumable checkpoint every N steps (0 = never;
  *                                      also written when a run stops early: stop_at_step, SIGINT,
  *                                      SIGTERM; not after the last step, whose result is out_dir;
- *                                      format: trainer/loop/checkpoint.h)
+ *                                      format: trainer/io/checkpoint.h)
  *   checkpoint_dir "runs/checkpoint"   the checkpoint directory (replaced atomically); must
  *                                      differ from out_dir when checkpoint_every > 0
  *   resume_from null                   checkpoint directory to continue from (also `--resume DIR`)

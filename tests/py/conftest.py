@@ -126,7 +126,7 @@ def rel_l2(a, b, part):
 
 
 def ckpt_step(d):
-    """The optimiser step of the trainer checkpoint in directory d (trainer/loop/checkpoint.h)."""
+    """The optimiser step of the trainer checkpoint in directory d (trainer/io/checkpoint.h)."""
     raw = open(os.path.join(str(d), "trainer_state.bin"), "rb").read()
     assert raw[:6] == b"BTCKPT"
     return struct.unpack_from("<q", raw, 16)[0]

@@ -12,8 +12,8 @@
 #include "common/bt_json.h"
 #include "common/gguf.h"
 #include "trainer/io/adapter.h"
+#include "trainer/io/checkpoint.h"
 #include "trainer/io/export.h"
-#include "trainer/loop/checkpoint.h"
 
 /* ---- adapter and checkpoint directories ---- */
 

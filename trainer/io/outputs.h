@@ -6,7 +6,7 @@
  *               adapter_config.json (trainer/io/adapter.h); replaced as a whole. An out_dir that
  *               once held a checkpoint (same files + trainer_state.bin, config.json) is ours too.
  *   checkpoint  checkpoint_dir: the adapter files, trainer_state.bin, config.json
- *               (trainer/loop/checkpoint.h); replaced as a whole.
+ *               (trainer/io/checkpoint.h); replaced as a whole.
  *   export      `export --format safetensors --out`: config.json, generation_config.json, the
  *               tokenizer files, model.safetensors or model-NNNNN-of-NNNNN.safetensors +
  *               model.safetensors.index.json (trainer/io/export.h); written into.

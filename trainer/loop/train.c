@@ -19,8 +19,8 @@
 #include "trainer/estimate.h"
 #include "trainer/io/adapter.h"
 #include "trainer/io/adapter_load.h"
+#include "trainer/io/checkpoint.h"
 #include "trainer/io/outputs.h"
-#include "trainer/loop/checkpoint.h"
 #include "trainer/loop/run.h"
 #include "trainer/model/rng.h"
 

@@ -1,4 +1,4 @@
-/* Training checkpoints (trainer/loop/checkpoint.h): exact round trip of parameters, AdamW moments,
+/* Training checkpoints (trainer/io/checkpoint.h): exact round trip of parameters, AdamW moments,
  * step and loader resume state (plain LoRA and LoRA+), atomic replacement, and refusal of
  * corrupt (checksum, truncation, bad magic) and mismatched (model, lora r, seq_len, seed,
  * trainable modules) checkpoints with messages naming the field. */
@@ -19,7 +19,7 @@
 
 #include "common/bt_common.h"
 #include "trainer/io/adapter.h"
-#include "trainer/loop/checkpoint.h"
+#include "trainer/io/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"

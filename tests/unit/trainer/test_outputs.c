@@ -25,7 +25,7 @@
 #include "trainer/io/adapter.h"
 #include "trainer/io/export.h"
 #include "trainer/io/outputs.h"
-#include "trainer/loop/checkpoint.h"
+#include "trainer/io/checkpoint.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
 #include "tests/unit/util/test_util.h"

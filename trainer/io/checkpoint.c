@@ -1,5 +1,5 @@
 /* Resumable training checkpoints. See checkpoint.h for the layout and the guarantees. */
-#include "trainer/loop/checkpoint.h"
+#include "trainer/io/checkpoint.h"
 
 #include <errno.h>
 #include <stdio.h>
