@@ -1,6 +1,7 @@
 /* The optimiser's kernels of the CUDA backend: the deterministic sum of squares of the gradient
- * norm, the in-place scale of clipping, and multi-tensor AdamW. Contracts: kernels/cuda/kernels_cuda.h;
- * the fp32 reference is kernels/cpu/optim.c (bt_sumsq, bt_scale, bt_adamw_step). */
+ * norm, the in-place scale of clipping, and multi-tensor AdamW. Contracts:
+ * kernels/cuda/kernels_cuda.h; the fp32 reference is kernels/cpu/optim.c (bt_sumsq, bt_scale,
+ * bt_adamw_step). */
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cmath>

@@ -1,5 +1,6 @@
-/* RoPE (HF rotate_half layout) of the CUDA backend, from theta or from the model's inverse-frequency
- * table. Contracts: kernels/cuda/kernels_cuda.h; the fp32 reference is kernels/cpu/rope.c. */
+/* RoPE (HF rotate_half layout) of the CUDA backend, from theta or from the model's
+ * inverse-frequency table. Contracts: kernels/cuda/kernels_cuda.h; the fp32 reference is
+ * kernels/cpu/rope.c. */
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cmath>

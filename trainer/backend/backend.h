@@ -50,10 +50,11 @@ typedef struct {
     bt_lora *lora;              /* the host LoRA state (borrowed): the CPU backend trains it in
                                  * place; the GPU one uploads it and sync_lora copies it back */
     int max_M;                  /* tokens per micro-batch the workspace holds (B * T) */
-    int s2_group;               /* LongLoRA S^2-Attn group of training passes (0 = full attention) */
+    int s2_group;               /* LongLoRA S^2-Attn group of training passes (0 = full) */
     int rank, world, local_rank;
     const uint8_t *dist_id;     /* [BT_BACKEND_DIST_ID_BYTES] rank 0's id (bt_backend_reg.
-                                 * dist_unique_id, handed out by the rendezvous); read when world > 1 */
+                                 * dist_unique_id, handed out by the rendezvous); read when
+                                 * world > 1 */
     /* The run's hooks (all optional): check(arg) is asked before every layer of a pass and in
      * every collective wait, and a non-zero result (a negative bt_err) abandons the pass or the
      * collective and is returned; collective(arg, entering) says when a collective wait starts

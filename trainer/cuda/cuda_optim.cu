@@ -1,7 +1,7 @@
 /* The GPU trainer's optimiser side: gradient norm + clipping (torch clip_grad_norm_ as
  * trainer/loop/optim.c bt_clip_grad_norm) and AdamW over every trainable parameter in one launch
  * (bt_cuda_adamw_multi; two descriptors: [0, n_decay) with weight decay, the LoRA+ norm weights
- * after it without, as trainer/loop/train.c), plus LoRA state transfers. */
+ * after it without, as trainer/loop/backend_cpu.c), plus LoRA state transfers. */
 #include "trainer/cuda/cuda_trainer_internal.h"
 
 #include <cmath>

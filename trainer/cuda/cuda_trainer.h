@@ -1,6 +1,7 @@
 /* The GPU (CUDA) trainer: the same forward/backward as trainer/loop/step.c and the same clip + AdamW
- * as trainer/loop/train.c, on one CUDA device, built only with `make CUDA=1` / `make cuda`
- * (trainer/cuda/ .cu files, kernels/cuda launchers).
+ * as the CPU backend (trainer/loop/backend_cpu.c), on one CUDA device, built only with
+ * `make CUDA=1` / `make cuda` (trainer/cuda/ .cu files, kernels/cuda launchers). The run reaches
+ * it through the CUDA backend (trainer/cuda/backend_cuda.cu, trainer/backend/backend.h).
  *
  * Numerics (../../../shared/DESIGN.md "Numerics"): activations and the frozen base are bf16 (NF4
  * linears stay NF4 and are dequantised to bf16 per layer; GGUF-native linears stay in their ggml
@@ -10,7 +11,7 @@
  * fp32 (with a bf16 copy of the LoRA weights that the AdamW kernel refreshes). The CPU fp32 step
  * (trainer/loop/step.h) is the reference: tests/gpu/test_trainer_gpu.cu checks loss and LoRA gradients.
  *
- * Semantics mirrored exactly from step.c / lora.c / train.c:
+ * Semantics mirrored exactly from step.c / lora.c / backend_cpu.c:
  *   - targets: bt_shift_targets (labels unshifted; shift inside each row and cu_seqlens segment);
  *   - loss: SUM of token losses; gradients are d(grad_scale * loss_sum) and ACCUMULATE into the
  *     device gradient buffer until bt_cuda_trainer_zero_grad;
@@ -103,9 +104,9 @@ int bt_cuda_trainer_optimizer_step(bt_cuda_trainer *t, float lr, float beta1, fl
                                    float eps, float weight_decay, float grad_scale, int64_t step);
 
 /* Clip (torch clip_grad_norm_: factor max_norm / (norm + 1e-6) when max_norm > 0 and
- * norm > max_norm) + AdamW, exactly as trainer/loop/train.c does it on the CPU. *grad_norm receives the
- * pre-clip norm. The update is skipped (and *applied = 0) when the norm is not finite or
- * skip != 0; applied / grad_norm may be NULL. */
+ * norm > max_norm) + AdamW, exactly as trainer/loop/backend_cpu.c does it on the CPU. *grad_norm
+ * receives the pre-clip norm. The update is skipped (and *applied = 0) when the norm is not
+ * finite or skip != 0; applied / grad_norm may be NULL. */
 int bt_cuda_trainer_clip_and_step(bt_cuda_trainer *t, double max_norm, float lr, float beta1,
                                   float beta2, float eps, float weight_decay, int64_t step,
                                   int skip, double *grad_norm, int *applied);
