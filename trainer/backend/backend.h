@@ -1,7 +1,8 @@
 /* One backend interface for the training step: the run (trainer/loop/train.c, eval.c) calls a
- * table of operations and never names a backend, as ggml's `ggml_backend_i` (ggml-backend-impl.h:
- * a struct of function pointers plus an opaque context, and a registry entry per backend that
- * creates them) does for llama.cpp. Two implementations:
+ * table of operations and no backend's own functions, as llama.cpp does through ggml's
+ * `ggml_backend_i` (ggml/src/ggml-backend-impl.h: a struct of function pointers plus an opaque
+ * context, and a registry entry, `ggml_backend_reg_i`, per kind of backend). Two
+ * implementations:
  *   "cpu"   trainer/loop/backend_cpu.c: the fp32 reference step (trainer/loop/step.c) and clip +
  *           AdamW on the host (trainer/loop/optim.c, kernels/cpu/optim.c);
  *   "cuda"  trainer/cuda/backend_cuda.cu: the GPU trainer (trainer/cuda/cuda_trainer.h), bf16
