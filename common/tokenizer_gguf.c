@@ -257,8 +257,24 @@ int bt_tok_gguf_estimate(const bt_gguf *g, uint64_t *bytes) {
      * 16-byte node per byte of token text, twice for the growth) */
     *bytes = bt_tok_mem_formula(n, text, m, n, text, tmpl + ((uint64_t)1 << 20)) + 17 * n + 48 * (m + 1);
     bt_str model;
-    if (bt_gguf_get_str(g, "tokenizer.ggml.model", &model) == 0 && model.len == 5 && memcmp(model.ptr, "llama", 5) == 0)
-        *bytes += 9 * n + 32 * (text + 16 * n + 256);
+    if (bt_gguf_get_str(g, "tokenizer.ggml.model", &model) == 0 && model.len == 5 && memcmp(model.ptr, "llama", 5) == 0) {
+        /* the special tokens' text bounds the trie; without types every token may be special */
+        uint64_t sp_text = text;
+        bt_gguf_vtype et;
+        const void *data;
+        uint64_t cnt;
+        if (bt_gguf_get_num_arr(g, "tokenizer.ggml.token_type", &et, &data, &cnt) == 0 && cnt == got &&
+            (rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &got)) == 0) {
+            sp_text = 0;
+            for (uint64_t i = 0; i < cnt; i++) {
+                int64_t v;
+                if (read_int_elem(et, data, i, &v) < 0 || v == TT_CONTROL || v == TT_USER || v == TT_UNKNOWN)
+                    sp_text += toks[i].len;
+            }
+            free(toks);
+        }
+        *bytes += 9 * n + 32 * (sp_text + 256);
+    }
     return BT_OK;
 }
 
