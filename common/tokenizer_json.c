@@ -313,6 +313,10 @@ static int parse_pipeline(bt_tokenizer *t, json_t *root, fam_t *fam) {
     if ((rc = parse_pre(t, json_object_get(root, "pre_tokenizer"), fam)) < 0) return rc;
     json_t *dec = json_object_get(root, "decoder");
     if (t->n_pre == 0 || t->pre_steps[t->n_pre - 1].kind != PRE_BYTELEVEL) {
+        const char *dty = json_is_object(dec) ? type_of(dec) : NULL;
+        if (dty && !strcmp(dty, "ByteLevel"))
+            return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer has no ByteLevel step (needed by a "
+                           "byte-level BPE, which the ByteLevel decoder says this is)");
         t->model = MODEL_CHARS;
         return parse_chars_decoder(t, dec);
     }
