@@ -236,13 +236,6 @@ void ld_chunkq_stop(ld_chunkq *q) {
     q->n_workers = 0;
 }
 
-int ld_chunkq_stopping(ld_chunkq *q) {
-    pthread_mutex_lock(&q->mu);
-    int s = q->stop;
-    pthread_mutex_unlock(&q->mu);
-    return s;
-}
-
 void ld_chunkq_free(ld_chunkq *q) {
     if (!q) return;
     ld_chunkq_stop(q);

@@ -80,8 +80,6 @@ void ld_chunkq_stop(ld_chunkq *q);
 /* Make ld_chunkq_take return BT_ERR_CLOSED ("cancelled") now and from then on, without stopping
  * the reader or the workers (ld_chunkq_stop does that): the consumer gave up. Thread-safe. */
 void ld_chunkq_cancel_take(ld_chunkq *q);
-/* 1 once ld_chunkq_stop was called. */
-int ld_chunkq_stopping(ld_chunkq *q);
 /* Stop, join and free (NULL is fine). */
 void ld_chunkq_free(ld_chunkq *q);
 

@@ -580,7 +580,6 @@ void ld_hub_free(ld_hub *h) {
     free(h);
 }
 
-ld_tcache *ld_hub_cache(const ld_hub *h) { return h ? h->cache : NULL; }
 
 void ld_hub_set_max_windows(ld_hub *h, uint32_t n) { h->max_windows = n < 1 ? 1 : n; }
 

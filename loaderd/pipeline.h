@@ -134,7 +134,6 @@ struct ld_tcache;
  * attached through it. */
 int ld_hub_new(ld_hub **out, struct ld_tcache *cache);
 void ld_hub_free(ld_hub *h);
-struct ld_tcache *ld_hub_cache(const ld_hub *h);
 /* Windows a shared stream keeps at most (default 16, about 16 x 256 x T tokens; streams started
  * after the call): a rank that falls further behind the others of its job continues on a
  * stream of its own (same batches, its own reading and tokenizing). */

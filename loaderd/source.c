@@ -241,7 +241,6 @@ int ld_source_next(ld_source *s, const char **line, size_t *len, uint64_t *line_
 }
 
 int ld_source_is_zstd(const ld_source *s) { return s->is_zstd; }
-const char *ld_source_path(const ld_source *s) { return s->path; }
 
 void ld_source_close(ld_source *s) {
     if (!s) return;
