@@ -31,22 +31,6 @@
 
 /* ---- small helpers ---- */
 
-void bt_ids_push(bt_ids *a, int32_t x) {
-    if (a->n == a->cap) {
-        size_t cap = a->cap ? a->cap * 2 : 64;
-        a->v = bt_xrealloc(a->v, cap * sizeof *a->v);
-        a->cap = cap;
-    }
-    a->v[a->n++] = x;
-}
-
-void bt_ids_free(bt_ids *a) {
-    if (!a) return;
-    free(a->v);
-    a->v = NULL;
-    a->n = a->cap = 0;
-}
-
 /* GPT-2 bytes_to_unicode (openai/gpt-2 src/encoder.py; HF byte_level.rs bytes_char): printable
  * bytes 0x21-0x7E, 0xA1-0xAC, 0xAE-0xFF map to themselves, the other 68 bytes in increasing
  * order to U+0100, U+0101, ... */
@@ -606,12 +590,7 @@ static inline uint32_t pc_hash(const uint8_t *w, size_t n) {
 
 static void ids_append(bt_ids *a, const int32_t *v, size_t k) {
     if (k == 0) return;
-    if (a->n + k > a->cap) {
-        size_t cap = a->cap ? a->cap : 64;
-        while (cap < a->n + k) cap *= 2;
-        a->v = bt_xrealloc(a->v, cap * sizeof *a->v);
-        a->cap = cap;
-    }
+    a->v = bt_vec_xgrow(a->v, &a->cap, a->n + k, sizeof *a->v);
     memcpy(a->v + a->n, v, k * sizeof *v);
     a->n += k;
 }

@@ -17,17 +17,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/bt_vec.h"
 #include "gguf.h"
 
 typedef struct bt_tokenizer bt_tokenizer;
-
-/* Growable int32 vector (ids or masks). Zero-initialise; free with bt_ids_free. */
-typedef struct {
-    int32_t *v;
-    size_t n, cap;
-} bt_ids;
-void bt_ids_push(bt_ids *a, int32_t x);
-void bt_ids_free(bt_ids *a);
 
 /* Build from the tokenizer.ggml.* keys of an open GGUF (model "gpt2"; tokens, merges,
  * token_type, pre, bos/eos/unknown/padding ids, chat_template). The GGUF may be closed

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 
 enum { SLOT_EMPTY = 0, SLOT_PRODUCER, SLOT_FILLED, SLOT_WORKING, SLOT_DONE };
 
@@ -120,16 +121,10 @@ ld_chunk *ld_chunkq_claim(ld_chunkq *q) {
 }
 
 ld_item *ld_chunk_add(ld_chunk *c, const char *line, size_t len) {
-    if (c->n == c->cap) {
-        c->cap = c->cap ? 2 * c->cap : LD_CHUNK_LINES;
-        c->items = bt_xrealloc(c->items, c->cap * sizeof *c->items);
-    }
-    if (c->tlen + len > c->tcap) {
-        size_t nc = c->tcap ? c->tcap : 64 * 1024;
-        while (nc < c->tlen + len) nc *= 2;
-        c->text = bt_xrealloc(c->text, nc);
-        c->tcap = nc;
-    }
+    if (c->n == c->cap) c->items = bt_vec_xgrow(c->items, &c->cap, c->n < LD_CHUNK_LINES ? LD_CHUNK_LINES : c->n + 1,
+                                                sizeof *c->items);
+    if (c->tlen + len > c->tcap)
+        c->text = bt_vec_xgrow(c->text, &c->tcap, c->tlen + len < 64 * 1024 ? 64 * 1024 : c->tlen + len, 1);
     ld_item *it = &c->items[c->n++];
     memset(it, 0, sizeof *it);
     it->off = c->tlen;

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 #include "loaderd/source.h"
 #include "loaderd/stream.h"
 
@@ -371,11 +372,11 @@ void ld_window_put(ld_window *w) {
 }
 
 static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
-    if (w->n_docs == w->cap) {
-        w->cap = w->cap ? 2 * w->cap : 256;
-        w->docs = bt_xrealloc(w->docs, w->cap * sizeof *w->docs);
-        w->ids = bt_xrealloc(w->ids, w->cap * sizeof *w->ids);
-        w->mask = bt_xrealloc(w->mask, w->cap * sizeof *w->mask);
+    if (w->n_docs == w->cap) { /* three parallel arrays of the same capacity */
+        size_t need = w->n_docs < 256 ? 256 : w->n_docs + 1, c1 = w->cap, c2 = w->cap;
+        w->docs = bt_vec_xgrow(w->docs, &w->cap, need, sizeof *w->docs);
+        w->ids = bt_vec_xgrow(w->ids, &c1, w->cap, sizeof *w->ids);
+        w->mask = bt_vec_xgrow(w->mask, &c2, w->cap, sizeof *w->mask);
     }
     size_t k = w->n_docs++;
     w->ids[k] = it->ids;

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 #include "loaderd/chunkq.h"
 #include "loaderd/source.h"
 #include "loaderd/tcache_priv.h"
@@ -549,7 +550,7 @@ static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
                 free(path);
                 continue;
             }
-            if (n == cap) v = bt_xrealloc(v, (cap = cap ? 2 * cap : 256) * sizeof *v);
+            v = bt_vec_xgrow(v, &cap, n + 1, sizeof *v);
             v[n] = (entry_info){path, (uint64_t)st.st_size, st.st_mtim, {0}};
             if (unhex16(e->d_name, v[n].key16) != 0) memset(v[n].key16, 0xFF, 16);
             total += (uint64_t)st.st_size;

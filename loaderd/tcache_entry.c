@@ -10,6 +10,8 @@
 #include <zstd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_le.h"
+#include "common/bt_vec.h"
 #include "loaderd/pipeline.h"
 #include "loaderd/tcache_priv.h"
 
@@ -51,24 +53,7 @@ static void sha_of(const void *a, size_t na, const void *b, size_t nb, uint8_t o
     tc_sha_final(&s, out);
 }
 
-/* ------------------------------------------------------------------ little-endian, LEB128 */
-
-static void put32(uint8_t *b, uint32_t v) {
-    for (int i = 0; i < 4; i++) b[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *b, uint64_t v) {
-    for (int i = 0; i < 8; i++) b[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get32(const uint8_t *b) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t)b[i] << (8 * i);
-    return v;
-}
-static uint64_t get64(const uint8_t *b) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t)b[i] << (8 * i);
-    return v;
-}
+/* ------------------------------------------------------------------ LEB128 (fixed fields: common/bt_le.h) */
 
 /* LEB128 at p[*o], bounded by n; 0 when it runs past n or over 64 bits. */
 static int uleb(const uint8_t *p, size_t n, size_t *o, uint64_t *v) {
@@ -182,17 +167,17 @@ int tc_reader_open(ld_tcache *c, const char *path, const uint8_t key[32], int32_
     if (r->size < TC_HEADER_BYTES + TC_TRAILER_BYTES) why = "shorter than a header and a trailer";
     else if (pread_all(fd, h, sizeof h, 0) != 0 || pread_all(fd, r->trailer, TC_TRAILER_BYTES, r->size - TC_TRAILER_BYTES) != 0)
         why = "read error";
-    else if (memcmp(h, TC_MAGIC, 8) != 0 || get32(h + 8) != TC_VERSION || get32(h + 12) != TC_HEADER_BYTES)
+    else if (memcmp(h, TC_MAGIC, 8) != 0 || bt_get32(h + 8) != TC_VERSION || bt_get32(h + 12) != TC_HEADER_BYTES)
         why = "bad header (magic or version)";
     else if (memcmp(h + 16, key, 32) != 0)
         why = "written for another key (renamed or copied file)", stale = 1;
-    else if (get32(r->trailer) != TC_TRAILER_MAGIC || get32(r->trailer + 4) != TC_VERSION)
+    else if (bt_get32(r->trailer) != TC_TRAILER_MAGIC || bt_get32(r->trailer + 4) != TC_VERSION)
         why = "bad trailer (truncated or unfinished)";
     if (!why) {
-        r->n_records = get64(r->trailer + 8);
-        r->n_lines = get64(r->trailer + 16);
-        r->n_blank = get64(r->trailer + 24);
-        r->n_blocks = get64(r->trailer + 32);
+        r->n_records = bt_get64(r->trailer + 8);
+        r->n_lines = bt_get64(r->trailer + 16);
+        r->n_blank = bt_get64(r->trailer + 24);
+        r->n_blocks = bt_get64(r->trailer + 32);
         uint64_t body = r->size - TC_HEADER_BYTES - TC_TRAILER_BYTES;
         if (r->n_blocks > body / TC_BLOCK_HEADER_BYTES || r->n_records < r->n_blocks ||
             r->n_records > r->n_lines || r->n_blank > r->n_lines - r->n_records || (r->n_blocks == 0) != (r->n_records == 0))
@@ -228,8 +213,8 @@ static int next_block(ld_tc_reader *r) {
     uint8_t bh[TC_BLOCK_HEADER_BYTES];
     uint64_t end = r->size - TC_TRAILER_BYTES;
     if (r->off + sizeof bh > end || pread_all(r->fd, bh, sizeof bh, r->off) != 0) return damaged(r, "truncated block header");
-    uint32_t n = get32(bh + 4), raw = get32(bh + 8), stored = get32(bh + 12);
-    if (get32(bh) != TC_BLOCK_MAGIC || n == 0 || raw == 0 || raw > TC_MAX_RAW || stored == 0 || stored > raw ||
+    uint32_t n = bt_get32(bh + 4), raw = bt_get32(bh + 8), stored = bt_get32(bh + 12);
+    if (bt_get32(bh) != TC_BLOCK_MAGIC || n == 0 || raw == 0 || raw > TC_MAX_RAW || stored == 0 || stored > raw ||
         stored > end - r->off - sizeof bh || n > r->n_records - r->records)
         return damaged(r, "bad block header");
     if (stored > r->stored_cap) {
@@ -359,12 +344,9 @@ void ld_tc_close(ld_tc_reader *r) {
 /* ------------------------------------------------------------------ writer */
 
 static void raw_need(tc_writer *w, size_t k) {
-    if (w->raw_len + k > w->raw_cap) {
-        size_t cap = w->raw_cap ? w->raw_cap : TC_BLOCK_BYTES + 4096;
-        while (cap < w->raw_len + k) cap *= 2;
-        w->raw = bt_xrealloc(w->raw, cap);
-        w->raw_cap = cap;
-    }
+    if (w->raw_len + k > w->raw_cap)
+        w->raw = bt_vec_xgrow(w->raw, &w->raw_cap, w->raw_len + k < TC_BLOCK_BYTES + 4096 ? TC_BLOCK_BYTES + 4096
+                                                                                        : w->raw_len + k, 1);
 }
 
 static void put_uleb(tc_writer *w, uint64_t v) {
@@ -400,10 +382,10 @@ static int flush_block(tc_writer *w) {
         sn = zn;
     }
     uint8_t bh[TC_BLOCK_HEADER_BYTES];
-    put32(bh, TC_BLOCK_MAGIC);
-    put32(bh + 4, w->n_in_block);
-    put32(bh + 8, (uint32_t)w->raw_len);
-    put32(bh + 12, (uint32_t)sn);
+    bt_put32(bh, TC_BLOCK_MAGIC);
+    bt_put32(bh + 4, w->n_in_block);
+    bt_put32(bh + 8, (uint32_t)w->raw_len);
+    bt_put32(bh + 12, (uint32_t)sn);
     sha_of(bh, 16, stored, sn, bh + 16);
     tc_sha_update(&w->chain, bh + 16, 32);
     int rc = wr(w, bh, sizeof bh);
@@ -425,10 +407,10 @@ int tc_writer_open(tc_writer *w, const char *path, const uint8_t key[32], uint64
     }
     uint8_t h[TC_HEADER_BYTES] = {0};
     memcpy(h, TC_MAGIC, 8);
-    put32(h + 8, TC_VERSION);
-    put32(h + 12, TC_HEADER_BYTES);
+    bt_put32(h + 8, TC_VERSION);
+    bt_put32(h + 12, TC_HEADER_BYTES);
     memcpy(h + 16, key, 32);
-    put64(h + 48, shard_size);
+    bt_put64(h + 48, shard_size);
     tc_sha_update(&w->chain, h, sizeof h);
     return wr(w, h, sizeof h);
 }
@@ -511,12 +493,12 @@ int tc_writer_commit(tc_writer *w, uint64_t n_lines, uint64_t n_blank) {
                                  (unsigned long long)n_lines, (unsigned long long)n_blank,
                                  (unsigned long long)w->n_records);
     uint8_t t[TC_TRAILER_BYTES];
-    put32(t, TC_TRAILER_MAGIC);
-    put32(t + 4, TC_VERSION);
-    put64(t + 8, w->n_records);
-    put64(t + 16, n_lines);
-    put64(t + 24, n_blank);
-    put64(t + 32, w->n_blocks);
+    bt_put32(t, TC_TRAILER_MAGIC);
+    bt_put32(t + 4, TC_VERSION);
+    bt_put64(t + 8, w->n_records);
+    bt_put64(t + 16, n_lines);
+    bt_put64(t + 24, n_blank);
+    bt_put64(t + 32, w->n_blocks);
     tc_sha_update(&w->chain, t, 40);
     tc_sha_final(&w->chain, t + 40);
     if (rc == BT_OK) rc = wr(w, t, sizeof t);
