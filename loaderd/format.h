@@ -37,7 +37,7 @@
 #include <stdint.h>
 
 #include "common/tokenizer.h"
-#include "loaderd/pipeline.h"
+#include "loaderd/job.h"
 
 typedef struct {
     ld_format format;

@@ -34,12 +34,6 @@
 #define LD_STATE_VERSION 2u
 #define LD_STATE_F_FINISHED 1u
 
-static const char *const BAD_NAMES[LD_BAD_N] = {"json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong"};
-
-const char *ld_bad_reason_name(int reason) {
-    return (reason >= 0 && reason < LD_BAD_N) ? BAD_NAMES[reason] : "unknown";
-}
-
 #define ADD(field, n) atomic_fetch_add_explicit(&p->stats->field, (uint64_t)(n), memory_order_relaxed)
 
 struct ld_hub {
@@ -73,15 +67,6 @@ struct ld_pipeline {
 
 /* ---------------------------------------------------------------- job configuration */
 
-void ld_scfg_put(ld_scfg *cfg) {
-    if (!cfg || atomic_fetch_sub(&cfg->refs, 1) != 1) return;
-    for (size_t i = 0; i < cfg->n_paths; i++) free(cfg->paths[i]);
-    free(cfg->paths);
-    for (uint32_t d = 0; d < cfg->n_ds; d++) free(cfg->ds[d].text_field);
-    free(cfg->shards);
-    free(cfg->canon);
-    free(cfg);
-}
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
@@ -349,7 +334,6 @@ static int same_spos(const ld_spos *a, const ld_spos *b, uint32_t n_ds) {
     return 1;
 }
 
-const ld_spos *ld_stream_next_start(const ld_stream *s) { return s->tail ? &s->tail->end : &s->start; }
 
 /* The seq of s's window starting at `at` if s has it or builds it next (under s->mu). */
 static int stream_offers(const ld_stream *s, const ld_spos *at, uint64_t *seq) {

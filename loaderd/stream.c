@@ -468,6 +468,18 @@ int ld_stream_build_window(ld_stream *s, ld_window **out) {
 
 /* ---------------------------------------------------------------- create / free */
 
+void ld_scfg_put(ld_scfg *cfg) {
+    if (!cfg || atomic_fetch_sub(&cfg->refs, 1) != 1) return;
+    for (size_t i = 0; i < cfg->n_paths; i++) free(cfg->paths[i]);
+    free(cfg->paths);
+    for (uint32_t d = 0; d < cfg->n_ds; d++) free(cfg->ds[d].text_field);
+    free(cfg->shards);
+    free(cfg->canon);
+    free(cfg);
+}
+
+const ld_spos *ld_stream_next_start(const ld_stream *s) { return s->tail ? &s->tail->end : &s->start; }
+
 int ld_stream_new(ld_stream **out, ld_scfg *cfg, const ld_spos *start, ld_stats *stats) {
     *out = NULL;
     ld_stream *s = bt_xcalloc(1, sizeof *s);

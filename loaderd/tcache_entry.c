@@ -12,7 +12,7 @@
 #include "common/bt_common.h"
 #include "common/bt_le.h"
 #include "common/bt_vec.h"
-#include "loaderd/pipeline.h"
+#include "loaderd/job.h"
 #include "loaderd/tcache_priv.h"
 
 #define ADD(field, n) atomic_fetch_add_explicit(&st->field, (uint64_t)(n), memory_order_relaxed)

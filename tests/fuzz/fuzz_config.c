@@ -1,6 +1,6 @@
 /* libFuzzer target: the configuration and job-spec parsers users feed us JSON through
  * (issue 10 §8): loaderd's config (ld_config_parse, loaderd/config.h), loaderd's job spec
- * (ld_job_spec_parse, loaderd/pipeline.h) and the trainer's job config with --set overrides
+ * (ld_job_spec_parse, loaderd/job.h) and the trainer's job config with --set overrides
  * (bt_config_parse, trainer/config.h).
  * Input: byte 0 picks the parser (byte % 3: 0 loaderd config, 1 job spec, 2 trainer config);
  * the rest is the JSON text, for the trainer split at the first '\n' lines after the first

@@ -1,4 +1,4 @@
-/* Tests of loaderd/pipeline.c + jobspec.c end to end: shards with good and bad lines written
+/* Tests of loaderd/pipeline.c + job.c end to end: shards with good and bad lines written
  * into a temporary directory, the real tokenizer (env BT_MODEL). */
 #include <stdarg.h>
 #include <stddef.h>

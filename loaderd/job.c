@@ -1,5 +1,5 @@
-/* loaderd job spec: JSON object text -> ld_job_spec (keys and rules: pipeline.h,
- * ld_job_spec_parse; transport: proto/client.h). */
+/* loaderd job (contract: loaderd/job.h): the job spec, JSON object text -> ld_job_spec (keys and
+ * rules: ld_job_spec_parse; transport: proto/client.h), and the names of the bad-line reasons. */
 #include <jansson.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -8,12 +8,18 @@
 
 #include "common/bt_common.h"
 #include "common/bt_json.h"
-#include "loaderd/pipeline.h"
+#include "loaderd/job.h"
 
 #define LD_MIN_T 16u
 #define LD_MAX_T (1u << 20)
 #define LD_MAX_BT (1u << 24)
 #define LD_MAX_THREADS 256u
+
+static const char *const BAD_NAMES[LD_BAD_N] = {"json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong"};
+
+const char *ld_bad_reason_name(int reason) {
+    return (reason >= 0 && reason < LD_BAD_N) ? BAD_NAMES[reason] : "unknown";
+}
 
 static int spec_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int spec_err(char *err, size_t errlen, const char *fmt, ...) {
