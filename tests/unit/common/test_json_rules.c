@@ -19,6 +19,7 @@
 #include "loaderd/config.h"
 #include "loaderd/format.h"
 #include "loaderd/pipeline.h"
+#include "loaderd/server.h"
 #include "loaderd/server_proto.h"
 #include "tests/unit/util/test_util.h"
 
@@ -96,10 +97,9 @@ static void test_job_spec(void **st) {
 static void test_request(void **st) {
     (void)st;
     ld_request r;
-    char err[512];
     const char *t = "{\"v\": 1, \"op\": \"attach\", \"job\": {\"seq_len\": 1, \"seq_len\": 2}}";
-    assert_int_equal(ld_request_parse(&r, t, strlen(t), 32, err, sizeof err), 1);
-    assert_non_null(strstr(err, "duplicate key \"seq_len\""));
+    assert_int_equal(ld_request_parse(&r, ld_server_commands(), t, strlen(t), 32), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "duplicate key \"seq_len\""));
     ld_request_free(&r);
 }
 
