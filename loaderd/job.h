@@ -7,6 +7,9 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+
+#include "common/keytab.h"
 
 typedef enum { LD_FMT_TEXT = 0, LD_FMT_CHAT = 1, LD_FMT_ALPACA = 2 } ld_format;
 
@@ -59,19 +62,22 @@ typedef struct {
     uint32_t n_threads; /* tokenizer workers, >= 1 */
 } ld_job_spec;
 
-/* Parse a job spec JSON object text (keys as in proto/client.h) into *spec (owned; free with
- * ld_job_spec_free). Required: tokenizer, seq_len (16..2^20), micro_batch_size (>= 1,
- * B*T <= 2^24), and either shards + format (one dataset; text_field optional, format "text" only)
- * or datasets: [{shards: [...], format, text_field?, weight? (> 0, default 1)}, ...]
- * (1..16 entries, not together with shards/format/text_field). Optional: name ("job"), seed
- * (0..2^63-1, default 0), epochs (default 0 = endless; counted on the first dataset),
- * tokenizer_threads (1..256, default 2), chat_template ("auto" default | "chatml" | "llama3"),
- * overlong ("truncate" default | "drop"), ring_slots (1..65536, checked and ignored here).
- * rank = 0, world_size = 1 (the caller sets them from the attach request). BT_ERR_INVALID naming
- * the key (e.g. "datasets[1].weight") for unknown keys / wrong types / bad values; the message
- * also goes to err (errlen bytes, may be NULL). *spec is zeroed on error. */
-int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_t errlen);
+/* Parse a job spec JSON object text (keys: the key tables of loaderd/job.c; proto/PROTOCOL.md
+ * "attach") into *spec (owned; free with ld_job_spec_free). Required: tokenizer, seq_len
+ * (16..2^20), micro_batch_size (>= 1, B*T <= 2^24), and either shards + format (one dataset;
+ * text_field optional, format "text" only) or datasets: [{shards: [...], format, text_field?,
+ * weight? (> 0, default 1)}, ...] (1..16 entries, not together with shards/format/text_field).
+ * Optional: name ("job"), seed (0..2^63-1, default 0), epochs (default 0 = endless; counted on
+ * the first dataset), tokenizer_threads (1..256, default 2), chat_template ("auto" default |
+ * "chatml" | "llama3"), overlong ("truncate" default | "drop"), ring_slots (1..65536, checked and
+ * ignored here). Strings are safe text (no control characters). rank = 0, world_size = 1 (the
+ * caller sets them from the attach request). BT_OK, or BT_ERR_INVALID with "job spec: ..." in
+ * bt_last_error() naming the key (e.g. "datasets[1].weight") for unknown keys / wrong types /
+ * bad values, and *bad (may be NULL) = that key's path; *spec is zeroed on error. */
+int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, bt_keypath *bad);
 void ld_job_spec_free(ld_job_spec *spec);
+/* The job spec's key tables as Markdown (key, accepted values, default, meaning) on f. */
+void ld_job_print_keys(FILE *f);
 
 /* Live counters, updated by the pipeline (relaxed atomics), read by status/metrics. */
 typedef struct {

@@ -437,11 +437,10 @@ static int cmd_preview(const char *job_path, long rows, int color) {
         return 1;
     }
     ld_job_spec spec;
-    char err[512];
-    int rc = ld_job_spec_parse(&spec, text, err, sizeof err);
+    int rc = ld_job_spec_parse(&spec, text, NULL);
     free(text);
     if (rc) {
-        fprintf(stderr, "loaderctl preview: %s: %s\n", job_path, err);
+        fprintf(stderr, "loaderctl preview: %s: %s\n", job_path, bt_last_error());
         return 1;
     }
     if (spec.n_threads > 4) spec.n_threads = 4;

@@ -382,8 +382,8 @@ static void attach_work(uv_work_t *w) {
     j = bt_xcalloc(1, sizeof *j);
     j->s = r->s;
     j->ring.fd = -1;
-    if (!text || ld_job_spec_parse(&j->spec, text, r->err, sizeof r->err)) {
-        if (!text) snprintf(r->err, sizeof r->err, "job spec: cannot re-encode");
+    if (!text || ld_job_spec_parse(&j->spec, text, NULL)) {
+        snprintf(r->err, sizeof r->err, "%s", text ? bt_last_error() : "job spec: cannot re-encode");
         free(j);
         j = NULL;
         goto out;

@@ -42,9 +42,9 @@ static void fuzz_loaderd_config(const char *text) {
 
 static void fuzz_job_spec(const char *text) {
     ld_job_spec s;
-    char err[512];
-    if (ld_job_spec_parse(&s, text, err, sizeof err)) {
-        if (!err[0] || !bt_last_error()[0]) fuzz_fail("job spec refused without a message");
+    bt_keypath bad;
+    if (ld_job_spec_parse(&s, text, &bad)) {
+        if (!bt_last_error()[0]) fuzz_fail("job spec refused without a message");
         return;
     }
     if (s.T < 16 || s.T > (1u << 20) || s.B < 1 || (uint64_t)s.B * s.T > (1u << 24) || s.n_threads < 1 ||
