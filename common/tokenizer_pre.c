@@ -449,15 +449,16 @@ int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n) {
     if (n == 0) return 0;
     if (step >= t->n_pre) {
         bt_tok_bpe_word(c, (const uint8_t *)s, n);
-        return 0;
+        return c->err;
     }
     const bt_pre_step *p = &t->pre_steps[step];
     switch (p->kind) {
     case PRE_BYTELEVEL:
         if (p->add_prefix_space && s[0] != ' ') { /* HF normalized.prepend(" ") on every split */
-            if (c->pcap[step] < n + 1) {
-                c->pcap[step] = (n + 1) * 2;
-                c->pbuf[step] = bt_xrealloc(c->pbuf[step], c->pcap[step]);
+            if (c->pcap[step] < n + 1) { /* the split's size: fallible */
+                char *nb = bt_vec_grow(c->pbuf[step], &c->pcap[step], n + 1, 1);
+                if (!nb) return c->err = BT_ERR_NOMEM;
+                c->pbuf[step] = nb;
             }
             c->pbuf[step][0] = ' ';
             memcpy(c->pbuf[step] + 1, s, n);
@@ -727,7 +728,7 @@ static size_t l3_piece(const uint8_t *s, size_t i, size_t end, int max_digits) {
 }
 
 static void gpt2_run(bt_enc_ctx *c, const uint8_t *s, size_t a, size_t b) {
-    while (a < b) {
+    while (a < b && !c->err) {
         size_t e = gpt2_piece(s, a, b);
         bt_tok_bpe_word(c, s + a, e - a);
         a = e;
@@ -758,7 +759,7 @@ int bt_tok_pre_all(bt_enc_ctx *c, const char *text, size_t n) {
     }
     default: {
         int max_digits = t->fast_pre == FAST_LLAMA3 ? 3 : 1;
-        while (i < n) {
+        while (i < n && !c->err) {
             size_t e = l3_piece(s, i, n, max_digits);
             bt_tok_bpe_word(c, s + i, e - i);
             i = e;
@@ -766,7 +767,7 @@ int bt_tok_pre_all(bt_enc_ctx *c, const char *text, size_t n) {
         break;
     }
     }
-    return 0;
+    return c->err; /* 0, or BT_ERR_NOMEM: a piece or the ids did not fit in memory */
 }
 
 void bt_tok_pre_select(bt_tokenizer *t) {

@@ -8,6 +8,7 @@
 
 #include "common/bt_common.h"
 #include "common/bt_vec.h"
+#include "loaderd/job.h"
 
 enum { SLOT_EMPTY = 0, SLOT_PRODUCER, SLOT_FILLED, SLOT_WORKING, SLOT_DONE };
 
@@ -123,15 +124,24 @@ ld_chunk *ld_chunkq_claim(ld_chunkq *q) {
 ld_item *ld_chunk_add(ld_chunk *c, const char *line, size_t len) {
     if (c->n == c->cap) c->items = bt_vec_xgrow(c->items, &c->cap, c->n < LD_CHUNK_LINES ? LD_CHUNK_LINES : c->n + 1,
                                                 sizeof *c->items);
-    if (c->tlen + len > c->tcap)
-        c->text = bt_vec_xgrow(c->text, &c->tcap, c->tlen + len < 64 * 1024 ? 64 * 1024 : c->tlen + len, 1);
     ld_item *it = &c->items[c->n++];
     memset(it, 0, sizeof *it);
+    it->pre_bad = it->bad = -1;
+    if (c->tlen + len > c->tcap) { /* a line (up to LD_SOURCE_MAX_LINE): fallible */
+        char *t = bt_vec_grow(c->text, &c->tcap, c->tlen + len < 64 * 1024 ? 64 * 1024 : c->tlen + len, 1);
+        if (!t) {
+            it->off = c->tlen;
+            it->ready = 1;
+            it->bad = it->pre_bad = LD_BAD_MEMORY;
+            snprintf(it->msg, sizeof it->msg, "out of memory copying a line of %zu bytes: skipped", len);
+            return it;
+        }
+        c->text = t;
+    }
     it->off = c->tlen;
     it->len = len;
     if (len) memcpy(c->text + c->tlen, line, len);
     c->tlen += len;
-    it->pre_bad = it->bad = -1;
     return it;
 }
 

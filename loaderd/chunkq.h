@@ -60,7 +60,9 @@ int ld_chunkq_new(ld_chunkq **out, uint32_t n_threads, ld_item_fn fn, void *ctx)
  * when the queue is stopping or has failed. */
 ld_chunk *ld_chunkq_claim(ld_chunkq *q);
 /* Append a line (copied; len 0 allowed) to a claimed chunk; returns its item, zeroed except
- * off/len and pre_bad = bad = -1. */
+ * off/len and pre_bad = bad = -1; when the copy does not fit in memory, a ready item of len 0
+ * with bad = pre_bad = LD_BAD_MEMORY and a message instead (the line is skipped and counted,
+ * loaderd goes on). Never NULL. */
 ld_item *ld_chunk_add(ld_chunk *c, const char *line, size_t len);
 /* Producer: hand a claimed chunk to the workers (or straight to the consumer when every item
  * is ready). */

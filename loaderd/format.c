@@ -125,6 +125,18 @@ static size_t src_len(const bt_tokenizer *t, int32_t id) {
     return n;
 }
 
+/* Append a token and its mask bit, fallibly: a document is as long as its line, so running out of
+ * memory fails it (BT_ERR_NOMEM: the stream skips and counts it), never the daemon. */
+static int push2(bt_ids *ids, bt_ids *mask, int32_t id, int32_t m) {
+    if (bt_ids_try_push(ids, id)) return BT_ERR_NOMEM;
+    if (bt_ids_try_push(mask, m)) {
+        ids->n--;
+        return BT_ERR_NOMEM;
+    }
+    return BT_OK;
+}
+#define OOM() bt_fail(BT_ERR_NOMEM, "format: out of memory for the document's tokens")
+
 static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
 /* Llama-3 rendering (see format.h). Appends to ids/mask; on error they may hold a partial
@@ -138,21 +150,20 @@ static int llama3_encode(const bt_tokenizer *t, const bt_chat_msg *msgs, size_t 
     char *run = NULL;
     size_t run_cap = 0;
     int rc = 0;
-    bt_ids_push(ids, bot);
-    bt_ids_push(mask, 0);
+    if (push2(ids, mask, bot, 0)) rc = OOM();
     for (size_t i = 0; i < n && rc == 0; i++) {
         int train = strcmp(msgs[i].role, "assistant") == 0;
-        bt_ids_push(ids, sh);
-        bt_ids_push(mask, 0);
+        if (push2(ids, mask, sh, 0)) {
+            rc = OOM();
+            break;
+        }
         tmp.n = 0;
         rc = bt_tokenize(t, msgs[i].role, strlen(msgs[i].role), 0, &tmp);
         if (rc < 0) break;
-        for (size_t k = 0; k < tmp.n; k++) {
-            bt_ids_push(ids, tmp.v[k]);
-            bt_ids_push(mask, 0);
-        }
-        bt_ids_push(ids, eh);
-        bt_ids_push(mask, 0);
+        for (size_t k = 0; k < tmp.n && rc == 0; k++)
+            if (push2(ids, mask, tmp.v[k], 0)) rc = OOM();
+        if (rc == 0 && push2(ids, mask, eh, 0)) rc = OOM();
+        if (rc < 0) break;
         const char *c = msgs[i].content;
         size_t cn = msgs[i].content_len;
         while (cn && is_ws(c[0])) c++, cn--;
@@ -172,13 +183,11 @@ static int llama3_encode(const bt_tokenizer *t, const bt_chat_msg *msgs, size_t 
         rc = bt_tokenize(t, run, cn + 2, 0, &tmp);
         if (rc < 0) break;
         size_t off = 0;
-        for (size_t k = 0; k < tmp.n; k++) {
+        for (size_t k = 0; k < tmp.n && rc == 0; k++) {
             off += src_len(t, tmp.v[k]);
-            bt_ids_push(ids, tmp.v[k]);
-            bt_ids_push(mask, train && off > 2 ? 1 : 0);
+            if (push2(ids, mask, tmp.v[k], train && off > 2 ? 1 : 0)) rc = OOM();
         }
-        bt_ids_push(ids, eot);
-        bt_ids_push(mask, train ? 1 : 0);
+        if (rc == 0 && push2(ids, mask, eot, train ? 1 : 0)) rc = OOM();
     }
     free(run);
     bt_ids_free(&tmp);
@@ -193,8 +202,7 @@ static int render_chat(const ld_format_cfg *cfg, const bt_chat_msg *msgs, size_t
     if (rc < 0) return rc;
     int32_t bos = bt_tokenizer_bos(cfg->tok);
     if (cfg->add_bos && bos >= 0 && (ids->n == n0 || ids->v[n0] != bos)) {
-        bt_ids_push(ids, 0);
-        bt_ids_push(mask, 0);
+        if (push2(ids, mask, 0, 0)) return OOM();
         memmove(ids->v + n0 + 1, ids->v + n0, (ids->n - n0 - 1) * sizeof *ids->v);
         memmove(mask->v + n0 + 1, mask->v + n0, (mask->n - n0 - 1) * sizeof *mask->v);
         ids->v[n0] = bos;
@@ -296,12 +304,18 @@ static int format_text(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
     if (n == 0) return bad(reason, LD_BAD_EMPTY, msg, msglen, "\"%s\" is empty", key);
     size_t n0 = ids->n;
     int32_t bos = bt_tokenizer_bos(cfg->tok), eos = bt_tokenizer_eos(cfg->tok);
-    if (cfg->add_bos && bos >= 0) bt_ids_push(ids, bos); /* the text itself cannot hold a BOS:
-                                                           special strings are not parsed */
+    /* the text itself cannot hold a BOS: special strings are not parsed */
+    if (cfg->add_bos && bos >= 0 && bt_ids_try_push(ids, bos)) return OOM();
     int rc = bt_tokenize(cfg->tok, s, n, 0, ids);
     if (rc != BT_OK) return rc;
-    if (eos >= 0 && (ids->n == n0 || ids->v[ids->n - 1] != eos)) bt_ids_push(ids, eos);
-    for (size_t i = n0; i < ids->n; i++) bt_ids_push(mask, 1);
+    if (eos >= 0 && (ids->n == n0 || ids->v[ids->n - 1] != eos) && bt_ids_try_push(ids, eos)) return OOM();
+    /* mask: one 1 per id, grown once */
+    size_t m0 = mask->n, k = ids->n - n0;
+    int32_t *mv = bt_vec_grow(mask->v, &mask->cap, m0 + k, sizeof *mask->v);
+    if (!mv) return OOM();
+    mask->v = mv;
+    for (size_t i = 0; i < k; i++) mask->v[m0 + i] = 1;
+    mask->n = m0 + k;
     return 0;
 }
 

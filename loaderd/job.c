@@ -12,7 +12,8 @@
 #include "common/keytab.h"
 #include "loaderd/job.h"
 
-static const char *const BAD_NAMES[LD_BAD_N] = {"json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong"};
+static const char *const BAD_NAMES[LD_BAD_N] = {"json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong",
+                                                 "memory"};
 
 const char *ld_bad_reason_name(int reason) {
     return (reason >= 0 && reason < LD_BAD_N) ? BAD_NAMES[reason] : "unknown";

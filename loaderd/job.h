@@ -22,9 +22,12 @@ typedef enum {
     LD_BAD_ZSTD,          /* corrupt or truncated zstd data (rest of that shard skipped) */
     LD_BAD_IO,            /* shard unreadable, missing at run time, or shrank while being read */
     LD_BAD_OVERLONG,      /* chat/alpaca document longer than T dropped (overlong: "drop") */
+    LD_BAD_MEMORY,        /* the document (its line, or its tokens) needed more memory than loaderd
+                             could get: skipped, never an abort (issue 22 §4) */
     LD_BAD_N
 } ld_bad_reason;
-/* Static name of a reason: "json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong";
+/* Static name of a reason: "json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong",
+ * "memory";
  * "unknown" outside [0, LD_BAD_N). */
 const char *ld_bad_reason_name(int reason);
 

@@ -342,6 +342,13 @@ static int format_item(void *ctx, ld_item *it, const char *line) {
     int reason = -1;
     int rc = ld_format_line(&s->cfg->ds[it->ds].fcfg, line, it->len, &it->ids, &it->mask, &it->truncated, &reason,
                             it->msg, sizeof it->msg);
+    if (rc == BT_ERR_NOMEM) { /* its tokens do not fit in memory: skip and count the document, go on */
+        bt_ids_free(&it->ids);
+        bt_ids_free(&it->mask);
+        it->bad = LD_BAD_MEMORY;
+        snprintf(it->msg, sizeof it->msg, "out of memory tokenizing a document of %zu bytes: skipped", it->len);
+        return BT_OK;
+    }
     if (rc < 0) return rc;
     it->bad = rc == 1 ? reason : -1;
     return BT_OK;

@@ -695,7 +695,10 @@ static int write_records(build_t *b, tc_writer *w, const _Atomic int *stop, uint
         if (rc < 0) return rc;
         for (size_t i = 0; i < c->n && rc == BT_OK; i++) {
             const ld_item *it = &c->items[i];
-            if (it->bad == LD_BAD_ZSTD) rc = tc_writer_bad(w, TC_SHARD_ERROR, it->line_no, it->bad, it->msg);
+            if (it->bad == LD_BAD_MEMORY) /* this process's limit, not the shard's content: no entry */
+                rc = bt_fail(BT_ERR_NOMEM, "token cache: out of memory at line %llu (%s): not cached",
+                             (unsigned long long)it->line_no, it->msg);
+            else if (it->bad == LD_BAD_ZSTD) rc = tc_writer_bad(w, TC_SHARD_ERROR, it->line_no, it->bad, it->msg);
             else if (it->bad >= 0) rc = tc_writer_bad(w, TC_BAD, it->line_no, it->bad, it->msg);
             else {
                 rc = tc_writer_doc(w, it->line_no, it->ids.v, it->mask.v, it->ids.n);

@@ -261,16 +261,30 @@ static int finish(ld_tc_reader *r) {
     return 0;
 }
 
+/* A document record: 1 (appended to ids / mask, or decoded and dropped when they are NULL), 2
+ * when its tokens did not fit in memory (decoded and dropped: the caller reports a bad line),
+ * else damaged(). */
 static int parse_doc(ld_tc_reader *r, bt_ids *ids, bt_ids *mask) {
     const uint8_t *p = r->raw;
     size_t n = r->raw_len, *o = &r->raw_pos;
     uint64_t k, runs, total = 0;
     if (!uleb(p, n, o, &k) || k > n - *o) return damaged(r, "bad document length");
+    int oom = 0;
+    if (ids) { /* room for the whole document first: its size is the shard's, so fallible */
+        int32_t *iv = bt_vec_grow(ids->v, &ids->cap, ids->n + (size_t)k, sizeof *ids->v);
+        if (iv) ids->v = iv;
+        int32_t *mv = iv && mask ? bt_vec_grow(mask->v, &mask->cap, mask->n + (size_t)k, sizeof *mask->v) : NULL;
+        if (mv) mask->v = mv;
+        if (!iv || (mask && !mv)) {
+            oom = 1;
+            ids = mask = NULL;
+        }
+    }
     size_t i0 = ids ? ids->n : 0;
     for (uint64_t i = 0; i < k; i++) {
         uint64_t id;
         if (!uleb(p, n, o, &id) || id >= (uint64_t)r->vocab) return damaged(r, "token id outside the vocabulary");
-        if (ids) bt_ids_push(ids, (int32_t)id);
+        if (ids) ids->v[ids->n++] = (int32_t)id; /* room reserved above */
     }
     if (!uleb(p, n, o, &runs) || runs > k + 1) return damaged(r, "bad mask");
     for (uint64_t i = 0; i < runs; i++) {
@@ -278,13 +292,13 @@ static int parse_doc(ld_tc_reader *r, bt_ids *ids, bt_ids *mask) {
         if (!uleb(p, n, o, &len) || len > k - total) return damaged(r, "bad mask run");
         total += len;
         if (mask)
-            for (uint64_t j = 0; j < len; j++) bt_ids_push(mask, (int32_t)(i & 1));
+            for (uint64_t j = 0; j < len; j++) mask->v[mask->n++] = (int32_t)(i & 1);
     }
     if (total != k) {
         if (ids) ids->n = i0;
         return damaged(r, "mask length differs from the document's");
     }
-    return 1;
+    return oom ? 2 : 1;
 }
 
 int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
@@ -310,7 +324,13 @@ int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
     if (kind == TC_DOC) {
         size_t i0 = ids ? ids->n : 0, m0 = mask ? mask->n : 0;
         int rc = parse_doc(r, ids, ids ? mask : NULL);
-        if (rc != 1) {
+        if (rc == 2) { /* read, but its tokens did not fit: a bad line for the caller */
+            static const char oom_msg[] = "out of memory for the tokens of a cached document: skipped";
+            rec->kind = TC_BAD;
+            rec->reason = LD_BAD_MEMORY;
+            rec->msg = oom_msg;
+            rec->msg_len = sizeof oom_msg - 1;
+        } else if (rc != 1) {
             if (ids) ids->n = i0;
             if (mask) mask->n = m0;
             return rc;

@@ -72,3 +72,14 @@ def test_ops_are_named_once():
         named = [n for n in named if n != "jobs" or path != "loaderd/server_status.c"]
         assert not named, (path, named)
         assert not re.search(r"\bLD_OP_[A-Z]+\b", code), path
+
+
+def test_document_path_grows_fallibly():
+    """Issue 22 §4: the arrays that grow with a document (its tokens, its mask) never use the
+    aborting bt_ids_push in the daemon's document path; tests/unit/loaderd/test_memory.c and
+    test_loaderd_faults.py check what happens instead (skipped, counted as "memory")."""
+    files = ["common/tokenizer.c", "common/tokenizer_pre.c", "common/chat.c"] + \
+        sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "loaderd", "*.c")))
+    for path in files:
+        code = depgraph.strip(open(os.path.join(ROOT, path)).read())
+        assert not re.search(r"\bbt_ids_push\s*\(", code), path
