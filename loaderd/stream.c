@@ -183,10 +183,10 @@ static int rd_cached(ld_stream *s, rcur *cur, uint32_t d, ld_chunk *c) {
         it->ids = ids;
         it->mask = mask;
         int reason = -1;
-        int frc = ld_format_fit(&cfg->ds[d].fcfg, &it->ids, &it->mask, 0, &it->truncated, &reason, it->msg,
-                                sizeof it->msg);
+        int frc = ld_format_fit(&cfg->ds[d].fcfg, &it->ids, &it->mask, 0, &it->truncated, &reason);
         if (frc < 0) return frc;
         it->bad = frc == 1 ? reason : -1;
+        if (frc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error());
         return 1;
     }
 }
@@ -340,8 +340,7 @@ static void *reader_main(void *arg) {
 static int format_item(void *ctx, ld_item *it, const char *line) {
     const ld_stream *s = ctx;
     int reason = -1;
-    int rc = ld_format_line(&s->cfg->ds[it->ds].fcfg, line, it->len, &it->ids, &it->mask, &it->truncated, &reason,
-                            it->msg, sizeof it->msg);
+    int rc = ld_format_line(&s->cfg->ds[it->ds].fcfg, line, it->len, &it->ids, &it->mask, &it->truncated, &reason);
     if (rc == BT_ERR_NOMEM) { /* its tokens do not fit in memory: skip and count the document, go on */
         bt_ids_free(&it->ids);
         bt_ids_free(&it->mask);
@@ -351,6 +350,7 @@ static int format_item(void *ctx, ld_item *it, const char *line) {
     }
     if (rc < 0) return rc;
     it->bad = rc == 1 ? reason : -1;
+    if (rc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error()); /* this worker's, made just now */
     return BT_OK;
 }
 

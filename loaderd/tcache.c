@@ -600,9 +600,10 @@ typedef struct {
 static int render_item(void *ctx, ld_item *it, const char *line) {
     const build_t *b = ctx;
     int reason = -1;
-    int rc = ld_format_render(b->sh->fcfg, line, it->len, &it->ids, &it->mask, &reason, it->msg, sizeof it->msg);
+    int rc = ld_format_render(b->sh->fcfg, line, it->len, &it->ids, &it->mask, &reason);
     if (rc < 0) return rc;
     it->bad = rc == 1 ? reason : -1;
+    if (rc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error()); /* this worker's, made just now */
     return BT_OK;
 }
 

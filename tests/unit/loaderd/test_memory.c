@@ -133,14 +133,13 @@ static void format_child(void) {
     ld_format_cfg ccfg = {LD_FMT_CHAT, NULL, g_tok, 0, LD_TPL_CHATML, 0, 0};
     bt_ids ids = {0}, mask = {0};
     int trunc, reason;
-    char msg[128];
     limit_memory((size_t)28 << 20);
-    CHECK(ld_format_line(&tcfg, text, (size_t)tn, &ids, &mask, &trunc, &reason, msg, sizeof msg) == BT_ERR_NOMEM);
+    CHECK(ld_format_line(&tcfg, text, (size_t)tn, &ids, &mask, &trunc, &reason) == BT_ERR_NOMEM);
     CHECK(ids.n == 0 && mask.n == 0);
-    CHECK(ld_format_line(&ccfg, chat, (size_t)cn, &ids, &mask, &trunc, &reason, msg, sizeof msg) == BT_ERR_NOMEM);
+    CHECK(ld_format_line(&ccfg, chat, (size_t)cn, &ids, &mask, &trunc, &reason) == BT_ERR_NOMEM);
     CHECK(ids.n == 0 && mask.n == 0);
     const char *small = "{\"text\":\"a small document\"}";
-    CHECK(ld_format_line(&tcfg, small, strlen(small), &ids, &mask, &trunc, &reason, msg, sizeof msg) == 0);
+    CHECK(ld_format_line(&tcfg, small, strlen(small), &ids, &mask, &trunc, &reason) == 0);
     CHECK(ids.n > 2 && ids.n == mask.n);
     bt_ids_free(&ids);
     bt_ids_free(&mask);
