@@ -261,9 +261,12 @@ static int finish(ld_tc_reader *r) {
     return 0;
 }
 
-/* A document record: 1 (appended to ids / mask, or decoded and dropped when they are NULL), 2
- * when its tokens did not fit in memory (decoded and dropped: the caller reports a bad line),
- * else damaged(). */
+#define DOC_NO_MEMORY 3 /* parse_doc: read, but its tokens did not fit (not LD_TC_DAMAGED, 2) */
+_Static_assert(DOC_NO_MEMORY != LD_TC_DAMAGED && DOC_NO_MEMORY != 1, "parse_doc's results are distinct");
+
+/* A document record: 1 (appended to ids / mask, or decoded and dropped when they are NULL),
+ * DOC_NO_MEMORY when its tokens did not fit in memory (decoded and dropped: the caller reports a
+ * bad line), else damaged()'s LD_TC_DAMAGED. */
 static int parse_doc(ld_tc_reader *r, bt_ids *ids, bt_ids *mask) {
     const uint8_t *p = r->raw;
     size_t n = r->raw_len, *o = &r->raw_pos;
@@ -298,7 +301,7 @@ static int parse_doc(ld_tc_reader *r, bt_ids *ids, bt_ids *mask) {
         if (ids) ids->n = i0;
         return damaged(r, "mask length differs from the document's");
     }
-    return oom ? 2 : 1;
+    return oom ? DOC_NO_MEMORY : 1;
 }
 
 int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
@@ -324,7 +327,7 @@ int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
     if (kind == TC_DOC) {
         size_t i0 = ids ? ids->n : 0, m0 = mask ? mask->n : 0;
         int rc = parse_doc(r, ids, ids ? mask : NULL);
-        if (rc == 2) { /* read, but its tokens did not fit: a bad line for the caller */
+        if (rc == DOC_NO_MEMORY) { /* read, but its tokens did not fit: a bad line for the caller */
             static const char oom_msg[] = "out of memory for the tokens of a cached document: skipped";
             rec->kind = TC_BAD;
             rec->reason = LD_BAD_MEMORY;
