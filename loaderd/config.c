@@ -203,11 +203,23 @@ static json_t *dump_operator_groups(const bt_key *k, const void *src) {
     const ld_config *c = src;
     return ids_json(c->operator_gids, c->n_operator_gids);
 }
-static void release_ids(const bt_key *k, void *dst) {
+static void release_allowed_users(const bt_key *k, void *dst) {
     ld_config *c = dst;
-    if (!strcmp(k->name, "allowed_users")) free(c->allowed_uids), c->allowed_uids = NULL, c->n_allowed_uids = 0;
-    else if (!strcmp(k->name, "allowed_groups")) free(c->allowed_gids), c->allowed_gids = NULL, c->n_allowed_gids = 0;
-    else free(c->operator_gids), c->operator_gids = NULL, c->n_operator_gids = 0;
+    free(c->allowed_uids);
+    c->allowed_uids = NULL;
+    c->n_allowed_uids = 0;
+}
+static void release_allowed_groups(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    free(c->allowed_gids);
+    c->allowed_gids = NULL;
+    c->n_allowed_gids = 0;
+}
+static void release_operator_groups(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    free(c->operator_gids);
+    c->operator_gids = NULL;
+    c->n_operator_gids = 0;
 }
 
 static int parse_cache_dir(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
@@ -258,12 +270,12 @@ static const bt_key config_keys[] = {
              "rings + pipeline buffers of all jobs + the tokenizers they use (each counted once); an attach past it "
              "is refused with the figures; default: a quarter of physical memory, at least 256 MiB"),
     BT_KEY_I("max_json_depth", C, max_json_depth, 2, 1000, "32", CONNS, "deepest nesting accepted in a request"),
-    BT_KEY_C("allowed_users", C, allowed_uids, parse_allowed_users, dump_allowed_users, release_ids, "[]", CONNS,
+    BT_KEY_C("allowed_users", C, allowed_uids, parse_allowed_users, dump_allowed_users, release_allowed_users, "[]", CONNS,
              "user names or uids allowed to use the socket (with allowed_groups both empty: anyone who can open it; "
              "root and loaderd's own uid always)"),
-    BT_KEY_C("allowed_groups", C, allowed_gids, parse_allowed_groups, dump_allowed_groups, release_ids, "[]", CONNS,
+    BT_KEY_C("allowed_groups", C, allowed_gids, parse_allowed_groups, dump_allowed_groups, release_allowed_groups, "[]", CONNS,
              "group names or gids allowed to use the socket (a peer's primary or any supplementary group)"),
-    BT_KEY_C("operator_groups", C, operator_gids, parse_operator_groups, dump_operator_groups, release_ids, "[]",
+    BT_KEY_C("operator_groups", C, operator_gids, parse_operator_groups, dump_operator_groups, release_operator_groups, "[]",
              CONNS, "groups whose members are operators, like root and loaderd's own uid: they may drain and reload, "
              "and have 8 connections of their own past max_clients / max_clients_per_uid"),
     BT_KEY_I("client_timeout_s", C, client_timeout_s, 0, 86400, "60", CONNS,

@@ -1,18 +1,11 @@
 /* loaderd configuration file (JSON, jansson) and the path policy built on it.
  * Keys: one row each in the key table of loaderd/config.c (common/keytab.h): name, accepted
  * values, default, meaning. All are optional; an unknown key, a wrong type or a value out of
- * range is refused naming the key. `loaderd --config-keys` prints the table (the README's table
- * lists the same keys, tests/py/test_loaderd_server.py checks it). In short: socket, socket_mode,
- * socket_group (who may connect); data_roots, model_roots (where shards and tokenizers may
- * resolve; a root that does not exist is skipped with a warning, a reload picks it up once it
- * exists); tokenizer_threads, ring_slots (per-job defaults and caps); max_clients,
- * max_clients_per_uid, max_jobs, max_request_bytes, max_ring_bytes, max_json_depth,
- * client_timeout_s (limits); memory_budget_bytes (rings + pipeline buffers + tokenizers);
- * allowed_users, allowed_groups (peers checked with SO_PEERCRED / SO_PEERGROUPS; root and
- * loaderd's own uid always allowed; names resolved at load), operator_groups (operators: like
- * root and loaderd's uid they may drain and reload, and past max_clients / max_clients_per_uid
- * have 8 more connections of their own); token_cache_dir, token_cache_max_bytes,
- * token_cache_wait_s (the token cache, loaderd/tcache.h; applied at start). */
+ * range is refused naming the key. `loaderd --config-keys` prints the table; the README's table
+ * lists the same keys (tests/py/test_loaderd_cli.py checks it). Adding a key is adding a row (and
+ * its field below). Roots are resolved with realpath at load; a root that does not exist is
+ * skipped with a warning (a reload picks it up once it exists). User and group names are
+ * resolved at load. */
 #ifndef LD_CONFIG_H
 #define LD_CONFIG_H
 #include <stddef.h>

@@ -65,16 +65,12 @@ typedef struct {
     uint32_t n_threads; /* tokenizer workers, >= 1 */
 } ld_job_spec;
 
-/* Parse a job spec JSON object text (keys: the key tables of loaderd/job.c; proto/PROTOCOL.md
- * "attach") into *spec (owned; free with ld_job_spec_free). Required: tokenizer, seq_len
- * (16..2^20), micro_batch_size (>= 1, B*T <= 2^24), and either shards + format (one dataset;
- * text_field optional, format "text" only) or datasets: [{shards: [...], format, text_field?,
- * weight? (> 0, default 1)}, ...] (1..16 entries, not together with shards/format/text_field).
- * Optional: name ("job"), seed (0..2^63-1, default 0), epochs (default 0 = endless; counted on
- * the first dataset), tokenizer_threads (1..256, default 2), chat_template ("auto" default |
- * "chatml" | "llama3"), overlong ("truncate" default | "drop"), ring_slots (1..65536, checked and
- * ignored here). Strings are safe text (no control characters). rank = 0, world_size = 1 (the
- * caller sets them from the attach request). BT_OK, or BT_ERR_INVALID with "job spec: ..." in
+/* Parse a job spec JSON object text into *spec (owned; free with ld_job_spec_free). Its keys,
+ * their ranges and defaults: the key tables of loaderd/job.c (`loaderd --job-keys`; PROTOCOL.md
+ * "attach" names the same keys, tests/py/test_loaderd_cli.py checks it); the rules between keys:
+ * either shards + format (one dataset; text_field with format "text" only) or datasets (1..16,
+ * not together with shards/format/text_field); B x T <= 2^24. Strings are safe text (no control
+ * characters). rank = 0, world_size = 1 (the caller sets them from the attach request). BT_OK, or BT_ERR_INVALID with "job spec: ..." in
  * bt_last_error() naming the key (e.g. "datasets[1].weight") for unknown keys / wrong types /
  * bad values, and *bad (may be NULL) = that key's path; *spec is zeroed on error. */
 int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, bt_keypath *bad);
