@@ -21,17 +21,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/bt_vec.h"
 #include "gguf.h"
 
 typedef struct bt_tokenizer bt_tokenizer;
-
-/* Growable int32 vector (ids or masks). Zero-initialise; free with bt_ids_free. */
-typedef struct {
-    int32_t *v;
-    size_t n, cap;
-} bt_ids;
-void bt_ids_push(bt_ids *a, int32_t x);
-void bt_ids_free(bt_ids *a);
 
 /* Build from the tokenizer.ggml.* keys of an open GGUF. Model "llama" (SentencePiece): tokens,
  * scores, token_type, add_space_prefix (default true), bos/eos/unknown ids (llama.cpp's defaults 1,
