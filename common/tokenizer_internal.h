@@ -223,7 +223,9 @@ void bt_tok_ctx_free(bt_enc_ctx *c);
  * add_space_prefix, the byte fallback map, llama.cpp's control-type overrides and the special
  * partition list (tokenizer_spm.c). Errors: BT_ERR_FORMAT (scores count), BT_ERR_NOMEM. */
 int bt_tok_spm_from_gguf(bt_tokenizer *t, const bt_gguf *g);
-/* MODEL_SPM encode of raw bytes (no UTF-8 repair: llama.cpp tokenizes bytes). */
+/* MODEL_SPM encode of raw bytes (no UTF-8 repair: llama.cpp tokenizes bytes), appending to
+ * c->out. 0, or BT_ERR_NOMEM (also left in c->err): the text's scratch (occurrences, symbols,
+ * bigram heap, escaped copy) or its ids did not fit in memory; never aborts. */
 int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_special);
 void bt_tok_spm_free(bt_tokenizer *t);
 uint64_t bt_tok_spm_mem(const bt_tokenizer *t);

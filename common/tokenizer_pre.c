@@ -486,9 +486,10 @@ static int metaspace(bt_enc_ctx *c, int step, const bt_pre_step *p, const char *
     int starts = n > 0 && (s[0] == ' ' || (n >= rl && memcmp(s, rep, rl) == 0));
     int pre = (p->ms_prepend == MS_ALWAYS || (p->ms_prepend == MS_FIRST && c->at0)) && !starts;
     size_t need = n + sp * (rl - 1) + (pre ? rl : 0);
-    if (c->pcap[step] < need + 1) {
-        c->pcap[step] = (need + 1) * 2;
-        c->pbuf[step] = bt_xrealloc(c->pbuf[step], c->pcap[step]);
+    if (c->pcap[step] < need + 1) { /* the split's size: fallible */
+        char *nb = bt_vec_grow(c->pbuf[step], &c->pcap[step], need + 1, 1);
+        if (!nb) return c->err = BT_ERR_NOMEM;
+        c->pbuf[step] = nb;
     }
     char *d = c->pbuf[step];
     size_t o = 0;

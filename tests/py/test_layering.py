@@ -76,10 +76,17 @@ def test_ops_are_named_once():
 
 def test_document_path_grows_fallibly():
     """Issue 22 §4: the arrays that grow with a document (its tokens, its mask) never use the
-    aborting bt_ids_push in the daemon's document path; tests/unit/loaderd/test_memory.c and
+    aborting bt_ids_push in the daemon's document path (every tokenizer family included); tests/unit/loaderd/test_memory.c and
     test_loaderd_faults.py check what happens instead (skipped, counted as "memory")."""
-    files = ["common/tokenizer.c", "common/tokenizer_pre.c", "common/chat.c"] + \
+    files = ["common/tokenizer.c", "common/tokenizer_pre.c", "common/tokenizer_spm.c", "common/chat.c"] + \
         sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "loaderd", "*.c")))
     for path in files:
         code = depgraph.strip(open(os.path.join(ROOT, path)).read())
         assert not re.search(r"\bbt_ids_push\s*\(", code), path
+    # the SentencePiece encoder's scratch (occurrences, symbols, bigram heap, escaped copy) grows
+    # with the document too: no aborting allocation below its "encode" marker (the vocabulary's
+    # own tables above it are built once, at load)
+    raw = open(os.path.join(ROOT, "common", "tokenizer_spm.c")).read()
+    assert "/* ---- encode ---- */" in raw
+    encode = depgraph.strip(raw[raw.index("/* ---- encode ---- */"):])
+    assert not re.search(r"\bbt_(x\w+|vec_xgrow)\s*\(", encode), re.findall(r"\bbt_(?:x\w+|vec_xgrow)\s*\(", encode)

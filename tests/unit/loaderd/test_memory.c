@@ -5,7 +5,11 @@
  * MiB above what it uses (mallopt M_ARENA_MAX 1: one heap, no per-thread arena reservations);
  * under ASan, whose shadow already reserves the address space, ASan's own max_allocation_size_mb
  * instead. The document is 6 MiB of digits: SmolLM2's tokenizer makes one token of each digit,
- * 6 Mi tokens, 24 MiB of ids and 24 MiB of mask, where its text needs 6 MiB. */
+ * 6 Mi tokens, 24 MiB of ids and 24 MiB of mask, where its text needs 6 MiB. The SentencePiece
+ * family runs the same cases: a GGUF "llama" vocabulary (common/tokenizer_spm.c: Llama 2's,
+ * fetched by scripts/fetch-tokenizers; skipped, saying why, where that reported PyPI unreachable)
+ * holds 16 bytes of symbol per digit, and a tokenizer.json BPE with byte_fallback and Metaspace
+ * (Mistral v0.3's, in tests/fixtures) gets 6 MiB of spaces, 18 MiB once each is "▁". */
 #include <malloc.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -38,8 +42,11 @@ const char *__asan_default_options(void) { return "allocator_may_return_null=1:m
 #define BIG ((size_t)6 << 20)
 
 static bt_tokenizer *g_tok;
+static bt_tokenizer *g_cur; /* the tokenizer the child under test uses */
 static char g_dir[64];
 static char *g_digits; /* BIG digits, NUL-terminated */
+static char *g_spaces; /* BIG spaces, NUL-terminated */
+static const char *g_doc; /* the big document of the case */
 
 static int setup(void **state) {
     (void)state;
@@ -47,12 +54,16 @@ static int setup(void **state) {
     g_digits = malloc(BIG + 1);
     for (size_t i = 0; i < BIG; i++) g_digits[i] = (char)('0' + i % 10);
     g_digits[BIG] = 0;
+    g_spaces = malloc(BIG + 1);
+    memset(g_spaces, ' ', BIG);
+    g_spaces[BIG] = 0;
     return 0;
 }
 
 static int teardown(void **state) {
     (void)state;
     free(g_digits);
+    free(g_spaces);
     bt_tokenizer_free(g_tok);
     return tu_remove_dir(g_dir);
 }
@@ -106,18 +117,62 @@ static void in_child(void (*fn)(void), const char *err_path) {
 static void tokenize_child(void) {
     bt_ids ids = {0};
     bt_ids_push(&ids, 7);
-    CHECK(bt_tokenize(g_tok, "12", 2, 0, &ids) == BT_OK && ids.n == 3); /* before the limit: it works */
+    CHECK(bt_tokenize(g_cur, "12", 2, 0, &ids) == BT_OK && ids.n >= 2); /* before the limit: it works */
+    size_t n0 = ids.n;
     limit_memory((size_t)24 << 20);
-    CHECK(bt_tokenize(g_tok, g_digits, BIG, 0, &ids) == BT_ERR_NOMEM);
+    CHECK(bt_tokenize(g_cur, g_doc, BIG, 0, &ids) == BT_ERR_NOMEM);
     CHECK(strstr(bt_last_error(), "out of memory") != NULL);
-    CHECK(ids.n == 3 && ids.v[0] == 7); /* nothing appended */
-    CHECK(bt_tokenize(g_tok, "hello world", 11, 0, &ids) == BT_OK && ids.n > 3); /* and it goes on */
+    CHECK(ids.n == n0 && ids.v[0] == 7); /* nothing appended */
+    CHECK(bt_tokenize(g_cur, "hello world", 11, 0, &ids) == BT_OK && ids.n > n0); /* and it goes on */
     bt_ids_free(&ids);
 }
 
 static void test_tokenize_fails_cleanly(void **state) {
     (void)state;
+    g_cur = g_tok;
+    g_doc = g_digits;
     in_child(tokenize_child, NULL);
+}
+
+/* Llama 2's SentencePiece GGUF vocabulary (models/tokenizers, scripts/fetch-tokenizers): the
+ * path, or a skip saying why when the fetch reported PyPI unreachable (models/tokenizers/SKIPPED,
+ * as tests/unit/common/test_tokenizer_spm.c); a missing file without that note fails. */
+static bt_tokenizer *load_spm(void) {
+    const char *d = getenv("BT_TOKENIZERS_DIR");
+    char path[512], sk[512];
+    snprintf(path, sizeof path, "%s/ggml-vocab-llama-spm.gguf", d && *d ? d : "models/tokenizers");
+    snprintf(sk, sizeof sk, "%s/SKIPPED", d && *d ? d : "models/tokenizers");
+    if (access(path, R_OK) != 0) {
+        if (access(sk, R_OK) == 0) {
+            fprintf(stderr, "SKIPPED: %s not fetched (see %s)\n", path, sk);
+            skip();
+        }
+        fail_msg("%s missing: run `make tokenizers` (scripts/fetch-tokenizers)", path);
+    }
+    bt_tokenizer *t = NULL;
+    if (bt_tokenizer_load(&t, path) != BT_OK) fail_msg("load %s: %s", path, bt_last_error());
+    assert_string_equal(bt_tokenizer_pre_engine(t), "spm");
+    return t;
+}
+
+static void test_tokenize_spm_fails_cleanly(void **state) {
+    (void)state;
+    g_cur = load_spm();
+    g_doc = g_digits;
+    in_child(tokenize_child, NULL);
+    bt_tokenizer_free(g_cur);
+}
+
+/* tokenizer.json BPE over chars with byte_fallback behind a Metaspace pre-tokenizer: the
+ * replacement of 6 Mi spaces (3 bytes each) is itself too big. */
+static void test_tokenize_metaspace_fails_cleanly(void **state) {
+    (void)state;
+    const char *path = "tests/fixtures/tokenizer/mistral-v0.3-tokenizer.json.zst";
+    if (bt_tokenizer_load(&g_cur, path) != BT_OK) fail_msg("load %s: %s", path, bt_last_error());
+    assert_string_equal(bt_tokenizer_pre(g_cur), "sentencepiece");
+    g_doc = g_spaces;
+    in_child(tokenize_child, NULL);
+    bt_tokenizer_free(g_cur);
 }
 
 /* ld_format_line for a text and a chat document of BIG digits: BT_ERR_NOMEM, ids and mask as
@@ -166,7 +221,7 @@ static void pipeline_child(void) {
     CHECK(ld_job_spec_parse(&spec, json, NULL) == BT_OK);
     static ld_stats st;
     ld_pipeline *p = NULL;
-    CHECK(ld_pipeline_new(&p, &spec, g_tok, NULL, &st) == BT_OK);
+    CHECK(ld_pipeline_new(&p, &spec, g_cur, NULL, &st) == BT_OK);
     uint8_t *slot = bt_aligned_alloc(bt_batch_slot_bytes(1, 64));
     CHECK(slot);
     bt_batch_view v;
@@ -184,8 +239,7 @@ static void pipeline_child(void) {
     ld_job_spec_free(&spec);
 }
 
-static void test_pipeline_skips_and_counts(void **state) {
-    (void)state;
+static void pipeline_case(void) {
     snprintf(g_shard, sizeof g_shard, "%s/big.jsonl", g_dir);
     FILE *f = fopen(g_shard, "w");
     assert_non_null(f);
@@ -204,11 +258,28 @@ static void test_pipeline_skips_and_counts(void **state) {
     free(log);
 }
 
+static void test_pipeline_skips_and_counts(void **state) {
+    (void)state;
+    g_cur = g_tok;
+    pipeline_case();
+}
+
+/* The same document through a SentencePiece tokenizer: skipped and counted, never an abort. */
+static void test_pipeline_spm_skips_and_counts(void **state) {
+    (void)state;
+    g_cur = load_spm();
+    pipeline_case();
+    bt_tokenizer_free(g_cur);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tokenize_fails_cleanly),
+        cmocka_unit_test(test_tokenize_spm_fails_cleanly),
+        cmocka_unit_test(test_tokenize_metaspace_fails_cleanly),
         cmocka_unit_test(test_format_fails_cleanly),
         cmocka_unit_test(test_pipeline_skips_and_counts),
+        cmocka_unit_test(test_pipeline_spm_skips_and_counts),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
