@@ -74,7 +74,8 @@ typedef struct bt_spm {
     uint8_t *sp_flag;      /* SPF_* */
     int32_t n_sp;
     int32_t *trie;         /* nodes x (first child, next sibling, byte, sp index or -1) */
-    int32_t trie_n, trie_cap;
+    int32_t trie_n;
+    size_t trie_cap;       /* nodes allocated (bt_vec_xgrow: built once, at load) */
     int32_t root[256];     /* child of the root for each first byte, -1 */
     int32_t n_unk_bytes;   /* bytes without a <0xNN> / single-byte token (mapped to unk) */
 } bt_spm;

@@ -160,10 +160,8 @@ static void stl_sort(const bt_tokenizer *t, int32_t *a, long n) {
 }
 
 static int32_t trie_node(bt_spm *p, uint8_t byte) {
-    if (p->trie_n == p->trie_cap) {
-        p->trie_cap = p->trie_cap ? p->trie_cap * 2 : 256;
-        p->trie = bt_xrealloc(p->trie, (size_t)p->trie_cap * 4 * sizeof *p->trie);
-    }
+    if ((size_t)p->trie_n == p->trie_cap) /* a node is 4 int32 */
+        p->trie = bt_vec_xgrow(p->trie, &p->trie_cap, (size_t)p->trie_n + 1, 4 * sizeof *p->trie);
     int32_t *nd = p->trie + (size_t)p->trie_n * 4;
     nd[0] = -1, nd[1] = -1, nd[2] = byte, nd[3] = -1;
     return p->trie_n++;

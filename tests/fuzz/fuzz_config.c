@@ -51,8 +51,9 @@ static void fuzz_job_spec(const char *text) {
         if (!bt_last_error()[0]) fuzz_fail("job spec refused without a message");
         return;
     }
-    if (s.T < 16 || s.T > (1u << 20) || s.B < 1 || (uint64_t)s.B * s.T > (1u << 24) || s.n_threads < 1 ||
-        s.n_threads > 256 || !s.tokenizer || (s.n_datasets == 0 && s.n_shards < 1))
+    if (s.T < BT_JOB_MIN_SEQ_LEN || s.T > BT_JOB_MAX_SEQ_LEN || s.B < 1 ||
+        (uint64_t)s.B * s.T > BT_JOB_MAX_BATCH_TOKENS || s.n_threads < 1 || s.n_threads > BT_JOB_MAX_TOKENIZER_THREADS ||
+        !s.tokenizer || (s.n_datasets == 0 && (s.n_shards < 1 || s.n_shards > (int)BT_JOB_MAX_SHARD_PATTERNS)))
         fuzz_fail("job spec accepted out of range");
     for (int d = 0; d < s.n_datasets; d++)
         if (s.datasets[d].n_shards < 1 || !(s.datasets[d].weight > 0)) fuzz_fail("dataset accepted out of range");
