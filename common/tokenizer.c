@@ -31,22 +31,6 @@
 
 /* ---- small helpers ---- */
 
-void bt_ids_push(bt_ids *a, int32_t x) {
-    if (a->n == a->cap) {
-        size_t cap = a->cap ? a->cap * 2 : 64;
-        a->v = bt_xrealloc(a->v, cap * sizeof *a->v);
-        a->cap = cap;
-    }
-    a->v[a->n++] = x;
-}
-
-void bt_ids_free(bt_ids *a) {
-    if (!a) return;
-    free(a->v);
-    a->v = NULL;
-    a->n = a->cap = 0;
-}
-
 /* GPT-2 bytes_to_unicode (openai/gpt-2 src/encoder.py; HF byte_level.rs bytes_char): printable
  * bytes 0x21-0x7E, 0xA1-0xAC, 0xAE-0xFF map to themselves, the other 68 bytes in increasing
  * order to U+0100, U+0101, ... */
@@ -513,7 +497,7 @@ static inline void push_pair(const bt_tokenizer *t, merge_t *heap, size_t *hn, i
     if (m) heap_push(heap, hn, (merge_t){m->rank, pos, m->new_id, a, b});
 }
 
-static void ids_append(bt_ids *a, const int32_t *v, size_t k);
+static void out_append(bt_enc_ctx *c, const int32_t *v, size_t k);
 
 /* word.rs merge_all for a short word, without a heap: the current pairs' ranks in an array,
  * repeatedly merge the lowest-ranked one (leftmost on ties), as the heap would pop them. The
@@ -549,7 +533,7 @@ static void bpe_small(bt_enc_ctx *c, sym_t *sym, int32_t k) {
             nid[i] = m ? m->new_id : -1;
         }
     }
-    ids_append(c->out, id, (size_t)k);
+    out_append(c, id, (size_t)k);
 }
 
 /* HF models/bpe/model.rs tokenize_with_cache + merge_word, word.rs merge_all (dropout none):
@@ -559,14 +543,19 @@ static void bpe_merge(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     const bt_tokenizer *t = c->t;
     if (t->ignore_merges) {
         int32_t id = t->model == MODEL_CHARS ? bt_tok_model_find(t, (const char *)w, n) : raw_find(t, w, n);
-        if (id >= 0) { bt_ids_push(c->out, id); return; }
+        if (id >= 0) { bt_tok_out_push(c, id); return; }
     }
-    if (n > c->cap) {
-        size_t cap = c->cap ? c->cap : 64;
-        while (cap < n) cap *= 2;
-        c->sym = bt_xrealloc(c->sym, cap * sizeof *c->sym);
-        c->heap = bt_xrealloc(c->heap, 3 * cap * sizeof *c->heap);
-        c->cap = cap;
+    if (n > c->cap) { /* symbols and the heap's 3 x n pairs: the piece's size, so fallible */
+        size_t sym_cap = c->cap, heap_cap = 3 * c->cap;
+        sym_t *sy = bt_vec_grow(c->sym, &sym_cap, n, sizeof *c->sym);
+        if (sy) c->sym = sy;
+        merge_t *hp = sy ? bt_vec_grow(c->heap, &heap_cap, 3 * sym_cap, sizeof *c->heap) : NULL;
+        if (!hp) {
+            c->err = BT_ERR_NOMEM;
+            return;
+        }
+        c->heap = hp;
+        c->cap = sym_cap;
     }
     sym_t *sym = c->sym;
     int32_t k = 0;
@@ -629,7 +618,7 @@ static void bpe_merge(bt_enc_ctx *c, const uint8_t *w, size_t n) {
         if (s->prev >= 0) push_pair(t, c->heap, &hn, s->prev, sym[s->prev].id, s->id);
         if (s->next >= 0) push_pair(t, c->heap, &hn, top.pos, s->id, sym[s->next].id);
     }
-    for (int32_t i = 0; i >= 0; i = sym[i].next) bt_ids_push(c->out, sym[i].id);
+    for (int32_t i = 0; i >= 0; i = sym[i].next) bt_tok_out_push(c, sym[i].id);
 }
 
 /* Piece cache (as HF BPE's per-model cache, models/bpe/model.rs): a pre-token's ids depend only
@@ -703,27 +692,19 @@ static inline uint32_t pc_hash(const uint8_t *w, size_t n) {
     return (uint32_t)(h ^ (h >> 29));
 }
 
-static void ids_append(bt_ids *a, const int32_t *v, size_t k) {
-    if (k == 0) return;
-    if (a->n + k > a->cap) {
-        size_t cap = a->cap ? a->cap : 64;
-        while (cap < a->n + k) cap *= 2;
-        a->v = bt_xrealloc(a->v, cap * sizeof *a->v);
-        a->cap = cap;
-    }
-    memcpy(a->v + a->n, v, k * sizeof *v);
-    a->n += k;
+static void out_append(bt_enc_ctx *c, const int32_t *v, size_t k) {
+    if (!c->err && bt_ids_try_append(c->out, v, k)) c->err = BT_ERR_NOMEM;
 }
 
 void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     const bt_tokenizer *t = c->t;
-    if (n == 0) return;
+    if (n == 0 || c->err) return;
     if (c->pieces_only) {
-        bt_ids_push(c->out, (int32_t)n);
+        bt_tok_out_push(c, (int32_t)n);
         return;
     }
     if (n == 1 && t->byte_id[w[0]] >= 0 && !t->ignore_merges && t->model == MODEL_BYTELEVEL) {
-        bt_ids_push(c->out, t->byte_id[w[0]]);
+        bt_tok_out_push(c, t->byte_id[w[0]]);
         return;
     }
     struct bt_piece_cache *pc = c->pc;
@@ -733,13 +714,13 @@ void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     }
     pc_ent *e = &pc->e[pc_hash(w, n) & (PC_SLOTS - 1)];
     if (e->gen == pc->gen && e->len == n && memcmp(e->b, w, n) == 0) {
-        ids_append(c->out, e->ids, e->nids);
+        out_append(c, e->ids, e->nids);
         return;
     }
     size_t n0 = c->out->n;
     bpe_merge(c, w, n);
     size_t k = c->out->n - n0;
-    if (k <= PC_MAX_IDS) {
+    if (k <= PC_MAX_IDS && !c->err) {
         e->gen = pc->gen;
         e->len = (uint8_t)n;
         e->nids = (uint8_t)k;
@@ -759,6 +740,7 @@ int bt_tok_pieces(const bt_tokenizer *t, const char *s, size_t n, bt_ids *lens) 
     bt_enc_ctx c = {.t = t, .out = lens, .pieces_only = 1};
     c.at0 = 1;
     int rc = bt_tok_pre_all(&c, s, n);
+    if (rc == 0 && c.err) rc = bt_fail(c.err, "tokenize: out of memory listing the pieces of %zu bytes", n);
     bt_tok_ctx_free(&c);
     return rc;
 }
@@ -865,7 +847,8 @@ static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const c
                                : pre_run_at(c, s + start_offset, start - start_offset, at0 && start_offset == 0);
                 if (rc < 0) return rc;
             }
-            bt_ids_push(c->out, a->id);
+            bt_tok_out_push(c, a->id);
+            if (c->err) return c->err;
             start_offset = stop;
         }
     }
@@ -907,6 +890,8 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
         c.pc = pc_get(t);
         rc = added_split(&c, &t->set_raw, 0, text, len, parse_special, 1);
     }
+    if (c.err && (rc == 0 || rc == c.err)) /* a document larger than memory allows: the caller skips it */
+        rc = bt_fail(BT_ERR_NOMEM, "tokenize: out of memory for the tokens of %zu bytes of text", len);
     bt_tok_ctx_free(&c);
     free(clean);
     if (rc < 0) out->n = n0; /* nothing appended on failure */

@@ -21,17 +21,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/bt_vec.h"
 #include "gguf.h"
 
 typedef struct bt_tokenizer bt_tokenizer;
-
-/* Growable int32 vector (ids or masks). Zero-initialise; free with bt_ids_free. */
-typedef struct {
-    int32_t *v;
-    size_t n, cap;
-} bt_ids;
-void bt_ids_push(bt_ids *a, int32_t x);
-void bt_ids_free(bt_ids *a);
 
 /* Build from the tokenizer.ggml.* keys of an open GGUF. Model "llama" (SentencePiece): tokens,
  * scores, token_type, add_space_prefix (default true), bos/eos/unknown ids (llama.cpp's defaults 1,
@@ -77,8 +70,9 @@ void bt_tokenizer_free(bt_tokenizer *t);
  * accept valid strings), so decoding gives that text back (normalizers aside). With
  * parse_special == 0 special-token strings are ordinary text (HF encode_special_tokens = True);
  * non-special added tokens (token_type 4) are always matched. BT_ERR_INVALID on NULL t/out
- * (text may be NULL when len == 0), BT_ERR_RANGE (input > 2 GiB), BT_ERR_NOMEM; on error
- * nothing is appended. Thread-safe. */
+ * (text may be NULL when len == 0), BT_ERR_RANGE (input > 2 GiB), BT_ERR_NOMEM (the text's
+ * tokens or scratch do not fit in memory, whatever the tokenizer family: never an abort, loaderd
+ * skips and counts such a document); on error nothing is appended. Thread-safe. */
 int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out);
 /* Free the calling thread's piece cache (bt_tokenize keeps, per thread, the ids of up to 8192
  * recent short pre-tokens, 256 KiB, as HF's BPE model caches words; freed at thread exit anyway).

@@ -74,7 +74,8 @@ typedef struct bt_spm {
     uint8_t *sp_flag;      /* SPF_* */
     int32_t n_sp;
     int32_t *trie;         /* nodes x (first child, next sibling, byte, sp index or -1) */
-    int32_t trie_n, trie_cap;
+    int32_t trie_n;
+    size_t trie_cap;       /* nodes allocated (bt_vec_xgrow: built once, at load) */
     int32_t root[256];     /* child of the root for each first byte, -1 */
     int32_t n_unk_bytes;   /* bytes without a <0xNN> / single-byte token (mapped to unk) */
 } bt_spm;
@@ -164,7 +165,17 @@ typedef struct {
                                  * (Metaspace prepend_scheme "first") */
     char *mbuf;                 /* Metaspace / SPM scratch */
     size_t mcap;
+    /* sticky: BT_ERR_NOMEM once an append to out or a scratch buffer could not grow (a document
+     * larger than memory allows); every later step is a no-op and bt_tokenize fails with it */
+    int err;
 } bt_enc_ctx;
+
+/* Append x to c->out, the encoders' only way to emit a token (BPE, SentencePiece, added tokens):
+ * out of memory sets the sticky c->err (then nothing more is appended; bt_tokenize fails with
+ * BT_ERR_NOMEM and leaves out as it was). */
+static inline void bt_tok_out_push(bt_enc_ctx *c, int32_t x) {
+    if (!c->err && bt_ids_try_push(c->out, x)) c->err = BT_ERR_NOMEM;
+}
 
 /* ---- tokenizer.c ---- */
 /* Decodes one UTF-8 code point at s[*i] (valid UTF-8 assumed); advances *i; -1 if invalid. */
@@ -193,7 +204,8 @@ int32_t bt_tok_vocab_find(const bt_tokenizer *t, const char *s, size_t n);
 /* After t->added is filled (texts owned by t): builds the two match sets. */
 int bt_tok_build_added(bt_tokenizer *t);
 /* Byte-level BPE of one pre-token (raw bytes), appending ids to c->out. Short pieces go through
- * the calling thread's piece cache (same ids; see tokenizer.c). */
+ * the calling thread's piece cache (same ids; see tokenizer.c). Out of memory sets c->err
+ * (nothing aborts: the size of a piece is the input's). */
 void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n);
 /* Pre-tokenizer pieces of s[0..n) (valid UTF-8; no added-token split, no normalizer): appends
  * each piece's byte length to *lens, in order (the pieces tile s for the dedicated pipelines).
@@ -212,7 +224,9 @@ void bt_tok_ctx_free(bt_enc_ctx *c);
  * add_space_prefix, the byte fallback map, llama.cpp's control-type overrides and the special
  * partition list (tokenizer_spm.c). Errors: BT_ERR_FORMAT (scores count), BT_ERR_NOMEM. */
 int bt_tok_spm_from_gguf(bt_tokenizer *t, const bt_gguf *g);
-/* MODEL_SPM encode of raw bytes (no UTF-8 repair: llama.cpp tokenizes bytes). */
+/* MODEL_SPM encode of raw bytes (no UTF-8 repair: llama.cpp tokenizes bytes), appending to
+ * c->out. 0, or BT_ERR_NOMEM (also left in c->err): the text's scratch (occurrences, symbols,
+ * bigram heap, escaped copy) or its ids did not fit in memory; never aborts. */
 int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_special);
 void bt_tok_spm_free(bt_tokenizer *t);
 uint64_t bt_tok_spm_mem(const bt_tokenizer *t);
@@ -232,7 +246,8 @@ int bt_tok_init_word_re(bt_tokenizer *t);
 /* Applies t's normalizers to s[0..n) (valid UTF-8). *out NULL when unchanged, else a malloc'd
  * buffer (*out_len bytes). BT_ERR_NOMEM / BT_ERR_FORMAT (utf8proc failure). */
 int bt_tok_normalize(const bt_tokenizer *t, const char *s, size_t n, char **out, size_t *out_len);
-/* Pre-tokenizes s[0..n) from step `step` on and BPE-encodes every resulting piece. */
+/* Pre-tokenizes s[0..n) from step `step` on and BPE-encodes every resulting piece. 0, or
+ * BT_ERR_* (c->err: out of memory). */
 int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n);
 /* Whole pre-tokenizer pipeline of s[0..n) (valid UTF-8): the dedicated scanner when
  * t->fast_pre is set, else bt_tok_pre_run from step 0. */

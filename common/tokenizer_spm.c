@@ -160,10 +160,8 @@ static void stl_sort(const bt_tokenizer *t, int32_t *a, long n) {
 }
 
 static int32_t trie_node(bt_spm *p, uint8_t byte) {
-    if (p->trie_n == p->trie_cap) {
-        p->trie_cap = p->trie_cap ? p->trie_cap * 2 : 256;
-        p->trie = bt_xrealloc(p->trie, (size_t)p->trie_cap * 4 * sizeof *p->trie);
-    }
+    if ((size_t)p->trie_n == p->trie_cap) /* a node is 4 int32 */
+        p->trie = bt_vec_xgrow(p->trie, &p->trie_cap, (size_t)p->trie_n + 1, 4 * sizeof *p->trie);
     int32_t *nd = p->trie + (size_t)p->trie_n * 4;
     nd[0] = -1, nd[1] = -1, nd[2] = byte, nd[3] = -1;
     return p->trie_n++;
@@ -342,10 +340,16 @@ typedef struct {
     size_t nh, ch;
 } spm_work;
 
-static void bg_push(spm_work *w, spm_bigram b) {
+/* The scratch grows with the text (a document in loaderd): out of memory sets c->err and the
+ * encode unwinds (bt_tokenize skips the document), never an abort. */
+static void bg_push(bt_enc_ctx *c, spm_work *w, spm_bigram b) {
     if (w->nh == w->ch) {
-        w->ch = w->ch ? w->ch * 2 : 64;
-        w->heap = bt_xrealloc(w->heap, w->ch * sizeof *w->heap);
+        spm_bigram *h = bt_vec_grow(w->heap, &w->ch, w->nh + 1, sizeof *w->heap);
+        if (!h) {
+            c->err = BT_ERR_NOMEM;
+            return;
+        }
+        w->heap = h;
     }
     size_t i = w->nh++;
     while (i > 0) {
@@ -372,19 +376,20 @@ static spm_bigram bg_pop(spm_work *w) {
     return top;
 }
 
-static void try_bigram(const bt_tokenizer *t, spm_work *w, const char *text, int32_t l, int32_t r) {
-    if (l < 0 || r < 0) return;
+static void try_bigram(bt_enc_ctx *c, spm_work *w, const char *text, int32_t l, int32_t r) {
+    const bt_tokenizer *t = c->t;
+    if (l < 0 || r < 0 || c->err) return;
     uint32_t size = w->sym[l].n + w->sym[r].n;
     int32_t id = bt_tok_vocab_find(t, text + w->sym[l].off, size);
     if (id < 0) return;
-    bg_push(w, (spm_bigram){t->spm.score[id], l, r, size});
+    bg_push(c, w, (spm_bigram){t->spm.score[id], l, r, size});
 }
 
 static void emit_bytes(bt_enc_ctx *c, const uint8_t *s, size_t n) {
     const bt_tokenizer *t = c->t;
     for (size_t j = 0; j < n; j++) {
         int32_t id = t->fb_id[s[j]] >= 0 ? t->fb_id[s[j]] : t->unk;
-        if (id >= 0) bt_ids_push(c->out, id);
+        if (id >= 0) bt_tok_out_push(c, id);
     }
 }
 
@@ -398,15 +403,19 @@ static void spm_session(bt_enc_ctx *c, spm_work *w, const char *text, size_t n) 
         size_t len = lens[(uint8_t)text[off] >> 4];
         if (len > n - off) len = n - off;
         if (w->nsym == w->csym) {
-            w->csym = w->csym ? w->csym * 2 : 64;
-            w->sym = bt_xrealloc(w->sym, w->csym * sizeof *w->sym);
+            spm_sym *sy = bt_vec_grow(w->sym, &w->csym, w->nsym + 1, sizeof *w->sym);
+            if (!sy) {
+                c->err = BT_ERR_NOMEM;
+                return;
+            }
+            w->sym = sy;
         }
         int32_t i = (int32_t)w->nsym;
         off += len;
         w->sym[w->nsym++] = (spm_sym){(uint32_t)(off - len), (uint32_t)len, i - 1, off == n ? -1 : i + 1};
     }
-    for (int32_t i = 1; i < (int32_t)w->nsym; i++) try_bigram(t, w, text, i - 1, i);
-    while (w->nh) {
+    for (int32_t i = 1; i < (int32_t)w->nsym; i++) try_bigram(c, w, text, i - 1, i);
+    while (w->nh && !c->err) {
         spm_bigram b = bg_pop(w);
         spm_sym *l = &w->sym[b.left], *r = &w->sym[b.right];
         if (l->n == 0 || r->n == 0 || l->n + r->n != b.size) continue;
@@ -414,25 +423,30 @@ static void spm_session(bt_enc_ctx *c, spm_work *w, const char *text, size_t n) 
         r->n = 0;
         l->next = r->next;
         if (r->next >= 0) w->sym[r->next].prev = b.left;
-        try_bigram(t, w, text, l->prev, b.left);
-        try_bigram(t, w, text, b.left, l->next);
+        try_bigram(c, w, text, l->prev, b.left);
+        try_bigram(c, w, text, b.left, l->next);
     }
-    for (int32_t i = 0; w->nsym && i != -1; i = w->sym[i].next) {
+    for (int32_t i = 0; w->nsym && i != -1 && !c->err; i = w->sym[i].next) {
         const spm_sym *s = &w->sym[i];
         int32_t id = bt_tok_vocab_find(t, text + s->off, s->n);
-        if (id >= 0) bt_ids_push(c->out, id);
+        if (id >= 0) bt_tok_out_push(c, id);
         else emit_bytes(c, (const uint8_t *)text + s->off, s->n);
     }
 }
 
 /* One text fragment: optional " " prefix, " " -> U+2581, then the session. */
 static void spm_fragment(bt_enc_ctx *c, spm_work *w, const char *s, size_t n, int prefix) {
+    if (c->err) return;
     size_t sp = prefix;
     for (size_t i = 0; i < n; i++) sp += s[i] == ' ';
     size_t need = n + prefix + 2 * sp;
     if (c->mcap < need + 1) {
-        c->mcap = (need + 1) * 2;
-        c->mbuf = bt_xrealloc(c->mbuf, c->mcap);
+        char *mb = bt_vec_grow(c->mbuf, &c->mcap, need + 1, 1);
+        if (!mb) {
+            c->err = BT_ERR_NOMEM;
+            return;
+        }
+        c->mbuf = mb;
     }
     char *d = c->mbuf;
     size_t o = 0;
@@ -472,8 +486,12 @@ int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_spe
             int32_t k = p->trie[(size_t)at * 4 + 3];
             if (k >= 0 && (parse_special || !(p->sp_flag[k] & SPF_PARSE_ONLY))) {
                 if (nocc == cocc) {
-                    cocc = cocc ? cocc * 2 : 16;
-                    occ = bt_xrealloc(occ, cocc * sizeof *occ);
+                    occ_t *o = bt_vec_grow(occ, &cocc, nocc + 1, sizeof *occ);
+                    if (!o) {
+                        free(occ);
+                        return c->err = BT_ERR_NOMEM;
+                    }
+                    occ = o;
                 }
                 occ[nocc++] = (occ_t){k, (uint32_t)i};
             }
@@ -488,8 +506,14 @@ int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_spe
         if (len) spm_fragment(c, &w, text, len, p->add_space_prefix && prev_special);
     } else {
         /* tokenizer_st_partition, token by token in order, on per-byte states */
-        uint8_t *st = bt_xcalloc(len, 1);
-        int32_t *tok_at = bt_xmalloc(len * sizeof *tok_at);
+        uint8_t *st = calloc(len, 1);
+        int32_t *tok_at = malloc(len * sizeof *tok_at);
+        if (!st || !tok_at) {
+            free(st);
+            free(tok_at);
+            free(occ);
+            return c->err = BT_ERR_NOMEM;
+        }
         qsort(occ, nocc, sizeof *occ, occ_cmp);
         for (size_t q = 0; q < nocc; q++) {
             int32_t k = occ[q].k, id = p->sp_id[k];
@@ -503,7 +527,7 @@ int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_spe
             if (p->sp_flag[k] & SPF_RSTRIP)
                 for (size_t b = e; b < len && st[b] == ST_RAW && c_isspace((uint8_t)text[b]); b++) st[b] = ST_DROP;
         }
-        for (size_t i = 0; i < len;) {
+        for (size_t i = 0; i < len && !c->err;) {
             if (st[i] == ST_RAW) {
                 size_t e = i;
                 while (e < len && st[e] == ST_RAW) e++;
@@ -512,7 +536,7 @@ int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_spe
                 i = e;
             } else if (st[i] == ST_TAKEN) {
                 int32_t id = tok_at[i];
-                bt_ids_push(c->out, id);
+                bt_tok_out_push(c, id);
                 prev_special = 1;
                 i += tok_len(t, id);
             } else {
@@ -525,5 +549,5 @@ int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_spe
     free(occ);
     free(w.sym);
     free(w.heap);
-    return 0;
+    return c->err;
 }
