@@ -1,5 +1,5 @@
 /* GGUF v3 reader and writer.
- * Spec: ggml-org/ggml docs/gguf.md (see ../shared/research/pipeline-formats.md §5.2).
+ * Spec: ggml-org/ggml docs/gguf.md (see docs/formats/gguf.md).
  * The reader memory-maps the file and validates everything before returning: magic "GGUF",
  * version 2 or 3, counts against the file size, every string/array length in range, tensor
  * offsets aligned (general.alignment, default 32) and inside the data section, no overlap,

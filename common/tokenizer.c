@@ -21,7 +21,8 @@
  *      symbol per byte, repeatedly merge the adjacent pair of lowest rank (leftmost on ties)
  *      with a binary heap (HF word.rs merge_all).
  *
- * Thread safety: a tokenizer is immutable after creation; each call allocates its own scratch. */
+ * Thread safety: a tokenizer is immutable after creation; each call allocates its own scratch,
+ * and each thread keeps its own piece cache (below; bt_tokenize_release_cache frees it). */
 #include "common/tokenizer_internal.h"
 
 #include <pthread.h>

@@ -26,7 +26,7 @@ void bt_linear_bwd_w(float *dW, const float *dY, const float *X, int M, int K, i
 void bt_sgemm(int transA, int transB, int M, int N, int K, float alpha, const float *A, int lda,
               const float *B, int ldb, float beta, float *C, int ldc);
 
-/* ---- NF4 with double quantisation (bitsandbytes layout; ../shared/research/kernels.md §1) ----
+/* ---- NF4 with double quantisation (bitsandbytes layout; docs/formats/nf4.md) ----
  * blocksize 64 over the flattened tensor; packed byte j holds element 2j in the high nibble and
  * 2j+1 in the low nibble; absmax per 64-block is mean-centred (offset) and quantised with the
  * signed 8-bit dynamic map (create_dynamic_map(signed=True)) in blocks of 256 with one fp32

@@ -1,8 +1,8 @@
 /* loaderd ordered tokenize queue: one producer thread fills chunks of lines, n worker threads
  * format and tokenize them in any order, one consumer takes them strictly in production order,
- * so what comes out is independent of thread count and timing (DESIGN.md "Determinism").
+ * so what comes out is independent of thread count and timing (docs/ARCHITECTURE.md §Determinism).
  * Used by the pipeline's stream (reader -> workers -> window builder, loaderd/stream.c) and by
- * the token-cache builder (shard -> workers -> cache entry, loaderd/tcache_build.c).
+ * the token-cache builder (shard -> workers -> cache entry, loaderd/tcache.c).
  *
  * Slots: a ring of 2 * n_threads + 2 chunks. A chunk goes EMPTY -> PRODUCER (claimed) ->
  * FILLED (published) -> WORKING -> DONE -> EMPTY (released by the consumer). Items the

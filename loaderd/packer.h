@@ -2,7 +2,7 @@
  * boundaries, plus the seeded RNG used for shuffling.
  *
  * Algorithm: best-fit decreasing (BFD) bin packing over one window of documents, as in
- * Axolotl's multipack FFD / NeMo's first_fit_decreasing (research/pipeline-formats.md §2):
+ * Axolotl's multipack FFD / NeMo's first_fit_decreasing (docs/algorithms.md §Packing):
  * pieces are sorted by length (descending; ties by a seeded random key, then by index so the
  * result is deterministic) and each goes into the open row with the least remaining space that
  * still fits it (ties: the oldest row), else into a new row. A window is self-contained: all

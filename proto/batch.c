@@ -1,5 +1,5 @@
 /* Batch slot layout, checksum and structural validation (contract: proto/batch.h,
- * proto/PROTOCOL.md "Batch slot"). */
+ * proto/PROTOCOL.md §4). */
 #include "proto/batch.h"
 
 #include <stddef.h>

@@ -1,4 +1,4 @@
-/* The batch contract between loaderd (producer) and trainer (consumer). See DESIGN.md "Batch".
+/* The batch contract from loaderd (producer) to trainer (consumer): docs/ARCHITECTURE.md §Batch.
  * A micro-batch is B rows of T tokens, stored in one ring slot:
  *   [bt_batch_header][pad to 64][input_ids i32 B*T][labels i32 B*T][position_ids i32 B*T]
  *   [cu_seqlens i32 (B*T + 1)]   (each array starts 64-byte aligned)

@@ -2,7 +2,7 @@
  * Uses jansson for the JSON lines, recvmsg(2) with SCM_RIGHTS (unix(7)) for the ring memfd.
  * Reconnection: while waiting on an empty ring, the socket is polled for a hang-up (POLLRDHUP,
  * non-consuming, so a report on another thread is undisturbed); when loaderd is gone the client
- * attaches again with the resume_state of the last batch it handed out (PROTOCOL.md §2). */
+ * attaches again with the resume_state of the last batch it handed out (proto/PROTOCOL.md §2). */
 #include "proto/client.h"
 
 #include <errno.h>

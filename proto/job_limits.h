@@ -1,4 +1,4 @@
-/* Limits of the job spec loaderd accepts at attach (proto/PROTOCOL.md "attach"; enforced by
+/* Limits of the job spec loaderd accepts at attach (proto/PROTOCOL.md §1, attach; enforced by
  * loaderd/job.c). Clients check the same values up front from this one definition, so that a
  * job `trainer config --check` passes is one loaderd takes (trainer/config.c). */
 #ifndef BT_PROTO_JOB_LIMITS_H

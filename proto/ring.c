@@ -1,5 +1,5 @@
 /* SPSC batch ring in a sealed memfd, futex wake-ups (contract: proto/ring.h,
- * proto/PROTOCOL.md "Ring"). Sources: memfd_create(2), fcntl(2) "File Sealing", futex(2)
+ * proto/PROTOCOL.md §3). Sources: memfd_create(2), fcntl(2) "File Sealing", futex(2)
  * (shared, i.e. non-FUTEX_PRIVATE_FLAG, futexes because the two sides are different processes),
  * C11 <stdatomic.h> acquire/release.
  *
@@ -189,7 +189,7 @@ static int time_left(double deadline, struct timespec *ts) {
 
 /* Block on `seq` (expected value `seen`) with the `waiting` flag raised, until woken or the
  * deadline (timeout_ms < 0: none). Returns 0 to re-check, BT_ERR_TIMEOUT when time is up.
- * The caller re-checks its condition after raising the flag (see PROTOCOL.md "Wake-ups"). */
+ * The caller re-checks its condition after raising the flag (proto/PROTOCOL.md §3, Wake-ups). */
 static int ring_block(_Atomic uint32_t *seq, uint32_t seen, int timeout_ms, double deadline) {
     struct timespec ts, *tp = NULL;
     if (timeout_ms >= 0) {

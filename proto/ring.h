@@ -1,4 +1,4 @@
-/* Single-producer / single-consumer ring of batch slots in a memfd (DESIGN.md "Ring").
+/* Single-producer / single-consumer ring of batch slots in a memfd (docs/ARCHITECTURE.md §Ring).
  * Memory: [bt_ring_header (4096 bytes)][slot 0][slot 1]...; slot size bt_batch_slot_bytes(B,T).
  * head = slots produced, tail = slots consumed (monotonic u64, C11 acquire/release).
  * Waiting uses futexes on 32-bit sequence words (head_seq, tail_seq) bumped after every

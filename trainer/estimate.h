@@ -31,7 +31,7 @@
  * The CPU peak is max(training, load): while a GGUF loads, the file's tensor bytes are mapped
  * and touched (counted in RSS) on top of the model being built, plus one fp32 matrix in flight.
  *
- * CUDA backend (DESIGN.md numerics: bf16 compute, fp32 LoRA master weights and optimiser state;
+ * CUDA backend (docs/ARCHITECTURE.md §Numerics: bf16, fp32 LoRA masters and optimiser state;
  * kernels/cuda/kernels_cuda.h): base NF4 / GGUF blocks as above (a GGUF's F16/BF16/F32 linears
  * as bf16: 2 bytes per weight); embedding / lm_head / norms bf16; LoRA fp32
  * master + grad + m + v plus a bf16 compute copy (18 bytes per parameter); LoRA+ dense the same

@@ -1,5 +1,5 @@
 /* Embedding backward (scatter-add of the output gradient into the table gradient), for a
- * trainable token embedding (LongLoRA "LoRA+", ../shared/research/kernels.md §5.3; the same
+ * trainable token embedding (LongLoRA "LoRA+", docs/algorithms.md §LongLoRA; the same
  * operation as torch.nn.functional.embedding's backward, dense, without padding_idx). */
 #include "kernels/kernels.h"
 

@@ -1,6 +1,6 @@
 /* Fused linear + cross-entropy, chunked over tokens so that at most chunk_rows x V logits exist at
  * a time (Liger Kernel FusedLinearCrossEntropy, src/liger_kernel/ops/fused_linear_cross_entropy.py;
- * Apple Cut Cross-Entropy, arXiv 2411.09009; see ../shared/research/kernels.md §3.2-3.4).
+ * Apple Cut Cross-Entropy, arXiv 2411.09009; see docs/algorithms.md §Cross-entropy).
  * Per chunk: logits = X_c W^T (bt_sgemm), per row max / log-sum-exp with max subtraction,
  * loss = lse - logit[target]; gradient dlogits = (softmax - onehot) * grad_scale written over the
  * logits, then dX_c = dlogits W (bt_sgemm). Matches torch.nn.functional.cross_entropy

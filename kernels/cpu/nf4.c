@@ -2,7 +2,7 @@
  * with bitsandbytes quantize_4bit(quant_type="nf4", blocksize=64, compress_statistics=True), and
  * the dequantise / fused dequantise+GEMM paths used by the frozen QLoRA base weights.
  *
- * Sources (see ../shared/research/kernels.md §1.1-1.3):
+ * Sources (see docs/formats/nf4.md):
  *   - NF4 table: bitsandbytes/functional.py get_4bit_type("nf4") == csrc/kernels.cu
  *     nf4_dequantization_lut (Dettmers et al. 2023, "QLoRA", arXiv 2305.14314).
  *   - NF4 encoding: csrc/kernels.cu dQuantizeNF4 (decision tree on the midpoints, strict `>`) applied

@@ -7,7 +7,7 @@
  *   - Tensors are row-major and contiguous; M = number of tokens (B*T flattened); weights follow
  *     torch.nn.Linear, W[out, in]. Activations are bf16 (__nv_bfloat16); accumulation is fp32;
  *     LoRA master weights, gradients of trainable parameters and optimiser state are fp32
- *     (../../../shared/DESIGN.md "Numerics"). The CPU fp32 backend (kernels/kernels.h) is the
+ *     (docs/ARCHITECTURE.md §Numerics). The CPU fp32 backend (kernels/kernels.h) is the
  *     reference; tests/gpu/ checks each launcher against it.
  *   - Stream semantics: every launcher only ENQUEUES work on `stream` (asynchronous with respect to
  *     the host; ordered with respect to other work on that stream). None synchronises, allocates
@@ -97,7 +97,7 @@ int bt_cuda_lora_bwd(cublasHandle_t h, cudaStream_t stream, float *dA, float *dB
 
 /* An NF4 double-quantised weight resident on the device: the same layout as bt_nf4
  * (kernels/kernels.h; bitsandbytes quantize_4bit nf4, blocksize 64, compress_statistics=True,
- * ../../../shared/research/kernels.md §1). code8 is the 256-entry signed dynamic map the absmax
+ * docs/formats/nf4.md). code8 is the 256-entry signed dynamic map the absmax
  * codes index (create_dynamic_map(signed=True), or the checkpoint's nested_quant_map). */
 typedef struct {
     int64_t n, rows, cols;         /* elements, logical [rows=out, cols=in] */

@@ -1,5 +1,5 @@
 /* Fused linear + cross-entropy by row chunks (Liger Kernel FusedLinearCrossEntropy,
- * src/liger_kernel/ops/fused_linear_cross_entropy.py; ../../../shared/research/kernels.md §3.2-3.4):
+ * src/liger_kernel/ops/fused_linear_cross_entropy.py; docs/algorithms.md §Cross-entropy):
  * cuBLAS writes one chunk of fp32 logits, one CTA per row does the softmax / loss / gradient in
  * fp32 and writes bf16 dlogits, then cuBLAS forms dX (and optionally dW in fp32). Reference:
  * kernels/cpu/loss.c (bt_linear_ce). Contracts: kernels/cuda/kernels_cuda.h. */

@@ -1,6 +1,6 @@
 /* NF4 (bitsandbytes nf4, blocksize 64, double-quantised absmax) on the device: dequantisation to
  * bf16 with the nested absmax decoded in the same kernel, and the dequantise + cuBLAS linear paths.
- * Format: ../../../shared/research/kernels.md §1 and kernels/cpu/nf4.c (the bit-exact reference). */
+ * Format: docs/formats/nf4.md and kernels/cpu/nf4.c (the bit-exact reference). */
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cstdlib>

@@ -349,7 +349,7 @@ def request(op, socket_path=None, timeout=L.REPLY_TIMEOUT_S, **fields):
 class LoaderdClient:
     """An attached loaderd job (one rank's batch stream).
 
-    job: the loaderd job spec (dict; keys in PROTOCOL.md §1 "attach": name, shards, format,
+    job: the loaderd job spec (dict; keys in proto/PROTOCOL.md §1, attach: name, shards, format,
         tokenizer, seq_len, micro_batch_size, seed, epochs, ... or datasets); relative paths are
         made absolute against the working directory. trainer_job_spec() builds it from a
         trainer job config.

@@ -10,7 +10,7 @@ Nothing here touches a ring: these are pure functions of (B, T, n_slots) and str
 """
 import struct
 
-# ---- control socket (proto/client.h, PROTOCOL.md §1) ----
+# ---- control socket (proto/client.h, proto/PROTOCOL.md §1) ----
 PROTO_VERSION = 1                       # "v" of every request and reply
 DEFAULT_SOCKET = "/run/loaderd/loaderd.sock"
 SOCKET_ENV = "LOADERD_SOCKET"           # clients: socket path when none is given
@@ -22,7 +22,7 @@ MAX_REPLY_BYTES = 1 << 20               # a longer reply line is a protocol erro
 PEEK_SLICE_S = 0.2                      # an idle wait looks at the socket this often
 CLOSED_GRACE_S = 3.0                    # producer closed: wait this long for loaderd's hang-up
 
-# ---- ring (proto/ring.h, PROTOCOL.md §3) ----
+# ---- ring (proto/ring.h, proto/PROTOCOL.md §3) ----
 RING_MAGIC = 0x3130474E49525442         # "BTRING01" as a little-endian u64
 RING_VERSION = 1
 RING_HEADER_BYTES = 4096
@@ -42,7 +42,7 @@ RING_OFF = {                            # byte offsets of the shared counters an
     "consumer_closed": 196,             # u32, consumer
 }
 
-# ---- batch slot (proto/batch.h, PROTOCOL.md §4) ----
+# ---- batch slot (proto/batch.h, proto/PROTOCOL.md §4) ----
 BATCH_MAGIC = 0x41425442                # "BTBA" as a little-endian u32
 BATCH_LAYOUT_VERSION = 1
 BATCH_HEADER_BYTES = 320

@@ -1,5 +1,5 @@
-/* Data-parallel training across processes, one per GPU (../../../shared/DESIGN.md: "all-reduce
- * only the LoRA gradients with NCCL"): the NCCL communicator of a bt_cuda_trainer and the few
+/* Data-parallel training across processes, one per GPU, all-reducing only the trainable gradients
+ * (docs/ARCHITECTURE.md §Parallel): the NCCL communicator of a bt_cuda_trainer and the few
  * collectives train.c needs. API and semantics: cuda_trainer.h ("Data-parallel"). NCCL calls are
  * enqueued on the trainer's stream, so they are ordered after the backward that produced the
  * gradients and before the clip + AdamW that read them; NCCL's ring/tree all-reduce hands every

@@ -1,8 +1,10 @@
-/* The GPU trainer's forward/backward over one packed micro-batch: trainer/loop/step.c on the
- * kernels/cuda launchers (bf16 activations, fp32 accumulation). Every step of layer_fwd /
- * layer_bwd below corresponds line by line to step.c; differences are only in where RoPE happens
- * (the attention kernels apply it to Q/K as they load them, and return gradients with respect to
- * the unrotated Q/K, so there is no separate RoPE pass) and in the storage precision. */
+/* The GPU trainer's forward/backward over one packed micro-batch (step_run) and its workspace
+ * (bt_cuda_trainer_new / _free): trainer/loop/step.c on the kernels/cuda launchers (bf16
+ * activations, fp32 accumulation). layer_fwd / layer_bwd below follow step.c's op for op; they
+ * differ in where RoPE happens (the attention kernels apply it to Q/K as they load them, and
+ * return gradients with respect to the unrotated Q/K, so there is no separate RoPE pass), in the
+ * storage precision, in the base matmul (a fused GEMM on the NF4 / ggml blocks, or dequantise +
+ * cuBLAS), and in the optional offload of the checkpointed layer inputs to host memory. */
 #include "common/rng.h"
 #include "trainer/cuda/cuda_trainer_internal.h"
 

@@ -3,7 +3,7 @@
  * `make CUDA=1` / `make cuda` (trainer/cuda/ .cu files, kernels/cuda launchers). The run reaches
  * it through the CUDA backend (trainer/cuda/backend_cuda.cu, trainer/backend/backend.h).
  *
- * Numerics (../../../shared/DESIGN.md "Numerics"): activations and the frozen base are bf16 (NF4
+ * Numerics (docs/ARCHITECTURE.md §Numerics): activations and the frozen base are bf16 (NF4
  * linears stay NF4 and are dequantised to bf16 per layer; GGUF-native linears stay in their ggml
  * blocks likewise (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; F16/BF16/F32 ones are held as bf16);
  * fp32 base linears are held as bf16),

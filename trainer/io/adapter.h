@@ -1,5 +1,5 @@
 /* PEFT LoRA adapter checkpoints (huggingface/peft save_pretrained layout; see
- * ../shared/research/pipeline-formats.md §5.4):
+ * docs/formats/peft.md):
  *   <dir>/adapter_model.safetensors  F32 tensors, __metadata__ {"format": "pt"}, keys
  *     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_A.weight  [r, in]
  *     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_B.weight  [out, r]

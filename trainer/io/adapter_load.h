@@ -1,6 +1,5 @@
 /* Loading a PEFT LoRA adapter directory into bt_lora (the inverse of trainer/io/adapter.h's
- * bt_adapter_save; huggingface/peft save_pretrained layout, ../shared/research/
- * pipeline-formats.md §5.4). */
+ * bt_adapter_save; huggingface/peft save_pretrained layout, docs/formats/peft.md). */
 #ifndef BT_TRAINER_ADAPTER_LOAD_H
 #define BT_TRAINER_ADAPTER_LOAD_H
 

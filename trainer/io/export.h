@@ -1,6 +1,7 @@
 /* Exports of a trained LoRA adapter (`trainer export`): the PEFT adapter itself, a llama.cpp LoRA
  * adapter GGUF, and the base with the adapter merged in, as a full llama GGUF or as a Hugging Face
- * safetensors directory. Formats: ../shared/research/pipeline-formats.md §5.1–5.4.
+ * safetensors directory. Formats: docs/formats/peft.md, docs/formats/gguf.md §LoRA,
+ * docs/formats/safetensors.md.
  *
  *   peft         <out>/adapter_model.safetensors + adapter_config.json (trainer/io/adapter.h layout,
  *                F32, conservative PEFT key set; Hugging Face Q/K row order).

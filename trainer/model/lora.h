@@ -8,7 +8,7 @@
  * AdamW moments m, v, so clipping and the optimiser run over a single array. Order: layer 0..L-1,
  * module q, k, v, o, gate, up, down (targeted ones only), A then B.
  *
- * LongLoRA "LoRA+" (arXiv 2309.12307; ../shared/research/kernels.md §5.3): `trainable` may add
+ * LongLoRA "LoRA+" (arXiv 2309.12307; docs/algorithms.md §LongLoRA): `trainable` may add
  * dense fp32 parameters after the LoRA ones in the same buffers, in this order:
  *   BT_TRAIN_EMBED: the token embedding [vocab, d_model] (a trainable copy of the model's; when
  *     the model ties lm_head to it, the CE reads this copy and its gradient gets both the

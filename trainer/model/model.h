@@ -203,7 +203,7 @@ int bt_model_load(bt_model *m, const char *path, const bt_model_load_opts *opts)
 int bt_model_resolve_base_dtype(const char *path, int base_dtype);
 
 /* One bitsandbytes 4-bit linear in its checkpoint layout (QuantState.as_dict(packed=True);
- * ../shared/research/kernels.md §1.4) from safetensors `files` (`path` is for messages):
+ * docs/formats/nf4.md §Checkpoint) from safetensors `files` (`path` is for messages):
  *   <w>                                   U8 [rows*cols/2, 1] (or [rows*cols/2]) packed nibbles
  *   <w>.absmax                            U8 [nblocks] with double quantisation (F32 without)
  *   <w>.quant_map                         F32 [16], must equal bt_nf4_code

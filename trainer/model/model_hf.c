@@ -6,7 +6,7 @@
  * LlamaAttention: bias=config.attention_bias on q/k/v/o; LlamaMLP: bias=config.mlp_bias),
  * LlamaLinearScalingRotaryEmbedding (position / factor), modeling_utils.py sharded loading
  * (model.safetensors.index.json "weight_map"), bitsandbytes QuantState.as_dict(packed=True)
- * (../shared/research/kernels.md §1.4). */
+ * (docs/formats/nf4.md §Checkpoint). */
 #include "trainer/model/model.h"
 
 #include <errno.h>
