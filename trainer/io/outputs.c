@@ -19,7 +19,8 @@
 
 static int owns_adapter(const char *name) {
     return !strcmp(name, "adapter_model.safetensors") || !strcmp(name, "adapter_config.json") ||
-           !strcmp(name, "trainer_state.bin") || !strcmp(name, "config.json");
+           !strcmp(name, "trainer_state.bin") || !strcmp(name, "config.json") ||
+           !strcmp(name, "README.md"); /* the model card (trainer/io/model_card.h) */
 }
 
 /* 1: dir/name is absent, 0: present. */
