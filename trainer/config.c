@@ -427,7 +427,7 @@ static const char *const k_top_keys[] = {
     "dist", "report", "checkpointing_min_seq_len", "context_extension", "attention", NULL};
 static const char *const k_data_keys[] = {"shards", "format", "text_field", "seq_len",
                                           "micro_batch_size", "seed", "tokenizer_threads", NULL};
-static const char *const k_eval_keys[] = {"shards", "max_batches", "lengths", NULL};
+static const char *const k_eval_keys[] = {"shards", "max_batches", "lengths", "every", NULL};
 static const char *const k_lora_keys[] = {"r", "lora_alpha", "lora_dropout", "target_modules",
                                           NULL};
 static const char *const k_optim_keys[] = {"lr", "beta1", "beta2", "eps", "weight_decay",
@@ -561,16 +561,25 @@ static int parse_data(const json_t *data, bt_train_config *c) {
     return 0;
 }
 
-/* eval {shards, max_batches, lengths}. */
+/* eval {shards, max_batches, lengths, every}. */
 static int parse_eval(const json_t *eval, bt_train_config *c) {
     int rc;
     if ((rc = get_strv(eval, "eval", "shards", 0, &c->eval.shards, &c->eval.n_shards)) ||
-        (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)))
+        (rc = get_i32(eval, "eval", "max_batches", 0, NONNEG, &c->eval.max_batches)) ||
+        (rc = get_i32(eval, "eval", "every", 0, NONNEG, &c->eval.every)))
         return rc;
     if ((unsigned)c->eval.n_shards > BT_JOB_MAX_SHARD_PATTERNS)
         return bt_fail(BT_ERR_INVALID, "config: eval.shards: %d patterns, loaderd takes at most %u",
                        c->eval.n_shards, BT_JOB_MAX_SHARD_PATTERNS);
-    return get_lengths(eval, c);
+    if ((rc = get_lengths(eval, c))) return rc;
+    if (c->eval.every > 0 && c->eval.n_shards == 0)
+        return bt_fail(BT_ERR_INVALID, "config: eval.every: %d, but eval.shards is empty (nothing "
+                       "to evaluate)", c->eval.every);
+    if (c->eval.every > 0 && c->eval.n_lengths > 0)
+        return bt_fail(BT_ERR_INVALID, "config: eval.every: periodic evaluation is one loss per "
+                       "step; it does not combine with eval.lengths (per-length perplexity is "
+                       "measured before and after)");
+    return 0;
 }
 
 /* lora {r, lora_alpha, lora_dropout, target_modules (absent: all BT_MOD_N modules)}. */
@@ -984,7 +993,7 @@ char *bt_config_dump(const bt_train_config *c) {
     json_t *j = json_pack(
         "{s:s, s:s, s:s, s:s, s:s,"
         " s:{s:o, s:s, s:s, s:i, s:i, s:I, s:i},"
-        " s:{s:o, s:i},"
+        " s:{s:o, s:i, s:i},"
         " s:{s:i, s:f, s:f, s:o},"
         " s:{s:f, s:f, s:f, s:f, s:f, s:i, s:f},"
         " s:i, s:i, s:s, s:f, s:b, s:i, s:s, s:i, s:I, s:i, s:i}",
@@ -995,7 +1004,7 @@ char *bt_config_dump(const bt_train_config *c) {
         c->data.micro_batch_size, "seed", (json_int_t)c->data.seed, "tokenizer_threads",
         c->data.tokenizer_threads,
         "eval", "shards", strv_json(c->eval.shards, c->eval.n_shards), "max_batches",
-        c->eval.max_batches,
+        c->eval.max_batches, "every", c->eval.every,
         "lora", "r", c->lora.r, "lora_alpha", c->lora.alpha, "lora_dropout", c->lora.dropout,
         "target_modules", tm,
         "optim", "lr", c->optim.lr, "weight_decay", c->optim.weight_decay, "beta1", c->optim.beta1,

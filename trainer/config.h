@@ -27,7 +27,10 @@
  *           the loss is the token mean over all of them), lengths [] (each in [16, 2^20]; perplexity per context
  *           length: for each L the held-out documents are cut into consecutive L-token windows
  *           (loaderd's text packing at seq_len L) and the loss is over the windows of exactly L
- *           tokens; [] = one evaluation at data.seq_len over every row, as before) }
+ *           tokens; [] = one evaluation at data.seq_len over every row, as before), every 0
+ *           (> 0: also a held-out evaluation every this many optimiser steps during training,
+ *           into the progress output, metrics.jsonl, TensorBoard and report.png; 0 = only
+ *           before and after; not with lengths) }
  *   lora: { r 16 [1, 4096], lora_alpha 32 (0, 65536], lora_dropout 0.05 [0, 1) (BT_LORA_*: the
  *           same limits apply to an adapter read from disk, trainer/io/adapter_load.h),
  *           target_modules ["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"] }
@@ -187,6 +190,7 @@ typedef struct {
         char **shards;
         int n_shards;               /* 0: no held-out evaluation */
         int max_batches;            /* 0: until END_OF_DATA */
+        int every;                  /* > 0: also every `every` optimiser steps; 0: off */
         int lengths[BT_MAX_EVAL_LENGTHS]; /* perplexity per context length (tokens) */
         int n_lengths;              /* 0: one evaluation at data.seq_len */
     } eval;

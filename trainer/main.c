@@ -70,7 +70,7 @@ static void usage(FILE *f) {
             "config keys (defaults): model (required), base_dtype \"auto\"|\"gguf\"|\"nf4\"|\"fp32\",\n"
             "  socket, base_model_name_or_path, name, data.{shards (required), format \"chat\",\n"
             "  text_field, seq_len 512, micro_batch_size 4, seed 1234, tokenizer_threads 2},\n"
-            "  eval.{shards [], max_batches 0}, lora.{r 16, lora_alpha 32, lora_dropout 0.05,\n"
+            "  eval.{shards [], max_batches 0, every 0}, lora.{r 16, lora_alpha 32, lora_dropout 0.05,\n"
             "  target_modules [all 7]}, optim.{lr 2e-4, weight_decay 0, beta1 0.9, beta2 0.999,\n"
             "  eps 1e-8, warmup_steps 0, grad_clip 1.0}, steps 100, grad_accum 1,\n"
             "  schedule \"cosine\"|\"linear\"|\"constant\", min_lr_ratio 0.1,\n"

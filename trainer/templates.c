@@ -115,6 +115,8 @@ static json_t *build(const recipe *R, const ctx_t *c) {
     json_t *ev = obj_doc(c, "held-out evaluation before and after training (empty = none)");
     put(c, ev, "shards", json_array(), "globs of held-out shards");
     put(c, ev, "max_batches", json_integer(0), "batches to evaluate (0 = all)");
+    put(c, ev, "every", json_integer(0),
+        "also evaluate every this many steps during training (0 = before and after only)");
     if (R->long_eval) {
         json_t *lens = json_array();
         for (int L = 2048; L <= R->seq_len; L *= 2) json_array_append_new(lens, json_integer(L));

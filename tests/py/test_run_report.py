@@ -115,6 +115,59 @@ def test_report_eval_and_refusals(env):
         [(0, before), (4, after)]
 
 
+def test_periodic_eval_and_model_card(env):
+    """eval.every: a held-out evaluation every N steps during training, printed and written to
+    metrics.jsonl and TensorBoard, without changing the training (same step losses, same final
+    held-out loss as a run without it); report.png's title names the run and model; the adapter
+    directory gets a model card (README.md) a Hugging Face user recognises, with the results, and
+    that PEFT's own card reader (huggingface_hub ModelCard, through peft) accepts."""
+    plain = trainer("train", "--config", str(env["job"]), "--set", "checkpoint_every=0",
+                    "--set", "out_dir=" + str(env["tmp"] / "plain" / "adapter"))
+    r = trainer("train", "--config", str(env["job"]), "--set", "checkpoint_every=0",
+                "--set", "eval.every=2", "--set", "name=periodic")
+    steps = lambda t: re.findall(r"step \d+/4 \| loss ([0-9.]+)", t)
+    assert steps(r.stdout) == steps(plain.stdout), (r.stdout, plain.stdout)
+    ba = lambda t: re.search(r"held-out loss: before ([0-9.]+) -> after ([0-9.]+)", t).groups()
+    assert ba(r.stdout) == ba(plain.stdout)
+    mid = re.findall(r"step 2/4 \| held-out loss ([0-9.]+) \| perplexity", r.stdout)
+    assert len(mid) == 1 and "step 4/4 | held-out" not in r.stdout, r.stdout
+    rep = env["run"] / "report"
+    lines = [json.loads(x) for x in (rep / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["type"] == "eval"] == [0, 2, 4]
+    assert round([x for x in lines if x["type"] == "eval"][1]["loss"], 4) == float(mid[0])
+    run = [x for x in lines if x["type"] == "run"]
+    assert len(run) == 1 and run[0]["name"] == "periodic" and run[0]["model"].endswith("tiny.gguf")
+    s = trainer("report", str(rep))
+    assert "held-out loss" in s.stdout and "(step 4)" in s.stdout, s.stdout
+    # the model card
+    card = (env["run"] / "adapter" / "README.md").read_text()
+    assert card.startswith("---\nbase_model: ") and "library_name: peft" in card, card[:400]
+    assert "<!-- written by BarqTrain -->" in card
+    before, after = ba(r.stdout)
+    assert f"held-out loss before training: {before}" in card, card
+    assert f"held-out loss after step 4: {after}" in card, card
+    assert "| lora.r | 4 |" in card and "PeftModel.from_pretrained" in card
+    assert "--format gguf-lora" in card and "--lora adapter.gguf" in card
+    # the front matter is the YAML metadata block the Hub reads (huggingface_hub's ModelCard
+    # parses it with yaml.safe_load between the first two "---" lines)
+    import yaml
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["library_name"] == "peft" and "lora" in meta["tags"], meta
+    assert meta["base_model"] == meta["tags"][0].split("base_model:adapter:")[1], meta
+    # the directory is still one BarqTrain replaces: a second run overwrites it, card included
+    trainer("train", "--config", str(env["job"]), "--set", "checkpoint_every=0", "--set", "steps=2")
+    assert "after step 2" in (env["run"] / "adapter" / "README.md").read_text()
+    # eval.every needs something to evaluate, and is one loss per step (not per length)
+    for sets, want in ((["eval.every=2", "eval.shards=[]"], "eval.shards is empty"),
+                       (["eval.every=2", "eval.lengths=[32]"], "does not combine with eval.lengths"),
+                       (["eval.every=-1"], "eval.every")):
+        args = ["config", "--check", str(env["job"])]
+        for x in sets:
+            args += ["--set", x]
+        p = trainer(*args, check=False)
+        assert p.returncode != 0 and want in p.stderr, (sets, p.stderr)
+
+
 def test_eval_adapter_checkpoint_and_refusals(env):
     r = trainer("train", "--config", str(env["job"]), "--set", "report.tensorboard=false")
     before, after = map(float, re.search(r"held-out loss: before ([0-9.]+) -> after ([0-9.]+)",

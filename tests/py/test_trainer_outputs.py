@@ -167,7 +167,7 @@ def test_runs_over_their_own_outputs_and_never_a_users(tmp_path, trainer_stack):
             assert (tmp_path / d / ".barqtrain").is_file(), (run, d)
             assert json.loads((tmp_path / d / ".barqtrain").read_text())["written_by"] == "BarqTrain"
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
-        ".barqtrain", "adapter_config.json", "adapter_model.safetensors"]
+        ".barqtrain", "README.md", "adapter_config.json", "adapter_model.safetensors"]
     # an earlier version's outputs: no marker, only our files
     for d in ("adapter", "ckpt", "report"):
         (tmp_path / d / ".barqtrain").unlink()

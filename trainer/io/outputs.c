@@ -19,7 +19,8 @@
 
 static int owns_adapter(const char *name) {
     return !strcmp(name, "adapter_model.safetensors") || !strcmp(name, "adapter_config.json") ||
-           !strcmp(name, "trainer_state.bin") || !strcmp(name, "config.json");
+           !strcmp(name, "trainer_state.bin") || !strcmp(name, "config.json") ||
+           !strcmp(name, "README.md"); /* the model card (trainer/io/model_card.h) */
 }
 
 /* 1: dir/name is absent, 0: present. */
@@ -89,7 +90,7 @@ static int owns_report(const char *name) {
            !strncmp(name, "events.out.tfevents.", 20) || !strncmp(name, ".plot-", 6);
 }
 
-/* metrics.jsonl starts with one of our lines: {"type": "train"|"eval", "step": N, ...}. */
+/* metrics.jsonl starts with one of our lines: {"type": "run"|"train"|"eval", "step": N, ...}. */
 static int legacy_report(const char *dir) {
     char *p = NULL, line[4096];
     if (asprintf(&p, "%s/metrics.jsonl", dir) < 0) return 0;
@@ -105,7 +106,8 @@ static int legacy_report(const char *dir) {
     *nl = 0;
     json_t *j = json_loads(line, 0, NULL);
     const char *ty = json_string_value(json_object_get(j, "type"));
-    int ok = ty && (!strcmp(ty, "train") || !strcmp(ty, "eval")) && json_is_integer(json_object_get(j, "step"));
+    int ok = ty && (!strcmp(ty, "run") || !strcmp(ty, "train") || !strcmp(ty, "eval")) &&
+             json_is_integer(json_object_get(j, "step"));
     json_decref(j);
     return ok;
 }

@@ -20,6 +20,7 @@
 #include "trainer/io/adapter.h"
 #include "trainer/io/adapter_load.h"
 #include "trainer/io/checkpoint.h"
+#include "trainer/io/model_card.h"
 #include "trainer/io/outputs.h"
 #include "trainer/loop/run.h"
 #include "trainer/model/rng.h"
@@ -573,6 +574,16 @@ static int step_record(bt_run *r, double ts, double loss, double lr, double gnor
     return 0;
 }
 
+/* The adapter's model card (README.md beside it, rank 0) for what the run has done so far: a
+ * failure is a warning (the adapter itself is saved). */
+static void write_card(bt_run *r, double after) {
+    const bt_model_card_result res = {r->done_steps, r->start_step, r->dist.world, r->last_loss,
+                                      r->cfg->eval.n_shards > 0 && !r->by_len ? r->before : NAN,
+                                      after, r->n_eval};
+    if (bt_model_card_write(r->cfg->out_dir, r->cfg, &res))
+        bt_log(BT_LOG_WARN, "trainer", "%s (the adapter is saved)", bt_last_error());
+}
+
 /* Step, part 5. Periodic saves: a checkpoint every checkpoint_every steps (and at stop_at_step),
  * the adapter every save_every steps (rank 0 writes, every rank agrees). */
 static int step_save(bt_run *r) {
@@ -594,13 +605,38 @@ static int step_save(bt_run *r) {
             if (!rc)
                 rc = bt_adapter_save_ex(&r->lora, cfg->base_model_name_or_path, cfg->out_dir,
                                         &r->model);
-            if (!rc)
+            if (!rc) {
+                write_card(r, NAN);
                 bt_log(BT_LOG_INFO, "trainer", "step %d: adapter saved to %s", done, cfg->out_dir);
+            }
         }
         if ((rc = bt_run_agree(r, rc, "saving the adapter")))
             return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
         r->adapter_step = done;
     }
+    return 0;
+}
+
+/* Step, part 6. The periodic held-out evaluation (eval.every steps; not after the last step,
+ * which run_finish evaluates): every rank evaluates its share, rank 0 prints and reports it. A
+ * stop request during it ends the run like one during a step (the step itself is complete). */
+static int step_eval(bt_run *r) {
+    const bt_train_config *cfg = r->cfg;
+    const int done = r->done_steps;
+    if (cfg->eval.every <= 0 || r->by_len || done % cfg->eval.every != 0 || done >= cfg->steps ||
+        done >= r->end_step)
+        return 0;
+    double loss = NAN;
+    long long n = 0;
+    int cut = 0, rc = bt_eval_heldout(r, &loss, &n, &cut);
+    if (!rc && cut) rc = bt_run_stop_error(r);
+    if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+    if (r->dist.rank == 0) {
+        fprintf(r->out, "step %d/%d | held-out loss %.4f | perplexity %.2f | %lld tokens\n", done,
+                cfg->steps, loss, exp(loss), n);
+        fflush(r->out);
+    }
+    if (r->rep && (rc = bt_report_eval(r->rep, done, loss, n))) return rc;
     return 0;
 }
 
@@ -627,6 +663,7 @@ static int run_step(bt_run *r, int step) {
     r->all_next = swap;
     r->last_loss = loss;
     if ((rc = step_record(r, ts, loss, lr, gnorm, &sb))) return rc;
+    if ((rc = step_eval(r))) return rc;
     return step_save(r);
 }
 
@@ -671,6 +708,7 @@ static int run_finish(bt_run *r) {
         }
     }
     if (r->dist.rank == 0) {
+        write_card(r, cfg->eval.n_shards > 0 && !r->by_len ? r->after : NAN);
         fprintf(out, "adapter: %s\n", cfg->out_dir);
         fflush(out);
     }

@@ -79,6 +79,8 @@ static int copy_kept_lines(const char *path, int keep_step, FILE *out, const cha
     return rc;
 }
 
+static int put_line(bt_report *r, json_t *j);
+
 int bt_report_open(bt_report **out, const bt_train_config *cfg, int start_step) {
     *out = NULL;
     /* never write into a directory holding files BarqTrain did not write (common/out_dir.h) */
@@ -105,6 +107,13 @@ int bt_report_open(bt_report **out, const bt_train_config *cfg, int start_step) 
         free(af.path);
     }
     if (!rc && cfg->report.tensorboard) rc = bt_tb_open(&r->tb, cfg->report.dir);
+    if (!rc) { /* what the plot's title names: the run and its model (the last such line wins) */
+        json_t *j = json_pack("{s:s, s:i, s:s, s:s, s:s, s:f}", "type", "run", "step", start_step,
+                              "name", cfg->name ? cfg->name : "", "model",
+                              cfg->model ? cfg->model : "", "base_dtype",
+                              bt_base_dtype_name(cfg->base_dtype), "time", wall_now());
+        rc = j ? put_line(r, j) : bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    }
     if (rc) {
         bt_report_close(r, 0);
         return rc;
@@ -206,7 +215,15 @@ typedef struct {
     int n_train, n_eval, n_bad;
     double first_loss, last_loss, eval_first, eval_last, tps_sum;
     int eval_first_step, eval_last_step;
+    int step_min, step_max;   /* over train and eval lines: the one x range of every panel */
+    char title[512];          /* "run NAME, model MODEL" from the last run line; "" = none */
 } summary_t;
+
+/* The step range every panel shares. */
+static void widen(summary_t *s, int step) {
+    if (s->n_train + s->n_eval == 0 || step < s->step_min) s->step_min = step;
+    if (s->n_train + s->n_eval == 0 || step > s->step_max) s->step_max = step;
+}
 
 /* metrics.jsonl -> train.dat (step loss lr tokens/s) and eval.dat (step loss). */
 static int write_data(const char *dir, const char *tmp, summary_t *s) {
@@ -251,7 +268,14 @@ static int write_data(const char *dir, const char *tmp, summary_t *s) {
         json_t *step = json_object_get(j, "step"), *loss = json_object_get(j, "loss");
         if (!json_is_object(j) || !type || !json_is_integer(step)) {
             s->n_bad++;
+        } else if (!strcmp(type, "run")) {
+            const char *nm = json_string_value(json_object_get(j, "name"));
+            const char *md = json_string_value(json_object_get(j, "model"));
+            const char *slash = md ? strrchr(md, '/') : NULL;
+            snprintf(s->title, sizeof s->title, "run %s, model %s", nm && *nm ? nm : "(unnamed)",
+                     slash && slash[1] ? slash + 1 : md && *md ? md : "(unknown)");
         } else if (!strcmp(type, "train")) {
+            widen(s, (int)json_integer_value(step));
             double l = json_is_number(loss) ? json_number_value(loss) : NAN;
             double lr = json_number_value(json_object_get(j, "lr"));
             double tps = json_number_value(json_object_get(j, "tokens_per_s"));
@@ -266,6 +290,7 @@ static int write_data(const char *dir, const char *tmp, summary_t *s) {
         } else if (!strcmp(type, "eval") && json_is_number(loss)) {
             double l = json_number_value(loss);
             int st = (int)json_integer_value(step);
+            widen(s, st);
             fprintf(fe, "%d %.9g\n", st, l);
             if (!s->n_eval) s->eval_first = l, s->eval_first_step = st;
             s->eval_last = l, s->eval_last_step = st;
@@ -322,8 +347,13 @@ static int plot_with(const char *dir, summary_t *s) {
         fputs("set terminal pngcairo noenhanced size 1200,900 font 'sans,10'\nset output ", f);
         gp_str(f, png);
         fputs("\nset multiplot layout 3,1 title ", f);
-        gp_str(f, dir);
-        fputs("\nset grid\nset key top right\nset xlabel 'step'\nset ylabel 'loss'\n", f);
+        gp_str(f, s->title[0] ? s->title : dir);
+        /* one step axis: the same x range and the same margins in every panel, so that a step
+         * lines up vertically across loss, learning rate and throughput */
+        fprintf(f, "\nset xrange [%d:%d]\nset lmargin 12\nset rmargin 4\n", s->step_min,
+                s->step_max > s->step_min ? s->step_max : s->step_min + 1);
+        if (s->step_max - s->step_min <= 10) fputs("set xtics 1\n", f); /* whole steps */
+        fputs("set grid\nset key top right\nset xlabel 'step'\nset ylabel 'loss'\n", f);
         snprintf(dat, sizeof dat, "%s.train.dat", tmp);
         fputs("plot ", f);
         gp_str(f, dat);

@@ -8,7 +8,11 @@
  *                      ["device_mib": 1530.0,] "time": 1795000000.123}
  *                     {"type": "eval", "step": 0, "loss": 2.91, "perplexity": 18.4,
  *                      "tokens": 5230, "time": ...}
- *                   step = optimiser steps done (eval at step 0 = before training); loss = mean
+ *                     {"type": "run", "step": 0, "name": "demo", "model": "models/x.gguf",
+ *                      "base_dtype": "gguf", "time": ...}   (first line of each run: the
+ *                      plot's title; a resumed run adds its own with step = its start step)
+ *                   step = optimiser steps done (eval at step 0 = before training, and every
+ *                   eval.every steps during training); loss = mean
  *                   per labelled target over the step's micro-batches (null when not finite);
  *                   lr = the learning rate the step used; grad_norm = global L2 norm of the LoRA
  *                   gradients before clipping; tokens = real (non-padding) tokens of the step over
@@ -53,8 +57,8 @@ int bt_report_eval(bt_report *r, int step, double loss, long long tokens);
  * a warning, the metrics stay). NULL is a no-op. */
 void bt_report_close(bt_report *r, int plot);
 
-/* dir/metrics.jsonl -> dir/report.png (1200x900, three panels against step: train and held-out
- * loss; learning rate; tokens/s), by running gnuplot with the pngcairo terminal on data files
+/* dir/metrics.jsonl -> dir/report.png (1200x900, titled with the run's name and model, three
+ * panels against one shared step axis: train and held-out loss; learning rate; tokens/s), by running gnuplot with the pngcairo terminal on data files
  * written next to it (removed afterwards; the PNG replaces the old one atomically). Lines that
  * are not JSON objects of a known type are skipped and counted in the warning. *n_steps (may be
  * NULL) = train lines plotted. Errors: BT_ERR_IO (no metrics.jsonl, gnuplot missing: the message
