@@ -1,6 +1,6 @@
 /* The one-kernel probe shared by the GPU test binaries (tests/gpu/gpu_test.h, --probe-only) and the
  * GPU benchmarks (tests/bench/gpu/bench_*_gpu.cu, --probe-only): allocate device memory, upload 4096 floats,
- * launch one kernel of ours (bt_cuda_f32_to_bf16, kernels/cuda/elementwise.cu), read the result
+ * launch one kernel of ours (bt_cuda_f32_to_bf16, kernels/cuda/convert.cu), read the result
  * back and compare it with the host's bf16 rounding (round to nearest even, as __float2bfloat16).
  * Under compute-sanitizer this is what tests/gpu/run.sh and scripts/gpu-run run to learn whether
  * the tool works on the runtime at all (on gVisor it refuses the device and the first allocation

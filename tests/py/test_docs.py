@@ -44,6 +44,7 @@ NOT_PATHS = {
     "loaderd/loaderd.json": "the installed config, under SYSCONFDIR",
     "python/object": "a YAML tag in a hostile config",
     "tests/bench/bench_a.sh": "BENCH_ONLY's example names",
+    "python/build": "setuptools' in-tree build directory, removed by venv-torch.sh",
 }
 
 
