@@ -220,6 +220,12 @@ FUZZ_SHORT_SECONDS ?= 3
 fuzz-short: $(FUZZ_BINS)
 	@FUZZ_SECONDS=$(FUZZ_SHORT_SECONDS) BT_MODEL=$(MODEL) bash tests/fuzz/run.sh $(BUILD)/fuzz/bin
 
+# ---- generated docs: docs/CONFIG.md is the trainer's key table (trainer/config_keys.c) as
+# `trainer config --reference` prints it; tests/py/test_trainer_cli.py checks the committed file.
+.PHONY: docs
+docs: $(BUILD)/trainer
+	$(BUILD)/trainer config --reference > docs/CONFIG.md.tmp && mv docs/CONFIG.md.tmp docs/CONFIG.md
+
 # ---- reference fixtures from the real HF / bitsandbytes / gguf libraries (needs PyPI; each
 # generator pins its versions and makes its own virtual environment; not part of `make test`).
 .PHONY: fixtures

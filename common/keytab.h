@@ -16,8 +16,13 @@
  * (bt_last_error(), "<origin>: \"<path>\": ..."), so a caller can map it to a line of its file
  * without reading its own message.
  *
- * Used by loaderd's configuration file (loaderd/config.c) and job spec (loaderd/job.c); meant
- * for every configuration of BarqTrain (the trainer's job config is the next user). */
+ * Sections nest (BT_KEY_OBJ: a row whose value is an object read by its own table, with the
+ * same struct), a key may have a deprecated alias (a row whose `alias` names the row it stands
+ * for), and a table can be read in the trainer's message style (BT_KEYTAB_GOT: "<path>: expected
+ * <what>, got <value>").
+ *
+ * Used by loaderd's configuration file (loaderd/config.c) and job spec (loaderd/job.c) and by the
+ * trainer's job config (trainer/config_keys.c). */
 #ifndef BT_KEYTAB_H
 #define BT_KEYTAB_H
 #include <jansson.h>
@@ -30,9 +35,12 @@ typedef enum {
     BT_KEY_NUM,    /* JSON number in [nlo, nhi] (BT_KEY_LO_OPEN / HI_OPEN: strict); field: double */
     BT_KEY_BOOL,   /* true / false; field: int (0/1) */
     BT_KEY_STR,    /* string of ilo..ihi bytes (ihi 0: no limit), no NUL; field: char * (malloc'd,
-                    * owned; bt_keytab_free); BT_KEY_SAFE_TEXT: no control characters either */
+                    * owned; bt_keytab_free); BT_KEY_SAFE_TEXT: no control characters either;
+                    * names non-NULL: one of names[] (BT_KEY_SC) */
     BT_KEY_ENUM,   /* one of names[]; field: int, the name's index, or values[index] when given */
     BT_KEY_CUSTOM, /* parse() decides (lists, nested objects, resolved paths, ...) */
+    BT_KEY_OBJ,    /* a section: a JSON object read by the table `sub`, whose rows' offsets are into
+                    * the same struct (offsetof(T, section.field)); no field of its own */
 } bt_key_type;
 
 enum {
@@ -41,6 +49,11 @@ enum {
     BT_KEY_HI_OPEN = 1u << 2,   /* BT_KEY_NUM: x < nhi */
     BT_KEY_SAFE_TEXT = 1u << 3, /* BT_KEY_STR: refuse control / bidi characters (bt_text_unsafe) */
     BT_KEY_NO_FIELD = 1u << 4,  /* checked, stored nowhere (a key another part reads) */
+    BT_KEY_NULLABLE = 1u << 5,  /* BT_KEY_STR: null accepted, stored as NULL. BT_KEY_OBJ: an optional
+                                 * section: absent or null leaves its fields zero ("off"), present
+                                 * applies its table's defaults, then its keys; it is off while the
+                                 * field of its first row is zero (that row's range excludes 0) */
+    BT_KEY_FALSE_NULL = 1u << 6, /* with BT_KEY_NULLABLE: false is read as null */
     BT_KEY_USER = 1u << 16,     /* and above: the user's own flags (e.g. "applies after a restart") */
 };
 
@@ -75,6 +88,12 @@ struct bt_key {
     void (*release)(const bt_key *k, void *dst);
     unsigned flags;
     const char *doc; /* one line: the meaning, units, what the default means when def is NULL */
+    const bt_key *sub;  /* BT_KEY_OBJ: the section's table */
+    const char *alias;  /* an alias row (any type; only name, alias and doc matter): the name of the
+                         * row of the same table it stands for. Read as that row, never dumped,
+                         * listed in the docs as a deprecated alias; both in one object: refused */
+    const char *what;   /* the accepted values in words when the type's own text says too little
+                         * (custom rows: "a non-empty array of strings"); NULL: from the type */
 };
 
 /* Rows (T: the struct, f: its field). */
@@ -90,20 +109,37 @@ struct bt_key {
 #define BT_KEY_S(key, T, f, minlen, maxlen, dflt, flg, text)                                               \
     {.name = key, .type = BT_KEY_STR, .off = offsetof(T, f), .size = sizeof(char *), .ilo = (minlen),       \
      .ihi = (maxlen), .def = dflt, .flags = flg, .doc = text}
+#define BT_KEY_SC(key, T, f, nms, dflt, flg, text)                                                         \
+    {.name = key, .type = BT_KEY_STR, .off = offsetof(T, f), .size = sizeof(char *), .ilo = 1, .def = dflt,    \
+     .names = nms, .flags = flg, .doc = text}
 #define BT_KEY_E(key, T, f, nms, vals, dflt, flg, text)                                                    \
     {.name = key, .type = BT_KEY_ENUM, .off = offsetof(T, f), .size = sizeof(int), .def = dflt, .names = nms, \
      .values = vals, .flags = flg, .doc = text}
 #define BT_KEY_C(key, T, f, fn, dumpfn, relfn, dflt, flg, text)                                             \
     {.name = key, .type = BT_KEY_CUSTOM, .off = offsetof(T, f), .size = sizeof(((T *)0)->f), .def = dflt,   \
      .parse = fn, .dump = dumpfn, .release = relfn, .flags = flg, .doc = text}
+#define BT_KEY_O(key, subtab, flg, text)                                                                   \
+    {.name = key, .type = BT_KEY_OBJ, .sub = subtab, .flags = flg, .doc = text}
+#define BT_KEY_ALIAS(key, target, text) {.name = key, .type = BT_KEY_CUSTOM, .alias = target, .doc = text}
 #define BT_KEY_END {.name = NULL}
 
-/* Set every field of dst that has a default to it (rows with def NULL are left alone). BT_OK, or
+/* bt_keytab_parse flags. */
+enum {
+    BT_KEYTAB_COMMENTS = 1u << 0, /* keys starting with '#' are comments, skipped */
+    BT_KEYTAB_GOT = 1u << 1,      /* messages "<path>: expected <what>, got <value>" with the path
+                                   * unquoted, an enum's values as "one of ...", an integer range
+                                   * ending at INT32_MAX / INT64_MAX as ">= lo"; and an integer
+                                   * row takes an integral real (512.0) up to 9e15 */
+};
+
+/* Set every field of dst that has a default to it (rows with def NULL are left alone; sections
+ * recursively, an optional (BT_KEY_NULLABLE) section's only once it is present). BT_OK, or
  * the row's error for a default that does not parse (a bug in the table: tests run it). */
 int bt_keytab_defaults(const bt_key *tab, void *dst);
 
 /* Parse object o (anything else is refused) into dst: each key of o must be a row of tab (keys
- * starting with '#' excepted when allow_comments: documentation inside the file); each value is
+ * starting with '#' excepted with BT_KEYTAB_COMMENTS in flags: documentation inside the file;
+ * flags: BT_KEYTAB_*, 1 = comments as before); each value is
  * checked and stored; then every BT_KEY_REQUIRED row must have been present. Keys not in o keep
  * what dst held (the defaults, when the caller applied them). prefix: the path of o in its
  * document ("" at the top, "datasets[1]") for messages and *bad.
@@ -112,7 +148,7 @@ int bt_keytab_defaults(const bt_key *tab, void *dst);
  * e.g. "\"seq_len\": 3 is out of range [16, 1048576]", "unknown key \"x\" (known: a, b)"; and
  * *bad (may be NULL) = the key's path. dst may hold partial results on error (bt_keytab_free). */
 int bt_keytab_parse(const bt_key *tab, json_t *o, void *dst, const char *origin, const char *prefix,
-                    int allow_comments, bt_keypath *bad);
+                    unsigned flags, bt_keypath *bad);
 
 /* One value v through row k alone (its checks, then stored into dst): for the elements of a list
  * or the entries of a map a custom row reads. path names it in messages (no origin added); *bad
@@ -122,7 +158,12 @@ int bt_keytab_parse_value(const bt_key *k, json_t *v, void *dst, const char *pat
 /* Free what dst's BT_KEY_STR and custom fields own and zero them. */
 void bt_keytab_free(const bt_key *tab, void *dst);
 
-/* The value of row k in src as JSON (new reference; NULL for a custom row without dump). */
+/* The row named by path ("lora.r", "attention.s2.group_fraction": through sections; an alias
+ * gives the row it stands for), or NULL. */
+const bt_key *bt_keytab_find(const bt_key *tab, const char *path);
+
+/* The value of row k in src as JSON (new reference; NULL for a custom row without dump or an
+ * alias; a section: its object, an optional one that is off: null). */
 json_t *bt_keytab_value(const bt_key *k, const void *src);
 /* Every dumpable row of src as one JSON object {name: value} (new reference). */
 json_t *bt_keytab_dump(const bt_key *tab, const void *src);
@@ -134,11 +175,16 @@ int bt_keytab_diff(const bt_key *tab, const void *a, const void *b,
 
 /* The known keys of tab, comma-separated, into buf (cap bytes, truncated). Returns buf. */
 const char *bt_keytab_names(const bt_key *tab, char *buf, size_t cap);
-/* A row's accepted values in words ("an integer in [1, 256]", "one of \"chat\", \"text\"",
- * custom rows: "see below"), into buf. Returns buf. */
+/* A row's accepted values in words ("an integer in [1, 256]", "\"chat\" or \"text\"", custom
+ * rows: k->what or "see the meaning"), into buf. Returns buf. _ex: in the style of flags
+ * (BT_KEYTAB_GOT). */
 const char *bt_keytab_what(const bt_key *k, char *buf, size_t cap);
+const char *bt_keytab_what_ex(const bt_key *k, unsigned flags, char *buf, size_t cap);
 /* The table as Markdown rows "| `key` | accepted values | default | doc |" after a header
  * line, on f (prefix before each key, e.g. "datasets[]."). */
 void bt_keytab_doc_md(const bt_key *tab, const char *prefix, FILE *f);
+/* The same in the style of flags (BT_KEYTAB_GOT), sections recursively (a row for the section,
+ * then its keys as "section.key"), aliases as "deprecated alias of `target`". */
+void bt_keytab_doc_md_ex(const bt_key *tab, const char *prefix, unsigned flags, FILE *f);
 
 #endif

@@ -4,125 +4,10 @@
  * \"abc\""; duplicate keys are refused naming both lines), overridden by
  * `--set key.path=value`.
  *
- * Keys and defaults (every key is optional unless marked required):
- *   name "barqtrain"                   job name given to loaderd
- *   model (required)                   path of the base model .gguf (llama architecture)
- *   base_dtype "auto"                  how the frozen base linears are held: "gguf" keeps a GGUF
- *                                      file's own blocks (Q4_0..Q6_K, F16/BF16/F32; no
- *                                      re-quantisation), "nf4" re-quantises to NF4 (QLoRA),
- *                                      "fp32" dequantises; "auto" = "gguf" for a .gguf model,
- *                                      "nf4" for a Hugging Face directory
- *   base_model_name_or_path "HuggingFaceTB/SmolLM2-135M-Instruct"   written to adapter_config.json
- *   socket                             loaderd control socket; when the job does not set it (nor
- *                                      --set socket=...): $LOADERD_SOCKET, else
- *                                      "/run/loaderd/loaderd.sock" (bt_config_default_socket)
- *   data: { shards (required, [glob, ...]), format "chat" ("chat"|"text"|"alpaca"),
- *           text_field "text", seq_len 512 [16, 2^20], micro_batch_size 4 [1, 4096], seed 1234,
- *           tokenizer_threads 2 [1, 256] }, seq_len x micro_batch_size <= 2^24
- *          (all sent to loaderd in the job spec, with "tokenizer" = model; the ranges are the ones
- *          loaderd accepts, proto/job_limits.h, so `trainer config --check` refuses what loaderd
- *          would)
- *   eval: { shards [] (empty = no held-out evaluation), max_batches 0 (0 = until end of data;
- *           per rank: with several ranks each evaluates up to this many of its own batches and
- *           the loss is the token mean over all of them), lengths [] (each in [16, 2^20]; perplexity per context
- *           length: for each L the held-out documents are cut into consecutive L-token windows
- *           (loaderd's text packing at seq_len L) and the loss is over the windows of exactly L
- *           tokens; [] = one evaluation at data.seq_len over every row, as before), every 0
- *           (> 0: also a held-out evaluation every this many optimiser steps during training,
- *           into the progress output, metrics.jsonl, TensorBoard and report.png; 0 = only
- *           before and after; not with lengths) }
- *   lora: { r 16 [1, 4096], lora_alpha 32 (0, 65536], lora_dropout 0.05 [0, 1) (BT_LORA_*: the
- *           same limits apply to an adapter read from disk, trainer/io/adapter_load.h),
- *           target_modules ["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"] }
- *   optim: { lr 2e-4 (0, 1], weight_decay 0.0 [0, 1], beta1 0.9 [0, 1), beta2 0.999 [0, 1),
- *            eps 1e-8 (0, 1], warmup_steps 0 (>= 0; more than `steps` is allowed, as in HF
- *            Trainer, with a warning at start: the rate never reaches lr), grad_clip 1.0
- *            [0, 1e6] (0 = no clipping) }  (out of range: refused at start naming the key and
- *            the range; a run whose loss or gradients still become non-finite stops: exit
- *            status 3, main.c)
- *   steps 100                          optimizer steps
- *   grad_accum 1                       micro-batches per optimizer step
- *   schedule "cosine" ("cosine"|"linear"|"constant"), min_lr_ratio 0.1
- *   activation_checkpointing "auto"    recompute each layer's activations in backward instead of
- *                                      keeping them: true, false, or "auto" = on when
- *                                      data.seq_len >= checkpointing_min_seq_len (gradients are
- *                                      bit-identical either way; one extra forward per step)
- *   checkpointing_min_seq_len 4096     the row length from which "auto" checkpoints
- *   context_extension: { target_length (required when present), method "linear" }
- *                                      extend the model's context window: RoPE scaled so that
- *                                      target_length positions cover the model's trained context,
- *                                      factor = target_length / context_length, with method
- *                                      "linear" (position interpolation, as LongLoRA), "yarn" or
- *                                      "dynamic" (NTK-aware), each as transformers'
- *                                      modeling_rope_utils.py defines it; composes with the
- *                                      model's own scaling (llama3); recorded in the adapter and
- *                                      in every export (trainer/model/model.h bt_model_extend_context)
- *   attention: { s2: { group_fraction 0.25 } }
- *                                      LongLoRA shifted sparse attention in training: groups of
- *                                      group_fraction x seq_len tokens (rounded to even), half the
- *                                      heads shifted by half a group; evaluation and generation
- *                                      use full attention. Absent, null or false: full attention
- *   save_every 0                       also save the adapter every N steps (0 = only at the end)
- *   out_dir "runs/adapter"             adapter directory (replaced atomically on every save)
- *   threads 0                          OpenMP threads for every kernel (0 = the CPUs Slurm gives
- *                                      the task, trainer/dist/dist.h bt_dist_slurm_cpus, else OpenMP's
- *                                      default: every CPU the process may run on)
- *   device "cpu"                       "cpu" | "cuda" (the GPU trainer, trainer/cuda/; only in a
- *                                      trainer built with `make CUDA=1`, else refused at start)
- *   cuda: { attention "wmma", nf4_matmul "dequant", offload_checkpoints false }
- *                                      kernel choices of the GPU trainer (ignored on the CPU):
- *                                      attention "wmma" (kernels/cuda/attention.cu) | "mma"
- *                                      (attention_mma.cu, register-resident mma.sync FA2);
- *                                      nf4_matmul "dequant" (dequantise the weight, then cuBLAS)
- *                                      | "fused" (nf4_gemm.cu: dequantise in the GEMM main loop);
- *                                      the same choice for a GGUF-native base's ggml blocks
- *                                      offload_checkpoints: keep the checkpointed layer inputs in
- *                                      pinned host memory instead of on the GPU (copies overlap
- *                                      the compute; needs activation checkpointing)
- *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600, heartbeat_timeout_s 60,
- *           secret_file null }
- *                                      data-parallel training over several processes, one per GPU
- *                                      (device "cuda"; trainer/dist/dist.h): rank 0's address and TCP
- *                                      port for the start-up rendezvous (the environment's
- *                                      MASTER_ADDR / MASTER_PORT, as torchrun and train.sbatch set
- *                                      them, take precedence), and how long the rendezvous and
- *                                      NCCL start-up wait for every rank; rank and world size come
- *                                      from RANK / WORLD_SIZE / LOCAL_RANK or SLURM_PROCID /
- *                                      SLURM_NTASKS / SLURM_LOCALID (one process: rank 0 of 1).
- *                                      timeout_s also bounds each NCCL collective: a rank that has
- *                                      not reached a collective another rank has waited in this
- *                                      long is named and the run ends. heartbeat_timeout_s: a rank
- *                                      that dies, is stopped or loses its network is named on
- *                                      every rank and the run ends within this time
- *                                      (trainer/dist/dist_monitor.h). secret_file: a file only you can
- *                                      read (mode 0600) holding the job secret that authenticates
- *                                      the ranks at the rendezvous; null: $BT_DIST_SECRET, which
- *                                      scripts/train.sbatch sets per job (trainer/dist/dist.h
- *                                      bt_dist_key_load)
- *   seed 1234                          LoRA init and dropout seed
- *   log_every 1                        progress line every N steps (and always at the last step)
- *   timeout_s 600                      longest wait for one batch from loaderd, in [1, 2147483]
- *   trainable_modules []               LongLoRA "LoRA+" dense trainable modules on top of LoRA:
- *                                      "embed_tokens" (token embedding; with tied embeddings also
- *                                      the lm_head) and/or "norm" (every RMSNorm weight); saved
- *                                      in the adapter as PEFT modules_to_save (adapter.h)
- *   checkpoint_every 0                 write a resumable checkpoint every N steps (0 = never;
- *                                      also written when a run stops early: stop_at_step, SIGINT,
- *                                      SIGTERM; not after the last step, whose result is out_dir;
- *                                      format: trainer/io/checkpoint.h)
- *   checkpoint_dir "runs/checkpoint"   the checkpoint directory (replaced atomically); must
- *                                      differ from out_dir when checkpoint_every > 0
- *   resume_from null                   checkpoint directory to continue from (also `--resume DIR`)
- *   stop_at_step 0                     stop (and checkpoint) once this many optimiser steps are
- *                                      done, keeping the schedule of `steps` (0 = run to `steps`;
- *                                      for preemptible slots)
- *   report: { dir null, plot true, tensorboard false }
- *                                      the run report (trainer/report/report.h): metrics.jsonl (one JSON
- *                                      line per step and per held-out evaluation) in `dir` (null =
- *                                      "report" beside out_dir, e.g. runs/demo/adapter ->
- *                                      runs/demo/report); plot: report.png at the end (gnuplot);
- *                                      tensorboard: also TensorBoard scalar event files
- *                                      (events.out.tfevents.*) in dir
+ * The keys, their types, ranges, defaults and meaning are one table, bt_config_keys
+ * (trainer/config_keys.c), which drives the parser, bt_config_dump, the templates, which command
+ * reads which key and the reference docs/CONFIG.md (`trainer config --reference`). Renamed keys
+ * stay accepted under their old name: cuda.nf4_matmul is cuda.base_matmul.
  *
  * Comments: in every object, keys starting with "#" are ignored (JSON has no comments), e.g.
  *   "#": "what this section is for", "#seq_len": "tokens per packed row"
@@ -138,6 +23,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "common/keytab.h"
+
 /* How the frozen base linears are held (config base_dtype; trainer/model/model.h):
  *   BT_BASE_NF4   re-quantised to NF4 with double quantisation (bitsandbytes layout, QLoRA);
  *   BT_BASE_FP32  dequantised to fp32 (plain LoRA);
@@ -151,7 +38,8 @@ const char *bt_base_dtype_name(int base_dtype);
 enum { BT_SCHED_COSINE = 0, BT_SCHED_LINEAR = 1, BT_SCHED_CONSTANT = 2 };
 enum { BT_DEVICE_CPU = 0, BT_DEVICE_CUDA = 1 };
 enum { BT_CUDA_ATTN_WMMA = 0, BT_CUDA_ATTN_MMA = 1 };
-enum { BT_CUDA_NF4_DEQUANT = 0, BT_CUDA_NF4_FUSED = 1 };
+/* cuda.base_matmul (alias cuda.nf4_matmul): the matmuls against a quantised base, NF4 or GGUF. */
+enum { BT_CUDA_BASE_DEQUANT = 0, BT_CUDA_BASE_FUSED = 1 };
 /* RoPE context scaling methods (context_extension.method; trainer/model/model.h hp.rope_ext). */
 enum { BT_ROPE_EXT_NONE = 0, BT_ROPE_EXT_LINEAR = 1, BT_ROPE_EXT_YARN = 2, BT_ROPE_EXT_DYNAMIC = 3 };
 #define BT_MAX_EVAL_LENGTHS 16
@@ -229,7 +117,7 @@ typedef struct {
     int stop_at_step;               /* 0 = steps */
     int device;                     /* BT_DEVICE_* */
     int cuda_attention;             /* BT_CUDA_ATTN_* (device "cuda" only) */
-    int cuda_nf4_matmul;            /* BT_CUDA_NF4_* (device "cuda" only) */
+    int cuda_base_matmul;           /* BT_CUDA_BASE_* (device "cuda" only) */
     int cuda_offload;               /* cuda.offload_checkpoints (device "cuda" only) */
     struct {
         char *master_addr;
@@ -249,6 +137,18 @@ typedef struct {
     int force;                      /* `trainer train --force`: start even when the memory plan
                                      * exceeds what the process may use (command line only) */
 } bt_train_config;
+
+/* The key table of bt_train_config (common/keytab.h; trainer/config_keys.c). Its user flags say
+ * which command reads a key (bt_config_key_used) and which keys every template writes. */
+extern const bt_key bt_config_keys[];
+enum {
+    BT_CFG_EVAL = BT_KEY_USER << 0,     /* read by `trainer eval` */
+    BT_CFG_CKPT = BT_KEY_USER << 1,     /* checked against the checkpoint `trainer eval` evaluates */
+    BT_CFG_ESTIMATE = BT_KEY_USER << 2, /* read by `trainer estimate` */
+    BT_CFG_TEMPLATE = BT_KEY_USER << 3, /* written by every template */
+};
+/* The reference of every key (Markdown, docs/CONFIG.md) on f. */
+void bt_config_reference_md(FILE *f);
 
 /* The S^2-Attn group size in tokens for the job: 0 when attention.s2 is off, else
  * data.seq_len x group_fraction rounded to the nearest even number, at least 2 (LongLoRA:
@@ -283,14 +183,10 @@ enum { BT_CMD_TRAIN = 0, BT_CMD_EVAL, BT_CMD_ESTIMATE };
  * as read when any key under it is) for the job in cfg, so that a command line setting of a key
  * the command would ignore can be refused by name instead of being dropped silently:
  *   train     every key (cuda.* only with device "cuda");
- *   eval      name, model, base_dtype, socket, data.{format, text_field, seq_len,
- *             micro_batch_size, seed, tokenizer_threads}, eval.*, activation_checkpointing,
- *             threads, timeout_s, device, dist.*, cuda.* (device "cuda"), resume_from (the
- *             checkpoint evaluated) and, when a checkpoint is evaluated, the keys its identity
- *             is checked against (lora.*, trainable_modules, seed, grad_accum, data.shards);
- *             never with --adapter (cfg->eval_adapter): the adapter's own config decides;
- *   estimate  model, base_dtype, data.seq_len, data.micro_batch_size, grad_accum, lora.r,
- *             lora.target_modules, trainable_modules, activation_checkpointing, threads.
+ *   eval      the rows flagged BT_CFG_EVAL, cuda.* (device "cuda"), and, when a checkpoint is
+ *             evaluated, the rows flagged BT_CFG_CKPT (the keys its identity is checked against);
+ *             never resume_from with --adapter (cfg->eval_adapter): the adapter's own config decides;
+ *   estimate  the rows flagged BT_CFG_ESTIMATE.
  * Returns 1 (read) or 0 (ignored). */
 int bt_config_key_used(int command, const char *path, const bt_train_config *cfg);
 

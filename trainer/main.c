@@ -7,6 +7,7 @@
  * configuration error, 3 training diverged (non-finite loss, gradients or parameters: nothing of
  * the diverged steps was saved; out_dir and checkpoint_dir keep the last good adapter and
  * checkpoint), 75 interrupted (a signal; the last completed step is saved). */
+#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +34,7 @@ static void usage(FILE *f) {
             "                      [--format json|yaml]\n"
             "       trainer config --check JOB [--set key.path=value ...] [--format json|yaml]\n"
             "                      [--print KEY]\n"
+            "       trainer config --reference         (every config key, as docs/CONFIG.md)\n"
             "       trainer export --model BASE.gguf --adapter DIR --format peft|gguf-lora|gguf|safetensors\n"
             "                      --out PATH [--dtype f32|f16|bf16|q8_0]   (trainer export --help)\n"
             "       trainer generate --model M.gguf (--prompt TEXT | --chat TEXT) [--adapter DIR] ...\n"
@@ -67,21 +69,8 @@ static void usage(FILE *f) {
             "A job file serves every command (each reads its part); a --set, --device or option\n"
             "that the command would ignore is refused by name.\n"
             "\n"
-            "config keys (defaults): model (required), base_dtype \"auto\"|\"gguf\"|\"nf4\"|\"fp32\",\n"
-            "  socket, base_model_name_or_path, name, data.{shards (required), format \"chat\",\n"
-            "  text_field, seq_len 512, micro_batch_size 4, seed 1234, tokenizer_threads 2},\n"
-            "  eval.{shards [], max_batches 0, every 0}, lora.{r 16, lora_alpha 32, lora_dropout 0.05,\n"
-            "  target_modules [all 7]}, optim.{lr 2e-4, weight_decay 0, beta1 0.9, beta2 0.999,\n"
-            "  eps 1e-8, warmup_steps 0, grad_clip 1.0}, steps 100, grad_accum 1,\n"
-            "  schedule \"cosine\"|\"linear\"|\"constant\", min_lr_ratio 0.1,\n"
-            "  activation_checkpointing \"auto\" (on from checkpointing_min_seq_len 4096), save_every 0,\n"
-            "  out_dir \"runs/adapter\", context_extension.{target_length, method \"linear\"|\"yarn\"|\n"
-            "  \"dynamic\"}, attention.s2.{group_fraction 0.25}, eval.lengths [],\n"
-            "  cuda.{attention, nf4_matmul, offload_checkpoints false},\n"
-            "  threads 0 (Slurm's CPUs for the task, else OpenMP default), seed 1234, log_every 1,\n"
-            "  timeout_s 600, dist.{master_addr \"127.0.0.1\", master_port 29500, timeout_s 600,\n"
-            "  heartbeat_timeout_s 60, secret_file null}. socket unset: $LOADERD_SOCKET, else\n"
-            "  /run/loaderd/loaderd.sock.\n"
+            "config keys: every key with its range, default and meaning is in docs/CONFIG.md\n"
+            "  (trainer config --reference prints it); model and data.shards are required.\n"
             "\n"
             "Several processes (one per GPU, device cuda) train data-parallel and all-reduce the\n"
             "LoRA gradients with NCCL: rank and world size come from RANK/WORLD_SIZE/LOCAL_RANK\n"
@@ -121,55 +110,68 @@ static int parse_run_args(int argc, char **argv, run_args *a) {
         fprintf(stderr, "trainer: out of memory\n");
         return 2;
     }
-    for (int i = 2; i < argc; i++) {
-        const char *arg = argv[i];
+    enum { O_CONFIG = 256, O_SET, O_DEVICE, O_RESUME, O_CHECKPOINT, O_ADAPTER, O_PROFILE, O_FORCE, O_FIT };
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'},           {"config", required_argument, NULL, O_CONFIG},
+        {"set", required_argument, NULL, O_SET},    {"device", required_argument, NULL, O_DEVICE},
+        {"resume", required_argument, NULL, O_RESUME}, {"checkpoint", required_argument, NULL, O_CHECKPOINT},
+        {"adapter", required_argument, NULL, O_ADAPTER}, {"profile", no_argument, NULL, O_PROFILE},
+        {"force", no_argument, NULL, O_FORCE},      {"max-seq-len-for", required_argument, NULL, O_FIT},
+        {NULL, 0, NULL, 0},
+    };
+    /* argv[1] is the command: getopt_long reads argv[2..] as the options of argv + 1 */
+    optind = 0;
+    opterr = 0;
+    int o;
+    while ((o = getopt_long(argc - 1, argv + 1, "+:h", opts, NULL)) != -1) {
         const char *opt = NULL; /* an option this command does not take */
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            usage(stdout);
-            return -1;
-        } else if (!strcmp(arg, "--config") && i + 1 < argc) {
-            a->config = argv[++i];
-        } else if (!strncmp(arg, "--config=", 9)) {
-            a->config = arg + 9;
-        } else if (!strcmp(arg, "--set") && i + 1 < argc) {
+        switch (o) {
+        case 'h': usage(stdout); return -1;
+        case O_CONFIG: a->config = optarg; break;
+        case O_SET:
             a->given[a->n_sets] = "--set";
-            a->sets[a->n_sets++] = argv[++i];
-        } else if (!strncmp(arg, "--set=", 6)) {
-            a->given[a->n_sets] = "--set";
-            a->sets[a->n_sets++] = arg + 6;
-        } else if (!strcmp(arg, "--device") && i + 1 < argc) {
-            snprintf(a->device_set, sizeof a->device_set, "device=%s", argv[++i]);
+            a->sets[a->n_sets++] = optarg;
+            break;
+        case O_DEVICE:
+            snprintf(a->device_set, sizeof a->device_set, "device=%s", optarg);
             a->given[a->n_sets] = "--device";
             a->sets[a->n_sets++] = a->device_set;
-        } else if (!strcmp(arg, "--resume") && i + 1 < argc) {
-            if (cmd == BT_CMD_TRAIN) a->resume = argv[++i];
+            break;
+        case O_RESUME:
+            if (cmd == BT_CMD_TRAIN) a->resume = optarg;
             else opt = cmd == BT_CMD_EVAL ? "--resume continues training; evaluate a checkpoint "
                                             "with --checkpoint DIR" : "--resume";
-        } else if (!strcmp(arg, "--checkpoint") && i + 1 < argc) {
-            if (cmd == BT_CMD_EVAL) a->checkpoint = argv[++i];
+            break;
+        case O_CHECKPOINT:
+            if (cmd == BT_CMD_EVAL) a->checkpoint = optarg;
             else opt = cmd == BT_CMD_TRAIN ? "--checkpoint is for eval; continue training from a "
                                              "checkpoint with --resume DIR" : "--checkpoint";
-        } else if (!strcmp(arg, "--adapter") && i + 1 < argc) {
-            if (cmd == BT_CMD_EVAL) a->adapter = argv[++i];
+            break;
+        case O_ADAPTER:
+            if (cmd == BT_CMD_EVAL) a->adapter = optarg;
             else opt = "--adapter (evaluate an adapter with trainer eval --adapter DIR)";
-        } else if (!strcmp(arg, "--profile")) {
+            break;
+        case O_PROFILE:
             if (cmd == BT_CMD_TRAIN) a->profile = 1;
             else opt = "--profile (trainer train --profile)";
-        } else if (!strcmp(arg, "--force")) {
+            break;
+        case O_FORCE:
             if (cmd == BT_CMD_TRAIN) a->force = 1;
             else opt = "--force (trainer train --force)";
-        } else if (!strcmp(arg, "--max-seq-len-for") && i + 1 < argc) {
+            break;
+        case O_FIT: {
             char *end;
             if (cmd != BT_CMD_ESTIMATE) {
                 opt = "--max-seq-len-for (trainer estimate --max-seq-len-for GiB)";
-            } else if (a->fit_gib = strtod(argv[++i], &end),
-                       *end || !(a->fit_gib > 0) || a->fit_gib > 1e6) {
+            } else if (a->fit_gib = strtod(optarg, &end), *end || !(a->fit_gib > 0) || a->fit_gib > 1e6) {
                 fprintf(stderr, "trainer: --max-seq-len-for: expected a memory size in GiB > 0, "
-                        "got \"%s\"\n", argv[i]);
+                        "got \"%s\"\n", optarg);
                 return 2;
             }
-        } else {
-            fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", arg);
+            break;
+        }
+        default: /* an unknown option, or one without its value */
+            fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", argv[optind]);
             return 2;
         }
         if (opt) {
@@ -177,6 +179,10 @@ static int parse_run_args(int argc, char **argv, run_args *a) {
                     "ignored\n", a->name, opt);
             return 2;
         }
+    }
+    if (optind + 1 < argc) {
+        fprintf(stderr, "trainer: unexpected argument \"%s\" (try --help)\n", argv[optind + 1]);
+        return 2;
     }
     if (a->adapter && a->checkpoint) {
         fprintf(stderr, "trainer eval: give --adapter DIR or --checkpoint DIR, not both\n");

@@ -1,6 +1,7 @@
 /* Config templates for `trainer config --template NAME [--documented]`. See config.h
  * (bt_config_template) for the recipes and their sources. Documentation is carried by "#"-keys,
  * which the config parser ignores: "#" documents the enclosing object, "#key" the key after it. */
+#include <getopt.h>
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,62 +12,44 @@
 
 const char *const bt_config_template_names[] = {"default", "qlora", "long-context", NULL};
 
-typedef struct {
-    int doc;
-} ctx_t;
-
-/* o[key] = v (stolen), preceded by "#key": doc when documenting. */
-static void put(const ctx_t *c, json_t *o, const char *key, json_t *v, const char *doc) {
-    if (c->doc && doc) {
-        char k[96];
-        snprintf(k, sizeof k, "#%s", key);
-        json_object_set_new(o, k, json_string(doc));
-    }
-    json_object_set_new(o, key, v);
-}
-
-static json_t *obj_doc(const ctx_t *c, const char *doc) {
-    json_t *o = json_object();
-    if (c->doc && doc) json_object_set_new(o, "#", json_string(doc));
-    return o;
-}
-
-static json_t *strs(const char *const *v) {
-    json_t *a = json_array();
-    for (int i = 0; v[i]; i++) json_array_append_new(a, json_string(v[i]));
-    return a;
-}
-
+/* A recipe: its header and the keys it sets ("path=JSON", over k_base), on the table's defaults.
+ * A template writes the rows flagged BT_CFG_TEMPLATE and the keys its recipe sets, in the table's
+ * order, each with its row's doc as "#key" when documented. */
 typedef struct {
     const char *name, *header;
-    int seq_len, micro_batch, grad_accum, steps, warmup, r, ckpt, trainable, log_every;
-    double alpha, dropout, lr, wd, clip, min_lr_ratio;
-    const char *schedule;
-    const char *const *targets;
-    /* long context: context_extension target (0 = none), S^2 group fraction (0 = off), data
-     * format, per-length held-out perplexity */
-    int ext_target;
-    double s2_fraction;
-    const char *format;
-    int long_eval;
+    const char *const *sets;
 } recipe;
 
-static const char *const k_all[] = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                    "gate_proj", "up_proj", "down_proj", NULL};
-static const char *const k_attn[] = {"q_proj", "k_proj", "v_proj", "o_proj", NULL};
+static const char *const k_base[] = {"model=\"models/SmolLM2-135M-Instruct.Q4_1.gguf\"",
+                                     "data.shards=[\"data/train-*.jsonl.zst\"]", NULL};
+
+static const char *const k_default_sets[] = {
+    "name=\"default\"", "steps=30", "optim.lr=1e-3", "optim.warmup_steps=3", "activation_checkpointing=false", NULL};
+
+static const char *const k_qlora_sets[] = {
+    "name=\"qlora\"", "base_dtype=\"nf4\"", "data.seq_len=1024", "grad_accum=4", "steps=1000",
+    "optim.warmup_steps=30", "lora.r=64", "lora.lora_alpha=16.0", "lora.lora_dropout=0.1", "optim.grad_clip=0.3",
+    "min_lr_ratio=1.0", "schedule=\"constant\"", "log_every=10", "activation_checkpointing=false", NULL};
+
+static const char *const k_long_sets[] = {
+    "name=\"long-context\"", "data.format=\"text\"", "data.seq_len=16384", "data.micro_batch_size=1",
+    "eval.lengths=[2048, 4096, 8192, 16384]", "context_extension.target_length=16384",
+    "context_extension.method=\"linear\"", "attention.s2.group_fraction=0.25", "lora.r=8", "lora.lora_alpha=16.0",
+    "lora.lora_dropout=0.0", "lora.target_modules=[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"]", "optim.lr=2e-5",
+    "optim.warmup_steps=20", "steps=1000", "grad_accum=8", "schedule=\"constant\"", "min_lr_ratio=1.0",
+    "activation_checkpointing=\"auto\"", "checkpointing_min_seq_len=4096", "log_every=10",
+    "trainable_modules=[\"embed_tokens\", \"norm\"]", NULL};
 
 static const recipe k_recipes[] = {
     {"default",
      "The SmolLM2-135M demo job: LoRA r 16 on all linear layers over the GGUF's own Q4_1 "
      "weights (base_dtype auto = gguf), 512-token packed rows x 4, 30 steps, cosine schedule.",
-     512, 4, 1, 30, 3, 16, 0, 0, 1, 32, 0.05, 1e-3, 0.0, 1.0, 0.1, "cosine", k_all, 0, 0.0, "chat",
-     0},
+     k_default_sets},
     {"qlora",
      "QLoRA recipe (Dettmers et al. 2023, arXiv 2305.14314): NF4 base with double quantisation, "
      "LoRA r 64 alpha 16 dropout 0.1 on all linear layers, lr 2e-4 constant, max grad norm 0.3, "
      "warm-up 3% of steps, effective batch 16.",
-     1024, 4, 4, 1000, 30, 64, 0, 0, 10, 16, 0.1, 2e-4, 0.0, 0.3, 1.0, "constant", k_all, 0, 0.0,
-     "chat", 0},
+     k_qlora_sets},
     {"long-context",
      "LongLoRA recipe (Chen et al. 2023, arXiv 2309.12307, fine-tune.py, supervised-fine-tune "
      "settings aside): extend the context of SmolLM2 (trained at 8192) to 16384 tokens with "
@@ -74,140 +57,81 @@ static const recipe k_recipes[] = {
      "shifted) and activation checkpointing on plain text rows, LoRA r 8 alpha 16 on q/k/v/o plus "
      "trainable embed_tokens and norms (\"LoRA+\"), lr 2e-5 constant after 20 warm-up steps, no "
      "weight decay, batch 1 x grad_accum 8; held-out perplexity at 2K / 4K / 8K / 16K tokens.",
-     16384, 1, 8, 1000, 20, 8, 1, 1, 10, 16, 0.0, 2e-5, 0.0, 1.0, 1.0, "constant", k_attn, 16384,
-     0.25, "text", 1},
+     k_long_sets},
 };
 
-static json_t *build(const recipe *R, const ctx_t *c) {
-    json_t *root = obj_doc(c, R->header);
-    if (c->doc)
+/* sets ("path=JSON") into the map path -> value. */
+static void add_sets(json_t *map, const char *const *sets) {
+    for (int i = 0; sets[i]; i++) {
+        const char *eq = strchr(sets[i], '=');
+        char path[BT_KEY_PATH_MAX];
+        snprintf(path, sizeof path, "%.*s", (int)(eq - sets[i]), sets[i]);
+        json_object_set_new(map, path, json_loads(eq + 1, JSON_DECODE_ANY, NULL));
+    }
+}
+
+/* Whether the recipe sets a key under section path. */
+static int sets_under(const json_t *map, const char *path) {
+    size_t n = strlen(path);
+    const char *k;
+    json_t *v;
+    json_object_foreach((json_t *)map, k, v) {
+        if (!strncmp(k, path, n) && k[n] == '.') return 1;
+    }
+    return 0;
+}
+
+/* The rows of tab (section prefix, "" at the top) into o. */
+static void emit(const bt_key *tab, const char *prefix, json_t *o, const json_t *map, int doc) {
+    for (const bt_key *k = tab; k->name; k++) {
+        if (k->alias) continue;
+        char path[BT_KEY_PATH_MAX], hash[BT_KEY_PATH_MAX + 1];
+        snprintf(path, sizeof path, "%s%s", prefix, k->name);
+        snprintf(hash, sizeof hash, "#%s", k->name);
+        const int every = (k->flags & BT_CFG_TEMPLATE) != 0;
+        if (k->type == BT_KEY_OBJ) {
+            if (!every && !sets_under(map, path)) continue;
+            json_t *sub = json_object();
+            if (doc) json_object_set_new(sub, "#", json_string(k->doc));
+            char sp[BT_KEY_PATH_MAX + 1];
+            snprintf(sp, sizeof sp, "%s.", path);
+            emit(k->sub, sp, sub, map, doc);
+            json_object_set_new(o, k->name, sub);
+            continue;
+        }
+        json_t *v = json_object_get(map, path);
+        if (v) v = json_incref(v);
+        else if (every && k->def) v = json_loads(k->def, JSON_DECODE_ANY, NULL);
+        if (!v) { /* unset: a key whose default is not a value (socket) is documented only */
+            if (doc && !k->def && !every) json_object_set_new(o, hash, json_string(k->doc));
+            continue;
+        }
+        if (doc) json_object_set_new(o, hash, json_string(k->doc));
+        json_object_set_new(o, k->name, v);
+    }
+}
+
+static json_t *build(const recipe *R, int doc) {
+    json_t *root = json_object(), *map = json_object();
+    if (doc) {
+        json_object_set_new(root, "#", json_string(R->header));
         json_object_set_new(root, "#comments",
                             json_string("Keys starting with '#' are comments: the trainer ignores "
                                         "them in every object. Relative paths are resolved "
-                                        "against the trainer's working directory."));
-    put(c, root, "name", json_string(R->name), "job name given to loaderd");
-    put(c, root, "model", json_string("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-        "base model: a llama-architecture .gguf file (required)");
-    const int qlora = !strcmp(R->name, "qlora"); /* the paper's recipe is an NF4 base */
-    put(c, root, "base_dtype", json_string(qlora ? "nf4" : "auto"),
-        "how the frozen base linears are held: \"gguf\" (the GGUF file's own blocks, no "
-        "re-quantisation), \"nf4\" (QLoRA, bitsandbytes layout), \"fp32\", or \"auto\" (gguf "
-        "for a .gguf model, nf4 for a Hugging Face directory)");
-    put(c, root, "base_model_name_or_path", json_string("HuggingFaceTB/SmolLM2-135M-Instruct"),
-        "written to adapter_config.json so PEFT can find the base model");
-    if (c->doc) /* unset: $LOADERD_SOCKET, else the default; a template pins neither */
-        json_object_set_new(root, "#socket",
-                            json_string("loaderd control socket; unset: $LOADERD_SOCKET, else "
-                                        "/run/loaderd/loaderd.sock (set it: \"socket\": PATH)"));
-
-    json_t *data = obj_doc(c, "the training stream, served by loaderd");
-    const char *const shards[] = {"data/train-*.jsonl.zst", NULL};
-    put(c, data, "shards", strs(shards), "globs of JSONL (.jsonl or .jsonl.zst) shards (required)");
-    put(c, data, "format", json_string(R->format),
-        "\"chat\" (messages), \"text\" (documents longer than seq_len are cut into consecutive "
-        "rows) or \"alpaca\"");
-    put(c, data, "seq_len", json_integer(R->seq_len), "T: tokens per packed row");
-    put(c, data, "micro_batch_size", json_integer(R->micro_batch), "B: rows per micro-batch");
-    put(c, data, "seed", json_integer(1234), "shuffle seed of the data stream");
-    put(c, data, "tokenizer_threads", json_integer(2), "loaderd tokenizer threads for this job");
-    put(c, root, "data", data, NULL);
-
-    json_t *ev = obj_doc(c, "held-out evaluation before and after training (empty = none)");
-    put(c, ev, "shards", json_array(), "globs of held-out shards");
-    put(c, ev, "max_batches", json_integer(0), "batches to evaluate (0 = all)");
-    put(c, ev, "every", json_integer(0),
-        "also evaluate every this many steps during training (0 = before and after only)");
-    if (R->long_eval) {
-        json_t *lens = json_array();
-        for (int L = 2048; L <= R->seq_len; L *= 2) json_array_append_new(lens, json_integer(L));
-        put(c, ev, "lengths", lens,
-            "perplexity per context length: the held-out documents cut into windows of each "
-            "length (shows both the gain at long lengths and any loss at short ones)");
+                                        "against the trainer's working directory. Every key: "
+                                        "docs/CONFIG.md."));
     }
-    put(c, root, "eval", ev, NULL);
-    if (R->ext_target > 0) {
-        json_t *ce = obj_doc(c, "extend the model's context window (RoPE scaling, transformers' "
-                                "semantics; recorded in the adapter and every export)");
-        put(c, ce, "target_length", json_integer(R->ext_target),
-            "context length to reach (factor = target_length / the model's context_length)");
-        put(c, ce, "method", json_string("linear"),
-            "\"linear\" (position interpolation, as LongLoRA), \"yarn\" or \"dynamic\" (NTK)");
-        put(c, root, "context_extension", ce, NULL);
-    }
-    if (R->s2_fraction > 0) {
-        json_t *at = obj_doc(c, "attention in training (evaluation and generation always use full "
-                                "attention)");
-        json_t *s2 = obj_doc(c, "LongLoRA shifted sparse attention: groups of group_fraction x "
-                                "seq_len tokens, half the heads shifted by half a group");
-        put(c, s2, "group_fraction", json_real(R->s2_fraction), "LongLoRA's default is 1/4");
-        put(c, at, "s2", s2, NULL);
-        put(c, root, "attention", at, NULL);
-    }
-
-    json_t *lora = obj_doc(c, "LoRA (PEFT semantics): y = W x + lora_alpha / r * B A dropout(x)");
-    put(c, lora, "r", json_integer(R->r), "rank");
-    put(c, lora, "lora_alpha", json_real(R->alpha), "scaling numerator (scale = lora_alpha / r)");
-    put(c, lora, "lora_dropout", json_real(R->dropout), "dropout on the LoRA branch input, [0, 1)");
-    put(c, lora, "target_modules", strs(R->targets),
-        "adapted linears: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj");
-    put(c, root, "lora", lora, NULL);
-
-    json_t *tm = json_array();
-    if (R->trainable) {
-        json_array_append_new(tm, json_string("embed_tokens"));
-        json_array_append_new(tm, json_string("norm"));
-    }
-    put(c, root, "trainable_modules", tm,
-        "LongLoRA LoRA+: also train \"embed_tokens\" (and a tied lm_head) and/or every \"norm\" "
-        "weight densely; saved as PEFT modules_to_save");
-
-    json_t *op = obj_doc(c, "AdamW (torch.optim.AdamW semantics) and gradient clipping");
-    put(c, op, "lr", json_real(R->lr), "peak learning rate");
-    put(c, op, "weight_decay", json_real(R->wd), "decoupled weight decay (not on norm weights)");
-    put(c, op, "beta1", json_real(0.9), NULL);
-    put(c, op, "beta2", json_real(0.999), NULL);
-    put(c, op, "eps", json_real(1e-8), NULL);
-    put(c, op, "warmup_steps", json_integer(R->warmup), "linear warm-up steps");
-    put(c, op, "grad_clip", json_real(R->clip), "max global grad norm (0 = no clipping)");
-    put(c, root, "optim", op, NULL);
-
-    put(c, root, "steps", json_integer(R->steps), "optimiser steps");
-    put(c, root, "grad_accum", json_integer(R->grad_accum), "micro-batches per optimiser step");
-    put(c, root, "schedule", json_string(R->schedule), "\"cosine\", \"linear\" or \"constant\"");
-    put(c, root, "min_lr_ratio", json_real(R->min_lr_ratio),
-        "floor of the cosine/linear decay as a fraction of lr");
-    if (R->ckpt) {
-        put(c, root, "activation_checkpointing", json_string("auto"),
-            "recompute each layer in backward instead of keeping its activations: true, false, or "
-            "\"auto\" = on when data.seq_len >= checkpointing_min_seq_len (same gradients)");
-        put(c, root, "checkpointing_min_seq_len", json_integer(4096),
-            "the row length from which \"auto\" checkpoints");
-    } else {
-        put(c, root, "activation_checkpointing", json_boolean(0),
-            "recompute each layer in backward instead of keeping its activations (true, false, or "
-            "\"auto\" = on from checkpointing_min_seq_len tokens per row)");
-    }
-    put(c, root, "save_every", json_integer(0), "also save the adapter every N steps (0 = end only)");
-    put(c, root, "out_dir", json_string("runs/adapter"), "PEFT adapter directory");
-    put(c, root, "checkpoint_every", json_integer(0),
-        "resumable checkpoint (adapter, AdamW moments, step, loader position) every N steps");
-    put(c, root, "checkpoint_dir", json_string("runs/checkpoint"), "checkpoint directory");
-    put(c, root, "resume_from", json_null(), "checkpoint directory to continue from (or --resume)");
-    put(c, root, "stop_at_step", json_integer(0),
-        "stop and checkpoint after this many steps, keeping the schedule of `steps` (0 = off)");
-    put(c, root, "threads", json_integer(0),
-        "OpenMP threads (0 = the CPUs Slurm gives the task, else every core the process may use)");
-    put(c, root, "seed", json_integer(1234), "LoRA initialisation and dropout seed");
-    put(c, root, "log_every", json_integer(R->log_every), "progress line every N steps");
-    put(c, root, "timeout_s", json_integer(600), "longest wait for one batch from loaderd");
+    add_sets(map, k_base);
+    add_sets(map, R->sets);
+    emit(bt_config_keys, "", root, map, doc);
+    json_decref(map);
     return root;
 }
 
 char *bt_config_template(const char *name, int documented) {
     for (size_t i = 0; i < sizeof k_recipes / sizeof k_recipes[0]; i++) {
         if (!name || strcmp(name, k_recipes[i].name) != 0) continue;
-        ctx_t c = {documented != 0};
-        json_t *j = build(&k_recipes[i], &c);
+        json_t *j = build(&k_recipes[i], documented != 0);
         char *s = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(10));
         json_decref(j);
         if (!s) bt_fail(BT_ERR_NOMEM, "config: out of memory");
@@ -255,27 +179,52 @@ static int print_key(const char *dump, const char *key, FILE *out) {
 
 int bt_config_cmd(int argc, char **argv, FILE *out) {
     const char *tmpl = NULL, *check = NULL, *print = NULL, *format = "json";
-    int documented = 0, n_sets = 0;
+    int documented = 0, reference = 0, n_sets = 0;
     const char **sets = calloc((size_t)(argc > 0 ? argc : 1), sizeof(char *));
     if (!sets) return 1;
     int rc = 0;
-    for (int i = 1; i < argc && rc == 0; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--template") && i + 1 < argc) tmpl = argv[++i];
-        else if (!strncmp(a, "--template=", 11)) tmpl = a + 11;
-        else if (!strcmp(a, "--documented")) documented = 1;
-        else if (!strcmp(a, "--format") && i + 1 < argc) format = argv[++i];
-        else if (!strncmp(a, "--format=", 9)) format = a + 9;
-        else if (!strcmp(a, "--check") && i + 1 < argc) check = argv[++i];
-        else if (!strcmp(a, "--print") && i + 1 < argc) print = argv[++i];
-        else if (!strcmp(a, "--set") && i + 1 < argc) sets[n_sets++] = argv[++i];
-        else if (!strncmp(a, "--set=", 6)) sets[n_sets++] = a + 6;
-        else {
+    enum { O_TEMPLATE = 256, O_DOCUMENTED, O_FORMAT, O_CHECK, O_PRINT, O_SET, O_REFERENCE };
+    static const struct option opts[] = {
+        {"template", required_argument, NULL, O_TEMPLATE}, {"documented", no_argument, NULL, O_DOCUMENTED},
+        {"format", required_argument, NULL, O_FORMAT},     {"check", required_argument, NULL, O_CHECK},
+        {"print", required_argument, NULL, O_PRINT},       {"set", required_argument, NULL, O_SET},
+        {"reference", no_argument, NULL, O_REFERENCE},     {NULL, 0, NULL, 0},
+    };
+    optind = 0; /* a fresh scan (glibc), also when called twice in one process */
+    opterr = 0;
+    int o;
+    while (rc == 0 && (o = getopt_long(argc, argv, "+:", opts, NULL)) != -1) {
+        switch (o) {
+        case O_TEMPLATE: tmpl = optarg; break;
+        case O_DOCUMENTED: documented = 1; break;
+        case O_FORMAT: format = optarg; break;
+        case O_CHECK: check = optarg; break;
+        case O_PRINT: print = optarg; break;
+        case O_SET: sets[n_sets++] = optarg; break;
+        case O_REFERENCE: reference = 1; break;
+        default: /* an unknown option, or one without its value */
             fprintf(stderr, "trainer config: unexpected argument \"%s\" (usage: trainer config "
                     "--template default|qlora|long-context [--documented] | --check JOB.json "
-                    "[--set key=value ...] [--print KEY]) [--format json|yaml]\n", a);
+                    "[--set key=value ...] [--print KEY] | --reference) [--format json|yaml]\n", argv[optind - 1]);
             rc = 2;
         }
+    }
+    if (rc == 0 && optind < argc) {
+        fprintf(stderr, "trainer config: unexpected argument \"%s\" (usage: trainer config "
+                "--template default|qlora|long-context [--documented] | --check JOB.json "
+                "[--set key=value ...] [--print KEY] | --reference) [--format json|yaml]\n", argv[optind]);
+        rc = 2;
+    }
+    if (rc == 0 && reference) { /* docs/CONFIG.md */
+        if (tmpl || check || print || n_sets || documented) {
+            fprintf(stderr, "trainer config: --reference takes no other option\n");
+            rc = 2;
+        } else {
+            bt_config_reference_md(out);
+            rc = fflush(out) != 0 || ferror(out) ? 1 : 0;
+        }
+        free(sets);
+        return rc;
     }
     int yaml = !strcmp(format, "yaml");
     if (rc == 0 && !yaml && strcmp(format, "json")) {

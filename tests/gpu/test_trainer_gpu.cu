@@ -152,7 +152,7 @@ static void randomise_B(bt_lora *lo, float sd)
         }
 }
 
-/* kernel choices for the GPU side of step_parity (bt_cuda_trainer_opts attn_impl / nf4_impl) */
+/* kernel choices for the GPU side of step_parity (bt_cuda_trainer_opts attn_impl / base_matmul_impl) */
 static int g_attn_impl = 0, g_nf4_impl = 0;
 /* >= 0: run_tiny_case turns the fp32 model's linears into ggml blocks of this type
  * (bt_model_to_ggml: a GGUF-native base; the CPU reference multiplies the same blocks) */
@@ -184,7 +184,7 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     memset(&o, 0, sizeof o);
     o.checkpointing = cs.ckpt;
     o.attn_impl = g_attn_impl;
-    o.nf4_impl = g_nf4_impl;
+    o.base_matmul_impl = g_nf4_impl;
     o.s2_group = cs.s2;
     o.offload = cs.offload;
     if (bt_cuda_trainer_new_ex(&t, m, lo, M, &o) != 0) {
@@ -439,7 +439,7 @@ static void test_tiny_offload(void)
 }
 
 /* The same step with the mma.sync attention and the fused NF4 GEMM (config cuda.attention "mma",
- * cuda.nf4_matmul "fused"): NF4 with dropout and checkpointing, a 1000-token row, llama3 RoPE. */
+ * cuda.base_matmul "fused"): NF4 with dropout and checkpointing, a 1000-token row, llama3 RoPE. */
 static void test_tiny_mma_fused(void)
 {
     g_attn_impl = 1;

@@ -31,6 +31,16 @@ def need_trainer():
         pytest.skip(f"{TRAINER} not built")
 
 
+def test_config_reference_is_committed():
+    """docs/CONFIG.md is the key table as `trainer config --reference` prints it (`make docs`)."""
+    r = run("config", "--reference")
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(ROOT, "docs", "CONFIG.md"), encoding="utf-8") as f:
+        assert f.read() == r.stdout, "docs/CONFIG.md is stale: run `make docs`"
+    assert "| `cuda.nf4_matmul` | deprecated alias of `cuda.base_matmul` |" in r.stdout
+    assert run("config", "--reference", "--documented").returncode == 2
+
+
 @pytest.mark.parametrize("name", ["default", "qlora", "long-context"])
 def test_templates_round_trip(tmp_path, name):
     plain = run("config", "--template", name)

@@ -106,7 +106,7 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
     memset(&co, 0, sizeof co);
     co.checkpointing = cfg->activation_checkpointing;
     co.attn_impl = cfg->cuda_attention == BT_CUDA_ATTN_MMA;
-    co.nf4_impl = cfg->cuda_nf4_matmul == BT_CUDA_NF4_FUSED;
+    co.base_matmul_impl = cfg->cuda_base_matmul == BT_CUDA_BASE_FUSED;
     co.s2_group = p->s2_group;
     co.offload = cfg->cuda_offload;
     int rc = bt_cuda_device_for_local_rank(p->local_rank, &co.device);
@@ -144,7 +144,7 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
            "%.0f MiB%s; attention %s, NF4 matmul %s", bt_cuda_trainer_device_name(t),
            cfg->data.micro_batch_size, cfg->data.seq_len, bt_cuda_trainer_bytes(t) / 1048576.0,
            cfg->activation_checkpointing ? " (activation checkpointing)" : "",
-           co.attn_impl ? "mma" : "wmma", co.nf4_impl ? "fused" : "dequant+cuBLAS");
+           co.attn_impl ? "mma" : "wmma", co.base_matmul_impl ? "fused" : "dequant+cuBLAS");
     *out = b;
     return 0;
 }

@@ -123,11 +123,11 @@ static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf1
 {
     const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
     const int N = bl->rows, K = bl->cols;
-    if (bl->is_nf4 && t->nf4_impl)
+    if (bl->is_nf4 && t->base_matmul_impl)
         BTC_TRY(BTC_L(bt_cuda_nf4_gemm_fwd(t->stream, y, x, &bl->q, M, K, N, 0.f)));
     else if (bl->is_nf4)
         BTC_TRY(BTC_L(bt_cuda_nf4_linear_fwd(t->blas, t->stream, y, x, &bl->q, M, K, N, 0.f, t->wbuf)));
-    else if (bl->is_gguf && t->nf4_impl)
+    else if (bl->is_gguf && t->base_matmul_impl)
         BTC_TRY(BTC_L(bt_cuda_ggml_gemm_fwd(t->stream, y, x, &bl->g, M, K, N, 0.f)));
     else if (bl->is_gguf)
         BTC_TRY(BTC_L(bt_cuda_ggml_linear_fwd(t->blas, t->stream, y, x, &bl->g, M, K, N, 0.f,
@@ -160,12 +160,12 @@ static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf
 {
     const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
     const int N = bl->rows, K = bl->cols;
-    if (bl->is_nf4 && t->nf4_impl)
+    if (bl->is_nf4 && t->base_matmul_impl)
         BTC_TRY(BTC_L(bt_cuda_nf4_gemm_bwd_x(t->stream, dx, dy, &bl->q, M, K, N, beta)));
     else if (bl->is_nf4)
         BTC_TRY(BTC_L(bt_cuda_nf4_linear_bwd_x(t->blas, t->stream, dx, dy, &bl->q, M, K, N, beta,
                                                t->wbuf, 0)));
-    else if (bl->is_gguf && t->nf4_impl)
+    else if (bl->is_gguf && t->base_matmul_impl)
         BTC_TRY(BTC_L(bt_cuda_ggml_gemm_bwd_x(t->stream, dx, dy, &bl->g, M, K, N, beta)));
     else if (bl->is_gguf)
         BTC_TRY(BTC_L(bt_cuda_ggml_linear_bwd_x(t->blas, t->stream, dx, dy, &bl->g, M, K, N, beta,
@@ -551,7 +551,7 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     t->ckpt = o->checkpointing ? 1 : 0;
     t->ce_chunk = o->ce_chunk_rows > 0 ? o->ce_chunk_rows : (max_M < 1024 ? max_M : 1024);
     t->attn_impl = o->attn_impl ? 1 : 0;
-    t->nf4_impl = o->nf4_impl ? 1 : 0;
+    t->base_matmul_impl = o->base_matmul_impl ? 1 : 0;
     t->s2_group = o->s2_group;
     t->offload = o->offload ? 1 : 0;
     if (o->s2_group < 0 || (o->s2_group & 1))
@@ -683,7 +683,7 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     bool any_quant = false;
     for (int i = 0; i < t->L * BT_MOD_N; i++)
         any_quant = any_quant || t->md.lin[i].is_nf4 || t->md.lin[i].is_gguf;
-    if (any_quant && !t->nf4_impl) /* the fused GEMMs dequantise tiles in shared memory */
+    if (any_quant && !t->base_matmul_impl) /* the fused GEMMs dequantise tiles in shared memory */
         BTC_TRY(talloc(t, &t->wbuf, (size_t)t->md.max_nk, "dequantisation buffer"));
     BTC_TRY(talloc(t, &t->rstdf, M, "workspace"));
     BTC_TRY(talloc(t, &t->row_loss, M, "workspace"));

@@ -46,10 +46,11 @@ typedef struct {
     int device;          /* CUDA device ordinal (default 0) */
     int attn_impl;       /* 0 = wmma attention (bt_cuda_attn_fwd/bwd), 1 = mma.sync attention
                           * (bt_cuda_attn_fwd_mma/bwd_mma); config cuda.attention */
-    int nf4_impl;        /* 0 = dequantise + cuBLAS (bt_cuda_nf4_linear_fwd/bwd_x), 1 = fused NF4
-                          * GEMM (bt_cuda_nf4_gemm_fwd/bwd_x, no dequantisation buffer);
-                          * config cuda.nf4_matmul; the same choice for a GGUF-native base
-                          * (bt_cuda_ggml_linear_* / bt_cuda_ggml_gemm_*) */
+    int base_matmul_impl; /* the matmuls against a quantised base, NF4 and GGUF-native alike
+                           * (config cuda.base_matmul, alias cuda.nf4_matmul): 0 = dequantise +
+                           * cuBLAS (bt_cuda_nf4_linear_fwd/bwd_x, bt_cuda_ggml_linear_*), 1 = fused
+                           * GEMM (bt_cuda_nf4_gemm_fwd/bwd_x, bt_cuda_ggml_gemm_*; no
+                           * dequantisation buffer) */
     int s2_group;        /* LongLoRA S^2-Attn group for training passes (bt_cuda_attn_params
                           * s2_group; 0 = full attention); evaluation passes use full attention */
     int offload;         /* with checkpointing: keep the checkpointed layer inputs in pinned host

@@ -118,7 +118,7 @@ struct bt_cuda_trainer {
     cublasHandle_t blas;
     btc_model md;
     int max_M, ckpt, ce_chunk;
-    int attn_impl, nf4_impl; /* bt_cuda_trainer_opts */
+    int attn_impl, base_matmul_impl; /* bt_cuda_trainer_opts */
     int s2_group;            /* S^2-Attn group of training passes (0: full attention) */
     /* offload (opts.offload, with ckpt): layer inputs in pinned host memory h_xin [L+1][max_M*D];
      * on the device xbuf[0..1] hold the inputs of the layers in flight (layer l's in

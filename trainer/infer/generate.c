@@ -1,6 +1,7 @@
 /* Sampling, the decode loop and `trainer generate`. See generate.h. */
 #include "trainer/infer/generate.h"
 
+#include <getopt.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -231,69 +232,71 @@ static int parse_args(gen_args *a, int argc, char **argv) {
     a->max_new = 256;
     a->top_p = 1.f;
     a->base_dtype = BT_BASE_AUTO;
-    for (int i = 1; i < argc; i++) {
-        const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
-            bt_generate_usage(stdout);
-            return 1;
-        }
-        if (!strcmp(k, "--ignore-eos")) {
-            a->ignore_eos = 1;
-            continue;
-        }
-        if (!strcmp(k, "--show-special")) {
-            a->show_special = 1;
-            continue;
-        }
-        static const char *const with_value[] = {"--model", "--adapter", "--prompt", "--chat",
-                                                 "--system", "--max-new-tokens", "--temperature",
-                                                 "--top-p", "--seed", "--base-dtype"};
-        int known = 0;
-        for (size_t j = 0; j < sizeof with_value / sizeof *with_value; j++)
-            known |= !strcmp(k, with_value[j]);
-        if (!known) {
-            fprintf(stderr, "trainer generate: unexpected argument \"%s\" (try --help)\n", k);
-            return 2;
-        }
-        if (!v) {
-            fprintf(stderr, "trainer generate: %s needs a value\n", k);
-            return 2;
-        }
-        i++;
+    enum { O_MODEL = 256, O_ADAPTER, O_PROMPT, O_CHAT, O_SYSTEM, O_MAX_NEW, O_TEMP, O_TOP_P, O_SEED, O_DTYPE,
+           O_IGNORE_EOS, O_SHOW_SPECIAL };
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'},
+        {"model", required_argument, NULL, O_MODEL},
+        {"adapter", required_argument, NULL, O_ADAPTER},
+        {"prompt", required_argument, NULL, O_PROMPT},
+        {"chat", required_argument, NULL, O_CHAT},
+        {"system", required_argument, NULL, O_SYSTEM},
+        {"max-new-tokens", required_argument, NULL, O_MAX_NEW},
+        {"temperature", required_argument, NULL, O_TEMP},
+        {"top-p", required_argument, NULL, O_TOP_P},
+        {"seed", required_argument, NULL, O_SEED},
+        {"base-dtype", required_argument, NULL, O_DTYPE},
+        {"ignore-eos", no_argument, NULL, O_IGNORE_EOS},
+        {"show-special", no_argument, NULL, O_SHOW_SPECIAL},
+        {NULL, 0, NULL, 0},
+    };
+    optind = 0;
+    opterr = 0;
+    int o;
+    while ((o = getopt_long(argc, argv, "+:h", opts, NULL)) != -1) {
+        const char *v = optarg;
         long n;
-        if (!strcmp(k, "--model")) a->model = v;
-        else if (!strcmp(k, "--adapter")) a->adapter = v;
-        else if (!strcmp(k, "--prompt")) a->prompt = v;
-        else if (!strcmp(k, "--chat")) a->chat = v;
-        else if (!strcmp(k, "--system")) a->system = v;
-        else if (!strcmp(k, "--max-new-tokens")) {
+        switch (o) {
+        case 'h': bt_generate_usage(stdout); return 1;
+        case O_IGNORE_EOS: a->ignore_eos = 1; break;
+        case O_SHOW_SPECIAL: a->show_special = 1; break;
+        case O_MODEL: a->model = v; break;
+        case O_ADAPTER: a->adapter = v; break;
+        case O_PROMPT: a->prompt = v; break;
+        case O_CHAT: a->chat = v; break;
+        case O_SYSTEM: a->system = v; break;
+        case O_MAX_NEW:
             if (parse_int(v, 1, 1 << 20, &n)) {
                 fprintf(stderr, "trainer generate: --max-new-tokens: expected 1..1048576, got "
                         "\"%s\"\n", v);
                 return 2;
             }
             a->max_new = n;
-        } else if (!strcmp(k, "--seed")) {
+            break;
+        case O_SEED:
             if (parse_int(v, 0, 0x7fffffffL, &n)) {
                 fprintf(stderr, "trainer generate: --seed: expected an integer >= 0, got \"%s\"\n", v);
                 return 2;
             }
             a->seed = n;
             a->seed_given = 1;
-        } else if (!strcmp(k, "--temperature")) {
+            break;
+        case O_TEMP:
             if (parse_float(v, &a->temperature) || a->temperature < 0) {
                 fprintf(stderr, "trainer generate: --temperature: expected a number >= 0, got "
                         "\"%s\"\n", v);
                 return 2;
             }
-        } else if (!strcmp(k, "--top-p")) {
+            break;
+        case O_TOP_P:
             if (parse_float(v, &a->top_p) || !(a->top_p > 0 && a->top_p <= 1)) {
                 fprintf(stderr, "trainer generate: --top-p: expected a number in (0, 1], got "
                         "\"%s\"\n", v);
                 return 2;
             }
             a->top_p_given = 1;
-        } else { /* --base-dtype */
+            break;
+        case O_DTYPE:
             a->base_dtype = -1;
             for (int d = BT_BASE_NF4; d <= BT_BASE_AUTO; d++)
                 if (!strcmp(v, bt_base_dtype_name(d))) a->base_dtype = d;
@@ -302,7 +305,18 @@ static int parse_args(gen_args *a, int argc, char **argv) {
                         "got \"%s\"\n", v);
                 return 2;
             }
+            break;
+        case ':': /* a known option without its value */
+            fprintf(stderr, "trainer generate: %s needs a value\n", argv[optind - 1]);
+            return 2;
+        default:
+            fprintf(stderr, "trainer generate: unexpected argument \"%s\" (try --help)\n", argv[optind - 1]);
+            return 2;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "trainer generate: unexpected argument \"%s\" (try --help)\n", argv[optind]);
+        return 2;
     }
     if (!a->model) {
         fprintf(stderr, "trainer generate: --model PATH is required (try --help)\n");

@@ -2,6 +2,7 @@
  * export.h for the formats and their sources. */
 #include "trainer/io/export.h"
 
+#include <getopt.h>
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -700,25 +701,30 @@ const char *bt_export_usage(void) {
 int bt_export_main(int argc, char **argv) {
     bt_export_opts o = {NULL, NULL, NULL, -1, -1, 0};
     const char *fmt = NULL, *dt = NULL, *shard = NULL;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        static const char *const flags[] = {"--model", "--adapter", "--format", "--out", "--dtype",
-                                            "--max-shard-size"};
-        const char **dst[] = {&o.model, &o.adapter, &fmt, &o.out, &dt, &shard};
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'},      {"model", required_argument, NULL, 0},
+        {"adapter", required_argument, NULL, 1}, {"format", required_argument, NULL, 2},
+        {"out", required_argument, NULL, 3},   {"dtype", required_argument, NULL, 4},
+        {"max-shard-size", required_argument, NULL, 5}, {NULL, 0, NULL, 0},
+    };
+    const char **dst[] = {&o.model, &o.adapter, &fmt, &o.out, &dt, &shard}; /* by the options' values */
+    optind = 0;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "+:h", opts, NULL)) != -1) {
+        if (c == 'h') {
             fputs(bt_export_usage(), stdout);
             return 0;
         }
-        int hit = 0;
-        for (int f = 0; f < 6 && !hit; f++) {
-            size_t n = strlen(flags[f]);
-            if (!strcmp(a, flags[f]) && i + 1 < argc) *dst[f] = argv[++i], hit = 1;
-            else if (!strncmp(a, flags[f], n) && a[n] == '=') *dst[f] = a + n + 1, hit = 1;
-        }
-        if (!hit) {
-            fprintf(stderr, "trainer export: unexpected argument \"%s\"\n%s", a, bt_export_usage());
+        if (c < 0 || c > 5) { /* an unknown option, or one without its value */
+            fprintf(stderr, "trainer export: unexpected argument \"%s\"\n%s", argv[optind - 1], bt_export_usage());
             return 2;
         }
+        *dst[c] = optarg;
+    }
+    if (optind < argc) {
+        fprintf(stderr, "trainer export: unexpected argument \"%s\"\n%s", argv[optind], bt_export_usage());
+        return 2;
     }
     if (!o.model || !o.adapter || !fmt || !o.out || !*o.model || !*o.adapter || !*o.out) {
         fprintf(stderr, "trainer export: --model, --adapter, --format and --out are required\n%s",

@@ -13,7 +13,7 @@
  *                             random:tiny (2 x 256, 4 heads of 64 over 2, ffn 512, vocab 1000: for
  *                             the CPU emulator, tests/py/test_gpu_scripts.py). Bench-only specs.
  *   --B 1 --T 4096 --r 16 --alpha 32 --dropout 0.05 --steps 10 --warmup 2 --ckpt 0|1
- *   --attn wmma|mma --nf4 dequant|fused   kernel choices (config cuda.attention / cuda.nf4_matmul)
+ *   --attn wmma|mma --nf4 dequant|fused   kernel choices (config cuda.attention / cuda.base_matmul)
  *   --probe-only              the device check and the one-kernel probe (tests/gpu/gpu_probe.h)
  * Long context (issue 12):
  *   --s2 F          S^2-Attn in training with groups of F x T tokens (0 = full attention)
@@ -244,7 +244,7 @@ int main(int argc, char **argv)
     memset(&o, 0, sizeof o);
     o.checkpointing = ckpt;
     o.attn_impl = attn_mma;
-    o.nf4_impl = nf4_fused;
+    o.base_matmul_impl = nf4_fused;
     o.random_weights = rnd;
     o.random_seed = 1;
     o.offload = offload;

@@ -143,6 +143,111 @@ static void test_dump_diff_doc(void **st) {
     bt_keytab_free(keys, &b);
 }
 
+/* Sections (BT_KEY_OBJ, one struct), an optional one (BT_KEY_NULLABLE: off while absent, null
+ * or false; its defaults once present), a deprecated alias, nullable strings, the trainer's
+ * message style (BT_KEYTAB_GOT) and its paths into *bad, bt_keytab_find, the docs of all. */
+typedef struct {
+    int port;
+    char *dir;
+    double frac;
+    int impl;
+    int64_t big;
+} nested;
+
+static const char *const IMPLS[] = {"dequant", "fused", NULL};
+static const bt_key net_keys[] = {
+    BT_KEY_I("port", nested, port, 1, 65535, "29500", 0, "TCP port"),
+    BT_KEY_S("dir", nested, dir, 1, 0, "null", BT_KEY_NULLABLE, "a directory; null: none"),
+    BT_KEY_END,
+};
+static const bt_key s2_keys[] = {
+    BT_KEY_N("frac", nested, frac, 0, 1, "0.25", BT_KEY_LO_OPEN, "group fraction"),
+    BT_KEY_END,
+};
+static const bt_key top_keys[] = {
+    BT_KEY_O("net", net_keys, 0, "the network"),
+    BT_KEY_O("s2", s2_keys, BT_KEY_NULLABLE | BT_KEY_FALSE_NULL, "shifted sparse attention"),
+    BT_KEY_E("impl", nested, impl, IMPLS, NULL, "\"dequant\"", 0, "the matmul"),
+    BT_KEY_ALIAS("old_impl", "impl", "the old name"),
+    BT_KEY_I("big", nested, big, 0, INT64_MAX, "7", 0, "a large count"),
+    BT_KEY_END,
+};
+
+static int parse_nested(nested *n, const char *text, unsigned flags, bt_keypath *bad) {
+    memset(n, 0, sizeof *n);
+    assert_int_equal(bt_keytab_defaults(top_keys, n), BT_OK);
+    json_t *o = json_loads(text, 0, NULL);
+    assert_non_null(o);
+    int rc = bt_keytab_parse(top_keys, o, n, NULL, "", flags, bad);
+    json_decref(o);
+    return rc;
+}
+
+static void test_sections_alias_style(void **st) {
+    (void)st;
+    nested n;
+    bt_keypath bad;
+    assert_int_equal(parse_nested(&n, "{}", 0, &bad), BT_OK);
+    assert_true(n.port == 29500 && n.dir == NULL && n.frac == 0 && n.impl == 0 && n.big == 7); /* s2 off */
+    assert_int_equal(parse_nested(&n, "{\"s2\": {}, \"net\": {\"dir\": \"d\"}, \"old_impl\": \"fused\"}", 0, &bad), BT_OK);
+    assert_true(n.frac == 0.25 && n.impl == 1); /* present: its defaults */
+    assert_string_equal(n.dir, "d");
+    json_t *d = bt_keytab_dump(top_keys, &n);
+    char *text = json_dumps(d, JSON_COMPACT);
+    assert_string_equal(text, "{\"net\":{\"port\":29500,\"dir\":\"d\"},\"s2\":{\"frac\":0.25},\"impl\":\"fused\",\"big\":7}");
+    free(text);
+    json_decref(d);
+    bt_keytab_free(top_keys, &n);
+    assert_null(n.dir);
+    /* the alias and its key read the same; both at once is refused */
+    nested a, b;
+    assert_int_equal(parse_nested(&a, "{\"old_impl\": \"fused\", \"s2\": false}", 0, NULL), BT_OK);
+    assert_int_equal(parse_nested(&b, "{\"impl\": \"fused\", \"s2\": null}", 0, NULL), BT_OK);
+    assert_memory_equal(&a, &b, sizeof a);
+    assert_int_equal(parse_nested(&a, "{\"old_impl\": \"fused\", \"impl\": \"fused\"}", 0, &bad), BT_ERR_INVALID);
+    assert_string_equal(bad.s, "old_impl");
+    assert_non_null(strstr(bt_last_error(), "not both"));
+    /* nested paths as data, the GOT style */
+    static const struct {
+        const char *json, *path, *msg;
+    } cases[] = {
+        {"{\"net\": {\"port\": 0}}", "net.port", "net.port: expected an integer in [1, 65535], got 0"},
+        {"{\"net\": {\"port\": 80.5}}", "net.port", "net.port: expected an integer in [1, 65535], got 80.5"},
+        {"{\"net\": {\"prt\": 1}}", "net.prt", "unknown key \"net.prt\" (known: port, dir)"},
+        {"{\"net\": 3}", "net", "net: expected an object, got 3"},
+        {"{\"s2\": 4}", "s2", "s2: expected an object, null or false, got 4"},
+        {"{\"s2\": {\"frac\": 0}}", "s2.frac", "s2.frac: expected a number in (0, 1], got 0"},
+        {"{\"impl\": \"x\"}", "impl", "impl: expected one of \"dequant\", \"fused\", got \"x\""},
+        {"{\"old_impl\": \"x\"}", "old_impl", "old_impl: expected one of"},
+        {"{\"big\": -1}", "big", "big: expected an integer >= 0, got -1"},
+        {"{\"impl\": \"fused\", \"xx\": 1}", "xx", "unknown key \"xx\" (known: net, s2, impl, big)"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        assert_int_equal(parse_nested(&n, cases[i].json, BT_KEYTAB_GOT, &bad), BT_ERR_INVALID);
+        if (strcmp(bad.s, cases[i].path)) fail_msg("%zu: key \"%s\", want \"%s\"", i, bad.s, cases[i].path);
+        if (strncmp(bt_last_error(), cases[i].msg, strlen(cases[i].msg)))
+            fail_msg("%zu: \"%s\", want \"%s\"", i, bt_last_error(), cases[i].msg);
+        bt_keytab_free(top_keys, &n);
+    }
+    assert_int_equal(parse_nested(&n, "{\"net\": {\"port\": 80.0}}", BT_KEYTAB_GOT, &bad), BT_OK); /* integral real */
+    assert_int_equal(n.port, 80);
+    assert_int_equal(parse_nested(&n, "{\"net\": {\"port\": 80.0}}", 0, &bad), BT_ERR_INVALID);
+    assert_ptr_equal(bt_keytab_find(top_keys, "net.port"), &net_keys[0]);
+    assert_ptr_equal(bt_keytab_find(top_keys, "old_impl"), &top_keys[2]);
+    assert_null(bt_keytab_find(top_keys, "net.port.x"));
+    assert_null(bt_keytab_find(top_keys, "nope"));
+    char *md = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&md, &len);
+    bt_keytab_doc_md_ex(top_keys, "", BT_KEYTAB_GOT, f);
+    fclose(f);
+    assert_non_null(strstr(md, "| `net.port` | an integer in [1, 65535] | `29500` | TCP port |"));
+    assert_non_null(strstr(md, "| `s2` | an object, null or false | `null` | shifted sparse attention |"));
+    assert_non_null(strstr(md, "| `old_impl` | deprecated alias of `impl` | | the old name |"));
+    assert_non_null(strstr(md, "| `big` | an integer >= 0 | `7` | a large count |"));
+    free(md);
+}
+
 /* loaderd's tables: every default parses through its row, and they are the documented ones. */
 static void test_loaderd_tables(void **st) {
     (void)st;
@@ -179,6 +284,7 @@ int main(void) {
         cmocka_unit_test(test_defaults_and_parse),
         cmocka_unit_test(test_errors_name_the_key),
         cmocka_unit_test(test_dump_diff_doc),
+        cmocka_unit_test(test_sections_alias_style),
         cmocka_unit_test(test_loaderd_tables),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -301,22 +301,22 @@ static void test_new_keys(void **st) {
     expect_refused(MINIMAL, "stop_at_step=101", "stop_at_step: expected an integer in [0, steps = 100]");
 }
 
-/* cuda.attention / cuda.nf4_matmul: defaults (the kernels verified first), overrides, dump, and
+/* cuda.attention / cuda.base_matmul (set here through its old name, cuda.nf4_matmul): defaults (the kernels verified first), overrides, dump, and
  * refusal of unknown values and keys naming the key. */
 static void test_cuda_keys(void **st) {
     (void)st;
     bt_train_config c;
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", NULL, 0), 0);
     assert_int_equal(c.cuda_attention, BT_CUDA_ATTN_WMMA);
-    assert_int_equal(c.cuda_nf4_matmul, BT_CUDA_NF4_DEQUANT);
+    assert_int_equal(c.cuda_base_matmul, BT_CUDA_BASE_DEQUANT);
     bt_config_free(&c);
     const char *sets[] = {"cuda.attention=mma", "cuda.nf4_matmul=fused", "device=cuda"};
     assert_int_equal(bt_config_parse(&c, MINIMAL, "t", sets, 3), 0);
     assert_int_equal(c.cuda_attention, BT_CUDA_ATTN_MMA);
-    assert_int_equal(c.cuda_nf4_matmul, BT_CUDA_NF4_FUSED);
+    assert_int_equal(c.cuda_base_matmul, BT_CUDA_BASE_FUSED);
     assert_int_equal(c.device, BT_DEVICE_CUDA);
     char *dump = bt_config_dump(&c);
-    assert_non_null(strstr(dump, "\"cuda\":{\"attention\":\"mma\",\"nf4_matmul\":\"fused\","
+    assert_non_null(strstr(dump, "\"cuda\":{\"attention\":\"mma\",\"base_matmul\":\"fused\","
                                  "\"offload_checkpoints\":false}"));
     free(dump);
     bt_config_free(&c);
