@@ -224,7 +224,7 @@ fuzz-short: $(FUZZ_BINS)
 # `trainer config --reference` prints it; tests/py/test_trainer_cli.py checks the committed file.
 .PHONY: docs
 docs: $(BUILD)/trainer
-	$(BUILD)/trainer config --reference > docs/CONFIG.md.tmp && mv docs/CONFIG.md.tmp docs/CONFIG.md
+	$(BUILD)/trainer config --reference > $(BUILD)/CONFIG.md.tmp && mv $(BUILD)/CONFIG.md.tmp docs/CONFIG.md
 
 # ---- reference fixtures from the real HF / bitsandbytes / gguf libraries (needs PyPI; each
 # generator pins its versions and makes its own virtual environment; not part of `make test`).
