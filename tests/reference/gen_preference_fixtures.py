@@ -22,6 +22,13 @@ Loss, metrics (TRL's names) and the gradients (torch autograd) of the loss with 
 sequence's summed log-prob (and the NLL term) go to tests/fixtures/preference/trl_losses.json.
 Inputs are float64 (TRL keeps the dtype it is given; ORPO casts to fp32 itself, `.float()`).
 
+Then DPO (loss types sigmoid and ipo) on a real model: the tiny Llama of
+tests/fixtures/hf/tiny-llama-tied with the PEFT adapter tests/fixtures/hf/lora/adapter-init,
+TRL's fused LM head, DataCollatorForPreference and DPOTrainer._compute_loss with the reference
+= the same model with the adapter disabled -> tiny_dpo.json (pairs, per-sequence log-probs, loss,
+metrics) and tiny_dpo_grads.safetensors (LoRA gradients), for
+tests/unit/trainer/test_preference_tiny.c.
+
 Usage (repo root; needs .venv-torch with trl from python/requirements-torch.txt, made by
 scripts/venv-torch.sh; VENV_TORCH overrides its path as there):
     python3 tests/reference/gen_preference_fixtures.py [--out tests/fixtures/preference]
@@ -329,6 +336,80 @@ def cases():
     return out
 
 
+# ---------------------------------------------------------------- tiny Llama + LoRA through DPO
+TINY = REPO / "tests/fixtures/hf/tiny-llama-tied"
+TINY_ADAPTER = REPO / "tests/fixtures/hf/lora/adapter-init"
+TINY_LOSSES = (("sigmoid", {}), ("ipo", {}))
+
+
+def tiny_pairs():
+    """Three tokenized pairs (prompt_ids, chosen_ids, rejected_ids) of random ids in [3, 384)."""
+    g = torch.Generator().manual_seed(2525)
+    lens = ((5, 4, 6), (3, 7, 3), (6, 2, 5))
+
+    def ids(n):
+        return (torch.randint(3, 384, (n,), generator=g)).tolist()
+    return [{"prompt_ids": ids(p), "chosen_ids": ids(c), "rejected_ids": ids(r)} for p, c, r in lens]
+
+
+def tiny_dpo(out):
+    """TRL's DPOTrainer._compute_loss with the real PEFT model: the tiny Llama of
+    tests/fixtures/hf/tiny-llama-tied with the LoRA adapter tests/fixtures/hf/lora/adapter-init
+    (non-zero lora_B), TRL's fused LM head added as DPOTrainer.__init__ adds it, the batch made by
+    TRL's DataCollatorForPreference, the reference = the same model with the adapter disabled
+    (ref_model None, precompute_ref_log_probs False: TRL's use_adapter(model, None)). Writes
+    tiny_dpo.json (pairs, per-sequence policy / reference log-probs, loss and metrics per loss
+    type) and tiny_dpo_grads.safetensors (<loss_type>.<PEFT key>: the LoRA gradients)."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = LlamaForCausalLM.from_pretrained(TINY, dtype=torch.float32, attn_implementation="eager")
+    pm = PeftModel.from_pretrained(base, TINY_ADAPTER, is_trainable=True)
+    pm.train()  # lora_dropout is 0: train mode changes nothing but is what TRL runs
+    add_fused_lm_head(pm.get_base_model(), outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    pairs = tiny_pairs()
+    batch = DataCollatorForPreference(pad_token_id=0)(pairs)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        pol = pm(**kw, labels=labels, fused_lm_head=True).log_probs.sum(1)
+        with pm.disable_adapter():
+            ref = pm(**kw, labels=labels, fused_lm_head=True).log_probs.sum(1)
+    n = len(pairs)
+    doc = {"pairs": pairs, "policy_logps": pol.tolist(), "ref_logps": ref.tolist(),
+           "order": "chosen 0..n-1 then rejected 0..n-1 (DataCollatorForPreference)", "cases": []}
+    grads = {}
+    for lt, extra in TINY_LOSSES:
+        params = params_for("dpo", loss_type=[lt], **extra)
+        stub = types.SimpleNamespace(
+            model=pm, accelerator=IdentityAccelerator(), aux_loss_enabled=False, ld_alpha=None,
+            precompute_ref_logps=False, f_divergence_type="reverse_kl",
+            loss_types=params["loss_type"], loss_weights=params["loss_weights"],
+            beta=params["beta"], label_smoothing=params["label_smoothing"], use_weighting=False,
+            _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+            _total_train_tokens=0, _tp_size=1, ref_model=None,
+            args=types.SimpleNamespace(gradient_checkpointing_kwargs=None, discopop_tau=0.05))
+        pm.zero_grad(set_to_none=True)
+        loss = DPOTrainer._compute_loss(stub, pm, dict(batch), return_outputs=False)
+        loss.backward()
+        for name, p in pm.named_parameters():
+            if p.requires_grad:
+                assert p.grad is not None and p.grad.abs().max() > 0, name
+                grads[f"{lt}.{name.replace('.default', '')}"] = p.grad.detach().clone().contiguous()
+        doc["cases"].append({"loss_type": lt, "params": params, "loss": float(loss.detach()),
+                             "metrics": metrics_of(stub._metrics["train"], PAIR_METRICS)})
+    assert len(pol) == 2 * n
+    (out / "tiny_dpo.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    save_file(grads, str(out / "tiny_dpo_grads.safetensors"),
+              # one key: safetensors writes a metadata map in no fixed order
+              metadata={"generator": f"tests/reference/gen_preference_fixtures.py, trl {trl.__version__}"})
+    print(f"gen_preference: tiny DPO ({len(TINY_LOSSES)} loss types, {len(grads)} LoRA grads) -> "
+          f"{(out / 'tiny_dpo.json').relative_to(REPO)}, tiny_dpo_grads.safetensors")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "tests/fixtures/preference"))
@@ -360,6 +441,7 @@ def main():
     path = out / "trl_losses.json"
     path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     print(f"gen_preference: {len(res)} cases -> {path.relative_to(REPO)}")
+    tiny_dpo(out)
 
 
 if __name__ == "__main__":
