@@ -273,12 +273,14 @@ double bt_linear_logprob(float *logp, float *dX, float *dW, const float *X, cons
                          const int32_t *targets, const float *dlogp, int M, int D, int V,
                          int chunk_rows, float *workspace);
 /* Per-sequence sums over the valid tokens of a packed row: for s < n_seq, out[s] = sum of
- * per_token[m] over m in [cu_seqlens[s], cu_seqlens[s+1]) with targets[m] in [0, V) (double,
- * summed in token order); n_tokens[s] = their count (either output may be NULL). cu_seqlens
- * [n_seq + 1] int32, starting at 0, non-decreasing (flash-attention's layout). Returns 0, or -1
+ * per_token[m] over m in [cu_seqlens[s], cu_seqlens[s+1]) with targets[m] in [0, V) and, when
+ * mask != NULL, mask[m] != 0 (double, summed in token order); n_tokens[s] = their count (either
+ * output may be NULL). The mask lets one pass serve two sums: ORPO scores every token for its NLL
+ * and sums the response tokens only for its odds ratio. cu_seqlens [n_seq + 1] int32, starting at
+ * 0, non-decreasing (flash-attention's layout); mask [cu_seqlens[n_seq]] uint8. Returns 0, or -1
  * (nothing written) when cu_seqlens is NULL, does not start at 0 or decreases, or n_seq < 0. */
 int bt_seq_sum(double *out, int *n_tokens, const float *per_token, const int32_t *targets,
-               const int32_t *cu_seqlens, int n_seq, int V);
+               const uint8_t *mask, const int32_t *cu_seqlens, int n_seq, int V);
 
 /* ---- optimiser (torch.optim.AdamW, decoupled weight decay, bias-corrected; step is 1-based) ---- */
 void bt_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,

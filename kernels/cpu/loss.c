@@ -155,7 +155,7 @@ double bt_linear_logprob(float *logp, float *dX, float *dW, const float *X, cons
 
 /* Per-sequence sums of per-token values over valid targets (see kernels.h). */
 int bt_seq_sum(double *out, int *n_tokens, const float *per_token, const int32_t *targets,
-               const int32_t *cu_seqlens, int n_seq, int V)
+               const uint8_t *mask, const int32_t *cu_seqlens, int n_seq, int V)
 {
     if (n_seq < 0 || !cu_seqlens || (n_seq > 0 && cu_seqlens[0] != 0))
         return -1;
@@ -166,7 +166,7 @@ int bt_seq_sum(double *out, int *n_tokens, const float *per_token, const int32_t
         double acc = 0.0;
         int n = 0;
         for (int m = cu_seqlens[s]; m < cu_seqlens[s + 1]; m++)
-            if (targets[m] >= 0 && targets[m] < V) {
+            if (targets[m] >= 0 && targets[m] < V && (!mask || mask[m])) {
                 acc += (double)per_token[m];
                 n++;
             }

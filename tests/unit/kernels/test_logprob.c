@@ -2,7 +2,8 @@
  * bt_seq_sum against a naive full-logits computation in double: log-probs of valid and ignored
  * (-100, out-of-range) targets, chunk sizes that do not divide M, large logits, dX and dW for a
  * random per-token upstream gradient (and for dlogp == NULL = all ones, scaled afterwards, which
- * must equal passing dlogp), per-sequence sums over cu_seqlens and their refusals. */
+ * must equal passing dlogp), per-sequence sums over cu_seqlens (with and without a mask) and
+ * their refusals. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -179,18 +180,24 @@ static void test_seq_sum(void **state)
     const int32_t cu[4] = {0, 3, 5, 8};                       /* [0,3) [3,5) [5,8) */
     double out[3];
     int n[3];
-    assert_int_equal(bt_seq_sum(out, n, pt, t, cu, 3, 10), 0);
+    assert_int_equal(bt_seq_sum(out, n, pt, t, NULL, cu, 3, 10), 0);
     assert_true(out[0] == -2.5 && n[0] == 2);
     assert_true(out[1] == 0.0 && n[1] == 0); /* a sequence with no response token */
     assert_true(out[2] == -11.0 && n[2] == 2);
-    assert_int_equal(bt_seq_sum(NULL, n, pt, t, cu, 3, 10), 0);
+    assert_int_equal(bt_seq_sum(NULL, n, pt, t, NULL, cu, 3, 10), 0);
+    /* a mask keeps a subset of the valid targets (masked-in invalid targets stay out) */
+    const uint8_t mk[8] = {1, 0, 1, 1, 1, 1, 1, 1};
+    assert_int_equal(bt_seq_sum(out, n, pt, t, mk, cu, 3, 10), 0);
+    assert_true(out[0] == -0.5 && n[0] == 1);
+    assert_true(out[1] == 0.0 && n[1] == 0);
+    assert_true(out[2] == -11.0 && n[2] == 2);
     /* refusals: not starting at 0, decreasing, NULL, negative count; nothing written */
     const int32_t bad0[3] = {1, 3, 5}, bad1[3] = {0, 4, 3};
     out[0] = 42.0;
-    assert_int_equal(bt_seq_sum(out, NULL, pt, t, bad0, 2, 10), -1);
-    assert_int_equal(bt_seq_sum(out, NULL, pt, t, bad1, 2, 10), -1);
-    assert_int_equal(bt_seq_sum(out, NULL, pt, t, NULL, 2, 10), -1);
-    assert_int_equal(bt_seq_sum(out, NULL, pt, t, cu, -1, 10), -1);
+    assert_int_equal(bt_seq_sum(out, NULL, pt, t, NULL, bad0, 2, 10), -1);
+    assert_int_equal(bt_seq_sum(out, NULL, pt, t, NULL, bad1, 2, 10), -1);
+    assert_int_equal(bt_seq_sum(out, NULL, pt, t, NULL, NULL, 2, 10), -1);
+    assert_int_equal(bt_seq_sum(out, NULL, pt, t, NULL, cu, -1, 10), -1);
     assert_true(out[0] == 42.0);
 }
 

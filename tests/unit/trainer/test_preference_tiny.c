@@ -114,7 +114,7 @@ static void seq_logps(bt_step_ctx *c, rig *r, const bt_lora *lo, int backward, d
     int32_t tg[MAXT], cnt[NS];
     assert_true(bt_shift_targets(tg, &r->mb, r->m.hp.vocab) == nv);
     int ncnt[NS];
-    assert_int_equal(bt_seq_sum(sums, ncnt, logp, tg, r->cu, NS, r->m.hp.vocab), 0);
+    assert_int_equal(bt_seq_sum(sums, ncnt, logp, tg, NULL, r->cu, NS, r->m.hp.vocab), 0);
     for (int s = 0; s < NS; s++) {
         cnt[s] = ncnt[s];
         assert_int_equal(cnt[s], r->resp[s]); /* every response token is scored, nothing else */
