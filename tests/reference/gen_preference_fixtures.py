@@ -26,7 +26,9 @@ Then DPO (loss types sigmoid and ipo) on a real model: the tiny Llama of
 tests/fixtures/hf/tiny-llama-tied with the PEFT adapter tests/fixtures/hf/lora/adapter-init,
 TRL's fused LM head, DataCollatorForPreference and DPOTrainer._compute_loss with the reference
 = the same model with the adapter disabled -> tiny_dpo.json (pairs, per-sequence log-probs, loss,
-metrics) and tiny_dpo_grads.safetensors (LoRA gradients), for
+metrics) and tiny_dpo_grads.safetensors (LoRA gradients); then ORPO and CPO's SimPO with the NLL
+term on the same model and pairs through the trainers' own concatenated_forward and
+get_batch_loss_metrics (tiny_dpo.json "orpo_cpo_cases"); for
 tests/unit/trainer/test_preference_tiny.c.
 
 Usage (repo root; needs .venv-torch with trl from python/requirements-torch.txt, made by
@@ -402,12 +404,86 @@ def tiny_dpo(out):
         doc["cases"].append({"loss_type": lt, "params": params, "loss": float(loss.detach()),
                              "metrics": metrics_of(stub._metrics["train"], PAIR_METRICS)})
     assert len(pol) == 2 * n
+    oc_cases, oc_grads = tiny_orpo_cpo(out)
+    doc["orpo_cpo_cases"] = oc_cases
+    grads.update(oc_grads)
     (out / "tiny_dpo.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     save_file(grads, str(out / "tiny_dpo_grads.safetensors"),
               # one key: safetensors writes a metadata map in no fixed order
               metadata={"generator": f"tests/reference/gen_preference_fixtures.py, trl {trl.__version__}"})
-    print(f"gen_preference: tiny DPO ({len(TINY_LOSSES)} loss types, {len(grads)} LoRA grads) -> "
+    print(f"gen_preference: tiny DPO ({len(TINY_LOSSES)} loss types), ORPO, SimPO ({len(grads)} LoRA "
+          f"grads) -> "
           f"{(out / 'tiny_dpo.json').relative_to(REPO)}, tiny_dpo_grads.safetensors")
+
+
+def tiny_orpo_cpo(out):
+    """ORPO and CPO's SimPO (with the NLL term, cpo_alpha 1) on the same model and pairs, with the
+    trainers' own concatenated_forward (full logits, get_batch_logps with average_log_prob, the
+    chosen NLL by CrossEntropyLoss: ORPO over prompt + response, CPO over the response) and
+    get_batch_loss_metrics. The batch is what their tokenize_row + collator produce: per side
+    `<side>_input_ids` = prompt + response, right-padded with 0, `<side>_attention_mask`,
+    `<side>_labels` = input_ids with -100 on the prompt and the padding. Returns the cases and
+    the LoRA gradients (<name>.<PEFT key>)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(TINY, dtype=torch.float32, attn_implementation="eager")
+    pm = PeftModel.from_pretrained(base, TINY_ADAPTER, is_trainable=True)
+    pm.train()
+    pairs = tiny_pairs()
+    batch = {}
+    for side in ("chosen", "rejected"):
+        seqs = [p["prompt_ids"] + p[f"{side}_ids"] for p in pairs]
+        L = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), L, dtype=torch.long)
+        att = torch.zeros(len(seqs), L, dtype=torch.long)
+        lab = torch.full((len(seqs), L), -100, dtype=torch.long)
+        for i, (x, p) in enumerate(zip(seqs, pairs)):
+            ids[i, :len(x)] = torch.tensor(x)
+            att[i, :len(x)] = 1
+            lab[i, len(p["prompt_ids"]):len(x)] = torch.tensor(p[f"{side}_ids"])
+        batch.update({f"{side}_input_ids": ids, f"{side}_attention_mask": att,
+                      f"{side}_labels": lab})
+    cases, grads = [], {}
+    for name, algo, params in (("orpo", "orpo", params_for("orpo")),
+                               ("simpo", "cpo", params_for("cpo", loss_type=["simpo"], beta=2.0,
+                                                           simpo_gamma=1.0, cpo_alpha=1.0))):
+        cls = ORPOTrainer if algo == "orpo" else CPOTrainer
+        stub = types.SimpleNamespace(accelerator=IdentityAccelerator(), aux_loss_enabled=False,
+                                     is_encoder_decoder=False, padding_value=0, pad_token_id=0,
+                                     beta=params["beta"], concatenated_inputs=cls.concatenated_inputs,
+                                     get_batch_logps=cls.get_batch_logps)
+        if algo == "orpo":
+            stub.odds_ratio_loss = types.MethodType(ORPOTrainer.odds_ratio_loss, stub)
+        else:
+            stub.alpha = 0.0
+            stub.loss_type = params["loss_type"][0]
+            stub.simpo_gamma = params["simpo_gamma"]
+            stub.label_smoothing = params["label_smoothing"]
+            stub.cpo_alpha = params["cpo_alpha"]
+            stub.cpo_loss = types.MethodType(CPOTrainer.cpo_loss, stub)
+        forward = types.MethodType(cls.concatenated_forward, stub)
+        seen = {}
+
+        def recording_forward(model, b, forward=forward, seen=seen):
+            o = forward(model, b)
+            seen["chosen"], seen["rejected"], seen["nll"] = o[0], o[1], o[4]
+            return o
+        stub.concatenated_forward = recording_forward
+        pm.zero_grad(set_to_none=True)
+        loss, metrics = cls.get_batch_loss_metrics(stub, pm, dict(batch), "train")
+        loss.backward()
+        for n_, p in pm.named_parameters():
+            if p.requires_grad:
+                assert p.grad is not None and p.grad.abs().max() > 0, n_
+                grads[f"{name}.{n_.replace('.default', '')}"] = p.grad.detach().clone().contiguous()
+        extra = ["nll_loss", "log_odds_ratio", "log_odds_chosen"] if algo == "orpo" else ["nll_loss"]
+        cases.append({"name": name, "algo": algo, "params": params, "loss": float(loss.detach()),
+                      "metrics": {k: float(metrics[k]) for k in PAIR_METRICS + extra},
+                      "avg_logps_chosen": seen["chosen"].tolist(),
+                      "avg_logps_rejected": seen["rejected"].tolist(),
+                      "nll": float(seen["nll"].detach())})
+    return cases, grads
 
 
 def main():

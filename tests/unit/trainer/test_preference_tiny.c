@@ -1,4 +1,5 @@
-/* DPO end to end on the CPU step against TRL 1.16.0 running the real model: the tiny Llama of
+/* DPO, ORPO and SimPO end to end on the CPU step against TRL 1.16.0 running the real model: the
+ * tiny Llama of
  * tests/fixtures/hf/tiny-llama-tied with the PEFT LoRA adapter tests/fixtures/hf/lora/adapter-init
  * (non-zero lora_B), three tokenized pairs packed as six documents of one row (cu_seqlens,
  * position_ids restarting, labels on the response tokens only). Fixtures
@@ -8,11 +9,14 @@
  * with the adapter disabled.
  * Checked: per-sequence policy and reference log-probs (bt_forward_logprobs with and without the
  * adapter, bt_seq_sum), the loss and TRL's metrics (bt_pref_pair_loss), and the LoRA gradients
- * after bt_backward_logprobs, for loss types sigmoid and ipo; activation checkpointing gives the
- * same gradients bit for bit; a backward without its forward is refused.
+ * after bt_backward_logprobs, for DPO loss types sigmoid and ipo; activation checkpointing gives
+ * the same gradients bit for bit; ORPO and CPO's SimPO with its NLL term (TRL's
+ * ORPOTrainer / CPOTrainer concatenated_forward + get_batch_loss_metrics on full logits) from one
+ * scoring pass with labels on every token: average response log-probs, the chosen NLL, loss,
+ * metrics, LoRA gradients; a backward without its forward is refused.
  * Tolerances (TRL runs in fp32): per-sequence log-probs, loss and metrics relative 2e-6; LoRA
- * gradients max|ours - TRL| / max|TRL| <= 2e-5 per tensor. Measured (printed): 1.8e-7, 2.5e-7,
- * 3.9e-7 and 2.6e-6. */
+ * gradients max|ours - TRL| / max|TRL| <= 2e-5 per tensor. Measured (printed): DPO 1.8e-7,
+ * 2.5e-7, 3.9e-7 and 2.6e-6; ORPO / SimPO 1.7e-7, 6.5e-8, 4.9e-7 and 2.6e-6. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -45,6 +49,7 @@ typedef struct {
     bt_lora lo;
     json_t *doc;
     int32_t ids[MAXT], lab[MAXT], pos[MAXT], cu[NS + 1], resp[NS];
+    uint8_t resp_mask[MAXT]; /* position t predicts a response token (its target is one) */
     int T;
     bt_microbatch mb;
 } rig;
@@ -58,8 +63,10 @@ static void ids_of(json_t *a, int32_t *out, int *n)
 }
 
 /* Pack the six sequences into one row: document s = prompt + response, labels = input_ids on the
- * response, -100 on the prompt (TRL: input_ids.masked_fill(completion_mask == 0, -100)). */
-static void rig_init(rig *r)
+ * response, -100 on the prompt (TRL: input_ids.masked_fill(completion_mask == 0, -100)); with
+ * all_labels, labels on every token (ORPO's NLL scores the prompt too) and resp_mask telling
+ * the response targets apart. */
+static void rig_init_ex(rig *r, int all_labels)
 {
     memset(r, 0, sizeof *r);
     bt_model_load_opts o = {BT_BASE_FP32, 0};
@@ -83,7 +90,8 @@ static void rig_init(rig *r)
         ids_of(json_object_get(p, s < NP ? "chosen_ids" : "rejected_ids"), r->ids, &T);
         for (int t = start; t < T; t++) {
             r->pos[t] = t - start;
-            r->lab[t] = t >= pend ? r->ids[t] : -100;
+            r->lab[t] = t >= pend || all_labels ? r->ids[t] : -100;
+            r->resp_mask[t] = t + 1 >= pend && t + 1 < T; /* T is this document's end here */
         }
         r->resp[s] = T - pend;
         r->cu[s + 1] = T;
@@ -92,6 +100,8 @@ static void rig_init(rig *r)
     bt_microbatch mb = {1, T, r->ids, r->lab, r->pos, r->cu, NS + 1};
     r->mb = mb;
 }
+
+static void rig_init(rig *r) { rig_init_ex(r, 0); }
 
 static void rig_free(rig *r)
 {
@@ -260,6 +270,106 @@ static void test_tiny_dpo_against_trl(void **state)
     rig_free(&r);
 }
 
+/* ORPO and CPO's SimPO (cpo_alpha 1): one training pass scores every token (labels on the prompt
+ * too); the odds ratio / SimPO term sums the response targets (resp_mask), the NLL averages over
+ * the chosen documents' targets (ORPO: all of them, CPO: the response ones), and the per-token
+ * upstream gradient is the sum of both terms' gradients. */
+static void test_tiny_orpo_simpo_against_trl(void **state)
+{
+    (void)state;
+    rig r;
+    rig_init_ex(&r, 1);
+    const int M = r.T, V = r.m.hp.vocab;
+    bt_step_ctx *c = NULL;
+    assert_int_equal(bt_step_ctx_new(&c, &r.m, &r.lo, M, 0), 0);
+    bt_st_file *gf = NULL;
+    if (bt_st_open(&gf, FIX "tiny_dpo_grads.safetensors"))
+        fail_msg("%s", bt_last_error());
+    json_t *cases = json_object_get(r.doc, "orpo_cpo_cases");
+    assert_int_equal(json_array_size(cases), 2);
+    double e_lp = 0, e_nll = 0, e_loss = 0, e_met = 0, e_grad = 0;
+    for (size_t k = 0; k < json_array_size(cases); k++) {
+        json_t *cs = json_array_get(cases, k);
+        const char *name = json_string_value(json_object_get(cs, "name"));
+        const int orpo = strcmp(name, "orpo") == 0;
+        json_t *jp = json_object_get(cs, "params");
+        bt_pref_params p;
+        bt_pref_defaults(&p, orpo ? BT_PREF_ORPO : BT_PREF_CPO);
+        if (!orpo)
+            p.loss_type[0] = BT_PREF_LOSS_SIMPO;
+        p.beta = json_number_value(json_object_get(jp, "beta"));
+        p.simpo_gamma = json_number_value(json_object_get(jp, "simpo_gamma"));
+        p.cpo_alpha = json_number_value(json_object_get(jp, "cpo_alpha"));
+        assert_int_equal(bt_pref_check(&p, NULL, 0), 0);
+
+        float logp[MAXT], dlogp[MAXT];
+        int nv = 0;
+        assert_int_equal(bt_forward_logprobs(c, &r.m, &r.lo, &r.mb, 1, 0, logp, &nv), 0);
+        int32_t tg[MAXT];
+        assert_int_equal(bt_shift_targets(tg, &r.mb, V), nv);
+        double sums[NS], all[NS];
+        int cnt[NS], call[NS];
+        assert_int_equal(bt_seq_sum(sums, cnt, logp, tg, r.resp_mask, r.cu, NS, V), 0);
+        assert_int_equal(bt_seq_sum(all, call, logp, tg, NULL, r.cu, NS, V), 0);
+        /* the NLL: mean token NLL over the chosen documents (ORPO: every target, CPO: response) */
+        double nll_sum = 0;
+        int nll_n = 0;
+        for (int s = 0; s < NP; s++) {
+            assert_int_equal(cnt[s], r.resp[s]);
+            nll_sum -= orpo ? all[s] : sums[s];
+            nll_n += orpo ? call[s] : cnt[s];
+        }
+        const double nll = nll_sum / nll_n;
+        e_nll = fmax(e_nll, rel(nll, json_number_value(json_object_get(cs, "nll"))));
+        json_t *ac = json_object_get(cs, "avg_logps_chosen"), *ar = json_object_get(cs, "avg_logps_rejected");
+        for (int s = 0; s < NP; s++) {
+            e_lp = fmax(e_lp, rel(sums[s] / cnt[s], json_number_value(json_array_get(ac, (size_t)s))));
+            e_lp = fmax(e_lp, rel(sums[NP + s] / cnt[NP + s],
+                                  json_number_value(json_array_get(ar, (size_t)s))));
+        }
+        double dch[NP], drj[NP], dnll = 0;
+        bt_pref_metrics m;
+        assert_int_equal(bt_pref_pair_loss(&p, NP, sums, sums + NP, NULL, NULL, cnt, cnt + NP, nll,
+                                           dch, drj, &dnll, &m), 0);
+        assert_true(dnll == (orpo ? 1.0 : p.cpo_alpha));
+        e_loss = fmax(e_loss, rel(m.loss, json_number_value(json_object_get(cs, "loss"))));
+        json_t *jm = json_object_get(cs, "metrics");
+        const double got[9] = {m.rewards_chosen, m.rewards_rejected, m.rewards_accuracies,
+                               m.rewards_margins, m.logps_chosen, m.logps_rejected, m.nll_loss,
+                               m.log_odds_ratio, m.log_odds_chosen};
+        const char *keys[9] = {"rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                               "rewards/margins", "logps/chosen", "logps/rejected", "nll_loss",
+                               "log_odds_ratio", "log_odds_chosen"};
+        for (int i = 0; i < (orpo ? 9 : 7); i++) {
+            const double want = json_number_value(json_object_get(jm, keys[i]));
+            e_met = fmax(e_met, fabs(got[i] - want) / (1.0 + fabs(want)));
+        }
+        for (int s = 0; s < NS; s++)
+            for (int t = r.cu[s]; t < r.cu[s + 1]; t++) {
+                double g = 0;
+                if (tg[t] >= 0 && r.resp_mask[t])
+                    g += s < NP ? dch[s] : drj[s - NP];
+                if (s < NP && tg[t] >= 0 && (orpo || r.resp_mask[t]))
+                    g += dnll * (-1.0 / nll_n);
+                dlogp[t] = (float)g;
+            }
+        bt_lora_zero_grad(&r.lo);
+        assert_int_equal(bt_backward_logprobs(c, &r.m, &r.lo, &r.mb, dlogp, 0), 0);
+        e_grad = fmax(e_grad, grads_rel_err(&r.lo, gf, name));
+    }
+    print_message("preference tiny ORPO / SimPO vs TRL 1.16.0: average log-probs max rel err "
+                  "%.3g, nll %.3g, loss %.3g, metrics %.3g, LoRA grads max rel err %.3g\n", e_lp,
+                  e_nll, e_loss, e_met, e_grad);
+    assert_true(e_lp <= 2e-6);
+    assert_true(e_nll <= 2e-6);
+    assert_true(e_loss <= 2e-6);
+    assert_true(e_met <= 2e-6);
+    assert_true(e_grad <= 2e-5);
+    bt_st_close(gf);
+    bt_step_ctx_free(c);
+    rig_free(&r);
+}
+
 static void test_logprob_pass_refusals(void **state)
 {
     (void)state;
@@ -295,6 +405,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_dpo_against_trl),
+        cmocka_unit_test(test_tiny_orpo_simpo_against_trl),
         cmocka_unit_test(test_logprob_pass_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
