@@ -28,7 +28,8 @@ TRL's fused LM head, DataCollatorForPreference and DPOTrainer._compute_loss with
 = the same model with the adapter disabled -> tiny_dpo.json (pairs, per-sequence log-probs, loss,
 metrics) and tiny_dpo_grads.safetensors (LoRA gradients); then ORPO and CPO's SimPO with the NLL
 term on the same model and pairs through the trainers' own concatenated_forward and
-get_batch_loss_metrics (tiny_dpo.json "orpo_cpo_cases"); for
+get_batch_loss_metrics (tiny_dpo.json "orpo_cpo_cases"); then KTOTrainer._compute_loss on four
+unpaired examples from those pairs with TRL's cycled KL completions ("kto_case"); for
 tests/unit/trainer/test_preference_tiny.c.
 
 Usage (repo root; needs .venv-torch with trl from python/requirements-torch.txt, made by
@@ -407,11 +408,13 @@ def tiny_dpo(out):
     oc_cases, oc_grads = tiny_orpo_cpo(out)
     doc["orpo_cpo_cases"] = oc_cases
     grads.update(oc_grads)
+    doc["kto_case"], kto_grads = tiny_kto()
+    grads.update(kto_grads)
     (out / "tiny_dpo.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     save_file(grads, str(out / "tiny_dpo_grads.safetensors"),
               # one key: safetensors writes a metadata map in no fixed order
               metadata={"generator": f"tests/reference/gen_preference_fixtures.py, trl {trl.__version__}"})
-    print(f"gen_preference: tiny DPO ({len(TINY_LOSSES)} loss types), ORPO, SimPO ({len(grads)} LoRA "
+    print(f"gen_preference: tiny DPO ({len(TINY_LOSSES)} loss types), ORPO, SimPO, KTO ({len(grads)} LoRA "
           f"grads) -> "
           f"{(out / 'tiny_dpo.json').relative_to(REPO)}, tiny_dpo_grads.safetensors")
 
@@ -484,6 +487,70 @@ def tiny_orpo_cpo(out):
                       "avg_logps_rejected": seen["rejected"].tolist(),
                       "nll": float(seen["nll"].detach())})
     return cases, grads
+
+
+def tiny_kto_examples():
+    """Four unpaired examples from the tiny pairs (label True = chosen side) with TRL's KL
+    completions: KTOTrainer._prepare_dataset's add_kl_completion_ids cycles the completions by one
+    (`[completion_ids[-1]] + completion_ids[:-1]`)."""
+    pairs = tiny_pairs()
+    ex = [(0, "chosen_ids", True), (1, "rejected_ids", False), (2, "chosen_ids", True),
+          (0, "rejected_ids", False)]
+    out = [{"prompt_ids": pairs[i]["prompt_ids"], "completion_ids": pairs[i][k], "label": lab}
+           for i, k, lab in ex]
+    comps = [e["completion_ids"] for e in out]
+    for e, kl in zip(out, [comps[-1]] + comps[:-1]):
+        e["KL_completion_ids"] = kl
+    return out
+
+
+def tiny_kto():
+    """KTOTrainer._compute_loss (loss_type kto, desirable_weight 1.33, undesirable_weight 0.75:
+    not the defaults, so that they matter) with the real PEFT model, TRL's fused LM head as
+    KTOTrainer.__init__ adds it, DataCollatorForUnpairedPreference, the reference = the adapter
+    disabled, the KL term from the cycled completions. Returns the case and the LoRA gradients."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = LlamaForCausalLM.from_pretrained(TINY, dtype=torch.float32, attn_implementation="eager")
+    pm = PeftModel.from_pretrained(base, TINY_ADAPTER, is_trainable=True)
+    pm.train()
+    add_fused_lm_head(pm.get_base_model(), outputs=("log_probs", "entropy", "mean_logits"))
+    examples = tiny_kto_examples()
+    batch = DataCollatorForUnpairedPreference(pad_token_id=0)(examples)
+    logps = {}
+    with torch.no_grad():
+        for pre in ("", "KL_"):
+            lab = batch[f"{pre}input_ids"].masked_fill(batch[f"{pre}completion_mask"] == 0, -100)
+            kw = {"input_ids": batch[f"{pre}input_ids"], "attention_mask": batch[f"{pre}attention_mask"]}
+            logps[f"{pre}policy"] = pm(**kw, labels=lab, fused_lm_head=True).log_probs.sum(1).tolist()
+            with pm.disable_adapter():
+                logps[f"{pre}ref"] = pm(**kw, labels=lab, fused_lm_head=True).log_probs.sum(1).tolist()
+    params = params_for("kto", desirable_weight=1.33, undesirable_weight=0.75)
+    stub = types.SimpleNamespace(
+        model=pm, accelerator=IdentityAccelerator(), aux_loss_enabled=False,
+        precompute_ref_logps=False, calculate_KL=True, loss_type="kto", beta=params["beta"],
+        desirable_weight=params["desirable_weight"], undesirable_weight=params["undesirable_weight"],
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0, _tp_size=1, ref_model=None,
+        args=types.SimpleNamespace(gradient_checkpointing_kwargs=None))
+    stub._compute_kl_logps = types.MethodType(KTOTrainer._compute_kl_logps, stub)
+    pm.zero_grad(set_to_none=True)
+    loss = KTOTrainer._compute_loss(stub, pm, dict(batch), return_outputs=False)
+    loss.backward()
+    grads = {}
+    for n_, p in pm.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().max() > 0, n_
+            grads[f"kto.{n_.replace('.default', '')}"] = p.grad.detach().clone().contiguous()
+    met = metrics_of(stub._metrics["train"], PAIR_METRICS + ["kl"])
+    met["rewards/accuracies"] = None
+    case = {"examples": examples, "params": params, "loss": float(loss.detach()), "metrics": met,
+            "policy_logps": logps["policy"], "ref_logps": logps["ref"],
+            "KL_policy_logps": logps["KL_policy"], "KL_ref_logps": logps["KL_ref"]}
+    return case, grads
 
 
 def main():

@@ -1,4 +1,4 @@
-/* DPO, ORPO and SimPO end to end on the CPU step against TRL 1.16.0 running the real model: the
+/* DPO, ORPO, SimPO and KTO end to end on the CPU step against TRL 1.16.0 running the real model: the
  * tiny Llama of
  * tests/fixtures/hf/tiny-llama-tied with the PEFT LoRA adapter tests/fixtures/hf/lora/adapter-init
  * (non-zero lora_B), three tokenized pairs packed as six documents of one row (cu_seqlens,
@@ -13,10 +13,14 @@
  * the same gradients bit for bit; ORPO and CPO's SimPO with its NLL term (TRL's
  * ORPOTrainer / CPOTrainer concatenated_forward + get_batch_loss_metrics on full logits) from one
  * scoring pass with labels on every token: average response log-probs, the chosen NLL, loss,
- * metrics, LoRA gradients; a backward without its forward is refused.
+ * metrics, LoRA gradients; KTO (KTOTrainer._compute_loss, non-default desirable / undesirable
+ * weights) on four unpaired examples and their KL documents (TRL's cycled completions) in one
+ * row: log-probs, the batch KL estimate, loss, metrics, LoRA gradients; a backward without its
+ * forward is refused.
  * Tolerances (TRL runs in fp32): per-sequence log-probs, loss and metrics relative 2e-6; LoRA
  * gradients max|ours - TRL| / max|TRL| <= 2e-5 per tensor. Measured (printed): DPO 1.8e-7,
- * 2.5e-7, 3.9e-7 and 2.6e-6; ORPO / SimPO 1.7e-7, 6.5e-8, 4.9e-7 and 2.6e-6. */
+ * 2.5e-7, 3.9e-7 and 2.6e-6; ORPO / SimPO 1.7e-7, 6.5e-8, 4.9e-7 and 2.6e-6; KTO 2.0e-7,
+ * 1.9e-8, 4.8e-7 and 1.9e-6. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -43,12 +47,14 @@
 #define MAXT 128
 #define NP 3          /* pairs */
 #define NS (2 * NP)   /* sequences: chosen 0..NP-1, then rejected 0..NP-1 (TRL's order) */
+#define MAXD 16       /* documents in the packed row */
 
 typedef struct {
     bt_model m;
     bt_lora lo;
     json_t *doc;
-    int32_t ids[MAXT], lab[MAXT], pos[MAXT], cu[NS + 1], resp[NS];
+    int32_t ids[MAXT], lab[MAXT], pos[MAXT], cu[MAXD + 1], resp[MAXD];
+    int n_doc;
     uint8_t resp_mask[MAXT]; /* position t predicts a response token (its target is one) */
     int T;
     bt_microbatch mb;
@@ -62,10 +68,36 @@ static void ids_of(json_t *a, int32_t *out, int *n)
     }
 }
 
-/* Pack the six sequences into one row: document s = prompt + response, labels = input_ids on the
- * response, -100 on the prompt (TRL: input_ids.masked_fill(completion_mask == 0, -100)); with
- * all_labels, labels on every token (ORPO's NLL scores the prompt too) and resp_mask telling
- * the response targets apart. */
+/* Pack documents prompt[d] + completion[d] (JSON id arrays) into one row: labels = input_ids on
+ * the completion, -100 on the prompt (TRL: input_ids.masked_fill(completion_mask == 0, -100));
+ * with all_labels, labels on every token (ORPO's NLL scores the prompt too) and resp_mask telling
+ * the response targets apart. Position ids restart per document; cu_seqlens bound them. */
+static void pack_docs(rig *r, json_t *const *prompt, json_t *const *completion, int n,
+                      int all_labels)
+{
+    assert_true(n <= MAXD);
+    int T = 0;
+    r->cu[0] = 0;
+    for (int s = 0; s < n; s++) {
+        const int start = T;
+        ids_of(prompt[s], r->ids, &T);
+        const int pend = T;
+        ids_of(completion[s], r->ids, &T);
+        for (int t = start; t < T; t++) {
+            r->pos[t] = t - start;
+            r->lab[t] = t >= pend || all_labels ? r->ids[t] : -100;
+            r->resp_mask[t] = t + 1 >= pend && t + 1 < T; /* T is this document's end here */
+        }
+        r->resp[s] = T - pend;
+        r->cu[s + 1] = T;
+    }
+    r->T = T;
+    r->n_doc = n;
+    bt_microbatch mb = {1, T, r->ids, r->lab, r->pos, r->cu, n + 1};
+    r->mb = mb;
+}
+
+/* The model, the adapter, the fixture; the six DPO sequences packed (chosen 0..2, rejected 0..2). */
 static void rig_init_ex(rig *r, int all_labels)
 {
     memset(r, 0, sizeof *r);
@@ -80,25 +112,13 @@ static void rig_init_ex(rig *r, int all_labels)
         fail_msg(FIX "tiny_dpo.json: %s", je.text);
     json_t *pairs = json_object_get(r->doc, "pairs");
     assert_int_equal(json_array_size(pairs), NP);
-    int T = 0;
-    r->cu[0] = 0;
+    json_t *pr[NS], *co[NS];
     for (int s = 0; s < NS; s++) {
         json_t *p = json_array_get(pairs, (size_t)(s % NP));
-        const int start = T;
-        ids_of(json_object_get(p, "prompt_ids"), r->ids, &T);
-        const int pend = T;
-        ids_of(json_object_get(p, s < NP ? "chosen_ids" : "rejected_ids"), r->ids, &T);
-        for (int t = start; t < T; t++) {
-            r->pos[t] = t - start;
-            r->lab[t] = t >= pend || all_labels ? r->ids[t] : -100;
-            r->resp_mask[t] = t + 1 >= pend && t + 1 < T; /* T is this document's end here */
-        }
-        r->resp[s] = T - pend;
-        r->cu[s + 1] = T;
+        pr[s] = json_object_get(p, "prompt_ids");
+        co[s] = json_object_get(p, s < NP ? "chosen_ids" : "rejected_ids");
     }
-    r->T = T;
-    bt_microbatch mb = {1, T, r->ids, r->lab, r->pos, r->cu, NS + 1};
-    r->mb = mb;
+    pack_docs(r, pr, co, NS, all_labels);
 }
 
 static void rig_init(rig *r) { rig_init_ex(r, 0); }
@@ -370,6 +390,90 @@ static void test_tiny_orpo_simpo_against_trl(void **state)
     rig_free(&r);
 }
 
+/* KTO: four unpaired examples and their four KL documents (TRL's cycled completions) packed in
+ * one row; one pass with the adapter and one without give every sequence's log-prob; the KL
+ * estimate (detached: its documents get no upstream gradient) and the loss follow. */
+static void test_tiny_kto_against_trl(void **state)
+{
+    (void)state;
+    rig r;
+    rig_init(&r);
+    json_t *kc = json_object_get(r.doc, "kto_case"), *ex = json_object_get(kc, "examples");
+    enum { NE = 4 };
+    assert_int_equal(json_array_size(ex), NE);
+    json_t *pr[2 * NE], *co[2 * NE];
+    uint8_t des[NE];
+    for (int i = 0; i < NE; i++) {
+        json_t *e = json_array_get(ex, (size_t)i);
+        pr[i] = pr[NE + i] = json_object_get(e, "prompt_ids");
+        co[i] = json_object_get(e, "completion_ids");
+        co[NE + i] = json_object_get(e, "KL_completion_ids");
+        des[i] = json_is_true(json_object_get(e, "label"));
+    }
+    pack_docs(&r, pr, co, 2 * NE, 0);
+    const int V = r.m.hp.vocab;
+    bt_step_ctx *c = NULL;
+    assert_int_equal(bt_step_ctx_new(&c, &r.m, &r.lo, r.T, 0), 0);
+    float logp[MAXT], dlogp[MAXT];
+    int32_t tg[MAXT];
+    double ref[2 * NE], pol[2 * NE];
+    assert_int_equal(bt_forward_logprobs(c, &r.m, NULL, &r.mb, 0, 0, logp, NULL), 0);
+    bt_shift_targets(tg, &r.mb, V);
+    assert_int_equal(bt_seq_sum(ref, NULL, logp, tg, NULL, r.cu, 2 * NE, V), 0);
+    assert_int_equal(bt_forward_logprobs(c, &r.m, &r.lo, &r.mb, 1, 0, logp, NULL), 0);
+    assert_int_equal(bt_seq_sum(pol, NULL, logp, tg, NULL, r.cu, 2 * NE, V), 0);
+    double e_lp = 0;
+    const char *keys[4] = {"policy_logps", "ref_logps", "KL_policy_logps", "KL_ref_logps"};
+    for (int i = 0; i < NE; i++)
+        for (int k = 0; k < 4; k++) {
+            const double got = (k & 1 ? ref : pol)[(k >= 2 ? NE : 0) + i];
+            e_lp = fmax(e_lp, rel(got, json_number_value(json_array_get(
+                                           json_object_get(kc, keys[k]), (size_t)i))));
+        }
+    bt_pref_params p;
+    bt_pref_defaults(&p, BT_PREF_KTO);
+    json_t *jp = json_object_get(kc, "params");
+    p.beta = json_number_value(json_object_get(jp, "beta"));
+    p.desirable_weight = json_number_value(json_object_get(jp, "desirable_weight"));
+    p.undesirable_weight = json_number_value(json_object_get(jp, "undesirable_weight"));
+    const double kl = bt_kto_kl_mean(NE, pol + NE, ref + NE);
+    double g[NE];
+    bt_pref_metrics m;
+    assert_int_equal(bt_kto_loss(&p, NE, pol, ref, des, kl, g, &m), 0);
+    const double e_loss = rel(m.loss, json_number_value(json_object_get(kc, "loss")));
+    json_t *jm = json_object_get(kc, "metrics");
+    assert_true(json_is_null(json_object_get(jm, "rewards/accuracies")) &&
+                isnan(m.rewards_accuracies));
+    const double got[6] = {m.rewards_chosen, m.rewards_rejected, m.rewards_margins,
+                           m.logps_chosen, m.logps_rejected, m.kl};
+    const char *mk[6] = {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                         "logps/rejected", "kl"};
+    double e_met = 0;
+    for (int i = 0; i < 6; i++) {
+        const double want = json_number_value(json_object_get(jm, mk[i]));
+        e_met = fmax(e_met, fabs(got[i] - want) / (1.0 + fabs(want)));
+    }
+    assert_true(m.kl > 0.5); /* not clamped: the KL term shifts every example's loss */
+    for (int s = 0; s < 2 * NE; s++)
+        for (int t = r.cu[s]; t < r.cu[s + 1]; t++)
+            dlogp[t] = s < NE && tg[t] >= 0 ? (float)g[s] : 0.0f;
+    bt_lora_zero_grad(&r.lo);
+    assert_int_equal(bt_backward_logprobs(c, &r.m, &r.lo, &r.mb, dlogp, 0), 0);
+    bt_st_file *gf = NULL;
+    if (bt_st_open(&gf, FIX "tiny_dpo_grads.safetensors"))
+        fail_msg("%s", bt_last_error());
+    const double e_grad = grads_rel_err(&r.lo, gf, "kto");
+    print_message("preference tiny KTO vs TRL 1.16.0: log-probs max rel err %.3g, loss %.3g, "
+                  "metrics %.3g, LoRA grads max rel err %.3g\n", e_lp, e_loss, e_met, e_grad);
+    assert_true(e_lp <= 2e-6);
+    assert_true(e_loss <= 2e-6);
+    assert_true(e_met <= 2e-6);
+    assert_true(e_grad <= 2e-5);
+    bt_st_close(gf);
+    bt_step_ctx_free(c);
+    rig_free(&r);
+}
+
 static void test_logprob_pass_refusals(void **state)
 {
     (void)state;
@@ -406,6 +510,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_dpo_against_trl),
         cmocka_unit_test(test_tiny_orpo_simpo_against_trl),
+        cmocka_unit_test(test_tiny_kto_against_trl),
         cmocka_unit_test(test_logprob_pass_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
