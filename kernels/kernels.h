@@ -258,6 +258,30 @@ double bt_linear_ce_dw(float *dX, float *dW, int *n_valid, const float *X, const
                        const int32_t *targets, int M, int D, int V, int chunk_rows,
                        float grad_scale, float *workspace);
 
+/* Per-token log-probs of the labels, fused and chunked the same way (no [M x V] logits), for the
+ * preference losses (kernels/cpu/loss.c; TRL 1.16.0's fused LM head `log_probs`).
+ * logp [M] (may be NULL) is overwritten with log softmax(X W^T)[m, targets[m]] (fp32, nats; 0 for
+ * ignored rows: targets outside [0, V), -100 included). Returns their sum over valid rows (double).
+ * Backward, when dX or dW is non-NULL: with upstream dlogp [M] = dL/dlogp (NULL: all 1),
+ * dX [M, D] is overwritten with dlogp[m] * dlogp_m/dX_m (0 rows for ignored targets) and
+ * dW [V, D] += sum_m dlogp[m] * dlogp_m/dW. Since a row's gradient is linear in dlogp[m], a caller
+ * that learns dlogp only after the forward can pass dlogp = NULL, get the unit-upstream dX, and
+ * scale its rows afterwards (no second vocab pass); dW needs dlogp up front.
+ * X [M, D], W [V, D] fp32, caller owned; workspace >= bt_linear_ce_workspace_floats(chunk_rows,
+ * V) floats. */
+double bt_linear_logprob(float *logp, float *dX, float *dW, const float *X, const float *W,
+                         const int32_t *targets, const float *dlogp, int M, int D, int V,
+                         int chunk_rows, float *workspace);
+/* Per-sequence sums over the valid tokens of a packed row: for s < n_seq, out[s] = sum of
+ * per_token[m] over m in [cu_seqlens[s], cu_seqlens[s+1]) with targets[m] in [0, V) and, when
+ * mask != NULL, mask[m] != 0 (double, summed in token order); n_tokens[s] = their count (either
+ * output may be NULL). The mask lets one pass serve two sums: ORPO scores every token for its NLL
+ * and sums the response tokens only for its odds ratio. cu_seqlens [n_seq + 1] int32, starting at
+ * 0, non-decreasing (flash-attention's layout); mask [cu_seqlens[n_seq]] uint8. Returns 0, or -1
+ * (nothing written) when cu_seqlens is NULL, does not start at 0 or decreases, or n_seq < 0. */
+int bt_seq_sum(double *out, int *n_tokens, const float *per_token, const int32_t *targets,
+               const uint8_t *mask, const int32_t *cu_seqlens, int n_seq, int V);
+
 /* ---- optimiser (torch.optim.AdamW, decoupled weight decay, bias-corrected; step is 1-based) ---- */
 void bt_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
                    float beta2, float eps, float weight_decay, int64_t step);

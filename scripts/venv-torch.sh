@@ -5,7 +5,8 @@
 # Idempotent: re-installs only when the lock or the client's sources changed (stamp in
 # .venv-torch/.stamp). Used by `make test` (pytest-torch).
 #
-# Disk: about 4.6 GB installed (torch's CUDA runtime wheels included; no GPU is used). pip's cache
+# Disk: about 4.9 GB installed (torch's CUDA runtime wheels included; no GPU is used; 4.6 GB before
+# trl and its datasets / pandas / pyarrow stack were added, measured with du). pip's cache
 # is off and the largest wheels are installed one per pip call, so the peak is the install plus
 # one wheel (about 1 GB) in $TMPDIR, not the install plus every wheel twice (cache and temp).
 # A machine with less free space is told so before anything is downloaded.
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV_TORCH:-.venv-torch}
 PY=${PYTHON:-python3}
 REQ=python/requirements-torch.txt
-NEED_MB=${VENV_TORCH_NEED_MB:-5200}   # measured peak 4.8 GB: install (4.6 GB) + the wheel in flight
+NEED_MB=${VENV_TORCH_NEED_MB:-5500}   # peak 4.8 GB measured with the 4.6 GB install; +0.3 GB for trl's stack
 stamp_now=$( (sha256sum "$REQ"; find python -type f -not -path '*/__pycache__/*' -not -path '*/build/*' \
               -not -path '*.egg-info*' -print0 | sort -z | xargs -0 sha256sum) | sha256sum | cut -c1-64)
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.stamp" 2>/dev/null)" = "$stamp_now" ]; then
@@ -40,7 +41,7 @@ if [ "$(df -P "$tmp" | awk 'NR == 2 { print $1 }')" != "$(df -P . | awk 'NR == 2
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "venv-torch: creating $VENV (first time: about 2.5 GB of downloads from PyPI, 4.6 GB installed)"
+  echo "venv-torch: creating $VENV (first time: about 2.5 GB of downloads from PyPI, 4.9 GB installed)"
   "$PY" -m venv "$VENV"
 fi
 pip_install() {

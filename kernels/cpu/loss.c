@@ -31,9 +31,13 @@ size_t bt_linear_ce_workspace_floats(int chunk_rows, int V)
  * chunk_rows > 0 rows of logits are processed per step (any value; need not divide M);
  * workspace >= bt_linear_ce_workspace_floats(chunk_rows, V) floats, caller owned.
  * No gradient for W here (the base lm_head is frozen under LoRA); bt_linear_ce_dw adds it. */
-static double linear_ce_core(float *dX, float *dW, int *n_valid, const float *X, const float *W,
-                             const int32_t *targets, int M, int D, int V, int chunk_rows,
-                             float grad_scale, float *workspace)
+/* row_scale (NULL: all 1) multiplies grad_scale per row: row m's gradient is
+ * grad_scale * row_scale[m] * d(loss_m)/d(.) (used by bt_linear_logprob for a per-token upstream
+ * gradient). row_out (NULL: not written) gets each row's loss as float (0 for ignored rows). */
+static double linear_ce_core(float *dX, float *dW, int *n_valid, float *row_out, const float *X,
+                             const float *W, const int32_t *targets, const float *row_scale,
+                             int M, int D, int V, int chunk_rows, float grad_scale,
+                             float *workspace)
 {
     const int grad = dX != NULL || dW != NULL;
     if (n_valid)
@@ -76,11 +80,12 @@ static double linear_ce_core(float *dX, float *dW, int *n_valid, const float *X,
                 const double lse = (double)mx + log(sum);
                 loss = lse - (double)target_logit;
                 if (grad) {
-                    const float c = (float)((double)grad_scale / sum);
+                    const float gs = row_scale ? grad_scale * row_scale[r0 + r] : grad_scale;
+                    const float c = (float)((double)gs / sum);
 #pragma omp simd
                     for (int j = 0; j < V; j++)
                         row[j] *= c;
-                    row[t] -= grad_scale;
+                    row[t] -= gs;
                 }
             } else if (grad) {
                 memset(row, 0, (size_t)V * sizeof(float));
@@ -90,6 +95,8 @@ static double linear_ce_core(float *dX, float *dW, int *n_valid, const float *X,
         for (int r = 0; r < cr; r++) {
             double l;
             memcpy(&l, row_loss + (size_t)r * sizeof(double), sizeof l);
+            if (row_out)
+                row_out[r0 + r] = (float)l;
             if (targets[r0 + r] >= 0 && targets[r0 + r] < V) {
                 total += l;
                 count++;
@@ -112,8 +119,8 @@ static double linear_ce_core(float *dX, float *dW, int *n_valid, const float *X,
 double bt_linear_ce(float *dX, int *n_valid, const float *X, const float *W, const int32_t *targets,
                     int M, int D, int V, int chunk_rows, float grad_scale, float *workspace)
 {
-    return linear_ce_core(dX, NULL, n_valid, X, W, targets, M, D, V, chunk_rows, grad_scale,
-                          workspace);
+    return linear_ce_core(dX, NULL, n_valid, NULL, X, W, targets, NULL, M, D, V, chunk_rows,
+                          grad_scale, workspace);
 }
 
 /* As bt_linear_ce, plus (when dW != NULL) dW [V, D] += grad_scale * d(loss sum)/dW, i.e. the
@@ -123,6 +130,50 @@ double bt_linear_ce_dw(float *dX, float *dW, int *n_valid, const float *X, const
                        const int32_t *targets, int M, int D, int V, int chunk_rows,
                        float grad_scale, float *workspace)
 {
-    return linear_ce_core(dX, dW, n_valid, X, W, targets, M, D, V, chunk_rows, grad_scale,
-                          workspace);
+    return linear_ce_core(dX, dW, n_valid, NULL, X, W, targets, NULL, M, D, V, chunk_rows,
+                          grad_scale, workspace);
+}
+
+/* Per-token label log-probs log softmax(X W^T)[m, targets[m]] = -(lse_m - logit_m[target]) from
+ * the same chunked pass (never [M x V] logits), and their backward for any per-token upstream
+ * gradient: the loss core with row_out negated and grad_scale -1 times dlogp (d logp / d logits
+ * = onehot - softmax, the negative of the cross-entropy gradient). Preference losses (DPO, KTO,
+ * ORPO, SimPO; trainer/loop/preference.h) sum these over a sequence's response tokens, as TRL
+ * 1.16.0 does (trl/trainer/dpo_trainer.py: `per_token_logps.sum(dim=1)` of the fused LM head's
+ * `log_probs`, labels -100 outside the completion giving 0). */
+double bt_linear_logprob(float *logp, float *dX, float *dW, const float *X, const float *W,
+                         const int32_t *targets, const float *dlogp, int M, int D, int V,
+                         int chunk_rows, float *workspace)
+{
+    const double s = linear_ce_core(dX, dW, NULL, logp, X, W, targets, dlogp, M, D, V, chunk_rows,
+                                    -1.0f, workspace);
+    if (logp)
+        for (int m = 0; m < M; m++)
+            logp[m] = logp[m] == 0.0f ? 0.0f : -logp[m]; /* ignored rows: +0, not -0 */
+    return -s;
+}
+
+/* Per-sequence sums of per-token values over valid targets (see kernels.h). */
+int bt_seq_sum(double *out, int *n_tokens, const float *per_token, const int32_t *targets,
+               const uint8_t *mask, const int32_t *cu_seqlens, int n_seq, int V)
+{
+    if (n_seq < 0 || !cu_seqlens || (n_seq > 0 && cu_seqlens[0] != 0))
+        return -1;
+    for (int s = 0; s < n_seq; s++)
+        if (cu_seqlens[s + 1] < cu_seqlens[s])
+            return -1;
+    for (int s = 0; s < n_seq; s++) {
+        double acc = 0.0;
+        int n = 0;
+        for (int m = cu_seqlens[s]; m < cu_seqlens[s + 1]; m++)
+            if (targets[m] >= 0 && targets[m] < V && (!mask || mask[m])) {
+                acc += (double)per_token[m];
+                n++;
+            }
+        if (out)
+            out[s] = acc;
+        if (n_tokens)
+            n_tokens[s] = n;
+    }
+    return 0;
 }

@@ -37,6 +37,7 @@ struct bt_step_ctx {
     bt_prof *prof; /* --profile: per-op times (NULL = off) */
     int (*check)(void *); /* bt_step_ctx_set_check: asked between layers; NULL = never */
     void *check_arg;
+    const bt_microbatch *lp_mb; /* bt_forward_logprobs' training pass awaiting its backward */
 };
 
 /* Runs `call`; when profiling, times it as op `name` writing `bytes` (trainer/backend/profile.h). */
@@ -312,6 +313,7 @@ static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
 
 int bt_forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
                       const bt_microbatch *mb, uint64_t drop_key) {
+    c->lp_mb = NULL;
     return forward_hidden(c, m, lo, mb, drop_key, 0);
 }
 
@@ -320,13 +322,83 @@ const float *bt_step_hidden(const bt_step_ctx *c, int i) {
     return i <= c->n_layer ? c->x_in[i] : c->xf;
 }
 
+/* From dLoss/dxf in c->dtmp: the final RMSNorm's backward, every layer's, and the embedding's
+ * scatter-add into a trainable embedding (LoRA+). */
+static int backward_from_final(bt_step_ctx *c, const bt_model *m, bt_lora *lo,
+                               const bt_microbatch *mb, uint64_t drop_key) {
+    int rc;
+    const int M = mb->B * mb->T;
+    if ((rc = asked_to_stop(c))) return rc;
+    OP(c, "rmsnorm bwd", F4((int64_t)M * c->D),
+       bt_rmsnorm_bwd(c->dx, bt_lora_dnorm(lo, c->n_layer, 0), c->dtmp, c->x_in[c->n_layer],
+                      bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D));
+    for (int l = c->n_layer - 1; l >= 0; l--) {
+        if ((rc = asked_to_stop(c))) return rc;
+        if ((rc = layer_bwd(c, m, lo, l, mb, drop_key))) return rc;
+    }
+    /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
+    if (bt_lora_dembed(lo))
+        OP(c, "embedding bwd", F4((int64_t)c->V * c->D),
+           bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V));
+    return 0;
+}
+
+int bt_forward_logprobs(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                        const bt_microbatch *mb, int backward, uint64_t drop_key, float *logp,
+                        int *n_valid) {
+    c->lp_mb = NULL;
+    if (!logp || (backward && !lo))
+        return bt_fail(BT_ERR_INVALID, "step: log-probs need an output array%s",
+                       backward ? " and, for a training pass, the LoRA adapter" : "");
+    int rc = forward_hidden(c, m, lo, mb, drop_key, backward);
+    if (rc) return rc;
+    const int M = mb->B * mb->T;
+    /* the unit-upstream gradient d logp_t / d xf_t into c->dtmp; bt_backward_logprobs scales its
+     * rows once the loss knows dlogp (kernels.h: a row's gradient is linear in its upstream) */
+    OP(c, backward ? "lm_head + log-probs fwd+bwd" : "lm_head + log-probs fwd",
+       backward ? F4((int64_t)M * c->D) : 0.0,
+       bt_linear_logprob(logp, backward ? c->dtmp : NULL, NULL, c->xf, bt_lora_lm_head(lo, m),
+                         c->targets, NULL, M, c->D, c->V, CE_CHUNK_ROWS, c->ce_ws));
+    if (n_valid) {
+        int nv = 0;
+        for (int t = 0; t < M; t++) nv += c->targets[t] >= 0 && c->targets[t] < c->V;
+        *n_valid = nv;
+    }
+    if (backward) c->lp_mb = mb;
+    return 0;
+}
+
+int bt_backward_logprobs(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                         const float *dlogp, uint64_t drop_key) {
+    if (!dlogp || !lo || c->lp_mb != mb)
+        return bt_fail(BT_ERR_INVALID, "step: bt_backward_logprobs must follow bt_forward_logprobs "
+                       "with backward on the same micro-batch, and needs dlogp and the adapter");
+    c->lp_mb = NULL;
+    const int M = mb->B * mb->T;
+    float *dW = bt_lora_dlm_head(lo);
+    if (dW) {
+        /* a trainable lm_head (tied LoRA+ embedding) needs dlogp inside the vocabulary pass: one
+         * more pass, which also rewrites dX with dlogp applied */
+        OP(c, "lm_head + log-probs bwd (dW)", F4((int64_t)M * c->D),
+           bt_linear_logprob(NULL, c->dtmp, dW, c->xf, bt_lora_lm_head(lo, m), c->targets, dlogp,
+                             M, c->D, c->V, CE_CHUNK_ROWS, c->ce_ws));
+    } else {
+        for (int t = 0; t < M; t++) {
+            float *row = c->dtmp + (size_t)t * c->D;
+            const float g = dlogp[t];
+            for (int d = 0; d < c->D; d++) row[d] *= g;
+        }
+    }
+    return backward_from_final(c, m, lo, mb, drop_key);
+}
+
 int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
                         int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
                         int *n_valid) {
+    c->lp_mb = NULL;
     int rc = forward_hidden(c, m, lo, mb, drop_key, backward);
     if (rc) return rc;
     int M = mb->B * mb->T;
-    float *xL = c->x_in[c->n_layer];
     int nv = 0;
     /* dLoss/dxf goes into c->dtmp (free until the first layer's backward). */
     /* LoRA+: a trainable embedding tied to lm_head also gets the CE's weight gradient */
@@ -339,17 +411,5 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
     if (loss_sum) *loss_sum = loss;
     if (n_valid) *n_valid = nv;
     if (!backward) return 0;
-    if ((rc = asked_to_stop(c))) return rc;
-    OP(c, "rmsnorm bwd", F4((int64_t)M * c->D),
-       bt_rmsnorm_bwd(c->dx, bt_lora_dnorm(lo, c->n_layer, 0), c->dtmp, xL,
-                      bt_lora_norm(lo, m, c->n_layer, 0), c->rstdf, M, c->D));
-    for (int l = c->n_layer - 1; l >= 0; l--) {
-        if ((rc = asked_to_stop(c))) return rc;
-        if ((rc = layer_bwd(c, m, lo, l, mb, drop_key))) return rc;
-    }
-    /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
-    if (bt_lora_dembed(lo))
-        OP(c, "embedding bwd", F4((int64_t)c->V * c->D),
-           bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V));
-    return 0;
+    return backward_from_final(c, m, lo, mb, drop_key);
 }

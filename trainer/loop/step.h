@@ -71,6 +71,32 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
                         int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
                         int *n_valid);
 
+/* Preference training (trainer/loop/preference.h): the label log-prob of every position instead
+ * of the summed cross-entropy, then a backward for whatever per-token upstream gradient the
+ * preference loss hands back. Two calls, because that gradient is known only once every
+ * sequence's log-prob is (DPO needs a pair's two sums):
+ * bt_forward_logprobs: forward of one micro-batch (training pass with S^2-Attn if set when
+ *   `backward`, else evaluation) and logp[M] (fp32, caller-owned, M = mb->B * mb->T) = log
+ *   softmax(lm_head(xf))[target] at each position whose shifted target (bt_shift_targets) is
+ *   labelled, 0 elsewhere; sum them per cu_seqlens segment with bt_seq_sum (kernels.h). lo may be
+ *   NULL for the reference (base model, adapter off: TRL's `disable_adapter()`), only when
+ *   !backward. *n_valid (may be NULL): labelled targets. The fused chunked lm_head pass never
+ *   holds [M x vocab] logits (kernels.h bt_linear_logprob). With `backward`, the context keeps
+ *   the activations and the unit-upstream gradient for the backward.
+ * bt_backward_logprobs: backward of sum_t dlogp[t] * logp[t] (dlogp [M] fp32, e.g. a sequence's
+ *   dloss/dlogp_sum on each of its labelled positions, 0 elsewhere) into the LoRA grads
+ *   (ACCUMULATE), the trainable embedding / norms of LoRA+ too. Must directly follow
+ *   bt_forward_logprobs with backward on the same `mb` (any other pass in between voids it:
+ *   BT_ERR_INVALID); drop_key must be the forward's. A trainable tied lm_head costs one more
+ *   vocabulary pass (its gradient needs dlogp inside it).
+ * Errors: those of bt_forward_backward; BT_ERR_INVALID for logp / dlogp NULL, a training pass
+ * without an adapter, or a backward without its forward. */
+int bt_forward_logprobs(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
+                        const bt_microbatch *mb, int backward, uint64_t drop_key, float *logp,
+                        int *n_valid);
+int bt_backward_logprobs(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                         const float *dlogp, uint64_t drop_key);
+
 /* Forward only, without the loss: embedding, every layer, the final RMSNorm, for the same
  * micro-batch checks as bt_forward_backward (errors likewise; drop_key 0 = evaluation).
  * The results stay in the context until its next use; read them with bt_step_hidden. */
