@@ -111,6 +111,12 @@ int bt_out_dir_mark(const char *dir, const bt_out_kind *k, const char *component
     return rc;
 }
 
+/* 1 when the regular file dfd/nm is one of k's own: by its name, and by its content where the
+ * name alone does not say (k->ours_by_content). */
+static int owned(const bt_out_kind *k, int dfd, const char *nm) {
+    return k->owns(nm) && (!k->ours_by_content || k->ours_by_content(dfd, nm));
+}
+
 /* What a directory holds, as far as kind k is concerned. */
 typedef struct {
     int n_ours, n_foreign, marker;
@@ -130,7 +136,7 @@ static int scan(const char *dir, const bt_out_kind *k, scan_t *s) {
         int reg = fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode);
         if (reg && !strcmp(nm, BT_OUT_MARKER)) s->marker = 1;
         else if (reg && bt_atomic_tmp_name(nm)) continue; /* a write of ours in progress or killed */
-        else if (reg && k->owns(nm)) s->n_ours++;
+        else if (reg && owned(k, dirfd(d), nm)) s->n_ours++;
         else if (s->n_foreign++ == 0) {
             size_t len = strnlen(nm, sizeof s->first - 24);
             memcpy(s->first, nm, len);
@@ -215,7 +221,8 @@ void bt_out_dir_remove_old(const char *old, const bt_out_kind *k, const char *co
         struct stat st;
         if (!strcmp(nm, ".") || !strcmp(nm, "..")) continue;
         if (fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) continue;
-        if (!strcmp(nm, BT_OUT_MARKER) || bt_atomic_tmp_name(nm) || k->owns(nm)) unlinkat(dirfd(d), nm, 0);
+        if (!strcmp(nm, BT_OUT_MARKER) || bt_atomic_tmp_name(nm) || owned(k, dirfd(d), nm))
+            unlinkat(dirfd(d), nm, 0);
     }
     closedir(d);
     if (rmdir(old) == 0 || errno == ENOENT) return;

@@ -30,6 +30,10 @@ typedef struct bt_out_kind {
     int (*legacy)(const char *dir);
     int replaced; /* 1: replaced as a whole (bt_replace_dir: its parent must be writable too);
                    * 0: files are written into it in place */
+    /* NULL, or for a name `owns` accepts that people also use for their own files (README.md):
+     * 1 when the file dirfd/name (a regular file) is ours by its content, 0 when it is a user's
+     * (then it is foreign: refused, never removed) */
+    int (*ours_by_content)(int dirfd, const char *name);
 } bt_out_kind;
 
 /* Whether `path` may be used as a `k` output directory (see above): absent, with its nearest

@@ -14,6 +14,7 @@
 #include "trainer/io/adapter.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/export.h"
+#include "trainer/io/model_card.h"
 
 /* ---- adapter and checkpoint directories ---- */
 
@@ -76,12 +77,26 @@ static int legacy_adapter(const char *dir) {
     return has_ts || absent(dir, "config.json"); /* config.json only beside a checkpoint's state */
 }
 
-const bt_out_kind bt_out_adapter = {"adapter", owns_adapter, legacy_adapter, 1};
-const bt_out_kind bt_out_checkpoint = {"checkpoint", owns_adapter, legacy_adapter, 1};
+/* README.md is ours only when it is our model card: the front matter, then BT_MODEL_CARD_MARK,
+ * within its first 4 KiB (a user's README.md put into the directory is never replaced). */
+static int adapter_file_ours(int dfd, const char *name) {
+    if (strcmp(name, "README.md")) return 1;
+    int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return 0;
+    char head[4097];
+    ssize_t n = read(fd, head, sizeof head - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    head[n] = 0;
+    return !strncmp(head, "---\n", 4) && strstr(head, "\n---\n" BT_MODEL_CARD_MARK "\n") != NULL;
+}
+
+const bt_out_kind bt_out_adapter = {"adapter", owns_adapter, legacy_adapter, 1, adapter_file_ours};
+const bt_out_kind bt_out_checkpoint = {"checkpoint", owns_adapter, legacy_adapter, 1, adapter_file_ours};
 
 /* ---- merged Hugging Face exports ---- */
 
-const bt_out_kind bt_out_export = {"export", bt_export_hf_owns, NULL, 0};
+const bt_out_kind bt_out_export = {"export", bt_export_hf_owns, NULL, 0, NULL};
 
 /* ---- run reports ---- */
 
@@ -112,7 +127,7 @@ static int legacy_report(const char *dir) {
     return ok;
 }
 
-const bt_out_kind bt_out_report = {"report", owns_report, legacy_report, 0};
+const bt_out_kind bt_out_report = {"report", owns_report, legacy_report, 0, NULL};
 
 /* ---- GGUF files ---- */
 

@@ -73,8 +73,8 @@ static int legacy_test(const char *dir) {
     (void)dir;
     return g_legacy;
 }
-static const bt_out_kind k_test = {"test output", owns_test, legacy_test, 1};
-static const bt_out_kind k_inplace = {"test output", owns_test, NULL, 0};
+static const bt_out_kind k_test = {"test output", owns_test, legacy_test, 1, NULL};
+static const bt_out_kind k_inplace = {"test output", owns_test, NULL, 0, NULL};
 
 /* number of entries in dir (without "." and "..") */
 static int n_entries(const char *dir) {

@@ -157,6 +157,7 @@ static const struct {
 } k_needs[] = {
     {"cuda.offload_checkpoints", "activation_checkpointing=true"},
     {"context_extension.method", "context_extension.target_length=32768"},
+    {"eval.every", "eval.shards=[\"x/*.jsonl\"]"},
 };
 
 /* A value for row k other than its default (JSON text into buf; *also: a setting it needs). */

@@ -24,6 +24,7 @@
 #include "trainer/config.h"
 #include "trainer/io/adapter.h"
 #include "trainer/io/export.h"
+#include "trainer/io/model_card.h"
 #include "trainer/io/outputs.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/model/lora.h"
@@ -85,7 +86,8 @@ static void test_adapter_dirs(void **st) {
     assert_true(bt_out_dir_marked(dir));
     assert_int_equal(entries(dir), 3);
     assert_int_equal(bt_adapter_save(&lo, "base", dir), 0); /* over its own output */
-    /* a file BarqTrain did not write: refused before anything is written, nothing lost */
+    /* a file BarqTrain did not write: refused before anything is written, nothing lost (a
+     * README.md counts as ours only when it is our model card, by its content) */
     spit(dir, "README.md", "my notes");
     assert_int_equal(bt_adapter_save(&lo, "base", dir), BT_ERR_INVALID);
     assert_non_null(strstr(bt_last_error(), "adapter: "));
@@ -95,6 +97,13 @@ static void test_adapter_dirs(void **st) {
     char p[300];
     snprintf(p, sizeof p, "%s/README.md", dir);
     unlink(p);
+    /* our own model card is ours: the next save replaces the directory, card included */
+    bt_train_config cfg = {.name = "t", .model = "m.gguf", .steps = 1, .data.format = "chat"};
+    const bt_model_card_result res = {1, 0, 1, 2.0, 3.0, 2.5, 10};
+    assert_int_equal(bt_model_card_write(dir, &cfg, &res), 0);
+    assert_int_equal(entries(dir), 4);
+    assert_int_equal(bt_adapter_save(&lo, "base", dir), 0);
+    assert_int_equal(entries(dir), 3);
     /* written before the marker existed: recognised by our adapter_config.json, marked again */
     snprintf(p, sizeof p, "%s/" BT_OUT_MARKER, dir);
     unlink(p);
