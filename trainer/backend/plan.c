@@ -7,8 +7,6 @@
 #include "kernels/cuda/sizes.h"
 #include "kernels/kernels.h"
 
-#define CPU_CE_ROWS 256 /* trainer/loop/step.c CE_CHUNK_ROWS */
-
 size_t bt_dtype_size(int t) {
     switch (t) {
     case BT_DT_BF16: return 2;
@@ -113,7 +111,7 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
             o->quant_base ? (int64_t)bt_tile_scratch_floats(o->threads, (int)wide) : 0);
         add(p, BT_BUF_ROPE, "RoPE table", BT_DT_F32, BT_PG_WORK, 1, d->hd / 2);
         add(p, BT_BUF_CE_WS, "CE workspace", BT_DT_F32, BT_PG_LOSS, 1,
-            (int64_t)bt_linear_ce_workspace_floats(CPU_CE_ROWS, d->V));
+            (int64_t)bt_linear_ce_workspace_floats(BT_PLAN_CPU_CE_ROWS, d->V));
         add(p, BT_BUF_TARGETS, "targets", BT_DT_I32, BT_PG_BATCH, 1, M);
         return 0;
     }

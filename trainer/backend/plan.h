@@ -34,6 +34,9 @@ size_t bt_dtype_size(int t);
 
 /* Which backend's context the plan describes. */
 enum { BT_PLAN_CPU = 0, BT_PLAN_CUDA = 1 };
+/* Rows per chunk of the CPU step's fused lm_head + CE (kernels.h bt_linear_ce): the step passes
+ * it, the plan sizes its workspace with it. */
+#define BT_PLAN_CPU_CE_ROWS 256
 
 /* The rows of `trainer estimate` a buffer is billed under. */
 typedef enum {
@@ -122,7 +125,7 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
  *         threads, max cols) when quant_base (else 0), ROPE hd/2; CUDA: DEQUANT max_linear bf16
  *         (quant_base && !fused_quant), ROPE / ROPE_DYN hd/2, DELTA M*Hq fp32, RMS_SCRATCH
  *         bt_cuda_rmsnorm_bwd_scratch_floats(M, D) (trainable_norms)
- *   LOSS  CPU: CE_WS bt_linear_ce_workspace_floats(256, V); CUDA: CE_WS
+ *   LOSS  CPU: CE_WS bt_linear_ce_workspace_floats(BT_PLAN_CPU_CE_ROWS, V); CUDA: CE_WS
  *         bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), V) bytes, ROW_LOSS M fp32
  *   BATCH TARGETS M int32; CUDA: IDS, POS M, CU M+1 int32
  *   LORA  CUDA: P, G, M, V n_params fp32, P16 n_params bf16

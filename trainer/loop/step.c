@@ -11,7 +11,6 @@
 #include "trainer/backend/plan.h"
 #include "trainer/backend/profile.h"
 
-#define CE_CHUNK_ROWS 256
 
 typedef struct {
     float *xn1, *rstd1, *q, *k, *v, *att, *lse, *x2, *xn2, *rstd2, *g, *u;
@@ -373,7 +372,7 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
        backward ? F4((int64_t)M * c->D) : 0.0,
        loss = bt_linear_ce_dw(backward ? c->dtmp : NULL, backward ? bt_lora_dlm_head(lo) : NULL,
                               &nv, c->xf, bt_lora_lm_head(lo, m), c->targets, M, c->D, c->V,
-                              CE_CHUNK_ROWS, grad_scale, c->ce_ws));
+                              BT_PLAN_CPU_CE_ROWS, grad_scale, c->ce_ws));
     if (loss_sum) *loss_sum = loss;
     if (n_valid) *n_valid = nv;
     if (!backward) return 0;
