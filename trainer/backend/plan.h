@@ -116,7 +116,9 @@ typedef struct {
 int bt_plan_ce_chunk(const bt_plan_opts *o);
 
 /* Fill *p with the buffers of a step context for the model dimensions d and options o (p is
- * caller-owned storage; nothing is allocated). Sizes (elements; M = max_M, r = o->r):
+ * caller-owned storage; nothing is allocated: the context that walks the plan owns and frees what
+ * it allocates; names are static strings). Activations are fp32 on the CPU, bf16 on CUDA; sizes
+ * (elements; M = max_M, r = o->r):
  *   ACTS  X_IN (L+1) x M*D (offload: XBUF 3 x M*D on the device, X_HOST (L+1)*M*D pinned host);
  *         per kept layer XN1, X2, XN2: M*D; Q, ATT: M*Dq; K, V: M*Dkv; G, U: M*F; RSTD1, RSTD2:
  *         M (fp32); LSE: M*Hq (fp32); XA + mod: M*r per targeted module
@@ -132,7 +134,7 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
  *   OPTIM CUDA: ADAM_DESC 2 descriptors, GNORM 1 and GNORM_PARTIAL bt_cuda_sumsq_scratch(n_params)
  *         doubles, LOSS_SUM 1 double, LOSS_COUNT 1 int32
  * Returns 0, or BT_ERR_INVALID (bt_last_error names it): max_M < 1, r < 0 (or < 1 on CUDA),
- * n_params < 1 on CUDA, offload without checkpointing, an unknown backend. */
+ * n_params < 1 on CUDA, offload without checkpointing, an unknown backend (*p then empty). */
 int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o);
 
 /* Bytes of one buffer (copies x count x dtype size). */
