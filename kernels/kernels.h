@@ -51,8 +51,14 @@ int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols);
 void bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out);
 void bt_nf4_free(bt_nf4 *q);
 /* Y[M,N] = X[M,K] @ deq(Wq)[N,K]^T + beta*Y, dequantising tile by tile (no full fp32 copy).
- * scratch: at least bt_nf4_scratch_floats(K) floats. */
+ * scratch: at least bt_nf4_scratch_floats(K) floats (bt_tile_scratch_floats for the current
+ * omp_get_max_threads() team). */
 size_t bt_nf4_scratch_floats(int K);
+/* Floats of dequantisation scratch the tiled NF4 / ggml drivers (kernels/cpu/tiled_gemm.c) need
+ * for inner dimension K with a team of `threads` OpenMP threads: one 128-row (BT_TILE_ROWS) x K
+ * fp32 tile per thread; 0 for K <= 0, threads < 1 counts as 1. Pure arithmetic (the memory plan,
+ * trainer/backend/plan.h, sizes the step's scratch with it for any team). */
+size_t bt_tile_scratch_floats(int threads, int K);
 void bt_nf4_linear_fwd(float *Y, const float *X, const bt_nf4 *Wq, int M, int K, int N, float beta,
                        float *scratch);
 /* dX[M,K] = dY[M,N] @ deq(Wq)[N,K] + beta*dX */

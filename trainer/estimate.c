@@ -13,23 +13,9 @@
 #include "common/gguf.h"
 #include "common/quant.h"
 #include "kernels/kernels.h"
+#include "trainer/backend/plan.h"
 
 #define MIB 1048576.0
-#define CE_ROWS 256 /* step.c CE_CHUNK_ROWS */
-
-/* Linear shapes [rows=out, cols=in] of module `mod` (HF LlamaForCausalLM). */
-static void lin_shape(const bt_llama_hparams *hp, int mod, int64_t *rows, int64_t *cols) {
-    int64_t D = hp->d_model, Dq = (int64_t)hp->n_head * hp->head_dim,
-            Dkv = (int64_t)hp->n_kv_head * hp->head_dim, F = hp->d_ff;
-    switch (mod) {
-    case BT_MOD_Q: *rows = Dq; *cols = D; break;
-    case BT_MOD_K:
-    case BT_MOD_V: *rows = Dkv; *cols = D; break;
-    case BT_MOD_O: *rows = D; *cols = Dq; break;
-    case BT_MOD_DOWN: *rows = D; *cols = F; break;
-    default: *rows = F; *cols = D; break; /* gate, up */
-    }
-}
 
 static int gguf_int(const bt_gguf *g, const char *path, const char *key, int required, int64_t def,
                     int *out) {
@@ -51,13 +37,14 @@ static void gguf_linears(bt_est_model *em, const bt_gguf *g) {
                                                 "ffn_gate", "ffn_up", "ffn_down"};
     bt_llama_hparams hp = em->hp;
     hp.head_dim = hp.d_model / hp.n_head;
+    const bt_dims d = bt_dims_of(&hp);
     int64_t per_type[BT_GGML_TYPE_SLOTS] = {0};
     char name[96];
-    for (int l = 0; l < hp.n_layer; l++)
+    for (int l = 0; l < d.L; l++)
         for (int mod = 0; mod < BT_MOD_N; mod++) {
-            int64_t rows, cols;
-            lin_shape(&hp, mod, &rows, &cols);
-            const int64_t n = rows * cols;
+            int rows, cols;
+            bt_dims_lin_shape(&d, mod, &rows, &cols);
+            const int64_t n = (int64_t)rows * cols;
             em->lin_weights += n;
             snprintf(name, sizeof name, "blk.%d.%s.weight", l, names[mod]);
             const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
@@ -70,6 +57,7 @@ static void gguf_linears(bt_est_model *em, const bt_gguf *g) {
                               t->type == BT_GGML_BF16;
             em->gguf_lin_bytes += t->nbytes;
             em->gguf_lin_bytes_cuda += dense ? (uint64_t)n * 2 : t->nbytes;
+            if (!dense) em->gguf_quant = 1;
             if (t->type >= 0 && t->type < BT_GGML_TYPE_SLOTS) per_type[t->type] += n;
         }
     bt_ggml_type_mix(per_type, em->gguf_types, sizeof em->gguf_types);
@@ -181,12 +169,8 @@ int bt_est_model_read(bt_est_model *em, const char *path) {
                        "d_model %d, heads %d/%d, ffn %d, vocab %d)", path, hp->n_layer, hp->d_model,
                        hp->n_head, hp->n_kv_head, hp->d_ff, hp->vocab);
     hp->head_dim = hp->d_model / hp->n_head;
-    em->max_linear = 0;
-    for (int mod = 0; mod < BT_MOD_N; mod++) {
-        int64_t r, c;
-        lin_shape(hp, mod, &r, &c);
-        if (r * c > em->max_linear) em->max_linear = r * c;
-    }
+    const bt_dims d = bt_dims_of(hp);
+    em->max_linear = bt_dims_max_linear(&d);
     return 0;
 }
 
@@ -196,28 +180,32 @@ static int est_base_dtype(const bt_est_model *em, const bt_train_config *cfg) {
     return em->gguf ? BT_BASE_GGUF : BT_BASE_NF4;
 }
 
-/* The step context of M tokens (step.c bt_step_ctx_new): *acts (layer inputs and the kept
- * layer activations), *loss_ws (the CE chunk), and the other buffers' bytes as the result
- * (backward scratch, dropout copy, final norm, RoPE table; not the NF4 tiles). elem = 2 or 4. */
-static double step_workspace(const bt_llama_hparams *hp, int n_mods, double r, double M, int ckpt,
-                             int cuda, double *acts, double *loss_ws) {
-    const double L = hp->n_layer, D = hp->d_model, V = hp->vocab, F = hp->d_ff;
-    const double Dq = (double)hp->n_head * hp->head_dim, Dkv = (double)hp->n_kv_head * hp->head_dim;
-    const double act = cuda ? 2.0 : 4.0;
-    double per_layer_elems = M * D /* xn1 */ + M * Dq /* q */ + 2 * M * Dkv /* k, v */ +
-                             M * Dq /* att */ + M * D /* x2 */ + M * D /* xn2 */ +
-                             2 * M * F /* g, u */ + n_mods * M * r /* LoRA branch */;
-    double per_layer_f32 = M * hp->n_head /* lse */ + 2 * M /* rstd1, rstd2 */;
-    double kept = ckpt ? 1 : L;
-    *acts = (L + 1) * M * D * act + kept * (per_layer_elems * act + per_layer_f32 * 4.0);
-    if (cuda) *loss_ws = (double)CE_ROWS * V * (4.0 + 2.0) + M * 4.0 /* row_loss */;
-    else *loss_ws = (double)bt_linear_ce_workspace_floats(CE_ROWS, hp->vocab) * 4.0;
-    double wide = F > D ? F : D;
-    if (Dq > wide) wide = Dq;
-    double other_elems = M * D /* xf */ + M * F /* h */ + 4 * M * D /* dx dx2 dxn dtmp */ +
-                         2 * M * Dq /* dq datt */ + 2 * M * Dkv /* dk dv */ + 3 * M * F /* dg du dh */ +
-                         M * r /* das */ + M * wide /* xd */;
-    return other_elems * act + M * 4.0 /* rstdf */ + hp->head_dim / 2 * 4.0 /* RoPE table */;
+/* The memory plan of the step context the job's backend `dev` allocates for M tokens
+ * (trainer/backend/plan.h; the same options bt_step_ctx_new and the GPU trainer derive from the
+ * model, its LoRA and the run). n_params: LoRA + LoRA+ parameters. */
+static void est_plan(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
+                     int M, int ckpt, int64_t n_params, bt_plan *p) {
+    const bt_dims d = bt_dims_of(&em->hp);
+    const int bd = est_base_dtype(em, cfg);
+    bt_plan_opts o;
+    memset(&o, 0, sizeof o);
+    o.backend = dev == BT_EST_CUDA ? BT_PLAN_CUDA : BT_PLAN_CPU;
+    o.max_M = M;
+    o.checkpointing = ckpt;
+    o.r = cfg->lora.r;
+    o.target_mask = cfg->lora.target_mask;
+    o.threads = threads;
+    /* a GGUF base of F16 / BF16 / F32 linears is dense on the GPU (bf16): no dequantisation */
+    o.quant_base =
+        bd == BT_BASE_NF4 || (bd == BT_BASE_GGUF && (dev == BT_EST_CPU || em->gguf_quant));
+    o.n_params = n_params > 0 ? n_params : 1;
+    o.trainable_norms = (cfg->trainable_mask & (1u << BT_TRAINABLE_NORM)) != 0;
+    o.fused_quant = cfg->cuda_base_matmul == BT_CUDA_BASE_FUSED;
+    o.max_linear = em->max_linear;
+    o.offload = cfg->cuda_offload && ckpt;
+    o.rope_table = 1; /* bt_model_rope_init: every model the trainer runs has its table */
+    o.rope_dynamic = cfg->context_extension.method == BT_ROPE_EXT_DYNAMIC;
+    if (bt_plan_step(p, &d, &o)) memset(p, 0, sizeof *p); /* the config checks refuse it first */
 }
 
 /* Largest multiple of 64 in [lo_T, hi_T] whose peak fits (0 if none); peak is monotone in T for a
@@ -253,21 +241,19 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
                       bt_mem_bill *b) {
     memset(b, 0, sizeof *b);
     const bt_llama_hparams *hp = &em->hp;
-    const double L = hp->n_layer, D = hp->d_model, V = hp->vocab;
-    const double Dq = (double)hp->n_head * hp->head_dim;
-    const double M = (double)cfg->data.seq_len * cfg->data.micro_batch_size;
+    const bt_dims d = bt_dims_of(hp);
+    const double L = d.L, D = d.D, V = d.V;
+    const int M = cfg->data.seq_len * cfg->data.micro_batch_size;
     const double r = cfg->lora.r;
     const int cuda = dev == BT_EST_CUDA;
-    const double act = cuda ? 2.0 : 4.0; /* bytes per activation element */
     if (threads < 1) threads = 1;
     const int bd = est_base_dtype(em, cfg);
 
     /* base linears */
-    int n_mods = 0;
     double lora_per_layer = 0;
     for (int mod = 0; mod < BT_MOD_N; mod++) {
-        int64_t rows, cols;
-        lin_shape(hp, mod, &rows, &cols);
+        int rows, cols;
+        bt_dims_lin_shape(&d, mod, &rows, &cols);
         double n = (double)rows * cols;
         if (bd == BT_BASE_NF4) {
             double blocks = n / 64.0;
@@ -275,69 +261,60 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
         } else if (bd != BT_BASE_GGUF) {
             b->base += L * n * (cuda ? 2.0 : 4.0);
         }
-        if (cfg->lora.target_mask & (1u << mod)) {
-            n_mods++;
-            lora_per_layer += r * (double)(rows + cols);
-        }
+        if (cfg->lora.target_mask & (1u << mod)) lora_per_layer += r * (double)(rows + cols);
     }
     if (bd == BT_BASE_GGUF) /* the file's blocks, as read from its tensor table */
         b->base = (double)(cuda ? em->gguf_lin_bytes_cuda : em->gguf_lin_bytes);
-    /* embedding / lm_head, norms */
-    double wbytes = cuda ? 2.0 : 4.0;
-    b->embed = V * D * wbytes * (em->tied ? 1 : 2);
-    b->norms = (2 * L + 1) * D * wbytes;
-    /* LoRA: master + grad + m + v (+ the bf16 compute copy on CUDA) */
+    /* embedding / lm_head (bf16 on the GPU), norms (fp32 on both: trainer/cuda/cuda_model.cu) */
+    b->embed = V * D * (cuda ? 2.0 : 4.0) * (em->tied ? 1 : 2);
+    b->norms = (2 * L + 1) * D * 4.0;
     b->n_lora = (int64_t)(lora_per_layer * L);
-    double per_param = cuda ? 18.0 : 16.0;
-    b->lora = (double)b->n_lora * per_param;
-    /* LoRA+ dense */
-    double dense = 0;
+    double dense = 0; /* LoRA+ */
     if (cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) dense += V * D;
     if (cfg->trainable_mask & (1u << BT_TRAINABLE_NORM)) dense += (2 * L + 1) * D;
     b->n_dense = (int64_t)dense;
-    b->dense = dense * per_param;
-    if (cuda) b->dense -= dense * 2.0; /* the bf16 copy replaces the frozen one counted above */
 
-    /* the step workspace (step.c bt_step_ctx_new): activations, loss chunk, other buffers */
-    const double act_other = step_workspace(hp, n_mods, r, M, cfg->activation_checkpointing, cuda,
-                                            &b->acts, &b->loss_ws);
-    b->other = act_other + (double)cfg->grad_accum * (4 * M + 1) * 4.0 /* batch copies */ +
-               M * 4.0 /* targets */;
-    if ((bd == BT_BASE_NF4 || bd == BT_BASE_GGUF) && !cuda) {
-        /* K of every NF4 / ggml GEMM is a linear's cols: d_model, d_ff or n_head * head_dim
-         * (o_proj, larger than both with an explicit HF head_dim), as trainer/model/model.c
-         * bt_model_scratch_floats sizes it */
-        double K = hp->d_ff > hp->d_model ? hp->d_ff : hp->d_model;
-        if (Dq > K) K = Dq;
-        b->other += (double)threads * 128.0 /* kernels/cpu/cpu_math.h BT_TILE_ROWS */ * K * 4.0;
-    }
+    /* the step context: its memory plan (trainer/backend/plan.h), exactly what bt_step_ctx_new
+     * or the GPU trainer allocates */
+    bt_plan p;
+    est_plan(em, cfg, dev, threads, M, cfg->activation_checkpointing, b->n_lora + b->n_dense, &p);
+    b->step = (double)bt_plan_bytes(&p, -1);
+    b->acts = (double)bt_plan_bytes(&p, BT_PG_ACTS);
+    b->loss_ws = (double)bt_plan_bytes(&p, BT_PG_LOSS);
+    b->other = (double)(bt_plan_bytes(&p, BT_PG_WORK) + bt_plan_bytes(&p, BT_PG_BATCH) +
+                        bt_plan_bytes(&p, BT_PG_OPTIM));
+    b->host = (double)bt_plan_bytes(&p, BT_PG_HOST);
     if (cuda) {
-        b->other += (double)em->max_linear * 2.0; /* one dequantised bf16 base weight */
-        b->other += M * hp->n_head * 4.0;         /* attention backward delta, fp32 */
-        if (cfg->cuda_offload && cfg->activation_checkpointing) {
-            /* the checkpointed layer inputs live in pinned host memory; three device buffers */
-            b->host = (L + 1) * M * D * act;
-            b->acts -= (L + 1 - 3) * M * D * act;
-        }
+        /* LoRA (+ LoRA+): fp32 master, grad, m, v and the bf16 compute copy, in the plan */
+        const double per_param = (double)bt_plan_bytes(&p, BT_PG_LORA) /
+                                 (double)(b->n_lora + b->n_dense > 0 ? b->n_lora + b->n_dense : 1);
+        b->lora = (double)b->n_lora * per_param;
+        b->dense = dense * per_param;
     } else {
+        /* trainer/model/lora.c params + grads, trainer/loop/optim.c AdamW m + v */
+        b->lora = (double)b->n_lora * 16.0;
+        b->dense = dense * 16.0;
+        /* the run's copies of the micro-batches of one optimiser step (trainer/loop/batches.c) */
+        b->other += (double)cfg->grad_accum * (4.0 * M + 1) * 4.0;
         /* attention (kernels/cpu/attention.c): per-thread score tiles (BQ x KT) and, in backward,
          * per-query-head dK/dV accumulators when Hq > Hkv; S^2-Attn changes none of it (it is
          * a segmentation of the same tiled kernel) */
         const double bq = 128, kt = 256;
         const double fwd = threads * (bq * kt + 2 * bq);
         double bwd = threads * (2 * bq * kt + bq);
-        if (hp->n_head > hp->n_kv_head) bwd += 2.0 * M * Dq;
+        if (d.Hq > d.Hkv) bwd += 2.0 * M * d.Dq;
         b->attn = (fwd > bwd ? fwd : bwd) * 4.0;
-    }
-    /* held-out lengths longer than the micro-batch get a workspace of their own (train.c
-     * bt_eval_lengths: a checkpointed step context of that many tokens) while the training one
-     * stays allocated */
-    int max_eval = 0;
-    for (int i = 0; i < cfg->eval.n_lengths; i++)
-        if (cfg->eval.lengths[i] > max_eval) max_eval = cfg->eval.lengths[i];
-    if (!cuda && cfg->eval.n_shards > 0 && max_eval > M) {
-        double ea, el;
-        b->eval = step_workspace(hp, n_mods, r, max_eval, 1, 0, &ea, &el) + ea + el;
+        /* held-out lengths longer than the micro-batch get a step context of their own
+         * (backend_cpu.c eval_workspace: checkpointed, that many tokens) while the training one
+         * stays allocated */
+        int max_eval = 0;
+        for (int i = 0; i < cfg->eval.n_lengths; i++)
+            if (cfg->eval.lengths[i] > max_eval) max_eval = cfg->eval.lengths[i];
+        if (cfg->eval.n_shards > 0 && max_eval > M) {
+            bt_plan e;
+            est_plan(em, cfg, dev, threads, max_eval, 1, b->n_lora + b->n_dense, &e);
+            b->eval = (double)bt_plan_bytes(&e, -1);
+        }
     }
     b->runtime = cuda ? BT_EST_CUDA_CONTEXT_MIB * MIB
                       : (BT_EST_RUNTIME_MIB + BT_EST_THREAD_MIB * threads) * MIB;
@@ -425,7 +402,7 @@ int bt_estimate_print_ex(const bt_train_config *cfg, double fit_gib, FILE *out) 
                                            : "all layers kept");
     row(out, an, c.acts, g.acts);
     row(out, "attention scratch (tiles, GQA dK/dV)", c.attn, g.attn);
-    row(out, "loss chunk workspace (256 rows x vocab)", c.loss_ws, g.loss_ws);
+    row(out, "loss chunk workspace (CE rows x vocab)", c.loss_ws, g.loss_ws);
     row(out, "other workspace (backward, NF4 tiles, batches)", c.other, g.other);
     if (c.eval > 0) row(out, "held-out workspace (eval.lengths > micro-batch)", c.eval, g.eval);
     row(out, "adapter save buffer (safetensors writer copy)", c.save, g.save);

@@ -1,6 +1,11 @@
 /* `trainer estimate`: the memory bill of a training job, computed from the model's
  * hyper-parameters (GGUF header or HF config.json only; no weights are read) and the job config.
  *
+ * The step context's buffers (activations, loss chunk, backward workspace, batch arrays; on CUDA
+ * also the LoRA state and optimiser scratch) are not re-derived here: the bill walks the step's
+ * memory plan (trainer/backend/plan.h bt_plan_step), the list bt_step_ctx_new and the GPU trainer
+ * allocate from, so those rows are exactly what a run allocates (b->step is their sum).
+ *
  * CPU backend (fp32 reference, the layout trainer/model/model.c, lora.c and step.c allocate):
  *   base linears   NF4: n/2 packed + n/64 absmax codes + ceil(n/64/256) fp32 nested absmax bytes
  *                  per linear of n weights (bitsandbytes double quantisation, kernels.h); fp32: 4n;
@@ -11,12 +16,12 @@
  *   LoRA           params + grads + AdamW m + v: 16 bytes per LoRA parameter
  *   LoRA+ dense    trainable embed_tokens / norms (lora.h): a trainable copy + grad + m + v,
  *                  16 bytes per parameter
- *   activations    step.c: (n_layer + 1) layer inputs of M x d_model, and per layer kept
- *                  (all n_layer, or 1 with activation checkpointing): normed inputs, q, k, v,
+ *   activations    plan group BT_PG_ACTS: (n_layer + 1) layer inputs of M x d_model, and per layer
+ *                  kept (all n_layer, or 1 with activation checkpointing): normed inputs, q, k, v,
  *                  attention output + lse, residual, gate, up, LoRA branch outputs
- *   loss chunk     bt_linear_ce workspace: 256 rows x vocab fp32 logits
- *   other          backward scratch (dx, dq, dk, dv, dg, du, dh, dropout copy...), NF4 dequant
- *                  tiles per thread, batch copies
+ *   loss chunk     plan group BT_PG_LOSS: the bt_linear_ce workspace, 256 rows x vocab fp32
+ *   other          plan groups BT_PG_WORK + BT_PG_BATCH (backward scratch, dropout copy, NF4 /
+ *                  ggml dequantisation tiles per thread, targets) + the run's batch copies
  *   adapter save   the safetensors writer copies every tensor it writes (common/safetensors.h):
  *                  LoRA + dense parameters (+ the lm_head copy of a tied trainable embedding),
  *                  while the training buffers are still allocated
@@ -25,7 +30,7 @@
  *                  (2 x M x n_head x head_dim floats) during backward; S^2-Attn uses the same
  *                  tiled kernel, so it changes the work, not the memory
  *   eval           a held-out length longer than the micro-batch (eval.lengths) gets its own
- *                  checkpointed step context of that many tokens
+ *                  checkpointed step context of that many tokens (its plan's total)
  *   runtime        libraries, OpenMP/OpenBLAS per-thread buffers: a measured constant
  *                  (BT_EST_RUNTIME_MIB + BT_EST_THREAD_MIB per thread)
  * The CPU peak is max(training, load): while a GGUF loads, the file's tensor bytes are mapped
@@ -33,15 +38,17 @@
  *
  * CUDA backend (docs/ARCHITECTURE.md §Numerics: bf16, fp32 LoRA masters and optimiser state;
  * kernels/cuda/kernels_cuda.h): base NF4 / GGUF blocks as above (a GGUF's F16/BF16/F32 linears
- * as bf16: 2 bytes per weight); embedding / lm_head / norms bf16; LoRA fp32
- * master + grad + m + v plus a bf16 compute copy (18 bytes per parameter); LoRA+ dense the same
- * 18 bytes per parameter (fp32 master/grad/m/v + the bf16 weight the kernels read, which replaces
- * the frozen bf16 copy); activations as on CPU but 2 bytes per element (the attention lse and
- * RMSNorm rstd stay fp32), with cuda.offload_checkpoints the n_layer + 1 layer inputs move to
- * pinned host memory and three device buffers remain; loss chunk = chunk x vocab fp32 logits +
- * bf16 dlogits; the attention kernels are tiled (no T x T memory, S^2 or not) plus an fp32
- * delta [M, n_head]; runtime = CUDA context + cuBLAS workspace (BT_EST_CUDA_CONTEXT_MIB, typical
- * for an H100; not device-exact). */
+ * as bf16: 2 bytes per weight); embedding / lm_head bf16; norms fp32 (trainer/cuda/cuda_model.cu);
+ * LoRA and LoRA+ dense: plan group BT_PG_LORA, fp32 master + grad + m + v plus a bf16 compute
+ * copy (18 bytes per parameter; the frozen bf16 embedding and fp32 norms stay on the device);
+ * activations as on CPU but 2 bytes per element (the attention lse and RMSNorm rstd stay fp32),
+ * with cuda.offload_checkpoints the n_layer + 1 layer inputs move to pinned host memory
+ * (BT_PG_HOST) and three device buffers remain; loss chunk = min(M, 1024) rows x vocab fp32
+ * logits + bf16 dlogits + the per-row losses; other = BT_PG_WORK + BT_PG_BATCH + BT_PG_OPTIM (the
+ * backward scratch, one dequantised bf16 base linear unless cuda.base_matmul is "fused", the
+ * attention's fp32 delta [M, n_head], the device batch arrays, the gradient-norm scratch); the
+ * attention kernels are tiled (no T x T memory, S^2 or not); runtime = CUDA context + cuBLAS
+ * workspace (BT_EST_CUDA_CONTEXT_MIB, typical for an H100; not device-exact). */
 #ifndef BT_TRAINER_ESTIMATE_H
 #define BT_TRAINER_ESTIMATE_H
 #include <stdint.h>
@@ -63,6 +70,7 @@ typedef struct {
     int64_t max_linear;        /* elements of the largest base linear */
     /* GGUF files: the base linears as the file holds them (for base_dtype gguf) */
     int gguf;                  /* the model is a GGUF file */
+    int gguf_quant;            /* some base linear is in quantised ggml blocks (not F16/BF16/F32) */
     int64_t lin_weights;       /* elements of all n_layer * 7 base linears */
     uint64_t gguf_lin_bytes;   /* their tensor bytes in the file */
     uint64_t gguf_lin_bytes_cuda; /* as the GPU trainer holds them (F16/BF16/F32 as bf16) */
@@ -88,6 +96,10 @@ typedef struct {
     double host;      /* CUDA with cuda.offload_checkpoints: pinned host memory of the layer inputs
                        * (not in total / peak, which are device bytes) */
     double total;     /* sum of the above: steady state while training */
+    double step;      /* the step context's plan (trainer/backend/plan.h), device bytes on CUDA:
+                       * exactly bt_step_ctx_bytes / the GPU trainer's workspace bytes; it is
+                       * acts + loss_ws + other (less the CPU's batch copies) (+ lora + dense on
+                       * CUDA), not an extra row */
     double load_peak; /* CPU only: while loading (0 for CUDA) */
     double peak;      /* max(total, load_peak) */
     int64_t n_lora, n_dense;

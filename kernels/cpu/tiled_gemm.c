@@ -40,14 +40,18 @@ static float *thread_share(float *scratch, int K, int rows, int *a, int *b)
     return scratch + (size_t)id * BT_TILE_ROWS * (size_t)K;
 }
 
+size_t bt_tile_scratch_floats(int threads, int K)
+{
+    return (size_t)(threads > 1 ? threads : 1) * (size_t)BT_TILE_ROWS * (size_t)(K > 0 ? K : 0);
+}
+
 size_t bt_tiled_scratch_floats(int K)
 {
 #ifdef _OPENMP
-    const size_t nt = (size_t)omp_get_max_threads();
+    return bt_tile_scratch_floats(omp_get_max_threads(), K);
 #else
-    const size_t nt = 1;
+    return bt_tile_scratch_floats(1, K);
 #endif
-    return nt * (size_t)BT_TILE_ROWS * (size_t)(K > 0 ? K : 0);
 }
 
 /* Y columns [n0, n0+nt) = X @ tile^T (ldc = N), tile after tile over this thread's W rows. */

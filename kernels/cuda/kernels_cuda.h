@@ -30,6 +30,9 @@
 #include <cuda_bf16.h>
 #include <cublas_v2.h>
 
+#include "kernels/cuda/sizes.h" /* bt_cuda_sumsq_scratch, bt_cuda_rmsnorm_bwd_scratch_floats,
+                                 * bt_cuda_linear_ce_workspace_bytes */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -53,8 +56,8 @@ int bt_cuda_add_bf16(bt_bf16 *y, const bt_bf16 *a, const bt_bf16 *b, int64_t n, 
 /* Deterministic sum of squares over n fp32 values: out[0] (device double) = sum x[i]^2,
  * accumulated in double. Two passes (fixed 1024-block partials, then one block adds them in
  * order), no atomics, so the result is bit-identical run to run (llm.c global_norm.cuh idea).
- * partial: device scratch of >= bt_cuda_sumsq_scratch(n) doubles. If accumulate != 0, adds to out[0]. */
-size_t bt_cuda_sumsq_scratch(int64_t n);
+ * partial: device scratch of >= bt_cuda_sumsq_scratch(n) doubles (kernels/cuda/sizes.h). If
+ * accumulate != 0, adds to out[0]. */
 int bt_cuda_sumsq(double *out, const float *x, int64_t n, double *partial, int accumulate,
                   cudaStream_t stream);
 /* x[i] *= s (fp32, in place). */
@@ -237,10 +240,9 @@ int bt_cuda_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, const float *
                         float eps, cudaStream_t stream);
 /* RMSNorm backward: with xh = x*rstd, g = dy*w: dx = rstd * (g - xh * mean(g*xh)) (bf16 [M,D],
  * may alias dy); if dw != NULL, dw[D] (fp32) += sum_m dy*xh, deterministically: per-block partial
- * sums into scratch (>= bt_cuda_rmsnorm_bwd_scratch_floats(M,D) floats, fixed row ranges) then one
- * ordered reduction kernel (no atomics; llm.c layernorm_backward idea). scratch may be NULL when
- * dw == NULL. */
-size_t bt_cuda_rmsnorm_bwd_scratch_floats(int M, int D);
+ * sums into scratch (>= bt_cuda_rmsnorm_bwd_scratch_floats(M,D) floats, kernels/cuda/sizes.h;
+ * fixed row ranges) then one ordered reduction kernel (no atomics; llm.c layernorm_backward idea).
+ * scratch may be NULL when dw == NULL. */
 int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, const bt_bf16 *x, const float *w,
                         const float *rstd, int M, int D, float *scratch, cudaStream_t stream);
 
@@ -386,9 +388,7 @@ int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk,
 
 /* ============================================================= fused linear + CE (loss.cu) */
 
-/* Bytes of workspace bt_cuda_linear_ce needs for chunk_rows rows: chunk_rows x V fp32 logits +
- * chunk_rows x V bf16 dlogits. */
-size_t bt_cuda_linear_ce_workspace_bytes(int chunk_rows, int V);
+/* (bt_cuda_linear_ce_workspace_bytes, the workspace's bytes: kernels/cuda/sizes.h) */
 /* Fused linear + cross-entropy by chunks of rows (Liger FusedLinearCrossEntropy; research §3.2):
  * for each chunk of <= chunk_rows rows: logits = X_c @ W^T into an fp32 workspace (cuBLAS, bf16 in,
  * fp32 out), then one CTA per row computes max and sum exp in fp32 (online, then a block reduction),

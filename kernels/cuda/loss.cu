@@ -86,14 +86,6 @@ __global__ void __launch_bounds__(CE_THREADS) ce_row_kernel(float *row_loss, bt_
     }
 }
 
-extern "C" size_t bt_cuda_linear_ce_workspace_bytes(int chunk_rows, int V)
-{
-    if (chunk_rows <= 0 || V <= 0)
-        return 0;
-    const size_t n = (size_t)chunk_rows * (size_t)V;
-    return ((n * sizeof(float) + 255) / 256) * 256 + n * sizeof(bt_bf16);
-}
-
 extern "C" int bt_cuda_linear_ce(cublasHandle_t h, cudaStream_t stream, float *row_loss, bt_bf16 *dX,
                                  float *dW, const bt_bf16 *X, const bt_bf16 *W,
                                  const int32_t *targets, int M, int D, int V, int chunk_rows,

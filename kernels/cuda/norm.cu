@@ -132,7 +132,7 @@ __global__ void rmsnorm_dw_reduce_kernel(float *dw, const float *partial, int nb
     dw[d] += s;
 }
 
-#define RMS_BWD_MAX_BLOCKS 512
+#define RMS_BWD_MAX_BLOCKS BT_CUDA_RMS_BWD_MAX_BLOCKS /* kernels/cuda/sizes.h */
 static int rms_ch(int D)
 {
     const int nchunk = D / 8;
@@ -161,13 +161,6 @@ extern "C" int bt_cuda_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, co
     }
     BT_LAUNCH_CHECK();
     return BT_CU_OK;
-}
-
-extern "C" size_t bt_cuda_rmsnorm_bwd_scratch_floats(int M, int D)
-{
-    if (M <= 0 || D <= 0)
-        return 0;
-    return (size_t)(M < RMS_BWD_MAX_BLOCKS ? M : RMS_BWD_MAX_BLOCKS) * (size_t)D;
 }
 
 extern "C" int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, const bt_bf16 *x,

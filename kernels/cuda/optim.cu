@@ -26,7 +26,8 @@ extern "C" int bt_cuda_scale_f32(float *x, int64_t n, float s, cudaStream_t stre
 }
 
 /* ---- deterministic sum of squares ---- */
-#define SUMSQ_CHUNK 16384
+#define SUMSQ_CHUNK BT_CUDA_SUMSQ_CHUNK /* kernels/cuda/sizes.h */
+static_assert(sizeof(bt_cuda_adamw_tensor) == BT_CUDA_ADAMW_DESC_BYTES, "kernels/cuda/sizes.h");
 __device__ double block_sum_double(double v, double *sbuf)
 { /* fixed-order tree over blockDim.x (power of two) values */
     sbuf[threadIdx.x] = v;
@@ -59,10 +60,6 @@ __global__ void sumsq_final_kernel(double *out, const double *partial, int np, i
     s = block_sum_double(s, sbuf);
     if (threadIdx.x == 0)
         out[0] = accumulate ? out[0] + s : s;
-}
-extern "C" size_t bt_cuda_sumsq_scratch(int64_t n)
-{
-    return n <= 0 ? 1 : (size_t)((n + SUMSQ_CHUNK - 1) / SUMSQ_CHUNK);
 }
 extern "C" int bt_cuda_sumsq(double *out, const float *x, int64_t n, double *partial, int accumulate,
                              cudaStream_t stream)

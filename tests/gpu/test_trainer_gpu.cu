@@ -11,7 +11,11 @@
  *     BT_MODEL=random:smollm2-135m: its shapes with random weights, NF4 and GGUF-native Q4_1);
  *   - 10 optimiser steps on SmolLM2 with the GPU loss following the CPU loss curve;
  *   - offloading the checkpointed layer inputs to pinned host memory: bit-identical losses and
- *     gradients to checkpointing without it.
+ *     gradients to checkpointing without it;
+ *   - no drift between `trainer estimate` and the trainer: for NF4 (dequantise / fused), fp32 and
+ *     GGUF-native (Q4_K, F16) bases, with and without checkpointing, offload, LoRA+ and a subset
+ *     of target modules, the device bytes the trainer allocates for its step and its pinned host
+ *     bytes equal the CUDA bill's step and host figures (both walk trainer/backend/plan.h).
  * Tolerances (bf16 activations vs the fp32 reference):
  *   loss_sum: |gpu - cpu| / |cpu| <= 1e-2;
  *   gradients (the whole LoRA gradient vector, and the LoRA+ blocks separately):
@@ -33,6 +37,8 @@ extern "C" {
 #include "trainer/loop/optim.h"
 #include "trainer/model/rng.h"
 #include "trainer/loop/step.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
 }
 #include "trainer/cuda/cuda_trainer.h"
 
@@ -716,6 +722,111 @@ static void test_smollm2_10_steps(void)
     bt_lora_free(&lo);
 }
 
+#define PLAN_CHECK(cond)                                                                \
+    do {                                                                                \
+        if (!(cond)) {                                                                  \
+            printf("    check failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__);          \
+            g_case_ok = false;                                                          \
+        }                                                                               \
+    } while (0)
+
+/* The GPU trainer allocates exactly what `trainer estimate` bills for its step (the memory plan of
+ * trainer/backend/plan.h that both walk): device bytes and pinned host bytes, byte for byte. */
+static void test_plan_matches_estimate(void)
+{
+    struct PlanCase {
+        const char *name, *json; /* the job's keys beyond model / data / lora */
+        int base_dtype, gguf_type, tied, ckpt, offload, fused;
+        unsigned targets, trainable;
+    };
+    const unsigned all = (1u << BT_MOD_N) - 1, qv = (1u << BT_MOD_Q) | (1u << BT_MOD_V);
+    const PlanCase cases[] = {
+        {"nf4 dequantise, all targets", "\"base_dtype\": \"nf4\"", BT_BASE_NF4, -1, 1, 0, 0, 0,
+         all, 0},
+        {"nf4 fused, checkpointing, LoRA+ untied",
+         "\"base_dtype\": \"nf4\", \"activation_checkpointing\": true, \"cuda\": "
+         "{\"nf4_matmul\": \"fused\"}, \"trainable_modules\": [\"embed_tokens\", \"norm\"]",
+         BT_BASE_NF4, -1, 0, 1, 0, 1, all, BT_TRAIN_EMBED | BT_TRAIN_NORM},
+        {"fp32, checkpointing + offload, q/v only",
+         "\"base_dtype\": \"fp32\", \"activation_checkpointing\": true, \"cuda\": "
+         "{\"offload_checkpoints\": true}", BT_BASE_FP32, -1, 1, 1, 1, 0, qv, 0},
+        {"gguf Q4_K, LoRA+ norms", "\"base_dtype\": \"gguf\", \"trainable_modules\": [\"norm\"]",
+         BT_BASE_FP32, BT_GGML_Q4_K, 1, 0, 0, 0, all, BT_TRAIN_NORM},
+        {"gguf F16 (held as bf16: no dequantisation buffer)", "\"base_dtype\": \"gguf\"",
+         BT_BASE_FP32, BT_GGML_F16, 1, 0, 0, 0, all, 0},
+    };
+    const bt_llama_hparams hp = tiny_hp(2);
+    const bt_dims dims = bt_dims_of(&hp);
+    for (const PlanCase &pc : cases) {
+        printf("    case %s\n", pc.name);
+        bt_model m;
+        if (bt_model_init_random(&m, &hp, pc.base_dtype, pc.tied, 42) != 0 ||
+            (pc.gguf_type >= 0 && bt_model_to_ggml(&m, pc.gguf_type) != 0)) {
+            printf("    model set-up: %s\n", bt_last_error());
+            g_case_ok = false;
+            return;
+        }
+        bt_lora lo;
+        if (bt_lora_init_ex(&lo, &m, 8, 16.0, 0.0, pc.targets, pc.trainable, 7) != 0) {
+            printf("    bt_lora_init_ex: %s\n", bt_last_error());
+            g_case_ok = false;
+            bt_model_free(&m);
+            return;
+        }
+        const char *tm = pc.targets == all ? "\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", "
+                                             "\"gate_proj\", \"up_proj\", \"down_proj\""
+                                           : "\"q_proj\", \"v_proj\"";
+        char json[1024];
+        snprintf(json, sizeof json,
+                 "{\"model\": \"m.gguf\", \"device\": \"cuda\", \"data\": {\"shards\": [\"d\"], "
+                 "\"seq_len\": 64, \"micro_batch_size\": 2}, \"lora\": {\"r\": 8, "
+                 "\"target_modules\": [%s]}, %s}", tm, pc.json);
+        bt_train_config cfg;
+        if (bt_config_parse(&cfg, json, "plan case", nullptr, 0) != 0) {
+            printf("    config: %s\n", bt_last_error());
+            g_case_ok = false;
+            bt_lora_free(&lo);
+            bt_model_free(&m);
+            return;
+        }
+        bt_est_model em;
+        memset(&em, 0, sizeof em);
+        em.hp = hp;
+        em.tied = pc.tied;
+        em.max_linear = bt_dims_max_linear(&dims);
+        em.gguf = pc.gguf_type >= 0;
+        em.gguf_quant = pc.gguf_type >= 0 && pc.gguf_type != BT_GGML_F16;
+        bt_mem_bill g;
+        bt_estimate_bill(&em, &cfg, BT_EST_CUDA, 1, &g);
+        const int M = cfg.data.seq_len * cfg.data.micro_batch_size;
+        bt_cuda_trainer_opts o;
+        memset(&o, 0, sizeof o);
+        o.checkpointing = pc.ckpt;
+        o.offload = pc.offload;
+        o.nf4_impl = pc.fused;
+        bt_cuda_trainer *t = nullptr;
+        if (bt_cuda_trainer_new_ex(&t, &m, &lo, M, &o) != 0) {
+            printf("    bt_cuda_trainer_new_ex: %s\n", bt_last_error());
+            g_case_ok = false;
+        } else {
+            size_t host = 0;
+            const size_t dev = bt_cuda_trainer_plan_bytes(t, &host);
+            printf("    trainer %zu device + %zu pinned bytes; estimate %.0f + %.0f\n", dev, host,
+                   g.step, g.host);
+            PLAN_CHECK((double)dev == g.step);
+            PLAN_CHECK((double)host == g.host);
+            PLAN_CHECK((pc.offload != 0) == (host > 0));
+            PLAN_CHECK(g.n_lora + g.n_dense == lo.n_params);
+            /* the bill's rows are the plan's groups: they add up to the step */
+            PLAN_CHECK(g.lora + g.dense + g.acts + g.loss_ws + g.other == g.step);
+            bt_cuda_trainer_free(t);
+        }
+        bt_config_free(&cfg);
+        bt_lora_free(&lo);
+        bt_model_free(&m);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const char *prog = "test_trainer_gpu";
@@ -732,6 +843,7 @@ int main(int argc, char **argv)
     RUN_TEST(test_tiny_gguf);
     RUN_TEST(test_tiny_long_context);
     RUN_TEST(test_tiny_offload);
+    RUN_TEST(test_plan_matches_estimate);
     RUN_TEST(test_smollm2_step);
     RUN_TEST(test_smollm2_gguf_step);
     RUN_TEST(test_smollm2_10_steps);

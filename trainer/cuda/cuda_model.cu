@@ -149,7 +149,8 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
     memset(dm, 0, sizeof *dm);
     dm->hp = m->hp;
     dm->tied = m->tied;
-    const int L = m->hp.n_layer, D = m->hp.d_model, V = m->hp.vocab;
+    const bt_dims dims = bt_dims_of(&m->hp);
+    const int L = dims.L, D = dims.D, V = dims.V;
     int rc = 0;
     float code8[256];
     for (int i = 0; i < 256; i++)

@@ -8,10 +8,6 @@
 
 int btc_optim_init(bt_cuda_trainer *t)
 {
-    BTC_TRY(btc_alloc(t, (void **)&t->adam_desc, 2 * sizeof(bt_cuda_adamw_tensor), "AdamW descriptors"));
-    BTC_TRY(btc_alloc(t, (void **)&t->d_norm, sizeof(double), "grad norm"));
-    BTC_TRY(btc_alloc(t, (void **)&t->d_partial, bt_cuda_sumsq_scratch(t->n_params) * sizeof(double),
-                      "grad norm scratch"));
     const int64_t nd = t->n_decay, nr = t->n_params - t->n_decay;
     t->n_adam = 0;
     t->adam_max_n = 0;

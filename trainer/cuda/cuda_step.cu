@@ -521,6 +521,12 @@ extern "C" void bt_cuda_trainer_free(bt_cuda_trainer *t)
 }
 
 extern "C" size_t bt_cuda_trainer_bytes(const bt_cuda_trainer *t) { return t ? t->bytes + t->md.bytes : 0; }
+extern "C" size_t bt_cuda_trainer_plan_bytes(const bt_cuda_trainer *t, size_t *host)
+{
+    if (host)
+        *host = t ? t->host_bytes : 0;
+    return t ? t->plan_bytes : 0;
+}
 extern "C" const char *bt_cuda_trainer_device_name(const bt_cuda_trainer *t) { return t ? t->dev_name : ""; }
 extern "C" size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline)
 {
@@ -534,22 +540,115 @@ extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, con
     return bt_cuda_trainer_new_ex(out, m, lo, max_M, nullptr);
 }
 
+template <typename T>
+static void set_ptr(T *&field, void *p)
+{
+    field = static_cast<T *>(p);
+}
+
+/* Point copy i of plan buffer `id` (trainer/backend/plan.h) at p: the trainer's field for it. */
+static void bind(bt_cuda_trainer *t, int id, int i, void *p)
+{
+    btc_acts &A = t->acts[i < (int)t->acts.size() ? i : 0];
+    switch (id) {
+    case BT_BUF_LORA_P: set_ptr(t->p, p); break;
+    case BT_BUF_LORA_G: set_ptr(t->g, p); break;
+    case BT_BUF_LORA_M: set_ptr(t->m, p); break;
+    case BT_BUF_LORA_V: set_ptr(t->v, p); break;
+    case BT_BUF_LORA_P16: set_ptr(t->p16, p); break;
+    case BT_BUF_ADAM_DESC: set_ptr(t->adam_desc, p); break;
+    case BT_BUF_GNORM: set_ptr(t->d_norm, p); break;
+    case BT_BUF_GNORM_PARTIAL: set_ptr(t->d_partial, p); break;
+    case BT_BUF_LOSS_SUM: set_ptr(t->d_loss, p); break;
+    case BT_BUF_LOSS_COUNT: set_ptr(t->d_count, p); break;
+    case BT_BUF_X_IN: set_ptr(t->x_in[i], p); break;
+    case BT_BUF_X_HOST: set_ptr(t->h_xin, p); break;
+    case BT_BUF_XBUF: set_ptr(t->xbuf[i], p); break;
+    case BT_BUF_XN1: set_ptr(A.xn1, p); break;
+    case BT_BUF_RSTD1: set_ptr(A.rstd1, p); break;
+    case BT_BUF_Q: set_ptr(A.q, p); break;
+    case BT_BUF_K: set_ptr(A.k, p); break;
+    case BT_BUF_V: set_ptr(A.v, p); break;
+    case BT_BUF_ATT: set_ptr(A.att, p); break;
+    case BT_BUF_LSE: set_ptr(A.lse, p); break;
+    case BT_BUF_X2: set_ptr(A.x2, p); break;
+    case BT_BUF_XN2: set_ptr(A.xn2, p); break;
+    case BT_BUF_RSTD2: set_ptr(A.rstd2, p); break;
+    case BT_BUF_G: set_ptr(A.g, p); break;
+    case BT_BUF_U: set_ptr(A.u, p); break;
+    case BT_BUF_XF: set_ptr(t->xf, p); break;
+    case BT_BUF_RSTDF: set_ptr(t->rstdf, p); break;
+    case BT_BUF_H: set_ptr(t->h, p); break;
+    case BT_BUF_DX: set_ptr(t->dx, p); break;
+    case BT_BUF_DX2: set_ptr(t->dx2, p); break;
+    case BT_BUF_DXN: set_ptr(t->dxn, p); break;
+    case BT_BUF_DTMP: set_ptr(t->dtmp, p); break;
+    case BT_BUF_DQ: set_ptr(t->dq, p); break;
+    case BT_BUF_DK: set_ptr(t->dk, p); break;
+    case BT_BUF_DV: set_ptr(t->dv, p); break;
+    case BT_BUF_DATT: set_ptr(t->datt, p); break;
+    case BT_BUF_DG: set_ptr(t->dg, p); break;
+    case BT_BUF_DU: set_ptr(t->du, p); break;
+    case BT_BUF_DH: set_ptr(t->dh, p); break;
+    case BT_BUF_DXA: set_ptr(t->dxa, p); break;
+    case BT_BUF_XD: set_ptr(t->xd, p); break;
+    case BT_BUF_DEQUANT: set_ptr(t->wbuf, p); break;
+    case BT_BUF_ROPE: set_ptr(t->d_inv_freq, p); break;
+    case BT_BUF_ROPE_DYN: set_ptr(t->d_rope_dyn, p); break;
+    case BT_BUF_DELTA: set_ptr(t->delta, p); break;
+    case BT_BUF_RMS_SCRATCH: set_ptr(t->rms_scratch, p); break;
+    case BT_BUF_CE_WS: set_ptr(t->ce_ws, p); break;
+    case BT_BUF_ROW_LOSS: set_ptr(t->row_loss, p); break;
+    case BT_BUF_TARGETS: set_ptr(t->d_tgt, p); break;
+    case BT_BUF_IDS: set_ptr(t->d_ids, p); break;
+    case BT_BUF_POS: set_ptr(t->d_pos, p); break;
+    case BT_BUF_CU: set_ptr(t->d_cu, p); break;
+    default: /* BT_BUF_XA + mod; the plan has no other id (BT_BUF_TILES is the CPU's) */
+        set_ptr(A.xa[id - BT_BUF_XA], p);
+        break;
+    }
+}
+
+/* Allocate every buffer of plan p (device, or pinned host for BT_PG_HOST) and bind it. */
+static int alloc_plan(bt_cuda_trainer *t, const bt_plan *p)
+{
+    for (int b = 0; b < p->n; b++) {
+        const bt_plan_buf *pb = &p->buf[b];
+        const size_t bytes = (size_t)pb->count * bt_dtype_size(pb->dtype);
+        for (int i = 0; i < pb->copies; i++) {
+            void *ptr = nullptr;
+            if (pb->group == BT_PG_HOST) {
+                if (cudaMallocHost(&ptr, bytes ? bytes : 16) != cudaSuccess) {
+                    cudaGetLastError();
+                    return bt_fail(BT_ERR_NOMEM, "cuda: out of pinned host memory for the %s "
+                                   "(%zu MiB)", pb->name, bytes >> 20);
+                }
+                t->host_bytes += bytes;
+            } else {
+                BTC_TRY(btc_alloc(t, &ptr, bytes, pb->name));
+            }
+            bind(t, pb->id, i, ptr);
+        }
+    }
+    return 0;
+}
+
 static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo, int max_M,
                         const bt_cuda_trainer_opts *o)
 {
     const bt_llama_hparams *hp = &m->hp;
-    t->L = hp->n_layer;
-    t->D = hp->d_model;
-    t->Hq = hp->n_head;
-    t->Hkv = hp->n_kv_head;
-    t->hd = hp->head_dim;
-    t->Dq = t->Hq * t->hd;
-    t->Dkv = t->Hkv * t->hd;
-    t->F = hp->d_ff;
-    t->V = hp->vocab;
+    const bt_dims d = bt_dims_of(hp);
+    t->L = d.L;
+    t->D = d.D;
+    t->Hq = d.Hq;
+    t->Hkv = d.Hkv;
+    t->hd = d.hd;
+    t->Dq = d.Dq;
+    t->Dkv = d.Dkv;
+    t->F = d.F;
+    t->V = d.V;
     t->max_M = max_M;
     t->ckpt = o->checkpointing ? 1 : 0;
-    t->ce_chunk = o->ce_chunk_rows > 0 ? o->ce_chunk_rows : (max_M < 1024 ? max_M : 1024);
     t->attn_impl = o->attn_impl ? 1 : 0;
     t->base_matmul_impl = o->base_matmul_impl ? 1 : 0;
     t->s2_group = o->s2_group;
@@ -600,38 +699,47 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
             if (x->in != bl->cols || x->out != bl->rows)
                 return bt_fail(BT_ERR_INVALID, "cuda: LoRA %d %s is %dx%d, the base %dx%d", l,
                                bt_module_name(mod), x->out, x->in, bl->rows, bl->cols);
-            btc_lmod &d = t->lmods[(size_t)l * BT_MOD_N + mod];
-            d.offA = (int64_t)(x->A - lo->params);
-            d.offB = (int64_t)(x->B - lo->params);
-            d.in = x->in;
-            d.out = x->out;
+            btc_lmod &dl = t->lmods[(size_t)l * BT_MOD_N + mod];
+            dl.offA = (int64_t)(x->A - lo->params);
+            dl.offB = (int64_t)(x->B - lo->params);
+            dl.in = x->in;
+            dl.out = x->out;
         }
-    const size_t np = (size_t)t->n_params;
-    BTC_TRY(talloc(t, &t->p, np, "LoRA parameters"));
-    BTC_TRY(talloc(t, &t->g, np, "LoRA gradients"));
-    BTC_TRY(talloc(t, &t->m, np, "AdamW m"));
-    BTC_TRY(talloc(t, &t->v, np, "AdamW v"));
-    BTC_TRY(talloc(t, &t->p16, np, "LoRA bf16 copy"));
-    BTC_TRY(BTC_CUDA(cudaMemset(t->g, 0, np * sizeof(float))));
-    BTC_TRY(bt_cuda_trainer_upload_lora(t, lo));
-    BTC_TRY(btc_optim_init(t));
 
-    /* activations */
-    const size_t M = (size_t)max_M, D = (size_t)t->D, F = (size_t)t->F, Dq = (size_t)t->Dq,
-                 Dkv = (size_t)t->Dkv, r = (size_t)t->r;
+    /* every buffer of the step: the memory plan `trainer estimate` bills (trainer/backend/plan.h) */
+    bool any_quant = false;
+    for (int i = 0; i < t->L * BT_MOD_N; i++)
+        any_quant = any_quant || t->md.lin[i].is_nf4 || t->md.lin[i].is_gguf;
+    bt_plan_opts po;
+    memset(&po, 0, sizeof po);
+    po.backend = BT_PLAN_CUDA;
+    po.max_M = max_M;
+    po.checkpointing = t->ckpt;
+    po.r = t->r;
+    po.target_mask = t->target_mask;
+    po.quant_base = any_quant; /* the fused GEMMs dequantise tiles in shared memory instead */
+    po.fused_quant = t->base_matmul_impl;
+    po.max_linear = t->md.max_nk;
+    po.n_params = t->n_params;
+    po.trainable_norms = t->off_norms >= 0;
+    po.ce_chunk_rows = o->ce_chunk_rows;
+    po.offload = t->offload;
+    po.rope_table = m->inv_freq != nullptr;
+    po.rope_dynamic = hp->rope_ext == BT_ROPE_EXT_DYNAMIC;
+    t->ce_chunk = bt_plan_ce_chunk(&po);
+    bt_plan plan;
+    BTC_TRY(bt_plan_step(&plan, &d, &po));
     t->x_in = (bt_bf16 **)calloc((size_t)t->L + 1, sizeof(bt_bf16 *));
     if (!t->x_in)
         return bt_fail(BT_ERR_NOMEM, "cuda: out of host memory");
-    if (t->offload) { /* three device buffers; every layer input in pinned host memory */
-        for (int i = 0; i < 3; i++)
-            BTC_TRY(talloc(t, &t->xbuf[i], M * D, "layer inputs in flight (offload)"));
-        const size_t hb = ((size_t)t->L + 1) * M * D * sizeof(bt_bf16);
-        if (cudaMallocHost((void **)&t->h_xin, hb) != cudaSuccess) {
-            t->h_xin = nullptr;
-            cudaGetLastError();
-            return bt_fail(BT_ERR_NOMEM, "cuda: out of pinned host memory for the offloaded layer "
-                           "inputs (%zu MiB)", hb >> 20);
-        }
+    t->acts.assign((size_t)(t->ckpt ? 1 : t->L), btc_acts{});
+    BTC_TRY(alloc_plan(t, &plan));
+    t->plan_bytes = t->bytes;
+
+    BTC_TRY(BTC_CUDA(cudaMemset(t->g, 0, (size_t)t->n_params * sizeof(float))));
+    BTC_TRY(bt_cuda_trainer_upload_lora(t, lo));
+    BTC_TRY(btc_optim_init(t));
+    if (t->offload) { /* the copies of the layer inputs to / from pinned host memory */
         BTC_TRY(BTC_CUDA(cudaStreamCreateWithFlags(&t->copy_stream, cudaStreamNonBlocking)));
         t->ev_out.assign((size_t)t->L + 1, nullptr);
         t->ev_copy.assign((size_t)t->L + 1, nullptr);
@@ -639,77 +747,17 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
             BTC_TRY(BTC_CUDA(cudaEventCreateWithFlags(&t->ev_out[l], cudaEventDisableTiming)));
             BTC_TRY(BTC_CUDA(cudaEventCreateWithFlags(&t->ev_copy[l], cudaEventDisableTiming)));
         }
-    } else {
-        for (int l = 0; l <= t->L; l++)
-            BTC_TRY(talloc(t, &t->x_in[l], M * D, "layer inputs"));
     }
-    const int n_acts = t->ckpt ? 1 : t->L;
-    t->acts.assign((size_t)n_acts, btc_acts{});
-    for (auto &A : t->acts) {
-        BTC_TRY(talloc(t, &A.xn1, M * D, "activations"));
-        BTC_TRY(talloc(t, &A.q, M * Dq, "activations"));
-        BTC_TRY(talloc(t, &A.k, M * Dkv, "activations"));
-        BTC_TRY(talloc(t, &A.v, M * Dkv, "activations"));
-        BTC_TRY(talloc(t, &A.att, M * Dq, "activations"));
-        BTC_TRY(talloc(t, &A.x2, M * D, "activations"));
-        BTC_TRY(talloc(t, &A.xn2, M * D, "activations"));
-        BTC_TRY(talloc(t, &A.g, M * F, "activations"));
-        BTC_TRY(talloc(t, &A.u, M * F, "activations"));
-        BTC_TRY(talloc(t, &A.rstd1, M, "activations"));
-        BTC_TRY(talloc(t, &A.rstd2, M, "activations"));
-        BTC_TRY(talloc(t, &A.lse, M * (size_t)t->Hq, "activations"));
-        for (int mod = 0; mod < BT_MOD_N; mod++)
-            if (t->target_mask & (1u << mod))
-                BTC_TRY(talloc(t, &A.xa[mod], M * r, "LoRA activations"));
-    }
-    size_t wide = F > D ? F : D;
-    if (Dq > wide)
-        wide = Dq;
-    BTC_TRY(talloc(t, &t->xf, M * D, "workspace"));
-    BTC_TRY(talloc(t, &t->h, M * F, "workspace"));
-    BTC_TRY(talloc(t, &t->dx, M * D, "workspace"));
-    BTC_TRY(talloc(t, &t->dx2, M * D, "workspace"));
-    BTC_TRY(talloc(t, &t->dxn, M * D, "workspace"));
-    BTC_TRY(talloc(t, &t->dtmp, M * D, "workspace"));
-    BTC_TRY(talloc(t, &t->dq, M * Dq, "workspace"));
-    BTC_TRY(talloc(t, &t->dk, M * Dkv, "workspace"));
-    BTC_TRY(talloc(t, &t->dv, M * Dkv, "workspace"));
-    BTC_TRY(talloc(t, &t->datt, M * Dq, "workspace"));
-    BTC_TRY(talloc(t, &t->dg, M * F, "workspace"));
-    BTC_TRY(talloc(t, &t->du, M * F, "workspace"));
-    BTC_TRY(talloc(t, &t->dh, M * F, "workspace"));
-    BTC_TRY(talloc(t, &t->dxa, M * r, "workspace"));
-    BTC_TRY(talloc(t, &t->xd, M * wide, "dropout workspace"));
-    bool any_quant = false;
-    for (int i = 0; i < t->L * BT_MOD_N; i++)
-        any_quant = any_quant || t->md.lin[i].is_nf4 || t->md.lin[i].is_gguf;
-    if (any_quant && !t->base_matmul_impl) /* the fused GEMMs dequantise tiles in shared memory */
-        BTC_TRY(talloc(t, &t->wbuf, (size_t)t->md.max_nk, "dequantisation buffer"));
-    BTC_TRY(talloc(t, &t->rstdf, M, "workspace"));
-    BTC_TRY(talloc(t, &t->row_loss, M, "workspace"));
-    BTC_TRY(talloc(t, &t->delta, M * (size_t)t->Hq, "workspace"));
-    if (t->off_norms >= 0)
-        BTC_TRY(talloc(t, &t->rms_scratch, bt_cuda_rmsnorm_bwd_scratch_floats(max_M, t->D), "workspace"));
-    BTC_TRY(btc_alloc(t, &t->ce_ws, bt_cuda_linear_ce_workspace_bytes(t->ce_chunk, t->V), "CE workspace"));
-    BTC_TRY(talloc(t, &t->d_ids, M, "batch"));
-    BTC_TRY(talloc(t, &t->d_pos, M, "batch"));
     if (m->inv_freq) {
         /* the model's RoPE table (default / llama3 / GGUF rope_freqs, context scaling), exactly
          * the CPU step's */
-        BTC_TRY(talloc(t, &t->d_inv_freq, (size_t)(t->hd / 2), "RoPE table"));
         BTC_TRY(BTC_CUDA(cudaMemcpy(t->d_inv_freq, m->inv_freq, sizeof(float) * (size_t)(t->hd / 2),
                                     cudaMemcpyHostToDevice)));
         t->h_inv_freq.assign(m->inv_freq, m->inv_freq + t->hd / 2);
-        if (hp->rope_ext == BT_ROPE_EXT_DYNAMIC)
-            BTC_TRY(talloc(t, &t->d_rope_dyn, (size_t)(t->hd / 2), "RoPE table (dynamic)"));
     }
-    BTC_TRY(talloc(t, &t->d_cu, M + 1, "batch"));
-    BTC_TRY(talloc(t, &t->d_tgt, M, "batch"));
-    BTC_TRY(talloc(t, &t->d_loss, 1, "loss"));
-    BTC_TRY(talloc(t, &t->d_count, 1, "loss"));
     BTC_TRY(BTC_CUDA(cudaMallocHost((void **)&t->h_loss, sizeof(double))));
     *t->h_loss = 0;
-    t->h_tgt.assign(M, -100);
+    t->h_tgt.assign((size_t)max_M, -100);
     BTC_TRY(BTC_CUDA(cudaDeviceSynchronize()));
     sample_mem(t);
     return 0;

@@ -82,6 +82,12 @@ void bt_cuda_trainer_free(bt_cuda_trainer *t);
 
 /* Device bytes held by the trainer (model + LoRA state + workspace), and the device name. */
 size_t bt_cuda_trainer_bytes(const bt_cuda_trainer *t);
+/* Device bytes the trainer allocated for its step (the memory plan, trainer/backend/plan.h
+ * bt_plan_step with BT_PLAN_CUDA: LoRA state, optimiser scratch, activations, workspace, batch
+ * arrays; not the model's weights nor a data-parallel run's NCCL scratch), and in *host (may be
+ * NULL) the pinned host bytes of its offloaded layer inputs. Equal to the plan's totals: `trainer
+ * estimate` bills the same plan. 0 for NULL. */
+size_t bt_cuda_trainer_plan_bytes(const bt_cuda_trainer *t, size_t *host);
 const char *bt_cuda_trainer_device_name(const bt_cuda_trainer *t);
 
 /* Zero the device LoRA (and LoRA+) gradient buffer. */

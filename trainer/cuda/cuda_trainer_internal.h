@@ -6,6 +6,7 @@
 #endif
 extern "C" {
 #include "common/bt_common.h"
+#include "trainer/backend/plan.h"
 #include "trainer/backend/profile.h"
 #include "trainer/model/rng.h"
 }
@@ -160,6 +161,8 @@ struct bt_cuda_trainer {
     double *h_loss; /* pinned [1] */
     std::vector<void *> allocs;
     size_t bytes, base_used, peak_used;
+    size_t plan_bytes, host_bytes; /* the step's memory plan: device bytes allocated for it
+                                    * (trainer/backend/plan.h), pinned host bytes (offload) */
     /* data-parallel (cuda_dist.cu): NULL comm = one process */
     ncclComm_t comm;
     int rank, world, comm_failed; /* comm_failed: an NCCL call failed (free aborts, not waits) */
@@ -177,7 +180,7 @@ int btc_check(bt_cuda_trainer *t);
 
 /* cuda_step.cu: device allocation owned by the trainer (freed by bt_cuda_trainer_free) */
 int btc_alloc(bt_cuda_trainer *t, void **p, size_t bytes, const char *what);
-/* cuda_optim.cu: AdamW descriptors and grad-norm scratch (after p, g, m, v, p16 exist) */
+/* cuda_optim.cu: fill the AdamW descriptors (after the plan's p, g, m, v, p16, adam_desc exist) */
 int btc_optim_init(bt_cuda_trainer *t);
 
 #endif

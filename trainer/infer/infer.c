@@ -75,15 +75,16 @@ int bt_infer_new(bt_infer **out, const bt_model *m, const bt_lora *lo, int max_c
     s->lo = lo;
     s->max_ctx = max_ctx;
     s->max_chunk = max_chunk;
-    s->n_layer = hp->n_layer;
-    s->D = hp->d_model;
-    s->Hq = hp->n_head;
-    s->Hkv = hp->n_kv_head;
-    s->hd = hp->head_dim;
-    s->Dq = hp->n_head * hp->head_dim;
-    s->Dkv = hp->n_kv_head * hp->head_dim;
-    s->F = hp->d_ff;
-    s->V = hp->vocab;
+    const bt_dims d = bt_dims_of(hp);
+    s->n_layer = d.L;
+    s->D = d.D;
+    s->Hq = d.Hq;
+    s->Hkv = d.Hkv;
+    s->hd = d.hd;
+    s->Dq = d.Dq;
+    s->Dkv = d.Dkv;
+    s->F = d.F;
+    s->V = d.V;
 #ifdef _OPENMP
     s->nthr = omp_get_max_threads();
 #else

@@ -2,14 +2,15 @@
 #include "trainer/loop/step.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
+#include "trainer/backend/plan.h"
 #include "trainer/backend/profile.h"
 
-#define CE_CHUNK_ROWS 256
 
 typedef struct {
     float *xn1, *rstd1, *q, *k, *v, *att, *lse, *x2, *xn2, *rstd2, *g, *u;
@@ -24,13 +25,14 @@ struct bt_step_ctx {
     float *rope_tab;   /* [hd/2] the pass's RoPE table when it differs from m->inv_freq (dynamic) */
     const float *inv;  /* the RoPE table of the pass in progress */
     bt_rope_cache rope; /* cos/sin of `inv` by position (kernels.h), this context's own */
-    int D, Dq, Dkv, F, V, r, Hq, Hkv, hd;
+    int D, Dq, Dkv, F, V, r, Hq, Hkv, hd; /* bt_dims_of(&m->hp); r: the LoRA rank (1 without) */
     float **x_in;      /* [n_layer + 1][max_M * D]: input of each layer; [n_layer] = final hidden */
     layer_acts *acts;  /* [n_layer], or [1] shared when checkpointing */
     float *xf, *rstdf, *h;
     float *dx, *dx2, *dxn, *dtmp, *dq, *dk, *dv, *datt, *dg, *du, *dh, *das, *xd;
     float *scratch, *ce_ws;
     int32_t *targets;
+    int n_acts;        /* layers whose activations are kept: n_layer, or 1 when checkpointing */
     void **allocs;
     int n_allocs, cap_allocs;
     size_t bytes;
@@ -63,17 +65,62 @@ void bt_step_ctx_set_check(bt_step_ctx *c, int (*check)(void *arg), void *arg) {
 /* 0, or the check's error: the caller abandons the micro-batch. */
 static int asked_to_stop(bt_step_ctx *c) { return c->check ? c->check(c->check_arg) : 0; }
 
-static float *ctx_alloc(bt_step_ctx *c, size_t n_floats) {
+/* One plan buffer's allocation: bytes of it (at least one element is allocated, so a 0-element
+ * buffer is a valid pointer, billed as 0 bytes). */
+static void *ctx_alloc(bt_step_ctx *c, size_t bytes, size_t elem) {
     if (c->n_allocs == c->cap_allocs) {
         c->cap_allocs = c->cap_allocs ? 2 * c->cap_allocs : 64;
         c->allocs = bt_xrealloc(c->allocs, (size_t)c->cap_allocs * sizeof(void *));
     }
-    float *p = bt_aligned_alloc((n_floats ? n_floats : 1) * sizeof(float));
+    void *p = bt_aligned_alloc(bytes ? bytes : elem);
     if (p) {
         c->allocs[c->n_allocs++] = p;
-        c->bytes += n_floats * sizeof(float);
+        c->bytes += bytes;
     }
     return p;
+}
+
+/* Point copy i of plan buffer `id` at p (the context's field for it). */
+static void bind(bt_step_ctx *c, int id, int i, void *p) {
+    layer_acts *A = &c->acts[i < c->n_acts ? i : 0];
+    switch (id) {
+    case BT_BUF_X_IN: c->x_in[i] = p; break;
+    case BT_BUF_XN1: A->xn1 = p; break;
+    case BT_BUF_RSTD1: A->rstd1 = p; break;
+    case BT_BUF_Q: A->q = p; break;
+    case BT_BUF_K: A->k = p; break;
+    case BT_BUF_V: A->v = p; break;
+    case BT_BUF_ATT: A->att = p; break;
+    case BT_BUF_LSE: A->lse = p; break;
+    case BT_BUF_X2: A->x2 = p; break;
+    case BT_BUF_XN2: A->xn2 = p; break;
+    case BT_BUF_RSTD2: A->rstd2 = p; break;
+    case BT_BUF_G: A->g = p; break;
+    case BT_BUF_U: A->u = p; break;
+    case BT_BUF_XF: c->xf = p; break;
+    case BT_BUF_RSTDF: c->rstdf = p; break;
+    case BT_BUF_H: c->h = p; break;
+    case BT_BUF_DX: c->dx = p; break;
+    case BT_BUF_DX2: c->dx2 = p; break;
+    case BT_BUF_DXN: c->dxn = p; break;
+    case BT_BUF_DTMP: c->dtmp = p; break;
+    case BT_BUF_DQ: c->dq = p; break;
+    case BT_BUF_DK: c->dk = p; break;
+    case BT_BUF_DV: c->dv = p; break;
+    case BT_BUF_DATT: c->datt = p; break;
+    case BT_BUF_DG: c->dg = p; break;
+    case BT_BUF_DU: c->du = p; break;
+    case BT_BUF_DH: c->dh = p; break;
+    case BT_BUF_DXA: c->das = p; break;
+    case BT_BUF_XD: c->xd = p; break;
+    case BT_BUF_TILES: c->scratch = p; break;
+    case BT_BUF_ROPE: c->rope_tab = p; break;
+    case BT_BUF_CE_WS: c->ce_ws = p; break;
+    case BT_BUF_TARGETS: c->targets = p; break;
+    default: /* BT_BUF_XA + mod */
+        A->as[id - BT_BUF_XA] = p;
+        break;
+    }
 }
 
 void bt_step_ctx_free(bt_step_ctx *c) {
@@ -82,7 +129,6 @@ void bt_step_ctx_free(bt_step_ctx *c) {
     free(c->allocs);
     free(c->x_in);
     free(c->acts);
-    free(c->targets);
     bt_rope_cache_free(&c->rope);
     free(c);
 }
@@ -103,56 +149,47 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
     if (max_M < 1) return bt_fail(BT_ERR_INVALID, "step: max_M %d < 1", max_M);
     if (!m->inv_freq)
         return bt_fail(BT_ERR_INVALID, "step: the model has no RoPE table (bt_model_rope_init)");
+    const bt_dims d = bt_dims_of(&m->hp);
+    bt_plan plan;
+    bt_plan_opts po;
+    memset(&po, 0, sizeof po);
+    po.backend = BT_PLAN_CPU;
+    po.max_M = max_M;
+    po.checkpointing = checkpointing;
+    po.r = lo ? lo->r : 0;
+    po.target_mask = lo ? lo->target_mask : 0;
+    po.quant_base = m->base_dtype == BT_BASE_NF4 || m->base_dtype == BT_BASE_GGUF;
+    po.threads = omp_get_max_threads(); /* as bt_model_scratch_floats sizes the tiles */
+    int rc = bt_plan_step(&plan, &d, &po);
+    if (rc) return rc;
     bt_step_ctx *c = bt_xcalloc(1, sizeof *c);
-    const bt_llama_hparams *hp = &m->hp;
     c->max_M = max_M;
     c->ckpt = checkpointing;
-    c->n_layer = hp->n_layer;
-    c->D = hp->d_model;
-    c->Hq = hp->n_head;
-    c->Hkv = hp->n_kv_head;
-    c->hd = hp->head_dim;
-    c->Dq = hp->n_head * hp->head_dim;
-    c->Dkv = hp->n_kv_head * hp->head_dim;
-    c->F = hp->d_ff;
-    c->V = hp->vocab;
+    c->n_layer = d.L;
+    c->D = d.D;
+    c->Hq = d.Hq;
+    c->Hkv = d.Hkv;
+    c->hd = d.hd;
+    c->Dq = d.Dq;
+    c->Dkv = d.Dkv;
+    c->F = d.F;
+    c->V = d.V;
     c->r = lo ? lo->r : 1;
-    c->attn_scale = bt_model_attn_scale(hp);
-    size_t M = (size_t)max_M, D = (size_t)c->D, F = (size_t)c->F;
-    int n_acts = checkpointing ? 1 : c->n_layer;
+    c->attn_scale = bt_model_attn_scale(&m->hp);
+    c->n_acts = checkpointing ? 1 : c->n_layer;
     c->x_in = calloc((size_t)c->n_layer + 1, sizeof(float *));
-    c->acts = calloc((size_t)n_acts, sizeof(layer_acts));
-    c->targets = malloc(M * sizeof(int32_t));
-    if (!c->x_in || !c->acts || !c->targets) goto oom;
-    for (int l = 0; l <= c->n_layer; l++)
-        if (!(c->x_in[l] = ctx_alloc(c, M * D))) goto oom;
-    for (int a = 0; a < n_acts; a++) {
-        layer_acts *A = &c->acts[a];
-        if (!(A->xn1 = ctx_alloc(c, M * D)) || !(A->rstd1 = ctx_alloc(c, M)) ||
-            !(A->q = ctx_alloc(c, M * c->Dq)) || !(A->k = ctx_alloc(c, M * c->Dkv)) ||
-            !(A->v = ctx_alloc(c, M * c->Dkv)) || !(A->att = ctx_alloc(c, M * c->Dq)) ||
-            !(A->lse = ctx_alloc(c, M * c->Hq)) || !(A->x2 = ctx_alloc(c, M * D)) ||
-            !(A->xn2 = ctx_alloc(c, M * D)) || !(A->rstd2 = ctx_alloc(c, M)) ||
-            !(A->g = ctx_alloc(c, M * F)) || !(A->u = ctx_alloc(c, M * F)))
-            goto oom;
-        for (int mod = 0; mod < BT_MOD_N; mod++)
-            if (lo && (lo->target_mask & (1u << mod)))
-                if (!(A->as[mod] = ctx_alloc(c, M * c->r))) goto oom;
+    c->acts = calloc((size_t)c->n_acts, sizeof(layer_acts));
+    if (!c->x_in || !c->acts) goto oom;
+    /* the plan's buffers, one allocation per copy (trainer/backend/plan.h) */
+    for (int b = 0; b < plan.n; b++) {
+        const bt_plan_buf *pb = &plan.buf[b];
+        const size_t elem = bt_dtype_size(pb->dtype);
+        for (int i = 0; i < pb->copies; i++) {
+            void *p = ctx_alloc(c, (size_t)pb->count * elem, elem);
+            if (!p) goto oom;
+            bind(c, pb->id, i, p);
+        }
     }
-    size_t wide = F > D ? F : D;
-    if ((size_t)c->Dq > wide) wide = (size_t)c->Dq;
-    if (!(c->xf = ctx_alloc(c, M * D)) || !(c->rstdf = ctx_alloc(c, M)) ||
-        !(c->h = ctx_alloc(c, M * F)) || !(c->dx = ctx_alloc(c, M * D)) ||
-        !(c->dx2 = ctx_alloc(c, M * D)) || !(c->dxn = ctx_alloc(c, M * D)) ||
-        !(c->dtmp = ctx_alloc(c, M * D)) || !(c->dq = ctx_alloc(c, M * c->Dq)) ||
-        !(c->dk = ctx_alloc(c, M * c->Dkv)) || !(c->dv = ctx_alloc(c, M * c->Dkv)) ||
-        !(c->datt = ctx_alloc(c, M * c->Dq)) || !(c->dg = ctx_alloc(c, M * F)) ||
-        !(c->du = ctx_alloc(c, M * F)) || !(c->dh = ctx_alloc(c, M * F)) ||
-        !(c->das = ctx_alloc(c, M * c->r)) || !(c->xd = ctx_alloc(c, M * wide)) ||
-        !(c->scratch = ctx_alloc(c, bt_model_scratch_floats(m))) ||
-        !(c->rope_tab = ctx_alloc(c, (size_t)c->hd / 2)) ||
-        !(c->ce_ws = ctx_alloc(c, bt_linear_ce_workspace_floats(CE_CHUNK_ROWS, c->V))))
-        goto oom;
     *out = c;
     return 0;
 oom:;
@@ -358,7 +395,7 @@ int bt_forward_logprobs(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
     OP(c, backward ? "lm_head + log-probs fwd+bwd" : "lm_head + log-probs fwd",
        backward ? F4((int64_t)M * c->D) : 0.0,
        bt_linear_logprob(logp, backward ? c->dtmp : NULL, NULL, c->xf, bt_lora_lm_head(lo, m),
-                         c->targets, NULL, M, c->D, c->V, CE_CHUNK_ROWS, c->ce_ws));
+                         c->targets, NULL, M, c->D, c->V, BT_PLAN_CPU_CE_ROWS, c->ce_ws));
     if (n_valid) {
         int nv = 0;
         for (int t = 0; t < M; t++) nv += c->targets[t] >= 0 && c->targets[t] < c->V;
@@ -381,7 +418,7 @@ int bt_backward_logprobs(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const b
          * more pass, which also rewrites dX with dlogp applied */
         OP(c, "lm_head + log-probs bwd (dW)", F4((int64_t)M * c->D),
            bt_linear_logprob(NULL, c->dtmp, dW, c->xf, bt_lora_lm_head(lo, m), c->targets, dlogp,
-                             M, c->D, c->V, CE_CHUNK_ROWS, c->ce_ws));
+                             M, c->D, c->V, BT_PLAN_CPU_CE_ROWS, c->ce_ws));
     } else {
         for (int t = 0; t < M; t++) {
             float *row = c->dtmp + (size_t)t * c->D;
@@ -407,7 +444,7 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
        backward ? F4((int64_t)M * c->D) : 0.0,
        loss = bt_linear_ce_dw(backward ? c->dtmp : NULL, backward ? bt_lora_dlm_head(lo) : NULL,
                               &nv, c->xf, bt_lora_lm_head(lo, m), c->targets, M, c->D, c->V,
-                              CE_CHUNK_ROWS, grad_scale, c->ce_ws));
+                              BT_PLAN_CPU_CE_ROWS, grad_scale, c->ce_ws));
     if (loss_sum) *loss_sum = loss;
     if (n_valid) *n_valid = nv;
     if (!backward) return 0;

@@ -33,14 +33,19 @@
 
 typedef struct bt_step_ctx bt_step_ctx;
 
-/* Workspace for micro-batches of up to max_M tokens (owned; bt_step_ctx_free). RoPE uses the
+/* Workspace for micro-batches of up to max_M tokens (owned; bt_step_ctx_free): the buffers of the
+ * step's memory plan (trainer/backend/plan.h: BT_PLAN_CPU, sized by bt_dims_of(&m->hp), lo's rank
+ * and targets, the base dtype's dequantisation tiles for omp_get_max_threads() threads), one
+ * allocation each. RoPE uses the
  * model's table m->inv_freq (bt_model_rope_init; bt_model_rope_table for dynamic scaling).
  * checkpointing: 1 = keep only each layer's input and recompute the layer in backward. Errors:
  * BT_ERR_INVALID (max_M < 1, a model without m->inv_freq). */
 int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int max_M,
                     int checkpointing);
 void bt_step_ctx_free(bt_step_ctx *c);
-/* Bytes of workspace held (for logs). */
+/* Bytes of workspace held: exactly the total of the step's memory plan (trainer/backend/plan.h,
+ * bt_plan_step with backend BT_PLAN_CPU for this model, LoRA, max_M and checkpointing), which
+ * `trainer estimate` bills. */
 size_t bt_step_ctx_bytes(const bt_step_ctx *c);
 /* Profile every op of the following forward/backward calls into p (trainer/backend/profile.h; borrowed,
  * must outlive its use); NULL turns profiling off (the default; then nothing is timed). */

@@ -17,17 +17,50 @@
 static const char *const k_gguf_lin[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
                                                  "ffn_gate", "ffn_up", "ffn_down"};
 
-void bt_model_lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *cols) {
-    int D = hp->d_model, q = hp->n_head * hp->head_dim, kv = hp->n_kv_head * hp->head_dim;
+bt_dims bt_dims_of(const bt_llama_hparams *hp) {
+    bt_dims d;
+    d.L = hp->n_layer;
+    d.D = hp->d_model;
+    d.Hq = hp->n_head;
+    d.Hkv = hp->n_kv_head;
+    d.hd = hp->head_dim;
+    d.Dq = hp->n_head * hp->head_dim;
+    d.Dkv = hp->n_kv_head * hp->head_dim;
+    d.F = hp->d_ff;
+    d.V = hp->vocab;
+    return d;
+}
+
+void bt_dims_lin_shape(const bt_dims *d, int mod, int *rows, int *cols) {
     switch (mod) {
-    case BT_MOD_Q: *rows = q, *cols = D; break;
+    case BT_MOD_Q: *rows = d->Dq, *cols = d->D; break;
     case BT_MOD_K:
-    case BT_MOD_V: *rows = kv, *cols = D; break;
-    case BT_MOD_O: *rows = D, *cols = q; break;
+    case BT_MOD_V: *rows = d->Dkv, *cols = d->D; break;
+    case BT_MOD_O: *rows = d->D, *cols = d->Dq; break;
     case BT_MOD_GATE:
-    case BT_MOD_UP: *rows = hp->d_ff, *cols = D; break;
-    default: *rows = D, *cols = hp->d_ff; break; /* down */
+    case BT_MOD_UP: *rows = d->F, *cols = d->D; break;
+    default: *rows = d->D, *cols = d->F; break; /* down */
     }
+}
+
+int64_t bt_dims_max_linear(const bt_dims *d) {
+    int64_t mx = 0;
+    for (int mod = 0; mod < BT_MOD_N; mod++) {
+        int r, c;
+        bt_dims_lin_shape(d, mod, &r, &c);
+        if ((int64_t)r * c > mx) mx = (int64_t)r * c;
+    }
+    return mx;
+}
+
+int bt_dims_max_cols(const bt_dims *d) {
+    int k = d->F > d->D ? d->F : d->D;
+    return d->Dq > k ? d->Dq : k;
+}
+
+void bt_model_lin_shape(const bt_llama_hparams *hp, int mod, int *rows, int *cols) {
+    const bt_dims d = bt_dims_of(hp);
+    bt_dims_lin_shape(&d, mod, rows, cols);
 }
 
 int bt_model_check_hparams(const bt_llama_hparams *hp, const char *src, int head_dim_free) {
@@ -64,10 +97,8 @@ size_t bt_model_scratch_floats(const bt_model *m) {
     if (m->base_dtype != BT_BASE_NF4 && m->base_dtype != BT_BASE_GGUF) return 1;
     /* K of every NF4 / ggml GEMM is a linear's cols: d_model, d_ff, or n_head * head_dim (o_proj;
      * may exceed both with an explicit HF head_dim); both use the tiled driver's scratch */
-    size_t a = bt_nf4_scratch_floats(m->hp.d_model), b = bt_nf4_scratch_floats(m->hp.d_ff);
-    size_t c = bt_nf4_scratch_floats(m->hp.n_head * m->hp.head_dim);
-    if (b > a) a = b;
-    return c > a ? c : a;
+    const bt_dims d = bt_dims_of(&m->hp);
+    return bt_nf4_scratch_floats(bt_dims_max_cols(&d));
 }
 
 void bt_base_fwd(float *Y, const float *X, const bt_base_linear *l, int M, float beta,

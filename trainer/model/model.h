@@ -43,6 +43,34 @@ typedef struct {
     float rope_attn_factor;   /* yarn: rope_scaling.attention_factor (0 = 0.1 ln factor + 1) */
 } bt_llama_hparams;
 
+/* The dimensions every buffer and linear of the model is sized by, derived once from its
+ * hyper-parameters (bt_dims_of): what the step contexts (trainer/loop/step.c, trainer/cuda/),
+ * inference, the memory plan (trainer/backend/plan.h) and `trainer estimate` read instead of
+ * re-deriving them. Element counts, not bytes. */
+typedef struct {
+    int L;        /* n_layer */
+    int D;        /* d_model */
+    int Hq, Hkv;  /* n_head, n_kv_head */
+    int hd;       /* head_dim */
+    int Dq;       /* Hq * hd: q_proj's rows, o_proj's cols */
+    int Dkv;      /* Hkv * hd: k_proj's and v_proj's rows */
+    int F;        /* d_ff */
+    int V;        /* vocab */
+} bt_dims;
+
+/* The dimensions of hp (no checks: validate hp first, bt_model_check_hparams /
+ * bt_est_model_read; products fit an int for every model they accept). */
+bt_dims bt_dims_of(const bt_llama_hparams *hp);
+
+/* Shape [rows = out, cols = in] of linear `mod` (BT_MOD_*), as HF LlamaForCausalLM holds it
+ * (nn.Linear weight [out, in]): q Dq x D, k and v Dkv x D, o D x Dq, gate and up F x D, down
+ * D x F. */
+void bt_dims_lin_shape(const bt_dims *d, int mod, int *rows, int *cols);
+/* Elements of the largest of the seven linears (the GPU's dequantisation buffer). */
+int64_t bt_dims_max_linear(const bt_dims *d);
+/* The widest linear input (K of every base GEMM): max(D, F, Dq). */
+int bt_dims_max_cols(const bt_dims *d);
+
 enum { BT_ROPE_DEFAULT = 0, BT_ROPE_LLAMA3 = 1, BT_ROPE_FREQS = 2 };
 /* (BT_ROPE_EXT_NONE / LINEAR / YARN / DYNAMIC: trainer/config.h) */
 

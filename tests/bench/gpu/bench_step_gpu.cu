@@ -142,11 +142,8 @@ static int find_max_T(const char *model, const bt_model *m, bt_lora *lora,
     memset(&em, 0, sizeof em);
     em.hp = m->hp;
     em.tied = m->tied;
-    for (int mod = 0; mod < BT_MOD_N; mod++) {
-        const int64_t n = (int64_t)m->layers[0].lin[mod].rows * m->layers[0].lin[mod].cols;
-        if (n > em.max_linear)
-            em.max_linear = n;
-    }
+    const bt_dims dims = bt_dims_of(&m->hp);
+    em.max_linear = bt_dims_max_linear(&dims);
     bt_train_config c;
     char txt[512];
     snprintf(txt, sizeof txt, "{\"model\": \"m\", \"data\": {\"shards\": [\"d\"], \"micro_batch_size\": "

@@ -3,8 +3,12 @@
  * workspace of bt_step_ctx_new with and without activation checkpointing), the CUDA bill's
  * relations, reading the hyper-parameters from a GGUF header ($BT_MODEL, skipped when
  * absent) or refusing bad files, and a GGUF-native base billed at its file's tensor bytes (a tiny
- * Q4_K / F16 model: base, model bytes and step workspace against what the trainer holds). The end-to-end check against measured peak RSS is
- * tests/py/test_trainer_cli.py. */
+ * Q4_K / F16 model: base, model bytes and step workspace against what the trainer holds); no drift
+ * between the bill and the step context: for several jobs bt_step_ctx_bytes (the training and a
+ * held-out length's context) equals the bill's step / eval figures byte for byte, as both walk the
+ * memory plan (trainer/backend/plan.h), whose bad options are refused. The GPU trainer's side is
+ * tests/gpu/test_trainer_gpu.cu (test_plan_matches_estimate). The end-to-end check against
+ * measured peak RSS is tests/py/test_trainer_cli.py. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -20,6 +24,7 @@
 
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
+#include "trainer/backend/plan.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
 #include "trainer/model/lora.h"
@@ -305,13 +310,122 @@ static void test_long_rows(void **st) {
     bt_config_free(&c);
 }
 
+/* No drift: the bill's step figure is exactly what bt_step_ctx_new allocates (the plan both walk),
+ * for NF4 / fp32 / GGUF-native bases, tied or not, with and without checkpointing, LoRA+ and
+ * target subsets; its rows add up to it; a held-out length's own context is billed exactly. */
+static void test_plan_exact(void **st) {
+    (void)st;
+    static const struct {
+        const char *extra;
+        int base_dtype, gguf_type, tied;
+        const bt_llama_hparams *hp;
+    } cases[] = { /* (bt_model_init_random needs n_head * head_dim == d_model: not k_wide) */
+        {NULL, BT_BASE_NF4, -1, 1, &k_hp},
+        {", \"activation_checkpointing\": true", BT_BASE_FP32, -1, 0, &k_hp},
+        {", \"trainable_modules\": [\"embed_tokens\", \"norm\"], \"grad_accum\": 2", BT_BASE_NF4,
+         -1, 0, &k_hp},
+        {NULL, BT_BASE_GGUF, BT_GGML_Q8_0, 1, &k_hp}, /* r 3 on o_proj and up_proj (below) */
+        {", \"activation_checkpointing\": true", BT_BASE_GGUF, BT_GGML_F16, 0, &k_hp},
+    };
+    const int threads = omp_get_max_threads();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        bt_train_config c;
+        config(&c, cases[i].extra);
+        c.base_dtype = cases[i].base_dtype;
+        if (cases[i].gguf_type == BT_GGML_Q8_0) {
+            c.lora.r = 3;
+            c.lora.target_mask = (1u << BT_MOD_O) | (1u << BT_MOD_UP);
+        }
+        bt_model m;
+        const int init_dtype = cases[i].gguf_type >= 0 ? BT_BASE_FP32 : cases[i].base_dtype;
+        assert_int_equal(bt_model_init_random(&m, cases[i].hp, init_dtype, cases[i].tied, 1), 0);
+        if (cases[i].gguf_type >= 0) assert_int_equal(bt_model_to_ggml(&m, cases[i].gguf_type), 0);
+        unsigned tr = ((c.trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
+                      ((c.trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
+        bt_lora lo;
+        assert_int_equal(bt_lora_init_ex(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask,
+                                         tr, 1), 0);
+        const int M = c.data.seq_len * c.data.micro_batch_size;
+        bt_step_ctx *ctx = NULL;
+        assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, M, c.activation_checkpointing), 0);
+        bt_est_model em;
+        memset(&em, 0, sizeof em);
+        em.hp = *cases[i].hp;
+        em.tied = cases[i].tied;
+        em.gguf = cases[i].gguf_type >= 0;
+        em.gguf_quant = em.gguf;
+        bt_dims d = bt_dims_of(cases[i].hp);
+        em.max_linear = bt_dims_max_linear(&d);
+        bt_mem_bill b;
+        bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+        if (b.step != (double)bt_step_ctx_bytes(ctx))
+            fail_msg("case %zu: bill step %.0f bytes, bt_step_ctx_bytes %zu", i, b.step,
+                     bt_step_ctx_bytes(ctx));
+        /* the rows: acts + loss + other hold the step plus the run's batch copies */
+        assert_true(b.acts + b.loss_ws + b.other - (double)c.grad_accum * (4.0 * M + 1) * 4.0 == b.step);
+        assert_int_equal(b.n_lora + b.n_dense, lo.n_params);
+        bt_step_ctx_free(ctx);
+        /* a held-out length past the micro-batch: its own checkpointed context, billed exactly */
+        c.eval.n_shards = 1;
+        c.eval.n_lengths = 1;
+        c.eval.lengths[0] = 3 * M;
+        bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+        assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, 3 * M, 1), 0);
+        if (b.eval != (double)bt_step_ctx_bytes(ctx))
+            fail_msg("case %zu: bill eval %.0f bytes, bt_step_ctx_bytes %zu", i, b.eval,
+                     bt_step_ctx_bytes(ctx));
+        bt_step_ctx_free(ctx);
+        bt_lora_free(&lo);
+        bt_model_free(&m);
+        bt_config_free(&c);
+    }
+}
+
+/* The plan refuses options no context can hold, naming them; sizes follow the dims. */
+static void test_plan_refusals(void **st) {
+    (void)st;
+    const bt_dims d = bt_dims_of(&k_hp);
+    bt_plan p;
+    bt_plan_opts o;
+    memset(&o, 0, sizeof o);
+    o.max_M = 0;
+    assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
+    o.max_M = 16;
+    o.r = -1;
+    assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
+    o.r = 0; /* CPU without LoRA: a 1-wide dXA, no XA buffers */
+    assert_int_equal(bt_plan_step(&p, &d, &o), 0);
+    assert_true(bt_plan_find(&p, BT_BUF_DXA)->count == 16);
+    assert_null(bt_plan_find(&p, BT_BUF_XA + BT_MOD_Q));
+    assert_true(bt_plan_find(&p, BT_BUF_X_IN)->copies == k_hp.n_layer + 1);
+    assert_true(bt_plan_find(&p, BT_BUF_Q)->count == 16 * k_hp.n_head * k_hp.head_dim);
+    assert_true(bt_plan_find(&p, BT_BUF_TILES)->count == 0); /* not quantised */
+    o.backend = BT_PLAN_CUDA; /* CUDA needs a rank and parameters */
+    assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
+    o.r = 4;
+    assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
+    o.n_params = 100;
+    o.offload = 1; /* offload without checkpointing */
+    assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "checkpointing"));
+    o.checkpointing = 1;
+    assert_int_equal(bt_plan_step(&p, &d, &o), 0);
+    assert_true(bt_plan_bytes(&p, BT_PG_HOST) == (uint64_t)(k_hp.n_layer + 1) * 16 * k_hp.d_model * 2);
+    assert_true(bt_plan_find(&p, BT_BUF_XBUF)->copies == 3);
+    assert_null(bt_plan_find(&p, BT_BUF_X_IN));
+    assert_true(bt_plan_bytes(&p, BT_PG_LORA) == 100 * 18);
+    o.backend = 7;
+    assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_nf4),     cmocka_unit_test(test_fp32_untied),
         cmocka_unit_test(test_checkpointing), cmocka_unit_test(test_lora_plus),
         cmocka_unit_test(test_scaling),       cmocka_unit_test(test_read_gguf),
         cmocka_unit_test(test_wide_heads_nf4), cmocka_unit_test(test_gguf_base),
-        cmocka_unit_test(test_long_rows),
+        cmocka_unit_test(test_long_rows),     cmocka_unit_test(test_plan_exact),
+        cmocka_unit_test(test_plan_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,151 @@
+/* The step's memory plan: every buffer a training step context holds, by name, element count and
+ * dtype, computed once from the model's dimensions (bt_dims) and the run's options (tokens per
+ * micro-batch, checkpointing, LoRA rank and targets, base dtype, CE chunk, offload ...). This is
+ * llm.c's way (train_gpt2.cu fill_in_activation_sizes + malloc_and_point_activations): one list
+ * that the allocators walk and the bill adds up, so what `trainer estimate` reports cannot drift
+ * from what is allocated.
+ *
+ * Three readers walk the same plan:
+ *   - the CPU step context (trainer/loop/step.c bt_step_ctx_new): every BT_PLAN_CPU buffer, fp32
+ *     (int32 targets); bt_step_ctx_bytes is the plan's total;
+ *   - the GPU trainer (trainer/cuda/cuda_step.cu): every BT_PLAN_CUDA buffer: its LoRA state and
+ *     optimiser scratch, bf16 activations (fp32 lse / rstd), its workspace and batch arrays on the
+ *     device, the offloaded layer inputs in pinned host memory (group BT_PG_HOST);
+ *   - `trainer estimate` (trainer/estimate.c bt_estimate_bill): the bill's activation, loss,
+ *     workspace (and on CUDA LoRA) rows are the plan's groups.
+ * The frozen model's weights (trainer/model/), the CPU LoRA state (trainer/model/lora.c, optim.c),
+ * the kernels' transient per-call scratch (CPU attention tiles), the RoPE cos/sin cache and the
+ * NCCL all-reduce scratch are not step buffers and are not in the plan. */
+#ifndef BT_TRAINER_BACKEND_PLAN_H
+#define BT_TRAINER_BACKEND_PLAN_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "trainer/model/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types of plan buffers. */
+typedef enum { BT_DT_F32, BT_DT_BF16, BT_DT_I32, BT_DT_F64, BT_DT_U8 } bt_dtype;
+/* Bytes of one element of dtype t (4, 2, 4, 8, 1). */
+size_t bt_dtype_size(int t);
+
+/* Which backend's context the plan describes. */
+enum { BT_PLAN_CPU = 0, BT_PLAN_CUDA = 1 };
+/* Rows per chunk of the CPU step's fused lm_head + CE (kernels.h bt_linear_ce): the step passes
+ * it, the plan sizes its workspace with it. */
+#define BT_PLAN_CPU_CE_ROWS 256
+
+/* The rows of `trainer estimate` a buffer is billed under. */
+typedef enum {
+    BT_PG_ACTS,  /* activations kept for backward: the layer inputs and each kept layer's */
+    BT_PG_LOSS,  /* the chunked lm_head + CE workspace (CUDA: and the per-row losses) */
+    BT_PG_WORK,  /* backward scratch, dropout copy, final norm, RoPE tables, dequantisation */
+    BT_PG_BATCH, /* the micro-batch's arrays (targets; CUDA: input_ids, position_ids, cu_seqlens) */
+    BT_PG_LORA,  /* CUDA: LoRA (+ LoRA+) fp32 master, gradient, AdamW m, v and the bf16 copy */
+    BT_PG_OPTIM, /* CUDA: AdamW descriptors, gradient-norm partial sums, loss scalars */
+    BT_PG_HOST,  /* CUDA offload: the checkpointed layer inputs in pinned host memory */
+    BT_PG_N
+} bt_plan_group;
+
+/* Buffer names. Per-layer buffers have `copies` = the kept layers; BT_BUF_XA + mod is the LoRA
+ * branch's X @ A^T of module mod (BT_MOD_*). A plan holds each id at most once, in this order. */
+typedef enum {
+    BT_BUF_LORA_P, BT_BUF_LORA_G, BT_BUF_LORA_M, BT_BUF_LORA_V, BT_BUF_LORA_P16,
+    BT_BUF_ADAM_DESC, BT_BUF_GNORM, BT_BUF_GNORM_PARTIAL, BT_BUF_LOSS_SUM, BT_BUF_LOSS_COUNT,
+    BT_BUF_X_IN,   /* [L + 1] layer inputs (the last: the final hidden state before the norm) */
+    BT_BUF_X_HOST, /* offload: the L + 1 layer inputs, one pinned host block */
+    BT_BUF_XBUF,   /* offload: [3] device buffers of the layer inputs in flight */
+    BT_BUF_XN1, BT_BUF_RSTD1, BT_BUF_Q, BT_BUF_K, BT_BUF_V, BT_BUF_ATT, BT_BUF_LSE, BT_BUF_X2,
+    BT_BUF_XN2, BT_BUF_RSTD2, BT_BUF_G, BT_BUF_U,
+    BT_BUF_XA, BT_BUF_XA_LAST = BT_BUF_XA + BT_MOD_N - 1,
+    BT_BUF_XF, BT_BUF_RSTDF, BT_BUF_H, BT_BUF_DX, BT_BUF_DX2, BT_BUF_DXN, BT_BUF_DTMP, BT_BUF_DQ,
+    BT_BUF_DK, BT_BUF_DV, BT_BUF_DATT, BT_BUF_DG, BT_BUF_DU, BT_BUF_DH, BT_BUF_DXA, BT_BUF_XD,
+    BT_BUF_TILES,       /* CPU: NF4 / ggml dequantisation tiles, one per thread */
+    BT_BUF_DEQUANT,     /* CUDA: one dequantised bf16 base linear (not with fused GEMMs) */
+    BT_BUF_ROPE,        /* CPU: the pass's RoPE table; CUDA: the model's table on the device */
+    BT_BUF_ROPE_DYN,    /* CUDA, dynamic NTK: the step's table */
+    BT_BUF_DELTA,       /* CUDA: attention backward's rowsum(dO * O) per head */
+    BT_BUF_RMS_SCRATCH, /* CUDA, trainable norms: RMSNorm dW partial sums */
+    BT_BUF_CE_WS, BT_BUF_ROW_LOSS,
+    BT_BUF_TARGETS, BT_BUF_IDS, BT_BUF_POS, BT_BUF_CU,
+    BT_BUF_N
+} bt_buf_id;
+
+/* One buffer: `copies` allocations of `count` elements of `dtype` each. */
+typedef struct {
+    int id;           /* bt_buf_id */
+    const char *name; /* static string, for messages ("q", "LoRA gradients") */
+    int dtype;        /* bt_dtype */
+    int group;        /* bt_plan_group */
+    int copies;       /* >= 1 */
+    int64_t count;    /* elements per copy, >= 0 (0: the allocator still hands out a non-NULL
+                       * pointer, billed as 0 bytes) */
+} bt_plan_buf;
+
+typedef struct {
+    int n;
+    bt_plan_buf buf[BT_BUF_N];
+} bt_plan;
+
+/* What sizes the plan beyond the model's dimensions. Zero-initialise, then set what applies. */
+typedef struct {
+    int backend;          /* BT_PLAN_CPU (fp32) or BT_PLAN_CUDA (bf16 activations; fp32 rstd,
+                           * lse, LoRA state) */
+    int max_M;            /* tokens per micro-batch (B * T), >= 1 */
+    int checkpointing;    /* 1: one layer's activations kept, recomputed in backward; else L */
+    int r;                /* LoRA rank (bt_lora.r); 0: no LoRA (CPU only: a 1-wide dXA) */
+    unsigned target_mask; /* bits (1 << BT_MOD_*) of the LoRA-targeted linears */
+    int quant_base;       /* the base linears are NF4 or ggml blocks (CPU: dequantisation tiles;
+                           * CUDA: the dequantisation buffer unless fused_quant) */
+    int threads;          /* CPU: OpenMP threads the tiles are sized for (omp_get_max_threads()) */
+    /* CUDA only */
+    int64_t n_params;     /* trainable parameters (bt_lora.n_params: LoRA + LoRA+), >= 1 */
+    int trainable_norms;  /* LoRA+ trains the RMSNorm weights (dW partial sums) */
+    int fused_quant;      /* cuda.base_matmul "fused": dequantised in the GEMM, no buffer */
+    int64_t max_linear;   /* elements of the largest base linear (bt_dims_max_linear) */
+    int ce_chunk_rows;    /* rows per lm_head + CE chunk; 0: min(max_M, 1024) */
+    int offload;          /* cuda.offload_checkpoints (needs checkpointing) */
+    int rope_table;       /* the model has an inverse-frequency table (bt_model.inv_freq) */
+    int rope_dynamic;     /* dynamic NTK scaling: a per-step table as well */
+} bt_plan_opts;
+
+/* The rows of the GPU's lm_head + CE chunk for opts o: o->ce_chunk_rows, or min(max_M, 1024). */
+int bt_plan_ce_chunk(const bt_plan_opts *o);
+
+/* Fill *p with the buffers of a step context for the model dimensions d and options o (p is
+ * caller-owned storage; nothing is allocated: the context that walks the plan owns and frees what
+ * it allocates; names are static strings). Activations are fp32 on the CPU, bf16 on CUDA; sizes
+ * (elements; M = max_M, r = o->r):
+ *   ACTS  X_IN (L+1) x M*D (offload: XBUF 3 x M*D on the device, X_HOST (L+1)*M*D pinned host);
+ *         per kept layer XN1, X2, XN2: M*D; Q, ATT: M*Dq; K, V: M*Dkv; G, U: M*F; RSTD1, RSTD2:
+ *         M (fp32); LSE: M*Hq (fp32); XA + mod: M*r per targeted module
+ *   WORK  XF, DX, DX2, DXN, DTMP: M*D; RSTDF: M (fp32); H, DG, DU, DH: M*F; DQ, DATT: M*Dq; DK, DV:
+ *         M*Dkv; DXA: M*r; XD (dropout copy): M*max(D, F, Dq); CPU: TILES bt_tile_scratch_floats(
+ *         threads, max cols) when quant_base (else 0), ROPE hd/2; CUDA: DEQUANT max_linear bf16
+ *         (quant_base && !fused_quant), ROPE / ROPE_DYN hd/2, DELTA M*Hq fp32, RMS_SCRATCH
+ *         bt_cuda_rmsnorm_bwd_scratch_floats(M, D) (trainable_norms)
+ *   LOSS  CPU: CE_WS bt_linear_ce_workspace_floats(BT_PLAN_CPU_CE_ROWS, V); CUDA: CE_WS
+ *         bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), V) bytes, ROW_LOSS M fp32
+ *   BATCH TARGETS M int32; CUDA: IDS, POS M, CU M+1 int32
+ *   LORA  CUDA: P, G, M, V n_params fp32, P16 n_params bf16
+ *   OPTIM CUDA: ADAM_DESC 2 descriptors, GNORM 1 and GNORM_PARTIAL bt_cuda_sumsq_scratch(n_params)
+ *         doubles, LOSS_SUM 1 double, LOSS_COUNT 1 int32
+ * Returns 0, or BT_ERR_INVALID (bt_last_error names it): max_M < 1, r < 0 (or < 1 on CUDA),
+ * n_params < 1 on CUDA, offload without checkpointing, an unknown backend (*p then empty). */
+int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o);
+
+/* Bytes of one buffer (copies x count x dtype size). */
+uint64_t bt_plan_buf_bytes(const bt_plan_buf *b);
+/* Bytes of the plan's buffers in group g (bt_plan_group), or in every group but BT_PG_HOST
+ * (the device / process memory) when g < 0. */
+uint64_t bt_plan_bytes(const bt_plan *p, int g);
+/* The buffer with id `id`, or NULL when the plan has none. */
+const bt_plan_buf *bt_plan_find(const bt_plan *p, int id);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
