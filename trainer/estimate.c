@@ -81,18 +81,29 @@ static int read_gguf(bt_est_model *em, const char *path) {
     if (rc) return bt_fail(rc, "estimate: %s", bt_last_error_in("estimate"));
     bt_llama_hparams *hp = &em->hp;
     bt_str arch;
-    if (bt_gguf_get_str(g, "general.architecture", &arch) != 0 || arch.len != 5 ||
-        memcmp(arch.ptr, "llama", 5) != 0) {
-        rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\"", path);
+    /* the families bt_model_load_gguf reads (issue 24): keys under general.architecture's prefix */
+    const char *an = NULL;
+    if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
+        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_QWEN3 && !an; a++)
+            if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len))
+                an = bt_arch_name(a);
+    if (!an) {
+        rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\", "
+                     "\"qwen2\" or \"qwen3\"", path);
         goto out;
     }
-    if ((rc = gguf_int(g, path, "llama.block_count", 1, 0, &hp->n_layer)) ||
-        (rc = gguf_int(g, path, "llama.embedding_length", 1, 0, &hp->d_model)) ||
-        (rc = gguf_int(g, path, "llama.attention.head_count", 1, 0, &hp->n_head)) ||
-        (rc = gguf_int(g, path, "llama.feed_forward_length", 1, 0, &hp->d_ff)) ||
-        (rc = gguf_int(g, path, "llama.context_length", 0, 2048, &hp->ctx)))
+    char k[6][64];
+    static const char *const sfx[6] = {"block_count", "embedding_length", "attention.head_count",
+                                       "feed_forward_length", "context_length",
+                                       "attention.head_count_kv"};
+    for (int i = 0; i < 6; i++) snprintf(k[i], sizeof k[i], "%s.%s", an, sfx[i]);
+    if ((rc = gguf_int(g, path, k[0], 1, 0, &hp->n_layer)) ||
+        (rc = gguf_int(g, path, k[1], 1, 0, &hp->d_model)) ||
+        (rc = gguf_int(g, path, k[2], 1, 0, &hp->n_head)) ||
+        (rc = gguf_int(g, path, k[3], 1, 0, &hp->d_ff)) ||
+        (rc = gguf_int(g, path, k[4], 0, 2048, &hp->ctx)))
         goto out;
-    if ((rc = gguf_int(g, path, "llama.attention.head_count_kv", 0, hp->n_head, &hp->n_kv_head)))
+    if ((rc = gguf_int(g, path, k[5], 0, hp->n_head, &hp->n_kv_head)))
         goto out;
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb || emb->ne[1] > 0x7fffffff) {

@@ -14,6 +14,9 @@
 typedef struct {
     float *xn1, *rstd1, *q, *k, *v, *att, *lse, *x2, *xn2, *rstd2, *g, *u;
     float *as[BT_MOD_N];
+    /* QK-norm (hp.qk_norm, Qwen3) only, else NULL: q / k before the per-head RMSNorm (its
+     * backward input) [M, Dq] / [M, Dkv] and its rstd [M * Hq] / [M * Hkv] */
+    float *qr, *kr, *rq, *rk;
 } layer_acts;
 
 struct bt_step_ctx {
@@ -138,6 +141,14 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
             if (lo && (lo->target_mask & (1u << mod)))
                 if (!(A->as[mod] = ctx_alloc(c, M * c->r))) goto oom;
     }
+    /* ---- QK-norm buffers (Qwen3, hp.qk_norm): 2 x M x (Dq + Dkv + heads) floats per kept
+     * layer_acts; nothing for other models ---- */
+    for (int a = 0; a < n_acts && hp->qk_norm; a++) {
+        layer_acts *A = &c->acts[a];
+        if (!(A->qr = ctx_alloc(c, M * c->Dq)) || !(A->kr = ctx_alloc(c, M * c->Dkv)) ||
+            !(A->rq = ctx_alloc(c, M * c->Hq)) || !(A->rk = ctx_alloc(c, M * c->Hkv)))
+            goto oom;
+    }
     size_t wide = F > D ? F : D;
     if ((size_t)c->Dq > wide) wide = (size_t)c->Dq;
     if (!(c->xf = ctx_alloc(c, M * D)) || !(c->rstdf = ctx_alloc(c, M)) ||
@@ -211,9 +222,15 @@ static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
     float eps = m->hp.rms_eps;
 
     OP(c, "rmsnorm fwd", F4(nD + M), bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps));
-    proj_fwd(c, m, lo, l, BT_MOD_Q, A->q, A->xn1, M, A, key);
-    proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
+    const bt_layer *L = &m->layers[l];
+    proj_fwd(c, m, lo, l, BT_MOD_Q, A->qr ? A->qr : A->q, A->xn1, M, A, key);
+    proj_fwd(c, m, lo, l, BT_MOD_K, A->kr ? A->kr : A->k, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
+    if (A->qr) { /* Qwen3 QK-norm: RMSNorm over each head's head_dim values, before RoPE */
+        OP(c, "qk-norm fwd", F4((int64_t)M * (c->Dq + c->Dkv)),
+           (bt_rmsnorm_fwd(A->q, A->rq, A->qr, L->q_norm, M * c->Hq, c->hd, eps),
+            bt_rmsnorm_fwd(A->k, A->rk, A->kr, L->k_norm, M * c->Hkv, c->hd, eps)));
+    }
     OP(c, "rope fwd", F4((int64_t)M * c->Dq),
        bt_rope_fwd_cached(&c->rope, A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
@@ -270,6 +287,12 @@ static int layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
        bt_rope_bwd_cached(&c->rope, c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
        bt_rope_bwd_cached(&c->rope, c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+    if (A->qr) { /* QK-norm backward, in place (the norm weights are frozen: no dw) */
+        const bt_layer *L = &m->layers[l];
+        OP(c, "qk-norm bwd", F4((int64_t)M * (c->Dq + c->Dkv)),
+           (bt_rmsnorm_bwd(c->dq, NULL, c->dq, A->qr, L->q_norm, A->rq, M * c->Hq, c->hd),
+            bt_rmsnorm_bwd(c->dk, NULL, c->dk, A->kr, L->k_norm, A->rk, M * c->Hkv, c->hd)));
+    }
     proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);
