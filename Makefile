@@ -228,6 +228,8 @@ fixtures:
 	.venv-nf4/bin/python tests/reference/gen_nf4_fixtures.py tests/fixtures/nf4
 	$(PYTHON) tests/reference/gen_rope_fixtures.py
 	$(PYTHON) tests/reference/gen_rope_ext_fixtures.py
+	bash scripts/venv-torch.sh
+	$(PYTHON) tests/reference/gen_qwen_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs
