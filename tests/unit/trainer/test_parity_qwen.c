@@ -108,10 +108,12 @@ static void load_model(bt_model *m, const char *fam, const char *source) {
     }
 }
 
-/* logits [PM, NV] and the training path's mean loss of the packed batch */
-static double run_forward(const bt_model *m, bt_lora *lo, const bt_microbatch *mb, float *logits) {
+/* logits [PM, NV] and the training path's mean loss of the packed batch (LoRA gradients into lo
+ * when lo != NULL); ckpt: activation checkpointing (the layer forward recomputed in backward) */
+static double run_forward_ck(const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                             float *logits, int ckpt) {
     bt_step_ctx *ctx;
-    assert_int_equal(bt_step_ctx_new(&ctx, m, lo, PM, 0), 0);
+    assert_int_equal(bt_step_ctx_new(&ctx, m, lo, PM, ckpt), 0);
     assert_int_equal(bt_forward_logits(ctx, m, lo, mb, logits), 0);
     double s;
     int nv;
@@ -120,6 +122,10 @@ static double run_forward(const bt_model *m, bt_lora *lo, const bt_microbatch *m
     assert_int_equal(nv, 43); /* 48 tokens in 3 documents: 45 targets, 2 of them masked prompt */
     bt_step_ctx_free(ctx);
     return s / nv;
+}
+
+static double run_forward(const bt_model *m, bt_lora *lo, const bt_microbatch *mb, float *logits) {
+    return run_forward_ck(m, lo, mb, logits, 0);
 }
 
 /* The inference path (KV cache): row 1's document fed in two chunks, all logits. */
@@ -182,10 +188,13 @@ static void check_family(const char *fam, const char *source) {
     double e_loss = fabs(loss - fix_f32(ref, "loss", 1)[0]);
     double e_grad = grads_rel_err(&lo, ref);
     double e_inf = infer_err(&m, &lo, &b, rl);
+    run_forward_ck(&m, &lo, &mb, logits, 1); /* activation checkpointing: the same gradients */
+    double e_grad_ck = grads_rel_err(&lo, ref);
     print_message("parity: %s from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
                   "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
-                  "logits %.3g / %.3g\n", fam, source, e_base, max_abs(rl_base, (int64_t)PM * NV),
-                  e_loss_base, e_lora, e_loss, e_grad, e_inf_base, e_inf);
+                  "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", fam, source,
+                  e_base, max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
+                  e_inf_base, e_inf, e_grad_ck);
     assert_true(e_base <= 1e-4);
     assert_true(e_loss_base <= 1e-5);
     assert_true(e_lora <= 1e-4);
@@ -193,6 +202,7 @@ static void check_family(const char *fam, const char *source) {
     assert_true(e_grad <= 1e-4);
     assert_true(e_inf_base <= 1e-4);
     assert_true(e_inf <= 1e-4);
+    assert_true(e_grad_ck <= 1e-4);
 
     /* the checks can fail: without Qwen2's biases / Qwen3's QK-norm the logits are far off */
     if (m.hp.qk_norm) {
