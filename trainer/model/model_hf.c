@@ -854,6 +854,15 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
         if (sw)
             return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: use_sliding_window true is not "
                            "supported (attention is full causal)", c->path);
+        /* transformers 5 layer_types: every layer must be "full_attention" here */
+        json_t *lt = json_object_get(c->root, "layer_types");
+        for (size_t i = 0; json_is_array(lt) && i < json_array_size(lt); i++) {
+            const char *ty = json_string_value(json_array_get(lt, i));
+            if (!ty || strcmp(ty, "full_attention") != 0)
+                return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: layer_types[%zu] is \"%s\": only "
+                               "\"full_attention\" is supported (no sliding-window attention yet)",
+                               c->path, i, ty ? ty : "(not a string)");
+        }
     } else {
         json_t *sw = json_object_get(c->root, "sliding_window");
         if (json_is_integer(sw) && json_integer_value(sw) < hp->ctx)
