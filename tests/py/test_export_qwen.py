@@ -14,6 +14,8 @@ Reference: the fixture's logits of base + adapter, which transformers + PEFT com
   head_dim 16, cannot go through it);
 - gguf-lora: general.architecture is the family's (llama.cpp refuses an adapter of another
   architecture), lora_a / lora_b equal PEFT's lora_A / lora_B (q/k not permuted).
+- generate: `trainer generate` on the GGUF (its byte-level BPE vocabulary) streams the greedy
+  tokens transformers picks for the same prompt, with and without the adapter.
 Tolerance: logits 1e-4 absolute (the fp32 parity tolerance of tests/reference/README.md).
 """
 import os
@@ -46,7 +48,7 @@ def export(fam, src, fmt, out):
 
 
 def packed_logits(model):
-    """Logits of the fixture batch: each cu_seqlens document alone, concatenated [48, 256]."""
+    """Logits of the fixture batch: each cu_seqlens document alone, concatenated [48, 260]."""
     b = load_file(str(FIX / "batch.safetensors"))
     ids = b["input_ids"].reshape(-1).long()
     cu = b["cu_seqlens"].tolist()
@@ -131,3 +133,29 @@ def test_gguf_lora(tmp_path, fam, src):
         layer, mod, ab = parts[4], parts[6], parts[7]
         g = f"blk.{layer}.{names[mod]}.weight.{'lora_a' if ab == 'lora_A' else 'lora_b'}"
         assert torch.equal(ts[g].reshape(v.shape), v.float()), k
+
+
+@pytest.mark.parametrize("fam", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_generate_greedy_equals_transformers(fam, with_adapter):
+    """`trainer generate` on the family's GGUF (its byte-level BPE vocabulary, fp32 base) streams
+    the tokens that transformers' greedy decoding of the same prompt ids picks (the generator
+    checks each step's top-1 margin is > 1e-3, clear of fp32 noise)."""
+    import json
+    man = json.loads((FIX / "manifest.json").read_text())
+    g = man["generate"]
+    want_ids = man[fam]["greedy_lora" if with_adapter else "greedy_base"]
+    # expected bytes: each token's GPT-2 byte symbols mapped back (the control token prints nothing)
+    inv = {}
+    for b in range(256):
+        inv[g["tokens"][b]] = b
+    eot = len(g["tokens"]) - 1
+    want = bytes(inv[c] for i in want_ids if i != eot for c in g["tokens"][i])
+    cmd = [str(TRAINER), "generate", "--model", str(FIX / fam / "model.gguf"), "--base-dtype",
+           "fp32", "--prompt", g["prompt"], "--max-new-tokens", str(g["new_tokens"]),
+           "--ignore-eos"]
+    if with_adapter:
+        cmd += ["--adapter", str(FIX / fam / "adapter-init")]
+    r = subprocess.run(cmd, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    assert r.stdout.rstrip(b"\n") == want.rstrip(b"\n"), (r.stdout, want, want_ids)

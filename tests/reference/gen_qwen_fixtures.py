@@ -72,9 +72,34 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 transformers.logging.set_verbosity_error()
 
-COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+# a byte-level BPE vocabulary for `trainer generate` on the GGUFs: the 256 GPT-2 byte symbols
+# (id = byte), three merges and an end-of-text control token
+MERGES = ["Ġ t", "h e", "Ġt he"]
+EOT = "<|endoftext|>"
+PROMPT = "hello the cat"
+GEN_TOKENS = 8
+
+
+def bytes_to_unicode():
+    """GPT-2's byte -> printable symbol map (openai/gpt-2 encoder.py), as byte-level BPE uses."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+BU = bytes_to_unicode()
+TOKENS = [BU[b] for b in range(256)] + [m.replace(" ", "") for m in MERGES] + [EOT]
+
+COMMON = dict(vocab_size=len(TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               rms_norm_eps=1e-6, max_position_embeddings=512, hidden_act="silu",
-              initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+              initializer_range=0.2, bos_token_id=len(TOKENS) - 1, eos_token_id=len(TOKENS) - 1)
 FAMILIES = {
     # Qwen2: q/k/v biases, untied lm_head, rope_theta from the config; head_dim = 32 / 2 = 16
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, gguf.MODEL_ARCH.QWEN2,
@@ -100,7 +125,7 @@ def log(msg):
 
 def make_batch():
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, COMMON["vocab_size"], (B, T), generator=g, dtype=torch.int64)
+    ids = torch.randint(3, COMMON["vocab_size"] - 1, (B, T), generator=g, dtype=torch.int64)
     pos = torch.zeros(B, T, dtype=torch.int64)
     cu = [0]
     for r, docs in enumerate(DOCS):
@@ -143,6 +168,13 @@ def write_gguf(model, cfg, arch, path):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(TOKENS)
+    w.add_token_types([gguf.TokenType.NORMAL] * (len(TOKENS) - 1) + [gguf.TokenType.CONTROL])
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(len(TOKENS) - 1)
+    w.add_add_bos_token(False)
     tmap = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     for hf_name, t in model.state_dict().items():
         if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
@@ -159,6 +191,39 @@ def write_gguf(model, cfg, arch, path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def encode(text):
+    """Byte-level BPE of TOKENS / MERGES on the words of `text` (enough for PROMPT: ' ?word')."""
+    import re
+    ids = []
+    for piece in re.findall(r" ?[a-z]+", text):
+        sym = [BU[b] for b in piece.encode()]
+        while True:
+            pairs = [(MERGES.index(f"{a} {b}"), i) for i, (a, b) in enumerate(zip(sym, sym[1:]))
+                     if f"{a} {b}" in MERGES]
+            if not pairs:
+                break
+            _, i = min(pairs)
+            sym[i:i + 2] = [sym[i] + sym[i + 1]]
+        ids += [TOKENS.index(x) for x in sym]
+    return ids
+
+
+def greedy(model, ids, n):
+    """n greedy tokens after ids (full forward each step); the top-1 margin must be clear of
+    fp32 noise so that the trainer's greedy choice is the same."""
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            z = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            top = torch.topk(z, 2).values
+            assert float(top[0] - top[1]) > 1e-3, "greedy near-tie: pick another PROMPT"
+            nxt = int(z.argmax())
+            ids.append(nxt)
+            out.append(nxt)
+    return out
 
 
 def family(fam, out, batch):
@@ -196,6 +261,7 @@ def family(fam, out, batch):
 
     with torch.no_grad():
         base_logits = packed_logits(model)
+    gen_base = greedy(model, encode(PROMPT), GEN_TOKENS)
     base_loss = hf_loss(base_logits, batch["labels"], cu)
 
     lcfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
@@ -216,6 +282,8 @@ def family(fam, out, batch):
     key = {n: n.replace(".default", "") for n, _ in trainable}
     assert set(key.values()) == set(get_peft_model_state_dict(pm).keys())
     assert len(trainable) == 2 * 7 * cfg.num_hidden_layers
+    with torch.no_grad():
+        gen_lora = greedy(pm, encode(PROMPT), GEN_TOKENS)
     out_logits = packed_logits(pm)
     loss = hf_loss(out_logits, batch["labels"], cu)
     loss.backward()
@@ -229,7 +297,8 @@ def family(fam, out, batch):
     save_file(ref, str(d / "ref.safetensors"))
     log(f"{fam}: loss base {base_loss.item():.6f}, with LoRA {loss.item():.6f}")
     return dict(config=json.loads((d / "hf" / "config.json").read_text()),
-                loss_base=float(np.float32(base_loss.item())), loss=float(np.float32(loss.item())))
+                loss_base=float(np.float32(base_loss.item())), loss=float(np.float32(loss.item())),
+                greedy_base=gen_base, greedy_lora=gen_lora)
 
 
 def main():
@@ -245,7 +314,9 @@ def main():
                         "transformers": transformers.__version__, "peft": peft.__version__,
                         "gguf": "0.19.0", "numpy": np.__version__},
            "batch": {"B": B, "T": T, "docs": DOCS, "n_prompt_masked": N_PROMPT},
-           "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": LORA_TARGETS}}
+           "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": LORA_TARGETS},
+           "generate": {"prompt": PROMPT, "prompt_ids": encode(PROMPT), "new_tokens": GEN_TOKENS,
+                        "tokens": TOKENS}}
     for fam in FAMILIES:
         man[fam] = family(fam, out, batch)
     (out / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True) + "\n")

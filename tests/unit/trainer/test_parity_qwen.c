@@ -29,7 +29,7 @@
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
 
-enum { PB = 2, PT = 24, PM = PB * PT, NV = 256 };
+enum { PB = 2, PT = 24, PM = PB * PT, NV = 260 };
 
 static const char *fixdir(void) {
     const char *d = getenv("BT_HF_FIXTURES");
