@@ -141,8 +141,8 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
             if (lo && (lo->target_mask & (1u << mod)))
                 if (!(A->as[mod] = ctx_alloc(c, M * c->r))) goto oom;
     }
-    /* ---- QK-norm buffers (Qwen3, hp.qk_norm): 2 x M x (Dq + Dkv + heads) floats per kept
-     * layer_acts; nothing for other models ---- */
+    /* ---- QK-norm buffers (Qwen3, hp.qk_norm): M x (Dq + Dkv + Hq + Hkv) floats per kept
+     * layer_acts (pre-norm q, k and their rstd); nothing for other models ---- */
     for (int a = 0; a < n_acts && hp->qk_norm; a++) {
         layer_acts *A = &c->acts[a];
         if (!(A->qr = ctx_alloc(c, M * c->Dq)) || !(A->kr = ctx_alloc(c, M * c->Dkv)) ||
