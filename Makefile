@@ -111,7 +111,8 @@ pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 # `pip install ./python`; tests/py/test_python_client_hf.py runs in it.
 pytest-torch: all
 	@bash scripts/venv-torch.sh
-	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py
+	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py \
+		tests/py/test_export_qwen.py
 
 # llama.cpp itself as a reference: scripts/llamacpp-ref.sh puts the CPU library of the pinned
 # llama-cpp-cffi wheel (sha256-checked; llama.cpp b4965) into .llamacpp/, and
@@ -244,6 +245,7 @@ fixtures:
 	$(PYTHON) tests/reference/gen_rope_ext_fixtures.py
 	bash scripts/venv-torch.sh
 	$(PYTHON) tests/reference/gen_preference_fixtures.py
+	$(PYTHON) tests/reference/gen_qwen_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs

@@ -35,9 +35,7 @@ static int gguf_int(const bt_gguf *g, const char *path, const char *key, int req
 static void gguf_linears(bt_est_model *em, const bt_gguf *g) {
     static const char *const names[BT_MOD_N] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
                                                 "ffn_gate", "ffn_up", "ffn_down"};
-    bt_llama_hparams hp = em->hp;
-    hp.head_dim = hp.d_model / hp.n_head;
-    const bt_dims d = bt_dims_of(&hp);
+    const bt_dims d = bt_dims_of(&em->hp); /* head_dim set by read_gguf */
     int64_t per_type[BT_GGML_TYPE_SLOTS] = {0};
     char name[96];
     for (int l = 0; l < d.L; l++)
@@ -69,19 +67,36 @@ static int read_gguf(bt_est_model *em, const char *path) {
     if (rc) return bt_fail(rc, "estimate: %s", bt_last_error_in("estimate"));
     bt_llama_hparams *hp = &em->hp;
     bt_str arch;
-    if (bt_gguf_get_str(g, "general.architecture", &arch) != 0 || arch.len != 5 ||
-        memcmp(arch.ptr, "llama", 5) != 0) {
-        rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\"", path);
+    /* the families bt_model_load_gguf reads (issue 24): keys under general.architecture's prefix */
+    const char *an = NULL;
+    if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
+        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_QWEN3 && !an; a++)
+            if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len))
+                an = bt_arch_name(a);
+    if (!an) {
+        rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\", "
+                     "\"qwen2\" or \"qwen3\"", path);
         goto out;
     }
-    if ((rc = gguf_int(g, path, "llama.block_count", 1, 0, &hp->n_layer)) ||
-        (rc = gguf_int(g, path, "llama.embedding_length", 1, 0, &hp->d_model)) ||
-        (rc = gguf_int(g, path, "llama.attention.head_count", 1, 0, &hp->n_head)) ||
-        (rc = gguf_int(g, path, "llama.feed_forward_length", 1, 0, &hp->d_ff)) ||
-        (rc = gguf_int(g, path, "llama.context_length", 0, 2048, &hp->ctx)))
+    char k[7][64];
+    static const char *const sfx[7] = {"block_count", "embedding_length", "attention.head_count",
+                                       "feed_forward_length", "context_length",
+                                       "attention.head_count_kv", "attention.key_length"};
+    for (int i = 0; i < 7; i++) snprintf(k[i], sizeof k[i], "%s.%s", an, sfx[i]);
+    if ((rc = gguf_int(g, path, k[0], 1, 0, &hp->n_layer)) ||
+        (rc = gguf_int(g, path, k[1], 1, 0, &hp->d_model)) ||
+        (rc = gguf_int(g, path, k[2], 1, 0, &hp->n_head)) ||
+        (rc = gguf_int(g, path, k[3], 1, 0, &hp->d_ff)) ||
+        (rc = gguf_int(g, path, k[4], 0, 2048, &hp->ctx)))
         goto out;
-    if ((rc = gguf_int(g, path, "llama.attention.head_count_kv", 0, hp->n_head, &hp->n_kv_head)))
+    if ((rc = gguf_int(g, path, k[5], 0, hp->n_head, &hp->n_kv_head)))
         goto out;
+    /* head_dim: key_length where the file gives it (Qwen3: not d_model / n_head), as
+     * bt_model_load_gguf reads it; QK-norm buffers for Qwen3 */
+    if ((rc = gguf_int(g, path, k[6], 0, 0, &hp->head_dim))) goto out;
+    if (hp->head_dim == 0 && hp->n_head > 0 && hp->d_model % hp->n_head == 0)
+        hp->head_dim = hp->d_model / hp->n_head;
+    hp->qk_norm = !strcmp(an, "qwen3");
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb || emb->ne[1] > 0x7fffffff) {
         rc = bt_fail(BT_ERR_NOTFOUND, "estimate: %s: missing tensor token_embd.weight", path);
@@ -93,7 +108,7 @@ static int read_gguf(bt_est_model *em, const char *path) {
     for (int64_t i = 0; i < bt_gguf_n_tensors(g); i++)
         em->file_tensor_bytes += bt_gguf_tensor_at(g, i)->nbytes;
     em->gguf = 1;
-    if (hp->n_head > 0 && hp->d_model % hp->n_head == 0) gguf_linears(em, g);
+    if (hp->n_head > 0 && hp->head_dim > 0) gguf_linears(em, g);
 out:
     if (bt_gguf_check(g, 0)) rc = bt_fail(BT_ERR_IO, "estimate: %s", bt_last_error_in("estimate"));
     bt_gguf_close(g);
@@ -134,10 +149,15 @@ static int read_hf(bt_est_model *em, const char *path) {
         (rc = json_int(j, path, "num_attention_heads", 1, 0, &hp->n_head)) ||
         (rc = json_int(j, path, "intermediate_size", 1, 0, &hp->d_ff)) ||
         (rc = json_int(j, path, "vocab_size", 1, 0, &hp->vocab)) ||
-        (rc = json_int(j, path, "num_key_value_heads", 0, hp->n_head, &hp->n_kv_head))) {
+        (rc = json_int(j, path, "num_key_value_heads", 0, hp->n_head, &hp->n_kv_head)) ||
+        (rc = json_int(j, path, "head_dim", 0, 0, &hp->head_dim))) {
         json_decref(j);
         return rc;
     }
+    if (hp->head_dim == 0 && hp->n_head > 0 && hp->d_model % hp->n_head == 0)
+        hp->head_dim = hp->d_model / hp->n_head;
+    const json_t *ar = json_array_get(json_object_get(j, "architectures"), 0);
+    hp->qk_norm = json_is_string(ar) && !strcmp(json_string_value(ar), "Qwen3ForCausalLM");
     json_t *tw = json_object_get(j, "tie_word_embeddings");
     em->tied = tw ? json_is_true(tw) : 0;
     json_decref(j);
@@ -164,11 +184,10 @@ int bt_est_model_read(bt_est_model *em, const char *path) {
     if (rc) return rc;
     bt_llama_hparams *hp = &em->hp;
     if (hp->n_layer < 1 || hp->d_model < 1 || hp->n_head < 1 || hp->n_kv_head < 1 || hp->d_ff < 1 ||
-        hp->vocab < 1 || hp->d_model % hp->n_head != 0)
+        hp->vocab < 1 || hp->head_dim < 2 || (hp->head_dim & 1))
         return bt_fail(BT_ERR_FORMAT, "estimate: %s: inconsistent hyper-parameters (layers %d, "
-                       "d_model %d, heads %d/%d, ffn %d, vocab %d)", path, hp->n_layer, hp->d_model,
-                       hp->n_head, hp->n_kv_head, hp->d_ff, hp->vocab);
-    hp->head_dim = hp->d_model / hp->n_head;
+                       "d_model %d, heads %d/%d, head_dim %d, ffn %d, vocab %d)", path, hp->n_layer,
+                       hp->d_model, hp->n_head, hp->n_kv_head, hp->head_dim, hp->d_ff, hp->vocab);
     const bt_dims d = bt_dims_of(hp);
     em->max_linear = bt_dims_max_linear(&d);
     return 0;
@@ -195,6 +214,7 @@ static void est_plan(const bt_est_model *em, const bt_train_config *cfg, int dev
     o.r = cfg->lora.r;
     o.target_mask = cfg->lora.target_mask;
     o.threads = threads;
+    o.qk_norm = em->hp.qk_norm;
     /* a GGUF base of F16 / BF16 / F32 linears is dense on the GPU (bf16): no dequantisation */
     o.quant_base =
         bd == BT_BASE_NF4 || (bd == BT_BASE_GGUF && (dev == BT_EST_CPU || em->gguf_quant));

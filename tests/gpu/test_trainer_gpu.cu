@@ -502,6 +502,32 @@ static void test_tiny_gguf(void)
     bt_model_free(&m);
 }
 
+/* Qwen3 (QK-norm) has no GPU kernel yet: refused naming the family, never trained without it
+ * (issue 24). The tiny fixture of tests/reference/gen_qwen_fixtures.py. */
+static void test_qwen3_refused(void)
+{
+    bt_model m;
+    bt_lora lo;
+    bt_model_load_opts o = {BT_BASE_FP32, 0};
+    if (bt_model_load(&m, "tests/fixtures/hf/qwen/qwen3/hf", &o) ||
+        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 1)) {
+        printf("    set-up: %s\n", bt_last_error());
+        g_case_ok = false;
+        return;
+    }
+    bt_cuda_trainer *t = nullptr;
+    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64);
+    const char *e = bt_last_error();
+    check_true("Qwen3 refused (BT_ERR_UNSUPPORTED)", rc == BT_ERR_UNSUPPORTED && !t);
+    check_true("  ... naming the family and device \"cpu\"",
+               strstr(e, "Qwen3") && strstr(e, "device: \"cpu\""));
+    printf("    message: %s\n", e);
+    if (t)
+        bt_cuda_trainer_free(t);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
+}
+
 /* ------------------------------------------------------------------------ SmolLM2 */
 /* BT_MODEL: a GGUF file or HF directory (default models/SmolLM2-135M-Instruct.Q4_1.gguf), or
  * "random:smollm2-135m": the SmolLM2-135M shapes (30 layers of 576, 9 heads of 64 over 3 KV heads,
@@ -841,6 +867,7 @@ int main(int argc, char **argv)
     RUN_TEST(test_tiny_llama3_rope);
     RUN_TEST(test_tiny_mma_fused);
     RUN_TEST(test_tiny_gguf);
+    RUN_TEST(test_qwen3_refused);
     RUN_TEST(test_tiny_long_context);
     RUN_TEST(test_tiny_offload);
     RUN_TEST(test_plan_matches_estimate);

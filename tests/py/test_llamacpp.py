@@ -48,7 +48,7 @@ gguf = pytest.importorskip("gguf")
 
 sys.path.insert(0, os.path.dirname(__file__))
 import llamacpp_ref  # noqa: E402
-from test_export import st_write  # noqa: E402
+from test_export import st_read, st_write  # noqa: E402
 
 FIX = os.path.join(ROOT, "tests", "fixtures", "tokenizer")
 MODS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -547,3 +547,39 @@ def test_quantised_base_measured(lc, tmp_path):
         for row in res[cond]:
             assert 0 < row["max_abs_diff"] < 4, (cond, row)
             assert row["argmax_agree"] >= 0.8 * row["tokens"], (cond, row)
+
+
+# ---- Qwen2 (issue 24) ----
+
+def test_qwen2_gguf_exports_in_llamacpp(lc, tmp_path):
+    """The tiny Qwen2 of tests/reference/gen_qwen_fixtures.py (general.architecture "qwen2") in
+    llama.cpp: our merged export (f32, q/k rows in HF order as Qwen2Model writes them, biases)
+    gives transformers' logits of base + adapter (llama.cpp computes F32 weights in fp32), and
+    llama.cpp's greedy tokens on the fixture GGUF itself equal transformers' (its BF16 matmuls
+    round the activations to bf16, so its logits differ by ~0.04 there; the greedy picks have
+    margins above 1e-3)."""
+    import numpy as np
+    fix = os.path.join(ROOT, "tests/fixtures/hf/qwen")
+
+    def f32(path, name):
+        t = st_read(path)[0][name]
+        return np.frombuffer(t[2], dtype=np.float32 if t[0] == "F32" else np.int32).reshape(t[1])
+
+    out = str(tmp_path / "merged.gguf")
+    r = subprocess.run([os.path.join(BUILD, "trainer"), "export", "--model",
+                        os.path.join(fix, "qwen2/model.gguf"), "--adapter",
+                        os.path.join(fix, "qwen2/adapter-init"), "--format", "gguf", "--dtype",
+                        "f32", "--out", out], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ids = f32(os.path.join(fix, "batch.safetensors"), "input_ids").reshape(-1)[24:48].tolist()
+    want = f32(os.path.join(fix, "qwen2/ref.safetensors"), "logits")[24:48]
+    m = lc.load_model(out)
+    assert m.meta("general.architecture") == "qwen2"
+    err = float(np.abs(m.context(n_ctx=64).logits(ids) - want).max())
+    print(f"llama.cpp: qwen2 merged f32 export, logits max abs err vs transformers {err:.3g}")
+    assert err <= 1e-4
+    with open(os.path.join(fix, "manifest.json")) as f:
+        man = json.load(f)
+    base = lc.load_model(os.path.join(fix, "qwen2/model.gguf"))
+    assert base.context(n_ctx=64).greedy(man["generate"]["prompt_ids"], 8) == \
+        man["qwen2"]["greedy_base"]

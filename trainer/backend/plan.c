@@ -85,6 +85,12 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
     add(p, BT_BUF_RSTD2, "post_attention_layernorm rstd", BT_DT_F32, BT_PG_ACTS, kept, M);
     add(p, BT_BUF_G, "gate", A, BT_PG_ACTS, kept, M * F);
     add(p, BT_BUF_U, "up", A, BT_PG_ACTS, kept, M * F);
+    if (o->qk_norm) {
+        add(p, BT_BUF_QR, "q before QK-norm", A, BT_PG_ACTS, kept, M * Dq);
+        add(p, BT_BUF_KR, "k before QK-norm", A, BT_PG_ACTS, kept, M * Dkv);
+        add(p, BT_BUF_RQ, "QK-norm rstd of q", BT_DT_F32, BT_PG_ACTS, kept, M * d->Hq);
+        add(p, BT_BUF_RK, "QK-norm rstd of k", BT_DT_F32, BT_PG_ACTS, kept, M * d->Hkv);
+    }
     if (o->r > 0)
         for (int mod = 0; mod < BT_MOD_N; mod++)
             if (o->target_mask & (1u << mod))

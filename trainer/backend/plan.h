@@ -60,6 +60,8 @@ typedef enum {
     BT_BUF_XBUF,   /* offload: [3] device buffers of the layer inputs in flight */
     BT_BUF_XN1, BT_BUF_RSTD1, BT_BUF_Q, BT_BUF_K, BT_BUF_V, BT_BUF_ATT, BT_BUF_LSE, BT_BUF_X2,
     BT_BUF_XN2, BT_BUF_RSTD2, BT_BUF_G, BT_BUF_U,
+    BT_BUF_QR, BT_BUF_KR, /* QK-norm (Qwen3): q and k before the per-head RMSNorm */
+    BT_BUF_RQ, BT_BUF_RK, /* QK-norm: the per-head rstd of q and of k */
     BT_BUF_XA, BT_BUF_XA_LAST = BT_BUF_XA + BT_MOD_N - 1,
     BT_BUF_XF, BT_BUF_RSTDF, BT_BUF_H, BT_BUF_DX, BT_BUF_DX2, BT_BUF_DXN, BT_BUF_DTMP, BT_BUF_DQ,
     BT_BUF_DK, BT_BUF_DV, BT_BUF_DATT, BT_BUF_DG, BT_BUF_DU, BT_BUF_DH, BT_BUF_DXA, BT_BUF_XD,
@@ -101,6 +103,9 @@ typedef struct {
     int quant_base;       /* the base linears are NF4 or ggml blocks (CPU: dequantisation tiles;
                            * CUDA: the dequantisation buffer unless fused_quant) */
     int threads;          /* CPU: OpenMP threads the tiles are sized for (omp_get_max_threads()) */
+    int qk_norm;          /* the model normalises q and k per head (hp.qk_norm, Qwen3): their
+                           * pre-norm values and rstd are kept per layer (billed on both
+                           * backends; the GPU trainer itself refuses Qwen3 for now) */
     /* CUDA only */
     int64_t n_params;     /* trainable parameters (bt_lora.n_params: LoRA + LoRA+), >= 1 */
     int trainable_norms;  /* LoRA+ trains the RMSNorm weights (dW partial sums) */

@@ -769,6 +769,10 @@ extern "C" int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, 
     *out = nullptr;
     if (!m || !lo || max_M < 1)
         return bt_fail(BT_ERR_INVALID, "cuda: bad trainer arguments (max_M %d)", max_M);
+    if (m->hp.qk_norm) /* no GPU kernel for the per-head q/k RMSNorm yet: never silently skip it */
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the %s family "
+                       "(Qwen3 QK-norm: RMSNorm on each head of q and k); use device: \"cpu\"",
+                       m->hp.arch == BT_ARCH_QWEN3 ? "Qwen3" : bt_arch_name(m->hp.arch));
     bt_cuda_trainer_opts o;
     memset(&o, 0, sizeof o);
     if (opts)

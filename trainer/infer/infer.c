@@ -205,6 +205,11 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
         proj(s, l, BT_MOD_Q, s->q, s->xn, n, 0.f);
         proj(s, l, BT_MOD_K, kc, s->xn, n, 0.f);
         proj(s, l, BT_MOD_V, vc, s->xn, n, 0.f);
+        if (m->hp.qk_norm) { /* Qwen3: per-head RMSNorm of q and k before RoPE (in place;
+                              * s->lse [n * Hq] holds the rstd) */
+            bt_rmsnorm_fwd(s->q, s->lse, s->q, m->layers[l].q_norm, n * s->Hq, s->hd, eps);
+            bt_rmsnorm_fwd(kc, s->lse, kc, m->layers[l].k_norm, n * s->Hkv, s->hd, eps);
+        }
         bt_rope_fwd_cached(&s->rope, s->q, s->pos_ids, n, s->Hq, s->hd, inv, 1.0f);
         bt_rope_fwd_cached(&s->rope, kc, s->pos_ids, n, s->Hkv, s->hd, inv, 1.0f);
         if (p0 == 0) {

@@ -225,7 +225,11 @@ int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const c
     bt_gguf_writer *w = bt_gguf_writer_new();
     if (!w) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
     float *perm = NULL;
-    if ((rc = bt_gguf_w_str(w, "general.architecture", "llama", 5)) ||
+    /* llama.cpp refuses an adapter whose general.architecture is not the model's
+     * (llama-adapter.cpp); q/k rows are permuted for "llama" only (convert_hf_to_gguf.py
+     * LlamaModel.permute; Qwen2Model / Qwen3Model keep HF's rows) */
+    const char *an = bt_arch_name(m->hp.arch);
+    if ((rc = bt_gguf_w_str(w, "general.architecture", an, strlen(an))) ||
         (rc = bt_gguf_w_str(w, "general.type", "adapter", 7)) ||
         (rc = bt_gguf_w_str(w, "general.name", "BarqTrain LoRA", 14)) ||
         (rc = bt_gguf_w_u32(w, "general.file_type", file_type(dtype))) ||
@@ -243,7 +247,7 @@ int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const c
             snprintf(name, sizeof name, "blk.%d.%s.weight.lora_a", l, k_gguf_lin[mod]);
             if ((rc = add_gguf(w, name, md->A, lo->r, md->in, dtype))) break;
             const float *b = md->B;
-            if (mod == BT_MOD_Q || mod == BT_MOD_K) {
+            if ((mod == BT_MOD_Q || mod == BT_MOD_K) && m->hp.arch == BT_ARCH_LLAMA) {
                 free(perm);
                 perm = malloc((size_t)md->out * lo->r * sizeof(float));
                 if (!perm) {
@@ -382,6 +386,15 @@ int bt_export_llama3_from_freqs(const bt_model *m, float *factor, float *low, fl
 static int own_key(const char *k, size_t n) {
     for (size_t i = 0; i < sizeof k_own_keys / sizeof *k_own_keys; i++)
         if (strlen(k_own_keys[i]) == n && !memcmp(k_own_keys[i], k, n)) return 1;
+    /* "qwen2.<x>" / "qwen3.<x>" of a Qwen base: ours when "llama.<x>" is */
+    for (int a = BT_ARCH_QWEN2; a <= BT_ARCH_QWEN3; a++) {
+        const size_t an = strlen(bt_arch_name(a));
+        if (n > an + 1 && n < 120 && !memcmp(k, bt_arch_name(a), an) && k[an] == '.') {
+            char ll[128];
+            snprintf(ll, sizeof ll, "llama.%.*s", (int)(n - an - 1), k + an + 1);
+            return own_key(ll, strlen(ll));
+        }
+    }
     return 0;
 }
 
@@ -392,7 +405,7 @@ static int bias_gguf_order(const bt_model *m, int l, int mod, float **out) {
     float *x = malloc((size_t)b->rows * sizeof(float));
     if (!x) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
     int rc = 0;
-    if (mod == BT_MOD_Q || mod == BT_MOD_K)
+    if ((mod == BT_MOD_Q || mod == BT_MOD_K) && m->hp.arch == BT_ARCH_LLAMA)
         rc = bt_export_permute_rows(x, b->bias, mod == BT_MOD_Q ? m->hp.n_head : m->hp.n_kv_head,
                                     b->rows, 1);
     else memcpy(x, b->bias, (size_t)b->rows * sizeof(float));
@@ -411,7 +424,7 @@ static int merged_gguf_order(const bt_model *m, const bt_lora *lo, int l, int mo
     float *w = malloc(n * sizeof(float)), *p = NULL;
     if (!w) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
     int rc = bt_export_merged_weight(m, lo, l, mod, w);
-    if (!rc && (mod == BT_MOD_Q || mod == BT_MOD_K)) {
+    if (!rc && (mod == BT_MOD_Q || mod == BT_MOD_K) && m->hp.arch == BT_ARCH_LLAMA) {
         p = malloc(n * sizeof(float));
         if (!p) rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
         else rc = bt_export_permute_rows(p, w, mod == BT_MOD_Q ? m->hp.n_head : m->hp.n_kv_head,
@@ -438,26 +451,43 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
     const bt_llama_hparams *hp = &m->hp;
     bt_gguf_writer *w = bt_gguf_writer_new();
     if (!w) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
-    if ((rc = bt_gguf_w_str(w, "general.architecture", "llama", 5)) ||
+    /* <arch>.* keys, <arch> = the model's family ("llama", "qwen2", "qwen3": what
+     * convert_hf_to_gguf.py writes for it, so llama.cpp builds the same graph) */
+    const char *an = bt_arch_name(hp->arch);
+    char kk[12][64];
+    static const char *const sfx[12] = {"block_count", "context_length", "embedding_length",
+                                        "feed_forward_length", "attention.head_count",
+                                        "attention.head_count_kv", "rope.dimension_count",
+                                        "rope.freq_base", "attention.layer_norm_rms_epsilon",
+                                        "vocab_size", "attention.key_length",
+                                        "attention.value_length"};
+    for (int i = 0; i < 12; i++) snprintf(kk[i], sizeof kk[i], "%s.%s", an, sfx[i]);
+    if ((rc = bt_gguf_w_str(w, "general.architecture", an, strlen(an))) ||
         (rc = bt_gguf_w_str(w, "general.type", "model", 5)) ||
         (rc = bt_gguf_w_u32(w, "general.file_type", file_type(dtype))) ||
         (rc = bt_gguf_w_u32(w, "general.quantization_version", 2)) ||
         (rc = bt_gguf_w_str(w, BT_EXPORT_GGUF_MARK_KEY, "gguf", 4)) ||
-        (rc = bt_gguf_w_u32(w, "llama.block_count", (uint32_t)hp->n_layer)) ||
-        (rc = bt_gguf_w_u32(w, "llama.context_length", (uint32_t)hp->ctx)) ||
-        (rc = bt_gguf_w_u32(w, "llama.embedding_length", (uint32_t)hp->d_model)) ||
-        (rc = bt_gguf_w_u32(w, "llama.feed_forward_length", (uint32_t)hp->d_ff)) ||
-        (rc = bt_gguf_w_u32(w, "llama.attention.head_count", (uint32_t)hp->n_head)) ||
-        (rc = bt_gguf_w_u32(w, "llama.attention.head_count_kv", (uint32_t)hp->n_kv_head)) ||
-        (rc = bt_gguf_w_u32(w, "llama.rope.dimension_count", (uint32_t)hp->head_dim)) ||
-        (rc = bt_gguf_w_f32(w, "llama.rope.freq_base", hp->rope_theta)) ||
-        (rc = bt_gguf_w_f32(w, "llama.attention.layer_norm_rms_epsilon", hp->rms_eps)) ||
-        (rc = bt_gguf_w_u32(w, "llama.vocab_size", (uint32_t)hp->vocab)))
+        (rc = bt_gguf_w_u32(w, kk[0], (uint32_t)hp->n_layer)) ||
+        (rc = bt_gguf_w_u32(w, kk[1], (uint32_t)hp->ctx)) ||
+        (rc = bt_gguf_w_u32(w, kk[2], (uint32_t)hp->d_model)) ||
+        (rc = bt_gguf_w_u32(w, kk[3], (uint32_t)hp->d_ff)) ||
+        (rc = bt_gguf_w_u32(w, kk[4], (uint32_t)hp->n_head)) ||
+        (rc = bt_gguf_w_u32(w, kk[5], (uint32_t)hp->n_kv_head)) ||
+        (rc = bt_gguf_w_u32(w, kk[6], (uint32_t)hp->head_dim)) ||
+        (rc = bt_gguf_w_f32(w, kk[7], hp->rope_theta)) ||
+        (rc = bt_gguf_w_f32(w, kk[8], hp->rms_eps)) ||
+        (rc = bt_gguf_w_u32(w, kk[9], (uint32_t)hp->vocab)))
         goto out;
     if (hp->head_dim * hp->n_head != hp->d_model && /* llama.cpp: n_embd_head_k / _v */
-        ((rc = bt_gguf_w_u32(w, "llama.attention.key_length", (uint32_t)hp->head_dim)) ||
-         (rc = bt_gguf_w_u32(w, "llama.attention.value_length", (uint32_t)hp->head_dim))))
+        ((rc = bt_gguf_w_u32(w, kk[10], (uint32_t)hp->head_dim)) ||
+         (rc = bt_gguf_w_u32(w, kk[11], (uint32_t)hp->head_dim))))
         goto out;
+    if (hp->arch != BT_ARCH_LLAMA && (hp->rope_ext || hp->rope_type != BT_ROPE_DEFAULT)) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED, "export: gguf: RoPE scaling of a %s model has no GGUF "
+                     "keys here (only \"llama\" GGUFs carry them); export --format safetensors",
+                     an);
+        goto out;
+    }
     if ((rc = gguf_rope_keys(w, m, 0))) goto out;
     if (base) { /* tokenizer.*, general.name, ... verbatim, in the base's order */
         int64_t nkv = bt_gguf_n_kv(base);
@@ -493,6 +523,12 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         const bt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
         if ((rc = add_gguf(w, name, bt_lora_norm(lo, m, l, 0), 0, hp->d_model, dtype))) break;
+        if (hp->qk_norm) { /* Qwen3: blk.N.attn_{q,k}_norm.weight [head_dim] (frozen) */
+            snprintf(name, sizeof name, "blk.%d.attn_q_norm.weight", l);
+            if ((rc = add_gguf(w, name, L->q_norm, 0, hp->head_dim, dtype))) break;
+            snprintf(name, sizeof name, "blk.%d.attn_k_norm.weight", l);
+            if ((rc = add_gguf(w, name, L->k_norm, 0, hp->head_dim, dtype))) break;
+        }
         for (int mod = 0; mod < BT_MOD_N && !rc; mod++) {
             if (mod == BT_MOD_GATE) {
                 snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
@@ -528,13 +564,23 @@ out:
 static int shape_model(bt_model *m, const bt_gguf *g, const char *path) {
     memset(m, 0, sizeof *m);
     int64_t v[5];
-    static const char *const keys[5] = {"llama.block_count", "llama.embedding_length",
-                                        "llama.attention.head_count", "llama.feed_forward_length",
-                                        "llama.attention.head_count_kv"};
+    static const char *const sfx[5] = {"block_count", "embedding_length", "attention.head_count",
+                                       "feed_forward_length", "attention.head_count_kv"};
+    char keys[5][64], kctx[64], ktheta[64];
     bt_str arch;
-    if (bt_gguf_get_str(g, "general.architecture", &arch) != 0 || arch.len != 5 ||
-        memcmp(arch.ptr, "llama", 5) != 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "export: %s: general.architecture is not \"llama\"", path);
+    int fam = -1;
+    if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
+        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_QWEN3 && fam < 0; a++)
+            if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len))
+                fam = a;
+    if (fam < 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: %s: general.architecture is not \"llama\", "
+                       "\"qwen2\" or \"qwen3\"", path);
+    for (int i = 0; i < 5; i++) snprintf(keys[i], sizeof keys[i], "%s.%s", bt_arch_name(fam), sfx[i]);
+    snprintf(kctx, sizeof kctx, "%s.context_length", bt_arch_name(fam));
+    snprintf(ktheta, sizeof ktheta, "%s.rope.freq_base", bt_arch_name(fam));
+    m->hp.arch = fam;
+    m->hp.qk_norm = fam == BT_ARCH_QWEN3;
     for (int i = 0; i < 5; i++) {
         int rc = bt_gguf_get_i64(g, keys[i], &v[i]);
         if (rc == BT_ERR_NOTFOUND && i == 4) v[4] = v[2];
@@ -581,11 +627,11 @@ static int shape_model(bt_model *m, const bt_gguf *g, const char *path) {
     /* RoPE (for an adapter trained with a context extension, whose keys the LoRA GGUF records) */
     int64_t ctx = 2048;
     double theta = 10000.0;
-    if (bt_gguf_get_i64(g, "llama.context_length", &ctx) == 0 && (ctx < 1 || ctx > (1 << 30))) ctx = 2048;
-    if (bt_gguf_get_f64(g, "llama.rope.freq_base", &theta) == 0 && !(theta > 0)) theta = 10000.0;
+    if (bt_gguf_get_i64(g, kctx, &ctx) == 0 && (ctx < 1 || ctx > (1 << 30))) ctx = 2048;
+    if (bt_gguf_get_f64(g, ktheta, &theta) == 0 && !(theta > 0)) theta = 10000.0;
     hp->ctx = (int)ctx;
     hp->rope_theta = (float)theta;
-    int rc = bt_model_gguf_rope_scaling(g, path, hp);
+    int rc = fam == BT_ARCH_LLAMA ? bt_model_gguf_rope_scaling(g, path, hp) : 0;
     const bt_gguf_tensor *rf = bt_gguf_find_tensor(g, "rope_freqs.weight");
     float *ff = NULL;
     if (!rc && rf) {
@@ -691,8 +737,10 @@ const char *bt_export_usage(void) {
            "                      [--dtype f32|f16|bf16|q8_0] [--max-shard-size SIZE]\n"
            "  peft         normalised PEFT adapter directory (f32)\n"
            "  gguf-lora    llama.cpp LoRA adapter .gguf (f32 default; f16, bf16, q8_0)\n"
-           "  gguf         base + adapter merged, full llama .gguf (f16 default; f32, bf16, q8_0)\n"
-           "  safetensors  merged Hugging Face LlamaForCausalLM directory (f16 default; f32, bf16):\n"
+           "  gguf         base + adapter merged, full .gguf of the base's family (llama, qwen2, qwen3;\n"
+           "               f16 default; f32, bf16, q8_0)\n"
+           "  safetensors  merged Hugging Face Llama/Qwen2/Qwen3ForCausalLM directory (f16 default;\n"
+           "               f32, bf16):\n"
            "               weights (sharded past --max-shard-size, default 5GB, as save_pretrained),\n"
            "               config.json, generation_config.json, tokenizer.json,\n"
            "               tokenizer_config.json (chat template), special_tokens_map.json\n";

@@ -6,7 +6,8 @@
  *   peft         <out>/adapter_model.safetensors + adapter_config.json (trainer/io/adapter.h layout,
  *                F32, conservative PEFT key set; Hugging Face Q/K row order).
  *   gguf-lora    llama.cpp adapter (convert_lora_to_gguf.py; src/llama-adapter.cpp checks):
- *                general.architecture "llama", general.type "adapter", adapter.type "lora",
+ *                general.architecture "llama" (or the family's, below), general.type
+ *                "adapter", adapter.type "lora",
  *                adapter.lora.alpha (F32); tensors blk.{i}.{attn_q,attn_k,attn_v,attn_output,
  *                ffn_gate,ffn_up,ffn_down}.weight.lora_a with ne = (in, r) (PEFT A [r, in]) and
  *                .lora_b with ne = (r, out) (PEFT B [out, r]). lora_b of attn_q / attn_k has its
@@ -35,6 +36,15 @@
  *                (common/tokenizer.h bt_tokenizer_hf_from_gguf), or the tokenizer and generation
  *                files of a Hugging Face base directory copied verbatim.
  *
+ * Families (model.h hp.arch): the GGUF formats write general.architecture and the <arch>.* keys
+ * of the base's family, "llama", "qwen2" or "qwen3" (convert_hf_to_gguf.py LlamaModel /
+ * Qwen2Model / Qwen3Model), and permute q/k rows (lora_b, merged weights, biases) for "llama"
+ * only: Qwen2Model / Qwen3Model keep Hugging Face's rows (llama.cpp applies NEOX RoPE to them).
+ * Qwen3's frozen QK-norm weights go to blk.N.attn_{q,k}_norm.weight (F32) and
+ * model.layers.N.self_attn.{q,k}_norm.weight; its safetensors config is Qwen3ForCausalLM
+ * (Qwen2's Qwen2ForCausalLM). A Qwen model with RoPE scaling cannot go to a merged GGUF
+ * (BT_ERR_UNSUPPORTED: only "llama" GGUFs carry the keys here). The peft format is the same for
+ * every family (PEFT names the modules the same way).
  * Linear biases of the base (Qwen2 q/k/v, Llama attention_bias / mlp_bias) are carried over
  * (GGUF blk.N.<lin>.bias, F32, Q/K permuted like the rows; HF ...<proj>.bias); a head_dim other
  * than d_model / n_head adds llama.attention.key_length / value_length, and linear RoPE scaling

@@ -176,22 +176,27 @@ static int bias_state(const bt_model *m, int mod) {
 }
 
 /* config.json of a transformers LlamaForCausalLM (or Qwen2ForCausalLM when exactly q/k/v carry
- * biases, Qwen2's layout) for the merged weights. */
+ * biases, Qwen2's layout; Qwen3ForCausalLM for a QK-norm model, hp.qk_norm, with
+ * attention_bias when q/k/v/o all carry biases) for the merged weights. */
 static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, const char *path) {
     const bt_llama_hparams *hp = &m->hp;
     int bq = bias_state(m, BT_MOD_Q), bk = bias_state(m, BT_MOD_K), bv = bias_state(m, BT_MOD_V),
         bo = bias_state(m, BT_MOD_O), bg = bias_state(m, BT_MOD_GATE),
         bu = bias_state(m, BT_MOD_UP), bd = bias_state(m, BT_MOD_DOWN);
-    int qwen2 = bq == 1 && bk == 1 && bv == 1 && bo == 0 && bg == 0 && bu == 0 && bd == 0;
+    const int qwen3 = hp->qk_norm;
+    int qwen2 = !qwen3 && bq == 1 && bk == 1 && bv == 1 && bo == 0 && bg == 0 && bu == 0 && bd == 0;
     int attn_bias = bq == 1 && bk == 1 && bv == 1 && bo == 1, mlp_bias = bg == 1 && bu == 1 && bd == 1;
     if (!qwen2 && (bq + bk + bv + bo != 0 && !attn_bias)) attn_bias = -1;
     if (bg + bu + bd != 0 && !mlp_bias) mlp_bias = -1;
-    if (attn_bias < 0 || mlp_bias < 0)
+    if (attn_bias < 0 || mlp_bias < 0 || (qwen3 && mlp_bias))
         return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: the base's linear biases match "
-                       "neither Llama (attention_bias / mlp_bias) nor Qwen2 (q/k/v)");
+                       "neither Llama (attention_bias / mlp_bias), Qwen2 (q/k/v) nor Qwen3 "
+                       "(attention_bias)");
+    const char *archs = qwen3 ? "Qwen3ForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
+    const char *mtype = qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama";
     json_t *j = json_object();
     json_t *arch = json_array();
-    json_array_append_new(arch, json_string(qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"));
+    json_array_append_new(arch, json_string(archs));
     json_object_set_new(j, "architectures", arch);
     if (!qwen2) json_object_set_new(j, "attention_bias", json_boolean(attn_bias));
     json_object_set_new(j, "attention_dropout", json_real(0.0));
@@ -202,8 +207,8 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
     json_object_set_new(j, "hidden_size", json_integer(hp->d_model));
     json_object_set_new(j, "initializer_range", json_real(0.02));
     json_object_set_new(j, "intermediate_size", json_integer(hp->d_ff));
-    if (!qwen2) json_object_set_new(j, "mlp_bias", json_boolean(mlp_bias));
-    json_object_set_new(j, "model_type", json_string(qwen2 ? "qwen2" : "llama"));
+    if (!qwen2 && !qwen3) json_object_set_new(j, "mlp_bias", json_boolean(mlp_bias));
+    json_object_set_new(j, "model_type", json_string(mtype));
     json_object_set_new(j, "num_attention_heads", json_integer(hp->n_head));
     json_object_set_new(j, "num_hidden_layers", json_integer(hp->n_layer));
     json_object_set_new(j, "num_key_value_heads", json_integer(hp->n_kv_head));
@@ -224,14 +229,14 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
                                                       : dtype == BT_EXPORT_F16 ? "float16"
                                                                                : "bfloat16"));
     json_object_set_new(j, "use_cache", json_true());
-    if (qwen2) json_object_set_new(j, "use_sliding_window", json_false());
+    if (qwen2 || qwen3) json_object_set_new(j, "use_sliding_window", json_false());
     json_object_set_new(j, "vocab_size", json_integer(hp->vocab));
     return write_json(path, j);
 }
 
 /* ---- weights, sharded as transformers' save_pretrained does ---- */
 
-enum { T_EMBED, T_WEIGHT, T_BIAS, T_NORM_IN, T_NORM_POST, T_NORM, T_LM_HEAD };
+enum { T_EMBED, T_WEIGHT, T_BIAS, T_NORM_IN, T_NORM_POST, T_NORM, T_LM_HEAD, T_QNORM, T_KNORM };
 
 /* One tensor of the merged checkpoint: rows 0 = 1-D [cols]. */
 typedef struct {
@@ -300,7 +305,7 @@ static int cmp_dot_natural(const void *va, const void *vb) {
 static int plan_tensors(const bt_model *m, int dtype, hf_tensor **out, int *n_out) {
     const bt_llama_hparams *hp = &m->hp;
     const size_t es = dtype == BT_EXPORT_F32 ? 4 : 2;
-    int cap = 3 + hp->n_layer * (2 * BT_MOD_N + 2), n = 0;
+    int cap = 3 + hp->n_layer * (2 * BT_MOD_N + 4), n = 0;
     hf_tensor *t = calloc((size_t)cap, sizeof *t);
     if (!t) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
 #define ADD(k, l, md, r, c, ...)                                                                    \
@@ -323,6 +328,10 @@ static int plan_tensors(const bt_model *m, int dtype, hf_tensor **out, int *n_ou
         }
         ADD(T_NORM_IN, l, -1, 0, hp->d_model, "model.layers.%d.input_layernorm.weight", l);
         ADD(T_NORM_POST, l, -1, 0, hp->d_model, "model.layers.%d.post_attention_layernorm.weight", l);
+        if (hp->qk_norm) { /* Qwen3Attention q_norm / k_norm [head_dim] */
+            ADD(T_QNORM, l, -1, 0, hp->head_dim, "model.layers.%d.self_attn.q_norm.weight", l);
+            ADD(T_KNORM, l, -1, 0, hp->head_dim, "model.layers.%d.self_attn.k_norm.weight", l);
+        }
     }
     ADD(T_NORM, -1, -1, 0, hp->d_model, "model.norm.weight");
     if (!m->tied) ADD(T_LM_HEAD, -1, -1, hp->vocab, hp->d_model, "lm_head.weight");
@@ -384,6 +393,8 @@ static int tensor_data(const bt_model *m, const bt_lora *lo, const hf_tensor *x,
     case T_NORM_POST: *data = bt_lora_norm(lo, m, x->layer, 1); return 0;
     case T_NORM: *data = bt_lora_norm(lo, m, m->hp.n_layer, 0); return 0;
     case T_LM_HEAD: *data = bt_lora_lm_head(lo, m); return 0;
+    case T_QNORM: *data = m->layers[x->layer].q_norm; return 0;
+    case T_KNORM: *data = m->layers[x->layer].k_norm; return 0;
     default: break;
     }
     size_t need = (size_t)x->rows * (size_t)x->cols;

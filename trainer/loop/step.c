@@ -15,6 +15,9 @@
 typedef struct {
     float *xn1, *rstd1, *q, *k, *v, *att, *lse, *x2, *xn2, *rstd2, *g, *u;
     float *as[BT_MOD_N];
+    /* QK-norm (hp.qk_norm, Qwen3) only, else NULL: q / k before the per-head RMSNorm (its
+     * backward input) [M, Dq] / [M, Dkv] and its rstd [M * Hq] / [M * Hkv] */
+    float *qr, *kr, *rq, *rk;
 } layer_acts;
 
 struct bt_step_ctx {
@@ -97,6 +100,10 @@ static void bind(bt_step_ctx *c, int id, int i, void *p) {
     case BT_BUF_RSTD2: A->rstd2 = p; break;
     case BT_BUF_G: A->g = p; break;
     case BT_BUF_U: A->u = p; break;
+    case BT_BUF_QR: A->qr = p; break;
+    case BT_BUF_KR: A->kr = p; break;
+    case BT_BUF_RQ: A->rq = p; break;
+    case BT_BUF_RK: A->rk = p; break;
     case BT_BUF_XF: c->xf = p; break;
     case BT_BUF_RSTDF: c->rstdf = p; break;
     case BT_BUF_H: c->h = p; break;
@@ -160,6 +167,7 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
     po.target_mask = lo ? lo->target_mask : 0;
     po.quant_base = m->base_dtype == BT_BASE_NF4 || m->base_dtype == BT_BASE_GGUF;
     po.threads = omp_get_max_threads(); /* as bt_model_scratch_floats sizes the tiles */
+    po.qk_norm = m->hp.qk_norm;
     int rc = bt_plan_step(&plan, &d, &po);
     if (rc) return rc;
     bt_step_ctx *c = bt_xcalloc(1, sizeof *c);
@@ -249,9 +257,15 @@ static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
     float eps = m->hp.rms_eps;
 
     OP(c, "rmsnorm fwd", F4(nD + M), bt_rmsnorm_fwd(A->xn1, A->rstd1, x, bt_lora_norm(lo, m, l, 0), M, c->D, eps));
-    proj_fwd(c, m, lo, l, BT_MOD_Q, A->q, A->xn1, M, A, key);
-    proj_fwd(c, m, lo, l, BT_MOD_K, A->k, A->xn1, M, A, key);
+    const bt_layer *L = &m->layers[l];
+    proj_fwd(c, m, lo, l, BT_MOD_Q, A->qr ? A->qr : A->q, A->xn1, M, A, key);
+    proj_fwd(c, m, lo, l, BT_MOD_K, A->kr ? A->kr : A->k, A->xn1, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_V, A->v, A->xn1, M, A, key);
+    if (A->qr) { /* Qwen3 QK-norm: RMSNorm over each head's head_dim values, before RoPE */
+        OP(c, "qk-norm fwd", F4((int64_t)M * (c->Dq + c->Dkv)),
+           (bt_rmsnorm_fwd(A->q, A->rq, A->qr, L->q_norm, M * c->Hq, c->hd, eps),
+            bt_rmsnorm_fwd(A->k, A->rk, A->kr, L->k_norm, M * c->Hkv, c->hd, eps)));
+    }
     OP(c, "rope fwd", F4((int64_t)M * c->Dq),
        bt_rope_fwd_cached(&c->rope, A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
@@ -308,6 +322,12 @@ static int layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
        bt_rope_bwd_cached(&c->rope, c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
     OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
        bt_rope_bwd_cached(&c->rope, c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+    if (A->qr) { /* QK-norm backward, in place (the norm weights are frozen: no dw) */
+        const bt_layer *L = &m->layers[l];
+        OP(c, "qk-norm bwd", F4((int64_t)M * (c->Dq + c->Dkv)),
+           (bt_rmsnorm_bwd(c->dq, NULL, c->dq, A->qr, L->q_norm, A->rq, M * c->Hq, c->hd),
+            bt_rmsnorm_bwd(c->dk, NULL, c->dk, A->kr, L->k_norm, A->rk, M * c->Hkv, c->hd)));
+    }
     proj_bwd(c, m, lo, l, BT_MOD_Q, c->dxn, c->dq, A->xn1, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_K, c->dxn, c->dk, A->xn1, M, 1.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_V, c->dxn, c->dv, A->xn1, M, 1.f, A, key);

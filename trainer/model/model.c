@@ -136,6 +136,8 @@ void bt_model_free(bt_model *m) {
         for (int i = 0; i < m->hp.n_layer; i++) {
             free(m->layers[i].attn_norm);
             free(m->layers[i].ffn_norm);
+            free(m->layers[i].q_norm);
+            free(m->layers[i].k_norm);
             for (int j = 0; j < BT_MOD_N; j++) lin_free(&m->layers[i].lin[j]);
         }
         free(m->layers);
@@ -561,48 +563,75 @@ int bt_model_gguf_rope_scaling(const bt_gguf *g, const char *path, bt_llama_hpar
     return 0;
 }
 
-/* Stage: general.architecture of `g` must be "llama". Reads g; writes nothing. Errors:
- * BT_ERR_NOTFOUND (key missing), BT_ERR_FORMAT (not a string), BT_ERR_UNSUPPORTED (another
- * architecture, named in the message). */
-static int gguf_check_arch(const bt_gguf *g, const char *path) {
+const char *bt_arch_name(int arch) {
+    return arch == BT_ARCH_QWEN2 ? "qwen2" : arch == BT_ARCH_QWEN3 ? "qwen3" : "llama";
+}
+
+/* Stage: general.architecture of `g` must be "llama", "qwen2" or "qwen3" (llama.cpp
+ * llama-arch.cpp LLM_ARCH_NAMES). Reads g; writes *arch (BT_ARCH_*). Errors: BT_ERR_NOTFOUND
+ * (key missing), BT_ERR_FORMAT (not a string), BT_ERR_UNSUPPORTED (another architecture, named
+ * in the message). */
+static int gguf_check_arch(const bt_gguf *g, const char *path, int *arch_out) {
     bt_str arch;
     int rc = bt_gguf_get_str(g, "general.architecture", &arch);
     if (rc)
         return bt_fail(rc == BT_ERR_NOTFOUND ? BT_ERR_NOTFOUND : BT_ERR_FORMAT,
                        "model: %s: general.architecture: %s", path,
                        rc == BT_ERR_NOTFOUND ? "missing" : bt_last_error());
-    if (arch.len != 5 || memcmp(arch.ptr, "llama", 5) != 0)
-        return bt_fail(BT_ERR_UNSUPPORTED,
-                       "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\"",
-                       path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
-    return 0;
+    for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_QWEN3; a++)
+        if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len)) {
+            *arch_out = a;
+            return 0;
+        }
+    return bt_fail(BT_ERR_UNSUPPORTED,
+                   "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\", "
+                   "\"qwen2\" and \"qwen3\"",
+                   path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
 }
 
-/* Stage: the llama.* shape keys (llama.cpp llama-model.cpp load_hparams names and defaults:
- * context_length 2048, rope.freq_base 10000, head_count_kv = head_count, rope.dimension_count =
- * head_dim) into hp; head_dim = embedding_length / head_count. Reads g; writes the shape fields
- * of hp. Errors: those of kv_int / kv_float (BT_ERR_NOTFOUND missing required key,
- * BT_ERR_FORMAT bad value), BT_ERR_FORMAT (head_count 0), BT_ERR_UNSUPPORTED (partial RoPE). */
+/* Stage: the <arch>.* shape keys, <arch> = general.architecture (llama.cpp llama-model.cpp
+ * load_hparams names and defaults: context_length 2048, rope.freq_base 10000, head_count_kv =
+ * head_count, attention.key_length = attention.value_length = embedding_length / head_count,
+ * rope.dimension_count = key_length) into hp; head_dim = key_length (convert_hf_to_gguf.py
+ * TextModel.set_gguf_parameters writes key_length / value_length from HF head_dim, which Qwen3
+ * sets apart from hidden_size / heads). Reads g; writes the shape fields of hp. Errors: those of
+ * kv_int / kv_float (BT_ERR_NOTFOUND missing required key, BT_ERR_FORMAT bad value),
+ * BT_ERR_FORMAT (head_count 0), BT_ERR_UNSUPPORTED (partial RoPE, value_length != key_length). */
 static int gguf_shape_keys(const bt_gguf *g, const char *path, bt_llama_hparams *hp) {
-    int rc, rope_dim = 0;
-    if ((rc = kv_int(g, path, "llama.block_count", 1, 0, &hp->n_layer)) ||
-        (rc = kv_int(g, path, "llama.embedding_length", 1, 0, &hp->d_model)) ||
-        (rc = kv_int(g, path, "llama.attention.head_count", 1, 0, &hp->n_head)) ||
-        (rc = kv_int(g, path, "llama.feed_forward_length", 1, 0, &hp->d_ff)) ||
-        (rc = kv_int(g, path, "llama.context_length", 0, 2048, &hp->ctx)) ||
-        (rc = kv_float(g, path, "llama.attention.layer_norm_rms_epsilon", 1, 0, &hp->rms_eps)) ||
-        (rc = kv_float(g, path, "llama.rope.freq_base", 0, 10000.0, &hp->rope_theta)))
+    int rc, rope_dim = 0, v_len = 0;
+    const char *a = bt_arch_name(hp->arch);
+    char k[8][64];
+    static const char *const sfx[8] = {"block_count", "embedding_length", "attention.head_count",
+                                       "feed_forward_length", "context_length",
+                                       "attention.layer_norm_rms_epsilon", "rope.freq_base",
+                                       "attention.head_count_kv"};
+    for (int i = 0; i < 8; i++) snprintf(k[i], sizeof k[i], "%s.%s", a, sfx[i]);
+    if ((rc = kv_int(g, path, k[0], 1, 0, &hp->n_layer)) ||
+        (rc = kv_int(g, path, k[1], 1, 0, &hp->d_model)) ||
+        (rc = kv_int(g, path, k[2], 1, 0, &hp->n_head)) ||
+        (rc = kv_int(g, path, k[3], 1, 0, &hp->d_ff)) ||
+        (rc = kv_int(g, path, k[4], 0, 2048, &hp->ctx)) ||
+        (rc = kv_float(g, path, k[5], 1, 0, &hp->rms_eps)) ||
+        (rc = kv_float(g, path, k[6], 0, 10000.0, &hp->rope_theta)))
         return rc;
-    if ((rc = kv_int(g, path, "llama.attention.head_count_kv", 0, hp->n_head, &hp->n_kv_head)))
-        return rc;
+    if ((rc = kv_int(g, path, k[7], 0, hp->n_head, &hp->n_kv_head))) return rc;
     if (hp->n_head <= 0)
-        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.attention.head_count is 0", path);
-    hp->head_dim = hp->d_model / hp->n_head;
-    if ((rc = kv_int(g, path, "llama.rope.dimension_count", 0, hp->head_dim, &rope_dim))) return rc;
+        return bt_fail(BT_ERR_FORMAT, "model: %s: %s is 0", path, k[2]);
+    char kl[64], vl[64], rd[64];
+    snprintf(kl, sizeof kl, "%s.attention.key_length", a);
+    snprintf(vl, sizeof vl, "%s.attention.value_length", a);
+    snprintf(rd, sizeof rd, "%s.rope.dimension_count", a);
+    if ((rc = kv_int(g, path, kl, 0, hp->d_model / hp->n_head, &hp->head_dim)) ||
+        (rc = kv_int(g, path, vl, 0, hp->head_dim, &v_len)))
+        return rc;
+    if (v_len != hp->head_dim)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s %d != %s %d is not supported", path, vl,
+                       v_len, kl, hp->head_dim);
+    if ((rc = kv_int(g, path, rd, 0, hp->head_dim, &rope_dim))) return rc;
     if (rope_dim != hp->head_dim)
         return bt_fail(BT_ERR_UNSUPPORTED,
-                       "model: %s: llama.rope.dimension_count %d != head_dim %d (partial RoPE is not "
-                       "supported)", path, rope_dim, hp->head_dim);
+                       "model: %s: %s %d != head_dim %d (partial RoPE is not supported)", path, rd,
+                       rope_dim, hp->head_dim);
     return 0;
 }
 
@@ -613,12 +642,24 @@ static int gguf_shape_keys(const bt_gguf *g, const char *path, bt_llama_hparams 
 static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp) {
     int rc;
     if ((rc = gguf_shape_keys(g, path, hp))) return rc;
-    if ((rc = bt_model_gguf_rope_scaling(g, path, hp))) return rc;
+    if (hp->arch == BT_ARCH_LLAMA && (rc = bt_model_gguf_rope_scaling(g, path, hp))) return rc;
+    if (hp->arch != BT_ARCH_LLAMA) { /* <arch>.rope.scaling.* : only "none" / absent here */
+        char st[64];
+        snprintf(st, sizeof st, "%s.rope.scaling.type", bt_arch_name(hp->arch));
+        bt_str v = {"", 0};
+        if (bt_gguf_find_key(g, st) >= 0 &&
+            (bt_gguf_get_str(g, st, &v) != 0 || v.len != 4 || memcmp(v.ptr, "none", 4) != 0))
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s \"%.*s\": RoPE scaling is supported "
+                           "for \"llama\" GGUFs only", path, st, (int)(v.len > 32 ? 32 : v.len),
+                           v.ptr);
+    }
     if (bt_gguf_find_tensor(g, "rope_freqs.weight")) hp->rope_type = BT_ROPE_FREQS;
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb) return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);
     hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
-    return bt_model_check_hparams(hp, path, 0);
+    hp->qk_norm = hp->arch == BT_ARCH_QWEN3;
+    /* Llama keeps head_dim = embedding_length / head_count; Qwen's key_length may differ */
+    return bt_model_check_hparams(hp, path, hp->arch != BT_ARCH_LLAMA);
 }
 
 /* Stage: the RoPE tables (bt_model_rope_init) from m->hp, with rope_freqs.weight [head_dim / 2]
@@ -666,7 +707,9 @@ static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
                        bt_base_linear *l) {
     int rows, cols, rc;
     bt_model_lin_shape(hp, j, &rows, &cols);
-    const int qk = !opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K);
+    /* only LlamaModel.permute()s q/k; Qwen2Model / Qwen3Model write HF's rows (NEOX RoPE) */
+    const int qk = hp->arch == BT_ARCH_LLAMA && !opts->keep_gguf_qk_order &&
+                   (j == BT_MOD_Q || j == BT_MOD_K);
     const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
     if (opts->base_dtype == BT_BASE_GGUF)
         return load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim, l);
@@ -679,8 +722,27 @@ static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
     return bt_model_lin_set(l, w, rows, cols, opts->base_dtype, name);
 }
 
-/* Stage: block l's tensors blk.l.{attn_norm, ffn_norm} [d_model] and its seven linears (BT_MOD_*
- * order, k_gguf_lin names). Reads g, m->hp; writes m->layers[l] (owned by m). Errors: those of
+/* Stage: blk.l.<module>.bias [rows] into l->bias when the file has it: required for q/k/v of
+ * "qwen2" (llama.cpp llama-model.cpp LLM_ARCH_QWEN2 creates bq / bk / bv without
+ * TENSOR_NOT_REQUIRED), optional otherwise (LLM_ARCH_LLAMA's are TENSOR_NOT_REQUIRED; a llama
+ * q / k bias is un-permuted like its weight rows). Errors: BT_ERR_NOTFOUND (a qwen2 q/k/v bias
+ * missing), those of load_tensor / unpermute_rows. */
+static int gguf_bias(const bt_gguf *g, const char *path, const bt_llama_hparams *hp, int l, int j,
+                     const bt_model_load_opts *opts, bt_base_linear *lin) {
+    char name[96];
+    snprintf(name, sizeof name, "blk.%d.%s.bias", l, k_gguf_lin[j]);
+    const int need = hp->arch == BT_ARCH_QWEN2 && j <= BT_MOD_V;
+    if (!need && !bt_gguf_find_tensor(g, name)) return 0;
+    int rc = load_tensor(g, path, name, 0, lin->rows, &lin->bias);
+    if (rc) return rc;
+    if (hp->arch == BT_ARCH_LLAMA && !opts->keep_gguf_qk_order && (j == BT_MOD_Q || j == BT_MOD_K))
+        rc = unpermute_rows(lin->bias, j == BT_MOD_Q ? hp->n_head : hp->n_kv_head, hp->head_dim, 1);
+    return rc;
+}
+
+/* Stage: block l's tensors blk.l.{attn_norm, ffn_norm} [d_model], its seven linears (BT_MOD_*
+ * order, k_gguf_lin names) with their biases (gguf_bias), and for Qwen3 attn_q_norm /
+ * attn_k_norm [head_dim]. Reads g, m->hp; writes m->layers[l] (owned by m). Errors: those of
  * load_tensor and gguf_linear, the first in that order. */
 static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
                       const bt_model_load_opts *opts) {
@@ -695,6 +757,13 @@ static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
     for (int j = 0; j < BT_MOD_N; j++) {
         snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
         if ((rc = gguf_linear(g, path, name, hp, j, opts, &L->lin[j]))) return rc;
+        if ((rc = gguf_bias(g, path, hp, l, j, opts, &L->lin[j]))) return rc;
+    }
+    if (hp->qk_norm) { /* Qwen3: blk.N.attn_{q,k}_norm.weight [head_dim] */
+        snprintf(name, sizeof name, "blk.%d.attn_q_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->head_dim, &L->q_norm))) return rc;
+        snprintf(name, sizeof name, "blk.%d.attn_k_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->head_dim, &L->k_norm))) return rc;
     }
     return 0;
 }
@@ -724,9 +793,9 @@ static int gguf_layers(bt_model *m, const bt_gguf *g, const char *path,
         if (l > top) top = l;
     }
     if (top >= m->hp.n_layer)
-        return bt_fail(BT_ERR_FORMAT, "model: %s: llama.block_count is %d, but the file holds the tensors of %d "
+        return bt_fail(BT_ERR_FORMAT, "model: %s: %s.block_count is %d, but the file holds the tensors of %d "
                        "blocks (up to blk.%d.*): refusing to load part of the model (the header or the file is "
-                       "wrong)", path, m->hp.n_layer, top + 1, top);
+                       "wrong)", path, bt_arch_name(m->hp.arch), m->hp.n_layer, top + 1, top);
     m->layers = calloc((size_t)m->hp.n_layer, sizeof(bt_layer));
     if (!m->layers) return bt_fail(BT_ERR_NOMEM, "model: out of memory");
     int rc = 0;
@@ -742,7 +811,8 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
     bt_gguf *g = NULL;
     int rc = bt_gguf_open(&g, path);
     if (rc) return bt_fail(rc, "model: %s", bt_last_error_in("model"));
-    if ((rc = gguf_check_arch(g, path)) || (rc = gguf_hparams(g, path, &m->hp))) goto fail;
+    if ((rc = gguf_check_arch(g, path, &m->hp.arch)) || (rc = gguf_hparams(g, path, &m->hp)))
+        goto fail;
     m->base_dtype = opts.base_dtype;
     if ((rc = gguf_rope_setup(m, g, path)) || (rc = gguf_globals(m, g, path)) ||
         (rc = gguf_layers(m, g, path, &opts)))

@@ -41,6 +41,11 @@ typedef struct {
                                * correction range, dynamic's threshold) */
     float rope_yarn_beta_fast, rope_yarn_beta_slow; /* yarn: 0 = 32 / 1 */
     float rope_attn_factor;   /* yarn: rope_scaling.attention_factor (0 = 0.1 ln factor + 1) */
+    int arch;          /* BT_ARCH_*: the family the weights came from (GGUF general.architecture,
+                        * HF architectures[0]); Llama and Mistral are BT_ARCH_LLAMA */
+    int qk_norm;       /* 1: RMSNorm over each head of q and k (bt_layer q_norm / k_norm, weights
+                        * [head_dim], eps rms_eps) after q_proj / k_proj and before RoPE, as
+                        * transformers Qwen3Attention (Qwen3); 0 otherwise */
 } bt_llama_hparams;
 
 /* The dimensions every buffer and linear of the model is sized by, derived once from its
@@ -70,6 +75,11 @@ void bt_dims_lin_shape(const bt_dims *d, int mod, int *rows, int *cols);
 int64_t bt_dims_max_linear(const bt_dims *d);
 /* The widest linear input (K of every base GEMM): max(D, F, Dq). */
 int bt_dims_max_cols(const bt_dims *d);
+
+/* Model families (bt_llama_hparams.arch). */
+enum { BT_ARCH_LLAMA = 0, BT_ARCH_QWEN2 = 1, BT_ARCH_QWEN3 = 2 };
+/* "llama" | "qwen2" | "qwen3": the GGUF general.architecture (and key prefix) of a family. */
+const char *bt_arch_name(int arch);
 
 enum { BT_ROPE_DEFAULT = 0, BT_ROPE_LLAMA3 = 1, BT_ROPE_FREQS = 2 };
 /* (BT_ROPE_EXT_NONE / LINEAR / YARN / DYNAMIC: trainer/config.h) */
@@ -101,6 +111,8 @@ typedef struct {
 typedef struct {
     float *attn_norm;              /* [d_model] */
     float *ffn_norm;               /* [d_model] */
+    float *q_norm, *k_norm;        /* [head_dim] fp32 (owned) when hp.qk_norm (Qwen3 q_norm /
+                                    * k_norm, frozen), else NULL */
     bt_base_linear lin[BT_MOD_N];  /* indexed by BT_MOD_Q .. BT_MOD_DOWN */
 } bt_layer;
 
@@ -161,8 +173,14 @@ typedef struct {
     int keep_gguf_qk_order;  /* testing only: 1 = do NOT undo llama.cpp's Q/K permutation */
 } bt_model_load_opts;
 
-/* Load a llama-architecture GGUF (general.architecture == "llama"), the format llama.cpp's
- * convert_hf_to_gguf.py writes and llama-model.cpp load_hparams reads. Stages (model.c):
+/* Load a GGUF of general.architecture "llama", "qwen2" or "qwen3" (hp.arch), the format llama.cpp's
+ * convert_hf_to_gguf.py writes (LlamaModel, Qwen2Model, Qwen3Model) and llama-model.cpp
+ * load_hparams reads. For "qwen2" / "qwen3" every key below is read under that prefix instead of
+ * "llama.", head_dim is <arch>.attention.key_length (default embedding_length / head_count),
+ * q/k rows are NOT un-permuted (those converters keep HF's rows: llama.cpp applies NEOX RoPE),
+ * "qwen2" requires blk.N.attn_{q,k,v}.bias [rows] (any arch: a present blk.N.<linear>.bias is
+ * loaded), "qwen3" requires blk.N.attn_{q,k}_norm.weight [head_dim] (hp.qk_norm), and RoPE
+ * scaling keys are refused (only "llama" GGUFs carry them here). For "llama": Stages (model.c):
  * architecture; hyper-parameters from the llama.* keys (block_count, embedding_length,
  * attention.head_count, feed_forward_length, attention.layer_norm_rms_epsilon required;
  * context_length 2048, rope.freq_base 10000, attention.head_count_kv = head_count,
@@ -191,7 +209,9 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
 /* Load a Hugging Face model directory (trainer/model/model_hf.c): <dir>/config.json and either
  * <dir>/model.safetensors or <dir>/model.safetensors.index.json ("weight_map": tensor -> shard
  * file in <dir>). architectures[0] must be LlamaForCausalLM (SmolLM2, Llama 2/3/3.1/3.2),
- * MistralForCausalLM or Qwen2ForCausalLM.
+ * MistralForCausalLM, Qwen2ForCausalLM (hp.arch BT_ARCH_QWEN2) or Qwen3ForCausalLM
+ * (BT_ARCH_QWEN3: hp.qk_norm, tensors model.layers.N.self_attn.{q,k}_norm.weight [head_dim];
+ * attention_bias as Llama's, false by default).
  * config.json keys: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
  * rms_norm_eps, vocab_size (required); num_key_value_heads (default num_attention_heads),
  * head_dim (default hidden_size / num_attention_heads; may differ from it), rope_theta (10000),

@@ -3,7 +3,9 @@
  *
  * Semantics followed (transformers 4.46): LlamaForCausalLM / MistralForCausalLM /
  * Qwen2ForCausalLM modeling files (Qwen2Attention: q/k/v Linear(bias=True), o_proj bias=False;
- * LlamaAttention: bias=config.attention_bias on q/k/v/o; LlamaMLP: bias=config.mlp_bias),
+ * LlamaAttention: bias=config.attention_bias on q/k/v/o; LlamaMLP: bias=config.mlp_bias), and
+ * (transformers 5.23) Qwen3ForCausalLM (Qwen3Attention: q_norm / k_norm = Qwen3RMSNorm(head_dim)
+ * on each head of q and k before RoPE; q/k/v/o bias=config.attention_bias),
  * LlamaLinearScalingRotaryEmbedding (position / factor), modeling_utils.py sharded loading
  * (model.safetensors.index.json "weight_map"), bitsandbytes QuantState.as_dict(packed=True)
  * (docs/formats/nf4.md §Checkpoint). */
@@ -788,7 +790,7 @@ static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
     return rope_extension(c, rs, ty, hp);
 }
 
-enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2 };
+enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3 };
 
 /* Fill hp and the bias flags from config.json. */
 static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *attn_bias_qkv,
@@ -807,11 +809,13 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
     else if (arch ? !strcmp(arch, "MistralForCausalLM") : mt && !strcmp(mt, "mistral"))
         a = ARCH_MISTRAL;
     else if (arch ? !strcmp(arch, "Qwen2ForCausalLM") : mt && !strcmp(mt, "qwen2")) a = ARCH_QWEN2;
+    else if (arch ? !strcmp(arch, "Qwen3ForCausalLM") : mt && !strcmp(mt, "qwen3")) a = ARCH_QWEN3;
     else if (!arch && !mt)
         return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing key \"architectures\"", c->path);
     else
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: architecture \"%s\" is not supported "
-                       "(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)",
+                       "(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                       "Qwen3ForCausalLM)",
                        c->path, arch ? arch : mt);
     int rc;
     if ((rc = cfg_int(c, "hidden_size", 1, 0, &hp->d_model)) ||
@@ -837,13 +841,28 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
             (rc = cfg_bool(c, "mlp_bias", 0, mlp_bias)))
             return rc;
         *attn_bias_o = *attn_bias_qkv;
-    } else if (a == ARCH_QWEN2) {
+    } else if (a == ARCH_QWEN2 || a == ARCH_QWEN3) {
+        /* Qwen2Attention: q/k/v bias=True; Qwen3Attention: bias=config.attention_bias on q/k/v/o
+         * (false in every released Qwen3) and q_norm / k_norm (Qwen3RMSNorm(head_dim)) */
         int sw;
-        *attn_bias_qkv = 1;
+        hp->arch = a == ARCH_QWEN2 ? BT_ARCH_QWEN2 : BT_ARCH_QWEN3;
+        hp->qk_norm = a == ARCH_QWEN3;
+        if (a == ARCH_QWEN2) *attn_bias_qkv = 1;
+        else if ((rc = cfg_bool(c, "attention_bias", 0, attn_bias_qkv))) return rc;
+        else *attn_bias_o = *attn_bias_qkv;
         if ((rc = cfg_bool(c, "use_sliding_window", 0, &sw))) return rc;
         if (sw)
             return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: use_sliding_window true is not "
                            "supported (attention is full causal)", c->path);
+        /* transformers 5 layer_types: every layer must be "full_attention" here */
+        json_t *lt = json_object_get(c->root, "layer_types");
+        for (size_t i = 0; json_is_array(lt) && i < json_array_size(lt); i++) {
+            const char *ty = json_string_value(json_array_get(lt, i));
+            if (!ty || strcmp(ty, "full_attention") != 0)
+                return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: layer_types[%zu] is \"%s\": only "
+                               "\"full_attention\" is supported (no sliding-window attention yet)",
+                               c->path, i, ty ? ty : "(not a string)");
+        }
     } else {
         json_t *sw = json_object_get(c->root, "sliding_window");
         if (json_is_integer(sw) && json_integer_value(sw) < hp->ctx)
@@ -929,6 +948,12 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
         if ((rc = load_f32(&s, name, 0, hp->d_model, &L->attn_norm))) goto fail;
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
         if ((rc = load_f32(&s, name, 0, hp->d_model, &L->ffn_norm))) goto fail;
+        if (hp->qk_norm) {
+            snprintf(name, sizeof name, "model.layers.%d.self_attn.q_norm.weight", l);
+            if ((rc = load_f32(&s, name, 0, hp->head_dim, &L->q_norm))) goto fail;
+            snprintf(name, sizeof name, "model.layers.%d.self_attn.k_norm.weight", l);
+            if ((rc = load_f32(&s, name, 0, hp->head_dim, &L->k_norm))) goto fail;
+        }
         for (int j = 0; j < BT_MOD_N; j++) {
             int rows, cols;
             bt_model_lin_shape(hp, j, &rows, &cols);

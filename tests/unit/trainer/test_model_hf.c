@@ -348,6 +348,12 @@ static void test_qwen2_bias(void **st) {
     expect_fail(&nob, BT_ERR_NOTFOUND, "model.layers.0.self_attn.q_proj.bias");
     spec sw = {.arch = "Qwen2ForCausalLM", .qkv_bias = 1, .extra = "{\"use_sliding_window\": true}"};
     expect_fail(&sw, BT_ERR_UNSUPPORTED, "use_sliding_window");
+    spec lt = {.arch = "Qwen2ForCausalLM", .qkv_bias = 1,
+               .extra = "{\"layer_types\": [\"full_attention\", \"sliding_attention\"]}"};
+    expect_fail(&lt, BT_ERR_UNSUPPORTED, "layer_types[1] is \"sliding_attention\"");
+    /* Qwen3 without its QK-norm weights */
+    spec q3 = {.arch = "Qwen3ForCausalLM"};
+    expect_fail(&q3, BT_ERR_NOTFOUND, "model.layers.0.self_attn.q_norm.weight");
     /* Llama attention_bias: q/k/v/o biases; here o's is missing */
     spec lb = {.qkv_bias = 1, .extra = "{\"attention_bias\": true}"};
     expect_fail(&lb, BT_ERR_NOTFOUND, "model.layers.0.self_attn.o_proj.bias");
