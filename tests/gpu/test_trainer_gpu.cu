@@ -829,7 +829,7 @@ static void test_plan_matches_estimate(void)
         memset(&o, 0, sizeof o);
         o.checkpointing = pc.ckpt;
         o.offload = pc.offload;
-        o.nf4_impl = pc.fused;
+        o.base_matmul_impl = pc.fused;
         bt_cuda_trainer *t = nullptr;
         if (bt_cuda_trainer_new_ex(&t, &m, &lo, M, &o) != 0) {
             printf("    bt_cuda_trainer_new_ex: %s\n", bt_last_error());
