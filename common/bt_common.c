@@ -23,24 +23,6 @@ static _Thread_local char g_err[1024];
 static int g_level = -1;
 static pthread_mutex_t g_log_mu = PTHREAD_MUTEX_INITIALIZER;
 
-const char *bt_strerror(int err) {
-    switch (err) {
-    case BT_OK: return "ok";
-    case BT_ERR_IO: return "io";
-    case BT_ERR_FORMAT: return "format";
-    case BT_ERR_NOMEM: return "nomem";
-    case BT_ERR_RANGE: return "range";
-    case BT_ERR_UNSUPPORTED: return "unsupported";
-    case BT_ERR_INVALID: return "invalid";
-    case BT_ERR_NOTFOUND: return "notfound";
-    case BT_ERR_TIMEOUT: return "timeout";
-    case BT_ERR_CLOSED: return "closed";
-    case BT_ERR_CANCELLED: return "cancelled";
-    case BT_ERR_DIVERGED: return "diverged";
-    default: return "unknown";
-    }
-}
-
 /* How many bytes of m to skip so that it does not start with the same "<part>: " twice (a
  * message wrapped by a caller that adds the part its callee already wrote: "token cache: token
  * cache: x" -> "token cache: x"). A part is at most 64 bytes. */

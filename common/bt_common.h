@@ -23,9 +23,6 @@ typedef enum {
     BT_ERR_DIVERGED = -11,   /* training diverged: non-finite loss, gradients or parameters */
 } bt_err;
 
-/* Static name of an error code ("io", "format", ...). Never NULL. */
-const char *bt_strerror(int err);
-
 /* Record a printf-style message as this thread's last error and return `err` (so callers can
  * write `return bt_fail(BT_ERR_FORMAT, "gguf: %s: bad magic", path);`). A leading part written
  * twice by wrapping ("token cache: token cache: x") is kept once; callers that wrap a message in

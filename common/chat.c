@@ -32,13 +32,23 @@ static size_t src_len(const bt_tokenizer *t, int32_t id) {
     return n;
 }
 
-/* Appends one message. */
+/* Appends a token and its mask bit; BT_ERR_NOMEM (a document larger than memory allows: the
+ * caller skips it) leaves both as they were. */
+static int push2(bt_ids *ids, bt_ids *mask, int32_t id, int32_t m) {
+    if (bt_ids_try_push(ids, id)) return BT_ERR_NOMEM;
+    if (bt_ids_try_push(mask, m)) {
+        ids->n--;
+        return BT_ERR_NOMEM;
+    }
+    return BT_OK;
+}
+
+/* Appends one message. BT_OK or BT_ERR_* (out of memory included). */
 static int encode_msg(const bt_tokenizer *t, int32_t im_start, int32_t im_end, const char *role,
                       const char *content, size_t content_len, bt_ids *ids, bt_ids *mask, bt_ids *tmp) {
     int train = strcmp(role, "assistant") == 0;
     size_t role_len = strlen(role);
-    bt_ids_push(ids, im_start);
-    bt_ids_push(mask, 0);
+    if (push2(ids, mask, im_start, 0)) return bt_fail(BT_ERR_NOMEM, "chat: out of memory for the document's tokens");
 
     /* header length after UTF-8 sanitisation: "\n" ends any invalid subpart of role, so it is
      * the summed source length of the header's own tokens. */
@@ -61,20 +71,17 @@ static int encode_msg(const bt_tokenizer *t, int32_t im_start, int32_t im_end, c
     free(run);
     if (rc < 0) return rc;
     size_t off = 0;
-    for (size_t i = 0; i < tmp->n; i++) {
+    for (size_t i = 0; i < tmp->n && rc == 0; i++) {
         off += src_len(t, tmp->v[i]);
-        bt_ids_push(ids, tmp->v[i]);
-        bt_ids_push(mask, train && off > header ? 1 : 0);
+        rc = push2(ids, mask, tmp->v[i], train && off > header ? 1 : 0);
     }
-    bt_ids_push(ids, im_end);
-    bt_ids_push(mask, train ? 1 : 0);
+    if (rc == 0) rc = push2(ids, mask, im_end, train ? 1 : 0);
+    if (rc) return bt_fail(BT_ERR_NOMEM, "chat: out of memory for the document's tokens");
     tmp->n = 0;
     rc = bt_tokenize(t, "\n", 1, 0, tmp);
     if (rc < 0) return rc;
-    for (size_t i = 0; i < tmp->n; i++) {
-        bt_ids_push(ids, tmp->v[i]);
-        bt_ids_push(mask, 0);
-    }
+    for (size_t i = 0; i < tmp->n; i++)
+        if (push2(ids, mask, tmp->v[i], 0)) return bt_fail(BT_ERR_NOMEM, "chat: out of memory for the document's tokens");
     return 0;
 }
 

@@ -21,7 +21,8 @@ typedef enum { BT_CHAT_CHATML = 0 } bt_chat_style;
 
 /* Appends the rendered conversation to ids and the matching 0/1 loss mask to mask
  * (same length). BT_ERR_INVALID if n == 0 or a role is NULL; BT_ERR_UNSUPPORTED if the
- * tokenizer lacks <|im_start|>/<|im_end|>. */
+ * tokenizer lacks <|im_start|>/<|im_end|>; BT_ERR_NOMEM when the tokens do not fit in memory
+ * (never aborts: loaderd skips such a document). On error ids and mask are left as they were. */
 int bt_chat_encode(const bt_tokenizer *t, bt_chat_style style, const bt_chat_msg *msgs, int n,
                    bt_ids *ids, bt_ids *mask);
 

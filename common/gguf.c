@@ -8,6 +8,7 @@
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 #include "common/quant.h"
 
 #include <stdio.h>
@@ -677,12 +678,7 @@ void bt_gguf_writer_free(bt_gguf_writer *w) {
 }
 
 static void put(bt_gguf_writer *w, const void *p, size_t n) {
-    if (w->kv_len + n > w->kv_cap) {
-        size_t cap = w->kv_cap ? w->kv_cap : 4096;
-        while (cap < w->kv_len + n) cap *= 2;
-        w->kv = bt_xrealloc(w->kv, cap);
-        w->kv_cap = cap;
-    }
+    w->kv = bt_vec_xgrow(w->kv, &w->kv_cap, w->kv_len + n, 1);
     memcpy(w->kv + w->kv_len, p, n);
     w->kv_len += n;
 }

@@ -14,6 +14,7 @@
 #include "common/quant.h"
 
 #include "common/bt_common.h"
+#include "common/bt_le.h"
 #include "common/gguf.h"
 
 #include <math.h>
@@ -434,7 +435,7 @@ int bt_ggml_dequantize(int type, const void *src, float *dst, int64_t n) {
 /* ---------------------------------------------------------------- finiteness (quant.h) */
 
 static int half_finite(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+    uint16_t h = bt_get16(p);
     return (h & 0x7C00u) != 0x7C00u; /* exponent all ones: inf or nan */
 }
 

@@ -31,22 +31,6 @@
 
 /* ---- small helpers ---- */
 
-void bt_ids_push(bt_ids *a, int32_t x) {
-    if (a->n == a->cap) {
-        size_t cap = a->cap ? a->cap * 2 : 64;
-        a->v = bt_xrealloc(a->v, cap * sizeof *a->v);
-        a->cap = cap;
-    }
-    a->v[a->n++] = x;
-}
-
-void bt_ids_free(bt_ids *a) {
-    if (!a) return;
-    free(a->v);
-    a->v = NULL;
-    a->n = a->cap = 0;
-}
-
 /* GPT-2 bytes_to_unicode (openai/gpt-2 src/encoder.py; HF byte_level.rs bytes_char): printable
  * bytes 0x21-0x7E, 0xA1-0xAC, 0xAE-0xFF map to themselves, the other 68 bytes in increasing
  * order to U+0100, U+0101, ... */
@@ -204,7 +188,7 @@ bt_tokenizer *bt_tok_new(void) {
     bt_tokenizer *t = bt_xcalloc(1, sizeof *t);
     t->serial = atomic_fetch_add(&tok_serial, 1) + 1;
     t->bos = t->eos = t->pad = t->unk = -1;
-    for (int b = 0; b < 256; b++) t->byte_id[b] = -1;
+    for (int b = 0; b < 256; b++) t->byte_id[b] = t->fb_id[b] = -1;
     return t;
 }
 
@@ -227,7 +211,51 @@ void bt_tokenizer_free(bt_tokenizer *t) {
     pcre2_code_free(t->re_word);
     free(t->pre);
     free(t->chat_template);
+    for (int k = 0; k < BT_TOK_MAX_NORM; k++) {
+        free(t->norm_a[k]);
+        free(t->norm_b[k]);
+    }
+    bt_tok_spm_free(t);
     free(t);
+}
+
+/* Hex digit value, -1 if none. */
+static int hexval(uint8_t c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
+/* Bytes a SentencePiece-family token decodes to, written to d (at most len bytes); returns the
+ * count. MODEL_SPM (llama.cpp llama_vocab::token_to_piece, special = true): NORMAL tokens with
+ * U+2581 -> " ", BYTE tokens "<0xNN>" -> byte NN, CONTROL / USER_DEFINED / UNKNOWN as their text,
+ * UNUSED and other types -> nothing. MODEL_CHARS (HF decoders Replace("\u2581", " "),
+ * ByteFallback): every token, with U+2581 -> " " when the decoder has that Replace, and a text of
+ * exactly "<0xNN>" (hex, either case) -> byte NN when it has ByteFallback (Strip / Fuse act on
+ * the whole output: bt_tokenizer.dec_strip). */
+static size_t spm_raw(const bt_tokenizer *t, const uint8_t *p, size_t len, int type, uint8_t *d) {
+    if (t->model == MODEL_SPM && type == TT_BYTE) { /* llama.cpp token_to_byte: strtol(text[3..5), 16) */
+        int v = 0;
+        for (size_t j = 3; j < 5 && j < len && hexval(p[j]) >= 0; j++) v = v << 4 | hexval(p[j]);
+        d[0] = (uint8_t)v;
+        return 1;
+    }
+    if (t->model == MODEL_CHARS && t->dec_bytefb && len == 6 && memcmp(p, "<0x", 3) == 0 && p[5] == '>' &&
+        hexval(p[3]) >= 0 && hexval(p[4]) >= 0) {
+        d[0] = (uint8_t)(hexval(p[3]) << 4 | hexval(p[4]));
+        return 1;
+    }
+    int unescape = t->model == MODEL_SPM ? type == TT_NORMAL : t->dec_replace;
+    if (t->model == MODEL_SPM && type != TT_NORMAL && type != TT_CONTROL && type != TT_USER && type != TT_UNKNOWN)
+        return 0;
+    size_t o = 0;
+    for (size_t j = 0; j < len;) {
+        if (unescape && j + 3 <= len && p[j] == 0xE2 && p[j + 1] == 0x96 && p[j + 2] == 0x81) {
+            d[o++] = ' ';
+            j += 3;
+        } else {
+            d[o++] = p[j++];
+        }
+    }
+    return o;
 }
 
 int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8_t *types, const uint8_t *in_model) {
@@ -261,9 +289,13 @@ int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8
         if (len) memcpy(t->pieces + po, p, len);
         t->pieces[po + len] = 0;
         po += (uint32_t)len + 1;
+        t->raw_off[i] = ro;
+        if (t->model != MODEL_BYTELEVEL) {
+            ro = spm_raw(t, p, len, t->type[i], t->raw + ro) + ro;
+            continue;
+        }
         /* HF ByteLevel decoder (decoders/byte_level.rs decode_chain): every char through the
          * byte decoder, or, if one char is outside the alphabet, the token's raw UTF-8 text. */
-        t->raw_off[i] = ro;
         size_t j = 0;
         uint32_t r0 = ro;
         int ok = 1;
@@ -282,7 +314,8 @@ int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8
     t->piece_off[n] = po;
     t->raw_off[n] = ro;
 
-    /* piece hash; on duplicate strings the first id wins */
+    /* piece hash; on duplicate strings the first id wins (the last with dup_last, as llama.cpp's
+     * token_to_id map); for MODEL_CHARS rslot holds the BPE model's own pieces instead */
     t->vmask = pow2_at_least((uint64_t)n * 2) - 1;
     t->vslot = bt_xmalloc(((size_t)t->vmask + 1) * sizeof *t->vslot);
     memset(t->vslot, 0xFF, ((size_t)t->vmask + 1) * sizeof *t->vslot);
@@ -291,10 +324,17 @@ int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8
     memset(t->rslot, 0xFF, ((size_t)t->rmask + 1) * sizeof *t->rslot);
     for (int32_t i = 0; i < n; i++) {
         if (t->type[i] == TT_UNUSED && !toks[i].ptr) continue;
-        if (bt_tok_vocab_find(t, piece_of(t, i), piece_len(t, i)) < 0) {
+        {
             uint32_t h = hash_bytes(piece_of(t, i), piece_len(t, i)) & t->vmask;
-            while (t->vslot[h] >= 0) h = (h + 1) & t->vmask;
-            t->vslot[h] = i;
+            while (t->vslot[h] >= 0 && !(piece_len(t, t->vslot[h]) == piece_len(t, i) &&
+                                         memcmp(piece_of(t, t->vslot[h]), piece_of(t, i), piece_len(t, i)) == 0))
+                h = (h + 1) & t->vmask;
+            if (t->vslot[h] < 0 || t->dup_last) t->vslot[h] = i;
+        }
+        if (t->model == MODEL_CHARS && (!in_model || in_model[i]) && bt_tok_model_find(t, piece_of(t, i), piece_len(t, i)) < 0) {
+            uint32_t h = hash_bytes(piece_of(t, i), piece_len(t, i)) & t->rmask;
+            while (t->rslot[h] >= 0) h = (h + 1) & t->rmask;
+            t->rslot[h] = i;
         }
         if (t->byte_ok[i] && (!in_model || in_model[i])) {
             const uint8_t *r = t->raw + t->raw_off[i];
@@ -312,9 +352,28 @@ int bt_tok_set_vocab(bt_tokenizer *t, int32_t n, const bt_str *toks, const uint8
         uint32_t cp = b2u[b];
         if (cp < 0x80) { u[0] = (char)cp; ul = 1; }
         else { u[0] = (char)(0xC0 | (cp >> 6)); u[1] = (char)(0x80 | (cp & 0x3F)); ul = 2; }
-        t->byte_id[b] = bt_tok_vocab_find(t, u, ul);
+        t->byte_id[b] = t->model == MODEL_BYTELEVEL ? bt_tok_vocab_find(t, u, ul) : -1;
+        char fb[7] = {'<', '0', 'x', "0123456789ABCDEF"[b >> 4], "0123456789ABCDEF"[b & 15], '>', 0};
+        if (t->model == MODEL_CHARS) t->fb_id[b] = bt_tok_model_find(t, fb, 6);
+        else if (t->model == MODEL_SPM) { /* llama.cpp byte_to_token: "<0xNN>", else the byte itself */
+            t->fb_id[b] = bt_tok_vocab_find(t, fb, 6);
+            if (t->fb_id[b] < 0) {
+                char one = (char)b;
+                t->fb_id[b] = bt_tok_vocab_find(t, &one, 1);
+            }
+        }
     }
     return 0;
+}
+
+int32_t bt_tok_model_find(const bt_tokenizer *t, const char *s, size_t n) {
+    uint32_t h = hash_bytes(s, n) & t->rmask;
+    for (;;) {
+        int32_t id = t->rslot[h];
+        if (id < 0) return -1;
+        if (piece_len(t, id) == n && memcmp(piece_of(t, id), s, n) == 0) return id;
+        h = (h + 1) & t->rmask;
+    }
 }
 
 int bt_tok_set_merges(bt_tokenizer *t, uint64_t n_merge, const bt_str *ma, const bt_str *mb) {
@@ -438,7 +497,7 @@ static inline void push_pair(const bt_tokenizer *t, merge_t *heap, size_t *hn, i
     if (m) heap_push(heap, hn, (merge_t){m->rank, pos, m->new_id, a, b});
 }
 
-static void ids_append(bt_ids *a, const int32_t *v, size_t k);
+static void out_append(bt_enc_ctx *c, const int32_t *v, size_t k);
 
 /* word.rs merge_all for a short word, without a heap: the current pairs' ranks in an array,
  * repeatedly merge the lowest-ranked one (leftmost on ties), as the heap would pop them. The
@@ -474,7 +533,7 @@ static void bpe_small(bt_enc_ctx *c, sym_t *sym, int32_t k) {
             nid[i] = m ? m->new_id : -1;
         }
     }
-    ids_append(c->out, id, (size_t)k);
+    out_append(c, id, (size_t)k);
 }
 
 /* HF models/bpe/model.rs tokenize_with_cache + merge_word, word.rs merge_all (dropout none):
@@ -483,20 +542,49 @@ static void bpe_small(bt_enc_ctx *c, sym_t *sym, int32_t k) {
 static void bpe_merge(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     const bt_tokenizer *t = c->t;
     if (t->ignore_merges) {
-        int32_t id = raw_find(t, w, n);
-        if (id >= 0) { bt_ids_push(c->out, id); return; }
+        int32_t id = t->model == MODEL_CHARS ? bt_tok_model_find(t, (const char *)w, n) : raw_find(t, w, n);
+        if (id >= 0) { bt_tok_out_push(c, id); return; }
     }
-    if (n > c->cap) {
-        size_t cap = c->cap ? c->cap : 64;
-        while (cap < n) cap *= 2;
-        c->sym = bt_xrealloc(c->sym, cap * sizeof *c->sym);
-        c->heap = bt_xrealloc(c->heap, 3 * cap * sizeof *c->heap);
-        c->cap = cap;
+    if (n > c->cap) { /* symbols and the heap's 3 x n pairs: the piece's size, so fallible */
+        size_t sym_cap = c->cap, heap_cap = 3 * c->cap;
+        sym_t *sy = bt_vec_grow(c->sym, &sym_cap, n, sizeof *c->sym);
+        if (sy) c->sym = sy;
+        merge_t *hp = sy ? bt_vec_grow(c->heap, &heap_cap, 3 * sym_cap, sizeof *c->heap) : NULL;
+        if (!hp) {
+            c->err = BT_ERR_NOMEM;
+            return;
+        }
+        c->heap = hp;
+        c->cap = sym_cap;
     }
     sym_t *sym = c->sym;
     int32_t k = 0;
     int prev_unk = 0;
-    for (size_t i = 0; i < n; i++) {
+    if (t->model == MODEL_CHARS) { /* model.rs merge_word: one symbol per char */
+        int32_t unk_pending = 0; /* an unk symbol waiting to be added (fuse_unk extends it) */
+        for (size_t i = 0; i < n;) {
+            size_t cl = 1;
+            while (i + cl < n && (w[i + cl] & 0xC0) == 0x80) cl++;
+            int32_t id = bt_tok_model_find(t, (const char *)w + i, cl);
+            if (id >= 0) {
+                if (unk_pending) { sym[k] = (sym_t){t->unk, k - 1, k + 1}; k++; unk_pending = 0; }
+                sym[k] = (sym_t){id, k - 1, k + 1};
+                k++;
+            } else {
+                int fb_ok = t->byte_fallback;
+                for (size_t j = 0; j < cl && fb_ok; j++) fb_ok = t->fb_id[w[i + j]] >= 0;
+                if (fb_ok) { /* byte_fallback: the char's bytes, an unk waiting before them stays pending */
+                    for (size_t j = 0; j < cl; j++) { sym[k] = (sym_t){t->fb_id[w[i + j]], k - 1, k + 1}; k++; }
+                } else if (t->unk >= 0) {
+                    if (unk_pending && !t->fuse_unk) { sym[k] = (sym_t){t->unk, k - 1, k + 1}; k++; }
+                    unk_pending = 1;
+                }
+            }
+            i += cl;
+        }
+        if (unk_pending) { sym[k] = (sym_t){t->unk, k - 1, k + 1}; k++; }
+    }
+    for (size_t i = 0; i < n && t->model != MODEL_CHARS; i++) {
         int32_t id = t->byte_id[w[i]];
         if (id < 0) {
             if (t->unk < 0) continue;
@@ -530,7 +618,7 @@ static void bpe_merge(bt_enc_ctx *c, const uint8_t *w, size_t n) {
         if (s->prev >= 0) push_pair(t, c->heap, &hn, s->prev, sym[s->prev].id, s->id);
         if (s->next >= 0) push_pair(t, c->heap, &hn, top.pos, s->id, sym[s->next].id);
     }
-    for (int32_t i = 0; i >= 0; i = sym[i].next) bt_ids_push(c->out, sym[i].id);
+    for (int32_t i = 0; i >= 0; i = sym[i].next) bt_tok_out_push(c, sym[i].id);
 }
 
 /* Piece cache (as HF BPE's per-model cache, models/bpe/model.rs): a pre-token's ids depend only
@@ -604,27 +692,19 @@ static inline uint32_t pc_hash(const uint8_t *w, size_t n) {
     return (uint32_t)(h ^ (h >> 29));
 }
 
-static void ids_append(bt_ids *a, const int32_t *v, size_t k) {
-    if (k == 0) return;
-    if (a->n + k > a->cap) {
-        size_t cap = a->cap ? a->cap : 64;
-        while (cap < a->n + k) cap *= 2;
-        a->v = bt_xrealloc(a->v, cap * sizeof *a->v);
-        a->cap = cap;
-    }
-    memcpy(a->v + a->n, v, k * sizeof *v);
-    a->n += k;
+static void out_append(bt_enc_ctx *c, const int32_t *v, size_t k) {
+    if (!c->err && bt_ids_try_append(c->out, v, k)) c->err = BT_ERR_NOMEM;
 }
 
 void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     const bt_tokenizer *t = c->t;
-    if (n == 0) return;
+    if (n == 0 || c->err) return;
     if (c->pieces_only) {
-        bt_ids_push(c->out, (int32_t)n);
+        bt_tok_out_push(c, (int32_t)n);
         return;
     }
-    if (n == 1 && t->byte_id[w[0]] >= 0 && !t->ignore_merges) {
-        bt_ids_push(c->out, t->byte_id[w[0]]);
+    if (n == 1 && t->byte_id[w[0]] >= 0 && !t->ignore_merges && t->model == MODEL_BYTELEVEL) {
+        bt_tok_out_push(c, t->byte_id[w[0]]);
         return;
     }
     struct bt_piece_cache *pc = c->pc;
@@ -634,13 +714,13 @@ void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n) {
     }
     pc_ent *e = &pc->e[pc_hash(w, n) & (PC_SLOTS - 1)];
     if (e->gen == pc->gen && e->len == n && memcmp(e->b, w, n) == 0) {
-        ids_append(c->out, e->ids, e->nids);
+        out_append(c, e->ids, e->nids);
         return;
     }
     size_t n0 = c->out->n;
     bpe_merge(c, w, n);
     size_t k = c->out->n - n0;
-    if (k <= PC_MAX_IDS) {
+    if (k <= PC_MAX_IDS && !c->err) {
         e->gen = pc->gen;
         e->len = (uint8_t)n;
         e->nids = (uint8_t)k;
@@ -658,12 +738,19 @@ void bt_tokenize_release_cache(void) {
 
 int bt_tok_pieces(const bt_tokenizer *t, const char *s, size_t n, bt_ids *lens) {
     bt_enc_ctx c = {.t = t, .out = lens, .pieces_only = 1};
+    c.at0 = 1;
     int rc = bt_tok_pre_all(&c, s, n);
-    pcre2_match_data_free(c.md);
-    free(c.sym);
-    free(c.heap);
-    for (int i = 0; i < BT_TOK_MAX_PRE; i++) free(c.pbuf[i]);
+    if (rc == 0 && c.err) rc = bt_fail(c.err, "tokenize: out of memory listing the pieces of %zu bytes", n);
+    bt_tok_ctx_free(&c);
     return rc;
+}
+
+void bt_tok_ctx_free(bt_enc_ctx *c) {
+    pcre2_match_data_free(c->md);
+    free(c->sym);
+    free(c->heap);
+    for (int i = 0; i < BT_TOK_MAX_PRE; i++) free(c->pbuf[i]);
+    free(c->mbuf);
 }
 
 pcre2_match_data *bt_tok_md(bt_enc_ctx *c) {
@@ -696,11 +783,18 @@ static int is_word_char(bt_enc_ctx *c, const char *s, size_t a, size_t b) {
                        NULL) >= 0;
 }
 
-static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_special);
+static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_special, int at0);
+
+/* Pre-tokenizes one run; at0: the run starts at offset 0 of the input (Metaspace "first"). */
+static int pre_run_at(bt_enc_ctx *c, const char *s, size_t n, int at0) {
+    c->at0 = at0;
+    return bt_tok_pre_all(c, s, n);
+}
 
 /* HF AddedVocabulary::find_matches over one split, then the gaps go on to the next stage
  * (pass 0: normalisation and pass 1; pass 1: pre-tokenisation). */
-static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const char *s, size_t n, int parse_special) {
+static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const char *s, size_t n, int parse_special,
+                       int at0) {
     const bt_tokenizer *t = c->t;
     size_t start_offset = 0, i = 0;
     int rc = 0;
@@ -748,21 +842,23 @@ static int added_split(bt_enc_ctx *c, const bt_added_set *set, int pass, const c
                 }
             }
             if (start_offset < start) {
-                rc = pass == 0 ? run_normalized(c, s + start_offset, start - start_offset, parse_special)
-                               : bt_tok_pre_all(c, s + start_offset, start - start_offset);
+                rc = pass == 0 ? run_normalized(c, s + start_offset, start - start_offset, parse_special,
+                                                at0 && start_offset == 0)
+                               : pre_run_at(c, s + start_offset, start - start_offset, at0 && start_offset == 0);
                 if (rc < 0) return rc;
             }
-            bt_ids_push(c->out, a->id);
+            bt_tok_out_push(c, a->id);
+            if (c->err) return c->err;
             start_offset = stop;
         }
     }
     if (start_offset < n)
-        rc = pass == 0 ? run_normalized(c, s + start_offset, n - start_offset, parse_special)
-                       : bt_tok_pre_all(c, s + start_offset, n - start_offset);
+        rc = pass == 0 ? run_normalized(c, s + start_offset, n - start_offset, parse_special, at0 && start_offset == 0)
+                       : pre_run_at(c, s + start_offset, n - start_offset, at0 && start_offset == 0);
     return rc;
 }
 
-static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_special) {
+static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_special, int at0) {
     char *norm = NULL;
     size_t nl = 0;
     if (c->t->n_norm) {
@@ -770,7 +866,7 @@ static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_spec
         if (rc < 0) return rc;
         if (norm) { s = norm; n = nl; }
     }
-    int rc = added_split(c, &c->t->set_norm, 1, s, n, parse_special);
+    int rc = added_split(c, &c->t->set_norm, 1, s, n, parse_special, at0);
     free(norm);
     return rc;
 }
@@ -783,15 +879,20 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
     size_t n0 = out->n;
     char *clean = NULL;
     size_t clen = 0;
-    int rc = utf8_sanitize(text, len, &clean, &clen);
-    if (rc < 0) return rc;
-    if (clean) { text = clean; len = clen; }
-    bt_enc_ctx c = {.t = t, .out = out, .pc = pc_get(t)};
-    rc = added_split(&c, &t->set_raw, 0, text, len, parse_special);
-    pcre2_match_data_free(c.md);
-    free(c.sym);
-    free(c.heap);
-    for (int i = 0; i < BT_TOK_MAX_PRE; i++) free(c.pbuf[i]);
+    int rc;
+    bt_enc_ctx c = {.t = t, .out = out};
+    if (t->model == MODEL_SPM) { /* llama.cpp tokenizes the bytes as given (byte fallback) */
+        rc = bt_tok_spm_encode(&c, text, len, parse_special);
+    } else {
+        rc = utf8_sanitize(text, len, &clean, &clen);
+        if (rc < 0) return rc;
+        if (clean) { text = clean; len = clen; }
+        c.pc = pc_get(t);
+        rc = added_split(&c, &t->set_raw, 0, text, len, parse_special, 1);
+    }
+    if (c.err && (rc == 0 || rc == c.err)) /* a document larger than memory allows: the caller skips it */
+        rc = bt_fail(BT_ERR_NOMEM, "tokenize: out of memory for the tokens of %zu bytes of text", len);
+    bt_tok_ctx_free(&c);
     free(clean);
     if (rc < 0) out->n = n0; /* nothing appended on failure */
     return rc;
@@ -854,6 +955,8 @@ uint64_t bt_tokenizer_mem_bytes(const bt_tokenizer *t) {
     other += re_size(t->re_word);
     if (t->pre) other += strlen(t->pre) + 1;
     if (t->chat_template) other += strlen(t->chat_template) + 1;
+    for (int k = 0; k < BT_TOK_MAX_NORM; k++) other += t->norm_al[k] + t->norm_bl[k];
+    other += bt_tok_spm_mem(t);
     uint64_t m = t->merges ? ((uint64_t)t->mmask + 1) / 2 : 0;
     return bt_tok_mem_formula(n, text, m, (uint64_t)t->n_added, added_text, other);
 }
@@ -894,10 +997,10 @@ void bt_tokenizer_digest(const bt_tokenizer *t, void (*update)(void *ctx, const 
     update(ctx, t->piece_off, ((size_t)t->n_vocab + 1) * sizeof *t->piece_off);
     update(ctx, t->pieces, t->piece_off[t->n_vocab]);
     size_t nm = 0;
-    for (size_t h = 0; h <= t->mmask; h++) nm += t->merges[h].key != UINT64_MAX;
+    for (size_t h = 0; t->merges && h <= t->mmask; h++) nm += t->merges[h].key != UINT64_MAX;
     struct bt_merge_slot *m = bt_xmalloc((nm ? nm : 1) * sizeof *m);
     nm = 0;
-    for (size_t h = 0; h <= t->mmask; h++)
+    for (size_t h = 0; t->merges && h <= t->mmask; h++)
         if (t->merges[h].key != UINT64_MAX) m[nm++] = t->merges[h];
     qsort(m, nm, sizeof *m, cmp_merge_rank); /* ranks are unique: a canonical order */
     update(ctx, &nm, sizeof nm);
@@ -917,12 +1020,37 @@ void bt_tokenizer_digest(const bt_tokenizer *t, void (*update)(void *ctx, const 
         int32_t f[6] = {p->kind, p->behavior, p->invert, p->add_prefix_space, p->literal, (int32_t)p->src_len};
         update(ctx, f, sizeof f);
         if (p->src) update(ctx, p->src, p->src_len);
+        if (p->kind == PRE_METASPACE) {
+            int32_t ms[3] = {p->ms_prepend, p->ms_split, p->ms_rep_len};
+            update(ctx, ms, sizeof ms);
+            update(ctx, p->ms_rep, p->ms_rep_len);
+        }
+    }
+    if (t->model == MODEL_BYTELEVEL) return; /* the byte-level description is unchanged (v1 caches) */
+    int32_t sf[7] = {t->model, t->byte_fallback, t->dup_last, t->dec_replace, t->dec_bytefb, t->dec_strip,
+                     t->spm.add_space_prefix};
+    update(ctx, sf, sizeof sf);
+    for (int k = 0; k < t->n_norm; k++) {
+        uint64_t l[2] = {t->norm_al[k], t->norm_bl[k]};
+        update(ctx, l, sizeof l);
+        if (t->norm_al[k]) update(ctx, t->norm_a[k], t->norm_al[k]);
+        if (t->norm_bl[k]) update(ctx, t->norm_b[k], t->norm_bl[k]);
+    }
+    if (t->spm.score) update(ctx, t->spm.score, (size_t)t->n_vocab * sizeof *t->spm.score);
+    update(ctx, &t->spm.n_sp, sizeof t->spm.n_sp);
+    if (t->spm.n_sp) {
+        update(ctx, t->spm.sp_id, (size_t)t->spm.n_sp * sizeof *t->spm.sp_id);
+        update(ctx, t->spm.sp_flag, (size_t)t->spm.n_sp);
     }
 }
 
 const char *bt_tokenizer_pre_engine(const bt_tokenizer *t) {
     static const char *const names[] = {"pcre2", "gpt2", "smollm", "llama3", "qwen2"};
-    return t ? names[t->fast_pre] : NULL;
+    if (!t) return NULL;
+    if (t->model == MODEL_SPM) return "spm";
+    int re = 0;
+    for (int i = 0; i < t->n_pre; i++) re |= t->pre_steps[i].re != NULL;
+    return !t->fast_pre && !re ? "none" : names[t->fast_pre];
 }
 
 int bt_tokenizer_set_pre_engine(bt_tokenizer *t, int dedicated) {

@@ -1,5 +1,9 @@
-/* Byte-level BPE tokenizer with exact Hugging Face `tokenizers` semantics (parity target:
- * tokenizers 0.20.3; fixtures from tests/reference/gen_tokenizer_fixtures.py).
+/* Byte-level BPE and SentencePiece-family tokenizers with the exact semantics of their references:
+ * Hugging Face `tokenizers` 0.20.3 for tokenizer.json files (byte-level BPE; BPE over chars with
+ * byte_fallback, as SentencePiece models converted by transformers: Llama 2, Mistral, Gemma) and
+ * llama.cpp b4965 for SentencePiece GGUF vocabularies (tokenizer.ggml.model "llama",
+ * tokenizer_spm.c); fixtures from tests/reference/gen_tokenizer_fixtures.py and
+ * gen_tokenizer_spm_fixtures.py.
  * Sources: a GGUF's tokenizer.ggml.* metadata, or a Hugging Face tokenizer.json (plain or
  * zstd-compressed; a model directory means its tokenizer.json, with tokenizer_config.json for
  * bos/eos/pad and chat_template).
@@ -17,25 +21,21 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/bt_vec.h"
 #include "gguf.h"
 
 typedef struct bt_tokenizer bt_tokenizer;
 
-/* Growable int32 vector (ids or masks). Zero-initialise; free with bt_ids_free. */
-typedef struct {
-    int32_t *v;
-    size_t n, cap;
-} bt_ids;
-void bt_ids_push(bt_ids *a, int32_t x);
-void bt_ids_free(bt_ids *a);
-
-/* Build from the tokenizer.ggml.* keys of an open GGUF (model "gpt2"; tokens, merges,
+/* Build from the tokenizer.ggml.* keys of an open GGUF. Model "llama" (SentencePiece): tokens,
+ * scores, token_type, add_space_prefix (default true), bos/eos/unknown ids (llama.cpp's defaults 1,
+ * 2, 0 when absent), encoded as llama.cpp does (tokenizer_spm.c; pre "spm"). Model "gpt2" (tokens, merges,
  * token_type, pre, bos/eos/unknown/padding ids, chat_template). The GGUF may be closed
  * afterwards (everything is copied); *out is owned by the caller (bt_tokenizer_free), NULL on
  * failure. Merges are "A B" strings, rank = index (later duplicates win, as HF's merge map).
  * Pre types (tokenizer_gguf.c): gpt2, smollm, llama-bpe/llama3 (ignore_merges), qwen2 (NFC).
  * Control tokens (type 3) are HF special added tokens, user-defined ones (type 4) non-special.
- * Errors: BT_ERR_UNSUPPORTED for other tokenizer models/pre types; BT_ERR_NOTFOUND for a missing
+ * Errors: BT_ERR_UNSUPPORTED for other tokenizer models/pre types; BT_ERR_FORMAT for scores that
+ * are not one f32 per token; BT_ERR_NOTFOUND for a missing
  * model/pre/tokens/merges key; BT_ERR_FORMAT for zero merges, a merge whose parts or result are
  * not in the vocabulary, a token_type count differing from the token count. A bos/eos/pad id
  * outside the vocabulary is logged and treated as absent (-1). Added tokens whose text is not
@@ -49,9 +49,11 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g);
  * else the special tokens a TemplateProcessing post_processor puts before/after $A, else -1;
  * pad: tokenizer_config.json pad_token or -1. *out owned by the caller, NULL on failure.
  * Errors: BT_ERR_FORMAT (malformed JSON, missing model/vocab/merges, merge parts not in the
- * vocabulary, conflicting ids), BT_ERR_UNSUPPORTED (model other than BPE, byte_fallback,
- * dropout, unsupported normalizer/pre-tokenizer/decoder or regex construct; the message names
- * it), BT_ERR_INVALID (NULL arguments). */
+ * vocabulary, conflicting ids), BT_ERR_UNSUPPORTED (model other than BPE, byte_fallback with a
+ * ByteLevel pre-tokenizer, dropout, unsupported normalizer/pre-tokenizer/decoder or regex
+ * construct; the message names it), BT_ERR_INVALID (NULL arguments). Without a ByteLevel step the
+ * model is a BPE over chars (SentencePiece-converted files): chars found in model.vocab, else
+ * their bytes' "<0xNN>" tokens with byte_fallback, else unk_token (fused with fuse_unk); pre "sentencepiece". */
 int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, const char *config, size_t config_len);
 /* Load by content: a file starting with "GGUF" -> bt_tokenizer_from_gguf; otherwise a
  * tokenizer.json, plain or zstd-compressed (frame magic 28 B5 2F FD); a directory -> its
@@ -61,13 +63,16 @@ int bt_tokenizer_load(bt_tokenizer **out, const char *path);
 void bt_tokenizer_free(bt_tokenizer *t);
 
 /* Encode `len` bytes of UTF-8 `text`, appending int32 ids to *out (HF encode(text,
- * add_special_tokens=False)). Adds no BOS/EOS. Invalid UTF-8 is first replaced, one U+FFFD per
+ * add_special_tokens=False); for a SentencePiece GGUF vocabulary llama_tokenize(add_special =
+ * false), which reads the bytes as given: no replacement, invalid bytes become their <0xNN>
+ * tokens). Adds no BOS/EOS. Otherwise invalid UTF-8 is first replaced, one U+FFFD per
  * maximal invalid subpart (Python bytes.decode("utf-8", errors="replace"); HF tokenizers only
  * accept valid strings), so decoding gives that text back (normalizers aside). With
  * parse_special == 0 special-token strings are ordinary text (HF encode_special_tokens = True);
  * non-special added tokens (token_type 4) are always matched. BT_ERR_INVALID on NULL t/out
- * (text may be NULL when len == 0), BT_ERR_RANGE (input > 2 GiB), BT_ERR_NOMEM; on error
- * nothing is appended. Thread-safe. */
+ * (text may be NULL when len == 0), BT_ERR_RANGE (input > 2 GiB), BT_ERR_NOMEM (the text's
+ * tokens or scratch do not fit in memory, whatever the tokenizer family: never an abort, loaderd
+ * skips and counts such a document); on error nothing is appended. Thread-safe. */
 int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out);
 /* Free the calling thread's piece cache (bt_tokenize keeps, per thread, the ids of up to 8192
  * recent short pre-tokens, 256 KiB, as HF's BPE model caches words; freed at thread exit anyway).
@@ -75,7 +80,9 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
  * same text so that the figures are not those of a memorised corpus. */
 void bt_tokenize_release_cache(void);
 /* Decode ids to a malloc'd NUL-terminated byte string (*out, *out_len without the NUL; caller
- * frees). HF ByteLevel decoder byte mapping, but the raw bytes are returned (no lossy UTF-8
+ * frees). SentencePiece families: U+2581 -> " ", "<0xNN>" -> the byte (llama.cpp token_to_piece /
+ * HF Replace + ByteFallback), no leading space removed (llama.cpp and HF's Strip drop the one
+ * add_space_prefix put in front). Byte-level: HF ByteLevel decoder byte mapping, but the raw bytes are returned (no lossy UTF-8
  * repair), so decoding token by token and concatenating equals decoding all at once.
  * Control/unknown/unused tokens are emitted as their text when keep_special, else skipped.
  * BT_ERR_RANGE for an id outside [0, vocab) (*out stays NULL), BT_ERR_INVALID, BT_ERR_NOMEM. */
@@ -145,11 +152,12 @@ int32_t bt_tokenizer_pad(const bt_tokenizer *t);
 /* The chat template (GGUF tokenizer.chat_template or tokenizer_config.json chat_template; NULL
  * if none). */
 const char *bt_tokenizer_chat_template(const bt_tokenizer *t);
-/* Pre-tokeniser family: the GGUF pre name ("smollm", "gpt2", "llama-bpe", "qwen2"), or for a
- * tokenizer.json "smollm", "gpt2", "llama3", "qwen2" when the pipeline is exactly that family's,
- * else "custom". */
+/* Pre-tokeniser family: the GGUF pre name ("smollm", "gpt2", "llama-bpe", "qwen2"; "spm" for a
+ * SentencePiece GGUF), or for a tokenizer.json "smollm", "gpt2", "llama3", "qwen2" when the
+ * pipeline is exactly that family's, "sentencepiece" for a BPE over chars, else "custom". */
 const char *bt_tokenizer_pre(const bt_tokenizer *t);
-/* Engine running the pre-tokenizers: a dedicated scanner ("gpt2": GPT-2 ByteLevel regex;
+/* Engine running the pre-tokenizers: "spm" (a SentencePiece GGUF: no pre-tokenizer), "none" (no
+ * regex step, e.g. Metaspace or none), a dedicated scanner ("gpt2": GPT-2 ByteLevel regex;
  * "smollm": Digits(individual_digits) + GPT-2; "llama3": cl100k Split; "qwen2": Qwen2 Split;
  * no regex engine, so no JIT is needed, e.g. under W^X) chosen automatically when the pipeline
  * is exactly one of those, else "pcre2" (Oniguruma patterns on PCRE2, tokenizer_pre.c). Both

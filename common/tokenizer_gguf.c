@@ -11,6 +11,7 @@
  * non-special ones; none normalized, stripped or single-word (as llama.cpp converts them). */
 #include "common/tokenizer_internal.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -96,16 +97,22 @@ static int set_pre(bt_tokenizer *t, bt_str s) {
     return rc;
 }
 
-/* Stage: tokenizer.ggml.model must be "gpt2" (byte-level BPE) and tokenizer.ggml.pre present.
- * Reads g; writes *pre (points into g's mapping). Errors: BT_ERR_NOTFOUND (either key missing),
- * BT_ERR_UNSUPPORTED (another model), the reader's error for a key of the wrong type. */
-static int gguf_tok_kind(const bt_gguf *g, bt_str *pre) {
+/* Stage: tokenizer.ggml.model must be "gpt2" (byte-level BPE; then tokenizer.ggml.pre must be
+ * present) or "llama" (SentencePiece: *spm = 1, *pre untouched). Reads g; writes *pre (points
+ * into g's mapping). Errors: BT_ERR_NOTFOUND (a key missing), BT_ERR_UNSUPPORTED (another
+ * model), the reader's error for a key of the wrong type. */
+static int gguf_tok_kind(const bt_gguf *g, bt_str *pre, int *spm) {
     bt_str s;
+    *spm = 0;
     int rc = bt_gguf_get_str(g, "tokenizer.ggml.model", &s);
     if (rc < 0) return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.model key") : rc;
+    if (s.len == 5 && memcmp(s.ptr, "llama", 5) == 0) {
+        *spm = 1;
+        return 0;
+    }
     if (s.len != 4 || memcmp(s.ptr, "gpt2", 4) != 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: model \"%.*s\" unsupported (only \"gpt2\" byte-level BPE)",
-                       (int)(s.len > 64 ? 64 : s.len), s.ptr);
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer: model \"%.*s\" unsupported (\"gpt2\" byte-level BPE, \"llama\" "
+                       "SentencePiece)", (int)(s.len > 64 ? 64 : s.len), s.ptr);
     rc = bt_gguf_get_str(g, "tokenizer.ggml.pre", pre);
     if (rc < 0)
         return rc == BT_ERR_NOTFOUND ? bt_fail(rc, "tokenizer: no tokenizer.ggml.pre key (pre-tokeniser unknown)") : rc;
@@ -177,6 +184,13 @@ static int gguf_tok_specials(bt_tokenizer *t, const bt_gguf *g, int32_t n) {
     if ((rc = get_opt_id(g, "tokenizer.ggml.bos_token_id", n, &t->bos)) < 0) return rc;
     if ((rc = get_opt_id(g, "tokenizer.ggml.eos_token_id", n, &t->eos)) < 0) return rc;
     if ((rc = get_opt_id(g, "tokenizer.ggml.padding_token_id", n, &t->pad)) < 0) return rc;
+    if (t->model == MODEL_SPM) { /* llama.cpp's SPM defaults: bos 1, eos 2, unk 0 */
+        uint64_t v;
+        if (bt_gguf_get_u64(g, "tokenizer.ggml.bos_token_id", &v) != 0 && n > 1) t->bos = 1;
+        if (bt_gguf_get_u64(g, "tokenizer.ggml.eos_token_id", &v) != 0 && n > 2) t->eos = 2;
+        if ((rc = get_opt_id(g, "tokenizer.ggml.unknown_token_id", n, &t->unk)) < 0) return rc;
+        if (bt_gguf_get_u64(g, "tokenizer.ggml.unknown_token_id", &v) != 0) t->unk = 0;
+    }
     bt_str s;
     rc = bt_gguf_get_str(g, "tokenizer.chat_template", &s);
     if (rc == 0) t->chat_template = dup_str(s);
@@ -238,8 +252,29 @@ int bt_tok_gguf_estimate(const bt_gguf *g, uint64_t *bytes) {
     bt_str s;
     if (bt_gguf_get_str(g, "tokenizer.chat_template", &s) == 0) tmpl = s.len + 1;
     /* resident: every token could be an added one; regexes and per-thread scratch: 1 MiB;
-     * transient while building: the token array (16 B each) and types, the merge arrays (48 B each) */
+     * transient while building: the token array (16 B each) and types, the merge arrays (48 B each);
+     * SentencePiece: scores (4 B each), the special list (5 B each) and its trie (at most one
+     * 16-byte node per byte of token text, twice for the growth) */
     *bytes = bt_tok_mem_formula(n, text, m, n, text, tmpl + ((uint64_t)1 << 20)) + 17 * n + 48 * (m + 1);
+    bt_str model;
+    if (bt_gguf_get_str(g, "tokenizer.ggml.model", &model) == 0 && model.len == 5 && memcmp(model.ptr, "llama", 5) == 0) {
+        /* the special tokens' text bounds the trie; without types every token may be special */
+        uint64_t sp_text = text;
+        bt_gguf_vtype et;
+        const void *data;
+        uint64_t cnt;
+        if (bt_gguf_get_num_arr(g, "tokenizer.ggml.token_type", &et, &data, &cnt) == 0 && cnt == got &&
+            (rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &got)) == 0) {
+            sp_text = 0;
+            for (uint64_t i = 0; i < cnt; i++) {
+                int64_t v;
+                if (read_int_elem(et, data, i, &v) < 0 || v == TT_CONTROL || v == TT_USER || v == TT_UNKNOWN)
+                    sp_text += toks[i].len;
+            }
+            free(toks);
+        }
+        *bytes += 9 * n + 32 * (sp_text + 256);
+    }
     return BT_OK;
 }
 
@@ -251,13 +286,21 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
     if (!out || !g) return bt_fail(BT_ERR_INVALID, "tokenizer_from_gguf: NULL argument");
     *out = NULL;
     bt_str pre_name;
-    int rc = gguf_tok_kind(g, &pre_name);
+    int spm = 0;
+    int rc = gguf_tok_kind(g, &pre_name, &spm);
     if (rc < 0) return rc;
     bt_str *toks = NULL;
     uint64_t n_tok = 0;
     uint8_t *types = NULL;
+    char *empty_names = NULL;
     bt_tokenizer *t = bt_tok_new();
-    if ((rc = set_pre(t, pre_name)) < 0) goto fail;
+    if (spm) {
+        t->model = MODEL_SPM;
+        t->dup_last = 1;
+        t->pre = bt_xstrdup("spm");
+    } else if ((rc = set_pre(t, pre_name)) < 0) {
+        goto fail;
+    }
     uint64_t est;
     if ((rc = bt_tok_gguf_estimate(g, &est)) < 0) goto fail; /* the bounds, before any large allocation */
     if ((rc = bt_gguf_get_str_arr(g, "tokenizer.ggml.tokens", &toks, &n_tok)) < 0) goto fail;
@@ -269,17 +312,33 @@ int bt_tokenizer_from_gguf(bt_tokenizer **out, const bt_gguf *g) {
     types = bt_xmalloc((size_t)n);
     memset(types, TT_NORMAL, (size_t)n);
     if ((rc = gguf_tok_types(g, n_tok, types)) != 0) goto fail;
+    if (spm) { /* llama.cpp names an empty token "[EMPTY_<id>]" */
+        size_t ne = 0;
+        for (int32_t i = 0; i < n; i++) ne += toks[i].len == 0;
+        empty_names = bt_xmalloc(ne * 24 + 1);
+        size_t o = 0;
+        for (int32_t i = 0; i < n; i++)
+            if (toks[i].len == 0) {
+                int k = snprintf(empty_names + o, 24, "[EMPTY_%d]", i);
+                toks[i] = (bt_str){empty_names + o, (size_t)k};
+                o += (size_t)k + 1;
+            }
+    }
     if ((rc = bt_tok_set_vocab(t, n, toks, types, NULL)) < 0) goto fail;
-    if ((rc = gguf_tok_merges(t, g)) < 0) goto fail;
+    if (!spm && (rc = gguf_tok_merges(t, g)) < 0) goto fail;
     if ((rc = gguf_tok_specials(t, g, n)) != 0) goto fail;
-    if ((rc = gguf_tok_added(t, toks, types, n)) < 0) goto fail;
+    if (spm) rc = bt_tok_spm_from_gguf(t, g);
+    else rc = gguf_tok_added(t, toks, types, n);
+    if (rc < 0) goto fail;
     free(toks);
     free(types);
+    free(empty_names);
     *out = t;
     return 0;
 fail:
     free(toks);
     free(types);
+    free(empty_names);
     bt_tokenizer_free(t);
     return rc;
 }

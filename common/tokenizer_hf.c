@@ -160,6 +160,11 @@ int bt_tokenizer_hf_from_gguf(const bt_gguf *g, int64_t model_max_length, bt_hf_
     bt_tokenizer *t = NULL;
     int rc = bt_tokenizer_from_gguf(&t, g);
     if (rc) return rc;
+    if (t->model != MODEL_BYTELEVEL) {
+        bt_tokenizer_free(t);
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json from a SentencePiece (\"llama\") GGUF vocabulary is not "
+                       "written yet: only byte-level (\"gpt2\") vocabularies are exported");
+    }
     /* bt_tokenizer_from_gguf accepts exactly the families pre_tokenizer() writes */
     const int add_bos = gguf_flag(g, "tokenizer.ggml.add_bos_token");
     const int add_eos = gguf_flag(g, "tokenizer.ggml.add_eos_token");

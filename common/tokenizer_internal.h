@@ -17,11 +17,23 @@
 /* GGUF token types (llama.cpp llama_token_type / gguf-py TokenType). */
 enum { TT_NORMAL = 1, TT_UNKNOWN = 2, TT_CONTROL = 3, TT_USER = 4, TT_UNUSED = 5, TT_BYTE = 6 };
 
-/* Normalizers (HF normalizers/unicode.rs). */
-enum { NORM_NFC = 1, NORM_NFD, NORM_NFKC, NORM_NFKD };
+/* Normalizers (HF normalizers/{unicode,prepend,replace}.rs). NORM_PREPEND / NORM_REPLACE take
+ * their strings from bt_tokenizer.norm_a / norm_b. */
+enum { NORM_NFC = 1, NORM_NFD, NORM_NFKC, NORM_NFKD, NORM_PREPEND, NORM_REPLACE };
 
-/* Pre-tokenizer steps (HF pre_tokenizers/{split,digits,byte_level}.rs). */
-enum { PRE_SPLIT = 1, PRE_DIGITS, PRE_BYTELEVEL };
+/* Pre-tokenizer steps (HF pre_tokenizers/{split,digits,byte_level,metaspace}.rs). */
+enum { PRE_SPLIT = 1, PRE_DIGITS, PRE_BYTELEVEL, PRE_METASPACE };
+
+/* Vocabulary models (bt_tokenizer.model):
+ *   MODEL_BYTELEVEL  HF BPE over the GPT-2 byte alphabet (pre-tokenizers end in ByteLevel)
+ *   MODEL_CHARS      HF BPE over Unicode chars, byte_fallback to "<0xNN>" tokens, unk_token
+ *                    (SentencePiece-converted tokenizer.json files: Llama 2, Mistral, Gemma)
+ *   MODEL_SPM        llama.cpp's SentencePiece tokenizer (GGUF tokenizer.ggml.model "llama":
+ *                    llm_tokenizer_spm, greedy merges by piece score; tokenizer_spm.c) */
+enum { MODEL_BYTELEVEL = 0, MODEL_CHARS, MODEL_SPM };
+
+/* Metaspace prepend_scheme (HF pre_tokenizers/metaspace.rs PrependScheme). */
+enum { MS_NEVER = 0, MS_ALWAYS, MS_FIRST };
 
 /* HF SplitDelimiterBehavior (tokenizer/normalizer.rs). */
 enum { BEH_REMOVED = 0, BEH_ISOLATED, BEH_MERGED_PREV, BEH_MERGED_NEXT, BEH_CONTIGUOUS };
@@ -45,7 +57,29 @@ typedef struct {
     char *src;            /* the pattern as given (owned; NULL without re), for the digest */
     size_t src_len;
     int literal;          /* src is a Split String pattern (escaped before compiling) */
+    int ms_prepend;       /* PRE_METASPACE: MS_* */
+    int ms_split;         /* PRE_METASPACE: split into words before each replacement char */
+    char ms_rep[8];       /* PRE_METASPACE: the replacement char, UTF-8, NUL-terminated ("\u2581") */
+    uint8_t ms_rep_len;
 } bt_pre_step;
+
+/* SentencePiece-family state (MODEL_CHARS and MODEL_SPM). */
+typedef struct bt_spm {
+    float *score;          /* [n_vocab] MODEL_SPM: tokenizer.ggml.scores (0 when absent) */
+    int add_space_prefix;  /* MODEL_SPM: " " before the first fragment and after each token */
+    /* MODEL_SPM special-token partition (llama.cpp tokenizer_st_partition): the CONTROL /
+     * USER_DEFINED / UNKNOWN ids in match order (text length descending), their flags, and a
+     * byte trie over their texts. */
+    int32_t *sp_id;
+    uint8_t *sp_flag;      /* SPF_* */
+    int32_t n_sp;
+    int32_t *trie;         /* nodes x (first child, next sibling, byte, sp index or -1) */
+    int32_t trie_n;
+    size_t trie_cap;       /* nodes allocated (bt_vec_xgrow: built once, at load) */
+    int32_t root[256];     /* child of the root for each first byte, -1 */
+    int32_t n_unk_bytes;   /* bytes without a <0xNN> / single-byte token (mapped to unk) */
+} bt_spm;
+enum { SPF_PARSE_ONLY = 1, SPF_LSTRIP = 2, SPF_RSTRIP = 4 };
 
 /* Merge (a, b) -> id `new_id` of rank `rank`; key = a << 32 | b, UINT64_MAX marks an empty slot. */
 struct bt_merge_slot {
@@ -86,6 +120,16 @@ struct bt_tokenizer {
     struct bt_merge_slot *merges; /* merge hash, open addressing (one cache line per probe) */
     uint32_t mmask;
     int32_t byte_id[256]; /* id of each single-byte token, -1 if absent */
+    int32_t fb_id[256];   /* MODEL_CHARS / MODEL_SPM: id of "<0xNN>" (byte fallback), -1 if absent */
+    int model;            /* MODEL_* */
+    int byte_fallback;    /* MODEL_CHARS: HF BPE byte_fallback */
+    int dup_last;         /* piece lookup: a duplicated string maps to its last id (llama.cpp) */
+    int dec_replace;      /* MODEL_CHARS: the decoder replaces U+2581 by " " */
+    int dec_bytefb;       /* MODEL_CHARS: the decoder maps "<0xNN>" tokens to bytes */
+    int dec_strip;        /* MODEL_CHARS: HF decode drops one leading " " (Strip / Metaspace) */
+    char *norm_a[BT_TOK_MAX_NORM], *norm_b[BT_TOK_MAX_NORM]; /* PREPEND: a; REPLACE: a -> b */
+    size_t norm_al[BT_TOK_MAX_NORM], norm_bl[BT_TOK_MAX_NORM];
+    bt_spm spm;
     int32_t unk;          /* BPE unk_token id or -1 */
     int fuse_unk, ignore_merges;
     bt_added *added;
@@ -117,7 +161,21 @@ typedef struct {
     char *pbuf[BT_TOK_MAX_PRE]; /* ByteLevel add_prefix_space copies, per step */
     size_t pcap[BT_TOK_MAX_PRE];
     bt_ids *out;
+    int at0;                    /* the run being pre-tokenized starts at offset 0 of the input
+                                 * (Metaspace prepend_scheme "first") */
+    char *mbuf;                 /* Metaspace / SPM scratch */
+    size_t mcap;
+    /* sticky: BT_ERR_NOMEM once an append to out or a scratch buffer could not grow (a document
+     * larger than memory allows); every later step is a no-op and bt_tokenize fails with it */
+    int err;
 } bt_enc_ctx;
+
+/* Append x to c->out, the encoders' only way to emit a token (BPE, SentencePiece, added tokens):
+ * out of memory sets the sticky c->err (then nothing more is appended; bt_tokenize fails with
+ * BT_ERR_NOMEM and leaves out as it was). */
+static inline void bt_tok_out_push(bt_enc_ctx *c, int32_t x) {
+    if (!c->err && bt_ids_try_push(c->out, x)) c->err = BT_ERR_NOMEM;
+}
 
 /* ---- tokenizer.c ---- */
 /* Decodes one UTF-8 code point at s[*i] (valid UTF-8 assumed); advances *i; -1 if invalid. */
@@ -146,7 +204,8 @@ int32_t bt_tok_vocab_find(const bt_tokenizer *t, const char *s, size_t n);
 /* After t->added is filled (texts owned by t): builds the two match sets. */
 int bt_tok_build_added(bt_tokenizer *t);
 /* Byte-level BPE of one pre-token (raw bytes), appending ids to c->out. Short pieces go through
- * the calling thread's piece cache (same ids; see tokenizer.c). */
+ * the calling thread's piece cache (same ids; see tokenizer.c). Out of memory sets c->err
+ * (nothing aborts: the size of a piece is the input's). */
 void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n);
 /* Pre-tokenizer pieces of s[0..n) (valid UTF-8; no added-token split, no normalizer): appends
  * each piece's byte length to *lens, in order (the pieces tile s for the dedicated pipelines).
@@ -154,6 +213,23 @@ void bt_tok_bpe_word(bt_enc_ctx *c, const uint8_t *w, size_t n);
 int bt_tok_pieces(const bt_tokenizer *t, const char *s, size_t n, bt_ids *lens);
 /* c->md, created on first use; NULL (with bt_fail BT_ERR_NOMEM) if allocation fails. */
 pcre2_match_data *bt_tok_md(bt_enc_ctx *c);
+
+/* MODEL_CHARS: lookup in the BPE model's vocabulary (not added tokens) by piece string. */
+int32_t bt_tok_model_find(const bt_tokenizer *t, const char *s, size_t n);
+/* Frees c's scratch buffers. */
+void bt_tok_ctx_free(bt_enc_ctx *c);
+
+/* ---- tokenizer_spm.c ---- */
+/* MODEL_SPM builder from GGUF (tokenizer.ggml.model "llama"), after bt_tok_set_vocab: scores,
+ * add_space_prefix, the byte fallback map, llama.cpp's control-type overrides and the special
+ * partition list (tokenizer_spm.c). Errors: BT_ERR_FORMAT (scores count), BT_ERR_NOMEM. */
+int bt_tok_spm_from_gguf(bt_tokenizer *t, const bt_gguf *g);
+/* MODEL_SPM encode of raw bytes (no UTF-8 repair: llama.cpp tokenizes bytes), appending to
+ * c->out. 0, or BT_ERR_NOMEM (also left in c->err): the text's scratch (occurrences, symbols,
+ * bigram heap, escaped copy) or its ids did not fit in memory; never aborts. */
+int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_special);
+void bt_tok_spm_free(bt_tokenizer *t);
+uint64_t bt_tok_spm_mem(const bt_tokenizer *t);
 
 /* ---- tokenizer_pre.c ---- */
 /* Compiles an Oniguruma pattern (HF Split / ByteLevel) into PCRE2 with Oniguruma semantics
@@ -170,7 +246,8 @@ int bt_tok_init_word_re(bt_tokenizer *t);
 /* Applies t's normalizers to s[0..n) (valid UTF-8). *out NULL when unchanged, else a malloc'd
  * buffer (*out_len bytes). BT_ERR_NOMEM / BT_ERR_FORMAT (utf8proc failure). */
 int bt_tok_normalize(const bt_tokenizer *t, const char *s, size_t n, char **out, size_t *out_len);
-/* Pre-tokenizes s[0..n) from step `step` on and BPE-encodes every resulting piece. */
+/* Pre-tokenizes s[0..n) from step `step` on and BPE-encodes every resulting piece. 0, or
+ * BT_ERR_* (c->err: out of memory). */
 int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n);
 /* Whole pre-tokenizer pipeline of s[0..n) (valid UTF-8): the dedicated scanner when
  * t->fast_pre is set, else bt_tok_pre_run from step 0. */

@@ -3,13 +3,18 @@
  *
  * Supported (anything else fails with BT_ERR_UNSUPPORTED naming the key):
  *   model           BPE: vocab, merges as "a b" strings or ["a", "b"] pairs, ignore_merges,
- *                   unk_token, fuse_unk; dropout null/0, byte_fallback false,
+ *                   unk_token, fuse_unk, byte_fallback; dropout null/0,
  *                   continuing_subword_prefix / end_of_word_suffix null or ""
- *   normalizer      null, NFC, NFD, NFKC, NFKD, Sequence of those
- *   pre_tokenizer   Sequence of Split (Regex | String pattern, any behavior, invert),
- *                   Digits (individual_digits), ByteLevel (add_prefix_space, use_regex), which must
- *                   come last (the vocabulary is byte-level)
- *   decoder         ByteLevel (null is accepted: bt_detokenize returns raw bytes either way)
+ *   normalizer      null, NFC, NFD, NFKC, NFKD, Prepend (prepend), Replace (String pattern,
+ *                   content), Sequence of those
+ *   pre_tokenizer   null or a Sequence of Split (Regex | String pattern, any behavior, invert),
+ *                   Digits (individual_digits), Metaspace (replacement, prepend_scheme always /
+ *                   first / never or the older add_prefix_space, split), ByteLevel
+ *                   (add_prefix_space, use_regex), which must come last
+ *   decoder         with ByteLevel: ByteLevel or null (the vocabulary is byte-level); without
+ *                   (the SentencePiece-converted files of Llama 2, Mistral, Gemma: a BPE over
+ *                   chars, MODEL_CHARS): null or a Sequence of Replace (String pattern),
+ *                   ByteFallback, Fuse, Strip (" ", start 0/1, stop 0), or Metaspace
  *   added_tokens    id, content, special, single_word, lstrip, rstrip, normalized (defaults as HF
  *                   AddedToken: false, except normalized = !special)
  *   post_processor  only read for BOS/EOS: the special tokens a TemplateProcessing "single"
@@ -62,11 +67,34 @@ static int parse_normalizer(bt_tokenizer *t, json_t *n) {
         return 0;
     }
     int kind = strcmp(ty, "NFC") == 0 ? NORM_NFC : strcmp(ty, "NFD") == 0 ? NORM_NFD
-             : strcmp(ty, "NFKC") == 0 ? NORM_NFKC : strcmp(ty, "NFKD") == 0 ? NORM_NFKD : 0;
+             : strcmp(ty, "NFKC") == 0 ? NORM_NFKC : strcmp(ty, "NFKD") == 0 ? NORM_NFKD
+             : strcmp(ty, "Prepend") == 0 ? NORM_PREPEND : strcmp(ty, "Replace") == 0 ? NORM_REPLACE : 0;
     if (!kind)
-        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: normalizer \"%s\" unsupported (NFC, NFD, NFKC, NFKD, Sequence)",
-                       ty);
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: normalizer \"%s\" unsupported (NFC, NFD, NFKC, NFKD, "
+                       "Prepend, Replace, Sequence)", ty);
     if (t->n_norm >= BT_TOK_MAX_NORM) return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: more than %d normalizers", BT_TOK_MAX_NORM);
+    int k = t->n_norm;
+    if (kind == NORM_PREPEND) {
+        json_t *pp = json_object_get(n, "prepend");
+        if (!json_is_string(pp)) return jfail("normalizer.Prepend.prepend", "not a string");
+        t->norm_al[k] = json_string_length(pp);
+        t->norm_a[k] = bt_xmalloc(t->norm_al[k] + 1);
+        memcpy(t->norm_a[k], json_string_value(pp), t->norm_al[k] + 1);
+    } else if (kind == NORM_REPLACE) {
+        json_t *pat = json_object_get(n, "pattern"), *ct = json_object_get(n, "content");
+        json_t *str = json_is_object(pat) ? json_object_get(pat, "String") : NULL;
+        if (json_is_object(pat) && json_object_get(pat, "Regex"))
+            return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: normalizer Replace with a Regex pattern unsupported "
+                           "(String patterns only)");
+        if (!json_is_string(str) || json_string_length(str) == 0) return jfail("normalizer.Replace.pattern", "not {\"String\": non-empty s}");
+        if (!json_is_string(ct)) return jfail("normalizer.Replace.content", "not a string");
+        t->norm_al[k] = json_string_length(str);
+        t->norm_a[k] = bt_xmalloc(t->norm_al[k] + 1);
+        memcpy(t->norm_a[k], json_string_value(str), t->norm_al[k] + 1);
+        t->norm_bl[k] = json_string_length(ct);
+        t->norm_b[k] = bt_xmalloc(t->norm_bl[k] + 1);
+        memcpy(t->norm_b[k], json_string_value(ct), t->norm_bl[k] + 1);
+    }
     t->norm[t->n_norm++] = kind;
     return 0;
 }
@@ -76,8 +104,7 @@ typedef struct {
 } fam_t;
 
 static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
-    if (!p || json_is_null(p))
-        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer null unsupported (a byte-level BPE needs ByteLevel)");
+    if (!p || json_is_null(p)) return 0; /* no pre-tokenizer: each run is one word */
     const char *ty = type_of(p);
     if (!ty) return jfail("pre_tokenizer", "no \"type\"");
     if (strcmp(ty, "Sequence") == 0) {
@@ -103,6 +130,28 @@ static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
         if (use_regex && (rc = bt_tok_step_regex(s, BT_TOK_GPT2_PATTERN, strlen(BT_TOK_GPT2_PATTERN), 0)) < 0)
             return rc;
         if (use_regex) s->pat = PAT_GPT2;
+    } else if (strcmp(ty, "Metaspace") == 0) {
+        /* HF pre_tokenizers/metaspace.rs (tokenizers 0.20.3; "add_prefix_space" of older files
+         * means prepend_scheme always / never) */
+        json_t *r = json_object_get(p, "replacement"), *ps = json_object_get(p, "prepend_scheme");
+        s->kind = PRE_METASPACE;
+        const char *rs = json_is_string(r) ? json_string_value(r) : "\xe2\x96\x81";
+        size_t rl = strlen(rs), cl = 0;
+        int32_t cp = rl ? bt_tok_utf8_next((const uint8_t *)rs, rl, &cl) : -1;
+        if (cp < 0 || cl != rl || rl >= sizeof s->ms_rep) return jfail("Metaspace.replacement", "not one char");
+        memcpy(s->ms_rep, rs, rl + 1);
+        s->ms_rep_len = (uint8_t)rl;
+        if (json_is_string(ps)) {
+            const char *v = json_string_value(ps);
+            s->ms_prepend = !strcmp(v, "always") ? MS_ALWAYS : !strcmp(v, "first") ? MS_FIRST : !strcmp(v, "never") ? MS_NEVER : -1;
+            if (s->ms_prepend < 0) return jfail("Metaspace.prepend_scheme", "not always, first or never");
+        } else {
+            int ap;
+            if ((rc = get_bool(p, "add_prefix_space", 1, &ap)) < 0) return rc;
+            s->ms_prepend = ap ? MS_ALWAYS : MS_NEVER;
+        }
+        if ((rc = get_bool(p, "split", 1, &s->ms_split)) < 0) return rc;
+        fam->known_split = -1;
     } else if (strcmp(ty, "Digits") == 0) {
         int ind;
         if ((rc = get_bool(p, "individual_digits", 0, &ind)) < 0) return rc;
@@ -138,7 +187,7 @@ static int parse_pre(bt_tokenizer *t, json_t *p, fam_t *fam) {
         fam->known_split = fam->known_split == 0 && known ? known : -1;
     } else {
         return bt_fail(BT_ERR_UNSUPPORTED,
-                       "tokenizer.json: pre-tokenizer \"%s\" unsupported (Sequence, Split, Digits, ByteLevel)", ty);
+                       "tokenizer.json: pre-tokenizer \"%s\" unsupported (Sequence, Split, Digits, Metaspace, ByteLevel)", ty);
     }
     t->n_pre++;
     return 0;
@@ -206,22 +255,74 @@ static int parse_model(bt_tokenizer *t, json_t *root, json_t **model) {
         if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
             return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.%s unsupported (must be null or \"\")", empty_keys[k]);
     }
-    int bf, rc;
-    if ((rc = get_bool(*model, "byte_fallback", 0, &bf)) < 0) return rc;
-    if (bf) return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.byte_fallback = true unsupported");
+    int rc;
+    if ((rc = get_bool(*model, "byte_fallback", 0, &t->byte_fallback)) < 0) return rc;
     if ((rc = get_bool(*model, "fuse_unk", 0, &t->fuse_unk)) < 0) return rc;
     return get_bool(*model, "ignore_merges", 0, &t->ignore_merges);
 }
 
-/* The text pipeline: normalizer, pre_tokenizer (must end in ByteLevel), decoder (ByteLevel or
- * null). Records in *fam what the family detection of pre_family needs. */
+/* A SentencePiece-style decoder (MODEL_CHARS) into t->dec_*: Replace("\u2581", " "),
+ * ByteFallback, Fuse, Strip(" ", 1, 0) / Strip(" ", 0, 0), Metaspace, nested in Sequences. */
+static int parse_chars_decoder(bt_tokenizer *t, json_t *d) {
+    if (!d || json_is_null(d)) return 0;
+    const char *ty = json_is_object(d) ? type_of(d) : NULL;
+    if (!ty) return jfail("decoder", "no \"type\"");
+    if (!strcmp(ty, "Sequence")) {
+        json_t *arr = json_object_get(d, "decoders");
+        if (!json_is_array(arr)) return jfail("decoder.decoders", "not an array");
+        for (size_t i = 0; i < json_array_size(arr); i++) {
+            int rc = parse_chars_decoder(t, json_array_get(arr, i));
+            if (rc < 0) return rc;
+        }
+        return 0;
+    }
+    if (!strcmp(ty, "ByteFallback")) { t->dec_bytefb = 1; return 0; }
+    if (!strcmp(ty, "Fuse")) return 0;
+    if (!strcmp(ty, "Replace")) {
+        json_t *pat = json_object_get(d, "pattern"), *ct = json_object_get(d, "content");
+        json_t *str = json_is_object(pat) ? json_object_get(pat, "String") : NULL;
+        if (json_is_string(str) && json_is_string(ct) && !strcmp(json_string_value(str), "\xe2\x96\x81") &&
+            !strcmp(json_string_value(ct), " ")) {
+            t->dec_replace = 1;
+            return 0;
+        }
+    } else if (!strcmp(ty, "Strip")) {
+        json_t *ct = json_object_get(d, "content"), *st = json_object_get(d, "start"), *sp = json_object_get(d, "stop");
+        if (json_is_string(ct) && !strcmp(json_string_value(ct), " ") && json_is_integer(st) &&
+            json_integer_value(st) >= 0 && json_integer_value(st) <= 1 && json_is_integer(sp) && json_integer_value(sp) == 0) {
+            t->dec_strip = (int)json_integer_value(st);
+            return 0;
+        }
+    } else if (!strcmp(ty, "Metaspace")) {
+        json_t *ps = json_object_get(d, "prepend_scheme");
+        t->dec_replace = 1;
+        t->dec_strip = !(json_is_string(ps) && !strcmp(json_string_value(ps), "never"));
+        return 0;
+    }
+    return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: decoder \"%s\" unsupported here (Replace \"\u2581\" -> \" \", "
+                   "ByteFallback, Fuse, Strip \" \" 1 0, Metaspace, Sequence)", ty);
+}
+
+/* The text pipeline: normalizer, pre_tokenizer, decoder. With a ByteLevel step (which must come
+ * last) the model is byte-level (decoder ByteLevel or null); without, a BPE over chars
+ * (MODEL_CHARS; parse_chars_decoder). Records in *fam what the family detection of pre_family
+ * needs. */
 static int parse_pipeline(bt_tokenizer *t, json_t *root, fam_t *fam) {
     int rc;
     if ((rc = parse_normalizer(t, json_object_get(root, "normalizer"))) < 0) return rc;
     if ((rc = parse_pre(t, json_object_get(root, "pre_tokenizer"), fam)) < 0) return rc;
-    if (t->n_pre == 0 || t->pre_steps[t->n_pre - 1].kind != PRE_BYTELEVEL)
-        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer has no ByteLevel step (needed by a byte-level BPE)");
     json_t *dec = json_object_get(root, "decoder");
+    if (t->n_pre == 0 || t->pre_steps[t->n_pre - 1].kind != PRE_BYTELEVEL) {
+        const char *dty = json_is_object(dec) ? type_of(dec) : NULL;
+        if (dty && !strcmp(dty, "ByteLevel"))
+            return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: pre_tokenizer has no ByteLevel step (needed by a "
+                           "byte-level BPE, which the ByteLevel decoder says this is)");
+        t->model = MODEL_CHARS;
+        return parse_chars_decoder(t, dec);
+    }
+    if (t->byte_fallback)
+        return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: model.byte_fallback = true with a ByteLevel pre-tokenizer "
+                       "unsupported (byte fallback belongs to SentencePiece-style vocabularies)");
     const char *dty = json_is_object(dec) ? type_of(dec) : NULL;
     if (dec && !json_is_null(dec) && (!dty || strcmp(dty, "ByteLevel") != 0))
         return bt_fail(BT_ERR_UNSUPPORTED, "tokenizer.json: decoder \"%s\" unsupported (ByteLevel)", dty ? dty : "?");
@@ -404,6 +505,7 @@ static const char *chat_template(json_t *cfg) {
 /* The pre-tokenizer family (t->pre) whose dedicated pipeline bt_tok_pre_select may use: gpt2,
  * smollm, llama3, qwen2 when the steps are exactly theirs, else custom (the generic regex path). */
 static const char *pre_family(const bt_tokenizer *t, const fam_t *fam) {
+    if (t->model == MODEL_CHARS) return "sentencepiece";
     const bt_pre_step *last = &t->pre_steps[t->n_pre - 1];
     if (last->add_prefix_space || t->n_norm > (fam->known_split == 2)) return "custom";
     if (t->n_pre == 1 && last->re) return "gpt2";
@@ -424,7 +526,10 @@ int bt_tokenizer_from_json(bt_tokenizer **out, const char *json, size_t len, con
     *out = NULL;
     json_t *root = NULL, *cfg = NULL, *model = NULL;
     if (bt_json_loadb(&root, json, len, JSON_ALLOW_NUL, "tokenizer.json")) return BT_ERR_FORMAT;
-    if (config && config_len && bt_json_loadb(&cfg, config, config_len, JSON_ALLOW_NUL, "tokenizer_config.json")) {
+    /* integers as reals: transformers writes model_max_length = 1e30 (VERY_LARGE_INTEGER) as an
+     * integer, past jansson's json_int_t; only strings are read from this file */
+    if (config && config_len &&
+        bt_json_loadb(&cfg, config, config_len, JSON_ALLOW_NUL | JSON_DECODE_INT_AS_REAL, "tokenizer_config.json")) {
         json_decref(root);
         return BT_ERR_FORMAT;
     }

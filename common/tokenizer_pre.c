@@ -45,23 +45,6 @@ const char BT_TOK_QWEN2_PATTERN[] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}
 #define WS_IN "\\t\\n\\x0B\\f\\r\\x{85}\\p{Z}"
 #define W_IN "\\p{L}\\p{M}\\p{N}\\p{Pc}"
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap < b->n + n + 1) cap *= 2;
-        b->p = bt_xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
 
 static int is_hex(char ch) {
     return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') || (ch >= 'A' && ch <= 'F');
@@ -75,7 +58,7 @@ static int unsup(const char *p, size_t n, size_t at, const char *what) {
 }
 
 /* Oniguruma pattern -> PCRE2 pattern (rules in the header comment). */
-static int translate(const char *p, size_t n, sbuf *o) {
+static int translate(const char *p, size_t n, bt_buf *o) {
     int in_class = 0, class_first = 0;
     size_t i = 0;
     while (i < n) {
@@ -87,54 +70,54 @@ static int translate(const char *p, size_t n, sbuf *o) {
             i += 2;
             class_first = 0;
             switch (e) {
-            case 's': sb_str(o, in_class ? WS_IN : "[" WS_IN "]"); break;
-            case 'w': sb_str(o, in_class ? W_IN : "[" W_IN "]"); break;
-            case 'h': sb_str(o, in_class ? "0-9a-fA-F" : "[0-9a-fA-F]"); break;
+            case 's': bt_buf_str(o, in_class ? WS_IN : "[" WS_IN "]"); break;
+            case 'w': bt_buf_str(o, in_class ? W_IN : "[" W_IN "]"); break;
+            case 'h': bt_buf_str(o, in_class ? "0-9a-fA-F" : "[0-9a-fA-F]"); break;
             case 'S': case 'W': case 'H':
                 if (in_class) return unsup(p, n, at, "negated class escape inside a character class");
-                sb_str(o, e == 'S' ? "[^" WS_IN "]" : e == 'W' ? "[^" W_IN "]" : "[^0-9a-fA-F]");
+                bt_buf_str(o, e == 'S' ? "[^" WS_IN "]" : e == 'W' ? "[^" W_IN "]" : "[^0-9a-fA-F]");
                 break;
             case 'b': case 'B':
                 if (in_class) return unsup(p, n, at, "\\b inside a character class");
-                sb_str(o, e == 'b' ? "(?:(?<=[" W_IN "])(?![" W_IN "])|(?<![" W_IN "])(?=[" W_IN "]))"
+                bt_buf_str(o, e == 'b' ? "(?:(?<=[" W_IN "])(?![" W_IN "])|(?<![" W_IN "])(?=[" W_IN "]))"
                                    : "(?:(?<=[" W_IN "])(?=[" W_IN "])|(?<![" W_IN "])(?![" W_IN "]))");
                 break;
-            case 'v': sb_str(o, "\\x0B"); break;
+            case 'v': bt_buf_str(o, "\\x0B"); break;
             case 'u': {
                 if (i + 4 > n || !is_hex(p[i]) || !is_hex(p[i + 1]) || !is_hex(p[i + 2]) || !is_hex(p[i + 3]))
                     return unsup(p, n, at, "\\u without 4 hex digits");
-                sb_str(o, "\\x{");
-                sb_put(o, p + i, 4);
-                sb_str(o, "}");
+                bt_buf_str(o, "\\x{");
+                bt_buf_put(o, p + i, 4);
+                bt_buf_str(o, "}");
                 i += 4;
                 break;
             }
             case 'p': case 'P': {
-                sb_put(o, p + at, 2);
+                bt_buf_put(o, p + at, 2);
                 if (i < n && p[i] == '{') {
                     const char *close = memchr(p + i, '}', n - i);
                     if (!close) return unsup(p, n, at, "unterminated \\p{");
-                    sb_put(o, p + i, (size_t)(close - (p + i)) + 1);
+                    bt_buf_put(o, p + i, (size_t)(close - (p + i)) + 1);
                     i = (size_t)(close - p) + 1;
                 } else if (i < n) {
-                    sb_put(o, p + i, 1);
+                    bt_buf_put(o, p + i, 1);
                     i++;
                 }
                 break;
             }
             case 'd': case 'D': case 'A': case 'z': case 'Z': case 't': case 'n': case 'r': case 'f':
             case 'e': case 'a': case 'x': case '0':
-                sb_put(o, p + at, 2);
+                bt_buf_put(o, p + at, 2);
                 break;
             default:
                 if ((e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z') || (e >= '1' && e <= '9'))
                     return unsup(p, n, at, "escape");
-                sb_put(o, p + at, 1);
+                bt_buf_put(o, p + at, 1);
                 { /* escaped literal: copy the whole (possibly multi-byte) char */
                     size_t j = at + 1;
                     if ((uint8_t)p[j] < 0x80) j++;
                     else { j++; while (j < n && ((uint8_t)p[j] & 0xC0) == 0x80) j++; }
-                    sb_put(o, p + at + 1, j - at - 1);
+                    bt_buf_put(o, p + at + 1, j - at - 1);
                     i = j;
                 }
                 break;
@@ -146,7 +129,7 @@ static int translate(const char *p, size_t n, sbuf *o) {
             if (ch == '&' && i + 1 < n && p[i + 1] == '&') return unsup(p, n, i, "class intersection &&");
             if (ch == ']' && !class_first) in_class = 0;
             class_first = 0;
-            sb_put(o, &ch, 1);
+            bt_buf_put(o, &ch, 1);
             i++;
             continue;
         }
@@ -154,9 +137,9 @@ static int translate(const char *p, size_t n, sbuf *o) {
         case '[':
             in_class = 1;
             class_first = 1;
-            sb_put(o, "[", 1);
+            bt_buf_put(o, "[", 1);
             i++;
-            if (i < n && p[i] == '^') { sb_put(o, "^", 1); i++; }
+            if (i < n && p[i] == '^') { bt_buf_put(o, "^", 1); i++; }
             continue;
         case '(':
             if (i + 1 < n && p[i + 1] == '?') {
@@ -166,7 +149,7 @@ static int translate(const char *p, size_t n, sbuf *o) {
                 for (k = 0; k < sizeof ok / sizeof ok[0]; k++) {
                     size_t l = strlen(ok[k]);
                     if (i + l <= n && memcmp(p + i, ok[k], l) == 0) {
-                        sb_put(o, p + i, l);
+                        bt_buf_put(o, p + i, l);
                         i += l;
                         break;
                     }
@@ -189,24 +172,24 @@ static int translate(const char *p, size_t n, sbuf *o) {
             }
             if (j < n && p[j] == '}' && (lo_digits || (comma && hi_digits))) {
                 if (j + 1 < n && p[j + 1] == '+') return unsup(p, n, i, "interval followed by '+'");
-                if (!lo_digits) sb_put(o, "{0", 2);
-                else sb_put(o, "{", 1);
-                sb_put(o, p + i + 1, j - i);
+                if (!lo_digits) bt_buf_put(o, "{0", 2);
+                else bt_buf_put(o, "{", 1);
+                bt_buf_put(o, p + i + 1, j - i);
                 i = j + 1;
                 continue;
             }
-            sb_put(o, "\\{", 2);
+            bt_buf_put(o, "\\{", 2);
             i++;
             continue;
         }
         case '}':
-            sb_put(o, "\\}", 2);
+            bt_buf_put(o, "\\}", 2);
             i++;
             continue;
         default:
             break;
         }
-        sb_put(o, &ch, 1);
+        bt_buf_put(o, &ch, 1);
         i++;
     }
     if (in_class) return unsup(p, n, n, "unterminated character class");
@@ -235,20 +218,20 @@ static int compile_pcre(pcre2_code **out, const char *pat, size_t len, const cha
 
 int bt_tok_compile_onig(pcre2_code **out, const char *pat, size_t len, int literal) {
     *out = NULL;
-    sbuf o = {0};
-    sb_put(&o, "", 0);
+    bt_buf o = {0};
+    bt_buf_put(&o, "", 0);
     if (literal) { /* HF Split String pattern: regex::escape(s) */
         for (size_t i = 0; i < len; i++) {
             uint8_t ch = (uint8_t)pat[i];
             if (ch < 0x20 || ch == 0x7F) {
                 char x[8];
                 snprintf(x, sizeof x, "\\x{%x}", ch);
-                sb_str(&o, x);
+                bt_buf_str(&o, x);
             } else if (ch < 0x80 && !((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z'))) {
                 char x[2] = {'\\', (char)ch};
-                sb_put(&o, x, 2);
+                bt_buf_put(&o, x, 2);
             } else {
-                sb_put(&o, pat + i, 1);
+                bt_buf_put(&o, pat + i, 1);
             }
         }
     } else {
@@ -261,6 +244,10 @@ int bt_tok_compile_onig(pcre2_code **out, const char *pat, size_t len, int liter
             free(o.p);
             return rc;
         }
+    }
+    if (o.oom) {
+        free(o.p);
+        return bt_fail(BT_ERR_NOMEM, "tokenizer: out of memory translating a pattern of %zu bytes", len);
     }
     int rc = compile_pcre(out, o.p, o.n, pat, len);
     free(o.p);
@@ -305,6 +292,38 @@ int bt_tok_normalize(const bt_tokenizer *t, const char *s, size_t n, char **out,
     uint8_t *owned = NULL;
     for (int k = 0; k < t->n_norm; k++) {
         int kind = t->norm[k];
+        if (kind == NORM_PREPEND || kind == NORM_REPLACE) {
+            /* HF normalizers/prepend.rs (non-empty input only) and replace.rs (String pattern:
+             * every non-overlapping occurrence, left to right) */
+            const char *a = t->norm_a[k], *b = t->norm_b[k];
+            size_t al = t->norm_al[k], bl = t->norm_bl[k];
+            if (cn == 0) continue;
+            size_t cnt = 0;
+            if (kind == NORM_REPLACE) {
+                for (size_t i = 0; i + al <= cn;)
+                    if (memcmp(cur + i, a, al) == 0) { cnt++; i += al; } else i++;
+                if (!cnt) continue;
+            }
+            size_t nl = kind == NORM_PREPEND ? cn + al : cn - cnt * al + cnt * bl;
+            uint8_t *d = malloc(nl + 1);
+            if (!d) { free(owned); return bt_fail(BT_ERR_NOMEM, "tokenizer: normalizer: out of memory"); }
+            size_t o = 0;
+            if (kind == NORM_PREPEND) {
+                memcpy(d, a, al);
+                memcpy(d + al, cur, cn);
+            } else {
+                for (size_t i = 0; i < cn;) {
+                    if (i + al <= cn && memcmp(cur + i, a, al) == 0) { memcpy(d + o, b, bl); o += bl; i += al; }
+                    else d[o++] = (uint8_t)cur[i++];
+                }
+            }
+            d[nl] = 0;
+            free(owned);
+            owned = d;
+            cur = (const char *)d;
+            cn = nl;
+            continue;
+        }
         /* fast paths: ASCII is invariant under every form; text of code points below U+0300
          * (lead bytes < 0xCC) is NFC (no combining marks, no singletons below U+0340) */
         uint8_t maxb = 0;
@@ -457,20 +476,56 @@ static int split_digits(bt_enc_ctx *c, int step, int beh, const char *s, size_t 
     return comb_flush(c, step, &st, s);
 }
 
+/* HF pre_tokenizers/metaspace.rs: every " " becomes the replacement; it is prepended (scheme
+ * always, or first when this run starts the input) unless the run already starts with it; with
+ * split, the run is cut before each replacement char (SplitDelimiterBehavior::MergedWithNext). */
+static int metaspace(bt_enc_ctx *c, int step, const bt_pre_step *p, const char *s, size_t n) {
+    const char *rep = p->ms_rep;
+    size_t rl = p->ms_rep_len, sp = 0;
+    for (size_t i = 0; i < n; i++) sp += s[i] == ' ';
+    int starts = n > 0 && (s[0] == ' ' || (n >= rl && memcmp(s, rep, rl) == 0));
+    int pre = (p->ms_prepend == MS_ALWAYS || (p->ms_prepend == MS_FIRST && c->at0)) && !starts;
+    size_t need = n + sp * (rl - 1) + (pre ? rl : 0);
+    if (c->pcap[step] < need + 1) { /* the split's size: fallible */
+        char *nb = bt_vec_grow(c->pbuf[step], &c->pcap[step], need + 1, 1);
+        if (!nb) return c->err = BT_ERR_NOMEM;
+        c->pbuf[step] = nb;
+    }
+    char *d = c->pbuf[step];
+    size_t o = 0;
+    if (pre) { memcpy(d, rep, rl); o = rl; }
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == ' ') { memcpy(d + o, rep, rl); o += rl; }
+        else d[o++] = s[i];
+    }
+    if (!p->ms_split) return bt_tok_pre_run(c, step + 1, d, o);
+    size_t a = 0;
+    for (size_t i = 1; i + rl <= o; i++) {
+        if (memcmp(d + i, rep, rl) != 0) continue;
+        int rc = bt_tok_pre_run(c, step + 1, d + a, i - a);
+        if (rc < 0) return rc;
+        a = i;
+        i += rl - 1;
+    }
+    return bt_tok_pre_run(c, step + 1, d + a, o - a);
+}
+
 int bt_tok_pre_run(bt_enc_ctx *c, int step, const char *s, size_t n) {
     const bt_tokenizer *t = c->t;
     if (n == 0) return 0;
     if (step >= t->n_pre) {
         bt_tok_bpe_word(c, (const uint8_t *)s, n);
-        return 0;
+        return c->err;
     }
     const bt_pre_step *p = &t->pre_steps[step];
     switch (p->kind) {
+    case PRE_METASPACE: return metaspace(c, step, p, s, n);
     case PRE_BYTELEVEL:
         if (p->add_prefix_space && s[0] != ' ') { /* HF normalized.prepend(" ") on every split */
-            if (c->pcap[step] < n + 1) {
-                c->pcap[step] = (n + 1) * 2;
-                c->pbuf[step] = bt_xrealloc(c->pbuf[step], c->pcap[step]);
+            if (c->pcap[step] < n + 1) { /* the split's size: fallible */
+                char *nb = bt_vec_grow(c->pbuf[step], &c->pcap[step], n + 1, 1);
+                if (!nb) return c->err = BT_ERR_NOMEM;
+                c->pbuf[step] = nb;
             }
             c->pbuf[step][0] = ' ';
             memcpy(c->pbuf[step] + 1, s, n);
@@ -740,7 +795,7 @@ static size_t l3_piece(const uint8_t *s, size_t i, size_t end, int max_digits) {
 }
 
 static void gpt2_run(bt_enc_ctx *c, const uint8_t *s, size_t a, size_t b) {
-    while (a < b) {
+    while (a < b && !c->err) {
         size_t e = gpt2_piece(s, a, b);
         bt_tok_bpe_word(c, s + a, e - a);
         a = e;
@@ -771,7 +826,7 @@ int bt_tok_pre_all(bt_enc_ctx *c, const char *text, size_t n) {
     }
     default: {
         int max_digits = t->fast_pre == FAST_LLAMA3 ? 3 : 1;
-        while (i < n) {
+        while (i < n && !c->err) {
             size_t e = l3_piece(s, i, n, max_digits);
             bt_tok_bpe_word(c, s + i, e - i);
             i = e;
@@ -779,7 +834,7 @@ int bt_tok_pre_all(bt_enc_ctx *c, const char *text, size_t n) {
         break;
     }
     }
-    return 0;
+    return c->err; /* 0, or BT_ERR_NOMEM: a piece or the ids did not fit in memory */
 }
 
 void bt_tok_pre_select(bt_tokenizer *t) {

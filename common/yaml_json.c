@@ -11,6 +11,7 @@
 #include <yaml.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 
 #define TAG_PREFIX "tag:yaml.org,2002:"
 
@@ -370,37 +371,14 @@ int bt_yaml_load(const char *text, size_t len, const char *origin, json_t **out,
 
 /* ---- dump ---- */
 
-typedef struct {
-    char *buf;
-    size_t n, cap;
-    int oom;
-} sbuf;
+/* The dump goes into a bt_buf (common/bt_vec.h): out of memory is checked once, at the end. */
 
-static void put(sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t nc = (b->cap ? b->cap * 2 : 1024);
-        while (nc < b->n + n + 1) nc *= 2;
-        char *p = realloc(b->buf, nc);
-        if (!p) {
-            b->oom = 1;
-            return;
-        }
-        b->buf = p, b->cap = nc;
-    }
-    memcpy(b->buf + b->n, s, n);
-    b->n += n;
-    b->buf[b->n] = 0;
-}
-
-static void puts_(sbuf *b, const char *s) { put(b, s, strlen(s)); }
-
-static void indent(sbuf *b, int n) {
-    for (int i = 0; i < n; i++) put(b, " ", 1);
+static void indent(bt_buf *b, int n) {
+    for (int i = 0; i < n; i++) bt_buf_put(b, " ", 1);
 }
 
 /* "# text" lines at `ind`, wrapped at ~96 columns on spaces. */
-static void comment(sbuf *b, const char *text, int ind) {
+static void comment(bt_buf *b, const char *text, int ind) {
     const int width = 96 - ind - 2;
     const char *p = text;
     while (*p) {
@@ -412,17 +390,17 @@ static void comment(sbuf *b, const char *text, int ind) {
             if (cut == 0) cut = (size_t)width;
         }
         indent(b, ind);
-        puts_(b, "#");
-        if (cut) puts_(b, " ");
-        for (size_t i = 0; i < cut; i++) put(b, p[i] == '\n' ? " " : &p[i], 1);
-        puts_(b, "\n");
+        bt_buf_str(b, "#");
+        if (cut) bt_buf_str(b, " ");
+        for (size_t i = 0; i < cut; i++) bt_buf_put(b, p[i] == '\n' ? " " : &p[i], 1);
+        bt_buf_str(b, "\n");
         p += cut;
         while (*p == ' ') p++;
     }
 }
 
 /* A key as a plain scalar when that reads back as the same string, else JSON-quoted. */
-static void key_text(sbuf *b, const char *k) {
+static void key_text(bt_buf *b, const char *k) {
     int plain = (k[0] >= 'a' && k[0] <= 'z') || (k[0] >= 'A' && k[0] <= 'Z') || k[0] == '_';
     for (const char *p = k; *p && plain; p++)
         plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
@@ -430,25 +408,25 @@ static void key_text(sbuf *b, const char *k) {
     int b_;
     if (plain && (is_null(k) || is_bool(k, &b_))) plain = 0;
     if (plain) {
-        puts_(b, k);
+        bt_buf_str(b, k);
         return;
     }
     json_t *s = json_string(k);
     char *q = s ? json_dumps(s, JSON_ENCODE_ANY) : NULL;
-    if (q) puts_(b, q);
+    if (q) bt_buf_str(b, q);
     else b->oom = 1;
     free(q);
     json_decref(s);
 }
 
-static void scalar(sbuf *b, const json_t *v) {
+static void scalar(bt_buf *b, const json_t *v) {
     if (json_is_array(v)) {
-        puts_(b, "[");
+        bt_buf_str(b, "[");
         for (size_t i = 0; i < json_array_size(v); i++) {
-            if (i) puts_(b, ", ");
+            if (i) bt_buf_str(b, ", ");
             scalar(b, json_array_get(v, i));
         }
-        puts_(b, "]");
+        bt_buf_str(b, "]");
         return;
     }
     if (json_is_real(v)) { /* shortest form that reads back exactly, always with a '.' */
@@ -464,17 +442,17 @@ static void scalar(sbuf *b, const json_t *v) {
             strncat(num, ".0", sizeof num - strlen(num) - 1);
             strncat(num, tail, sizeof num - strlen(num) - 1);
         }
-        puts_(b, num);
+        bt_buf_str(b, num);
         return;
     }
     char *s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
-    if (s) puts_(b, s);
+    if (s) bt_buf_str(b, s);
     else b->oom = 1;
     free(s);
 }
 
 /* skip_doc: the object's own "#" comment was printed above its key already. */
-static void dump_obj(sbuf *b, const json_t *o, int ind, int skip_doc) {
+static void dump_obj(bt_buf *b, const json_t *o, int ind, int skip_doc) {
     const char *k;
     json_t *v;
     json_object_foreach((json_t *)o, k, v) {
@@ -483,32 +461,32 @@ static void dump_obj(sbuf *b, const json_t *o, int ind, int skip_doc) {
             continue;
         }
         const json_t *doc = json_is_object(v) ? json_object_get(v, "#") : NULL;
-        if (json_is_object(v) && ind == 0 && b->n > 0) puts_(b, "\n"); /* sections apart */
+        if (json_is_object(v) && ind == 0 && b->n > 0) bt_buf_str(b, "\n"); /* sections apart */
         if (json_is_string(doc)) comment(b, json_string_value(doc), ind);
         indent(b, ind);
         key_text(b, k);
         if (json_is_object(v) && json_object_size(v) > 0) {
-            puts_(b, ":\n");
+            bt_buf_str(b, ":\n");
             dump_obj(b, v, ind + 2, 1);
         } else if (json_is_object(v)) {
-            puts_(b, ": {}\n");
+            bt_buf_str(b, ": {}\n");
         } else {
-            puts_(b, ": ");
+            bt_buf_str(b, ": ");
             scalar(b, v);
-            puts_(b, "\n");
+            bt_buf_str(b, "\n");
         }
     }
 }
 
 char *bt_yaml_dump(const json_t *root) {
     if (!json_is_object(root)) return NULL;
-    sbuf b = {0};
-    put(&b, "", 0);
+    bt_buf b = {0};
+    bt_buf_put(&b, "", 0);
     dump_obj(&b, root, 0, 0);
-    if (!b.oom && b.n == 0) puts_(&b, "{}\n"); /* an empty mapping must still read back as one */
+    if (!b.oom && b.n == 0) bt_buf_str(&b, "{}\n"); /* an empty mapping must still read back as one */
     if (b.oom) {
-        free(b.buf);
+        free(b.p);
         return NULL;
     }
-    return b.buf;
+    return b.p;
 }

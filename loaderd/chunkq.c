@@ -7,6 +7,8 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
+#include "loaderd/job.h"
 
 enum { SLOT_EMPTY = 0, SLOT_PRODUCER, SLOT_FILLED, SLOT_WORKING, SLOT_DONE };
 
@@ -120,23 +122,26 @@ ld_chunk *ld_chunkq_claim(ld_chunkq *q) {
 }
 
 ld_item *ld_chunk_add(ld_chunk *c, const char *line, size_t len) {
-    if (c->n == c->cap) {
-        c->cap = c->cap ? 2 * c->cap : LD_CHUNK_LINES;
-        c->items = bt_xrealloc(c->items, c->cap * sizeof *c->items);
-    }
-    if (c->tlen + len > c->tcap) {
-        size_t nc = c->tcap ? c->tcap : 64 * 1024;
-        while (nc < c->tlen + len) nc *= 2;
-        c->text = bt_xrealloc(c->text, nc);
-        c->tcap = nc;
-    }
+    if (c->n == c->cap) c->items = bt_vec_xgrow(c->items, &c->cap, c->n < LD_CHUNK_LINES ? LD_CHUNK_LINES : c->n + 1,
+                                                sizeof *c->items);
     ld_item *it = &c->items[c->n++];
     memset(it, 0, sizeof *it);
+    it->pre_bad = it->bad = -1;
+    if (c->tlen + len > c->tcap) { /* a line (up to LD_SOURCE_MAX_LINE): fallible */
+        char *t = bt_vec_grow(c->text, &c->tcap, c->tlen + len < 64 * 1024 ? 64 * 1024 : c->tlen + len, 1);
+        if (!t) {
+            it->off = c->tlen;
+            it->ready = 1;
+            it->bad = it->pre_bad = LD_BAD_MEMORY;
+            snprintf(it->msg, sizeof it->msg, "out of memory copying a line of %zu bytes: skipped", len);
+            return it;
+        }
+        c->text = t;
+    }
     it->off = c->tlen;
     it->len = len;
     if (len) memcpy(c->text + c->tlen, line, len);
     c->tlen += len;
-    it->pre_bad = it->bad = -1;
     return it;
 }
 
@@ -234,13 +239,6 @@ void ld_chunkq_stop(ld_chunkq *q) {
     pthread_mutex_unlock(&q->mu);
     for (uint32_t i = 0; i < q->n_workers; i++) pthread_join(q->workers[i], NULL);
     q->n_workers = 0;
-}
-
-int ld_chunkq_stopping(ld_chunkq *q) {
-    pthread_mutex_lock(&q->mu);
-    int s = q->stop;
-    pthread_mutex_unlock(&q->mu);
-    return s;
 }
 
 void ld_chunkq_free(ld_chunkq *q) {

@@ -60,7 +60,9 @@ int ld_chunkq_new(ld_chunkq **out, uint32_t n_threads, ld_item_fn fn, void *ctx)
  * when the queue is stopping or has failed. */
 ld_chunk *ld_chunkq_claim(ld_chunkq *q);
 /* Append a line (copied; len 0 allowed) to a claimed chunk; returns its item, zeroed except
- * off/len and pre_bad = bad = -1. */
+ * off/len and pre_bad = bad = -1; when the copy does not fit in memory, a ready item of len 0
+ * with bad = pre_bad = LD_BAD_MEMORY and a message instead (the line is skipped and counted,
+ * loaderd goes on). Never NULL. */
 ld_item *ld_chunk_add(ld_chunk *c, const char *line, size_t len);
 /* Producer: hand a claimed chunk to the workers (or straight to the consumer when every item
  * is ready). */
@@ -80,8 +82,6 @@ void ld_chunkq_stop(ld_chunkq *q);
 /* Make ld_chunkq_take return BT_ERR_CLOSED ("cancelled") now and from then on, without stopping
  * the reader or the workers (ld_chunkq_stop does that): the consumer gave up. Thread-safe. */
 void ld_chunkq_cancel_take(ld_chunkq *q);
-/* 1 once ld_chunkq_stop was called. */
-int ld_chunkq_stopping(ld_chunkq *q);
 /* Stop, join and free (NULL is fine). */
 void ld_chunkq_free(ld_chunkq *q);
 

@@ -18,6 +18,7 @@
 
 #include "common/bt_common.h"
 #include "common/bt_json.h"
+#include "common/keytab.h"
 #include "proto/client.h"
 
 #define MAX_SHARD_FILES 100000
@@ -29,24 +30,6 @@ void ld_free_strv(char **v, int n) {
     free(v);
 }
 
-void ld_config_defaults(ld_config *c) {
-    memset(c, 0, sizeof *c);
-    c->socket_path = bt_xstrdup(BT_DEFAULT_SOCKET);
-    c->socket_mode = 0660;
-    c->tokenizer_threads = 2;
-    c->ring_slots = 8;
-    c->max_clients = 64;
-    c->max_jobs = 32;
-    c->max_request_bytes = 1u << 20;
-    c->max_ring_bytes = 1ull << 30;
-    c->max_json_depth = 32;
-    c->client_timeout_s = 60;
-    c->token_cache_max_bytes = 64ull << 30;
-    c->token_cache_wait_s = 1800;
-    c->max_clients_per_uid = 32;
-    c->memory_budget_bytes = ld_default_memory_budget();
-}
-
 uint64_t ld_default_memory_budget(void) {
     long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGE_SIZE);
     uint64_t phys = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz : (uint64_t)4 << 30;
@@ -54,68 +37,105 @@ uint64_t ld_default_memory_budget(void) {
     return b < ((uint64_t)256 << 20) ? (uint64_t)256 << 20 : b;
 }
 
-void ld_config_free(ld_config *c) {
-    free(c->socket_path);
-    free(c->socket_group);
-    ld_free_strv(c->data_roots, c->n_data_roots);
-    ld_free_strv(c->model_roots, c->n_model_roots);
-    free(c->allowed_uids);
-    free(c->allowed_gids);
-    free(c->token_cache_dir);
-    free(c->operator_gids);
-    memset(c, 0, sizeof *c);
-}
+/* ------------------------------------------------------------------ the keys' own parsers */
 
-static int get_int(json_t *v, const char *origin, const char *key, long long lo, long long hi, long long *out) {
-    if (!json_is_integer(v))
-        return bt_fail(BT_ERR_INVALID, "%s: \"%s\" must be an integer in [%lld, %lld]", origin, key, lo, hi);
-    long long x = json_integer_value(v);
-    if (x < lo || x > hi)
-        return bt_fail(BT_ERR_INVALID, "%s: \"%s\" = %lld is outside [%lld, %lld]", origin, key, x, lo, hi);
-    *out = x;
+#define RESTART BT_KEY_USER        /* a change needs a restart (the socket, the token cache) */
+#define CONNS (BT_KEY_USER << 1)   /* a change applies to new connections (else: to new attaches) */
+
+static int parse_socket_mode(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    const char *s = json_string_value(v);
+    char *end = NULL;
+    unsigned long m = s ? strtoul(s, &end, 8) : 0;
+    if (!s || !*s || *end || m > 0777)
+        return bt_fail(BT_ERR_INVALID, "\"%s\" must be an octal string such as \"0660\"", path);
+    ((ld_config *)dst)->socket_mode = (unsigned)m;
     return BT_OK;
 }
 
-static int get_roots(json_t *v, const char *origin, const char *key, char ***out, int *n_out) {
-    if (!json_is_array(v))
-        return bt_fail(BT_ERR_INVALID, "%s: \"%s\" must be a list of directory paths", origin, key);
+static json_t *dump_socket_mode(const bt_key *k, const void *src) {
+    char b[16];
+    snprintf(b, sizeof b, "%04o", ((const ld_config *)src)->socket_mode);
+    return json_string(b);
+}
+
+/* A list of directories, each resolved with realpath; one that does not exist is skipped with a
+ * warning (it cannot contain anything; a reload picks it up once it exists). */
+static int get_roots(json_t *v, const char *path, char ***out, int *n_out, bt_keypath *bad) {
+    if (!json_is_array(v)) return bt_fail(BT_ERR_INVALID, "\"%s\" must be a list of directory paths", path);
     size_t n = json_array_size(v);
-    if (n > 1024) return bt_fail(BT_ERR_INVALID, "%s: \"%s\" has more than 1024 entries", origin, key);
+    if (n > 1024) return bt_fail(BT_ERR_INVALID, "\"%s\" has more than 1024 entries", path);
     char **roots = bt_xcalloc(n ? n : 1, sizeof *roots);
     int k = 0;
     for (size_t i = 0; i < n; i++) {
         const char *p = json_string_value(json_array_get(v, i));
         if (!p || p[0] != '/') {
             ld_free_strv(roots, k);
-            return bt_fail(BT_ERR_INVALID, "%s: \"%s\"[%zu] must be an absolute directory path (string)", origin,
-                           key, i);
+            snprintf(bad->s, sizeof bad->s, "%s[%zu]", path, i);
+            return bt_fail(BT_ERR_INVALID, "\"%s\"[%zu] must be an absolute directory path (string)", path, i);
         }
         char *rp = realpath(p, NULL);
         struct stat st;
         if (!rp || stat(rp, &st) != 0 || !S_ISDIR(st.st_mode)) {
-            bt_log(BT_LOG_WARN, "loaderd", "%s: %s[%zu] %s is not an existing directory (%s): skipped", origin, key,
-                   i, p, rp ? "not a directory" : strerror(errno));
+            bt_log(BT_LOG_WARN, "loaderd", "config: %s[%zu] %s is not an existing directory (%s): skipped", path, i, p,
+                   rp ? "not a directory" : strerror(errno));
             free(rp);
             continue;
         }
         roots[k++] = rp;
     }
+    ld_free_strv(*out, *n_out);
     *out = roots;
     *n_out = k;
     return BT_OK;
 }
 
-/* "allowed_users" / "allowed_groups": names or numeric ids -> ids (users: getpwnam, groups:
- * getgrnam). `is_user` picks the database. */
-static int get_ids(json_t *v, const char *origin, const char *key, int is_user, unsigned **out, int *n_out) {
+static int parse_data_roots(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    ld_config *c = dst;
+    return get_roots(v, path, &c->data_roots, &c->n_data_roots, bad);
+}
+static int parse_model_roots(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    ld_config *c = dst;
+    return get_roots(v, path, &c->model_roots, &c->n_model_roots, bad);
+}
+
+static json_t *strv_json(char *const *v, int n) {
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) json_array_append_new(a, json_string(v[i]));
+    return a;
+}
+static json_t *dump_data_roots(const bt_key *k, const void *src) {
+    const ld_config *c = src;
+    return strv_json(c->data_roots, c->n_data_roots);
+}
+static json_t *dump_model_roots(const bt_key *k, const void *src) {
+    const ld_config *c = src;
+    return strv_json(c->model_roots, c->n_model_roots);
+}
+static void release_data_roots(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    ld_free_strv(c->data_roots, c->n_data_roots);
+    c->data_roots = NULL;
+    c->n_data_roots = 0;
+}
+static void release_model_roots(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    ld_free_strv(c->model_roots, c->n_model_roots);
+    c->model_roots = NULL;
+    c->n_model_roots = 0;
+}
+
+/* "allowed_users" / "allowed_groups" / "operator_groups": names or numeric ids -> ids (users:
+ * getpwnam, groups: getgrnam), replacing (and freeing) what *arr / *n held. */
+static int get_ids(json_t *v, const char *path, int is_user, unsigned **arr, int *n_out, bt_keypath *bad) {
     if (!json_is_array(v) || json_array_size(v) > 4096)
-        return bt_fail(BT_ERR_INVALID, "%s: \"%s\" must be a list (at most 4096) of %s names or numeric ids", origin,
-                       key, is_user ? "user" : "group");
+        return bt_fail(BT_ERR_INVALID, "\"%s\" must be a list (at most 4096) of %s names or numeric ids", path,
+                       is_user ? "user" : "group");
     size_t n = json_array_size(v);
     unsigned *ids = bt_xcalloc(n ? n : 1, sizeof *ids);
     for (size_t i = 0; i < n; i++) {
         json_t *x = json_array_get(v, i);
         const char *name = json_string_value(x);
+        snprintf(bad->s, sizeof bad->s, "%s[%zu]", path, i);
         if (json_is_integer(x) && json_integer_value(x) >= 0 && json_integer_value(x) < 4294967295ll) {
             ids[i] = (unsigned)json_integer_value(x);
         } else if (name && *name) {
@@ -127,39 +147,165 @@ static int get_ids(json_t *v, const char *origin, const char *key, int is_user, 
                 struct passwd *pw = getpwnam(name);
                 if (!pw) {
                     free(ids);
-                    return bt_fail(BT_ERR_INVALID, "%s: \"%s\"[%zu]: no such user \"%s\" (use an existing name or a uid)",
-                                   origin, key, i, name);
+                    return bt_fail(BT_ERR_INVALID, "\"%s\"[%zu]: no such user \"%s\" (use an existing name or a uid)",
+                                   path, i, name);
                 }
                 ids[i] = (unsigned)pw->pw_uid;
             } else {
                 struct group *gr = getgrnam(name);
                 if (!gr) {
                     free(ids);
-                    return bt_fail(BT_ERR_INVALID, "%s: \"%s\"[%zu]: no such group \"%s\" (use an existing name or a gid)",
-                                   origin, key, i, name);
+                    return bt_fail(BT_ERR_INVALID, "\"%s\"[%zu]: no such group \"%s\" (use an existing name or a gid)",
+                                   path, i, name);
                 }
                 ids[i] = (unsigned)gr->gr_gid;
             }
         } else {
             free(ids);
-            return bt_fail(BT_ERR_INVALID, "%s: \"%s\"[%zu] must be a %s name or a non-negative id", origin, key, i,
+            return bt_fail(BT_ERR_INVALID, "\"%s\"[%zu] must be a %s name or a non-negative id", path, i,
                            is_user ? "user" : "group");
         }
     }
-    *out = ids;
+    bad->s[0] = 0;
+    free(*arr);
+    *arr = ids;
     *n_out = (int)n;
     return BT_OK;
 }
 
-/* get_ids into *arr / *n, replacing (and freeing) what they held. */
-static int set_ids(json_t *v, const char *origin, const char *key, int is_user, unsigned **arr, int *n) {
-    unsigned *ids = NULL;
-    int k = 0, rc = get_ids(v, origin, key, is_user, &ids, &k);
-    if (rc) return rc;
-    free(*arr);
-    *arr = ids;
-    *n = k;
+static int parse_allowed_users(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    ld_config *c = dst;
+    return get_ids(v, path, 1, (unsigned **)&c->allowed_uids, &c->n_allowed_uids, bad);
+}
+static int parse_allowed_groups(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    ld_config *c = dst;
+    return get_ids(v, path, 0, (unsigned **)&c->allowed_gids, &c->n_allowed_gids, bad);
+}
+static int parse_operator_groups(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    ld_config *c = dst;
+    return get_ids(v, path, 0, (unsigned **)&c->operator_gids, &c->n_operator_gids, bad);
+}
+
+static json_t *ids_json(const unsigned *v, int n) {
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) json_array_append_new(a, json_integer(v[i]));
+    return a;
+}
+static json_t *dump_allowed_users(const bt_key *k, const void *src) {
+    const ld_config *c = src;
+    return ids_json(c->allowed_uids, c->n_allowed_uids);
+}
+static json_t *dump_allowed_groups(const bt_key *k, const void *src) {
+    const ld_config *c = src;
+    return ids_json(c->allowed_gids, c->n_allowed_gids);
+}
+static json_t *dump_operator_groups(const bt_key *k, const void *src) {
+    const ld_config *c = src;
+    return ids_json(c->operator_gids, c->n_operator_gids);
+}
+static void release_allowed_users(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    free(c->allowed_uids);
+    c->allowed_uids = NULL;
+    c->n_allowed_uids = 0;
+}
+static void release_allowed_groups(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    free(c->allowed_gids);
+    c->allowed_gids = NULL;
+    c->n_allowed_gids = 0;
+}
+static void release_operator_groups(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    free(c->operator_gids);
+    c->operator_gids = NULL;
+    c->n_operator_gids = 0;
+}
+
+static int parse_cache_dir(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    const char *s = json_string_value(v);
+    if (!s || s[0] != '/' || strlen(s) > 3000 || strlen(s) != json_string_length(v))
+        return bt_fail(BT_ERR_INVALID, "\"%s\" must be an absolute directory path (string)", path);
+    ld_config *c = dst;
+    free(c->token_cache_dir);
+    c->token_cache_dir = bt_xstrdup(s);
     return BT_OK;
+}
+static json_t *dump_cache_dir(const bt_key *k, const void *src) {
+    const ld_config *c = src;
+    return c->token_cache_dir ? json_string(c->token_cache_dir) : json_null();
+}
+static void release_cache_dir(const bt_key *k, void *dst) {
+    ld_config *c = dst;
+    free(c->token_cache_dir);
+    c->token_cache_dir = NULL;
+}
+
+/* ------------------------------------------------------------------ the keys */
+
+/* loaderd's configuration file, one row per key: name, accepted values, default, the field it
+ * fills, what it means. Parsing, defaults, the unknown-key refusal, the reload's change log and
+ * `loaderd --config-keys` (the README's table) all come from these rows. */
+#define C ld_config
+static const bt_key config_keys[] = {
+    BT_KEY_S("socket", C, socket_path, 1, 107, "\"" BT_DEFAULT_SOCKET "\"", RESTART, "control socket path"),
+    BT_KEY_C("socket_mode", C, socket_mode, parse_socket_mode, dump_socket_mode, NULL, "\"0660\"", RESTART,
+             "octal file mode set on the socket after bind"),
+    BT_KEY_S("socket_group", C, socket_group, 1, 0, NULL, RESTART,
+             "group name (or numeric gid) given to the socket; default: none"),
+    BT_KEY_C("data_roots", C, data_roots, parse_data_roots, dump_data_roots, release_data_roots, "[]", 0,
+             "directories dataset shards must resolve (realpath) inside; none: every dataset refused"),
+    BT_KEY_C("model_roots", C, model_roots, parse_model_roots, dump_model_roots, release_model_roots, "[]", 0,
+             "directories tokenizer files may resolve inside, in addition to data_roots"),
+    BT_KEY_I("tokenizer_threads", C, tokenizer_threads, 1, 256, "2", 0, "tokenizer workers per job (a cap)"),
+    BT_KEY_I("ring_slots", C, ring_slots, 2, 1024, "8", 0, "default ring depth per job (batches)"),
+    BT_KEY_I("max_clients", C, max_clients, 1, 65536, "64", CONNS, "simultaneous connections"),
+    BT_KEY_I("max_clients_per_uid", C, max_clients_per_uid, 1, 65536, "32", CONNS,
+             "simultaneous connections of one peer uid, so one user cannot hold every slot"),
+    BT_KEY_I("max_jobs", C, max_jobs, 1, 4096, "32", 0, "simultaneous attached jobs"),
+    BT_KEY_I("max_request_bytes", C, max_request_bytes, 1024, 64ll << 20, "1048576", CONNS, "longest request line"),
+    BT_KEY_I("max_ring_bytes", C, max_ring_bytes, 1ll << 20, 1ll << 40, "1073741824", 0,
+             "largest ring (slots x slot bytes) one attach may ask for"),
+    BT_KEY_I("memory_budget_bytes", C, memory_budget_bytes, 16ll << 20, 1ll << 50, NULL, 0,
+             "rings + pipeline buffers of all jobs + the tokenizers they use (each counted once); an attach past it "
+             "is refused with the figures; default: a quarter of physical memory, at least 256 MiB"),
+    BT_KEY_I("max_json_depth", C, max_json_depth, 2, 1000, "32", CONNS, "deepest nesting accepted in a request"),
+    BT_KEY_C("allowed_users", C, allowed_uids, parse_allowed_users, dump_allowed_users, release_allowed_users, "[]", CONNS,
+             "user names or uids allowed to use the socket (with allowed_groups both empty: anyone who can open it; "
+             "root and loaderd's own uid always)"),
+    BT_KEY_C("allowed_groups", C, allowed_gids, parse_allowed_groups, dump_allowed_groups, release_allowed_groups, "[]", CONNS,
+             "group names or gids allowed to use the socket (a peer's primary or any supplementary group)"),
+    BT_KEY_C("operator_groups", C, operator_gids, parse_operator_groups, dump_operator_groups, release_operator_groups, "[]",
+             CONNS, "groups whose members are operators, like root and loaderd's own uid: they may drain and reload, "
+             "and have 8 connections of their own past max_clients / max_clients_per_uid"),
+    BT_KEY_I("client_timeout_s", C, client_timeout_s, 0, 86400, "60", CONNS,
+             "a connection holding half a request line, or without a job making no complete valid request, for this "
+             "long is closed; 0: never"),
+    BT_KEY_C("token_cache_dir", C, token_cache_dir, parse_cache_dir, dump_cache_dir, release_cache_dir, NULL, RESTART,
+             "absolute directory of the token cache (loaderd/tcache.h), created if missing; shared by every node's "
+             "loaderd, a shard is tokenized once per cluster; default: none"),
+    BT_KEY_I("token_cache_max_bytes", C, token_cache_max_bytes, 16ll << 20, INT64_MAX, "68719476736", RESTART,
+             "size bound of the token cache's entries; the least recently used go first"),
+    BT_KEY_I("token_cache_wait_s", C, token_cache_wait_s, 0, 86400, "1800", RESTART,
+             "longest wait for another loaderd tokenizing a shard this one needs"),
+    BT_KEY_END,
+};
+#undef C
+
+void ld_config_print_keys(FILE *f) { bt_keytab_doc_md(config_keys, "", f); }
+
+void ld_config_defaults(ld_config *c) {
+    memset(c, 0, sizeof *c);
+    if (bt_keytab_defaults(config_keys, c) != BT_OK) { /* the table's own defaults: tests parse them */
+        bt_log(BT_LOG_ERROR, "loaderd", "%s", bt_last_error());
+        abort();
+    }
+    c->memory_budget_bytes = ld_default_memory_budget();
+}
+
+void ld_config_free(ld_config *c) {
+    bt_keytab_free(config_keys, c);
+    memset(c, 0, sizeof *c);
 }
 
 int ld_peer_is_operator(const ld_config *c, uid_t uid, gid_t gid, const gid_t *groups, int n_groups, uid_t self_uid) {
@@ -185,103 +331,6 @@ int ld_peer_allowed(const ld_config *c, uid_t uid, gid_t gid, const gid_t *group
     return 0;
 }
 
-static int parse_obj(ld_config *c, json_t *root, const char *origin) {
-    const char *key;
-    json_t *v;
-    long long x;
-    int rc;
-    json_object_foreach(root, key, v) {
-        if (!strcmp(key, "socket")) {
-            const char *s = json_string_value(v);
-            if (!s || s[0] == 0 || strlen(s) >= 108)
-                return bt_fail(BT_ERR_INVALID, "%s: \"socket\" must be a socket path string of 1..107 bytes", origin);
-            free(c->socket_path);
-            c->socket_path = bt_xstrdup(s);
-        } else if (!strcmp(key, "socket_mode")) {
-            const char *s = json_string_value(v);
-            char *end = NULL;
-            unsigned long m = s ? strtoul(s, &end, 8) : 0;
-            if (!s || !*s || *end || m > 0777)
-                return bt_fail(BT_ERR_INVALID, "%s: \"socket_mode\" must be an octal string such as \"0660\"",
-                               origin);
-            c->socket_mode = (unsigned)m;
-        } else if (!strcmp(key, "socket_group")) {
-            const char *s = json_string_value(v);
-            if (!s || !*s) return bt_fail(BT_ERR_INVALID, "%s: \"socket_group\" must be a group name", origin);
-            free(c->socket_group);
-            c->socket_group = bt_xstrdup(s);
-        } else if (!strcmp(key, "data_roots")) {
-            ld_free_strv(c->data_roots, c->n_data_roots);
-            c->data_roots = NULL;
-            c->n_data_roots = 0;
-            if ((rc = get_roots(v, origin, key, &c->data_roots, &c->n_data_roots))) return rc;
-        } else if (!strcmp(key, "model_roots")) {
-            ld_free_strv(c->model_roots, c->n_model_roots);
-            c->model_roots = NULL;
-            c->n_model_roots = 0;
-            if ((rc = get_roots(v, origin, key, &c->model_roots, &c->n_model_roots))) return rc;
-        } else if (!strcmp(key, "tokenizer_threads")) {
-            if ((rc = get_int(v, origin, key, 1, 256, &x))) return rc;
-            c->tokenizer_threads = (uint32_t)x;
-        } else if (!strcmp(key, "ring_slots")) {
-            if ((rc = get_int(v, origin, key, 2, 1024, &x))) return rc;
-            c->ring_slots = (uint32_t)x;
-        } else if (!strcmp(key, "max_clients")) {
-            if ((rc = get_int(v, origin, key, 1, 65536, &x))) return rc;
-            c->max_clients = (uint32_t)x;
-        } else if (!strcmp(key, "max_jobs")) {
-            if ((rc = get_int(v, origin, key, 1, 4096, &x))) return rc;
-            c->max_jobs = (uint32_t)x;
-        } else if (!strcmp(key, "max_request_bytes")) {
-            if ((rc = get_int(v, origin, key, 1024, 64ll << 20, &x))) return rc;
-            c->max_request_bytes = (size_t)x;
-        } else if (!strcmp(key, "max_ring_bytes")) {
-            if ((rc = get_int(v, origin, key, 1ll << 20, 1ll << 40, &x))) return rc;
-            c->max_ring_bytes = (uint64_t)x;
-        } else if (!strcmp(key, "max_json_depth")) {
-            if ((rc = get_int(v, origin, key, 2, 1000, &x))) return rc;
-            c->max_json_depth = (uint32_t)x;
-        } else if (!strcmp(key, "allowed_users")) {
-            if ((rc = set_ids(v, origin, key, 1, (unsigned **)&c->allowed_uids, &c->n_allowed_uids))) return rc;
-        } else if (!strcmp(key, "allowed_groups")) {
-            if ((rc = set_ids(v, origin, key, 0, (unsigned **)&c->allowed_gids, &c->n_allowed_gids))) return rc;
-        } else if (!strcmp(key, "client_timeout_s")) {
-            if ((rc = get_int(v, origin, key, 0, 86400, &x))) return rc;
-            c->client_timeout_s = (uint32_t)x;
-        } else if (!strcmp(key, "token_cache_dir")) {
-            const char *s = json_string_value(v);
-            if (!s || s[0] != '/' || strlen(s) > 3000)
-                return bt_fail(BT_ERR_INVALID, "%s: \"token_cache_dir\" must be an absolute directory path (string)",
-                               origin);
-            free(c->token_cache_dir);
-            c->token_cache_dir = bt_xstrdup(s);
-        } else if (!strcmp(key, "token_cache_max_bytes")) {
-            if ((rc = get_int(v, origin, key, 16ll << 20, LLONG_MAX, &x))) return rc;
-            c->token_cache_max_bytes = (uint64_t)x;
-        } else if (!strcmp(key, "token_cache_wait_s")) {
-            if ((rc = get_int(v, origin, key, 0, 86400, &x))) return rc;
-            c->token_cache_wait_s = (uint32_t)x;
-        } else if (!strcmp(key, "max_clients_per_uid")) {
-            if ((rc = get_int(v, origin, key, 1, 65536, &x))) return rc;
-            c->max_clients_per_uid = (uint32_t)x;
-        } else if (!strcmp(key, "operator_groups")) {
-            if ((rc = set_ids(v, origin, key, 0, (unsigned **)&c->operator_gids, &c->n_operator_gids))) return rc;
-        } else if (!strcmp(key, "memory_budget_bytes")) {
-            if ((rc = get_int(v, origin, key, 16ll << 20, 1ll << 50, &x))) return rc;
-            c->memory_budget_bytes = (uint64_t)x;
-        } else {
-            return bt_fail(BT_ERR_INVALID,
-                           "%s: unknown key \"%s\" (known: socket, socket_mode, socket_group, data_roots, "
-                           "model_roots, tokenizer_threads, ring_slots, max_clients, max_clients_per_uid, max_jobs, "
-                           "max_request_bytes, max_ring_bytes, memory_budget_bytes, max_json_depth, allowed_users, "
-                           "allowed_groups, operator_groups, client_timeout_s, token_cache_dir, "
-                           "token_cache_max_bytes, token_cache_wait_s)",
-                           origin, key);
-        }
-    }
-    return BT_OK;
-}
-
 int ld_config_parse(ld_config *c, const char *json_text, const char *origin) {
     json_t *root = NULL; /* BOM skipped, duplicate keys refused naming the key (bt_json.h) */
     if (bt_json_loadb(&root, json_text, strlen(json_text), 0, origin)) {
@@ -294,7 +343,7 @@ int ld_config_parse(ld_config *c, const char *json_text, const char *origin) {
         return bt_fail(BT_ERR_INVALID, "%s: the configuration must be a JSON object", origin);
     }
     ld_config_defaults(c);
-    int rc = parse_obj(c, root, origin);
+    int rc = bt_keytab_parse(config_keys, root, c, origin, "", 0, NULL);
     json_decref(root);
     if (rc) ld_config_free(c);
     return rc;
@@ -315,92 +364,14 @@ int ld_config_load(ld_config *c, const char *path) {
     return rc;
 }
 
-static void join_roots(char *out, size_t n, char *const *roots, int k) {
-    out[0] = 0;
-    size_t used = 0;
-    for (int i = 0; i < k && used < n; i++)
-        used += (size_t)snprintf(out + used, n - used, "%s%s", i ? "," : "", roots[i]);
-    if (k == 0) snprintf(out, n, "(none)");
+static void log_change(const bt_key *k, const char *old_text, const char *new_text, void *ctx) {
+    const char *note = (k->flags & RESTART) ? "takes effect after a restart"
+                       : (k->flags & CONNS) ? "applies to new connections" : "applies to new attaches";
+    bt_log((k->flags & RESTART) ? BT_LOG_WARN : BT_LOG_INFO, "loaderd", "config: %s: %s -> %s (%s)", k->name,
+           old_text, new_text, note);
 }
 
-static int diff_roots(const char *key, char *const *a, int na, char *const *b, int nb) {
-    int same = na == nb;
-    for (int i = 0; same && i < na; i++) same = !strcmp(a[i], b[i]);
-    if (same) return 0;
-    char sa[1024], sb[1024];
-    join_roots(sa, sizeof sa, a, na);
-    join_roots(sb, sizeof sb, b, nb);
-    bt_log(BT_LOG_INFO, "loaderd", "config: %s: %s -> %s", key, sa, sb);
-    return 1;
-}
-
-static void join_ids(char *out, size_t n, const unsigned *ids, int k) {
-    size_t used = 0;
-    out[0] = 0;
-    for (int i = 0; i < k && used < n; i++) used += (size_t)snprintf(out + used, n - used, "%s%u", i ? "," : "", ids[i]);
-    if (k == 0) snprintf(out, n, "(anyone)");
-}
-
-static int diff_ids(const char *key, const unsigned *a, int na, const unsigned *b, int nb) {
-    int same = na == nb;
-    for (int i = 0; same && i < na; i++) same = a[i] == b[i];
-    if (same) return 0;
-    char sa[512], sb[512];
-    join_ids(sa, sizeof sa, a, na);
-    join_ids(sb, sizeof sb, b, nb);
-    bt_log(BT_LOG_INFO, "loaderd", "config: %s: %s -> %s (applies to new connections)", key, sa, sb);
-    return 1;
-}
-
-int ld_config_log_diff(const ld_config *o, const ld_config *n) {
-    int d = 0;
-    if (strcmp(o->socket_path, n->socket_path)) {
-        bt_log(BT_LOG_WARN, "loaderd", "config: socket: %s -> %s (takes effect after a restart)", o->socket_path,
-               n->socket_path);
-        d++;
-    }
-    if (o->socket_mode != n->socket_mode) {
-        bt_log(BT_LOG_WARN, "loaderd", "config: socket_mode: %04o -> %04o (takes effect after a restart)",
-               o->socket_mode, n->socket_mode);
-        d++;
-    }
-    const char *og = o->socket_group ? o->socket_group : "(none)", *ng = n->socket_group ? n->socket_group : "(none)";
-    if (strcmp(og, ng)) {
-        bt_log(BT_LOG_WARN, "loaderd", "config: socket_group: %s -> %s (takes effect after a restart)", og, ng);
-        d++;
-    }
-    const char *ot = o->token_cache_dir ? o->token_cache_dir : "(none)", *nt = n->token_cache_dir ? n->token_cache_dir : "(none)";
-    if (strcmp(ot, nt) || o->token_cache_max_bytes != n->token_cache_max_bytes ||
-        o->token_cache_wait_s != n->token_cache_wait_s) {
-        bt_log(BT_LOG_WARN, "loaderd", "config: token cache: %s, %llu bytes, wait %u s -> %s, %llu bytes, wait %u s "
-               "(takes effect after a restart)", ot, (unsigned long long)o->token_cache_max_bytes, o->token_cache_wait_s,
-               nt, (unsigned long long)n->token_cache_max_bytes, n->token_cache_wait_s);
-        d++;
-    }
-    d += diff_roots("data_roots", o->data_roots, o->n_data_roots, n->data_roots, n->n_data_roots);
-    d += diff_roots("model_roots", o->model_roots, o->n_model_roots, n->model_roots, n->n_model_roots);
-#define DIFF_U(field)                                                                                          \
-    if ((unsigned long long)o->field != (unsigned long long)n->field) {                                        \
-        bt_log(BT_LOG_INFO, "loaderd", "config: " #field ": %llu -> %llu (applies to new attaches)",           \
-               (unsigned long long)o->field, (unsigned long long)n->field);                                    \
-        d++;                                                                                                   \
-    }
-    DIFF_U(tokenizer_threads)
-    DIFF_U(ring_slots)
-    DIFF_U(max_clients)
-    DIFF_U(max_jobs)
-    DIFF_U(max_request_bytes)
-    DIFF_U(max_ring_bytes)
-    DIFF_U(max_json_depth)
-    DIFF_U(client_timeout_s)
-    DIFF_U(max_clients_per_uid)
-    DIFF_U(memory_budget_bytes)
-#undef DIFF_U
-    d += diff_ids("allowed_users", o->allowed_uids, o->n_allowed_uids, n->allowed_uids, n->n_allowed_uids);
-    d += diff_ids("allowed_groups", o->allowed_gids, o->n_allowed_gids, n->allowed_gids, n->n_allowed_gids);
-    d += diff_ids("operator_groups", o->operator_gids, o->n_operator_gids, n->operator_gids, n->n_operator_gids);
-    return d;
-}
+int ld_config_log_diff(const ld_config *o, const ld_config *n) { return bt_keytab_diff(config_keys, o, n, log_change, NULL); }
 
 int ld_path_in_roots(const char *resolved, char *const *roots, int n_roots) {
     for (int i = 0; i < n_roots; i++) {

@@ -1,56 +1,16 @@
 /* loaderd configuration file (JSON, jansson) and the path policy built on it.
- * Keys (all optional; unknown keys and wrong types are refused naming the key):
- *   "socket"            string  control socket path (default /run/loaderd/loaderd.sock)
- *   "socket_mode"       string  octal file mode set on the socket after bind (default "0660")
- *   "socket_group"      string  group name (or numeric gid) given to the socket; default: none
- *   "data_roots"        [string] directories dataset shards must resolve (realpath) inside;
- *                       default [] (every dataset refused)
- *   "model_roots"       [string] directories tokenizer files may resolve inside, in addition to
- *                       data_roots; default []
- *   "tokenizer_threads" int 1..256, tokenizer workers per job (default 2)
- *   "ring_slots"        int 2..1024, default ring depth per job (default 8)
- *   "max_clients"       int 1..65536, simultaneous connections (default 64)
- *   "max_jobs"          int 1..4096, simultaneous attached jobs (default 32)
- *   "max_request_bytes" int 1024..(64 MiB), longest request line (default 1 MiB)
- *   "max_ring_bytes"    int, largest ring (slots x slot bytes) one attach may ask for
- *                       (default 1 GiB, min 1 MiB)
- *   "max_json_depth"    int 2..1000, deepest nesting accepted in a request (default 32)
- *   "allowed_users"     [string|int] user names or uids allowed to use the socket
- *   "allowed_groups"    [string|int] group names or gids allowed to use the socket (a peer
- *                       matches by its primary gid or any supplementary group, SO_PEERGROUPS);
- *                       both empty (default): anyone who can open the socket file. root and
- *                       loaderd's own uid are always allowed. Names are resolved at load (an
- *                       unknown name is refused, naming the key).
- *   "client_timeout_s"  int 0..86400 (default 60): a connection holding half a request line, or
- *                       one without an attached job that makes no complete (valid) request, for
- *                       this long is closed (slowloris; blank lines and malformed requests do not
- *                       count as activity); 0 disables the timeout
- *   "max_clients_per_uid" int 1..65536 (default 32): simultaneous connections of one peer uid, so
- *                       one user cannot hold every slot
- *   "operator_groups"   [string|int] groups whose members (primary or supplementary gid) are
- *                       operators, like root and loaderd's own uid. Operators always get through:
- *                       past max_clients / max_clients_per_uid they have 8 more connections of
- *                       their own (`status`, `drain` work while hostile peers hold every slot),
- *                       and only they may `drain`.
- *   "memory_budget_bytes" int >= 16 MiB (default: a quarter of the machine's physical memory, at
- *                       least 256 MiB): rings plus pipeline buffers of all jobs together (each
- *                       job: slots x slot bytes + ld_pipeline_mem_estimate); an attach past it is
- *                       refused with the figures; usage in `status` and `metrics`
- *   "token_cache_dir"   string, absolute directory of the token cache (loaderd/tcache.h), created
- *                       if missing; on a shared filesystem, every node's loaderd can use the same
- *                       one and each shard is tokenized once per cluster. Default: none (no
- *                       cache; every epoch tokenizes again). Applies after a restart.
- *   "token_cache_max_bytes" int >= 16 MiB (default 64 GiB): size bound of the entries; the least
- *                       recently used are removed beyond it. Applies after a restart.
- *   "token_cache_wait_s" int 0..86400 (default 1800): longest wait for another loaderd tokenizing a
- *                       shard this one needs before tokenizing it here without the cache.
- *                       Applies after a restart.
- * Roots are resolved with realpath at load; a root that does not exist is skipped with a warning
- * (it cannot contain anything; a reload picks it up once it exists). */
+ * Keys: one row each in the key table of loaderd/config.c (common/keytab.h): name, accepted
+ * values, default, meaning. All are optional; an unknown key, a wrong type or a value out of
+ * range is refused naming the key. `loaderd --config-keys` prints the table; the README's table
+ * lists the same keys (tests/py/test_loaderd_cli.py checks it). Adding a key is adding a row (and
+ * its field below). Roots are resolved with realpath at load; a root that does not exist is
+ * skipped with a warning (a reload picks it up once it exists). User and group names are
+ * resolved at load. */
 #ifndef LD_CONFIG_H
 #define LD_CONFIG_H
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/types.h>
 
 typedef struct {
@@ -94,10 +54,13 @@ int ld_config_parse(ld_config *c, const char *json_text, const char *origin);
 /* Read and parse a file (BT_ERR_IO if unreadable). */
 int ld_config_load(ld_config *c, const char *path);
 void ld_config_free(ld_config *c);
-/* Log (bt_log info, component "loaderd") each setting that differs between old and new;
- * returns the number of differences. Settings that only apply at start (socket path, mode,
- * group) are logged as needing a restart. */
+/* Log (bt_log info, component "loaderd") each setting that differs between old and new, one line
+ * each ("config: ring_slots: 8 -> 4 (applies to new attaches)"); returns the number of
+ * differences. Settings that only apply at start (the socket, the token cache) are logged as
+ * warnings that need a restart. */
 int ld_config_log_diff(const ld_config *old_c, const ld_config *new_c);
+/* The key table as Markdown (key, accepted values, default, meaning) on f. */
+void ld_config_print_keys(FILE *f);
 
 /* Whether a peer (SO_PEERCRED uid/gid, supplementary groups from SO_PEERGROUPS: `groups`
  * [n_groups], may be NULL/0) may use the control socket under allowed_users/allowed_groups

@@ -39,16 +39,16 @@ size_t ld_utf8_check(const uint8_t *s, size_t n) {
     return n;
 }
 
-static int bad(int *reason, int r, char *msg, size_t msglen, const char *fmt, ...)
-    __attribute__((format(printf, 5, 6)));
-static int bad(int *reason, int r, char *msg, size_t msglen, const char *fmt, ...) {
+/* A bad line: *reason = r, the description in bt_last_error() (bt_fail), returns 1. */
+static int bad(int *reason, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int bad(int *reason, int r, const char *fmt, ...) {
+    char msg[256];
     *reason = r;
-    if (msglen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, msglen, fmt, ap);
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    bt_fail(BT_ERR_FORMAT, "%s", msg);
     return 1;
 }
 
@@ -125,6 +125,18 @@ static size_t src_len(const bt_tokenizer *t, int32_t id) {
     return n;
 }
 
+/* Append a token and its mask bit, fallibly: a document is as long as its line, so running out of
+ * memory fails it (BT_ERR_NOMEM: the stream skips and counts it), never the daemon. */
+static int push2(bt_ids *ids, bt_ids *mask, int32_t id, int32_t m) {
+    if (bt_ids_try_push(ids, id)) return BT_ERR_NOMEM;
+    if (bt_ids_try_push(mask, m)) {
+        ids->n--;
+        return BT_ERR_NOMEM;
+    }
+    return BT_OK;
+}
+#define OOM() bt_fail(BT_ERR_NOMEM, "format: out of memory for the document's tokens")
+
 static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
 /* Llama-3 rendering (see format.h). Appends to ids/mask; on error they may hold a partial
@@ -138,21 +150,20 @@ static int llama3_encode(const bt_tokenizer *t, const bt_chat_msg *msgs, size_t 
     char *run = NULL;
     size_t run_cap = 0;
     int rc = 0;
-    bt_ids_push(ids, bot);
-    bt_ids_push(mask, 0);
+    if (push2(ids, mask, bot, 0)) rc = OOM();
     for (size_t i = 0; i < n && rc == 0; i++) {
         int train = strcmp(msgs[i].role, "assistant") == 0;
-        bt_ids_push(ids, sh);
-        bt_ids_push(mask, 0);
+        if (push2(ids, mask, sh, 0)) {
+            rc = OOM();
+            break;
+        }
         tmp.n = 0;
         rc = bt_tokenize(t, msgs[i].role, strlen(msgs[i].role), 0, &tmp);
         if (rc < 0) break;
-        for (size_t k = 0; k < tmp.n; k++) {
-            bt_ids_push(ids, tmp.v[k]);
-            bt_ids_push(mask, 0);
-        }
-        bt_ids_push(ids, eh);
-        bt_ids_push(mask, 0);
+        for (size_t k = 0; k < tmp.n && rc == 0; k++)
+            if (push2(ids, mask, tmp.v[k], 0)) rc = OOM();
+        if (rc == 0 && push2(ids, mask, eh, 0)) rc = OOM();
+        if (rc < 0) break;
         const char *c = msgs[i].content;
         size_t cn = msgs[i].content_len;
         while (cn && is_ws(c[0])) c++, cn--;
@@ -172,13 +183,11 @@ static int llama3_encode(const bt_tokenizer *t, const bt_chat_msg *msgs, size_t 
         rc = bt_tokenize(t, run, cn + 2, 0, &tmp);
         if (rc < 0) break;
         size_t off = 0;
-        for (size_t k = 0; k < tmp.n; k++) {
+        for (size_t k = 0; k < tmp.n && rc == 0; k++) {
             off += src_len(t, tmp.v[k]);
-            bt_ids_push(ids, tmp.v[k]);
-            bt_ids_push(mask, train && off > 2 ? 1 : 0);
+            if (push2(ids, mask, tmp.v[k], train && off > 2 ? 1 : 0)) rc = OOM();
         }
-        bt_ids_push(ids, eot);
-        bt_ids_push(mask, train ? 1 : 0);
+        if (rc == 0 && push2(ids, mask, eot, train ? 1 : 0)) rc = OOM();
     }
     free(run);
     bt_ids_free(&tmp);
@@ -193,8 +202,7 @@ static int render_chat(const ld_format_cfg *cfg, const bt_chat_msg *msgs, size_t
     if (rc < 0) return rc;
     int32_t bos = bt_tokenizer_bos(cfg->tok);
     if (cfg->add_bos && bos >= 0 && (ids->n == n0 || ids->v[n0] != bos)) {
-        bt_ids_push(ids, 0);
-        bt_ids_push(mask, 0);
+        if (push2(ids, mask, 0, 0)) return OOM();
         memmove(ids->v + n0 + 1, ids->v + n0, (ids->n - n0 - 1) * sizeof *ids->v);
         memmove(mask->v + n0 + 1, mask->v + n0, (mask->n - n0 - 1) * sizeof *mask->v);
         ids->v[n0] = bos;
@@ -206,15 +214,15 @@ static int render_chat(const ld_format_cfg *cfg, const bt_chat_msg *msgs, size_t
 #define MAX_STACK_MSGS 16
 
 static int format_chat(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids, bt_ids *mask,
-                       int *reason, char *msg, size_t msglen) {
+                       int *reason) {
     json_t *arr = json_object_get(root, "messages");
-    if (!arr) return bad(reason, LD_BAD_FIELD, msg, msglen, "missing \"messages\"");
+    if (!arr) return bad(reason, LD_BAD_FIELD, "missing \"messages\"");
     if (!json_is_array(arr))
-        return bad(reason, LD_BAD_FIELD, msg, msglen, "\"messages\": expected array, got %s",
+        return bad(reason, LD_BAD_FIELD, "\"messages\": expected array, got %s",
                    type_name(arr));
     size_t n = json_array_size(arr);
-    if (n == 0) return bad(reason, LD_BAD_EMPTY, msg, msglen, "\"messages\" is empty");
-    if (n > INT32_MAX) return bad(reason, LD_BAD_FIELD, msg, msglen, "too many messages");
+    if (n == 0) return bad(reason, LD_BAD_EMPTY, "\"messages\" is empty");
+    if (n > INT32_MAX) return bad(reason, LD_BAD_FIELD, "too many messages");
     bt_chat_msg stack[MAX_STACK_MSGS];
     bt_chat_msg *msgs = n <= MAX_STACK_MSGS ? stack : malloc(n * sizeof *msgs);
     if (!msgs) return bt_fail(BT_ERR_NOMEM, "format: out of memory (%zu messages)", n);
@@ -222,7 +230,7 @@ static int format_chat(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
     for (size_t i = 0; i < n && rc == 0; i++) {
         json_t *m = json_array_get(arr, i);
         if (!json_is_object(m)) {
-            rc = bad(reason, LD_BAD_FIELD, msg, msglen, "messages[%zu]: expected object, got %s", i,
+            rc = bad(reason, LD_BAD_FIELD, "messages[%zu]: expected object, got %s", i,
                      type_name(m));
             break;
         }
@@ -231,13 +239,13 @@ static int format_chat(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
         int g = get_str(m, "role", &role, &role_len, &tn);
         if (g == 0 && strlen(role) != role_len) g = 3;
         if (g != 0) {
-            rc = bad(reason, LD_BAD_FIELD, msg, msglen, "messages[%zu].role: %s%s", i,
+            rc = bad(reason, LD_BAD_FIELD, "messages[%zu].role: %s%s", i,
                      g == 1 ? "missing" : g == 2 ? "expected string, got " : "contains NUL", tn);
             break;
         }
         g = get_str(m, "content", &msgs[i].content, &msgs[i].content_len, &tn);
         if (g != 0) {
-            rc = bad(reason, LD_BAD_FIELD, msg, msglen, "messages[%zu].content: %s%s", i,
+            rc = bad(reason, LD_BAD_FIELD, "messages[%zu].content: %s%s", i,
                      g == 1 ? "missing" : "expected string, got ", tn);
             break;
         }
@@ -245,31 +253,31 @@ static int format_chat(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
         trained += strcmp(role, "assistant") == 0 && msgs[i].content_len > 0;
     }
     if (rc == 0 && !trained)
-        rc = bad(reason, LD_BAD_EMPTY, msg, msglen, "no assistant message with content");
+        rc = bad(reason, LD_BAD_EMPTY, "no assistant message with content");
     if (rc == 0) rc = render_chat(cfg, msgs, n, ids, mask);
     if (msgs != stack) free(msgs);
     return rc;
 }
 
 static int format_alpaca(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids, bt_ids *mask,
-                         int *reason, char *msg, size_t msglen) {
+                         int *reason) {
     const char *ins, *out, *in = "", *tn = "";
     size_t ins_n, out_n, in_n = 0;
     int g = get_str(root, "instruction", &ins, &ins_n, &tn);
-    if (g) return bad(reason, LD_BAD_FIELD, msg, msglen, "\"instruction\": %s%s",
+    if (g) return bad(reason, LD_BAD_FIELD, "\"instruction\": %s%s",
                       g == 1 ? "missing" : "expected string, got ", tn);
     g = get_str(root, "output", &out, &out_n, &tn);
-    if (g) return bad(reason, LD_BAD_FIELD, msg, msglen, "\"output\": %s%s",
+    if (g) return bad(reason, LD_BAD_FIELD, "\"output\": %s%s",
                       g == 1 ? "missing" : "expected string, got ", tn);
     json_t *iv = json_object_get(root, "input");
     if (iv && !json_is_null(iv)) {
         if (!json_is_string(iv))
-            return bad(reason, LD_BAD_FIELD, msg, msglen, "\"input\": expected string, got %s",
+            return bad(reason, LD_BAD_FIELD, "\"input\": expected string, got %s",
                        type_name(iv));
         in = json_string_value(iv);
         in_n = json_string_length(iv);
     }
-    if (out_n == 0) return bad(reason, LD_BAD_EMPTY, msg, msglen, "\"output\" is empty");
+    if (out_n == 0) return bad(reason, LD_BAD_EMPTY, "\"output\" is empty");
     char *user = malloc(ins_n + 2 + in_n + 1);
     if (!user) return bt_fail(BT_ERR_NOMEM, "format: out of memory");
     size_t un = ins_n;
@@ -287,49 +295,54 @@ static int format_alpaca(const ld_format_cfg *cfg, const json_t *root, bt_ids *i
 }
 
 static int format_text(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids, bt_ids *mask,
-                       int *reason, char *msg, size_t msglen) {
+                       int *reason) {
     const char *key = cfg->text_field ? cfg->text_field : "text", *s, *tn = "";
     size_t n;
     int g = get_str(root, key, &s, &n, &tn);
-    if (g) return bad(reason, LD_BAD_FIELD, msg, msglen, "\"%s\": %s%s", key,
+    if (g) return bad(reason, LD_BAD_FIELD, "\"%s\": %s%s", key,
                       g == 1 ? "missing" : "expected string, got ", tn);
-    if (n == 0) return bad(reason, LD_BAD_EMPTY, msg, msglen, "\"%s\" is empty", key);
+    if (n == 0) return bad(reason, LD_BAD_EMPTY, "\"%s\" is empty", key);
     size_t n0 = ids->n;
     int32_t bos = bt_tokenizer_bos(cfg->tok), eos = bt_tokenizer_eos(cfg->tok);
-    if (cfg->add_bos && bos >= 0) bt_ids_push(ids, bos); /* the text itself cannot hold a BOS:
-                                                           special strings are not parsed */
+    /* the text itself cannot hold a BOS: special strings are not parsed */
+    if (cfg->add_bos && bos >= 0 && bt_ids_try_push(ids, bos)) return OOM();
     int rc = bt_tokenize(cfg->tok, s, n, 0, ids);
     if (rc != BT_OK) return rc;
-    if (eos >= 0 && (ids->n == n0 || ids->v[ids->n - 1] != eos)) bt_ids_push(ids, eos);
-    for (size_t i = n0; i < ids->n; i++) bt_ids_push(mask, 1);
+    if (eos >= 0 && (ids->n == n0 || ids->v[ids->n - 1] != eos) && bt_ids_try_push(ids, eos)) return OOM();
+    /* mask: one 1 per id, grown once */
+    size_t m0 = mask->n, k = ids->n - n0;
+    int32_t *mv = bt_vec_grow(mask->v, &mask->cap, m0 + k, sizeof *mask->v);
+    if (!mv) return OOM();
+    mask->v = mv;
+    for (size_t i = 0; i < k; i++) mask->v[m0 + i] = 1;
+    mask->n = m0 + k;
     return 0;
 }
 
 int ld_format_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids, bt_ids *mask,
-                     int *reason, char *msg, size_t msglen) {
+                     int *reason) {
     *reason = -1;
-    if (msglen) msg[0] = 0;
     size_t badoff = ld_utf8_check((const uint8_t *)line, len);
     if (badoff != len)
-        return bad(reason, LD_BAD_UTF8, msg, msglen, "invalid UTF-8 at byte %zu", badoff + 1);
+        return bad(reason, LD_BAD_UTF8, "invalid UTF-8 at byte %zu", badoff + 1);
     /* a UTF-8 BOM (a shard saved "with BOM", or files concatenated) is skipped as JSON readers
      * do; a key given twice is refused (common/bt_json.h) */
     size_t bom = bt_utf8_bom_len(line, len);
     json_error_t jerr;
     json_t *root = json_loadb(line + bom, len - bom, JSON_ALLOW_NUL | JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
-        return bad(reason, LD_BAD_JSON, msg, msglen, "column %d: %s", jerr.column + (int)bom, jerr.text);
+        return bad(reason, LD_BAD_JSON, "column %d: %s", jerr.column + (int)bom, jerr.text);
     if (!json_is_object(root)) {
-        int r = bad(reason, LD_BAD_JSON, msg, msglen, "expected an object, got %s", type_name(root));
+        int r = bad(reason, LD_BAD_JSON, "expected an object, got %s", type_name(root));
         json_decref(root);
         return r;
     }
     size_t n0 = ids->n, m0 = mask->n;
     int rc;
     switch (cfg->format) {
-    case LD_FMT_CHAT: rc = format_chat(cfg, root, ids, mask, reason, msg, msglen); break;
-    case LD_FMT_ALPACA: rc = format_alpaca(cfg, root, ids, mask, reason, msg, msglen); break;
-    case LD_FMT_TEXT: rc = format_text(cfg, root, ids, mask, reason, msg, msglen); break;
+    case LD_FMT_CHAT: rc = format_chat(cfg, root, ids, mask, reason); break;
+    case LD_FMT_ALPACA: rc = format_alpaca(cfg, root, ids, mask, reason); break;
+    case LD_FMT_TEXT: rc = format_text(cfg, root, ids, mask, reason); break;
     default: rc = bt_fail(BT_ERR_INVALID, "format: unknown format %d", (int)cfg->format); break;
     }
     json_decref(root);
@@ -342,15 +355,14 @@ int ld_format_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_
     return rc;
 }
 
-int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, int *truncated, int *reason,
-                  char *msg, size_t msglen) {
+int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, int *truncated, int *reason) {
     *truncated = 0;
     *reason = -1;
     if (ids->n != mask->n || n0 > ids->n)
         return bt_fail(BT_ERR_INVALID, "format: %zu ids, %zu mask entries, document from %zu", ids->n, mask->n, n0);
     int rc = 0;
     if (cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T && cfg->overlong_drop) {
-        rc = bad(reason, LD_BAD_OVERLONG, msg, msglen, "%zu tokens, longer than seq_len %u (overlong: drop)",
+        rc = bad(reason, LD_BAD_OVERLONG, "%zu tokens, longer than seq_len %u (overlong: drop)",
                  ids->n - n0, cfg->T);
     } else if (cfg->format != LD_FMT_TEXT && cfg->T && ids->n - n0 > cfg->T) {
         ids->n = n0 + cfg->T;
@@ -363,10 +375,10 @@ int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0
         if (!any) {
             *truncated = 0;
             if (cfg->T && ids->n - n0 >= cfg->T)
-                rc = bad(reason, LD_BAD_EMPTY, msg, msglen,
+                rc = bad(reason, LD_BAD_EMPTY,
                          "no tokens with loss within the first %u tokens", cfg->T);
             else
-                rc = bad(reason, LD_BAD_EMPTY, msg, msglen, "no tokens with loss");
+                rc = bad(reason, LD_BAD_EMPTY, "no tokens with loss");
         }
     }
     if (rc != 0) {
@@ -377,11 +389,11 @@ int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0
 }
 
 int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids,
-                   bt_ids *mask, int *truncated, int *reason, char *msg, size_t msglen) {
+                   bt_ids *mask, int *truncated, int *reason) {
     *truncated = 0;
     size_t n0 = ids->n;
     if (mask->n != n0) return bt_fail(BT_ERR_INVALID, "format: ids and mask differ in length");
-    int rc = ld_format_render(cfg, line, len, ids, mask, reason, msg, msglen);
+    int rc = ld_format_render(cfg, line, len, ids, mask, reason);
     if (rc != 0) return rc;
-    return ld_format_fit(cfg, ids, mask, n0, truncated, reason, msg, msglen);
+    return ld_format_fit(cfg, ids, mask, n0, truncated, reason);
 }

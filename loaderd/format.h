@@ -37,7 +37,7 @@
 #include <stdint.h>
 
 #include "common/tokenizer.h"
-#include "loaderd/pipeline.h"
+#include "loaderd/job.h"
 
 typedef struct {
     ld_format format;
@@ -66,22 +66,21 @@ size_t ld_utf8_check(const uint8_t *s, size_t n);
  * On success returns 0 and appends the document to ids (token ids, int32 in [0, vocab)) and
  * mask (same length, 0/1); *truncated says whether it was cut to cfg->T.
  * A bad line returns 1 with *reason = LD_BAD_JSON / LD_BAD_UTF8 / LD_BAD_FIELD / LD_BAD_EMPTY /
- * LD_BAD_OVERLONG,
- * a short description in msg (msglen bytes, NUL-terminated) and ids/mask left as they were.
- * Internal failures (tokenizer error, out of memory) return the negative bt_err. */
+ * LD_BAD_OVERLONG, a short description in bt_last_error() (this thread's) and ids/mask left as
+ * they were. Internal failures (tokenizer error; BT_ERR_NOMEM: the document's tokens do not fit
+ * in memory, never an abort) return the negative bt_err, ids/mask as they were. */
 int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids,
-                   bt_ids *mask, int *truncated, int *reason, char *msg, size_t msglen);
+                   bt_ids *mask, int *truncated, int *reason);
 /* ld_format_line in two stages (the token cache stores the first stage's output, which does not
  * depend on T or the overlong policy). ld_format_render: UTF-8 and JSON checks, the format and
  * tokenization, no cut and no loss check: 0 with the document appended, 1 (bad: json, utf8,
- * field, empty) with *reason / msg, <0 internal error. ld_format_fit: the T rules on the
- * document at ids/mask[n0..] (chat/alpaca longer than cfg->T: cut, *truncated = 1, or
+ * field, empty) with *reason and the description in bt_last_error(), <0 internal error.
+ * ld_format_fit: the T rules on the document at ids/mask[n0..] (chat/alpaca longer than cfg->T: cut, *truncated = 1, or
  * overlong with overlong_drop) and the loss check (`empty`); 0 or 1 as above (the document is
  * removed again on 1), BT_ERR_INVALID when ids and mask differ in length. ld_format_line ==
  * render then fit (ids and mask must have the same length on entry). */
 int ld_format_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids, bt_ids *mask,
-                     int *reason, char *msg, size_t msglen);
-int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, int *truncated, int *reason,
-                  char *msg, size_t msglen);
+                     int *reason);
+int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, int *truncated, int *reason);
 
 #endif

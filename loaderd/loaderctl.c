@@ -18,8 +18,10 @@
  * `tokenize` reads UTF-8 text lines on stdin and prints, per line, the token ids (--ids) or the
  * vocabulary pieces (GPT-2 byte alphabet, as HF tokenize() shows them), space-separated;
  * control-token strings such as <|im_start|> are parsed unless --no-special.
- * Exit: 0 ok, 1 loaderd unreachable / refused or a preview/tokenize error, 2 usage. */
+ * Exit: 0 ok, 1 loaderd unreachable / refused or a preview/tokenize error, 2 usage. Options are
+ * read with getopt_long (in any order around the command; --opt=value also works). */
 #include <errno.h>
+#include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <poll.h>
@@ -437,11 +439,10 @@ static int cmd_preview(const char *job_path, long rows, int color) {
         return 1;
     }
     ld_job_spec spec;
-    char err[512];
-    int rc = ld_job_spec_parse(&spec, text, err, sizeof err);
+    int rc = ld_job_spec_parse(&spec, text, NULL);
     free(text);
     if (rc) {
-        fprintf(stderr, "loaderctl preview: %s: %s\n", job_path, err);
+        fprintf(stderr, "loaderctl preview: %s: %s\n", job_path, bt_last_error());
         return 1;
     }
     if (spec.n_threads > 4) spec.n_threads = 4;
@@ -576,37 +577,61 @@ int main(int argc, char **argv) {
     long rows = 4;
     double interval = 2.0;
     char conf_sock[4096];
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--socket") && i + 1 < argc) sock = argv[++i];
-        else if (!strcmp(argv[i], "--config") && i + 1 < argc) sock = socket_of_config(argv[++i], conf_sock, sizeof conf_sock);
-        else if (!strcmp(argv[i], "--json")) as_json = 1;
-        else if (!strcmp(argv[i], "--job") && i + 1 < argc) job = argv[++i];
-        else if (!strcmp(argv[i], "--tokenizer") && i + 1 < argc) tokp = argv[++i];
-        else if (!strcmp(argv[i], "--ids")) ids_only = 1;
-        else if (!strcmp(argv[i], "--no-special")) parse_special = 0;
-        else if (!strcmp(argv[i], "--color")) color = 1;
-        else if (!strcmp(argv[i], "--no-color")) color = 0;
-        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) {
-            char *end;
-            rows = strtol(argv[++i], &end, 10);
+    enum { O_SOCKET = 256, O_CONFIG, O_JSON, O_JOB, O_TOKENIZER, O_IDS, O_NO_SPECIAL, O_COLOR, O_NO_COLOR, O_ROWS,
+           O_INTERVAL };
+    static const struct option longopts[] = {
+        {"socket", required_argument, NULL, O_SOCKET},
+        {"config", required_argument, NULL, O_CONFIG},
+        {"json", no_argument, NULL, O_JSON},
+        {"job", required_argument, NULL, O_JOB},
+        {"tokenizer", required_argument, NULL, O_TOKENIZER},
+        {"ids", no_argument, NULL, O_IDS},
+        {"no-special", no_argument, NULL, O_NO_SPECIAL},
+        {"color", no_argument, NULL, O_COLOR},
+        {"no-color", no_argument, NULL, O_NO_COLOR},
+        {"rows", required_argument, NULL, O_ROWS},
+        {"interval", required_argument, NULL, O_INTERVAL},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    int opt;
+    char *end;
+    opterr = 0; /* our own messages below */
+    /* "-": the command (not an option) comes back in order, as 1 */
+    while ((opt = getopt_long(argc, argv, "-:h", longopts, NULL)) != -1) {
+        switch (opt) {
+        case O_SOCKET: sock = optarg; break;
+        case O_CONFIG: sock = socket_of_config(optarg, conf_sock, sizeof conf_sock); break;
+        case O_JSON: as_json = 1; break;
+        case O_JOB: job = optarg; break;
+        case O_TOKENIZER: tokp = optarg; break;
+        case O_IDS: ids_only = 1; break;
+        case O_NO_SPECIAL: parse_special = 0; break;
+        case O_COLOR: color = 1; break;
+        case O_NO_COLOR: color = 0; break;
+        case O_ROWS:
+            rows = strtol(optarg, &end, 10);
             if (*end || rows < 1 || rows > 1000000) {
                 fprintf(stderr, "loaderctl: --rows wants an integer in [1, 1000000]\n");
                 return 2;
             }
-        } else if (!strcmp(argv[i], "--interval") && i + 1 < argc) {
-            char *end;
-            interval = strtod(argv[++i], &end);
+            break;
+        case O_INTERVAL:
+            interval = strtod(optarg, &end);
             if (*end || !(interval >= 0.1 && interval <= 3600)) {
                 fprintf(stderr, "loaderctl: --interval wants seconds in [0.1, 3600]\n");
                 return 2;
             }
-        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!cmd && is_cmd(argv[i])) {
-            cmd = argv[i];
-        } else {
-            fprintf(stderr, "loaderctl: unknown or incomplete argument '%s'\n", argv[i]);
+            break;
+        case 'h': usage(stdout); return 0;
+        case 1:
+            if (!cmd && is_cmd(optarg)) {
+                cmd = optarg;
+                break;
+            }
+            __attribute__((fallthrough)); /* a second command, or not a command */
+        default: /* '?': unknown option; ':': its argument is missing */
+            fprintf(stderr, "loaderctl: unknown or incomplete argument '%s'\n", opt == 1 ? optarg : argv[optind - 1]);
             usage(stderr);
             return 2;
         }

@@ -24,6 +24,8 @@
 #include <sys/stat.h>
 
 #include "common/bt_common.h"
+#include "common/bt_le.h"
+#include "common/bt_vec.h"
 #include "common/gguf.h"
 #include "loaderd/stream.h"
 
@@ -31,12 +33,6 @@
 #define LD_STATE_MAGIC 0x3153444Cu /* "LDS1" */
 #define LD_STATE_VERSION 2u
 #define LD_STATE_F_FINISHED 1u
-
-static const char *const BAD_NAMES[LD_BAD_N] = {"json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong"};
-
-const char *ld_bad_reason_name(int reason) {
-    return (reason >= 0 && reason < LD_BAD_N) ? BAD_NAMES[reason] : "unknown";
-}
 
 #define ADD(field, n) atomic_fetch_add_explicit(&p->stats->field, (uint64_t)(n), memory_order_relaxed)
 
@@ -71,29 +67,20 @@ struct ld_pipeline {
 
 /* ---------------------------------------------------------------- job configuration */
 
-void ld_scfg_put(ld_scfg *cfg) {
-    if (!cfg || atomic_fetch_sub(&cfg->refs, 1) != 1) return;
-    for (size_t i = 0; i < cfg->n_paths; i++) free(cfg->paths[i]);
-    free(cfg->paths);
-    for (uint32_t d = 0; d < cfg->n_ds; d++) free(cfg->ds[d].text_field);
-    free(cfg->shards);
-    free(cfg->canon);
-    free(cfg);
-}
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 /* Expand one dataset's globs, sort and deduplicate them, append to cfg->paths. */
 static int expand_shards(ld_scfg *cfg, char *const *shards, int n_shards, uint32_t d) {
-    size_t n = 0, cap = 16;
-    char **v = bt_xmalloc(cap * sizeof *v);
+    size_t n = 0, cap = 0;
+    char **v = bt_vec_xgrow(NULL, &cap, 16, sizeof *v);
     for (int i = 0; i < n_shards; i++) {
         glob_t gl;
         int rc = glob(shards[i], GLOB_ERR, NULL, &gl);
         struct stat sst;
         if (rc == GLOB_NOMATCH && stat(shards[i], &sst) == 0) {
             /* an existing file whose name holds glob characters (e.g. "part[1].jsonl") */
-            if (n == cap) v = bt_xrealloc(v, (cap *= 2) * sizeof *v);
+            v = bt_vec_xgrow(v, &cap, n + 1, sizeof *v);
             v[n++] = bt_xstrdup(shards[i]);
             continue;
         }
@@ -106,7 +93,7 @@ static int expand_shards(ld_scfg *cfg, char *const *shards, int n_shards, uint32
                            rc == GLOB_NOMATCH ? "matches no file" : "could not be read");
         }
         for (size_t k = 0; k < gl.gl_pathc; k++) {
-            if (n == cap) v = bt_xrealloc(v, (cap *= 2) * sizeof *v);
+            v = bt_vec_xgrow(v, &cap, n + 1, sizeof *v);
             v[n++] = bt_xstrdup(gl.gl_pathv[k]);
         }
         globfree(&gl);
@@ -255,22 +242,11 @@ static int scfg_new(ld_scfg **out, const ld_job_spec *spec, const bt_tokenizer *
 
 /* ---------------------------------------------------------------- resume state */
 
-static void put32(uint8_t *b, size_t *o, uint32_t v) {
-    for (int i = 0; i < 4; i++) b[(*o)++] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *b, size_t *o, uint64_t v) {
-    for (int i = 0; i < 8; i++) b[(*o)++] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get32(const uint8_t *b, size_t *o) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t)b[(*o)++] << (8 * i);
-    return v;
-}
-static uint64_t get64(const uint8_t *b, size_t *o) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t)b[(*o)++] << (8 * i);
-    return v;
-}
+/* little-endian fields at b[*o], advancing *o (common/bt_le.h) */
+static void put32(uint8_t *b, size_t *o, uint32_t v) { bt_put32(b + *o, v), *o += 4; }
+static void put64(uint8_t *b, size_t *o, uint64_t v) { bt_put64(b + *o, v), *o += 8; }
+static uint32_t get32(const uint8_t *b, size_t *o) { return *o += 4, bt_get32(b + *o - 4); }
+static uint64_t get64(const uint8_t *b, size_t *o) { return *o += 8, bt_get64(b + *o - 8); }
 
 /* Layout (248 of 256 bytes, rest zero): u32 magic, u32 version, u64 spec_hash, u64 next_step,
  * u32 epoch, u32 flags, u64 window start n, u64 rows of this rank in that window already emitted,
@@ -358,7 +334,6 @@ static int same_spos(const ld_spos *a, const ld_spos *b, uint32_t n_ds) {
     return 1;
 }
 
-const ld_spos *ld_stream_next_start(const ld_stream *s) { return s->tail ? &s->tail->end : &s->start; }
 
 /* The seq of s's window starting at `at` if s has it or builds it next (under s->mu). */
 static int stream_offers(const ld_stream *s, const ld_spos *at, uint64_t *seq) {
@@ -381,10 +356,7 @@ static void count_members(ld_stream *s) {
 }
 
 static void add_member(ld_stream *s, ld_pipeline *p) {
-    if (s->n_members == s->cap_members) {
-        s->cap_members = s->cap_members ? 2 * s->cap_members : 4;
-        s->members = bt_xrealloc(s->members, s->cap_members * sizeof *s->members);
-    }
+    s->members = bt_vec_xgrow(s->members, &s->cap_members, s->n_members + 1, sizeof *s->members);
     s->members[s->n_members++] = p;
     count_members(s);
 }
@@ -580,7 +552,6 @@ void ld_hub_free(ld_hub *h) {
     free(h);
 }
 
-ld_tcache *ld_hub_cache(const ld_hub *h) { return h ? h->cache : NULL; }
 
 void ld_hub_set_max_windows(ld_hub *h, uint32_t n) { h->max_windows = n < 1 ? 1 : n; }
 

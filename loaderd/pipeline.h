@@ -36,94 +36,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "../common/tokenizer.h"
-#include "../proto/batch.h"
-
-typedef enum { LD_FMT_TEXT = 0, LD_FMT_CHAT = 1, LD_FMT_ALPACA = 2 } ld_format;
-
-typedef enum {
-    LD_BAD_JSON = 0,      /* not valid JSON / not an object */
-    LD_BAD_UTF8,          /* invalid UTF-8 in the line */
-    LD_BAD_FIELD,         /* missing or wrongly typed field */
-    LD_BAD_EMPTY,         /* document renders to no trainable tokens */
-    LD_BAD_TOO_LONG,      /* line longer than the limit (16 MiB) */
-    LD_BAD_ZSTD,          /* corrupt or truncated zstd data (rest of that shard skipped) */
-    LD_BAD_IO,            /* shard unreadable, missing at run time, or shrank while being read */
-    LD_BAD_OVERLONG,      /* chat/alpaca document longer than T dropped (overlong: "drop") */
-    LD_BAD_N
-} ld_bad_reason;
-/* Static name of a reason: "json", "utf8", "field", "empty", "too_long", "zstd", "io", "overlong";
- * "unknown" outside [0, LD_BAD_N). */
-const char *ld_bad_reason_name(int reason);
-
-#define LD_MAX_DATASETS 16
-
-typedef enum { LD_TPL_AUTO = -1, LD_TPL_CHATML = 0, LD_TPL_LLAMA3 = 1 } ld_chat_tpl;
-
-/* One dataset of a job (key "datasets"). */
-typedef struct {
-    char **shards;      /* glob patterns, expanded and sorted at pipeline creation */
-    int n_shards;
-    ld_format format;
-    char *text_field;   /* for LD_FMT_TEXT, default "text" */
-    double weight;      /* > 0, relative mixing weight (default 1) */
-} ld_dataset_spec;
-
-typedef struct {
-    char *name;
-    /* Datasets: when n_datasets > 0 they are used and the four single-dataset fields below are
-     * ignored; otherwise shards/format/text_field form one dataset of weight 1 (the old keys). */
-    ld_dataset_spec *datasets;
-    int n_datasets;
-    char **shards;
-    int n_shards;
-    ld_format format;
-    char *text_field;
-    char *tokenizer;    /* path of the .gguf holding the vocabulary */
-    ld_chat_tpl chat_template; /* LD_TPL_AUTO (what the parser defaults to): from the tokenizer,
-                                  see format.h; a zeroed spec means LD_TPL_CHATML */
-    int overlong_drop;  /* chat/alpaca documents longer than T: 0 truncate (default), 1 drop */
-    uint32_t T, B;
-    uint64_t seed;
-    uint32_t rank, world_size;
-    uint32_t epochs;    /* 0 = endless */
-    uint32_t n_threads; /* tokenizer workers, >= 1 */
-} ld_job_spec;
-
-/* Parse a job spec JSON object text (keys as in proto/client.h) into *spec (owned; free with
- * ld_job_spec_free). Required: tokenizer, seq_len (16..2^20), micro_batch_size (>= 1,
- * B*T <= 2^24), and either shards + format (one dataset; text_field optional, format "text" only)
- * or datasets: [{shards: [...], format, text_field?, weight? (> 0, default 1)}, ...]
- * (1..16 entries, not together with shards/format/text_field). Optional: name ("job"), seed
- * (0..2^63-1, default 0), epochs (default 0 = endless; counted on the first dataset),
- * tokenizer_threads (1..256, default 2), chat_template ("auto" default | "chatml" | "llama3"),
- * overlong ("truncate" default | "drop"), ring_slots (1..65536, checked and ignored here).
- * rank = 0, world_size = 1 (the caller sets them from the attach request). BT_ERR_INVALID naming
- * the key (e.g. "datasets[1].weight") for unknown keys / wrong types / bad values; the message
- * also goes to err (errlen bytes, may be NULL). *spec is zeroed on error. */
-int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, char *err, size_t errlen);
-void ld_job_spec_free(ld_job_spec *spec);
-
-/* Live counters, updated by the pipeline (relaxed atomics), read by status/metrics. */
-typedef struct {
-    _Atomic uint64_t docs;          /* documents accepted (all ranks' documents: every rank
-                                       parses every line; per rank see batch header n_docs) */
-    _Atomic uint64_t tokens;        /* tokens produced into rows (real, non-padding) */
-    _Atomic uint64_t slot_tokens;   /* B*T per emitted batch */
-    _Atomic uint64_t labelled;      /* tokens with loss */
-    _Atomic uint64_t batches;
-    _Atomic uint64_t truncated;     /* documents truncated to T (overlong: "truncate") */
-    _Atomic uint64_t split;         /* text documents longer than T split into pieces */
-    _Atomic uint64_t pad_rows;      /* all-padding rows emitted by this rank (window rows padded
-                                       to a multiple of world_size, the last batch's tail) */
-    _Atomic uint64_t windows;       /* packing windows built */
-    _Atomic uint64_t lines;         /* lines read (all ranks' lines: every rank reads every shard) */
-    _Atomic uint64_t blank;         /* blank (whitespace-only) lines skipped; they get no index */
-    _Atomic uint64_t bad[LD_BAD_N];
-    _Atomic uint64_t dataset_docs[LD_MAX_DATASETS];  /* documents accepted per dataset */
-    _Atomic uint32_t dataset_pass[LD_MAX_DATASETS];  /* current pass (epoch) of each dataset */
-    _Atomic uint32_t epoch;
-} ld_stats;
+#include "common/tokenizer.h"
+#include "loaderd/job.h"
+#include "proto/batch.h"
 
 typedef struct ld_pipeline ld_pipeline;
 typedef struct ld_hub ld_hub;
@@ -134,7 +49,6 @@ struct ld_tcache;
  * attached through it. */
 int ld_hub_new(ld_hub **out, struct ld_tcache *cache);
 void ld_hub_free(ld_hub *h);
-struct ld_tcache *ld_hub_cache(const ld_hub *h);
 /* Windows a shared stream keeps at most (default 16, about 16 x 256 x T tokens; streams started
  * after the call): a rank that falls further behind the others of its job continues on a
  * stream of its own (same batches, its own reading and tokenizing). */

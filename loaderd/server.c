@@ -1,9 +1,8 @@
-/* loaderd control server: lifecycle (contract: loaderd/server.h; internals:
- * loaderd/server_priv.h; protocol and lifecycle: proto/PROTOCOL.md §1-2).
- * Configuration load and SIGHUP reload, socket bind/permissions, signals, the 1 s tick
- * (rates, client timeouts, STATUS=), the systemd watchdog, and the orderly stop.
- * The rest of the server: server_conn.c (connections), server_jobs.c (jobs, producers),
- * server_status.c (status, metrics, drain, reload), server_proto.c (request parsing). */
+/* loaderd control server, the top floor (contract: loaderd/server.h; internals and the floors
+ * below: loaderd/server_priv.h; protocol and lifecycle: proto/PROTOCOL.md §1-2).
+ * The command table and the dispatch of each request line to its row's handler; configuration
+ * load and SIGHUP reload, socket bind/permissions, signals, the 1 s tick (rates, client
+ * timeouts, STATUS=, a stop a handler asked for), the systemd watchdog, and the orderly stop. */
 #include "loaderd/server.h"
 
 #include <signal.h>
@@ -20,14 +19,61 @@
 #include "loaderd/server_priv.h"
 #include "loaderd/tcache.h"
 
-void ld_cfg_put(cfg_ref *r) {
-    if (r && --r->refs == 0) {
-        ld_config_free(&r->c);
-        free(r);
+/* ------------------------------------------------------------------ the command table */
+
+/* The ops loaderd answers (proto/PROTOCOL.md §1), one row each: name, the parser of its own
+ * arguments (server_proto.c), its handler (server_jobs.c: the trainers' ops; server_status.c:
+ * the operators'), who may call it. The hello reply's "ops", the "unknown op (...)" refusal and
+ * the operators-only refusal are made from this table: adding an op is one row here. */
+static const ld_command commands[] = {
+    {"hello", NULL, ld_op_hello, LD_ANYONE},
+    {"attach", ld_parse_attach, ld_op_attach, LD_ANYONE},
+    {"detach", ld_parse_detach, ld_op_detach, LD_ANYONE},
+    {"report", ld_parse_report, ld_op_report, LD_ANYONE},
+    {"status", NULL, ld_op_status, LD_ANYONE},
+    {"jobs", NULL, ld_op_jobs, LD_ANYONE},
+    {"metrics", NULL, ld_op_metrics, LD_ANYONE},
+    {"drain", NULL, ld_op_drain, LD_OPERATORS},
+    {"reload", NULL, ld_op_reload, LD_OPERATORS},
+    {NULL, NULL, NULL, LD_ANYONE},
+};
+
+const ld_command *ld_server_commands(void) { return commands; }
+
+/* One request line from the transport (hooks.request): parse it against the table, check who
+ * may call its op, run the row's handler. A complete, valid request is the connection's
+ * activity (client_timeout_s), whether or not its op is allowed to the caller. */
+static void on_request(conn *c, char *line, size_t n) {
+    server *s = c->s;
+    s->requests_total++;
+    ld_request rq;
+    if (ld_request_parse(&rq, s->commands, line, n, s->cfg->c.max_json_depth)) {
+        s->bad_requests_total++;
+        ld_conn_reply_error(c, rq.op_name, "%s", bt_last_error());
+    } else {
+        c->t_active = bt_now();
+        if (rq.cmd->who == LD_OPERATORS && !c->is_operator) {
+            bt_log(BT_LOG_WARN, LOGC, "%s refused for pid %d uid %u (operators only: root, loaderd's own user, "
+                   "operator_groups)", rq.cmd->name, (int)c->cred.pid, (unsigned)c->cred.uid);
+            ld_conn_reply_error(c, rq.cmd->name, "%s is allowed for operators only (root, loaderd's own user and the "
+                                "members of operator_groups)", rq.cmd->name);
+        } else {
+            rq.cmd->handler(c, &rq);
+        }
     }
+    ld_request_free(&rq);
 }
 
 /* ------------------------------------------------------------------ timers, signals, lifecycle */
+
+static void srv_stop(server *s, const char *why);
+
+/* A stop a handler asked for (ld_srv_want_stop: draining and nothing left). */
+static void check_stop(server *s) {
+    if (s->stop_why && !s->stopping) srv_stop(s, s->stop_why);
+}
+
+static void on_wake(uv_async_t *a) { check_stop(a->data); }
 
 static void on_tick(uv_timer_t *t) {
     server *s = t->data;
@@ -38,6 +84,7 @@ static void on_tick(uv_timer_t *t) {
     if (++s->ticks % 5 == 0)
         sd_notifyf(0, "STATUS=%s%u job(s), %u client(s), %.0f tokens/s", s->draining ? "draining: " : "", n,
                    s->n_clients, tok_total);
+    check_stop(s);
 }
 
 static void on_watchdog(uv_timer_t *t) { sd_notify(0, "WATCHDOG=1"); }
@@ -57,7 +104,7 @@ static void close_if_open(uv_handle_t *h) {
 
 static void walk_close(uv_handle_t *h, void *arg) { close_if_open(h); }
 
-void ld_srv_stop(server *s, const char *why) {
+static void srv_stop(server *s, const char *why) {
     if (s->stopping) return;
     s->stopping = 1;
     bt_log(BT_LOG_INFO, LOGC, "stopping: %s", why);
@@ -78,47 +125,7 @@ void ld_srv_stop(server *s, const char *why) {
     close_if_open((uv_handle_t *)&s->sig_term);
     close_if_open((uv_handle_t *)&s->sig_int);
     close_if_open((uv_handle_t *)&s->sig_hup);
-}
-
-static int load_config(server *s, cfg_ref **out) {
-    cfg_ref *r = bt_xcalloc(1, sizeof *r);
-    if (ld_config_load(&r->c, s->config_path)) {
-        free(r);
-        return BT_ERR_INVALID;
-    }
-    if (s->socket_override) {
-        free(r->c.socket_path);
-        r->c.socket_path = bt_xstrdup(s->socket_override);
-    }
-    r->refs = 1;
-    *out = r;
-    return BT_OK;
-}
-
-int ld_srv_reload(server *s, int *changed) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    /* MONOTONIC_USEC: required by Type=notify-reload (systemd >= 253), ignored before */
-    sd_notifyf(0, "RELOADING=1\nSTATUS=reloading %s\nMONOTONIC_USEC=%llu", s->config_path,
-               (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000ull);
-    cfg_ref *n = NULL;
-    int rc = load_config(s, &n);
-    *changed = 0;
-    if (rc) {
-        rc = bt_fail(BT_ERR_INVALID, "reload of %s failed, keeping the running configuration: %s", s->config_path,
-                     bt_last_error());
-        bt_log(BT_LOG_ERROR, LOGC, "%s", bt_last_error());
-        s->reload_failures_total++;
-    } else {
-        *changed = ld_config_log_diff(&s->cfg->c, &n->c);
-        bt_log(BT_LOG_INFO, LOGC, "reloaded %s: %d setting(s) changed", s->config_path, *changed);
-        ld_cfg_put(s->cfg);
-        s->cfg = n;
-        s->reloads_total++;
-        s->t_reload = bt_now();
-    }
-    sd_notifyf(0, "READY=1\nSTATUS=listening on %s (config %s)", s->socket_path, rc ? "reload failed" : "reloaded");
-    return rc;
+    close_if_open((uv_handle_t *)&s->wake);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
@@ -128,7 +135,7 @@ static void on_signal(uv_signal_t *h, int signum) {
         ld_srv_reload(s, &changed);
         return;
     }
-    ld_srv_stop(s, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+    srv_stop(s, signum == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
 static int start_listening(server *s) {
@@ -163,7 +170,9 @@ int ld_server_run(const ld_server_opts *opts) {
      * the roots first: a symbolic link met at open time was swapped in since (proto/PROTOCOL.md) */
     bt_open_refuse_symlinks(1);
     pthread_mutex_init(&s->tok_mu, NULL);
-    if (load_config(s, &s->cfg)) {
+    s->commands = commands;
+    s->hooks = (ld_conn_hooks){on_request, ld_jobs_drop_conn};
+    if (ld_cfg_load(s, &s->cfg)) {
         bt_log(BT_LOG_ERROR, LOGC, "%s", bt_last_error());
         pthread_mutex_destroy(&s->tok_mu);
         return 1;
@@ -194,6 +203,8 @@ int ld_server_run(const ld_server_opts *opts) {
     uv_signal_start(&s->sig_term, on_signal, SIGTERM);
     uv_signal_start(&s->sig_int, on_signal, SIGINT);
     uv_signal_start(&s->sig_hup, on_signal, SIGHUP);
+    uv_async_init(s->loop, &s->wake, on_wake);
+    s->wake.data = s;
     if (start_listening(s)) {
         bt_log(BT_LOG_ERROR, LOGC, "%s", bt_last_error());
         sd_notifyf(0, "STATUS=failed: %s", bt_last_error());
@@ -204,6 +215,7 @@ int ld_server_run(const ld_server_opts *opts) {
         close_if_open((uv_handle_t *)&s->sig_term);
         close_if_open((uv_handle_t *)&s->sig_int);
         close_if_open((uv_handle_t *)&s->sig_hup);
+        close_if_open((uv_handle_t *)&s->wake);
     } else {
         uv_timer_init(s->loop, &s->tick);
         s->tick.data = s;

@@ -17,4 +17,9 @@ typedef struct {
  * 1 when start-up failed (message logged: bad config, socket in use, bind failure). */
 int ld_server_run(const ld_server_opts *opts);
 
+struct ld_command;
+/* loaderd's command table (loaderd/server_proto.h: rows up to one with a NULL name; static), for
+ * parsing requests without a server: ld_request_parse in tests and fuzz targets. */
+const struct ld_command *ld_server_commands(void);
+
 #endif

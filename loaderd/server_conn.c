@@ -5,8 +5,9 @@
  * and `drain` always get through),
  * line framing with the max_request_bytes limit, client_timeout_s for connections without a
  * complete valid request (blank lines and malformed requests are not activity) and for
- * half-sent lines, backpressure on unread replies, dispatch of checked requests
- * (server_proto.c) to the op handlers. Every refusal is written to the peer before the close.
+ * half-sent lines, backpressure on unread replies. Pure transport: each complete request line
+ * goes up through s->hooks.request (server.c's command table), a closing connection through
+ * s->hooks.closing; no op is named here. Every refusal is written to the peer before the close.
  * Loop thread only. */
 #include <errno.h>
 #include <stdarg.h>
@@ -16,7 +17,6 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
-#include "loaderd/format.h"
 #include "loaderd/server_priv.h"
 #include "proto/client.h"
 
@@ -107,12 +107,7 @@ static void on_conn_closed(uv_handle_t *h) {
 
 void ld_conn_close_now(conn *c) {
     if (!c->closing) c->closing = 1;
-    /* the trainer on this connection is gone: stop its jobs */
-    server *s = c->s;
-    for (job *j = s->jobs, *nx; j; j = nx) {
-        nx = j->next;
-        if (j->owner == c) ld_job_teardown(j);
-    }
+    c->s->hooks.closing(c); /* the peer on this connection is gone: what it owns goes too */
     if (!uv_is_closing((uv_handle_t *)&c->h)) uv_close((uv_handle_t *)&c->h, on_conn_closed);
 }
 
@@ -154,36 +149,9 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b) {
     ld_conn_process(c);
 }
 
-static void dispatch(conn *c, ld_request *rq) {
-    switch (rq->op) {
-    case LD_OP_HELLO: ld_op_hello(c); break;
-    case LD_OP_ATTACH: ld_op_attach(c, rq); break;
-    case LD_OP_DETACH: ld_op_detach(c, rq); break;
-    case LD_OP_REPORT: ld_op_report(c, rq); break;
-    case LD_OP_STATUS: ld_op_status(c, 1); break;
-    case LD_OP_JOBS: ld_op_status(c, 0); break;
-    case LD_OP_METRICS: ld_op_metrics(c); break;
-    case LD_OP_DRAIN: ld_op_drain(c); break;
-    case LD_OP_RELOAD: ld_op_reload(c); break;
-    default: ld_conn_reply_error(c, rq->op_name, "unknown op (%s)", ld_op_list()); break;
-    }
-}
-
 static void handle_line(conn *c, char *line, size_t n) {
-    server *s = c->s;
     while (n && (line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t')) n--;
-    if (n == 0) return;
-    s->requests_total++;
-    ld_request rq;
-    char err[512];
-    if (ld_request_parse(&rq, line, n, s->cfg->c.max_json_depth, err, sizeof err)) {
-        s->bad_requests_total++;
-        ld_conn_reply_error(c, rq.op_name, "%s", err);
-    } else {
-        c->t_active = bt_now(); /* only a complete, valid request is activity */
-        dispatch(c, &rq);
-    }
-    ld_request_free(&rq);
+    if (n) c->s->hooks.request(c, line, n);
 }
 
 static void refuse_too_long(conn *c) {
@@ -331,8 +299,7 @@ void ld_conn_check_timeouts(server *s, double now) {
     for (conn *c = s->conns, *nx; c; c = nx) {
         nx = c->next;
         if (c->closing || c->busy) continue;
-        int has_job = 0;
-        for (job *j = s->jobs; j && !has_job; j = j->next) has_job = j->owner == c;
+        int has_job = c->n_jobs > 0;
         const char *why = NULL;
         if (c->t_partial > 0 && now - c->t_partial > lim) why = "half a request line";
         else if (!has_job && now - c->t_active > lim) why = "no complete request";

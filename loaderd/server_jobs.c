@@ -1,7 +1,9 @@
-/* loaderd control server: jobs (internals: loaderd/server_priv.h, protocol: proto/PROTOCOL.md).
- * Tokenizer cache shared by jobs, attach (checked on the loop thread, prepared on the libuv
- * thread pool: path policy, tokenizer, ring, pipeline; reply with the ring memfd as SCM_RIGHTS),
- * detach/report, one producer thread per job, teardown (join off the loop thread). */
+/* loaderd control server: the trainers' ops and their jobs (internals and floors:
+ * loaderd/server_priv.h, protocol: proto/PROTOCOL.md). Tokenizer cache shared by jobs, attach
+ * (checked on the loop thread, prepared on the libuv thread pool: path policy, tokenizer, ring,
+ * pipeline; reply with the ring memfd as SCM_RIGHTS), detach/report, one producer thread per
+ * job, the consumer's progress, teardown (join off the loop thread). Calls only the floors
+ * below it (server_conn.c, server_config.c). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -19,6 +21,7 @@ typedef struct {
     uv_work_t w;
     server *s;
     conn *c;
+    const char *op; /* the request's op (its table row's name), for the reply */
     cfg_ref *cfg;
     json_t *job_obj; /* deep copy, owned by the request */
     uint32_t rank, world;
@@ -26,7 +29,7 @@ typedef struct {
     int has_resume;
     uint8_t resume[BT_RESUME_STATE_BYTES];
     job *j; /* result */
-    char err[512];
+    char err[512]; /* the failure's message (bt_last_error is per thread: made on the pool, read on the loop) */
 } attach_req;
 
 /* ------------------------------------------------------------------ tokenizer cache */
@@ -58,7 +61,10 @@ static tok_entry *tok_find_ref(server *s, const char *path) {
     return e;
 }
 
-static tok_entry *tok_get(server *s, uint64_t budget, const char *path, char *err, size_t errlen) {
+/* The cached tokenizer of `path` (a reference), loaded and counted in the budget when it is not
+ * cached; NULL with the reason in bt_last_error() (BT_ERR_* of the estimate or the load, or the
+ * budget's figures). Any thread. */
+static tok_entry *tok_get(server *s, uint64_t budget, const char *path) {
     pthread_mutex_lock(&s->tok_mu);
     tok_entry *e = tok_find_ref(s, path);
     pthread_mutex_unlock(&s->tok_mu);
@@ -68,11 +74,11 @@ static tok_entry *tok_get(server *s, uint64_t budget, const char *path, char *er
         const char *why = bt_last_error_in("tokenizer");
         size_t pl = strlen(path);
         if (strncmp(why, path, pl) == 0 && why[pl] == ':' && why[pl + 1] == ' ') why += pl + 2;
-        snprintf(err, errlen, "tokenizer %s: %s", path, why);
+        bt_fail(BT_ERR_INVALID, "tokenizer %s: %s", path, why);
         return NULL;
     }
     if (!budget_take(s, budget, est, &used)) {
-        snprintf(err, errlen,
+        bt_fail(BT_ERR_RANGE,
                  "not enough of loaderd's memory budget to load tokenizer %s: it needs up to %.1f MiB, %.1f MiB of "
                  "memory_budget_bytes %.1f MiB are in use (%.1f MiB free): use a tokenizer another job has loaded, "
                  "wait for jobs to end, or ask the operator to raise memory_budget_bytes",
@@ -87,7 +93,7 @@ static tok_entry *tok_get(server *s, uint64_t budget, const char *path, char *er
         const char *why = bt_last_error_in("tokenizer");
         size_t pl = strlen(path);
         if (strncmp(why, path, pl) == 0 && why[pl] == ':' && why[pl + 1] == ' ') why += pl + 2;
-        snprintf(err, errlen, "tokenizer %s: %s", path, why);
+        bt_fail(BT_ERR_INVALID, "tokenizer %s: %s", path, why);
         return NULL;
     }
     uint64_t held = bt_tokenizer_mem_bytes(t);
@@ -201,7 +207,7 @@ static void teardown_work(uv_work_t *w) {
 }
 
 void ld_check_drained(server *s) {
-    if (s->draining && !s->stopping && !s->jobs && !s->n_attaching) ld_srv_stop(s, "drained: no jobs left");
+    if (s->draining && !s->stopping && !s->jobs && !s->n_attaching) ld_srv_want_stop(s, "drained: no jobs left");
 }
 
 static void teardown_done(uv_work_t *w, int status) {
@@ -221,6 +227,25 @@ static void job_discard(job *j) {
     }
 }
 
+void ld_jobs_drop_conn(conn *c) {
+    for (job *j = c->s->jobs, *nx; j; j = nx) {
+        nx = j->next;
+        if (j->owner == c) ld_job_teardown(j);
+    }
+}
+
+void ld_job_observe_consumer(job *j, double now) {
+    if (!j->ring.hdr) return;
+    /* head is ours; tail is the trainer's and only trusted when it is possible */
+    uint64_t head = atomic_load_explicit(&j->ring.hdr->head, memory_order_acquire);
+    uint64_t tail = atomic_load_explicit(&j->ring.hdr->tail, memory_order_acquire);
+    if (tail > head || head - tail > j->slots || tail < j->consumed) return;
+    if (tail != j->consumed) {
+        j->consumed = tail;
+        j->t_last_take = now;
+    }
+}
+
 uint32_t ld_job_count(const server *s) {
     uint32_t n = 0;
     for (const job *j = s->jobs; j; j = j->next) n++;
@@ -235,6 +260,7 @@ void ld_job_teardown(job *j) {
             break;
         }
     ld_job_observe_consumer(j, bt_now());
+    if (j->owner) j->owner->n_jobs--;
     bt_log(BT_LOG_INFO, LOGC, "job %u (%s rank %u/%u) detached after %.1f s: %llu batches, %llu consumed, %llu docs",
            j->id, j->spec.name, j->rank, j->world, bt_now() - j->t_attach,
            (unsigned long long)atomic_load(&j->stats.batches), (unsigned long long)j->consumed,
@@ -356,8 +382,8 @@ static void attach_work(uv_work_t *w) {
     j = bt_xcalloc(1, sizeof *j);
     j->s = r->s;
     j->ring.fd = -1;
-    if (!text || ld_job_spec_parse(&j->spec, text, r->err, sizeof r->err)) {
-        if (!text) snprintf(r->err, sizeof r->err, "job spec: cannot re-encode");
+    if (!text || ld_job_spec_parse(&j->spec, text, NULL)) {
+        snprintf(r->err, sizeof r->err, "%s", text ? bt_last_error() : "job spec: cannot re-encode");
         free(j);
         j = NULL;
         goto out;
@@ -379,7 +405,10 @@ static void attach_work(uv_work_t *w) {
         goto fail_job;
     }
     if (mem_reserve(r, j, (uint64_t)sb * slots, ld_pipeline_mem_estimate(&j->spec))) goto fail_job;
-    if (!(j->tok = tok_get(r->s, cfg->memory_budget_bytes, j->spec.tokenizer, r->err, sizeof r->err))) goto fail_job;
+    if (!(j->tok = tok_get(r->s, cfg->memory_budget_bytes, j->spec.tokenizer))) {
+        snprintf(r->err, sizeof r->err, "%s", bt_last_error());
+        goto fail_job;
+    }
     j->vocab = bt_tokenizer_vocab_size(j->tok->tok);
     if (bt_ring_create(&j->ring, slots, j->B, j->T)) {
         snprintf(r->err, sizeof r->err, "%s", bt_last_error());
@@ -431,8 +460,8 @@ static int send_with_fd(conn *c, const char *text, size_t n, int fd) {
     return BT_OK;
 }
 
-static void attach_reply(conn *c, job *j) {
-    json_t *rep = json_pack("{s:b, s:s, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I}", "ok", 1, "op", "attach", "job_id",
+static void attach_reply(conn *c, const char *op, job *j) {
+    json_t *rep = json_pack("{s:b, s:s, s:I, s:I, s:I, s:I, s:I, s:s, s:I, s:I}", "ok", 1, "op", op, "job_id",
                             (json_int_t)j->id, "B", (json_int_t)j->B, "T", (json_int_t)j->T, "slots",
                             (json_int_t)j->slots, "vocab", (json_int_t)j->vocab, "name", j->spec.name, "slot_bytes",
                             (json_int_t)j->ring.slot_bytes, "shards", (json_int_t)j->n_shards);
@@ -470,7 +499,7 @@ static void attach_done(uv_work_t *w, int status) {
     if (!j) {
         bt_log(BT_LOG_WARN, LOGC, "attach refused for pid %d uid %u: %s", (int)c->cred.pid, (unsigned)c->cred.uid,
                r->err);
-        if (!c->closing) ld_conn_reply_error(c, "attach", "%s", r->err);
+        if (!c->closing) ld_conn_reply_error(c, r->op, "%s", r->err);
     } else if (c->closing || s->stopping) {
         job_discard(j);
     } else {
@@ -479,13 +508,14 @@ static void attach_done(uv_work_t *w, int status) {
         j->peer = c->cred;
         j->t_attach = j->last_t = j->t_last_take = bt_now();
         if (pthread_create(&j->thread, NULL, producer_main, j) != 0) {
-            ld_conn_reply_error(c, "attach", "cannot start a producer thread");
+            ld_conn_reply_error(c, r->op, "cannot start a producer thread");
             job_discard(j);
         } else {
             j->thread_started = 1;
             j->next = s->jobs;
             s->jobs = j;
-            attach_reply(c, j);
+            c->n_jobs++;
+            attach_reply(c, r->op, j);
         }
     }
     json_decref(r->job_obj);
@@ -498,20 +528,22 @@ static void attach_done(uv_work_t *w, int status) {
 
 void ld_op_attach(conn *c, ld_request *rq) {
     server *s = c->s;
+    const char *op = rq->cmd->name;
     if (s->draining || s->stopping) {
-        ld_conn_reply_error(c, "attach", "loaderd is draining: no new attaches");
+        ld_conn_reply_error(c, op, "loaderd is draining: no new attaches");
         return;
     }
     if (ld_job_count(s) + s->n_attaching >= s->cfg->c.max_jobs) {
         bt_log(BT_LOG_WARN, LOGC, "attach refused for pid %d uid %u: max_jobs %u reached", (int)c->cred.pid,
                (unsigned)c->cred.uid, s->cfg->c.max_jobs);
-        ld_conn_reply_error(c, "attach", "too many jobs (max_jobs %u)", s->cfg->c.max_jobs);
+        ld_conn_reply_error(c, op, "too many jobs (max_jobs %u)", s->cfg->c.max_jobs);
         return;
     }
     attach_req *r = bt_xcalloc(1, sizeof *r);
     r->w.data = r;
     r->s = s;
     r->c = c;
+    r->op = op;
     r->cfg = s->cfg;
     s->cfg->refs++;
     r->job_obj = json_deep_copy(rq->job);
@@ -524,7 +556,7 @@ void ld_op_attach(conn *c, ld_request *rq) {
         json_decref(r->job_obj);
         ld_cfg_put(r->cfg);
         free(r);
-        ld_conn_reply_error(c, "attach", "cannot queue the attach");
+        ld_conn_reply_error(c, op, "cannot queue the attach");
         return;
     }
     c->busy = 1;
@@ -534,26 +566,26 @@ void ld_op_attach(conn *c, ld_request *rq) {
 
 /* ------------------------------------------------------------------ detach, report */
 
-static job *find_own_job(conn *c, ld_request *rq, const char *op) {
+static job *find_own_job(conn *c, ld_request *rq) {
     for (job *j = c->s->jobs; j; j = j->next) {
         if (j->owner != c) continue;
         if (!rq->has_job_id || rq->job_id == j->id) return j;
     }
-    ld_conn_reply_error(c, op, rq->has_job_id ? "no job with this \"job_id\" is attached on this connection"
+    ld_conn_reply_error(c, rq->cmd->name, rq->has_job_id ? "no job with this \"job_id\" is attached on this connection"
                                               : "no job is attached on this connection");
     return NULL;
 }
 
 void ld_op_detach(conn *c, ld_request *rq) {
-    job *j = find_own_job(c, rq, "detach");
+    job *j = find_own_job(c, rq);
     if (!j) return;
     uint32_t id = j->id;
     ld_job_teardown(j);
-    ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", "detach", "job_id", (json_int_t)id));
+    ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", rq->cmd->name, "job_id", (json_int_t)id));
 }
 
 void ld_op_report(conn *c, ld_request *rq) {
-    job *j = find_own_job(c, rq, "report");
+    job *j = find_own_job(c, rq);
     if (!j) return;
     double now = bt_now();
     if (j->has_report && rq->step > j->rep_step) /* the trainer's step period, for `behind` */
@@ -570,5 +602,5 @@ void ld_op_report(conn *c, ld_request *rq) {
         j->base_bpw = rq->base_bpw;
         j->base_bytes = rq->base_bytes;
     }
-    ld_conn_send(c, json_pack("{s:b, s:s}", "ok", 1, "op", "report"));
+    ld_conn_send(c, json_pack("{s:b, s:s}", "ok", 1, "op", rq->cmd->name));
 }

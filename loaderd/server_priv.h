@@ -1,8 +1,18 @@
-/* loaderd control server internals shared by server.c (lifecycle: config, signals, timers,
- * systemd), server_conn.c (connections: reading, limits, peer checks, timeouts, dispatch,
- * replies), server_jobs.c (tokenizer cache, attach/detach/report, producer threads, teardown;
- * the ranks of a job share one pipeline stream through the server's ld_hub)
- * and server_status.c (status/jobs/metrics rendering, drain, rate ticks). Not a public API.
+/* loaderd control server internals. Not a public API. The files are floors; calls and includes
+ * only go down (scripts/depgraph.py checks it, tests/py/test_layering.py):
+ *   server.c         lifecycle (signals, the 1 s tick, the systemd watchdog, the orderly stop) and
+ *                    the command table: every op is one row {name, parse, handler, who}; it
+ *                    parses each request line (server_proto.c) and runs the row's handler
+ *   server_status.c  the operators' ops: status, jobs, metrics, drain, reload, hello; rate ticks
+ *   server_jobs.c    the trainers' ops: attach, detach, report; tokenizer cache, producer
+ *                    threads, teardown (the ranks of a job share one pipeline stream, ld_hub)
+ *   server_conn.c    transport: accept, peer checks, slot limits, line framing, timeouts,
+ *                    backpressure, replies; it hands each request line up through ld_conn_hooks
+ *                    and never names an op
+ *   server_config.c  the running configuration: load, reload, references
+ *   server_proto.c   a request line -> a checked request (no server state)
+ * A handler that wants loaderd to stop says so with ld_srv_want_stop (state the tick reads); it
+ * never calls up into server.c.
  *
  * Threads: the libuv loop thread owns every connection, the job list and the configuration;
  * attach preparation (path resolution, tokenizer load, ring and pipeline creation) and job
@@ -94,6 +104,16 @@ typedef struct job {
     uv_work_t teardown;
 } job;
 
+/* What the transport hands up (set by server.c before listening; server_conn.c calls nothing
+ * above itself). */
+typedef struct {
+    /* one complete request line (trailing '\r', blanks removed; never empty); the line's bytes
+     * may be modified and are valid until return */
+    void (*request)(struct conn *c, char *line, size_t n);
+    /* the connection is going away (peer gone, refused, stop): drop what it owns */
+    void (*closing)(struct conn *c);
+} ld_conn_hooks;
+
 typedef struct conn {
     uv_pipe_t h; /* first: handle pointers cast back to conn */
     struct server *s;
@@ -105,7 +125,8 @@ typedef struct conn {
     int pending;            /* thread-pool requests still pointing at this conn */
     int handle_closed;
     struct ucred cred;
-    int is_operator;        /* root, loaderd's uid or operator_groups (may drain) */
+    int is_operator;        /* root, loaderd's uid or operator_groups (may call LD_OPERATORS ops) */
+    uint32_t n_jobs;        /* jobs attached on this connection (kept by server_jobs.c) */
     int reserve;            /* an operator's connection past the slot limits (OPERATOR_RESERVE) */
     double t_active;        /* last complete, valid request (or accept, or attach done) */
     double t_partial;       /* when the pending partial line started; 0 = none */
@@ -118,6 +139,10 @@ typedef struct server {
     uv_pipe_t listener;
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t tick, watchdog, stop_timer;
+    uv_async_t wake;             /* runs the tick's stop check at once (ld_srv_want_stop) */
+    const char *stop_why;        /* a stop asked for by a handler (static text), NULL: none */
+    ld_conn_hooks hooks;         /* the transport's way up (server.c) */
+    const ld_command *commands;  /* the command table (server.c), for hello's "ops" */
     cfg_ref *cfg;
     const char *config_path;
     const char *socket_override;
@@ -141,8 +166,18 @@ typedef struct server {
     int no_exec;         /* ld_sandbox_no_exec() holds for this process (status: sandbox.no_exec) */
 } server;
 
-/* server.c */
-void ld_srv_stop(server *s, const char *why);
+/* Ask the server to stop (why: static text for the log): the state the tick reads, acted on at
+ * once through s->wake. For handlers (drain): they never call server.c. Loop thread. */
+static inline void ld_srv_want_stop(server *s, const char *why) {
+    if (s->stopping || s->stop_why) return;
+    s->stop_why = why;
+    uv_async_send(&s->wake);
+}
+
+/* server_config.c */
+/* Load s->config_path (with s->socket_override applied) into a new reference (*out, refs 1).
+ * BT_OK or BT_ERR_INVALID / BT_ERR_IO / BT_ERR_FORMAT with the reason in bt_last_error(). */
+int ld_cfg_load(server *s, cfg_ref **out);
 /* Re-read s->config_path (SIGHUP and the "reload" op): on success the new configuration replaces
  * the running one, the changes are logged one line each, *changed gets their count and 0 is
  * returned; on failure the running configuration is kept, the reason is logged and left in
@@ -160,7 +195,7 @@ int ld_conn_reply_error(conn *c, const char *op, const char *fmt, ...) __attribu
 void ld_conn_write(conn *c, char *data, size_t n);
 /* Stop reading, let queued replies drain, then close. */
 void ld_conn_finish(conn *c);
-/* Close at once (tears down the connection's jobs). */
+/* Close at once (hooks.closing drops what the connection owns). */
 void ld_conn_close_now(conn *c);
 /* Handle buffered complete lines (after an attach finished or backpressure eased). */
 void ld_conn_process(conn *c);
@@ -174,6 +209,12 @@ void ld_tok_put(server *s, tok_entry *e);
 void ld_job_teardown(job *j);
 void ld_job_free(job *j);
 uint32_t ld_job_count(const server *s);
+/* Tear down the jobs attached on c (its hooks.closing). */
+void ld_jobs_drop_conn(conn *c);
+/* Ask for a stop when draining and nothing is left (ld_srv_want_stop). */
+void ld_check_drained(server *s);
+/* Update j->consumed / j->t_last_take from the ring (loop thread). */
+void ld_job_observe_consumer(job *j, double now);
 void ld_op_attach(conn *c, ld_request *rq);
 void ld_op_detach(conn *c, ld_request *rq);
 void ld_op_report(conn *c, ld_request *rq);
@@ -194,18 +235,15 @@ typedef struct {
  * one by more than max(LD_BEHIND_MIN_S, 3 x the longest step period seen). Never with fewer
  * than 2 ranks or no report at all. why (may be NULL): a short reason ("3 steps behind"). */
 int ld_rank_behind(const ld_rank_progress *r, int n, int i, char *why, size_t why_n);
-/* Stop when draining and nothing is left. */
-void ld_check_drained(server *s);
 
-/* server_status.c */
-void ld_op_status(conn *c, int full);
-void ld_op_metrics(conn *c);
-void ld_op_drain(conn *c);
-void ld_op_reload(conn *c);
-void ld_op_hello(conn *c);
+/* server_status.c: the operators' ops (handlers of the command table) */
+void ld_op_hello(conn *c, ld_request *rq);
+void ld_op_status(conn *c, ld_request *rq);
+void ld_op_jobs(conn *c, ld_request *rq);
+void ld_op_metrics(conn *c, ld_request *rq);
+void ld_op_drain(conn *c, ld_request *rq);
+void ld_op_reload(conn *c, ld_request *rq);
 /* Refresh rates and consumer progress of every job (1 s tick); returns total tokens/s. */
 double ld_jobs_tick(server *s, double now);
-/* Update j->consumed / j->t_last_take from the ring (loop thread). */
-void ld_job_observe_consumer(job *j, double now);
 
 #endif

@@ -1,8 +1,10 @@
-/* loaderd control server: what operators see (internals: loaderd/server_priv.h, protocol:
- * proto/PROTOCOL.md §1 "status, jobs, metrics, drain, hello"). status/jobs JSON, Prometheus
- * text exposition 0.0.4 (prometheus.io "Exposition formats": # HELP / # TYPE before the samples,
- * label values escaped \\ \" \n), drain, hello, and the 1 s tick that keeps the EWMA rates and
- * the consumer progress. Loop thread only; job counters are atomics written by producers. */
+/* loaderd control server: the operators' ops (internals and floors: loaderd/server_priv.h,
+ * protocol: proto/PROTOCOL.md §1 "status, jobs, metrics, drain, hello"). status/jobs JSON,
+ * Prometheus text exposition 0.0.4 (prometheus.io "Exposition formats": # HELP / # TYPE before
+ * the samples, label values escaped \\ \" \n), drain, reload, hello (its "ops" from the command
+ * table), and the 1 s tick that keeps the EWMA rates and the consumer progress. Calls only the
+ * floors below it (server_jobs.c, server_conn.c, server_config.c). Loop thread only; job
+ * counters are atomics written by producers. */
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -17,18 +19,6 @@
 #include "proto/client.h"
 
 /* ------------------------------------------------------------------ per-job figures */
-
-void ld_job_observe_consumer(job *j, double now) {
-    if (!j->ring.hdr) return;
-    /* head is ours; tail is the trainer's and only trusted when it is possible */
-    uint64_t head = atomic_load_explicit(&j->ring.hdr->head, memory_order_acquire);
-    uint64_t tail = atomic_load_explicit(&j->ring.hdr->tail, memory_order_acquire);
-    if (tail > head || head - tail > j->slots || tail < j->consumed) return;
-    if (tail != j->consumed) {
-        j->consumed = tail;
-        j->t_last_take = now;
-    }
-}
 
 /* Batches produced by the pipeline (committed or waiting in the producer's hands) minus the
  * batches the trainer released. */
@@ -223,12 +213,13 @@ static json_t *token_cache_json(server *s) {
     return o;
 }
 
-void ld_op_status(conn *c, int full) {
+/* status (full) and jobs (the job list only); op: the request's op, echoed */
+static void status_reply(conn *c, const char *op, int full) {
     server *s = c->s;
     double now = bt_now();
     json_t *arr = json_array();
     for (job *j = s->jobs; j; j = j->next) json_array_append_new(arr, job_json(j, full, now));
-    json_t *r = json_pack("{s:b, s:s, s:o}", "ok", 1, "op", full ? "status" : "jobs", "jobs", arr);
+    json_t *r = json_pack("{s:b, s:s, s:o}", "ok", 1, "op", op, "jobs", arr);
     if (full) {
         int n_tok = 0;
         pthread_mutex_lock(&s->tok_mu);
@@ -264,6 +255,9 @@ void ld_op_status(conn *c, int full) {
     }
     ld_conn_send(c, r);
 }
+
+void ld_op_status(conn *c, ld_request *rq) { status_reply(c, rq->cmd->name, 1); }
+void ld_op_jobs(conn *c, ld_request *rq) { status_reply(c, rq->cmd->name, 0); }
 
 /* ------------------------------------------------------------------ metrics */
 
@@ -345,14 +339,14 @@ static double metric_value(job *j, metric_id m, double now) {
     }
 }
 
-void ld_op_metrics(conn *c) {
+void ld_op_metrics(conn *c, ld_request *rq) {
     server *s = c->s;
     double now = bt_now();
     char *text = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&text, &len);
     if (!f) {
-        ld_conn_reply_error(c, "metrics", "out of memory");
+        ld_conn_reply_error(c, rq->cmd->name, "out of memory");
         return;
     }
     double tok_total = 0;
@@ -427,60 +421,48 @@ void ld_op_metrics(conn *c) {
             fprintf(f, ",reason=\"%s\"} %llu\n", ld_bad_reason_name(r), (unsigned long long)atomic_load(&j->stats.bad[r]));
         }
     fclose(f);
-    json_t *r = json_pack("{s:b, s:s, s:s, s:s%}", "ok", 1, "op", "metrics", "format", "prometheus-text-0.0.4",
+    json_t *r = json_pack("{s:b, s:s, s:s, s:s%}", "ok", 1, "op", rq->cmd->name, "format", "prometheus-text-0.0.4",
                           "text", text, len);
     free(text);
     ld_conn_send(c, r);
 }
 
-/* ------------------------------------------------------------------ drain, hello */
+/* ------------------------------------------------------------------ drain, reload, hello */
 
-void ld_op_drain(conn *c) {
+/* drain and reload are LD_OPERATORS rows of the command table: server.c refused everyone else. */
+void ld_op_drain(conn *c, ld_request *rq) {
     server *s = c->s;
-    if (!c->is_operator) {
-        bt_log(BT_LOG_WARN, LOGC, "drain refused for pid %d uid %u (operators only: root, loaderd's own user, "
-               "operator_groups)", (int)c->cred.pid, (unsigned)c->cred.uid);
-        ld_conn_reply_error(c, "drain", "drain is allowed for operators only (root, loaderd's own user and the "
-                            "members of operator_groups)");
-        return;
-    }
     uint32_t n = ld_job_count(s);
     if (!s->draining)
         bt_log(BT_LOG_INFO, LOGC, "drain requested by pid %d uid %u: %u job(s) left", (int)c->cred.pid,
                (unsigned)c->cred.uid, n);
     s->draining = 1;
     sd_notifyf(0, "STATUS=draining: %u job(s) left", n);
-    ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", "drain", "jobs", (json_int_t)n));
+    ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", rq->cmd->name, "jobs", (json_int_t)n));
     ld_check_drained(s);
 }
 
 /* "reload": the SIGHUP reload, asked for over the socket by an operator (`loaderctl reload`, the
  * unit's ExecReload=), answered with its outcome so that `systemctl reload` fails when the new
  * configuration is refused (the running one is kept either way). */
-void ld_op_reload(conn *c) {
+void ld_op_reload(conn *c, ld_request *rq) {
     server *s = c->s;
-    if (!c->is_operator) {
-        bt_log(BT_LOG_WARN, LOGC, "reload refused for pid %d uid %u (operators only)", (int)c->cred.pid,
-               (unsigned)c->cred.uid);
-        ld_conn_reply_error(c, "reload", "reload is allowed for operators only (root, loaderd's own user and the "
-                            "members of operator_groups)");
-        return;
-    }
     bt_log(BT_LOG_INFO, LOGC, "reload requested by pid %d uid %u", (int)c->cred.pid, (unsigned)c->cred.uid);
     int changed = 0;
     if (ld_srv_reload(s, &changed)) {
-        ld_conn_reply_error(c, "reload", "%s", bt_last_error());
+        ld_conn_reply_error(c, rq->cmd->name, "%s", bt_last_error());
         return;
     }
-    ld_conn_send(c, json_pack("{s:b, s:s, s:s, s:i}", "ok", 1, "op", "reload", "config", s->config_path, "changed",
-                              changed));
+    ld_conn_send(c, json_pack("{s:b, s:s, s:s, s:i}", "ok", 1, "op", rq->cmd->name, "config", s->config_path,
+                              "changed", changed));
 }
 
-void ld_op_hello(conn *c) {
+void ld_op_hello(conn *c, ld_request *rq) {
     json_t *ops = json_array();
-    for (int i = 0; i < LD_OP_N; i++) json_array_append_new(ops, json_string(ld_op_name((ld_op)i)));
-    ld_conn_send(c, json_pack("{s:b, s:s, s:i, s:i, s:i, s:i, s:o, s:I, s:I, s:I}", "ok", 1, "op", "hello", "proto",
-                              BT_PROTO_VERSION, "min_proto", BT_PROTO_VERSION, "ring_version", (int)BT_RING_VERSION,
-                              "batch_layout_version", (int)BT_BATCH_LAYOUT_VERSION, "ops", ops, "pid",
-                              (json_int_t)getpid(), "uid", (json_int_t)c->cred.uid, "gid", (json_int_t)c->cred.gid));
+    for (const ld_command *k = c->s->commands; k->name; k++) json_array_append_new(ops, json_string(k->name));
+    ld_conn_send(c, json_pack("{s:b, s:s, s:i, s:i, s:i, s:i, s:o, s:I, s:I, s:I}", "ok", 1, "op", rq->cmd->name,
+                              "proto", BT_PROTO_VERSION, "min_proto", BT_PROTO_VERSION, "ring_version",
+                              (int)BT_RING_VERSION, "batch_layout_version", (int)BT_BATCH_LAYOUT_VERSION, "ops", ops,
+                              "pid", (json_int_t)getpid(), "uid", (json_int_t)c->cred.uid, "gid",
+                              (json_int_t)c->cred.gid));
 }

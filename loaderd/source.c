@@ -14,6 +14,8 @@
 #include <zstd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_le.h"
+#include "common/bt_vec.h"
 
 #define LD_READ_BLOCK ((size_t)256 << 10)
 
@@ -45,7 +47,7 @@ struct ld_source {
 
 static int starts_with_zstd_magic(const uint8_t *d, size_t n) {
     if (n < 4) return 0;
-    uint32_t v = (uint32_t)d[0] | (uint32_t)d[1] << 8 | (uint32_t)d[2] << 16 | (uint32_t)d[3] << 24;
+    uint32_t v = bt_get32(d);
     return v == 0xFD2FB528u || (v & 0xFFFFFFF0u) == 0x184D2A50u;
 }
 
@@ -137,12 +139,9 @@ static int make_room(ld_source *s, size_t need) {
         s->beg = 0;
     }
     if (s->cap - s->end < need) {
-        size_t ncap = s->cap ? s->cap : 2 * need;
-        while (ncap - s->end < need) ncap *= 2;
-        char *nb = realloc(s->buf, ncap);
-        if (!nb) return bt_fail(BT_ERR_NOMEM, "%s: out of memory (line buffer %zu bytes)", s->path, ncap);
+        char *nb = bt_vec_grow(s->buf, &s->cap, s->end + need < 2 * need ? 2 * need : s->end + need, 1);
+        if (!nb) return bt_fail(BT_ERR_NOMEM, "%s: out of memory (line buffer of %zu bytes)", s->path, s->end + need);
         s->buf = nb;
-        s->cap = ncap;
     }
     return BT_OK;
 }
@@ -241,7 +240,6 @@ int ld_source_next(ld_source *s, const char **line, size_t *len, uint64_t *line_
 }
 
 int ld_source_is_zstd(const ld_source *s) { return s->is_zstd; }
-const char *ld_source_path(const ld_source *s) { return s->path; }
 
 void ld_source_close(ld_source *s) {
     if (!s) return;

@@ -44,7 +44,6 @@ int ld_source_open(ld_source **out, const char *path, size_t max_line);
 int ld_source_next(ld_source *s, const char **line, size_t *len, uint64_t *line_no);
 /* 1 if the shard is zstd-compressed. */
 int ld_source_is_zstd(const ld_source *s);
-const char *ld_source_path(const ld_source *s);
 /* Call fn(ctx, bytes, n) on every block of raw (undecoded) file bytes as it is read, in file
  * order; set it before the first ld_source_next. The token cache hashes what it tokenized. */
 void ld_source_observe(ld_source *s, void (*fn)(void *ctx, const void *p, size_t n), void *ctx);

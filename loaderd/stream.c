@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 #include "loaderd/source.h"
 #include "loaderd/stream.h"
 
@@ -182,10 +183,10 @@ static int rd_cached(ld_stream *s, rcur *cur, uint32_t d, ld_chunk *c) {
         it->ids = ids;
         it->mask = mask;
         int reason = -1;
-        int frc = ld_format_fit(&cfg->ds[d].fcfg, &it->ids, &it->mask, 0, &it->truncated, &reason, it->msg,
-                                sizeof it->msg);
+        int frc = ld_format_fit(&cfg->ds[d].fcfg, &it->ids, &it->mask, 0, &it->truncated, &reason);
         if (frc < 0) return frc;
         it->bad = frc == 1 ? reason : -1;
+        if (frc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error());
         return 1;
     }
 }
@@ -339,10 +340,17 @@ static void *reader_main(void *arg) {
 static int format_item(void *ctx, ld_item *it, const char *line) {
     const ld_stream *s = ctx;
     int reason = -1;
-    int rc = ld_format_line(&s->cfg->ds[it->ds].fcfg, line, it->len, &it->ids, &it->mask, &it->truncated, &reason,
-                            it->msg, sizeof it->msg);
+    int rc = ld_format_line(&s->cfg->ds[it->ds].fcfg, line, it->len, &it->ids, &it->mask, &it->truncated, &reason);
+    if (rc == BT_ERR_NOMEM) { /* its tokens do not fit in memory: skip and count the document, go on */
+        bt_ids_free(&it->ids);
+        bt_ids_free(&it->mask);
+        it->bad = LD_BAD_MEMORY;
+        snprintf(it->msg, sizeof it->msg, "out of memory tokenizing a document of %zu bytes: skipped", it->len);
+        return BT_OK;
+    }
     if (rc < 0) return rc;
     it->bad = rc == 1 ? reason : -1;
+    if (rc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error()); /* this worker's, made just now */
     return BT_OK;
 }
 
@@ -371,11 +379,11 @@ void ld_window_put(ld_window *w) {
 }
 
 static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
-    if (w->n_docs == w->cap) {
-        w->cap = w->cap ? 2 * w->cap : 256;
-        w->docs = bt_xrealloc(w->docs, w->cap * sizeof *w->docs);
-        w->ids = bt_xrealloc(w->ids, w->cap * sizeof *w->ids);
-        w->mask = bt_xrealloc(w->mask, w->cap * sizeof *w->mask);
+    if (w->n_docs == w->cap) { /* three parallel arrays of the same capacity */
+        size_t need = w->n_docs < 256 ? 256 : w->n_docs + 1, c1 = w->cap, c2 = w->cap;
+        w->docs = bt_vec_xgrow(w->docs, &w->cap, need, sizeof *w->docs);
+        w->ids = bt_vec_xgrow(w->ids, &c1, w->cap, sizeof *w->ids);
+        w->mask = bt_vec_xgrow(w->mask, &c2, w->cap, sizeof *w->mask);
     }
     size_t k = w->n_docs++;
     w->ids[k] = it->ids;
@@ -466,6 +474,18 @@ int ld_stream_build_window(ld_stream *s, ld_window **out) {
 }
 
 /* ---------------------------------------------------------------- create / free */
+
+void ld_scfg_put(ld_scfg *cfg) {
+    if (!cfg || atomic_fetch_sub(&cfg->refs, 1) != 1) return;
+    for (size_t i = 0; i < cfg->n_paths; i++) free(cfg->paths[i]);
+    free(cfg->paths);
+    for (uint32_t d = 0; d < cfg->n_ds; d++) free(cfg->ds[d].text_field);
+    free(cfg->shards);
+    free(cfg->canon);
+    free(cfg);
+}
+
+const ld_spos *ld_stream_next_start(const ld_stream *s) { return s->tail ? &s->tail->end : &s->start; }
 
 int ld_stream_new(ld_stream **out, ld_scfg *cfg, const ld_spos *start, ld_stats *stats) {
     *out = NULL;

@@ -19,7 +19,7 @@
 #include "loaderd/chunkq.h"
 #include "loaderd/format.h"
 #include "loaderd/packer.h"
-#include "loaderd/pipeline.h"
+#include "loaderd/job.h"
 #include "loaderd/tcache.h"
 
 #define LD_WINDOW_ROWS 256u
@@ -108,7 +108,7 @@ struct ld_stream {
     int building;
     int err;
     char err_msg[512];
-    ld_pipeline **members;
+    struct ld_pipeline **members; /* the cursors on it (loaderd/pipeline.c; the stream never calls them) */
     size_t n_members, cap_members;
     uint32_t max_windows; /* LD_MAX_WINDOWS unless the hub says otherwise */
     /* hub (under the hub's mutex) */
@@ -116,7 +116,6 @@ struct ld_stream {
     ld_stream *hub_next;
 };
 
-/* stream.c */
 /* Start a stream of cfg (reference taken) at position `start` (first window starts there).
  * stats: counters to update (NULL: own). BT_ERR_NOMEM when a thread cannot start. */
 int ld_stream_new(ld_stream **out, ld_scfg *cfg, const ld_spos *start, ld_stats *stats);
@@ -128,7 +127,7 @@ int ld_stream_build_window(ld_stream *s, ld_window **out);
 /* Drop a reference to a window (under mu); frees it at zero. */
 void ld_window_put(ld_window *w);
 
-/* pipeline.c */
+/* Drop a reference to a job configuration; frees it at zero (NULL is fine). */
 void ld_scfg_put(ld_scfg *cfg);
 /* Position of the next window to be built in s (under mu). */
 const ld_spos *ld_stream_next_start(const ld_stream *s);

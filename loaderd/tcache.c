@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 #include "loaderd/chunkq.h"
 #include "loaderd/source.h"
 #include "loaderd/tcache_priv.h"
@@ -549,7 +550,7 @@ static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
                 free(path);
                 continue;
             }
-            if (n == cap) v = bt_xrealloc(v, (cap = cap ? 2 * cap : 256) * sizeof *v);
+            v = bt_vec_xgrow(v, &cap, n + 1, sizeof *v);
             v[n] = (entry_info){path, (uint64_t)st.st_size, st.st_mtim, {0}};
             if (unhex16(e->d_name, v[n].key16) != 0) memset(v[n].key16, 0xFF, 16);
             total += (uint64_t)st.st_size;
@@ -599,9 +600,10 @@ typedef struct {
 static int render_item(void *ctx, ld_item *it, const char *line) {
     const build_t *b = ctx;
     int reason = -1;
-    int rc = ld_format_render(b->sh->fcfg, line, it->len, &it->ids, &it->mask, &reason, it->msg, sizeof it->msg);
+    int rc = ld_format_render(b->sh->fcfg, line, it->len, &it->ids, &it->mask, &reason);
     if (rc < 0) return rc;
     it->bad = rc == 1 ? reason : -1;
+    if (rc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error()); /* this worker's, made just now */
     return BT_OK;
 }
 
@@ -694,7 +696,10 @@ static int write_records(build_t *b, tc_writer *w, const _Atomic int *stop, uint
         if (rc < 0) return rc;
         for (size_t i = 0; i < c->n && rc == BT_OK; i++) {
             const ld_item *it = &c->items[i];
-            if (it->bad == LD_BAD_ZSTD) rc = tc_writer_bad(w, TC_SHARD_ERROR, it->line_no, it->bad, it->msg);
+            if (it->bad == LD_BAD_MEMORY) /* this process's limit, not the shard's content: no entry */
+                rc = bt_fail(BT_ERR_NOMEM, "token cache: out of memory at line %llu (%s): not cached",
+                             (unsigned long long)it->line_no, it->msg);
+            else if (it->bad == LD_BAD_ZSTD) rc = tc_writer_bad(w, TC_SHARD_ERROR, it->line_no, it->bad, it->msg);
             else if (it->bad >= 0) rc = tc_writer_bad(w, TC_BAD, it->line_no, it->bad, it->msg);
             else {
                 rc = tc_writer_doc(w, it->line_no, it->ids.v, it->mask.v, it->ids.n);

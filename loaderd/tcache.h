@@ -133,7 +133,8 @@ typedef struct {
 } ld_tc_record;
 
 /* Next record: 1 with *rec (kind 0: the document is appended to ids and mask, same length,
- * mask 0/1; ids in [0, vocab)), 0 at the end of the entry (every check passed), LD_TC_DAMAGED
+ * mask 0/1; ids in [0, vocab); a document whose tokens do not fit in memory comes back as kind 1
+ * with reason LD_BAD_MEMORY), 0 at the end of the entry (every check passed), LD_TC_DAMAGED
  * when the entry failed a check (it is removed; records already returned stay valid). A
  * document record is skipped without decoding its ids when ids is NULL. */
 int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask);

@@ -10,7 +10,9 @@
 #include <zstd.h>
 
 #include "common/bt_common.h"
-#include "loaderd/pipeline.h"
+#include "common/bt_le.h"
+#include "common/bt_vec.h"
+#include "loaderd/job.h"
 #include "loaderd/tcache_priv.h"
 
 #define ADD(field, n) atomic_fetch_add_explicit(&st->field, (uint64_t)(n), memory_order_relaxed)
@@ -51,24 +53,7 @@ static void sha_of(const void *a, size_t na, const void *b, size_t nb, uint8_t o
     tc_sha_final(&s, out);
 }
 
-/* ------------------------------------------------------------------ little-endian, LEB128 */
-
-static void put32(uint8_t *b, uint32_t v) {
-    for (int i = 0; i < 4; i++) b[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *b, uint64_t v) {
-    for (int i = 0; i < 8; i++) b[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get32(const uint8_t *b) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t)b[i] << (8 * i);
-    return v;
-}
-static uint64_t get64(const uint8_t *b) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t)b[i] << (8 * i);
-    return v;
-}
+/* ------------------------------------------------------------------ LEB128 (fixed fields: common/bt_le.h) */
 
 /* LEB128 at p[*o], bounded by n; 0 when it runs past n or over 64 bits. */
 static int uleb(const uint8_t *p, size_t n, size_t *o, uint64_t *v) {
@@ -182,17 +167,17 @@ int tc_reader_open(ld_tcache *c, const char *path, const uint8_t key[32], int32_
     if (r->size < TC_HEADER_BYTES + TC_TRAILER_BYTES) why = "shorter than a header and a trailer";
     else if (pread_all(fd, h, sizeof h, 0) != 0 || pread_all(fd, r->trailer, TC_TRAILER_BYTES, r->size - TC_TRAILER_BYTES) != 0)
         why = "read error";
-    else if (memcmp(h, TC_MAGIC, 8) != 0 || get32(h + 8) != TC_VERSION || get32(h + 12) != TC_HEADER_BYTES)
+    else if (memcmp(h, TC_MAGIC, 8) != 0 || bt_get32(h + 8) != TC_VERSION || bt_get32(h + 12) != TC_HEADER_BYTES)
         why = "bad header (magic or version)";
     else if (memcmp(h + 16, key, 32) != 0)
         why = "written for another key (renamed or copied file)", stale = 1;
-    else if (get32(r->trailer) != TC_TRAILER_MAGIC || get32(r->trailer + 4) != TC_VERSION)
+    else if (bt_get32(r->trailer) != TC_TRAILER_MAGIC || bt_get32(r->trailer + 4) != TC_VERSION)
         why = "bad trailer (truncated or unfinished)";
     if (!why) {
-        r->n_records = get64(r->trailer + 8);
-        r->n_lines = get64(r->trailer + 16);
-        r->n_blank = get64(r->trailer + 24);
-        r->n_blocks = get64(r->trailer + 32);
+        r->n_records = bt_get64(r->trailer + 8);
+        r->n_lines = bt_get64(r->trailer + 16);
+        r->n_blank = bt_get64(r->trailer + 24);
+        r->n_blocks = bt_get64(r->trailer + 32);
         uint64_t body = r->size - TC_HEADER_BYTES - TC_TRAILER_BYTES;
         if (r->n_blocks > body / TC_BLOCK_HEADER_BYTES || r->n_records < r->n_blocks ||
             r->n_records > r->n_lines || r->n_blank > r->n_lines - r->n_records || (r->n_blocks == 0) != (r->n_records == 0))
@@ -228,8 +213,8 @@ static int next_block(ld_tc_reader *r) {
     uint8_t bh[TC_BLOCK_HEADER_BYTES];
     uint64_t end = r->size - TC_TRAILER_BYTES;
     if (r->off + sizeof bh > end || pread_all(r->fd, bh, sizeof bh, r->off) != 0) return damaged(r, "truncated block header");
-    uint32_t n = get32(bh + 4), raw = get32(bh + 8), stored = get32(bh + 12);
-    if (get32(bh) != TC_BLOCK_MAGIC || n == 0 || raw == 0 || raw > TC_MAX_RAW || stored == 0 || stored > raw ||
+    uint32_t n = bt_get32(bh + 4), raw = bt_get32(bh + 8), stored = bt_get32(bh + 12);
+    if (bt_get32(bh) != TC_BLOCK_MAGIC || n == 0 || raw == 0 || raw > TC_MAX_RAW || stored == 0 || stored > raw ||
         stored > end - r->off - sizeof bh || n > r->n_records - r->records)
         return damaged(r, "bad block header");
     if (stored > r->stored_cap) {
@@ -276,16 +261,33 @@ static int finish(ld_tc_reader *r) {
     return 0;
 }
 
+#define DOC_NO_MEMORY 3 /* parse_doc: read, but its tokens did not fit (not LD_TC_DAMAGED, 2) */
+_Static_assert(DOC_NO_MEMORY != LD_TC_DAMAGED && DOC_NO_MEMORY != 1, "parse_doc's results are distinct");
+
+/* A document record: 1 (appended to ids / mask, or decoded and dropped when they are NULL),
+ * DOC_NO_MEMORY when its tokens did not fit in memory (decoded and dropped: the caller reports a
+ * bad line), else damaged()'s LD_TC_DAMAGED. */
 static int parse_doc(ld_tc_reader *r, bt_ids *ids, bt_ids *mask) {
     const uint8_t *p = r->raw;
     size_t n = r->raw_len, *o = &r->raw_pos;
     uint64_t k, runs, total = 0;
     if (!uleb(p, n, o, &k) || k > n - *o) return damaged(r, "bad document length");
+    int oom = 0;
+    if (ids) { /* room for the whole document first: its size is the shard's, so fallible */
+        int32_t *iv = bt_vec_grow(ids->v, &ids->cap, ids->n + (size_t)k, sizeof *ids->v);
+        if (iv) ids->v = iv;
+        int32_t *mv = iv && mask ? bt_vec_grow(mask->v, &mask->cap, mask->n + (size_t)k, sizeof *mask->v) : NULL;
+        if (mv) mask->v = mv;
+        if (!iv || (mask && !mv)) {
+            oom = 1;
+            ids = mask = NULL;
+        }
+    }
     size_t i0 = ids ? ids->n : 0;
     for (uint64_t i = 0; i < k; i++) {
         uint64_t id;
         if (!uleb(p, n, o, &id) || id >= (uint64_t)r->vocab) return damaged(r, "token id outside the vocabulary");
-        if (ids) bt_ids_push(ids, (int32_t)id);
+        if (ids) ids->v[ids->n++] = (int32_t)id; /* room reserved above */
     }
     if (!uleb(p, n, o, &runs) || runs > k + 1) return damaged(r, "bad mask");
     for (uint64_t i = 0; i < runs; i++) {
@@ -293,13 +295,13 @@ static int parse_doc(ld_tc_reader *r, bt_ids *ids, bt_ids *mask) {
         if (!uleb(p, n, o, &len) || len > k - total) return damaged(r, "bad mask run");
         total += len;
         if (mask)
-            for (uint64_t j = 0; j < len; j++) bt_ids_push(mask, (int32_t)(i & 1));
+            for (uint64_t j = 0; j < len; j++) mask->v[mask->n++] = (int32_t)(i & 1);
     }
     if (total != k) {
         if (ids) ids->n = i0;
         return damaged(r, "mask length differs from the document's");
     }
-    return 1;
+    return oom ? DOC_NO_MEMORY : 1;
 }
 
 int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
@@ -325,7 +327,13 @@ int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
     if (kind == TC_DOC) {
         size_t i0 = ids ? ids->n : 0, m0 = mask ? mask->n : 0;
         int rc = parse_doc(r, ids, ids ? mask : NULL);
-        if (rc != 1) {
+        if (rc == DOC_NO_MEMORY) { /* read, but its tokens did not fit: a bad line for the caller */
+            static const char oom_msg[] = "out of memory for the tokens of a cached document: skipped";
+            rec->kind = TC_BAD;
+            rec->reason = LD_BAD_MEMORY;
+            rec->msg = oom_msg;
+            rec->msg_len = sizeof oom_msg - 1;
+        } else if (rc != 1) {
             if (ids) ids->n = i0;
             if (mask) mask->n = m0;
             return rc;
@@ -359,12 +367,9 @@ void ld_tc_close(ld_tc_reader *r) {
 /* ------------------------------------------------------------------ writer */
 
 static void raw_need(tc_writer *w, size_t k) {
-    if (w->raw_len + k > w->raw_cap) {
-        size_t cap = w->raw_cap ? w->raw_cap : TC_BLOCK_BYTES + 4096;
-        while (cap < w->raw_len + k) cap *= 2;
-        w->raw = bt_xrealloc(w->raw, cap);
-        w->raw_cap = cap;
-    }
+    if (w->raw_len + k > w->raw_cap)
+        w->raw = bt_vec_xgrow(w->raw, &w->raw_cap, w->raw_len + k < TC_BLOCK_BYTES + 4096 ? TC_BLOCK_BYTES + 4096
+                                                                                        : w->raw_len + k, 1);
 }
 
 static void put_uleb(tc_writer *w, uint64_t v) {
@@ -400,10 +405,10 @@ static int flush_block(tc_writer *w) {
         sn = zn;
     }
     uint8_t bh[TC_BLOCK_HEADER_BYTES];
-    put32(bh, TC_BLOCK_MAGIC);
-    put32(bh + 4, w->n_in_block);
-    put32(bh + 8, (uint32_t)w->raw_len);
-    put32(bh + 12, (uint32_t)sn);
+    bt_put32(bh, TC_BLOCK_MAGIC);
+    bt_put32(bh + 4, w->n_in_block);
+    bt_put32(bh + 8, (uint32_t)w->raw_len);
+    bt_put32(bh + 12, (uint32_t)sn);
     sha_of(bh, 16, stored, sn, bh + 16);
     tc_sha_update(&w->chain, bh + 16, 32);
     int rc = wr(w, bh, sizeof bh);
@@ -425,10 +430,10 @@ int tc_writer_open(tc_writer *w, const char *path, const uint8_t key[32], uint64
     }
     uint8_t h[TC_HEADER_BYTES] = {0};
     memcpy(h, TC_MAGIC, 8);
-    put32(h + 8, TC_VERSION);
-    put32(h + 12, TC_HEADER_BYTES);
+    bt_put32(h + 8, TC_VERSION);
+    bt_put32(h + 12, TC_HEADER_BYTES);
     memcpy(h + 16, key, 32);
-    put64(h + 48, shard_size);
+    bt_put64(h + 48, shard_size);
     tc_sha_update(&w->chain, h, sizeof h);
     return wr(w, h, sizeof h);
 }
@@ -511,12 +516,12 @@ int tc_writer_commit(tc_writer *w, uint64_t n_lines, uint64_t n_blank) {
                                  (unsigned long long)n_lines, (unsigned long long)n_blank,
                                  (unsigned long long)w->n_records);
     uint8_t t[TC_TRAILER_BYTES];
-    put32(t, TC_TRAILER_MAGIC);
-    put32(t + 4, TC_VERSION);
-    put64(t + 8, w->n_records);
-    put64(t + 16, n_lines);
-    put64(t + 24, n_blank);
-    put64(t + 32, w->n_blocks);
+    bt_put32(t, TC_TRAILER_MAGIC);
+    bt_put32(t + 4, TC_VERSION);
+    bt_put64(t + 8, w->n_records);
+    bt_put64(t + 16, n_lines);
+    bt_put64(t + 24, n_blank);
+    bt_put64(t + 32, w->n_blocks);
     tc_sha_update(&w->chain, t, 40);
     tc_sha_final(&w->chain, t + 40);
     if (rc == BT_OK) rc = wr(w, t, sizeof t);

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_vec.h"
 #include "common/bt_json.h"
 
 #define CLIENT_MAX_LINE (1u << 20)
@@ -105,10 +106,7 @@ static int read_line(bt_client *c, int timeout_ms, char **line, int *fd_out) {
         int pr = poll(&p, 1, left);
         if (pr < 0 && errno != EINTR) return bt_fail(BT_ERR_IO, "loaderd socket: poll: %s", strerror(errno));
         if (pr <= 0) continue;
-        if (c->cap - c->len < 4096) {
-            c->cap = c->cap ? c->cap * 2 : 8192;
-            c->buf = bt_xrealloc(c->buf, c->cap);
-        }
+        if (c->cap - c->len < 4096) c->buf = bt_vec_xgrow(c->buf, &c->cap, c->len + 8192, 1);
         union {
             struct cmsghdr h;
             char b[CMSG_SPACE(sizeof(int) * 8)];

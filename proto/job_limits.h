@@ -1,5 +1,5 @@
 /* Limits of the job spec loaderd accepts at attach (proto/PROTOCOL.md "attach"; enforced by
- * loaderd/jobspec.c). Clients check the same values up front from this one definition, so that a
+ * loaderd/job.c). Clients check the same values up front from this one definition, so that a
  * job `trainer config --check` passes is one loaderd takes (trainer/config.c). */
 #ifndef BT_PROTO_JOB_LIMITS_H
 #define BT_PROTO_JOB_LIMITS_H

@@ -2,13 +2,15 @@
 # BarqTrain one-stop set-up: installs the Debian packages and Python test tools the build,
 # the tests and the demos need (make demo-long reads the Debian Reference and the Linux manual
 # pages: debian-reference-en, manpages, manpages-dev, rendered by man-db / groff-base). Idempotent: does nothing when everything is present.
+# universal-ctags: scripts/depgraph.py (the include/call graph tests/py/test_layering.py checks).
 # Used by `make setup` (and so by `make demo`, `make test`) and by .ci/run.
 set -euo pipefail
 
 DEB_PKGS=(build-essential pkg-config libuv1-dev libzstd-dev zstd libjansson-dev
           libopenblas-dev libcmocka-dev libpcre2-dev libutf8proc-dev libsystemd-dev libseccomp-dev libssl-dev
           systemd clang libclang-rt-14-dev dict-foldoc unzip patchelf libyaml-dev gnuplot-nox gdb
-          debian-reference-en manpages manpages-dev man-db groff-base debootstrap systemd-container)
+          debian-reference-en manpages manpages-dev man-db groff-base debootstrap systemd-container
+          universal-ctags)
 PY_PKGS=("pytest==8.3.3" "numpy==1.26.4" "gguf==0.19.0" "tensorboard==2.21.0" "cffi==2.0.0" "PyYAML==6.0.3")
 
 missing=()

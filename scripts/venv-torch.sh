@@ -55,7 +55,10 @@ done
 grep -E '^[A-Za-z0-9_.-]+==' "$REQ" | grep -vxF -f <(printf '%s\n' $big) > "$VENV/.rest.txt"
 pip_install -r "$VENV/.rest.txt"
 rm -f "$VENV/.rest.txt"
-# the client as users install it: no compiler, no build step beyond copying pure Python files
+# the client as users install it: no compiler, no build step beyond copying pure Python files;
+# setuptools' in-tree build/ and egg-info of an earlier install go first (a module removed from
+# python/ must not come back from build/lib)
+rm -rf python/build python/barq_loaderd.egg-info
 pip_install --force-reinstall ./python
 echo "$stamp_now" > "$VENV/.stamp"
 echo "venv-torch: ok ($("$VENV/bin/python" -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'); $(du -sh "$VENV" | cut -f1) on disk)"

@@ -23,6 +23,7 @@ import time
 import warnings
 
 from . import gguf_meta
+from . import limits
 from . import layout as L
 from .batch import read_batch, validate
 from .dist import resolve_rank_world
@@ -199,13 +200,13 @@ def trainer_job_spec(config, eval=False):
     if fmt not in ("chat", "text", "alpaca"):
         raise _bad("data.format", 'one of "chat", "text", "alpaca"', fmt)
     text_field = _get_str(data, "data", "text_field", "text")
-    seq_len = _get_int(data, "data", "seq_len", 512, 2, 1 << 20)
+    seq_len = _get_int(data, "data", "seq_len", 512, limits.JOB_MIN_SEQ_LEN, limits.JOB_MAX_SEQ_LEN)
     mbs = _get_int(data, "data", "micro_batch_size", 4, 1, 4096)
     seed = _get_int(data, "data", "seed", 1234, 0, None)
-    threads = _get_int(data, "data", "tokenizer_threads", 2, 1, 256)
-    if seq_len * mbs > 1 << 24:
+    threads = _get_int(data, "data", "tokenizer_threads", 2, 1, limits.JOB_MAX_TOKENIZER_THREADS)
+    if seq_len * mbs > limits.JOB_MAX_BATCH_TOKENS:
         raise ValueError(f"config: data.seq_len x data.micro_batch_size = {seq_len * mbs} tokens per "
-                         f"micro-batch exceeds 16777216")
+                         f"micro-batch exceeds {limits.JOB_MAX_BATCH_TOKENS}")
     if eval and not eval_shards:
         raise ValueError("trainer config: eval.shards is required for the held-out stream")
     spec = {"name": name + ("-eval" if eval else ""), "shards": eval_shards if eval else shards,

@@ -85,7 +85,7 @@ def under_wx(fn):
     return res["ok"]
 
 
-def read_corpus(path):
+def read_corpus(path, raw_bytes=False):
     raw = open(path, "rb").read()
     if raw[:4] == b"\x28\xb5\x2f\xfd":
         raw = subprocess.run(["zstd", "-dc", path], check=True, capture_output=True).stdout
@@ -95,7 +95,7 @@ def read_corpus(path):
     for _ in range(n):
         _flags, ln = struct.unpack_from("<BI", raw, off)
         off += 5
-        docs.append(raw[off:off + ln].decode("utf-8", errors="replace"))
+        docs.append(raw[off:off + ln] if raw_bytes else raw[off:off + ln].decode("utf-8", errors="replace"))
         off += ln
     return docs
 
@@ -173,7 +173,9 @@ def tiktoken_from(hf, fam):
 
 
 def bench_tok(build, tok, corpus, engine, wx, dump=None):
-    cmd = [os.path.join(build, "tools", "bench_tok"), "--min-seconds", str(SECONDS), "--engine", engine]
+    cmd = [os.path.join(build, "tools", "bench_tok"), "--min-seconds", str(SECONDS)]
+    if engine:
+        cmd += ["--engine", engine]
     if wx:
         cmd.append("--wx")
     if dump:
@@ -186,6 +188,57 @@ def mismatches(a, b):
     return sum(1 for x, y in zip(a, b) if x != y) + abs(len(a) - len(b))
 
 
+def llamacpp_rows(tok, corpus, nbytes, our_ids):
+    """llama.cpp's own tokenizer on a GGUF vocabulary (llama_tokenize, add_special and
+    parse_special false), through tests/py/llamacpp_ref.py; (name, runner, note) or a skip note."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "py"))
+    import llamacpp_ref
+    lc = llamacpp_ref.LlamaCpp.from_env()
+    m = lc.load_model(tok, vocab_only=True)
+    bdocs = read_corpus(corpus, raw_bytes=True)  # the raw bytes, as bench_tok reads them
+
+    def run(m=m, bdocs=bdocs):
+        return [m.tokenize(d) for d in bdocs]
+    ids = run()
+    return f"llama.cpp b{lc.build_number} (W^X)", run, f"{mismatches(ids, our_ids)} mismatching docs"
+
+
+def spm_rows(build, fam, tok, corpus, docs, nbytes, dump):
+    """SentencePiece-family tokenizers (no pre-tokenizer engine to choose): ours under W^X,
+    against HF tokenizers (tokenizer.json) or llama.cpp (GGUF), interleaved rounds."""
+    first = bench_tok(build, tok, corpus, None, True, dump)
+    our_ids = read_ids(dump)
+    ntok = sum(len(x) for x in our_ids)
+    name0 = f"ours, {first['engine']} (W^X)"
+    engines = {name0: lambda: bench_tok(build, tok, corpus, None, True)}
+    notes = {name0: "reference"}
+    try:
+        if tok.endswith(".gguf"):
+            name, run, note = llamacpp_rows(tok, corpus, nbytes, our_ids)
+        else:
+            import tokenizers
+            hf = hf_tokenizer(tok)
+            hf.encode_special_tokens = True
+            name = f"HF tokenizers {tokenizers.__version__} (W^X)"
+
+            def run(hf=hf):
+                return [e.ids for e in hf.encode_batch(docs, add_special_tokens=False)]
+            note = f"{mismatches(run(), our_ids)} mismatching docs"
+        notes[name] = note
+        engines[name] = lambda f=run: under_wx(lambda: per_thread(f, nbytes)[1])
+    except Exception as e:  # noqa: BLE001 - reported as a row
+        notes["reference"] = f"skipped: {type(e).__name__}: {e}"
+    res = {k: [] for k in engines}
+    for _ in range(ROUNDS):
+        for k, f in engines.items():
+            r = f()
+            res[k].append(r["mb_s_cpu"] if isinstance(r, dict) else r)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    rows = [(fam, k, med[k], med[k] * 1e6 * ntok / nbytes, med[name0] / med[k], notes[k]) for k in engines]
+    rows += [(fam, k, None, None, None, v) for k, v in notes.items() if k not in engines]
+    return rows
+
+
 def main():
     build, corpus = sys.argv[1], sys.argv[2]
     fams = [a.split("=", 1) for a in sys.argv[3:]]
@@ -195,6 +248,9 @@ def main():
     rows = []
     for fam, tok in fams:
         dump = os.path.join(tmp, fam + ".ids")
+        if bench_tok(build, tok, corpus, None, True)["engine"] in ("spm", "none"):
+            rows += spm_rows(build, fam, tok, corpus, docs, nbytes, dump)
+            continue
         first = bench_tok(build, tok, corpus, "dedicated", True, dump)
         jit = bench_tok(build, tok, corpus, "pcre2", False)["jit"]
         our_ids = read_ids(dump)

@@ -4,7 +4,8 @@
 # on PCRE2 (interpreter under W^X; JIT without, for context), tiktoken and HF tokenizers, side
 # by side in interleaved rounds (tests/bench/bench_tokenizer.py, which sets PR_SET_MDWE on
 # itself; bench_tok --wx does it for the C rows). Families: SmolLM2 (the GGUF), the Llama-3- and
-# Qwen2-style fixtures. tiktoken/tokenizers come from .venv-ref (tests/reference/
+# Qwen2-style fixtures; SentencePiece: Llama 2 and Gemma 3 GGUFs (against llama.cpp), Mistral
+# tokenizer.json files (against HF tokenizers). tiktoken/tokenizers come from .venv-ref (tests/reference/
 # requirements-tokenizer.txt, pinned; created if missing); without PyPI their rows say
 # "skipped" and the C rows are still measured. Never fails the bench run because of Python-side
 # problems.
@@ -31,6 +32,14 @@ elif ! "$PY" -c "import tokenizers, tiktoken, gguf" 2>/dev/null; then
 fi
 "$PY" -c "import tokenizers, tiktoken, gguf" 2>/dev/null || PY=python3
 cmd="tests/bench/bench_tokenizer.py $BUILD $CORPUS smollm2=$smol llama3=$FIX/llama3-tokenizer.json.zst qwen2=$FIX/qwen2-tokenizer.json.zst"
+# SentencePiece families (issue 24): the real files of scripts/fetch-tokenizers (and the Gemma 3
+# GGUF), each against its reference (llama.cpp for GGUF, HF tokenizers for tokenizer.json)
+bash scripts/fetch-tokenizers >&2 || true
+make --no-print-directory llamacpp-ref >&2 || true
+TOKDIR=${BT_TOKENIZERS_DIR:-models/tokenizers}
+[ -f "$TOKDIR/ggml-vocab-llama-spm.gguf" ] && cmd="$cmd llama2-spm-gguf=$TOKDIR/ggml-vocab-llama-spm.gguf"
+[ -f models/gemma-3-270m-q4_k_m.gguf ] && cmd="$cmd gemma3-gguf=models/gemma-3-270m-q4_k_m.gguf"
+cmd="$cmd mistral-v0.1-json=$FIX/mistral-v0.1-tokenizer.json.zst mistral-v0.3-json=$FIX/mistral-v0.3-tokenizer.json.zst"
 echo "Command: \`$PY $cmd\`"
 echo
 if ! RAYON_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false "$PY" $cmd; then

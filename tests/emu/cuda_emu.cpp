@@ -814,6 +814,15 @@ cudaError_t run(const void *kfn, const char *name, dim3 grid, dim3 block, size_t
         const char *t = getenv("BT_EMU_TRACE");
         g_trace = t && atoi(t) > 0 ? atoi(t) : 0;
     }
+    /* fault injection for the scripts that must survive a crashing GPU program (tests/gpu/run.sh
+     * restarts a test binary after the case it crashed in; tests/py/test_gpu_scripts.py) */
+    const char *crash = getenv("BT_EMU_CRASH_KERNEL");
+    if (crash && *crash && strstr(name, crash)) {
+        fprintf(stderr, "bt-emu: BT_EMU_CRASH_KERNEL=%s: aborting at the launch of %s (injected fault)\n",
+                crash, name);
+        fflush(stdout);
+        abort();
+    }
     const uint64_t nthr = (uint64_t)block.x * block.y * block.z;
     cudaError_t err = cudaSuccess;
     if (nthr == 0 || nthr > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64 ||
@@ -1049,12 +1058,20 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     default: return "unknown error (bt-emu)";
     }
 }
 const char *cudaGetErrorName(cudaError_t e) { return cudaGetErrorString(e); }
+/* BT_EMU_NO_DEVICE=1: no device, as the CUDA runtime says it on a machine without a usable GPU
+ * (how tests/py/test_gpu_scripts.py checks that "no device" fails under BT_GPU_REQUIRE=1). */
 cudaError_t cudaGetDeviceCount(int *n)
 {
+    const char *none = getenv("BT_EMU_NO_DEVICE");
+    if (none && atoi(none)) {
+        *n = 0;
+        return g_last_error = cudaErrorNoDevice;
+    }
     *n = 1;
     return cudaSuccess;
 }

@@ -1,6 +1,6 @@
 /* libFuzzer target: the configuration and job-spec parsers users feed us JSON through
  * (issue 10 §8): loaderd's config (ld_config_parse, loaderd/config.h), loaderd's job spec
- * (ld_job_spec_parse, loaderd/pipeline.h) and the trainer's job config with --set overrides
+ * (ld_job_spec_parse, loaderd/job.h) and the trainer's job config with --set overrides
  * (bt_config_parse, trainer/config.h).
  * Input: byte 0 picks the parser (byte % 3: 0 loaderd config, 1 job spec, 2 trainer config);
  * the rest is the JSON text, for the trainer split at the first '\n' lines after the first
@@ -46,13 +46,14 @@ static void fuzz_loaderd_config(const char *text) {
 
 static void fuzz_job_spec(const char *text) {
     ld_job_spec s;
-    char err[512];
-    if (ld_job_spec_parse(&s, text, err, sizeof err)) {
-        if (!err[0] || !bt_last_error()[0]) fuzz_fail("job spec refused without a message");
+    bt_keypath bad;
+    if (ld_job_spec_parse(&s, text, &bad)) {
+        if (!bt_last_error()[0]) fuzz_fail("job spec refused without a message");
         return;
     }
-    if (s.T < 16 || s.T > (1u << 20) || s.B < 1 || (uint64_t)s.B * s.T > (1u << 24) || s.n_threads < 1 ||
-        s.n_threads > 256 || !s.tokenizer || (s.n_datasets == 0 && s.n_shards < 1))
+    if (s.T < BT_JOB_MIN_SEQ_LEN || s.T > BT_JOB_MAX_SEQ_LEN || s.B < 1 ||
+        (uint64_t)s.B * s.T > BT_JOB_MAX_BATCH_TOKENS || s.n_threads < 1 || s.n_threads > BT_JOB_MAX_TOKENIZER_THREADS ||
+        !s.tokenizer || (s.n_datasets == 0 && (s.n_shards < 1 || s.n_shards > (int)BT_JOB_MAX_SHARD_PATTERNS)))
         fuzz_fail("job spec accepted out of range");
     for (int d = 0; d < s.n_datasets; d++)
         if (s.datasets[d].n_shards < 1 || !(s.datasets[d].weight > 0)) fuzz_fail("dataset accepted out of range");

@@ -1,5 +1,6 @@
 /* libFuzzer target: loaderd's control-protocol request handling without sockets
- * (ld_request_parse, loaderd/server_proto.h: depth limit, JSON, version, op, per-op arguments).
+ * (ld_request_parse against loaderd's command table, loaderd/server_proto.h: depth limit, JSON,
+ * version, op, per-op arguments).
  * The input is split at '\n' like the server splits a connection's bytes into request lines;
  * byte 0 picks the depth limit (2 + byte % 64).
  * Invariants: never crashes or leaks; a rejected line has a message; an accepted one has a known
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "fuzz_common.h"
+#include "loaderd/server.h"
 #include "loaderd/server_proto.h"
 
 static int all_safe(json_t *v) {
@@ -36,19 +38,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         const char *nl = memchr(p, '\n', (size_t)(end - p));
         size_t n = nl ? (size_t)(nl - p) : (size_t)(end - p);
         ld_request r;
-        char err[512];
-        int rc = ld_request_parse(&r, p, n, depth, err, sizeof err);
+        int rc = ld_request_parse(&r, ld_server_commands(), p, n, depth);
         char esc[4096];
         size_t en = bt_escape_text(esc, sizeof esc, p, n);
         if (en >= sizeof esc || bt_text_unsafe(esc, en, NULL) != en) fuzz_fail("escaped text still unsafe");
-        if (rc == 1) {
-            if (!err[0]) fuzz_fail("rejected request without a message");
-        } else if (rc == 0) {
-            if (r.op < 0 || r.op >= LD_OP_N || !r.op_name || strcmp(r.op_name, ld_op_name(r.op)) != 0)
+        if (rc == BT_ERR_INVALID) {
+            if (!bt_last_error()[0]) fuzz_fail("rejected request without a message");
+        } else if (rc == BT_OK) {
+            if (!r.cmd || !r.op_name || strcmp(r.op_name, r.cmd->name) != 0)
                 fuzz_fail("accepted request with an unknown op");
-            if (r.op == LD_OP_ATTACH && (!json_is_object(r.job) || r.rank >= r.world))
+            if (!strcmp(r.cmd->name, "attach") && (!json_is_object(r.job) || r.rank >= r.world))
                 fuzz_fail("accepted attach without a job object or with rank >= world_size");
-            if (r.op == LD_OP_REPORT && (isinf(r.loss) || isinf(r.tokens_per_s)))
+            if (!strcmp(r.cmd->name, "report") && (isinf(r.loss) || isinf(r.tokens_per_s)))
                 fuzz_fail("accepted report with an infinite number");
             if (!all_safe(r.root)) fuzz_fail("accepted request with a control character");
         } else {

@@ -15,6 +15,7 @@
 #include <zstd.h>
 
 #include "fuzz_common.h"
+#include "common/bt_le.h"
 #include "loaderd/tcache_priv.h"
 
 #define VOCAB 49152
@@ -23,13 +24,6 @@ static ld_tcache *g_cache;
 static char g_path[256];
 static const uint8_t g_key[32] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
                                   17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32};
-
-static void put32(uint8_t *b, uint32_t v) {
-    for (int i = 0; i < 4; i++) b[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *b, uint64_t v) {
-    for (int i = 0; i < 8; i++) b[i] = (uint8_t)(v >> (8 * i));
-}
 
 static void sha(const void *a, size_t na, const void *b, size_t nb, uint8_t out[32]) {
     tc_sha s;
@@ -62,23 +56,23 @@ static uint8_t *wrap(const uint8_t *raw, size_t n_raw, uint32_t n_rec, uint64_t 
     uint8_t *f = malloc(64 + 48 + sn + 72);
     memset(f, 0, 64);
     memcpy(f, TC_MAGIC, 8);
-    put32(f + 8, TC_VERSION);
-    put32(f + 12, 64);
+    bt_put32(f + 8, TC_VERSION);
+    bt_put32(f + 12, 64);
     memcpy(f + 16, g_key, 32);
     uint8_t *bh = f + 64;
-    put32(bh, TC_BLOCK_MAGIC);
-    put32(bh + 4, n_rec);
-    put32(bh + 8, (uint32_t)n_raw);
-    put32(bh + 12, (uint32_t)sn);
+    bt_put32(bh, TC_BLOCK_MAGIC);
+    bt_put32(bh + 4, n_rec);
+    bt_put32(bh + 8, (uint32_t)n_raw);
+    bt_put32(bh + 12, (uint32_t)sn);
     sha(bh, 16, stored, sn, bh + 16);
     if (sn) memcpy(bh + 48, stored, sn);
     uint8_t *t = bh + 48 + sn;
-    put32(t, TC_TRAILER_MAGIC);
-    put32(t + 4, TC_VERSION);
-    put64(t + 8, n_rec);
-    put64(t + 16, n_rec + slack);
-    put64(t + 24, 0);
-    put64(t + 32, 1);
+    bt_put32(t, TC_TRAILER_MAGIC);
+    bt_put32(t + 4, TC_VERSION);
+    bt_put64(t + 8, n_rec);
+    bt_put64(t + 16, n_rec + slack);
+    bt_put64(t + 24, 0);
+    bt_put64(t + 32, 1);
     tc_sha s;
     if (tc_sha_init(&s) != BT_OK) fuzz_fail("sha init");
     tc_sha_update(&s, f, 64);

@@ -57,6 +57,14 @@ def tokenizer():
     put("fuzz_tokenizer", "bad", b"\x00\xff\xfe\xc3( \xe2\x82 tail")
 
 
+def tokenizer_spm():
+    # byte 0: bit 0 parse_special, bit 1 the tokenizer.json (else the GGUF vocabulary)
+    put("fuzz_tokenizer_spm", "gguf", b"\x00Hello  world\n\ttab \xf0\x9f\x98\x80 \xff\xfe end")
+    put("fuzz_tokenizer_spm", "gguf-special", b"\x01<s>[INST] hi [/INST] ok</s>\n\n  x")
+    put("fuzz_tokenizer_spm", "json", b"\x02caf\xc3\xa9 \xf0\x9f\xa6\x99  spaces\n")
+    put("fuzz_tokenizer_spm", "json-special", b"\x03<s> x </s>\xff")
+
+
 def yaml_config():
     put("fuzz_yaml_config", "job", b"model: m.gguf\ndata:\n  shards: &s [a/*.jsonl]\n  seq_len: 0x200\neval: {shards: *s}\n"
                                    b"optim:\n  lr: 1e-3\n")
@@ -189,6 +197,7 @@ def main():
     control()
     jsonl_sample()
     tokenizer()
+    tokenizer_spm()
     zstd_source()
     tcache_entry()
     yaml_config()

@@ -16,6 +16,7 @@ extern "C" {
 #include "kernels/kernels.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
+#include "tests/gpu/gpu_probe.h"
 
 #define GT_SKIP_STATUS 77
 
@@ -236,9 +237,39 @@ static void gt_skip(const char *why)
     g_case_skip = true;
 }
 
-/* Run one named test: prints "PASS name", "FAIL name" or "SKIP name" after its checks. */
+/* ---- case selection (gt_init parses the command line every GPU test binary shares) ----
+ * A case is a named unit of a binary: one RUN_TEST function, or one attention case
+ * ("attn/<case>", whose sub-tests are "attn/<case>/<impl>"). gt_case_selected(name) says whether
+ * it runs: --case SUBSTR keeps the cases whose name contains SUBSTR; --after NAME skips every case
+ * up to and including the one named NAME or holding the sub-test NAME (tests/gpu/run.sh restarts
+ * a binary so after a case crashed it); --list prints the names instead of running them. */
+static const char *g_case_substr = nullptr; /* --case */
+static const char *g_after = nullptr;       /* --after; cleared once passed */
+static bool g_list = false;                 /* --list */
+
+static bool gt_case_selected(const char *name)
+{
+    if (g_list) {
+        printf("%s\n", name);
+        return false;
+    }
+    if (g_after) {
+        const size_t n = strlen(name);
+        const bool hit = !strcmp(g_after, name) || (!strncmp(g_after, name, n) && g_after[n] == '/');
+        if (hit)
+            g_after = nullptr; /* the cases after this one run */
+        printf("  case %s: skipped (--after %s)\n", name, hit ? "this case" : "a later case");
+        return false;
+    }
+    return !g_case_substr || strstr(name, g_case_substr);
+}
+
+/* Run one named test: prints "PASS name", "FAIL name" or "SKIP name" after its checks; nothing
+ * when the case is not selected (gt_case_selected). */
 #define RUN_TEST(fn)                                       \
     do {                                                   \
+        if (!gt_case_selected(#fn))                        \
+            break;                                         \
         g_case_ok = true;                                  \
         g_case_skip = false;                               \
         printf("[ RUN  ] %s\n", #fn);                      \
@@ -262,12 +293,24 @@ static void gt_skip(const char *why)
         fflush(stdout);                                    \
     } while (0)
 
-/* Returns true if a device is usable; otherwise prints the skip line (never a pass line). */
+/* BT_GPU_REQUIRE=1 (scripts/gpu-run sets it on the lent GPU machine): a missing or unusable device
+ * is a failure, not a skip, so that a broken device set-up never reads as a pass. */
+static bool gt_require_env(void)
+{
+    const char *r = getenv("BT_GPU_REQUIRE");
+    return r && atoi(r) != 0;
+}
+
+/* Returns true if a device is usable; otherwise prints the skip line (never a pass line), or under
+ * BT_GPU_REQUIRE=1 a FAIL line. */
 static bool gt_require_device(const char *prog)
 {
     char reason[256] = "";
     if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
-        printf("%s: SKIPPED: no CUDA device (%s)\n", prog, reason);
+        if (gt_require_env())
+            printf("%s: FAIL: no CUDA device (%s) and BT_GPU_REQUIRE=1\n", prog, reason);
+        else
+            printf("%s: SKIPPED: no CUDA device (%s)\n", prog, reason);
         return false;
     }
     cudaDeviceProp prop;
@@ -276,8 +319,56 @@ static bool gt_require_device(const char *prog)
            prop.multiProcessorCount);
     return true;
 }
+
+/* The command line of every GPU test binary; call first in main:
+ *   --case SUBSTR  --after NAME  --list   case selection (gt_case_selected)
+ *   --probe-only   device check + the one-kernel probe (tests/gpu/gpu_probe.h), no cases
+ * `own` lists the binary's own options that take a value (e.g. {"--impl", nullptr}); gt_init
+ * skips them for the caller to parse. Also line-buffers stdout (output reaches a pipe or a log as
+ * each line is written, so a timeout or a crash leaves everything printed so far).
+ * Returns -1: run the cases; otherwise the exit status main must return: 0 (listed, probed),
+ * 77 (no device; 1 under BT_GPU_REQUIRE=1), 1 (probe failed), 2 (bad command line). */
+static int gt_init(const char *prog, int argc, char **argv, const char *const *own = nullptr)
+{
+    setvbuf(stdout, nullptr, _IOLBF, 0);
+    bool probe = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        bool mine = false;
+        for (const char *const *o = own; o && *o; o++)
+            mine = mine || !strcmp(a, *o);
+        if (mine && i + 1 < argc) {
+            i++;
+        } else if (!strcmp(a, "--case") && i + 1 < argc) {
+            g_case_substr = argv[++i];
+        } else if (!strcmp(a, "--after") && i + 1 < argc) {
+            g_after = argv[++i];
+        } else if (!strcmp(a, "--list")) {
+            g_list = true;
+        } else if (!strcmp(a, "--probe-only")) {
+            probe = true;
+        } else {
+            fprintf(stderr, "%s: unknown option '%s' (--case SUBSTR, --after NAME, --list, --probe-only%s)\n",
+                    prog, a, own ? ", or the binary's own" : "");
+            return 2;
+        }
+    }
+    if (g_list)
+        return -1; /* the cases print their names; no device needed */
+    if (!gt_require_device(prog))
+        return gt_require_env() ? 1 : GT_SKIP_STATUS;
+    if (probe)
+        return bt_gpu_probe_kernel() ? 0 : 1;
+    return -1;
+}
 static int gt_finish(const char *prog)
 {
+    if (g_list)
+        return 0;
+    if (g_after) { /* --after named no case of this binary */
+        printf("%s: --after %s: no such case (--list prints them)\n", prog, g_after);
+        return 2;
+    }
     printf("%s: %d passed, %d failed, %d skipped\n", prog, g_pass, g_fail, g_skip);
     return g_fail ? 1 : 0;
 }

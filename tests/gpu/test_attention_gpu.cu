@@ -21,8 +21,10 @@
  * dS). Cross-check mma vs wmma (same inputs, same bf16 rounding points, so they differ only by
  * fp32 summation order, __sincosf vs sincosf, and the bf16 rounding flips these cause): out and
  * dq/dk/dv rel_l2 5e-3 / max 2e-2 of max|wmma|; lse rel_l2 2e-4 / max 1e-3.
- * Options: --impl wmma|mma (run one implementation only), --case SUBSTR (cases whose name
- * contains SUBSTR). Without a CUDA device: prints SKIPPED and exits 77. */
+ * Options: --impl wmma|mma (run one implementation only), and those of every GPU test binary
+ * (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after NAME, --list, --probe-only; a case is
+ * "attn/<name>"). BT_GPU_QUICK=1 / BT_GPU_EMU=1: no single long document, the cross-check at 384
+ * tokens. Without a CUDA device: prints SKIPPED and exits 77 (FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 extern "C" {
 #include "common/bt_common.h"
@@ -275,14 +277,13 @@ static void sub_end(const std::string &name)
 }
 
 static bool g_impl_on[N_IMPL] = {true, true};
-static const char *g_case_filter = nullptr;
 
 static void run_case(const AttCase &c)
 {
-    if (g_case_filter && !strstr(c.name, g_case_filter))
+    const std::string base = std::string("attn/") + c.name;
+    if (!gt_case_selected(base.c_str()))
         return;
     AttRef r;
-    const std::string base = std::string("attn/") + c.name;
     sub_begin(base + "/reference");
     build_ref(c, r);
     sub_end(base + "/reference");
@@ -389,46 +390,50 @@ static void test_attn_errors(int impl)
 int main(int argc, char **argv)
 {
     const char *prog = "test_attention_gpu";
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--impl") && i + 1 < argc) {
+    static const char *const own[] = {"--impl", nullptr};
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--impl")) {
             const char *s = argv[++i];
             g_impl_on[IMPL_WMMA] = !strcmp(s, "wmma");
             g_impl_on[IMPL_MMA] = !strcmp(s, "mma");
-        } else if (!strcmp(argv[i], "--case") && i + 1 < argc) {
-            g_case_filter = argv[++i];
         }
-    }
-    if (!gt_require_device(prog))
-        return GT_SKIP_STATUS;
-    if (argc > 1 && strcmp(argv[1], "--probe-only") == 0)
-        return 0;
+    const int init = gt_init(prog, argc, argv, own);
+    if (init >= 0)
+        return init;
     CU(cudaStreamCreate(&g_stream));
-    /* BT_GPU_EMU=1 (the CPU emulation of tests/emu, `make test-emu`): single long documents are
-     * too slow there; "long 1000 d128" is skipped (the 1000-token S^2 case still runs) and the
+    /* BT_GPU_EMU=1 (the CPU emulation of tests/emu, `make test-emu`) and BT_GPU_QUICK=1 (set by
+     * tests/gpu/run.sh under compute-sanitizer, whose tools slow a kernel 10-100x): single long
+     * documents are skipped ("long 1000 d128"; the 1000-token S^2 case still runs) and the
      * cross-check / determinism case runs at 384 tokens with the same heads and RoPE table */
-    const bool emu = getenv("BT_GPU_EMU") && atoi(getenv("BT_GPU_EMU"));
+    const bool small = (getenv("BT_GPU_EMU") && atoi(getenv("BT_GPU_EMU"))) ||
+                       (getenv("BT_GPU_QUICK") && atoi(getenv("BT_GPU_QUICK")));
+    if (small && !g_list)
+        printf("%s: BT_GPU_QUICK / BT_GPU_EMU set: no single long document; the cross-check at 384 "
+               "tokens\n", prog);
     for (const AttCase &c : k_cases) {
-        if (emu && c.lens.size() == 1 && c.lens[0] >= 1000) {
+        if (small && c.lens.size() == 1 && c.lens[0] >= 1000) {
             if (!c.cross) {
-                printf("  case %s: skipped under BT_GPU_EMU\n", c.name);
+                if (!g_list)
+                    printf("  case %s: skipped (BT_GPU_QUICK / BT_GPU_EMU)\n", c.name);
                 continue;
             }
             AttCase e = c;
-            e.name = "cross 384 d128 gqa llama3 (BT_GPU_EMU size)";
+            e.name = "cross 384 d128 gqa llama3 (quick size)";
             e.lens = {384};
             run_case(e);
             continue;
         }
         run_case(c);
     }
-    for (int impl = 0; impl < N_IMPL; impl++) {
-        if (!g_impl_on[impl] || g_case_filter)
-            continue;
-        const std::string name = std::string("attn/errors/") + k_impl_name[impl];
-        sub_begin(name);
-        test_attn_errors(impl);
-        sub_end(name);
-    }
+    if (gt_case_selected("attn/errors"))
+        for (int impl = 0; impl < N_IMPL; impl++) {
+            if (!g_impl_on[impl])
+                continue;
+            const std::string name = std::string("attn/errors/") + k_impl_name[impl];
+            sub_begin(name);
+            test_attn_errors(impl);
+            sub_end(name);
+        }
     cudaStreamDestroy(g_stream);
     return gt_finish(prog);
 }

@@ -15,7 +15,9 @@
  *   - error codes (unsupported types, shapes, alignment; nothing written).
  * Shapes: reductions that are not multiples of the 64-wide tile step (K = 96 for the 32-element
  * types), outputs that are not multiples of 128 or 8. BT_GPU_QUICK / BT_GPU_EMU: a reduced grid.
- * Without a CUDA device it prints "SKIPPED" and exits 77. */
+ * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (FAIL and 1
+ * under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
 extern "C" {
@@ -247,10 +249,9 @@ static void test_ggml_errors(void)
 int main(int argc, char **argv)
 {
     const char *prog = "test_ggml_gpu";
-    if (!gt_require_device(prog))
-        return GT_SKIP_STATUS;
-    if (argc > 1 && strcmp(argv[1], "--probe-only") == 0)
-        return 0;
+    const int init = gt_init(prog, argc, argv);
+    if (init >= 0)
+        return init;
     g_quick = (getenv("BT_GPU_QUICK") && atoi(getenv("BT_GPU_QUICK"))) ||
               (getenv("BT_GPU_EMU") && atoi(getenv("BT_GPU_EMU")));
     if (g_quick)

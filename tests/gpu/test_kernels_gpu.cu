@@ -2,7 +2,9 @@
  * against the CPU fp32 reference (kernels/kernels.h) on the same bf16-rounded inputs, with random
  * and adversarial shapes/values (odd sizes, partial chunks, one-row cases, large magnitudes,
  * ignored/out-of-range ids). Tolerances are stated per check (rel_l2, max_rel of max|ref|).
- * Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS line). */
+ * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS
+ * line; FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
 static cublasHandle_t g_cublas;
@@ -489,10 +491,9 @@ static void test_linear_ce(void)
 int main(int argc, char **argv)
 {
     const char *prog = "test_kernels_gpu";
-    if (!gt_require_device(prog))
-        return GT_SKIP_STATUS;
-    if (argc > 1 && strcmp(argv[1], "--probe-only") == 0)
-        return 0;
+    const int init = gt_init(prog, argc, argv);
+    if (init >= 0)
+        return init;
     CU(cudaStreamCreate(&g_stream));
     if (cublasCreate(&g_cublas) != CUBLAS_STATUS_SUCCESS) {
         printf("%s: cublasCreate failed\n", prog);

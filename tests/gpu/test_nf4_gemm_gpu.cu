@@ -24,7 +24,9 @@
  * Also checked: beta = 0 never reads the output (it is pre-filled with NaN); nothing is written past
  * M x Nout (a 256-element sentinel tail after the output); error codes.
  * BT_GPU_QUICK=1 (set by tests/gpu/run.sh under compute-sanitizer) runs a reduced shape grid.
- * Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS line). */
+ * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS
+ * line; FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
 #include <algorithm>
@@ -241,10 +243,9 @@ static void test_nf4_gemm_errors(void)
 int main(int argc, char **argv)
 {
     const char *prog = "test_nf4_gemm_gpu";
-    if (!gt_require_device(prog))
-        return GT_SKIP_STATUS;
-    if (argc > 1 && strcmp(argv[1], "--probe-only") == 0)
-        return 0;
+    const int init = gt_init(prog, argc, argv);
+    if (init >= 0)
+        return init;
     g_quick = getenv("BT_GPU_QUICK") && atoi(getenv("BT_GPU_QUICK"));
     if (g_quick)
         printf("%s: BT_GPU_QUICK set: reduced shape grid\n", prog);

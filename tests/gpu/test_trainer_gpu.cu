@@ -7,7 +7,8 @@
  *     LoRA+ trainable embedding + norms, packed segments with reset position_ids, S^2-Attn in
  *     training with linear / YaRN / dynamic context extension and llama3 + YaRN, both attention
  *     kernels), and on
- *     SmolLM2-135M (BT_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf; skipped if absent);
+ *     SmolLM2-135M (BT_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf; skipped if absent;
+ *     BT_MODEL=random:smollm2-135m: its shapes with random weights, NF4 and GGUF-native Q4_1);
  *   - 10 optimiser steps on SmolLM2 with the GPU loss following the CPU loss curve;
  *   - offloading the checkpointed layer inputs to pinned host memory: bit-identical losses and
  *     gradients to checkpointing without it.
@@ -18,7 +19,9 @@
  *     each LoRA module (A or B of one layer) is printed when worse than that; modules must reach
  *     cosine >= 0.95 (small modules are noisier);
  *   10-step curve: every step's loss within 3% (relative) of the CPU's.
- * Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS line). */
+ * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS
+ * line; FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
 extern "C" {
@@ -494,13 +497,73 @@ static void test_tiny_gguf(void)
 }
 
 /* ------------------------------------------------------------------------ SmolLM2 */
+/* BT_MODEL: a GGUF file or HF directory (default models/SmolLM2-135M-Instruct.Q4_1.gguf), or
+ * "random:smollm2-135m": the SmolLM2-135M shapes (30 layers of 576, 9 heads of 64 over 3 KV heads,
+ * FFN 1536, vocab 49152, tied embeddings, rope_theta 1e5, context 8192) with random weights
+ * (bt_model_init_random, seed 135; no model file needed, e.g. on a lent GPU machine before the
+ * model travels). Its NF4 base quantises those weights; its GGUF-native base is the same fp32
+ * weights quantised to Q4_1 blocks (bt_model_to_ggml), the real file's block type. */
+static const char *const k_random_smol = "random:smollm2-135m";
 static const char *model_path(void)
 {
     const char *p = getenv("BT_MODEL");
     return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
+static bool model_is_random(void) { return !strncmp(model_path(), "random:", 7); }
 static bool g_have_smol = false;
 static bt_model g_smol;
+
+/* Loads BT_MODEL with base_dtype BT_BASE_NF4 or BT_BASE_GGUF into *m (see above). 0 or -1 with the
+ * reason printed. */
+static int smol_load(bt_model *m, int base_dtype)
+{
+    double t0 = bt_now();
+    if (model_is_random()) {
+        if (strcmp(model_path(), k_random_smol) != 0) {
+            printf("    BT_MODEL=%s: unknown random model (%s is the one)\n", model_path(), k_random_smol);
+            return -1;
+        }
+        bt_llama_hparams hp;
+        memset(&hp, 0, sizeof hp);
+        hp.n_layer = 30;
+        hp.d_model = 576;
+        hp.n_head = 9;
+        hp.n_kv_head = 3;
+        hp.head_dim = 64;
+        hp.d_ff = 1536;
+        hp.vocab = 49152;
+        hp.ctx = 8192;
+        hp.rope_theta = 100000.f;
+        hp.rms_eps = 1e-5f;
+        const int gguf = base_dtype == BT_BASE_GGUF;
+        if (bt_model_init_random(m, &hp, gguf ? BT_BASE_FP32 : base_dtype, 1, 135) != 0 ||
+            (gguf && bt_model_to_ggml(m, BT_GGML_Q4_1) != 0)) {
+            printf("    %s: %s\n", k_random_smol, bt_last_error());
+            return -1;
+        }
+        printf("    %s: random SmolLM2-135M-shaped model (seed 135, %s base) made in %.1f s\n",
+               k_random_smol, gguf ? "GGUF-native Q4_1" : "NF4", bt_now() - t0);
+        return 0;
+    }
+    bt_model_load_opts lo = {base_dtype, 0};
+    if (bt_model_load(m, model_path(), &lo) != 0) {
+        printf("    bt_model_load: %s\n", bt_last_error());
+        return -1;
+    }
+    printf("    loaded %s (%s base) in %.1f s\n", model_path(),
+           base_dtype == BT_BASE_GGUF ? "GGUF-native" : "NF4", bt_now() - t0);
+    return 0;
+}
+
+/* The SmolLM2 cases' micro-batch: 2 rows of 256 tokens; under BT_GPU_EMU=1 (the CPU emulation,
+ * where these cases run only on a small model, e.g. tests/py/test_gpu_scripts.py's) 1 row of 32. */
+static bool emu_size(void)
+{
+    const char *e = getenv("BT_GPU_EMU");
+    return e && atoi(e);
+}
+static int smol_B(void) { return emu_size() ? 1 : 2; }
+static int smol_T(void) { return emu_size() ? 32 : 256; }
 
 static bool load_smol(void)
 {
@@ -510,22 +573,21 @@ static bool load_smol(void)
         gt_skip("BT_GPU_QUICK set (tiny-model cases only)");
         return false;
     }
-    FILE *f = fopen(model_path(), "rb");
-    if (!f) {
-        char why[512];
-        snprintf(why, sizeof why, "%s not found (set BT_MODEL or run `make model`)", model_path());
-        gt_skip(why);
-        return false;
+    if (!model_is_random()) {
+        FILE *f = fopen(model_path(), "rb");
+        if (!f) {
+            char why[512];
+            snprintf(why, sizeof why, "%s not found (set BT_MODEL, e.g. to %s, or run `make model`)",
+                     model_path(), k_random_smol);
+            gt_skip(why);
+            return false;
+        }
+        fclose(f);
     }
-    fclose(f);
-    bt_model_load_opts lo = {BT_BASE_NF4, 0};
-    double t0 = bt_now();
-    if (bt_model_load(&g_smol, model_path(), &lo) != 0) {
-        printf("    bt_model_load: %s\n", bt_last_error());
+    if (smol_load(&g_smol, BT_BASE_NF4) != 0) {
         g_case_ok = false;
         return false;
     }
-    printf("    loaded %s in %.1f s\n", model_path(), bt_now() - t0);
     g_have_smol = true;
     return true;
 }
@@ -541,27 +603,26 @@ static void test_smollm2_step(void)
         return;
     }
     randomise_B(&lo, 0.01f);
-    Case cs = {"SmolLM2 nf4, dropout 0.05", BT_BASE_NF4, 1, 0, 0.05f, 0, 2, 256, 3};
+    Case cs = {"SmolLM2 nf4, dropout 0.05", BT_BASE_NF4, 1, 0, 0.05f, 0, smol_B(), smol_T(), 3};
     step_parity(&g_smol, &lo, cs, 0xabcdef12345ull);
     /* the same with the mma.sync attention and the fused NF4 GEMM */
     g_attn_impl = g_nf4_impl = 1;
-    Case cs2 = {"SmolLM2 nf4, dropout 0.05 [mma attention, fused NF4]", BT_BASE_NF4, 1, 0, 0.05f, 0, 2,
-                256, 3};
+    Case cs2 = {"SmolLM2 nf4, dropout 0.05 [mma attention, fused NF4]", BT_BASE_NF4, 1, 0, 0.05f, 0,
+                smol_B(), smol_T(), 3};
     step_parity(&g_smol, &lo, cs2, 0xabcdef12345ull);
     g_attn_impl = g_nf4_impl = 0;
     bt_lora_free(&lo);
 }
 
-/* SmolLM2-135M-Instruct trained on its own Q4_1 blocks (base_dtype gguf): the GPU step on the
- * uploaded blocks (both matmul paths) against the CPU step on the same blocks. */
+/* SmolLM2-135M-Instruct trained on its own Q4_1 blocks (base_dtype gguf; for random:smollm2-135m
+ * the random weights quantised to Q4_1): the GPU step on the uploaded blocks (both matmul paths)
+ * against the CPU step on the same blocks. */
 static void test_smollm2_gguf_step(void)
 {
     if (!load_smol())
         return;
     bt_model m;
-    bt_model_load_opts lo_opts = {BT_BASE_GGUF, 0};
-    if (bt_model_load(&m, model_path(), &lo_opts) != 0) {
-        printf("    bt_model_load (gguf): %s\n", bt_last_error());
+    if (smol_load(&m, BT_BASE_GGUF) != 0) {
         g_case_ok = false;
         return;
     }
@@ -574,11 +635,11 @@ static void test_smollm2_gguf_step(void)
     }
     randomise_B(&lo, 0.01f);
     Case cs = {"SmolLM2 gguf-native Q4_1, dropout 0.05 [dequant+cuBLAS]", BT_BASE_GGUF, 1, 0, 0.05f,
-               0, 2, 256, 3};
+               0, smol_B(), smol_T(), 3};
     step_parity(&m, &lo, cs, 0xabcdef12345ull);
     g_nf4_impl = 1;
     Case cs2 = {"SmolLM2 gguf-native Q4_1, dropout 0.05 [fused GEMM]", BT_BASE_GGUF, 1, 0, 0.05f, 0,
-                2, 256, 3};
+                smol_B(), smol_T(), 3};
     step_parity(&m, &lo, cs2, 0xabcdef12345ull);
     g_nf4_impl = 0;
     bt_lora_free(&lo);
@@ -589,7 +650,7 @@ static void test_smollm2_10_steps(void)
 {
     if (!load_smol())
         return;
-    const int B = 2, T = 256, M = B * T, STEPS = 10;
+    const int B = smol_B(), T = smol_T(), M = B * T, STEPS = 10;
     const float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.0f;
     const double clip = 1.0;
     bt_lora lo;
@@ -658,10 +719,9 @@ static void test_smollm2_10_steps(void)
 int main(int argc, char **argv)
 {
     const char *prog = "test_trainer_gpu";
-    if (!gt_require_device(prog))
-        return GT_SKIP_STATUS;
-    if (argc > 1 && strcmp(argv[1], "--probe-only") == 0)
-        return 0;
+    const int init = gt_init(prog, argc, argv);
+    if (init >= 0)
+        return init;
     RUN_TEST(test_tiny_nf4);
     RUN_TEST(test_tiny_dropout);
     RUN_TEST(test_tiny_fp32_untied_ckpt);

@@ -38,8 +38,9 @@ import time
 
 import pytest
 
-# test_e2e_cuda_emu.py needs build/emu/trainer; `make test-emu` runs it with BT_EMU_TRAINER set.
-collect_ignore = [] if os.environ.get("BT_EMU_TRAINER") else ["test_e2e_cuda_emu.py"]
+# test_e2e_cuda_emu.py needs build/emu/trainer, test_gpu_scripts.py the emulator's test and
+# benchmark programs; `make test-emu` builds them and runs both with BT_EMU_TRAINER set.
+collect_ignore = [] if os.environ.get("BT_EMU_TRAINER") else ["test_e2e_cuda_emu.py", "test_gpu_scripts.py"]
 # test_python_client_hf.py needs torch + transformers: `make pytest-torch` runs it in .venv-torch/
 # with BT_VENV_TORCH set.
 # test_export_hf.py (HF's own check of our exports) likewise.

@@ -450,6 +450,45 @@ def test_tokenizer_matches_llamacpp(lc, family, tmp_path):
         check_decode(m, family, docs)
 
 
+# SentencePiece GGUF vocabularies (tokenizer.ggml.model "llama", common/tokenizer_spm.c): the real
+# files of scripts/fetch-tokenizers and the real Gemma 3 270M GGUF (scripts/fetch-model gemma3-270m)
+SPM_GGUFS = {"llama-spm": "ggml-vocab-llama-spm.gguf", "phi-3": "ggml-vocab-phi-3.gguf",
+             "gemma3": os.path.join("..", "gemma-3-270m-q4_k_m.gguf")}
+
+
+@pytest.mark.parametrize("family", sorted(SPM_GGUFS))
+def test_spm_tokenizer_matches_llamacpp(lc, family, tmp_path):
+    """llama.cpp's ids equal ours for every document of the parity corpus and the stress strings
+    (stress.bin.zst), raw bytes as given to both (invalid UTF-8 included: llama.cpp's SPM tokenizer
+    and ours read bytes alike, no replacement), with parse_special as the fixture says; and
+    llama.cpp's own test strings (the .inp file next to the vocabulary, whose .out holds its
+    expected ids with add_special, i.e. BOS first)."""
+    tokdir = os.environ.get("BT_TOKENIZERS_DIR") or os.path.join(ROOT, "models", "tokenizers")
+    path = os.path.normpath(os.path.join(tokdir, SPM_GGUFS[family]))
+    if not os.path.exists(path):
+        why = os.path.join(tokdir, "SKIPPED")
+        if os.path.exists(why):
+            pytest.skip(f"{path} not fetched: {open(why).read().strip()}")
+        pytest.fail(f"{path} missing: run make tokenizers")
+    docs = read_corpus(os.path.join(FIX, "corpus.bin.zst")) + read_corpus(os.path.join(FIX, "stress.bin.zst"))
+    ours = our_ids(path, docs, tmp_path)
+    m = lc.load_model(path, vocab_only=True)
+    bad = [i for i, ((sp, d), want) in enumerate(zip(docs, ours)) if m.tokenize(d, parse_special=sp) != want]
+    print(f"spm tokenizer {family}: {len(docs)} documents, {sum(map(len, ours))} tokens, {len(docs) - len(bad)} equal")
+    assert not bad, (f"{family}: llama.cpp's ids differ from ours in {len(bad)} documents, e.g. "
+                     f"#{bad[0]} {docs[bad[0]][1][:80]!r}")
+    inp = path + ".inp"
+    if os.path.exists(inp):  # llama.cpp's tests/test-tokenizer-0 files: cases end in "\n__ggml_vocab_test__\n",
+        # the .out has one line of expected ids per case (add_special and parse_special false)
+        cases = open(inp, encoding="utf-8").read().split("\n__ggml_vocab_test__\n")[:-1]
+        outs = open(path + ".out", encoding="utf-8").read().split("\n")[:len(cases)]
+        mine = our_ids(path, [(False, c.encode()) for c in cases], tmp_path)
+        assert len(cases) >= 30 and len(outs) == len(cases)
+        for c, o, got in zip(cases, outs, mine):
+            assert got == [int(x) for x in o.split()], (c, got, o)
+        print(f"spm tokenizer {family}: {len(cases)} of llama.cpp's own test strings equal")
+
+
 def fnv1a64(b):
     h = 0xCBF29CE484222325
     for c in b:

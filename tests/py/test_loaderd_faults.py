@@ -3,6 +3,7 @@ SIGKILL (or stopped) and restarted lets attached trainers (proto/client.c throug
 tests/tools/ld_consume C tool) reconnect and continue with exactly the batches an uninterrupted
 run would have given them."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import chat_line, write_shard
+from conftest import PauseHook, chat_line, write_shard
 from test_loaderd_server import base_config, dataset, job_spec  # noqa: F401
 
 SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=23",
@@ -176,3 +177,59 @@ def test_reconnect_gives_up_after_deadline(loaderd, big_dataset, model_path, tmp
     d2.proc.wait()
     out, err = p.communicate(timeout=60)
     assert p.returncode == 1 and "reconnecting disabled" in err, err
+
+
+def test_oversized_document_is_skipped_not_fatal(loaderd, model_path, tmp_path):
+    """Issue 22 §4: a document larger than memory allows is skipped and counted as a bad line
+    ("memory", file and line), never an abort of loaderd. The plain loaderd (ASan reserves the
+    address space its own way) runs with one malloc arena; once the job's reader has opened the
+    shard (the pause hook) its address space is capped 40 MiB above what it holds: room for the
+    6 MiB line's copies, not for its 6 Mi tokens (one per digit: 48 MiB of ids and mask). The
+    documents around it are packed, the job ends, loaderd serves on."""
+    import resource
+
+    from test_loaderd_server import F_END, attach, check_batch, parse_batch
+
+    data = tmp_path / "data"
+    data.mkdir()
+    digits = ("0123456789" * ((6 << 20) // 10))
+    (data / "big.jsonl").write_text(json.dumps({"text": "the first small document"}) + "\n" +
+                                    json.dumps({"text": digits}) + "\n" +
+                                    json.dumps({"text": "the last small document"}) + "\n")
+    held = {}
+
+    def cap_memory(path):
+        pid = held["pid"]
+        vm_kb = int(re.search(r"VmSize:\s+(\d+) kB", open(f"/proc/{pid}/status").read()).group(1))
+        held["limit"] = vm_kb * 1024 + (40 << 20)
+        resource.prlimit(pid, resource.RLIMIT_AS, (held["limit"], held["limit"]))
+
+    hook = PauseHook(tmp_path, "big.jsonl", cap_memory)
+    try:
+        d = loaderd({"data_roots": [str(data)], "model_roots": [os.path.dirname(model_path)]}, asan=False,
+                    env={**hook.env, "MALLOC_ARENA_MAX": "1", "OPENBLAS_NUM_THREADS": "1"})
+        held["pid"] = d.proc.pid
+        spec = {"name": "big", "shards": [str(data / "big.jsonl")], "format": "text", "tokenizer": model_path,
+                "seq_len": 64, "micro_batch_size": 1, "epochs": 1, "tokenizer_threads": 1}
+        s, rep, ring = attach(d, spec)
+        assert rep["ok"], rep
+        steps = 0
+        while True:
+            slot = ring.next(timeout=120)
+            assert slot is not None, "producer closed without an END_OF_DATA batch: " + d.log_text()[-2000:]
+            hdr = parse_batch(slot, 1, 64)
+            ring.release()
+            if hdr["flags"] & F_END:
+                break
+            check_batch(hdr, 1, 64, rep["job_id"], steps)
+            steps += 1
+        assert hook.paths and not hook.errors and held.get("limit"), (hook.paths, hook.errors)
+        assert d.proc.poll() is None, d.log_text()[-2000:]
+        st = d.request({"op": "status"})
+        job = st["jobs"][0]
+        assert job["state"] == "done" and job["docs"] == 2 and job["bad_lines"]["memory"] == 1, job
+        assert f"{data / 'big.jsonl'}:2: memory: out of memory" in d.log_text(), d.log_text()[-2000:]
+        s.close()
+        ring.close()
+    finally:
+        hook.stop()

@@ -74,6 +74,18 @@ def test_layout_matches_the_c_headers(bins):
             assert list(L.array_offsets(s["B"], s["T"])) == s["offsets"], s
 
 
+def test_limits_match_the_c_header():
+    """barq_loaderd/limits.py is the Python copy of proto/job_limits.h: every BT_JOB_* value equal."""
+    from barq_loaderd import limits
+    text = open(os.path.join(ROOT, "proto", "job_limits.h")).read()
+    found = dict(re.findall(r"#define BT_(JOB_\w+)\s+\(?([0-9u <]+)\)?", text))
+    assert found, text
+    for name, expr in found.items():
+        assert hasattr(limits, name), f"barq_loaderd.limits lacks {name}"
+        assert getattr(limits, name) == eval(expr.replace("u", "")), name
+    assert {k for k in vars(limits) if k.startswith("JOB_")} == set(found)
+
+
 def test_same_batches_as_the_c_client(loaderd, dataset, model_path, bins, tmp_path):
     d = loaderd(base_config(dataset, model_path))
     spec = job_spec(dataset, model_path, epochs=1)

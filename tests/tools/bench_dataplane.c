@@ -54,7 +54,7 @@ typedef struct {
 /* One pass (a 1-epoch job) of node `node`'s two ranks: CPU seconds in *cpu. */
 static int node_pass(const opts *o, const bt_tokenizer *tok, unsigned node, ld_hub *hub, node_result *res,
                      double *cpu) {
-    char json[4096], err[256];
+    char json[4096];
     snprintf(json, sizeof json,
              "{\"shards\":[\"%s\"],\"format\":\"%s\",\"tokenizer\":\"%s\",\"seq_len\":%u,\"micro_batch_size\":%u,"
              "\"seed\":1234,\"epochs\":1,\"tokenizer_threads\":%u}",
@@ -63,8 +63,8 @@ static int node_pass(const opts *o, const bt_tokenizer *tok, unsigned node, ld_h
     ld_pipeline *p[2] = {NULL, NULL};
     double c0 = cpu_now();
     for (unsigned k = 0; k < 2; k++) {
-        if (ld_job_spec_parse(&spec[k], json, err, sizeof err) != BT_OK) {
-            fprintf(stderr, "spec: %s\n", err);
+        if (ld_job_spec_parse(&spec[k], json, NULL) != BT_OK) {
+            fprintf(stderr, "spec: %s\n", bt_last_error());
             return 1;
         }
         spec[k].rank = 2 * node + k;

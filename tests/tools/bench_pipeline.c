@@ -67,7 +67,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_pipeline: %s\n", bt_last_error());
         return 1;
     }
-    char json[8192], err[512];
+    char json[8192];
     int k = snprintf(json, sizeof json, "{\"shards\":[");
     for (int i = 0; i < n_shards; i++)
         k += snprintf(json + k, sizeof json - (size_t)k, "%s\"%s\"", i ? "," : "", shards[i]);
@@ -76,8 +76,8 @@ int main(int argc, char **argv) {
              "\"seed\":%llu,\"epochs\":%u,\"tokenizer_threads\":%u}",
              format, model, T, B, seed, epochs, threads);
     ld_job_spec spec;
-    if (ld_job_spec_parse(&spec, json, err, sizeof err) != BT_OK) {
-        fprintf(stderr, "bench_pipeline: %s\n", err);
+    if (ld_job_spec_parse(&spec, json, NULL) != BT_OK) {
+        fprintf(stderr, "bench_pipeline: %s\n", bt_last_error());
         bt_tokenizer_free(tok);
         return 1;
     }

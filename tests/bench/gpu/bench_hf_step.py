@@ -3,7 +3,7 @@
 32, dropout 0.05, all seven linears), bf16, SDPA attention, (+ bitsandbytes NF4 double-quantised
 base when importable, as QLoRA), fused AdamW, grad clip 1.0; B x T tokens of one document per row.
 Prints one markdown row
-  | trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB |
+  | trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB | card |
 (peak = torch.cuda.max_memory_reserved, i.e. without the CUDA context, which our tool includes;
 max_memory_allocated goes to stderr). Models: --model smollm2 (real weights from the GGUF via
 transformers gguf_file= when the `gguf` package is present, else random weights of the same shape;
@@ -147,7 +147,7 @@ def main():
         f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved {peak:.2f} GiB")
     impl = "HF+PEFT" + (" +bnb NF4" if nf4 else " (bf16 base)")
     print(f"| {impl} | {what} | {a.B} x {a.T} | {a.r} | {'yes' if a.ckpt else 'no'} | {tps:.0f} | "
-          f"{1e3 * tt / max(a.steps, 1):.1f} | {peak:.2f} |", flush=True)
+          f"{1e3 * tt / max(a.steps, 1):.1f} | {peak:.2f} | {torch.cuda.get_device_name(0)} |", flush=True)
 
 
 if __name__ == "__main__":

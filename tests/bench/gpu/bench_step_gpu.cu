@@ -1,24 +1,32 @@
 /* Whole-training-step benchmark of the GPU trainer (trainer/cuda): forward + backward of one
  * micro-batch of B x T tokens (one document per row), clip + AdamW, timed over --steps steps after
  * --warmup; tokens/s and the process's peak device memory (cudaMemGetInfo, sampled after every
- * step; includes the CUDA context). Prints one markdown row
- *   | trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB |
- * matching tests/bench/gpu/bench_hf_step.py.
+ * step; includes the CUDA context). Prints one markdown row, line-buffered,
+ *   | trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB | card |
+ * matching tests/bench/gpu/bench_hf_step.py (card: the device's name, so that rows of two cards
+ * are never mixed).
  *   --model PATH              a GGUF / HF directory loaded as the trainer loads it (NF4 base)
  *   --model random:llama2-7b  Llama-2-7B shapes (32 x 4096, ffn 11008, 32 heads, vocab 32000,
  *                             untied) with random NF4 weights generated for the device (no host
- *                             weights); also random:smollm2-135m. Bench-only spec.
+ *                             weights); also random:smollm2-135m (SmolLM2-135M shapes: 30 x 576,
+ *                             9 heads of 64 over 3 KV heads, ffn 1536, vocab 49152, tied) and
+ *                             random:tiny (2 x 256, 4 heads of 64 over 2, ffn 512, vocab 1000: for
+ *                             the CPU emulator, tests/py/test_gpu_scripts.py). Bench-only specs.
  *   --B 1 --T 4096 --r 16 --alpha 32 --dropout 0.05 --steps 10 --warmup 2 --ckpt 0|1
  *   --attn wmma|mma --nf4 dequant|fused   kernel choices (config cuda.attention / cuda.nf4_matmul)
+ *   --probe-only              the device check and the one-kernel probe (tests/gpu/gpu_probe.h)
  * Long context (issue 12):
  *   --s2 F          S^2-Attn in training with groups of F x T tokens (0 = full attention)
  *   --offload 0|1   checkpointed layer inputs in pinned host memory (needs --ckpt 1)
  *   --extend L      context_extension (linear) of the model to L >= T tokens first
  *   --max-T 1       instead of timing: double T from --T until a step no longer fits on the device
- *                   (trainer creation or the step fails for memory) and print the longest T that
- *                   ran one step next to `trainer estimate`'s prediction for the device's memory
- *                   (bt_estimate_max_seq_len with these settings, checkpointing on)
- * LoRA on all seven linears. Exit 77 without a device. */
+ *                   (trainer creation or the step fails for memory) or T would pass the cap, and
+ *                   print the longest T that ran one step next to `trainer estimate`'s prediction
+ *                   for the device's memory (bt_estimate_max_seq_len with these settings,
+ *                   checkpointing on); each T is printed to stderr as it is tried
+ *   --max-T-limit N the cap of that search (default 131072: a 1M-token step of a 7B-shaped model
+ *                   alone takes minutes)
+ * LoRA on all seven linears. Exit 77 without a device (1 under BT_GPU_REQUIRE=1). */
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +42,7 @@ extern "C" {
 #include "trainer/model/rng.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
+#include "tests/gpu/gpu_probe.h"
 #include "trainer/cuda/cuda_trainer.h"
 
 static int fake_model(bt_model *m, const char *spec)
@@ -48,8 +57,12 @@ static int fake_model(bt_model *m, const char *spec)
         hp.n_layer = 30; hp.d_model = 576; hp.n_head = 9; hp.n_kv_head = 3; hp.head_dim = 64;
         hp.d_ff = 1536; hp.vocab = 49152; hp.ctx = 8192; hp.rope_theta = 100000.f; hp.rms_eps = 1e-5f;
         m->tied = 1;
+    } else if (!strcmp(spec, "random:tiny")) {
+        hp.n_layer = 2; hp.d_model = 256; hp.n_head = 4; hp.n_kv_head = 2; hp.head_dim = 64;
+        hp.d_ff = 512; hp.vocab = 1000; hp.ctx = 1024; hp.rope_theta = 10000.f; hp.rms_eps = 1e-5f;
+        m->tied = 1;
     } else {
-        fprintf(stderr, "unknown model spec %s (random:llama2-7b | random:smollm2-135m)\n", spec);
+        fprintf(stderr, "unknown model spec %s (random:llama2-7b | random:smollm2-135m | random:tiny)\n", spec);
         return -1;
     }
     m->base_dtype = BT_BASE_NF4;
@@ -92,12 +105,15 @@ static int try_step(const bt_model *m, bt_lora *lora, const bt_cuda_trainer_opts
 
 /* The longest T (doubling from T0) that runs a step, and the estimate's answer for the device. */
 static int find_max_T(const char *model, const bt_model *m, bt_lora *lora,
-                      const bt_cuda_trainer_opts *o, int B, int T0, int r, double s2, int ext)
+                      const bt_cuda_trainer_opts *o, int B, int T0, int r, double s2, int ext,
+                      int limit)
 {
     size_t fr = 0, tot = 0;
     cudaMemGetInfo(&fr, &tot);
     int best = 0;
-    for (int T = T0; T <= (1 << 22) / B; T *= 2) {
+    bool capped = true; /* the search stopped at the cap, not at a step that did not fit */
+    for (int T = T0; T <= limit / B; T *= 2) {
+        fprintf(stderr, "bench_step_gpu: %s longest-T search: trying T = %d (cap %d) ...\n", model, T, limit);
         bt_model mm = *m; /* the extension is a RoPE table: re-extend per length when asked */
         float *own = mm.inv_freq;
         if (ext) {
@@ -114,9 +130,12 @@ static int find_max_T(const char *model, const bt_model *m, bt_lora *lora,
         const int rc = try_step(&mm, lora, &oo, B, T);
         if (ext)
             free(mm.inv_freq);
-        fprintf(stderr, "bench_step_gpu: T = %d: %s\n", T, rc == 0 ? "fits" : rc == 1 ? "out of memory" : bt_last_error());
-        if (rc != 0)
+        fprintf(stderr, "bench_step_gpu: %s longest-T search: T = %d: %s\n", model, T,
+                rc == 0 ? "fits" : rc == 1 ? "out of memory" : bt_last_error());
+        if (rc != 0) {
+            capped = false;
             break;
+        }
         best = T;
     }
     bt_est_model em;
@@ -139,9 +158,13 @@ static int find_max_T(const char *model, const bt_model *m, bt_lora *lora,
         predicted = bt_estimate_max_seq_len(&em, &c, BT_EST_CUDA, 1, (double)tot);
         bt_config_free(&c);
     }
-    printf("| barq (CUDA) longest T | %s | %d x T | %d | %s%s | T = %d runs (next doubling does not) | "
-           "estimate: %d | %.1f GiB device |\n", model, B, r, o->checkpointing ? "yes" : "no",
-           o->offload ? " + offload" : "", best, predicted, tot / 1073741824.0);
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    printf("| barq (CUDA) longest T | %s | %d x T | %d | %s%s | T = %d runs (%s) | "
+           "estimate: %d | %.1f GiB device | %s |\n", model, B, r, o->checkpointing ? "yes" : "no",
+           o->offload ? " + offload" : "", best,
+           capped ? "the cap: longer not tried" : "the next doubling does not", predicted,
+           tot / 1073741824.0, prop.name);
     return best > 0 ? 0 : 1;
 }
 
@@ -149,8 +172,23 @@ int main(int argc, char **argv)
 {
     const char *model = "random:llama2-7b";
     int B = 1, T = 4096, r = 16, steps = 10, warmup = 2, ckpt = 0, attn_mma = 0, nf4_fused = 0;
-    int offload = 0, extend = 0, max_T = 0;
+    int offload = 0, extend = 0, max_T = 0, max_T_limit = 131072;
+    setvbuf(stdout, nullptr, _IOLBF, 0);
+    setvbuf(stderr, nullptr, _IOLBF, 0);
     double alpha = 32, dropout = 0.05, s2 = 0;
+    bool probe = false;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--probe-only")) { /* the only option without a value */
+            probe = true;
+            for (int j = i; j + 1 < argc; j++)
+                argv[j] = argv[j + 1];
+            argc--;
+            break;
+        }
+    if ((argc - 1) % 2) {
+        fprintf(stderr, "bench_step_gpu: %s takes a value\n", argv[argc - 1]);
+        return 2;
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--model")) model = v;
@@ -170,6 +208,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--offload")) offload = atoi(v);
         else if (!strcmp(a, "--extend")) extend = atoi(v);
         else if (!strcmp(a, "--max-T")) max_T = atoi(v);
+        else if (!strcmp(a, "--max-T-limit") && atoi(v) > 0) max_T_limit = atoi(v);
         else {
             fprintf(stderr, "unknown argument %s\n", a);
             return 2;
@@ -177,9 +216,12 @@ int main(int argc, char **argv)
     }
     char reason[256] = "";
     if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
-        printf("bench_step_gpu: skipped: no CUDA device (%s)\n", reason);
-        return 77;
+        const char *req = getenv("BT_GPU_REQUIRE");
+        printf("bench_step_gpu: %s: no CUDA device (%s)\n", req && atoi(req) ? "FAILED" : "skipped", reason);
+        return req && atoi(req) ? 1 : 77;
     }
+    if (probe)
+        return bt_gpu_probe_kernel() ? 0 : 1;
     bt_model m;
     const bool rnd = !strncmp(model, "random:", 7);
     double t0 = bt_now();
@@ -208,7 +250,7 @@ int main(int argc, char **argv)
     o.offload = offload;
     o.s2_group = s2 > 0 ? 2 * (int)lround(T * s2 / 2) : 0;
     if (max_T)
-        return find_max_T(model, &m, &lora, &o, B, T, r, s2, extend);
+        return find_max_T(model, &m, &lora, &o, B, T, r, s2, extend, max_T_limit);
     if (extend > m.hp.ctx && bt_model_extend_context(&m, BT_ROPE_EXT_LINEAR, extend) != 0) {
         fprintf(stderr, "context extension: %s\n", bt_last_error());
         return 1;
@@ -257,9 +299,10 @@ int main(int argc, char **argv)
     if (o.s2_group || offload || extend)
         snprintf(extra, sizeof extra, ", %s%s%s", o.s2_group ? "S2-Attn" : "full attn",
                  offload ? ", offload" : "", extend ? ", extended" : "");
-    printf("| barq (CUDA, %s attn, %s NF4%s) | %s | %d x %d | %d | %s | %.0f | %.1f | %.2f |\n",
+    printf("| barq (CUDA, %s attn, %s NF4%s) | %s | %d x %d | %d | %s | %.0f | %.1f | %.2f | %s |\n",
            attn_mma ? "mma" : "wmma", nf4_fused ? "fused" : "dequant", extra, model, B, T, r,
-           ckpt ? "yes" : "no", tps, steps > 0 ? 1e3 * tt / steps : 0.0, peak / 1073741824.0);
+           ckpt ? "yes" : "no", tps, steps > 0 ? 1e3 * tt / steps : 0.0, peak / 1073741824.0,
+           bt_cuda_trainer_device_name(t));
     bt_cuda_trainer_free(t);
     bt_lora_free(&lora);
     bt_model_free(&m); /* random specs: layers hold only shapes (no buffers to free) */

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# GPU benchmarks (issue 5): tests/bench/gpu/run.sh CUDA_BUILD_DIR  (make bench-gpu)
-# Writes tests/bench/results/<device-name>.md with
-#   (a) every CUDA kernel vs its PyTorch equivalent (bench_kernels_gpu + bench_torch.py), and
+# GPU benchmarks: tests/bench/gpu/run.sh [CUDA_BUILD_DIR]   (make bench-gpu; scripts/gpu-run bench)
+# Writes tests/bench/results/<card>.md (BENCH_RESULTS_DIR), one file per card so that an H100's and
+# an H200's figures are never mixed, every row naming its card, row by row as each is measured
+# (also to BENCH_OUT when set: scripts/gpu-run's $OUT/bench.md; a timeout keeps every finished row):
+#   (a) every CUDA kernel vs its PyTorch equivalent (bench_kernels_gpu + bench_torch.py), against
+#       the card's ceilings MEASURED at the start (a cuBLAS bf16 GEMM and a device-to-device copy:
+#       about 798 TFLOP/s and 3.0 TB/s on an H100, 4.3 TB/s on an H200), not datasheet peaks;
 #   (b) the whole training step, tokens/s and peak GPU memory, of our trainer (bench_step_gpu) vs
-#       transformers + PEFT (+ bitsandbytes NF4) (bench_hf_step.py), for SmolLM2-135M (BT_MODEL)
-#       and a Llama-2-7B-shaped random NF4 model, T = 4096, r = 16 on all linears.
-# Anything that cannot run prints "skipped: reason" (no GPU: the whole script says so, exits 0).
-#   (c) long context (issue 12): tokens/s of SmolLM2 and the Llama-2-7B-shaped model extended to
-#       BENCH_LONG_T tokens (linear interpolation) with S2-Attn (group 1/4) against full
-#       attention, activation checkpointing with and without offload of the checkpointed layer
-#       inputs to pinned host memory; and the longest T that runs one step on this GPU next to
-#       `trainer estimate`'s prediction for its memory.
-# Knobs: PYTHON (python3), BENCH_STEPS (10), BENCH_T (4096), BENCH_7B_CKPT (1: activation
-# checkpointing for the 7B runs, both trainers), BENCH_SKIP_HF=1, BENCH_SKIP_7B=1,
-# BENCH_LONG_T (16384), BENCH_LONG_STEPS (3), BENCH_SKIP_LONG=1.
+#       transformers + PEFT (+ bitsandbytes NF4) (bench_hf_step.py), for a SmolLM2-135M-shaped and
+#       a Llama-2-7B-shaped model with random weights (BENCH_SMOL=random:smollm2-135m,
+#       BENCH_BIG=random:llama2-7b; a GGUF path works too), T = BENCH_T, r 16 on all linears;
+#   (c) long context: both models extended to BENCH_LONG_T tokens (linear) with S2-Attn (group 1/4)
+#       and full attention, checkpointing with and without offload; and the longest T that runs one
+#       step (doubling from BENCH_LONG_T up to BENCH_MAX_T_LIMIT = 131072, each T printed as it is
+#       tried) next to `trainer estimate`'s prediction.
+# BENCH_ONLY=a|b|c (or a list, "b,c") runs only those parts. Time: every invocation runs under
+# BENCH_TIMEOUT (150 s), cut to BT_DEADLINE_AT (epoch seconds; scripts/gpu-run sets it); one that
+# runs out prints a "TIMEOUT" row and "TIMEOUT <what>" on stderr, one with fewer than BT_RUN_MIN
+# (10) s left is not started ("skipped: deadline" row). The programs' stderr is streamed as it
+# comes. No device: "bench-gpu: skipped: no CUDA device", exit 0 (FAILED, exit 1, under
+# BT_GPU_REQUIRE=1). Exit status: 0, 1 (an invocation failed), 124 (one timed out, none failed).
+# Knobs: PYTHON (python3), BENCH_STEPS (10), BENCH_T (4096), BENCH_7B_CKPT (1), BENCH_SKIP_HF=1,
+# BENCH_SKIP_7B=1, BENCH_LONG_T (16384), BENCH_LONG_STEPS (3), BENCH_KERNELS_ARGS (extra arguments
+# of bench_kernels_gpu, e.g. "--quick").
 set -u
 cd "$(dirname "$0")/../../.."
 cb=${1:-build/cuda}
@@ -21,91 +30,159 @@ PY=${PYTHON:-python3}
 STEPS=${BENCH_STEPS:-10}
 T=${BENCH_T:-4096}
 CK7=${BENCH_7B_CKPT:-1}
-MODEL=${BT_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+SMOL=${BENCH_SMOL:-random:smollm2-135m}
+BIG=${BENCH_BIG:-random:llama2-7b}
 LT=${BENCH_LONG_T:-16384}
 LSTEPS=${BENCH_LONG_STEPS:-3}
+TLIM=${BENCH_MAX_T_LIMIT:-131072}
+only=${BENCH_ONLY:-a,b,c}
+inv_timeout=${BENCH_TIMEOUT:-150}
+run_min=${BT_RUN_MIN:-10}
+part() { [[ ",${only// /,}," == *",$1,"* ]]; }
+for p in ${only//,/ }; do
+    case "$p" in a | b | c) ;; *) echo "bench-gpu: BENCH_ONLY=$only: parts are a, b, c" >&2; exit 2 ;; esac
+done
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -qi '^GPU'; then
-    echo "bench-gpu: skipped: no CUDA device (nvidia-smi lists no GPU)"
+# ---- the device and its name
+probe_bin=""
+for b in "$cb/bench/bench_kernels_gpu" "$cb/bench/bench_step_gpu"; do
+    [ -x "$b" ] && { probe_bin=$b; break; }
+done
+[ -n "$probe_bin" ] || { echo "bench-gpu: FAILED: no benchmark binary in $cb/bench (make cuda)"; exit 1; }
+probe=$("$probe_bin" --probe-only 2>&1)
+if [ $? -ne 0 ]; then
+    why=$(echo "$probe" | grep -m1 -o 'no CUDA device.*' || echo "$probe" | tail -n 1)
+    if [ "${BT_GPU_REQUIRE:-0}" != 0 ]; then
+        echo "bench-gpu: FAILED: $why (BT_GPU_REQUIRE=1)"
+        exit 1
+    fi
+    echo "bench-gpu: skipped: $why"
     exit 0
 fi
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)
+name=$(echo "$probe" | sed -n 's/^probe: one kernel ran on \(.*\): ok$/\1/p')
+[ -n "$name" ] || name=unknown
 slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed 's/[^a-z0-9]\+/-/g; s/^-//; s/-$//')
-out=tests/bench/results/${slug}.md
-mkdir -p tests/bench/results
-tmp=$(mktemp -d)
-{
-    echo "# GPU benchmarks: $name"
-    echo
-    echo "$(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null || echo '?'), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n1), $($PY -c 'import torch;print("torch",torch.__version__)' 2>/dev/null || echo 'torch: not importable')"
-    echo
-    echo "## (a) kernels vs PyTorch (Llama-2-7B shapes, T = $T)"
-    echo
-    "$cb/bench/bench_kernels_gpu" --T "$T" 2>&1 || echo "bench_kernels_gpu: FAILED (exit $?)"
-    echo
-    echo "PyTorch rows:"
-    echo
-    echo "| kernel | shape | impl | ms | throughput | % of peak |"
-    echo "|---|---|---|---|---|---|"
-    $PY tests/bench/gpu/bench_torch.py --T "$T" 2>&1 | grep -v '^torch ' || echo "bench_torch.py: FAILED"
-    echo
-    echo "## (b) training step (LoRA r 16, alpha 32, dropout 0.05, all 7 linears; AdamW; clip 1.0; $STEPS timed steps after 2 warm-ups)"
-    echo
-    echo "Peak memory: ours = device memory in use by the process (cudaMemGetInfo, includes the CUDA context"
-    echo "and cuBLAS workspaces); HF = torch.cuda.max_memory_reserved (excludes the context, ~0.5 GiB)."
-    echo
-    echo "| trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB |"
-    echo "|---|---|---|---|---|---|---|---|"
-    if [ -f "$MODEL" ]; then
-        "$cb/bench/bench_step_gpu" --model "$MODEL" --T "$T" --steps "$STEPS" --ckpt 0 2>"$tmp/s1.err" || { echo "| barq (CUDA) | $MODEL | FAILED | | | | | |"; tail -n 5 "$tmp/s1.err" >&2; }
-        "$cb/bench/bench_step_gpu" --model "$MODEL" --T "$T" --steps "$STEPS" --ckpt 0 --attn mma --nf4 fused 2>"$tmp/s1f.err" || { echo "| barq (CUDA, mma attn, fused NF4) | $MODEL | FAILED | | | | | |"; tail -n 5 "$tmp/s1f.err" >&2; }
-    else
-        echo "| barq (CUDA) | SmolLM2 | skipped: $MODEL not found (make model) | | | | | |"
+resdir=${BENCH_RESULTS_DIR:-tests/bench/results}
+mkdir -p "$resdir"
+res=$resdir/$slug.md
+: > "$res"
+outs=("$res")
+if [ -n "${BENCH_OUT:-}" ]; then : > "$BENCH_OUT"; outs+=("$BENCH_OUT"); fi
+emit() { printf '%s\n' "$*" | tee -a "${outs[@]}"; }
+
+failed=0 timed=0
+time_for() {
+    local t=$1 left
+    if [ -n "${BT_DEADLINE_AT:-}" ]; then
+        left=$((BT_DEADLINE_AT - $(date +%s)))
+        [ "$left" -lt "$t" ] && t=$left
     fi
-    if [ "${BENCH_SKIP_HF:-0}" != 1 ]; then
-        BT_MODEL="$MODEL" $PY tests/bench/gpu/bench_hf_step.py --model smollm2 --T "$T" --steps "$STEPS" --ckpt 0 2>"$tmp/h1.err" || echo "| HF+PEFT | smollm2 | FAILED: $(tail -n 1 "$tmp/h1.err") | | | | | |"
+    echo "$t"
+}
+# invoke LABEL NCELLS CMD...: runs CMD under its time, its stdout (rows) into the results as they
+# come, its stderr streamed; a failure or a timeout becomes a row of NCELLS cells.
+invoke() {
+    local label=$1 ncells=$2 t rc pad=""
+    shift 2
+    for _ in $(seq 4 "$ncells"); do pad="$pad |"; done
+    t=$(time_for "$inv_timeout")
+    if [ "$t" -lt "$run_min" ]; then
+        emit "| $label | skipped: deadline (${t}s left) |$pad $name |"
+        echo "bench-gpu: $label not started: deadline (${t}s left)" >&2
+        timed=1
+        return
     fi
-    if [ "${BENCH_SKIP_7B:-0}" != 1 ]; then
-        "$cb/bench/bench_step_gpu" --model random:llama2-7b --T "$T" --steps "$STEPS" --ckpt "$CK7" 2>"$tmp/s2.err" || { echo "| barq (CUDA) | random:llama2-7b | FAILED | | | | | |"; tail -n 5 "$tmp/s2.err" >&2; }
-        "$cb/bench/bench_step_gpu" --model random:llama2-7b --T "$T" --steps "$STEPS" --ckpt "$CK7" --attn mma --nf4 fused 2>"$tmp/s2f.err" || { echo "| barq (CUDA, mma attn, fused NF4) | random:llama2-7b | FAILED | | | | | |"; tail -n 5 "$tmp/s2f.err" >&2; }
+    echo "bench-gpu: $label (timeout ${t}s): $*" >&2
+    timeout -k 5 "$t" "$@" | tee -a "${outs[@]}"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        emit "| $label | TIMEOUT after ${t}s |$pad $name |"
+        echo "TIMEOUT $label" >&2
+        timed=1
+    elif [ "$rc" -ne 0 ]; then
+        emit "| $label | FAILED (exit $rc; its stderr above) |$pad $name |"
+        failed=1
+    fi
+}
+is_model() { [[ "$1" == random:* ]] || [ -e "$1" ]; }
+
+emit "# GPU benchmarks: $name"
+emit ""
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+emit "$(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), driver ${driver:-?}, $($PY -c 'import torch;print("torch",torch.__version__)' 2>/dev/null || echo 'torch: not importable'); every row names its card"
+
+if part a; then
+    emit ""
+    emit "## (a) kernels vs PyTorch (T = $T) -- $name"
+    emit ""
+    # shellcheck disable=SC2086
+    invoke "bench_kernels_gpu" 7 "$cb/bench/bench_kernels_gpu" --T "$T" ${BENCH_KERNELS_ARGS:-}
+    ceil=$(grep -m1 '^ceilings: ' "$res")
+    tf=$(echo "$ceil" | sed -n 's/.*: \([0-9.e+-]*\) bf16 TFLOP\/s.*/\1/p')
+    gbs=$(echo "$ceil" | sed -n 's/.*, \([0-9.e+-]*\) GB\/s.*/\1/p')
+    emit ""
+    emit "PyTorch rows (the same ceilings):"
+    emit ""
+    emit "| kernel | shape | impl | ms | throughput | % of ceiling | card |"
+    emit "|---|---|---|---|---|---|---|"
+    invoke "bench_torch.py" 7 "$PY" tests/bench/gpu/bench_torch.py --T "$T" \
+        ${tf:+--ceiling-tflops "$tf"} ${gbs:+--ceiling-gbs "$gbs"}
+fi
+if part b; then
+    emit ""
+    emit "## (b) training step (LoRA r 16, alpha 32, dropout 0.05, all 7 linears; AdamW; clip 1.0; $STEPS timed steps after 2 warm-ups) -- $name"
+    emit ""
+    emit "Peak memory: ours = device memory in use by the process (cudaMemGetInfo, includes the CUDA context"
+    emit "and cuBLAS workspaces); HF = torch.cuda.max_memory_reserved (excludes the context, ~0.5 GiB)."
+    emit ""
+    emit "| trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB | card |"
+    emit "|---|---|---|---|---|---|---|---|---|"
+    models=("$SMOL")
+    [ "${BENCH_SKIP_7B:-0}" != 1 ] && models+=("$BIG")
+    for mdl in "${models[@]}"; do
+        is_model "$mdl" || { emit "| barq (CUDA) | $mdl | skipped: not found |||||| $name |"; continue; }
+        ck=0
+        [ "$mdl" = "$BIG" ] && ck=$CK7
+        invoke "barq (CUDA) $mdl" 9 "$cb/bench/bench_step_gpu" --model "$mdl" --T "$T" --steps "$STEPS" --ckpt "$ck"
+        invoke "barq (CUDA, mma attn, fused NF4) $mdl" 9 "$cb/bench/bench_step_gpu" --model "$mdl" --T "$T" \
+            --steps "$STEPS" --ckpt "$ck" --attn mma --nf4 fused
         if [ "${BENCH_SKIP_HF:-0}" != 1 ]; then
-            $PY tests/bench/gpu/bench_hf_step.py --model llama2-7b --T "$T" --steps "$STEPS" --ckpt "$CK7" 2>"$tmp/h2.err" || echo "| HF+PEFT | llama2-7b | FAILED: $(tail -n 1 "$tmp/h2.err") | | | | | |"
+            hf=smollm2 gg=""
+            [ "$mdl" = "$BIG" ] && hf=llama2-7b
+            [ "$hf" = smollm2 ] && [ -f "$mdl" ] && gg=$mdl
+            invoke "HF+PEFT $hf" 9 "$PY" tests/bench/gpu/bench_hf_step.py --model "$hf" --gguf "$gg" --T "$T" \
+                --steps "$STEPS" --ckpt "$ck"
         fi
-    fi
-    if [ "${BENCH_SKIP_LONG:-0}" != 1 ]; then
-        echo
-        echo "## (c) long context: T = $LT, context extended to T (linear), LoRA r 16 on all linears, checkpointing; $LSTEPS timed steps"
-        echo
-        echo "| trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB |"
-        echo "|---|---|---|---|---|---|---|---|"
-        models=()
-        [ -f "$MODEL" ] && models+=("$MODEL")
-        [ "${BENCH_SKIP_7B:-0}" != 1 ] && models+=("random:llama2-7b")
-        for mdl in "${models[@]}"; do
-            for variant in "--s2 0.25" "--s2 0" "--s2 0.25 --offload 1" "--s2 0 --offload 1"; do
-                # shellcheck disable=SC2086
-                "$cb/bench/bench_step_gpu" --model "$mdl" --T "$LT" --extend "$LT" --ckpt 1 --steps "$LSTEPS" \
-                    --warmup 1 $variant 2>>"$tmp/long.err" || echo "| barq (CUDA, $variant) | $mdl | FAILED | | | | | |"
-            done
+    done
+fi
+if part c; then
+    emit ""
+    emit "## (c) long context: T = $LT, context extended to T (linear), LoRA r 16 on all linears, checkpointing; $LSTEPS timed steps -- $name"
+    emit ""
+    emit "| trainer | model | B x T | r | ckpt | tokens/s | step ms | peak GiB | card |"
+    emit "|---|---|---|---|---|---|---|---|---|"
+    models=("$SMOL")
+    [ "${BENCH_SKIP_7B:-0}" != 1 ] && models+=("$BIG")
+    for mdl in "${models[@]}"; do
+        for variant in "--s2 0.25" "--s2 0" "--s2 0.25 --offload 1" "--s2 0 --offload 1"; do
+            # shellcheck disable=SC2086
+            invoke "barq (CUDA, $variant) $mdl" 9 "$cb/bench/bench_step_gpu" --model "$mdl" --T "$LT" --extend "$LT" \
+                --ckpt 1 --steps "$LSTEPS" --warmup 1 $variant
         done
-        echo
-        echo "Longest T that runs one training step (S2-Attn 1/4, checkpointing, context extended to T), doubling from $LT:"
-        echo
-        echo "| trainer | model | B x T | r | ckpt | longest T | trainer estimate | device memory |"
-        echo "|---|---|---|---|---|---|---|---|"
-        for mdl in "${models[@]}"; do
-            for off in 0 1; do
-                "$cb/bench/bench_step_gpu" --model "$mdl" --max-T 1 --T "$LT" --extend 1 --ckpt 1 --s2 0.25 \
-                    --offload "$off" 2>>"$tmp/long.err" || echo "| barq (CUDA) longest T | $mdl | FAILED | | | | | |"
-            done
+    done
+    emit ""
+    emit "Longest T that runs one training step (S2-Attn 1/4, checkpointing, context extended to T), doubling from $LT up to $TLIM -- $name:"
+    emit ""
+    emit "| trainer | model | B x T | r | ckpt | longest T | trainer estimate | device memory | card |"
+    emit "|---|---|---|---|---|---|---|---|---|"
+    for mdl in "${models[@]}"; do
+        for off in 0 1; do
+            invoke "barq (CUDA) longest T, offload $off, $mdl" 9 "$cb/bench/bench_step_gpu" --model "$mdl" --max-T 1 \
+                --T "$LT" --extend 1 --ckpt 1 --s2 0.25 --offload "$off" --max-T-limit "$TLIM"
         done
-    fi
-    echo
-    echo "Logs:"
-    echo
-    echo '```'
-    cat "$tmp"/*.err 2>/dev/null | grep -v '^\s*$' | tail -n 40
-    echo '```'
-} | tee "$out"
-rm -rf "$tmp"
-echo "bench-gpu: wrote $out"
+    done
+fi
+echo "bench-gpu: wrote $res${BENCH_OUT:+ and $BENCH_OUT}" >&2
+[ $failed = 1 ] && exit 1
+[ $timed = 1 ] && exit 124
+exit 0

@@ -19,6 +19,7 @@
 #include "loaderd/config.h"
 #include "loaderd/format.h"
 #include "loaderd/pipeline.h"
+#include "loaderd/server.h"
 #include "loaderd/server_proto.h"
 #include "tests/unit/util/test_util.h"
 
@@ -78,28 +79,26 @@ static void test_loaderd_config(void **st) {
 static void test_job_spec(void **st) {
     (void)st;
     ld_job_spec s;
-    char err[512];
-    assert_int_equal(ld_job_spec_parse(&s, BOM "{" SPEC ", \"seq_len\": 64}", err, sizeof err), BT_OK);
+    assert_int_equal(ld_job_spec_parse(&s, BOM "{" SPEC ", \"seq_len\": 64}", NULL), BT_OK);
     assert_int_equal(s.T, 64);
     ld_job_spec_free(&s);
-    assert_int_equal(ld_job_spec_parse(&s, "{" SPEC ", \"seq_len\": 64, \"seq_len\": 4096}", err, sizeof err),
+    assert_int_equal(ld_job_spec_parse(&s, "{" SPEC ", \"seq_len\": 64, \"seq_len\": 4096}", NULL),
                      BT_ERR_INVALID);
-    assert_non_null(strstr(err, "duplicate key \"seq_len\""));
+    assert_non_null(strstr(bt_last_error(), "duplicate key \"seq_len\""));
     assert_non_null(strstr(bt_last_error(), "job spec:1:"));
     /* inside "datasets" too */
     const char *t = "{\"tokenizer\": \"/t\", \"seq_len\": 64, \"micro_batch_size\": 1, \"datasets\": "
                     "[{\"shards\": [\"/a\"], \"format\": \"text\", \"weight\": 1, \"weight\": 9}]}";
-    assert_int_equal(ld_job_spec_parse(&s, t, err, sizeof err), BT_ERR_INVALID);
-    assert_non_null(strstr(err, "duplicate key \"weight\""));
+    assert_int_equal(ld_job_spec_parse(&s, t, NULL), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "duplicate key \"weight\""));
 }
 
 static void test_request(void **st) {
     (void)st;
     ld_request r;
-    char err[512];
     const char *t = "{\"v\": 1, \"op\": \"attach\", \"job\": {\"seq_len\": 1, \"seq_len\": 2}}";
-    assert_int_equal(ld_request_parse(&r, t, strlen(t), 32, err, sizeof err), 1);
-    assert_non_null(strstr(err, "duplicate key \"seq_len\""));
+    assert_int_equal(ld_request_parse(&r, ld_server_commands(), t, strlen(t), 32), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "duplicate key \"seq_len\""));
     ld_request_free(&r);
 }
 
@@ -112,17 +111,16 @@ static void test_shard_lines(void **st) {
     ld_format_cfg cfg = {.format = LD_FMT_TEXT, .tok = tok};
     bt_ids ids = {0}, mask = {0}, ids2 = {0}, mask2 = {0};
     int trunc = 0, reason = -1;
-    char msg[200];
     const char *plain = "{\"text\": \"hello world\"}", *bom = BOM "{\"text\": \"hello world\"}";
-    assert_int_equal(ld_format_line(&cfg, plain, strlen(plain), &ids, &mask, &trunc, &reason, msg, sizeof msg), 0);
-    assert_int_equal(ld_format_line(&cfg, bom, strlen(bom), &ids2, &mask2, &trunc, &reason, msg, sizeof msg), 0);
+    assert_int_equal(ld_format_line(&cfg, plain, strlen(plain), &ids, &mask, &trunc, &reason), 0);
+    assert_int_equal(ld_format_line(&cfg, bom, strlen(bom), &ids2, &mask2, &trunc, &reason), 0);
     assert_int_equal(ids.n, ids2.n);
     assert_memory_equal(ids.v, ids2.v, ids.n * sizeof ids.v[0]);
     const char *dup = "{\"text\": \"a\", \"text\": \"b\"}";
     size_t n0 = ids.n;
-    assert_int_equal(ld_format_line(&cfg, dup, strlen(dup), &ids, &mask, &trunc, &reason, msg, sizeof msg), 1);
+    assert_int_equal(ld_format_line(&cfg, dup, strlen(dup), &ids, &mask, &trunc, &reason), 1);
     assert_int_equal(reason, LD_BAD_JSON);
-    assert_non_null(strstr(msg, "duplicate object key near '\"text\"'"));
+    assert_non_null(strstr(bt_last_error(), "duplicate object key near '\"text\"'"));
     assert_int_equal(ids.n, n0);
     bt_ids_free(&ids);
     bt_ids_free(&mask);

@@ -25,6 +25,7 @@
 #include <zstd.h>
 
 #include "common/bt_common.h"
+#include "common/bt_le.h"
 #include "common/tokenizer.h"
 #include "tests/unit/util/test_util.h"
 
@@ -42,19 +43,17 @@ typedef struct {
     doc_t *docs;
 } corpus_t;
 
-static uint32_t rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-
 static void load_corpus(corpus_t *c, const char *path) {
     size_t len;
     c->buf = (uint8_t *)tu_read_zst(path, &len);
     assert_true(len >= 12 && memcmp(c->buf, "BTTKCORP", 8) == 0);
-    c->n = rd32(c->buf + 8);
+    c->n = bt_get32(c->buf + 8);
     c->docs = calloc(c->n + 1, sizeof *c->docs);
     size_t off = 12;
     for (size_t i = 0; i < c->n; i++) {
         assert_true(off + 5 <= len);
         c->docs[i].special = c->buf[off] & 1;
-        c->docs[i].len = rd32(c->buf + off + 1);
+        c->docs[i].len = bt_get32(c->buf + off + 1);
         off += 5;
         assert_true(off + c->docs[i].len <= len);
         c->docs[i].text = c->buf + off;
@@ -126,15 +125,14 @@ static size_t check_family(const char *name, const bt_tokenizer *t, const corpus
     size_t len;
     uint8_t *p = (uint8_t *)tu_read_zst(ids_path, &len);
     assert_true(len >= 12 && memcmp(p, "BTTKIDS1", 8) == 0);
-    assert_int_equal(rd32(p + 8), c->n);
+    assert_int_equal(bt_get32(p + 8), c->n);
     size_t off = 12, bad = 0, dbad = 0, ntok = 0;
     bt_ids got = {0};
     int32_t *want = NULL;
     size_t want_cap = 0;
     for (size_t i = 0; i < c->n; i++) {
         assert_true(off + 8 <= len);
-        uint64_t h = 0;
-        for (int k = 7; k >= 0; k--) h = h << 8 | p[off + (size_t)k];
+        uint64_t h = bt_get64(p + off);
         off += 8;
         size_t n = (size_t)varint(p, len, &off);
         if (n > want_cap) {
@@ -437,8 +435,10 @@ static void test_json_handmade(void **state) {
         bt_tokenizer_free(t);
     }
     /* errors: every one names what is wrong */
+    /* a byte-level vocabulary and decoder without a ByteLevel pre-tokenizer (SentencePiece-style
+     * files have their own decoder: tests/unit/common/test_tokenizer_spm.c) */
     char *js = tiny_json("[\"a b\"]", "{\"type\":\"Metaspace\"}", "");
-    expect_json(js, BT_ERR_UNSUPPORTED, "Metaspace");
+    expect_json(js, BT_ERR_UNSUPPORTED, "no ByteLevel");
     free(js);
     js = tiny_json("[\"a b\"]", "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":\"[\\\\S]\"},"
                                 "\"behavior\":\"Isolated\",\"invert\":false}," BL "]}", "");
@@ -470,8 +470,10 @@ static void test_json_handmade(void **state) {
     expect_json(js, BT_ERR_FORMAT, "already holds");
     free(js);
     expect_json("{\"model\":{\"type\":\"Unigram\",\"vocab\":[]}}", BT_ERR_UNSUPPORTED, "Unigram");
-    expect_json("{\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"vocab\":{\"a\":0},\"merges\":[]}}", BT_ERR_UNSUPPORTED,
-                "byte_fallback");
+    expect_json("{\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"vocab\":{\"a\":0},\"merges\":[]}}", BT_ERR_FORMAT,
+                "merges");
+    expect_json("{\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"vocab\":{\"a\":0},\"merges\":[]},"
+                "\"pre_tokenizer\":" BL "}", BT_ERR_UNSUPPORTED, "byte_fallback");
     expect_json("{\"model\":", BT_ERR_FORMAT, NULL);
     expect_json("[1,2]", BT_ERR_FORMAT, "model");
     expect_json("", BT_ERR_FORMAT, NULL);

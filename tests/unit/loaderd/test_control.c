@@ -1,6 +1,7 @@
-/* loaderd control protocol without sockets: ld_request_parse (loaderd/server_proto.h) for every
- * op and the ways a request can be wrong, ld_peer_allowed and the allowed_users /
- * allowed_groups / client_timeout_s configuration keys (loaderd/config.h). */
+/* loaderd control protocol without sockets: ld_request_parse (loaderd/server_proto.h) against
+ * loaderd's command table (ld_server_commands) for every op and the ways a request can be wrong,
+ * the table itself (the op list and who may call what come from it), ld_peer_allowed and the
+ * allowed_users / allowed_groups / client_timeout_s configuration keys (loaderd/config.h). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,11 +13,18 @@
 
 #include "common/bt_common.h"
 #include "loaderd/config.h"
+#include "loaderd/server.h"
 #include "loaderd/server_proto.h"
 
-static int parse(const char *line, ld_request *r, char *err) {
-    return ld_request_parse(r, line, strlen(line), 32, err, 512);
+/* ld_request_parse with depth limit `depth`: 0, or 1 with the message copied into err (512 bytes) */
+static int parse_depth(const char *line, ld_request *r, unsigned depth, char *err) {
+    int rc = ld_request_parse(r, ld_server_commands(), line, strlen(line), depth);
+    snprintf(err, 512, "%s", rc ? bt_last_error() : "");
+    assert_true(rc == BT_OK || rc == BT_ERR_INVALID);
+    return rc ? 1 : 0;
 }
+
+static int parse(const char *line, ld_request *r, char *err) { return parse_depth(line, r, 32, err); }
 
 static void test_ops_accepted(void **state) {
     (void)state;
@@ -27,7 +35,7 @@ static void test_ops_accepted(void **state) {
         char line[64];
         snprintf(line, sizeof line, "{\"v\":1,\"op\":\"%s\"}", simple[i]);
         assert_int_equal(parse(line, &r, err), 0);
-        assert_string_equal(ld_op_name(r.op), simple[i]);
+        assert_string_equal(r.cmd->name, simple[i]);
         ld_request_free(&r);
     }
     char att[1024];
@@ -36,7 +44,7 @@ static void test_ops_accepted(void **state) {
     snprintf(att, sizeof att, "{\"v\":1,\"op\":\"attach\",\"rank\":2,\"world_size\":4,\"resume\":\"%s\",\"job\":{\"a\":1}}",
              hex);
     assert_int_equal(parse(att, &r, err), 0);
-    assert_int_equal(r.op, LD_OP_ATTACH);
+    assert_string_equal(r.cmd->name, "attach");
     assert_int_equal(r.rank, 2);
     assert_int_equal(r.world, 4);
     assert_true(r.has_resume);
@@ -147,15 +155,81 @@ static void test_depth_limit(void **state) {
     char err[512];
     const char *ok = "{\"v\":1,\"op\":\"status\",\"x\":[[1]]}";   /* depth 3 */
     const char *deep = "{\"v\":1,\"op\":\"status\",\"x\":[[[1]]]}"; /* depth 4 */
-    assert_int_equal(ld_request_parse(&r, ok, strlen(ok), 3, err, sizeof err), 0);
+    assert_int_equal(parse_depth(ok, &r, 3, err), 0);
     ld_request_free(&r);
-    assert_int_equal(ld_request_parse(&r, deep, strlen(deep), 3, err, sizeof err), 1);
+    assert_int_equal(parse_depth(deep, &r, 3, err), 1);
     assert_non_null(strstr(err, "nested deeper than 3"));
     ld_request_free(&r);
     /* brackets inside strings do not count */
     const char *str = "{\"v\":1,\"op\":\"status\",\"x\":\"[[[[[[[[\"}";
-    assert_int_equal(ld_request_parse(&r, str, strlen(str), 3, err, sizeof err), 0);
+    assert_int_equal(parse_depth(str, &r, 3, err), 0);
     ld_request_free(&r);
+}
+
+/* The command table is the one list of ops: every refusal that lists them, and who may call
+ * what, come from its rows. */
+static void test_command_table(void **state) {
+    (void)state;
+    const ld_command *t = ld_server_commands();
+    char list[256];
+    assert_string_equal(ld_command_list(t, list, sizeof list),
+                        "hello, attach, detach, report, status, jobs, metrics, drain, reload");
+    for (const ld_command *c = t; c->name; c++) {
+        assert_non_null(c->handler);
+        int ops_only = !strcmp(c->name, "drain") || !strcmp(c->name, "reload");
+        assert_int_equal(c->who, ops_only ? LD_OPERATORS : LD_ANYONE);
+    }
+    ld_request r;
+    char err[512];
+    assert_int_equal(parse("{\"v\":1,\"op\":\"frob\"}", &r, err), 1);
+    char want[300];
+    snprintf(want, sizeof want, "unknown op (%s)", list);
+    assert_string_equal(err, want);
+    assert_null(r.cmd);
+    ld_request_free(&r);
+    assert_int_equal(parse("{\"v\":1}", &r, err), 1);
+    snprintf(want, sizeof want, "missing \"op\" (%s)", list);
+    assert_string_equal(err, want);
+    ld_request_free(&r);
+    /* a table of its own: its rows are the only ops (a row is all an op takes) */
+    static const ld_command mine[] = {{"ping", NULL, NULL, LD_ANYONE}, {NULL, NULL, NULL, LD_ANYONE}};
+    const char *ping = "{\"v\":1,\"op\":\"ping\"}", *status = "{\"v\":1,\"op\":\"status\"}";
+    assert_int_equal(ld_request_parse(&r, mine, ping, strlen(ping), 32), BT_OK);
+    assert_ptr_equal(r.cmd, &mine[0]);
+    ld_request_free(&r);
+    assert_int_equal(ld_request_parse(&r, mine, status, strlen(status), 32), BT_ERR_INVALID);
+    assert_string_equal(bt_last_error(), "unknown op (ping)");
+    ld_request_free(&r);
+}
+
+/* A report's "base" is a closed object (json_unpack_ex with '!'): a key more, a key less or a
+ * wrong type is refused, naming it. */
+static void test_report_base_shape(void **state) {
+    (void)state;
+    ld_request r;
+    char err[512];
+    const char *ok = "{\"v\":1,\"op\":\"report\",\"step\":1,\"base\":{\"dtype\":\"gguf\",\"types\":\"Q4_K+Q6_K\","
+                     "\"bits_per_weight\":4.75,\"bytes\":3}}";
+    assert_int_equal(parse(ok, &r, err), 0);
+    assert_true(r.has_base);
+    assert_string_equal(r.base_types, "Q4_K+Q6_K");
+    assert_true(r.base_bpw == 4.75 && r.base_bytes == 3);
+    ld_request_free(&r);
+    static const struct {
+        const char *base, *want;
+    } bad[] = {
+        {"{\"dtype\":\"gguf\",\"types\":\"Q4_K\",\"bits_per_weight\":4,\"bytes\":3,\"extra\":1}", "extra"},
+        {"{\"dtype\":\"gguf\",\"types\":\"Q4_K\",\"bits_per_weight\":4}", "bytes"},
+        {"{\"dtype\":\"gguf\",\"types\":\"Q4_K\",\"bits_per_weight\":\"4\",\"bytes\":3}", "bits_per_weight"},
+        {"{\"dtype\":\"gguf\",\"types\":\"Q4 K\",\"bits_per_weight\":4,\"bytes\":3}", "\"types\": 1-63 chars"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char line[256];
+        snprintf(line, sizeof line, "{\"v\":1,\"op\":\"report\",\"step\":1,\"base\":%s}", bad[i].base);
+        assert_int_equal(parse(line, &r, err), 1);
+        if (!strstr(err, "\"base\"") || !strstr(err, bad[i].want)) fail_msg("%zu: %s", i, err);
+        ld_request_free(&r);
+    }
 }
 
 static void test_peer_allowed_and_config(void **state) {
@@ -197,6 +271,8 @@ int main(void) {
         cmocka_unit_test(test_bad_requests),
         cmocka_unit_test(test_control_characters_refused),
         cmocka_unit_test(test_depth_limit),
+        cmocka_unit_test(test_command_table),
+        cmocka_unit_test(test_report_base_shape),
         cmocka_unit_test(test_peer_allowed_and_config),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,4 +1,4 @@
-/* Tests of loaderd/pipeline.c + jobspec.c end to end: shards with good and bad lines written
+/* Tests of loaderd/pipeline.c + job.c end to end: shards with good and bad lines written
  * into a temporary directory, the real tokenizer (env BT_MODEL). */
 #include <stdarg.h>
 #include <stddef.h>
@@ -123,14 +123,14 @@ static int teardown(void **state) {
 }
 
 static void make_spec(ld_job_spec *spec, int threads, int epochs, const char *extra) {
-    char json[2048], err[256];
+    char json[2048];
     snprintf(json, sizeof json,
              "{\"name\":\"t\",\"shards\":[\"%s/*.jsonl\",\"%s/*.zst\",\"%s/a.jsonl\"],\"format\":\"chat\","
              "\"tokenizer\":\"%s\",\"seq_len\":%d,\"micro_batch_size\":%d,\"seed\":7,\"epochs\":%d,"
              "\"tokenizer_threads\":%d%s}",
              g_dir, g_dir, g_dir, tu_model_path(), T_TEST, B_TEST, epochs, threads, extra ? extra : "");
-    int rc = ld_job_spec_parse(spec, json, err, sizeof err);
-    if (rc != BT_OK) fail_msg("spec: %s", err);
+    int rc = ld_job_spec_parse(spec, json, NULL);
+    if (rc != BT_OK) fail_msg("spec: %s", bt_last_error());
 }
 
 typedef struct {
@@ -205,10 +205,9 @@ static void collect_docs(const run_t *r, const ld_job_spec *spec, int *counts, u
 static void test_jobspec(void **state) {
     (void)state;
     ld_job_spec s;
-    char err[256];
     assert_int_equal(ld_job_spec_parse(&s, "{\"shards\":[\"x\"],\"format\":\"text\",\"tokenizer\":\"t.gguf\","
                                            "\"seq_len\":512,\"micro_batch_size\":2,\"ring_slots\":8}",
-                                       err, sizeof err), BT_OK);
+                                       NULL), BT_OK);
     assert_int_equal(s.n_threads, 2);
     assert_int_equal(s.T, 512);
     assert_int_equal(s.B, 2);
@@ -238,14 +237,15 @@ static void test_jobspec(void **state) {
         {"{\"shards\":[\"x\"],\"format\":\"chat\",\"tokenizer\":\"t\",\"seq_len\":512,\"micro_batch_size\":2,\"ring_slots\":\"8\"}", "ring_slots"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        assert_int_equal(ld_job_spec_parse(&s, bad[i].json, err, sizeof err), BT_ERR_INVALID);
+        bt_keypath key;
+        assert_int_equal(ld_job_spec_parse(&s, bad[i].json, &key), BT_ERR_INVALID);
         char want[64];
         snprintf(want, sizeof want, "\"%s\"", bad[i].key);
-        if (!strstr(err, want)) fail_msg("case %zu: error \"%s\" does not name %s", i, err, want);
-        assert_non_null(strstr(bt_last_error(), want));
+        if (!strstr(bt_last_error(), want)) fail_msg("case %zu: error \"%s\" does not name %s", i, bt_last_error(), want);
+        assert_string_equal(key.s, bad[i].key); /* the key, as data */
     }
-    assert_int_equal(ld_job_spec_parse(&s, "[1]", err, sizeof err), BT_ERR_INVALID);
-    assert_int_equal(ld_job_spec_parse(&s, "{", err, sizeof err), BT_ERR_INVALID);
+    assert_int_equal(ld_job_spec_parse(&s, "[1]", NULL), BT_ERR_INVALID);
+    assert_int_equal(ld_job_spec_parse(&s, "{", NULL), BT_ERR_INVALID);
     ld_job_spec_free(&s); /* after a failed parse: zeroed, harmless */
 }
 
@@ -492,11 +492,11 @@ static void test_text_split(void **state) {
     assert_int_equal(system(cmd), 0);
     tu_write_file(g_dir, "text/t.jsonl", s.p, s.n);
     free(s.p);
-    char json[1024], err[256];
+    char json[1024];
     snprintf(json, sizeof json, "{\"shards\":[\"%s/text/*.jsonl\"],\"format\":\"text\",\"text_field\":\"body\","
              "\"tokenizer\":\"%s\",\"seq_len\":64,\"micro_batch_size\":3,\"epochs\":1,\"seed\":1}", g_dir, tu_model_path());
     ld_job_spec spec;
-    assert_int_equal(ld_job_spec_parse(&spec, json, err, sizeof err), BT_OK);
+    assert_int_equal(ld_job_spec_parse(&spec, json, NULL), BT_OK);
     ld_stats st;
     memset(&st, 0, sizeof st);
     run_t r = run_pipeline(&spec, NULL, &st, 0, 0);
@@ -524,11 +524,11 @@ static void test_no_valid_docs(void **state) {
     const char *lines = "{\"messages\":[]}\nnot json\n\n";
     tu_write_file(g_dir, "bad/only_bad.jsonl", lines, strlen(lines));
     for (int epochs = 1; epochs >= 0; epochs--) {
-        char json[1024], err[256];
+        char json[1024];
         snprintf(json, sizeof json, "{\"shards\":[\"%s/bad/*.jsonl\"],\"format\":\"chat\",\"tokenizer\":\"%s\","
                  "\"seq_len\":64,\"micro_batch_size\":2,\"epochs\":%d}", g_dir, tu_model_path(), epochs);
         ld_job_spec spec;
-        assert_int_equal(ld_job_spec_parse(&spec, json, err, sizeof err), BT_OK);
+        assert_int_equal(ld_job_spec_parse(&spec, json, NULL), BT_OK);
         ld_stats st;
         memset(&st, 0, sizeof st);
         ld_pipeline *p = NULL;

@@ -1,8 +1,10 @@
 /* Tests for proto/client.c against a fake loaderd (a thread that answers one attach with a ring
  * memfd): the END_OF_DATA batch is checked for its job id like any batch, a report made while
- * bt_client_next is reconnecting fails at once instead of waiting out the reconnect window, and
- * a stream loaderd failed ends with loaderd's own reason, asked before the client detaches
- * (issue 21 §9). */
+ * bt_client_next is reconnecting fails at once instead of waiting out the reconnect window, a
+ * reconnect that finds no loaderd gives up, and a stream loaderd failed ends with loaderd's own
+ * reason, asked before the client detaches (issue 21 §9). Ordered by events (the fake holds the
+ * reconnect's attach; it answers the `jobs` request the failed stream makes), never by sleeps or
+ * timings. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -15,6 +17,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/bt_common.h"
@@ -58,14 +61,18 @@ static void fake_listen(fake *f) {
     assert_int_equal(listen(f->lfd, 4), 0);
 }
 
-/* Serve one attach: read the request line, reply with the ring fd. */
-static void *fake_serve(void *arg) {
-    fake *f = arg;
+/* Take one attach: accept the connection and read its request line. 0, or -1. */
+static int fake_accept(fake *f) {
     f->cfd = accept(f->lfd, NULL, NULL);
-    if (f->cfd < 0) return NULL;
+    if (f->cfd < 0) return -1;
     char c;
     while (recv(f->cfd, &c, 1, 0) == 1 && c != '\n') {}
-    if (bt_ring_create(&f->ring, 4, FB, FT)) return NULL;
+    return 0;
+}
+
+/* Answer the attach taken by fake_accept with a new ring's fd. */
+static void fake_reply(fake *f) {
+    if (bt_ring_create(&f->ring, 4, FB, FT)) return;
     char rep[256];
     int n = snprintf(rep, sizeof rep,
                      "{\"v\":%d,\"ok\":true,\"op\":\"attach\",\"job_id\":%u,\"B\":%u,\"T\":%u,\"slots\":4,"
@@ -84,6 +91,12 @@ static void *fake_serve(void *arg) {
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(cm), &f->ring.fd, sizeof(int));
     (void)sendmsg(f->cfd, &m, MSG_NOSIGNAL);
+}
+
+/* Serve one attach: read the request line, reply with the ring fd. */
+static void *fake_serve(void *arg) {
+    fake *f = arg;
+    if (fake_accept(f) == 0) fake_reply(f);
     return NULL;
 }
 
@@ -156,27 +169,62 @@ static void *next_main(void *arg) {
     return NULL;
 }
 
+static void *report_main(void *arg) {
+    next_arg *a = arg;
+    a->rc = bt_client_report(a->c, 1, 2.0, 3.0);
+    snprintf(a->err, sizeof a->err, "%s", bt_last_error());
+    return NULL;
+}
+
+/* A report made while bt_client_next reconnects fails at once: ordered by events, not timed.
+ * loaderd drops the job; the client's reconnect connects and sends its attach, which the fake
+ * holds unanswered (the reconnect window is 600 s: it cannot end by itself meanwhile). The report
+ * must come back BT_ERR_CLOSED while that attach is still pending; a report that waited for the
+ * reconnect would wait for the answer the fake only gives after it (the 60 s join limit only
+ * turns that deadlock into a failure). Then the answer lets the stream go on. */
 static void test_report_fails_fast_while_reconnecting(void **s) {
     (void)s;
-    setenv("LOADERD_RECONNECT_S", "3", 1);
+    setenv("LOADERD_RECONNECT_S", "600", 1);
     fake f;
     bt_client *c = fake_attach(&f);
     unsetenv("LOADERD_RECONNECT_S");
-    next_arg a = {.c = c, .rc = 0, .err = ""};
-    pthread_t th;
+    next_arg a = {.c = c, .rc = 0, .err = ""}, r = {.c = c, .rc = 0, .err = ""};
+    pthread_t th, rth;
     assert_int_equal(pthread_create(&th, NULL, next_main, &a), 0);
-    /* loaderd goes away and does not come back: bt_client_next reconnects for 3 s */
+    bt_ring_producer_close(&f.ring);
+    bt_ring_close(&f.ring);
+    close(f.cfd);
+    assert_int_equal(fake_accept(&f), 0); /* the reconnect's attach: the client is reconnecting */
+    assert_int_equal(pthread_create(&rth, NULL, report_main, &r), 0);
+    struct timespec lim;
+    clock_gettime(CLOCK_REALTIME, &lim);
+    lim.tv_sec += 60;
+    if (pthread_timedjoin_np(rth, NULL, &lim) != 0) fail_msg("bt_client_report waited for the reconnect");
+    assert_int_equal(r.rc, BT_ERR_CLOSED);
+    assert_non_null(strstr(r.err, "reconnecting"));
+    fake_reply(&f); /* loaderd is back: the stream goes on, to its end */
+    put_end_of_data(&f, JOB_ID, 0);
+    pthread_join(th, NULL);
+    assert_int_equal(a.rc, 1);
+    assert_int_equal(bt_client_reconnects(c), 1);
+    bt_client_close(c);
+    fake_close(&f);
+}
+
+/* loaderd goes away and does not come back: bt_client_next gives up after the reconnect window
+ * and says so. */
+static void test_reconnect_gives_up(void **s) {
+    (void)s;
+    setenv("LOADERD_RECONNECT_S", "1", 1);
+    fake f;
+    bt_client *c = fake_attach(&f);
+    unsetenv("LOADERD_RECONNECT_S");
     bt_ring_producer_close(&f.ring);
     fake_close(&f);
-    usleep(500 * 1000);
-    double t0 = bt_now();
-    int rc = bt_client_report(c, 1, 2.0, 3.0);
-    double dt = bt_now() - t0;
-    assert_int_equal(rc, BT_ERR_CLOSED);
-    assert_true(dt < 1.0);
-    pthread_join(th, NULL);
-    assert_true(a.rc < 0); /* loaderd did not come back */
-    assert_non_null(strstr(a.err, "did not come back"));
+    bt_batch_view v;
+    assert_true(bt_client_next(c, &v, -1) < 0);
+    assert_non_null(strstr(bt_last_error(), "did not come back"));
+    assert_int_equal(bt_client_report(c, 1, 2.0, 3.0) < 0, 1); /* no connection any more: refused, not hung */
     bt_client_close(c);
 }
 
@@ -207,7 +255,9 @@ static void *jobs_serve(void *arg) {
 
 /* loaderd fails the job (closes the ring, keeps the connection): the client's error carries the
  * job's error from loaderd's `jobs` list, which it asks while still attached (after a detach the
- * job is gone from the list and the reason would be lost). */
+ * job is gone from the list and the reason would be lost). Bound by events: bt_client_next waits
+ * for the close with no timeout, and the `jobs` request is read back once it returned (a client
+ * that never asked cannot hang the test: the fake stops listening then, so its accept ends). */
 static void test_failed_job_reason(void **s) {
     (void)s;
     fake f;
@@ -217,7 +267,8 @@ static void test_failed_job_reason(void **s) {
     assert_int_equal(pthread_create(&th, NULL, jobs_serve, &a), 0);
     bt_ring_producer_close(&f.ring);
     bt_batch_view v;
-    assert_int_equal(bt_client_next(c, &v, 10000), BT_ERR_CLOSED);
+    assert_int_equal(bt_client_next(c, &v, -1), BT_ERR_CLOSED);
+    shutdown(f.lfd, SHUT_RDWR); /* the request, if any, was answered: bt_client_next read the reply */
     pthread_join(th, NULL);
     assert_non_null(strstr(a.request, "\"op\":\"jobs\""));
     assert_non_null(strstr(bt_last_error(), "loaderd closed the stream of job 7 before its end: job failed: every "
@@ -230,6 +281,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_end_of_data_checks_job_id, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_report_fails_fast_while_reconnecting, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_reconnect_gives_up, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_failed_job_reason, setup_dir, teardown_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -70,14 +70,14 @@ void tu_write_two_datasets(const char *dir, int n_chat, int n_text, int blank_ev
 
 void tu_two_dataset_spec(ld_job_spec *spec, const char *dir, uint32_t T, uint32_t B, uint64_t seed, int epochs,
                          int threads, uint32_t rank, uint32_t world) {
-    char json[2048], err[256];
+    char json[2048];
     snprintf(json, sizeof json,
              "{\"datasets\":[{\"shards\":[\"%s/a*.jsonl*\"],\"format\":\"chat\",\"weight\":2},"
              "{\"shards\":[\"%s/b.jsonl\"],\"format\":\"text\",\"text_field\":\"body\",\"weight\":1}],"
              "\"tokenizer\":\"%s\",\"seq_len\":%u,\"micro_batch_size\":%u,\"seed\":%llu,\"epochs\":%d,"
              "\"tokenizer_threads\":%d}",
              dir, dir, tu_model_path(), T, B, (unsigned long long)seed, epochs, threads);
-    if (ld_job_spec_parse(spec, json, err, sizeof err) != BT_OK) fail_msg("spec: %s", err);
+    if (ld_job_spec_parse(spec, json, NULL) != BT_OK) fail_msg("spec: %s", bt_last_error());
     spec->rank = rank;
     spec->world_size = world;
 }
