@@ -14,10 +14,9 @@
  * AddedVocabulary, llama.cpp tokenizer_st_partition), the whitespace a token absorbs (rstrip /
  * lstrip: Phi-3's) is cut off first (bt_tokenizer_strip).
  * Loss mask: a token is trained iff it covers at least one byte of an assistant message's content
- * (the byte spans come from the tokens' lengths: bt_tokenizer_token_bytes, one byte less for the
- * first token of a run that got a space prefix; a run whose lengths do not add up to its text is
- * refused, never mis-masked), and the end-of-turn token after each assistant message is trained
- * (</s>, <end_of_turn>, <|end|>). */
+ * (the byte spans come from aligning each run's tokens to its text: align() below; a run whose
+ * tokens do not line up with its text is refused, never mis-masked), and the end-of-turn token
+ * after each assistant message is trained (</s>, <end_of_turn>, <|end|>). */
 #include "common/chat.h"
 
 #include <stdlib.h>
@@ -120,13 +119,15 @@ void bt_chat_py_strip(const char **s, size_t *n, int left, int right) {
     *n = b - a;
 }
 
-/* Drops the trailing Python whitespace of txt[from..n) (Llama 2 strips `<<SYS>>...` + content). */
+/* Drops the trailing Python whitespace of txt[from..n) (Llama 2 strips `<<SYS>>...` + content),
+ * never past a token marker (a token's text is not whitespace). */
 static void rstrip_from(render *r, size_t from) {
+    for (size_t i = 0; i < r->nmk; i++)
+        if (r->mk[i].pos > from) from = r->mk[i].pos;
     const char *s = r->txt + from;
     size_t n = r->n - from;
     bt_chat_py_strip(&s, &n, 0, 1);
     r->n = from + n;
-    for (size_t i = r->nmk; i > 0 && r->mk[i - 1].pos > r->n; i--) r->mk[i - 1].pos = r->n;
 }
 
 static int refuse(render *r, const char *msg) {
@@ -203,16 +204,20 @@ static int llama2(render *r, const bt_chat_msg *m, int n) {
         int a = is_role(&m[k], "assistant");
         if (!a) {
             tok(r, bos, 0);
-            lit(r, "[INST] ");
+            lit_or_tok(r, "[INST]");
+            lit(r, " ");
         } else {
             lit(r, " ");
         }
         const char *c = m[k].content;
         size_t cn = m[k].content_len, from = r->n;
         if (k == s && s) {
-            lit(r, "<<SYS>>\n");
+            lit_or_tok(r, "<<SYS>>");
+            lit(r, "\n");
             put(r, m[0].content, m[0].content_len, C_MSG);
-            lit(r, "\n<</SYS>>\n\n");
+            lit(r, "\n");
+            lit_or_tok(r, "<</SYS>>");
+            lit(r, "\n\n");
             put(r, c, cn, C_MSG);
             if (!r->err) rstrip_from(r, from);
         } else {
@@ -220,7 +225,8 @@ static int llama2(render *r, const bt_chat_msg *m, int n) {
             put(r, c, cn, a ? C_TRAIN : C_MSG);
         }
         if (!a) {
-            lit(r, " [/INST]");
+            lit(r, " ");
+            lit_or_tok(r, "[/INST]");
         } else {
             lit(r, " ");
             tok(r, eos, 1);
@@ -296,12 +302,41 @@ static int phi3(render *r, const bt_chat_msg *m, int n) {
     return 0;
 }
 
-/* Bytes of text token id stands for (the chat.c rule: user-defined tokens by their text). */
-static size_t src_len(const bt_tokenizer *t, int32_t id) {
-    if (bt_tokenizer_token_type(t, id) == 4) return strlen(bt_tokenizer_piece(t, id));
-    size_t n = 0;
-    bt_tokenizer_token_bytes(t, id, &n);
-    return n;
+/* Aligns the tokens of the run txt[a..b) to its bytes and sets train[i] = 1 for each token whose
+ * bytes include a trained one: a user-defined token stands for its own text (matched literally);
+ * any other token for the bytes it decodes to, where a decoded " " may stand for a " " or a
+ * literal U+2581 of the text (SentencePiece escapes both alike), and, with prefix, the first
+ * token's leading " " for nothing (the space prefix). 0 when every byte is accounted for exactly,
+ * -1 otherwise. */
+static int align(const render *r, const bt_ids *tk, size_t a, size_t b, int prefix, int32_t *train) {
+    const bt_tokenizer *t = r->t;
+    const char *x = r->txt;
+    size_t off = a;
+    for (size_t i = 0; i < tk->n; i++) {
+        size_t start = off;
+        if (bt_tokenizer_token_type(t, tk->v[i]) == 4) {
+            const char *pc = bt_tokenizer_piece(t, tk->v[i]);
+            size_t l = strlen(pc);
+            if (l > b - off || memcmp(x + off, pc, l) != 0) return -1;
+            off += l;
+        } else {
+            size_t l = 0;
+            const uint8_t *d = bt_tokenizer_token_bytes(t, tk->v[i], &l);
+            size_t j = 0;
+            if (i == 0 && prefix) {
+                if (!l || d[0] != ' ') return -1;
+                j = 1;
+            }
+            for (; j < l; j++) {
+                if (off < b && (uint8_t)x[off] == d[j]) off++;
+                else if (d[j] == ' ' && b - off >= 3 && memcmp(x + off, "\xe2\x96\x81", 3) == 0) off += 3;
+                else return -1;
+            }
+        }
+        train[i] = 0;
+        for (size_t q = start; q < off && !train[i]; q++) train[i] = r->cls[q] == C_TRAIN;
+    }
+    return off == b ? 0 : -1;
 }
 
 static int push2(bt_ids *ids, bt_ids *mask, int32_t id, int32_t m) {
@@ -317,7 +352,7 @@ static int push2(bt_ids *ids, bt_ids *mask, int32_t id, int32_t m) {
 /* Tokenizes the rendering: markers by id, each run of text between them with bt_tokenize_run. */
 static int encode(render *r, bt_ids *ids, bt_ids *mask) {
     const bt_tokenizer *t = r->t;
-    bt_ids tmp = {0};
+    bt_ids tmp = {0}, tr = {0};
     int rc = 0;
     size_t pos = 0, k = 0;
     int32_t prev = -1;
@@ -334,26 +369,26 @@ static int encode(render *r, bt_ids *ids, bt_ids *mask) {
         if (next >= 0) b -= bt_tokenizer_strip(t, next, r->txt + a, b - a, 0);
         tmp.n = 0;
         if (b > a && (rc = bt_tokenize_run(t, r->txt + a, b - a, pos == 0, &tmp)) < 0) break;
-        size_t total = 0;
-        for (size_t i = 0; i < tmp.n; i++) total += src_len(t, tmp.v[i]);
-        size_t extra = total - (b - a); /* a space prefix in front of the run's first token */
-        if (total < b - a || extra > 1 || (extra && (!tmp.n || src_len(t, tmp.v[0]) < 1))) {
-            rc = bt_fail(BT_ERR_FORMAT, "chat template \"%s\": the tokens of a %zu-byte run of the rendering "
-                         "do not add up to its text (%zu bytes): not masked", r->name, b - a, total);
+        if (tmp.n > tr.cap) {
+            int32_t *v = bt_vec_grow(tr.v, &tr.cap, tmp.n, sizeof *tr.v);
+            if (!v) {
+                rc = OOM();
+                break;
+            }
+            tr.v = v;
+        }
+        if (align(r, &tmp, a, b, 0, tr.v) && align(r, &tmp, a, b, 1, tr.v)) {
+            rc = bt_fail(BT_ERR_FORMAT, "chat template \"%s\": the %zu tokens of a %zu-byte run of the rendering "
+                         "do not line up with its text: not masked", r->name, tmp.n, b - a);
             break;
         }
-        size_t off = a;
-        for (size_t i = 0; i < tmp.n && rc == 0; i++) {
-            size_t l = src_len(t, tmp.v[i]) - (i == 0 ? extra : 0);
-            int train = 0;
-            for (size_t j = off; j < off + l && !train; j++) train = r->cls[j] == C_TRAIN;
-            off += l;
-            if (push2(ids, mask, tmp.v[i], train)) rc = OOM();
-        }
+        for (size_t i = 0; i < tmp.n && rc == 0; i++)
+            if (push2(ids, mask, tmp.v[i], tr.v[i])) rc = OOM();
         pos = end;
         prev = -1;
     }
     bt_ids_free(&tmp);
+    bt_ids_free(&tr);
     return rc;
 }
 
