@@ -145,6 +145,8 @@ CASES = [
     ("code", [U("Write f(x)."), A("```python\ndef f(x):\n    return x * 2\n```\n")]),
     ("system-ws", [{"role": "system", "content": "  Be terse.  \n"}, U("Hi"), A("Hello.")]),
     ("ends-user", [U("q1"), A("a1"), U("q2")]),
+    # U+2581 is SentencePiece's escaped space: literal ones in the text tokenize like spaces
+    ("u2581", [U("a\u2581b \u2581\u2581c"), A("\u2581Hello \u2581 world\u2581"), U("x"), A(" \u2581\u2581")]),
     # refused by the templates (raise_exception), or, for phi3, rendered
     ("not-alternating", [U("a"), U("b"), A("c")]),
     ("starts-assistant", [A("I speak first."), U("ok")]),
@@ -208,14 +210,28 @@ class GGUFRef:
             if prev_special and self.prefix:
                 assert t.startswith(b" "), (text, ids, i)
                 t = t[1:]
-            assert b.startswith(t, cur), ("alignment", text, ids, i, cur)
-            spans.append((cur, cur + len(t)))
-            cur += len(t)
+            end = self._match(b, cur, t)
+            assert end is not None, ("alignment", text, ids, i, cur)
+            spans.append((cur, end))
+            cur = end
             prev_special = False
         if prev_rstrip:
             cur += self._ws(b, cur)
         assert cur == len(b), ("alignment end", text, cur, len(b))
         return ids, spans
+
+    @staticmethod
+    def _match(b, cur, t):
+        """End of t matched at b[cur:], a decoded " " standing for " " or a literal U+2581
+        (SentencePiece escapes both alike); None if it does not match."""
+        for ch in t:
+            if cur < len(b) and b[cur] == ch:
+                cur += 1
+            elif ch == 0x20 and b.startswith("\u2581".encode(), cur):
+                cur += 3
+            else:
+                return None
+        return cur
 
     @staticmethod
     def _ws(b, cur):
