@@ -47,7 +47,8 @@ Writes tests/fixtures/chat/spm_chat.jsonl: a header line ({"versions", "template
 "text", "ids", "mask"} or {"template", "case", "messages", "error"}.
 
 Usage (repo root; .venv-ref from requirements-tokenizer.txt; make llamacpp-ref;
-scripts/fetch-tokenizers):
+scripts/fetch-tokenizers; the llama.cpp templates come from llama-cpp-python 0.3.8's sdist,
+downloaded sha256-checked, or from an unpacked llama.cpp b4965 tree named by BT_LLAMACPP_DIR):
   .venv-ref/bin/python tests/reference/gen_chat_template_fixtures.py
 """
 import hashlib
@@ -98,11 +99,34 @@ LLAMA2 = (
     "{% endfor %}")
 
 
+SDIST_SPEC = "llama-cpp-python==0.3.8"
+SDIST_FILE = "llama_cpp_python-0.3.8.tar.gz"
+SDIST_SHA = "31c91323b555c025a76a30923cead9f5695da103dd68c15cdbb4509b17f0ed77"  # as scripts/fetch-tokenizers
+SDIST_LLAMA = "llama_cpp_python-0.3.8/vendor/llama.cpp/"
+_sdist = {}
+
+
+def sdist_member(member):
+    """A file of llama.cpp b4965 as llama-cpp-python 0.3.8's sdist vendors it (pip download,
+    sha256-checked, once per run); BT_LLAMACPP_DIR = an unpacked llama.cpp tree instead."""
+    d = os.environ.get("BT_LLAMACPP_DIR")
+    if d:
+        return open(os.path.join(d, member), encoding="utf-8").read()
+    if "tar" not in _sdist:
+        import tarfile
+        tmp = tempfile.mkdtemp(prefix="btsdist.")
+        req = os.path.join(tmp, "req.txt")
+        open(req, "w").write(f"{SDIST_SPEC} --hash=sha256:{SDIST_SHA}\n")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "--require-hashes", "-r", req, "-d", tmp], check=True)
+        _sdist["tar"] = tarfile.open(os.path.join(tmp, SDIST_FILE))
+    return _sdist["tar"].extractfile(SDIST_LLAMA + member).read().decode("utf-8")
+
+
 def llamacpp_test_template(name):
     """A template string from llama.cpp b4965 tests/test-chat-template.cpp (the sdist of
     llama-cpp-python 0.3.8 vendors it), by its test-case name."""
-    src = os.environ.get("BT_LLAMACPP_TEST_CHAT", "")
-    text = open(src, encoding="utf-8").read()
+    text = sdist_member("tests/test-chat-template.cpp")
     i = text.index('/* .name= */ "' + name)
     j = text.index('/* .template_str= */ ', i) + len('/* .template_str= */ ')
     # a C string literal: decode its escapes as Python would a JSON string
@@ -114,8 +138,8 @@ def llamacpp_test_template(name):
 
 
 def llamacpp_template_file(name):
-    d = os.environ.get("BT_LLAMACPP_TEMPLATES", "")
-    return open(os.path.join(d, name), encoding="utf-8").read()
+    """llama.cpp b4965 models/templates/<name> (the official template files it keeps)."""
+    return sdist_member("models/templates/" + name)
 
 
 # (template name, reference tokenizer, bos, eos, end-of-turn token trained after an assistant turn)
