@@ -913,6 +913,7 @@ int bt_tokenize_run(const bt_tokenizer *t, const char *text, size_t len, int at_
 size_t bt_tokenizer_strip(const bt_tokenizer *t, int32_t id, const char *text, size_t len, int after) {
     if (!t || !text || !len) return 0;
     if (t->model == MODEL_SPM) {
+        if (!t->spm.any_strip) return 0; /* the common case: no scan of the special tokens */
         int fl = 0;
         for (int32_t k = 0; k < t->spm.n_sp; k++)
             if (t->spm.sp_id[k] == id) { fl = t->spm.sp_flag[k]; break; }
