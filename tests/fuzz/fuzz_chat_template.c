@@ -362,18 +362,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             char *tt = NULL;
             size_t tl = 0;
             if (bt_detokenize(tok, &ids.v[k], 1, 1, &tt, &tl)) fuzz_fail("a rendered token does not decode");
-            if (off + tl > want.n || memcmp(want.b + off, tt, tl) != 0) {
-                fprintf(stderr, "token %zu (id %d) at byte %zu differs from the template text\n", k, ids.v[k], off);
-                fuzz_fail("rendered text differs from the template");
+            /* the template text this token stands for: its decoded bytes, where for SentencePiece a
+             * decoded " " may stand for a literal U+2581 of the text (both are escaped to it) */
+            size_t stop = off;
+            for (size_t j = 0; j < tl; j++) {
+                if (stop < want.n && want.b[stop] == tt[j]) stop++;
+                else if (spm && tt[j] == ' ' && want.n - stop >= 3 && !memcmp(want.b + stop, "\xe2\x96\x81", 3)) stop += 3;
+                else {
+                    fprintf(stderr, "token %zu (id %d) at byte %zu differs from the template text\n", k, ids.v[k], off);
+                    fuzz_fail("rendered text differs from the template");
+                }
             }
             int covers = 0;
-            for (size_t q = off; q < off + tl; q++) covers |= want.train[q];
+            for (size_t q = off; q < stop; q++) covers |= want.train[q];
             if ((mask.v[k] != 0) != covers) {
                 fprintf(stderr, "token %zu (id %d, bytes %zu..%zu) mask %d, covers trained bytes %d\n", k, ids.v[k], off,
-                        off + tl, mask.v[k], covers);
+                        stop, mask.v[k], covers);
                 fuzz_fail("loss mask differs from the template's trained bytes");
             }
-            off += tl;
+            off = stop;
             free(tt);
         }
         if (off != want.n) fuzz_fail("rendered text shorter than the template");
