@@ -237,6 +237,7 @@ fixtures:
 	.venv-ref/bin/python tests/reference/gen_tokenizer_fixtures.py
 	bash scripts/fetch-tokenizers && $(MAKE) --no-print-directory llamacpp-ref
 	.venv-ref/bin/python tests/reference/gen_tokenizer_spm_fixtures.py
+	.venv-ref/bin/python tests/reference/gen_chat_template_fixtures.py
 	.venv-ref/bin/python tests/reference/gen_quant_fixtures.py
 	test -x .venv-nf4/bin/python || $(PYTHON) -m venv .venv-nf4
 	.venv-nf4/bin/pip install -q bitsandbytes==0.48.2 torch==2.15.0

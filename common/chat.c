@@ -89,13 +89,13 @@ int bt_chat_encode(const bt_tokenizer *t, bt_chat_style style, const bt_chat_msg
                    bt_ids *mask) {
     if (!t || !ids || !mask) return bt_fail(BT_ERR_INVALID, "chat_encode: NULL argument");
     if (n <= 0 || !msgs) return bt_fail(BT_ERR_INVALID, "chat_encode: no messages (n = %d)", n);
-    if (style != BT_CHAT_CHATML) return bt_fail(BT_ERR_UNSUPPORTED, "chat_encode: unknown style %d", (int)style);
     for (int i = 0; i < n; i++) {
         if (!msgs[i].role) return bt_fail(BT_ERR_INVALID, "chat_encode: messages[%d].role is NULL", i);
         if (!msgs[i].content && msgs[i].content_len)
             return bt_fail(BT_ERR_INVALID, "chat_encode: messages[%d].content is NULL with length %zu", i,
                            msgs[i].content_len);
     }
+    if (style != BT_CHAT_CHATML) return bt_chat_encode_spm(t, style, msgs, n, ids, mask);
     int32_t im_start = bt_tokenizer_find(t, "<|im_start|>"), im_end = bt_tokenizer_find(t, "<|im_end|>");
     if (im_start < 0 || im_end < 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "chat_encode: tokenizer has no <|im_start|>/<|im_end|> (ChatML)");

@@ -872,7 +872,9 @@ static int run_normalized(bt_enc_ctx *c, const char *s, size_t n, int parse_spec
     return rc;
 }
 
-int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out) {
+/* bt_tokenize / bt_tokenize_run: at0 = the text starts the input (HF Metaspace "first"). */
+static int tokenize_at(const bt_tokenizer *t, const char *text, size_t len, int parse_special, int at0,
+                       bt_ids *out) {
     if (!t || !out || (!text && len)) return bt_fail(BT_ERR_INVALID, "tokenize: NULL argument");
     if (len == 0) return 0;
     if (len > (size_t)INT32_MAX)
@@ -889,7 +891,7 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
         if (rc < 0) return rc;
         if (clean) { text = clean; len = clen; }
         c.pc = pc_get(t);
-        rc = added_split(&c, &t->set_raw, 0, text, len, parse_special, 1);
+        rc = added_split(&c, &t->set_raw, 0, text, len, parse_special, at0);
     }
     if (c.err && (rc == 0 || rc == c.err)) /* a document larger than memory allows: the caller skips it */
         rc = bt_fail(BT_ERR_NOMEM, "tokenize: out of memory for the tokens of %zu bytes of text", len);
@@ -897,6 +899,54 @@ int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_s
     free(clean);
     if (rc < 0) out->n = n0; /* nothing appended on failure */
     return rc;
+}
+
+int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out) {
+    return tokenize_at(t, text, len, parse_special, 1, out);
+}
+
+int bt_tokenize_run(const bt_tokenizer *t, const char *text, size_t len, int at_start, bt_ids *out) {
+    /* SentencePiece GGUF: a fragment after a token gets the space prefix as the first one does
+     * (llama.cpp's is_prev_special), so the run alone tokenizes as it does inside the text */
+    return tokenize_at(t, text, len, 0, at_start != 0, out);
+}
+
+size_t bt_tokenizer_strip(const bt_tokenizer *t, int32_t id, const char *text, size_t len, int after) {
+    if (!t || !text || !len) return 0;
+    if (t->model == MODEL_SPM) {
+        if (!t->spm.any_strip) return 0; /* the common case: no scan of the special tokens */
+        int fl = 0;
+        for (int32_t k = 0; k < t->spm.n_sp; k++)
+            if (t->spm.sp_id[k] == id) { fl = t->spm.sp_flag[k]; break; }
+        if (!(fl & (after ? SPF_RSTRIP : SPF_LSTRIP))) return 0;
+        size_t n = 0; /* C isspace, as llama.cpp's tokenizer_st_partition */
+        if (after)
+            while (n < len && (text[n] == ' ' || (text[n] >= '\t' && text[n] <= '\r'))) n++;
+        else
+            while (n < len && (text[len - 1 - n] == ' ' || (text[len - 1 - n] >= '\t' && text[len - 1 - n] <= '\r'))) n++;
+        return n;
+    }
+    const bt_added *a = NULL;
+    for (int32_t i = 0; i < t->n_added && !a; i++)
+        if (t->added[i].id == id) a = &t->added[i];
+    if (!a || !(after ? a->rstrip : a->lstrip)) return 0;
+    size_t n = 0; /* Rust char::is_whitespace, as HF's AddedVocabulary */
+    if (after) {
+        while (n < len) {
+            size_t j = n;
+            int32_t cp = bt_tok_utf8_next((const uint8_t *)text, len, &j);
+            if (cp < 0 || !is_white(cp)) break;
+            n = j;
+        }
+    } else {
+        while (n < len) {
+            size_t cs = char_start_before(text, len - n), j = cs;
+            int32_t cp = bt_tok_utf8_next((const uint8_t *)text, len, &j);
+            if (cp < 0 || j != len - n || !is_white(cp)) break;
+            n = len - cs;
+        }
+    }
+    return n;
 }
 
 /* ---- decoding and accessors ---- */

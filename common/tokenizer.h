@@ -74,6 +74,19 @@ void bt_tokenizer_free(bt_tokenizer *t);
  * tokens or scratch do not fit in memory, whatever the tokenizer family: never an abort, loaderd
  * skips and counts such a document); on error nothing is appended. Thread-safe. */
 int bt_tokenize(const bt_tokenizer *t, const char *text, size_t len, int parse_special, bt_ids *out);
+/* One run of text between two special tokens of a larger input (a chat rendering cut at its
+ * template's special tokens), tokenized as bt_tokenize(parse_special = 0) does that run inside the
+ * whole input: at_start says whether the run begins the input (HF Metaspace prepend_scheme
+ * "first" prepends U+2581 only there); a SentencePiece GGUF vocabulary gives every run the space
+ * prefix, as llama.cpp does for a fragment after a token. Whitespace a neighbouring special token
+ * absorbs (bt_tokenizer_strip) must already be cut off by the caller. Same errors as bt_tokenize. */
+int bt_tokenize_run(const bt_tokenizer *t, const char *text, size_t len, int at_start, bt_ids *out);
+/* Bytes of whitespace the special token `id` absorbs from text[0..len): after = 1: at the start of
+ * the text that follows it (rstrip), after = 0: at the end of the text before it (lstrip).
+ * SentencePiece GGUF: llama.cpp's LLAMA_TOKEN_ATTR_RSTRIP / LSTRIP (C isspace bytes; phi-3 gives
+ * its special tokens RSTRIP); tokenizer.json: the added token's rstrip / lstrip (Unicode
+ * White_Space). 0 for a token without that attribute. */
+size_t bt_tokenizer_strip(const bt_tokenizer *t, int32_t id, const char *text, size_t len, int after);
 /* Free the calling thread's piece cache (bt_tokenize keeps, per thread, the ids of up to 8192
  * recent short pre-tokens, 256 KiB, as HF's BPE model caches words; freed at thread exit anyway).
  * The next bt_tokenize on this thread starts cold. Benchmarks call it between passes over the

@@ -73,6 +73,7 @@ typedef struct bt_spm {
     int32_t *sp_id;
     uint8_t *sp_flag;      /* SPF_* */
     int32_t n_sp;
+    int any_strip;         /* some sp_flag has SPF_LSTRIP / SPF_RSTRIP (phi-3, jina <mask>) */
     int32_t *trie;         /* nodes x (first child, next sibling, byte, sp index or -1) */
     int32_t trie_n;
     size_t trie_cap;       /* nodes allocated (bt_vec_xgrow: built once, at load) */

@@ -275,6 +275,7 @@ int bt_tok_spm_from_gguf(bt_tokenizer *t, const bt_gguf *g) {
         if (id == mask_id) f |= SPF_LSTRIP;
         p->sp_flag[k] = f;
     }
+    p->any_strip = phi3 || mask_id >= 0;
     if (phi3) { /* RSTRIP on "</s>" (also outside the list), off for <unk>, <s>, <|endoftext|> */
         static const char *const off[] = {"<unk>", "<s>", "<|endoftext|>"};
         for (int32_t k = 0; k < p->n_sp; k++) {

@@ -81,36 +81,103 @@ static int get_str(const json_t *obj, const char *key, const char **s, size_t *n
 
 /* ---------------------------------------------------------------- chat templates */
 
+/* The SentencePiece families' templates are bt_chat_encode styles (common/chat.h). */
+static int spm_style(ld_chat_tpl t, bt_chat_style *st) {
+    switch (t) {
+    case LD_TPL_GEMMA: *st = BT_CHAT_GEMMA; return 1;
+    case LD_TPL_LLAMA2: *st = BT_CHAT_LLAMA2; return 1;
+    case LD_TPL_MISTRAL: *st = BT_CHAT_MISTRAL; return 1;
+    case LD_TPL_MISTRAL_V3: *st = BT_CHAT_MISTRAL_V3; return 1;
+    case LD_TPL_PHI3: *st = BT_CHAT_PHI3; return 1;
+    default: return 0;
+    }
+}
+
 const char *ld_chat_tpl_name(ld_chat_tpl t) {
+    bt_chat_style st;
+    if (spm_style(t, &st)) return bt_chat_style_name(st);
     return t == LD_TPL_AUTO ? "auto" : t == LD_TPL_CHATML ? "chatml" : t == LD_TPL_LLAMA3 ? "llama3" : "unknown";
 }
 
-static int has_chatml(const bt_tokenizer *t) {
-    return bt_tokenizer_find(t, "<|im_start|>") >= 0 && bt_tokenizer_find(t, "<|im_end|>") >= 0;
-}
+static int has(const bt_tokenizer *t, const char *piece) { return bt_tokenizer_find(t, piece) >= 0; }
+static int has_chatml(const bt_tokenizer *t) { return has(t, "<|im_start|>") && has(t, "<|im_end|>"); }
 static int has_llama3(const bt_tokenizer *t) {
-    return bt_tokenizer_find(t, "<|begin_of_text|>") >= 0 && bt_tokenizer_find(t, "<|start_header_id|>") >= 0 &&
-           bt_tokenizer_find(t, "<|end_header_id|>") >= 0 && bt_tokenizer_find(t, "<|eot_id|>") >= 0;
+    return has(t, "<|begin_of_text|>") && has(t, "<|start_header_id|>") && has(t, "<|end_header_id|>") &&
+           has(t, "<|eot_id|>");
+}
+static int has_gemma(const bt_tokenizer *t) {
+    return has(t, "<start_of_turn>") && has(t, "<end_of_turn>") && bt_tokenizer_bos(t) >= 0;
+}
+static int has_phi3(const bt_tokenizer *t) {
+    return has(t, "<|system|>") && has(t, "<|user|>") && has(t, "<|assistant|>") && has(t, "<|end|>") &&
+           has(t, "<|endoftext|>");
+}
+
+/* Which supported template a tokenizer's chat_template string is, by text only its family has
+ * (the official templates: tests/reference/gen_chat_template_fixtures.py); LD_TPL_AUTO if none. */
+static ld_chat_tpl tpl_of_string(const char *ct) {
+    if (strstr(ct, "<|im_start|>")) return LD_TPL_CHATML;
+    if (strstr(ct, "<|start_header_id|>")) return LD_TPL_LLAMA3;
+    if (strstr(ct, "<start_of_turn>") && strstr(ct, "<end_of_turn>")) return LD_TPL_GEMMA;
+    if (strstr(ct, "<|assistant|>") && strstr(ct, "<|end|>")) return LD_TPL_PHI3;
+    if (strstr(ct, "<<SYS>>") && strstr(ct, "content.strip() + ' [/INST]'")) return LD_TPL_LLAMA2;
+    if (strstr(ct, "' [INST] ' + system_message")) return LD_TPL_MISTRAL;
+    if (strstr(ct, "\"[INST] \" + system_message")) return LD_TPL_MISTRAL_V3;
+    return LD_TPL_AUTO;
 }
 
 int ld_chat_tpl_resolve(const bt_tokenizer *tok, ld_chat_tpl want, ld_chat_tpl *out) {
     if (want == LD_TPL_AUTO) {
         const char *ct = bt_tokenizer_chat_template(tok);
-        if (ct && strstr(ct, "<|im_start|>")) want = LD_TPL_CHATML;
-        else if (ct && strstr(ct, "<|start_header_id|>")) want = LD_TPL_LLAMA3;
-        else if (has_chatml(tok)) want = LD_TPL_CHATML;
+        if (ct && *ct) {
+            want = tpl_of_string(ct);
+            if (want == LD_TPL_AUTO && strstr(ct, "[INST]"))
+                return bt_fail(BT_ERR_UNSUPPORTED, "chat template: the tokenizer's chat_template is an [INST] template "
+                               "this loaderd does not recognise (its variants render differently): set the job's "
+                               "\"chat_template\" to \"llama2\", \"mistral\" (Mistral 7B Instruct v0.1/v0.2) or "
+                               "\"mistral-v3\" (v0.3) if it is one of those");
+            if (want == LD_TPL_AUTO)
+                return bt_fail(BT_ERR_UNSUPPORTED, "chat template: the tokenizer's chat_template (\"%.80s%s\") is none "
+                               "of the supported templates (chatml, llama3, gemma, llama2, mistral, mistral-v3, phi3); "
+                               "set the job's \"chat_template\" to the one it renders, or convert the data to "
+                               "\"text\"", ct, strlen(ct) > 80 ? "..." : "");
+        } else if (has_chatml(tok)) want = LD_TPL_CHATML;
         else if (has_llama3(tok)) want = LD_TPL_LLAMA3;
+        else if (has_gemma(tok)) want = LD_TPL_GEMMA;
+        else if (has_phi3(tok)) want = LD_TPL_PHI3;
         else
-            return bt_fail(BT_ERR_UNSUPPORTED, "chat template: the tokenizer's chat_template is neither ChatML nor "
-                           "Llama-3 and it has neither <|im_start|>/<|im_end|> nor the Llama-3 header tokens");
+            return bt_fail(BT_ERR_UNSUPPORTED, "chat template: the tokenizer has no chat_template and none of the "
+                           "ChatML, Llama-3, Gemma or Phi-3 special tokens; set the job's \"chat_template\" "
+                           "(\"llama2\", \"mistral\" or \"mistral-v3\" need only bos/eos)");
     }
-    if (want == LD_TPL_CHATML && !has_chatml(tok))
-        return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"chatml\": the tokenizer has no <|im_start|>/<|im_end|>");
-    if (want == LD_TPL_LLAMA3 && !has_llama3(tok))
-        return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"llama3\": the tokenizer lacks <|begin_of_text|>, "
-                       "<|start_header_id|>, <|end_header_id|> or <|eot_id|>");
-    if (want != LD_TPL_CHATML && want != LD_TPL_LLAMA3)
-        return bt_fail(BT_ERR_UNSUPPORTED, "chat template %d unknown", (int)want);
+    const char *name = ld_chat_tpl_name(want);
+    switch (want) {
+    case LD_TPL_CHATML:
+        if (!has_chatml(tok)) return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"chatml\": the tokenizer has no <|im_start|>/<|im_end|>");
+        break;
+    case LD_TPL_LLAMA3:
+        if (!has_llama3(tok))
+            return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"llama3\": the tokenizer lacks <|begin_of_text|>, "
+                           "<|start_header_id|>, <|end_header_id|> or <|eot_id|>");
+        break;
+    case LD_TPL_GEMMA:
+        if (!has_gemma(tok))
+            return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"gemma\": the tokenizer lacks <start_of_turn>, "
+                           "<end_of_turn> or a bos token");
+        break;
+    case LD_TPL_PHI3:
+        if (!has_phi3(tok))
+            return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"phi3\": the tokenizer lacks <|system|>, <|user|>, "
+                           "<|assistant|>, <|end|> or <|endoftext|>");
+        break;
+    case LD_TPL_LLAMA2:
+    case LD_TPL_MISTRAL:
+    case LD_TPL_MISTRAL_V3:
+        if (bt_tokenizer_bos(tok) < 0 || bt_tokenizer_eos(tok) < 0)
+            return bt_fail(BT_ERR_UNSUPPORTED, "chat template \"%s\": the tokenizer has no bos or no eos token", name);
+        break;
+    default: return bt_fail(BT_ERR_UNSUPPORTED, "chat template %d unknown", (int)want);
+    }
     *out = want;
     return BT_OK;
 }
@@ -136,8 +203,6 @@ static int push2(bt_ids *ids, bt_ids *mask, int32_t id, int32_t m) {
     return BT_OK;
 }
 #define OOM() bt_fail(BT_ERR_NOMEM, "format: out of memory for the document's tokens")
-
-static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
 /* Llama-3 rendering (see format.h). Appends to ids/mask; on error they may hold a partial
  * document (the caller rolls back). */
@@ -166,8 +231,7 @@ static int llama3_encode(const bt_tokenizer *t, const bt_chat_msg *msgs, size_t 
         if (rc < 0) break;
         const char *c = msgs[i].content;
         size_t cn = msgs[i].content_len;
-        while (cn && is_ws(c[0])) c++, cn--;
-        while (cn && is_ws(c[cn - 1])) cn--;
+        bt_chat_py_strip(&c, &cn, 1, 1); /* Jinja `trim` is Python's str.strip() */
         if (cn + 3 > run_cap) {
             run_cap = cn + 3;
             char *nr = realloc(run, run_cap);
@@ -197,6 +261,9 @@ static int llama3_encode(const bt_tokenizer *t, const bt_chat_msg *msgs, size_t 
 /* Render msgs with cfg's template; prepend BOS when asked and not already there. */
 static int render_chat(const ld_format_cfg *cfg, const bt_chat_msg *msgs, size_t n, bt_ids *ids, bt_ids *mask) {
     size_t n0 = ids->n;
+    bt_chat_style st;
+    if (spm_style(cfg->tpl, &st)) /* these templates place bos themselves */
+        return bt_chat_encode(cfg->tok, st, msgs, (int)n, ids, mask);
     int rc = cfg->tpl == LD_TPL_LLAMA3 ? llama3_encode(cfg->tok, msgs, n, ids, mask)
                                        : bt_chat_encode(cfg->tok, BT_CHAT_CHATML, msgs, (int)n, ids, mask);
     if (rc < 0) return rc;
@@ -209,6 +276,15 @@ static int render_chat(const ld_format_cfg *cfg, const bt_chat_msg *msgs, size_t
         mask->v[n0] = 0;
     }
     return 0;
+}
+
+/* A conversation the template refuses (BT_ERR_FORMAT from bt_chat_encode: roles, or tokens that do
+ * not line up with the text) is a bad line (`field`), with the template's reason. */
+static int template_refusal(int rc, int *reason) {
+    if (rc != BT_ERR_FORMAT) return rc;
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", bt_last_error());
+    return bad(reason, LD_BAD_FIELD, "%s", msg);
 }
 
 #define MAX_STACK_MSGS 16
@@ -254,7 +330,7 @@ static int format_chat(const ld_format_cfg *cfg, const json_t *root, bt_ids *ids
     }
     if (rc == 0 && !trained)
         rc = bad(reason, LD_BAD_EMPTY, "no assistant message with content");
-    if (rc == 0) rc = render_chat(cfg, msgs, n, ids, mask);
+    if (rc == 0) rc = template_refusal(render_chat(cfg, msgs, n, ids, mask), reason);
     if (msgs != stack) free(msgs);
     return rc;
 }
@@ -289,7 +365,7 @@ static int format_alpaca(const ld_format_cfg *cfg, const json_t *root, bt_ids *i
     }
     user[un] = 0;
     bt_chat_msg msgs[2] = {{"user", user, un}, {"assistant", out, out_n}};
-    int rc = render_chat(cfg, msgs, 2, ids, mask);
+    int rc = template_refusal(render_chat(cfg, msgs, 2, ids, mask), reason);
     free(user);
     return rc;
 }

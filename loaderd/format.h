@@ -6,11 +6,18 @@
  *          Llama-3 (Meta-Llama-3-8B-Instruct tokenizer_config.json chat_template):
  *                  "<|begin_of_text|>" then per message
  *                  "<|start_header_id|>" role "<|end_header_id|>" "\n\n" trim(content) "<|eot_id|>"
- *                  (Jinja `trim`: leading/trailing " \t\n\r\f\v" removed; no default system
- *                  message). Special tokens are inserted by id; role and content are tokenized
- *                  with parse_special = 0 (data cannot inject control tokens); the run
- *                  "\n\n"+content is tokenized as one piece, as HF does between two special
- *                  tokens, and a token is trained on iff it covers at least one content byte.
+ *                  (Jinja `trim` = Python str.strip(): leading/trailing Unicode whitespace
+ *                  removed; no default system message). Special tokens are inserted by id; role
+ *                  and content are tokenized with parse_special = 0 (data cannot inject control
+ *                  tokens); the run "\n\n"+content is tokenized as one piece, as HF does between
+ *                  two special tokens, and a token is trained on iff it covers at least one
+ *                  content byte.
+ *          gemma, llama2, mistral (7B Instruct v0.1/v0.2), mistral-v3 (v0.3), phi3: the
+ *                  SentencePiece families' own templates via bt_chat_encode (common/chat.h:
+ *                  what each renders, the same mask rule, end-of-turn token trained); they
+ *                  place BOS themselves (cfg->add_bos does not add one). A conversation the
+ *                  template refuses (roles out of its order, a role it does not know) is a bad
+ *                  line (`field`) with the template's message.
  *   alpaca {"instruction":"...","input":"..."?,"output":"..."}  rendered as the chat
  *          [user: instruction + ("\n\n" + input if input is non-empty), assistant: output]
  *          through the same template (Stanford Alpaca's fields, rendered the way TRL/axolotl
@@ -18,7 +25,7 @@
  *   text   {<text_field>:"..."}  tokenized without special-token parsing, every token carries
  *          loss; BOS prepended when cfg->add_bos and the tokenizer has one, EOS appended once
  *          (when the tokenizer has one).
- * BOS is never doubled: chat/alpaca get a BOS in front only when cfg->add_bos is set and the
+ * BOS is never doubled: chat/alpaca (ChatML, Llama-3) get a BOS in front only when cfg->add_bos is set and the
  * rendered template does not already start with it (Llama-3's starts with <|begin_of_text|>,
  * the BOS of Llama-3 tokenizers); chat/alpaca get no extra EOS (the end-of-turn token ends the
  * document, as in HF apply_chat_template).
@@ -44,18 +51,24 @@ typedef struct {
     const char *text_field;  /* LD_FMT_TEXT: key of the text (NULL = "text") */
     const bt_tokenizer *tok; /* borrowed */
     uint32_t T;              /* chat/alpaca truncation length in tokens; 0 = none */
-    ld_chat_tpl tpl;         /* LD_TPL_CHATML (0) or LD_TPL_LLAMA3 (resolved, never AUTO) */
+    ld_chat_tpl tpl;         /* resolved (ld_chat_tpl_resolve), never LD_TPL_AUTO */
     int add_bos;             /* prepend the tokenizer's BOS (if any and not already there) */
     int overlong_drop;       /* chat/alpaca longer than T: 1 = reject as LD_BAD_OVERLONG */
 } ld_format_cfg;
 
-/* Resolve the chat template to use with tok: want = LD_TPL_CHATML / LD_TPL_LLAMA3 is checked
- * (the tokenizer must have that template's special tokens); LD_TPL_AUTO picks from the
- * tokenizer's chat_template string ("<|im_start|>" -> ChatML, "<|start_header_id|>" ->
- * Llama-3), else from which special tokens exist (ChatML first). Returns 0 with *out set, or
- * BT_ERR_UNSUPPORTED naming the missing tokens. */
+/* Resolve the chat template to use with tok: an explicit want is checked (the tokenizer must have
+ * that template's special tokens: ChatML's, Llama-3's, <start_of_turn>/<end_of_turn> + bos for
+ * gemma, <|system|>/<|user|>/<|assistant|>/<|end|>/<|endoftext|> for phi3, bos + eos for
+ * llama2 / mistral / mistral-v3); LD_TPL_AUTO picks from the tokenizer's chat_template string by
+ * text only that family's official template has ("<|im_start|>" ChatML, "<|start_header_id|>"
+ * Llama-3, "<start_of_turn>" gemma, "<|assistant|>" + "<|end|>" phi3, "<<SYS>>" + Llama 2's
+ * content.strip() line, Mistral v1's ' [INST] ' + system_message, v3's "[INST] " +
+ * system_message); a chat_template matching none is refused, quoting it (an other [INST]
+ * template: naming the three to choose from), never rendered as something else. Without a
+ * chat_template: from which special tokens exist (ChatML, Llama-3, Gemma, Phi-3 in that order).
+ * Returns 0 with *out set, or BT_ERR_UNSUPPORTED naming the template and what is missing. */
 int ld_chat_tpl_resolve(const bt_tokenizer *tok, ld_chat_tpl want, ld_chat_tpl *out);
-/* "auto", "chatml", "llama3"; "unknown" otherwise. */
+/* "auto", "chatml", "llama3", "gemma", "llama2", "mistral", "mistral-v3", "phi3"; "unknown" otherwise. */
 const char *ld_chat_tpl_name(ld_chat_tpl t);
 
 /* Offset of the first byte of s[0..n) that is not part of well-formed UTF-8 (Unicode 15

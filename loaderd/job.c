@@ -90,8 +90,10 @@ static void release_ds_shards(const bt_key *k, void *dst) {
 
 _Static_assert(sizeof(ld_format) == sizeof(int) && sizeof(ld_chat_tpl) == sizeof(int), "enum rows store an int");
 static const char *const FORMATS[] = {"text", "chat", "alpaca", NULL}; /* index = ld_format */
-static const char *const TEMPLATES[] = {"auto", "chatml", "llama3", NULL};
-static const int TEMPLATE_VALUES[] = {LD_TPL_AUTO, LD_TPL_CHATML, LD_TPL_LLAMA3};
+static const char *const TEMPLATES[] = {"auto", "chatml", "llama3", "gemma", "llama2", "mistral", "mistral-v3", "phi3",
+                                        NULL};
+static const int TEMPLATE_VALUES[] = {LD_TPL_AUTO,   LD_TPL_CHATML,  LD_TPL_LLAMA3,     LD_TPL_GEMMA,
+                                      LD_TPL_LLAMA2, LD_TPL_MISTRAL, LD_TPL_MISTRAL_V3, LD_TPL_PHI3};
 static const char *const OVERLONG[] = {"truncate", "drop", NULL}; /* index = overlong_drop */
 
 /* One entry of "datasets" (its keys are named "datasets[i].key" in errors). */
@@ -164,7 +166,8 @@ static const bt_key job_keys[] = {
     BT_KEY_I("epochs", J, epochs, 0, UINT32_MAX, "0", 0, "passes over the (first) dataset; 0: endless"),
     BT_KEY_I("tokenizer_threads", J, n_threads, 1, BT_JOB_MAX_TOKENIZER_THREADS, "2", 0, "tokenizer workers (loaderd caps it by its config)"),
     BT_KEY_E("chat_template", J, chat_template, TEMPLATES, TEMPLATE_VALUES, "\"auto\"", 0,
-             "chat rendering: from the tokenizer (\"auto\"), \"chatml\" or \"llama3\""),
+             "chat rendering: from the tokenizer (\"auto\"), \"chatml\", \"llama3\", \"gemma\", \"llama2\", "
+             "\"mistral\" (7B Instruct v0.1/v0.2), \"mistral-v3\" (v0.3) or \"phi3\""),
     BT_KEY_E("overlong", J, overlong_drop, OVERLONG, NULL, "\"truncate\"", 0,
              "chat/alpaca documents longer than seq_len: \"truncate\" or \"drop\""),
     {.name = "ring_slots", .type = BT_KEY_INT, .ilo = 1, .ihi = 1 << 16, .flags = BT_KEY_NO_FIELD,

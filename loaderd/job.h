@@ -33,7 +33,17 @@ const char *ld_bad_reason_name(int reason);
 
 #define LD_MAX_DATASETS 16
 
-typedef enum { LD_TPL_AUTO = -1, LD_TPL_CHATML = 0, LD_TPL_LLAMA3 = 1 } ld_chat_tpl;
+/* Chat templates (loaderd/format.h): ChatML, Llama-3 and the SentencePiece families' (common/chat.h). */
+typedef enum {
+    LD_TPL_AUTO = -1,
+    LD_TPL_CHATML = 0,
+    LD_TPL_LLAMA3 = 1,
+    LD_TPL_GEMMA = 2,
+    LD_TPL_LLAMA2 = 3,
+    LD_TPL_MISTRAL = 4,
+    LD_TPL_MISTRAL_V3 = 5,
+    LD_TPL_PHI3 = 6,
+} ld_chat_tpl;
 
 /* One dataset of a job (key "datasets"). */
 typedef struct {

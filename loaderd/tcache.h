@@ -63,7 +63,9 @@
 
 #include "loaderd/format.h"
 
-#define LD_TC_FORMAT_VERSION 1u /* bump when ld_format_render's output changes */
+/* bump when ld_format_render's output changes; 2: Llama-3's trim is Python's str.strip (Unicode
+ * whitespace), the SentencePiece families' templates */
+#define LD_TC_FORMAT_VERSION 2u
 
 enum {
     LD_TC_BYPASS = 1,  /* ld_tcache_acquire: no entry can be had; read the shard raw */

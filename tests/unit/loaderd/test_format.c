@@ -335,6 +335,21 @@ static void test_llama3_template(void **state) {
         free(m);
         bt_ids_free(&ids), bt_ids_free(&mask);
     }
+    /* Jinja's `trim` is Python's str.strip(): Unicode whitespace (U+3000, U+00A0, U+2028, U+001C)
+     * goes too, not only ASCII; inner whitespace stays */
+    const char *ws = "{\"messages\":[{\"role\":\"user\",\"content\":\"\\u3000Hi\\u00a0\"},"
+                     "{\"role\":\"assistant\",\"content\":\"\\u2028\\u001c Yes\\u2003no \\u3000\"}]}";
+    ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, LD_TPL_LLAMA3, 0, 0};
+    bt_ids ids = {0}, mask = {0};
+    int trunc, reason;
+    assert_int_equal(ld_format_line(&cfg, ws, strlen(ws), &ids, &mask, &trunc, &reason), 0);
+    char *s;
+    size_t len;
+    assert_int_equal(bt_detokenize(t, ids.v, ids.n, 1, &s, &len), BT_OK);
+    assert_string_equal(s, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                           "<|start_header_id|>assistant<|end_header_id|>\n\nYes\u2003no<|eot_id|>");
+    free(s);
+    bt_ids_free(&ids), bt_ids_free(&mask);
     bt_tokenizer_free(t);
     unlink(path);
 }
