@@ -380,6 +380,8 @@ char *bt_config_job_json(const bt_train_config *c, int eval) {
     json_object_set_new(j, "format", json_string(c->data.format));
     if (!strcmp(c->data.format, "text")) /* loaderd refuses it with other formats */
         json_object_set_new(j, "text_field", json_string(c->data.text_field));
+    else if (c->data.chat_template && strcmp(c->data.chat_template, "auto")) /* "auto": loaderd's default */
+        json_object_set_new(j, "chat_template", json_string(c->data.chat_template));
     json_object_set_new(j, "tokenizer", abs_path_json(c->model));
     json_object_set_new(j, "seq_len", json_integer(c->data.seq_len));
     json_object_set_new(j, "micro_batch_size", json_integer(c->data.micro_batch_size));

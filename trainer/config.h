@@ -69,6 +69,7 @@ typedef struct {
         int n_shards;
         char *format;               /* "chat" | "text" | "alpaca" */
         char *text_field;
+        char *chat_template;        /* loaderd's chat_template ("auto": not sent) */
         int seq_len;                /* T */
         int micro_batch_size;       /* B */
         uint64_t seed;

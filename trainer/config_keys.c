@@ -181,6 +181,9 @@ static json_t *dump_ckpt(const bt_key *k, const void *src) {
      .names = nms, .def = dflt, .parse = parse_mask, .dump = dump_mask, .flags = flg, .doc = text, .what = whattext}
 
 static const char *const k_formats[] = {"chat", "text", "alpaca", NULL};
+/* loaderd's chat renderings (loaderd/format.h ld_chat_tpl; the job spec's chat_template) */
+static const char *const k_chat_templates[] = {"auto", "chatml", "llama3", "gemma", "llama2",
+                                               "mistral", "mistral-v3", "phi3", NULL};
 static const char *const k_dtypes[] = {"nf4", "fp32", "gguf", "auto", NULL}; /* BT_BASE_* order */
 static const char *const k_scheds[] = {"cosine", "linear", "constant", NULL};
 static const char *const k_devices[] = {"cpu", "cuda", NULL};
@@ -195,6 +198,10 @@ static const bt_key k_data[] = {
               "\"chat\" (messages), \"text\" (documents longer than seq_len are cut into consecutive rows) or "
               "\"alpaca\""),
     BT_KEY_S("text_field", C, data.text_field, 1, 0, "\"text\"", EV, "the document's key with format \"text\""),
+    BT_KEY_SC("chat_template", C, data.chat_template, k_chat_templates, "\"auto\"", EV,
+              "how loaderd renders format \"chat\" / \"alpaca\" conversations: \"auto\" (from the "
+              "tokenizer's own chat template or special tokens), \"chatml\", \"llama3\", \"gemma\", \"llama2\", "
+              "\"mistral\" (7B Instruct v0.1/v0.2), \"mistral-v3\" (v0.3) or \"phi3\" (README: chat templates)"),
     BT_KEY_I("seq_len", C, data.seq_len, BT_JOB_MIN_SEQ_LEN, BT_JOB_MAX_SEQ_LEN, "512", EV | ES | TM,
              "T: tokens per packed row (the range loaderd accepts, proto/job_limits.h)"),
     BT_KEY_I("micro_batch_size", C, data.micro_batch_size, 1, 4096, "4", EV | ES | TM,

@@ -126,9 +126,28 @@ static void test_full_and_sets(void **st) {
     assert_int_equal(json_integer_value(json_object_get(j, "epochs")), 1);
     snprintf(want, sizeof want, "%s/e", cwd);
     assert_string_equal(json_string_value(json_array_get(json_object_get(j, "shards"), 0)), want);
+    assert_null(json_object_get(j, "chat_template")); /* format "text" */
     json_decref(j);
     free(job);
     bt_config_free(&c);
+    /* data.chat_template reaches loaderd's job spec; "auto" (the default) is loaderd's own default
+     * and is not sent, so a job's identity does not change with the key's introduction */
+    const char *chat = "{\"model\": \"x.gguf\", \"data\": {\"shards\": [\"c\"], \"format\": \"chat\"}}";
+    const char *tpl_set[] = {"data.chat_template=phi3"};
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(bt_config_parse(&c, chat, "t", tpl_set, k), 0);
+        job = bt_config_job_json(&c, 0);
+        j = json_loads(job, 0, &e);
+        assert_non_null(j);
+        if (k) assert_string_equal(json_string_value(json_object_get(j, "chat_template")), "phi3");
+        else assert_null(json_object_get(j, "chat_template"));
+        json_decref(j);
+        free(job);
+        bt_config_free(&c);
+    }
+    const char *bad[] = {"data.chat_template=vicuna"};
+    assert_int_equal(bt_config_parse(&c, chat, "t", bad, 1), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "data.chat_template"));
 }
 
 /* Parse must fail with BT_ERR_INVALID and a message containing `needle`. */
