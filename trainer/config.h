@@ -62,7 +62,7 @@
  *   save_every 0                       also save the adapter every N steps (0 = only at the end)
  *   out_dir "runs/adapter"             adapter directory (replaced atomically on every save)
  *   threads 0                          OpenMP threads for every kernel (0 = the CPUs Slurm gives
- *                                      the task, trainer/dist/dist.h bt_dist_slurm_cpus, else OpenMP's
+ *                                      the task, trainer/parallel/dist.h bt_dist_slurm_cpus, else OpenMP's
  *                                      default: every CPU the process may run on)
  *   device "cpu"                       "cpu" | "cuda" (the GPU trainer, trainer/cuda/; only in a
  *                                      trainer built with `make CUDA=1`, else refused at start)
@@ -79,7 +79,7 @@
  *   dist: { master_addr "127.0.0.1", master_port 29500, timeout_s 600, heartbeat_timeout_s 60,
  *           secret_file null }
  *                                      data-parallel training over several processes, one per GPU
- *                                      (device "cuda"; trainer/dist/dist.h): rank 0's address and TCP
+ *                                      (device "cuda"; trainer/parallel/dist.h): rank 0's address and TCP
  *                                      port for the start-up rendezvous (the environment's
  *                                      MASTER_ADDR / MASTER_PORT, as torchrun and train.sbatch set
  *                                      them, take precedence), and how long the rendezvous and
@@ -91,10 +91,10 @@
  *                                      long is named and the run ends. heartbeat_timeout_s: a rank
  *                                      that dies, is stopped or loses its network is named on
  *                                      every rank and the run ends within this time
- *                                      (trainer/dist/dist_monitor.h). secret_file: a file only you can
+ *                                      (trainer/parallel/dist_monitor.h). secret_file: a file only you can
  *                                      read (mode 0600) holding the job secret that authenticates
  *                                      the ranks at the rendezvous; null: $BT_DIST_SECRET, which
- *                                      scripts/train.sbatch sets per job (trainer/dist/dist.h
+ *                                      scripts/train.sbatch sets per job (trainer/parallel/dist.h
  *                                      bt_dist_key_load)
  *   seed 1234                          LoRA init and dropout seed
  *   log_every 1                        progress line every N steps (and always at the last step)

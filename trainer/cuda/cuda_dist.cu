@@ -9,7 +9,7 @@
  * (ncclConfig_t.blocking = 0) and every wait is NCCL's fault-tolerance loop (NCCL User Guide,
  * "Fault Tolerance": poll cudaStreamQuery and ncclCommGetAsyncError instead of blocking in
  * cudaStreamSynchronize; on an error, ncclCommAbort), extended with the trainer's hooks
- * (bt_cuda_trainer_set_hooks: a stop request, or another rank's failure as trainer/dist/dist_monitor.h
+ * (bt_cuda_trainer_set_hooks: a stop request, or another rank's failure as trainer/parallel/dist_monitor.h
  * reports it, naming the rank) and a timeout. NCCL itself does not notice a peer that dies or is
  * stopped within one node: the hooks and the timeout are what end such a wait. */
 #include "trainer/cuda/cuda_trainer_internal.h"

@@ -12,7 +12,7 @@
  *   bt_ckpt_header (fixed size, see checkpoint.c)   magic "BTCKPT\0\1", version, header size,
  *       step (optimiser steps done), the identity fields below, n_params, the loader's
  *       resume_state of rank 0's last consumed training batch (proto/batch.h, 256 bytes),
- *       world (number of data-parallel ranks, trainer/dist/dist.h);
+ *       world (number of data-parallel ranks, trainer/parallel/dist.h);
  *   resume_state[world - 1][256]                     ranks 1 .. world-1 (each rank has its own
  *                                                    loader stream);
  *   params[n_params], m[n_params], v[n_params]       fp32: LoRA (+ LoRA+ dense) parameters and the

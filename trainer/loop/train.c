@@ -143,7 +143,7 @@ static int run_id_init(bt_run *r) {
     return 0;
 }
 
-/* Data-parallel start-up (trainer/dist/dist.h): the job key, the rendezvous that checks every rank
+/* Data-parallel start-up (trainer/parallel/dist.h): the job key, the rendezvous that checks every rank
  * runs this job and hands out rank 0's id (the backend's: reg->dist_unique_id), then the watchdog
  * on its connections. */
 static int dist_start(bt_run *r) {
@@ -199,7 +199,7 @@ static int check_memory(const bt_train_config *cfg) {
 }
 
 /* Stage 1. Rank and world from the launcher's environment, warnings and stale temporaries (rank
- * 0), the rendezvous and watchdog (world > 1: trainer/dist/dist.h), the run id. */
+ * 0), the rendezvous and watchdog (world > 1: trainer/parallel/dist.h), the run id. */
 static int run_rendezvous(bt_run *r) {
     const bt_train_config *cfg = r->cfg;
     int rc;
