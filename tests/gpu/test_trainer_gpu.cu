@@ -187,8 +187,8 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     o.nf4_impl = g_nf4_impl;
     o.s2_group = cs.s2;
     o.offload = cs.offload;
-    if (bt_cuda_trainer_new_ex(&t, m, lo, M, &o) != 0) {
-        printf("    bt_cuda_trainer_new_ex: %s\n", bt_last_error());
+    if (bt_cuda_trainer_new(&t, m, lo, M, &o) != 0) {
+        printf("    bt_cuda_trainer_new: %s\n", bt_last_error());
         g_case_ok = false;
         return;
     }
@@ -306,8 +306,8 @@ static void run_tiny_case(const Case &cs, bool llama3 = false, int ext = BT_ROPE
         return;
     }
     bt_lora lo;
-    if (bt_lora_init_ex(&lo, &m, 8, 16.0, cs.dropout, (1u << BT_MOD_N) - 1, cs.trainable, 7) != 0) {
-        printf("    bt_lora_init_ex: %s\n", bt_last_error());
+    if (bt_lora_init(&lo, &m, 8, 16.0, cs.dropout, (1u << BT_MOD_N) - 1, cs.trainable, 7) != 0) {
+        printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         bt_model_free(&m);
         return;
@@ -385,7 +385,7 @@ static void test_tiny_offload(void)
     bt_model m;
     bt_lora lo;
     if (bt_model_init_random(&m, &hp, BT_BASE_NF4, 1, 42) != 0 ||
-        bt_lora_init_ex(&lo, &m, 8, 16.0, 0.1, (1u << BT_MOD_N) - 1, BT_TRAIN_EMBED | BT_TRAIN_NORM,
+        bt_lora_init(&lo, &m, 8, 16.0, 0.1, (1u << BT_MOD_N) - 1, BT_TRAIN_EMBED | BT_TRAIN_NORM,
                         7) != 0) {
         printf("    set-up: %s\n", bt_last_error());
         g_case_ok = false;
@@ -404,8 +404,8 @@ static void test_tiny_offload(void)
         o.checkpointing = 1;
         o.offload = off;
         o.s2_group = 32;
-        if (bt_cuda_trainer_new_ex(&t, &m, &lo, 256, &o) != 0) {
-            printf("    bt_cuda_trainer_new_ex(offload %d): %s\n", off, bt_last_error());
+        if (bt_cuda_trainer_new(&t, &m, &lo, 256, &o) != 0) {
+            printf("    bt_cuda_trainer_new(offload %d): %s\n", off, bt_last_error());
             g_case_ok = false;
             break;
         }
@@ -432,7 +432,7 @@ static void test_tiny_offload(void)
     bt_cuda_trainer_opts o;
     memset(&o, 0, sizeof o);
     o.offload = 1;
-    check_true("offload needs checkpointing", bt_cuda_trainer_new_ex(&t, &m, &lo, 256, &o) ==
+    check_true("offload needs checkpointing", bt_cuda_trainer_new(&t, &m, &lo, 256, &o) ==
                                                   BT_ERR_INVALID);
     bt_lora_free(&lo);
     bt_model_free(&m);
@@ -478,13 +478,13 @@ static void test_tiny_gguf(void)
     bt_model m;
     bt_lora lo;
     if (bt_model_init_random(&m, &hp, BT_BASE_FP32, 1, 3) || bt_model_to_ggml(&m, BT_GGML_Q5_0) ||
-        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 1)) {
+        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 0, 1)) {
         printf("    set-up: %s\n", bt_last_error());
         g_case_ok = false;
         return;
     }
     bt_cuda_trainer *t = nullptr;
-    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64);
+    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64, nullptr);
     const char *e = bt_last_error();
     check_true("Q5_0 base refused (BT_ERR_UNSUPPORTED)", rc == BT_ERR_UNSUPPORTED && !t);
     check_true("  ... naming the type, the supported ones and base_dtype nf4",
@@ -597,7 +597,7 @@ static void test_smollm2_step(void)
     if (!load_smol())
         return;
     bt_lora lo;
-    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 1234) != 0) {
+    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 0, 1234) != 0) {
         printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         return;
@@ -627,7 +627,7 @@ static void test_smollm2_gguf_step(void)
         return;
     }
     bt_lora lo;
-    if (bt_lora_init(&lo, &m, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 1234) != 0) {
+    if (bt_lora_init(&lo, &m, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 0, 1234) != 0) {
         printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         bt_model_free(&m);
@@ -654,7 +654,7 @@ static void test_smollm2_10_steps(void)
     const float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.0f;
     const double clip = 1.0;
     bt_lora lo;
-    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 1234) != 0) {
+    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 0, 1234) != 0) {
         printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         return;
@@ -666,7 +666,7 @@ static void test_smollm2_10_steps(void)
     for (auto &b : bs)
         b.view();
     bt_cuda_trainer *t = nullptr;
-    if (bt_cuda_trainer_new(&t, &g_smol, &lo, M) != 0) { /* uploads the initial LoRA */
+    if (bt_cuda_trainer_new(&t, &g_smol, &lo, M, nullptr) != 0) { /* uploads the initial LoRA */
         printf("    bt_cuda_trainer_new: %s\n", bt_last_error());
         g_case_ok = false;
         bt_lora_free(&lo);

@@ -527,11 +527,6 @@ extern "C" size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *ba
     return t ? t->peak_used : 0;
 }
 
-extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M)
-{
-    return bt_cuda_trainer_new_ex(out, m, lo, max_M, nullptr);
-}
-
 static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo, int max_M,
                         const bt_cuda_trainer_opts *o)
 {
@@ -713,8 +708,8 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     return 0;
 }
 
-extern "C" int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo,
-                                      int max_M, const bt_cuda_trainer_opts *opts)
+extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo,
+                                   int max_M, const bt_cuda_trainer_opts *opts)
 {
     *out = nullptr;
     if (!m || !lo || max_M < 1)

@@ -74,9 +74,8 @@ typedef struct {
  * cols % 64 == 0; GGUF-native linears have a type with a CUDA decoder or F16/BF16/F32 (others are
  * refused naming the supported types and base_dtype "nf4"). Errors also: BT_ERR_NOMEM (device
  * memory; the message gives the sizes), BT_ERR_IO (no device / CUDA error). */
-int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M);
-int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
-                           const bt_cuda_trainer_opts *opts);
+int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
+                        const bt_cuda_trainer_opts *opts);
 void bt_cuda_trainer_free(bt_cuda_trainer *t);
 
 /* Device bytes held by the trainer (model + LoRA state + workspace), and the device name. */
