@@ -162,6 +162,9 @@ static void check_matmuls(int type) {
     assert_int_equal(count_bit_mismatch(got, Wd, (size_t)N * K, name), 0);
     bt_ggml_mat_dequantize_rows(&w, 123, 5, got); /* a row range */
     assert_int_equal(count_bit_mismatch(got, Wd + (size_t)123 * K, (size_t)5 * K, name), 0);
+    /* a range past the weight is refused with the reason (it used to write nothing, silently) */
+    assert_int_equal(bt_ggml_mat_dequantize_rows(&w, N - 1, 2, got), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "ggml: dequantize rows"));
 
     const int nthr = omp_get_max_threads();
     omp_set_num_threads(2);

@@ -83,16 +83,27 @@ static void test_embedding_bwd(void **st) {
     (void)st;
     enum { M = 9, D = 70, V = 6 }; /* D > 64: two column blocks */
     float dout[M * D], dt[V * D], ref[V * D];
-    int32_t ids[M] = {1, 4, 1, 0, 5, 1, -3, 6, 4}; /* repeats; -3 and 6 are out of range */
+    int32_t ids[M] = {1, 4, 1, 0, 5, 1, 2, 5, 4}; /* repeats */
     fill(dout, M * D, 3, 1.f);
     for (int i = 0; i < V * D; i++) dt[i] = ref[i] = (float)i * 0.001f;
     for (int m = 0; m < M; m++)
-        if (ids[m] >= 0 && ids[m] < V)
-            for (int d = 0; d < D; d++) ref[ids[m] * D + d] += dout[m * D + d];
-    bt_embedding_bwd(dt, dout, ids, M, D, V);
+        for (int d = 0; d < D; d++) ref[ids[m] * D + d] += dout[m * D + d];
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, M, D, V), 0);
     assert_memory_equal(dt, ref, sizeof dt); /* same order of additions: bit-identical */
-    bt_embedding_bwd(dt, dout, ids, 0, D, V); /* no-ops, no crash */
-    bt_embedding_bwd(dt, dout, ids, M, 0, V);
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, 0, D, V), 0); /* nothing to add */
+    assert_memory_equal(dt, ref, sizeof dt);
+    /* an id outside [0, V) is refused by name before anything is written; so are bad shapes */
+    for (int bad = 0; bad < 2; bad++) {
+        ids[6] = bad ? V : -3;
+        assert_int_equal(bt_embedding_bwd(dt, dout, ids, M, D, V), BT_ERR_RANGE);
+        assert_non_null(strstr(bt_last_error(), bad ? "input_ids[6] = 6 is outside the vocabulary [0, 6)"
+                                                    : "input_ids[6] = -3 is outside"));
+        assert_int_equal(bt_embedding_fwd(dout, dt, ids, M, D, V), BT_ERR_RANGE);
+        assert_memory_equal(dt, ref, sizeof dt);
+    }
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, M, 0, V), BT_ERR_INVALID);
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, -1, D, V), BT_ERR_INVALID);
+    assert_memory_equal(dt, ref, sizeof dt);
 }
 
 /* ---- model gradients ---- */
