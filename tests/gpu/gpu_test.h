@@ -13,6 +13,7 @@
 #include <vector>
 
 extern "C" {
+#include "common/bt_common.h"
 #include "kernels/kernels.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
@@ -37,8 +38,8 @@ static bool g_case_ok = true; /* the current test's checks so far */
     do {                                                                               \
         int r_ = (call);                                                               \
         if (r_ != 0) {                                                                 \
-            printf("    launcher failed: %s returned %d (%s:%d)\n", #call, r_, __FILE__, \
-                   __LINE__);                                                          \
+            printf("    launcher failed: %s returned %d: %s (%s:%d)\n", #call, r_,        \
+                   bt_last_error(), __FILE__, __LINE__);                               \
             g_case_ok = false;                                                         \
         }                                                                              \
     } while (0)
@@ -305,8 +306,8 @@ static bool gt_require_env(void)
  * BT_GPU_REQUIRE=1 a FAIL line. */
 static bool gt_require_device(const char *prog)
 {
-    char reason[256] = "";
-    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+    if (bt_cuda_device_count() <= 0) {
+        const char *reason = bt_last_error();
         if (gt_require_env())
             printf("%s: FAIL: no CUDA device (%s) and BT_GPU_REQUIRE=1\n", prog, reason);
         else

@@ -350,6 +350,13 @@ static void test_attn_errors(int impl)
     DBuf<float> l(12), dl(12);
     DBuf<int32_t> cu(2);
     check_true("Hq % Hkv != 0 -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6);
+    /* the reason is in bt_last_error (nothing printed): the launcher and the check that failed */
+    const char *err = bt_last_error();
+    const char *want = impl == IMPL_MMA ? "cuda: bt_cuda_attn_fwd_mma: invalid arguments: "
+                                        : "cuda: bt_cuda_attn_fwd: invalid arguments: ";
+    printf("    bt_last_error: %s\n", err);
+    check_true("refusal names launcher + check",
+               !strncmp(err, want, strlen(want)) && strstr(err, "p->Hq % p->Hkv != 0"));
     check_true("bwd Hq % Hkv != 0 -> INVALID",
                attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p) == -6);
     p.Hq = 2;

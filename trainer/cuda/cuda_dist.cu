@@ -144,10 +144,9 @@ extern "C" int bt_cuda_dist_unique_id(uint8_t id[BT_CUDA_DIST_ID_BYTES])
 
 extern "C" int bt_cuda_device_for_local_rank(int local_rank, int *device)
 {
-    char reason[256] = "";
-    const int n = bt_cuda_device_count(reason, sizeof reason);
+    const int n = bt_cuda_device_count();
     if (n <= 0)
-        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", reason);
+        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", bt_last_error());
     if (local_rank < 0)
         return bt_fail(BT_ERR_INVALID, "cuda: local rank %d", local_rank);
     if (n == 1) { /* one visible GPU per task (srun --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES) */

@@ -718,9 +718,8 @@ extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, con
     memset(&o, 0, sizeof o);
     if (opts)
         o = *opts;
-    char reason[256] = "";
-    if (bt_cuda_device_count(reason, sizeof reason) <= 0)
-        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", reason);
+    if (bt_cuda_device_count() <= 0)
+        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", bt_last_error());
     bt_cuda_trainer *t = new bt_cuda_trainer();
     t->dev = o.device;
     t->desc_wd = -1.f;

@@ -214,10 +214,9 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    char reason[256] = "";
-    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+    if (bt_cuda_device_count() <= 0) {
         const char *req = getenv("BT_GPU_REQUIRE");
-        printf("bench_step_gpu: %s: no CUDA device (%s)\n", req && atoi(req) ? "FAILED" : "skipped", reason);
+        printf("bench_step_gpu: %s: no CUDA device (%s)\n", req && atoi(req) ? "FAILED" : "skipped", bt_last_error());
         return req && atoi(req) ? 1 : 77;
     }
     if (probe)
