@@ -267,11 +267,12 @@ int main(int argc, char **argv)
         printf("%s: cublasCreate failed\n", prog);
         return 2;
     }
-    RUN_TEST(test_ggml_errors);
-    RUN_TEST(test_ggml_dequant_exact);
-    RUN_TEST(test_ggml_gemm_decode_exact);
-    RUN_TEST(test_ggml_gemm);
+    GT_CASE(test_ggml_errors);
+    GT_CASE(test_ggml_dequant_exact);
+    GT_CASE(test_ggml_gemm_decode_exact);
+    GT_CASE(test_ggml_gemm);
+    const int rc = gt_run(prog);
     cublasDestroy(g_cublas);
     cudaStreamDestroy(g_stream);
-    return gt_finish(prog);
+    return rc;
 }

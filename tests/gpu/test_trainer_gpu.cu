@@ -20,7 +20,7 @@
  *     cosine >= 0.95 (small modules are noisier);
  *   10-step curve: every step's loss within 3% (relative) of the CPU's.
  * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
- * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never an OK
  * line; FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
@@ -722,20 +722,21 @@ int main(int argc, char **argv)
     const int init = gt_init(prog, argc, argv);
     if (init >= 0)
         return init;
-    RUN_TEST(test_tiny_nf4);
-    RUN_TEST(test_tiny_dropout);
-    RUN_TEST(test_tiny_fp32_untied_ckpt);
-    RUN_TEST(test_tiny_loraplus);
-    RUN_TEST(test_tiny_long_doc);
-    RUN_TEST(test_tiny_llama3_rope);
-    RUN_TEST(test_tiny_mma_fused);
-    RUN_TEST(test_tiny_gguf);
-    RUN_TEST(test_tiny_long_context);
-    RUN_TEST(test_tiny_offload);
-    RUN_TEST(test_smollm2_step);
-    RUN_TEST(test_smollm2_gguf_step);
-    RUN_TEST(test_smollm2_10_steps);
+    GT_CASE(test_tiny_nf4);
+    GT_CASE(test_tiny_dropout);
+    GT_CASE(test_tiny_fp32_untied_ckpt);
+    GT_CASE(test_tiny_loraplus);
+    GT_CASE(test_tiny_long_doc);
+    GT_CASE(test_tiny_llama3_rope);
+    GT_CASE(test_tiny_mma_fused);
+    GT_CASE(test_tiny_gguf);
+    GT_CASE(test_tiny_long_context);
+    GT_CASE(test_tiny_offload);
+    GT_CASE(test_smollm2_step);
+    GT_CASE(test_smollm2_gguf_step);
+    GT_CASE(test_smollm2_10_steps);
+    const int rc = gt_run(prog);
     if (g_have_smol)
         bt_model_free(&g_smol);
-    return gt_finish(prog);
+    return rc;
 }
