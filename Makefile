@@ -307,7 +307,8 @@ $(CUDA_TRAINER_LIB): $(CUDA_TRAINER_OBJ)
 
 $(CUDA_BUILD)/tests/%: $(CUDA_BUILD)/obj/tests/gpu/%.o $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)
-	$(CXX_LINK) -o $@ $< $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS)
+	$(CXX_LINK) -o $@ $< $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a $(CUDA_LDLIBS) $(LDLIBS) \
+		$(TESTLIBS)
 
 $(CUDA_BUILD)/bench/%: $(CUDA_BUILD)/obj/tests/bench/gpu/%.o $(CUDA_TRAINER_LIB) $(CUDA_LIB) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)
@@ -371,7 +372,7 @@ $(EMU_BUILD)/obj/tests/emu/nccl_emu.o $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o
 $(EMU_NCCL_TEST): $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o $(EMU_BUILD)/obj/tests/emu/nccl_emu.o \
                   $(EMU_BUILD)/obj/tests/emu/cuda_emu.o
 	@mkdir -p $(dir $@)
-	$(EMU_CXX) -o $@ $^ -lrt -lpthread
+	$(EMU_CXX) -o $@ $^ -lrt -lpthread $(TESTLIBS)
 
 $(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) $(GPU_TEST_HDRS) \
                       $(HDRS) $(wildcard trainer/cuda/*.h)
@@ -380,7 +381,7 @@ $(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) $
 
 $(EMU_BUILD)/tests/%: $(EMU_BUILD)/obj/tests/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)
-	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS)
+	$(EMU_CXX) -o $@ $< $(EMU_LIB_OBJ) $(BUILD)/libbarq.a $(EMU_LDLIBS) $(TESTLIBS)
 
 $(EMU_BUILD)/bench/%: $(EMU_BUILD)/obj/tests/bench/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)

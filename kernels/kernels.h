@@ -47,8 +47,9 @@ float bt_dynamic_code8(int idx);            /* create_dynamic_map(signed=True)[i
 /* Quantise W[rows, cols] (rows*cols multiple of 64). Allocates q's buffers (free with
  * bt_nf4_free). Reproduces bitsandbytes quantize_4bit(nf4, blocksize=64, compress_statistics=True). */
 int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols);
-/* Dequantise rows [r0, r0+nr) into out[nr, cols]. */
-void bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out);
+/* Dequantise rows [r0, r0+nr) into out[nr, cols]. BT_ERR_INVALID (nothing written) for a range
+ * outside [0, rows) or NULL q / out. */
+int bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out);
 void bt_nf4_free(bt_nf4 *q);
 /* Y[M,N] = X[M,K] @ deq(Wq)[N,K]^T + beta*Y, dequantising tile by tile (no full fp32 copy).
  * scratch: at least bt_nf4_scratch_floats(K) floats (bt_tile_scratch_floats for the current
@@ -91,9 +92,9 @@ void bt_ggml_mat_free(bt_ggml_mat *w);
 /* Bytes held by w's blocks (rows * row_bytes). */
 size_t bt_ggml_mat_bytes(const bt_ggml_mat *w);
 /* Dequantise rows [r0, r0+nr) into out[nr, cols] fp32 (caller owned), bit-identical to
- * bt_ggml_dequantize of those rows' bytes; rows in parallel (OpenMP) when large. Out-of-range
- * arguments are a caller bug: nothing is written. */
-void bt_ggml_mat_dequantize_rows(const bt_ggml_mat *w, int64_t r0, int64_t nr, float *out);
+ * bt_ggml_dequantize of those rows' bytes; rows in parallel (OpenMP) when large. BT_ERR_INVALID
+ * (nothing written) for a range outside [0, rows) or NULL w / out. */
+int bt_ggml_mat_dequantize_rows(const bt_ggml_mat *w, int64_t r0, int64_t nr, float *out);
 /* Y[M,N] = X[M,K] @ deq(W)[N,K]^T + beta*Y, W rows == N, cols == K, dequantising BT_TILE_ROWS
  * (128) rows at a time per thread into scratch (>= bt_ggml_scratch_floats(K) floats, the same
  * size as bt_nf4_scratch_floats) and multiplying each tile with a single-threaded sgemm: the
@@ -117,23 +118,25 @@ void bt_rmsnorm_bwd(float *dx, float *dw, const float *dy, const float *x, const
 /* ---- RoPE, HF "rotate_half" layout (pairs (i, i+D/2)); theta^(-2i/D); position p is
  * position_ids[m] * pos_scale (pos_scale = 1/interpolation factor, 1.0 = none) ---- */
 /* x [M, H, D] rotated in place. */
-void bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale);
+int bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale);
 /* dx [M, H, D] in place: applies the inverse rotation (transpose). */
-void bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale);
+int bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale);
 
 /* RoPE with a precomputed inverse-frequency table (kernels/cpu/rope.c): x [M, H, D] fp32 rotated in
  * place, pair (x[i], x[i+D/2]) by angle ((float)position_ids[m] * pos_scale) * inv_freq[i] (fp32,
  * cos/sin in double rounded to fp32); inv_freq [D/2] fp32, borrowed (read during the call).
- * position_ids [M] int32 (any value). D even. No errors (M, H <= 0 or D < 2 do nothing).
+ * position_ids [M] int32 (any value). BT_ERR_INVALID (nothing rotated) unless M >= 0, H >= 1 and D
+ * even >= 2 (M == 0: nothing to do); BT_ERR_NOMEM when a row's cos/sin buffer (D > 512) cannot be
+ * allocated. The same errors for every RoPE function below and for bt_rope_fwd / bt_rope_bwd.
  * Every row's cos/sin is computed here; bt_rope_fwd_cached is the same rotation with a table kept
  * between calls. bt_rope_fwd(theta) equals bt_rope_fwd_freq with the "default" table of
  * bt_rope_inv_freq, bit for bit. */
-void bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
-                      const float *inv_freq, float pos_scale);
+int bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
+                     const float *inv_freq, float pos_scale);
 /* Backward of bt_rope_fwd_freq: dx [M, H, D] in place gets the transposed (inverse) rotation
  * dx[i] = dy[i]*cos + dy[i+D/2]*sin, dx[i+D/2] = dy[i+D/2]*cos - dy[i]*sin. Same arguments. */
-void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
-                      const float *inv_freq, float pos_scale);
+int bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
+                     const float *inv_freq, float pos_scale);
 /* The cos/sin table of bt_rope_fwd_cached / bt_rope_bwd_cached, owned by its user (the trainer's
  * step context, the inference state: never process-wide). Zero-initialised = empty; the first
  * call builds the table of its (inv_freq, pos_scale, D) for positions [0, max(4096, needed)), a
@@ -151,11 +154,11 @@ typedef struct {
 void bt_rope_cache_free(bt_rope_cache *cache);
 /* bt_rope_fwd_freq / bt_rope_bwd_freq with the cos/sin table kept in *cache (NULL: none, every
  * row computed): bit for bit the same results (the table holds the same fp32 values). When the
- * table cannot be allocated, rows are computed directly (no error). */
-void bt_rope_fwd_cached(bt_rope_cache *cache, float *x, const int32_t *position_ids, int M, int H,
-                        int D, const float *inv_freq, float pos_scale);
-void bt_rope_bwd_cached(bt_rope_cache *cache, float *dx, const int32_t *position_ids, int M, int H,
-                        int D, const float *inv_freq, float pos_scale);
+ * table cannot be allocated, rows are computed directly (not an error). */
+int bt_rope_fwd_cached(bt_rope_cache *cache, float *x, const int32_t *position_ids, int M, int H,
+                       int D, const float *inv_freq, float pos_scale);
+int bt_rope_bwd_cached(bt_rope_cache *cache, float *dx, const int32_t *position_ids, int M, int H,
+                       int D, const float *inv_freq, float pos_scale);
 /* inv_freq [D/2] fp32 (caller-owned output) as transformers 4.46 modeling_rope_utils.py computes
  * it in fp32 (ROPE_INIT_FUNCTIONS[type]): type NULL or "default" (_compute_default_rope_parameters:
  * 1.0 / theta ** (arange(0, D, 2).float() / D)); "linear" (_compute_linear_scaling_rope_parameters:
@@ -208,13 +211,14 @@ int bt_rope_inv_freq_dynamic(float *inv_freq, int D, float theta, float factor, 
  * cu_seqlens [n_seq+1] over M (nondecreasing, cu[0] = 0, cu[n_seq] = M; rows outside get out = 0,
  * lse = 0); token i attends to j in its own segment with j <= i.
  * out [M, Hq, D]; lse [M, Hq] (natural-log logsumexp of the scaled scores) saved for backward.
- * scale: the softmax scale (1/sqrt(D) for Llama; times mscale^2 for YaRN). All fp32, caller owned. */
-void bt_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
-                 const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
-/* dq [M,Hq,D], dk, dv [M,Hkv,D] overwritten. */
-void bt_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                 const float *lse, const float *q, const float *k, const float *v,
-                 const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
+ * scale: the softmax scale (1/sqrt(D) for Llama; times mscale^2 for YaRN). All fp32, caller owned.
+ * Errors as bt_attn_fwd_s2 below (the outputs then zeroed). */
+int bt_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
+                const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
+/* dq [M,Hq,D], dk, dv [M,Hkv,D] overwritten. Errors as bt_attn_bwd_s2 below. */
+int bt_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                const float *lse, const float *q, const float *k, const float *v,
+                const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale);
 /* The same with LongLoRA's shifted sparse attention (S^2-Attn; Chen et al. 2023, arXiv 2309.12307,
  * llama_attn_replace.py, in its varlen form without the roll) when s2_group = G > 0: positions are
  * local to each cu_seqlens segment (document); query heads h < Hq/2 attend only within groups
@@ -242,12 +246,17 @@ void bt_swiglu_fwd(float *h, const float *gate, const float *up, int64_t n);
 void bt_swiglu_bwd(float *dgate, float *dup, const float *dh, const float *gate, const float *up, int64_t n);
 
 /* ---- embedding ---- */
-/* out[M, D] = table[ids[m], :] */
-void bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M, int D);
-/* Backward (scatter-add): dtable[ids[m], :] += dout[m, :] for m < M in order of m (rows with ids
- * outside [0, vocab) are skipped). dtable [vocab, D]; deterministic for any thread count (threads
- * split the D columns, each column summed in token order). */
-void bt_embedding_bwd(float *dtable, const float *dout, const int32_t *ids, int M, int D, int vocab);
+/* out[M, D] = table[ids[m], :], table [vocab, D]. Errors (nothing written): BT_ERR_RANGE for an id
+ * outside [0, vocab) ("embedding forward: input_ids[m] = id is outside the vocabulary [0, V)"),
+ * BT_ERR_INVALID for M < 0, D or vocab < 1 or a NULL pointer (M > 0). */
+int bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M, int D, int vocab);
+/* Backward (scatter-add): dtable[ids[m], :] += dout[m, :] for m < M in order of m. dtable
+ * [vocab, D]; deterministic for any thread count (threads split the D columns, each column summed
+ * in token order). Errors as bt_embedding_fwd (nothing written). */
+int bt_embedding_bwd(float *dtable, const float *dout, const int32_t *ids, int M, int D, int vocab);
+/* BT_ERR_RANGE naming the first of ids[0..M) outside [0, vocab) (`what`: "forward", "backward"
+ * in the message), else BT_OK. */
+int bt_embedding_check_ids(const int32_t *ids, int M, int vocab, const char *what);
 
 /* ---- fused linear + cross-entropy, chunked (Liger FLCE / Apple CCE idea; never holds
  * [M x V] logits: at most chunk_rows x V at a time) ----

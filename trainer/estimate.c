@@ -358,11 +358,7 @@ static void row(FILE *out, const char *name, double a, double c) {
     fprintf(out, "  %-44s %10.1f MiB %10.1f MiB\n", name, a / MIB, c / MIB);
 }
 
-int bt_estimate_print(const bt_train_config *cfg, FILE *out) {
-    return bt_estimate_print_ex(cfg, 0.0, out);
-}
-
-int bt_estimate_print_ex(const bt_train_config *cfg, double fit_gib, FILE *out) {
+int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out) {
     bt_est_model em;
     int rc = bt_est_model_read(&em, cfg->model);
     if (rc) return rc;

@@ -120,8 +120,7 @@ int bt_estimate_max_seq_len(const bt_est_model *em, const bt_train_config *cfg, 
 /* `trainer estimate`: read cfg->model's hyper-parameters and print both bills as a table to
  * `out`; fit_gib > 0 also answers "the longest seq_len that fits in fit_gib GiB" for the CPU and
  * a GPU (bt_estimate_max_seq_len). Returns 0 or the error of bt_est_model_read. */
-int bt_estimate_print(const bt_train_config *cfg, FILE *out);
-int bt_estimate_print_ex(const bt_train_config *cfg, double fit_gib, FILE *out);
+int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out);
 
 /* `trainer train`'s check before it allocates (issue 21 §7): the job's memory plan (this bill:
  * the CPU peak on device "cpu"; on "cuda" the host side, i.e. the CPU load-time peak plus pinned

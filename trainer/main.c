@@ -243,7 +243,7 @@ static int load_run_config(const run_args *a, bt_train_config *cfg) {
 static int run_command(const run_args *a, const bt_train_config *cfg) {
     int rc;
     if (a->cmd == BT_CMD_ESTIMATE) {
-        rc = bt_estimate_print_ex(cfg, a->fit_gib, stdout);
+        rc = bt_estimate_print(cfg, a->fit_gib, stdout);
         if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
         return rc ? BT_EXIT_FAILURE : BT_EXIT_OK;
     }

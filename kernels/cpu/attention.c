@@ -393,19 +393,21 @@ int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const flo
     return 0;
 }
 
-void bt_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
-                 const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale)
+int bt_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
+                const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale)
 {
-    if (bt_attn_fwd_s2(out, lse, q, k, v, cu_seqlens, n_seq, M, Hq, Hkv, D, scale, 0) != 0 &&
-        M > 0 && Hq > 0 && D > 0) {
+    const int rc = bt_attn_fwd_s2(out, lse, q, k, v, cu_seqlens, n_seq, M, Hq, Hkv, D, scale, 0);
+    if (rc && M > 0 && Hq > 0 && D > 0 && out && lse) {
         memset(out, 0, (size_t)M * Hq * D * sizeof(float)); /* never garbage */
         memset(lse, 0, (size_t)M * Hq * sizeof(float));
     }
+    return rc;
 }
 
-void bt_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                 const float *lse, const float *q, const float *k, const float *v,
-                 const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale)
+int bt_attn_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                const float *lse, const float *q, const float *k, const float *v,
+                const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale)
 {
-    bt_attn_bwd_s2(dq, dk, dv, dout, out, lse, q, k, v, cu_seqlens, n_seq, M, Hq, Hkv, D, scale, 0);
+    return bt_attn_bwd_s2(dq, dk, dv, dout, out, lse, q, k, v, cu_seqlens, n_seq, M, Hq, Hkv, D,
+                          scale, 0);
 }

@@ -64,14 +64,17 @@ int bt_ggml_mat_init(bt_ggml_mat *w, int type, int64_t rows, int64_t cols, const
     return BT_OK;
 }
 
-void bt_ggml_mat_dequantize_rows(const bt_ggml_mat *w, int64_t r0, int64_t nr, float *out)
+int bt_ggml_mat_dequantize_rows(const bt_ggml_mat *w, int64_t r0, int64_t nr, float *out)
 {
-    if (!w || !w->data || !out || r0 < 0 || nr <= 0 || r0 + nr > w->rows)
-        return;
+    if (!w || !w->data || !out || r0 < 0 || nr < 0 || r0 + nr > w->rows)
+        return bt_fail(BT_ERR_INVALID, "ggml: dequantize rows [%lld, %lld) of a %lld-row weight%s",
+                       (long long)r0, (long long)(r0 + nr), w ? (long long)w->rows : 0LL,
+                       w && w->data && out ? "" : " (NULL weight or output)");
     const int64_t cols = w->cols;
 #pragma omp parallel for schedule(static) if (nr * cols >= 32768)
     for (int64_t r = 0; r < nr; r++)
         bt_ggml_dequantize(w->type, w->data + (size_t)(r0 + r) * w->row_bytes, out + r * cols, cols);
+    return BT_OK;
 }
 
 /* bt_tile_dequant_fn: rows [n0, n0 + nt) of W into tile [nt, K] */

@@ -352,12 +352,16 @@ static void dequant_range(const bt_nf4 *q, const float *code, int64_t e0, int64_
 
 /* Dequantise rows [r0, r0+nr) of q (logical shape [rows, cols]) into out[nr, cols] fp32, caller
  * owned. x = NF4[nibble] * absmax(block) in fp32, as bitsandbytes kDequantizeBlockwise<NF4>.
- * Requires 0 <= r0, r0+nr <= rows and (r0*cols) even (always true when cols is even); rows are
- * dequantised in parallel (OpenMP). Invalid ranges are a caller bug: the function does nothing. */
-void bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out)
+ * Rows are dequantised in parallel (OpenMP). BT_ERR_INVALID (nothing written) unless q, out and
+ * 0 <= r0 <= r0+nr <= rows; nr == 0 writes nothing. */
+int bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out)
 {
-    if (!q || !out || r0 < 0 || nr <= 0 || r0 + nr > q->rows)
-        return;
+    if (!q || !out || r0 < 0 || nr < 0 || r0 + nr > q->rows)
+        return bt_fail(BT_ERR_INVALID, "nf4: dequantize rows [%lld, %lld) of a %lld-row weight%s",
+                       (long long)r0, (long long)(r0 + nr), q ? (long long)q->rows : 0LL,
+                       q && out ? "" : " (NULL weight or output)");
+    if (nr == 0)
+        return BT_OK;
     const float *code = code8_table();
     const int64_t cols = q->cols;
     if (cols % 2 != 0) {
@@ -368,11 +372,12 @@ void bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out)
             uint8_t nib = (e & 1) ? (byte & 0x0F) : (byte >> 4);
             out[i] = bt_nf4_code[nib] * block_absmax(q, code, e / BT_NF4_BLOCKSIZE);
         }
-        return;
+        return BT_OK;
     }
 #pragma omp parallel for schedule(static) if (nr * cols >= 32768)
     for (int64_t r = 0; r < nr; r++)
         dequant_range(q, code, (r0 + r) * cols, (r0 + r + 1) * cols, out + r * cols);
+    return BT_OK;
 }
 
 /* ---- fused dequantise + GEMM (the tiled driver of kernels/cpu/tiled_gemm.c) ---- */

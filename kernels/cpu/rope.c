@@ -94,13 +94,25 @@ static inline void rope_rotate_row(float *x, int H, int D, const float *cs, floa
     }
 }
 
-/* dir = +1: forward rotation; dir = -1: inverse (transpose) rotation. cache NULL: every row's
- * cos/sin computed directly. */
-static void rope_apply(bt_rope_cache *cache, float *x, const int32_t *pos, int M, int H, int D,
-                       const float *inv, float pos_scale, float dir)
+/* The arguments every form checks: BT_ERR_INVALID unless M >= 0, H >= 1, D even >= 2 and (M > 0)
+ * x, position_ids and the table present. */
+static int rope_check(const float *x, const int32_t *pos, int M, int H, int D, const void *table)
 {
-    if (M <= 0 || H <= 0 || D < 2)
-        return;
+    if (M < 0 || H < 1 || D < 2 || (D & 1) || (M > 0 && (!x || !pos || !table)))
+        return bt_fail(BT_ERR_INVALID, "rope: M %d, H %d, D %d (need M >= 0, H >= 1, D even >= 2)%s",
+                       M, H, D, M > 0 && (!x || !pos || !table) ? ", a NULL pointer" : "");
+    return BT_OK;
+}
+
+/* dir = +1: forward rotation; dir = -1: inverse (transpose) rotation. cache NULL: every row's
+ * cos/sin computed directly. BT_ERR_INVALID (rope_check), BT_ERR_NOMEM (a row's cos/sin buffer,
+ * D > 512, could not be allocated: rows may be rotated in part). */
+static int rope_apply(bt_rope_cache *cache, float *x, const int32_t *pos, int M, int H, int D,
+                      const float *inv, float pos_scale, float dir)
+{
+    const int rc = rope_check(x, pos, M, H, D, inv);
+    if (rc || M == 0)
+        return rc;
     const int half = D / 2;
     int32_t maxp = 0;
     for (int m = 0; m < M; m++)
@@ -108,6 +120,7 @@ static void rope_apply(bt_rope_cache *cache, float *x, const int32_t *pos, int M
             maxp = pos[m];
     const int need = maxp < BT_ROPE_MAX_CACHED_POS ? maxp + 1 : BT_ROPE_MAX_CACHED_POS;
     const float *tab = rope_table(cache, need, D, inv, pos_scale);
+    int nomem = 0;
 #pragma omp parallel for schedule(static) if ((int64_t)M * H * D >= 32768)
     for (int m = 0; m < M; m++) {
         const int32_t p = pos[m];
@@ -121,13 +134,19 @@ static void rope_apply(bt_rope_cache *cache, float *x, const int32_t *pos, int M
         float *buf = cs_local, *heap = NULL;
         if (half > 256)
             buf = heap = malloc((size_t)half * 2 * sizeof(float));
-        if (!buf)
+        if (!buf) {
+#pragma omp atomic write
+            nomem = 1;
             continue;
+        }
         for (int i = 0; i < half; i++)
             rope_angle_cs(p, inv[i], pos_scale, &buf[2 * i], &buf[2 * i + 1]);
         rope_rotate_row(xm, H, D, buf, dir);
         free(heap);
     }
+    if (nomem)
+        return bt_fail(BT_ERR_NOMEM, "rope: out of memory for a row's cos/sin (D %d)", D);
+    return BT_OK;
 }
 
 /* HF _compute_default_rope_parameters in fp32:
@@ -307,56 +326,58 @@ int bt_rope_inv_freq_dynamic(float *inv_freq, int D, float theta, float factor, 
     return 0;
 }
 
-void bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
-                      const float *inv_freq, float pos_scale)
+int bt_rope_fwd_freq(float *x, const int32_t *position_ids, int M, int H, int D,
+                     const float *inv_freq, float pos_scale)
 {
-    rope_apply(NULL, x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
+    return rope_apply(NULL, x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
 }
 
-void bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
-                      const float *inv_freq, float pos_scale)
+int bt_rope_bwd_freq(float *dx, const int32_t *position_ids, int M, int H, int D,
+                     const float *inv_freq, float pos_scale)
 {
-    rope_apply(NULL, dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
+    return rope_apply(NULL, dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
 }
 
-void bt_rope_fwd_cached(bt_rope_cache *cache, float *x, const int32_t *position_ids, int M, int H,
-                        int D, const float *inv_freq, float pos_scale)
+int bt_rope_fwd_cached(bt_rope_cache *cache, float *x, const int32_t *position_ids, int M, int H,
+                       int D, const float *inv_freq, float pos_scale)
 {
-    rope_apply(cache, x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
+    return rope_apply(cache, x, position_ids, M, H, D, inv_freq, pos_scale, 1.0f);
 }
 
-void bt_rope_bwd_cached(bt_rope_cache *cache, float *dx, const int32_t *position_ids, int M, int H,
-                        int D, const float *inv_freq, float pos_scale)
+int bt_rope_bwd_cached(bt_rope_cache *cache, float *dx, const int32_t *position_ids, int M, int H,
+                       int D, const float *inv_freq, float pos_scale)
 {
-    rope_apply(cache, dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
+    return rope_apply(cache, dx, position_ids, M, H, D, inv_freq, pos_scale, -1.0f);
 }
 
 /* The theta form: the default table (on the stack up to D = 1024) then the table form. */
-static void rope_theta_apply(float *x, const int32_t *pos, int M, int H, int D, float theta,
-                             float pos_scale, float dir)
+static int rope_theta_apply(float *x, const int32_t *pos, int M, int H, int D, float theta,
+                            float pos_scale, float dir)
 {
-    if (M <= 0 || H <= 0 || D < 2)
-        return;
+    const int rc = rope_check(x, pos, M, H, D, "");
+    if (rc || M == 0)
+        return rc;
     float local[512], *inv = local, *heap = NULL;
     if (D / 2 > 512 && !(inv = heap = malloc((size_t)(D / 2) * sizeof(float))))
-        return;
+        return bt_fail(BT_ERR_NOMEM, "rope: out of memory for the inv_freq table (D %d)", D);
     default_inv_freq(inv, D, theta);
-    rope_apply(NULL, x, pos, M, H, D, inv, pos_scale, dir);
+    const int rc2 = rope_apply(NULL, x, pos, M, H, D, inv, pos_scale, dir);
     free(heap);
+    return rc2;
 }
 
 /* x [M, H, D] fp32 rotated in place; position_ids [M] (int32, >= 0 expected; any value works);
  * theta = rope base (e.g. 10000 or 100000 for SmolLM2); pos_scale multiplies positions (linear
  * position interpolation: 1/factor; 1.0 = none). D must be even. */
-void bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale)
+int bt_rope_fwd(float *x, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale)
 {
-    rope_theta_apply(x, position_ids, M, H, D, theta, pos_scale, 1.0f);
+    return rope_theta_apply(x, position_ids, M, H, D, theta, pos_scale, 1.0f);
 }
 
 /* Backward of bt_rope_fwd: dx [M, H, D] in place gets the transposed (inverse) rotation
  *   dx[i] = dy[i]*cos + dy[i+D/2]*sin,  dx[i+D/2] = dy[i+D/2]*cos - dy[i]*sin.
  * Same arguments as bt_rope_fwd. */
-void bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale)
+int bt_rope_bwd(float *dx, const int32_t *position_ids, int M, int H, int D, float theta, float pos_scale)
 {
-    rope_theta_apply(dx, position_ids, M, H, D, theta, pos_scale, -1.0f);
+    return rope_theta_apply(dx, position_ids, M, H, D, theta, pos_scale, -1.0f);
 }

@@ -2,6 +2,7 @@
  * LlamaMLP: down(act_fn(gate(x)) * up(x)) with act_fn = SiLU) and the token embedding lookup. */
 #include "kernels/kernels.h"
 #include "kernels/cpu/cpu_math.h"
+#include "common/bt_common.h"
 
 #include <omp.h>
 #include <string.h>
@@ -41,12 +42,19 @@ void bt_swiglu_bwd(float *dgate, float *dup, const float *dh, const float *gate,
     }
 }
 
-/* out[m, :] = table[ids[m], :] for m < M; table [vocab, D] fp32; ids must lie in [0, vocab) (the
- * caller validates token ids against the vocabulary; this function has no vocab size to check).
- * Rows are copied in parallel. */
-void bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M, int D)
+/* out[m, :] = table[ids[m], :] for m < M; table [vocab, D] fp32. An id outside [0, vocab) is
+ * refused before anything is written (BT_ERR_RANGE, bt_embedding_check_ids). Rows are copied in
+ * parallel. */
+int bt_embedding_fwd(float *out, const float *table, const int32_t *ids, int M, int D, int vocab)
 {
+    if (M < 0 || D <= 0 || vocab <= 0 || (M > 0 && (!out || !table || !ids)))
+        return bt_fail(BT_ERR_INVALID, "embedding forward: M %d, D %d, vocab %d%s", M, D, vocab,
+                       M > 0 && (!out || !table || !ids) ? ", a NULL pointer" : "");
+    const int rc = bt_embedding_check_ids(ids, M, vocab, "forward");
+    if (rc)
+        return rc;
 #pragma omp parallel for schedule(static) if ((int64_t)M * D >= 65536)
     for (int m = 0; m < M; m++)
         memcpy(out + (size_t)m * D, table + (size_t)ids[m] * D, (size_t)D * sizeof(float));
+    return BT_OK;
 }

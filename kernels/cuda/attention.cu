@@ -465,13 +465,12 @@ extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, floa
                                 cudaStream_t stream)
 {
     const void *ptrs[] = {out, lse, q, k, v};
-    const int e = bt_att_enter(p, ptrs, 5, false, lse, nullptr);
+    const int e = bt_att_enter(__func__, p, ptrs, 5, false, lse, nullptr);
     if (e)
-        return e > 0 ? BT_CU_OK : e;
+        return e > 0 ? BT_OK : e;
     const BtAttArgs a = bt_att_args(p, 64);
     const int64_t gx = (int64_t)p->n_seq * a.nblk;
-    if (gx > 0x7fffffff || p->Hq > 65535)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, gx > 0x7fffffff || p->Hq > 65535);
     const dim3 grid((unsigned)gx, (unsigned)p->Hq);
     if (p->D == 64) {
         BT_TRY(bt_att_smem(attn_fwd_kernel<64>, FwdSmem<64>::bytes));
@@ -481,7 +480,7 @@ extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, floa
         attn_fwd_kernel<128><<<grid, ATT_THREADS, FwdSmem<128>::bytes, stream>>>(a, out, lse, q, k, v);
     }
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk,
@@ -490,9 +489,9 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
                                 const bt_bf16 *v, float *delta, cudaStream_t stream)
 {
     const void *ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    const int e = bt_att_enter(p, ptrs, 8, true, lse, delta);
+    const int e = bt_att_enter(__func__, p, ptrs, 8, true, lse, delta);
     if (e)
-        return e > 0 ? BT_CU_OK : e;
+        return e > 0 ? BT_OK : e;
     const int64_t rows = (int64_t)p->M * p->Hq, nthr = rows * (p->D / 8);
     if (p->D == 64)
         bt_att_delta_kernel<64><<<(unsigned)((nthr + 255) / 256), 256, 0, stream>>>(delta, dout, out, rows);
@@ -501,8 +500,7 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
     BT_LAUNCH_CHECK();
     const BtAttArgs a = bt_att_args(p, 64);
     const int64_t gx = (int64_t)p->n_seq * a.nblk;
-    if (gx > 0x7fffffff || p->Hq > 65535)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, gx > 0x7fffffff || p->Hq > 65535);
     const dim3 gkv((unsigned)gx, (unsigned)p->Hkv), gq((unsigned)gx, (unsigned)p->Hq);
     if (p->D == 64) {
         BT_TRY(bt_att_smem(attn_bwd_dkdv_kernel<64>, DkvSmem<64>::bytes));
@@ -522,7 +520,7 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
                                                                                 delta, q, k, v);
     }
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 /* Shared-memory budgets (bytes) must fit the smallest target, sm_80 (163 KB per block). */

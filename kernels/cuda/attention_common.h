@@ -77,42 +77,42 @@ static inline BtAttArgs bt_att_args(const bt_cuda_attn_params *p, int tile)
     return a;
 }
 
-/* Argument checks of bt_cuda_attn_fwd/bwd and their _mma twins (same codes): BT_CU_ERR_INVALID for
- * bad shapes, strides or NULL pointers; BT_CU_ERR_UNSUPPORTED for D not in {64, 128}, strides not
- * multiples of 8 or pointers not 16-byte aligned (the kernels use 16-byte vector accesses). */
-static inline int bt_att_check(const bt_cuda_attn_params *p, const void *const *ptrs, int nptr)
+/* Argument checks of bt_cuda_attn_fwd/bwd and their _mma twins (same codes; `who` the launcher, for
+ * the message): BT_ERR_INVALID for bad shapes, strides or NULL pointers; BT_ERR_UNSUPPORTED for D
+ * not in {64, 128}, strides not multiples of 8 or pointers not 16-byte aligned (the kernels use
+ * 16-byte vector accesses). */
+static inline int bt_att_check(const char *who, const bt_cuda_attn_params *p,
+                               const void *const *ptrs, int nptr)
 {
-    if (!p || p->M < 0 || p->Hq <= 0 || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->n_seq < 0 ||
-        p->max_seqlen < 0 || (p->n_seq > 0 && !p->cu_seqlens) || p->s2_group < 0 || (p->s2_group & 1))
-        return BT_CU_ERR_INVALID;
-    if (p->D != 64 && p->D != 128)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, !p || p->M < 0 || p->Hq <= 0 || p->Hkv <= 0 ||
+                                         p->Hq % p->Hkv != 0 || p->n_seq < 0 || p->max_seqlen < 0 ||
+                                         (p->n_seq > 0 && !p->cu_seqlens) || p->s2_group < 0 ||
+                                         (p->s2_group & 1));
+    BT_CU_REFUSE_AS(who, BT_ERR_UNSUPPORTED, p->D != 64 && p->D != 128);
     const int64_t hd = (int64_t)p->D;
-    if (p->ldq < p->Hq * hd || p->ldk < p->Hkv * hd || p->ldv < p->Hkv * hd)
-        return BT_CU_ERR_INVALID;
-    if (p->ldq % 8 || p->ldk % 8 || p->ldv % 8)
-        return BT_CU_ERR_UNSUPPORTED; /* 16-byte row alignment for the vector loads */
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, p->ldq < p->Hq * hd || p->ldk < p->Hkv * hd ||
+                                         p->ldv < p->Hkv * hd);
+    /* 16-byte row alignment for the vector loads */
+    BT_CU_REFUSE_AS(who, BT_ERR_UNSUPPORTED, p->ldq % 8 || p->ldk % 8 || p->ldv % 8);
     for (int i = 0; i < nptr; i++) {
-        if (!ptrs[i])
-            return BT_CU_ERR_INVALID;
-        if ((uintptr_t)ptrs[i] & 15)
-            return BT_CU_ERR_UNSUPPORTED;
+        BT_CU_REFUSE_AS(who, BT_ERR_INVALID, !ptrs[i]);
+        BT_CU_REFUSE_AS(who, BT_ERR_UNSUPPORTED, (uintptr_t)ptrs[i] & 15);
     }
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 /* The common entry of the four launchers (bt_cuda_attn_fwd/bwd and their _mma twins): the checks
  * of bt_att_check on ptrs, and for a backward (bwd) lse and delta present (else
- * BT_CU_ERR_INVALID). Returns the error, 1 when there is nothing to compute (no token, document or
- * row: the launcher enqueues nothing and returns BT_CU_OK), or 0 to go on. */
-static inline int bt_att_enter(const bt_cuda_attn_params *p, const void *const *ptrs, int nptr,
-                               bool bwd, const float *lse, const float *delta)
+ * BT_ERR_INVALID). Returns the error, 1 when there is nothing to compute (no token, document or
+ * row: the launcher enqueues nothing and returns BT_OK), or 0 to go on. */
+static inline int bt_att_enter(const char *who, const bt_cuda_attn_params *p,
+                               const void *const *ptrs, int nptr, bool bwd, const float *lse,
+                               const float *delta)
 {
-    const int rc = bt_att_check(p, ptrs, nptr);
+    const int rc = bt_att_check(who, p, ptrs, nptr);
     if (rc)
         return rc;
-    if (bwd && (!lse || !delta))
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, bwd && (!lse || !delta));
     return p->M == 0 || p->n_seq == 0 || p->max_seqlen == 0 ? 1 : 0;
 }
 
@@ -151,7 +151,7 @@ static __global__ void bt_att_delta_kernel(float *delta, const bt_bf16 *dout, co
 /* Raise a kernel's dynamic shared-memory limit above the 48 KB default (host call, cheap). A
  * device whose per-block opt-in limit is below `smem` (sm_86 / sm_89: 99 KB, which the sm_80
  * binary also runs on; sm_80: 163 KB; sm_90: 227 KB, CUDA C Programming Guide, "Compute
- * Capabilities") is BT_CU_ERR_UNSUPPORTED with a message naming both sizes, instead of the bare
+ * Capabilities") is BT_ERR_UNSUPPORTED with a message naming both sizes, instead of the bare
  * "invalid argument" of cudaFuncSetAttribute at the first launch. */
 template <typename K>
 static int bt_att_smem(K kernel, size_t smem)
@@ -165,10 +165,10 @@ static int bt_att_smem(K kernel, size_t smem)
                     : 0;
     }
     if (optin > 0 && smem > (size_t)optin) {
-        fprintf(stderr, "barq-cuda: attention kernel needs %zu bytes of shared memory per block; this "
-                "device allows %d (for head_dim 128 use config cuda.attention \"wmma\" if it "
-                "fits, or a GPU with more shared memory: sm_80, sm_90)\n", smem, optin);
-        return BT_CU_ERR_UNSUPPORTED;
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: attention kernel needs %zu bytes of shared memory "
+                       "per block; this device allows %d (for head_dim 128 use config "
+                       "cuda.attention \"wmma\" if it fits, or a GPU with more shared memory: "
+                       "sm_80, sm_90)", smem, optin);
     }
     return BT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)smem));

@@ -918,7 +918,7 @@ int ma_fwd(const BtAttArgs &a, unsigned grid, bt_bf16 *out, float *lse, const bt
     BT_TRY(bt_att_smem(mma_attn_fwd_kernel<D>, MFwdSmem<D>::bytes));
     mma_attn_fwd_kernel<D><<<grid, MF_THREADS, MFwdSmem<D>::bytes, stream>>>(a, out, lse, q, k, v);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 template <int D>
@@ -941,7 +941,7 @@ int ma_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
     mma_attn_bwd_dq_kernel<D><<<gq, MF_THREADS, MDqSmem<D>::bytes, stream>>>(aq, dq, dout, lse,
                                                                            delta, q, k, v);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 /* Shared-memory budgets must fit the smallest target, sm_80 (163 KB = 166912 B per block). */
@@ -956,15 +956,13 @@ extern "C" int bt_cuda_attn_fwd_mma(const bt_cuda_attn_params *p, bt_bf16 *out, 
                                     cudaStream_t stream)
 {
     const void *ptrs[] = {out, lse, q, k, v};
-    const int e = bt_att_enter(p, ptrs, 5, false, lse, nullptr);
+    const int e = bt_att_enter(__func__, p, ptrs, 5, false, lse, nullptr);
     if (e)
-        return e > 0 ? BT_CU_OK : e;
-    if (p->Hq > 65535)
-        return BT_CU_ERR_UNSUPPORTED;
+        return e > 0 ? BT_OK : e;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, p->Hq > 65535);
     const BtAttArgs a = bt_att_args(p, MF_BR);
     const unsigned grid = ma_grid(p->Hq, a);
-    if (!grid)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, !grid);
     return p->D == 64 ? ma_fwd<64>(a, grid, out, lse, q, k, v, stream)
                       : ma_fwd<128>(a, grid, out, lse, q, k, v, stream);
 }
@@ -975,13 +973,12 @@ extern "C" int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, b
                                     const bt_bf16 *v, float *delta, cudaStream_t stream)
 {
     const void *ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    const int e = bt_att_enter(p, ptrs, 8, true, lse, delta);
+    const int e = bt_att_enter(__func__, p, ptrs, 8, true, lse, delta);
     if (e)
-        return e > 0 ? BT_CU_OK : e;
-    if (p->Hq > 65535)
-        return BT_CU_ERR_UNSUPPORTED;
-    if (!ma_grid(p->Hq, bt_att_args(p, MF_BR)) || !ma_grid(p->Hkv, bt_att_args(p, MB_BN)))
-        return BT_CU_ERR_UNSUPPORTED;
+        return e > 0 ? BT_OK : e;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, p->Hq > 65535);
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, !ma_grid(p->Hq, bt_att_args(p, MF_BR)) ||
+                                     !ma_grid(p->Hkv, bt_att_args(p, MB_BN)));
     return p->D == 64 ? ma_bwd<64>(p, dq, dk, dv, dout, out, lse, q, k, v, delta, stream)
                       : ma_bwd<128>(p, dq, dk, dv, dout, out, lse, q, k, v, delta, stream);
 }

@@ -5,27 +5,43 @@
 #error "kernels/cuda/cuda_internal.h is for .cu files"
 #endif
 #include "kernels/cuda/kernels_cuda.h"
-#include <cstdio>
+extern "C" {
+#include "common/bt_common.h"
+}
 
-enum { BT_CU_OK = 0, BT_CU_ERR_IO = -1, BT_CU_ERR_NOMEM = -3, BT_CU_ERR_UNSUPPORTED = -5,
-       BT_CU_ERR_INVALID = -6 };
+/* Errors follow the project's one convention (common/bt_common.h): a launcher returns BT_OK or a
+ * negative bt_err and leaves the reason in bt_last_error(); it prints nothing. */
 
-/* Report a CUDA error (with where it came from) and map it to BT_ERR_IO. */
+/* A CUDA error (with where it came from): BT_ERR_IO, "cuda: <file>:<line>: <call>: <text>". */
 static inline int bt_cuda_check_(cudaError_t e, const char *what, const char *file, int line)
 {
     if (e == cudaSuccess)
-        return BT_CU_OK;
-    fprintf(stderr, "barq-cuda: %s:%d: %s: %s\n", file, line, what, cudaGetErrorString(e));
-    return BT_CU_ERR_IO;
+        return BT_OK;
+    return bt_fail(BT_ERR_IO, "cuda: %s:%d: %s: %s", file, line, what, cudaGetErrorString(e));
 }
 static inline int bt_cublas_check_(cublasStatus_t s, const char *what, const char *file, int line)
 {
     if (s == CUBLAS_STATUS_SUCCESS)
-        return BT_CU_OK;
-    fprintf(stderr, "barq-cuda: %s:%d: %s: cuBLAS status %d (%s)\n", file, line, what, (int)s,
-            cublasGetStatusString(s));
-    return BT_CU_ERR_IO;
+        return BT_OK;
+    return bt_fail(BT_ERR_IO, "cuda: %s:%d: %s: cuBLAS status %d (%s)", file, line, what, (int)s,
+                   cublasGetStatusString(s));
 }
+/* A launcher refuses its arguments before it enqueues anything: `code` (BT_ERR_INVALID: bad
+ * shapes, strides, NULL pointers; BT_ERR_UNSUPPORTED: shapes or alignments the kernel does not
+ * implement), "cuda: <launcher>: invalid arguments|not supported: <the check that failed>". */
+static inline int bt_cu_refuse(int code, const char *who, const char *check)
+{
+    return bt_fail(code, "cuda: %s: %s: %s", who,
+                   code == BT_ERR_UNSUPPORTED ? "not supported" : "invalid arguments", check);
+}
+/* if (cond) return the refusal, naming the enclosing function (who: a launcher's name, for the
+ * shared checks of a family, e.g. attention_common.h). */
+#define BT_CU_REFUSE_AS(who, code, cond)                 \
+    do {                                                 \
+        if (cond)                                        \
+            return bt_cu_refuse((code), (who), #cond);   \
+    } while (0)
+#define BT_CU_REFUSE(code, cond) BT_CU_REFUSE_AS(__func__, code, cond)
 #define BT_CUDA_CHECK(call) bt_cuda_check_((call), #call, __FILE__, __LINE__)
 #define BT_CUBLAS_CHECK(call) bt_cublas_check_((call), #call, __FILE__, __LINE__)
 /* After a <<<>>> launch: returns BT_ERR_IO from the enclosing function on a launch error. */
@@ -92,13 +108,6 @@ __device__ __forceinline__ float bt_warp_sum(float v)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float bt_warp_max(float v)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 /* Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.

@@ -30,22 +30,20 @@ __global__ void embedding_bwd_kernel(float *dtable, const bt_bf16 *dout, const i
 extern "C" int bt_cuda_embedding_fwd(bt_bf16 *out, const bt_bf16 *table, const int32_t *ids, int M,
                                      int D, int V, cudaStream_t stream)
 {
-    if (!out || !table || !ids || M < 0 || D <= 0 || V <= 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !out || !table || !ids || M < 0 || D <= 0 || V <= 0);
     if (M == 0)
-        return BT_CU_OK;
+        return BT_OK;
     embedding_fwd_kernel<<<bt_grid_for((int64_t)M * D, 256), 256, 0, stream>>>(out, table, ids, M, D, V);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 extern "C" int bt_cuda_embedding_bwd(float *dtable, const bt_bf16 *dout, const int32_t *ids, int M,
                                      int D, int V, cudaStream_t stream)
 {
-    if (!dtable || !dout || !ids || M < 0 || D <= 0 || V <= 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !dtable || !dout || !ids || M < 0 || D <= 0 || V <= 0);
     if (M == 0)
-        return BT_CU_OK;
+        return BT_OK;
     embedding_bwd_kernel<<<bt_grid_for((int64_t)M * D, 256), 256, 0, stream>>>(dtable, dout, ids, M, D, V);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }

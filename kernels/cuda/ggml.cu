@@ -30,21 +30,20 @@ extern "C" int bt_cuda_ggml_supported(int type)
 extern "C" int bt_cuda_ggml_upload(bt_cuda_ggml *dst, int type, int64_t rows, int64_t cols,
                                    const uint8_t *data_host)
 {
-    if (!dst)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !dst);
     memset(dst, 0, sizeof *dst);
     int blck;
     const int bytes = ggml_block_bytes(type, &blck);
-    if (bytes == 0)
-        return BT_CU_ERR_UNSUPPORTED;
-    if (rows <= 0 || cols <= 0 || cols % blck != 0 || !data_host || rows > INT32_MAX)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, bytes == 0);
+    BT_CU_REFUSE(BT_ERR_INVALID, rows <= 0 || cols <= 0 || cols % blck != 0 || !data_host ||
+                                 rows > INT32_MAX);
     const int64_t row_bytes = cols / blck * bytes;
     const size_t total = (size_t)(rows * row_bytes);
     uint8_t *d = nullptr;
     if (cudaMalloc(&d, total) != cudaSuccess) {
-        cudaGetLastError();
-        return BT_CU_ERR_NOMEM;
+        const cudaError_t e = cudaGetLastError();
+        return bt_fail(BT_ERR_NOMEM, "cuda: %s: cudaMalloc of %zu bytes: %s", __func__, total,
+                       cudaGetErrorString(e));
     }
     int rc = BT_CUDA_CHECK(cudaMemcpy(d, data_host, total, cudaMemcpyHostToDevice));
     if (!rc) /* pageable-source cudaMemcpy may return before the DMA lands */
@@ -58,7 +57,7 @@ extern "C" int bt_cuda_ggml_upload(bt_cuda_ggml *dst, int type, int64_t rows, in
     dst->cols = cols;
     dst->row_bytes = row_bytes;
     dst->data = d;
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 extern "C" void bt_cuda_ggml_free(bt_cuda_ggml *w)
@@ -99,20 +98,17 @@ static int launch_dequant(bt_bf16 *out, const bt_cuda_ggml *w, int64_t r0, int64
     ggml_dequant_kernel<T><<<(unsigned)((nchunks + threads - 1) / threads), threads, 0, stream>>>(
         out, w->data, w->row_bytes, w->cols, r0, nchunks);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 extern "C" int bt_cuda_ggml_dequant(bt_bf16 *out, const bt_cuda_ggml *w, int64_t r0, int64_t nr,
                                     cudaStream_t stream)
 {
-    if (!out || !w || !w->data || r0 < 0 || nr < 0 || r0 + nr > w->rows)
-        return BT_CU_ERR_INVALID;
-    if (((uintptr_t)out & 15) != 0 || w->cols % 32 != 0)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_INVALID, !out || !w || !w->data || r0 < 0 || nr < 0 || r0 + nr > w->rows);
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, ((uintptr_t)out & 15) != 0 || w->cols % 32 != 0);
     if (nr == 0)
-        return BT_CU_OK;
-    if ((nr * (w->cols / 32) + 255) / 256 > 0x7fffffffLL)
-        return BT_CU_ERR_UNSUPPORTED;
+        return BT_OK;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, (nr * (w->cols / 32) + 255) / 256 > 0x7fffffffLL);
     switch (w->type) {
     case BT_CU_GGML_Q4_0: return launch_dequant<BT_CU_GGML_Q4_0>(out, w, r0, nr, stream);
     case BT_CU_GGML_Q4_1: return launch_dequant<BT_CU_GGML_Q4_1>(out, w, r0, nr, stream);
@@ -120,7 +116,9 @@ extern "C" int bt_cuda_ggml_dequant(bt_bf16 *out, const bt_cuda_ggml *w, int64_t
     case BT_CU_GGML_Q4_K: return launch_dequant<BT_CU_GGML_Q4_K>(out, w, r0, nr, stream);
     case BT_CU_GGML_Q5_K: return launch_dequant<BT_CU_GGML_Q5_K>(out, w, r0, nr, stream);
     case BT_CU_GGML_Q6_K: return launch_dequant<BT_CU_GGML_Q6_K>(out, w, r0, nr, stream);
-    default: return BT_CU_ERR_UNSUPPORTED;
+    default:
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: %s: ggml type %d has no CUDA decoder", __func__,
+                       w->type);
     }
 }
 
@@ -128,8 +126,7 @@ extern "C" int bt_cuda_ggml_linear_fwd(cublasHandle_t h, cudaStream_t stream, bt
                                        const bt_bf16 *X, const bt_cuda_ggml *W, int M, int K, int N,
                                        float beta, bt_bf16 *wbuf)
 {
-    if (!W || W->rows != N || W->cols != K || !wbuf)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !W || W->rows != N || W->cols != K || !wbuf);
     BT_TRY(bt_cuda_ggml_dequant(wbuf, W, 0, N, stream));
     return bt_cuda_dq_gemm(h, stream, false, Y, X, M, K, N, beta, wbuf);
 }
@@ -138,8 +135,7 @@ extern "C" int bt_cuda_ggml_linear_bwd_x(cublasHandle_t h, cudaStream_t stream, 
                                          const bt_bf16 *dY, const bt_cuda_ggml *W, int M, int K,
                                          int N, float beta, bt_bf16 *wbuf, int wbuf_valid)
 {
-    if (!W || W->rows != N || W->cols != K || !wbuf)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !W || W->rows != N || W->cols != K || !wbuf);
     if (!wbuf_valid)
         BT_TRY(bt_cuda_ggml_dequant(wbuf, W, 0, N, stream));
     return bt_cuda_dq_gemm(h, stream, true, dX, dY, M, K, N, beta, wbuf);

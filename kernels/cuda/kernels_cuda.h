@@ -17,9 +17,11 @@
  *     threads.
  *   - Return value: 0 (BT_OK) when the work was enqueued; BT_ERR_INVALID (-6) for bad arguments
  *     (nothing is enqueued); BT_ERR_UNSUPPORTED (-5) for shapes the kernel does not implement;
- *     BT_ERR_IO (-1) if a CUDA launch or cuBLAS call reported an error (the CUDA/cuBLAS error text
- *     is printed to stderr by bt_cuda_check). Errors that occur asynchronously inside a kernel show
- *     up at the next synchronising call, as usual in CUDA.
+ *     BT_ERR_IO (-1) if a CUDA launch or cuBLAS call reported an error. On every error the reason
+ *     is in bt_last_error() (common/bt_common.h; "cuda: <launcher>: invalid arguments: <the check
+ *     that failed>", "cuda: <file>:<line>: <call>: <CUDA or cuBLAS error text>"); nothing is
+ *     printed. Errors that occur asynchronously inside a kernel show up at the next synchronising
+ *     call, as usual in CUDA.
  *   - Sizes are int (per-dimension) and int64_t for flattened element counts.
  */
 #ifndef BT_KERNELS_CUDA_H
@@ -39,17 +41,16 @@ extern "C" {
 
 typedef __nv_bfloat16 bt_bf16;
 
-/* ================= utilities: device count, dtype conversions, residual add (convert.cu);
- * the gradient norm's sum of squares and the clipping scale (optim.cu) */
+/* ================= utilities: device count, fp32 -> bf16, residual add (convert.cu); the
+ * gradient norm's sum of squares (optim.cu) */
 
-/* Device count (0 when there is no usable device or no driver); never aborts. If reason/len are
- * given, a human-readable reason is written when the count is 0 (e.g. "cudaGetDeviceCount: no
- * CUDA-capable device is detected"). Synchronous. */
-int bt_cuda_device_count(char *reason, size_t reason_len);
+/* Device count (>= 1), or BT_ERR_IO when there is no usable device or no driver, the reason in
+ * bt_last_error() (e.g. "cudaGetDeviceCount: no CUDA-capable device is detected"); never aborts.
+ * Synchronous. */
+int bt_cuda_device_count(void);
 
-/* out[i] = bf16(in[i]) (round to nearest even) / out[i] = float(in[i]), n elements. */
+/* out[i] = bf16(in[i]) (round to nearest even), n elements. */
 int bt_cuda_f32_to_bf16(bt_bf16 *out, const float *in, int64_t n, cudaStream_t stream);
-int bt_cuda_bf16_to_f32(float *out, const bt_bf16 *in, int64_t n, cudaStream_t stream);
 /* y[i] = bf16(float(a[i]) + float(b[i])) (residual add); y may alias a or b. */
 int bt_cuda_add_bf16(bt_bf16 *y, const bt_bf16 *a, const bt_bf16 *b, int64_t n, cudaStream_t stream);
 
@@ -60,8 +61,6 @@ int bt_cuda_add_bf16(bt_bf16 *y, const bt_bf16 *a, const bt_bf16 *b, int64_t n, 
  * accumulate != 0, adds to out[0]. */
 int bt_cuda_sumsq(double *out, const float *x, int64_t n, double *partial, int accumulate,
                   cudaStream_t stream);
-/* x[i] *= s (fp32, in place). */
-int bt_cuda_scale_f32(float *x, int64_t n, float s, cudaStream_t stream);
 
 /* ======================================================= GEMM and LoRA (linear.cu, cuBLAS) */
 

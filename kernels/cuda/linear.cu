@@ -6,12 +6,10 @@ extern "C" int bt_cuda_gemm(cublasHandle_t h, cudaStream_t stream, int transA, i
                             int N, int K, float alpha, const bt_bf16 *A, int lda, const bt_bf16 *B,
                             int ldb, float beta, void *C, int ldc, int c_f32)
 {
-    if (!h || M < 0 || N < 0 || K < 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !h || M < 0 || N < 0 || K < 0);
     if (M == 0 || N == 0)
-        return BT_CU_OK;
-    if (!A || !B || !C)
-        return BT_CU_ERR_INVALID;
+        return BT_OK;
+    BT_CU_REFUSE(BT_ERR_INVALID, !A || !B || !C);
     /* Row-major C[M,N] = op(A) op(B) is column-major C^T[N,M] = op(B)^T op(A)^T: the column-major
      * view of a row-major [r,c] buffer is its transpose, so B goes first with its own op. */
     BT_TRY(BT_CUBLAS_CHECK(cublasSetStream(h, stream)));
@@ -27,8 +25,8 @@ extern "C" int bt_cuda_lora_fwd(cublasHandle_t h, cudaStream_t stream, bt_bf16 *
                                 const bt_bf16 *X, const bt_bf16 *A16, const bt_bf16 *B16, int M,
                                 int K, int N, int r, float s)
 {
-    if (!Y || !XA || !X || !A16 || !B16 || M < 0 || K <= 0 || N <= 0 || r <= 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !Y || !XA || !X || !A16 || !B16 || M < 0 || K <= 0 || N <= 0 ||
+                                 r <= 0);
     /* XA[M,r] = X[M,K] @ A[r,K]^T */
     BT_TRY(bt_cuda_gemm(h, stream, 0, 1, M, r, K, 1.0f, X, K, A16, K, 0.0f, XA, r, 0));
     /* Y[M,N] += s * XA[M,r] @ B[N,r]^T (beta = 1: accumulate in the GEMM epilogue) */
@@ -40,9 +38,8 @@ extern "C" int bt_cuda_lora_bwd(cublasHandle_t h, cudaStream_t stream, float *dA
                                 const bt_bf16 *XA, const bt_bf16 *A16, const bt_bf16 *B16, int M,
                                 int K, int N, int r, float s, float beta_w)
 {
-    if (!dA || !dB || !dXA || !dY || !X || !XA || !A16 || !B16 || M < 0 || K <= 0 || N <= 0 ||
-        r <= 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !dA || !dB || !dXA || !dY || !X || !XA || !A16 || !B16 || M < 0 ||
+                                 K <= 0 || N <= 0 || r <= 0);
     /* dB[N,r] = beta_w dB + s * dY[M,N]^T @ XA[M,r] */
     BT_TRY(bt_cuda_gemm(h, stream, 1, 0, N, r, M, s, dY, N, XA, r, beta_w, dB, r, 1));
     /* dXA[M,r] = s * dY[M,N] @ B[N,r] */
@@ -52,5 +49,5 @@ extern "C" int bt_cuda_lora_bwd(cublasHandle_t h, cudaStream_t stream, float *dA
     /* dX[M,K] += dXA[M,r] @ A[r,K] */
     if (dX)
         BT_TRY(bt_cuda_gemm(h, stream, 0, 0, M, K, r, 1.0f, dXA, r, A16, K, 1.0f, dX, K, 0));
-    return BT_CU_OK;
+    return BT_OK;
 }

@@ -91,9 +91,8 @@ extern "C" int bt_cuda_linear_ce(cublasHandle_t h, cudaStream_t stream, float *r
                                  const int32_t *targets, int M, int D, int V, int chunk_rows,
                                  float grad_scale, void *workspace)
 {
-    if (!row_loss || !X || !W || !targets || !workspace || M < 0 || D <= 0 || V <= 0 ||
-        chunk_rows <= 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !row_loss || !X || !W || !targets || !workspace || M < 0 || D <= 0 ||
+                                 V <= 0 || chunk_rows <= 0);
     float *logits = static_cast<float *>(workspace);
     const size_t n = (size_t)chunk_rows * (size_t)V;
     bt_bf16 *dlog = reinterpret_cast<bt_bf16 *>(static_cast<unsigned char *>(workspace) +
@@ -113,7 +112,7 @@ extern "C" int bt_cuda_linear_ce(cublasHandle_t h, cudaStream_t stream, float *r
         if (dW) /* dW[V,D] += dlogits^T @ X_c (fp32 accumulation across chunks) */
             BT_TRY(bt_cuda_gemm(h, stream, 1, 0, V, D, cr, 1.0f, dlog, V, Xc, D, 1.0f, dW, D, 1));
     }
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 __global__ void ce_reduce_kernel(double *out_sum, int *out_count, const float *row_loss,
@@ -147,9 +146,8 @@ __global__ void ce_reduce_kernel(double *out_sum, int *out_count, const float *r
 extern "C" int bt_cuda_ce_reduce(double *out_sum, int *out_count, const float *row_loss,
                                  const int32_t *targets, int M, int V, cudaStream_t stream)
 {
-    if (!out_sum || !out_count || M < 0 || (M > 0 && (!row_loss || !targets)))
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !out_sum || !out_count || M < 0 || (M > 0 && (!row_loss || !targets)));
     ce_reduce_kernel<<<1, 256, 0, stream>>>(out_sum, out_count, row_loss, targets, M, V);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }

@@ -56,20 +56,19 @@ __global__ void nf4_dequant_kernel(bt_bf16 *__restrict__ out, const uint8_t *__r
 extern "C" int bt_cuda_nf4_dequant(bt_bf16 *out, const bt_cuda_nf4 *w, int64_t r0, int64_t nr,
                                    cudaStream_t stream)
 {
-    if (!out || !w || !w->packed || !w->absmax_q || !w->nested_absmax || !w->code8 || r0 < 0 ||
-        nr < 0 || r0 + nr > w->rows)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !out || !w || !w->packed || !w->absmax_q || !w->nested_absmax ||
+                                 !w->code8 || r0 < 0 || nr < 0 || r0 + nr > w->rows);
     const int64_t e0 = r0 * w->cols, ne = nr * w->cols;
-    if (e0 % 64 != 0 || ne % 16 != 0 || ((uintptr_t)out & 15) != 0)
-        return BT_CU_ERR_UNSUPPORTED; /* 16-byte aligned output, 16-element granularity */
+    /* 16-byte aligned output, 16-element granularity */
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, e0 % 64 != 0 || ne % 16 != 0 || ((uintptr_t)out & 15) != 0);
     if (ne == 0)
-        return BT_CU_OK;
+        return BT_OK;
     const int threads = 256;
     const int64_t nthr = ne / 16;
     nf4_dequant_kernel<<<(unsigned)((nthr + threads - 1) / threads), threads, 0, stream>>>(
         out, w->packed, w->absmax_q, w->nested_absmax, w->code8, w->offset, e0, ne);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 extern "C" int bt_cuda_nf4_upload(bt_cuda_nf4 *dst, int64_t rows, int64_t cols,
@@ -77,13 +76,11 @@ extern "C" int bt_cuda_nf4_upload(bt_cuda_nf4 *dst, int64_t rows, int64_t cols,
                                   const float *nested_absmax_host, float offset,
                                   const float *code8_host)
 {
-    if (!dst || rows <= 0 || cols <= 0 || !packed_host || !absmax_q_host || !nested_absmax_host ||
-        !code8_host)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !dst || rows <= 0 || cols <= 0 || !packed_host || !absmax_q_host ||
+                                 !nested_absmax_host || !code8_host);
     memset(dst, 0, sizeof *dst);
     const int64_t n = rows * cols;
-    if (n % 64 != 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, n % 64 != 0);
     const int64_t nb = n / 64, nn = (nb + 255) / 256;
     /* one allocation: code8 | nested | packed | absmax_q (each 256-byte aligned) */
     const size_t o_code = 0, o_nested = 1024, o_packed = o_nested + ((size_t)nn * 4 + 255) / 256 * 256;
@@ -91,8 +88,9 @@ extern "C" int bt_cuda_nf4_upload(bt_cuda_nf4 *dst, int64_t rows, int64_t cols,
     const size_t total = o_absq + (size_t)nb;
     uint8_t *base = nullptr;
     if (cudaMalloc(&base, total) != cudaSuccess) {
-        cudaGetLastError();
-        return BT_CU_ERR_NOMEM;
+        const cudaError_t e = cudaGetLastError();
+        return bt_fail(BT_ERR_NOMEM, "cuda: %s: cudaMalloc of %zu bytes: %s", __func__, total,
+                       cudaGetErrorString(e));
     }
     int rc = BT_CUDA_CHECK(cudaMemcpy(base + o_code, code8_host, 256 * sizeof(float), cudaMemcpyHostToDevice));
     if (!rc)
@@ -115,7 +113,7 @@ extern "C" int bt_cuda_nf4_upload(bt_cuda_nf4 *dst, int64_t rows, int64_t cols,
     dst->packed = base + o_packed;
     dst->absmax_q = base + o_absq;
     dst->offset = offset;
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 extern "C" void bt_cuda_nf4_free(bt_cuda_nf4 *w)
@@ -131,8 +129,7 @@ extern "C" int bt_cuda_nf4_linear_fwd(cublasHandle_t h, cudaStream_t stream, bt_
                                       const bt_bf16 *X, const bt_cuda_nf4 *W, int M, int K, int N,
                                       float beta, bt_bf16 *wbuf)
 {
-    if (!W || W->rows != N || W->cols != K || !wbuf)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !W || W->rows != N || W->cols != K || !wbuf);
     BT_TRY(bt_cuda_nf4_dequant(wbuf, W, 0, N, stream));
     return bt_cuda_dq_gemm(h, stream, false, Y, X, M, K, N, beta, wbuf);
 }
@@ -141,8 +138,7 @@ extern "C" int bt_cuda_nf4_linear_bwd_x(cublasHandle_t h, cudaStream_t stream, b
                                         const bt_bf16 *dY, const bt_cuda_nf4 *W, int M, int K,
                                         int N, float beta, bt_bf16 *wbuf, int wbuf_valid)
 {
-    if (!W || W->rows != N || W->cols != K || !wbuf)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !W || W->rows != N || W->cols != K || !wbuf);
     if (!wbuf_valid)
         BT_TRY(bt_cuda_nf4_dequant(wbuf, W, 0, N, stream));
     return bt_cuda_dq_gemm(h, stream, true, dX, dY, M, K, N, beta, wbuf);

@@ -476,7 +476,7 @@ int launch_gemv(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X, const Nf4Dev 
 {
     nf4_gemv_fwd_kernel<MT><<<bt_ceil_div(N, GV_COLS), 256, 0, stream>>>(Y, X, w, M, K, N, beta);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 template <bool BWD, class WS>
@@ -489,25 +489,26 @@ int launch_tiled(cudaStream_t stream, bt_bf16 *C, const bt_bf16 *A, const WS &w,
     const dim3 grid((unsigned)bt_ceil_div(Nout, TN), (unsigned)bt_ceil_div(M, TM));
     dq_gemm_tiled_kernel<BWD, WS><<<grid, NT, SMEM_TILED, stream>>>(C, A, w, M, Nout, Kred, beta);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 /* Shared argument checks; fills *w. */
-int nf4_gemm_args(const bt_bf16 *out, const bt_bf16 *in, const bt_cuda_nf4 *W, int M, int K, int N,
-                  Nf4Dev *w)
+int nf4_gemm_args(const char *who, const bt_bf16 *out, const bt_bf16 *in, const bt_cuda_nf4 *W,
+                  int M, int K, int N, Nf4Dev *w)
 {
-    if (!out || !in || !W || !W->packed || !W->absmax_q || !W->nested_absmax || !W->code8 ||
-        M < 1 || K < 1 || N < 1 || W->rows != N || W->cols != K)
-        return BT_CU_ERR_INVALID;
-    if (K % 64 != 0 || ((uintptr_t)out & 15) != 0 || ((uintptr_t)in & 15) != 0 ||
-        ((uintptr_t)W->packed & 15) != 0 || bt_ceil_div(M, TM) > 65535)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, !out || !in || !W || !W->packed || !W->absmax_q ||
+                                         !W->nested_absmax || !W->code8 || M < 1 || K < 1 ||
+                                         N < 1 || W->rows != N || W->cols != K);
+    BT_CU_REFUSE_AS(who, BT_ERR_UNSUPPORTED, K % 64 != 0 || ((uintptr_t)out & 15) != 0 ||
+                                             ((uintptr_t)in & 15) != 0 ||
+                                             ((uintptr_t)W->packed & 15) != 0 ||
+                                             bt_ceil_div(M, TM) > 65535);
     w->packed = W->packed;
     w->absmax_q = W->absmax_q;
     w->nested = W->nested_absmax;
     w->code8 = W->code8;
     w->offset = W->offset;
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 } /* namespace */
@@ -517,11 +518,9 @@ extern "C" int bt_cuda_nf4_gemm_fwd_impl(cudaStream_t stream, bt_bf16 *Y, const 
                                          int impl)
 {
     Nf4Dev w;
-    if (impl < 0 || impl > 2)
-        return BT_CU_ERR_INVALID;
-    BT_TRY(nf4_gemm_args(Y, X, W, M, K, N, &w));
-    if (impl == 2 && M > 16)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_INVALID, impl < 0 || impl > 2);
+    BT_TRY(nf4_gemm_args(__func__, Y, X, W, M, K, N, &w));
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, impl == 2 && M > 16);
     if (impl == 2 || (impl == 0 && M <= 16)) {
         if (M <= 1)
             return launch_gemv<1>(stream, Y, X, w, M, K, N, beta);
@@ -546,7 +545,7 @@ extern "C" int bt_cuda_nf4_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt
                                       const bt_cuda_nf4 *W, int M, int K, int N, float beta)
 {
     Nf4Dev w;
-    BT_TRY(nf4_gemm_args(dX, dY, W, M, K, N, &w));
+    BT_TRY(nf4_gemm_args(__func__, dX, dY, W, M, K, N, &w));
     /* C = dX [M][K] (Nout = K), A = dY [M][N] (Kred = N), W [N rows = Kred][K cols = Nout] */
     return launch_tiled<true>(stream, dX, dY, Nf4Src{w}, M, K, N, beta);
 }
@@ -556,15 +555,16 @@ extern "C" int bt_cuda_nf4_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt
 namespace {
 
 /* Argument checks of the ggml GEMMs (kernels_cuda.h). */
-int ggml_gemm_args(const bt_bf16 *out, const bt_bf16 *in, const bt_cuda_ggml *W, int M, int K,
-                   int N)
+int ggml_gemm_args(const char *who, const bt_bf16 *out, const bt_bf16 *in, const bt_cuda_ggml *W,
+                   int M, int K, int N)
 {
-    if (!out || !in || !W || !W->data || M < 1 || K < 1 || N < 1 || W->rows != N || W->cols != K)
-        return BT_CU_ERR_INVALID;
-    if (!bt_cuda_ggml_supported(W->type) || K % 32 != 0 || ((uintptr_t)out & 15) != 0 ||
-        ((uintptr_t)in & 15) != 0 || bt_ceil_div(M, TM) > 65535)
-        return BT_CU_ERR_UNSUPPORTED;
-    return BT_CU_OK;
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, !out || !in || !W || !W->data || M < 1 || K < 1 || N < 1 ||
+                                         W->rows != N || W->cols != K);
+    BT_CU_REFUSE_AS(who, BT_ERR_UNSUPPORTED, !bt_cuda_ggml_supported(W->type) || K % 32 != 0 ||
+                                             ((uintptr_t)out & 15) != 0 ||
+                                             ((uintptr_t)in & 15) != 0 ||
+                                             bt_ceil_div(M, TM) > 65535);
+    return BT_OK;
 }
 
 /* C = A @ B with B from W (forward: Nout = N, Kred = K; backward: Nout = K, Kred = N) */
@@ -588,7 +588,8 @@ int ggml_launch(cudaStream_t stream, bt_bf16 *C, const bt_bf16 *A, const bt_cuda
     case BT_CU_GGML_Q6_K:
         return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q6_K>{d, rb}, M, Nout, Kred, beta);
     default:
-        return BT_CU_ERR_UNSUPPORTED;
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: ggml GEMM: ggml type %d has no CUDA decoder",
+                       W->type);
     }
 }
 
@@ -597,14 +598,14 @@ int ggml_launch(cudaStream_t stream, bt_bf16 *C, const bt_bf16 *A, const bt_cuda
 extern "C" int bt_cuda_ggml_gemm_fwd(cudaStream_t stream, bt_bf16 *Y, const bt_bf16 *X,
                                      const bt_cuda_ggml *W, int M, int K, int N, float beta)
 {
-    BT_TRY(ggml_gemm_args(Y, X, W, M, K, N));
+    BT_TRY(ggml_gemm_args(__func__, Y, X, W, M, K, N));
     return ggml_launch<false>(stream, Y, X, W, M, N, K, beta);
 }
 
 extern "C" int bt_cuda_ggml_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
                                        const bt_cuda_ggml *W, int M, int K, int N, float beta)
 {
-    BT_TRY(ggml_gemm_args(dX, dY, W, M, K, N));
+    BT_TRY(ggml_gemm_args(__func__, dX, dY, W, M, K, N));
     /* C = dX [M][K] (Nout = K), A = dY [M][N] (Kred = N), W [N rows = Kred][K cols = Nout] */
     return ggml_launch<true>(stream, dX, dY, W, M, K, N, beta);
 }

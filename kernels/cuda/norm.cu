@@ -146,13 +146,12 @@ static bool rms_aligned(const void *p) { return ((uintptr_t)p & 15) == 0; }
 extern "C" int bt_cuda_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, const float *w, int M,
                                    int D, float eps, cudaStream_t stream)
 {
-    if (!y || !rstd || !x || !w || M < 0 || D <= 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !y || !rstd || !x || !w || M < 0 || D <= 0);
     const int ch = rms_ch(D);
-    if (D % 8 != 0 || ch == 0 || !rms_aligned(x) || !rms_aligned(y) || !rms_aligned(w))
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, D % 8 != 0 || ch == 0 || !rms_aligned(x) || !rms_aligned(y) ||
+                                     !rms_aligned(w));
     if (M == 0)
-        return BT_CU_OK;
+        return BT_OK;
     switch (ch) {
     case 1: rmsnorm_fwd_kernel<1><<<M, RMS_THREADS, 0, stream>>>(y, rstd, x, w, D, eps); break;
     case 2: rmsnorm_fwd_kernel<2><<<M, RMS_THREADS, 0, stream>>>(y, rstd, x, w, D, eps); break;
@@ -160,20 +159,20 @@ extern "C" int bt_cuda_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, co
     default: rmsnorm_fwd_kernel<8><<<M, RMS_THREADS, 0, stream>>>(y, rstd, x, w, D, eps); break;
     }
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 extern "C" int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, const bt_bf16 *x,
                                    const float *w, const float *rstd, int M, int D, float *scratch,
                                    cudaStream_t stream)
 {
-    if (!dx || !dy || !x || !w || !rstd || M < 0 || D <= 0 || (dw && !scratch))
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !dx || !dy || !x || !w || !rstd || M < 0 || D <= 0 || (dw &&
+                                 !scratch));
     const int ch = rms_ch(D);
-    if (D % 8 != 0 || ch == 0 || !rms_aligned(x) || !rms_aligned(dy) || !rms_aligned(dx))
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, D % 8 != 0 || ch == 0 || !rms_aligned(x) || !rms_aligned(dy) ||
+                                     !rms_aligned(dx));
     if (M == 0)
-        return BT_CU_OK;
+        return BT_OK;
     /* with dw: at most RMS_BWD_MAX_BLOCKS blocks (fixed row ranges -> deterministic partials);
      * without: one block per row, as the forward */
     const int nb = !dw ? M : (M < RMS_BWD_MAX_BLOCKS ? M : RMS_BWD_MAX_BLOCKS);
@@ -191,5 +190,5 @@ extern "C" int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, co
         rmsnorm_dw_reduce_kernel<<<(D + 255) / 256, 256, 0, stream>>>(dw, scratch, nbu, D);
         BT_LAUNCH_CHECK();
     }
-    return BT_CU_OK;
+    return BT_OK;
 }

@@ -1,29 +1,10 @@
 /* The optimiser's kernels of the CUDA backend: the deterministic sum of squares of the gradient
- * norm, the in-place scale of clipping, and multi-tensor AdamW. Contracts:
+ * norm, and multi-tensor AdamW (the clipping scale folded in as grad_scale). Contracts:
  * kernels/cuda/kernels_cuda.h; the fp32 reference is kernels/cpu/optim.c (bt_sumsq, bt_scale,
  * bt_adamw_step). */
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cmath>
-
-/* ---- in-place scale (the clipping factor) ---- */
-__global__ void scale_f32_kernel(float *x, int64_t n, float s)
-{
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x)
-        x[i] *= s;
-}
-
-extern "C" int bt_cuda_scale_f32(float *x, int64_t n, float s, cudaStream_t stream)
-{
-    if (n < 0 || (n > 0 && !x))
-        return BT_CU_ERR_INVALID;
-    if (n == 0 || s == 1.0f)
-        return BT_CU_OK;
-    scale_f32_kernel<<<bt_grid_for(n, 256), 256, 0, stream>>>(x, n, s);
-    BT_LAUNCH_CHECK();
-    return BT_CU_OK;
-}
 
 /* ---- deterministic sum of squares ---- */
 #define SUMSQ_CHUNK BT_CUDA_SUMSQ_CHUNK /* kernels/cuda/sizes.h */
@@ -64,18 +45,16 @@ __global__ void sumsq_final_kernel(double *out, const double *partial, int np, i
 extern "C" int bt_cuda_sumsq(double *out, const float *x, int64_t n, double *partial, int accumulate,
                              cudaStream_t stream)
 {
-    if (!out || n < 0 || (n > 0 && (!x || !partial)))
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !out || n < 0 || (n > 0 && (!x || !partial)));
     const int64_t np = n > 0 ? (n + SUMSQ_CHUNK - 1) / SUMSQ_CHUNK : 0;
-    if (np > 0x7fffffff)
-        return BT_CU_ERR_UNSUPPORTED;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, np > 0x7fffffff);
     if (np > 0) {
         sumsq_partial_kernel<<<(unsigned)np, 256, 0, stream>>>(partial, x, n);
         BT_LAUNCH_CHECK();
     }
     sumsq_final_kernel<<<1, 256, 0, stream>>>(out, partial, (int)np, accumulate);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 /* --------------------------------------------------------------------------------- AdamW */
@@ -115,10 +94,9 @@ extern "C" int bt_cuda_adamw_multi(const bt_cuda_adamw_tensor *tensors, int n_te
                                    float lr, float beta1, float beta2, float eps, float grad_scale,
                                    int64_t step, cudaStream_t stream)
 {
-    if (!tensors || n_tensors < 0 || n_tensors > 65535 || max_n < 0)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, !tensors || n_tensors < 0 || n_tensors > 65535 || max_n < 0);
     if (n_tensors == 0 || max_n == 0)
-        return BT_CU_OK;
+        return BT_OK;
     if (step < 1)
         step = 1;
     adamw_scalars s;
@@ -139,5 +117,5 @@ extern "C" int bt_cuda_adamw_multi(const bt_cuda_adamw_tensor *tensors, int n_te
         bx = 4096;
     adamw_multi_kernel<<<dim3((unsigned)bx, (unsigned)n_tensors), threads, 0, stream>>>(tensors, s);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }

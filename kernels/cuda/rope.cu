@@ -30,33 +30,34 @@ __global__ void rope_kernel(bt_bf16 *x, const int32_t *pos, int M, int H, int D,
 }
 
 /* inv_freq == NULL: angles from theta (bt_cuda_rope); else from the table (bt_cuda_rope_freq) */
-static int rope_launch(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D, int64_t ld,
-                       float theta, const float *inv_freq, float pos_scale, int inverse,
-                       cudaStream_t stream)
+static int rope_launch(const char *who, bt_bf16 *x, const int32_t *position_ids, int M, int H,
+                       int D, int64_t ld, float theta, const float *inv_freq, float pos_scale,
+                       int inverse, cudaStream_t stream)
 {
-    if (!x || !position_ids || M < 0 || H <= 0 || D < 2 || (D & 1) || ld < (int64_t)H * D)
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, !x || !position_ids || M < 0 || H <= 0 || D < 2 || (D & 1) ||
+                                         ld < (int64_t)H * D);
     if (M == 0)
-        return BT_CU_OK;
+        return BT_OK;
     const int64_t total = (int64_t)M * H * (D / 2);
     rope_kernel<<<bt_grid_for(total, 256), 256, 0, stream>>>(x, position_ids, M, H, D, ld, theta,
                                                           inv_freq, pos_scale,
                                                           inverse ? -1.0f : 1.0f);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 
 extern "C" int bt_cuda_rope(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D, int64_t ld,
                             float theta, float pos_scale, int inverse, cudaStream_t stream)
 {
-    return rope_launch(x, position_ids, M, H, D, ld, theta, nullptr, pos_scale, inverse, stream);
+    return rope_launch(__func__, x, position_ids, M, H, D, ld, theta, nullptr, pos_scale, inverse,
+                       stream);
 }
 
 extern "C" int bt_cuda_rope_freq(bt_bf16 *x, const int32_t *position_ids, int M, int H, int D,
                                  int64_t ld, const float *inv_freq, float pos_scale, int inverse,
                                  cudaStream_t stream)
 {
-    if (!inv_freq)
-        return BT_CU_ERR_INVALID;
-    return rope_launch(x, position_ids, M, H, D, ld, 0.0f, inv_freq, pos_scale, inverse, stream);
+    BT_CU_REFUSE(BT_ERR_INVALID, !inv_freq);
+    return rope_launch(__func__, x, position_ids, M, H, D, ld, 0.0f, inv_freq, pos_scale, inverse,
+                       stream);
 }

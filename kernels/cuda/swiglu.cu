@@ -66,24 +66,22 @@ static int vec8_ok(int64_t n, const void *a, const void *b, const void *c, const
 extern "C" int bt_cuda_swiglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n,
                                   cudaStream_t stream)
 {
-    if (n < 0 || (n > 0 && (!h || !g || !u)))
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!h || !g || !u)));
     if (n == 0)
-        return BT_CU_OK;
+        return BT_OK;
     const int vec = vec8_ok(n, h, g, u);
     swiglu_fwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(h, g, u, n, vec);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }
 extern "C" int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
                                   const bt_bf16 *u, int64_t n, cudaStream_t stream)
 {
-    if (n < 0 || (n > 0 && (!dg || !du || !dh || !g || !u)))
-        return BT_CU_ERR_INVALID;
+    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!dg || !du || !dh || !g || !u)));
     if (n == 0)
-        return BT_CU_OK;
+        return BT_OK;
     const int vec = vec8_ok(n, dg, du, dh, g, u);
     swiglu_bwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(dg, du, dh, g, u, n, vec);
     BT_LAUNCH_CHECK();
-    return BT_CU_OK;
+    return BT_OK;
 }

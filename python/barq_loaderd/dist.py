@@ -1,4 +1,4 @@
-"""Rank and world size of this process, the way the trainer finds them (trainer/dist/dist.c
+"""Rank and world size of this process, the way the trainer finds them (trainer/parallel/dist.c
 bt_dist_env_resolve), with torch.distributed first when it is initialised:
 
   1. torch.distributed initialised: get_rank() / get_world_size();

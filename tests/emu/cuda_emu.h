@@ -29,11 +29,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 
-/* ---- execution-space and storage qualifiers (host_defines.h made them empty or attributes) ---- */
+/* ---- execution-space and storage qualifiers (host_defines.h made them empty or attributes) ----
+ * (the standard headers above come first: libstdc++'s <functional> and <memory> spell
+ * __attribute__((__noinline__)), which the __noinline__ macro below would break) */
 #undef __global__
 #undef __device__
 #undef __host__

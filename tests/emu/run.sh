@@ -3,8 +3,9 @@
 #   tests/emu/run.sh LOGDIR BIN...
 # Each binary runs with BT_GPU_EMU=1 (emulation-sized cases) and BT_GPU_QUICK=1 (reduced grids, no
 # SmolLM2 model), up to BT_EMU_JOBS (default: number of CPUs) at a time; its output goes to
-# LOGDIR/<name>.log. Prints the PASS/FAIL lines of every binary, the whole log tail of a failing
-# one, and a final summary line. Exit status 0 only if every binary passed.
+# LOGDIR/<name>.log. Prints the per-case result lines of every binary (cmocka's "[       OK ] X",
+# "[  FAILED  ] X", "[  SKIPPED ] X"), the whole log tail of a failing one, and a final summary
+# line. Exit status 0 only if every binary passed.
 set -u
 logdir=${1:?usage: run.sh LOGDIR BIN...}
 shift
@@ -42,7 +43,7 @@ for b in "$@"; do
     name=$(basename "$b")
     r=$(cat "$logdir/$name.rc" 2>/dev/null || echo 99)
     echo "== $name (emulated; log: $logdir/$name.log)"
-    grep -E '^(PASS|FAIL|SKIP) ' "$logdir/$name.log"
+    grep -E '^(\[ +(OK|FAILED|SKIPPED) +\]|PASS|FAIL) ' "$logdir/$name.log" | grep -v ' test(s)'
     line=$(grep -E "^$name: [0-9]+ passed, [0-9]+ failed" "$logdir/$name.log" | tail -n 1)
     if [ -n "$line" ]; then
         echo "$line"

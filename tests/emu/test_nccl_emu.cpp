@@ -8,8 +8,9 @@
  * through cudaStreamQuery; errors through ncclCommGetAsyncError; ncclCommAbort ends a collective
  * stuck on a lost peer, also with NCCL_EMU_PEER_LOSS=hang where nothing else notices the loss);
  * and that no /dev/shm/bt-nccl-emu-* entry stays behind.
- * Prints "PASS name" / "FAIL name" and "test_nccl_emu: N passed, M failed, 0 skipped" (the format
- * tests/emu/run.sh collects); exits non-zero on any failure. */
+ * Each case is a cmocka test ("[ RUN      ] name", "[       OK ] name" / "[  FAILED  ] name");
+ * the binary ends with "test_nccl_emu: N passed, M failed, 0 skipped" (the line tests/emu/run.sh
+ * collects) and exits non-zero on any failure. */
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -22,6 +23,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <csetjmp>
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -29,6 +32,10 @@
 #include <functional>
 #include <string>
 #include <vector>
+
+extern "C" {
+#include <cmocka.h>
+}
 
 namespace {
 
@@ -39,7 +46,7 @@ struct Shared { /* written by the children, read by the parent */
     char msg[kMaxProcs][512];
 };
 Shared *g_sh;
-int g_pass, g_fail;
+bool g_case_ok; /* the current case's reports so far */
 std::vector<std::string> g_names; /* the shm names of every id this test made */
 
 uint64_t fnv(const void *p, size_t n, uint64_t h = 1469598103934665603ull)
@@ -80,6 +87,10 @@ void run_procs(int nprocs, const std::function<int(int me)> &body)
     for (int me = 0; me < nprocs; me++) {
         pid_t p = fork();
         if (p == 0) {
+            /* a child that crashes dies of it: cmocka's handlers (inherited) would resume the
+             * parent's test runner inside the child */
+            for (int sig : {SIGSEGV, SIGILL, SIGFPE, SIGBUS, SIGSYS})
+                signal(sig, SIG_DFL);
             alarm(100);
             _exit(body(me));
         }
@@ -97,9 +108,9 @@ void report(const char *name, bool ok, int nprocs)
     for (int r = 0; r < nprocs; r++)
         if (g_sh->rc[r] != 0 || g_sh->msg[r][0])
             printf("    process %d: exit %d %s\n", r, g_sh->rc[r], g_sh->msg[r]);
-    printf("%s %s\n", ok ? "PASS" : "FAIL", name);
+    printf("    %s: %s\n", name, ok ? "ok" : "FAILED");
     fflush(stdout);
-    (ok ? g_pass : g_fail)++;
+    g_case_ok = g_case_ok && ok;
 }
 
 bool all_ok(int nprocs)
@@ -145,14 +156,8 @@ ncclResult_t init_nonblocking(ncclComm_t *c, int n, const ncclUniqueId &id, int 
 }
 const size_t kSizes[] = {1, 1001, (size_t)2500000 + 3}; /* the last: 10 MB of fp32, 3 slot chunks */
 
-} // namespace
-
-int main()
+void queries_and_single_rank()
 {
-    setvbuf(stdout, nullptr, _IOLBF, 0);
-    g_sh = (Shared *)mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    const auto t_start = std::chrono::steady_clock::now();
-
     { /* queries, version, error strings, nranks == 1 without shared memory */
         const ncclUniqueId id = new_id();
         run_procs(1, [&](int me) {
@@ -188,7 +193,10 @@ int main()
         });
         report("queries_and_single_rank", all_ok(1), 1);
     }
+}
 
+void allreduce_fp32_sum()
+{
     { /* all-reduce sum of fp32: sizes 1 / odd / 3 chunks, out of place then in place */
         const ncclUniqueId id = new_id();
         run_procs(R, [&](int me) {
@@ -220,7 +228,10 @@ int main()
         });
         report("allreduce_fp32_sum", all_ok(R) && same_hash(R), R);
     }
+}
 
+void allreduce_fp64_int64_uint64_int32_bf16_max_min_avg()
+{
     { /* fp64 / int64 / uint64 / int32 / bf16 sums, fp32 max/min, int32 min, fp32 avg */
         const ncclUniqueId id = new_id();
         run_procs(R, [&](int me) {
@@ -283,7 +294,10 @@ int main()
         });
         report("allreduce_fp64_int64_uint64_int32_bf16_max_min_avg", all_ok(R) && same_hash(R), R);
     }
+}
 
+void allgather_broadcast_reducescatter()
+{
     { /* all-gather (out of place and in place), broadcast (root 1; out of place and in place),
        * reduce-scatter; the large size needs 3 chunks */
         const ncclUniqueId id = new_id();
@@ -329,7 +343,10 @@ int main()
         });
         report("allgather_broadcast_reducescatter", all_ok(R) && same_hash(R), R);
     }
+}
 
+void init_duplicate_rank_fails()
+{
     /* The failure cases: every process must return an error (exit 0 = got the expected error). */
     { /* ranks 0, 1, 1 of 3: the duplicate fails with ncclInvalidUsage, the others stop too. (The
        * duplicate comes last: a process that comes after the failure would wait for its timeout.) */
@@ -348,6 +365,10 @@ int main()
         for (int r = 0; r < 3; r++) usage |= g_sh->hash[r] == (uint64_t)ncclInvalidUsage;
         report("init_duplicate_rank_fails", all_ok(3) && usage, 3);
     }
+}
+
+void init_mismatched_nranks_fails()
+{
     { /* nranks 2 and 3 with one id */
         const ncclUniqueId id = new_id();
         run_procs(2, [&](int me) {
@@ -360,6 +381,10 @@ int main()
         });
         report("init_mismatched_nranks_fails", all_ok(2), 2);
     }
+}
+
+void init_missing_rank_times_out()
+{
     { /* ranks 0 and 1 of 3; rank 2 never comes: both time out after NCCL_EMU_TIMEOUT_S = 1 */
         const ncclUniqueId id = new_id();
         run_procs(2, [&](int me) {
@@ -374,6 +399,10 @@ int main()
         });
         report("init_missing_rank_times_out", all_ok(2), 2);
     }
+}
+
+void dead_rank_fails_collective()
+{
     { /* rank 2 exits after init; the all-reduce of ranks 0 and 1 fails long before the timeout */
         const ncclUniqueId id = new_id();
         run_procs(3, [&](int me) {
@@ -395,6 +424,10 @@ int main()
         });
         report("dead_rank_fails_collective", all_ok(3), 3);
     }
+}
+
+void abort_fails_the_others()
+{
     { /* rank 1 aborts; then rank 0's broadcast fails */
         const ncclUniqueId id = new_id();
         run_procs(2, [&](int me) {
@@ -417,6 +450,10 @@ int main()
         });
         report("abort_fails_the_others", all_ok(2), 2);
     }
+}
+
+void nonblocking_init_and_collectives()
+{
     { /* non-blocking: init and collectives return ncclInProgress, complete through the stream */
         const ncclUniqueId id = new_id();
         run_procs(2, [&](int me) {
@@ -452,7 +489,13 @@ int main()
         });
         report("nonblocking_init_and_collectives", all_ok(2), 2);
     }
-    for (int hang = 0; hang < 2; hang++) { /* rank 1 dies after init; rank 0's collective is stuck */
+}
+
+/* rank 1 dies after init; rank 0's collective is stuck (hang: NCCL_EMU_PEER_LOSS=hang) */
+template <int hang>
+void nonblocking_peer_loss()
+{
+    {
         const ncclUniqueId id = new_id();
         run_procs(2, [&](int me) {
             setenv("NCCL_EMU_TIMEOUT_S", hang ? "0" : "60", 1);
@@ -485,6 +528,10 @@ int main()
         });
         report(hang ? "nonblocking_abort_ends_a_hang" : "nonblocking_dead_peer_is_an_async_error", all_ok(2), 2);
     }
+}
+
+void mismatched_count_fails()
+{
     { /* different counts, then a different call: ncclInvalidUsage on every rank, no hang */
         const ncclUniqueId id = new_id();
         run_procs(2, [&](int me) {
@@ -500,7 +547,10 @@ int main()
         });
         report("mismatched_count_fails", all_ok(2), 2);
     }
+}
 
+void no_shm_left_behind()
+{
     /* nothing left in /dev/shm by this test's ids (others' bt-nccl-emu-* entries are only shown) */
     {
         bool ok = true;
@@ -516,11 +566,50 @@ int main()
                 if (strncmp(e->d_name, "bt-nccl-emu-", 12) == 0) printf("    note: /dev/shm/%s exists\n", e->d_name);
             closedir(d);
         }
-        printf("%s no_shm_left_behind\n", ok ? "PASS" : "FAIL");
-        (ok ? g_pass : g_fail)++;
+        report("no_shm_left_behind", ok, 0);
     }
+}
 
+/* cmocka case: runs fn, then fails when one of its reports did (after fn returned, so that its
+ * locals are destroyed). */
+template <void (*fn)()>
+void run_case(void **)
+{
+    g_case_ok = true;
+    fn();
+    if (!g_case_ok)
+        fail_msg("a report failed (the lines above)");
+}
+#define CASE(fn) {#fn, run_case<fn>, nullptr, nullptr, nullptr}
+
+} // namespace
+
+int main()
+{
+    setvbuf(stdout, nullptr, _IOLBF, 0);
+    g_sh = (Shared *)mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    const auto t_start = std::chrono::steady_clock::now();
+    const struct CMUnitTest tests[] = {
+        CASE(queries_and_single_rank),
+        CASE(allreduce_fp32_sum),
+        CASE(allreduce_fp64_int64_uint64_int32_bf16_max_min_avg),
+        CASE(allgather_broadcast_reducescatter),
+        CASE(init_duplicate_rank_fails),
+        CASE(init_mismatched_nranks_fails),
+        CASE(init_missing_rank_times_out),
+        CASE(dead_rank_fails_collective),
+        CASE(abort_fails_the_others),
+        CASE(nonblocking_init_and_collectives),
+        {"nonblocking_dead_peer_is_an_async_error", run_case<nonblocking_peer_loss<0>>, nullptr,
+         nullptr, nullptr},
+        {"nonblocking_abort_ends_a_hang", run_case<nonblocking_peer_loss<1>>, nullptr, nullptr,
+         nullptr},
+        CASE(mismatched_count_fails),
+        CASE(no_shm_left_behind),
+    };
+    const int n = (int)(sizeof tests / sizeof tests[0]);
+    const int failed = cmocka_run_group_tests_name("test_nccl_emu", tests, nullptr, nullptr);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    printf("test_nccl_emu: %d passed, %d failed, 0 skipped (%.1f s)\n", g_pass, g_fail, secs);
-    return g_fail ? 1 : 0;
+    printf("test_nccl_emu: %d passed, %d failed, 0 skipped (%.1f s)\n", n - failed, failed, secs);
+    return failed ? 1 : 0;
 }

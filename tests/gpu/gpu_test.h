@@ -1,18 +1,26 @@
 /* Shared helpers of the GPU parity tests (tests/gpu/test_*.cu): device buffers, bf16 rounding,
- * deterministic random inputs, tolerance checks and the PASS/FAIL bookkeeping.
+ * deterministic random inputs, tolerance checks, and the cases run as cmocka tests (gt_run).
  * Every test compares a CUDA launcher against the CPU fp32 reference (kernels/kernels.h) run on the
  * SAME bf16-rounded inputs, so the measured error is the CUDA kernel's own (bf16 storage of
  * intermediates, fp32 accumulation order), not input quantisation. */
 #ifndef BT_TESTS_GPU_TEST_H
 #define BT_TESTS_GPU_TEST_H
 #include <cmath>
+#include <csetjmp>
+#include <cstdarg>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <vector>
 
 extern "C" {
+#include <cmocka.h>
+
+#include "common/bt_common.h"
 #include "kernels/kernels.h"
 }
 #include "kernels/cuda/kernels_cuda.h"
@@ -20,7 +28,7 @@ extern "C" {
 
 #define GT_SKIP_STATUS 77
 
-static int g_pass = 0, g_fail = 0, g_skip = 0;
+static int g_fail = 0, g_skip = 0; /* cases failed / skipped (gt_run) */
 static bool g_case_skip = false; /* the current test skipped itself (gt_skip) */
 static bool g_case_ok = true; /* the current test's checks so far */
 
@@ -37,8 +45,8 @@ static bool g_case_ok = true; /* the current test's checks so far */
     do {                                                                               \
         int r_ = (call);                                                               \
         if (r_ != 0) {                                                                 \
-            printf("    launcher failed: %s returned %d (%s:%d)\n", #call, r_, __FILE__, \
-                   __LINE__);                                                          \
+            printf("    launcher failed: %s returned %d: %s (%s:%d)\n", #call, r_,        \
+                   bt_last_error(), __FILE__, __LINE__);                               \
             g_case_ok = false;                                                         \
         }                                                                              \
     } while (0)
@@ -229,8 +237,8 @@ static inline void check_untouched(const bt_bf16 *p, size_t n)
     check_true("rejected calls wrote nothing", untouched);
 }
 
-/* The current test cannot run here (no model, quick mode): prints "    SKIP: why"; RUN_TEST then
- * reports "SKIP name" and counts it as skipped, not passed (unless a check already failed). */
+/* The current case cannot run here (no model, quick mode): prints "    SKIP: why"; the case then
+ * ends as skipped ("[  SKIPPED ] name"), not passed (unless a check already failed). */
 static void gt_skip(const char *why)
 {
     printf("    SKIP: %s\n", why);
@@ -238,8 +246,8 @@ static void gt_skip(const char *why)
 }
 
 /* ---- case selection (gt_init parses the command line every GPU test binary shares) ----
- * A case is a named unit of a binary: one RUN_TEST function, or one attention case
- * ("attn/<case>", whose sub-tests are "attn/<case>/<impl>"). gt_case_selected(name) says whether
+ * A case is a named unit of a binary: one GT_CASE function, or one attention case
+ * ("attn/<case>", whose cmocka tests are "attn/<case>/<impl>"). gt_case_selected(name) says whether
  * it runs: --case SUBSTR keeps the cases whose name contains SUBSTR; --after NAME skips every case
  * up to and including the one named NAME or holding the sub-test NAME (tests/gpu/run.sh restarts
  * a binary so after a case crashed it); --list prints the names instead of running them. */
@@ -264,34 +272,54 @@ static bool gt_case_selected(const char *name)
     return !g_case_substr || strstr(name, g_case_substr);
 }
 
-/* Run one named test: prints "PASS name", "FAIL name" or "SKIP name" after its checks; nothing
- * when the case is not selected (gt_case_selected). */
-#define RUN_TEST(fn)                                       \
-    do {                                                   \
-        if (!gt_case_selected(#fn))                        \
-            break;                                         \
-        g_case_ok = true;                                  \
-        g_case_skip = false;                               \
-        printf("[ RUN  ] %s\n", #fn);                      \
-        fflush(stdout);                                    \
-        fn();                                              \
-        cudaError_t e_ = cudaDeviceSynchronize();          \
-        if (e_ != cudaSuccess) {                           \
-            printf("    CUDA error: %s\n", cudaGetErrorString(e_)); \
-            g_case_ok = false;                             \
-        }                                                  \
-        if (g_case_ok && g_case_skip) {                    \
-            g_skip++;                                      \
-            printf("SKIP %s\n", #fn);                      \
-        } else if (g_case_ok) {                            \
-            g_pass++;                                      \
-            printf("PASS %s\n", #fn);                      \
-        } else {                                           \
-            g_fail++;                                      \
-            printf("FAIL %s\n", #fn);                      \
-        }                                                  \
-        fflush(stdout);                                    \
-    } while (0)
+/* ---- the cases run as cmocka tests (the framework of tests/unit, from C++) ----
+ * A binary registers its cases in order (GT_CASE(fn), or gt_add_case for a case with a computed
+ * name or shared state, e.g. attention's "attn/<case>/<impl>"), then main returns gt_run(prog),
+ * which hands them to cmocka's runner: "[ RUN      ] name", then "[       OK ] name", "[  FAILED  ]
+ * name" or "[  SKIPPED ] name" for each, cmocka's closing lines, and this harness's summary line
+ * "<prog>: N passed, M failed, K skipped" (tests/gpu/run.sh and tests/emu/run.sh read it). A case's
+ * checks (check*, BTOK, check_codes, ...) print one line each and go on after a miss, so one run
+ * shows every error; the case fails at its end (after its buffers are freed, cudaDeviceSynchronize
+ * included), with cmocka's fail_msg. */
+struct GtCase {
+    std::string name;
+    std::function<void()> fn;
+};
+static std::vector<GtCase> g_cases;
+
+/* Adds a case with no selection of its own (the caller applied gt_case_selected to the name that
+ * holds it). */
+static void gt_add_case(const std::string &name, std::function<void()> fn)
+{
+    g_cases.push_back({name, std::move(fn)});
+}
+/* Adds the case `name` when it is selected (gt_case_selected: --case, --after, --list). */
+static void gt_add(const char *name, std::function<void()> fn)
+{
+    if (gt_case_selected(name))
+        gt_add_case(name, std::move(fn));
+}
+#define GT_CASE(fn) gt_add(#fn, fn)
+
+static void gt_cmocka_case(void **state)
+{
+    const GtCase *c = static_cast<const GtCase *>(*state);
+    g_case_ok = true;
+    g_case_skip = false;
+    c->fn();
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        printf("    CUDA error: %s\n", cudaGetErrorString(e));
+        g_case_ok = false;
+    }
+    fflush(stdout);
+    if (!g_case_ok)
+        fail_msg("%s: a check failed (the lines above)", c->name.c_str());
+    if (g_case_skip) {
+        g_skip++;
+        skip();
+    }
+}
 
 /* BT_GPU_REQUIRE=1 (scripts/gpu-run sets it on the lent GPU machine): a missing or unusable device
  * is a failure, not a skip, so that a broken device set-up never reads as a pass. */
@@ -305,8 +333,8 @@ static bool gt_require_env(void)
  * BT_GPU_REQUIRE=1 a FAIL line. */
 static bool gt_require_device(const char *prog)
 {
-    char reason[256] = "";
-    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+    if (bt_cuda_device_count() <= 0) {
+        const char *reason = bt_last_error();
         if (gt_require_env())
             printf("%s: FAIL: no CUDA device (%s) and BT_GPU_REQUIRE=1\n", prog, reason);
         else
@@ -361,15 +389,27 @@ static int gt_init(const char *prog, int argc, char **argv, const char *const *o
         return bt_gpu_probe_kernel() ? 0 : 1;
     return -1;
 }
-static int gt_finish(const char *prog)
+/* Runs the registered cases (nothing with --list); returns main's exit status: 0 every case passed
+ * or skipped, 1 one failed (a failed check, a CUDA error, or a signal cmocka caught in it), 2 --after
+ * named no case of this binary. */
+static int gt_run(const char *prog)
 {
     if (g_list)
         return 0;
-    if (g_after) { /* --after named no case of this binary */
+    if (g_after) {
         printf("%s: --after %s: no such case (--list prints them)\n", prog, g_after);
         return 2;
     }
-    printf("%s: %d passed, %d failed, %d skipped\n", prog, g_pass, g_fail, g_skip);
+    std::vector<CMUnitTest> tests;
+    for (GtCase &c : g_cases)
+        tests.push_back({c.name.c_str(), gt_cmocka_case, nullptr, nullptr, &c});
+    g_fail = g_skip = 0;
+    if (!tests.empty()) {
+        fflush(stdout);
+        g_fail = _cmocka_run_group_tests(prog, tests.data(), tests.size(), nullptr, nullptr);
+    }
+    printf("%s: %d passed, %d failed, %d skipped\n", prog,
+           (int)tests.size() - g_fail - g_skip, g_fail, g_skip);
     return g_fail ? 1 : 0;
 }
 

@@ -97,9 +97,11 @@ fi
 echo "$probe" | grep -E 'device 0|probe:'
 
 # ---- 2. plain runs
-# The case a crashed run was in: the last "[ RUN  ] X" of LOG with no "PASS|FAIL|SKIP X" after it.
+# The case a crashed run was in: the last cmocka "[ RUN      ] X" of LOG with no "[       OK ] X",
+# "[  FAILED  ] X" or "[  SKIPPED ] X" after it.
 crashed_case() {
-    awk '/^\[ RUN  \] / { c = substr($0, 10) } /^(PASS|FAIL|SKIP) / { if (substr($0, 6) == c) c = "" }
+    awk '/^\[ RUN      \] / { c = substr($0, 14) }
+         /^\[ +(OK|FAILED|SKIPPED) +\] / { if (substr($0, 14) == c) c = "" }
          END { print c }' "$1"
 }
 if [ "${BT_GPU_PLAIN:-1}" != 0 ]; then

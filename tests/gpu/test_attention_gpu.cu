@@ -9,7 +9,7 @@
  * LongLoRA S^2-Attn (reference: the CPU S^2 kernel, kernels/cpu/attention.c),
  * including GQA groups whose query heads straddle Hq/2 (shifted and unshifted heads sharing one
  * KV head), and long documents (1000 tokens; 4096 tokens with D=128, Hq 8, Hkv 2).
- * Every case runs once per implementation and prints its own PASS/FAIL line
+ * Every case runs once per implementation as its own cmocka test
  * ("attn/<case>/wmma", "attn/<case>/mma"); the 4096-token case also compares the two GPU
  * implementations with each other ("attn/<case>/cross") and checks that the mma backward is
  * bit-identical run to run (no atomics).
@@ -31,7 +31,9 @@ extern "C" {
 }
 
 #include <chrono>
+#include <memory>
 #include <string>
+#include <utility>
 
 static cudaStream_t g_stream;
 
@@ -252,68 +254,66 @@ static void check_all(const GpuOut &g, const AttRef &r)
     check("dv", g.dv.data(), r.dv.data(), r.nk, 3e-2, 6e-2);
 }
 
-/* ---- PASS/FAIL bookkeeping for named sub-tests (same output format as RUN_TEST) ---- */
-static void sub_begin(const std::string &name)
-{
-    g_case_ok = true;
-    printf("[ RUN  ] %s\n", name.c_str());
-    fflush(stdout);
-}
-static void sub_end(const std::string &name)
-{
-    cudaError_t e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) {
-        printf("    CUDA error: %s\n", cudaGetErrorString(e));
-        g_case_ok = false;
-    }
-    if (g_case_ok) {
-        g_pass++;
-        printf("PASS %s\n", name.c_str());
-    } else {
-        g_fail++;
-        printf("FAIL %s\n", name.c_str());
-    }
-    fflush(stdout);
-}
-
 static bool g_impl_on[N_IMPL] = {true, true};
 
-static void run_case(const AttCase &c)
+/* One attention case "attn/<name>" is several cmocka tests in order, sharing its inputs and
+ * results: "attn/<name>/reference" (the CPU reference), one per implementation
+ * ("attn/<name>/wmma", "attn/<name>/mma"), and for a cross case "attn/<name>/cross". The last one
+ * releases the case's buffers. */
+struct AttState {
+    AttCase c;
+    AttRef r;
+    GpuOut o[N_IMPL];
+};
+static std::vector<std::unique_ptr<AttState>> g_att;
+
+static void cross_check(AttState &s)
+{
+    const AttCase &c = s.c;
+    const AttRef &r = s.r;
+    const GpuOut &w = s.o[IMPL_WMMA], &m = s.o[IMPL_MMA];
+    check("out mma vs wmma", m.out.data(), w.out.data(), r.nq, 5e-3, 2e-2);
+    check("lse mma vs wmma", m.lse.data(), w.lse.data(), w.lse.size(), 2e-4, 1e-3);
+    check("dq mma vs wmma", m.dq.data(), w.dq.data(), r.nq, 5e-3, 2e-2);
+    check("dk mma vs wmma", m.dk.data(), w.dk.data(), r.nk, 5e-3, 2e-2);
+    check("dv mma vs wmma", m.dv.data(), w.dv.data(), r.nk, 5e-3, 2e-2);
+    GpuOut again;
+    run_gpu(c, r, IMPL_MMA, again);
+    check_exact("mma rerun out (determinism)", again.out.data(), m.out.data(), r.nq);
+    check_exact("mma rerun lse", again.lse.data(), m.lse.data(), m.lse.size());
+    check_exact("mma rerun dq", again.dq.data(), m.dq.data(), r.nq);
+    check_exact("mma rerun dk", again.dk.data(), m.dk.data(), r.nk);
+    check_exact("mma rerun dv", again.dv.data(), m.dv.data(), r.nk);
+}
+
+static void add_case(const AttCase &c)
 {
     const std::string base = std::string("attn/") + c.name;
     if (!gt_case_selected(base.c_str()))
         return;
-    AttRef r;
-    sub_begin(base + "/reference");
-    build_ref(c, r);
-    sub_end(base + "/reference");
-    GpuOut o[N_IMPL];
-    for (int impl = 0; impl < N_IMPL; impl++) {
-        if (!g_impl_on[impl])
-            continue;
-        const std::string name = base + "/" + k_impl_name[impl];
-        sub_begin(name);
-        run_gpu(c, r, impl, o[impl]);
-        check_all(o[impl], r);
-        sub_end(name);
-    }
-    if (c.cross && g_impl_on[IMPL_WMMA] && g_impl_on[IMPL_MMA]) {
-        const std::string name = base + "/cross";
-        sub_begin(name);
-        const GpuOut &w = o[IMPL_WMMA], &m = o[IMPL_MMA];
-        check("out mma vs wmma", m.out.data(), w.out.data(), r.nq, 5e-3, 2e-2);
-        check("lse mma vs wmma", m.lse.data(), w.lse.data(), w.lse.size(), 2e-4, 1e-3);
-        check("dq mma vs wmma", m.dq.data(), w.dq.data(), r.nq, 5e-3, 2e-2);
-        check("dk mma vs wmma", m.dk.data(), w.dk.data(), r.nk, 5e-3, 2e-2);
-        check("dv mma vs wmma", m.dv.data(), w.dv.data(), r.nk, 5e-3, 2e-2);
-        GpuOut again;
-        run_gpu(c, r, IMPL_MMA, again);
-        check_exact("mma rerun out (determinism)", again.out.data(), m.out.data(), r.nq);
-        check_exact("mma rerun lse", again.lse.data(), m.lse.data(), m.lse.size());
-        check_exact("mma rerun dq", again.dq.data(), m.dq.data(), r.nq);
-        check_exact("mma rerun dk", again.dk.data(), m.dk.data(), r.nk);
-        check_exact("mma rerun dv", again.dv.data(), m.dv.data(), r.nk);
-        sub_end(name);
+    g_att.emplace_back(new AttState{c, AttRef(), {}});
+    AttState *s = g_att.back().get();
+    using Part = std::pair<std::string, std::function<void()>>;
+    std::vector<Part> parts;
+    parts.emplace_back(base + "/reference", [s] { build_ref(s->c, s->r); });
+    for (int impl = 0; impl < N_IMPL; impl++)
+        if (g_impl_on[impl])
+            parts.emplace_back(base + "/" + k_impl_name[impl], [s, impl] {
+                run_gpu(s->c, s->r, impl, s->o[impl]);
+                check_all(s->o[impl], s->r);
+            });
+    if (c.cross && g_impl_on[IMPL_WMMA] && g_impl_on[IMPL_MMA])
+        parts.emplace_back(base + "/cross", [s] { cross_check(*s); });
+    for (size_t i = 0; i < parts.size(); i++) {
+        std::function<void()> fn = parts[i].second;
+        if (i + 1 == parts.size()) /* the last part frees the case's host buffers */
+            fn = [fn, s] {
+                fn();
+                s->r = AttRef();
+                for (GpuOut &o : s->o)
+                    o = GpuOut();
+            };
+        gt_add_case(parts[i].first, fn);
     }
 }
 
@@ -350,6 +350,13 @@ static void test_attn_errors(int impl)
     DBuf<float> l(12), dl(12);
     DBuf<int32_t> cu(2);
     check_true("Hq % Hkv != 0 -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6);
+    /* the reason is in bt_last_error (nothing printed): the launcher and the check that failed */
+    const char *err = bt_last_error();
+    const char *want = impl == IMPL_MMA ? "cuda: bt_cuda_attn_fwd_mma: invalid arguments: "
+                                        : "cuda: bt_cuda_attn_fwd: invalid arguments: ";
+    printf("    bt_last_error: %s\n", err);
+    check_true("refusal names launcher + check",
+               !strncmp(err, want, strlen(want)) && strstr(err, "p->Hq % p->Hkv != 0"));
     check_true("bwd Hq % Hkv != 0 -> INVALID",
                attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p) == -6);
     p.Hq = 2;
@@ -420,20 +427,17 @@ int main(int argc, char **argv)
             AttCase e = c;
             e.name = "cross 384 d128 gqa llama3 (quick size)";
             e.lens = {384};
-            run_case(e);
+            add_case(e);
             continue;
         }
-        run_case(c);
+        add_case(c);
     }
     if (gt_case_selected("attn/errors"))
-        for (int impl = 0; impl < N_IMPL; impl++) {
-            if (!g_impl_on[impl])
-                continue;
-            const std::string name = std::string("attn/errors/") + k_impl_name[impl];
-            sub_begin(name);
-            test_attn_errors(impl);
-            sub_end(name);
-        }
+        for (int impl = 0; impl < N_IMPL; impl++)
+            if (g_impl_on[impl])
+                gt_add_case(std::string("attn/errors/") + k_impl_name[impl],
+                            [impl] { test_attn_errors(impl); });
+    const int rc = gt_run(prog);
     cudaStreamDestroy(g_stream);
-    return gt_finish(prog);
+    return rc;
 }

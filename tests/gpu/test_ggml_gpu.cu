@@ -236,6 +236,12 @@ static void test_ggml_errors(void)
                                                         0.f, nullptr), -6},
     };
     check_codes(cs, sizeof cs / sizeof cs[0]);
+    /* the reason of the last refusal (linear_fwd, no wbuf) is in bt_last_error, nothing printed */
+    const char *err = bt_last_error();
+    printf("    bt_last_error: %s\n", err);
+    check_true("refusal names launcher + check",
+               !strncmp(err, "cuda: bt_cuda_ggml_linear_fwd: invalid arguments: ", 50) &&
+                   strstr(err, "!wbuf"));
     check_true("supported: Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K only",
                bt_cuda_ggml_supported(BT_GGML_Q4_0) && bt_cuda_ggml_supported(BT_GGML_Q4_1) &&
                    bt_cuda_ggml_supported(BT_GGML_Q8_0) && bt_cuda_ggml_supported(BT_GGML_Q4_K) &&
@@ -261,11 +267,12 @@ int main(int argc, char **argv)
         printf("%s: cublasCreate failed\n", prog);
         return 2;
     }
-    RUN_TEST(test_ggml_errors);
-    RUN_TEST(test_ggml_dequant_exact);
-    RUN_TEST(test_ggml_gemm_decode_exact);
-    RUN_TEST(test_ggml_gemm);
+    GT_CASE(test_ggml_errors);
+    GT_CASE(test_ggml_dequant_exact);
+    GT_CASE(test_ggml_gemm_decode_exact);
+    GT_CASE(test_ggml_gemm);
+    const int rc = gt_run(prog);
     cublasDestroy(g_cublas);
     cudaStreamDestroy(g_stream);
-    return gt_finish(prog);
+    return rc;
 }

@@ -3,7 +3,7 @@
  * and adversarial shapes/values (odd sizes, partial chunks, one-row cases, large magnitudes,
  * ignored/out-of-range ids). Tolerances are stated per check (rel_l2, max_rel of max|ref|).
  * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
- * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never an OK
  * line; FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
@@ -499,19 +499,20 @@ int main(int argc, char **argv)
         printf("%s: cublasCreate failed\n", prog);
         return 2;
     }
-    RUN_TEST(test_nf4_dequant);
-    RUN_TEST(test_nf4_linear);
-    RUN_TEST(test_gemm);
-    RUN_TEST(test_lora);
-    RUN_TEST(test_rmsnorm);
-    RUN_TEST(test_rope);
-    RUN_TEST(test_rope_freq);
-    RUN_TEST(test_swiglu);
-    RUN_TEST(test_embedding);
-    RUN_TEST(test_adamw);
-    RUN_TEST(test_sumsq);
-    RUN_TEST(test_linear_ce);
+    GT_CASE(test_nf4_dequant);
+    GT_CASE(test_nf4_linear);
+    GT_CASE(test_gemm);
+    GT_CASE(test_lora);
+    GT_CASE(test_rmsnorm);
+    GT_CASE(test_rope);
+    GT_CASE(test_rope_freq);
+    GT_CASE(test_swiglu);
+    GT_CASE(test_embedding);
+    GT_CASE(test_adamw);
+    GT_CASE(test_sumsq);
+    GT_CASE(test_linear_ce);
+    const int rc = gt_run(prog);
     cublasDestroy(g_cublas);
     cudaStreamDestroy(g_stream);
-    return gt_finish(prog);
+    return rc;
 }

@@ -25,7 +25,7 @@
  * M x Nout (a 256-element sentinel tail after the output); error codes.
  * BT_GPU_QUICK=1 (set by tests/gpu/run.sh under compute-sanitizer) runs a reduced shape grid.
  * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
- * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never an OK
  * line; FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
@@ -254,12 +254,13 @@ int main(int argc, char **argv)
         printf("%s: cublasCreate failed\n", prog);
         return 2;
     }
-    RUN_TEST(test_nf4_gemm_errors);
-    RUN_TEST(test_nf4_gemm_decode_exact);
-    RUN_TEST(test_nf4_gemm_fwd);
-    RUN_TEST(test_nf4_gemm_bwd_x);
-    RUN_TEST(test_nf4_gemm_large);
+    GT_CASE(test_nf4_gemm_errors);
+    GT_CASE(test_nf4_gemm_decode_exact);
+    GT_CASE(test_nf4_gemm_fwd);
+    GT_CASE(test_nf4_gemm_bwd_x);
+    GT_CASE(test_nf4_gemm_large);
+    const int rc = gt_run(prog);
     cublasDestroy(g_cublas);
     cudaStreamDestroy(g_stream);
-    return gt_finish(prog);
+    return rc;
 }

@@ -24,7 +24,7 @@
  *     cosine >= 0.95 (small modules are noisier);
  *   10-step curve: every step's loss within 3% (relative) of the CPU's.
  * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init: --case SUBSTR, --after
- * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never a PASS
+ * NAME, --list, --probe-only). Without a CUDA device it prints "SKIPPED" and exits 77 (never an OK
  * line; FAIL and 1 under BT_GPU_REQUIRE=1). */
 #include "tests/gpu/gpu_test.h"
 
@@ -193,8 +193,8 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     o.base_matmul_impl = g_nf4_impl;
     o.s2_group = cs.s2;
     o.offload = cs.offload;
-    if (bt_cuda_trainer_new_ex(&t, m, lo, M, &o) != 0) {
-        printf("    bt_cuda_trainer_new_ex: %s\n", bt_last_error());
+    if (bt_cuda_trainer_new(&t, m, lo, M, &o) != 0) {
+        printf("    bt_cuda_trainer_new: %s\n", bt_last_error());
         g_case_ok = false;
         return;
     }
@@ -312,8 +312,8 @@ static void run_tiny_case(const Case &cs, bool llama3 = false, int ext = BT_ROPE
         return;
     }
     bt_lora lo;
-    if (bt_lora_init_ex(&lo, &m, 8, 16.0, cs.dropout, (1u << BT_MOD_N) - 1, cs.trainable, 7) != 0) {
-        printf("    bt_lora_init_ex: %s\n", bt_last_error());
+    if (bt_lora_init(&lo, &m, 8, 16.0, cs.dropout, (1u << BT_MOD_N) - 1, cs.trainable, 7) != 0) {
+        printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         bt_model_free(&m);
         return;
@@ -391,7 +391,7 @@ static void test_tiny_offload(void)
     bt_model m;
     bt_lora lo;
     if (bt_model_init_random(&m, &hp, BT_BASE_NF4, 1, 42) != 0 ||
-        bt_lora_init_ex(&lo, &m, 8, 16.0, 0.1, (1u << BT_MOD_N) - 1, BT_TRAIN_EMBED | BT_TRAIN_NORM,
+        bt_lora_init(&lo, &m, 8, 16.0, 0.1, (1u << BT_MOD_N) - 1, BT_TRAIN_EMBED | BT_TRAIN_NORM,
                         7) != 0) {
         printf("    set-up: %s\n", bt_last_error());
         g_case_ok = false;
@@ -410,8 +410,8 @@ static void test_tiny_offload(void)
         o.checkpointing = 1;
         o.offload = off;
         o.s2_group = 32;
-        if (bt_cuda_trainer_new_ex(&t, &m, &lo, 256, &o) != 0) {
-            printf("    bt_cuda_trainer_new_ex(offload %d): %s\n", off, bt_last_error());
+        if (bt_cuda_trainer_new(&t, &m, &lo, 256, &o) != 0) {
+            printf("    bt_cuda_trainer_new(offload %d): %s\n", off, bt_last_error());
             g_case_ok = false;
             break;
         }
@@ -438,7 +438,7 @@ static void test_tiny_offload(void)
     bt_cuda_trainer_opts o;
     memset(&o, 0, sizeof o);
     o.offload = 1;
-    check_true("offload needs checkpointing", bt_cuda_trainer_new_ex(&t, &m, &lo, 256, &o) ==
+    check_true("offload needs checkpointing", bt_cuda_trainer_new(&t, &m, &lo, 256, &o) ==
                                                   BT_ERR_INVALID);
     bt_lora_free(&lo);
     bt_model_free(&m);
@@ -484,13 +484,13 @@ static void test_tiny_gguf(void)
     bt_model m;
     bt_lora lo;
     if (bt_model_init_random(&m, &hp, BT_BASE_FP32, 1, 3) || bt_model_to_ggml(&m, BT_GGML_Q5_0) ||
-        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 1)) {
+        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 0, 1)) {
         printf("    set-up: %s\n", bt_last_error());
         g_case_ok = false;
         return;
     }
     bt_cuda_trainer *t = nullptr;
-    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64);
+    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64, nullptr);
     const char *e = bt_last_error();
     check_true("Q5_0 base refused (BT_ERR_UNSUPPORTED)", rc == BT_ERR_UNSUPPORTED && !t);
     check_true("  ... naming the type, the supported ones and base_dtype nf4",
@@ -510,13 +510,13 @@ static void test_qwen3_refused(void)
     bt_lora lo;
     bt_model_load_opts o = {BT_BASE_FP32, 0};
     if (bt_model_load(&m, "tests/fixtures/hf/qwen/qwen3/hf", &o) ||
-        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 1)) {
+        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 0, 1)) {
         printf("    set-up: %s\n", bt_last_error());
         g_case_ok = false;
         return;
     }
     bt_cuda_trainer *t = nullptr;
-    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64);
+    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64, nullptr);
     const char *e = bt_last_error();
     check_true("Qwen3 refused (BT_ERR_UNSUPPORTED)", rc == BT_ERR_UNSUPPORTED && !t);
     check_true("  ... naming the family and device \"cpu\"",
@@ -629,7 +629,7 @@ static void test_smollm2_step(void)
     if (!load_smol())
         return;
     bt_lora lo;
-    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 1234) != 0) {
+    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 0, 1234) != 0) {
         printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         return;
@@ -659,7 +659,7 @@ static void test_smollm2_gguf_step(void)
         return;
     }
     bt_lora lo;
-    if (bt_lora_init(&lo, &m, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 1234) != 0) {
+    if (bt_lora_init(&lo, &m, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 0, 1234) != 0) {
         printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         bt_model_free(&m);
@@ -686,7 +686,7 @@ static void test_smollm2_10_steps(void)
     const float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.0f;
     const double clip = 1.0;
     bt_lora lo;
-    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 1234) != 0) {
+    if (bt_lora_init(&lo, &g_smol, 16, 32.0, 0.05, (1u << BT_MOD_N) - 1, 0, 1234) != 0) {
         printf("    bt_lora_init: %s\n", bt_last_error());
         g_case_ok = false;
         return;
@@ -698,7 +698,7 @@ static void test_smollm2_10_steps(void)
     for (auto &b : bs)
         b.view();
     bt_cuda_trainer *t = nullptr;
-    if (bt_cuda_trainer_new(&t, &g_smol, &lo, M) != 0) { /* uploads the initial LoRA */
+    if (bt_cuda_trainer_new(&t, &g_smol, &lo, M, nullptr) != 0) { /* uploads the initial LoRA */
         printf("    bt_cuda_trainer_new: %s\n", bt_last_error());
         g_case_ok = false;
         bt_lora_free(&lo);
@@ -793,8 +793,8 @@ static void test_plan_matches_estimate(void)
             return;
         }
         bt_lora lo;
-        if (bt_lora_init_ex(&lo, &m, 8, 16.0, 0.0, pc.targets, pc.trainable, 7) != 0) {
-            printf("    bt_lora_init_ex: %s\n", bt_last_error());
+        if (bt_lora_init(&lo, &m, 8, 16.0, 0.0, pc.targets, pc.trainable, 7) != 0) {
+            printf("    bt_lora_init: %s\n", bt_last_error());
             g_case_ok = false;
             bt_model_free(&m);
             return;
@@ -831,8 +831,8 @@ static void test_plan_matches_estimate(void)
         o.offload = pc.offload;
         o.base_matmul_impl = pc.fused;
         bt_cuda_trainer *t = nullptr;
-        if (bt_cuda_trainer_new_ex(&t, &m, &lo, M, &o) != 0) {
-            printf("    bt_cuda_trainer_new_ex: %s\n", bt_last_error());
+        if (bt_cuda_trainer_new(&t, &m, &lo, M, &o) != 0) {
+            printf("    bt_cuda_trainer_new: %s\n", bt_last_error());
             g_case_ok = false;
         } else {
             size_t host = 0;
@@ -859,22 +859,23 @@ int main(int argc, char **argv)
     const int init = gt_init(prog, argc, argv);
     if (init >= 0)
         return init;
-    RUN_TEST(test_tiny_nf4);
-    RUN_TEST(test_tiny_dropout);
-    RUN_TEST(test_tiny_fp32_untied_ckpt);
-    RUN_TEST(test_tiny_loraplus);
-    RUN_TEST(test_tiny_long_doc);
-    RUN_TEST(test_tiny_llama3_rope);
-    RUN_TEST(test_tiny_mma_fused);
-    RUN_TEST(test_tiny_gguf);
-    RUN_TEST(test_qwen3_refused);
-    RUN_TEST(test_tiny_long_context);
-    RUN_TEST(test_tiny_offload);
-    RUN_TEST(test_plan_matches_estimate);
-    RUN_TEST(test_smollm2_step);
-    RUN_TEST(test_smollm2_gguf_step);
-    RUN_TEST(test_smollm2_10_steps);
+    GT_CASE(test_tiny_nf4);
+    GT_CASE(test_tiny_dropout);
+    GT_CASE(test_tiny_fp32_untied_ckpt);
+    GT_CASE(test_tiny_loraplus);
+    GT_CASE(test_tiny_long_doc);
+    GT_CASE(test_tiny_llama3_rope);
+    GT_CASE(test_tiny_mma_fused);
+    GT_CASE(test_tiny_gguf);
+    GT_CASE(test_qwen3_refused);
+    GT_CASE(test_tiny_long_context);
+    GT_CASE(test_tiny_offload);
+    GT_CASE(test_plan_matches_estimate);
+    GT_CASE(test_smollm2_step);
+    GT_CASE(test_smollm2_gguf_step);
+    GT_CASE(test_smollm2_10_steps);
+    const int rc = gt_run(prog);
     if (g_have_smol)
         bt_model_free(&g_smol);
-    return gt_finish(prog);
+    return rc;
 }

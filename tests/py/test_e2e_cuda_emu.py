@@ -11,7 +11,7 @@ defaults (wmma attention, dequantise + cuBLAS) and cuda.attention "mma" + cuda.n
 The tiny model has head_dim 64 (the GPU attention supports 64 and 128): hidden 128, 2 heads, 1 KV
 head, the real SmolLM2 vocabulary.
 
-Data-parallel (trainer/dist/dist.h, trainer/cuda/cuda_dist.cu, NCCL emulated across processes by
+Data-parallel (trainer/parallel/dist.h, trainer/cuda/cuda_dist.cu, NCCL emulated across processes by
 tests/emu/nccl_emu.cpp): two trainer processes (RANK/WORLD_SIZE, micro-batch 1 each) meet at a
 TCP rendezvous and all-reduce their gradients; loaderd deals rank r the plan rows 2i + r, which
 are the rows of batch i of one process with micro-batch 2. So the pair must reproduce the single
@@ -32,7 +32,7 @@ import pytest
 from conftest import BUILD, chat_line, ckpt_step, read_safetensors, rel_l2, tiny_model_hd64, write_shard
 
 EMU_TRAINER = os.environ.get("BT_EMU_TRAINER", "")
-JOB_SECRET = os.urandom(16).hex()  # the per-job secret a launcher hands every rank (trainer/dist/dist.h)
+JOB_SECRET = os.urandom(16).hex()  # the per-job secret a launcher hands every rank (trainer/parallel/dist.h)
 
 
 @pytest.fixture
@@ -247,7 +247,7 @@ def test_cuda_trainer_on_emulator_follows_cpu(env, kernels):
 def test_a_lost_rank_ends_every_rank_naming_it(env, how):
     """Three ranks train; rank 1 is SIGKILLed, or SIGSTOPped, mid-run. The emulated NCCL is put in
     NCCL's own one-node behaviour (NCCL_EMU_PEER_LOSS=hang: nothing notices the lost peer, and no
-    emulator timeout), so only the trainer's watchdog (trainer/dist/dist_monitor.h) and its
+    emulator timeout), so only the trainer's watchdog (trainer/parallel/dist_monitor.h) and its
     ncclCommAbort can end the others' waits: ranks 0 and 2 must both exit with a message naming
     rank 1 and its pid."""
     data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,

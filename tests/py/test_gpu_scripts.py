@@ -257,7 +257,7 @@ def test_piece_A_deadline_cuts_a_binary_and_skips_the_sanitizers(packs, work):
     log = files["tests.log"]
     assert "test_kernels_gpu: 12 passed, 0 failed" in log
     assert re.search(r"^TIMEOUT test_trainer_gpu plain", log, re.M), log[-3000:]
-    assert re.search(r"^PASS test_tiny_nf4$", log, re.M)  # what ran before the cut came back
+    assert re.search(r"^\[       OK \] test_tiny_nf4$", log, re.M)  # what ran before the cut came back
     info = files["info.txt"]
     for what in ("runtime: ", "cpu: ", "memory: ", "gpu: ", "compute-sanitizer: ", "piece A",
                  "probe (test_kernels_gpu --probe-only): probe: one kernel ran on CPU emulator: ok"):
@@ -281,7 +281,7 @@ def test_no_device_fails_under_bt_gpu_require(packs, work):
     assert [s[:2] for s in summary] == [["one", "PASS"], ["quick", "FAIL"]], files["summary.txt"]
     assert re.search(r"test-gpu: FAILED: no CUDA device \(cudaGetDeviceCount: .*\) and BT_GPU_REQUIRE=1",
                      files["tests.log"]), files["tests.log"]
-    assert not re.search(r"^PASS ", files["tests.log"], re.M)
+    assert not re.search(r"^\[ +OK \] ", files["tests.log"], re.M)
     # without BT_GPU_REQUIRE (make test-gpu on a machine without a GPU): a skip, exit 0, no pass line
     e = dict(os.environ, BT_EMU_NO_DEVICE="1", BT_GPU_REQUIRE="0")
     rc, out = sh(["bash", "tests/gpu/run.sh", os.path.join(EMU, "tests", "test_kernels_gpu")], env=e)
@@ -312,7 +312,7 @@ def test_crashing_case_is_followed_by_a_restart_after_it(work):
     assert "CRASH test_kernels_gpu in test_rmsnorm (exit 134, signal 6)" in out, out
     assert "== test_kernels_gpu (restarted after test_rmsnorm)" in out
     for case in ("test_rope", "test_swiglu", "test_linear_ce"):  # the cases after the crash ran
-        assert re.search(rf"^PASS {case}$", out, re.M), case
+        assert re.search(rf"^\[       OK \] {case}$", out, re.M), case
     assert "test-gpu: FAILED: test_kernels_gpu (crash in test_rmsnorm)" in out
     assert "== test_kernels_gpu.memcheck.log" not in out and out.count("== test_kernels_gpu") == 2
     # --case on every binary; --list; --after of no case is an error
@@ -356,7 +356,7 @@ def test_sanitizer_plan_timeouts_and_log_tarball(packs, work):
         att = t.extractfile("sanitizer/test_attention_gpu.racecheck.log").read().decode()
     assert {"sanitizer/test_kernels_gpu.memcheck.log", "sanitizer/test_attention_gpu.synccheck.log",
             "sanitizer/test_kernels_gpu.initcheck.log"} <= names, names
-    assert "PASS attn/errors/wmma" in att
+    assert "[       OK ] attn/errors/wmma" in att
     assert not leftovers(dev.root)
     # a runtime whose sanitizer refuses the device (gVisor): said so, nothing run, not a failure
     calls.unlink()
@@ -443,7 +443,7 @@ def test_piece_B_two_calls_with_the_model_and_the_demo_stopped(packs, work):
     log = files["tests.log"]
     assert "one: no .gpu/one in this call; the payload unpacked earlier stays" in log or "already unpacked" in log
     assert "model: models/SmolLM2-135M-Instruct.Q4_1.gguf ready" in log
-    assert re.search(r"^PASS test_smollm2_step$", log, re.M), log[-3000:]
+    assert re.search(r"^\[       OK \] test_smollm2_step$", log, re.M), log[-3000:]
     assert "loaded models/SmolLM2-135M-Instruct.Q4_1.gguf" in log
     assert "demo: loaderd listening on" in log and "gpu-run: demo: " in log and "are up: stopping it" in log
     assert (dev.root / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").stat().st_size == os.path.getsize(

@@ -1,9 +1,10 @@
-"""The wiring between loaderd's files (issue 22 §3): floors that only call and include downwards,
-and one place that names each op.
+"""The wiring between loaderd's and the trainer's files (issue 22 §3, §5): floors that only call and
+include downwards, and one place that names each op.
 
 - The include/call graph (scripts/depgraph.py) of the control server's files (loaderd/server*)
   and of the data plane's (pipeline -> stream -> chunkq / packer / source / format, over job.h)
-  has no circle.
+  has no circle; the trainer's data-parallel floor (trainer/parallel) is below its run
+  (trainer/loop) and never reaches back up.
 - An op of the control protocol is named once, as a row of the command table in
   loaderd/server.c: no other code in loaderd/server* spells an op's name (comments aside), and
   loaderd's hello lists exactly the table's rows.
@@ -40,6 +41,20 @@ def test_data_plane_floors_have_no_circle():
     found, edges = graph_circles([p for p in DATA_PLANE if os.path.exists(os.path.join(ROOT, p))])
     assert not found, found
     assert ("loaderd/stream", "loaderd/pipeline") not in edges
+
+
+def test_parallel_is_below_the_loop():
+    """Issue 22 §5: the data-parallel start-up, rendezvous and watchdog live in trainer/parallel/
+    (not trainer/dist/, a name tools and people read as build output), on a floor below the run
+    (trainer/loop): the run calls them, they never call or include the run."""
+    assert not os.path.exists(os.path.join(ROOT, "trainer", "dist"))
+    par = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "trainer", "parallel", "*.[ch]")))
+    loop = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "trainer", "loop", "*.[ch]")))
+    assert par and loop
+    found, edges = graph_circles(par + loop)
+    assert not [c for c in found if any(m.startswith("trainer/parallel/") for m in c)], found
+    assert not [(a, b) for (a, b) in edges if a.startswith("trainer/parallel/") and b.startswith("trainer/loop/")], edges
+    assert [(a, b) for (a, b) in edges if a.startswith("trainer/loop/") and b.startswith("trainer/parallel/")], edges
 
 
 def test_script_reports_a_circle(tmp_path):

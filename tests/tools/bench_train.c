@@ -87,7 +87,7 @@ static void train_step_times(const char *model_path, int base_dtype, int M, int 
     }
     *model_mib = (double)bt_model_bytes(&m) / (1024.0 * 1024.0);
     bt_lora lo;
-    if (bt_lora_init(&lo, &m, 16, 32.0, 0.0, (1u << BT_MOD_N) - 1, 1234) != 0) exit(1);
+    if (bt_lora_init(&lo, &m, 16, 32.0, 0.0, (1u << BT_MOD_N) - 1, 0, 1234) != 0) exit(1);
     bt_step_ctx *ctx;
     if (bt_step_ctx_new(&ctx, &m, &lo, M, 0) != 0) exit(1);
     int32_t *ids = malloc(sizeof(int32_t) * M), *lab = malloc(sizeof(int32_t) * M);

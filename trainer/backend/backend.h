@@ -59,7 +59,7 @@ typedef struct {
     /* The run's hooks (all optional): check(arg) is asked before every layer of a pass and in
      * every collective wait, and a non-zero result (a negative bt_err) abandons the pass or the
      * collective and is returned; collective(arg, entering) says when a collective wait starts
-     * (1) and ends (0), for the watchdog (trainer/dist/dist_monitor.h). */
+     * (1) and ends (0), for the watchdog (trainer/parallel/dist_monitor.h). */
     int (*check)(void *arg);
     void (*collective)(void *arg, int entering);
     void *hook_arg;

@@ -113,7 +113,7 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
     if (rc)
         return rc;
     bt_cuda_trainer *t = nullptr;
-    if ((rc = bt_cuda_trainer_new_ex(&t, p->model, p->lora, p->max_M, &co)))
+    if ((rc = bt_cuda_trainer_new(&t, p->model, p->lora, p->max_M, &co)))
         return rc;
     bt_cuda_hooks hooks = {p->check, p->collective, p->hook_arg,
                            (double)cfg->dist.timeout_s + cfg->dist.heartbeat_timeout_s};

@@ -9,7 +9,7 @@
  * (ncclConfig_t.blocking = 0) and every wait is NCCL's fault-tolerance loop (NCCL User Guide,
  * "Fault Tolerance": poll cudaStreamQuery and ncclCommGetAsyncError instead of blocking in
  * cudaStreamSynchronize; on an error, ncclCommAbort), extended with the trainer's hooks
- * (bt_cuda_trainer_set_hooks: a stop request, or another rank's failure as trainer/dist/dist_monitor.h
+ * (bt_cuda_trainer_set_hooks: a stop request, or another rank's failure as trainer/parallel/dist_monitor.h
  * reports it, naming the rank) and a timeout. NCCL itself does not notice a peer that dies or is
  * stopped within one node: the hooks and the timeout are what end such a wait. */
 #include "trainer/cuda/cuda_trainer_internal.h"
@@ -144,10 +144,9 @@ extern "C" int bt_cuda_dist_unique_id(uint8_t id[BT_CUDA_DIST_ID_BYTES])
 
 extern "C" int bt_cuda_device_for_local_rank(int local_rank, int *device)
 {
-    char reason[256] = "";
-    const int n = bt_cuda_device_count(reason, sizeof reason);
+    const int n = bt_cuda_device_count();
     if (n <= 0)
-        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", reason);
+        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", bt_last_error());
     if (local_rank < 0)
         return bt_fail(BT_ERR_INVALID, "cuda: local rank %d", local_rank);
     if (n == 1) { /* one visible GPU per task (srun --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES) */

@@ -99,8 +99,10 @@ int upload_gguf_linear(btc_model *dm, btc_linear *d, const bt_base_linear *bl, i
                        "to NF4 (or \"fp32\"), or train on the CPU (device \"cpu\" supports every "
                        "type)", l, bt_module_name(mod), bt_ggml_type_name(t));
     std::vector<float> f((size_t)n);
-    bt_ggml_mat_dequantize_rows(&bl->g, 0, bl->rows, f.data());
-    int rc = dmalloc(dm, (void **)&d->w16, (size_t)n * sizeof(bt_bf16), "a linear");
+    int rc = bt_ggml_mat_dequantize_rows(&bl->g, 0, bl->rows, f.data());
+    if (rc)
+        return rc;
+    rc = dmalloc(dm, (void **)&d->w16, (size_t)n * sizeof(bt_bf16), "a linear");
     return rc ? rc : upload_bf16(d->w16, f.data(), n);
 }
 

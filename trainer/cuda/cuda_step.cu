@@ -535,11 +535,6 @@ extern "C" size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *ba
     return t ? t->peak_used : 0;
 }
 
-extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M)
-{
-    return bt_cuda_trainer_new_ex(out, m, lo, max_M, nullptr);
-}
-
 template <typename T>
 static void set_ptr(T *&field, void *p)
 {
@@ -763,8 +758,8 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     return 0;
 }
 
-extern "C" int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo,
-                                      int max_M, const bt_cuda_trainer_opts *opts)
+extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo,
+                                   int max_M, const bt_cuda_trainer_opts *opts)
 {
     *out = nullptr;
     if (!m || !lo || max_M < 1)
@@ -777,9 +772,8 @@ extern "C" int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, 
     memset(&o, 0, sizeof o);
     if (opts)
         o = *opts;
-    char reason[256] = "";
-    if (bt_cuda_device_count(reason, sizeof reason) <= 0)
-        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", reason);
+    if (bt_cuda_device_count() <= 0)
+        return bt_fail(BT_ERR_IO, "cuda: no usable CUDA device (%s)", bt_last_error());
     bt_cuda_trainer *t = new bt_cuda_trainer();
     t->dev = o.device;
     t->desc_wd = -1.f;

@@ -75,9 +75,8 @@ typedef struct {
  * cols % 64 == 0; GGUF-native linears have a type with a CUDA decoder or F16/BF16/F32 (others are
  * refused naming the supported types and base_dtype "nf4"). Errors also: BT_ERR_NOMEM (device
  * memory; the message gives the sizes), BT_ERR_IO (no device / CUDA error). */
-int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M);
-int bt_cuda_trainer_new_ex(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
-                           const bt_cuda_trainer_opts *opts);
+int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
+                        const bt_cuda_trainer_opts *opts);
 void bt_cuda_trainer_free(bt_cuda_trainer *t);
 
 /* Device bytes held by the trainer (model + LoRA state + workspace), and the device name. */
@@ -132,7 +131,7 @@ int bt_cuda_trainer_upload_lora(bt_cuda_trainer *t, const bt_lora *lo);
  *     gradients are then partial) or the collective (the communicator is aborted: later
  *     collectives fail), and is returned;
  *   collective(arg, entering): 1 when the trainer starts waiting for an NCCL call, 0 when the wait
- *     ends (progress for a watchdog: trainer/dist/dist_monitor.h);
+ *     ends (progress for a watchdog: trainer/parallel/dist_monitor.h);
  *   timeout_s: the longest wait for one NCCL call, init included (> 0; 0 = none), after which the
  *     communicator is aborted (BT_ERR_TIMEOUT naming the call).
  * Called on the thread that calls the trainer. NULL h clears them. */
@@ -146,7 +145,7 @@ void bt_cuda_trainer_set_hooks(bt_cuda_trainer *t, const bt_cuda_hooks *h);
 
 /* ---- Data-parallel: one process per GPU, NCCL (trainer/cuda/cuda_dist.cu) ----
  * Start-up: rank 0 makes the id (bt_cuda_dist_unique_id) and hands it to every rank
- * (trainer/dist/dist.h bt_dist_rendezvous); each rank picks its GPU (bt_cuda_device_for_local_rank ->
+ * (trainer/parallel/dist.h bt_dist_rendezvous); each rank picks its GPU (bt_cuda_device_for_local_rank ->
  * bt_cuda_trainer_opts.device), creates its trainer, then bt_cuda_trainer_dist_init (collective:
  * blocks until all `world` ranks have called it). Every collective below must be called by every
  * rank in the same order (NCCL semantics). Each call waits NCCL's fault-tolerant way (non-blocking

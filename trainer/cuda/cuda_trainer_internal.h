@@ -49,7 +49,8 @@ static inline int btc_prof_begin_(void)
     }
     return 0;
 }
-/* A launcher (kernels/cuda) returned non-zero: wrap it into a message naming the call. */
+/* A launcher (kernels/cuda) returned non-zero: wrap its bt_last_error() into a message naming the
+ * call site. */
 static inline int btc_launch_(int rc, const char *what, const char *file, int line)
 {
     if (btc_prof_cur && !btc_prof_cur->recs.empty() && !btc_prof_cur->recs.back().what) {
@@ -60,7 +61,8 @@ static inline int btc_launch_(int rc, const char *what, const char *file, int li
     }
     if (rc == 0)
         return 0;
-    return bt_fail(rc, "cuda: %s:%d: %s returned %d", file, line, what, rc);
+    return bt_fail(rc, "cuda: %s:%d: %s returned %d: %s", file, line, what, rc,
+                   bt_last_error_in("cuda"));
 }
 #define BTC_L(call) btc_launch_((btc_prof_begin_(), (call)), #call, __FILE__, __LINE__)
 #define BTC_TRY(x)         \

@@ -184,8 +184,8 @@ static void add_inplace(float *dst, const float *a, int64_t n) {
 }
 
 /* One chunk of n tokens at positions s->pos .. s->pos+n-1 (validated by the caller). Leaves the
- * final-normed hidden states in s->xn[n, D] and advances s->pos. */
-static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
+ * final-normed hidden states in s->xn[n, D] and advances s->pos. 0, or a kernel's error. */
+static int chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
     const bt_model *m = s->m;
     const int p0 = s->pos, D = s->D;
     const bt_lora *lo = s->lo;
@@ -197,7 +197,8 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
         bt_model_rope_table(m, (int64_t)p0 + n, s->rope_tab) == 1)
         s->dyn_len = (int64_t)p0 + n;
     const float *inv = s->dyn_len > 0 ? s->rope_tab : m->inv_freq;
-    bt_embedding_fwd(s->x, bt_lora_embed(lo, m), ids, n, D);
+    int rc = bt_embedding_fwd(s->x, bt_lora_embed(lo, m), ids, n, D, s->V);
+    if (rc) return rc;
     for (int l = 0; l < s->n_layer; l++) {
         float *kc = s->kc[l] + (size_t)p0 * s->Dkv, *vc = s->vc[l] + (size_t)p0 * s->Dkv;
         /* s->lse doubles as rstd scratch for the norms ([n] <= [n * Hq]). */
@@ -210,12 +211,14 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
             bt_rmsnorm_fwd(s->q, s->lse, s->q, m->layers[l].q_norm, n * s->Hq, s->hd, eps);
             bt_rmsnorm_fwd(kc, s->lse, kc, m->layers[l].k_norm, n * s->Hkv, s->hd, eps);
         }
-        bt_rope_fwd_cached(&s->rope, s->q, s->pos_ids, n, s->Hq, s->hd, inv, 1.0f);
-        bt_rope_fwd_cached(&s->rope, kc, s->pos_ids, n, s->Hkv, s->hd, inv, 1.0f);
+        if ((rc = bt_rope_fwd_cached(&s->rope, s->q, s->pos_ids, n, s->Hq, s->hd, inv, 1.0f)) ||
+            (rc = bt_rope_fwd_cached(&s->rope, kc, s->pos_ids, n, s->Hkv, s->hd, inv, 1.0f)))
+            return rc;
         if (p0 == 0) {
             int32_t cu[2] = {0, n};
-            bt_attn_fwd(s->att, s->lse, s->q, kc, vc, cu, 1, n, s->Hq, s->Hkv, s->hd,
-                        bt_model_attn_scale(&m->hp));
+            if ((rc = bt_attn_fwd(s->att, s->lse, s->q, kc, vc, cu, 1, n, s->Hq, s->Hkv, s->hd,
+                                  bt_model_attn_scale(&m->hp))))
+                return rc;
         } else {
             attn_cached(s, s->att, s->q, s->kc[l], s->vc[l], p0, n);
         }
@@ -232,6 +235,7 @@ static void chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
     }
     bt_rmsnorm_fwd(s->xn, s->lse, s->x, bt_lora_norm(lo, m, s->n_layer, 0), n, D, eps);
     s->pos = p0 + n;
+    return 0;
 }
 
 int bt_infer_forward(bt_infer *s, const int32_t *ids, int n, int which, float *logits) {
@@ -252,7 +256,8 @@ int bt_infer_forward(bt_infer *s, const int32_t *ids, int n, int which, float *l
     const float *lm_head = bt_lora_lm_head(s->lo, s->m);
     for (int done = 0; done < n;) {
         int c = n - done < s->max_chunk ? n - done : s->max_chunk;
-        chunk_fwd(s, ids + done, c);
+        const int rc = chunk_fwd(s, ids + done, c);
+        if (rc) return rc;
         size_t at = 0, rows = 0;
         float *out = NULL;
         if (which == BT_INFER_LOGITS_ALL) {

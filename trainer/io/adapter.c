@@ -184,12 +184,8 @@ static int write_weights(const bt_lora *lo, const char *path) {
     return 0;
 }
 
-int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir) {
-    return bt_adapter_save_ex(lo, base_model_name_or_path, dir, NULL);
-}
-
-int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, const char *dir,
-                       const bt_model *m) {
+int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir,
+                    const bt_model *m) {
     size_t n = strlen(dir);
     while (n > 1 && dir[n - 1] == '/') n--;
     char *d = strndup(dir, n);

@@ -32,9 +32,8 @@
  * adapter. An existing `dir` must be one BarqTrain may replace (trainer/io/outputs.h
  * bt_out_adapter: empty, or only an adapter's / a checkpoint's files): anything else is refused
  * before a file is written. Parent directories of `dir` are created. Errors: BT_ERR_INVALID (a
- * directory that is not ours, a link), BT_ERR_IO (message names the path), BT_ERR_NOMEM. */
-int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir);
-/* The same, and when m (may be NULL) carries the job's context extension (m->ctx_extended,
+ * directory that is not ours, a link), BT_ERR_IO (message names the path), BT_ERR_NOMEM.
+ * When m (may be NULL) carries the job's context extension (m->ctx_extended,
  * bt_model_extend_context) adapter_config.json also gets
  *   "barqtrain_context_extension": {"method": "linear"|"yarn"|"dynamic", "target_length",
  *     "original_length", "factor", "rope_scaling" (the base config's rope_scaling that reproduces
@@ -43,8 +42,8 @@ int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, cons
  * so the adapter is never applied to the unextended base by BarqTrain (trainer/io/adapter_load.h
  * bt_adapter_apply_context reads it back) and says what transformers needs. PEFT >= 0.14 ignores
  * the key with a warning; PEFT 0.13 refuses unknown keys (the note says so). */
-int bt_adapter_save_ex(const bt_lora *lo, const char *base_model_name_or_path, const char *dir,
-                       const bt_model *m);
+int bt_adapter_save(const bt_lora *lo, const char *base_model_name_or_path, const char *dir,
+                    const bt_model *m);
 
 /* The keys adapter_config.json gets from bt_adapter_save (besides the optional
  * "barqtrain_context_extension"), NULL-terminated: how an adapter directory written before the

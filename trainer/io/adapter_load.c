@@ -308,7 +308,7 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
                      "for modules_to_save", cpath);
         goto out;
     }
-    if ((rc = bt_lora_init_ex(lo, m, r, alpha, dropout, mask, trainable, 0))) goto out;
+    if ((rc = bt_lora_init(lo, m, r, alpha, dropout, mask, trainable, 0))) goto out;
     if (rslora) lo->scale = (float)(alpha / sqrt((double)r));
     char key[160];
     int expected = 0;

@@ -17,7 +17,7 @@
  * entries "embed_tokens" (-> BT_TRAIN_EMBED), "lm_head" (only with embed_tokens on a base whose
  * lm_head is tied to it: the tensor must then equal the embedding), "input_layernorm",
  * "post_attention_layernorm", "norm" (any of them -> BT_TRAIN_NORM); other entries are
- * BT_ERR_UNSUPPORTED. *lo is then shaped by bt_lora_init_ex and its lo->embed / lo->norms are read
+ * BT_ERR_UNSUPPORTED. *lo is then shaped by bt_lora_init and its lo->embed / lo->norms are read
  * from base_model.model.model.embed_tokens.weight [vocab, d_model],
  * base_model.model.lm_head.weight, base_model.model.model.layers.{i}.{input_layernorm,
  * post_attention_layernorm}.weight [d_model], base_model.model.model.norm.weight [d_model]. The

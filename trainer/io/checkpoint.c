@@ -187,13 +187,8 @@ static int write_text(const char *path, const char *text) {
 }
 
 int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_model *m,
-                       const bt_lora *lo, int64_t step, const uint8_t *resume_state) {
-    return bt_checkpoint_save_ex(dir, cfg, m, lo, step, resume_state, 1);
-}
-
-int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
-                          const bt_lora *lo, int64_t step, const uint8_t *resume_states,
-                          int world) {
+                       const bt_lora *lo, int64_t step, const uint8_t *resume_states,
+                       int world) {
     if (world < 1 || world > BT_CKPT_MAX_WORLD)
         return bt_fail(BT_ERR_INVALID, "checkpoint: world size %d out of [1, %d]", world,
                        BT_CKPT_MAX_WORLD);
@@ -219,7 +214,7 @@ int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_
         bt_rm_tree(tmp);
     }
     /* the adapter files and the marker (creates tmp and the parents of d) */
-    if ((rc = bt_adapter_save_ex(lo, cfg->base_model_name_or_path, tmp, m))) {
+    if ((rc = bt_adapter_save(lo, cfg->base_model_name_or_path, tmp, m))) {
         rc = bt_fail(rc, "checkpoint: %s", bt_last_error_in("checkpoint"));
         goto out;
     }
@@ -264,13 +259,6 @@ out:
             "checkpoint %s does not match this job: %s: checkpoint " fmt ", config " fmt           \
             " (resume with the same settings, or start a fresh run)",                              \
             dir, field, a, b)
-
-int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
-                       bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
-                       int *ckpt_steps) {
-    return bt_checkpoint_load_ex(dir, cfg, m, lo, step, resume_state, has_resume, ckpt_steps, 0,
-                                 1);
-}
 
 /* The identity fields of header H (checkpoint.h) against the running job; 0 or BT_ERR_INVALID naming
  * the first that differs. */
@@ -353,9 +341,9 @@ static int size_limit(int fd, const char *dir, const bt_train_config *cfg, const
     return rc;
 }
 
-int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
-                          bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
-                          int *ckpt_steps, int rank, int world) {
+int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                       bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
+                       int *ckpt_steps, int rank, int world) {
     if (world < 1 || rank < 0 || rank >= world)
         return bt_fail(BT_ERR_INVALID, "checkpoint: rank %d of world size %d", rank, world);
     char *path = NULL;

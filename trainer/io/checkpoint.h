@@ -12,7 +12,7 @@
  *   bt_ckpt_header (fixed size, see checkpoint.c)   magic "BTCKPT\0\1", version, header size,
  *       step (optimiser steps done), the identity fields below, n_params, the loader's
  *       resume_state of rank 0's last consumed training batch (proto/batch.h, 256 bytes),
- *       world (number of data-parallel ranks, trainer/dist/dist.h);
+ *       world (number of data-parallel ranks, trainer/parallel/dist.h);
  *   resume_state[world - 1][256]                     ranks 1 .. world-1 (each rank has its own
  *                                                    loader stream);
  *   params[n_params], m[n_params], v[n_params]       fp32: LoRA (+ LoRA+ dense) parameters and the
@@ -52,33 +52,28 @@ uint64_t bt_config_data_fingerprint(const bt_train_config *cfg);
  * (atomically, see above; parents created). resume_state: BT_RESUME_STATE_BYTES bytes from the
  * header of the last training batch consumed (NULL: none, i.e. step 0). cfg supplies the
  * identity fields and base_model_name_or_path for the adapter files.
- * Errors: BT_ERR_IO (names the path), BT_ERR_NOMEM. */
-int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_model *m,
-                       const bt_lora *lo, int64_t step, const uint8_t *resume_state);
-/* Data-parallel form: resume_states is NULL or world x BT_RESUME_STATE_BYTES (rank r's state at
- * r * BT_RESUME_STATE_BYTES, as gathered from every rank); world in [1, BT_CKPT_MAX_WORLD]. Only
- * one rank (rank 0) writes. bt_checkpoint_save is this with world 1. */
+ * Data parallel: resume_states is NULL or world x BT_RESUME_STATE_BYTES (rank r's state at
+ * r * BT_RESUME_STATE_BYTES, as gathered from every rank); world in [1, BT_CKPT_MAX_WORLD] (1: one
+ * process). Only one rank (rank 0) writes.
+ * Errors: BT_ERR_IO (names the path), BT_ERR_NOMEM, BT_ERR_INVALID (world out of range). */
 #define BT_CKPT_MAX_WORLD 65536
-int bt_checkpoint_save_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
-                          const bt_lora *lo, int64_t step, const uint8_t *resume_states,
-                          int world);
+int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                       const bt_lora *lo, int64_t step, const uint8_t *resume_states,
+                       int world);
 
-/* Load a checkpoint into an initialised `lo` (same shapes: bt_lora_init_ex with cfg's settings):
+/* Load a checkpoint into an initialised `lo` (same shapes: bt_lora_init with cfg's settings):
  * overwrites params, m, v; *step = optimiser steps done; resume_state[BT_RESUME_STATE_BYTES] =
  * the loader state to attach with; *has_resume = 0 when the checkpoint has none (step 0).
  * *ckpt_steps (may be NULL) = the `steps` the writing run had configured.
  * Errors (nothing is modified): BT_ERR_IO (missing / unreadable file), BT_ERR_FORMAT (bad magic,
  * version, size, or checksum: "corrupt"), BT_ERR_INVALID (identity mismatch; the message names
- * the field and both values, e.g. "lora.r: checkpoint 8, config 4"). */
+ * the field and both values, e.g. "lora.r: checkpoint 8, config 4").
+ * Data parallel (rank of world; 0 of 1 for one process): every rank loads the same checkpoint and
+ * receives its own loader state in resume_state. A checkpoint with a loader position written by a
+ * different number of ranks is BT_ERR_INVALID ("world size: checkpoint written by 4 rank(s), this
+ * run has 2"): every rank's stream depends on the world size. */
 int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
                        bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
-                       int *ckpt_steps);
-/* Data-parallel form: every rank loads the same checkpoint and receives its own loader state in
- * resume_state. A checkpoint with a loader position written by a different number of ranks is
- * BT_ERR_INVALID ("world size: checkpoint written by 4 rank(s), this run has 2"): every rank's
- * stream depends on the world size. bt_checkpoint_load is this with rank 0 of 1. */
-int bt_checkpoint_load_ex(const char *dir, const bt_train_config *cfg, const bt_model *m,
-                          bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
-                          int *ckpt_steps, int rank, int world);
+                       int *ckpt_steps, int rank, int world);
 
 #endif

@@ -701,14 +701,14 @@ int bt_export_run(const bt_export_opts *o) {
     case BT_EXPORT_PEFT: { /* rsLoRA is normalised to the plain alpha / r rule */
         bt_lora plain = lo;
         plain.alpha = plain_alpha(&lo);
-        rc = bt_adapter_save_ex(&plain, base_name, o->out, &m);
+        rc = bt_adapter_save(&plain, base_name, o->out, &m);
         break;
     }
     case BT_EXPORT_GGUF_LORA: rc = bt_export_gguf_lora(&m, &lo, dtype, o->out); break;
     case BT_EXPORT_GGUF: rc = bt_export_gguf_merged(&m, &lo, g, dtype, o->out); break;
     case BT_EXPORT_SAFETENSORS: {
         bt_hf_export_opts ho = {g, g ? NULL : o->model, o->max_shard_bytes};
-        rc = bt_export_safetensors_merged_ex(&m, &lo, dtype, &ho, o->out);
+        rc = bt_export_safetensors_merged(&m, &lo, dtype, &ho, o->out);
         break;
     }
     default: rc = bt_fail(BT_ERR_INVALID, "export: bad format %d", o->format);

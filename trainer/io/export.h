@@ -139,8 +139,6 @@ int bt_export_hf_rope(const bt_model *m, struct json_t **rs, int *max_pos);
 int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const char *out);
 int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf, int dtype,
                           const char *out);
-int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf,
-                                 int dtype, const char *out_dir);
 
 /* save_pretrained's default max_shard_size "5GB" (decimal, as huggingface_hub parses it). */
 #define BT_EXPORT_DEFAULT_SHARD_BYTES 5000000000ull
@@ -156,14 +154,13 @@ typedef struct {
 } bt_hf_export_opts;
 
 /* The merged directory with its tokenizer and generation files (layout above); `o` may be NULL
- * (no tokenizer files, default sharding). bt_export_safetensors_merged is this with
- * {base_gguf, NULL, 0}. A GGUF base whose tokenizer.ggml.* keys are absent or cannot be written
- * (bt_tokenizer_hf_from_gguf: other tokenizer models, invalid UTF-8, ...), or a base directory
- * without a tokenizer we can read, gives a warning naming the reason (the directory then has no,
+ * (no tokenizer files, default sharding). A GGUF base whose tokenizer.ggml.* keys are absent or
+ * cannot be written (bt_tokenizer_hf_from_gguf: other tokenizer models, invalid UTF-8, ...), or a
+ * base directory without a tokenizer we can read, gives a warning naming the reason (the directory then has no,
  * or unchecked, tokenizer files; config.json still gets the GGUF's bos/eos/pad ids). Errors as
- * bt_export_safetensors_merged, plus BT_ERR_IO for a base file that cannot be copied. */
-int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dtype,
-                                    const bt_hf_export_opts *o, const char *out_dir);
+ * bt_export_gguf_merged, plus BT_ERR_IO for a base file that cannot be copied. */
+int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, int dtype,
+                                 const bt_hf_export_opts *o, const char *out_dir);
 
 /* "5GB", "500MB", "1.5GB", "2GiB", "123456" (bytes; no spaces): a positive size in bytes, decimal units KB/MB/GB/TB (10^3..) or binary KiB/MiB/GiB/TiB (2^10..), case-insensitive,
  * as transformers' convert_file_size_to_int reads max_shard_size. BT_ERR_INVALID otherwise. */

@@ -1,6 +1,6 @@
 /* The merged Hugging Face directory of `trainer export --format safetensors`: weights (sharded as
  * transformers' save_pretrained shards them), config.json, generation_config.json and the
- * tokenizer files. See export.h (bt_export_safetensors_merged_ex) for the layout and sources. */
+ * tokenizer files. See export.h (bt_export_safetensors_merged) for the layout and sources. */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -648,8 +648,8 @@ int bt_export_hf_owns(const char *name) {
 
 /* ---- the directory ---- */
 
-int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dtype,
-                                    const bt_hf_export_opts *o, const char *out_dir) {
+int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, int dtype,
+                                 const bt_hf_export_opts *o, const char *out_dir) {
     if (dtype != BT_EXPORT_F32 && dtype != BT_EXPORT_F16 && dtype != BT_EXPORT_BF16)
         return bt_fail(BT_ERR_INVALID, "export: safetensors: dtype %s not supported (f32, f16, bf16)",
                        bt_export_dtype_name(dtype));
@@ -676,12 +676,6 @@ int bt_export_safetensors_merged_ex(const bt_model *m, const bt_lora *lo, int dt
         bt_log(BT_LOG_INFO, "export", "%s: %d weight file%s (max shard %llu bytes)", out_dir,
                n_shards, n_shards == 1 ? "" : "s", (unsigned long long)max_bytes);
     return rc;
-}
-
-int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base,
-                                 int dtype, const char *out_dir) {
-    bt_hf_export_opts o = {base, NULL, 0};
-    return bt_export_safetensors_merged_ex(m, lo, dtype, &o, out_dir);
 }
 
 int bt_export_parse_size(const char *s, int64_t *out) {

@@ -20,8 +20,8 @@
 #include "trainer/backend/backend.h"
 #include "trainer/backend/profile.h"
 #include "trainer/config.h"
-#include "trainer/dist/dist.h"
-#include "trainer/dist/dist_monitor.h"
+#include "trainer/parallel/dist.h"
+#include "trainer/parallel/dist_monitor.h"
 #include "trainer/loop/optim.h"
 #include "trainer/loop/train.h"
 #include "trainer/model/lora.h"
@@ -51,7 +51,7 @@ typedef struct {
     int eval_only;
     FILE *out;
     bt_run_end end;
-    /* this process among the ranks: rank / world / local rank (trainer/dist/dist.h; rank 0 of 1
+    /* this process among the ranks: rank / world / local rank (trainer/parallel/dist.h; rank 0 of 1
      * by default), the run's name for loaderd (the attach's "run": 16 hex digits, the same on
      * every rank), the watchdog that names a rank that dies or stalls and relays stop requests
      * (world > 1; else NULL), and the id rank 0 handed every rank at the rendezvous */
@@ -112,7 +112,7 @@ void bt_run_restore_signals(const bt_run_signals *saved);
 
 /* 0 to go on; else why to stop now, with bt_last_error set: BT_ERR_CANCELLED for a stop request
  * (a signal to this process, or one relayed from another rank), another code when another rank
- * failed (trainer/dist/dist_monitor.h names it). arg is the bt_run (the hook signature of
+ * failed (trainer/parallel/dist_monitor.h names it). arg is the bt_run (the hook signature of
  * bt_backend_params.check): asked while waiting for batches, before every layer and in every
  * collective wait, so a stop lands mid-step. */
 int bt_run_stop_check(void *arg);

@@ -266,11 +266,13 @@ static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
            (bt_rmsnorm_fwd(A->q, A->rq, A->qr, L->q_norm, M * c->Hq, c->hd, eps),
             bt_rmsnorm_fwd(A->k, A->rk, A->kr, L->k_norm, M * c->Hkv, c->hd, eps)));
     }
-    OP(c, "rope fwd", F4((int64_t)M * c->Dq),
-       bt_rope_fwd_cached(&c->rope, A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
-    OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
-       bt_rope_fwd_cached(&c->rope, A->k, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
     int rc;
+    OP(c, "rope fwd", F4((int64_t)M * c->Dq),
+       rc = bt_rope_fwd_cached(&c->rope, A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+    if (rc) return rc;
+    OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
+       rc = bt_rope_fwd_cached(&c->rope, A->k, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+    if (rc) return rc;
     OP(c, "attention fwd", F4((int64_t)M * (c->Dq + c->Hq)),
        rc = bt_attn_fwd_s2(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M,
                            c->Hq, c->Hkv, c->hd, c->attn_scale, c->s2_now));
@@ -319,9 +321,11 @@ static int layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
                            c->s2_now));
     if (rc) return rc;
     OP(c, "rope bwd", F4((int64_t)M * c->Dq),
-       bt_rope_bwd_cached(&c->rope, c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+       rc = bt_rope_bwd_cached(&c->rope, c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+    if (rc) return rc;
     OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
-       bt_rope_bwd_cached(&c->rope, c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+       rc = bt_rope_bwd_cached(&c->rope, c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+    if (rc) return rc;
     if (A->qr) { /* QK-norm backward, in place (the norm weights are frozen: no dw) */
         const bt_layer *L = &m->layers[l];
         OP(c, "qk-norm bwd", F4((int64_t)M * (c->Dq + c->Dkv)),
@@ -357,7 +361,8 @@ static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
     c->s2_now = training ? c->s2_group : 0;
 
     OP(c, "embedding fwd", F4((int64_t)M * c->D),
-       bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D));
+       rc = bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D, c->V));
+    if (rc) return rc;
     for (int l = 0; l < c->n_layer; l++) {
         if ((rc = asked_to_stop(c))) return rc;
         if ((rc = layer_fwd(c, m, lo, l, mb, drop_key))) return rc;
@@ -396,8 +401,8 @@ static int backward_from_final(bt_step_ctx *c, const bt_model *m, bt_lora *lo,
     /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
     if (bt_lora_dembed(lo))
         OP(c, "embedding bwd", F4((int64_t)c->V * c->D),
-           bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V));
-    return 0;
+           rc = bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V));
+    return rc;
 }
 
 int bt_forward_logprobs(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,

@@ -31,7 +31,7 @@ static int save_checkpoint(bt_run *r, int step, const uint8_t *all) {
     int rc = 0;
     if (r->dist.rank == 0) {
         rc = bt_backend_sync_lora(r->be, 1);
-        if (!rc) rc = bt_checkpoint_save_ex(r->cfg->checkpoint_dir, r->cfg, &r->model, &r->lora,
+        if (!rc) rc = bt_checkpoint_save(r->cfg->checkpoint_dir, r->cfg, &r->model, &r->lora,
                                             step, all, r->dist.world);
     }
     return bt_run_agree(r, rc, "saving the checkpoint");
@@ -118,10 +118,10 @@ static int print_profile(const bt_train_config *cfg, const bt_prof *p, int step,
 static int save_interrupted(bt_run *r, int step, const uint8_t *all_done, char *saved, size_t n) {
     const bt_train_config *cfg = r->cfg;
     int rc = bt_backend_sync_lora(r->be, 1);
-    if (!rc) rc = bt_adapter_save(&r->lora, cfg->base_model_name_or_path, cfg->out_dir);
+    if (!rc) rc = bt_adapter_save(&r->lora, cfg->base_model_name_or_path, cfg->out_dir, NULL);
     if (rc) return rc;
     int ck = step < cfg->steps && strcmp(cfg->checkpoint_dir, cfg->out_dir) != 0;
-    if (ck && (rc = bt_checkpoint_save_ex(cfg->checkpoint_dir, cfg, &r->model, &r->lora, step,
+    if (ck && (rc = bt_checkpoint_save(cfg->checkpoint_dir, cfg, &r->model, &r->lora, step,
                                           all_done, r->dist.world)))
         return rc;
     if (ck)
@@ -144,7 +144,7 @@ static int run_id_init(bt_run *r) {
     return 0;
 }
 
-/* Data-parallel start-up (trainer/dist/dist.h): the job key, the rendezvous that checks every rank
+/* Data-parallel start-up (trainer/parallel/dist.h): the job key, the rendezvous that checks every rank
  * runs this job and hands out rank 0's id (the backend's: reg->dist_unique_id), then the watchdog
  * on its connections. */
 static int dist_start(bt_run *r) {
@@ -200,7 +200,7 @@ static int check_memory(const bt_train_config *cfg) {
 }
 
 /* Stage 1. Rank and world from the launcher's environment, warnings and stale temporaries (rank
- * 0), the rendezvous and watchdog (world > 1: trainer/dist/dist.h), the run id. */
+ * 0), the rendezvous and watchdog (world > 1: trainer/parallel/dist.h), the run id. */
 static int run_rendezvous(bt_run *r) {
     const bt_train_config *cfg = r->cfg;
     int rc;
@@ -278,7 +278,7 @@ static int run_init_lora(bt_run *r) {
     bt_lora *lo = &r->lora;
     unsigned trainable = ((cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
                          ((cfg->trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
-    int rc = bt_lora_init_ex(lo, &r->model, cfg->lora.r, cfg->lora.alpha, cfg->lora.dropout,
+    int rc = bt_lora_init(lo, &r->model, cfg->lora.r, cfg->lora.alpha, cfg->lora.dropout,
                              cfg->lora.target_mask, trainable, cfg->seed);
     if (rc) return rc;
     bt_log(BT_LOG_INFO, "trainer", "LoRA r %d alpha %g dropout %g: %lld trainable parameters%s",
@@ -296,7 +296,7 @@ static int run_init_lora(bt_run *r) {
     if (cfg->resume_from && !cfg->eval_adapter) {
         int64_t st = 0;
         int ck_steps = 0;
-        if ((rc = bt_checkpoint_load_ex(cfg->resume_from, cfg, &r->model, lo, &st, r->resume,
+        if ((rc = bt_checkpoint_load(cfg->resume_from, cfg, &r->model, lo, &st, r->resume,
                                         &r->has_resume, &ck_steps, r->dist.rank, r->dist.world)))
             return rc;
         if (r->eval_only)
@@ -603,7 +603,7 @@ static int step_save(bt_run *r) {
         if (r->dist.rank == 0) {
             rc = bt_backend_sync_lora(r->be, 0);
             if (!rc)
-                rc = bt_adapter_save_ex(&r->lora, cfg->base_model_name_or_path, cfg->out_dir,
+                rc = bt_adapter_save(&r->lora, cfg->base_model_name_or_path, cfg->out_dir,
                                         &r->model);
             if (!rc) {
                 write_card(r, NAN);
@@ -681,7 +681,7 @@ static int run_finish(bt_run *r) {
     if (r->dist.rank == 0) {
         rc = bt_backend_sync_lora(r->be, 0);
         if (!rc)
-            rc = bt_adapter_save_ex(&r->lora, cfg->base_model_name_or_path, cfg->out_dir, &r->model);
+            rc = bt_adapter_save(&r->lora, cfg->base_model_name_or_path, cfg->out_dir, &r->model);
     }
     if ((rc = bt_run_agree(r, rc, "saving the adapter"))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     if (r->dist.rank == 0)
@@ -769,7 +769,7 @@ static int run_stream_failed(bt_run *r, int rc) {
     if (r->dist.rank == 0) {
         src = bt_backend_sync_lora(r->be, 1);
         if (!src)
-            src = bt_adapter_save_ex(&r->lora, cfg->base_model_name_or_path, cfg->out_dir, &r->model);
+            src = bt_adapter_save(&r->lora, cfg->base_model_name_or_path, cfg->out_dir, &r->model);
     }
     src = bt_run_agree(r, src, "saving the adapter");
     if (!src && cfg->checkpoint_every > 0 && r->ck_step != done)

@@ -36,7 +36,7 @@ enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_DIVERGED 
  * and backward asks (bt_backend_params.check), and so does every NCCL wait; the
  * step in progress is dropped and rank 0 saves the adapter and a checkpoint (to checkpoint_dir,
  * whatever checkpoint_every; not when it equals out_dir) of the last completed step, without any
- * collective. With several ranks a signal on one stops all of them (trainer/dist/dist_monitor.h
+ * collective. With several ranks a signal on one stops all of them (trainer/parallel/dist_monitor.h
  * relays it), and another rank that dies or stalls ends the run naming it. Returns
  * BT_ERR_CANCELLED then, with the message saying what was saved where. When the batch stream
  * fails after some steps (loaderd gone, timeout) the adapter and checkpoint of the last completed

@@ -16,12 +16,7 @@ static void mod_shape(const bt_model *md, int mod, int *out, int *in) {
 }
 
 int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
-                 unsigned target_mask, uint64_t seed) {
-    return bt_lora_init_ex(lo, md, r, alpha, dropout, target_mask, 0, seed);
-}
-
-int bt_lora_init_ex(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
-                    unsigned target_mask, unsigned trainable, uint64_t seed) {
+                 unsigned target_mask, unsigned trainable, uint64_t seed) {
     memset(lo, 0, sizeof *lo);
     if (r < 1 || !(alpha > 0) || !(dropout >= 0 && dropout < 1) ||
         (target_mask & ((1u << BT_MOD_N) - 1)) == 0 ||

@@ -53,16 +53,13 @@ typedef struct {
 
 /* Allocate and initialise LoRA for every targeted linear of model `md` (A kaiming-uniform from a
  * xoshiro256** stream seeded with `seed`, in the parameter order above; B zeros; grads and
- * moments zeros). Errors: BT_ERR_INVALID (r < 1, alpha <= 0, dropout outside [0,1), empty mask),
- * BT_ERR_NOMEM. */
+ * moments zeros), plus the dense trainable parameters of `trainable` (BT_TRAIN_* bits; 0 = LoRA
+ * only), copied from the model's tensors (embedding, norm weights; a tensor the model does not
+ * hold, as in a shape-only model, is left zero for the caller to fill).
+ * Errors: BT_ERR_INVALID (r < 1, alpha <= 0, dropout outside [0,1), empty mask, unknown
+ * trainable bits), BT_ERR_NOMEM. */
 int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
-                 unsigned target_mask, uint64_t seed);
-/* As bt_lora_init, plus the dense trainable parameters of `trainable` (BT_TRAIN_* bits), copied
- * from the model's tensors (embedding, norm weights; a tensor the model does not hold, as in a
- * shape-only model, is left zero for the caller to fill). trainable 0 is exactly bt_lora_init.
- * Errors: as bt_lora_init; BT_ERR_INVALID for unknown bits. */
-int bt_lora_init_ex(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
-                    unsigned target_mask, unsigned trainable, uint64_t seed);
+                 unsigned target_mask, unsigned trainable, uint64_t seed);
 void bt_lora_free(bt_lora *lo);
 
 /* The weights the forward must use (lo may be NULL = the base model's):

@@ -500,7 +500,7 @@ static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name
     float *buf = malloc((size_t)cols * sizeof(float));
     if (!buf) return bt_fail(BT_ERR_NOMEM, "model: out of memory (%s)", name);
     for (int r = 0; r < rows && !rc; r++) {
-        bt_ggml_mat_dequantize_rows(&l->g, r, 1, buf);
+        if ((rc = bt_ggml_mat_dequantize_rows(&l->g, r, 1, buf))) break;
         for (int c = 0; c < cols; c++)
             if (!isfinite(buf[c])) {
                 /* report the element in the file's own (GGUF) order */

@@ -26,6 +26,7 @@
 #include <vector>
 
 extern "C" {
+#include "common/bt_common.h"
 #include "common/gguf.h"
 #include "common/quant.h"
 #include "kernels/kernels.h"
@@ -45,7 +46,8 @@ extern "C" {
     do {                                                                         \
         int r_ = (x);                                                            \
         if (r_) {                                                                \
-            fprintf(stderr, "%s:%d: %s returned %d\n", __FILE__, __LINE__, #x, r_); \
+            fprintf(stderr, "%s:%d: %s returned %d: %s\n", __FILE__, __LINE__, #x, r_, \
+                    bt_last_error());                                            \
             exit(1);                                                             \
         }                                                                        \
     } while (0)
@@ -171,10 +173,9 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    char reason[256] = "";
-    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+    if (bt_cuda_device_count() <= 0) {
         const char *req = getenv("BT_GPU_REQUIRE");
-        printf("bench_kernels_gpu: %s: no CUDA device (%s)\n", req && atoi(req) ? "FAILED" : "skipped", reason);
+        printf("bench_kernels_gpu: %s: no CUDA device (%s)\n", req && atoi(req) ? "FAILED" : "skipped", bt_last_error());
         return req && atoi(req) ? 1 : 77;
     }
     if (probe)

@@ -84,7 +84,7 @@ static int fake_model(bt_model *m, const char *spec)
 static int try_step(const bt_model *m, bt_lora *lora, const bt_cuda_trainer_opts *o, int B, int T)
 {
     bt_cuda_trainer *t = nullptr;
-    if (bt_cuda_trainer_new_ex(&t, m, lora, B * T, o) != 0)
+    if (bt_cuda_trainer_new(&t, m, lora, B * T, o) != 0)
         return strstr(bt_last_error(), "out of") ? 1 : -1;
     const int M = B * T;
     std::vector<int32_t> ids(M), pos(M), cu(B + 1);
@@ -211,10 +211,9 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    char reason[256] = "";
-    if (bt_cuda_device_count(reason, sizeof reason) <= 0) {
+    if (bt_cuda_device_count() <= 0) {
         const char *req = getenv("BT_GPU_REQUIRE");
-        printf("bench_step_gpu: %s: no CUDA device (%s)\n", req && atoi(req) ? "FAILED" : "skipped", reason);
+        printf("bench_step_gpu: %s: no CUDA device (%s)\n", req && atoi(req) ? "FAILED" : "skipped", bt_last_error());
         return req && atoi(req) ? 1 : 77;
     }
     if (probe)
@@ -233,7 +232,7 @@ int main(int argc, char **argv)
         }
     }
     bt_lora lora;
-    if (bt_lora_init(&lora, &m, r, alpha, dropout, (1u << BT_MOD_N) - 1, 1234) != 0) {
+    if (bt_lora_init(&lora, &m, r, alpha, dropout, (1u << BT_MOD_N) - 1, 0, 1234) != 0) {
         fprintf(stderr, "bt_lora_init: %s\n", bt_last_error());
         return 1;
     }
@@ -253,7 +252,7 @@ int main(int argc, char **argv)
         return 1;
     }
     bt_cuda_trainer *t = nullptr;
-    if (bt_cuda_trainer_new_ex(&t, &m, &lora, B * T, &o) != 0) {
+    if (bt_cuda_trainer_new(&t, &m, &lora, B * T, &o) != 0) {
         printf("bench_step_gpu: FAILED to create the trainer: %s\n", bt_last_error());
         return 1;
     }

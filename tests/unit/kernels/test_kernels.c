@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/bt_common.h"
 #include "kernels/cpu/cpu_math.h"
 #include "kernels/kernels.h"
 
@@ -194,6 +195,34 @@ static void test_rope_hand_value(void **state)
         CLOSE(z[i], x[i], 1e-6, 1e-6);
 }
 
+/* Bad shapes are refused with the reason (they used to return silently, leaving x unrotated);
+ * M == 0 is nothing to do. */
+static void test_rope_refuses_bad_shapes(void **state)
+{
+    (void)state;
+    int32_t pos[2] = {0, 1};
+    float x[2 * 2 * 6], x0[2 * 2 * 6], inv[3] = {1.0f, 0.1f, 0.01f};
+    for (int i = 0; i < 24; i++)
+        x[i] = x0[i] = (float)i;
+    bt_rope_cache cache = {0};
+    const struct { int M, H, D; } bad[] = {{2, 2, 5}, {2, 0, 6}, {-1, 2, 6}, {2, 2, 0}};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        const int M = bad[k].M, H = bad[k].H, D = bad[k].D;
+        assert_int_equal(bt_rope_fwd(x, pos, M, H, D, 10000.0f, 1.0f), BT_ERR_INVALID);
+        assert_non_null(strstr(bt_last_error(), "rope: M "));
+        assert_int_equal(bt_rope_bwd(x, pos, M, H, D, 10000.0f, 1.0f), BT_ERR_INVALID);
+        assert_int_equal(bt_rope_fwd_freq(x, pos, M, H, D, inv, 1.0f), BT_ERR_INVALID);
+        assert_int_equal(bt_rope_bwd_freq(x, pos, M, H, D, inv, 1.0f), BT_ERR_INVALID);
+        assert_int_equal(bt_rope_fwd_cached(&cache, x, pos, M, H, D, inv, 1.0f), BT_ERR_INVALID);
+        assert_int_equal(bt_rope_bwd_cached(&cache, x, pos, M, H, D, inv, 1.0f), BT_ERR_INVALID);
+    }
+    assert_int_equal(bt_rope_fwd_freq(x, pos, 2, 2, 6, NULL, 1.0f), BT_ERR_INVALID);
+    assert_memory_equal(x, x0, sizeof x);
+    assert_int_equal(bt_rope_fwd(x, pos, 0, 2, 6, 10000.0f, 1.0f), BT_OK);
+    assert_int_equal(bt_rope_fwd_cached(&cache, x, pos, 2, 2, 6, inv, 1.0f), BT_OK);
+    bt_rope_cache_free(&cache);
+}
+
 static void test_rope_inverse_and_transpose(void **state)
 {
     (void)state;
@@ -345,7 +374,7 @@ static void test_embedding_sumsq_scale(void **state)
     const int V = 10, D = 7, M = 5;
     float *table = rand_buf(V * D, 1), *out = malloc(sizeof(float) * M * D);
     int32_t ids[5] = {3, 0, 9, 3, 5};
-    bt_embedding_fwd(out, table, ids, M, D);
+    assert_int_equal(bt_embedding_fwd(out, table, ids, M, D, V), 0);
     for (int m = 0; m < M; m++)
         assert_memory_equal(out + m * D, table + ids[m] * D, sizeof(float) * D);
     const int64_t n = 100003;
@@ -385,6 +414,7 @@ int main(void)
         cmocka_unit_test(test_linear),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope_hand_value),
+        cmocka_unit_test(test_rope_refuses_bad_shapes),
         cmocka_unit_test(test_rope_inverse_and_transpose),
         cmocka_unit_test(test_rope_cache_owned_and_exact),
         cmocka_unit_test(test_swiglu),

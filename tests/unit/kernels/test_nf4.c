@@ -320,6 +320,15 @@ static void test_dequantize_row_ranges(void **state)
     assert_int_equal(bt_nf4_quantize(&q3, W, 1, r2 * c2), BT_OK);
     bt_nf4_dequantize_rows(&q3, 0, 1, part);
     assert_memory_equal(part, full2, (size_t)(r2 * c2) * 4);
+    /* a range outside the weight is refused with the reason, nothing written */
+    memset(part, 0xFF, (size_t)(rows * cols) * 4);
+    assert_int_equal(bt_nf4_dequantize_rows(&q, 39, 2, part), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "rows [39, 41) of a 40-row weight"));
+    assert_int_equal(bt_nf4_dequantize_rows(&q, -1, 1, part), BT_ERR_INVALID);
+    assert_int_equal(bt_nf4_dequantize_rows(&q, 0, 1, NULL), BT_ERR_INVALID);
+    assert_int_equal(bt_nf4_dequantize_rows(&q, 5, 0, part), BT_OK);
+    for (int64_t i = 0; i < rows * cols; i++)
+        assert_true(isnan(part[i]));
     bt_nf4_free(&q);
     bt_nf4_free(&q2);
     bt_nf4_free(&q3);

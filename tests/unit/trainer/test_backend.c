@@ -45,7 +45,7 @@ static bt_microbatch packed(void) {
 }
 
 static void lora_init(bt_lora *lo, const bt_model *m) {
-    assert_int_equal(bt_lora_init_ex(lo, m, 4, 8.0, 0.1, (1u << BT_MOD_N) - 1, BT_TRAIN_NORM, 7), 0);
+    assert_int_equal(bt_lora_init(lo, m, 4, 8.0, 0.1, (1u << BT_MOD_N) - 1, BT_TRAIN_NORM, 7), 0);
     for (int64_t i = 0; i < lo->n_params; i++) /* B non-zero: every gradient is exercised */
         if (lo->params[i] == 0.f) lo->params[i] = 0.01f * (float)((i * 7919) % 23 - 11);
     assert_true(lo->n_params > lo->n_decay);

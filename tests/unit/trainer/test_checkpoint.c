@@ -63,7 +63,7 @@ static unsigned trainable_of(const bt_train_config *c) {
 }
 
 static void lora_for(bt_lora *lo, const bt_model *m, const bt_train_config *c) {
-    assert_int_equal(bt_lora_init_ex(lo, m, c->lora.r, c->lora.alpha, c->lora.dropout,
+    assert_int_equal(bt_lora_init(lo, m, c->lora.r, c->lora.alpha, c->lora.dropout,
                                      c->lora.target_mask, trainable_of(c), c->seed),
                      0);
 }
@@ -94,10 +94,10 @@ static void roundtrip(const char *extra) {
     for (unsigned i = 0; i < sizeof rs; i++) rs[i] = (uint8_t)(i * 7 + 3);
     char dir[300];
     path(dir, sizeof dir, "sub/ck"); /* parents are created */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 7, rs), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 7, rs, 1), 0);
     /* saving again replaces it atomically and leaves no temporary directories behind */
     scribble(&a, 6);
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 8, rs), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 8, rs, 1), 0);
     char sub[300];
     path(sub, sizeof sub, "sub");
     DIR *d = opendir(sub);
@@ -119,7 +119,7 @@ static void roundtrip(const char *extra) {
 
     int64_t step = -1;
     int has = 0, steps = 0;
-    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, &steps), 0);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, &steps, 0, 1), 0);
     assert_int_equal(step, 8);
     assert_int_equal(has, 1);
     assert_int_equal(steps, 10);
@@ -130,8 +130,8 @@ static void roundtrip(const char *extra) {
     assert_memory_equal(b.v, a.v, nb);
     if (a.embed) assert_memory_equal(b.embed, a.embed, (size_t)k_hp.vocab * k_hp.d_model * 4);
     /* no resume state (step 0) */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 0, NULL), 0);
-    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 0, NULL, 1), 0);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 0, 1), 0);
     assert_int_equal(has, 0);
     assert_int_equal(step, 0);
     bt_lora_free(&a);
@@ -173,8 +173,8 @@ static void test_nonfinite_never_saved(void **st) {
     path(dir, sizeof dir, "nf/ck");
     path(ad, sizeof ad, "nf/adapter");
     uint8_t rs[BT_RESUME_STATE_BYTES] = {3};
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 4, rs), 0);
-    assert_int_equal(bt_adapter_save(&a, "base", ad), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 4, rs, 1), 0);
+    assert_int_equal(bt_adapter_save(&a, "base", ad, NULL), 0);
     snprintf(f, sizeof f, "%s/adapter_model.safetensors", ad);
     size_t n0;
     uint8_t *before = tu_slurp(f, &n0);
@@ -183,12 +183,12 @@ static void test_nonfinite_never_saved(void **st) {
     for (int k = 0; k < 3; k++) {
         float keep = arr[k][a.n_params / 2];
         arr[k][a.n_params / 2] = k == 1 ? INFINITY : NAN;
-        assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 5, rs), BT_ERR_INVALID);
+        assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 5, rs, 1), BT_ERR_INVALID);
         /* parameters: the adapter files, written first, refuse them; moments: the state file */
         if ((k > 0 && !strstr(bt_last_error(), what[k])) || !strstr(bt_last_error(), "non-finite"))
             fail_msg("message: %s", bt_last_error());
         if (k == 0) { /* the adapter writer refuses it too */
-            assert_int_equal(bt_adapter_save(&a, "base", ad), BT_ERR_INVALID);
+            assert_int_equal(bt_adapter_save(&a, "base", ad, NULL), BT_ERR_INVALID);
             assert_non_null(strstr(bt_last_error(), "non-finite"));
         }
         arr[k][a.n_params / 2] = keep;
@@ -196,7 +196,7 @@ static void test_nonfinite_never_saved(void **st) {
     int64_t step = -1;
     int has = 0;
     uint8_t got[BT_RESUME_STATE_BYTES];
-    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 0, 1), 0);
     assert_int_equal(step, 4); /* the previous checkpoint, whole */
     size_t n1;
     uint8_t *after = tu_slurp(f, &n1);
@@ -226,7 +226,7 @@ static void expect_refused(const char *dir, const bt_train_config *c, const bt_m
     int64_t step = 0;
     int has = 0;
     uint8_t rs[BT_RESUME_STATE_BYTES];
-    int rc = bt_checkpoint_load(dir, c, m, lo, &step, rs, &has, NULL);
+    int rc = bt_checkpoint_load(dir, c, m, lo, &step, rs, &has, NULL, 0, 1);
     if (rc != err || !strstr(bt_last_error(), needle))
         fail_msg("expected error %d containing \"%s\", got %d: %s", err, needle, rc, bt_last_error());
     assert_true(lo->params[0] == p0);
@@ -245,7 +245,7 @@ static void test_mismatch(void **st) {
     char dir[300];
     path(dir, sizeof dir, "mm");
     uint8_t rs[BT_RESUME_STATE_BYTES] = {1};
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, rs), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, rs, 1), 0);
 
     /* a different base model (same shapes, other weights) */
     bt_lora b;
@@ -302,7 +302,7 @@ static void test_mismatch(void **st) {
     int64_t step;
     int has;
     uint8_t got[BT_RESUME_STATE_BYTES];
-    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 0, 1), 0);
     assert_int_equal(step, 3);
     bt_lora_free(&b);
     bt_lora_free(&a);
@@ -338,26 +338,26 @@ static void test_corrupt(void **st) {
     snprintf(file, sizeof file, "%s/trainer_state.bin", dir);
     struct stat sb;
     /* one flipped bit anywhere in the optimiser state */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL, 1), 0);
     assert_int_equal(stat(file, &sb), 0);
     rewrite(file, (long)sb.st_size - 100, 0x01, -1);
     expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "checksum mismatch");
     /* the checksum itself */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL, 1), 0);
     rewrite(file, (long)sb.st_size - 1, 0x80, -1);
     expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "checksum mismatch");
     /* a header field (the step) */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL, 1), 0);
     rewrite(file, 16, 0x02, -1);
     expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "checksum mismatch");
     /* truncated */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL, 1), 0);
     rewrite(file, 0, 0, (long)sb.st_size / 2);
     expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "checksum mismatch");
     rewrite(file, 0, 0, 10);
     expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "truncated");
     /* not a checkpoint */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL, 1), 0);
     rewrite(file, 0, 0x20, -1);
     expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "bad magic");
     /* missing */
@@ -407,12 +407,12 @@ static void test_world(void **st) {
     char dir[300], file[400];
     path(dir, sizeof dir, "world");
     snprintf(file, sizeof file, "%s/trainer_state.bin", dir);
-    assert_int_equal(bt_checkpoint_save_ex(dir, &c, &m, &a, 5, rs, W), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 5, rs, W), 0);
     for (int r = 0; r < W; r++) {
         int64_t step = -1;
         int has = 0;
         memset(got, 0, sizeof got);
-        assert_int_equal(bt_checkpoint_load_ex(dir, &c, &m, &b, &step, got, &has, NULL, r, W), 0);
+        assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, r, W), 0);
         assert_int_equal(step, 5);
         assert_int_equal(has, 1);
         assert_memory_equal(got, rs + (size_t)r * BT_RESUME_STATE_BYTES, sizeof got);
@@ -422,12 +422,12 @@ static void test_world(void **st) {
     expect_refused(dir, &c, &m, &b, BT_ERR_INVALID, "written by 3 rank(s), this run has 1");
     int64_t step = 0;
     int has = 0;
-    assert_int_equal(bt_checkpoint_load_ex(dir, &c, &m, &b, &step, got, &has, NULL, 1, 2),
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 1, 2),
                      BT_ERR_INVALID);
     assert_non_null(strstr(bt_last_error(), "world size"));
-    assert_int_equal(bt_checkpoint_load_ex(dir, &c, &m, &b, &step, got, &has, NULL, 2, 2),
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 2, 2),
                      BT_ERR_INVALID); /* rank outside the world */
-    assert_int_equal(bt_checkpoint_save_ex(dir, &c, &m, &a, 5, rs, 0), BT_ERR_INVALID);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 5, rs, 0), BT_ERR_INVALID);
     /* a lying world field (checksum fixed up) is refused, not read past the end */
     {
         size_t n;
@@ -439,11 +439,11 @@ static void test_world(void **st) {
     }
     expect_refused(dir, &c, &m, &b, BT_ERR_FORMAT, "does not match");
     /* step 0 (no loader position) loads with any world size */
-    assert_int_equal(bt_checkpoint_save_ex(dir, &c, &m, &a, 0, NULL, W), 0);
-    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 0, NULL, W), 0);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 0, 1), 0);
     assert_int_equal(has, 0);
     /* version 1 (header without the world field, checksum over the old layout) */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 4, rs), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 4, rs, 1), 0);
     {
         size_t n;
         uint8_t *buf = read_all(file, &n);
@@ -460,7 +460,7 @@ static void test_world(void **st) {
         free(old);
     }
     memset(b.params, 0, (size_t)b.n_params * 4);
-    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL), 0);
+    assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 0, 1), 0);
     assert_int_equal(step, 4);
     assert_int_equal(has, 1);
     assert_memory_equal(got, rs, sizeof got);
@@ -516,7 +516,7 @@ static void test_state_size_checked_before_reading(void **st) {
     char dir[300], file[400];
     path(dir, sizeof dir, "huge");
     snprintf(file, sizeof file, "%s/trainer_state.bin", dir);
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 3, NULL, 1), 0);
     assert_int_equal(truncate(file, (off_t)3 << 30), 0);
     long rss0 = peak_rss_kib();
     expect_refused(dir, &c, &m, &a, BT_ERR_FORMAT, "is 3221225472 bytes, more than a checkpoint of this job's");
@@ -527,7 +527,7 @@ static void test_state_size_checked_before_reading(void **st) {
     c64.lora.r = 64;
     bt_lora b;
     lora_for(&b, &m, &c64);
-    assert_int_equal(bt_checkpoint_save(dir, &c64, &m, &b, 3, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c64, &m, &b, 3, NULL, 1), 0);
     assert_int_equal(truncate(file, (off_t)1 << 30), 0);
     expect_refused(dir, &c, &m, &a, BT_ERR_INVALID, "lora.r: checkpoint 64, config 4");
     bt_lora_free(&b);

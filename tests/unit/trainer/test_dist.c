@@ -1,11 +1,11 @@
-/* Tests for trainer/dist/dist.c and trainer/dist/dist_rdv.c: rank / world discovery from the environment
+/* Tests for trainer/parallel/dist.c and trainer/parallel/dist_rdv.c: rank / world discovery from the environment
  * (torchrun and Slurm conventions, every error case), the job secret (environment and file,
  * refused when others can read the file), Slurm's CPU share, and the authenticated TCP
  * rendezvous, with the other ranks as fork()ed children (each child's exit code says whether it
  * got the expected result and blob): world 3, world 1, a digest mismatch, hostile / stray clients,
  * clients without the secret (they can neither end the start-up nor read the NCCL id), a rank
  * with another secret, a fake rank 0, timeouts on both sides, out-of-range and wrong-world hellos,
- * a duplicate rank. The raw clients here speak the wire format of trainer/dist/dist.h with OpenSSL
+ * a duplicate rank. The raw clients here speak the wire format of trainer/parallel/dist.h with OpenSSL
  * directly, so the documented format is what is tested. Ports are picked free by binding port 0
  * first. */
 #include <stdarg.h>
@@ -32,7 +32,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
-#include "trainer/dist/dist.h"
+#include "trainer/parallel/dist.h"
 
 #define NID 128 /* an NCCL id's size */
 
@@ -418,9 +418,9 @@ static void put32le(uint8_t *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
-#define HELLO_BODY 152 /* trainer/dist/dist.h: magic .. nonce1 */
+#define HELLO_BODY 152 /* trainer/parallel/dist.h: magic .. nonce1 */
 
-/* A raw client as trainer/dist/dist.h documents it: read the challenge into n0, build a hello (rank,
+/* A raw client as trainer/parallel/dist.h documents it: read the challenge into n0, build a hello (rank,
  * world, version, the digest of cfg, a fresh nonce1) whose mac is made with `key` (NULL: 32
  * garbage bytes). Returns the socket with the reply pending, or -1. */
 static int raw_hello(int port, const uint8_t *key, uint32_t version, uint32_t rank, uint32_t world,

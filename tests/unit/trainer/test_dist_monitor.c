@@ -1,5 +1,5 @@
-/* Tests for trainer/dist/dist_monitor.c, the data-parallel watchdog: real processes (this one is rank
- * 0, fork()ed children the other ranks) meet at the authenticated rendezvous (trainer/dist/dist.h) and
+/* Tests for trainer/parallel/dist_monitor.c, the data-parallel watchdog: real processes (this one is rank
+ * 0, fork()ed children the other ranks) meet at the authenticated rendezvous (trainer/parallel/dist.h) and
  * watch each other. A rank that is killed, or stopped with SIGSTOP, is named on every other rank
  * (directly on rank 0, by rank 0's relay on the others); a stop request and an error message
  * reach every rank; a clean finish reports nothing; a rank that never reaches a collective that
@@ -24,8 +24,8 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
-#include "trainer/dist/dist.h"
-#include "trainer/dist/dist_monitor.h"
+#include "trainer/parallel/dist.h"
+#include "trainer/parallel/dist_monitor.h"
 
 #define WAIT_S 60.0 /* the longest any event may take on a loaded machine */
 

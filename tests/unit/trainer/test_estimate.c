@@ -71,7 +71,7 @@ static void check(const char *extra, int base_dtype, int tied) {
     unsigned tr = ((c.trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
                   ((c.trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
     bt_lora lo;
-    assert_int_equal(bt_lora_init_ex(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask, tr, 1), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask, tr, 1), 0);
     int M = c.data.seq_len * c.data.micro_batch_size;
     bt_step_ctx *ctx = NULL;
     assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, M, c.activation_checkpointing), 0);
@@ -240,7 +240,7 @@ static void test_gguf_base(void **st) {
         /* CUDA: Q4_K blocks as they are, F16 as bf16 (2 bytes per weight either way) */
         assert_true(g.base == (double)bi.bytes);
         bt_lora lo;
-        assert_int_equal(bt_lora_init(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask, 1), 0);
+        assert_int_equal(bt_lora_init(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask, 0, 1), 0);
         const int M = c.data.seq_len * c.data.micro_batch_size;
         bt_step_ctx *ctx = NULL;
         assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, M, 0), 0);
@@ -343,7 +343,7 @@ static void test_plan_exact(void **st) {
         unsigned tr = ((c.trainable_mask & (1u << BT_TRAINABLE_EMBED)) ? BT_TRAIN_EMBED : 0) |
                       ((c.trainable_mask & (1u << BT_TRAINABLE_NORM)) ? BT_TRAIN_NORM : 0);
         bt_lora lo;
-        assert_int_equal(bt_lora_init_ex(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask,
+        assert_int_equal(bt_lora_init(&lo, &m, c.lora.r, c.lora.alpha, 0.0, c.lora.target_mask,
                                          tr, 1), 0);
         const int M = c.data.seq_len * c.data.micro_batch_size;
         bt_step_ctx *ctx = NULL;

@@ -73,7 +73,7 @@ static char *tpath(const char *name) {
 /* Random model (fp32) and a LoRA on all 7 modules with random non-zero A and B. */
 static void make_rig(bt_model *m, bt_lora *lo, int tied, uint64_t seed) {
     assert_int_equal(bt_model_init_random(m, &k_hp, BT_BASE_FP32, tied, seed), 0);
-    assert_int_equal(bt_lora_init(lo, m, R, ALPHA, 0.0, (1u << BT_MOD_N) - 1, seed + 1), 0);
+    assert_int_equal(bt_lora_init(lo, m, R, ALPHA, 0.0, (1u << BT_MOD_N) - 1, 0, seed + 1), 0);
     bt_rng r;
     bt_rng_seed(&r, seed + 2);
     for (int l = 0; l < lo->n_layer; l++)
@@ -301,7 +301,7 @@ static void test_merged_gguf_tied_and_errors(void **st) {
     bt_model_free(&m);
     /* an NF4 base cannot be merged */
     assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_NF4, 1, 5), 0);
-    assert_int_equal(bt_lora_init(&lo, &m, R, ALPHA, 0, 1, 6), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, R, ALPHA, 0, 1, 0, 6), 0);
     assert_int_equal(bt_export_gguf_merged(&m, &lo, NULL, BT_EXPORT_F16, out), BT_ERR_INVALID);
     float *x = malloc((size_t)k_hp.d_model * k_hp.d_model * 4);
     assert_int_equal(bt_export_merged_weight(&m, &lo, 0, BT_MOD_Q, x), BT_ERR_INVALID);
@@ -418,7 +418,8 @@ static void check_safetensors(int dtype, int tied) {
     make_rig(&m, &lo, tied, 41);
     bt_gguf *base = kv_base();
     char *dir = tpath(tied ? "st_tied" : "st_untied");
-    assert_int_equal(bt_export_safetensors_merged(&m, &lo, base, dtype, dir), 0);
+    const bt_hf_export_opts ho = {base, NULL, 0};
+    assert_int_equal(bt_export_safetensors_merged(&m, &lo, dtype, &ho, dir), 0);
     bt_gguf_close(base);
     char p[300];
     snprintf(p, sizeof p, "%s/model.safetensors", dir);
@@ -508,7 +509,7 @@ static void check_safetensors(int dtype, int tied) {
                   tied ? "tied" : "untied", l_adapted, l_merged, rel);
     assert_true(rel <= (dtype == BT_EXPORT_F32 ? 1e-6 : dtype == BT_EXPORT_F16 ? 2e-4 : 1e-3));
     bt_model_free(&m2);
-    assert_int_equal(bt_export_safetensors_merged(&m, &lo, NULL, BT_EXPORT_Q8_0, dir), BT_ERR_INVALID);
+    assert_int_equal(bt_export_safetensors_merged(&m, &lo, BT_EXPORT_Q8_0, NULL, dir), BT_ERR_INVALID);
     bt_lora_free(&lo);
     bt_model_free(&m);
 }
@@ -563,7 +564,7 @@ static void test_biases(void **st) {
         }
     bt_gguf_close(g);
     char *dir = tpath("bias_st");
-    assert_int_equal(bt_export_safetensors_merged(&m, &lo, NULL, BT_EXPORT_F32, dir), 0);
+    assert_int_equal(bt_export_safetensors_merged(&m, &lo, BT_EXPORT_F32, NULL, dir), 0);
     char p[300];
     snprintf(p, sizeof p, "%s/config.json", dir);
     json_t *j = json_load_file(p, 0, NULL);
@@ -673,7 +674,7 @@ static void test_peft_roundtrip(void **st) {
     bt_lora lo, lo2;
     make_rig(&m, &lo, 1, 51);
     char *dir = tpath("peft");
-    assert_int_equal(bt_adapter_save(&lo, "HuggingFaceTB/SmolLM2-135M-Instruct", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "HuggingFaceTB/SmolLM2-135M-Instruct", dir, NULL), 0);
     peft_schema_check(dir, &m, R, (1u << BT_MOD_N) - 1);
     assert_int_equal(bt_lora_load_peft(&lo2, &m, dir), 0);
     assert_int_equal(lo2.r, R);
@@ -684,8 +685,8 @@ static void test_peft_roundtrip(void **st) {
     bt_lora_free(&lo2);
     bt_lora_free(&lo);
     /* a subset of modules */
-    assert_int_equal(bt_lora_init(&lo, &m, 2, 16, 0.1, (1u << BT_MOD_Q) | (1u << BT_MOD_DOWN), 9), 0);
-    assert_int_equal(bt_adapter_save(&lo, "x", dir), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, 2, 16, 0.1, (1u << BT_MOD_Q) | (1u << BT_MOD_DOWN), 0, 9), 0);
+    assert_int_equal(bt_adapter_save(&lo, "x", dir, NULL), 0);
     peft_schema_check(dir, &m, 2, (1u << BT_MOD_Q) | (1u << BT_MOD_DOWN));
     assert_int_equal(bt_lora_load_peft(&lo2, &m, dir), 0);
     assert_int_equal(lo2.target_mask, (1u << BT_MOD_Q) | (1u << BT_MOD_DOWN));
@@ -895,7 +896,7 @@ static void test_run_and_main(void **st) {
     snprintf(adir, sizeof adir, "%s", tpath("run_adapter"));
     assert_int_equal(bt_export_gguf_merged(&m, NULL, kv, BT_EXPORT_F32, base), 0);
     bt_gguf_close(kv);
-    assert_int_equal(bt_adapter_save(&lo, "base", adir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "base", adir, NULL), 0);
     /* gguf-lora through the shapes-only path == from the full model, byte for byte */
     snprintf(o1, sizeof o1, "%s", tpath("run_lora.gguf"));
     snprintf(o2, sizeof o2, "%s", tpath("direct_lora.gguf"));

@@ -65,7 +65,7 @@ static void rand_ids(int32_t *ids, int n, int V, uint64_t seed) {
 
 /* LoRA on every module with random (nonzero) A and B, so the branch changes the logits. */
 static void make_lora(bt_lora *lo, const bt_model *m, unsigned trainable) {
-    assert_int_equal(bt_lora_init_ex(lo, m, 4, 8.0, 0.1, (1u << BT_MOD_N) - 1, trainable, 7), 0);
+    assert_int_equal(bt_lora_init(lo, m, 4, 8.0, 0.1, (1u << BT_MOD_N) - 1, trainable, 7), 0);
     rand_fill(lo->params, lo->n_lora, 0.2f, 99);
     if (lo->embed) {
         bt_rng r;
@@ -258,7 +258,7 @@ static void test_infer_errors(void **st) {
     bt_model m3;
     assert_int_equal(bt_model_init_random(&m3, &hp3, BT_BASE_FP32, 1, 32), 0);
     bt_lora lo3;
-    assert_int_equal(bt_lora_init(&lo3, &m3, 2, 4, 0, 1u << BT_MOD_Q, 1), 0);
+    assert_int_equal(bt_lora_init(&lo3, &m3, 2, 4, 0, 1u << BT_MOD_Q, 0, 1), 0);
     assert_int_equal(bt_infer_new(&s, &m, &lo3, 8, 4), BT_ERR_INVALID);
     bt_lora_free(&lo3);
     bt_model_free(&m3);

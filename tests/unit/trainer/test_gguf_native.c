@@ -162,6 +162,9 @@ static void check_matmuls(int type) {
     assert_int_equal(count_bit_mismatch(got, Wd, (size_t)N * K, name), 0);
     bt_ggml_mat_dequantize_rows(&w, 123, 5, got); /* a row range */
     assert_int_equal(count_bit_mismatch(got, Wd + (size_t)123 * K, (size_t)5 * K, name), 0);
+    /* a range past the weight is refused with the reason (it used to write nothing, silently) */
+    assert_int_equal(bt_ggml_mat_dequantize_rows(&w, N - 1, 2, got), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "ggml: dequantize rows"));
 
     const int nthr = omp_get_max_threads();
     omp_set_num_threads(2);
@@ -237,7 +240,7 @@ static void test_mat_errors(void **s) {
  * that every A gets a gradient); returns the loss sum and a copy of the gradients. */
 static double run_step(const bt_model *m, int M, float **grads, int64_t *n_params) {
     bt_lora lo;
-    assert_int_equal(bt_lora_init(&lo, m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 77), 0);
+    assert_int_equal(bt_lora_init(&lo, m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 0, 77), 0);
     uint64_t st = 99;
     for (int l = 0; l < m->hp.n_layer; l++)
         for (int mod = 0; mod < BT_MOD_N; mod++) {
@@ -475,7 +478,7 @@ static void test_lora_export_on_base(void **s) {
     assert_int_equal(bt_model_load(&mf, base, &of), 0);
     /* an adapter as trained against the GGUF-native base: A and B random and non-zero */
     bt_lora lo;
-    assert_int_equal(bt_lora_init(&lo, &mg, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 3), 0);
+    assert_int_equal(bt_lora_init(&lo, &mg, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 0, 3), 0);
     for (int64_t i = 0; i < lo.n_lora; i++) lo.params[i] = 0.05f * frand();
     assert_int_equal(bt_export_gguf_lora(&mg, &lo, BT_EXPORT_F32, lora), 0);
     bt_gguf *gb, *gl, *gm;

@@ -56,7 +56,7 @@ typedef struct {
 
 static void rig_init(rig *r, int base_dtype, double dropout) {
     assert_int_equal(bt_model_init_random(&r->m, &k_hp, base_dtype, 0, 42), 0);
-    assert_int_equal(bt_lora_init(&r->lo, &r->m, 4, 8.0, dropout, (1u << BT_MOD_N) - 1, 7), 0);
+    assert_int_equal(bt_lora_init(&r->lo, &r->m, 4, 8.0, dropout, (1u << BT_MOD_N) - 1, 0, 7), 0);
     /* B non-zero so that dA (which is proportional to B) is exercised */
     bt_rng g;
     bt_rng_seed(&g, 99);
@@ -310,7 +310,7 @@ static void test_checkpointing(void **st) {
             rig_init(&r, BT_BASE_NF4, 0.1);
         } else { /* LoRA+ */
             assert_int_equal(bt_model_init_random(&r.m, &k_hp, BT_BASE_NF4, 1, 42), 0);
-            assert_int_equal(bt_lora_init_ex(&r.lo, &r.m, 4, 8.0, 0.1, (1u << BT_MOD_N) - 1,
+            assert_int_equal(bt_lora_init(&r.lo, &r.m, 4, 8.0, 0.1, (1u << BT_MOD_N) - 1,
                                              BT_TRAIN_EMBED | BT_TRAIN_NORM, 7), 0);
             r.ctx = NULL;
         }
@@ -373,7 +373,7 @@ static void test_init(void **st) {
     bt_model m;
     assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_FP32, 1, 3), 0);
     bt_lora lo;
-    assert_int_equal(bt_lora_init(&lo, &m, 8, 16, 0.05, (1u << BT_MOD_Q) | (1u << BT_MOD_DOWN), 5), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, 8, 16, 0.05, (1u << BT_MOD_Q) | (1u << BT_MOD_DOWN), 0, 5), 0);
     assert_int_equal(lo.n_params, 2 * (8 * (32 + 32) + 8 * (64 + 32)));
     assert_true(lo.scale == 2.0f);
     assert_null(bt_lora_get(&lo, 0, BT_MOD_K));
@@ -390,8 +390,8 @@ static void test_init(void **st) {
     assert_true(mx <= 1.0 / 8.0 && mx > 0.9 / 8.0);                   /* bound 1/sqrt(64) */
     assert_true(fabs(s2 / 512 - 1.0 / (3 * 64)) < 0.25 / (3 * 64)); /* var of U(-b,b) = b^2/3 */
     bt_lora bad;
-    assert_int_equal(bt_lora_init(&bad, &m, 0, 16, 0.0, 1, 5), BT_ERR_INVALID);
-    assert_int_equal(bt_lora_init(&bad, &m, 4, 16, 1.0, 1, 5), BT_ERR_INVALID);
+    assert_int_equal(bt_lora_init(&bad, &m, 0, 16, 0.0, 1, 0, 5), BT_ERR_INVALID);
+    assert_int_equal(bt_lora_init(&bad, &m, 4, 16, 1.0, 1, 0, 5), BT_ERR_INVALID);
     /* B = 0: the LoRA model's loss equals the base model's */
     bt_step_ctx *c;
     assert_int_equal(bt_step_ctx_new(&c, &m, &lo, 16, 0), 0);
@@ -413,9 +413,9 @@ static void test_adapter_files(void **st) {
     assert_non_null(mkdtemp(dir));
     char out[256], path[300];
     snprintf(out, sizeof out, "%s/run/adapter", dir);
-    assert_int_equal(bt_adapter_save(&r.lo, "HuggingFaceTB/SmolLM2-135M-Instruct", out), 0);
+    assert_int_equal(bt_adapter_save(&r.lo, "HuggingFaceTB/SmolLM2-135M-Instruct", out, NULL), 0);
     r.lo.params[0] += 1.0f; /* second save replaces the first */
-    assert_int_equal(bt_adapter_save(&r.lo, "HuggingFaceTB/SmolLM2-135M-Instruct", out), 0);
+    assert_int_equal(bt_adapter_save(&r.lo, "HuggingFaceTB/SmolLM2-135M-Instruct", out, NULL), 0);
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", out);
     bt_st_file *f;
     assert_int_equal(bt_st_open(&f, path), 0);
@@ -473,7 +473,7 @@ static void test_training_lowers_loss(void **st) {
     bt_model m;
     assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_NF4, 1, 11), 0);
     bt_lora lo;
-    assert_int_equal(bt_lora_init(&lo, &m, 4, 8, 0.0, (1u << BT_MOD_N) - 1, 5), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, 4, 8, 0.0, (1u << BT_MOD_N) - 1, 0, 5), 0);
     bt_step_ctx *c;
     assert_int_equal(bt_step_ctx_new(&c, &m, &lo, 16, 0), 0);
     bt_microbatch mb = packed();

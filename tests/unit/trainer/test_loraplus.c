@@ -83,16 +83,27 @@ static void test_embedding_bwd(void **st) {
     (void)st;
     enum { M = 9, D = 70, V = 6 }; /* D > 64: two column blocks */
     float dout[M * D], dt[V * D], ref[V * D];
-    int32_t ids[M] = {1, 4, 1, 0, 5, 1, -3, 6, 4}; /* repeats; -3 and 6 are out of range */
+    int32_t ids[M] = {1, 4, 1, 0, 5, 1, 2, 5, 4}; /* repeats */
     fill(dout, M * D, 3, 1.f);
     for (int i = 0; i < V * D; i++) dt[i] = ref[i] = (float)i * 0.001f;
     for (int m = 0; m < M; m++)
-        if (ids[m] >= 0 && ids[m] < V)
-            for (int d = 0; d < D; d++) ref[ids[m] * D + d] += dout[m * D + d];
-    bt_embedding_bwd(dt, dout, ids, M, D, V);
+        for (int d = 0; d < D; d++) ref[ids[m] * D + d] += dout[m * D + d];
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, M, D, V), 0);
     assert_memory_equal(dt, ref, sizeof dt); /* same order of additions: bit-identical */
-    bt_embedding_bwd(dt, dout, ids, 0, D, V); /* no-ops, no crash */
-    bt_embedding_bwd(dt, dout, ids, M, 0, V);
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, 0, D, V), 0); /* nothing to add */
+    assert_memory_equal(dt, ref, sizeof dt);
+    /* an id outside [0, V) is refused by name before anything is written; so are bad shapes */
+    for (int bad = 0; bad < 2; bad++) {
+        ids[6] = bad ? V : -3;
+        assert_int_equal(bt_embedding_bwd(dt, dout, ids, M, D, V), BT_ERR_RANGE);
+        assert_non_null(strstr(bt_last_error(), bad ? "input_ids[6] = 6 is outside the vocabulary [0, 6)"
+                                                    : "input_ids[6] = -3 is outside"));
+        assert_int_equal(bt_embedding_fwd(dout, dt, ids, M, D, V), BT_ERR_RANGE);
+        assert_memory_equal(dt, ref, sizeof dt);
+    }
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, M, 0, V), BT_ERR_INVALID);
+    assert_int_equal(bt_embedding_bwd(dt, dout, ids, -1, D, V), BT_ERR_INVALID);
+    assert_memory_equal(dt, ref, sizeof dt);
 }
 
 /* ---- model gradients ---- */
@@ -117,7 +128,7 @@ typedef struct {
 
 static void rig_init(rig *r, int tied, unsigned trainable) {
     assert_int_equal(bt_model_init_random(&r->m, &k_hp, BT_BASE_FP32, tied, 42), 0);
-    assert_int_equal(bt_lora_init_ex(&r->lo, &r->m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, trainable, 7),
+    assert_int_equal(bt_lora_init(&r->lo, &r->m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, trainable, 7),
                      0);
     bt_rng g;
     bt_rng_seed(&g, 99);
@@ -228,7 +239,7 @@ static void test_plain_unchanged(void **st) {
     rig a, b;
     rig_init(&a, 1, 0);
     assert_int_equal(bt_model_init_random(&b.m, &k_hp, BT_BASE_FP32, 1, 42), 0);
-    assert_int_equal(bt_lora_init(&b.lo, &b.m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 7), 0);
+    assert_int_equal(bt_lora_init(&b.lo, &b.m, 4, 8.0, 0.0, (1u << BT_MOD_N) - 1, 0, 7), 0);
     assert_int_equal(a.lo.n_params, b.lo.n_params);
     assert_int_equal(a.lo.n_decay, a.lo.n_params);
     assert_null(a.lo.embed);
@@ -237,7 +248,7 @@ static void test_plain_unchanged(void **st) {
     assert_ptr_equal(bt_lora_embed(&a.lo, &a.m), a.m.tok_embd);
     assert_ptr_equal(bt_lora_norm(NULL, &a.m, k_hp.n_layer, 0), a.m.output_norm);
     bt_lora bad;
-    assert_int_equal(bt_lora_init_ex(&bad, &a.m, 4, 8.0, 0.0, 1, 0x10, 7), BT_ERR_INVALID);
+    assert_int_equal(bt_lora_init(&bad, &a.m, 4, 8.0, 0.0, 1, 0x10, 7), BT_ERR_INVALID);
     bt_lora_free(&b.lo);
     bt_model_free(&b.m);
     rig_free(&a);
@@ -263,7 +274,7 @@ static const char *tpath(const char *name) {
 /* "Trained" LoRA+ state: random B, embedding and norms moved away from the base. */
 static void trained_plus(bt_model *m, bt_lora *lo, int tied, unsigned trainable) {
     assert_int_equal(bt_model_init_random(m, &k_hp, BT_BASE_FP32, tied, 42), 0);
-    assert_int_equal(bt_lora_init_ex(lo, m, 4, 8.0, 0.0, (1u << BT_MOD_Q) | (1u << BT_MOD_V) |
+    assert_int_equal(bt_lora_init(lo, m, 4, 8.0, 0.0, (1u << BT_MOD_Q) | (1u << BT_MOD_V) |
                                      (1u << BT_MOD_DOWN), trainable, 7), 0);
     bt_rng g;
     bt_rng_seed(&g, 123);
@@ -346,7 +357,7 @@ static void roundtrip(int tied) {
     const char *adir = tpath(tied ? "plus_tied" : "plus_untied");
     char dir[256];
     snprintf(dir, sizeof dir, "%s", adir);
-    assert_int_equal(bt_adapter_save(&lo, "tiny", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "tiny", dir, NULL), 0);
     /* load back: identical parameters */
     assert_int_equal(bt_lora_load_peft(&lo2, &m, dir), 0);
     assert_same_lora(&lo, &lo2);
@@ -364,7 +375,7 @@ static void roundtrip(int tied) {
     /* merged safetensors carry the trained embedding and norms */
     char out[256];
     snprintf(out, sizeof out, "%s", tpath(tied ? "st_tied" : "st_untied"));
-    assert_int_equal(bt_export_safetensors_merged(&m, &lo2, NULL, BT_EXPORT_F32, out), 0);
+    assert_int_equal(bt_export_safetensors_merged(&m, &lo2, BT_EXPORT_F32, NULL, out), 0);
     char p[300];
     snprintf(p, sizeof p, "%s/model.safetensors", out);
     bt_st_file *f = NULL;
@@ -433,7 +444,7 @@ static void test_adapter_partial(void **st) {
     trained_plus(&m, &lo, 1, BT_TRAIN_EMBED);
     char dir[256];
     snprintf(dir, sizeof dir, "%s", tpath("embed_only"));
-    assert_int_equal(bt_adapter_save(&lo, "tiny", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "tiny", dir, NULL), 0);
     assert_int_equal(bt_lora_load_peft(&lo2, &m, dir), 0);
     assert_same_lora(&lo, &lo2);
     assert_null(lo2.norms);
@@ -448,7 +459,7 @@ static void test_adapter_partial(void **st) {
     bt_model_free(&m);
     trained_plus(&m, &lo, 0, BT_TRAIN_NORM);
     snprintf(dir, sizeof dir, "%s", tpath("norm_only"));
-    assert_int_equal(bt_adapter_save(&lo, "tiny", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "tiny", dir, NULL), 0);
     assert_int_equal(bt_lora_load_peft(&lo2, &m, dir), 0);
     assert_same_lora(&lo, &lo2);
     assert_null(lo2.embed);
@@ -485,7 +496,7 @@ static void test_adapter_errors(void **st) {
     char dir[256];
     snprintf(dir, sizeof dir, "%s", tpath("bad_plus"));
     /* lm_head listed against an untied base */
-    assert_int_equal(bt_adapter_save(&lo, "tiny", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "tiny", dir, NULL), 0);
     assert_int_equal(bt_lora_load_peft(&lo2, &mu, dir), BT_ERR_UNSUPPORTED);
     assert_non_null(strstr(bt_last_error(), "lm_head"));
     assert_null(lo2.params);

@@ -79,17 +79,17 @@ static void test_adapter_dirs(void **st) {
     bt_model m;
     assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_FP32, 1, 3), 0);
     bt_lora lo;
-    assert_int_equal(bt_lora_init(&lo, &m, 2, 4, 0, (1u << BT_MOD_N) - 1, 1), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, 2, 4, 0, (1u << BT_MOD_N) - 1, 0, 1), 0);
     char dir[200];
     at(dir, sizeof dir, "adapter");
-    assert_int_equal(bt_adapter_save(&lo, "base", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "base", dir, NULL), 0);
     assert_true(bt_out_dir_marked(dir));
     assert_int_equal(entries(dir), 3);
-    assert_int_equal(bt_adapter_save(&lo, "base", dir), 0); /* over its own output */
+    assert_int_equal(bt_adapter_save(&lo, "base", dir, NULL), 0); /* over its own output */
     /* a file BarqTrain did not write: refused before anything is written, nothing lost (a
      * README.md counts as ours only when it is our model card, by its content) */
     spit(dir, "README.md", "my notes");
-    assert_int_equal(bt_adapter_save(&lo, "base", dir), BT_ERR_INVALID);
+    assert_int_equal(bt_adapter_save(&lo, "base", dir, NULL), BT_ERR_INVALID);
     assert_non_null(strstr(bt_last_error(), "adapter: "));
     assert_non_null(strstr(bt_last_error(), "\"README.md\""));
     assert_int_equal(entries(dir), 4);
@@ -102,19 +102,19 @@ static void test_adapter_dirs(void **st) {
     const bt_model_card_result res = {1, 0, 1, 2.0, 3.0, 2.5, 10};
     assert_int_equal(bt_model_card_write(dir, &cfg, &res), 0);
     assert_int_equal(entries(dir), 4);
-    assert_int_equal(bt_adapter_save(&lo, "base", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "base", dir, NULL), 0);
     assert_int_equal(entries(dir), 3);
     /* written before the marker existed: recognised by our adapter_config.json, marked again */
     snprintf(p, sizeof p, "%s/" BT_OUT_MARKER, dir);
     unlink(p);
     assert_int_equal(bt_out_dir_check(dir, &bt_out_adapter, "adapter"), 0);
-    assert_int_equal(bt_adapter_save(&lo, "base", dir), 0);
+    assert_int_equal(bt_adapter_save(&lo, "base", dir, NULL), 0);
     assert_true(bt_out_dir_marked(dir));
     /* an adapter PEFT wrote (its own key set) without the marker: not ours */
     unlink(p);
     spit(dir, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"peft_version\": "
          "\"0.17.1\", \"target_modules\": [\"q_proj\"]}");
-    assert_int_equal(bt_adapter_save(&lo, "base", dir), BT_ERR_INVALID);
+    assert_int_equal(bt_adapter_save(&lo, "base", dir, NULL), BT_ERR_INVALID);
     assert_non_null(strstr(bt_last_error(), "not recognisably BarqTrain's"));
     snprintf(p, sizeof p, "%s/adapter_config.json", dir);
     size_t n;
@@ -134,25 +134,25 @@ static void test_checkpoint_dirs(void **st) {
     bt_model m;
     assert_int_equal(bt_model_init_random(&m, &k_hp, BT_BASE_FP32, 1, 3), 0);
     bt_lora lo;
-    assert_int_equal(bt_lora_init(&lo, &m, 2, 4, 0, (1u << BT_MOD_N) - 1, 1), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, 2, 4, 0, (1u << BT_MOD_N) - 1, 0, 1), 0);
     char dir[200], p[300];
     at(dir, sizeof dir, "ckpt");
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 1, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 1, NULL, 1), 0);
     assert_true(bt_out_dir_marked(dir));
     assert_int_equal(entries(dir), 5);
     snprintf(p, sizeof p, "%s/" BT_OUT_MARKER, dir);
     unlink(p);
     assert_int_equal(bt_out_dir_check(dir, &bt_out_checkpoint, "checkpoint"), 0);
     assert_int_equal(bt_out_dir_check(dir, &bt_out_adapter, "adapter"), 0);
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 2, NULL), 0);
-    assert_int_equal(bt_adapter_save(&lo, "base", dir), 0); /* an out_dir pointed at it */
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 2, NULL, 1), 0);
+    assert_int_equal(bt_adapter_save(&lo, "base", dir, NULL), 0); /* an out_dir pointed at it */
     assert_int_equal(entries(dir), 3);
     /* a trainer_state.bin that is not ours, without the marker */
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 2, NULL), 0);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 2, NULL, 1), 0);
     unlink(p);
     spit(dir, "trainer_state.bin", "someone else's state");
     spit(dir, "adapter_config.json", "{}");
-    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 3, NULL), BT_ERR_INVALID);
+    assert_int_equal(bt_checkpoint_save(dir, &c, &m, &lo, 3, NULL, 1), BT_ERR_INVALID);
     bt_lora_free(&lo);
     bt_model_free(&m);
     bt_config_free(&c);

@@ -277,7 +277,7 @@ static void test_qwen3_estimate_is_the_plan(void **st) {
             bt_train_config c;
             assert_int_equal(bt_config_parse(&c, txt, "t", NULL, 0), 0);
             bt_lora lo;
-            assert_int_equal(bt_lora_init(&lo, &m, 4, 8, 0, c.lora.target_mask, 1), 0);
+            assert_int_equal(bt_lora_init(&lo, &m, 4, 8, 0, c.lora.target_mask, 0, 1), 0);
             bt_step_ctx *ctx = NULL;
             assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, 64, ck), 0);
             bt_est_model em;

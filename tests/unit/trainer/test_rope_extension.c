@@ -22,7 +22,7 @@
  *    (config.json rope_scaling / max_position_embeddings, "longrope" for a composed table) load
  *    back with the same table, attention scale and logits; dynamic is refused for GGUF with a
  *    message; a LoRA GGUF of an adapter trained with the extension records the keys; the
- *    adapter's adapter_config.json note round-trips (bt_adapter_save_ex /
+ *    adapter's adapter_config.json note round-trips (bt_adapter_save /
  *    bt_adapter_context_extension). */
 #include <stdarg.h>
 #include <stddef.h>
@@ -459,7 +459,7 @@ static void test_exports(void **st) {
             bt_model_free(&g);
         }
         /* merged safetensors: config.json rope_scaling; loads back with the same logits */
-        if (bt_export_safetensors_merged(&m, NULL, NULL, BT_EXPORT_F32, sdir))
+        if (bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, sdir))
             fail_msg("%s", bt_last_error());
         char cj[200];
         snprintf(cj, sizeof cj, "%s/config.json", sdir);
@@ -479,8 +479,8 @@ static void test_exports(void **st) {
         bt_model_free(&g);
         /* the adapter records the extension; its LoRA GGUF carries the keys as notes */
         bt_lora lo;
-        assert_int_equal(bt_lora_init(&lo, &m, 2, 4.0, 0.0, 1u << BT_MOD_Q, 5), 0);
-        assert_int_equal(bt_adapter_save_ex(&lo, "tiny", adir, &m), 0);
+        assert_int_equal(bt_lora_init(&lo, &m, 2, 4.0, 0.0, 1u << BT_MOD_Q, 0, 5), 0);
+        assert_int_equal(bt_adapter_save(&lo, "tiny", adir, &m), 0);
         int gm, gt;
         assert_int_equal(bt_adapter_context_extension(adir, &gm, &gt), 0);
         assert_int_equal(gm, ext);
@@ -501,8 +501,8 @@ static void test_exports(void **st) {
     bt_model m;
     load_tiny(&m);
     bt_lora lo;
-    assert_int_equal(bt_lora_init(&lo, &m, 2, 4.0, 0.0, 1u << BT_MOD_Q, 5), 0);
-    assert_int_equal(bt_adapter_save(&lo, "tiny", adir), 0);
+    assert_int_equal(bt_lora_init(&lo, &m, 2, 4.0, 0.0, 1u << BT_MOD_Q, 0, 5), 0);
+    assert_int_equal(bt_adapter_save(&lo, "tiny", adir, NULL), 0);
     assert_int_equal(bt_adapter_apply_context(&m, adir), 0);
     assert_int_equal(m.hp.rope_ext, BT_ROPE_EXT_NONE);
     bt_lora_free(&lo);
@@ -512,7 +512,7 @@ static void test_exports(void **st) {
     if (bt_model_load_hf(&m, LLAMA3_DIR, &k_fp32)) fail_msg("%s", bt_last_error());
     assert_int_equal(bt_model_extend_context(&m, BT_ROPE_EXT_YARN, 2 * m.hp.ctx), 0);
     bt_model g;
-    if (bt_export_safetensors_merged(&m, NULL, NULL, BT_EXPORT_F32, sdir))
+    if (bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, sdir))
         fail_msg("%s", bt_last_error());
     if (bt_model_load_hf(&g, sdir, &k_fp32)) fail_msg("%s", bt_last_error());
     assert_int_equal(g.hp.rope_type, BT_ROPE_FREQS);

@@ -364,7 +364,7 @@ static void test_gguf_rope_freqs(void **st) {
     assert_true(parity(&g, "GGUF with rope_freqs.weight") <= 1e-4);
     /* 2) that GGUF model -> merged safetensors: rope_scaling llama3 recovered exactly */
     snprintf(dir, sizeof dir, "%s/st", g_tmp);
-    if (bt_export_safetensors_merged(&g, NULL, NULL, BT_EXPORT_F32, dir))
+    if (bt_export_safetensors_merged(&g, NULL, BT_EXPORT_F32, NULL, dir))
         fail_msg("%s", bt_last_error());
     bt_model h;
     if (bt_model_load_hf(&h, dir, &k_fp32)) fail_msg("%s", bt_last_error());
@@ -374,7 +374,7 @@ static void test_gguf_rope_freqs(void **st) {
     assert_memory_equal(h.inv_freq, m.inv_freq, 16 * sizeof(float));
     bt_model_free(&h);
     /* 3) the HF model -> merged safetensors keeps its rope_scaling */
-    if (bt_export_safetensors_merged(&m, NULL, NULL, BT_EXPORT_F32, dir))
+    if (bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, dir))
         fail_msg("%s", bt_last_error());
     if (bt_model_load_hf(&h, dir, &k_fp32)) fail_msg("%s", bt_last_error());
     assert_int_equal(h.hp.rope_type, BT_ROPE_LLAMA3);
@@ -385,7 +385,7 @@ static void test_gguf_rope_freqs(void **st) {
      * (equal short and long factors), which loads back as the same frequencies */
     g.rope_freqs[3] *= 1.5f;
     if (bt_model_rope_init(&g, g.rope_freqs)) fail_msg("%s", bt_last_error());
-    if (bt_export_safetensors_merged(&g, NULL, NULL, BT_EXPORT_F32, dir))
+    if (bt_export_safetensors_merged(&g, NULL, BT_EXPORT_F32, NULL, dir))
         fail_msg("%s", bt_last_error());
     if (bt_model_load_hf(&h, dir, &k_fp32)) fail_msg("%s", bt_last_error());
     assert_int_equal(h.hp.rope_type, BT_ROPE_FREQS);

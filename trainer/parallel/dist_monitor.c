@@ -1,7 +1,7 @@
-/* The data-parallel watchdog (trainer/dist/dist_monitor.h): one thread per process does all the
+/* The data-parallel watchdog (trainer/parallel/dist_monitor.h): one thread per process does all the
  * socket I/O; the training thread only posts requests (under the mutex, then a byte on the wake
  * pipe) and reads the outcome. */
-#include "trainer/dist/dist_monitor.h"
+#include "trainer/parallel/dist_monitor.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
-#include "trainer/dist/dist_wire.h"
+#include "trainer/parallel/dist_wire.h"
 
 enum { F_HB = 1, F_STOP = 2, F_ABORT = 3, F_BYE = 4 };
 #define HDR 8

@@ -1,9 +1,9 @@
-/* The authenticated TCP rendezvous of a data-parallel run (trainer/dist/dist.h bt_dist_rendezvous):
+/* The authenticated TCP rendezvous of a data-parallel run (trainer/parallel/dist.h bt_dist_rendezvous):
  * rank 0 challenges every connection, only a hello that proves the job secret (HMAC-SHA256, RFC
  * 2104, OpenSSL) counts, and the reply carrying rank 0's blob (the NCCL id) is sealed with
  * AES-256-GCM (NIST SP 800-38D, OpenSSL EVP) under a key fresh to the connection, which also
- * proves rank 0 to the peer. Wire format: trainer/dist/dist.h. */
-#include "trainer/dist/dist.h"
+ * proves rank 0 to the peer. Wire format: trainer/parallel/dist.h. */
+#include "trainer/parallel/dist.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
-#include "trainer/dist/dist_wire.h"
+#include "trainer/parallel/dist_wire.h"
 
 #define NONCE 32
 #define CHALLENGE_SIZE (8 + 4 + NONCE)                              /* magic, version, nonce0 */

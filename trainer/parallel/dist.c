@@ -1,6 +1,6 @@
 /* Distributed-training bootstrap: environment discovery, the job secret, and the Slurm CPU
- * share (trainer/dist/dist.h). The rendezvous is trainer/dist/dist_rdv.c, the monitor dist_monitor.c. */
-#include "trainer/dist/dist.h"
+ * share (trainer/parallel/dist.h). The rendezvous is trainer/parallel/dist_rdv.c, the monitor dist_monitor.c. */
+#include "trainer/parallel/dist.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-/* The watchdog of a data-parallel run: after the rendezvous (trainer/dist/dist.h) every rank keeps its
+/* The watchdog of a data-parallel run: after the rendezvous (trainer/parallel/dist.h) every rank keeps its
  * authenticated TCP connection (rank 0: one per rank) and a thread per process that heartbeats
  * over it, so that a rank that dies, is stopped (SIGSTOP), hangs, or loses its network is named
  * on every other rank within dist.heartbeat_timeout_s, and the NCCL waits (trainer/cuda/
@@ -30,7 +30,7 @@
 #define BT_TRAINER_DIST_MONITOR_H
 #include <stdatomic.h>
 
-#include "trainer/dist/dist.h"
+#include "trainer/parallel/dist.h"
 
 typedef struct bt_dist_monitor bt_dist_monitor;
 

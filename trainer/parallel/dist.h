@@ -2,7 +2,7 @@
  * environment) and a TCP rendezvous that hands rank 0's opaque blob (the 128-byte NCCL
  * ncclUniqueId, made by rank 0 before ncclCommInitRank) to every other rank, after checking that
  * every rank holds the job's secret and runs the same job; its connections then carry the
- * monitor (trainer/dist/dist_monitor.h). Plain C with OpenSSL's libcrypto: no CUDA or NCCL here
+ * monitor (trainer/parallel/dist_monitor.h). Plain C with OpenSSL's libcrypto: no CUDA or NCCL here
  * (built in every build).
  *
  * Conventions followed (so the trainer runs unchanged under either launcher):
@@ -18,7 +18,7 @@
  * believes it is rank 0 of N, and its rendezvous times out naming the ranks that never came.
  * Start one trainer per task with srun (scripts/train.sbatch does).
  *
- * Wire protocol (TCP, little-endian, fixed sizes; version BT_DIST_VERSION; trainer/dist/dist_rdv.c):
+ * Wire protocol (TCP, little-endian, fixed sizes; version BT_DIST_VERSION; trainer/parallel/dist_rdv.c):
  *   challenge, rank 0 -> a new connection (44 bytes): magic "BTDIST02", u32 version, nonce0[32]
  *   hello, rank r -> rank 0 (184 bytes): magic, u32 version, u32 rank, u32 world, u32 pid,
  *       host[64] (NUL-padded), digest[32], nonce1[32], mac[32] = HMAC-SHA256(key, "BTDIST02 hello"
@@ -46,7 +46,7 @@
 #define BT_DIST_SECRET_MIN 16   /* bytes of job secret, at least */
 #define BT_DIST_SECRET_MAX 4096
 
-/* The connections a rendezvous leaves open for the monitor (trainer/dist/dist_monitor.h). */
+/* The connections a rendezvous leaves open for the monitor (trainer/parallel/dist_monitor.h). */
 typedef struct bt_dist_link bt_dist_link;
 void bt_dist_link_free(bt_dist_link *l);
 

@@ -1,5 +1,5 @@
-/* Internal to trainer/dist/dist_rdv.c and trainer/dist/dist_monitor.c: the connections a rendezvous
- * hands to the monitor (trainer/dist/dist.h, trainer/dist/dist_monitor.h); the wire's little-endian
+/* Internal to trainer/parallel/dist_rdv.c and trainer/parallel/dist_monitor.c: the connections a rendezvous
+ * hands to the monitor (trainer/parallel/dist.h, trainer/parallel/dist_monitor.h); the wire's little-endian
  * fields are written with common/bt_le.h. */
 #ifndef BT_TRAINER_DIST_WIRE_H
 #define BT_TRAINER_DIST_WIRE_H
