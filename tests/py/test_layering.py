@@ -57,6 +57,16 @@ def test_parallel_is_below_the_loop():
     assert [(a, b) for (a, b) in edges if a.startswith("trainer/loop/") and b.startswith("trainer/parallel/")], edges
 
 
+def test_loop_has_no_circle():
+    """Issue 22 §2: the run's files call and include one way: train -> eval -> batches -> run,
+    with the types the run and its callers share (run_types.h) on a floor of their own (run.h
+    once included train.h, which made the four files one circle)."""
+    loop = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "trainer", "loop", "*.[ch]")))
+    found, edges = graph_circles(loop)
+    assert not found, found
+    assert ("trainer/loop/run", "trainer/loop/train") not in edges, edges
+
+
 def test_script_reports_a_circle(tmp_path):
     """The checker itself: two files that call each other are a circle (exit 1)."""
     a, b, c = tmp_path / "zz_layer_a.c", tmp_path / "zz_layer_b.c", tmp_path / "zz_layer_c.c"

@@ -23,7 +23,7 @@
 #include "trainer/parallel/dist.h"
 #include "trainer/parallel/dist_monitor.h"
 #include "trainer/loop/optim.h"
-#include "trainer/loop/train.h"
+#include "trainer/loop/run_types.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
 #include "trainer/report/report.h"

@@ -6,6 +6,7 @@
 #include <stdio.h>
 
 #include "trainer/config.h"
+#include "trainer/loop/run_types.h"
 #include "trainer/model/lora.h"
 
 /* The trainer's exit statuses (trainer/main.c), in one table so that every way of stopping keeps
@@ -45,28 +46,9 @@ enum { BT_EXIT_OK = 0, BT_EXIT_FAILURE = 1, BT_EXIT_USAGE = 2, BT_EXIT_DIVERGED 
  * BT_ERR_UNSUPPORTED (bt_backend_get). */
 int bt_train_run(const bt_train_config *cfg, int eval_only, FILE *out);
 
-/* Faults a test injects into a run (bt_train_run_ex), never read from the environment: the
- * divergence stop cannot be reached within a test's few steps on a tiny fp32 model (the
- * hyper-parameter ranges and RMSNorm see to that), so tests/tools/train_faults.c drives it this
- * way. Production runs pass none. */
-typedef struct {
-    /* After the backward passes of optimiser step `step` (1-based), before the gradients are
-     * summed over ranks and clipped: lo->grads (n_params floats) is the host gradient buffer,
-     * the live one of the CPU backend (a GPU backend's gradients are on the device). NULL: none. */
-    void (*after_backward)(void *arg, int step, bt_lora *lo);
-    void *arg;
-} bt_run_hooks;
 /* bt_train_run with hooks (NULL: none; borrowed for the call). */
 int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const bt_run_hooks *hooks);
 
-/* One length's result of the held-out perplexity per context length (cfg->eval.lengths;
- * trainer/loop/run.h bt_eval_lengths): the length L, the windows of exactly L tokens, their
- * labelled tokens and mean loss (NAN when no window had L tokens). */
-typedef struct {
-    int length;
-    long long windows, tokens;
-    double loss;
-} bt_eval_length;
 
 /* "1m02s" / "1h02m03s" for a duration in seconds (buf >= 24 bytes). */
 void bt_fmt_duration(char *buf, size_t n, double seconds);
