@@ -19,7 +19,7 @@ typedef struct {
 
 /* The SentencePiece families' templates (common/chat_spm.c), each what the model's own Jinja
  * chat template renders (transformers apply_chat_template; sources and the bit-exact check:
- * tests/reference/gen_chat_template_fixtures.py, tests/unit/common/test_chat_spm.c):
+ * tests/reference/gen_chat_template_fixtures.py, tests/unit/loaderd/test_chat_spm.c):
  *   GEMMA       Gemma 3 instruction-tuned ("<start_of_turn>user\n...<end_of_turn>\n
  *               <start_of_turn>model\n...<end_of_turn>\n"; = Gemma 1/2's without a system message)
  *   LLAMA2      Llama 2 chat ("<s>[INST] <<SYS>>\n...\n<</SYS>>\n\n... [/INST] ... </s>")

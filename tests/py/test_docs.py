@@ -45,6 +45,8 @@ NOT_PATHS = {
     "python/object": "a YAML tag in a hostile config",
     "tests/bench/bench_a.sh": "BENCH_ONLY's example names",
     "python/build": "setuptools' in-tree build directory, removed by venv-torch.sh",
+    "trainer/dist": "trainer/parallel's old name, named where the rename is checked",
+    "tests/test-chat-template.cpp": "llama.cpp's own test file (its repository's tests/)",
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Reference fixtures for the SentencePiece-family chat templates of loaderd (common/chat.c:
-"gemma", "llama2", "mistral", "mistral-v3", "phi3"), read by tests/unit/common/test_chat_spm.c.
+"gemma", "llama2", "mistral", "mistral-v3", "phi3"), read by tests/unit/loaderd/test_chat_spm.c.
 
 For every (template, conversation) the fixture holds what transformers' apply_chat_template
 gives with the model's own Jinja template:
