@@ -444,6 +444,10 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                           const char *out) {
     if (dtype < BT_EXPORT_F32 || dtype > BT_EXPORT_Q8_0)
         return bt_fail(BT_ERR_INVALID, "export: gguf: bad dtype %d", dtype);
+    if (m->hp.arch == BT_ARCH_PHI3) /* the fused qkv_proj / gate_up_proj are not re-fused yet */
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Phi-3 (phi3) model is not supported "
+                       "yet (its qkv_proj / gate_up_proj would have to be re-fused); export the "
+                       "adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     int rc = bt_export_lora_matches(m, lo);
