@@ -247,6 +247,7 @@ fixtures:
 	bash scripts/venv-torch.sh
 	$(PYTHON) tests/reference/gen_preference_fixtures.py
 	$(PYTHON) tests/reference/gen_qwen_fixtures.py
+	$(PYTHON) tests/reference/gen_phi3_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs
