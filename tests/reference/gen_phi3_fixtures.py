@@ -230,7 +230,7 @@ def main():
            "batch": {"B": q.B, "T": q.T, "docs": q.DOCS, "n_prompt_masked": q.N_PROMPT},
            "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": LORA_TARGETS},
            "generate": {"prompt": q.PROMPT, "prompt_ids": q.encode(q.PROMPT),
-                        "new_tokens": q.GEN_TOKENS}}
+                        "new_tokens": q.GEN_TOKENS, "tokens": q.TOKENS}}
     man["phi3"] = build(out, batch)
     save_file({k: v.to(torch.int32).contiguous() for k, v in batch.items()},
               str(out / "batch.safetensors"))
