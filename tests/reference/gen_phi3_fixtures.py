@@ -65,12 +65,13 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict  # noqa: 
 from safetensors.torch import save_file  # noqa: E402
 from transformers import Phi3Config, Phi3ForCausalLM  # noqa: E402
 
-# Phi-3: untied lm_head (as Phi-3-mini), GQA (4 heads, 2 kv heads, head_dim 8), no rope_scaling,
-# no sliding window (Phi-3-mini's 2047 would make transformers mask differently past it)
+# Phi-3: untied lm_head (as Phi-3-mini), GQA (4 heads, 2 kv heads, head_dim 8), no rope_scaling;
+# sliding_window 512 = the whole context (Phi3MiniModel writes it, and llama.cpp's phi3 loader
+# refuses a file without one; no document here comes near it, so attention is full causal)
 CFG = dict(vocab_size=len(q.TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
            max_position_embeddings=512, original_max_position_embeddings=512, hidden_act="silu",
-           initializer_range=0.2, tie_word_embeddings=False, sliding_window=None,
+           initializer_range=0.2, tie_word_embeddings=False, sliding_window=512,
            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
            bos_token_id=len(q.TOKENS) - 1, eos_token_id=len(q.TOKENS) - 1, pad_token_id=0)
 LORA_TARGETS = ["o_proj", "down_proj"]
@@ -84,7 +85,10 @@ def write_gguf(model, cfg, path):
     assert name == "phi3"
     hd = cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), name)
-    w.add_name("tiny-random-phi3")
+    # not "...phi3...": llama.cpp's vocabulary loader (llama-vocab.cpp, b4965) sets strip
+    # attributes on Phi-3's "</s>" / "<unk>" / "<s>" when general.name contains "phi3" / "phi-3",
+    # tokens this byte-level vocabulary does not have
+    w.add_name("tiny-random-phi-three")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -95,6 +99,7 @@ def write_gguf(model, cfg, path):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_sliding_window(cfg.sliding_window)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")

@@ -662,6 +662,13 @@ static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp
     /* Phi-3 long-context files (convert_hf_to_gguf.py Phi3MiniModel.generate_extra_tensors for
      * rope_scaling type "longrope" / "su") carry the two factor tables llama.cpp switches between
      * by context length: not implemented here */
+    if (hp->arch == BT_ARCH_PHI3) { /* Phi3MiniModel writes phi3.attention.sliding_window */
+        int64_t sw = 0;
+        if (bt_gguf_get_i64(g, "phi3.attention.sliding_window", &sw) == 0 && sw > 0 && sw < hp->ctx)
+            bt_log(BT_LOG_WARN, "model", "%s: phi3.attention.sliding_window %lld: attention here is "
+                   "full causal, which equals Phi-3's only for documents of at most that many "
+                   "tokens", path, (long long)sw);
+    }
     if (bt_gguf_find_tensor(g, "rope_factors_long.weight") ||
         bt_gguf_find_tensor(g, "rope_factors_short.weight"))
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_factors_long / rope_factors_short "
