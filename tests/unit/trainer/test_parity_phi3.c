@@ -360,6 +360,41 @@ static void test_phi3_rope_refusals(void **st) {
     assert_non_null(strstr(bt_last_error(), "rope_factors_long"));
 }
 
+/* `trainer estimate` on the Phi-3 files (GGUF with its fused tensors, and the HF directory)
+ * bills exactly the bytes the CPU step context allocates, with checkpointing and without. */
+static void test_phi3_estimate_is_the_plan(void **st) {
+    (void)st;
+    for (int src = 0; src < 2; src++)
+        for (int ck = 0; ck < 2; ck++) {
+            bt_model m;
+            load_model(&m, src ? "hf" : "gguf");
+            char p[512], txt[1024];
+            snprintf(p, sizeof p, "%s/phi3/%s", fixdir(), src ? "hf" : "model.gguf");
+            snprintf(txt, sizeof txt, "{\"model\": \"%s\", \"base_dtype\": \"fp32\", \"data\": "
+                     "{\"shards\": [\"d\"], \"seq_len\": 32, \"micro_batch_size\": 2}, \"lora\": "
+                     "{\"r\": 4, \"target_modules\": [\"o_proj\", \"down_proj\"]}, "
+                     "\"activation_checkpointing\": %s}", p, ck ? "true" : "false");
+            bt_train_config c;
+            assert_int_equal(bt_config_parse(&c, txt, "t", NULL, 0), 0);
+            bt_lora lo;
+            assert_int_equal(bt_lora_init(&lo, &m, 4, 8, 0, c.lora.target_mask, 0, 1), 0);
+            bt_step_ctx *ctx = NULL;
+            assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, 64, ck), 0);
+            bt_est_model em;
+            if (bt_est_model_read(&em, p)) fail_msg("%s: %s", p, bt_last_error());
+            assert_int_equal(em.hp.head_dim, 8);
+            bt_mem_bill b;
+            bt_estimate_bill(&em, &c, BT_EST_CPU, omp_get_max_threads(), &b);
+            if (b.step != (double)bt_step_ctx_bytes(ctx))
+                fail_msg("%s, checkpointing %d: bill step %.0f bytes, bt_step_ctx_bytes %zu", p, ck,
+                         b.step, bt_step_ctx_bytes(ctx));
+            bt_step_ctx_free(ctx);
+            bt_lora_free(&lo);
+            bt_config_free(&c);
+            bt_model_free(&m);
+        }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_phi3_hf),
@@ -370,6 +405,7 @@ int main(void) {
         cmocka_unit_test(test_phi3_rope_refusals),
         cmocka_unit_test(test_phi3_fused_peft_adapter_refused),
         cmocka_unit_test(test_phi3_merged_export_refused),
+        cmocka_unit_test(test_phi3_estimate_is_the_plan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
