@@ -112,7 +112,7 @@ pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 pytest-torch: all
 	@bash scripts/venv-torch.sh
 	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py \
-		tests/py/test_export_qwen.py
+		tests/py/test_export_qwen.py tests/py/test_export_phi3.py
 
 # llama.cpp itself as a reference: scripts/llamacpp-ref.sh puts the CPU library of the pinned
 # llama-cpp-cffi wheel (sha256-checked; llama.cpp b4965) into .llamacpp/, and
@@ -247,6 +247,7 @@ fixtures:
 	bash scripts/venv-torch.sh
 	$(PYTHON) tests/reference/gen_preference_fixtures.py
 	$(PYTHON) tests/reference/gen_qwen_fixtures.py
+	$(PYTHON) tests/reference/gen_phi3_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs

@@ -70,12 +70,12 @@ static int read_gguf(bt_est_model *em, const char *path) {
     /* the families bt_model_load_gguf reads (issue 24): keys under general.architecture's prefix */
     const char *an = NULL;
     if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
-        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_QWEN3 && !an; a++)
+        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_PHI3 && !an; a++)
             if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len))
                 an = bt_arch_name(a);
     if (!an) {
         rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\", "
-                     "\"qwen2\" or \"qwen3\"", path);
+                     "\"qwen2\", \"qwen3\" or \"phi3\"", path);
         goto out;
     }
     char k[7][64];

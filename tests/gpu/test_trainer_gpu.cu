@@ -528,6 +528,32 @@ static void test_qwen3_refused(void)
     bt_model_free(&m);
 }
 
+/* Phi-3 is verified on the CPU backend only: device "cuda" refuses it naming the family (issue
+ * 24). The tiny fixture of tests/reference/gen_phi3_fixtures.py, LoRA on o_proj / down_proj. */
+static void test_phi3_refused(void)
+{
+    bt_model m;
+    bt_lora lo;
+    bt_model_load_opts o = {BT_BASE_FP32, 0};
+    if (bt_model_load(&m, "tests/fixtures/hf/phi3/hf", &o) ||
+        bt_lora_init(&lo, &m, 4, 8.0, 0.0, (1u << BT_MOD_O) | (1u << BT_MOD_DOWN), 0, 1)) {
+        printf("    set-up: %s\n", bt_last_error());
+        g_case_ok = false;
+        return;
+    }
+    bt_cuda_trainer *t = nullptr;
+    const int rc = bt_cuda_trainer_new(&t, &m, &lo, 64, nullptr);
+    const char *e = bt_last_error();
+    check_true("Phi-3 refused (BT_ERR_UNSUPPORTED)", rc == BT_ERR_UNSUPPORTED && !t);
+    check_true("  ... naming the family and device \"cpu\"",
+               strstr(e, "Phi-3") && strstr(e, "device: \"cpu\""));
+    printf("    message: %s\n", e);
+    if (t)
+        bt_cuda_trainer_free(t);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
+}
+
 /* ------------------------------------------------------------------------ SmolLM2 */
 /* BT_MODEL: a GGUF file or HF directory (default models/SmolLM2-135M-Instruct.Q4_1.gguf), or
  * "random:smollm2-135m": the SmolLM2-135M shapes (30 layers of 576, 9 heads of 64 over 3 KV heads,
@@ -868,6 +894,7 @@ int main(int argc, char **argv)
     GT_CASE(test_tiny_mma_fused);
     GT_CASE(test_tiny_gguf);
     GT_CASE(test_qwen3_refused);
+    GT_CASE(test_phi3_refused);
     GT_CASE(test_tiny_long_context);
     GT_CASE(test_tiny_offload);
     GT_CASE(test_plan_matches_estimate);

@@ -768,6 +768,10 @@ extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, con
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the %s family "
                        "(Qwen3 QK-norm: RMSNorm on each head of q and k); use device: \"cpu\"",
                        m->hp.arch == BT_ARCH_QWEN3 ? "Qwen3" : bt_arch_name(m->hp.arch));
+    if (m->hp.arch == BT_ARCH_PHI3) /* checked on the CPU path only (issue 24) */
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the Phi-3 "
+                       "family (phi3) yet: it is verified on the CPU backend only; use device: "
+                       "\"cpu\"");
     bt_cuda_trainer_opts o;
     memset(&o, 0, sizeof o);
     if (opts)

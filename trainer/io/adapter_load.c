@@ -121,6 +121,12 @@ static int parse_adapter_config(json_t *root, const char *path, int *r, double *
         json_t *e;
         json_array_foreach(v, i, e) {
             int mod = json_is_string(e) ? mod_by_name(json_string_value(e)) : -1;
+            if (mod < 0 && json_is_string(e) && (!strcmp(json_string_value(e), "qkv_proj") ||
+                                                 !strcmp(json_string_value(e), "gate_up_proj")))
+                return bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: target_modules[%zu] \"%s\": a "
+                               "LoRA on Phi-3's fused %s is not supported yet (one lora_A shared "
+                               "by q/k/v or gate/up); Phi-3 adapters on o_proj / down_proj load",
+                               path, i, json_string_value(e), json_string_value(e));
             if (mod < 0)
                 return bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: target_modules[%zu] \"%s\" is not "
                                "one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "

@@ -444,6 +444,10 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                           const char *out) {
     if (dtype < BT_EXPORT_F32 || dtype > BT_EXPORT_Q8_0)
         return bt_fail(BT_ERR_INVALID, "export: gguf: bad dtype %d", dtype);
+    if (m->hp.arch == BT_ARCH_PHI3) /* the fused qkv_proj / gate_up_proj are not re-fused yet */
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Phi-3 (phi3) model is not supported "
+                       "yet (its qkv_proj / gate_up_proj would have to be re-fused); export the "
+                       "adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     int rc = bt_export_lora_matches(m, lo);
@@ -570,12 +574,12 @@ static int shape_model(bt_model *m, const bt_gguf *g, const char *path) {
     bt_str arch;
     int fam = -1;
     if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
-        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_QWEN3 && fam < 0; a++)
+        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_PHI3 && fam < 0; a++)
             if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len))
                 fam = a;
     if (fam < 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "export: %s: general.architecture is not \"llama\", "
-                       "\"qwen2\" or \"qwen3\"", path);
+                       "\"qwen2\", \"qwen3\" or \"phi3\"", path);
     for (int i = 0; i < 5; i++) snprintf(keys[i], sizeof keys[i], "%s.%s", bt_arch_name(fam), sfx[i]);
     snprintf(kctx, sizeof kctx, "%s.context_length", bt_arch_name(fam));
     snprintf(ktheta, sizeof ktheta, "%s.rope.freq_base", bt_arch_name(fam));
@@ -598,16 +602,28 @@ static int shape_model(bt_model *m, const bt_gguf *g, const char *path) {
     m->base_dtype = BT_BASE_FP32;
     m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
     if (!m->layers) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+    /* phi3 (model.c gguf_layer): blk.0.attn_qkv [(n_head + 2 n_kv_head) head_dim rows] and
+     * blk.0.ffn_up [2 d_ff rows] fused; attn_q / attn_k / attn_v when attn_qkv is absent */
+    const int phi3_qkv = fam == BT_ARCH_PHI3 && bt_gguf_find_tensor(g, "blk.0.attn_qkv.weight");
     for (int mod = 0; mod < BT_MOD_N; mod++) {
         char name[64];
-        snprintf(name, sizeof name, "blk.0.%s.weight", k_gguf_lin[mod]);
+        const int fq = phi3_qkv && mod <= BT_MOD_V;
+        const int fu = fam == BT_ARCH_PHI3 && (mod == BT_MOD_GATE || mod == BT_MOD_UP);
+        snprintf(name, sizeof name, "blk.0.%s.weight",
+                 fq ? "attn_qkv" : fu ? "ffn_up" : k_gguf_lin[mod]);
         const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
         if (!t || t->n_dims != 2 || t->ne[0] > (1u << 20) || t->ne[1] > (1u << 20)) {
             bt_model_free(m);
             return bt_fail(BT_ERR_FORMAT, "export: %s: tensor %s missing or not 2-D", path, name);
         }
+        int rows = (int)t->ne[1];
+        if (fq) {
+            const int hd = rows / (hp->n_head + 2 * hp->n_kv_head);
+            rows = (mod == BT_MOD_Q ? hp->n_head : hp->n_kv_head) * hd;
+        } else if (fu)
+            rows /= 2;
         for (int l = 0; l < hp->n_layer; l++)
-            m->layers[l].lin[mod].rows = (int)t->ne[1], m->layers[l].lin[mod].cols = (int)t->ne[0];
+            m->layers[l].lin[mod].rows = rows, m->layers[l].lin[mod].cols = (int)t->ne[0];
     }
     /* vocab and tying, for a LoRA+ adapter's embedding (token_embd ne = {d_model, vocab}); vocab
      * stays 0 (bt_lora_load_peft then refuses modules_to_save) when the tensor is unusable */

@@ -135,7 +135,9 @@ int bt_export_hf_rope(const bt_model *m, struct json_t **rs, int *max_pos);
  * config.json; NULL writes the model's hyper-parameters only. dtype: BT_EXPORT_* allowed by the
  * format (gguf-lora, gguf: all four; safetensors: F32/F16/BF16). `out` is the file (gguf
  * formats) or the directory (peft, safetensors; created, parents included). Errors: BT_ERR_INVALID
- * (dtype, NF4 base for a merge, shapes of lo and m differ), BT_ERR_IO, BT_ERR_NOMEM. */
+ * (dtype, NF4 base for a merge, shapes of lo and m differ), BT_ERR_UNSUPPORTED (a merged
+ * Phi-3, hp.arch BT_ARCH_PHI3: its fused qkv_proj / gate_up_proj are not re-fused yet; refused
+ * before anything is written), BT_ERR_IO, BT_ERR_NOMEM. */
 int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const char *out);
 int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf, int dtype,
                           const char *out);

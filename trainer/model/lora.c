@@ -23,6 +23,17 @@ int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dr
         (trainable & ~(unsigned)(BT_TRAIN_EMBED | BT_TRAIN_NORM)))
         return bt_fail(BT_ERR_INVALID, "lora: invalid settings (r %d, alpha %g, dropout %g, mask %#x, "
                        "trainable %#x)", r, alpha, dropout, target_mask, trainable);
+    /* Phi-3 (hp.arch BT_ARCH_PHI3): PEFT adapts the fused qkv_proj / gate_up_proj with ONE
+     * lora_A each (transformers Phi3Attention / Phi3MLP), which per-q/k/v (gate/up) LoRAs with
+     * their own A do not train the same; until the fused form is implemented only o_proj and
+     * down_proj (the same modules and names in PEFT) are adaptable */
+    const unsigned fused = (1u << BT_MOD_Q) | (1u << BT_MOD_K) | (1u << BT_MOD_V) |
+                           (1u << BT_MOD_GATE) | (1u << BT_MOD_UP);
+    if (md->hp.arch == BT_ARCH_PHI3 && (target_mask & fused))
+        return bt_fail(BT_ERR_UNSUPPORTED, "lora: Phi-3 LoRA targets q_proj / k_proj / v_proj / "
+                       "gate_proj / up_proj are not supported (Phi-3 fuses them into qkv_proj and "
+                       "gate_up_proj, which PEFT adapts with one shared lora_A; not implemented "
+                       "yet): use lora.target_modules [\"o_proj\", \"down_proj\"]");
     lo->r = r;
     lo->alpha = (float)alpha;
     lo->scale = (float)(alpha / r);

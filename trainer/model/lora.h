@@ -57,7 +57,9 @@ typedef struct {
  * only), copied from the model's tensors (embedding, norm weights; a tensor the model does not
  * hold, as in a shape-only model, is left zero for the caller to fill).
  * Errors: BT_ERR_INVALID (r < 1, alpha <= 0, dropout outside [0,1), empty mask, unknown
- * trainable bits), BT_ERR_NOMEM. */
+ * trainable bits), BT_ERR_UNSUPPORTED (a Phi-3 base, hp.arch BT_ARCH_PHI3, with q/k/v or
+ * gate/up targets: PEFT adapts Phi-3's fused qkv_proj / gate_up_proj with one lora_A, not
+ * implemented here; o_proj / down_proj are accepted), BT_ERR_NOMEM. */
 int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dropout,
                  unsigned target_mask, unsigned trainable, uint64_t seed);
 void bt_lora_free(bt_lora *lo);

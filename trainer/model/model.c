@@ -476,12 +476,15 @@ static int unpermute_rows(float *w, int nh, int hd, int cols) {
 /* Linear `name` [rows, cols] kept in its own ggml blocks (BT_BASE_GGUF): rows copied in HF order
  * (for q/k, nh > 0: HF row h*hd + j*hd/2 + i is GGUF row h*hd + 2*i + j, the unpermute_rows map
  * applied to whole block rows, so no value changes), then every value decoded once to check it is
- * finite (the dequantised-base loaders check the same). */
+ * finite (the dequantised-base loaders check the same). total > 0: the tensor is a fused
+ * [total, cols] one (Phi-3 attn_qkv / ffn_up) and the linear is its rows [r0, r0 + rows) (ggml
+ * blocks never span rows, so a row range is a byte range); total 0: the whole tensor. */
 static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name, int rows,
-                            int cols, int nh, int hd, bt_base_linear *l) {
+                            int cols, int nh, int hd, int total, int r0, bt_base_linear *l) {
     const bt_gguf_tensor *t;
-    int rc = find_tensor_checked(g, path, name, rows, cols, &t);
+    int rc = find_tensor_checked(g, path, name, total ? total : rows, cols, &t);
     if (rc) return rc;
+    const uint8_t *src = (const uint8_t *)t->data + (size_t)r0 * bt_ggml_row_size(t->type, cols);
     int32_t *perm = NULL;
     if (nh > 0) {
         perm = malloc((size_t)rows * sizeof *perm);
@@ -491,7 +494,7 @@ static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name
             for (int i = 0; i < half; i++)
                 for (int j = 0; j < 2; j++) perm[h * hd + j * half + i] = h * hd + 2 * i + j;
     }
-    rc = bt_ggml_mat_init(&l->g, t->type, rows, cols, t->data, perm);
+    rc = bt_ggml_mat_init(&l->g, t->type, rows, cols, src, perm);
     free(perm);
     if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error_in("model"));
     l->rows = rows;
@@ -504,8 +507,9 @@ static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name
         for (int c = 0; c < cols; c++)
             if (!isfinite(buf[c])) {
                 /* report the element in the file's own (GGUF) order */
-                const int fr = nh > 0 ? (r / hd) * hd + 2 * (r % hd % (hd / 2)) + (r % hd) / (hd / 2)
-                                      : r;
+                const int fr = r0 + (nh > 0 ? (r / hd) * hd + 2 * (r % hd % (hd / 2)) +
+                                                  (r % hd) / (hd / 2)
+                                            : r);
                 rc = bt_fail(BT_ERR_FORMAT, "model: %s: tensor %s: non-finite value at element "
                              "%lld", path, name, (long long)fr * cols + c);
                 break;
@@ -564,10 +568,12 @@ int bt_model_gguf_rope_scaling(const bt_gguf *g, const char *path, bt_llama_hpar
 }
 
 const char *bt_arch_name(int arch) {
-    return arch == BT_ARCH_QWEN2 ? "qwen2" : arch == BT_ARCH_QWEN3 ? "qwen3" : "llama";
+    return arch == BT_ARCH_QWEN2 ? "qwen2" : arch == BT_ARCH_QWEN3 ? "qwen3"
+         : arch == BT_ARCH_PHI3  ? "phi3"
+                                 : "llama";
 }
 
-/* Stage: general.architecture of `g` must be "llama", "qwen2" or "qwen3" (llama.cpp
+/* Stage: general.architecture of `g` must be "llama", "qwen2", "qwen3" or "phi3" (llama.cpp
  * llama-arch.cpp LLM_ARCH_NAMES). Reads g; writes *arch (BT_ARCH_*). Errors: BT_ERR_NOTFOUND
  * (key missing), BT_ERR_FORMAT (not a string), BT_ERR_UNSUPPORTED (another architecture, named
  * in the message). */
@@ -578,14 +584,14 @@ static int gguf_check_arch(const bt_gguf *g, const char *path, int *arch_out) {
         return bt_fail(rc == BT_ERR_NOTFOUND ? BT_ERR_NOTFOUND : BT_ERR_FORMAT,
                        "model: %s: general.architecture: %s", path,
                        rc == BT_ERR_NOTFOUND ? "missing" : bt_last_error());
-    for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_QWEN3; a++)
+    for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_PHI3; a++)
         if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len)) {
             *arch_out = a;
             return 0;
         }
     return bt_fail(BT_ERR_UNSUPPORTED,
                    "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\", "
-                   "\"qwen2\" and \"qwen3\"",
+                   "\"qwen2\", \"qwen3\" and \"phi3\"",
                    path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
 }
 
@@ -653,12 +659,29 @@ static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp
                            "for \"llama\" GGUFs only", path, st, (int)(v.len > 32 ? 32 : v.len),
                            v.ptr);
     }
+    /* Phi-3 long-context files (convert_hf_to_gguf.py Phi3MiniModel.generate_extra_tensors for
+     * rope_scaling type "longrope" / "su") carry the two factor tables llama.cpp switches between
+     * by context length: not implemented here */
+    if (hp->arch == BT_ARCH_PHI3) { /* Phi3MiniModel writes phi3.attention.sliding_window */
+        int64_t sw = 0;
+        if (bt_gguf_get_i64(g, "phi3.attention.sliding_window", &sw) == 0 && sw > 0 && sw < hp->ctx)
+            bt_log(BT_LOG_WARN, "model", "%s: phi3.attention.sliding_window %lld: attention here is "
+                   "full causal, which equals Phi-3's only for documents of at most that many "
+                   "tokens", path, (long long)sw);
+    }
+    if (bt_gguf_find_tensor(g, "rope_factors_long.weight") ||
+        bt_gguf_find_tensor(g, "rope_factors_short.weight"))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: rope_factors_long / rope_factors_short "
+                       "tensors (Phi-3 \"longrope\" / \"su\" RoPE scaling, switched by context "
+                       "length) are not supported; use a model without rope_scaling (e.g. "
+                       "Phi-3-mini-4k)", path);
     if (bt_gguf_find_tensor(g, "rope_freqs.weight")) hp->rope_type = BT_ROPE_FREQS;
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb) return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);
     hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
     hp->qk_norm = hp->arch == BT_ARCH_QWEN3;
-    /* Llama keeps head_dim = embedding_length / head_count; Qwen's key_length may differ */
+    /* Llama keeps head_dim = embedding_length / head_count; Qwen's key_length may differ (Phi-3:
+     * llama.cpp LLM_ARCH_PHI3 uses NEOX RoPE, and Phi3MiniModel writes HF's q/k rows as-is) */
     return bt_model_check_hparams(hp, path, hp->arch != BT_ARCH_LLAMA);
 }
 
@@ -704,7 +727,7 @@ static int gguf_globals(bt_model *m, const bt_gguf *g, const char *path) {
  * the model). Errors: those of load_linear_gguf, load_tensor, unpermute_rows, bt_model_lin_set. */
 static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
                        const bt_llama_hparams *hp, int j, const bt_model_load_opts *opts,
-                       bt_base_linear *l) {
+                       int total, int r0, bt_base_linear *l) {
     int rows, cols, rc;
     bt_model_lin_shape(hp, j, &rows, &cols);
     /* only LlamaModel.permute()s q/k; Qwen2Model / Qwen3Model write HF's rows (NEOX RoPE) */
@@ -712,9 +735,16 @@ static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
                    (j == BT_MOD_Q || j == BT_MOD_K);
     const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
     if (opts->base_dtype == BT_BASE_GGUF)
-        return load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim, l);
+        return load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim, total, r0, l);
     float *w;
-    if ((rc = load_tensor(g, path, name, rows, cols, &w))) return rc;
+    if ((rc = load_tensor(g, path, name, total ? total : rows, cols, &w))) return rc;
+    if (total) { /* a fused tensor: keep rows [r0, r0 + rows) */
+        float *part = bt_aligned_alloc((size_t)rows * cols * sizeof(float));
+        if (part) memcpy(part, w + (size_t)r0 * cols, (size_t)rows * cols * sizeof(float));
+        free(w);
+        if (!part) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", path, name);
+        w = part;
+    }
     if (qk && (rc = unpermute_rows(w, nh, hp->head_dim, cols))) {
         free(w);
         return rc;
@@ -754,10 +784,40 @@ static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
     if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->attn_norm))) return rc;
     snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
     if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->ffn_norm))) return rc;
+    /* phi3 (llama.cpp llama-model.cpp LLM_ARCH_PHI3; gguf-py 0.19.0 tensor_mapping.py maps HF
+     * self_attn.qkv_proj to MODEL_TENSOR.ATTN_QKV "blk.N.attn_qkv" and mlp.gate_up_proj to
+     * MODEL_TENSOR.FFN_UP "blk.N.ffn_up"): attn_qkv [Dq + 2 Dkv, D] holds q, k, v rows in that
+     * order (optional: llama.cpp falls back to attn_q / attn_k / attn_v), ffn_up [2 F, D] holds
+     * gate rows then up rows (Phi3MLP: gate, up = gate_up.chunk(2); llama.cpp LLM_FFN_SWIGLU
+     * with no gate tensor splits the same way); no ffn_gate tensor */
+    const int phi3 = hp->arch == BT_ARCH_PHI3;
+    char qkv[96];
+    snprintf(qkv, sizeof qkv, "blk.%d.attn_qkv.weight", l);
+    const int fused_qkv = phi3 && bt_gguf_find_tensor(g, qkv) != NULL;
+    const int Dq = hp->n_head * hp->head_dim, Dkv = hp->n_kv_head * hp->head_dim;
     for (int j = 0; j < BT_MOD_N; j++) {
+        int total = 0, r0 = 0;
         snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[j]);
-        if ((rc = gguf_linear(g, path, name, hp, j, opts, &L->lin[j]))) return rc;
-        if ((rc = gguf_bias(g, path, hp, l, j, opts, &L->lin[j]))) return rc;
+        if (fused_qkv && j <= BT_MOD_V) {
+            snprintf(name, sizeof name, "%s", qkv);
+            total = Dq + 2 * Dkv;
+            r0 = j == BT_MOD_Q ? 0 : j == BT_MOD_K ? Dq : Dq + Dkv;
+        } else if (phi3 && (j == BT_MOD_GATE || j == BT_MOD_UP)) {
+            snprintf(name, sizeof name, "blk.%d.ffn_up.weight", l);
+            total = 2 * hp->d_ff;
+            r0 = j == BT_MOD_GATE ? 0 : hp->d_ff;
+        }
+        if ((rc = gguf_linear(g, path, name, hp, j, opts, total, r0, &L->lin[j]))) return rc;
+        if (!total && (rc = gguf_bias(g, path, hp, l, j, opts, &L->lin[j]))) return rc;
+    }
+    if (phi3) { /* LLM_ARCH_PHI3 has no biases: refuse any rather than drop it */
+        static const char *const fb[3] = {"attn_qkv", "ffn_up", "ffn_gate"};
+        for (int i = 0; i < 3; i++) {
+            snprintf(name, sizeof name, "blk.%d.%s.bias", l, fb[i]);
+            if (bt_gguf_find_tensor(g, name))
+                return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: tensor %s: a phi3 bias is not "
+                               "supported (llama.cpp's phi3 has none)", path, name);
+        }
     }
     if (hp->qk_norm) { /* Qwen3: blk.N.attn_{q,k}_norm.weight [head_dim] */
         snprintf(name, sizeof name, "blk.%d.attn_q_norm.weight", l);

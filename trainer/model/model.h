@@ -77,8 +77,9 @@ int64_t bt_dims_max_linear(const bt_dims *d);
 int bt_dims_max_cols(const bt_dims *d);
 
 /* Model families (bt_llama_hparams.arch). */
-enum { BT_ARCH_LLAMA = 0, BT_ARCH_QWEN2 = 1, BT_ARCH_QWEN3 = 2 };
-/* "llama" | "qwen2" | "qwen3": the GGUF general.architecture (and key prefix) of a family. */
+enum { BT_ARCH_LLAMA = 0, BT_ARCH_QWEN2 = 1, BT_ARCH_QWEN3 = 2, BT_ARCH_PHI3 = 3 };
+/* "llama" | "qwen2" | "qwen3" | "phi3": the GGUF general.architecture (and key prefix) of a
+ * family. */
 const char *bt_arch_name(int arch);
 
 enum { BT_ROPE_DEFAULT = 0, BT_ROPE_LLAMA3 = 1, BT_ROPE_FREQS = 2 };
@@ -173,9 +174,14 @@ typedef struct {
     int keep_gguf_qk_order;  /* testing only: 1 = do NOT undo llama.cpp's Q/K permutation */
 } bt_model_load_opts;
 
-/* Load a GGUF of general.architecture "llama", "qwen2" or "qwen3" (hp.arch), the format llama.cpp's
- * convert_hf_to_gguf.py writes (LlamaModel, Qwen2Model, Qwen3Model) and llama-model.cpp
- * load_hparams reads. For "qwen2" / "qwen3" every key below is read under that prefix instead of
+/* Load a GGUF of general.architecture "llama", "qwen2", "qwen3" or "phi3" (hp.arch), the format
+ * llama.cpp's convert_hf_to_gguf.py writes (LlamaModel, Qwen2Model, Qwen3Model, Phi3MiniModel)
+ * and llama-model.cpp load_hparams reads. "phi3": keys under "phi3.", no q/k un-permutation,
+ * blk.N.attn_qkv [Dq + 2 Dkv, d_model] split into q, k, v rows (blk.N.attn_q/k/v when it is
+ * absent, as llama.cpp allows) and blk.N.ffn_up [2 d_ff, d_model] into gate rows then up rows (no
+ * ffn_gate tensor; gguf-py 0.19.0 TensorNameMap ATTN_QKV / FFN_UP), biases refused, and
+ * rope_factors_long / rope_factors_short tensors (Phi-3 "longrope" / "su" scaling) refused with
+ * BT_ERR_UNSUPPORTED naming them. For "qwen2" / "qwen3" every key below is read under that prefix instead of
  * "llama.", head_dim is <arch>.attention.key_length (default embedding_length / head_count),
  * q/k rows are NOT un-permuted (those converters keep HF's rows: llama.cpp applies NEOX RoPE),
  * "qwen2" requires blk.N.attn_{q,k,v}.bias [rows] (any arch: a present blk.N.<linear>.bias is
@@ -211,7 +217,12 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
  * file in <dir>). architectures[0] must be LlamaForCausalLM (SmolLM2, Llama 2/3/3.1/3.2),
  * MistralForCausalLM, Qwen2ForCausalLM (hp.arch BT_ARCH_QWEN2) or Qwen3ForCausalLM
  * (BT_ARCH_QWEN3: hp.qk_norm, tensors model.layers.N.self_attn.{q,k}_norm.weight [head_dim];
- * attention_bias as Llama's, false by default).
+ * attention_bias as Llama's, false by default) or Phi3ForCausalLM (BT_ARCH_PHI3: no biases;
+ * model.layers.N.self_attn.qkv_proj.weight [Dq + 2 Dkv, hidden] split into q, k, v rows and
+ * model.layers.N.mlp.gate_up_proj.weight [2 intermediate, hidden] into gate rows then up rows,
+ * as transformers 5.23 Phi3Attention / Phi3MLP's chunk(2) read them; F32 / F16 / BF16 only;
+ * rope_scaling / rope_parameters other than "default" ("su", "yarn", "longrope") and
+ * partial_rotary_factor != 1 refused naming Phi-3; sliding_window warned about as Mistral's).
  * config.json keys: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
  * rms_norm_eps, vocab_size (required); num_key_value_heads (default num_attention_heads),
  * head_dim (default hidden_size / num_attention_heads; may differ from it), rope_theta (10000),

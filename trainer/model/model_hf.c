@@ -5,7 +5,9 @@
  * Qwen2ForCausalLM modeling files (Qwen2Attention: q/k/v Linear(bias=True), o_proj bias=False;
  * LlamaAttention: bias=config.attention_bias on q/k/v/o; LlamaMLP: bias=config.mlp_bias), and
  * (transformers 5.23) Qwen3ForCausalLM (Qwen3Attention: q_norm / k_norm = Qwen3RMSNorm(head_dim)
- * on each head of q and k before RoPE; q/k/v/o bias=config.attention_bias),
+ * on each head of q and k before RoPE; q/k/v/o bias=config.attention_bias) and Phi3ForCausalLM
+ * (Phi3Attention: fused qkv_proj sliced q | k | v; Phi3MLP: fused gate_up_proj, gate, up =
+ * chunk(2); no biases; rotate_half RoPE as Llama's HF layout),
  * LlamaLinearScalingRotaryEmbedding (position / factor), modeling_utils.py sharded loading
  * (model.safetensors.index.json "weight_map"), bitsandbytes QuantState.as_dict(packed=True)
  * (docs/formats/nf4.md §Checkpoint). */
@@ -546,6 +548,25 @@ static int load_linear(const wsrc *s, bt_base_linear *l, const char *prefix, int
     return 0;
 }
 
+/* Rows [r0, r0 + rows) of the fused frozen linear `<prefix>.weight` [total, cols] (Phi-3
+ * self_attn.qkv_proj: q, k, v rows; mlp.gate_up_proj: gate rows then up rows, Phi3MLP's
+ * chunk(2)) as one linear in base_dtype. No bias (Phi-3 has none). Errors: those of load_f32 (a
+ * bitsandbytes-quantised fused tensor is refused there by its dtype), BT_ERR_NOMEM, those of
+ * bt_model_lin_set. */
+static int load_linear_part(const wsrc *s, bt_base_linear *l, const char *prefix, int total,
+                            int r0, int rows, int cols, int base_dtype) {
+    char w[400];
+    snprintf(w, sizeof w, "%s.weight", prefix);
+    float *f = NULL;
+    int rc = load_f32(s, w, total, cols, &f);
+    if (rc) return rc;
+    float *part = bt_aligned_alloc((size_t)rows * cols * sizeof(float));
+    if (part) memcpy(part, f + (size_t)r0 * cols, (size_t)rows * cols * sizeof(float));
+    free(f);
+    if (!part) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", s->dir, w);
+    return bt_model_lin_set(l, part, rows, cols, base_dtype, w);
+}
+
 /* ---------------------------------------------------------------- config.json */
 
 typedef struct {
@@ -790,7 +811,31 @@ static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
     return rope_extension(c, rs, ty, hp);
 }
 
-enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3 };
+enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_PHI3 };
+
+/* Phi-3's RoPE keys (transformers 5.23 Phi3Config: rope_parameters / rope_scaling "su" and
+ * "yarn" are renamed "longrope", the only other kind it accepts being "default"; Phi3's
+ * partial_rotary_factor may sit at the top level): only "default" with the whole head rotated.
+ * Errors: BT_ERR_UNSUPPORTED naming the kind or the factor. */
+static int phi3_rope_check(const cfgj *c) {
+    double prf = 1.0;
+    json_t *pv = json_object_get(c->root, "partial_rotary_factor");
+    if (pv && !json_is_null(pv) && (!json_num(pv, &prf) || prf != 1.0))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Phi-3 partial_rotary_factor %g is not "
+                       "supported (RoPE over the whole head only)", c->path, prf);
+    json_t *rs = json_object_get(c->root, "rope_scaling");
+    if (!rs || json_is_null(rs)) rs = json_object_get(c->root, "rope_parameters");
+    if (!rs || json_is_null(rs) || !json_is_object(rs)) return 0; /* rope_common judges it */
+    const char *ty = json_string_value(json_object_get(rs, "rope_type"));
+    if (!ty) ty = json_string_value(json_object_get(rs, "type"));
+    if (ty && strcmp(ty, "default") != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Phi-3 rope_scaling type \"%s\"%s is not "
+                       "supported (Phi-3's \"su\" / \"longrope\" scaling switches factor tables "
+                       "with the sequence length); use a model without rope_scaling (e.g. "
+                       "Phi-3-mini-4k)", c->path, ty,
+                       !strcmp(ty, "su") || !strcmp(ty, "yarn") ? " (transformers: \"longrope\")" : "");
+    return 0;
+}
 
 /* Fill hp and the bias flags from config.json. */
 static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *attn_bias_qkv,
@@ -810,12 +855,13 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
         a = ARCH_MISTRAL;
     else if (arch ? !strcmp(arch, "Qwen2ForCausalLM") : mt && !strcmp(mt, "qwen2")) a = ARCH_QWEN2;
     else if (arch ? !strcmp(arch, "Qwen3ForCausalLM") : mt && !strcmp(mt, "qwen3")) a = ARCH_QWEN3;
+    else if (arch ? !strcmp(arch, "Phi3ForCausalLM") : mt && !strcmp(mt, "phi3")) a = ARCH_PHI3;
     else if (!arch && !mt)
         return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing key \"architectures\"", c->path);
     else
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: architecture \"%s\" is not supported "
                        "(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                       "Qwen3ForCausalLM)",
+                       "Qwen3ForCausalLM, Phi3ForCausalLM)",
                        c->path, arch ? arch : mt);
     int rc;
     if ((rc = cfg_int(c, "hidden_size", 1, 0, &hp->d_model)) ||
@@ -841,7 +887,13 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
             (rc = cfg_bool(c, "mlp_bias", 0, mlp_bias)))
             return rc;
         *attn_bias_o = *attn_bias_qkv;
-    } else if (a == ARCH_QWEN2 || a == ARCH_QWEN3) {
+    } else if (a == ARCH_PHI3) {
+        /* Phi3Attention: qkv_proj / o_proj Linear(bias=False); Phi3MLP: gate_up_proj / down_proj
+         * bias=False; sliding_window warned about below as Mistral's */
+        hp->arch = BT_ARCH_PHI3;
+        if ((rc = phi3_rope_check(c))) return rc;
+    }
+    if (a == ARCH_QWEN2 || a == ARCH_QWEN3) {
         /* Qwen2Attention: q/k/v bias=True; Qwen3Attention: bias=config.attention_bias on q/k/v/o
          * (false in every released Qwen3) and q_norm / k_norm (Qwen3RMSNorm(head_dim)) */
         int sw;
@@ -867,7 +919,7 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
         json_t *sw = json_object_get(c->root, "sliding_window");
         if (json_is_integer(sw) && json_integer_value(sw) < hp->ctx)
             bt_log(BT_LOG_WARN, "model", "%s: sliding_window %lld: attention here is full causal, "
-                   "which equals Mistral's only for documents of at most that many tokens",
+                   "which equals Mistral's / Phi-3's only for documents of at most that many tokens",
                    c->path, (long long)json_integer_value(sw));
     }
     if ((rc = parse_rope(c, hp, rope_freqs))) return rc;
@@ -958,6 +1010,22 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
             int rows, cols;
             bt_model_lin_shape(hp, j, &rows, &cols);
             int bias = j <= BT_MOD_V ? bqkv : j == BT_MOD_O ? bo : bmlp;
+            if (hp->arch == BT_ARCH_PHI3 && j != BT_MOD_O && j != BT_MOD_DOWN) {
+                /* Phi3Attention.qkv_proj [Dq + 2 Dkv, D], Phi3MLP.gate_up_proj [2 F, D] */
+                const int Dq = hp->n_head * hp->head_dim, Dkv = hp->n_kv_head * hp->head_dim;
+                const int qkv = j <= BT_MOD_V;
+                snprintf(name, sizeof name, "model.layers.%d.%s", l,
+                         qkv ? "self_attn.qkv_proj" : "mlp.gate_up_proj");
+                const int total = qkv ? Dq + 2 * Dkv : 2 * hp->d_ff;
+                const int r0 = j == BT_MOD_Q || j == BT_MOD_GATE ? 0
+                             : j == BT_MOD_K                     ? Dq
+                             : j == BT_MOD_V                     ? Dq + Dkv
+                                                                 : hp->d_ff;
+                if ((rc = load_linear_part(&s, &L->lin[j], name, total, r0, rows, cols,
+                                           opts->base_dtype)))
+                    goto fail;
+                continue;
+            }
             snprintf(name, sizeof name, "model.layers.%d.%s", l, k_hf_lin[j]);
             if ((rc = load_linear(&s, &L->lin[j], name, rows, cols, bias, opts->base_dtype)))
                 goto fail;

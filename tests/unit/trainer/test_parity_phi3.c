@@ -1,0 +1,411 @@
+/* Parity of the CPU (fp32) trainer with transformers 5.23 + PEFT 0.21 on a tiny random Phi-3
+ * (tests/fixtures/hf/phi3, made by tests/reference/gen_phi3_fixtures.py; see its docstring for
+ * the files), loaded from its Hugging Face directory (fused self_attn.qkv_proj and
+ * mlp.gate_up_proj split into q/k/v and gate/up at load) and from its GGUF (general.architecture
+ * "phi3", fused blk.N.attn_qkv / blk.N.ffn_up as gguf-py's TensorNameMap names them), dequantised
+ * to fp32 and kept as GGUF blocks (base_dtype "gguf"): logits and loss of the packed batch without
+ * and with the PEFT adapter (LoRA on o_proj and down_proj, the Phi-3 targets the trainer takes),
+ * the LoRA gradients, and the inference path (KV cache, two chunks) against the same logits.
+ * The checks can fail: with gate and up swapped (a wrong split of gate_up_proj) the logits are
+ * far off. Also: the refusals of what is not implemented (LoRA on the fused modules, "longrope" /
+ * "su" RoPE scaling from HF and GGUF, partial_rotary_factor != 1, device "cuda" is in
+ * tests/emu). Tolerances: logits 1e-4 absolute, loss 1e-5, LoRA gradients 1e-4 relative to their
+ * max (the tiny-Llama parity's, tests/reference/README.md). Run from the repo root
+ * (BT_HF_FIXTURES overrides tests/fixtures/hf). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/bt_common.h"
+#include "common/safetensors.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
+#include "trainer/infer/infer.h"
+#include "trainer/io/adapter.h"
+#include "trainer/io/adapter_load.h"
+#include "trainer/io/export.h"
+#include "trainer/loop/step.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "trainer/model/model_internal.h"
+
+enum { PB = 2, PT = 24, PM = PB * PT, NV = 260 };
+
+static const char *fixdir(void) {
+    const char *d = getenv("BT_HF_FIXTURES");
+    return d && *d ? d : "tests/fixtures/hf";
+}
+
+static bt_st_file *open_fix(const char *rel) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/phi3/%s", fixdir(), rel);
+    bt_st_file *f = NULL;
+    if (bt_st_open(&f, p)) fail_msg("cannot open fixture %s: %s", p, bt_last_error());
+    return f;
+}
+
+static const void *fix_data(const bt_st_file *f, const char *name, bt_st_dtype dt, int64_t n) {
+    const bt_st_tensor *t = bt_st_find(f, name);
+    if (!t) fail_msg("fixture tensor %s missing", name);
+    assert_int_equal(t->dtype, dt);
+    assert_int_equal((int64_t)(t->nbytes / bt_st_dtype_size(dt)), n);
+    return t->data;
+}
+
+static const float *fix_f32(const bt_st_file *f, const char *name, int64_t n) {
+    return fix_data(f, name, BT_ST_F32, n);
+}
+
+typedef struct {
+    int32_t ids[PM], lab[PM], pos[PM], cu[4];
+} batch;
+
+static bt_microbatch load_batch(batch *b) {
+    bt_st_file *f = open_fix("batch.safetensors");
+    memcpy(b->ids, fix_data(f, "input_ids", BT_ST_I32, PM), sizeof b->ids);
+    memcpy(b->lab, fix_data(f, "labels", BT_ST_I32, PM), sizeof b->lab);
+    memcpy(b->pos, fix_data(f, "position_ids", BT_ST_I32, PM), sizeof b->pos);
+    memcpy(b->cu, fix_data(f, "cu_seqlens", BT_ST_I32, 4), sizeof b->cu);
+    bt_st_close(f);
+    bt_microbatch mb = {PB, PT, b->ids, b->lab, b->pos, b->cu, 4};
+    return mb;
+}
+
+static double max_abs_diff(const float *a, const float *b, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - b[i]));
+    return d;
+}
+
+static double max_abs(const float *a, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i]));
+    return d;
+}
+
+/* source: "hf" (the directory), "gguf" (model.gguf dequantised to fp32), "native" (model.gguf
+ * kept as BF16 blocks, base_dtype "gguf") */
+static void load_model(bt_model *m, const char *source) {
+    char p[512];
+    int gg = strcmp(source, "hf") != 0;
+    snprintf(p, sizeof p, "%s/phi3/%s", fixdir(), gg ? "model.gguf" : "hf");
+    bt_model_load_opts o = {!strcmp(source, "native") ? BT_BASE_GGUF : BT_BASE_FP32, 0};
+    if (bt_model_load(m, p, &o)) fail_msg("loading %s: %s", p, bt_last_error());
+    assert_int_equal(m->hp.arch, BT_ARCH_PHI3);
+    assert_int_equal(m->hp.qk_norm, 0);
+    assert_int_equal(m->hp.head_dim, 8);
+    assert_int_equal(m->hp.n_head, 4);
+    assert_int_equal(m->hp.n_kv_head, 2);
+    assert_int_equal(m->hp.d_model, 32);
+    assert_int_equal(m->hp.d_ff, 64);
+    assert_int_equal(m->hp.vocab, NV);
+    assert_int_equal(m->tied, 0);
+    assert_true(m->hp.rope_theta == 10000.0f);
+    for (int l = 0; l < m->hp.n_layer; l++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            int rows, cols;
+            bt_model_lin_shape(&m->hp, j, &rows, &cols);
+            assert_int_equal(m->layers[l].lin[j].rows, rows);
+            assert_int_equal(m->layers[l].lin[j].cols, cols);
+            assert_null(m->layers[l].lin[j].bias);
+        }
+}
+
+/* logits [PM, NV] and the training path's mean loss of the packed batch (LoRA gradients into lo
+ * when lo != NULL); ckpt: activation checkpointing (the layer forward recomputed in backward) */
+static double run_forward_ck(const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                             float *logits, int ckpt) {
+    bt_step_ctx *ctx;
+    assert_int_equal(bt_step_ctx_new(&ctx, m, lo, PM, ckpt), 0);
+    assert_int_equal(bt_forward_logits(ctx, m, lo, mb, logits), 0);
+    double s;
+    int nv;
+    if (lo) bt_lora_zero_grad(lo);
+    assert_int_equal(bt_forward_backward(ctx, m, lo, mb, lo != NULL, 1.f / 43.f, 0, &s, &nv), 0);
+    assert_int_equal(nv, 43); /* 48 tokens in 3 documents: 45 targets, 2 of them masked prompt */
+    bt_step_ctx_free(ctx);
+    return s / nv;
+}
+
+static double run_forward(const bt_model *m, bt_lora *lo, const bt_microbatch *mb, float *logits) {
+    return run_forward_ck(m, lo, mb, logits, 0);
+}
+
+/* The inference path (KV cache): row 1's document fed in two chunks, all logits. */
+static double infer_err(const bt_model *m, const bt_lora *lo, const batch *b, const float *ref) {
+    bt_infer *s;
+    assert_int_equal(bt_infer_new(&s, m, lo, 64, 16), 0);
+    float *lg = malloc((size_t)PT * NV * sizeof(float));
+    assert_int_equal(bt_infer_forward(s, b->ids + PT, 10, BT_INFER_LOGITS_ALL, lg), 0);
+    assert_int_equal(bt_infer_forward(s, b->ids + PT + 10, 14, BT_INFER_LOGITS_ALL, lg + 10 * NV), 0);
+    double e = max_abs_diff(lg, ref + (size_t)PT * NV, (int64_t)PT * NV);
+    free(lg);
+    bt_infer_free(s);
+    return e;
+}
+
+static double grads_rel_err(const bt_lora *lo, const bt_st_file *f) {
+    double worst = 0;
+    char key[192];
+    for (int l = 0; l < lo->n_layer; l++)
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            const bt_lora_mod *md = bt_lora_get(lo, l, mod);
+            if (!md) continue; /* not a target (Phi-3: o_proj and down_proj only) */
+            for (int isB = 0; isB < 2; isB++) {
+                bt_adapter_key(key, sizeof key, l, mod, isB);
+                int64_t n = isB ? (int64_t)md->out * lo->r : (int64_t)lo->r * md->in;
+                const float *rg = fix_f32(f, key, n);
+                double den = max_abs(rg, n);
+                assert_true(den > 0);
+                worst = fmax(worst, max_abs_diff(isB ? md->dB : md->dA, rg, n) / den);
+            }
+        }
+    return worst;
+}
+
+static void check_source(const char *source) {
+    batch b;
+    bt_microbatch mb = load_batch(&b);
+    bt_model m;
+    load_model(&m, source);
+    bt_st_file *ref = open_fix("ref.safetensors");
+    const float *rl_base = fix_f32(ref, "logits_base", (int64_t)PM * NV);
+    const float *rl = fix_f32(ref, "logits", (int64_t)PM * NV);
+    float *logits = malloc((size_t)PM * NV * sizeof(float));
+
+    double loss = run_forward(&m, NULL, &mb, logits);
+    double e_base = max_abs_diff(logits, rl_base, (int64_t)PM * NV);
+    double e_loss_base = fabs(loss - fix_f32(ref, "loss_base", 1)[0]);
+    double e_inf_base = infer_err(&m, NULL, &b, rl_base);
+
+    bt_lora lo;
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/phi3/adapter-init", fixdir());
+    if (bt_lora_load_peft(&lo, &m, dir)) fail_msg("%s", bt_last_error());
+    assert_int_equal(lo.target_mask, (1u << BT_MOD_O) | (1u << BT_MOD_DOWN));
+    loss = run_forward(&m, &lo, &mb, logits);
+    double e_lora = max_abs_diff(logits, rl, (int64_t)PM * NV);
+    double e_loss = fabs(loss - fix_f32(ref, "loss", 1)[0]);
+    double e_grad = grads_rel_err(&lo, ref);
+    double e_inf = infer_err(&m, &lo, &b, rl);
+    run_forward_ck(&m, &lo, &mb, logits, 1);
+    double e_grad_ck = grads_rel_err(&lo, ref);
+    print_message("parity: phi3 from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
+                  "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
+                  "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", source,
+                  e_base, max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
+                  e_inf_base, e_inf, e_grad_ck);
+    assert_true(e_base <= 1e-4);
+    assert_true(e_loss_base <= 1e-5);
+    assert_true(e_lora <= 1e-4);
+    assert_true(e_loss <= 1e-5);
+    assert_true(e_grad <= 1e-4);
+    assert_true(e_inf_base <= 1e-4);
+    assert_true(e_inf <= 1e-4);
+    assert_true(e_grad_ck <= 1e-4);
+
+    /* the checks can fail: gate and up exchanged (gate_up_proj split the wrong way round) */
+    bt_base_linear t = m.layers[0].lin[BT_MOD_GATE];
+    m.layers[0].lin[BT_MOD_GATE] = m.layers[0].lin[BT_MOD_UP];
+    m.layers[0].lin[BT_MOD_UP] = t;
+    run_forward(&m, NULL, &mb, logits);
+    t = m.layers[0].lin[BT_MOD_GATE];
+    m.layers[0].lin[BT_MOD_GATE] = m.layers[0].lin[BT_MOD_UP];
+    m.layers[0].lin[BT_MOD_UP] = t;
+    assert_true(max_abs_diff(logits, rl_base, (int64_t)PM * NV) > 1e-2);
+
+    bt_lora_free(&lo);
+    free(logits);
+    bt_st_close(ref);
+    bt_model_free(&m);
+}
+
+static void test_phi3_hf(void **st) { (void)st; check_source("hf"); }
+static void test_phi3_gguf(void **st) { (void)st; check_source("gguf"); }
+static void test_phi3_gguf_native(void **st) { (void)st; check_source("native"); }
+
+/* The HF directory (fused tensors split at load) and the GGUF hold the same values. */
+static void test_gguf_equals_hf(void **st) {
+    (void)st;
+    bt_model a, g;
+    load_model(&a, "hf");
+    load_model(&g, "gguf");
+    const bt_llama_hparams *hp = &a.hp;
+    assert_int_equal(memcmp(a.tok_embd, g.tok_embd, (size_t)hp->vocab * hp->d_model * 4), 0);
+    assert_int_equal(memcmp(a.lm_head, g.lm_head, (size_t)hp->vocab * hp->d_model * 4), 0);
+    for (int l = 0; l < hp->n_layer; l++)
+        for (int j = 0; j < BT_MOD_N; j++) {
+            const bt_base_linear *x = &a.layers[l].lin[j], *y = &g.layers[l].lin[j];
+            assert_int_equal(memcmp(x->w, y->w, (size_t)x->rows * x->cols * 4), 0);
+        }
+    bt_model_free(&a);
+    bt_model_free(&g);
+}
+
+/* LoRA on a module Phi-3 fuses is refused by name (PEFT adapts qkv_proj / gate_up_proj with one
+ * lora_A; per-q/k/v LoRAs would train something else); o_proj + down_proj is accepted. */
+static void test_phi3_fused_lora_targets_refused(void **st) {
+    (void)st;
+    bt_model m;
+    load_model(&m, "hf");
+    for (int mod = 0; mod < BT_MOD_N; mod++) {
+        bt_lora lo;
+        int rc = bt_lora_init(&lo, &m, 4, 8, 0, 1u << mod, 0, 1);
+        if (mod == BT_MOD_O || mod == BT_MOD_DOWN) {
+            assert_int_equal(rc, 0);
+            bt_lora_free(&lo);
+        } else {
+            assert_int_equal(rc, BT_ERR_UNSUPPORTED);
+            assert_non_null(strstr(bt_last_error(), "Phi-3"));
+            assert_non_null(strstr(bt_last_error(), "qkv_proj"));
+        }
+    }
+    bt_model_free(&m);
+}
+
+/* A PEFT adapter on Phi-3's fused qkv_proj / gate_up_proj (what PEFT writes for
+ * target_modules "all-linear") is refused naming the module, not misread. */
+static void test_phi3_fused_peft_adapter_refused(void **st) {
+    (void)st;
+    bt_model m;
+    load_model(&m, "hf");
+    static const char *const mods[2] = {"qkv_proj", "gate_up_proj"};
+    for (int i = 0; i < 2; i++) {
+        char dir[] = "/tmp/bt_phi3_adXXXXXX";
+        assert_non_null(mkdtemp(dir));
+        char cp[600];
+        snprintf(cp, sizeof cp, "%s/adapter_config.json", dir);
+        FILE *f = fopen(cp, "w");
+        assert_non_null(f);
+        fprintf(f, "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"target_modules\": "
+                "[\"o_proj\", \"%s\"], \"bias\": \"none\", \"task_type\": \"CAUSAL_LM\"}", mods[i]);
+        fclose(f);
+        bt_lora lo;
+        int rc = bt_lora_load_peft(&lo, &m, dir);
+        if (rc != BT_ERR_UNSUPPORTED || !strstr(bt_last_error(), mods[i]) ||
+            !strstr(bt_last_error(), "Phi-3"))
+            fail_msg("%s: rc %d, %s", mods[i], rc, bt_last_error());
+        unlink(cp);
+        rmdir(dir);
+    }
+    bt_model_free(&m);
+}
+
+/* A merged Phi-3 export (GGUF or safetensors) would need qkv_proj / gate_up_proj re-fused: refused
+ * by name before anything is written. */
+static void test_phi3_merged_export_refused(void **st) {
+    (void)st;
+    bt_model m;
+    load_model(&m, "hf");
+    const char *out = "/tmp/bt_phi3_merged_never_written";
+    assert_int_equal(bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, out),
+                     BT_ERR_UNSUPPORTED);
+    assert_non_null(strstr(bt_last_error(), "Phi-3"));
+    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), BT_ERR_UNSUPPORTED);
+    assert_non_null(strstr(bt_last_error(), "Phi-3"));
+    struct stat sb;
+    assert_int_not_equal(stat(out, &sb), 0);
+    bt_model_free(&m);
+}
+
+/* Phi-3's long-context RoPE ("longrope", "su", and "yarn" which Phi3Config renames longrope) and
+ * partial RoPE are refused by name from config.json; the GGUF's rope_factors tables likewise. */
+static void test_phi3_rope_refusals(void **st) {
+    (void)st;
+    static const struct { const char *extra, *want; } cases[] = {
+        {"\"rope_scaling\": {\"type\": \"su\", \"short_factor\": [1,1,1,1], "
+         "\"long_factor\": [1,1,1,1]}", "\"su\""},
+        {"\"rope_scaling\": {\"rope_type\": \"longrope\", \"short_factor\": [1,1,1,1], "
+         "\"long_factor\": [1,1,1,1]}", "\"longrope\""},
+        {"\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 2}", "\"yarn\""},
+        {"\"partial_rotary_factor\": 0.5", "partial_rotary_factor 0.5"},
+    };
+    char dir[] = "/tmp/bt_phi3_cfgXXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char cp[600];
+    snprintf(cp, sizeof cp, "%s/config.json", dir);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        FILE *f = fopen(cp, "w");
+        assert_non_null(f);
+        fprintf(f, "{\"architectures\": [\"Phi3ForCausalLM\"], \"hidden_size\": 32, "
+                "\"intermediate_size\": 64, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+                "\"num_key_value_heads\": 2, \"vocab_size\": 260, \"rms_norm_eps\": 1e-5, "
+                "\"hidden_act\": \"silu\", \"max_position_embeddings\": 512, %s}", cases[i].extra);
+        fclose(f);
+        bt_model m;
+        bt_model_load_opts o = {BT_BASE_FP32, 0};
+        int rc = bt_model_load(&m, dir, &o);
+        if (rc != BT_ERR_UNSUPPORTED || !strstr(bt_last_error(), cases[i].want) ||
+            !strstr(bt_last_error(), "Phi-3"))
+            fail_msg("case %zu: rc %d, %s", i, rc, bt_last_error());
+    }
+    unlink(cp);
+    rmdir(dir);
+    char p[512];
+    snprintf(p, sizeof p, "%s/phi3/longrope.gguf", fixdir());
+    bt_model m;
+    bt_model_load_opts o = {BT_BASE_FP32, 0};
+    assert_int_equal(bt_model_load(&m, p, &o), BT_ERR_UNSUPPORTED);
+    assert_non_null(strstr(bt_last_error(), "longrope"));
+    assert_non_null(strstr(bt_last_error(), "rope_factors_long"));
+}
+
+/* `trainer estimate` on the Phi-3 files (GGUF with its fused tensors, and the HF directory)
+ * bills exactly the bytes the CPU step context allocates, with checkpointing and without. */
+static void test_phi3_estimate_is_the_plan(void **st) {
+    (void)st;
+    for (int src = 0; src < 2; src++)
+        for (int ck = 0; ck < 2; ck++) {
+            bt_model m;
+            load_model(&m, src ? "hf" : "gguf");
+            char p[512], txt[1024];
+            snprintf(p, sizeof p, "%s/phi3/%s", fixdir(), src ? "hf" : "model.gguf");
+            snprintf(txt, sizeof txt, "{\"model\": \"%s\", \"base_dtype\": \"fp32\", \"data\": "
+                     "{\"shards\": [\"d\"], \"seq_len\": 32, \"micro_batch_size\": 2}, \"lora\": "
+                     "{\"r\": 4, \"target_modules\": [\"o_proj\", \"down_proj\"]}, "
+                     "\"activation_checkpointing\": %s}", p, ck ? "true" : "false");
+            bt_train_config c;
+            assert_int_equal(bt_config_parse(&c, txt, "t", NULL, 0), 0);
+            bt_lora lo;
+            assert_int_equal(bt_lora_init(&lo, &m, 4, 8, 0, c.lora.target_mask, 0, 1), 0);
+            bt_step_ctx *ctx = NULL;
+            assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, 64, ck), 0);
+            bt_est_model em;
+            if (bt_est_model_read(&em, p)) fail_msg("%s: %s", p, bt_last_error());
+            assert_int_equal(em.hp.head_dim, 8);
+            bt_mem_bill b;
+            bt_estimate_bill(&em, &c, BT_EST_CPU, omp_get_max_threads(), &b);
+            if (b.step != (double)bt_step_ctx_bytes(ctx))
+                fail_msg("%s, checkpointing %d: bill step %.0f bytes, bt_step_ctx_bytes %zu", p, ck,
+                         b.step, bt_step_ctx_bytes(ctx));
+            bt_step_ctx_free(ctx);
+            bt_lora_free(&lo);
+            bt_config_free(&c);
+            bt_model_free(&m);
+        }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_phi3_hf),
+        cmocka_unit_test(test_phi3_gguf),
+        cmocka_unit_test(test_phi3_gguf_native),
+        cmocka_unit_test(test_gguf_equals_hf),
+        cmocka_unit_test(test_phi3_fused_lora_targets_refused),
+        cmocka_unit_test(test_phi3_rope_refusals),
+        cmocka_unit_test(test_phi3_fused_peft_adapter_refused),
+        cmocka_unit_test(test_phi3_merged_export_refused),
+        cmocka_unit_test(test_phi3_estimate_is_the_plan),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
