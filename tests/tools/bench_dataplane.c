@@ -19,7 +19,8 @@
  *   seconds per node), tokens (non-padding tokens, all ranks), built (shards tokenized into the
  *   cache, all nodes), checksum (FNV-1a over every rank's batch checksums in order: equal for
  *   the three designs when the batches are).
- * Exit status 0, or 1 with a message on stderr. */
+ * Exit status 0, 1 with a message on stderr, or 2 with the usage on a bad command line. */
+#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,33 +122,43 @@ static int node_run(const opts *o, const bt_tokenizer *tok, unsigned node, node_
     return rc;
 }
 
-static int usage(void) {
-    fprintf(stderr, "usage: bench_dataplane --model M.gguf --shards GLOB --design today|shared|cached [--cache-dir DIR]\n"
-                    "       [--format chat] [--seq-len T] [--batch B] [--threads K] [--nodes N]\n");
-    return 1;
+/* The usage text on f; returns rc (2: a usage error, 0: --help). */
+static int usage(FILE *f, int rc) {
+    fprintf(f, "usage: bench_dataplane --model M.gguf --shards GLOB --design today|shared|cached [--cache-dir DIR]\n"
+               "       [--format chat] [--seq-len T] [--batch B] [--threads K] [--nodes N]\n");
+    return rc;
 }
 
 int main(int argc, char **argv) {
     opts o = {NULL, NULL, "chat", NULL, NULL, 2048, 4, 1, 1};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) return usage();
-        i++;
-        if (!strcmp(a, "--model")) o.model = v;
-        else if (!strcmp(a, "--shards")) o.glob = v;
-        else if (!strcmp(a, "--format")) o.format = v;
-        else if (!strcmp(a, "--design")) o.design = v;
-        else if (!strcmp(a, "--cache-dir")) o.cache_dir = v;
-        else if (!strcmp(a, "--seq-len")) o.T = (unsigned)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--batch")) o.B = (unsigned)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--threads")) o.threads = (unsigned)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--nodes")) o.nodes = (unsigned)strtoul(v, NULL, 10);
-        else return usage();
+    static const struct option lopts[] = {
+        {"model", required_argument, NULL, 'm'},  {"shards", required_argument, NULL, 's'},
+        {"format", required_argument, NULL, 'f'}, {"design", required_argument, NULL, 'd'},
+        {"cache-dir", required_argument, NULL, 'c'}, {"seq-len", required_argument, NULL, 'T'},
+        {"batch", required_argument, NULL, 'B'},  {"threads", required_argument, NULL, 'k'},
+        {"nodes", required_argument, NULL, 'n'},  {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
+    int c;
+    while ((c = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
+        switch (c) {
+        case 'm': o.model = optarg; break;
+        case 's': o.glob = optarg; break;
+        case 'f': o.format = optarg; break;
+        case 'd': o.design = optarg; break;
+        case 'c': o.cache_dir = optarg; break;
+        case 'T': o.T = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'B': o.B = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'k': o.threads = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'n': o.nodes = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'h': return usage(stdout, 0);
+        default: return usage(stderr, 2);
+        }
     }
+    if (optind != argc) return usage(stderr, 2);
     if (!o.model || !o.glob || !o.design || o.nodes < 1 || o.nodes > 64 ||
         (strcmp(o.design, "today") && strcmp(o.design, "shared") && strcmp(o.design, "cached")) ||
         (!strcmp(o.design, "cached") && !o.cache_dir))
-        return usage();
+        return usage(stderr, 2);
     bt_log_set_level(BT_LOG_WARN);
     bt_tokenizer *tok = NULL;
     if (bt_tokenizer_load(&tok, o.model) != BT_OK) {

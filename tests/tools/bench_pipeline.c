@@ -14,7 +14,8 @@
  *   tok_per_s_per_thread = tok_per_s / threads (tokenize threads only; the reader and the
  *   consumer thread come on top), cpu_seconds (process CPU time of the best run, getrusage),
  *   tok_per_cpu_s = tokens / cpu_seconds (the honest per-core figure).
- * Exit status 0, or 1 with a message on stderr. */
+ * Exit status 0, 1 with a message on stderr, or 2 with the usage on a bad command line. */
+#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,10 +33,11 @@ static double cpu_now(void) {
            ru.ru_stime.tv_usec * 1e-6;
 }
 
-static int usage(void) {
-    fprintf(stderr, "usage: bench_pipeline --model M.gguf --shards GLOB [--shards GLOB ...] [--format chat|text|alpaca]\n"
-                    "       [--seq-len T] [--batch B] [--threads N] [--epochs E] [--world W] [--seed S] [--repeat R]\n");
-    return 1;
+/* The usage text on f; returns rc (2: a usage error, 0: --help). */
+static int usage(FILE *f, int rc) {
+    fprintf(f, "usage: bench_pipeline --model M.gguf --shards GLOB [--shards GLOB ...] [--format chat|text|alpaca]\n"
+               "       [--seq-len T] [--batch B] [--threads N] [--epochs E] [--world W] [--seed S] [--repeat R]\n");
+    return rc;
 }
 
 int main(int argc, char **argv) {
@@ -44,23 +46,35 @@ int main(int argc, char **argv) {
     int n_shards = 0;
     unsigned T = 2048, B = 4, threads = 1, epochs = 1, world = 1, repeat = 1;
     unsigned long long seed = 1234;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) return usage();
-        i++;
-        if (strcmp(a, "--model") == 0) model = v;
-        else if (strcmp(a, "--shards") == 0 && n_shards < 64) shards[n_shards++] = v;
-        else if (strcmp(a, "--format") == 0) format = v;
-        else if (strcmp(a, "--seq-len") == 0) T = (unsigned)strtoul(v, NULL, 10);
-        else if (strcmp(a, "--batch") == 0) B = (unsigned)strtoul(v, NULL, 10);
-        else if (strcmp(a, "--threads") == 0) threads = (unsigned)strtoul(v, NULL, 10);
-        else if (strcmp(a, "--epochs") == 0) epochs = (unsigned)strtoul(v, NULL, 10);
-        else if (strcmp(a, "--world") == 0) world = (unsigned)strtoul(v, NULL, 10);
-        else if (strcmp(a, "--seed") == 0) seed = strtoull(v, NULL, 10);
-        else if (strcmp(a, "--repeat") == 0) repeat = (unsigned)strtoul(v, NULL, 10);
-        else return usage();
+    static const struct option lopts[] = {
+        {"model", required_argument, NULL, 'm'},   {"shards", required_argument, NULL, 's'},
+        {"format", required_argument, NULL, 'f'},  {"seq-len", required_argument, NULL, 'T'},
+        {"batch", required_argument, NULL, 'B'},   {"threads", required_argument, NULL, 'k'},
+        {"epochs", required_argument, NULL, 'e'},  {"world", required_argument, NULL, 'w'},
+        {"seed", required_argument, NULL, 'S'},    {"repeat", required_argument, NULL, 'r'},
+        {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
+    int c;
+    while ((c = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 's':
+            if (n_shards == 64) return usage(stderr, 2);
+            shards[n_shards++] = optarg;
+            break;
+        case 'f': format = optarg; break;
+        case 'T': T = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'B': B = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'k': threads = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'e': epochs = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'w': world = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'S': seed = strtoull(optarg, NULL, 10); break;
+        case 'r': repeat = (unsigned)strtoul(optarg, NULL, 10); break;
+        case 'h': return usage(stdout, 0);
+        default: return usage(stderr, 2);
+        }
     }
-    if (!model || n_shards == 0 || epochs == 0 || repeat == 0 || world == 0) return usage();
+    if (optind != argc || !model || n_shards == 0 || epochs == 0 || repeat == 0 || world == 0)
+        return usage(stderr, 2);
     bt_log_set_level(BT_LOG_ERROR);
     bt_tokenizer *tok = NULL;
     if (bt_tokenizer_load(&tok, model) != BT_OK) {

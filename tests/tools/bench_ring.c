@@ -11,7 +11,8 @@
  * the consumer reads the clock as soon as bt_ring_consumer_peek returns. Median / p99 / max of
  * --samples wake-ups, in microseconds. With two or more CPUs the processes are pinned to
  * different CPUs (--no-pin leaves placement to the scheduler).
- * Exit 0, or 1 with a message when the ring fails. */
+ * Exit 0, 1 with a message when the ring fails, or 2 with the usage on a bad command line. */
+#include <getopt.h>
 #include <errno.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -129,19 +130,29 @@ int main(int argc, char **argv) {
     uint32_t B = 4, T = 2048, slots = 8, samples = 3000;
     double seconds = 3.0;
     int do_pin = 1;
-    for (int i = 1; i < argc; i++) {
-        const char *v = i + 1 < argc ? argv[i + 1] : "";
-        if (!strcmp(argv[i], "--B")) B = (uint32_t)atoi(v), i++;
-        else if (!strcmp(argv[i], "--T")) T = (uint32_t)atoi(v), i++;
-        else if (!strcmp(argv[i], "--slots")) slots = (uint32_t)atoi(v), i++;
-        else if (!strcmp(argv[i], "--seconds")) seconds = atof(v), i++;
-        else if (!strcmp(argv[i], "--samples")) samples = (uint32_t)atoi(v), i++;
-        else if (!strcmp(argv[i], "--no-pin")) do_pin = 0;
-        else {
-            fprintf(stderr, "usage: bench_ring [--B 4] [--T 2048] [--slots 8] [--seconds 3] [--samples 3000] "
-                            "[--no-pin]\n");
-            return 2;
+    static const struct option lopts[] = {
+        {"B", required_argument, NULL, 'B'},       {"T", required_argument, NULL, 'T'},
+        {"slots", required_argument, NULL, 's'},   {"seconds", required_argument, NULL, 't'},
+        {"samples", required_argument, NULL, 'n'}, {"no-pin", no_argument, NULL, 'p'},
+        {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
+    static const char usage[] = "usage: bench_ring [--B 4] [--T 2048] [--slots 8] [--seconds 3] [--samples 3000] "
+                                "[--no-pin]\n";
+    int c;
+    while ((c = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
+        switch (c) {
+        case 'B': B = (uint32_t)atoi(optarg); break;
+        case 'T': T = (uint32_t)atoi(optarg); break;
+        case 's': slots = (uint32_t)atoi(optarg); break;
+        case 't': seconds = atof(optarg); break;
+        case 'n': samples = (uint32_t)atoi(optarg); break;
+        case 'p': do_pin = 0; break;
+        case 'h': fputs(usage, stdout); return 0;
+        default: fputs(usage, stderr); return 2;
         }
+    }
+    if (optind != argc) {
+        fputs(usage, stderr);
+        return 2;
     }
     bt_ring r;
     if (bt_ring_create(&r, slots, B, T)) {

@@ -24,6 +24,7 @@
  * --min-seconds 0 --dump this gives our ids of a parity corpus, for the llama.cpp cross-check
  * (tests/py/test_llamacpp.py). */
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <getopt.h>
 #include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,19 +111,28 @@ int main(int argc, char **argv) {
     double min_s = 2.0;
     const char *dump = NULL, *engine = NULL;
     int wx = 0, special_flags = 0;
-    int i = 1;
-    for (; i < argc && argv[i][0] == '-' && argv[i][1] == '-'; i++) {
-        if (strcmp(argv[i], "--min-seconds") == 0 && i + 1 < argc) min_s = atof(argv[++i]);
-        else if (strcmp(argv[i], "--dump") == 0 && i + 1 < argc) dump = argv[++i];
-        else if (strcmp(argv[i], "--engine") == 0 && i + 1 < argc) engine = argv[++i];
-        else if (strcmp(argv[i], "--wx") == 0) wx = 1;
-        else if (strcmp(argv[i], "--special-flags") == 0) special_flags = 1;
-        else break;
+    static const struct option lopts[] = {
+        {"min-seconds", required_argument, NULL, 's'}, {"dump", required_argument, NULL, 'd'},
+        {"engine", required_argument, NULL, 'e'},      {"wx", no_argument, NULL, 'w'},
+        {"special-flags", no_argument, NULL, 'f'},     {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
+    int c, bad = 0;
+    while ((c = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
+        switch (c) {
+        case 's': min_s = atof(optarg); break;
+        case 'd': dump = optarg; break;
+        case 'e': engine = optarg; break;
+        case 'w': wx = 1; break;
+        case 'f': special_flags = 1; break;
+        case 'h': bad = -1; break;
+        default: bad = 1; break;
+        }
     }
-    if (argc - i != 2 || (engine && strcmp(engine, "pcre2") != 0 && strcmp(engine, "dedicated") != 0)) {
-        fprintf(stderr, "usage: %s [--min-seconds S] [--dump FILE] [--wx] [--engine dedicated|pcre2] "
-                        "[--special-flags] TOKENIZER CORPUS\n", argv[0]);
-        return 2;
+    const int i = optind;
+    if (bad || argc - i != 2 || (engine && strcmp(engine, "pcre2") != 0 && strcmp(engine, "dedicated") != 0)) {
+        fprintf(bad < 0 ? stdout : stderr, "usage: %s [--min-seconds S] [--dump FILE] [--wx] "
+                "[--engine dedicated|pcre2] [--special-flags] TOKENIZER CORPUS\n", argv[0]);
+        return bad < 0 ? 0 : 2;
     }
     if (wx && prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0L, 0L, 0L) != 0) {
         perror("bench_tok: prctl(PR_SET_MDWE) (needs Linux >= 6.3)");

@@ -17,6 +17,7 @@
  * Timings are wall-clock medians of N repetitions on this machine's cores; only the ratios carry
  * over to other machines. Targets of the GGUF-native base (issue 13): step time <= 1.2x NF4's,
  * model memory <= 0.35x fp32's. */
+#include <getopt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,17 +124,25 @@ static void train_step_times(const char *model_path, int base_dtype, int M, int 
 int main(int argc, char **argv)
 {
     bt_openblas_env_reexec(argv);
-    if (argc < 2) {
-        fprintf(stderr, "usage: bench_train MODEL.gguf [--tokens M] [--reps N]\n");
+    static const struct option lopts[] = {{"tokens", required_argument, NULL, 'M'},
+                                       {"reps", required_argument, NULL, 'r'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {NULL, 0, NULL, 0}};
+    static const char usage[] = "usage: bench_train MODEL.gguf [--tokens M (>= 64)] [--reps N (>= 1)]\n";
+    int M = 2048, reps = 3, c;
+    while ((c = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
+        switch (c) {
+        case 'M': M = atoi(optarg); break;
+        case 'r': reps = atoi(optarg); break;
+        case 'h': fputs(usage, stdout); return 0;
+        default: fputs(usage, stderr); return 2;
+        }
+    }
+    if (argc - optind != 1 || M < 64 || reps < 1) {
+        fputs(usage, stderr);
         return 2;
     }
-    const char *model = argv[1];
-    int M = 2048, reps = 3;
-    for (int i = 2; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--tokens")) M = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
-    }
-    if (M < 64 || reps < 1) return 2;
+    const char *model = argv[optind];
     const int D = 576, V = 49152, F = 1536, chunk = 256;
 
     /* 1. fused vs unfused linear + CE */

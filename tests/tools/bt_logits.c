@@ -8,6 +8,7 @@
  * logits of the sequence at position_ids P, P+1, ... (one causal segment; full attention) as raw
  * little-endian float32 [n, vocab] to FILE (step.h bt_forward_logits). Prints "n vocab ctx" on
  * stdout. Exit 0, 1 (runtime error, message on stderr) or 2 (usage). */
+#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,23 +19,33 @@
 #include "trainer/model/model.h"
 #include "trainer/loop/step.h"
 
-static int usage(void) {
-    fprintf(stderr, "usage: bt_logits --model BASE --ids 1,2,3 --pos0 P --out FILE [--adapter DIR]\n");
-    return 2;
+/* The usage text on f; returns rc (2: a usage error, 0: --help). */
+static int usage(FILE *f, int rc) {
+    fprintf(f, "usage: bt_logits --model BASE --ids 1,2,3 --pos0 P --out FILE [--adapter DIR]\n");
+    return rc;
 }
 
 int main(int argc, char **argv) {
     const char *model = NULL, *adapter = NULL, *ids_s = NULL, *out = NULL;
     long pos0 = 0;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--model")) model = argv[i + 1];
-        else if (!strcmp(argv[i], "--adapter")) adapter = argv[i + 1];
-        else if (!strcmp(argv[i], "--ids")) ids_s = argv[i + 1];
-        else if (!strcmp(argv[i], "--out")) out = argv[i + 1];
-        else if (!strcmp(argv[i], "--pos0")) pos0 = strtol(argv[i + 1], NULL, 10);
-        else return usage();
+    static const struct option lopts[] = {
+        {"model", required_argument, NULL, 'm'}, {"adapter", required_argument, NULL, 'a'},
+        {"ids", required_argument, NULL, 'i'},   {"out", required_argument, NULL, 'o'},
+        {"pos0", required_argument, NULL, 'p'},  {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
+    int c;
+    while ((c = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'a': adapter = optarg; break;
+        case 'i': ids_s = optarg; break;
+        case 'o': out = optarg; break;
+        case 'p': pos0 = strtol(optarg, NULL, 10); break;
+        case 'h': return usage(stdout, 0);
+        default: return usage(stderr, 2);
+        }
     }
-    if (!model || !ids_s || !out || pos0 < 0 || pos0 > (1L << 30)) return usage();
+    if (optind != argc || !model || !ids_s || !out || pos0 < 0 || pos0 > (1L << 30)) return usage(stderr, 2);
     int n = 1;
     for (const char *p = ids_s; *p; p++) n += *p == ',';
     int32_t *ids = calloc((size_t)n, 4), *lab = calloc((size_t)n, 4), *pos = calloc((size_t)n, 4);

@@ -8,6 +8,7 @@
  * then "reconnects K" and "end" (end of data) or "done". --hold-ms sleeps that long holding each
  * batch (a slow trainer), --report-every sends bt_client_report every K batches.
  * Exit 0 on success, 1 on any client error (message on stderr), 2 on usage errors. */
+#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,31 +35,32 @@ static char *slurp(const char *path) {
 int main(int argc, char **argv) {
     const char *sock = NULL, *job_path = NULL;
     long batches = 10, rank = 0, world = 1, report_every = 0, timeout_ms = 120000, hold_ms = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) {
-            fprintf(stderr, "ld_consume: %s needs a value\n", a);
-            return 2;
-        }
-        i++;
-        if (!strcmp(a, "--socket")) sock = v;
-        else if (!strcmp(a, "--job")) job_path = v;
-        else if (!strcmp(a, "--batches")) batches = atol(v);
-        else if (!strcmp(a, "--rank")) rank = atol(v);
-        else if (!strcmp(a, "--world")) world = atol(v);
-        else if (!strcmp(a, "--report-every")) report_every = atol(v);
-        else if (!strcmp(a, "--timeout-ms")) timeout_ms = atol(v);
-        else if (!strcmp(a, "--hold-ms")) hold_ms = atol(v);
-        else {
-            fprintf(stderr, "ld_consume: unknown argument %s\n", a);
-            return 2;
+    static const struct option lopts[] = {
+        {"socket", required_argument, NULL, 's'},       {"job", required_argument, NULL, 'j'},
+        {"batches", required_argument, NULL, 'n'},      {"rank", required_argument, NULL, 'r'},
+        {"world", required_argument, NULL, 'w'},        {"report-every", required_argument, NULL, 'e'},
+        {"timeout-ms", required_argument, NULL, 't'},   {"hold-ms", required_argument, NULL, 'H'},
+        {"help", no_argument, NULL, 'h'},               {NULL, 0, NULL, 0}};
+    int opt, bad = 0;
+    while ((opt = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
+        switch (opt) {
+        case 's': sock = optarg; break;
+        case 'j': job_path = optarg; break;
+        case 'n': batches = atol(optarg); break;
+        case 'r': rank = atol(optarg); break;
+        case 'w': world = atol(optarg); break;
+        case 'e': report_every = atol(optarg); break;
+        case 't': timeout_ms = atol(optarg); break;
+        case 'H': hold_ms = atol(optarg); break;
+        case 'h': bad = -1; break;
+        default: bad = 1; break;
         }
     }
-    if (!job_path || batches < 0) {
-        fprintf(stderr, "usage: ld_consume --socket PATH --job FILE --batches N [--rank R] [--world W] "
-                        "[--report-every K] [--timeout-ms MS] [--hold-ms MS]\n");
-        return 2;
+    if (bad || optind != argc || !job_path || batches < 0) {
+        fprintf(bad < 0 ? stdout : stderr,
+                "usage: ld_consume --socket PATH --job FILE --batches N [--rank R] [--world W] "
+                "[--report-every K] [--timeout-ms MS] [--hold-ms MS]\n");
+        return bad < 0 ? 0 : 2;
     }
     char *job = slurp(job_path);
     if (!job) {

@@ -11,6 +11,7 @@
  * token_embd (and output): F32 (default), F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
  * Q4_K, Q5_K, Q6_K (common/quant.h bt_ggml_quantize; K-quants need hidden and ffn multiples of
  * 256, the others multiples of 32). Norms stay F32, as llama.cpp keeps them. */
+#include <getopt.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -46,8 +47,9 @@ static int parse_float(const char *flag, const char *s, double *out) {
     return 0;
 }
 
-static void usage(void) {
-    fprintf(stderr,
+/* The usage text on f (stdout for --help, stderr for a usage error). */
+static void usage(FILE *f) {
+    fprintf(f,
             "usage: mk_tiny_gguf --out PATH --tokenizer-from MODEL.gguf [--layers 2] "
             "[--hidden 64] [--heads 4] [--kv-heads 2] [--ffn 128] [--seed 1] [--tied 1] "
             "[--ctx 2048] [--rope-base F] [--eps 1e-5] [--type F32] [--embd-type F32]\n");
@@ -72,41 +74,48 @@ int main(int argc, char **argv) {
               ctx = 2048;
     double rope_base = 0, eps = 1e-5;
     int type = BT_GGML_F32, embd_type = BT_GGML_F32;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage();
-            return 0;
-        }
-        if (i + 1 >= argc) {
-            usage();
-            return 2;
-        }
-        const char *v = argv[++i];
+    static const struct option lopts[] = {
+        {"out", required_argument, NULL, 'o'},       {"tokenizer-from", required_argument, NULL, 'k'},
+        {"layers", required_argument, NULL, 'L'},    {"hidden", required_argument, NULL, 'D'},
+        {"heads", required_argument, NULL, 'H'},     {"kv-heads", required_argument, NULL, 'K'},
+        {"ffn", required_argument, NULL, 'F'},       {"seed", required_argument, NULL, 's'},
+        {"tied", required_argument, NULL, 't'},      {"ctx", required_argument, NULL, 'c'},
+        {"rope-base", required_argument, NULL, 'r'}, {"eps", required_argument, NULL, 'e'},
+        {"type", required_argument, NULL, 'y'},      {"embd-type", required_argument, NULL, 'E'},
+        {"help", no_argument, NULL, 'h'},            {NULL, 0, NULL, 0}};
+    int c, li = 0;
+    while ((c = getopt_long(argc, argv, "h", lopts, &li)) != -1) {
+        char a[32]; /* the flag as typed in full, for the value checks' messages */
+        snprintf(a, sizeof a, "--%s", c == '?' || c == 'h' ? "" : lopts[li].name);
+        const char *v = optarg;
         int bad = 0;
-        if (!strcmp(a, "--out")) out = v;
-        else if (!strcmp(a, "--tokenizer-from")) tok = v;
-        else if (!strcmp(a, "--layers")) bad = parse_int(a, v, 1, 512, &layers);
-        else if (!strcmp(a, "--hidden")) bad = parse_int(a, v, 2, 65536, &hidden);
-        else if (!strcmp(a, "--heads")) bad = parse_int(a, v, 1, 1024, &heads);
-        else if (!strcmp(a, "--kv-heads")) bad = parse_int(a, v, 1, 1024, &kv_heads);
-        else if (!strcmp(a, "--ffn")) bad = parse_int(a, v, 1, 1 << 20, &ffn);
-        else if (!strcmp(a, "--seed")) bad = parse_int(a, v, 0, INT64_MAX, &seed);
-        else if (!strcmp(a, "--tied")) bad = parse_int(a, v, 0, 1, &tied);
-        else if (!strcmp(a, "--ctx")) bad = parse_int(a, v, 1, 1 << 24, &ctx);
-        else if (!strcmp(a, "--rope-base")) bad = parse_float(a, v, &rope_base);
-        else if (!strcmp(a, "--eps")) bad = parse_float(a, v, &eps);
-        else if (!strcmp(a, "--type")) bad = (type = parse_type(a, v)) < 0;
-        else if (!strcmp(a, "--embd-type")) bad = (embd_type = parse_type(a, v)) < 0;
-        else {
-            fprintf(stderr, "mk_tiny_gguf: unknown option %s\n", a);
-            usage();
-            return 2;
+        switch (c) {
+        case 'o': out = v; break;
+        case 'k': tok = v; break;
+        case 'L': bad = parse_int(a, v, 1, 512, &layers); break;
+        case 'D': bad = parse_int(a, v, 2, 65536, &hidden); break;
+        case 'H': bad = parse_int(a, v, 1, 1024, &heads); break;
+        case 'K': bad = parse_int(a, v, 1, 1024, &kv_heads); break;
+        case 'F': bad = parse_int(a, v, 1, 1 << 20, &ffn); break;
+        case 's': bad = parse_int(a, v, 0, INT64_MAX, &seed); break;
+        case 't': bad = parse_int(a, v, 0, 1, &tied); break;
+        case 'c': bad = parse_int(a, v, 1, 1 << 24, &ctx); break;
+        case 'r': bad = parse_float(a, v, &rope_base); break;
+        case 'e': bad = parse_float(a, v, &eps); break;
+        case 'y': bad = (type = parse_type(a, v)) < 0; break;
+        case 'E': bad = (embd_type = parse_type(a, v)) < 0; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
         }
         if (bad) return 2;
     }
+    if (optind != argc) {
+        fprintf(stderr, "mk_tiny_gguf: unexpected argument %s\n", argv[optind]);
+        usage(stderr);
+        return 2;
+    }
     if (!out || !tok) {
-        usage();
+        usage(stderr);
         return 2;
     }
     bt_gguf *src;

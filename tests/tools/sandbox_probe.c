@@ -17,6 +17,7 @@
  * Used by tests/systemd/check.sh: a unit made from the installed loaderd.service with only its
  * Exec lines replaced runs this under exactly loaderd's sandbox (tests/py/test_systemd.py).
  * Exit status: 0 (the verdicts are in the output), 2 usage. */
+#include <getopt.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -164,25 +165,41 @@ static void list_netdevs(void) {
 
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--noop")) return 0;
-        if (!strcmp(a, "--inet")) try_inet();
-        else if (!strcmp(a, "--loaderd-filter")) {
+    static const struct option lopts[] = {
+        {"noop", no_argument, NULL, 'n'},           {"inet", no_argument, NULL, 'i'},
+        {"loaderd-filter", no_argument, NULL, 'f'}, {"netdevs", no_argument, NULL, 'd'},
+        {"write", required_argument, NULL, 'w'},    {"exec", required_argument, NULL, 'x'},
+        {"exec-copy", required_argument, NULL, 'c'}, {"exec-memfd", required_argument, NULL, 'm'},
+        {"help", no_argument, NULL, 'h'},           {NULL, 0, NULL, 0}};
+    static const char usage[] = "usage: sandbox_probe [--write PATH]... [--exec PATH]... [--exec-copy DIR] "
+                                "[--exec-memfd PATH] [--inet] [--netdevs] [--loaderd-filter] [--noop]\n";
+    /* "+": the probes run in the order given, and parsing stops at the first non-option (an error) */
+    int c;
+    while ((c = getopt_long(argc, argv, "+", lopts, NULL)) != -1) {
+        switch (c) {
+        case 'n': return 0;
+        case 'i': try_inet(); break;
+        case 'f': {
             int rc = ld_sandbox_no_exec();
             printf("FILTER %s\n", rc == BT_OK ? "loaderd's execve filter installed" : bt_last_error());
+            break;
         }
-        else if (!strcmp(a, "--netdevs")) list_netdevs();
-        else if (v && !strcmp(a, "--write")) try_write(argv[++i]);
-        else if (v && !strcmp(a, "--exec")) {
-            char *args[] = {argv[++i], NULL};
+        case 'd': list_netdevs(); break;
+        case 'w': try_write(optarg); break;
+        case 'x': {
+            char *args[] = {optarg, NULL};
             try_exec_argv("exec", args[0], -1, args);
-        } else if (v && !strcmp(a, "--exec-copy")) try_exec_copy(argv[++i]);
-        else if (v && !strcmp(a, "--exec-memfd")) try_exec_memfd(argv[++i]);
-        else {
-            fprintf(stderr, "sandbox_probe: unknown or incomplete argument '%s'\n", a);
-            return 2;
+            break;
         }
+        case 'c': try_exec_copy(optarg); break;
+        case 'm': try_exec_memfd(optarg); break;
+        case 'h': fputs(usage, stdout); return 0;
+        default: fputs(usage, stderr); return 2;
+        }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "sandbox_probe: unexpected argument '%s'\n%s", argv[optind], usage);
+        return 2;
     }
     return 0;
 }

@@ -18,6 +18,7 @@
  *                  Llama-2-7B shapes would take hours
  * Exit 77 without a device (1 under BT_GPU_REQUIRE=1). */
 #include <algorithm>
+#include <getopt.h>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -156,22 +157,34 @@ int main(int argc, char **argv)
     setvbuf(stdout, nullptr, _IOLBF, 0);
     int T = 4096;
     bool tiny = false, probe = false;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--probe-only")) {
-            probe = true;
-        } else if (!strcmp(argv[i], "--T") && i + 1 < argc) {
-            T = atoi(argv[++i]);
-        } else if (!strcmp(argv[i], "--quick")) {
-            g_iters = 5;
-        } else if (!strcmp(argv[i], "--shape") && i + 1 < argc && (!strcmp(argv[i + 1], "tiny") ||
-                                                                    !strcmp(argv[i + 1], "llama2-7b"))) {
-            tiny = !strcmp(argv[++i], "tiny");
-        } else {
-            fprintf(stderr, "bench_kernels_gpu: unknown argument %s (--T N, --quick, --shape llama2-7b|tiny, "
-                    "--probe-only)\n",
-                    argv[i]);
-            return 2;
+    static const struct option lopts[] = {{"probe-only", no_argument, nullptr, 'p'},
+                                          {"T", required_argument, nullptr, 'T'},
+                                          {"quick", no_argument, nullptr, 'q'},
+                                          {"shape", required_argument, nullptr, 's'},
+                                          {"help", no_argument, nullptr, 'h'},
+                                          {nullptr, 0, nullptr, 0}};
+    static const char usage[] = "usage: bench_kernels_gpu [--T 4096] [--quick] [--shape llama2-7b|tiny] "
+                                "[--probe-only]\n";
+    int c;
+    while ((c = getopt_long(argc, argv, "", lopts, nullptr)) != -1) {
+        switch (c) {
+        case 'p': probe = true; break;
+        case 'T': T = atoi(optarg); break;
+        case 'q': g_iters = 5; break;
+        case 's':
+            if (strcmp(optarg, "tiny") && strcmp(optarg, "llama2-7b")) {
+                fprintf(stderr, "bench_kernels_gpu: --shape %s: want llama2-7b or tiny\n%s", optarg, usage);
+                return 2;
+            }
+            tiny = !strcmp(optarg, "tiny");
+            break;
+        case 'h': fputs(usage, stdout); return 0;
+        default: fputs(usage, stderr); return 2;
         }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "bench_kernels_gpu: unexpected argument %s\n%s", argv[optind], usage);
+        return 2;
     }
     if (bt_cuda_device_count() <= 0) {
         const char *req = getenv("BT_GPU_REQUIRE");

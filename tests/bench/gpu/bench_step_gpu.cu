@@ -28,6 +28,7 @@
  *                   alone takes minutes)
  * LoRA on all seven linears. Exit 77 without a device (1 under BT_GPU_REQUIRE=1). */
 #include <cmath>
+#include <getopt.h>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -174,42 +175,68 @@ int main(int argc, char **argv)
     setvbuf(stderr, nullptr, _IOLBF, 0);
     double alpha = 32, dropout = 0.05, s2 = 0;
     bool probe = false;
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--probe-only")) { /* the only option without a value */
-            probe = true;
-            for (int j = i; j + 1 < argc; j++)
-                argv[j] = argv[j + 1];
-            argc--;
-            break;
-        }
-    if ((argc - 1) % 2) {
-        fprintf(stderr, "bench_step_gpu: %s takes a value\n", argv[argc - 1]);
-        return 2;
-    }
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const char *a = argv[i], *v = argv[i + 1];
-        if (!strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--B")) B = atoi(v);
-        else if (!strcmp(a, "--T")) T = atoi(v);
-        else if (!strcmp(a, "--r")) r = atoi(v);
-        else if (!strcmp(a, "--alpha")) alpha = atof(v);
-        else if (!strcmp(a, "--dropout")) dropout = atof(v);
-        else if (!strcmp(a, "--steps")) steps = atoi(v);
-        else if (!strcmp(a, "--warmup")) warmup = atoi(v);
-        else if (!strcmp(a, "--ckpt")) ckpt = atoi(v);
-        else if (!strcmp(a, "--attn") && (!strcmp(v, "wmma") || !strcmp(v, "mma")))
+    static const struct option lopts[] = {
+        {"model", required_argument, nullptr, 'm'},  {"B", required_argument, nullptr, 'B'},
+        {"T", required_argument, nullptr, 'T'},      {"r", required_argument, nullptr, 'r'},
+        {"alpha", required_argument, nullptr, 'a'},  {"dropout", required_argument, nullptr, 'd'},
+        {"steps", required_argument, nullptr, 's'},  {"warmup", required_argument, nullptr, 'w'},
+        {"ckpt", required_argument, nullptr, 'c'},   {"attn", required_argument, nullptr, 'A'},
+        {"nf4", required_argument, nullptr, 'N'},    {"s2", required_argument, nullptr, '2'},
+        {"offload", required_argument, nullptr, 'o'}, {"extend", required_argument, nullptr, 'e'},
+        {"max-T", required_argument, nullptr, 'x'},  {"max-T-limit", required_argument, nullptr, 'X'},
+        {"probe-only", no_argument, nullptr, 'p'},   {"help", no_argument, nullptr, 'h'},
+        {nullptr, 0, nullptr, 0}};
+    static const char usage[] =
+        "usage: bench_step_gpu [--model PATH|random:llama2-7b|random:smollm2-135m|random:tiny] [--B 1] [--T 4096]\n"
+        "       [--r 16] [--alpha 32] [--dropout 0.05] [--steps 10] [--warmup 2] [--ckpt 0|1] [--attn wmma|mma]\n"
+        "       [--nf4 dequant|fused] [--s2 F] [--offload 0|1] [--extend L] [--max-T 0|1] [--max-T-limit N]\n"
+        "       [--probe-only]\n";
+    int c;
+    while ((c = getopt_long(argc, argv, "", lopts, nullptr)) != -1) {
+        const char *v = optarg;
+        switch (c) {
+        case 'm': model = v; break;
+        case 'B': B = atoi(v); break;
+        case 'T': T = atoi(v); break;
+        case 'r': r = atoi(v); break;
+        case 'a': alpha = atof(v); break;
+        case 'd': dropout = atof(v); break;
+        case 's': steps = atoi(v); break;
+        case 'w': warmup = atoi(v); break;
+        case 'c': ckpt = atoi(v); break;
+        case 'A':
+            if (strcmp(v, "wmma") && strcmp(v, "mma")) {
+                fprintf(stderr, "bench_step_gpu: --attn %s: want wmma or mma\n%s", v, usage);
+                return 2;
+            }
             attn_mma = !strcmp(v, "mma");
-        else if (!strcmp(a, "--nf4") && (!strcmp(v, "dequant") || !strcmp(v, "fused")))
+            break;
+        case 'N':
+            if (strcmp(v, "dequant") && strcmp(v, "fused")) {
+                fprintf(stderr, "bench_step_gpu: --nf4 %s: want dequant or fused\n%s", v, usage);
+                return 2;
+            }
             nf4_fused = !strcmp(v, "fused");
-        else if (!strcmp(a, "--s2")) s2 = atof(v);
-        else if (!strcmp(a, "--offload")) offload = atoi(v);
-        else if (!strcmp(a, "--extend")) extend = atoi(v);
-        else if (!strcmp(a, "--max-T")) max_T = atoi(v);
-        else if (!strcmp(a, "--max-T-limit") && atoi(v) > 0) max_T_limit = atoi(v);
-        else {
-            fprintf(stderr, "unknown argument %s\n", a);
-            return 2;
+            break;
+        case '2': s2 = atof(v); break;
+        case 'o': offload = atoi(v); break;
+        case 'e': extend = atoi(v); break;
+        case 'x': max_T = atoi(v); break;
+        case 'X':
+            if (atoi(v) <= 0) {
+                fprintf(stderr, "bench_step_gpu: --max-T-limit %s: want a positive count of tokens\n%s", v, usage);
+                return 2;
+            }
+            max_T_limit = atoi(v);
+            break;
+        case 'p': probe = true; break;
+        case 'h': fputs(usage, stdout); return 0;
+        default: fputs(usage, stderr); return 2;
         }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "bench_step_gpu: unexpected argument %s\n%s", argv[optind], usage);
+        return 2;
     }
     if (bt_cuda_device_count() <= 0) {
         const char *req = getenv("BT_GPU_REQUIRE");
