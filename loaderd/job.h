@@ -11,7 +11,8 @@
 
 #include "common/keytab.h"
 
-typedef enum { LD_FMT_TEXT = 0, LD_FMT_CHAT = 1, LD_FMT_ALPACA = 2 } ld_format;
+/* LD_FMT_PREFERENCE / LD_FMT_KTO are read by ld_format_pref (loaderd/format.h), not ld_format_line. */
+typedef enum { LD_FMT_TEXT = 0, LD_FMT_CHAT = 1, LD_FMT_ALPACA = 2, LD_FMT_PREFERENCE = 3, LD_FMT_KTO = 4 } ld_format;
 
 typedef enum {
     LD_BAD_JSON = 0,      /* not valid JSON / not an object */

@@ -194,7 +194,7 @@ static int setup_datasets(ld_scfg *cfg, const ld_job_spec *spec, const bt_tokeni
             tpl_done = 1;
         }
         ds->fcfg = (ld_format_cfg){dv[d].format, ds->text_field, tok, dv[d].format == LD_FMT_TEXT ? 0 : spec->T,
-                                   tpl, add_bos, spec->overlong_drop};
+                                   tpl, add_bos, spec->overlong_drop, 0, 0};
         int rc = expand_shards(cfg, dv[d].shards, dv[d].n_shards, (uint32_t)d);
         if (rc != BT_OK) return rc;
     }
