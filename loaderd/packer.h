@@ -8,7 +8,8 @@
  * still fits it (ties: the oldest row), else into a new row. A window is self-contained: all
  * of its rows are returned (the last ones may be partly empty).
  * Documents longer than T are split into consecutive T-token pieces (split = 1, `text`) or cut
- * to their first T tokens (split = 0, `chat`/`alpaca`; counted in n_truncated).
+ * to their first T tokens (split = 0, `chat`/`alpaca`; counted in n_truncated). A pair
+ * (with_next) is sorted and placed as one item of its summed length, its two documents adjacent.
  *
  * Row contents (proto/batch.h contract): each piece is a segment; position_ids restart at 0 per
  * segment; labels[t] = ids[t] where mask = 1, else -100, and the first token of every segment
@@ -36,6 +37,10 @@ typedef struct {
     const int32_t *mask; /* [n] 1 = carries loss, 0 = not (borrowed) */
     uint32_t n;          /* tokens; 0 = nothing to pack (skipped) */
     int split;           /* n > T: 1 = split into T-sized pieces, 0 = truncate to T */
+    int with_next;       /* 1: this document and the next one are one unit (a preference pair,
+                            issue 25): placed in one row, adjacent, in this order, never split or
+                            cut; a unit longer than T (or with an empty member) is dropped and
+                            counted in n_pairs_dropped. The next document's own with_next is ignored. */
 } ld_pack_doc;
 
 typedef struct {
@@ -57,6 +62,7 @@ typedef struct {
     size_t n_rows;
     size_t n_truncated;   /* docs cut to T (split = 0 and n > T) */
     uint64_t real_tokens; /* sum of piece lengths */
+    size_t n_pairs_dropped; /* with_next units that could not be placed whole (longer than T) */
 } ld_pack_plan;
 
 /* Plan the rows for docs[0..n_docs) at row length T (>= 1). When `shuffle` is set, equal-length

@@ -389,7 +389,7 @@ static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
     w->ids[k] = it->ids;
     w->mask[k] = it->mask;
     w->docs[k] = (ld_pack_doc){w->ids[k].v, w->mask[k].v, (uint32_t)w->ids[k].n,
-                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT};
+                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT, 0};
     memset(&it->ids, 0, sizeof it->ids);
     memset(&it->mask, 0, sizeof it->mask);
     w->tokens += w->ids[k].n;

@@ -32,7 +32,7 @@ static docset make_docs(size_t n, uint32_t min_len, uint32_t max_len, int split_
             d.ids[i][k] = (int32_t)((i + 1) * TAG + k);
             d.mask[i][k] = rand() % 3 != 0;
         }
-        d.docs[i] = (ld_pack_doc){d.ids[i], d.mask[i], len, split_mode == 2 ? (int)(i & 1) : split_mode};
+        d.docs[i] = (ld_pack_doc){d.ids[i], d.mask[i], len, split_mode == 2 ? (int)(i & 1) : split_mode, 0};
     }
     return d;
 }
@@ -139,7 +139,7 @@ static void test_bfd_small_exact(void **state) {
     ld_pack_doc docs[6];
     for (int i = 0; i < 6; i++) {
         for (uint32_t k = 0; k < lens[i]; k++) buf[i][k] = i * 10 + (int32_t)k;
-        docs[i] = (ld_pack_doc){buf[i], buf[i], lens[i], 0};
+        docs[i] = (ld_pack_doc){buf[i], buf[i], lens[i], 0, 0};
     }
     ld_pack_plan pl;
     assert_int_equal(ld_pack_plan_build(&pl, docs, 6, 10, 1, 0), BT_OK);
@@ -240,6 +240,58 @@ static void test_pad_row(void **state) {
     }
 }
 
+/* Preference pairs (with_next): both documents in one row, adjacent and in order, never split;
+ * a pair longer than T is dropped and counted; singles around them pack as before. */
+static void test_pairs_whole(void **state) {
+    (void)state;
+    const uint32_t T = 64;
+    for (int shuffle = 0; shuffle < 2; shuffle++) {
+        docset d = make_docs(300, 1, 40, 0, 11u + (unsigned)shuffle);
+        size_t want_dropped = 0, pair_docs = 0;
+        for (size_t i = 0; i + 1 < d.n; i += 3) { /* docs i, i+1 a pair; i+2 a single */
+            d.docs[i].with_next = 1;
+            pair_docs += 2;
+            if (d.docs[i].n + d.docs[i + 1].n > T) want_dropped++;
+        }
+        ld_pack_plan pl;
+        assert_int_equal(ld_pack_plan_build(&pl, d.docs, d.n, T, 5, shuffle), BT_OK);
+        assert_true(want_dropped > 0 && pair_docs > 150); /* the draw exercises both cases */
+        assert_int_equal(pl.n_pairs_dropped, want_dropped);
+        uint32_t *seen = calloc(d.n, sizeof *seen);
+        for (size_t r = 0; r < pl.n_rows; r++) {
+            const ld_row *rw = &pl.rows[r];
+            uint32_t used = 0;
+            for (uint32_t q = 0; q < rw->n_pieces; q++) {
+                const ld_piece *pc = &pl.pieces[rw->first + q];
+                used += pc->len;
+                seen[pc->doc]++;
+                assert_int_equal(pc->off, 0);
+                if (d.docs[pc->doc].with_next) { /* first of a pair: its partner follows at once */
+                    assert_true(q + 1 < rw->n_pieces);
+                    const ld_piece *nx = &pl.pieces[rw->first + q + 1];
+                    assert_int_equal(nx->doc, pc->doc + 1);
+                    assert_int_equal(pc->len, d.docs[pc->doc].n);
+                    assert_int_equal(nx->len, d.docs[pc->doc + 1].n);
+                } else if (pc->doc % 3 == 1) { /* second of a pair: its partner precedes it */
+                    assert_true(q > 0);
+                    assert_int_equal(pl.pieces[rw->first + q - 1].doc + 1, pc->doc);
+                }
+            }
+            assert_int_equal(used, rw->used);
+            assert_true(used <= T);
+        }
+        for (size_t i = 0; i < d.n; i++) {
+            int in_pair = i % 3 != 2 && (i % 3 == 0 ? i + 1 < d.n : 1);
+            size_t first = i - i % 3;
+            int dropped = in_pair && d.docs[first].n + d.docs[first + 1].n > T;
+            assert_int_equal(seen[i], dropped ? 0 : 1);
+        }
+        free(seen);
+        ld_pack_plan_free(&pl);
+        free_docs(&d);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rng),
@@ -248,6 +300,7 @@ int main(void) {
         cmocka_unit_test(test_long_split),
         cmocka_unit_test(test_efficiency_short_docs),
         cmocka_unit_test(test_pad_row),
+        cmocka_unit_test(test_pairs_whole),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
