@@ -41,6 +41,8 @@ typedef struct {
                             issue 25): placed in one row, adjacent, in this order, never split or
                             cut; a unit longer than T (or with an empty member) is dropped and
                             counted in n_pairs_dropped. The next document's own with_next is ignored. */
+    int32_t kind;        /* BT_SEG_* (proto/batch.h) of its segment(s): BT_SEG_PLAIN (0) for SFT
+                            documents; a pair is CHOSEN (with_next) then REJECTED */
 } ld_pack_doc;
 
 typedef struct {
@@ -83,12 +85,17 @@ typedef struct {
 /* Write row `r` of `plan` (docs as given to the build) into ids/labels/pos [T] (int32) and
  * append the start of each segment (row start included, padding tail included), offset by
  * `base` (the row's index in the flattened batch, B*T units), at cu[*n_cu], advancing *n_cu.
- * pad_id: token id for padding. *st receives the row's counts. */
+ * pad_id: token id for padding. *st receives the row's counts. The segment metadata of layout 2
+ * goes at the same index as its cu entry: seg_kind[k] = the piece's doc kind (padding:
+ * BT_SEG_PLAIN), seg_pair[k] = -1 for plain, the partner's index for REJECTED, else *n_rec
+ * (the batch's running record count, advanced). seg_pair / seg_kind may be NULL (not written). */
 void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *docs, uint32_t T,
                        int32_t pad_id, uint32_t base, int32_t *ids, int32_t *labels, int32_t *pos,
-                       int32_t *cu, uint32_t *n_cu, ld_row_stats *st);
+                       int32_t *cu, uint32_t *n_cu, ld_row_stats *st, int32_t *seg_pair, int32_t *seg_kind,
+                       int32_t *n_rec);
 /* Write an all-padding row (one segment) the same way. */
 void ld_pack_write_pad_row(uint32_t T, int32_t pad_id, uint32_t base, int32_t *ids,
-                           int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu);
+                           int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu, int32_t *seg_pair,
+                           int32_t *seg_kind);
 
 #endif

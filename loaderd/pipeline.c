@@ -656,7 +656,7 @@ static void mirror_stats(ld_pipeline *p) {
 
 /* Rows of this rank into the batch; returns how many came from windows (0: the data ended). */
 static int fill_rows(ld_pipeline *p, bt_batch_view *v, uint32_t *n_cu, uint32_t *real, uint32_t *labelled,
-                     uint32_t *docs, uint32_t *epoch, uint32_t *rows) {
+                     uint32_t *docs, uint32_t *epoch, uint32_t *rows, int32_t *n_rec) {
     const uint32_t T = p->cfg->T, B = p->cfg->B, world = p->cfg->world;
     for (uint32_t r = 0; r < B; r++) {
         while (!p->data_done && (!p->w || p->next_row >= p->w->rank_rows)) {
@@ -681,13 +681,13 @@ static int fill_rows(ld_pipeline *p, bt_batch_view *v, uint32_t *n_cu, uint32_t 
         size_t pr = p->data_done ? SIZE_MAX : p->next_row++ * world + p->rank; /* plan row */
         if (p->data_done || pr >= w->plan.n_rows) {
             ld_pack_write_pad_row(T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                                  v->position_ids + o, v->cu_seqlens, n_cu);
+                                  v->position_ids + o, v->cu_seqlens, n_cu, v->seg_pair, v->seg_kind);
             ADD(pad_rows, 1);
             continue;
         }
         ld_row_stats st;
         ld_pack_write_row(&w->plan, pr, w->docs, T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                          v->position_ids + o, v->cu_seqlens, n_cu, &st);
+                          v->position_ids + o, v->cu_seqlens, n_cu, &st, v->seg_pair, v->seg_kind, n_rec);
         *real += st.real;
         *labelled += st.labelled;
         *docs += st.pieces;
@@ -700,7 +700,8 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
     if (p->err) return bt_fail(p->err, "%s", p->err_msg);
     uint32_t n_cu = 0, real = 0, labelled = 0, docs = 0, epoch = p->w ? p->w->start.epoch : p->start.epoch, rows = 0;
     if (!p->finished) {
-        int rc = fill_rows(p, v, &n_cu, &real, &labelled, &docs, &epoch, &rows);
+        int32_t n_rec = 0;
+        int rc = fill_rows(p, v, &n_cu, &real, &labelled, &docs, &epoch, &rows, &n_rec);
         mirror_stats(p);
         if (rc < 0) return next_failed(p, rc);
     }
@@ -711,7 +712,7 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
         for (uint32_t r = 0; r < B; r++) {
             size_t o = (size_t)r * T;
             ld_pack_write_pad_row(T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                                  v->position_ids + o, v->cu_seqlens, &n_cu);
+                                  v->position_ids + o, v->cu_seqlens, &n_cu, v->seg_pair, v->seg_kind);
         }
         v->cu_seqlens[n_cu++] = (int32_t)(B * T);
         encode_state(p, v->hdr->resume_state);

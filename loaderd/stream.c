@@ -31,6 +31,7 @@
 #include "common/bt_common.h"
 #include "common/bt_vec.h"
 #include "loaderd/source.h"
+#include "proto/batch.h"
 #include "loaderd/stream.h"
 
 #define LD_LOG_FIRST 20
@@ -389,7 +390,7 @@ static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
     w->ids[k] = it->ids;
     w->mask[k] = it->mask;
     w->docs[k] = (ld_pack_doc){w->ids[k].v, w->mask[k].v, (uint32_t)w->ids[k].n,
-                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT, 0};
+                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT, 0, BT_SEG_PLAIN};
     memset(&it->ids, 0, sizeof it->ids);
     memset(&it->mask, 0, sizeof it->mask);
     w->tokens += w->ids[k].n;
