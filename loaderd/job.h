@@ -69,6 +69,7 @@ typedef struct {
     ld_chat_tpl chat_template; /* LD_TPL_AUTO (what the parser defaults to): from the tokenizer,
                                   see format.h; a zeroed spec means LD_TPL_CHATML */
     int overlong_drop;  /* chat/alpaca documents longer than T: 0 truncate (default), 1 drop */
+    uint32_t max_prompt_length, max_length; /* preference / kto truncation (format.h), 0 = none */
     uint32_t T, B;
     uint64_t seed;
     uint32_t rank, world_size;

@@ -174,7 +174,8 @@ static int setup_datasets(ld_scfg *cfg, const ld_job_spec *spec, const bt_tokeni
     double wmax = 0;
     for (int d = 0; d < nd; d++) {
         if (!(dv[d].weight > 0) || !isfinite(dv[d].weight) || dv[d].n_shards < 1 ||
-            (dv[d].format != LD_FMT_TEXT && dv[d].format != LD_FMT_CHAT && dv[d].format != LD_FMT_ALPACA))
+            (dv[d].format != LD_FMT_TEXT && dv[d].format != LD_FMT_CHAT && dv[d].format != LD_FMT_ALPACA &&
+             dv[d].format != LD_FMT_PREFERENCE && dv[d].format != LD_FMT_KTO))
             return bt_fail(BT_ERR_INVALID, "pipeline: dataset %d: bad weight, shards or format", d);
         if (dv[d].weight > wmax) wmax = dv[d].weight;
     }
@@ -194,7 +195,8 @@ static int setup_datasets(ld_scfg *cfg, const ld_job_spec *spec, const bt_tokeni
             tpl_done = 1;
         }
         ds->fcfg = (ld_format_cfg){dv[d].format, ds->text_field, tok, dv[d].format == LD_FMT_TEXT ? 0 : spec->T,
-                                   tpl, add_bos, spec->overlong_drop, 0, 0};
+                                   tpl, add_bos, spec->overlong_drop,
+                                   spec->max_prompt_length, spec->max_length};
         int rc = expand_shards(cfg, dv[d].shards, dv[d].n_shards, (uint32_t)d);
         if (rc != BT_OK) return rc;
     }
