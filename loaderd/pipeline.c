@@ -120,6 +120,10 @@ static uint64_t hash_spec(const ld_scfg *cfg, uint32_t rank) {
         for (uint32_t i = 0; i < ds->n; i++)
             h = bt_fnv1a64(h, cfg->paths[ds->first + i], strlen(cfg->paths[ds->first + i]) + 1);
         if (ds->fcfg.format == LD_FMT_TEXT) h = bt_fnv1a64(h, ds->text_field, strlen(ds->text_field) + 1);
+        if (ds->fcfg.format == LD_FMT_PREFERENCE || ds->fcfg.format == LD_FMT_KTO) { /* SFT hashes unchanged */
+            uint32_t m[2] = {ds->fcfg.max_prompt_length, ds->fcfg.max_length};
+            h = bt_fnv1a64(h, m, sizeof m);
+        }
     }
     uint32_t v[9] = {cfg->T, cfg->B, rank, cfg->world, LD_STATE_VERSION, (uint32_t)cfg->ds[0].fcfg.overlong_drop,
                      (uint32_t)cfg->ds[0].fcfg.add_bos, (uint32_t)cfg->win_tokens, LD_WINDOW_DOCS};
@@ -141,8 +145,8 @@ static void make_canon(ld_scfg *cfg) {
     size_t cap = 0;
     for (uint32_t d = 0; d < cfg->n_ds; d++) {
         const ld_dataset *ds = &cfg->ds[d];
-        uint32_t v[8] = {d, ds->n, (uint32_t)ds->fcfg.format, ds->q, (uint32_t)ds->fcfg.tpl, (uint32_t)ds->fcfg.add_bos,
-                         (uint32_t)ds->fcfg.overlong_drop, ds->fcfg.T};
+        uint32_t v[10] = {d, ds->n, (uint32_t)ds->fcfg.format, ds->q, (uint32_t)ds->fcfg.tpl, (uint32_t)ds->fcfg.add_bos,
+                          (uint32_t)ds->fcfg.overlong_drop, ds->fcfg.T, ds->fcfg.max_prompt_length, ds->fcfg.max_length};
         canon_put(cfg, &cap, v, sizeof v);
         for (uint32_t i = 0; i < ds->n; i++)
             canon_put(cfg, &cap, cfg->paths[ds->first + i], strlen(cfg->paths[ds->first + i]) + 1);
