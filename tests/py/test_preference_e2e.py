@@ -168,3 +168,60 @@ def test_kto_records(loaderd, tmp_path, model_path):
             kinds.append(kind)
     assert sorted(kinds) == sorted([L.SEG_KTO_DESIRABLE, L.SEG_KTO_UNDESIRABLE, L.SEG_KTO_DESIRABLE])
     assert re.search(r"kto\.jsonl:4: field: .*expected true or false", d.log_text())
+
+
+def test_resume_and_ranks_keep_pairs_whole(loaderd, tmp_path, model_path):
+    """Endless preference job: a resumed client yields the uninterrupted batches (seg fields
+    included); the two ranks of world 2 each get whole pairs, and between them every pair."""
+    data = tmp_path / "data"
+    data.mkdir()
+    recs = [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f"It is {2 * i}.",
+             "rejected": f"It is {2 * i + 1}, I believe." + " really" * (i % 5)} for i in range(60)]
+    shard = data / "many.jsonl"
+    write_shard(shard, [json.dumps(r) for r in recs])
+    d = loaderd({"data_roots": [str(data)], "model_roots": [os.path.dirname(os.path.abspath(model_path))]})
+    spec = {"name": "pref-resume", "shards": [str(shard)], "format": "preference", "tokenizer": os.path.abspath(model_path),
+            "seq_len": SEQ, "micro_batch_size": 2, "seed": 4, "epochs": 0, "max_prompt_length": 16, "max_length": 40}
+
+    def take(c, n):
+        out = []
+        for _ in range(n):
+            b = c.next(timeout=60)
+            bl.validate(b, vocab=49152)
+            out.append(b.copy())
+            c.release()
+        return out
+
+    fields = ("input_ids", "labels", "position_ids", "cu_seqlens", "seg_pair", "seg_kind")
+    N, K = 8, 3
+    with bl.LoaderdClient(spec, socket_path=d.sock, verify_checksum=True) as c:
+        want = take(c, N)
+    with bl.LoaderdClient(spec, socket_path=d.sock, verify_checksum=True) as c:
+        first = take(c, K)
+        state = json.loads(json.dumps(c.state_dict()))
+    with bl.LoaderdClient(spec, socket_path=d.sock, verify_checksum=True, resume=state) as c:
+        rest = take(c, N - K)
+    for a, b in zip(first + rest, want):
+        assert a.step == b.step and a.checksum == b.checksum
+        assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in fields)
+    assert any((b.seg_kind == L.SEG_CHOSEN).any() for b in want)
+    # every record is truncated to max_length 40: prompt <= 16 tokens, each document <= 40
+    for b in want:
+        for k, s, e, ids, lab, kind, pair in segs(b):
+            if kind != L.SEG_PLAIN:
+                assert e - s <= 40
+    # world 2: each rank's batches hold whole pairs (validate); one epoch covers each pair once
+    spec1 = dict(spec, epochs=1, name="pref-ranks")
+    seen = []
+    for rank in range(2):
+        with bl.LoaderdClient(spec1, socket_path=d.sock, rank=rank, world_size=2, verify_checksum=True) as c:
+            while True:
+                b = c.next(timeout=60)
+                if b is None or b.end_of_data:
+                    break
+                bl.validate(b, vocab=49152)
+                for k, s, e, ids, lab, kind, pair in segs(b):
+                    if kind == L.SEG_CHOSEN:
+                        seen.append(tuple(ids))
+                c.release()
+    assert len(seen) == len(set(seen)) == len(recs)
