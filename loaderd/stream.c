@@ -493,6 +493,9 @@ int ld_stream_build_window(ld_stream *s, ld_window **out) {
         return rc;
     }
     if (w->plan.n_truncated) ADD(truncated, w->plan.n_truncated);
+    /* ld_format_pref_fit already skips pairs longer than T; a pair the packer could not place is
+     * counted all the same, never lost silently */
+    if (w->plan.n_pairs_dropped) ADD(bad[LD_BAD_OVERLONG], w->plan.n_pairs_dropped);
     w->rank_rows = (w->plan.n_rows + s->cfg->world - 1) / s->cfg->world;
     w->end = s->cpos;
     ADD(windows, 1);
