@@ -33,6 +33,10 @@ typedef struct {
     int bad;          /* -1 ok, else ld_bad_reason */
     int truncated;
     bt_ids ids, mask;
+    /* preference / kto (issue 25): pref_n documents in ids/mask (0: an SFT document), the first
+     * pref_len0 tokens long (a pair: chosen, then rejected); pref_label kto 1/0, else -1 */
+    int pref_n, pref_label;
+    uint32_t pref_len0;
     char msg[120];
 } ld_item;
 

@@ -473,3 +473,205 @@ int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_id
     if (rc != 0) return rc;
     return ld_format_fit(cfg, ids, mask, n0, truncated, reason);
 }
+
+/* ---------------------------------------------------------------- preference / kto (format.h) */
+
+/* One side of a record (prompt, chosen, rejected, completion) as messages: a string is one
+ * message of role `role`, an array is TRL's conversational form. Appends to *msgs (grown with
+ * malloc/realloc; *cap its capacity). Returns 0, 1 bad (*reason), or BT_ERR_NOMEM. */
+static int side_msgs(const json_t *root, const char *key, const char *role, bt_chat_msg **msgs, size_t *n,
+                     size_t *cap, int *reason) {
+    json_t *v = json_object_get(root, key);
+    if (!v) return bad(reason, LD_BAD_FIELD, "missing \"%s\"", key);
+    size_t k = json_is_array(v) ? json_array_size(v) : 1;
+    if (!json_is_string(v) && !json_is_array(v))
+        return bad(reason, LD_BAD_FIELD, "\"%s\": expected string or array of messages, got %s", key,
+                   type_name(v));
+    if (k == 0 || (json_is_string(v) && json_string_length(v) == 0))
+        return bad(reason, LD_BAD_EMPTY, "\"%s\" is empty", key);
+    if (k > INT32_MAX / 4 || *n + k > INT32_MAX / 4) return bad(reason, LD_BAD_FIELD, "\"%s\": too many messages", key);
+    if (*n + k > *cap) {
+        size_t nc = (*n + k) * 2;
+        bt_chat_msg *nm = realloc(*msgs, nc * sizeof *nm);
+        if (!nm) return bt_fail(BT_ERR_NOMEM, "format: out of memory (%zu messages)", nc);
+        *msgs = nm;
+        *cap = nc;
+    }
+    if (json_is_string(v)) {
+        (*msgs)[(*n)++] = (bt_chat_msg){role, json_string_value(v), json_string_length(v)};
+        return 0;
+    }
+    for (size_t i = 0; i < k; i++) {
+        json_t *m = json_array_get(v, i);
+        if (!json_is_object(m))
+            return bad(reason, LD_BAD_FIELD, "\"%s\"[%zu]: expected object, got %s", key, i, type_name(m));
+        const char *tn = "", *r;
+        size_t rn;
+        bt_chat_msg *out = &(*msgs)[*n];
+        int g = get_str(m, "role", &r, &rn, &tn);
+        if (g == 0 && strlen(r) != rn) g = 3;
+        if (g != 0)
+            return bad(reason, LD_BAD_FIELD, "\"%s\"[%zu].role: %s%s", key, i,
+                       g == 1 ? "missing" : g == 2 ? "expected string, got " : "contains NUL", tn);
+        g = get_str(m, "content", &out->content, &out->content_len, &tn);
+        if (g != 0)
+            return bad(reason, LD_BAD_FIELD, "\"%s\"[%zu].content: %s%s", key, i,
+                       g == 1 ? "missing" : "expected string, got ", tn);
+        out->role = r;
+        (*n)++;
+    }
+    return 0;
+}
+
+/* Render msgs[0..n) into fresh ids/mask (the chat renderer: template, BOS rule). */
+static int render_to(const ld_format_cfg *cfg, const bt_chat_msg *msgs, size_t n, bt_ids *ids, bt_ids *mask,
+                     int *reason) {
+    ids->n = mask->n = 0;
+    int rc = template_refusal(render_chat(cfg, msgs, n, ids, mask), reason);
+    if (rc == 0 && ids->n != mask->n)
+        rc = bt_fail(BT_ERR_FORMAT, "format: %zu ids but %zu mask entries", ids->n, mask->n);
+    return rc;
+}
+
+static int append_doc(bt_ids *ids, bt_ids *mask, const bt_ids *di, const bt_ids *dm) {
+    for (size_t i = 0; i < di->n; i++)
+        if (push2(ids, mask, di->v[i], dm->v[i])) return OOM();
+    return 0;
+}
+
+int ld_format_pref_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids, bt_ids *mask,
+                          ld_pref_rec *rec, int *reason) {
+    *reason = -1;
+    memset(rec, 0, sizeof *rec);
+    rec->label = -1;
+    if (cfg->format != LD_FMT_PREFERENCE && cfg->format != LD_FMT_KTO)
+        return bt_fail(BT_ERR_INVALID, "format: ld_format_pref_render on format %d", (int)cfg->format);
+    if (ids->n != mask->n) return bt_fail(BT_ERR_INVALID, "format: ids and mask differ in length");
+    size_t badoff = ld_utf8_check((const uint8_t *)line, len);
+    if (badoff != len) return bad(reason, LD_BAD_UTF8, "invalid UTF-8 at byte %zu", badoff + 1);
+    size_t bom = bt_utf8_bom_len(line, len);
+    json_error_t jerr;
+    json_t *root = json_loadb(line + bom, len - bom, JSON_ALLOW_NUL | JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) return bad(reason, LD_BAD_JSON, "column %d: %s", jerr.column + (int)bom, jerr.text);
+    size_t n0 = ids->n;
+    bt_chat_msg *msgs = NULL;
+    size_t nm = 0, cap = 0;
+    bt_ids pi = {0}, pm = {0}, di = {0}, dm = {0};
+    int rc = 0;
+    const int kto = cfg->format == LD_FMT_KTO;
+    const char *sides[2] = {kto ? "completion" : "chosen", kto ? NULL : "rejected"};
+    if (!json_is_object(root)) rc = bad(reason, LD_BAD_JSON, "expected an object, got %s", type_name(root));
+    if (rc == 0 && kto) {
+        json_t *lab = json_object_get(root, "label");
+        if (!lab) rc = bad(reason, LD_BAD_FIELD, "missing \"label\"");
+        else if (!json_is_boolean(lab))
+            rc = bad(reason, LD_BAD_FIELD, "\"label\": expected true or false, got %s", type_name(lab));
+        else rec->label = json_is_true(lab);
+    }
+    /* every side present, typed and non-empty before rendering anything */
+    for (int s = 0; s < 2 && rc == 0 && sides[s]; s++) {
+        size_t scratch = 0;
+        rc = side_msgs(root, sides[s], "assistant", &msgs, &scratch, &cap, reason);
+    }
+    if (rc == 0 && !kto && json_equal(json_object_get(root, "chosen"), json_object_get(root, "rejected")))
+        rc = bad(reason, LD_BAD_FIELD, "\"chosen\" and \"rejected\" are identical");
+    if (rc == 0) rc = side_msgs(root, "prompt", "user", &msgs, &nm, &cap, reason);
+    const size_t np = nm;
+    /* the prompt, rendered once: its turns, then the assistant header found below */
+    if (rc == 0) rc = render_to(cfg, msgs, np, &pi, &pm, reason);
+    uint32_t P = 0;
+    for (int s = 0; s < 2 && rc == 0 && sides[s]; s++) {
+        nm = np;
+        rc = side_msgs(root, sides[s], "assistant", &msgs, &nm, &cap, reason);
+        int content = 0; /* as "chat": the end-of-turn token alone is nothing to train on */
+        for (size_t i = np; rc == 0 && i < nm; i++)
+            content += strcmp(msgs[i].role, "assistant") == 0 && msgs[i].content_len > 0;
+        if (rc == 0 && !content) rc = bad(reason, LD_BAD_EMPTY, "\"%s\": no assistant message with content", sides[s]);
+        if (rc == 0) rc = render_to(cfg, msgs, nm, &di, &dm, reason);
+        if (rc != 0) break;
+        int same = di.n > pi.n && memcmp(di.v, pi.v, pi.n * sizeof *pi.v) == 0;
+        if (!same) {
+            rc = bad(reason, LD_BAD_FIELD, "\"%s\": the template renders the prompt differently once the "
+                     "response follows it (the prompt must be a prefix of prompt + response)", sides[s]);
+            break;
+        }
+        size_t p = pi.n;
+        while (p < dm.n && dm.v[p] == 0) p++;
+        if (p == dm.n) {
+            rc = bad(reason, LD_BAD_EMPTY, "\"%s\": no assistant content to train on", sides[s]);
+            break;
+        }
+        for (size_t i = 0; i < p; i++) dm.v[i] = 0; /* assistant turns inside the prompt: no loss */
+        if (s == 0) P = (uint32_t)p;
+        else if (p != P || memcmp(di.v, ids->v + n0, p * sizeof *di.v) != 0) {
+            rc = bad(reason, LD_BAD_FIELD, "\"%s\": its prompt renders differently from \"%s\"'s", sides[s], sides[0]);
+            break;
+        }
+        if (di.n > UINT32_MAX / 4) {
+            rc = bad(reason, LD_BAD_OVERLONG, "\"%s\": %zu tokens", sides[s], di.n);
+            break;
+        }
+        rc = append_doc(ids, mask, &di, &dm);
+        rec->len[s] = (uint32_t)di.n;
+        rec->n_docs = s + 1;
+    }
+    rec->prompt_len = P;
+    free(msgs);
+    bt_ids_free(&pi), bt_ids_free(&pm), bt_ids_free(&di), bt_ids_free(&dm);
+    json_decref(root);
+    if (rc != 0) {
+        ids->n = mask->n = n0;
+        memset(rec, 0, sizeof *rec);
+        rec->label = -1;
+    }
+    return rc;
+}
+
+int ld_format_pref_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, ld_pref_rec *rec,
+                       int *reason) {
+    *reason = -1;
+    size_t tot = 0;
+    for (int s = 0; s < rec->n_docs && s < 2; s++) tot += rec->len[s];
+    if (ids->n != mask->n || n0 > ids->n || rec->n_docs < 1 || rec->n_docs > 2 || tot != ids->n - n0)
+        return bt_fail(BT_ERR_INVALID, "format: preference record does not match ids/mask (%zu ids from %zu, %zu mask)",
+                       ids->n, n0, mask->n);
+    for (int s = 0; s < rec->n_docs; s++)
+        if (rec->len[s] <= rec->prompt_len)
+            return bt_fail(BT_ERR_INVALID, "format: preference document %d has no response", s);
+    uint32_t P = rec->prompt_len, L = 0, keep_p = P, keep_r = UINT32_MAX;
+    for (int s = 0; s < rec->n_docs; s++)
+        if (rec->len[s] - P > L) L = rec->len[s] - P;
+    const uint32_t ML = cfg->max_length, MP = cfg->max_prompt_length;
+    /* TRL DPOTrainer.tokenize_row (v0.11, truncation_mode "keep_end"): prompt first, then responses */
+    if (ML && (uint64_t)P + L > ML && MP && P > MP) keep_p = MP;
+    if (ML && (uint64_t)keep_p + L > ML) keep_r = MP ? (MP < ML ? ML - MP : 0) : (keep_p < ML ? ML - keep_p : 0);
+    int rc = 0;
+    if (keep_p != P || keep_r < L) {
+        /* rebuild in place: each document = last keep_p prompt tokens + first keep_r response tokens */
+        size_t src = n0, dst = n0;
+        for (int s = 0; s < rec->n_docs; s++) {
+            uint32_t r = rec->len[s] - P, kr = r < keep_r ? r : keep_r;
+            memmove(ids->v + dst, ids->v + src + (P - keep_p), (size_t)(keep_p + kr) * sizeof *ids->v);
+            memmove(mask->v + dst, mask->v + src + (P - keep_p), (size_t)(keep_p + kr) * sizeof *mask->v);
+            src += rec->len[s];
+            rec->len[s] = keep_p + kr;
+            dst += rec->len[s];
+        }
+        ids->n = mask->n = dst;
+        rec->prompt_len = keep_p;
+        rec->truncated = 1;
+    }
+    for (int s = 0, off = 0; s < rec->n_docs && rc == 0; off += (int)rec->len[s], s++) {
+        int any = 0;
+        for (uint32_t i = rec->prompt_len; i < rec->len[s] && !any; i++) any = mask->v[n0 + off + i] != 0;
+        if (!any)
+            rc = bad(reason, LD_BAD_EMPTY, "%s: no loss token left after truncation to max_length %u "
+                     "(max_prompt_length %u)", rec->n_docs == 2 ? (s ? "rejected" : "chosen") : "completion", ML, MP);
+    }
+    tot = ids->n - n0;
+    if (rc == 0 && cfg->T && tot > cfg->T)
+        rc = bad(reason, LD_BAD_OVERLONG, "%s of %zu tokens does not fit a row of seq_len %u (never split; lower "
+                 "max_length / max_prompt_length or raise seq_len)", rec->n_docs == 2 ? "pair" : "record", tot, cfg->T);
+    if (rc != 0) ids->n = mask->n = n0;
+    return rc;
+}

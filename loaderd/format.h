@@ -54,6 +54,9 @@ typedef struct {
     ld_chat_tpl tpl;         /* resolved (ld_chat_tpl_resolve), never LD_TPL_AUTO */
     int add_bos;             /* prepend the tokenizer's BOS (if any and not already there) */
     int overlong_drop;       /* chat/alpaca longer than T: 1 = reject as LD_BAD_OVERLONG */
+    /* preference / kto only (ld_format_pref_fit), TRL's DPOConfig / KTOConfig names; 0 = no limit */
+    uint32_t max_prompt_length; /* prompt tokens kept (from the end) when a record exceeds max_length */
+    uint32_t max_length;        /* prompt + longer response, in tokens */
 } ld_format_cfg;
 
 /* Resolve the chat template to use with tok: an explicit want is checked (the tokenizer must have
@@ -95,5 +98,49 @@ int ld_format_line(const ld_format_cfg *cfg, const char *line, size_t len, bt_id
 int ld_format_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids, bt_ids *mask,
                      int *reason);
 int ld_format_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, int *truncated, int *reason);
+
+/* ---- preference records (issue 25 §1) ----------------------------------------------------------
+ *   preference {"prompt", "chosen", "rejected"}: each either a string or TRL's conversational form
+ *          (a list of {"role","content"} messages: the prompt's turns; chosen / rejected the
+ *          assistant turn(s) that answer it). A string prompt is the conversation
+ *          [user: prompt], a string response [assistant: response] (rendered through the chat
+ *          template as alpaca is; TRL would tokenize a text prompt without a template).
+ *   kto    {"prompt", "completion", "label": true|false}: prompt and completion as above.
+ * Each side is rendered as prompt ++ response with cfg->tpl (the chat renderer above: same BOS
+ * rule, same mask rule); the prompt alone (prompt turns + the template's assistant header, i.e.
+ * HF add_generation_prompt) is the common token prefix, rendered once and checked to be a prefix
+ * of every side's rendering. Loss (mask 1) is on the response's assistant content and end-of-turn
+ * tokens only: never on the prompt, not even on assistant turns inside a conversational prompt.
+ * Bad records (1 with *reason, description in bt_last_error()): `field` (a key missing, a wrong
+ * type, a message that is not {"role": string, "content": string}, "label" not a boolean, chosen
+ * and rejected identical (json_equal), a conversation the template refuses), `empty` (an empty
+ * prompt or side, or a side with no assistant content to train on). */
+typedef struct {
+    int n_docs;          /* 2 (preference: chosen then rejected) or 1 (kto) */
+    uint32_t len[2];     /* tokens of each document, appended in this order to ids / mask */
+    uint32_t prompt_len; /* tokens of the shared prompt prefix at the start of every document */
+    int label;           /* kto: 1 desirable (label true), 0 undesirable; preference: -1 */
+    int truncated;       /* ld_format_pref_fit cut the prompt and/or the responses */
+} ld_pref_rec;
+
+/* Render one preference / kto line (cfg->format LD_FMT_PREFERENCE or LD_FMT_KTO): 0 with the
+ * document(s) appended to ids / mask (int32 token ids, 0/1 loss mask) and *rec filled, no
+ * truncation; 1 bad (as above, ids/mask unchanged); <0 internal error (BT_ERR_NOMEM, tokenizer,
+ * BT_ERR_INVALID for another format). Thread-safe. */
+int ld_format_pref_render(const ld_format_cfg *cfg, const char *line, size_t len, bt_ids *ids, bt_ids *mask,
+                          ld_pref_rec *rec, int *reason);
+/* Truncate a rendered record (its documents at ids/mask[n0..], described by *rec) as TRL's
+ * DPOTrainer.tokenize_row does (trl/trainer/dpo_trainer.py, v0.11, truncation_mode "keep_end",
+ * the default; KTOTrainer's _process_tokens does the same for one completion): with L the longer
+ * response, if prompt_len + L > max_length the prompt keeps its last max_prompt_length tokens
+ * (cut from the left); if prompt + L still exceeds max_length every response keeps its first
+ * max_length - max_prompt_length tokens (max_prompt_length 0: no prompt cut, responses keep
+ * max_length - prompt_len); max_length 0: no truncation at all. Then the
+ * record must fit one row: sum of its documents' lengths <= cfg->T (when T > 0), else 1 with
+ * LD_BAD_OVERLONG (a pair is never split across rows); a response left with no loss token is
+ * LD_BAD_EMPTY. On 1 the record is removed from ids / mask. BT_ERR_INVALID when ids and mask
+ * differ in length or *rec does not describe ids[n0..]. */
+int ld_format_pref_fit(const ld_format_cfg *cfg, bt_ids *ids, bt_ids *mask, size_t n0, ld_pref_rec *rec,
+                       int *reason);
 
 #endif

@@ -89,7 +89,7 @@ static void release_ds_shards(const bt_key *k, void *dst) {
 }
 
 _Static_assert(sizeof(ld_format) == sizeof(int) && sizeof(ld_chat_tpl) == sizeof(int), "enum rows store an int");
-static const char *const FORMATS[] = {"text", "chat", "alpaca", NULL}; /* index = ld_format */
+static const char *const FORMATS[] = {"text", "chat", "alpaca", "preference", "kto", NULL}; /* index = ld_format */
 static const char *const TEMPLATES[] = {"auto", "chatml", "llama3", "gemma", "llama2", "mistral", "mistral-v3", "phi3",
                                         NULL};
 static const int TEMPLATE_VALUES[] = {LD_TPL_AUTO,   LD_TPL_CHATML,  LD_TPL_LLAMA3,     LD_TPL_GEMMA,
@@ -101,7 +101,7 @@ static const char *const OVERLONG[] = {"truncate", "drop", NULL}; /* index = ove
 static const bt_key dataset_keys[] = {
     BT_KEY_C("shards", D, shards, parse_ds_shards, NULL, release_ds_shards, NULL, BT_KEY_REQUIRED,
              "the dataset's shard paths or globs (absolute; .jsonl or .jsonl.zst)"),
-    BT_KEY_E("format", D, format, FORMATS, NULL, NULL, BT_KEY_REQUIRED, "how a line is read: \"chat\", \"alpaca\" or \"text\""),
+    BT_KEY_E("format", D, format, FORMATS, NULL, NULL, BT_KEY_REQUIRED, "how a line is read: \"chat\", \"alpaca\", \"text\", \"preference\" or \"kto\""),
     BT_KEY_S("text_field", D, text_field, 1, 0, NULL, BT_KEY_SAFE_TEXT,
              "the text's key (format \"text\" only; default \"text\")"),
     BT_KEY_N("weight", D, weight, 0, 1e12, "1", BT_KEY_LO_OPEN, "relative mixing weight"),
@@ -152,7 +152,7 @@ static const bt_key job_keys[] = {
     BT_KEY_C("shards", J, shards, parse_job_shards, NULL, release_job_shards, NULL, 0,
              "shard paths or globs of a single dataset (absolute; .jsonl or .jsonl.zst); or \"datasets\""),
     BT_KEY_E("format", J, format, FORMATS, NULL, NULL, 0,
-             "how a line of \"shards\" is read: \"chat\", \"alpaca\" or \"text\" (required with \"shards\")"),
+             "how a line of \"shards\" is read: \"chat\", \"alpaca\", \"text\", \"preference\" or \"kto\" (required with \"shards\")"),
     BT_KEY_S("text_field", J, text_field, 1, 0, NULL, BT_KEY_SAFE_TEXT,
              "the text's key (format \"text\" only; default \"text\")"),
     BT_KEY_C("datasets", J, datasets, parse_datasets, NULL, release_datasets, NULL, 0,
@@ -170,6 +170,12 @@ static const bt_key job_keys[] = {
              "\"mistral\" (7B Instruct v0.1/v0.2), \"mistral-v3\" (v0.3) or \"phi3\""),
     BT_KEY_E("overlong", J, overlong_drop, OVERLONG, NULL, "\"truncate\"", 0,
              "chat/alpaca documents longer than seq_len: \"truncate\" or \"drop\""),
+    BT_KEY_I("max_prompt_length", J, max_prompt_length, 0, BT_JOB_MAX_SEQ_LEN, "0", 0,
+             "preference/kto: prompt tokens kept (its end) when prompt + longer response exceeds max_length "
+             "(TRL's name); 0: none"),
+    BT_KEY_I("max_length", J, max_length, 0, BT_JOB_MAX_SEQ_LEN, "0", 0,
+             "preference/kto: prompt + longer response, in tokens (TRL's name); 0: none. A pair always fits one "
+             "row of seq_len or is skipped as overlong"),
     {.name = "ring_slots", .type = BT_KEY_INT, .ilo = 1, .ihi = 1 << 16, .flags = BT_KEY_NO_FIELD,
      .doc = "batches buffered in the ring (loaderd: 1..1024, default from its config)"},
     BT_KEY_END,
@@ -206,7 +212,7 @@ int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, bt_keypath *bad)
                       "not both");
     if (rc == 0 && !spec->n_datasets && !have_shards) rc = spec_err(bad, "shards", "\"shards\": required (or \"datasets\")");
     if (rc == 0 && !spec->n_datasets && !have_format)
-        rc = spec_err(bad, "format", "\"format\": required (\"chat\", \"alpaca\" or \"text\")");
+        rc = spec_err(bad, "format", "\"format\": required (\"chat\", \"alpaca\", \"text\", \"preference\" or \"kto\")");
     if (rc == 0 && (uint64_t)spec->B * spec->T > BT_JOB_MAX_BATCH_TOKENS)
         rc = spec_err(bad, "micro_batch_size", "\"micro_batch_size\": %u x seq_len %u = %llu tokens exceeds %u", spec->B,
                       spec->T, (unsigned long long)spec->B * spec->T, BT_JOB_MAX_BATCH_TOKENS);

@@ -11,7 +11,8 @@
 
 #include "common/keytab.h"
 
-typedef enum { LD_FMT_TEXT = 0, LD_FMT_CHAT = 1, LD_FMT_ALPACA = 2 } ld_format;
+/* LD_FMT_PREFERENCE / LD_FMT_KTO are read by ld_format_pref (loaderd/format.h), not ld_format_line. */
+typedef enum { LD_FMT_TEXT = 0, LD_FMT_CHAT = 1, LD_FMT_ALPACA = 2, LD_FMT_PREFERENCE = 3, LD_FMT_KTO = 4 } ld_format;
 
 typedef enum {
     LD_BAD_JSON = 0,      /* not valid JSON / not an object */
@@ -68,6 +69,7 @@ typedef struct {
     ld_chat_tpl chat_template; /* LD_TPL_AUTO (what the parser defaults to): from the tokenizer,
                                   see format.h; a zeroed spec means LD_TPL_CHATML */
     int overlong_drop;  /* chat/alpaca documents longer than T: 0 truncate (default), 1 drop */
+    uint32_t max_prompt_length, max_length; /* preference / kto truncation (format.h), 0 = none */
     uint32_t T, B;
     uint64_t seed;
     uint32_t rank, world_size;

@@ -26,9 +26,10 @@ uint64_t ld_rng_below(ld_rng *r, uint64_t n) {
 }
 
 typedef struct {
-    uint32_t len;
+    uint32_t len; /* tokens of the unit (a piece, or a pair's two documents) */
     uint64_t key;
-    uint32_t idx; /* piece index */
+    uint32_t idx; /* first piece of the unit */
+    uint32_t cnt; /* pieces in the unit: 1, or 2 for a pair */
 } sort_ent;
 
 static int cmp_ent(const void *a, const void *b) {
@@ -45,32 +46,58 @@ void ld_pack_plan_free(ld_pack_plan *plan) {
     memset(plan, 0, sizeof *plan);
 }
 
+/* docs[i] starts a pair that can be placed whole in a row of T */
+static int pair_at(const ld_pack_doc *docs, size_t n_docs, size_t i) { return docs[i].with_next && i + 1 < n_docs; }
+static int pair_fits(const ld_pack_doc *docs, size_t i, uint32_t T) {
+    return docs[i].n > 0 && docs[i + 1].n > 0 && (uint64_t)docs[i].n + docs[i + 1].n <= T;
+}
+
 int ld_pack_plan_build(ld_pack_plan *plan, const ld_pack_doc *docs, size_t n_docs, uint32_t T,
                        uint64_t seed, int shuffle) {
     memset(plan, 0, sizeof *plan);
     if (T == 0) return bt_fail(BT_ERR_INVALID, "packer: T must be >= 1");
-    /* 1. pieces */
-    size_t np = 0;
+    /* 1. pieces (np) and units (nu: what is sorted and placed) */
+    size_t np = 0, nu = 0;
     for (size_t i = 0; i < n_docs; i++) {
+        if (pair_at(docs, n_docs, i)) {
+            if (pair_fits(docs, i, T)) np += 2, nu++;
+            i++;
+            continue;
+        }
         uint32_t n = docs[i].n;
         if (n == 0) continue;
-        np += (n > T && docs[i].split) ? (n + T - 1) / T : 1;
+        size_t k = (n > T && docs[i].split) ? (n + T - 1) / T : 1;
+        np += k, nu += k;
     }
     if (np > UINT32_MAX || n_docs > UINT32_MAX)
         return bt_fail(BT_ERR_RANGE, "packer: %zu pieces in one window", np);
     ld_piece *pieces = malloc((np ? np : 1) * sizeof *pieces);
-    sort_ent *ord = malloc((np ? np : 1) * sizeof *ord);
+    sort_ent *ord = malloc((nu ? nu : 1) * sizeof *ord);
     uint32_t *row_of = malloc((np ? np : 1) * sizeof *row_of);
-    uint32_t *rem = malloc((np ? np : 1) * sizeof *rem);  /* remaining space per row */
-    uint32_t *open = malloc((np ? np : 1) * sizeof *open); /* rows that may still take a piece */
+    uint32_t *rem = malloc((nu ? nu : 1) * sizeof *rem);  /* remaining space per row */
+    uint32_t *open = malloc((nu ? nu : 1) * sizeof *open); /* rows that may still take a unit */
     if (!pieces || !ord || !row_of || !rem || !open) {
         free(pieces), free(ord), free(row_of), free(rem), free(open);
         return bt_fail(BT_ERR_NOMEM, "packer: out of memory (%zu pieces)", np);
     }
     ld_rng rng;
     ld_rng_seed(&rng, seed);
-    size_t k = 0;
+    size_t k = 0, u = 0;
     for (size_t i = 0; i < n_docs; i++) {
+        if (pair_at(docs, n_docs, i)) {
+            if (pair_fits(docs, i, T)) {
+                uint64_t key = shuffle ? ld_rng_next(&rng) : 0;
+                pieces[k] = (ld_piece){(uint32_t)i, 0, docs[i].n};
+                pieces[k + 1] = (ld_piece){(uint32_t)(i + 1), 0, docs[i + 1].n};
+                ord[u++] = (sort_ent){docs[i].n + docs[i + 1].n, key, (uint32_t)k, 2};
+                plan->real_tokens += docs[i].n + docs[i + 1].n;
+                k += 2;
+            } else {
+                plan->n_pairs_dropped++;
+            }
+            i++;
+            continue;
+        }
         uint32_t n = docs[i].n;
         if (n == 0) continue;
         uint64_t key = shuffle ? ld_rng_next(&rng) : 0;
@@ -81,17 +108,17 @@ int ld_pack_plan_build(ld_pack_plan *plan, const ld_pack_doc *docs, size_t n_doc
         for (uint32_t off = 0; off < n; off += T) {
             uint32_t len = n - off < T ? n - off : T;
             pieces[k] = (ld_piece){(uint32_t)i, off, len};
-            ord[k] = (sort_ent){len, key, (uint32_t)k};
+            ord[u++] = (sort_ent){len, key, (uint32_t)k, 1};
             plan->real_tokens += len;
             k++;
         }
     }
-    qsort(ord, np, sizeof *ord, cmp_ent);
+    qsort(ord, nu, sizeof *ord, cmp_ent);
 
     /* 2. best fit, decreasing */
     size_t n_rows = 0, n_open = 0;
-    uint32_t min_len = np ? ord[np - 1].len : 0;
-    for (size_t j = 0; j < np; j++) {
+    uint32_t min_len = nu ? ord[nu - 1].len : 0;
+    for (size_t j = 0; j < nu; j++) {
         uint32_t len = ord[j].len;
         size_t best = SIZE_MAX;
         uint32_t best_rem = UINT32_MAX;
@@ -112,7 +139,7 @@ int ld_pack_plan_build(ld_pack_plan *plan, const ld_pack_doc *docs, size_t n_doc
             row = open[best];
         }
         rem[row] -= len;
-        row_of[ord[j].idx] = row;
+        for (uint32_t c = 0; c < ord[j].cnt; c++) row_of[ord[j].idx + c] = row;
         if (rem[row] < min_len) { /* nothing left can fit: close it (keep `open` ordered) */
             memmove(open + best, open + best + 1, (n_open - best - 1) * sizeof *open);
             n_open--;
@@ -126,19 +153,20 @@ int ld_pack_plan_build(ld_pack_plan *plan, const ld_pack_doc *docs, size_t n_doc
         free(rows), free(flat), free(pieces), free(ord), free(row_of), free(rem), free(open);
         return bt_fail(BT_ERR_NOMEM, "packer: out of memory (%zu rows)", n_rows);
     }
-    for (size_t j = 0; j < np; j++) rows[row_of[ord[j].idx]].n_pieces++;
+    for (size_t q = 0; q < np; q++) rows[row_of[q]].n_pieces++;
     uint32_t acc = 0;
     for (size_t r = 0; r < n_rows; r++) {
         rows[r].first = acc;
         acc += rows[r].n_pieces;
         rows[r].n_pieces = 0;
     }
-    for (size_t j = 0; j < np; j++) {
-        ld_piece pc = pieces[ord[j].idx];
-        ld_row *rw = &rows[row_of[ord[j].idx]];
-        flat[rw->first + rw->n_pieces++] = pc;
-        rw->used += pc.len;
-    }
+    for (size_t j = 0; j < nu; j++) /* a pair's two pieces land adjacent, in order */
+        for (uint32_t c = 0; c < ord[j].cnt; c++) {
+            ld_piece pc = pieces[ord[j].idx + c];
+            ld_row *rw = &rows[row_of[ord[j].idx + c]];
+            flat[rw->first + rw->n_pieces++] = pc;
+            rw->used += pc.len;
+        }
     free(pieces), free(ord), free(row_of), free(rem), free(open);
 
     /* 4. shuffle rows (Fisher-Yates) */
@@ -158,13 +186,18 @@ int ld_pack_plan_build(ld_pack_plan *plan, const ld_pack_doc *docs, size_t n_doc
 
 void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *docs, uint32_t T,
                        int32_t pad_id, uint32_t base, int32_t *ids, int32_t *labels, int32_t *pos,
-                       int32_t *cu, uint32_t *n_cu, ld_row_stats *st) {
+                       int32_t *cu, uint32_t *n_cu, ld_row_stats *st, int32_t *seg_pair, int32_t *seg_kind,
+                       int32_t *n_rec) {
     const ld_row *rw = &plan->rows[r];
     uint32_t t = 0;
     memset(st, 0, sizeof *st);
     for (uint32_t q = 0; q < rw->n_pieces; q++) {
         const ld_piece *pc = &plan->pieces[rw->first + q];
         const ld_pack_doc *d = &docs[pc->doc];
+        if (seg_kind) {
+            seg_kind[*n_cu] = d->kind;
+            seg_pair[*n_cu] = d->kind == BT_SEG_PLAIN ? -1 : d->kind == BT_SEG_REJECTED ? *n_rec - 1 : (*n_rec)++;
+        }
         cu[(*n_cu)++] = (int32_t)(base + t);
         for (uint32_t k = 0; k < pc->len; k++, t++) {
             int32_t id = d->ids[pc->off + k];
@@ -181,6 +214,7 @@ void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *do
     }
     st->real = t;
     if (t < T) {
+        if (seg_kind) seg_kind[*n_cu] = BT_SEG_PLAIN, seg_pair[*n_cu] = -1;
         cu[(*n_cu)++] = (int32_t)(base + t);
         for (uint32_t k = 0; t < T; t++, k++) {
             ids[t] = pad_id;
@@ -191,7 +225,9 @@ void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *do
 }
 
 void ld_pack_write_pad_row(uint32_t T, int32_t pad_id, uint32_t base, int32_t *ids,
-                           int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu) {
+                           int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu, int32_t *seg_pair,
+                           int32_t *seg_kind) {
+    if (seg_kind) seg_kind[*n_cu] = BT_SEG_PLAIN, seg_pair[*n_cu] = -1;
     cu[(*n_cu)++] = (int32_t)base;
     for (uint32_t t = 0; t < T; t++) {
         ids[t] = pad_id;

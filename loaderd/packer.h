@@ -8,7 +8,8 @@
  * still fits it (ties: the oldest row), else into a new row. A window is self-contained: all
  * of its rows are returned (the last ones may be partly empty).
  * Documents longer than T are split into consecutive T-token pieces (split = 1, `text`) or cut
- * to their first T tokens (split = 0, `chat`/`alpaca`; counted in n_truncated).
+ * to their first T tokens (split = 0, `chat`/`alpaca`; counted in n_truncated). A pair
+ * (with_next) is sorted and placed as one item of its summed length, its two documents adjacent.
  *
  * Row contents (proto/batch.h contract): each piece is a segment; position_ids restart at 0 per
  * segment; labels[t] = ids[t] where mask = 1, else -100, and the first token of every segment
@@ -36,6 +37,12 @@ typedef struct {
     const int32_t *mask; /* [n] 1 = carries loss, 0 = not (borrowed) */
     uint32_t n;          /* tokens; 0 = nothing to pack (skipped) */
     int split;           /* n > T: 1 = split into T-sized pieces, 0 = truncate to T */
+    int with_next;       /* 1: this document and the next one are one unit (a preference pair,
+                            issue 25): placed in one row, adjacent, in this order, never split or
+                            cut; a unit longer than T (or with an empty member) is dropped and
+                            counted in n_pairs_dropped. The next document's own with_next is ignored. */
+    int32_t kind;        /* BT_SEG_* (proto/batch.h) of its segment(s): BT_SEG_PLAIN (0) for SFT
+                            documents; a pair is CHOSEN (with_next) then REJECTED */
 } ld_pack_doc;
 
 typedef struct {
@@ -57,6 +64,7 @@ typedef struct {
     size_t n_rows;
     size_t n_truncated;   /* docs cut to T (split = 0 and n > T) */
     uint64_t real_tokens; /* sum of piece lengths */
+    size_t n_pairs_dropped; /* with_next units that could not be placed whole (longer than T) */
 } ld_pack_plan;
 
 /* Plan the rows for docs[0..n_docs) at row length T (>= 1). When `shuffle` is set, equal-length
@@ -77,12 +85,17 @@ typedef struct {
 /* Write row `r` of `plan` (docs as given to the build) into ids/labels/pos [T] (int32) and
  * append the start of each segment (row start included, padding tail included), offset by
  * `base` (the row's index in the flattened batch, B*T units), at cu[*n_cu], advancing *n_cu.
- * pad_id: token id for padding. *st receives the row's counts. */
+ * pad_id: token id for padding. *st receives the row's counts. The segment metadata of layout 2
+ * goes at the same index as its cu entry: seg_kind[k] = the piece's doc kind (padding:
+ * BT_SEG_PLAIN), seg_pair[k] = -1 for plain, the partner's index for REJECTED, else *n_rec
+ * (the batch's running record count, advanced). seg_pair / seg_kind may be NULL (not written). */
 void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *docs, uint32_t T,
                        int32_t pad_id, uint32_t base, int32_t *ids, int32_t *labels, int32_t *pos,
-                       int32_t *cu, uint32_t *n_cu, ld_row_stats *st);
+                       int32_t *cu, uint32_t *n_cu, ld_row_stats *st, int32_t *seg_pair, int32_t *seg_kind,
+                       int32_t *n_rec);
 /* Write an all-padding row (one segment) the same way. */
 void ld_pack_write_pad_row(uint32_t T, int32_t pad_id, uint32_t base, int32_t *ids,
-                           int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu);
+                           int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu, int32_t *seg_pair,
+                           int32_t *seg_kind);
 
 #endif

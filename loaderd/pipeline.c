@@ -120,6 +120,10 @@ static uint64_t hash_spec(const ld_scfg *cfg, uint32_t rank) {
         for (uint32_t i = 0; i < ds->n; i++)
             h = bt_fnv1a64(h, cfg->paths[ds->first + i], strlen(cfg->paths[ds->first + i]) + 1);
         if (ds->fcfg.format == LD_FMT_TEXT) h = bt_fnv1a64(h, ds->text_field, strlen(ds->text_field) + 1);
+        if (ds->fcfg.format == LD_FMT_PREFERENCE || ds->fcfg.format == LD_FMT_KTO) { /* SFT hashes unchanged */
+            uint32_t m[2] = {ds->fcfg.max_prompt_length, ds->fcfg.max_length};
+            h = bt_fnv1a64(h, m, sizeof m);
+        }
     }
     uint32_t v[9] = {cfg->T, cfg->B, rank, cfg->world, LD_STATE_VERSION, (uint32_t)cfg->ds[0].fcfg.overlong_drop,
                      (uint32_t)cfg->ds[0].fcfg.add_bos, (uint32_t)cfg->win_tokens, LD_WINDOW_DOCS};
@@ -141,8 +145,8 @@ static void make_canon(ld_scfg *cfg) {
     size_t cap = 0;
     for (uint32_t d = 0; d < cfg->n_ds; d++) {
         const ld_dataset *ds = &cfg->ds[d];
-        uint32_t v[8] = {d, ds->n, (uint32_t)ds->fcfg.format, ds->q, (uint32_t)ds->fcfg.tpl, (uint32_t)ds->fcfg.add_bos,
-                         (uint32_t)ds->fcfg.overlong_drop, ds->fcfg.T};
+        uint32_t v[10] = {d, ds->n, (uint32_t)ds->fcfg.format, ds->q, (uint32_t)ds->fcfg.tpl, (uint32_t)ds->fcfg.add_bos,
+                          (uint32_t)ds->fcfg.overlong_drop, ds->fcfg.T, ds->fcfg.max_prompt_length, ds->fcfg.max_length};
         canon_put(cfg, &cap, v, sizeof v);
         for (uint32_t i = 0; i < ds->n; i++)
             canon_put(cfg, &cap, cfg->paths[ds->first + i], strlen(cfg->paths[ds->first + i]) + 1);
@@ -174,7 +178,8 @@ static int setup_datasets(ld_scfg *cfg, const ld_job_spec *spec, const bt_tokeni
     double wmax = 0;
     for (int d = 0; d < nd; d++) {
         if (!(dv[d].weight > 0) || !isfinite(dv[d].weight) || dv[d].n_shards < 1 ||
-            (dv[d].format != LD_FMT_TEXT && dv[d].format != LD_FMT_CHAT && dv[d].format != LD_FMT_ALPACA))
+            (dv[d].format != LD_FMT_TEXT && dv[d].format != LD_FMT_CHAT && dv[d].format != LD_FMT_ALPACA &&
+             dv[d].format != LD_FMT_PREFERENCE && dv[d].format != LD_FMT_KTO))
             return bt_fail(BT_ERR_INVALID, "pipeline: dataset %d: bad weight, shards or format", d);
         if (dv[d].weight > wmax) wmax = dv[d].weight;
     }
@@ -194,7 +199,8 @@ static int setup_datasets(ld_scfg *cfg, const ld_job_spec *spec, const bt_tokeni
             tpl_done = 1;
         }
         ds->fcfg = (ld_format_cfg){dv[d].format, ds->text_field, tok, dv[d].format == LD_FMT_TEXT ? 0 : spec->T,
-                                   tpl, add_bos, spec->overlong_drop};
+                                   tpl, add_bos, spec->overlong_drop,
+                                   spec->max_prompt_length, spec->max_length};
         int rc = expand_shards(cfg, dv[d].shards, dv[d].n_shards, (uint32_t)d);
         if (rc != BT_OK) return rc;
     }
@@ -656,7 +662,7 @@ static void mirror_stats(ld_pipeline *p) {
 
 /* Rows of this rank into the batch; returns how many came from windows (0: the data ended). */
 static int fill_rows(ld_pipeline *p, bt_batch_view *v, uint32_t *n_cu, uint32_t *real, uint32_t *labelled,
-                     uint32_t *docs, uint32_t *epoch, uint32_t *rows) {
+                     uint32_t *docs, uint32_t *epoch, uint32_t *rows, int32_t *n_rec) {
     const uint32_t T = p->cfg->T, B = p->cfg->B, world = p->cfg->world;
     for (uint32_t r = 0; r < B; r++) {
         while (!p->data_done && (!p->w || p->next_row >= p->w->rank_rows)) {
@@ -681,13 +687,13 @@ static int fill_rows(ld_pipeline *p, bt_batch_view *v, uint32_t *n_cu, uint32_t 
         size_t pr = p->data_done ? SIZE_MAX : p->next_row++ * world + p->rank; /* plan row */
         if (p->data_done || pr >= w->plan.n_rows) {
             ld_pack_write_pad_row(T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                                  v->position_ids + o, v->cu_seqlens, n_cu);
+                                  v->position_ids + o, v->cu_seqlens, n_cu, v->seg_pair, v->seg_kind);
             ADD(pad_rows, 1);
             continue;
         }
         ld_row_stats st;
         ld_pack_write_row(&w->plan, pr, w->docs, T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                          v->position_ids + o, v->cu_seqlens, n_cu, &st);
+                          v->position_ids + o, v->cu_seqlens, n_cu, &st, v->seg_pair, v->seg_kind, n_rec);
         *real += st.real;
         *labelled += st.labelled;
         *docs += st.pieces;
@@ -700,7 +706,8 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
     if (p->err) return bt_fail(p->err, "%s", p->err_msg);
     uint32_t n_cu = 0, real = 0, labelled = 0, docs = 0, epoch = p->w ? p->w->start.epoch : p->start.epoch, rows = 0;
     if (!p->finished) {
-        int rc = fill_rows(p, v, &n_cu, &real, &labelled, &docs, &epoch, &rows);
+        int32_t n_rec = 0;
+        int rc = fill_rows(p, v, &n_cu, &real, &labelled, &docs, &epoch, &rows, &n_rec);
         mirror_stats(p);
         if (rc < 0) return next_failed(p, rc);
     }
@@ -711,7 +718,7 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
         for (uint32_t r = 0; r < B; r++) {
             size_t o = (size_t)r * T;
             ld_pack_write_pad_row(T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                                  v->position_ids + o, v->cu_seqlens, &n_cu);
+                                  v->position_ids + o, v->cu_seqlens, &n_cu, v->seg_pair, v->seg_kind);
         }
         v->cu_seqlens[n_cu++] = (int32_t)(B * T);
         encode_state(p, v->hdr->resume_state);

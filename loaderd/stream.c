@@ -31,6 +31,7 @@
 #include "common/bt_common.h"
 #include "common/bt_vec.h"
 #include "loaderd/source.h"
+#include "proto/batch.h"
 #include "loaderd/stream.h"
 
 #define LD_LOG_FIRST 20
@@ -112,7 +113,9 @@ static int rd_open(ld_stream *s, rcur *cur, uint32_t d) {
     const ld_scfg *cfg = s->cfg;
     uint32_t f = cfg->ds[d].first + cur->file;
     cur->file_skip = 0;
-    if (cfg->cache) {
+    ld_format fmt = cfg->ds[d].fcfg.format;
+    /* preference / kto records are not cached yet: the cache's records hold one document each */
+    if (cfg->cache && fmt != LD_FMT_PREFERENCE && fmt != LD_FMT_KTO) {
         int rc = ld_tcache_acquire(cfg->cache, &cfg->shards[f], cfg->shards, cfg->n_paths, cfg->n_threads, &s->stop,
                                    &cur->tc);
         if (rc == BT_OK) return 0;
@@ -340,7 +343,21 @@ static void *reader_main(void *arg) {
 static int format_item(void *ctx, ld_item *it, const char *line) {
     const ld_stream *s = ctx;
     int reason = -1;
-    int rc = ld_format_line(&s->cfg->ds[it->ds].fcfg, line, it->len, &it->ids, &it->mask, &it->truncated, &reason);
+    const ld_format_cfg *fc = &s->cfg->ds[it->ds].fcfg;
+    int rc;
+    if (fc->format == LD_FMT_PREFERENCE || fc->format == LD_FMT_KTO) {
+        ld_pref_rec rec;
+        rc = ld_format_pref_render(fc, line, it->len, &it->ids, &it->mask, &rec, &reason);
+        if (rc == 0) rc = ld_format_pref_fit(fc, &it->ids, &it->mask, 0, &rec, &reason);
+        if (rc == 0) {
+            it->truncated = rec.truncated;
+            it->pref_n = rec.n_docs;
+            it->pref_len0 = rec.len[0];
+            it->pref_label = rec.label;
+        }
+    } else {
+        rc = ld_format_line(fc, line, it->len, &it->ids, &it->mask, &it->truncated, &reason);
+    }
     if (rc == BT_ERR_NOMEM) { /* its tokens do not fit in memory: skip and count the document, go on */
         bt_ids_free(&it->ids);
         bt_ids_free(&it->mask);
@@ -379,7 +396,7 @@ void ld_window_put(ld_window *w) {
 }
 
 static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
-    if (w->n_docs == w->cap) { /* three parallel arrays of the same capacity */
+    if (w->n_docs + 2 > w->cap) { /* three parallel arrays of the same capacity (room for a pair) */
         size_t need = w->n_docs < 256 ? 256 : w->n_docs + 1, c1 = w->cap, c2 = w->cap;
         w->docs = bt_vec_xgrow(w->docs, &w->cap, need, sizeof *w->docs);
         w->ids = bt_vec_xgrow(w->ids, &c1, w->cap, sizeof *w->ids);
@@ -389,7 +406,17 @@ static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
     w->ids[k] = it->ids;
     w->mask[k] = it->mask;
     w->docs[k] = (ld_pack_doc){w->ids[k].v, w->mask[k].v, (uint32_t)w->ids[k].n,
-                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT};
+                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT, 0, BT_SEG_PLAIN};
+    if (it->pref_n == 1) /* kto */
+        w->docs[k].kind = it->pref_label ? BT_SEG_KTO_DESIRABLE : BT_SEG_KTO_UNDESIRABLE;
+    if (it->pref_n == 2) { /* a pair: two documents over the one buffer (owned by entry k) */
+        size_t k2 = w->n_docs++;
+        uint32_t n0 = it->pref_len0, n1 = (uint32_t)w->ids[k].n - n0;
+        memset(&w->ids[k2], 0, sizeof w->ids[k2]);
+        memset(&w->mask[k2], 0, sizeof w->mask[k2]);
+        w->docs[k] = (ld_pack_doc){w->ids[k].v, w->mask[k].v, n0, 0, 1, BT_SEG_CHOSEN};
+        w->docs[k2] = (ld_pack_doc){w->ids[k].v + n0, w->mask[k].v + n0, n1, 0, 0, BT_SEG_REJECTED};
+    }
     memset(&it->ids, 0, sizeof it->ids);
     memset(&it->mask, 0, sizeof it->mask);
     w->tokens += w->ids[k].n;
@@ -466,6 +493,9 @@ int ld_stream_build_window(ld_stream *s, ld_window **out) {
         return rc;
     }
     if (w->plan.n_truncated) ADD(truncated, w->plan.n_truncated);
+    /* ld_format_pref_fit already skips pairs longer than T; a pair the packer could not place is
+     * counted all the same, never lost silently */
+    if (w->plan.n_pairs_dropped) ADD(bad[LD_BAD_OVERLONG], w->plan.n_pairs_dropped);
     w->rank_rows = (w->plan.n_rows + s->cfg->world - 1) / s->cfg->world;
     w->end = s->cpos;
     ADD(windows, 1);

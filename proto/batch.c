@@ -25,7 +25,7 @@ size_t bt_batch_slot_bytes(uint32_t B, uint32_t T) {
     if (bt > BT_BATCH_MAX_TOKENS) return 0;
     size_t arr = round64((size_t)bt * sizeof(int32_t));
     size_t cu = round64(((size_t)bt + 1) * sizeof(int32_t));
-    return round64(sizeof(bt_batch_header)) + 3 * arr + cu;
+    return round64(sizeof(bt_batch_header)) + 5 * arr + cu;
 }
 
 void bt_batch_view_init(bt_batch_view *v, void *slot, uint32_t B, uint32_t T) {
@@ -38,6 +38,9 @@ void bt_batch_view_init(bt_batch_view *v, void *slot, uint32_t B, uint32_t T) {
     v->labels = (int32_t *)(p + off + arr);
     v->position_ids = (int32_t *)(p + off + 2 * arr);
     v->cu_seqlens = (int32_t *)(p + off + 3 * arr);
+    size_t cu = round64((bt + 1) * sizeof(int32_t));
+    v->seg_pair = (int32_t *)(p + off + 3 * arr + cu);
+    v->seg_kind = (int32_t *)(p + off + 4 * arr + cu);
 }
 
 uint64_t bt_batch_checksum(const bt_batch_view *v) {
@@ -49,6 +52,9 @@ uint64_t bt_batch_checksum(const bt_batch_view *v) {
     h = bt_fnv1a64(h, v->labels, bt * sizeof(int32_t));
     h = bt_fnv1a64(h, v->position_ids, bt * sizeof(int32_t));
     h = bt_fnv1a64(h, v->cu_seqlens, (size_t)n_cu * sizeof(int32_t));
+    size_t ns = n_cu ? n_cu - 1 : 0;
+    h = bt_fnv1a64(h, v->seg_pair, ns * sizeof(int32_t));
+    h = bt_fnv1a64(h, v->seg_kind, ns * sizeof(int32_t));
     return h;
 }
 
@@ -114,6 +120,32 @@ int bt_batch_validate(const bt_batch_view *v, uint32_t B, uint32_t T, int32_t vo
                 labelled++;
             }
         }
+    }
+    int32_t next_rec = 0; /* preference records are numbered 0, 1, 2... in order */
+    for (uint32_t k = 0; k + 1 < n_cu; k++) {
+        int32_t kind = v->seg_kind[k], pair = v->seg_pair[k];
+        if (kind < 0 || kind >= BT_SEG_N)
+            return bt_fail(BT_ERR_FORMAT, "batch step %llu: seg_kind[%u]=%d unknown", step, k, kind);
+        if (kind == BT_SEG_PLAIN) {
+            if (pair != -1)
+                return bt_fail(BT_ERR_FORMAT, "batch step %llu: plain segment %u has seg_pair %d (want -1)", step, k,
+                               pair);
+            continue;
+        }
+        if (kind == BT_SEG_REJECTED) {
+            if (k == 0 || v->seg_kind[k - 1] != BT_SEG_CHOSEN || v->seg_pair[k - 1] != pair)
+                return bt_fail(BT_ERR_FORMAT, "batch step %llu: rejected segment %u does not follow its chosen "
+                               "segment", step, k);
+            continue;
+        }
+        if (pair != next_rec)
+            return bt_fail(BT_ERR_FORMAT, "batch step %llu: segment %u has seg_pair %d (want %d)", step, k, pair,
+                           next_rec);
+        next_rec++;
+        if (kind == BT_SEG_CHOSEN &&
+            (k + 2 >= n_cu || v->seg_kind[k + 1] != BT_SEG_REJECTED || (uint32_t)cu[k] / T != (uint32_t)cu[k + 1] / T))
+            return bt_fail(BT_ERR_FORMAT, "batch step %llu: chosen segment %u is not followed by its rejected "
+                           "segment in the same row", step, k);
     }
     if (next_row != bt)
         return bt_fail(BT_ERR_FORMAT, "batch step %llu: row start %u is not a segment boundary", step, next_row);

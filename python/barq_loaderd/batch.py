@@ -6,7 +6,11 @@ Layout of the rows: B rows of T tokens. input_ids, labels, position_ids are int3
 labels are unshifted (labels[t] is the target of the prediction made at t - 1, -100 = no loss:
 prompt tokens, padding, the first token of every packed document); position_ids restart at 0 per
 document; cu_seqlens (int32 [n_cu]) are the flat segment boundaries over the B*T tokens, every
-row start is one, and the unused tail of a row is a padding segment of its own.
+row start is one, and the unused tail of a row is a padding segment of its own. Per segment k
+(layout 2, issue 25): seg_kind[k] (int32 [n_cu - 1], layout.SEG_*: 0 plain / padding, 1 chosen,
+2 rejected, 3 kto desirable, 4 kto undesirable) and seg_pair[k] (int32 [n_cu - 1]: the
+preference record's index within the batch, from 0 in order; -1 for plain segments). A pair is
+two adjacent segments of one row, chosen then rejected, with the same seg_pair.
 """
 import numpy as np
 
@@ -26,7 +30,7 @@ class Batch:
 
     __slots__ = ("step", "job_id", "rank", "B", "T", "n_real_tokens", "n_labelled_tokens", "n_cu",
                  "n_docs", "flags", "epoch", "checksum", "resume_state", "input_ids", "labels",
-                 "position_ids", "cu_seqlens", "_owned")
+                 "position_ids", "cu_seqlens", "seg_pair", "seg_kind", "_owned")
 
     @property
     def end_of_data(self):
@@ -72,9 +76,10 @@ def fnv1a64(chunks, h=L.FNV64_INIT):
 
 def batch_checksum(b):
     """bt_batch_checksum: FNV-1a 64 over input_ids, labels, position_ids (B*T int32 each, in
-    that order) then cu_seqlens[0..n_cu)."""
+    that order), cu_seqlens[0..n_cu), then seg_pair and seg_kind[0..n_cu-1)."""
     return fnv1a64((np.ascontiguousarray(b.input_ids), np.ascontiguousarray(b.labels),
-                    np.ascontiguousarray(b.position_ids), np.ascontiguousarray(b.cu_seqlens)))
+                    np.ascontiguousarray(b.position_ids), np.ascontiguousarray(b.cu_seqlens),
+                    np.ascontiguousarray(b.seg_pair), np.ascontiguousarray(b.seg_kind)))
 
 
 def read_batch(buf, off, B, T):
@@ -100,12 +105,12 @@ def read_batch(buf, off, B, T):
     if b.flags & ~L.F_END_OF_DATA:
         raise LoaderdProtocolError(f"batch step {b.step}: unknown flags 0x{b.flags:x}")
     if b.flags & L.F_END_OF_DATA:
-        b.input_ids = b.labels = b.position_ids = b.cu_seqlens = None
+        b.input_ids = b.labels = b.position_ids = b.cu_seqlens = b.seg_pair = b.seg_kind = None
         return b
     n = B * T
     if not B + 1 <= b.n_cu <= n + 1:
         raise LoaderdProtocolError(f"batch step {b.step}: n_cu {b.n_cu} outside [{B + 1}, {n + 1}]")
-    o_ids, o_lab, o_pos, o_cu = (off + x for x in L.array_offsets(B, T))
+    o_ids, o_lab, o_pos, o_cu, o_sp, o_sk = (off + x for x in L.array_offsets(B, T))
 
     def view(o, count, shape):
         a = np.frombuffer(buf, dtype="<i4", count=count, offset=o).reshape(shape)
@@ -116,6 +121,8 @@ def read_batch(buf, off, B, T):
     b.labels = view(o_lab, n, (B, T))
     b.position_ids = view(o_pos, n, (B, T))
     b.cu_seqlens = view(o_cu, b.n_cu, (b.n_cu,))
+    b.seg_pair = view(o_sp, b.n_cu - 1, (b.n_cu - 1,))
+    b.seg_kind = view(o_sk, b.n_cu - 1, (b.n_cu - 1,))
     return b
 
 
@@ -177,6 +184,25 @@ def validate(b, vocab=0, checksum=True):
         bad(f"labels[{t}]={int(labels[t])} outside [0,{vocab})")
     if int(lab.sum()) != b.n_labelled_tokens:
         bad(f"n_labelled_tokens {b.n_labelled_tokens} but {int(lab.sum())} labels present")
+    kind, pair = b.seg_kind.tolist(), b.seg_pair.tolist()
+    next_rec = 0
+    for k, (kd, pr) in enumerate(zip(kind, pair)):
+        if not 0 <= kd < L.SEG_N:
+            bad(f"seg_kind[{k}]={kd} unknown")
+        if kd == L.SEG_PLAIN:
+            if pr != -1:
+                bad(f"plain segment {k} has seg_pair {pr} (want -1)")
+            continue
+        if kd == L.SEG_REJECTED:
+            if k == 0 or kind[k - 1] != L.SEG_CHOSEN or pair[k - 1] != pr:
+                bad(f"rejected segment {k} does not follow its chosen segment")
+            continue
+        if pr != next_rec:
+            bad(f"segment {k} has seg_pair {pr} (want {next_rec})")
+        next_rec += 1
+        if kd == L.SEG_CHOSEN and (k + 1 >= len(kind) or kind[k + 1] != L.SEG_REJECTED
+                                   or cu[k] // T != cu[k + 1] // T):
+            bad(f"chosen segment {k} is not followed by its rejected segment in the same row")
 
 
 def flatten(b):

@@ -44,7 +44,7 @@ RING_OFF = {                            # byte offsets of the shared counters an
 
 # ---- batch slot (proto/batch.h, proto/PROTOCOL.md §4) ----
 BATCH_MAGIC = 0x41425442                # "BTBA" as a little-endian u32
-BATCH_LAYOUT_VERSION = 1
+BATCH_LAYOUT_VERSION = 2               # 2: seg_pair / seg_kind after cu_seqlens (issue 25)
 BATCH_HEADER_BYTES = 320
 RESUME_STATE_BYTES = 256
 LABEL_IGNORE = -100
@@ -63,6 +63,11 @@ FNV64_INIT = 0xCBF29CE484222325         # FNV-1a 64 (common/bt_common.h bt_fnv1a
 FNV64_PRIME = 0x100000001B3
 
 
+# seg_kind values (proto/batch.h BT_SEG_*): what each segment of a layout-2 batch is
+SEG_PLAIN, SEG_CHOSEN, SEG_REJECTED, SEG_KTO_DESIRABLE, SEG_KTO_UNDESIRABLE = 0, 1, 2, 3, 4
+SEG_N = 5
+
+
 def round64(n):
     """n rounded up to a multiple of 64 (every array of a slot starts 64-byte aligned)."""
     return (n + 63) & ~63
@@ -71,18 +76,20 @@ def round64(n):
 def slot_bytes(B, T):
     """Bytes of one batch slot for B rows of T tokens (proto/batch.c bt_batch_slot_bytes):
     header (320, rounded to 64) + 3 arrays of B*T int32 (each rounded to 64) + cu_seqlens of
-    B*T+1 int32 (rounded to 64). 0 when B or T is 0 or B*T exceeds 2^28."""
+    B*T+1 int32 (rounded to 64) + seg_pair and seg_kind, B*T int32 each (rounded to 64). 0 when B
+    or T is 0 or B*T exceeds 2^28."""
     if B <= 0 or T <= 0 or B * T > BATCH_MAX_TOKENS:
         return 0
-    return round64(BATCH_HEADER_BYTES) + 3 * round64(4 * B * T) + round64(4 * (B * T + 1))
+    return round64(BATCH_HEADER_BYTES) + 5 * round64(4 * B * T) + round64(4 * (B * T + 1))
 
 
 def array_offsets(B, T):
-    """Byte offsets within a slot of (input_ids, labels, position_ids, cu_seqlens)
-    (proto/batch.c bt_batch_view_init)."""
+    """Byte offsets within a slot of (input_ids, labels, position_ids, cu_seqlens, seg_pair,
+    seg_kind) (proto/batch.c bt_batch_view_init)."""
     arr = round64(4 * B * T)
     base = round64(BATCH_HEADER_BYTES)
-    return base, base + arr, base + 2 * arr, base + 3 * arr
+    cu = round64(4 * (B * T + 1))
+    return base, base + arr, base + 2 * arr, base + 3 * arr, base + 3 * arr + cu, base + 4 * arr + cu
 
 
 def ring_bytes(n_slots, B, T):

@@ -290,7 +290,7 @@ def test_hostile_batches_are_refused_naming_the_violation(loaderd, dataset, mode
         good = c.next(timeout=60)
         slot = bytearray(c._ring.buffer[c._ring.slot_offset(good.step):][:c._ring.slot_bytes])
     B, T = 2, 64
-    o_ids, o_lab, o_pos, o_cu = L.array_offsets(B, T)
+    o_ids, o_lab, o_pos, o_cu, o_sp, o_sk = L.array_offsets(B, T)
 
     def put(buf, off, vals):
         buf[off:off + 4 * len(vals)] = np.asarray(vals, "<i4").tobytes()
@@ -304,7 +304,7 @@ def test_hostile_batches_are_refused_naming_the_violation(loaderd, dataset, mode
     validate(read_batch(slot, 0, B, T), 49152, True)
     cu = read_batch(slot, 0, B, T).cu_seqlens.tolist()
     check(lambda s: put(s, 0, [0xDEAD]), "bad magic")
-    check(lambda s: put(s, 4, [2]), "layout version")
+    check(lambda s: put(s, 4, [1]), "layout version")
     check(lambda s: put(s, 24, [3]), "shape 3x64")
     check(lambda s: put(s, 48, [4]), "unknown flags")
     check(lambda s: put(s, 40, [1]), "n_cu 1 outside")
@@ -319,6 +319,14 @@ def test_hostile_batches_are_refused_naming_the_violation(loaderd, dataset, mode
     check(lambda s: put(s, o_pos + 4, [5]), r"position_ids\[1\]=5 \(want 1")
     check(lambda s: put(s, 36, [3]), "n_labelled_tokens 3 but")
     check(lambda s: put(s, 32, [10 ** 6]), "token counts")
+    # layout 2's segment fields (an SFT job: every segment plain, seg_pair -1)
+    assert read_batch(slot, 0, B, T).seg_kind.tolist() == [L.SEG_PLAIN] * (len(cu) - 1)
+    assert read_batch(slot, 0, B, T).seg_pair.tolist() == [-1] * (len(cu) - 1)
+    check(lambda s: put(s, o_sk, [9]), r"seg_kind\[0\]=9 unknown")
+    check(lambda s: put(s, o_sp, [0]), "plain segment 0 has seg_pair 0")
+    check(lambda s: put(s, o_sp + 4, [7]), "checksum mismatch", checksum=True)
+    check(lambda s: (put(s, o_sk, [L.SEG_REJECTED]), put(s, o_sp, [0])), "rejected segment 0 does not follow")
+    check(lambda s: (put(s, o_sk, [L.SEG_CHOSEN]), put(s, o_sp, [0])), "chosen segment 0 is not followed")
     lab = read_batch(slot, 0, B, T).labels.reshape(-1)
     t = int(np.argmax(lab != L.LABEL_IGNORE))
     check(lambda s: put(s, o_lab + 4 * t, [70000]), f"labels\\[{t}\\]=70000 outside")

@@ -43,7 +43,7 @@ int main(void) {
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         uint32_t B = shapes[i][0], T = shapes[i][1];
         size_t sb = bt_batch_slot_bytes(B, T);
-        size_t o[4] = {0, 0, 0, 0};
+        size_t o[6] = {0, 0, 0, 0, 0, 0};
         char *slot = sb && sb <= (64u << 20) ? malloc(sb) : NULL; /* offsets only where a slot fits */
         if (slot) {
             bt_batch_view v;
@@ -52,10 +52,12 @@ int main(void) {
             o[1] = (size_t)((char *)v.labels - slot);
             o[2] = (size_t)((char *)v.position_ids - slot);
             o[3] = (size_t)((char *)v.cu_seqlens - slot);
+            o[4] = (size_t)((char *)v.seg_pair - slot);
+            o[5] = (size_t)((char *)v.seg_kind - slot);
             free(slot);
         }
-        printf("%s{\"B\": %u, \"T\": %u, \"slot_bytes\": %zu, \"offsets\": [%zu, %zu, %zu, %zu]}", i ? ", " : "", B,
-               T, sb, o[0], o[1], o[2], o[3]);
+        printf("%s{\"B\": %u, \"T\": %u, \"slot_bytes\": %zu, \"offsets\": [%zu, %zu, %zu, %zu, %zu, %zu]}", i ? ", " : "",
+               B, T, sb, o[0], o[1], o[2], o[3], o[4], o[5]);
     }
     printf("]}\n");
     return 0;

@@ -93,7 +93,7 @@ static ld_chat_tpl tpl_of(const char *name) {
 /* One JSON line through the chat format with template tpl. */
 static int fmt_line(const bt_tokenizer *t, ld_chat_tpl tpl, const char *line, bt_ids *ids, bt_ids *mask,
                     int *reason) {
-    ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, tpl, 1, 0}; /* add_bos: these templates place bos themselves */
+    ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, tpl, 1, 0, 0, 0}; /* add_bos: these templates place bos themselves */
     int trunc = 0;
     *reason = -1;
     return ld_format_line(&cfg, line, strlen(line), ids, mask, &trunc, reason);

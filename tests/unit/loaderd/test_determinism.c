@@ -294,6 +294,13 @@ static void test_spec_datasets(void **state) {
     assert_int_equal(s.chat_template, LD_TPL_LLAMA3);
     assert_int_equal(s.overlong_drop, 1);
     ld_job_spec_free(&s);
+    assert_int_equal(ld_job_spec_parse(&s, "{\"shards\":[\"x\"],\"format\":\"preference\",\"tokenizer\":\"t\","
+                                           "\"seq_len\":64,\"micro_batch_size\":1,\"max_prompt_length\":16,\"max_length\":48}",
+                                       NULL), BT_OK);
+    assert_int_equal(s.format, LD_FMT_PREFERENCE);
+    assert_int_equal(s.max_prompt_length, 16);
+    assert_int_equal(s.max_length, 48);
+    ld_job_spec_free(&s);
     struct {
         const char *json, *key;
     } bad[] = {
@@ -306,6 +313,9 @@ static void test_spec_datasets(void **state) {
         {"{\"datasets\":[{\"shards\":[\"x\"],\"format\":\"chat\"}],\"shards\":[\"y\"],\"tokenizer\":\"t\",\"seq_len\":64,\"micro_batch_size\":1}", "datasets"},
         {"{\"shards\":[\"x\"],\"format\":\"chat\",\"tokenizer\":\"t\",\"seq_len\":64,\"micro_batch_size\":1,\"chat_template\":\"x\"}", "chat_template"},
         {"{\"shards\":[\"x\"],\"format\":\"chat\",\"tokenizer\":\"t\",\"seq_len\":64,\"micro_batch_size\":1,\"overlong\":1}", "overlong"},
+        {"{\"shards\":[\"x\"],\"format\":\"preference\",\"tokenizer\":\"t\",\"seq_len\":64,\"micro_batch_size\":1,\"max_length\":-1}", "max_length"},
+        {"{\"shards\":[\"x\"],\"format\":\"kto\",\"tokenizer\":\"t\",\"seq_len\":64,\"micro_batch_size\":1,\"max_prompt_length\":\"8\"}", "max_prompt_length"},
+        {"{\"shards\":[\"x\"],\"format\":\"dpo\",\"tokenizer\":\"t\",\"seq_len\":64,\"micro_batch_size\":1}", "format"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         bt_keypath key;

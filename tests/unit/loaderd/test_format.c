@@ -39,7 +39,7 @@ typedef struct {
 static res run(ld_format fmt, uint32_t T, const char *line) {
     res r;
     memset(&r, 0, sizeof r);
-    ld_format_cfg cfg = {fmt, fmt == LD_FMT_TEXT ? "body" : NULL, g_tok, T, LD_TPL_CHATML, 0, 0};
+    ld_format_cfg cfg = {fmt, fmt == LD_FMT_TEXT ? "body" : NULL, g_tok, T, LD_TPL_CHATML, 0, 0, 0, 0};
     /* pre-existing content must be kept on success and failure */
     bt_ids_push(&r.ids, 42);
     bt_ids_push(&r.mask, 0);
@@ -308,7 +308,7 @@ static void test_llama3_template(void **state) {
                        "{\"role\":\"user\",\"content\":\"Hi there\"},{\"role\":\"assistant\",\"content\":\"  Hello!\\n\"},"
                        "{\"role\":\"user\",\"content\":\"More <|eot_id|>\"},{\"role\":\"assistant\",\"content\":\"Sure.\"}]}";
     for (int add_bos = 0; add_bos <= 1; add_bos++) {
-        ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, LD_TPL_LLAMA3, add_bos, 0};
+        ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, LD_TPL_LLAMA3, add_bos, 0, 0, 0};
         bt_ids ids = {0}, mask = {0};
         int trunc, reason;
         assert_int_equal(ld_format_line(&cfg, line, strlen(line), &ids, &mask, &trunc, &reason), 0);
@@ -339,7 +339,7 @@ static void test_llama3_template(void **state) {
      * goes too, not only ASCII; inner whitespace stays */
     const char *ws = "{\"messages\":[{\"role\":\"user\",\"content\":\"\\u3000Hi\\u00a0\"},"
                      "{\"role\":\"assistant\",\"content\":\"\\u2028\\u001c Yes\\u2003no \\u3000\"}]}";
-    ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, LD_TPL_LLAMA3, 0, 0};
+    ld_format_cfg cfg = {LD_FMT_CHAT, NULL, t, 0, LD_TPL_LLAMA3, 0, 0, 0, 0};
     bt_ids ids = {0}, mask = {0};
     int trunc, reason;
     assert_int_equal(ld_format_line(&cfg, ws, strlen(ws), &ids, &mask, &trunc, &reason), 0);
@@ -360,7 +360,7 @@ static void test_bos_eos_overlong(void **state) {
     assert_true(bos >= 0 && eos >= 0);
     const char *line = "{\"body\":\"hello world\"}";
     for (int add_bos = 0; add_bos <= 1; add_bos++) {
-        ld_format_cfg cfg = {LD_FMT_TEXT, "body", g_tok, 0, LD_TPL_CHATML, add_bos, 0};
+        ld_format_cfg cfg = {LD_FMT_TEXT, "body", g_tok, 0, LD_TPL_CHATML, add_bos, 0, 0, 0};
         bt_ids ids = {0}, mask = {0};
         int trunc, reason;
         assert_int_equal(ld_format_line(&cfg, line, strlen(line), &ids, &mask, &trunc, &reason), 0);
@@ -369,7 +369,7 @@ static void test_bos_eos_overlong(void **state) {
         assert_true(ids.n < 2 || ids.v[ids.n - 2] != eos);
         bt_ids_free(&ids), bt_ids_free(&mask);
         /* chat with add_bos: one BOS in front of the ChatML rendering */
-        ld_format_cfg cc = {LD_FMT_CHAT, NULL, g_tok, 0, LD_TPL_CHATML, add_bos, 0};
+        ld_format_cfg cc = {LD_FMT_CHAT, NULL, g_tok, 0, LD_TPL_CHATML, add_bos, 0, 0, 0};
         const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\",\"content\":\"a\"}]}";
         assert_int_equal(ld_format_line(&cc, chat, strlen(chat), &ids, &mask, &trunc, &reason), 0);
         int n_bos = 0;
@@ -390,7 +390,7 @@ static void test_bos_eos_overlong(void **state) {
     for (int w = 0; w < 200; w++) k += snprintf(chat + k, sizeof chat - (size_t)k, "w%d ", w);
     snprintf(chat + k, sizeof chat - (size_t)k, "\"}]}");
     for (int drop = 0; drop <= 1; drop++) {
-        ld_format_cfg cfg = {LD_FMT_CHAT, NULL, g_tok, 64, LD_TPL_CHATML, 0, drop};
+        ld_format_cfg cfg = {LD_FMT_CHAT, NULL, g_tok, 64, LD_TPL_CHATML, 0, drop, 0, 0};
         bt_ids ids = {0}, mask = {0};
         int trunc = -1, reason = -1;
         int rc = ld_format_line(&cfg, chat, strlen(chat), &ids, &mask, &trunc, &reason);

@@ -184,8 +184,8 @@ static void format_child(void) {
     int tn = snprintf(text, cap, "{\"text\":\"%s\"}", g_digits);
     int cn = snprintf(chat, cap, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\","
                                  "\"content\":\"%s\"}]}", g_digits);
-    ld_format_cfg tcfg = {LD_FMT_TEXT, NULL, g_tok, 0, LD_TPL_CHATML, 0, 0};
-    ld_format_cfg ccfg = {LD_FMT_CHAT, NULL, g_tok, 0, LD_TPL_CHATML, 0, 0};
+    ld_format_cfg tcfg = {LD_FMT_TEXT, NULL, g_tok, 0, LD_TPL_CHATML, 0, 0, 0, 0};
+    ld_format_cfg ccfg = {LD_FMT_CHAT, NULL, g_tok, 0, LD_TPL_CHATML, 0, 0, 0, 0};
     bt_ids ids = {0}, mask = {0};
     int trunc, reason;
     limit_memory((size_t)28 << 20);

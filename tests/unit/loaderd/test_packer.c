@@ -32,7 +32,7 @@ static docset make_docs(size_t n, uint32_t min_len, uint32_t max_len, int split_
             d.ids[i][k] = (int32_t)((i + 1) * TAG + k);
             d.mask[i][k] = rand() % 3 != 0;
         }
-        d.docs[i] = (ld_pack_doc){d.ids[i], d.mask[i], len, split_mode == 2 ? (int)(i & 1) : split_mode};
+        d.docs[i] = (ld_pack_doc){d.ids[i], d.mask[i], len, split_mode == 2 ? (int)(i & 1) : split_mode, 0, 0};
     }
     return d;
 }
@@ -54,7 +54,7 @@ static uint64_t check_plan(const ld_pack_plan *pl, const docset *d, uint32_t T) 
         ld_row_stats st;
         uint32_t before = n_cu;
         ld_pack_write_row(pl, r, d->docs, T, PAD, (uint32_t)(r * T), ids + r * T, lab + r * T,
-                          pos + r * T, cu, &n_cu, &st);
+                          pos + r * T, cu, &n_cu, &st, NULL, NULL, NULL);
         assert_int_equal(cu[before], (int32_t)(r * T)); /* row start is a boundary */
         assert_true(st.real <= T && st.real > 0);
         assert_int_equal(st.real, pl->rows[r].used);
@@ -139,7 +139,7 @@ static void test_bfd_small_exact(void **state) {
     ld_pack_doc docs[6];
     for (int i = 0; i < 6; i++) {
         for (uint32_t k = 0; k < lens[i]; k++) buf[i][k] = i * 10 + (int32_t)k;
-        docs[i] = (ld_pack_doc){buf[i], buf[i], lens[i], 0};
+        docs[i] = (ld_pack_doc){buf[i], buf[i], lens[i], 0, 0, 0};
     }
     ld_pack_plan pl;
     assert_int_equal(ld_pack_plan_build(&pl, docs, 6, 10, 1, 0), BT_OK);
@@ -230,13 +230,102 @@ static void test_pad_row(void **state) {
     (void)state;
     int32_t ids[8], lab[8], pos[8], cu[2];
     uint32_t n = 0;
-    ld_pack_write_pad_row(8, PAD, 16, ids, lab, pos, cu, &n);
+    ld_pack_write_pad_row(8, PAD, 16, ids, lab, pos, cu, &n, NULL, NULL);
     assert_int_equal(n, 1);
     assert_int_equal(cu[0], 16);
     for (int t = 0; t < 8; t++) {
         assert_int_equal(ids[t], PAD);
         assert_int_equal(lab[t], BT_LABEL_IGNORE);
         assert_int_equal(pos[t], t);
+    }
+}
+
+/* Preference pairs (with_next): both documents in one row, adjacent and in order, never split;
+ * a pair longer than T is dropped and counted; singles around them pack as before. */
+static void test_pairs_whole(void **state) {
+    (void)state;
+    const uint32_t T = 64;
+    for (int shuffle = 0; shuffle < 2; shuffle++) {
+        docset d = make_docs(300, 1, 40, 0, 11u + (unsigned)shuffle);
+        size_t want_dropped = 0, pair_docs = 0;
+        for (size_t i = 0; i + 1 < d.n; i += 3) { /* docs i, i+1 a pair; i+2 a single */
+            d.docs[i].with_next = 1;
+            d.docs[i].kind = BT_SEG_CHOSEN;
+            d.docs[i + 1].kind = BT_SEG_REJECTED;
+            pair_docs += 2;
+            if (d.docs[i].n + d.docs[i + 1].n > T) want_dropped++;
+        }
+        ld_pack_plan pl;
+        assert_int_equal(ld_pack_plan_build(&pl, d.docs, d.n, T, 5, shuffle), BT_OK);
+        assert_true(want_dropped > 0 && pair_docs > 150); /* the draw exercises both cases */
+        assert_int_equal(pl.n_pairs_dropped, want_dropped);
+        uint32_t *seen = calloc(d.n, sizeof *seen);
+        for (size_t r = 0; r < pl.n_rows; r++) {
+            const ld_row *rw = &pl.rows[r];
+            uint32_t used = 0;
+            for (uint32_t q = 0; q < rw->n_pieces; q++) {
+                const ld_piece *pc = &pl.pieces[rw->first + q];
+                used += pc->len;
+                seen[pc->doc]++;
+                assert_int_equal(pc->off, 0);
+                if (d.docs[pc->doc].with_next) { /* first of a pair: its partner follows at once */
+                    assert_true(q + 1 < rw->n_pieces);
+                    const ld_piece *nx = &pl.pieces[rw->first + q + 1];
+                    assert_int_equal(nx->doc, pc->doc + 1);
+                    assert_int_equal(pc->len, d.docs[pc->doc].n);
+                    assert_int_equal(nx->len, d.docs[pc->doc + 1].n);
+                } else if (pc->doc % 3 == 1) { /* second of a pair: its partner precedes it */
+                    assert_true(q > 0);
+                    assert_int_equal(pl.pieces[rw->first + q - 1].doc + 1, pc->doc);
+                }
+            }
+            assert_int_equal(used, rw->used);
+            assert_true(used <= T);
+        }
+        for (size_t i = 0; i < d.n; i++) {
+            int in_pair = i % 3 != 2 && (i % 3 == 0 ? i + 1 < d.n : 1);
+            size_t first = i - i % 3;
+            int dropped = in_pair && d.docs[first].n + d.docs[first + 1].n > T;
+            assert_int_equal(seen[i], dropped ? 0 : 1);
+        }
+        free(seen);
+        /* the rows as a batch: seg_kind / seg_pair per segment, checked by bt_batch_validate */
+        uint32_t B = (uint32_t)pl.n_rows;
+        size_t sb = bt_batch_slot_bytes(B, T);
+        void *slot = aligned_alloc(64, sb);
+        memset(slot, 0, sb);
+        bt_batch_view v;
+        bt_batch_view_init(&v, slot, B, T);
+        uint32_t n_cu = 0;
+        int32_t n_rec = 0;
+        uint32_t labelled = 0;
+        for (uint32_t r = 0; r < B; r++) {
+            ld_row_stats st;
+            ld_pack_write_row(&pl, r, d.docs, T, PAD, r * T, v.input_ids + r * T, v.labels + r * T,
+                              v.position_ids + r * T, v.cu_seqlens, &n_cu, &st, v.seg_pair, v.seg_kind, &n_rec);
+            labelled += st.labelled;
+        }
+        v.cu_seqlens[n_cu++] = (int32_t)(B * T);
+        *v.hdr = (bt_batch_header){.magic = BT_BATCH_MAGIC, .layout_version = BT_BATCH_LAYOUT_VERSION, .B = B, .T = T,
+                                   .n_labelled_tokens = labelled, .n_cu = n_cu};
+        v.hdr->checksum = bt_batch_checksum(&v);
+        assert_int_equal(bt_batch_validate(&v, B, T, 0), BT_OK);
+        size_t pairs = 0;
+        for (uint32_t k = 0; k + 1 < n_cu; k++) pairs += v.seg_kind[k] == BT_SEG_CHOSEN;
+        assert_int_equal((size_t)n_rec, pairs);
+        assert_int_equal(pairs, pair_docs / 2 - want_dropped);
+        /* the validator catches a pair torn apart: swap a chosen with the segment before it */
+        for (uint32_t k = 1; k + 1 < n_cu; k++)
+            if (v.seg_kind[k] == BT_SEG_CHOSEN && v.seg_kind[k - 1] == BT_SEG_PLAIN) {
+                v.seg_kind[k] = BT_SEG_PLAIN, v.seg_pair[k] = -1;
+                v.hdr->checksum = bt_batch_checksum(&v);
+                assert_int_equal(bt_batch_validate(&v, B, T, 0), BT_ERR_FORMAT);
+                assert_non_null(strstr(bt_last_error(), "does not follow its chosen"));
+                break;
+            }
+        free(slot);
+        ld_pack_plan_free(&pl);
+        free_docs(&d);
     }
 }
 
@@ -248,6 +337,7 @@ int main(void) {
         cmocka_unit_test(test_long_split),
         cmocka_unit_test(test_efficiency_short_docs),
         cmocka_unit_test(test_pad_row),
+        cmocka_unit_test(test_pairs_whole),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

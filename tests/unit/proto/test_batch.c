@@ -46,6 +46,7 @@ static void fill_valid(bt_batch_view *v) {
             if (v->labels[t] != BT_LABEL_IGNORE) labelled++;
         }
     }
+    for (uint32_t k = 0; k + 1 < h->n_cu; k++) v->seg_kind[k] = BT_SEG_PLAIN, v->seg_pair[k] = -1;
     h->n_real_tokens = 14;
     h->n_labelled_tokens = labelled;
     h->checksum = bt_batch_checksum(v);
@@ -80,8 +81,8 @@ static void test_slot_layout(void **state) {
     (void)state;
     size_t n = bt_batch_slot_bytes(NB, NT);
     assert_int_equal(n % 64, 0);
-    /* header 320 + 3 arrays of 64 (16 ints) + cu 17 ints -> 128 */
-    assert_int_equal(n, 320 + 3 * 64 + 128);
+    /* header 320 + 3 arrays of 64 (16 ints) + cu 17 ints -> 128 + seg_pair, seg_kind 64 each */
+    assert_int_equal(n, 320 + 3 * 64 + 128 + 2 * 64);
     assert_int_equal(bt_batch_slot_bytes(0, 8), 0);
     assert_int_equal(bt_batch_slot_bytes(8, 0), 0);
     assert_int_equal(bt_batch_slot_bytes(1u << 16, 1u << 16), 0); /* 2^32 tokens: refused */
@@ -96,7 +97,11 @@ static void test_slot_layout(void **state) {
     assert_int_equal(((uintptr_t)v.cu_seqlens) % 64, 0);
     assert_true((uint8_t *)(v.input_ids + 15) <= (uint8_t *)v.labels);
     assert_true((uint8_t *)(v.position_ids + 15) <= (uint8_t *)v.cu_seqlens);
-    assert_true((uint8_t *)(v.cu_seqlens + 16) <= slot + bt_batch_slot_bytes(3, 5));
+    assert_true((uint8_t *)(v.cu_seqlens + 16) <= (uint8_t *)v.seg_pair);
+    assert_int_equal(((uintptr_t)v.seg_pair) % 64, 0);
+    assert_int_equal(((uintptr_t)v.seg_kind) % 64, 0);
+    assert_true((uint8_t *)(v.seg_pair + 15) < (uint8_t *)v.seg_kind);
+    assert_true((uint8_t *)(v.seg_kind + 15) < slot + bt_batch_slot_bytes(3, 5));
     free(slot);
 }
 
@@ -132,7 +137,7 @@ static void test_header_corruptions(void **state) {
     f->v.hdr->magic ^= 0x100;
     expect_bad(&f->v, "magic");
     fill_valid(&f->v);
-    f->v.hdr->layout_version = 2;
+    f->v.hdr->layout_version = 1; /* a layout-1 batch has no segment fields: refused, never misread */
     expect_bad(&f->v, "layout version");
     fill_valid(&f->v);
     assert_int_equal(bt_batch_validate(&f->v, NB, NT + 1, VOCAB), BT_ERR_FORMAT);
@@ -210,6 +215,43 @@ static void test_structure_corruptions(void **state) {
     expect_bad(v, "labels[11]");
 }
 
+/* Layout 2's per-segment preference fields (issue 25): segments [0,5) [5,8) | [8,14) [14,16). */
+static void test_segment_meta(void **state) {
+    fixture *f = *state;
+    bt_batch_view *v = &f->v;
+    v->seg_kind[0] = BT_SEG_CHOSEN, v->seg_pair[0] = 0;
+    v->seg_kind[1] = BT_SEG_REJECTED, v->seg_pair[1] = 0;
+    v->seg_kind[2] = BT_SEG_KTO_UNDESIRABLE, v->seg_pair[2] = 1;
+    reseal(v);
+    assert_int_equal(bt_batch_validate(v, NB, NT, VOCAB), BT_OK);
+    v->seg_pair[1] = 5; /* the checksum covers the fields */
+    expect_bad(v, "checksum");
+    reseal(v);
+    expect_bad(v, "rejected segment 1 does not follow its chosen");
+    v->seg_pair[1] = 0;
+    v->seg_kind[3] = 9;
+    reseal(v);
+    expect_bad(v, "seg_kind[3]=9 unknown");
+    v->seg_kind[3] = BT_SEG_PLAIN, v->seg_pair[3] = 0;
+    reseal(v);
+    expect_bad(v, "plain segment 3 has seg_pair 0");
+    v->seg_pair[3] = -1;
+    v->seg_pair[2] = 2; /* records count 0, 1, 2... */
+    reseal(v);
+    expect_bad(v, "segment 2 has seg_pair 2 (want 1)");
+    /* a pair across a row end: chosen in row 0, rejected in row 1 */
+    v->seg_kind[0] = BT_SEG_PLAIN, v->seg_pair[0] = -1;
+    v->seg_kind[1] = BT_SEG_CHOSEN, v->seg_pair[1] = 0;
+    v->seg_kind[2] = BT_SEG_REJECTED, v->seg_pair[2] = 0;
+    reseal(v);
+    expect_bad(v, "chosen segment 1 is not followed by its rejected segment in the same row");
+    /* a chosen without its rejected */
+    v->seg_kind[1] = BT_SEG_PLAIN, v->seg_pair[1] = -1;
+    v->seg_kind[2] = BT_SEG_CHOSEN, v->seg_pair[2] = 0;
+    reseal(v);
+    expect_bad(v, "chosen segment 2 is not followed");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_slot_layout),
@@ -217,6 +259,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_checksum_sensitive, setup, teardown),
         cmocka_unit_test_setup_teardown(test_header_corruptions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_structure_corruptions, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_segment_meta, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
