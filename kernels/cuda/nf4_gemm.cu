@@ -149,7 +149,7 @@ __device__ __forceinline__ void tile_load_a(uint4 a[4], const bt_bf16 *__restric
 /* NF4: 16 packed bytes (one 16-byte load; Kw % 64 == 0 keeps the 32 elements inside one 64-block)
  * and that block's absmax; decoded with the 16-entry LUT in shared memory. */
 struct Nf4Src {
-    Nf4Dev w;
+    Nf4Dev w{};
     static constexpr bool kLut = true;
     struct Raw {
         uint4 wq;
@@ -517,7 +517,7 @@ extern "C" int bt_cuda_nf4_gemm_fwd_impl(cudaStream_t stream, bt_bf16 *Y, const 
                                          const bt_cuda_nf4 *W, int M, int K, int N, float beta,
                                          int impl)
 {
-    Nf4Dev w;
+    Nf4Dev w{};
     BT_CU_REFUSE(BT_ERR_INVALID, impl < 0 || impl > 2);
     BT_TRY(nf4_gemm_args(__func__, Y, X, W, M, K, N, &w));
     BT_CU_REFUSE(BT_ERR_UNSUPPORTED, impl == 2 && M > 16);
@@ -544,7 +544,7 @@ extern "C" int bt_cuda_nf4_gemm_fwd(cudaStream_t stream, bt_bf16 *Y, const bt_bf
 extern "C" int bt_cuda_nf4_gemm_bwd_x(cudaStream_t stream, bt_bf16 *dX, const bt_bf16 *dY,
                                       const bt_cuda_nf4 *W, int M, int K, int N, float beta)
 {
-    Nf4Dev w;
+    Nf4Dev w{};
     BT_TRY(nf4_gemm_args(__func__, dX, dY, W, M, K, N, &w));
     /* C = dX [M][K] (Nout = K), A = dY [M][N] (Kred = N), W [N rows = Kred][K cols = Nout] */
     return launch_tiled<true>(stream, dX, dY, Nf4Src{w}, M, K, N, beta);
