@@ -399,12 +399,14 @@ $(EMU_TRAINER): $(BUILD)/obj/trainer/main.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 
 .PHONY: test-emu
 # Last, tests/py/test_gpu_scripts.py: scripts/gpu-pack --emu, scripts/gpu-run and the GPU test and
-# benchmark runners, each GPU piece's prepared call (tests/gpu/README.md) on the emulator.
+# benchmark runners, each GPU piece's prepared call (tests/gpu/README.md) on the emulator; and
+# tests/py/test_tools_cli.py again, now that the emulated GPU benchmarks it checks are built (in
+# `make pytest` those cases skip, saying so).
 test-emu: $(EMU_TESTS) $(EMU_NCCL_TEST) $(EMU_TRAINER) $(EMU_BENCHES) all
 	@$(PYTHON) tests/emu/cu2cpp.py --check $(CUDA_HDRS) $(wildcard trainer/cuda/*.h) $(GPU_TEST_HDRS)
 	@bash tests/emu/run.sh $(EMU_BUILD)/logs $(EMU_TESTS) $(EMU_NCCL_TEST)
 	@BT_EMU_TRAINER=$(EMU_TRAINER) BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py/test_e2e_cuda_emu.py \
-		tests/py/test_gpu_scripts.py
+		tests/py/test_gpu_scripts.py tests/py/test_tools_cli.py
 # ---- END test-emu -------------------------------------------------------------------------------
 
 # build/trainer is linked either CPU-only or with CUDA: $(BUILD)/.trainer-variant records which,
