@@ -2,8 +2,8 @@
 files (`git ls-files`), so a comment that cites a note outside the repository, a document or a
 section that does not exist, or a file that was renamed away fails here:
 
-- no tracked file cites anything outside the repository: no `../shared/...` other than the data
-  sets in `../shared/data/` (docs/data.md), no DESIGN.md, no research notes, no absolute
+- no tracked file cites anything outside the repository: no note in the shared folder beside
+  the repository other than its data sets (docs/data.md), no DESIGN.md, no research notes, no absolute
   /work/ paths;
 - every citation of a repository document, `docs/<file>.md §<Section>` (the one form; also
   `proto/PROTOCOL.md §<n>`), names a file that exists and a heading of that file;
@@ -23,7 +23,7 @@ HERE = os.path.relpath(__file__, ROOT)
 # What may not be cited. Built from parts so this file does not match itself.
 DESIGN = "DESIGN" + ".md"
 OUTSIDE = [
-    (re.compile(r"\.\./(?:\.\./)*shared/(?!data/)"), "a note beside the repository (only ../shared/data/ is used)"),
+    (re.compile(r"\.\./(?:\.\./)*shared/(?!data/)"), "a note beside the repository (only the shared data sets are used, docs/data.md)"),
     (re.compile(r"\b" + re.escape(DESIGN)), "the design notes outside the repository"),
     (re.compile(r"(?<![\w/])(?:research/[\w-]+|kernels|pipeline-formats|llmc|anchors-2026)\.md\b"),
      "the research notes outside the repository"),

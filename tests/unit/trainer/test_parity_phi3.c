@@ -37,60 +37,28 @@
 #include "trainer/loop/step.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
+#include "tests/unit/util/test_util.h"
 #include "trainer/model/model_internal.h"
 
-enum { PB = 2, PT = 24, PM = PB * PT, NV = 260 };
+enum { PB = TU_FIX_B, PT = TU_FIX_T, PM = TU_FIX_M, NV = 260 };
 
-static const char *fixdir(void) {
-    const char *d = getenv("BT_HF_FIXTURES");
-    return d && *d ? d : "tests/fixtures/hf";
-}
-
-static bt_st_file *open_fix(const char *rel) {
-    char p[512];
-    snprintf(p, sizeof p, "%s/phi3/%s", fixdir(), rel);
-    bt_st_file *f = NULL;
-    if (bt_st_open(&f, p)) fail_msg("cannot open fixture %s: %s", p, bt_last_error());
-    return f;
-}
-
-static const void *fix_data(const bt_st_file *f, const char *name, bt_st_dtype dt, int64_t n) {
-    const bt_st_tensor *t = bt_st_find(f, name);
-    if (!t) fail_msg("fixture tensor %s missing", name);
-    assert_int_equal(t->dtype, dt);
-    assert_int_equal((int64_t)(t->nbytes / bt_st_dtype_size(dt)), n);
-    return t->data;
-}
+static bt_st_file *open_fix(const char *rel) { return tu_fix_open("phi3", rel); }
 
 static const float *fix_f32(const bt_st_file *f, const char *name, int64_t n) {
-    return fix_data(f, name, BT_ST_F32, n);
+    return tu_st_data((bt_st_file *)f, name, BT_ST_F32, n);
 }
 
-typedef struct {
-    int32_t ids[PM], lab[PM], pos[PM], cu[4];
-} batch;
+typedef tu_fix_batch batch;
 
 static bt_microbatch load_batch(batch *b) {
     bt_st_file *f = open_fix("batch.safetensors");
-    memcpy(b->ids, fix_data(f, "input_ids", BT_ST_I32, PM), sizeof b->ids);
-    memcpy(b->lab, fix_data(f, "labels", BT_ST_I32, PM), sizeof b->lab);
-    memcpy(b->pos, fix_data(f, "position_ids", BT_ST_I32, PM), sizeof b->pos);
-    memcpy(b->cu, fix_data(f, "cu_seqlens", BT_ST_I32, 4), sizeof b->cu);
+    memcpy(b->ids, tu_st_data(f, "input_ids", BT_ST_I32, PM), sizeof b->ids);
+    memcpy(b->lab, tu_st_data(f, "labels", BT_ST_I32, PM), sizeof b->lab);
+    memcpy(b->pos, tu_st_data(f, "position_ids", BT_ST_I32, PM), sizeof b->pos);
+    memcpy(b->cu, tu_st_data(f, "cu_seqlens", BT_ST_I32, 4), sizeof b->cu);
     bt_st_close(f);
     bt_microbatch mb = {PB, PT, b->ids, b->lab, b->pos, b->cu, 4};
     return mb;
-}
-
-static double max_abs_diff(const float *a, const float *b, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - b[i]));
-    return d;
-}
-
-static double max_abs(const float *a, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i]));
-    return d;
 }
 
 /* source: "hf" (the directory), "gguf" (model.gguf dequantised to fp32), "native" (model.gguf
@@ -98,7 +66,7 @@ static double max_abs(const float *a, int64_t n) {
 static void load_model(bt_model *m, const char *source) {
     char p[512];
     int gg = strcmp(source, "hf") != 0;
-    snprintf(p, sizeof p, "%s/phi3/%s", fixdir(), gg ? "model.gguf" : "hf");
+    snprintf(p, sizeof p, "%s/phi3/%s", tu_hf_fixdir(), gg ? "model.gguf" : "hf");
     bt_model_load_opts o = {!strcmp(source, "native") ? BT_BASE_GGUF : BT_BASE_FP32, 0};
     if (bt_model_load(m, p, &o)) fail_msg("loading %s: %s", p, bt_last_error());
     assert_int_equal(m->hp.arch, BT_ARCH_PHI3);
@@ -148,7 +116,7 @@ static double infer_err(const bt_model *m, const bt_lora *lo, const batch *b, co
     float *lg = malloc((size_t)PT * NV * sizeof(float));
     assert_int_equal(bt_infer_forward(s, b->ids + PT, 10, BT_INFER_LOGITS_ALL, lg), 0);
     assert_int_equal(bt_infer_forward(s, b->ids + PT + 10, 14, BT_INFER_LOGITS_ALL, lg + 10 * NV), 0);
-    double e = max_abs_diff(lg, ref + (size_t)PT * NV, (int64_t)PT * NV);
+    double e = tu_max_abs_diff(lg, ref + (size_t)PT * NV, (int64_t)PT * NV);
     free(lg);
     bt_infer_free(s);
     return e;
@@ -165,9 +133,9 @@ static double grads_rel_err(const bt_lora *lo, const bt_st_file *f) {
                 bt_adapter_key(key, sizeof key, l, mod, isB);
                 int64_t n = isB ? (int64_t)md->out * lo->r : (int64_t)lo->r * md->in;
                 const float *rg = fix_f32(f, key, n);
-                double den = max_abs(rg, n);
+                double den = tu_max_abs(rg, n);
                 assert_true(den > 0);
-                worst = fmax(worst, max_abs_diff(isB ? md->dB : md->dA, rg, n) / den);
+                worst = fmax(worst, tu_max_abs_diff(isB ? md->dB : md->dA, rg, n) / den);
             }
         }
     return worst;
@@ -184,17 +152,17 @@ static void check_source(const char *source) {
     float *logits = malloc((size_t)PM * NV * sizeof(float));
 
     double loss = run_forward(&m, NULL, &mb, logits);
-    double e_base = max_abs_diff(logits, rl_base, (int64_t)PM * NV);
+    double e_base = tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV);
     double e_loss_base = fabs(loss - fix_f32(ref, "loss_base", 1)[0]);
     double e_inf_base = infer_err(&m, NULL, &b, rl_base);
 
     bt_lora lo;
     char dir[512];
-    snprintf(dir, sizeof dir, "%s/phi3/adapter-init", fixdir());
+    snprintf(dir, sizeof dir, "%s/phi3/adapter-init", tu_hf_fixdir());
     if (bt_lora_load_peft(&lo, &m, dir)) fail_msg("%s", bt_last_error());
     assert_int_equal(lo.target_mask, (1u << BT_MOD_O) | (1u << BT_MOD_DOWN));
     loss = run_forward(&m, &lo, &mb, logits);
-    double e_lora = max_abs_diff(logits, rl, (int64_t)PM * NV);
+    double e_lora = tu_max_abs_diff(logits, rl, (int64_t)PM * NV);
     double e_loss = fabs(loss - fix_f32(ref, "loss", 1)[0]);
     double e_grad = grads_rel_err(&lo, ref);
     double e_inf = infer_err(&m, &lo, &b, rl);
@@ -203,7 +171,7 @@ static void check_source(const char *source) {
     print_message("parity: phi3 from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
                   "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
                   "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", source,
-                  e_base, max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
+                  e_base, tu_max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
                   e_inf_base, e_inf, e_grad_ck);
     assert_true(e_base <= 1e-4);
     assert_true(e_loss_base <= 1e-5);
@@ -222,7 +190,7 @@ static void check_source(const char *source) {
     t = m.layers[0].lin[BT_MOD_GATE];
     m.layers[0].lin[BT_MOD_GATE] = m.layers[0].lin[BT_MOD_UP];
     m.layers[0].lin[BT_MOD_UP] = t;
-    assert_true(max_abs_diff(logits, rl_base, (int64_t)PM * NV) > 1e-2);
+    assert_true(tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV) > 1e-2);
 
     bt_lora_free(&lo);
     free(logits);
@@ -352,7 +320,7 @@ static void test_phi3_rope_refusals(void **st) {
     unlink(cp);
     rmdir(dir);
     char p[512];
-    snprintf(p, sizeof p, "%s/phi3/longrope.gguf", fixdir());
+    snprintf(p, sizeof p, "%s/phi3/longrope.gguf", tu_hf_fixdir());
     bt_model m;
     bt_model_load_opts o = {BT_BASE_FP32, 0};
     assert_int_equal(bt_model_load(&m, p, &o), BT_ERR_UNSUPPORTED);
@@ -369,7 +337,7 @@ static void test_phi3_estimate_is_the_plan(void **st) {
             bt_model m;
             load_model(&m, src ? "hf" : "gguf");
             char p[512], txt[1024];
-            snprintf(p, sizeof p, "%s/phi3/%s", fixdir(), src ? "hf" : "model.gguf");
+            snprintf(p, sizeof p, "%s/phi3/%s", tu_hf_fixdir(), src ? "hf" : "model.gguf");
             snprintf(txt, sizeof txt, "{\"model\": \"%s\", \"base_dtype\": \"fp32\", \"data\": "
                      "{\"shards\": [\"d\"], \"seq_len\": 32, \"micro_batch_size\": 2}, \"lora\": "
                      "{\"r\": 4, \"target_modules\": [\"o_proj\", \"down_proj\"]}, "

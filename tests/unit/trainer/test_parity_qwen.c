@@ -31,59 +31,27 @@
 #include "trainer/loop/step.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
+#include "tests/unit/util/test_util.h"
 
-enum { PB = 2, PT = 24, PM = PB * PT, NV = 260 };
+enum { PB = TU_FIX_B, PT = TU_FIX_T, PM = TU_FIX_M, NV = 260 };
 
-static const char *fixdir(void) {
-    const char *d = getenv("BT_HF_FIXTURES");
-    return d && *d ? d : "tests/fixtures/hf";
-}
-
-static bt_st_file *open_fix(const char *rel) {
-    char p[512];
-    snprintf(p, sizeof p, "%s/qwen/%s", fixdir(), rel);
-    bt_st_file *f = NULL;
-    if (bt_st_open(&f, p)) fail_msg("cannot open fixture %s: %s", p, bt_last_error());
-    return f;
-}
-
-static const void *fix_data(const bt_st_file *f, const char *name, bt_st_dtype dt, int64_t n) {
-    const bt_st_tensor *t = bt_st_find(f, name);
-    if (!t) fail_msg("fixture tensor %s missing", name);
-    assert_int_equal(t->dtype, dt);
-    assert_int_equal((int64_t)(t->nbytes / bt_st_dtype_size(dt)), n);
-    return t->data;
-}
+static bt_st_file *open_fix(const char *rel) { return tu_fix_open("qwen", rel); }
 
 static const float *fix_f32(const bt_st_file *f, const char *name, int64_t n) {
-    return fix_data(f, name, BT_ST_F32, n);
+    return tu_st_data((bt_st_file *)f, name, BT_ST_F32, n);
 }
 
-typedef struct {
-    int32_t ids[PM], lab[PM], pos[PM], cu[4];
-} batch;
+typedef tu_fix_batch batch;
 
 static bt_microbatch load_batch(batch *b) {
     bt_st_file *f = open_fix("batch.safetensors");
-    memcpy(b->ids, fix_data(f, "input_ids", BT_ST_I32, PM), sizeof b->ids);
-    memcpy(b->lab, fix_data(f, "labels", BT_ST_I32, PM), sizeof b->lab);
-    memcpy(b->pos, fix_data(f, "position_ids", BT_ST_I32, PM), sizeof b->pos);
-    memcpy(b->cu, fix_data(f, "cu_seqlens", BT_ST_I32, 4), sizeof b->cu);
+    memcpy(b->ids, tu_st_data(f, "input_ids", BT_ST_I32, PM), sizeof b->ids);
+    memcpy(b->lab, tu_st_data(f, "labels", BT_ST_I32, PM), sizeof b->lab);
+    memcpy(b->pos, tu_st_data(f, "position_ids", BT_ST_I32, PM), sizeof b->pos);
+    memcpy(b->cu, tu_st_data(f, "cu_seqlens", BT_ST_I32, 4), sizeof b->cu);
     bt_st_close(f);
     bt_microbatch mb = {PB, PT, b->ids, b->lab, b->pos, b->cu, 4};
     return mb;
-}
-
-static double max_abs_diff(const float *a, const float *b, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - b[i]));
-    return d;
-}
-
-static double max_abs(const float *a, int64_t n) {
-    double d = 0;
-    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i]));
-    return d;
 }
 
 /* source: "hf" (the directory), "gguf" (model.gguf dequantised to fp32), "native" (model.gguf
@@ -91,7 +59,7 @@ static double max_abs(const float *a, int64_t n) {
 static void load_model(bt_model *m, const char *fam, const char *source) {
     char p[512];
     int gg = strcmp(source, "hf") != 0;
-    snprintf(p, sizeof p, "%s/qwen/%s/%s", fixdir(), fam, gg ? "model.gguf" : "hf");
+    snprintf(p, sizeof p, "%s/qwen/%s/%s", tu_hf_fixdir(), fam, gg ? "model.gguf" : "hf");
     bt_model_load_opts o = {!strcmp(source, "native") ? BT_BASE_GGUF : BT_BASE_FP32, 0};
     if (bt_model_load(m, p, &o)) fail_msg("loading %s: %s", p, bt_last_error());
     const int q3 = !strcmp(fam, "qwen3");
@@ -138,7 +106,7 @@ static double infer_err(const bt_model *m, const bt_lora *lo, const batch *b, co
     float *lg = malloc((size_t)PT * NV * sizeof(float));
     assert_int_equal(bt_infer_forward(s, b->ids + PT, 10, BT_INFER_LOGITS_ALL, lg), 0);
     assert_int_equal(bt_infer_forward(s, b->ids + PT + 10, 14, BT_INFER_LOGITS_ALL, lg + 10 * NV), 0);
-    double e = max_abs_diff(lg, ref + (size_t)PT * NV, (int64_t)PT * NV);
+    double e = tu_max_abs_diff(lg, ref + (size_t)PT * NV, (int64_t)PT * NV);
     free(lg);
     bt_infer_free(s);
     return e;
@@ -154,9 +122,9 @@ static double grads_rel_err(const bt_lora *lo, const bt_st_file *f) {
                 bt_adapter_key(key, sizeof key, l, mod, isB);
                 int64_t n = isB ? (int64_t)md->out * lo->r : (int64_t)lo->r * md->in;
                 const float *rg = fix_f32(f, key, n);
-                double den = max_abs(rg, n);
+                double den = tu_max_abs(rg, n);
                 assert_true(den > 0);
-                worst = fmax(worst, max_abs_diff(isB ? md->dB : md->dA, rg, n) / den);
+                worst = fmax(worst, tu_max_abs_diff(isB ? md->dB : md->dA, rg, n) / den);
             }
         }
     return worst;
@@ -176,18 +144,18 @@ static void check_family(const char *fam, const char *source) {
 
     /* base model */
     double loss = run_forward(&m, NULL, &mb, logits);
-    double e_base = max_abs_diff(logits, rl_base, (int64_t)PM * NV);
+    double e_base = tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV);
     double e_loss_base = fabs(loss - fix_f32(ref, "loss_base", 1)[0]);
     double e_inf_base = infer_err(&m, NULL, &b, rl_base);
 
     /* with the PEFT adapter: logits, loss, LoRA gradients */
     bt_lora lo;
     char dir[512];
-    snprintf(dir, sizeof dir, "%s/qwen/%s/adapter-init", fixdir(), fam);
+    snprintf(dir, sizeof dir, "%s/qwen/%s/adapter-init", tu_hf_fixdir(), fam);
     if (bt_lora_load_peft(&lo, &m, dir)) fail_msg("%s", bt_last_error());
     assert_int_equal(lo.target_mask, (1u << BT_MOD_N) - 1);
     loss = run_forward(&m, &lo, &mb, logits);
-    double e_lora = max_abs_diff(logits, rl, (int64_t)PM * NV);
+    double e_lora = tu_max_abs_diff(logits, rl, (int64_t)PM * NV);
     double e_loss = fabs(loss - fix_f32(ref, "loss", 1)[0]);
     double e_grad = grads_rel_err(&lo, ref);
     double e_inf = infer_err(&m, &lo, &b, rl);
@@ -196,7 +164,7 @@ static void check_family(const char *fam, const char *source) {
     print_message("parity: %s from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
                   "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
                   "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", fam, source,
-                  e_base, max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
+                  e_base, tu_max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
                   e_inf_base, e_inf, e_grad_ck);
     assert_true(e_base <= 1e-4);
     assert_true(e_loss_base <= 1e-5);
@@ -218,7 +186,7 @@ static void check_family(const char *fam, const char *source) {
         run_forward(&m, NULL, &mb, logits);
         m.layers[0].lin[BT_MOD_K].bias = keep;
     }
-    assert_true(max_abs_diff(logits, rl_base, (int64_t)PM * NV) > 1e-2);
+    assert_true(tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV) > 1e-2);
 
     bt_lora_free(&lo);
     free(logits);
@@ -270,7 +238,7 @@ static void test_qwen3_estimate_is_the_plan(void **st) {
             bt_model m;
             load_model(&m, "qwen3", src ? "hf" : "gguf");
             char p[512], txt[1024];
-            snprintf(p, sizeof p, "%s/qwen/qwen3/%s", fixdir(), src ? "hf" : "model.gguf");
+            snprintf(p, sizeof p, "%s/qwen/qwen3/%s", tu_hf_fixdir(), src ? "hf" : "model.gguf");
             snprintf(txt, sizeof txt, "{\"model\": \"%s\", \"base_dtype\": \"fp32\", \"data\": "
                      "{\"shards\": [\"d\"], \"seq_len\": 32, \"micro_batch_size\": 2}, \"lora\": "
                      "{\"r\": 4}, \"activation_checkpointing\": %s}", p, ck ? "true" : "false");

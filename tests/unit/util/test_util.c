@@ -6,6 +6,7 @@
 #include <cmocka.h>
 
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -153,4 +154,29 @@ const void *tu_st_data(struct bt_st_file *f, const char *name, int dt, int64_t n
         fail_msg("fixture %s: dtype %d, %zu bytes, want dtype %d with %lld elements", name,
                  (int)t->dtype, t->nbytes, dt, (long long)n);
     return t->data;
+}
+
+const char *tu_hf_fixdir(void) {
+    const char *d = getenv("BT_HF_FIXTURES");
+    return d && *d ? d : "tests/fixtures/hf";
+}
+
+struct bt_st_file *tu_fix_open(const char *fam, const char *rel) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s/%s", tu_hf_fixdir(), fam, rel);
+    bt_st_file *f = NULL;
+    if (bt_st_open(&f, p)) fail_msg("cannot open fixture %s: %s", p, bt_last_error());
+    return f;
+}
+
+double tu_max_abs_diff(const float *a, const float *b, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - b[i]));
+    return d;
+}
+
+double tu_max_abs(const float *a, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i]));
+    return d;
 }

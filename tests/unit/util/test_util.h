@@ -60,4 +60,18 @@ int tu_st_put_nan(const char *path, const char *name, size_t elem);
 struct bt_st_file;
 const void *tu_st_data(struct bt_st_file *f, const char *name, int dt, int64_t n);
 
+/* The tiny-model parity fixtures of tests/reference/gen_qwen_fixtures.py and gen_phi3_fixtures.py:
+ * $BT_HF_FIXTURES (default tests/fixtures/hf), the safetensors file `rel` of family dir `fam`
+ * ("qwen", "phi3"; fails the test when it cannot be opened; close with bt_st_close), and its
+ * packed batch (TU_FIX_B rows of TU_FIX_T tokens, 3 documents) as a bt_microbatch viewing *b. */
+enum { TU_FIX_B = 2, TU_FIX_T = 24, TU_FIX_M = TU_FIX_B * TU_FIX_T };
+typedef struct {
+    int32_t ids[TU_FIX_M], lab[TU_FIX_M], pos[TU_FIX_M], cu[4];
+} tu_fix_batch;
+const char *tu_hf_fixdir(void);
+struct bt_st_file *tu_fix_open(const char *fam, const char *rel);
+/* max |a - b| and max |a| over n floats, in double */
+double tu_max_abs_diff(const float *a, const float *b, int64_t n);
+double tu_max_abs(const float *a, int64_t n);
+
 #endif
