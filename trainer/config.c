@@ -143,6 +143,80 @@ static int default_report_dir(bt_train_config *c) {
     return 0;
 }
 
+/* objective and preference.*: the algorithm's TRL defaults (bt_pref_defaults; "simpo" is CPO with
+ * loss_type simpo and cpo_alpha 0), then the keys given, checked by bt_pref_check; the data format
+ * must carry what the objective trains on, and the GPU trainer has no log-prob pass yet. */
+static int resolve_objective(bt_train_config *c, bt_keypath *bad) {
+    const int pref_fmt = !strcmp(c->data.format, "preference"), kto_fmt = !strcmp(c->data.format, "kto");
+    c->pref_on = strcmp(c->objective, "sft") != 0;
+    if (!c->pref_on) {
+        if (pref_fmt || kto_fmt)
+            return fail_at(bad, "objective", "objective: \"sft\" trains on demonstrations, but data.format is "
+                           "\"%s\": set objective to %s", c->data.format,
+                           kto_fmt ? "\"kto\"" : "\"dpo\", \"orpo\", \"simpo\" or \"cpo\"");
+        return 0;
+    }
+    int simpo = 0;
+    const int algo = bt_pref_algo_parse(c->objective, &simpo);
+    if (algo < 0) return fail_at(bad, "objective", "objective: unknown \"%s\"", c->objective);
+    if (algo == BT_PREF_KTO ? !kto_fmt : !pref_fmt)
+        return fail_at(bad, "data.format", "data.format: objective \"%s\" trains on %s records, so data.format "
+                       "must be \"%s\", got \"%s\"", c->objective,
+                       algo == BT_PREF_KTO ? "{prompt, completion, label}" : "{prompt, chosen, rejected}",
+                       algo == BT_PREF_KTO ? "kto" : "preference", c->data.format);
+    if (c->eval.n_lengths > 0)
+        return fail_at(bad, "eval.lengths", "eval.lengths: per-length perplexity is a language-modelling "
+                       "measure; objective \"%s\" evaluates its preference metrics on eval.shards", c->objective);
+    bt_pref_params *p = &c->pref;
+    bt_pref_defaults(p, (bt_pref_algo)algo);
+    if (simpo) {
+        p->loss_type[0] = BT_PREF_LOSS_SIMPO;
+        p->cpo_alpha = 0.0;
+    }
+    if (c->preference.n_loss_type > 0) {
+        for (int i = 0; i < c->preference.n_loss_type; i++) {
+            int t = bt_pref_loss_type_parse(p->algo, c->preference.loss_type[i]);
+            if (t < 0 || (simpo && t != BT_PREF_LOSS_SIMPO))
+                return fail_at(bad, "preference.loss_type", "preference.loss_type: \"%s\" is not a loss type of "
+                               "objective \"%s\" (%s)", c->preference.loss_type[i], c->objective,
+                               algo == BT_PREF_DPO ? "sigmoid, hinge, ipo, robust, exo_pair"
+                               : simpo            ? "simpo"
+                               : algo == BT_PREF_CPO ? "sigmoid, hinge, ipo, simpo"
+                               : algo == BT_PREF_KTO ? "kto, apo_zero_unpaired"
+                                                     : "orpo");
+            for (int j = 0; j < i; j++)
+                if ((int)p->loss_type[j] == t)
+                    return fail_at(bad, "preference.loss_type", "preference.loss_type: \"%s\" is listed twice",
+                                   c->preference.loss_type[i]);
+            p->loss_type[i] = (bt_pref_loss_type)t;
+        }
+        p->n_loss_types = c->preference.n_loss_type;
+    }
+    if (c->preference.n_loss_weights > 0) {
+        if (c->preference.n_loss_weights != p->n_loss_types)
+            return fail_at(bad, "preference.loss_weights", "preference.loss_weights: %d weights for %d loss types "
+                           "(preference.loss_type)", c->preference.n_loss_weights, p->n_loss_types);
+        for (int i = 0; i < p->n_loss_types; i++) p->loss_weights[i] = c->preference.loss_weights[i];
+    }
+    p->beta = c->preference.beta;
+    p->label_smoothing = c->preference.label_smoothing;
+    p->simpo_gamma = c->preference.simpo_gamma;
+    if (!isnan(c->preference.cpo_alpha)) p->cpo_alpha = c->preference.cpo_alpha;
+    p->desirable_weight = c->preference.desirable_weight;
+    p->undesirable_weight = c->preference.undesirable_weight;
+    char why[256];
+    if (bt_pref_check(p, why, sizeof why))
+        return fail_at(bad, "preference", "preference: %s (objective \"%s\")", why, c->objective);
+    if (c->preference.precompute_ref_log_probs)
+        return fail_at(bad, "preference.precompute_ref_log_probs", "preference.precompute_ref_log_probs: true is not "
+                       "available yet (the reference log-probs will come from loaderd's token cache); false computes "
+                       "them with the adapter disabled every step");
+    if (c->device != BT_DEVICE_CPU)
+        return fail_at(bad, "device", "device: objective \"%s\" needs the log-prob passes of the preference "
+                       "losses, which the GPU trainer does not have yet: use device \"cpu\"", c->objective);
+    return 0;
+}
+
 /* What the rows leave open: the socket from the environment, "auto" checkpointing against
  * data.seq_len, method "none" as no extension, report.dir beside out_dir; then the constraints
  * between keys of different sections. */
@@ -189,6 +263,7 @@ static int finish(bt_train_config *c, bt_keypath *bad) {
                        "checkpointed layer inputs, so it needs activation_checkpointing (true, or "
                        "\"auto\" with data.seq_len >= checkpointing_min_seq_len %d; seq_len is %d)",
                        c->checkpointing_min_seq_len, c->data.seq_len);
+    if ((rc = resolve_objective(c, bad))) return rc;
     if (c->stop_at_step > c->steps)
         return fail_at(bad, "stop_at_step", "stop_at_step: expected an integer in [0, steps = %d], got %d", c->steps,
                        c->stop_at_step);
@@ -382,6 +457,9 @@ char *bt_config_job_json(const bt_train_config *c, int eval) {
         json_object_set_new(j, "text_field", json_string(c->data.text_field));
     else if (c->data.chat_template && strcmp(c->data.chat_template, "auto")) /* "auto": loaderd's default */
         json_object_set_new(j, "chat_template", json_string(c->data.chat_template));
+    if (c->data.max_prompt_length > 0) /* preference / kto truncation (TRL's names) */
+        json_object_set_new(j, "max_prompt_length", json_integer(c->data.max_prompt_length));
+    if (c->data.max_length > 0) json_object_set_new(j, "max_length", json_integer(c->data.max_length));
     json_object_set_new(j, "tokenizer", abs_path_json(c->model));
     json_object_set_new(j, "seq_len", json_integer(c->data.seq_len));
     json_object_set_new(j, "micro_batch_size", json_integer(c->data.micro_batch_size));
@@ -414,5 +492,7 @@ void bt_config_reference_md(FILE *f) {
     bt_keytab_doc_md_ex(bt_config_keys, "", BT_KEYTAB_GOT, f);
     fputs("\nAcross keys: data.seq_len x data.micro_batch_size <= 2^24 tokens; out_dir, checkpoint_dir and\n"
           "report.dir are three directories, none inside another; cuda.offload_checkpoints needs activation\n"
-          "checkpointing; stop_at_step <= steps; eval.every needs eval.shards and no eval.lengths.\n", f);
+          "checkpointing; stop_at_step <= steps; eval.every needs eval.shards and no eval.lengths; objective\n"
+          "\"dpo\", \"orpo\", \"simpo\" and \"cpo\" need data.format \"preference\", \"kto\" needs \"kto\", \"sft\" neither;\n"
+          "a preference objective runs on device \"cpu\" (the GPU trainer has no log-prob pass yet).\n", f);
 }

@@ -24,6 +24,7 @@
 #include <stdio.h>
 
 #include "common/keytab.h"
+#include "trainer/loop/preference.h"
 
 /* How the frozen base linears are held (config base_dtype; trainer/model/model.h):
  *   BT_BASE_NF4   re-quantised to NF4 with double quantisation (bitsandbytes layout, QLoRA);
@@ -67,13 +68,15 @@ typedef struct {
     struct {
         char **shards;
         int n_shards;
-        char *format;               /* "chat" | "text" | "alpaca" */
+        char *format;               /* "chat" | "text" | "alpaca" | "preference" | "kto" */
         char *text_field;
         char *chat_template;        /* loaderd's chat_template ("auto": not sent) */
         int seq_len;                /* T */
         int micro_batch_size;       /* B */
         uint64_t seed;
         int tokenizer_threads;
+        int max_prompt_length;      /* preference / kto truncation (TRL's names), 0 = none */
+        int max_length;
     } data;
     struct {
         char **shards;
@@ -132,6 +135,22 @@ typedef struct {
         int plot;                   /* bool */
         int tensorboard;            /* bool */
     } report;
+    /* The training objective (issue 25): "sft" (token cross-entropy, the default) or a preference
+     * objective with TRL 1.16.0's keys (trainer/loop/preference.h). The rows fill `preference`
+     * as written; finish() (config.c) resolves them into `pref` (bt_pref_defaults of the
+     * algorithm, then the keys given) and checks it with bt_pref_check. */
+    char *objective;                /* "sft" | "dpo" | "orpo" | "simpo" | "cpo" | "kto" */
+    struct {
+        double beta, label_smoothing, simpo_gamma, desirable_weight, undesirable_weight;
+        double cpo_alpha;           /* NAN (null): the algorithm's (cpo 1, simpo 0) */
+        char loss_type[BT_PREF_MAX_LOSS_TYPES][24];
+        int n_loss_type;            /* 0 (null): the algorithm's default loss type */
+        double loss_weights[BT_PREF_MAX_LOSS_TYPES];
+        int n_loss_weights;         /* 0 (null): every weight 1 */
+        int precompute_ref_log_probs;
+    } preference;
+    int pref_on;                    /* objective is not "sft" */
+    bt_pref_params pref;            /* resolved (pref_on only) */
     const char *eval_adapter;       /* `trainer eval --adapter DIR` (command line only, not a
                                      * key; borrowed, not freed by bt_config_free) */
     int profile;                    /* `trainer train --profile` (command line only) */

@@ -171,6 +171,86 @@ static json_t *dump_ckpt(const bt_key *k, const void *src) {
     return json_boolean(((const C *)src)->activation_checkpointing);
 }
 
+/* ---- preference.loss_type: a string or a list of 1..BT_PREF_MAX_LOSS_TYPES strings (TRL's
+ * list-valued DPO loss_type), null: the objective's default; checked against the objective once
+ * the whole config is read (config.c) ---- */
+
+static int parse_loss_type(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    (void)bad;
+    C *c = dst;
+    c->preference.n_loss_type = 0;
+    if (json_is_null(v)) return BT_OK;
+    size_t n = json_is_array(v) ? json_array_size(v) : 1;
+    if (!(json_is_string(v) || json_is_array(v)) || n < 1 || n > BT_PREF_MAX_LOSS_TYPES) return refuse(k, path, v);
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_is_array(v) ? json_array_get(v, i) : v;
+        if (!json_is_string(e) || json_string_length(e) == 0 ||
+            json_string_length(e) >= sizeof c->preference.loss_type[0])
+            return refuse(k, path, v);
+        snprintf(c->preference.loss_type[i], sizeof c->preference.loss_type[0], "%s", json_string_value(e));
+    }
+    c->preference.n_loss_type = (int)n;
+    return BT_OK;
+}
+
+static json_t *dump_loss_type(const bt_key *k, const void *src) {
+    (void)k;
+    const C *c = src;
+    if (c->preference.n_loss_type == 0) return json_null();
+    if (c->preference.n_loss_type == 1) return json_string(c->preference.loss_type[0]);
+    json_t *a = json_array();
+    for (int i = 0; i < c->preference.n_loss_type; i++) json_array_append_new(a, json_string(c->preference.loss_type[i]));
+    return a;
+}
+
+/* ---- preference.loss_weights: a list of finite numbers >= 0 (one per loss_type), null: all 1 ---- */
+
+static int parse_loss_weights(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    (void)bad;
+    C *c = dst;
+    c->preference.n_loss_weights = 0;
+    if (json_is_null(v)) return BT_OK;
+    if (!json_is_array(v) || json_array_size(v) < 1 || json_array_size(v) > BT_PREF_MAX_LOSS_TYPES)
+        return refuse(k, path, v);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *e = json_array_get(v, i);
+        double x = json_is_number(e) ? json_number_value(e) : -1;
+        if (!(x >= 0) || !isfinite(x)) return refuse(k, path, v);
+        c->preference.loss_weights[i] = x;
+    }
+    c->preference.n_loss_weights = (int)json_array_size(v);
+    return BT_OK;
+}
+
+static json_t *dump_loss_weights(const bt_key *k, const void *src) {
+    (void)k;
+    const C *c = src;
+    if (c->preference.n_loss_weights == 0) return json_null();
+    json_t *a = json_array();
+    for (int i = 0; i < c->preference.n_loss_weights; i++) json_array_append_new(a, json_real(c->preference.loss_weights[i]));
+    return a;
+}
+
+/* ---- preference.cpo_alpha: a finite number >= 0, null (NAN): the objective's default ---- */
+
+static int parse_opt_nonneg(const bt_key *k, json_t *v, void *dst, const char *path, bt_keypath *bad) {
+    (void)bad;
+    double *f = (double *)((char *)dst + k->off);
+    if (json_is_null(v)) {
+        *f = NAN;
+        return BT_OK;
+    }
+    double x = json_is_number(v) ? json_number_value(v) : -1;
+    if (!(x >= 0) || !isfinite(x)) return refuse(k, path, v);
+    *f = x;
+    return BT_OK;
+}
+
+static json_t *dump_opt_nonneg(const bt_key *k, const void *src) {
+    double x = *(const double *)((const char *)src + k->off);
+    return isnan(x) ? json_null() : json_real(x);
+}
+
 /* Custom rows: custom list of globs (count field nf, at most max), mask of names. */
 #define STRV(key, f, nf, max, dflt, flg, whattext, text)                                                       \
     {.name = key, .type = BT_KEY_CUSTOM, .off = offsetof(C, f), .size = sizeof(char **), .ilo = offsetof(C, nf), \
@@ -180,7 +260,8 @@ static json_t *dump_ckpt(const bt_key *k, const void *src) {
     {.name = key, .type = BT_KEY_CUSTOM, .off = offsetof(C, f), .size = sizeof(unsigned), .ilo = (min),       \
      .names = nms, .def = dflt, .parse = parse_mask, .dump = dump_mask, .flags = flg, .doc = text, .what = whattext}
 
-static const char *const k_formats[] = {"chat", "text", "alpaca", NULL};
+static const char *const k_formats[] = {"chat", "text", "alpaca", "preference", "kto", NULL};
+static const char *const k_objectives[] = {"sft", "dpo", "orpo", "simpo", "cpo", "kto", NULL};
 /* loaderd's chat renderings (loaderd/format.h ld_chat_tpl; the job spec's chat_template) */
 static const char *const k_chat_templates[] = {"auto", "chatml", "llama3", "gemma", "llama2",
                                                "mistral", "mistral-v3", "phi3", NULL};
@@ -195,8 +276,9 @@ static const bt_key k_data[] = {
     STRV("shards", data.shards, data.n_shards, BT_JOB_MAX_SHARD_PATTERNS, NULL, BT_KEY_REQUIRED | CK | TM,
          "a non-empty array of strings", "globs of JSONL (.jsonl or .jsonl.zst) shards"),
     BT_KEY_SC("format", C, data.format, k_formats, "\"chat\"", EV | TM,
-              "\"chat\" (messages), \"text\" (documents longer than seq_len are cut into consecutive rows) or "
-              "\"alpaca\""),
+              "\"chat\" (messages), \"text\" (documents longer than seq_len are cut into consecutive rows), "
+              "\"alpaca\", \"preference\" ({prompt, chosen, rejected}: objective dpo, orpo, simpo, cpo) or "
+              "\"kto\" ({prompt, completion, label}: objective kto)"),
     BT_KEY_S("text_field", C, data.text_field, 1, 0, "\"text\"", EV, "the document's key with format \"text\""),
     BT_KEY_SC("chat_template", C, data.chat_template, k_chat_templates, "\"auto\"", EV,
               "how loaderd renders format \"chat\" / \"alpaca\" conversations: \"auto\" (from the "
@@ -209,6 +291,12 @@ static const bt_key k_data[] = {
     BT_KEY_I("seed", C, data.seed, 0, INT64_MAX, "1234", EV | TM, "shuffle seed of the data stream"),
     BT_KEY_I("tokenizer_threads", C, data.tokenizer_threads, 1, BT_JOB_MAX_TOKENIZER_THREADS, "2", EV | TM,
              "loaderd tokenizer threads for this job"),
+    BT_KEY_I("max_prompt_length", C, data.max_prompt_length, 0, BT_JOB_MAX_SEQ_LEN, "0", EV,
+             "format preference / kto (TRL's name): prompt tokens kept (its end) when prompt + longer response "
+             "exceeds max_length; 0: no prompt cut"),
+    BT_KEY_I("max_length", C, data.max_length, 0, BT_JOB_MAX_SEQ_LEN, "0", EV,
+             "format preference / kto (TRL's name): longest prompt + response in tokens, longer records are "
+             "truncated as TRL does; 0: none (a record that does not fit a row is skipped as overlong)"),
     BT_KEY_END,
 };
 
@@ -228,6 +316,39 @@ static const bt_key k_eval[] = {
      .doc = "perplexity per context length: the held-out documents cut into consecutive windows of each length "
             "(loaderd's text packing at seq_len L), the loss over the windows of exactly L tokens; []: one "
             "evaluation at data.seq_len over every row"},
+    BT_KEY_END,
+};
+
+/* Preference objectives (objective != "sft"): TRL 1.16.0's keys and defaults (DPOConfig, ORPOConfig,
+ * CPOConfig, KTOConfig; trainer/loop/preference.h), read for the objective only. */
+static const bt_key k_preference[] = {
+    BT_KEY_N("beta", C, preference.beta, 0, 1e6, "0.1", BT_KEY_LO_OPEN | TM,
+             "temperature of the implicit reward (DPO, KTO), the odds-ratio weight (ORPO), CPO / SimPO's beta"),
+    {.name = "loss_type", .type = BT_KEY_CUSTOM, .off = offsetof(C, preference.loss_type),
+     .size = sizeof(((C *)0)->preference.loss_type), .def = "null", .parse = parse_loss_type,
+     .dump = dump_loss_type, .flags = TM,
+     .what = "a loss type name or a list of up to 4 (dpo), or null",
+     .doc = "dpo: \"sigmoid\" (default), \"hinge\", \"ipo\", \"robust\", \"exo_pair\" or a list of them (summed with "
+            "loss_weights); cpo: \"sigmoid\" (default), \"hinge\", \"ipo\", \"simpo\"; simpo: \"simpo\"; kto: \"kto\" "
+            "(default), \"apo_zero_unpaired\"; orpo: \"orpo\"; null: the objective's default"},
+    {.name = "loss_weights", .type = BT_KEY_CUSTOM, .off = offsetof(C, preference.loss_weights),
+     .size = sizeof(((C *)0)->preference.loss_weights), .def = "null", .parse = parse_loss_weights,
+     .dump = dump_loss_weights, .flags = 0, .what = "a list of numbers >= 0, or null",
+     .doc = "dpo with a list loss_type: one weight per loss type (null: every weight 1)"},
+    BT_KEY_N("label_smoothing", C, preference.label_smoothing, 0, 1, "0.0", 0,
+             "dpo robust / exo_pair, cpo sigmoid / simpo: the label noise epsilon (robust: < 0.5; exo_pair: > 0)"),
+    BT_KEY_N("simpo_gamma", C, preference.simpo_gamma, -1e6, 1e6, "0.5", 0, "simpo (cpo loss_type simpo): target reward margin"),
+    {.name = "cpo_alpha", .type = BT_KEY_CUSTOM, .off = offsetof(C, preference.cpo_alpha), .size = sizeof(double),
+     .def = "null", .parse = parse_opt_nonneg, .dump = dump_opt_nonneg, .flags = 0,
+     .what = "a number >= 0, or null",
+     .doc = "cpo / simpo: weight of the chosen responses' NLL term; null: 1 for cpo, 0 for simpo (TRL's SimPO recipe)"},
+    BT_KEY_N("desirable_weight", C, preference.desirable_weight, 0, 1e6, "1.0", 0,
+             "kto: weight of the desirable (label true) examples' losses"),
+    BT_KEY_N("undesirable_weight", C, preference.undesirable_weight, 0, 1e6, "1.0", 0,
+             "kto: weight of the undesirable (label false) examples' losses"),
+    BT_KEY_B("precompute_ref_log_probs", C, preference.precompute_ref_log_probs, "false", 0,
+             "dpo / kto: take the reference log-probs from loaderd's token cache instead of a reference forward "
+             "every step (not available yet: must be false)"),
     BT_KEY_END,
 };
 
@@ -340,6 +461,11 @@ const bt_key bt_config_keys[] = {
              "LoRA (PEFT semantics): y = W x + lora_alpha / r * B A dropout(x); the same limits apply to an "
              "adapter read from disk"),
     BT_KEY_O("optim", k_optim, TM, "AdamW (torch.optim.AdamW semantics) and gradient clipping"),
+    BT_KEY_SC("objective", C, objective, k_objectives, "\"sft\"", EV | TM,
+              "the training objective: \"sft\" (cross-entropy on the labelled tokens) or a preference objective on "
+              "data.format \"preference\" (\"dpo\", \"orpo\", \"simpo\", \"cpo\") or \"kto\" (\"kto\"), with the keys "
+              "of preference (README: preference training)"),
+    BT_KEY_O("preference", k_preference, 0, "preference objectives: TRL 1.16.0's parameter names and defaults"),
     BT_KEY_I("steps", C, steps, 1, MAXI, "100", TM, "optimiser steps"),
     BT_KEY_I("grad_accum", C, grad_accum, 1, 65536, "1", CK | ES | TM, "micro-batches per optimiser step"),
     BT_KEY_E("schedule", C, schedule, k_scheds, NULL, "\"cosine\"", TM, "learning-rate schedule after warm-up"),

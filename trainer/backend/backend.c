@@ -58,3 +58,23 @@ int bt_backend_eval_workspace(bt_backend *b, int max_M, bt_backend **out) {
     *out = NULL;
     return b->iface->eval_workspace(b, max_M, out);
 }
+
+int bt_backend_has_logprobs(const bt_backend *b) {
+    return b && b->iface->logprobs && b->iface->backward_logprobs;
+}
+
+int bt_backend_logprobs(bt_backend *b, const bt_microbatch *mb, int policy, int backward,
+                        uint64_t drop_key, float *logp, int *n_valid) {
+    if (!bt_backend_has_logprobs(b))
+        return bt_fail(BT_ERR_UNSUPPORTED, "this backend has no log-prob pass: preference objectives "
+                       "train on device \"cpu\"");
+    return b->iface->logprobs(b, mb, policy, backward, drop_key, logp, n_valid);
+}
+
+int bt_backend_backward_logprobs(bt_backend *b, const bt_microbatch *mb, const float *dlogp,
+                                 uint64_t drop_key) {
+    if (!bt_backend_has_logprobs(b))
+        return bt_fail(BT_ERR_UNSUPPORTED, "this backend has no log-prob pass: preference objectives "
+                       "train on device \"cpu\"");
+    return b->iface->backward_logprobs(b, mb, dlogp, drop_key);
+}

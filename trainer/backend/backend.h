@@ -119,6 +119,17 @@ typedef struct bt_backend_i {
      * bt_backend_free. A backend whose workspace cannot grow fails saying so (the message names
      * the config keys to change). */
     int (*eval_workspace)(bt_backend *b, int max_M, bt_backend **out);
+    /* Preference training (trainer/loop/pref_step.h), step.h bt_forward_logprobs /
+     * bt_backward_logprobs' contract: logprobs writes logp[M] (the label log-prob of every
+     * labelled shifted target, 0 elsewhere) of the policy (adapter on; with `backward` the pass
+     * keeps what backward_logprobs needs) or, policy == 0, of the reference (adapter off, never
+     * with backward); backward_logprobs accumulates the LoRA gradients of sum_t dlogp[t] * logp[t]
+     * and must directly follow logprobs with backward on the same mb and drop_key. NULL: a backend
+     * without these passes (the GPU trainer for now): a preference objective is refused. */
+    int (*logprobs)(bt_backend *b, const bt_microbatch *mb, int policy, int backward,
+                    uint64_t drop_key, float *logp, int *n_valid);
+    int (*backward_logprobs)(bt_backend *b, const bt_microbatch *mb, const float *dlogp,
+                             uint64_t drop_key);
 } bt_backend_i;
 
 /* A backend: its operations and its own state. */
@@ -169,6 +180,13 @@ void bt_backend_abort(bt_backend *b); /* NULL b or op: no-op */
 int bt_backend_sync_lora(bt_backend *b, int moments);
 void bt_backend_set_profile(bt_backend *b, struct bt_prof *p);
 int bt_backend_eval_workspace(bt_backend *b, int max_M, bt_backend **out);
+/* 1 when the backend has the preference log-prob passes (logprobs and backward_logprobs). */
+int bt_backend_has_logprobs(const bt_backend *b);
+/* The log-prob passes; a backend without them: BT_ERR_UNSUPPORTED naming it. */
+int bt_backend_logprobs(bt_backend *b, const bt_microbatch *mb, int policy, int backward,
+                        uint64_t drop_key, float *logp, int *n_valid);
+int bt_backend_backward_logprobs(bt_backend *b, const bt_microbatch *mb, const float *dlogp,
+                                 uint64_t drop_key);
 
 #ifdef __cplusplus
 }

@@ -92,6 +92,8 @@ const bt_backend_i k_cuda_iface = {
     cuda_step,          cuda_update,         cuda_allreduce_grads, cuda_allreduce_sum,
     cuda_allgather,     cuda_abort,          cuda_sync_lora,     cuda_set_profile,
     cuda_eval_workspace,
+    nullptr,            /* logprobs: the preference passes are CPU-only for now (issue 25); */
+    nullptr,            /* backward_logprobs: config.c refuses a preference objective on cuda */
 };
 
 /* The GPU trainer on this rank's device (config cuda.*), its hooks (a collective waits at most

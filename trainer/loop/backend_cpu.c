@@ -45,6 +45,21 @@ static int cpu_step(bt_backend *b, const bt_microbatch *mb, int backward, float 
                                n_valid);
 }
 
+/* The preference passes: step.h bt_forward_logprobs (policy == 0: the reference, adapter off)
+ * and bt_backward_logprobs. */
+static int cpu_logprobs(bt_backend *b, const bt_microbatch *mb, int policy, int backward,
+                        uint64_t drop_key, float *logp, int *n_valid) {
+    cpu_backend *c = cpu_of(b);
+    return bt_forward_logprobs(c->ctx, c->m, policy ? c->lo : NULL, mb, backward, drop_key, logp,
+                               n_valid);
+}
+
+static int cpu_backward_logprobs(bt_backend *b, const bt_microbatch *mb, const float *dlogp,
+                                 uint64_t drop_key) {
+    cpu_backend *c = cpu_of(b);
+    return bt_backward_logprobs(c->ctx, c->m, c->lo, mb, dlogp, drop_key);
+}
+
 /* torch clip_grad_norm_ then AdamW: the LoRA (+ embedding) block [0, n_decay) with weight decay,
  * the LoRA+ norm weights after it without (lora.h); then every parameter must be finite. */
 static int cpu_update(bt_backend *b, const bt_backend_update *u, double *grad_norm,
@@ -124,6 +139,8 @@ static const bt_backend_i k_cpu_iface = {
     .sync_lora = NULL, /* the host bt_lora is the live state */
     .set_profile = cpu_set_profile,
     .eval_workspace = cpu_eval_workspace,
+    .logprobs = cpu_logprobs,
+    .backward_logprobs = cpu_backward_logprobs,
 };
 
 static int cpu_init(bt_backend **out, const bt_backend_params *p) {

@@ -16,6 +16,41 @@ void bt_mb_view(const bt_mb_copy *c, int B, int T, bt_microbatch *mb) {
     mb->n_cu = c->n_cu;
 }
 
+/* Layout 2's per-segment fields (proto/batch.h), checked again on the trainer's copy (loaderd's
+ * client checks them too: bt_batch_validate): a malformed batch is refused, never trained on. */
+static int seg_check(const bt_mb_copy *c, int T, uint64_t step) {
+    int next = 0;
+    for (int k = 0; k + 1 < c->n_cu; k++) {
+        const int32_t kind = c->seg_kind[k], pair = c->seg_pair[k];
+        if (kind < BT_SEG_PLAIN || kind >= BT_SEG_N)
+            return bt_fail(BT_ERR_FORMAT, "batch %llu: segment %d: seg_kind %d out of range",
+                           (unsigned long long)step, k, kind);
+        if (kind == BT_SEG_PLAIN) {
+            if (pair != -1)
+                return bt_fail(BT_ERR_FORMAT, "batch %llu: plain segment %d has seg_pair %d (expected "
+                               "-1)", (unsigned long long)step, k, pair);
+            continue;
+        }
+        if (kind == BT_SEG_REJECTED) {
+            if (k == 0 || c->seg_kind[k - 1] != BT_SEG_CHOSEN || c->seg_pair[k - 1] != pair)
+                return bt_fail(BT_ERR_FORMAT, "batch %llu: rejected segment %d does not follow its "
+                               "chosen one", (unsigned long long)step, k);
+            continue;
+        }
+        if (pair != next)
+            return bt_fail(BT_ERR_FORMAT, "batch %llu: segment %d: record %d, expected %d",
+                           (unsigned long long)step, k, pair, next);
+        next++;
+        if (kind == BT_SEG_CHOSEN &&
+            (k + 2 >= c->n_cu || c->seg_kind[k + 1] != BT_SEG_REJECTED ||
+             c->seg_pair[k + 1] != pair || c->cu[k + 1] / T != c->cu[k] / T ||
+             (c->cu[k + 2] - 1) / T != c->cu[k] / T))
+            return bt_fail(BT_ERR_FORMAT, "batch %llu: chosen segment %d is not followed by its "
+                           "rejected one in the same row", (unsigned long long)step, k);
+    }
+    return 0;
+}
+
 static int mb_take(bt_mb_copy *c, const bt_batch_view *v, int B, int T) {
     size_t M = (size_t)B * T;
     if (v->hdr->B != (uint32_t)B || v->hdr->T != (uint32_t)T || v->hdr->n_cu < 2 ||
@@ -26,7 +61,11 @@ static int mb_take(bt_mb_copy *c, const bt_batch_view *v, int B, int T) {
     memcpy(c->labels, v->labels, M * 4);
     memcpy(c->pos, v->position_ids, M * 4);
     memcpy(c->cu, v->cu_seqlens, (size_t)v->hdr->n_cu * 4);
+    memcpy(c->seg_kind, v->seg_kind, (size_t)(v->hdr->n_cu - 1) * 4);
+    memcpy(c->seg_pair, v->seg_pair, (size_t)(v->hdr->n_cu - 1) * 4);
     c->n_cu = (int)v->hdr->n_cu;
+    int rc = seg_check(c, T, v->hdr->step);
+    if (rc) return rc;
     c->n_real = v->hdr->n_real_tokens;
     memcpy(c->resume, v->hdr->resume_state, BT_RESUME_STATE_BYTES);
     return 0;
@@ -38,7 +77,9 @@ int bt_mb_alloc(bt_mb_copy *c, int B, int T) {
     c->labels = malloc(M * 4);
     c->pos = malloc(M * 4);
     c->cu = malloc((M + 1) * 4);
-    if (!c->ids || !c->labels || !c->pos || !c->cu)
+    c->seg_kind = malloc(M * 4);
+    c->seg_pair = malloc(M * 4);
+    if (!c->ids || !c->labels || !c->pos || !c->cu || !c->seg_kind || !c->seg_pair)
         return bt_fail(BT_ERR_NOMEM, "out of memory for batch copies");
     return 0;
 }
@@ -48,6 +89,8 @@ void bt_mb_free(bt_mb_copy *c) {
     free(c->labels);
     free(c->pos);
     free(c->cu);
+    free(c->seg_kind);
+    free(c->seg_pair);
     memset(c, 0, sizeof *c);
 }
 

@@ -3,6 +3,7 @@
 
 #include "common/bt_common.h"
 #include "trainer/loop/run.h"
+#include "trainer/model/rng.h"
 
 atomic_int bt_run_stop_sig;
 
@@ -64,4 +65,10 @@ int bt_run_agree(bt_run *r, int rc, const char *what) {
     if (rc) return rc;
     if (rc2) return rc2;
     return f > 0 ? bt_fail(BT_ERR_IO, "%s failed on another rank (see its log)", what) : 0;
+}
+
+uint64_t bt_run_drop_key(const bt_run *r, int step, int i) {
+    uint64_t key = bt_hash64(r->cfg->seed ^ bt_hash64(((uint64_t)step << 20) + (uint64_t)i + 1));
+    if (r->dist.rank > 0) key = bt_hash64(key ^ (uint64_t)r->dist.rank);
+    return key | 1;
 }

@@ -23,6 +23,7 @@
 #include "trainer/parallel/dist.h"
 #include "trainer/parallel/dist_monitor.h"
 #include "trainer/loop/optim.h"
+#include "trainer/loop/pref_step.h"
 #include "trainer/loop/run_types.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
@@ -32,6 +33,7 @@
  * of B*T elements (cu: up to B*T + 1), heap-owned by the copy (bt_mb_alloc / bt_mb_free). */
 typedef struct {
     int32_t *ids, *labels, *pos, *cu;
+    int32_t *seg_kind, *seg_pair; /* layout 2: n_cu - 1 used (BT_SEG_*, record index or -1) */
     int n_cu;
     uint32_t n_real;
     uint8_t resume[BT_RESUME_STATE_BYTES]; /* loader state after this batch */
@@ -92,6 +94,12 @@ typedef struct {
     int ck_step;      /* the step of the last checkpoint written, -1: none */
     int adapter_step; /* the step of the last adapter written by this run (save_every), -1: none */
     int prof_step;
+    /* a preference objective (cfg->pref_on; pref_run.c): the step's buffers, the step's counts over
+     * all ranks, its KL estimate (KTO), its metrics and the last held-out ones */
+    bt_pref_step *pref;
+    bt_pref_counts pref_global;
+    double pref_kl;
+    bt_pref_metrics pref_m, pref_eval_m, pref_before;
 } bt_run;
 
 /* ---- run.c: stop requests, signals, and the collectives every rank takes part in ---- */
@@ -138,9 +146,14 @@ int bt_run_gather_resume(bt_run *r, const uint8_t *mine, uint8_t *all);
  * rc, or a failure on another rank (BT_ERR_IO naming `what`), or the collective's error. */
 int bt_run_agree(bt_run *r, int rc, const char *what);
 
+/* The dropout key of micro-batch i of optimiser step `step` (0-based) on this rank: a hash of the
+ * seed, the step and i, and of the rank (the ranks' rows are different rows). */
+uint64_t bt_run_drop_key(const bt_run *r, int step, int i);
+
 /* ---- batches.c: the batch stream from loaderd ---- */
 
-/* *mb <- a view of c's arrays as a B x T micro-batch (no copy; valid while c is). */
+/* *mb <- a view of c's arrays as a B x T micro-batch (no copy; valid while c is); the preference
+ * step's view adds c->seg_kind / seg_pair (trainer/loop/pref_step.h bt_pref_batch). */
 void bt_mb_view(const bt_mb_copy *c, int B, int T, bt_microbatch *mb);
 /* Allocates c's arrays for B x T tokens. BT_ERR_NOMEM (call bt_mb_free either way). */
 int bt_mb_alloc(bt_mb_copy *c, int B, int T);
@@ -155,12 +168,36 @@ void bt_mb_free(bt_mb_copy *c);
 int bt_run_attach(bt_run *r, bt_client **cl, const bt_train_config *cfg, int eval,
                   const uint8_t *resume);
 
-/* The next batch of cl copied into *dst. 0: a batch; 1: end of data; 2: a stop request while
+/* The next batch of cl copied into *dst (seg_kind / seg_pair too, checked again: kinds in range,
+ * plain segments with record -1, each chosen segment directly followed by its rejected one in the
+ * same row, records numbered 0, 1, ... in order; a malformed batch is BT_ERR_FORMAT). 0: a batch; 1: end of data; 2: a stop request while
  * waiting (nothing taken); < 0: error (another rank's failure included, or no batch within
  * cfg->timeout_s). The wait is cut into 1 s slices so that a signal stops it promptly. `what`
  * ("train", "eval") names the stream in messages. */
 int bt_run_next_batch(bt_run *r, bt_client *cl, const bt_train_config *cfg, bt_mb_copy *dst,
                       const char *what);
+
+/* ---- pref_run.c: a preference objective's step and evaluation (trainer/loop/pref_step.h) ---- */
+
+/* *pb <- c as a preference micro-batch (tokens, seg_kind / seg_pair; no reference log-probs from
+ * loaderd yet: computed by the step). */
+void bt_pref_view(const bt_mb_copy *c, int B, int T, bt_pref_batch *pb);
+/* bt_pref_step_count of c: checks its records against the objective, adds their counts. */
+int bt_pref_run_count(bt_run *r, const bt_mb_copy *c, bt_pref_counts *add);
+/* Forward + backward of the step's grad_accum micro-batches r->mbs (after step_gather set
+ * r->pref_global): KTO's KL estimate first (all ranks), then bt_pref_step_micro on each; the LoRA
+ * gradients are those of the step's loss (the mean over its records on every rank, each rank
+ * holding its share until the gradients are summed). Errors: the backend's, a collective's. */
+int bt_pref_run_backward(bt_run *r, int step);
+/* The loss and TRL's metrics of the records since the last bt_pref_step_begin, over all ranks
+ * (collective); *records (may be NULL) = their number. */
+int bt_pref_run_metrics(bt_run *r, double kl_mean, bt_pref_metrics *m, double *records);
+/* Held-out evaluation of a preference objective: the eval stream's records scored without
+ * gradient, the loss and metrics over all of them and all ranks (KTO: with the eval set's KL
+ * estimate). *n_records = pairs or examples; a stop request cuts it short (*interrupted). */
+int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *interrupted);
+/* The progress line's short form of the metrics ("| acc 0.62 | margin 0.0310"). */
+void bt_pref_short(char *buf, size_t n, const bt_train_config *cfg, const bt_pref_metrics *m);
 
 /* ---- eval.c: held-out evaluation ---- */
 

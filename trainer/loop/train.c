@@ -336,11 +336,29 @@ static int run_init_backend(bt_run *r) {
         .collective = bt_run_on_collective,
         .hook_arg = r,
     };
-    return r->reg->init(&r->be, &p);
+    int rc = r->reg->init(&r->be, &p);
+    if (rc || !r->cfg->pref_on) return rc;
+    /* a preference objective: the backend's log-prob passes (config.c refuses device "cuda"
+     * already; this is the backend's own word) and the step's buffers */
+    if (!bt_backend_has_logprobs(r->be))
+        return bt_fail(BT_ERR_UNSUPPORTED, "objective \"%s\": device \"%s\" has no log-prob pass for "
+                       "the preference losses yet; use device \"cpu\"", r->cfg->objective, r->reg->name);
+    if ((rc = bt_pref_step_new(&r->pref, &r->cfg->pref, r->B, r->T, r->model.hp.vocab))) return rc;
+    const bt_pref_params *pp = &r->cfg->pref;
+    bt_log(BT_LOG_INFO, "trainer", "objective %s: loss_type %s%s, beta %g; reference: the base with "
+           "the adapter disabled, computed every step", r->cfg->objective,
+           bt_pref_loss_type_name(pp->loss_type[0]), pp->n_loss_types > 1 ? " (+ more)" : "", pp->beta);
+    return 0;
 }
 
-/* The held-out evaluation (per length with eval.lengths), into *loss / len. */
+/* The held-out evaluation (per length with eval.lengths; a preference objective's metrics into
+ * r->pref_eval_m), into *loss / len. */
 static int run_eval(bt_run *r, double *loss, bt_eval_length *len, int *cut) {
+    if (r->pref) {
+        int rc = bt_pref_run_eval(r, &r->pref_eval_m, &r->n_eval, cut);
+        *loss = r->pref_eval_m.loss;
+        return rc;
+    }
     return r->by_len ? bt_eval_lengths(r, len, cut) : bt_eval_heldout(r, loss, &r->n_eval, cut);
 }
 
@@ -348,6 +366,7 @@ static int run_eval(bt_run *r, double *loss, bt_eval_length *len, int *cut) {
 static int run_eval_before(bt_run *r) {
     if (r->cfg->eval.n_shards == 0) return 0;
     int rc = run_eval(r, &r->before, r->len_before, &r->eval_cut);
+    r->pref_before = r->pref_eval_m;
     return rc ? run_end_with(r, r->eval_only ? RUN_END_DONE : RUN_END_STOP_OR_FAIL, rc) : 0;
 }
 
@@ -363,6 +382,13 @@ static int run_eval_only(bt_run *r) {
             bt_eval_print_lengths(out, r->len_before, NULL, cfg->eval.n_lengths);
         } else if (r->eval_cut && r->n_eval == 0)
             fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
+        else if (r->pref)
+            fprintf(out, "held-out %s loss%s: %.6f, rewards/accuracies %.4f, rewards/margins %.4f, "
+                    "logps/chosen %.4f, logps/rejected %.4f (%lld %s)\n", cfg->objective,
+                    r->eval_cut ? " (partial, interrupted)" : "", r->before,
+                    r->pref_before.rewards_accuracies, r->pref_before.rewards_margins,
+                    r->pref_before.logps_chosen, r->pref_before.logps_rejected, r->n_eval,
+                    cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs");
         else
             fprintf(out, "held-out loss%s: %.6f, perplexity %.3f (%lld tokens%s%s)\n",
                     r->eval_cut ? " (partial, interrupted)" : "", r->before, exp(r->before),
@@ -388,7 +414,8 @@ static int run_begin_training(bt_run *r) {
     if (r->dist.rank == 0) {
         if ((rc = bt_report_open(&r->rep, cfg, r->start_step))) return rc;
         if (cfg->eval.n_shards > 0 && !(r->eval_cut && r->n_eval == 0) &&
-            (rc = bt_report_eval(r->rep, r->start_step, r->before, r->n_eval)))
+            (rc = r->pref ? bt_report_eval_pref(r->rep, r->start_step, &r->pref_before, r->n_eval)
+                          : bt_report_eval(r->rep, r->start_step, r->before, r->n_eval)))
             return rc;
     }
     if (r->eval_cut) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error(r));
@@ -432,6 +459,7 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
     long long n_lab = 0, n_real = 0;
     int got = 0; /* 0 ok, 1 end of stream, 2 stop request while waiting, <0 error */
     double wait_s = 0;
+    bt_pref_counts pc = {0, 0}; /* a preference objective's records and NLL targets */
     for (int i = 0; i < cfg->grad_accum && got == 0; i++) {
         double tw = bt_now();
         got = bt_run_next_batch(r, r->cl, cfg, &r->mbs[i], "train");
@@ -446,6 +474,7 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
         }
         n_lab += n;
         n_real += r->mbs[i].n_real;
+        if (r->pref && (got = bt_pref_run_count(r, &r->mbs[i], &pc)) < 0) break;
     }
     if (got == 2) return run_end_with(r, RUN_END_STOP_OR_FAIL, bt_run_stop_error(r));
     if (got == 1)
@@ -454,10 +483,13 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
     sb->n_real_local = n_real;
     sb->wait_s = wait_s;
     /* ... over all ranks: counts, and whether any rank's stream failed */
-    double st[3] = {(double)n_lab, (double)n_real, got < 0};
-    int rc = bt_run_dist_sum(r, st, 3);
+    double st[5] = {(double)n_lab, (double)n_real, got < 0, pc.records, pc.nll_tokens};
+    int rc = bt_run_dist_sum(r, st, 5);
     if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     sb->n_lab = (long long)st[0];
+    /* a preference step is a mean over its records: none, no update */
+    r->pref_global = (bt_pref_counts){st[3], st[4]};
+    if (r->pref) sb->n_lab = (long long)st[3];
     sb->n_real = (long long)st[1];
     if (st[2] > 0) /* the batch stream failed (here or on another rank) */
         return run_end_with(r, RUN_END_FAILED,
@@ -478,15 +510,15 @@ static int step_forward_backward(bt_run *r, int step, long long n_lab, double *l
     if (rc) return rc;
     double loss_sum = 0;
     float gscale = n_lab > 0 ? (float)(1.0 / (double)n_lab) : 0.f;
-    for (int i = 0; i < cfg->grad_accum; i++) {
+    if (r->pref && n_lab > 0 && (rc = bt_pref_run_backward(r, step)))
+        return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+    for (int i = 0; i < cfg->grad_accum && !r->pref; i++) {
         bt_microbatch mb;
         bt_mb_view(&r->mbs[i], r->B, r->T, &mb);
         r->at_mb = i + 1;
         /* the dropout key also depends on the rank: the ranks' rows are different rows */
-        uint64_t key = bt_hash64(cfg->seed ^ bt_hash64(((uint64_t)step << 20) + (uint64_t)i + 1));
-        if (r->dist.rank > 0) key = bt_hash64(key ^ (uint64_t)r->dist.rank);
         double ls;
-        rc = bt_backend_step(r->be, &mb, 1, gscale, key | 1, &ls, NULL);
+        rc = bt_backend_step(r->be, &mb, 1, gscale, bt_run_drop_key(r, step, i), &ls, NULL);
         if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
         loss_sum += ls;
     }
@@ -494,6 +526,13 @@ static int step_forward_backward(bt_run *r, int step, long long n_lab, double *l
     /* sum of every rank's d(loss_sum / n_lab): the gradient of the global mean loss */
     if (r->dist.world > 1 && (rc = bt_backend_allreduce_grads(r->be)))
         return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+    if (r->pref) { /* the step's loss and TRL's metrics over every rank's records */
+        r->pref_m.loss = NAN;
+        if (n_lab > 0 && (rc = bt_pref_run_metrics(r, r->pref_kl, &r->pref_m, NULL)))
+            return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+        *loss = r->pref_m.loss;
+        return 0;
+    }
     if ((rc = bt_run_dist_sum(r, &loss_sum, 1))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     *loss = n_lab > 0 ? loss_sum / (double)n_lab : NAN;
     return 0;
@@ -517,7 +556,8 @@ static int step_update(bt_run *r, int step, long long n_lab, double loss, double
     if (rc) return rc;
     *gnorm_out = gnorm;
     if (n_lab == 0) {
-        bt_log(BT_LOG_WARN, "trainer", "step %d: no labelled tokens; update skipped", step + 1);
+        bt_log(BT_LOG_WARN, "trainer", "step %d: no labelled %s; update skipped", step + 1,
+               r->pref ? "preference record" : "tokens");
         return 0;
     }
     if (!isfinite(gnorm) || !isfinite(loss)) {
@@ -549,8 +589,10 @@ static int step_record(bt_run *r, double ts, double loss, double lr, double gnor
         char e1[24], e2[24];
         bt_fmt_duration(e1, sizeof e1, el);
         bt_fmt_duration(e2, sizeof e2, el / (done - r->start_step) * (r->end_step - done));
-        fprintf(r->out, "step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | elapsed %s | eta %s\n",
-                done, cfg->steps, loss, lr, tps, e1, e2);
+        char pm[96] = "";
+        if (r->pref) bt_pref_short(pm, sizeof pm, cfg, &r->pref_m);
+        fprintf(r->out, "step %d/%d | loss %.4f%s | lr %.2e | %.0f tok/s | elapsed %s | eta %s\n",
+                done, cfg->steps, loss, pm, lr, tps, e1, e2);
         fflush(r->out);
         /* full precision, for exact comparisons (resume tests) */
         bt_log(BT_LOG_DEBUG, "trainer", "step %d loss %.17g grad norm %.17g", done, loss, gnorm);
@@ -558,7 +600,7 @@ static int step_record(bt_run *r, double ts, double loss, double lr, double gnor
     int rc;
     if (r->rep) {
         bt_step_metrics sm = {done, loss, lr, gnorm, sb->n_real, dt, sb->wait_s,
-                              bt_peak_rss_mib(), -1};
+                              bt_peak_rss_mib(), -1, r->pref ? &r->pref_m : NULL};
         size_t held, peak;
         if (bt_backend_device_memory(r->be, &held, &peak)) sm.device_mib = held / 1048576.0;
         if ((rc = bt_report_step(r->rep, &sm))) return rc;
@@ -628,7 +670,21 @@ static int step_eval(bt_run *r) {
         return 0;
     double loss = NAN;
     long long n = 0;
-    int cut = 0, rc = bt_eval_heldout(r, &loss, &n, &cut);
+    int cut = 0, rc;
+    if (r->pref) {
+        rc = bt_pref_run_eval(r, &r->pref_eval_m, &n, &cut);
+        if (!rc && cut) rc = bt_run_stop_error(r);
+        if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
+        char pm[96];
+        bt_pref_short(pm, sizeof pm, cfg, &r->pref_eval_m);
+        if (r->dist.rank == 0) {
+            fprintf(r->out, "step %d/%d | held-out loss %.4f%s | %lld %s\n", done, cfg->steps,
+                    r->pref_eval_m.loss, pm, n, cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs");
+            fflush(r->out);
+        }
+        return r->rep ? bt_report_eval_pref(r->rep, done, &r->pref_eval_m, n) : 0;
+    }
+    rc = bt_eval_heldout(r, &loss, &n, &cut);
     if (!rc && cut) rc = bt_run_stop_error(r);
     if (rc) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     if (r->dist.rank == 0) {
@@ -700,11 +756,18 @@ static int run_finish(bt_run *r) {
         if (r->by_len) {
             if (r->dist.rank == 0) bt_eval_print_lengths(out, r->len_before, r->len_after, cfg->eval.n_lengths);
         } else {
-            if (r->rep && (rc = bt_report_eval(r->rep, r->done_steps, r->after, r->n_eval)))
+            if (r->rep && (rc = r->pref ? bt_report_eval_pref(r->rep, r->done_steps, &r->pref_eval_m, r->n_eval)
+                                        : bt_report_eval(r->rep, r->done_steps, r->after, r->n_eval)))
                 return rc;
             if (r->dist.rank == 0)
                 fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", r->before,
                         r->after, 100.0 * (r->after - r->before) / r->before);
+            if (r->dist.rank == 0 && r->pref)
+                fprintf(out, "held-out rewards/accuracies: before %.4f -> after %.4f; rewards/margins: "
+                        "before %.4f -> after %.4f (%lld %s)\n", r->pref_before.rewards_accuracies,
+                        r->pref_eval_m.rewards_accuracies, r->pref_before.rewards_margins,
+                        r->pref_eval_m.rewards_margins, r->n_eval,
+                        cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs");
         }
     }
     if (r->dist.rank == 0) {
@@ -786,6 +849,8 @@ static int run_stream_failed(bt_run *r, int rc) {
 static void run_teardown(bt_run *r, int rc) {
     bt_report_close(r->rep, r->cfg->report.plot && r->rep_steps > 0);
     bt_prof_free(r->prof);
+    bt_pref_step_free(r->pref);
+    r->pref = NULL;
     if (r->mbs)
         for (int i = 0; i < r->cfg->grad_accum; i++) bt_mb_free(&r->mbs[i]);
     free(r->mbs);

@@ -137,6 +137,54 @@ static int put_line(bt_report *r, json_t *j) {
     return rc;
 }
 
+/* TRL's metric names (trainer/loop/preference.h bt_pref_metrics), in its order */
+#define PREF_N 10
+static const char *const k_pref_names[PREF_N] = {
+    "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+    "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl"};
+
+static void pref_values(const bt_pref_metrics *m, double v[PREF_N]) {
+    const double x[PREF_N] = {m->rewards_chosen, m->rewards_rejected, m->rewards_accuracies,
+                              m->rewards_margins, m->logps_chosen, m->logps_rejected, m->nll_loss,
+                              m->log_odds_ratio, m->log_odds_chosen, m->kl};
+    memcpy(v, x, sizeof x);
+}
+
+/* the six TRL logs for every algorithm always (null when not finite), the others when finite */
+static void pref_keys(json_t *j, const bt_pref_metrics *m) {
+    double v[PREF_N];
+    pref_values(m, v);
+    for (int i = 0; i < PREF_N; i++)
+        if (i < 6 || isfinite(v[i])) json_object_set_new(j, k_pref_names[i], num(v[i]));
+}
+
+static int pref_tb(bt_report *r, const char *prefix, int step, double t, const bt_pref_metrics *m) {
+    double v[PREF_N];
+    pref_values(m, v);
+    char tag[64];
+    int rc = 0;
+    for (int i = 0; i < PREF_N && !rc; i++) {
+        if (!isfinite(v[i])) continue;
+        snprintf(tag, sizeof tag, "%s%s", prefix, k_pref_names[i]);
+        rc = bt_tb_scalar(r->tb, tag, step, t, (float)v[i]);
+    }
+    return rc;
+}
+
+int bt_report_eval_pref(bt_report *r, int step, const bt_pref_metrics *m, long long records) {
+    if (!r) return 0;
+    double t = wall_now();
+    json_t *j = json_pack("{s:s, s:i, s:o, s:I}", "type", "eval", "step", step, "loss", num(m->loss),
+                          "records", (json_int_t)records);
+    if (!j) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
+    pref_keys(j, m);
+    json_object_set_new(j, "time", json_real(t));
+    int rc = put_line(r, j);
+    if (!rc && r->tb && isfinite(m->loss)) rc = bt_tb_scalar(r->tb, "eval/loss", step, t, (float)m->loss);
+    if (!rc && r->tb) rc = pref_tb(r, "eval/", step, t, m);
+    return rc;
+}
+
 int bt_report_step(bt_report *r, const bt_step_metrics *m) {
     if (!r) return 0;
     double t = wall_now();
@@ -148,6 +196,7 @@ int bt_report_step(bt_report *r, const bt_step_metrics *m) {
                           "peak_rss_mib", num(m->peak_rss_mib));
     if (!j) return bt_fail(BT_ERR_NOMEM, "report: out of memory");
     if (m->device_mib >= 0) json_object_set_new(j, "device_mib", num(m->device_mib));
+    if (m->pref) pref_keys(j, m->pref);
     json_object_set_new(j, "time", json_real(t));
     int rc = put_line(r, j);
     if (!rc && r->tb) {
@@ -157,6 +206,7 @@ int bt_report_step(bt_report *r, const bt_step_metrics *m) {
         const double v[] = {m->loss, m->lr, m->grad_norm, tps, m->data_wait_s, m->peak_rss_mib};
         for (int i = 0; i < 6 && !rc; i++)
             if (isfinite(v[i])) rc = bt_tb_scalar(r->tb, tags[i], m->step, t, (float)v[i]);
+        if (!rc && m->pref) rc = pref_tb(r, "train/", m->step, t, m->pref);
     }
     return rc;
 }

@@ -6,6 +6,13 @@
  *                      "grad_norm": 0.93, "tokens": 8192, "tokens_per_s": 1843.2,
  *                      "step_s": 4.44, "data_wait_s": 0.002, "peak_rss_mib": 612.0,
  *                      ["device_mib": 1530.0,] "time": 1795000000.123}
+ *                   a preference objective (config objective) adds TRL's metrics to train
+ *                   lines: "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+ *                   "rewards/margins", "logps/chosen", "logps/rejected", and where the algorithm
+ *                   logs them "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl" (null when
+ *                   TRL logs nothing: KTO's accuracies); its eval lines carry the same and
+ *                   "records" instead of perplexity and tokens; TensorBoard train/<name> and
+ *                   eval/<name>; report.png adds a panel of rewards/accuracies (train, held-out)
  *                     {"type": "eval", "step": 0, "loss": 2.91, "perplexity": 18.4,
  *                      "tokens": 5230, "time": ...}
  *                     {"type": "run", "step": 0, "name": "demo", "model": "models/x.gguf",
@@ -43,6 +50,7 @@ typedef struct {
     double loss, lr, grad_norm;
     long long tokens;
     double step_s, data_wait_s, peak_rss_mib, device_mib;
+    const bt_pref_metrics *pref; /* a preference objective's metrics (TRL's names), NULL: none */
 } bt_step_metrics;
 
 /* Open the report of a run in cfg->report.dir (created, parents included): metrics.jsonl is
@@ -53,6 +61,10 @@ int bt_report_open(bt_report **out, const bt_train_config *cfg, int start_step);
 /* Append a step / a held-out evaluation (one line, flushed; and the event file). BT_ERR_IO. */
 int bt_report_step(bt_report *r, const bt_step_metrics *m);
 int bt_report_eval(bt_report *r, int step, double loss, long long tokens);
+/* A preference objective's held-out evaluation: {"type": "eval", "step", "loss", "records" (pairs
+ * or KTO examples), and TRL's metrics: "rewards/chosen", ..., null where the algorithm logs none};
+ * TensorBoard eval/loss and eval/<metric>. */
+int bt_report_eval_pref(bt_report *r, int step, const bt_pref_metrics *m, long long records);
 /* Close the files; with plot != 0 draw report.png (bt_report_plot; a failure there is logged as
  * a warning, the metrics stay). NULL is a no-op. */
 void bt_report_close(bt_report *r, int plot);
