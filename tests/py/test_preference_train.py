@@ -93,7 +93,8 @@ TRL = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/marg
 
 
 def test_dpo_learns_and_logs_trl_metrics(env):
-    r = train(job(env, "dpo"))
+    cfg = job(env, "dpo", eval={"every": 4}, report={"plot": True})
+    r = train(cfg)
     prog = re.findall(r"step (\d+)/8 \| loss (\S+) \| acc (\S+) \| margin (\S+) \|", r.stdout)
     assert len(prog) == 8, r.stdout
     assert abs(float(prog[0][1]) - 0.6931) < 2e-3  # log 2: the policy starts as the reference
@@ -103,11 +104,23 @@ def test_dpo_learns_and_logs_trl_metrics(env):
     assert len(tr) == 8 and all(k in x for x in tr for k in TRL), tr[0]
     assert "kl" not in tr[0] and "log_odds_ratio" not in tr[0]
     assert tr[-1]["loss"] < tr[0]["loss"] - 0.05, [x["loss"] for x in tr]
-    assert len(ev) == 2 and ev[0]["records"] == 8 and all(k in e for e in ev for k in TRL)
-    assert ev[1]["rewards/accuracies"] > ev[0]["rewards/accuracies"] or ev[0]["rewards/accuracies"] == 0.0
-    assert ev[1]["rewards/margins"] > ev[0]["rewards/margins"]
-    assert ev[1]["rewards/accuracies"] >= 0.75, ev
+    assert [e["step"] for e in ev] == [0, 4, 8] and ev[0]["records"] == 8 and all(k in e for e in ev for k in TRL)
+    assert "perplexity" not in ev[0]
+    assert re.search(r"step 4/8 \| held-out loss \S+ \| acc \S+ \| margin \S+ \| 8 pairs", r.stdout), r.stdout
+    assert ev[-1]["rewards/accuracies"] > ev[0]["rewards/accuracies"]
+    assert ev[-1]["rewards/margins"] > ev[0]["rewards/margins"]
+    assert ev[-1]["rewards/accuracies"] >= 0.75, ev
     assert re.search(r"held-out rewards/accuracies: before \S+ -> after \S+; rewards/margins", r.stdout), r.stdout
+    assert (env["tmp"] / "dpo-report" / "report.png").stat().st_size > 1000  # with its accuracy panel
+    card = (env["tmp"] / "dpo-adapter" / "README.md").read_text()
+    assert "| objective | dpo (loss_type sigmoid, beta 0.1) |" in card and "8 pairs from" in card
+    assert "perplexity" not in card
+    # `trainer eval` scores the adapter with the same metrics
+    e = subprocess.run([os.path.join(BUILD, "trainer"), "eval", "--config", cfg, "--adapter",
+                        str(env["tmp"] / "dpo-adapter")], capture_output=True, text=True, timeout=120)
+    assert e.returncode == 0, e.stderr
+    m = re.search(r"held-out dpo loss: (\S+), rewards/accuracies (\S+), rewards/margins (\S+)", e.stdout)
+    assert m and abs(float(m.group(1)) - ev[-1]["loss"]) < 1e-6 and float(m.group(2)) == ev[-1]["rewards/accuracies"], e.stdout
 
 
 def test_resume_after_sigkill_is_exact(env):

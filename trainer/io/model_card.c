@@ -31,8 +31,10 @@ static void md_code(FILE *f, const char *s) {
     fputc('`', f);
 }
 
-static void loss_cell(FILE *f, double loss) {
-    if (isfinite(loss)) fprintf(f, "%.4f (perplexity %.2f)", loss, exp(loss));
+/* a preference objective's loss (pref) has no perplexity */
+static void loss_cell(FILE *f, double loss, int pref) {
+    if (isfinite(loss) && pref) fprintf(f, "%.4f", loss);
+    else if (isfinite(loss)) fprintf(f, "%.4f (perplexity %.2f)", loss, exp(loss));
     else fputs("not evaluated", f);
 }
 
@@ -95,8 +97,14 @@ char *bt_model_card_text(const bt_train_config *cfg, const bt_model_card_result 
     fprintf(f, "| schedule | %s (min_lr_ratio %g) |\n| steps | %d |\n| seed | %llu |\n",
             sched_name(cfg->schedule), cfg->min_lr_ratio, cfg->steps,
             (unsigned long long)cfg->seed);
-    fprintf(f, "| activation_checkpointing | %s |\n\n",
-            cfg->activation_checkpointing ? "true" : "false");
+    fprintf(f, "| activation_checkpointing | %s |\n", cfg->activation_checkpointing ? "true" : "false");
+    if (cfg->pref_on) /* TRL's names (trainer/loop/preference.h) */
+        fprintf(f, "| objective | %s (loss_type %s%s, beta %g) |\n", cfg->objective,
+                bt_pref_loss_type_name(cfg->pref.loss_type[0]), cfg->pref.n_loss_types > 1 ? " + more" : "",
+                cfg->pref.beta);
+    else
+        fputs("| objective | sft |\n", f);
+    fputc('\n', f);
 
     fputs("## Results\n\n", f);
     if (isfinite(res->last_train_loss))
@@ -104,13 +112,14 @@ char *bt_model_card_text(const bt_train_config *cfg, const bt_model_card_result 
     if (cfg->eval.n_shards > 0) {
         if (res->before_step > 0) fprintf(f, "- held-out loss at step %d (where this run resumed): ", res->before_step);
         else fputs("- held-out loss before training: ", f);
-        loss_cell(f, res->loss_before);
+        loss_cell(f, res->loss_before, cfg->pref_on);
         fprintf(f, "\n- held-out loss after step %d: ", res->step);
-        loss_cell(f, res->loss_after);
+        loss_cell(f, res->loss_after, cfg->pref_on);
         if (isfinite(res->loss_before) && isfinite(res->loss_after) && res->loss_before > 0)
             fprintf(f, " (%+.1f%%)", 100.0 * (res->loss_after - res->loss_before) / res->loss_before);
         if (res->eval_tokens > 0)
-            fprintf(f, "\n- held-out set: %lld labelled tokens from", res->eval_tokens);
+            fprintf(f, "\n- held-out set: %lld %s from", res->eval_tokens,
+                    !cfg->pref_on ? "labelled tokens" : cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs");
         else
             fputs("\n- held-out set:", f);
         for (int i = 0; i < cfg->eval.n_shards; i++) {

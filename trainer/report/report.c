@@ -263,6 +263,7 @@ static int run_gnuplot(const char *script) {
 
 typedef struct {
     int n_train, n_eval, n_bad;
+    int n_acc; /* lines with a preference objective's rewards/accuracies */
     double first_loss, last_loss, eval_first, eval_last, tps_sum;
     int eval_first_step, eval_last_step;
     int step_min, step_max;   /* over train and eval lines: the one x range of every panel */
@@ -329,8 +330,10 @@ static int write_data(const char *dir, const char *tmp, summary_t *s) {
             double l = json_is_number(loss) ? json_number_value(loss) : NAN;
             double lr = json_number_value(json_object_get(j, "lr"));
             double tps = json_number_value(json_object_get(j, "tokens_per_s"));
-            fprintf(ft, "%lld %.9g %.9g %.9g\n", (long long)json_integer_value(step),
-                    isfinite(l) ? l : NAN, lr, tps);
+            json_t *acc = json_object_get(j, "rewards/accuracies");
+            s->n_acc += json_is_number(acc);
+            fprintf(ft, "%lld %.9g %.9g %.9g %.9g\n", (long long)json_integer_value(step),
+                    isfinite(l) ? l : NAN, lr, tps, json_is_number(acc) ? json_number_value(acc) : NAN);
             if (isfinite(l)) {
                 if (!s->n_train) s->first_loss = l;
                 s->last_loss = l;
@@ -341,7 +344,9 @@ static int write_data(const char *dir, const char *tmp, summary_t *s) {
             double l = json_number_value(loss);
             int st = (int)json_integer_value(step);
             widen(s, st);
-            fprintf(fe, "%d %.9g\n", st, l);
+            json_t *acc = json_object_get(j, "rewards/accuracies");
+            s->n_acc += json_is_number(acc);
+            fprintf(fe, "%d %.9g %.9g\n", st, l, json_is_number(acc) ? json_number_value(acc) : NAN);
             if (!s->n_eval) s->eval_first = l, s->eval_first_step = st;
             s->eval_last = l, s->eval_last_step = st;
             s->n_eval++;
@@ -396,7 +401,7 @@ static int plot_with(const char *dir, summary_t *s) {
         char dat[1024];
         fputs("set terminal pngcairo noenhanced size 1200,900 font 'sans,10'\nset output ", f);
         gp_str(f, png);
-        fputs("\nset multiplot layout 3,1 title ", f);
+        fprintf(f, "\nset multiplot layout %d,1 title ", s->n_acc ? 4 : 3);
         gp_str(f, s->title[0] ? s->title : dir);
         /* one step axis: the same x range and the same margins in every panel, so that a step
          * lines up vertically across loss, learning rate and throughput */
@@ -420,7 +425,20 @@ static int plot_with(const char *dir, summary_t *s) {
         fputs(" using 1:3 with lines lw 2 title 'lr'\nset format y '%g'\n"
               "set ylabel 'tokens/s'\nplot ", f);
         gp_str(f, dat);
-        fputs(" using 1:4 with lines lw 2 title 'tokens/s'\nunset multiplot\n", f);
+        fputs(" using 1:4 with lines lw 2 title 'tokens/s'\n", f);
+        if (s->n_acc) { /* a preference objective: TRL's rewards/accuracies, train and held-out */
+            fputs("set ylabel 'rewards/accuracies'\nset yrange [0:1.05]\nplot ", f);
+            gp_str(f, dat);
+            fputs(" using 1:5 with lines lw 2 title 'train'", f);
+            if (s->n_eval) {
+                snprintf(dat, sizeof dat, "%s.eval.dat", tmp);
+                fputs(", ", f);
+                gp_str(f, dat);
+                fputs(" using 1:3 with linespoints pt 7 ps 1.2 lw 2 title 'held-out'", f);
+            }
+            fputs("\n", f);
+        }
+        fputs("unset multiplot\n", f);
         if (fclose(f)) rc = bt_fail(BT_ERR_IO, "report: write %s", gp);
         if (!rc) rc = run_gnuplot(gp);
         if (!rc && rename(png, out) != 0)
