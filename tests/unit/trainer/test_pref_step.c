@@ -13,7 +13,9 @@
  * Checked: loss and TRL's metrics (relative 2e-6, metrics against 1 + |value|), the LoRA gradients
  * (max |ours - TRL| / max |TRL| per tensor <= 2e-5); the three DPO pairs split over two
  * micro-batches (gradient accumulation) give the one-batch loss and gradients (relative 1e-6:
- * the step's loss is the mean over its pairs); malformed batches are refused, naming the segment. */
+ * the step's loss is the mean over its pairs); reference log-probs given with the batch (the hook
+ * for loaderd's cache) give the recomputed step bit for bit; malformed batches are refused, naming
+ * the segment. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -28,6 +30,7 @@
 
 #include "common/bt_common.h"
 #include "common/safetensors.h"
+#include "kernels/kernels.h"
 #include "proto/batch.h"
 #include "trainer/backend/backend.h"
 #include "trainer/io/adapter.h"
@@ -291,6 +294,45 @@ static void test_kto_against_trl(void **state) {
     rig_free(&r);
 }
 
+/* The hook for loaderd's cached reference log-probs (bt_pref_batch.ref_logps): reference sums given
+ * with the batch (here computed once, as a cache would hold them) give the recomputed step's loss,
+ * metrics and gradients bit for bit, and no reference pass runs (a wrong cache shows). */
+static void test_given_reference_is_the_computed_one(void **state) {
+    (void)state;
+    rig r;
+    rig_init(&r);
+    bt_backend *be = backend(&r);
+    pbatch b[2];
+    bt_pref_batch pb[2];
+    pair_batches(&r, b, pb, 0);
+    bt_pref_params p;
+    bt_pref_defaults(&p, BT_PREF_DPO);
+    bt_pref_step *s = NULL;
+    assert_int_equal(bt_pref_step_new(&s, &p, 1, MAXT, r.m.hp.vocab), 0);
+    bt_pref_metrics m1, m2;
+    run_step(s, be, pb, 1, &p, &m1);
+    float *g1 = malloc(r.lo.n_params * sizeof(float));
+    memcpy(g1, r.lo.grads, r.lo.n_params * sizeof(float));
+    /* the cache's content: every segment's summed reference log-prob */
+    float logp[MAXT];
+    int32_t tg[MAXT];
+    double ref[MAXS];
+    assert_int_equal(bt_backend_logprobs(be, &pb[0].mb, 0, 0, 0, logp, NULL), 0);
+    assert_true(bt_shift_targets(tg, &pb[0].mb, r.m.hp.vocab) > 0);
+    assert_int_equal(bt_seq_sum(ref, NULL, logp, tg, NULL, b[0].cu, b[0].nseg, r.m.hp.vocab), 0);
+    pb[0].ref_logps = ref;
+    run_step(s, be, pb, 1, &p, &m2);
+    assert_memory_equal(&m1, &m2, sizeof m1);
+    assert_memory_equal(g1, r.lo.grads, r.lo.n_params * sizeof(float));
+    ref[0] += 1.0; /* a different reference changes the loss: the given values are used */
+    run_step(s, be, pb, 1, &p, &m2);
+    assert_true(fabs(m2.loss - m1.loss) > 1e-3);
+    free(g1);
+    bt_pref_step_free(s);
+    bt_backend_free(be);
+    rig_free(&r);
+}
+
 static void test_malformed_batches_are_refused(void **state) {
     (void)state;
     rig r;
@@ -341,6 +383,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pair_objectives_against_trl),
         cmocka_unit_test(test_kto_against_trl),
+        cmocka_unit_test(test_given_reference_is_the_computed_one),
         cmocka_unit_test(test_malformed_batches_are_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
