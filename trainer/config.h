@@ -24,7 +24,7 @@
 #include <stdio.h>
 
 #include "common/keytab.h"
-#include "trainer/loop/preference.h"
+#include "trainer/preference.h"
 
 /* How the frozen base linears are held (config base_dtype; trainer/model/model.h):
  *   BT_BASE_NF4   re-quantised to NF4 with double quantisation (bitsandbytes layout, QLoRA);
@@ -136,7 +136,7 @@ typedef struct {
         int tensorboard;            /* bool */
     } report;
     /* The training objective (issue 25): "sft" (token cross-entropy, the default) or a preference
-     * objective with TRL 1.16.0's keys (trainer/loop/preference.h). The rows fill `preference`
+     * objective with TRL 1.16.0's keys (trainer/preference.h). The rows fill `preference`
      * as written; finish() (config.c) resolves them into `pref` (bt_pref_defaults of the
      * algorithm, then the keys given) and checks it with bt_pref_check. */
     char *objective;                /* "sft" | "dpo" | "orpo" | "simpo" | "cpo" | "kto" */

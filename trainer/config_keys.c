@@ -320,7 +320,7 @@ static const bt_key k_eval[] = {
 };
 
 /* Preference objectives (objective != "sft"): TRL 1.16.0's keys and defaults (DPOConfig, ORPOConfig,
- * CPOConfig, KTOConfig; trainer/loop/preference.h), read for the objective only. */
+ * CPOConfig, KTOConfig; trainer/preference.h), read for the objective only. */
 static const bt_key k_preference[] = {
     BT_KEY_N("beta", C, preference.beta, 0, 1e6, "0.1", BT_KEY_LO_OPEN | TM,
              "temperature of the implicit reward (DPO, KTO), the odds-ratio weight (ORPO), CPO / SimPO's beta"),

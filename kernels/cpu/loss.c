@@ -138,7 +138,7 @@ double bt_linear_ce_dw(float *dX, float *dW, int *n_valid, const float *X, const
  * the same chunked pass (never [M x V] logits), and their backward for any per-token upstream
  * gradient: the loss core with row_out negated and grad_scale -1 times dlogp (d logp / d logits
  * = onehot - softmax, the negative of the cross-entropy gradient). Preference losses (DPO, KTO,
- * ORPO, SimPO; trainer/loop/preference.h) sum these over a sequence's response tokens, as TRL
+ * ORPO, SimPO; trainer/preference.h) sum these over a sequence's response tokens, as TRL
  * 1.16.0 does (trl/trainer/dpo_trainer.py: `per_token_logps.sum(dim=1)` of the fused LM head's
  * `log_probs`, labels -100 outside the completion giving 0). */
 double bt_linear_logprob(float *logp, float *dX, float *dW, const float *X, const float *W,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Preference-loss fixtures: TRL's own loss code on fixed per-sequence log-probs, for
-tests/unit/trainer/test_preference.c (trainer/loop/preference.c).
+tests/unit/trainer/test_preference.c (trainer/preference.c).
 
 For each case (DPO sigmoid / hinge / ipo / robust / exo_pair and a weighted combination, ORPO,
 CPO sigmoid / hinge / ipo / simpo, KTO kto / apo_zero_unpaired) it runs TRL 1.16.0's real

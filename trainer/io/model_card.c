@@ -98,7 +98,7 @@ char *bt_model_card_text(const bt_train_config *cfg, const bt_model_card_result 
             sched_name(cfg->schedule), cfg->min_lr_ratio, cfg->steps,
             (unsigned long long)cfg->seed);
     fprintf(f, "| activation_checkpointing | %s |\n", cfg->activation_checkpointing ? "true" : "false");
-    if (cfg->pref_on) /* TRL's names (trainer/loop/preference.h) */
+    if (cfg->pref_on) /* TRL's names (trainer/preference.h) */
         fprintf(f, "| objective | %s (loss_type %s%s, beta %g) |\n", cfg->objective,
                 bt_pref_loss_type_name(cfg->pref.loss_type[0]), cfg->pref.n_loss_types > 1 ? " + more" : "",
                 cfg->pref.beta);

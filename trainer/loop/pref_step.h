@@ -1,5 +1,5 @@
 /* The preference step (issue 25): DPO, ORPO, CPO / SimPO and KTO on the trainer's packed
- * micro-batches, between the loss functions (trainer/loop/preference.h) and the backend's
+ * micro-batches, between the loss functions (trainer/preference.h) and the backend's
  * log-prob passes (trainer/backend/backend.h logprobs / backward_logprobs).
  *
  * A micro-batch of a preference job (proto/batch.h layout 2) holds records: a pair is two adjacent
@@ -40,7 +40,7 @@
 #include <stdint.h>
 
 #include "trainer/backend/backend.h"
-#include "trainer/loop/preference.h"
+#include "trainer/preference.h"
 
 typedef struct bt_pref_step bt_pref_step;
 

@@ -76,7 +76,7 @@ int bt_forward_backward(bt_step_ctx *c, const bt_model *m, bt_lora *lo, const bt
                         int backward, float grad_scale, uint64_t drop_key, double *loss_sum,
                         int *n_valid);
 
-/* Preference training (trainer/loop/preference.h): the label log-prob of every position instead
+/* Preference training (trainer/preference.h): the label log-prob of every position instead
  * of the summed cross-entropy, then a backward for whatever per-token upstream gradient the
  * preference loss hands back. Two calls, because that gradient is known only once every
  * sequence's log-prob is (DPO needs a pair's two sums):

@@ -137,7 +137,7 @@ static int put_line(bt_report *r, json_t *j) {
     return rc;
 }
 
-/* TRL's metric names (trainer/loop/preference.h bt_pref_metrics), in its order */
+/* TRL's metric names (trainer/preference.h bt_pref_metrics), in its order */
 #define PREF_N 10
 static const char *const k_pref_names[PREF_N] = {
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

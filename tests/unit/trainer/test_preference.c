@@ -1,4 +1,4 @@
-/* Preference losses (trainer/loop/preference.c) against TRL 1.16.0's own loss code: every case of
+/* Preference losses (trainer/preference.c) against TRL 1.16.0's own loss code: every case of
  * tests/fixtures/preference/trl_losses.json (written by tests/reference/gen_preference_fixtures.py,
  * which runs DPOTrainer._compute_loss, ORPOTrainer / CPOTrainer.get_batch_loss_metrics and
  * KTOTrainer._compute_loss on fixed per-sequence log-probs, gradients by torch autograd): loss,
@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "trainer/loop/preference.h"
+#include "trainer/preference.h"
 
 #define FIXTURE "tests/fixtures/preference/trl_losses.json"
 #define MAXN 16

@@ -38,7 +38,7 @@
 #include "kernels/kernels.h"
 #include "trainer/io/adapter.h"
 #include "trainer/io/adapter_load.h"
-#include "trainer/loop/preference.h"
+#include "trainer/preference.h"
 #include "trainer/loop/step.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"

@@ -13,6 +13,9 @@
  * and are checked against those functions, run by tests/reference/gen_preference_fixtures.py, in
  * tests/unit/trainer/test_preference.c (fixture tests/fixtures/preference/trl_losses.json).
  *
+ * It sits beside the job config (trainer/config.h holds a resolved bt_pref_params and checks it
+ * with bt_pref_check), below the run that calls it (trainer/loop/pref_step.h).
+ *
  * Inputs are "summed log-probs": the sum over a sequence's response (completion) tokens of the
  * label log-probs, in nats (TRL's `per_token_logps.sum(dim=1)` with labels -100 outside the
  * completion). Where TRL averages per token (ORPO always; CPO's ipo and simpo; DPO's ipo) the

@@ -1,7 +1,7 @@
 /* Preference losses on per-sequence log-probs (DPO, ORPO, CPO / SimPO, KTO), in double, with
  * their gradients written out by hand (each derivative is next to its formula) and TRL 1.16.0's
- * metrics. trainer/loop/preference.h gives the API and the TRL source of every formula. */
-#include "trainer/loop/preference.h"
+ * metrics. trainer/preference.h gives the API and the TRL source of every formula. */
+#include "trainer/preference.h"
 
 #include <math.h>
 #include <stdio.h>
