@@ -159,9 +159,14 @@ def test_resume_after_sigkill_is_exact(env):
                                              ("simpo", ["nll_loss"])])
 def test_other_objectives_train(env, objective, extra):
     over = {"objective": objective, "steps": 4, "eval": {"shards": []}}
-    if objective == "kto":
+    if objective == "kto":  # and its held-out evaluation (KL estimate over the eval batches)
         over["data"] = {"shards": [str(env["data"] / "kto.jsonl")], "format": "kto"}
+        over["eval"] = {"shards": [str(env["data"] / "kto.jsonl")], "max_batches": 2}
     r = train(job(env, objective, **over))
+    if objective == "kto":
+        ev = [x for x in metrics(env, objective) if x["type"] == "eval"]
+        assert len(ev) == 2 and ev[0]["records"] > 0 and ev[0]["kl"] is not None and ev[0]["rewards/accuracies"] is None
+        assert ev[0]["loss"] is not None and ev[1]["rewards/margins"] > ev[0]["rewards/margins"], ev
     tr = [x for x in metrics(env, objective) if x["type"] == "train"]
     assert len(tr) == 4 and all(k in tr[0] for k in TRL + extra), tr[0]
     assert all(x["loss"] is not None for x in tr)

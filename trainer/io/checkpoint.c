@@ -93,6 +93,12 @@ uint64_t bt_config_data_fingerprint(const bt_train_config *c) {
     h = h_i64(h, c->data.seq_len);
     h = h_i64(h, c->data.micro_batch_size);
     h = h_i64(h, (int64_t)c->data.seed);
+    /* preference / kto truncation decides which records are skipped (hashed only when set, so
+     * that checkpoints written before these keys keep their fingerprint) */
+    if (c->data.max_prompt_length || c->data.max_length) {
+        h = h_i64(h, c->data.max_prompt_length);
+        h = h_i64(h, c->data.max_length);
+    }
     return h;
 }
 
@@ -297,7 +303,7 @@ static int check_identity(const char *dir, const ckpt_header *hp, const bt_train
         rc = MISMATCH("grad_accum", "%d", H.grad_accum, cfg->grad_accum);
     } else if (H.data_fp != bt_config_data_fingerprint(cfg)) {
         rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: data: shards, format, "
-                     "text_field or data.seed differ, so the saved loader position does not apply",
+                     "text_field, data.seed, max_prompt_length or max_length differ, so the saved loader position does not apply",
                      dir);
     } else if (H.seed != cfg->seed) {
         rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);

@@ -45,7 +45,8 @@
 uint64_t bt_model_fingerprint(const bt_model *m);
 
 /* 64-bit fingerprint of the training data stream's definition: shards (as written), format,
- * text_field, seq_len, micro_batch_size and data seed. */
+ * text_field, seq_len, micro_batch_size and data seed, and max_prompt_length / max_length when
+ * either is set (preference / kto truncation). */
 uint64_t bt_config_data_fingerprint(const bt_train_config *cfg);
 
 /* Write a checkpoint of `lo` (params and AdamW moments) after `step` optimiser steps to `dir`
