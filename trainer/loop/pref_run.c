@@ -127,11 +127,12 @@ int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *i
         return bt_fail(BT_ERR_DIVERGED, "held-out evaluation: the %s loss is %g, not a number: the model "
                        "gives non-finite log-probs", cfg->objective, m->loss);
     if (r->dist.rank == 0 && recs > 0)
-        bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld %s, loss %.4f, "
-               "rewards/accuracies %.3f, rewards/margins %.4f (%.1f s)",
-               cut ? " (partial, interrupted)" : "", nb, *n_records,
+        bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld %s, loss %.4f, %s %.4f, "
+               "rewards/margins %.4f (%.1f s)", cut ? " (partial, interrupted)" : "", nb, *n_records,
                cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs", m->loss,
-               m->rewards_accuracies, m->rewards_margins, bt_now() - t0);
+               cfg->pref.algo == BT_PREF_KTO ? "kl" : "rewards/accuracies",
+               cfg->pref.algo == BT_PREF_KTO ? m->kl : m->rewards_accuracies, m->rewards_margins,
+               bt_now() - t0);
     return 0;
 }
 

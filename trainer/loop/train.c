@@ -762,12 +762,14 @@ static int run_finish(bt_run *r) {
             if (r->dist.rank == 0)
                 fprintf(out, "held-out loss: before %.4f -> after %.4f (%+.1f%%)\n", r->before,
                         r->after, 100.0 * (r->after - r->before) / r->before);
+            const int kto = cfg->pref.algo == BT_PREF_KTO;
             if (r->dist.rank == 0 && r->pref)
-                fprintf(out, "held-out rewards/accuracies: before %.4f -> after %.4f; rewards/margins: "
-                        "before %.4f -> after %.4f (%lld %s)\n", r->pref_before.rewards_accuracies,
-                        r->pref_eval_m.rewards_accuracies, r->pref_before.rewards_margins,
-                        r->pref_eval_m.rewards_margins, r->n_eval,
-                        cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs");
+                fprintf(out, "held-out %s: before %.4f -> after %.4f; rewards/margins: before %.4f -> "
+                        "after %.4f (%lld %s)\n", kto ? "kl" : "rewards/accuracies",
+                        kto ? r->pref_before.kl : r->pref_before.rewards_accuracies,
+                        kto ? r->pref_eval_m.kl : r->pref_eval_m.rewards_accuracies,
+                        r->pref_before.rewards_margins, r->pref_eval_m.rewards_margins, r->n_eval,
+                        kto ? "examples" : "pairs");
         }
     }
     if (r->dist.rank == 0) {
