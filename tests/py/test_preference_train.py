@@ -93,7 +93,7 @@ TRL = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/marg
 
 
 def test_dpo_learns_and_logs_trl_metrics(env):
-    cfg = job(env, "dpo", eval={"every": 4}, report={"plot": True})
+    cfg = job(env, "dpo", eval={"every": 4}, report={"plot": True}, grad_accum=1)
     r = train(cfg)
     prog = re.findall(r"step (\d+)/8 \| loss (\S+) \| acc (\S+) \| margin (\S+) \|", r.stdout)
     assert len(prog) == 8, r.stdout
