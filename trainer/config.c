@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/bt_common.h"
@@ -382,7 +383,19 @@ char *bt_config_job_json(const bt_train_config *c, int eval) {
         json_object_set_new(j, "text_field", json_string(c->data.text_field));
     else if (c->data.chat_template && strcmp(c->data.chat_template, "auto")) /* "auto": loaderd's default */
         json_object_set_new(j, "chat_template", json_string(c->data.chat_template));
-    json_object_set_new(j, "tokenizer", abs_path_json(c->model));
+    /* a Hugging Face model directory: its tokenizer.json (loaderd opens regular files only, and
+     * reads the tokenizer_config.json beside it) */
+    struct stat mst;
+    if (stat(c->model, &mst) == 0 && S_ISDIR(mst.st_mode)) {
+        size_t n = strlen(c->model) + sizeof "/tokenizer.json";
+        char *tp = bt_xmalloc(n);
+        snprintf(tp, n, "%s%stokenizer.json", c->model,
+                 c->model[0] && c->model[strlen(c->model) - 1] == '/' ? "" : "/");
+        json_object_set_new(j, "tokenizer", abs_path_json(tp));
+        free(tp);
+    } else {
+        json_object_set_new(j, "tokenizer", abs_path_json(c->model));
+    }
     json_object_set_new(j, "seq_len", json_integer(c->data.seq_len));
     json_object_set_new(j, "micro_batch_size", json_integer(c->data.micro_batch_size));
     json_object_set_new(j, "seed", json_integer((json_int_t)c->data.seed));
