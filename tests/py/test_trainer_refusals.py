@@ -272,3 +272,18 @@ def test_mistral_sliding_window(tmp_path, stack):
     assert "Mistral sliding_window 32 >= data.seq_len 32: every causal pair is inside the window, " \
            "so full causal attention is exact" in text, text[-3000:]
     assert re.search(r"step 4/4 \| loss ", text), text[-3000:]
+    # the merged export stays a Mistral with its window (MistralForCausalLM, sliding_window), and
+    # `trainer generate` on it refuses a prompt + new tokens past the window, naming it
+    m2 = tmp_path / "mistral-merged"
+    r = trainer("export", "--model", d, "--adapter", tmp_path / "adapter", "--format",
+                "safetensors", "--dtype", "f32", "--out", m2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg2 = json.loads((m2 / "config.json").read_text())
+    assert cfg2["architectures"] == ["MistralForCausalLM"] and cfg2["sliding_window"] == 32, cfg2
+    r = trainer("generate", "--model", m2, "--base-dtype", "fp32", "--prompt", "hello there",
+                "--max-new-tokens", "40")
+    assert r.returncode != 0
+    assert "exceeds the model's sliding_window 32 (Mistral" in r.stderr, r.stderr[-2000:]
+    r = trainer("generate", "--model", m2, "--base-dtype", "fp32", "--prompt", "hello there",
+                "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
