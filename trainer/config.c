@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/bt_common.h"
@@ -460,7 +461,19 @@ char *bt_config_job_json(const bt_train_config *c, int eval) {
     if (c->data.max_prompt_length > 0) /* preference / kto truncation (TRL's names) */
         json_object_set_new(j, "max_prompt_length", json_integer(c->data.max_prompt_length));
     if (c->data.max_length > 0) json_object_set_new(j, "max_length", json_integer(c->data.max_length));
-    json_object_set_new(j, "tokenizer", abs_path_json(c->model));
+    /* a Hugging Face model directory: its tokenizer.json (loaderd opens regular files only, and
+     * reads the tokenizer_config.json beside it) */
+    struct stat mst;
+    if (stat(c->model, &mst) == 0 && S_ISDIR(mst.st_mode)) {
+        size_t n = strlen(c->model) + sizeof "/tokenizer.json";
+        char *tp = bt_xmalloc(n);
+        snprintf(tp, n, "%s%stokenizer.json", c->model,
+                 c->model[0] && c->model[strlen(c->model) - 1] == '/' ? "" : "/");
+        json_object_set_new(j, "tokenizer", abs_path_json(tp));
+        free(tp);
+    } else {
+        json_object_set_new(j, "tokenizer", abs_path_json(c->model));
+    }
     json_object_set_new(j, "seq_len", json_integer(c->data.seq_len));
     json_object_set_new(j, "micro_batch_size", json_integer(c->data.micro_batch_size));
     json_object_set_new(j, "seed", json_integer((json_int_t)c->data.seed));

@@ -216,7 +216,8 @@ const char *bt_config_default_socket(void);
 
 /* The loaderd job spec (JSON object text, malloc'd; free()) for the training stream
  * (eval = 0: data.shards, epochs 0 = endless) or the held-out stream (eval = 1: eval.shards,
- * epochs 1). Keys as proto/client.h lists; "tokenizer" is the model path. Relative shard globs
+ * epochs 1). Keys as proto/client.h lists; "tokenizer" is the model path (a GGUF file), or
+ * <model>/tokenizer.json for a Hugging Face model directory. Relative shard globs
  * and the model path are made absolute against the current directory (loaderd runs elsewhere).
  * NULL on OOM. */
 char *bt_config_job_json(const bt_train_config *cfg, int eval);

@@ -100,6 +100,17 @@ static int parse_mask(const bt_key *k, json_t *v, void *dst, const char *path, b
         int found = -1;
         for (int m = 0; k->names[m] && json_is_string(e); m++)
             if (!strcmp(json_string_value(e), k->names[m])) found = m;
+        /* Phi-3's fused modules, as PEFT names them (trainer/model/lora.h): the group's bits */
+        if (found < 0 && k->names == k_mod_names && json_is_string(e)) {
+            if (!strcmp(json_string_value(e), "qkv_proj")) {
+                mask |= (1u << BT_MOD_Q) | (1u << BT_MOD_K) | (1u << BT_MOD_V);
+                continue;
+            }
+            if (!strcmp(json_string_value(e), "gate_up_proj")) {
+                mask |= (1u << BT_MOD_GATE) | (1u << BT_MOD_UP);
+                continue;
+            }
+        }
         if (found < 0) return refuse(k, path, e);
         mask |= 1u << found;
     }
@@ -359,8 +370,11 @@ static const bt_key k_lora[] = {
     BT_KEY_N("lora_dropout", C, lora.dropout, 0, 1, "0.05", BT_KEY_HI_OPEN | CK | TM, "dropout on the LoRA branch input"),
     MASK("target_modules", lora.target_mask, k_mod_names, 1,
          "[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"gate_proj\", \"up_proj\", \"down_proj\"]", CK | ES | TM,
-         "a non-empty array of module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
-         "the adapted linears"),
+         "a non-empty array of module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; "
+         "qkv_proj, gate_up_proj)",
+         "the adapted linears; Phi-3's fused qkv_proj / gate_up_proj are one PEFT module each (one lora_A), "
+         "named so or by all of their parts (on other families qkv_proj = q_proj, k_proj, v_proj and "
+         "gate_up_proj = gate_proj, up_proj)"),
     BT_KEY_END,
 };
 

@@ -71,8 +71,10 @@ static int read_gguf(bt_est_model *em, const char *path) {
     const char *an = NULL;
     if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
         for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_PHI3 && !an; a++)
-            if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len))
+            if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len)) {
                 an = bt_arch_name(a);
+                hp->arch = a;
+            }
     if (!an) {
         rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\", "
                      "\"qwen2\", \"qwen3\" or \"phi3\"", path);
@@ -158,6 +160,10 @@ static int read_hf(bt_est_model *em, const char *path) {
         hp->head_dim = hp->d_model / hp->n_head;
     const json_t *ar = json_array_get(json_object_get(j, "architectures"), 0);
     hp->qk_norm = json_is_string(ar) && !strcmp(json_string_value(ar), "Qwen3ForCausalLM");
+    hp->arch = hp->qk_norm ? BT_ARCH_QWEN3
+               : json_is_string(ar) && !strcmp(json_string_value(ar), "Phi3ForCausalLM") ? BT_ARCH_PHI3
+               : json_is_string(ar) && !strcmp(json_string_value(ar), "Qwen2ForCausalLM") ? BT_ARCH_QWEN2
+                                                                                       : BT_ARCH_LLAMA;
     json_t *tw = json_object_get(j, "tie_word_embeddings");
     em->tied = tw ? json_is_true(tw) : 0;
     json_decref(j);
@@ -281,7 +287,13 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
         } else if (bd != BT_BASE_GGUF) {
             b->base += L * n * (cuda ? 2.0 : 4.0);
         }
-        if (cfg->lora.target_mask & (1u << mod)) lora_per_layer += r * (double)(rows + cols);
+        if (cfg->lora.target_mask & (1u << mod)) {
+            /* Phi-3's fused qkv_proj / gate_up_proj share one lora_A (trainer/model/lora.h): the
+             * k / v / up parts add their B rows only */
+            const int shared_a = em->hp.arch == BT_ARCH_PHI3 &&
+                                 (mod == BT_MOD_K || mod == BT_MOD_V || mod == BT_MOD_UP);
+            lora_per_layer += r * (double)(rows + (shared_a ? 0 : cols));
+        }
     }
     if (bd == BT_BASE_GGUF) /* the file's blocks, as read from its tensor table */
         b->base = (double)(cuda ? em->gguf_lin_bytes_cuda : em->gguf_lin_bytes);

@@ -16,6 +16,8 @@ Reference: the fixture's logits of base + adapter, which transformers + PEFT com
   architecture), lora_a / lora_b equal PEFT's lora_A / lora_B (q/k not permuted).
 - generate: `trainer generate` on the GGUF (its byte-level BPE vocabulary) streams the greedy
   tokens transformers picks for the same prompt, with and without the adapter.
+- end to end (issue 24): `trainer train` on the Qwen2 GGUF through loaderd, the loss falls, and
+  the PEFT adapter it writes loads in peft with our logits (tests/py/family_e2e.py).
 Tolerance: logits 1e-4 absolute (the fp32 parity tolerance of tests/reference/README.md).
 """
 import os
@@ -159,3 +161,12 @@ def test_generate_greedy_equals_transformers(fam, with_adapter):
     r = subprocess.run(cmd, capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
     assert r.stdout.rstrip(b"\n") == want.rstrip(b"\n"), (r.stdout, want, want_ids)
+
+
+def test_qwen2_trains_through_loaderd_and_peft_loads_it(trainer_stack, tmp_path):
+    from family_e2e import train_then_peft
+    cfg = train_then_peft(trainer_stack, tmp_path, FIX / "qwen2" / "model.gguf", FIX / "qwen2" / "hf",
+                          ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"], torch, transformers, peft)
+    assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj",
+                                                    "gate_proj", "up_proj", "down_proj"])

@@ -591,9 +591,12 @@ def test_phi3_gguf_and_lora_in_llamacpp(lc, tmp_path):
     """The tiny Phi-3 of tests/reference/gen_phi3_fixtures.py (general.architecture "phi3", fused
     blk.N.attn_qkv / blk.N.ffn_up) in llama.cpp: its greedy tokens on the fixture GGUF equal
     transformers' (the picks have margins above 1e-3), and with our gguf-lora export of the
-    fixture's PEFT adapter (o_proj / down_proj: blk.N.attn_output / ffn_down lora_a / lora_b)
-    applied, equal transformers + PEFT's. The logits error is printed (llama.cpp's BF16 matmuls
-    round the activations to bf16)."""
+    fixture's PEFT adapter (every linear as PEFT names it for Phi-3: the fused qkv_proj /
+    gate_up_proj as blk.N.attn_qkv / ffn_up lora_a / lora_b, the tensors llama.cpp's phi3 graph
+    multiplies, plus attn_output / ffn_down) applied, equal transformers + PEFT's. The logits error
+    is printed (llama.cpp's BF16 matmuls round the activations to bf16). And our merged f32 GGUF
+    (attn_qkv / ffn_up re-fused, phi3.attention.sliding_window) gives transformers + PEFT's logits
+    in llama.cpp within 1e-4 (F32 weights: fp32 arithmetic) and its greedy tokens."""
     import numpy as np
     fix = os.path.join(ROOT, "tests/fixtures/hf/phi3")
     with open(os.path.join(fix, "manifest.json")) as f:
@@ -618,3 +621,15 @@ def test_phi3_gguf_and_lora_in_llamacpp(lc, tmp_path):
     print(f"llama.cpp: phi3 GGUF + our gguf-lora, logits max abs err vs transformers + PEFT "
           f"{err:.3g}")
     assert err <= 0.1  # bf16 activations (the Qwen2 GGUF shows ~0.04 the same way)
+    merged = str(tmp_path / "merged.gguf")
+    r = subprocess.run([os.path.join(BUILD, "trainer"), "export", "--model",
+                        os.path.join(fix, "model.gguf"), "--adapter",
+                        os.path.join(fix, "adapter-init"), "--format", "gguf", "--dtype", "f32",
+                        "--out", merged], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    mm = lc.load_model(merged)
+    assert mm.meta("general.architecture") == "phi3"
+    err = float(np.abs(mm.context(n_ctx=64).logits(ids) - want).max())
+    print(f"llama.cpp: phi3 merged f32 export, logits max abs err vs transformers + PEFT {err:.3g}")
+    assert err <= 1e-4
+    assert mm.context(n_ctx=64).greedy(prompt, 8) == man["phi3"]["greedy_lora"]

@@ -16,9 +16,10 @@ tests/fixtures/hf/phi3/:
                  "blk.N.attn_qkv", "model.layers.{bid}.mlp.gate_up_proj" -> MODEL_TENSOR.FFN_UP
                  "blk.N.ffn_up", i.e. gate and up fused), rows as HF holds them (no permutation),
                  2-D weights BF16 and norms F32
-  adapter-init/  PEFT save_pretrained of a LoRA (r 4, alpha 8) on o_proj and down_proj -- the two
-                 Phi-3 modules that are not fused, and the only LoRA targets the trainer takes for
-                 Phi-3 (trainer/model/lora.c) -- with a seeded non-zero init
+  adapter-init/  PEFT save_pretrained of a LoRA (r 4, alpha 8) on every Phi-3 linear as PEFT
+                 names them: the fused qkv_proj (one lora_A [4, 32], one lora_B [64, 4] over
+                 q | k | v rows) and gate_up_proj (lora_B [128, 4] over gate | up rows), o_proj,
+                 down_proj -- with a seeded non-zero init
   ref.safetensors  logits_base [M, V], loss_base [1] (no adapter), logits [M, V], loss [1] (with
                  it), and d loss / d each LoRA tensor under its PEFT key
   batch.safetensors  the packed batch of gen_qwen_fixtures.py (same seeds, same layout)
@@ -74,7 +75,7 @@ CFG = dict(vocab_size=len(q.TOKENS), hidden_size=32, intermediate_size=64, num_h
            initializer_range=0.2, tie_word_embeddings=False, sliding_window=512,
            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
            bos_token_id=len(q.TOKENS) - 1, eos_token_id=len(q.TOKENS) - 1, pad_token_id=0)
-LORA_TARGETS = ["o_proj", "down_proj"]
+LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LORA_R, LORA_ALPHA = 4, 8
 
 
@@ -204,6 +205,10 @@ def build(out, batch):
     key = {n: n.replace(".default", "") for n, _ in trainable}
     assert set(key.values()) == set(get_peft_model_state_dict(pm).keys())
     assert len(trainable) == 2 * len(LORA_TARGETS) * cfg.num_hidden_layers
+    sd = get_peft_model_state_dict(pm)  # the fused modules' names and shapes, as PEFT writes them
+    assert sd["base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight"].shape == (4, 32)
+    assert sd["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"].shape == (64, 4)
+    assert sd["base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"].shape == (128, 4)
     with torch.no_grad():
         gen_lora = q.greedy(pm, q.encode(q.PROMPT), q.GEN_TOKENS)
     out_logits = packed_logits(pm)

@@ -22,6 +22,12 @@ void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B) {
              bt_module_name(mod), is_B ? 'B' : 'A');
 }
 
+void bt_adapter_peft_key(char *buf, size_t n, int layer, const bt_lora_peft_mod *u, int is_B) {
+    const char *blk = u->first_mod <= BT_MOD_O ? "self_attn" : "mlp";
+    snprintf(buf, n, "base_model.model.model.layers.%d.%s.%s.lora_%c.weight", layer, blk, u->name,
+             is_B ? 'B' : 'A');
+}
+
 /* mkdir -p of every parent of `path` (not path itself). */
 static int mkdir_parents(const char *path) {
     char *p = bt_xstrdup(path);
@@ -75,8 +81,12 @@ const char *const bt_adapter_config_keys[] = {
 static int write_config(const bt_lora *lo, const char *base_model, const char *path,
                         const bt_model *m) {
     json_t *tm = json_array();
-    for (int mod = 0; mod < BT_MOD_N; mod++)
-        if (lo->target_mask & (1u << mod)) json_array_append_new(tm, json_string(bt_module_name(mod)));
+    for (int mod = 0; mod < BT_MOD_N; mod++) {
+        if (!(lo->target_mask & (1u << mod))) continue;
+        const char *fn = lo->fused ? bt_lora_fused_name(BT_ARCH_PHI3, mod) : NULL;
+        if (fn && mod != BT_MOD_Q && mod != BT_MOD_GATE) continue; /* listed at its first module */
+        json_array_append_new(tm, json_string(fn ? fn : bt_module_name(mod)));
+    }
     json_t *j = json_object();
     json_object_set_new(j, "peft_type", json_string("LORA"));
     json_object_set_new(j, "task_type", json_string("CAUSAL_LM"));
@@ -143,14 +153,14 @@ static int write_weights(const bt_lora *lo, const char *path) {
     char key[160];
     for (int l = 0; l < lo->n_layer && rc == 0; l++)
         for (int mod = 0; mod < BT_MOD_N && rc == 0; mod++) {
-            const bt_lora_mod *md = bt_lora_get(lo, l, mod);
-            if (!md) continue;
-            int64_t sa[2] = {lo->r, md->in}, sb[2] = {md->out, lo->r};
-            bt_adapter_key(key, sizeof key, l, mod, 0);
-            rc = bt_st_w_tensor(w, key, BT_ST_F32, 2, sa, md->A, (size_t)lo->r * md->in * 4);
+            bt_lora_peft_mod u; /* Phi-3's fused groups: one A, the fused B */
+            if (!bt_lora_peft_get(lo, l, mod, &u)) continue;
+            int64_t sa[2] = {lo->r, u.in}, sb[2] = {u.out, lo->r};
+            bt_adapter_peft_key(key, sizeof key, l, &u, 0);
+            rc = bt_st_w_tensor(w, key, BT_ST_F32, 2, sa, u.A, (size_t)lo->r * u.in * 4);
             if (rc) break;
-            bt_adapter_key(key, sizeof key, l, mod, 1);
-            rc = bt_st_w_tensor(w, key, BT_ST_F32, 2, sb, md->B, (size_t)md->out * lo->r * 4);
+            bt_adapter_peft_key(key, sizeof key, l, &u, 1);
+            rc = bt_st_w_tensor(w, key, BT_ST_F32, 2, sb, u.B, (size_t)u.out * lo->r * 4);
         }
     /* LoRA+ dense modules, under PEFT's modules_to_save keys (get_peft_model_state_dict strips
      * "modules_to_save." and the adapter name: <module>.weight) */

@@ -4,6 +4,9 @@
  *     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_A.weight  [r, in]
  *     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_B.weight  [out, r]
  *     base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+ *     (Phi-3: self_attn.qkv_proj and mlp.gate_up_proj instead of q/k/v and gate/up: one lora_A
+ *     [r, D] and the fused lora_B [Dq + 2 Dkv, r] / [2 F, r]; target_modules lists "qkv_proj",
+ *     "gate_up_proj"; trainer/model/lora.h)
  *   <dir>/adapter_config.json  the conservative core key set (peft_type "LORA", task_type
  *     "CAUSAL_LM", r, lora_alpha, lora_dropout, target_modules, bias "none", fan_in_fan_out false,
  *     inference_mode true, init_lora_weights true, modules_to_save null, use_rslora false,
@@ -52,5 +55,9 @@ extern const char *const bt_adapter_config_keys[];
 
 /* PEFT state-dict key for (layer, module, is_B) into buf (NUL-terminated). */
 void bt_adapter_key(char *buf, size_t n, int layer, int mod, int is_B);
+/* The same for a PEFT module (trainer/model/lora.h bt_lora_peft_get), fused ones included:
+ * base_model.model.model.layers.N.self_attn.qkv_proj.lora_A.weight [r, D] and lora_B [Dq + 2 Dkv, r],
+ * ...mlp.gate_up_proj.lora_{A,B}.weight (Phi-3, as PEFT writes them). */
+void bt_adapter_peft_key(char *buf, size_t n, int layer, const bt_lora_peft_mod *u, int is_B);
 
 #endif

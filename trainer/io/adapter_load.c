@@ -20,6 +20,13 @@ static int mod_by_name(const char *s) {
     return -1;
 }
 
+/* Phi-3's fused PEFT module names (trainer/model/lora.h): the bits of the group, else 0. */
+static unsigned fused_by_name(const char *s) {
+    if (!strcmp(s, "qkv_proj")) return (1u << BT_MOD_Q) | (1u << BT_MOD_K) | (1u << BT_MOD_V);
+    if (!strcmp(s, "gate_up_proj")) return (1u << BT_MOD_GATE) | (1u << BT_MOD_UP);
+    return 0;
+}
+
 /* "absent, null, or an empty object/array" */
 static int empty_json(json_t *v) {
     return !v || json_is_null(v) || (json_is_object(v) && json_object_size(v) == 0) ||
@@ -53,7 +60,10 @@ static int parse_modules_to_save(json_t *v, const char *path, unsigned *mts) {
     return 0;
 }
 
-static int parse_adapter_config(json_t *root, const char *path, int *r, double *alpha,
+/* *fused_named: the bits of the fused module names target_modules lists (qkv_proj, gate_up_proj);
+ * *plain_named: the bits of the plain names it lists */
+static int parse_adapter_config(json_t *root, const char *path, unsigned *fused_named,
+                                unsigned *plain_named, int *r, double *alpha,
                                 double *dropout, unsigned *mask, int *rslora, unsigned *mts) {
     json_t *v = json_object_get(root, "peft_type");
     if (v && !json_is_null(v) && (!json_is_string(v) || strcmp(json_string_value(v), "LORA")))
@@ -108,11 +118,13 @@ static int parse_adapter_config(json_t *root, const char *path, int *r, double *
         return bt_fail(BT_ERR_FORMAT, "adapter: %s: use_rslora must be true or false", path);
     v = json_object_get(root, "target_modules");
     *mask = 0;
+    *fused_named = *plain_named = 0;
     if (!v) return bt_fail(BT_ERR_NOTFOUND, "adapter: %s: missing key \"target_modules\"", path);
     if (json_is_string(v)) {
         const char *s = json_string_value(v);
         if (!strcmp(s, "all-linear")) *mask = (1u << BT_MOD_N) - 1;
-        else if (mod_by_name(s) >= 0) *mask = 1u << mod_by_name(s);
+        else if (mod_by_name(s) >= 0) *mask = *plain_named = 1u << mod_by_name(s);
+        else if (fused_by_name(s)) *mask = *fused_named = fused_by_name(s);
         else
             return bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: target_modules \"%s\" (a regex?) is "
                            "not supported: list module names", path, s);
@@ -121,17 +133,19 @@ static int parse_adapter_config(json_t *root, const char *path, int *r, double *
         json_t *e;
         json_array_foreach(v, i, e) {
             int mod = json_is_string(e) ? mod_by_name(json_string_value(e)) : -1;
-            if (mod < 0 && json_is_string(e) && (!strcmp(json_string_value(e), "qkv_proj") ||
-                                                 !strcmp(json_string_value(e), "gate_up_proj")))
-                return bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: target_modules[%zu] \"%s\": a "
-                               "LoRA on Phi-3's fused %s is not supported yet (one lora_A shared "
-                               "by q/k/v or gate/up); Phi-3 adapters on o_proj / down_proj load",
-                               path, i, json_string_value(e), json_string_value(e));
+            unsigned fb = mod < 0 && json_is_string(e) ? fused_by_name(json_string_value(e)) : 0;
+            if (fb) {
+                *mask |= fb;
+                *fused_named |= fb;
+                continue;
+            }
             if (mod < 0)
                 return bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: target_modules[%zu] \"%s\" is not "
                                "one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                               "down_proj", path, i, json_is_string(e) ? json_string_value(e) : "?");
+                               "down_proj, qkv_proj, gate_up_proj", path, i,
+                               json_is_string(e) ? json_string_value(e) : "?");
             *mask |= 1u << mod;
+            *plain_named |= 1u << mod;
         }
     } else {
         return bt_fail(BT_ERR_FORMAT, "adapter: %s: target_modules must be a list or a string",
@@ -192,9 +206,10 @@ static int known_tensor(const bt_lora *lo, unsigned mts, const char *nm) {
     if (lo->embed && !strcmp(nm, KEY_EMBED)) return 1;
     if ((mts & MTS_LM_HEAD) && !strcmp(nm, KEY_LM_HEAD)) return 1;
     for (int l = 0; l < lo->n_layer; l++) {
+        bt_lora_peft_mod u;
         for (int mod = 0; mod < BT_MOD_N; mod++)
-            for (int isB = 0; isB < 2 && bt_lora_get(lo, l, mod); isB++) {
-                bt_adapter_key(key, sizeof key, l, mod, isB);
+            for (int isB = 0; isB < 2 && bt_lora_peft_get(lo, l, mod, &u); isB++) {
+                bt_adapter_peft_key(key, sizeof key, l, &u, isB);
                 if (!strcmp(key, nm)) return 1;
             }
         for (int which = 0; which < 2 && lo->norms; which++) {
@@ -286,9 +301,30 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
     }
     int r = 0, rslora = 0;
     double alpha = 0, dropout = 0;
-    unsigned mask = 0, mts = 0;
-    if ((rc = parse_adapter_config(root, cpath, &r, &alpha, &dropout, &mask, &rslora, &mts)))
+    unsigned mask = 0, mts = 0, fused_named = 0, plain_named = 0;
+    if ((rc = parse_adapter_config(root, cpath, &fused_named, &plain_named, &r, &alpha, &dropout,
+                                   &mask, &rslora, &mts)))
         goto out;
+    /* qkv_proj / gate_up_proj exist in Phi-3 only, and there q/k/v/gate/up do not (PEFT finds
+     * the modules by name: trainer/model/lora.h) */
+    const unsigned parts = (1u << BT_MOD_Q) | (1u << BT_MOD_K) | (1u << BT_MOD_V) |
+                           (1u << BT_MOD_GATE) | (1u << BT_MOD_UP);
+    if (fused_named && m->hp.arch != BT_ARCH_PHI3) {
+        rc = bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: target_modules names %s, Phi-3's fused "
+                     "module, but the base is a %s model (separate q_proj, k_proj, v_proj, "
+                     "gate_proj, up_proj): an adapter for another family", cpath,
+                     (fused_named & (1u << BT_MOD_Q)) ? "qkv_proj" : "gate_up_proj",
+                     bt_arch_name(m->hp.arch));
+        goto out;
+    }
+    if ((plain_named & parts) && m->hp.arch == BT_ARCH_PHI3) {
+        int bad = 0;
+        while (!((plain_named & parts) & (1u << bad))) bad++;
+        rc = bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: target_modules names %s, which a Phi-3 "
+                     "base does not have (it fuses them into qkv_proj and gate_up_proj): an "
+                     "adapter for another family", cpath, bt_module_name(bad));
+        goto out;
+    }
     if ((mts & MTS_LM_HEAD) && !m->tied) {
         rc = bt_fail(BT_ERR_UNSUPPORTED, "adapter: %s: modules_to_save lists lm_head, but the base's "
                      "lm_head is not tied to embed_tokens: a separately trained lm_head is not "
@@ -320,16 +356,16 @@ int bt_lora_load_peft(bt_lora *lo, const bt_model *m, const char *dir) {
     int expected = 0;
     for (int l = 0; l < lo->n_layer && !rc; l++)
         for (int mod = 0; mod < BT_MOD_N && !rc; mod++) {
-            bt_lora_mod *md = &lo->mods[l * BT_MOD_N + mod];
-            if (!md->A) continue;
+            bt_lora_peft_mod u; /* Phi-3's fused groups: one A, the fused B */
+            if (!bt_lora_peft_get(lo, l, mod, &u)) continue;
             for (int isB = 0; isB < 2 && !rc; isB++) {
-                bt_adapter_key(key, sizeof key, l, mod, isB);
+                bt_adapter_peft_key(key, sizeof key, l, &u, isB);
                 const bt_st_tensor *t = bt_st_find(f, key);
                 if (!t) {
                     rc = bt_fail(BT_ERR_NOTFOUND, "adapter: %s: missing tensor %s", wpath, key);
                     break;
                 }
-                rc = isB ? read_mat(md->B, t, md->out, r, wpath) : read_mat(md->A, t, r, md->in, wpath);
+                rc = isB ? read_mat(u.B, t, u.out, r, wpath) : read_mat(u.A, t, r, u.in, wpath);
                 expected++;
             }
         }

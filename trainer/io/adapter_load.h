@@ -9,7 +9,9 @@
 /* Read <dir>/adapter_config.json and <dir>/adapter_model.safetensors into a new *lo shaped for
  * model `m` (bt_lora_init layout; grads and AdamW moments zero). Config keys: r (integer >= 1),
  * lora_alpha (number > 0), lora_dropout (default 0, in [0, 1)), target_modules (a list of
- * q_proj ... down_proj, or the string "all-linear" or one module name); peft_type "LORA",
+ * q_proj ... down_proj, qkv_proj / gate_up_proj (Phi-3's fused modules, on a Phi-3 base only, which
+ * in turn has no q/k/v/gate/up: either mismatch is BT_ERR_UNSUPPORTED naming the module), or the
+ * string "all-linear" or one module name); peft_type "LORA",
  * bias "none", use_dora false, fan_in_fan_out false, layers_to_transform null, rank_pattern /
  * alpha_pattern empty are required when present; use_rslora true gives scale = lora_alpha /
  * sqrt(r) (PEFT), else lora_alpha / r.
@@ -25,7 +27,8 @@
  * (PEFT matches modules_to_save by name suffix) and keeps the base's value when absent, which
  * needs a model holding its weights (not export's shape-only model).
  * Tensors: base_model.model.model.layers.{i}.{self_attn|mlp}.{q..down}_proj.lora_A.weight
- * [r, in] and .lora_B.weight [out, r] for every layer and targeted module, F32/F16/BF16 (converted
+ * [r, in] and .lora_B.weight [out, r] for every layer and targeted module (Phi-3: qkv_proj
+ * [r, D] / [Dq + 2 Dkv, r], gate_up_proj [r, D] / [2 F, r]), F32/F16/BF16 (converted
  * exactly to fp32, all values finite); any other tensor is an error (so nothing in the file is
  * silently dropped). *lo is owned by the caller (bt_lora_free); zeroed on error.
  * Errors (message names the file and key/tensor): BT_ERR_IO, BT_ERR_NOTFOUND (missing file, key

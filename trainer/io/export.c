@@ -145,6 +145,37 @@ int bt_export_merged_weight(const bt_model *m, const bt_lora *lo, int layer, int
     return 0;
 }
 
+int bt_export_fused_count(const bt_model *m, int mod) {
+    if (m->hp.arch != BT_ARCH_PHI3) return 1;
+    return mod == BT_MOD_Q ? 3 : mod == BT_MOD_GATE ? 2 : (mod <= BT_MOD_V || mod == BT_MOD_UP) ? 0 : 1;
+}
+
+int bt_export_merged_fused(const bt_model *m, const bt_lora *lo, int layer, int mod, float **out,
+                           int64_t *rows) {
+    const int nf = bt_export_fused_count(m, mod);
+    if (nf < 1 || layer < 0 || layer >= m->hp.n_layer)
+        return bt_fail(BT_ERR_INVALID, "export: no fused linear at (%d, %d)", layer, mod);
+    int64_t n = 0, r = 0;
+    for (int k = mod; k < mod + nf; k++) {
+        n += (int64_t)m->layers[layer].lin[k].rows * m->layers[layer].lin[k].cols;
+        r += m->layers[layer].lin[k].rows;
+    }
+    float *x = malloc((size_t)n * sizeof(float));
+    if (!x) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+    int64_t off = 0;
+    for (int k = mod; k < mod + nf; k++) {
+        int rc = bt_export_merged_weight(m, lo, layer, k, x + off);
+        if (rc) {
+            free(x);
+            return rc;
+        }
+        off += (int64_t)m->layers[layer].lin[k].rows * m->layers[layer].lin[k].cols;
+    }
+    *out = x;
+    *rows = r;
+    return 0;
+}
+
 /* Encode rows x cols fp32 (row-major) as GGUF `dtype`: F32/F16/BF16, or Q8_0 when cols is a
  * multiple of 32 (else F16, as convert_hf_to_gguf.py falls back). *buf malloc'd. */
 static int encode_gguf(const float *w, int64_t rows, int64_t cols, int dtype, int *type, void **buf,
@@ -240,26 +271,30 @@ int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const c
         (m->ctx_extended && (rc = gguf_rope_keys(w, m, 1))))
         goto out;
     char name[96];
+    /* one lora_a / lora_b pair per PEFT module; Phi-3's fused qkv_proj / gate_up_proj go to
+     * blk.N.attn_qkv / blk.N.ffn_up, the fused tensors llama.cpp's phi3 graph multiplies
+     * (convert_lora_to_gguf.py maps PEFT names through Phi3MiniModel, which keeps them fused:
+     * gguf-py TensorNameMap ATTN_QKV / FFN_UP) */
     for (int l = 0; l < lo->n_layer && !rc; l++)
         for (int mod = 0; mod < BT_MOD_N && !rc; mod++) {
-            const bt_lora_mod *md = bt_lora_get(lo, l, mod);
-            if (!md) continue;
-            snprintf(name, sizeof name, "blk.%d.%s.weight.lora_a", l, k_gguf_lin[mod]);
-            if ((rc = add_gguf(w, name, md->A, lo->r, md->in, dtype))) break;
-            const float *b = md->B;
+            bt_lora_peft_mod u;
+            if (!bt_lora_peft_get(lo, l, mod, &u)) continue;
+            snprintf(name, sizeof name, "blk.%d.%s.weight.lora_a", l, u.gguf);
+            if ((rc = add_gguf(w, name, u.A, lo->r, u.in, dtype))) break;
+            const float *b = u.B;
             if ((mod == BT_MOD_Q || mod == BT_MOD_K) && m->hp.arch == BT_ARCH_LLAMA) {
                 free(perm);
-                perm = malloc((size_t)md->out * lo->r * sizeof(float));
+                perm = malloc((size_t)u.out * lo->r * sizeof(float));
                 if (!perm) {
                     rc = bt_fail(BT_ERR_NOMEM, "export: out of memory");
                     break;
                 }
                 int nh = mod == BT_MOD_Q ? m->hp.n_head : m->hp.n_kv_head;
-                if ((rc = bt_export_permute_rows(perm, md->B, nh, md->out, lo->r))) break;
+                if ((rc = bt_export_permute_rows(perm, u.B, nh, u.out, lo->r))) break;
                 b = perm;
             }
-            snprintf(name, sizeof name, "blk.%d.%s.weight.lora_b", l, k_gguf_lin[mod]);
-            rc = add_gguf(w, name, b, md->out, lo->r, dtype);
+            snprintf(name, sizeof name, "blk.%d.%s.weight.lora_b", l, u.gguf);
+            rc = add_gguf(w, name, b, u.out, lo->r, dtype);
         }
     if (!rc && (rc = bt_gguf_writer_write(w, out))) rc = bt_fail(rc, "export: %s", bt_last_error_in("export"));
 out:
@@ -279,7 +314,8 @@ static const char *const k_own_keys[] = {
     "llama.vocab_size", "llama.attention.key_length", "llama.attention.value_length",
     "llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.scaling.original_context_length",
     "llama.rope.scaling.attn_factor", "llama.rope.scaling.yarn_beta_fast",
-    "llama.rope.scaling.yarn_beta_slow", "llama.rope.scaling.finetuned"};
+    "llama.rope.scaling.yarn_beta_slow", "llama.rope.scaling.finetuned",
+    "llama.attention.sliding_window"};
 
 int bt_export_orig_ctx(const bt_llama_hparams *hp) {
     if (hp->rope_ext_orig_ctx > 0) return hp->rope_ext_orig_ctx;
@@ -386,8 +422,8 @@ int bt_export_llama3_from_freqs(const bt_model *m, float *factor, float *low, fl
 static int own_key(const char *k, size_t n) {
     for (size_t i = 0; i < sizeof k_own_keys / sizeof *k_own_keys; i++)
         if (strlen(k_own_keys[i]) == n && !memcmp(k_own_keys[i], k, n)) return 1;
-    /* "qwen2.<x>" / "qwen3.<x>" of a Qwen base: ours when "llama.<x>" is */
-    for (int a = BT_ARCH_QWEN2; a <= BT_ARCH_QWEN3; a++) {
+    /* "qwen2.<x>" / "qwen3.<x>" / "phi3.<x>" of such a base: ours when "llama.<x>" is */
+    for (int a = BT_ARCH_QWEN2; a <= BT_ARCH_PHI3; a++) {
         const size_t an = strlen(bt_arch_name(a));
         if (n > an + 1 && n < 120 && !memcmp(k, bt_arch_name(a), an) && k[an] == '.') {
             char ll[128];
@@ -444,10 +480,6 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                           const char *out) {
     if (dtype < BT_EXPORT_F32 || dtype > BT_EXPORT_Q8_0)
         return bt_fail(BT_ERR_INVALID, "export: gguf: bad dtype %d", dtype);
-    if (m->hp.arch == BT_ARCH_PHI3) /* the fused qkv_proj / gate_up_proj are not re-fused yet */
-        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Phi-3 (phi3) model is not supported "
-                       "yet (its qkv_proj / gate_up_proj would have to be re-fused); export the "
-                       "adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     int rc = bt_export_lora_matches(m, lo);
@@ -493,6 +525,17 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         goto out;
     }
     if ((rc = gguf_rope_keys(w, m, 0))) goto out;
+    if (hp->arch == BT_ARCH_PHI3) {
+        /* convert_hf_to_gguf.py Phi3MiniModel.set_gguf_parameters writes both; llama.cpp's phi3
+         * loader (llama-model.cpp load_hparams) refuses a file without the sliding window
+         * unless its layer count / context match a known Phi-3 */
+        char k1[64], k2[64];
+        snprintf(k1, sizeof k1, "%s.rope.scaling.original_context_length", an);
+        snprintf(k2, sizeof k2, "%s.attention.sliding_window", an);
+        if ((rc = bt_gguf_w_u32(w, k1, (uint32_t)hp->ctx)) ||
+            (rc = bt_gguf_w_u32(w, k2, (uint32_t)hp->sliding_window)))
+            goto out;
+    }
     if (base) { /* tokenizer.*, general.name, ... verbatim, in the base's order */
         int64_t nkv = bt_gguf_n_kv(base);
         for (int64_t i = 0; i < nkv && !rc; i++) {
@@ -539,6 +582,17 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                 if ((rc = add_gguf(w, name, bt_lora_norm(lo, m, l, 1), 0, hp->d_model, dtype))) break;
             }
             float *x = NULL;
+            int nf = bt_export_fused_count(m, mod);
+            if (nf == 0) continue; /* inside a fused tensor written at its first module */
+            if (nf > 1) { /* Phi-3: blk.N.attn_qkv [q; k; v] and blk.N.ffn_up [gate; up] */
+                int64_t rows = 0;
+                if ((rc = bt_export_merged_fused(m, lo, l, mod, &x, &rows))) break;
+                snprintf(name, sizeof name, "blk.%d.%s.weight", l,
+                         mod == BT_MOD_Q ? "attn_qkv" : "ffn_up");
+                rc = add_gguf(w, name, x, rows, L->lin[mod].cols, dtype);
+                free(x);
+                continue; /* Phi-3 has no biases (the loaders refuse them) */
+            }
             if ((rc = merged_gguf_order(m, lo, l, mod, &x))) break;
             snprintf(name, sizeof name, "blk.%d.%s.weight", l, k_gguf_lin[mod]);
             rc = add_gguf(w, name, x, L->lin[mod].rows, L->lin[mod].cols, dtype);
@@ -753,10 +807,10 @@ const char *bt_export_usage(void) {
            "                      [--dtype f32|f16|bf16|q8_0] [--max-shard-size SIZE]\n"
            "  peft         normalised PEFT adapter directory (f32)\n"
            "  gguf-lora    llama.cpp LoRA adapter .gguf (f32 default; f16, bf16, q8_0)\n"
-           "  gguf         base + adapter merged, full .gguf of the base's family (llama, qwen2, qwen3;\n"
-           "               f16 default; f32, bf16, q8_0)\n"
-           "  safetensors  merged Hugging Face Llama/Qwen2/Qwen3ForCausalLM directory (f16 default;\n"
-           "               f32, bf16):\n"
+           "  gguf         base + adapter merged, full .gguf of the base's family (llama, qwen2, qwen3,\n"
+           "               phi3; f16 default; f32, bf16, q8_0)\n"
+           "  safetensors  merged Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi3ForCausalLM directory\n"
+           "               (f16 default; f32, bf16):\n"
            "               weights (sharded past --max-shard-size, default 5GB, as save_pretrained),\n"
            "               config.json, generation_config.json, tokenizer.json,\n"
            "               tokenizer_config.json (chat template), special_tokens_map.json\n";

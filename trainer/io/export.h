@@ -135,9 +135,14 @@ int bt_export_hf_rope(const bt_model *m, struct json_t **rs, int *max_pos);
  * config.json; NULL writes the model's hyper-parameters only. dtype: BT_EXPORT_* allowed by the
  * format (gguf-lora, gguf: all four; safetensors: F32/F16/BF16). `out` is the file (gguf
  * formats) or the directory (peft, safetensors; created, parents included). Errors: BT_ERR_INVALID
- * (dtype, NF4 base for a merge, shapes of lo and m differ), BT_ERR_UNSUPPORTED (a merged
- * Phi-3, hp.arch BT_ARCH_PHI3: its fused qkv_proj / gate_up_proj are not re-fused yet; refused
- * before anything is written), BT_ERR_IO, BT_ERR_NOMEM. */
+ * (dtype, NF4 base for a merge, shapes of lo and m differ), BT_ERR_UNSUPPORTED (RoPE scaling a
+ * format cannot carry), BT_ERR_IO, BT_ERR_NOMEM. Phi-3 (hp.arch BT_ARCH_PHI3) is written as its
+ * files hold it: gguf-lora blk.N.attn_qkv / ffn_up .lora_a / .lora_b for the fused qkv_proj /
+ * gate_up_proj (convert_lora_to_gguf.py through Phi3MiniModel), merged GGUF blk.N.attn_qkv
+ * [q; k; v] and blk.N.ffn_up [gate; up] plus phi3.attention.sliding_window and
+ * phi3.rope.scaling.original_context_length (Phi3MiniModel.set_gguf_parameters), merged
+ * safetensors model.layers.N.self_attn.qkv_proj / mlp.gate_up_proj with a Phi3ForCausalLM
+ * config.json (a Llama-family base with a sliding_window: MistralForCausalLM). */
 int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const char *out);
 int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf, int dtype,
                           const char *out);

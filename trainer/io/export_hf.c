@@ -183,8 +183,8 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
     int bq = bias_state(m, BT_MOD_Q), bk = bias_state(m, BT_MOD_K), bv = bias_state(m, BT_MOD_V),
         bo = bias_state(m, BT_MOD_O), bg = bias_state(m, BT_MOD_GATE),
         bu = bias_state(m, BT_MOD_UP), bd = bias_state(m, BT_MOD_DOWN);
-    const int qwen3 = hp->qk_norm;
-    int qwen2 = !qwen3 && bq == 1 && bk == 1 && bv == 1 && bo == 0 && bg == 0 && bu == 0 && bd == 0;
+    const int qwen3 = hp->qk_norm, phi3 = hp->arch == BT_ARCH_PHI3;
+    int qwen2 = !qwen3 && !phi3 && bq == 1 && bk == 1 && bv == 1 && bo == 0 && bg == 0 && bu == 0 && bd == 0;
     int attn_bias = bq == 1 && bk == 1 && bv == 1 && bo == 1, mlp_bias = bg == 1 && bu == 1 && bd == 1;
     if (!qwen2 && (bq + bk + bv + bo != 0 && !attn_bias)) attn_bias = -1;
     if (bg + bu + bd != 0 && !mlp_bias) mlp_bias = -1;
@@ -192,28 +192,41 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
         return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: the base's linear biases match "
                        "neither Llama (attention_bias / mlp_bias), Qwen2 (q/k/v) nor Qwen3 "
                        "(attention_bias)");
-    const char *archs = qwen3 ? "Qwen3ForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM";
-    const char *mtype = qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama";
+    if (phi3 && (bq || bk || bv || bo || bg || bu || bd))
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: Phi-3 has no linear biases");
+    /* a Llama-family base with a window is Mistral's (MistralForCausalLM, no biases): keep it */
+    const int mistral = hp->arch == BT_ARCH_LLAMA && hp->sliding_window > 0 && !attn_bias && !mlp_bias;
+    const char *archs = phi3      ? "Phi3ForCausalLM"
+                        : qwen3   ? "Qwen3ForCausalLM"
+                        : qwen2   ? "Qwen2ForCausalLM"
+                        : mistral ? "MistralForCausalLM"
+                                  : "LlamaForCausalLM";
+    const char *mtype = phi3 ? "phi3" : qwen3 ? "qwen3" : qwen2 ? "qwen2" : mistral ? "mistral" : "llama";
     json_t *j = json_object();
     json_t *arch = json_array();
     json_array_append_new(arch, json_string(archs));
     json_object_set_new(j, "architectures", arch);
-    if (!qwen2) json_object_set_new(j, "attention_bias", json_boolean(attn_bias));
+    if (!qwen2 && !phi3) json_object_set_new(j, "attention_bias", json_boolean(attn_bias));
     json_object_set_new(j, "attention_dropout", json_real(0.0));
-    if (ids->bos >= 0) json_object_set_new(j, "bos_token_id", json_integer(ids->bos));
-    if (ids->eos >= 0) json_object_set_new(j, "eos_token_id", json_integer(ids->eos));
+    /* Phi3Config defaults bos 1 / eos 32000 / pad 32000 (Phi-3-mini's vocabulary): unknown ids
+     * are written as null so a smaller vocabulary is not given out-of-range ones */
+    if (ids->bos >= 0 || phi3)
+        json_object_set_new(j, "bos_token_id", ids->bos >= 0 ? json_integer(ids->bos) : json_null());
+    if (ids->eos >= 0 || phi3)
+        json_object_set_new(j, "eos_token_id", ids->eos >= 0 ? json_integer(ids->eos) : json_null());
     json_object_set_new(j, "head_dim", json_integer(hp->head_dim));
     json_object_set_new(j, "hidden_act", json_string("silu"));
     json_object_set_new(j, "hidden_size", json_integer(hp->d_model));
     json_object_set_new(j, "initializer_range", json_real(0.02));
     json_object_set_new(j, "intermediate_size", json_integer(hp->d_ff));
-    if (!qwen2 && !qwen3) json_object_set_new(j, "mlp_bias", json_boolean(mlp_bias));
+    if (!qwen2 && !qwen3 && !phi3) json_object_set_new(j, "mlp_bias", json_boolean(mlp_bias));
     json_object_set_new(j, "model_type", json_string(mtype));
     json_object_set_new(j, "num_attention_heads", json_integer(hp->n_head));
     json_object_set_new(j, "num_hidden_layers", json_integer(hp->n_layer));
     json_object_set_new(j, "num_key_value_heads", json_integer(hp->n_kv_head));
-    if (ids->pad >= 0) json_object_set_new(j, "pad_token_id", json_integer(ids->pad));
-    json_object_set_new(j, "pretraining_tp", json_integer(1));
+    if (ids->pad >= 0 || phi3)
+        json_object_set_new(j, "pad_token_id", ids->pad >= 0 ? json_integer(ids->pad) : json_null());
+    if (!phi3) json_object_set_new(j, "pretraining_tp", json_integer(1));
     json_object_set_new(j, "rms_norm_eps", json_float(hp->rms_eps));
     json_t *rs = NULL;
     int max_pos = hp->ctx, rc;
@@ -222,6 +235,14 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
         return rc;
     }
     json_object_set_new(j, "max_position_embeddings", json_integer(max_pos));
+    if (phi3) /* Phi3Config (transformers 5.23): no rope scaling here, so the original context
+               * is the context */
+        json_object_set_new(j, "original_max_position_embeddings", json_integer(max_pos));
+    if (phi3 || mistral) { /* the window as the base had it (null: none) */
+        json_object_set_new(j, "sliding_window", hp->sliding_window > 0
+                                                     ? json_integer(hp->sliding_window)
+                                                     : json_null());
+    }
     json_object_set_new(j, "rope_scaling", rs);
     json_object_set_new(j, "rope_theta", json_float(hp->rope_theta));
     json_object_set_new(j, "tie_word_embeddings", json_boolean(m->tied));
@@ -236,7 +257,7 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
 
 /* ---- weights, sharded as transformers' save_pretrained does ---- */
 
-enum { T_EMBED, T_WEIGHT, T_BIAS, T_NORM_IN, T_NORM_POST, T_NORM, T_LM_HEAD, T_QNORM, T_KNORM };
+enum { T_EMBED, T_WEIGHT, T_BIAS, T_NORM_IN, T_NORM_POST, T_NORM, T_LM_HEAD, T_QNORM, T_KNORM, T_FUSED };
 
 /* One tensor of the merged checkpoint: rows 0 = 1-D [cols]. */
 typedef struct {
@@ -320,6 +341,15 @@ static int plan_tensors(const bt_model *m, int dtype, hf_tensor **out, int *n_ou
         for (int mod = 0; mod < BT_MOD_N; mod++) {
             const bt_base_linear *b = &m->layers[l].lin[mod];
             const char *blk = mod <= BT_MOD_O ? "self_attn" : "mlp";
+            const int nf = bt_export_fused_count(m, mod);
+            if (nf == 0) continue; /* inside Phi-3's fused tensor, written at its first module */
+            if (nf > 1) {          /* Phi3Attention.qkv_proj [Dq + 2 Dkv, D], Phi3MLP.gate_up_proj */
+                int64_t rows = 0;
+                for (int k = mod; k < mod + nf; k++) rows += m->layers[l].lin[k].rows;
+                ADD(T_FUSED, l, mod, rows, b->cols, "model.layers.%d.%s.%s.weight", l, blk,
+                    mod == BT_MOD_Q ? "qkv_proj" : "gate_up_proj");
+                continue;          /* Phi-3 has no biases */
+            }
             ADD(T_WEIGHT, l, mod, b->rows, b->cols, "model.layers.%d.%s.%s.weight", l, blk,
                 bt_module_name(mod));
             if (b->bias)
@@ -396,6 +426,16 @@ static int tensor_data(const bt_model *m, const bt_lora *lo, const hf_tensor *x,
     case T_QNORM: *data = m->layers[x->layer].q_norm; return 0;
     case T_KNORM: *data = m->layers[x->layer].k_norm; return 0;
     default: break;
+    }
+    if (x->kind == T_FUSED) { /* q; k; v or gate; up, merged, stacked */
+        float *f = NULL;
+        int64_t rows = 0;
+        int rc = bt_export_merged_fused(m, lo, x->layer, x->mod, &f, &rows);
+        if (rc) return rc;
+        free(*scratch);
+        *scratch = f, *cap = (size_t)rows * (size_t)x->cols;
+        *data = f;
+        return 0;
     }
     size_t need = (size_t)x->rows * (size_t)x->cols;
     if (need > *cap) {
@@ -653,10 +693,6 @@ int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, int dtype
     if (dtype != BT_EXPORT_F32 && dtype != BT_EXPORT_F16 && dtype != BT_EXPORT_BF16)
         return bt_fail(BT_ERR_INVALID, "export: safetensors: dtype %s not supported (f32, f16, bf16)",
                        bt_export_dtype_name(dtype));
-    if (m->hp.arch == BT_ARCH_PHI3) /* the fused qkv_proj / gate_up_proj are not re-fused yet */
-        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Phi-3 (phi3) model is not supported "
-                       "yet (its qkv_proj / gate_up_proj would have to be re-fused); export the "
-                       "adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     uint64_t max_bytes = o && o->max_shard_bytes > 0 ? (uint64_t)o->max_shard_bytes

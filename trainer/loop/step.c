@@ -226,7 +226,7 @@ static void proj_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
     const bt_lora_mod *md = bt_lora_get(lo, l, mod);
     if (md)
         OP(c, nm[1], F4((int64_t)M * (b->rows + lo->r)),
-           bt_lora_fwd(lo, md, y, x, M, A->as[mod], c->xd, bt_lora_drop_key(key, l, mod)));
+           bt_lora_fwd(lo, md, y, x, M, A->as[mod], c->xd, bt_lora_drop_key(key, l, md->group)));
 }
 
 /* dx (+)= dy @ W (+ LoRA backward, which also accumulates the LoRA grads). */
@@ -244,7 +244,7 @@ static void proj_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
     if (md)
         OP(c, nm[1], F4((int64_t)M * b->cols + (int64_t)lo->r * (b->rows + b->cols)),
            bt_lora_bwd(lo, md, dx, dy, x, A->as[mod], M, c->das, c->xd,
-                       bt_lora_drop_key(key, l, mod)));
+                       bt_lora_drop_key(key, l, md->group)));
 }
 
 static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,

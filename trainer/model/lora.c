@@ -9,6 +9,17 @@
 #include "kernels/kernels.h"
 #include "trainer/model/rng.h"
 
+/* The fused group's first module (Phi-3: q for q/k/v, gate for gate/up), else mod itself. */
+static int group_of(int fused, int mod) {
+    if (!fused) return mod;
+    return mod <= BT_MOD_V ? BT_MOD_Q : (mod == BT_MOD_GATE || mod == BT_MOD_UP) ? BT_MOD_GATE : mod;
+}
+
+const char *bt_lora_fused_name(int arch, int mod) {
+    if (arch != BT_ARCH_PHI3) return NULL;
+    return mod <= BT_MOD_V ? "qkv_proj" : (mod == BT_MOD_GATE || mod == BT_MOD_UP) ? "gate_up_proj" : NULL;
+}
+
 static void mod_shape(const bt_model *md, int mod, int *out, int *in) {
     const bt_base_linear *l = &md->layers[0].lin[mod];
     *out = l->rows;
@@ -24,28 +35,32 @@ int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dr
         return bt_fail(BT_ERR_INVALID, "lora: invalid settings (r %d, alpha %g, dropout %g, mask %#x, "
                        "trainable %#x)", r, alpha, dropout, target_mask, trainable);
     /* Phi-3 (hp.arch BT_ARCH_PHI3): PEFT adapts the fused qkv_proj / gate_up_proj with ONE
-     * lora_A each (transformers Phi3Attention / Phi3MLP), which per-q/k/v (gate/up) LoRAs with
-     * their own A do not train the same; until the fused form is implemented only o_proj and
-     * down_proj (the same modules and names in PEFT) are adaptable */
-    const unsigned fused = (1u << BT_MOD_Q) | (1u << BT_MOD_K) | (1u << BT_MOD_V) |
-                           (1u << BT_MOD_GATE) | (1u << BT_MOD_UP);
-    if (md->hp.arch == BT_ARCH_PHI3 && (target_mask & fused))
-        return bt_fail(BT_ERR_UNSUPPORTED, "lora: Phi-3 LoRA targets q_proj / k_proj / v_proj / "
-                       "gate_proj / up_proj are not supported (Phi-3 fuses them into qkv_proj and "
-                       "gate_up_proj, which PEFT adapts with one shared lora_A; not implemented "
-                       "yet): use lora.target_modules [\"o_proj\", \"down_proj\"]");
+     * lora_A each (transformers Phi3Attention / Phi3MLP; see lora.h): a group is all or nothing */
+    const unsigned qkv = (1u << BT_MOD_Q) | (1u << BT_MOD_K) | (1u << BT_MOD_V),
+                   gu = (1u << BT_MOD_GATE) | (1u << BT_MOD_UP);
+    const int fused = md->hp.arch == BT_ARCH_PHI3;
+    if (fused && (((target_mask & qkv) && (target_mask & qkv) != qkv) ||
+                  ((target_mask & gu) && (target_mask & gu) != gu)))
+        return bt_fail(BT_ERR_UNSUPPORTED, "lora: Phi-3 fuses q_proj / k_proj / v_proj into "
+                       "qkv_proj and gate_proj / up_proj into gate_up_proj, which PEFT adapts as "
+                       "one module each (one lora_A): target \"qkv_proj\" / \"gate_up_proj\" "
+                       "(or all three / both of their parts), not %s",
+                       (target_mask & qkv) && (target_mask & qkv) != qkv ? "part of qkv_proj"
+                                                                         : "part of gate_up_proj");
     lo->r = r;
     lo->alpha = (float)alpha;
     lo->scale = (float)(alpha / r);
     lo->dropout = (float)dropout;
     lo->target_mask = target_mask & ((1u << BT_MOD_N) - 1);
     lo->n_layer = md->hp.n_layer;
+    lo->fused = fused;
     int64_t n = 0;
     for (int mod = 0; mod < BT_MOD_N; mod++) {
         if (!(lo->target_mask & (1u << mod))) continue;
         int out, in;
         mod_shape(md, mod, &out, &in);
-        n += (int64_t)r * (in + out);
+        /* a fused group's k / v / up share the first module's A */
+        n += (int64_t)r * out + (group_of(fused, mod) == mod ? (int64_t)r * in : 0);
     }
     n *= md->hp.n_layer;
     lo->n_lora = n;
@@ -76,11 +91,31 @@ int bt_lora_init(bt_lora *lo, const bt_model *md, int r, double alpha, double dr
             bt_lora_mod *x = &lo->mods[l * BT_MOD_N + mod];
             if (!(lo->target_mask & (1u << mod))) continue;
             mod_shape(md, mod, &x->out, &x->in);
+            x->group = group_of(fused, mod);
+            if (x->group != mod) { /* inside a fused group: the first module's A, the next rows of B */
+                const bt_lora_mod *g = &lo->mods[l * BT_MOD_N + x->group], *prev = x - 1;
+                x->A = g->A;
+                x->dA = g->dA;
+                x->row0 = prev->row0 + prev->out;
+                x->B = g->B + (size_t)x->row0 * r;
+                x->dB = g->dB + (size_t)x->row0 * r;
+                off += (int64_t)x->out * r;
+                continue;
+            }
             x->A = lo->params + off;
             x->dA = lo->grads + off;
             off += (int64_t)r * x->in;
             x->B = lo->params + off;
             x->dB = lo->grads + off;
+            if (fused && (mod == BT_MOD_Q || mod == BT_MOD_GATE)) {
+                int o2, i2, last = mod == BT_MOD_Q ? BT_MOD_V : BT_MOD_UP;
+                x->fused_out = 0;
+                for (int k = mod; k <= last; k++) {
+                    mod_shape(md, k, &o2, &i2);
+                    x->fused_out += o2;
+                }
+                for (int k = mod + 1; k <= last; k++) lo->mods[l * BT_MOD_N + k].fused_out = x->fused_out;
+            }
             off += (int64_t)x->out * r;
             /* torch.nn.init.kaiming_uniform_(A, a=sqrt(5)): gain = sqrt(2 / (1 + a^2)),
              * bound = gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in), fan_in = in. */
@@ -152,6 +187,28 @@ const bt_lora_mod *bt_lora_get(const bt_lora *lo, int layer, int mod) {
         return NULL;
     const bt_lora_mod *x = &lo->mods[layer * BT_MOD_N + mod];
     return x->A ? x : NULL;
+}
+
+int bt_lora_peft_get(const bt_lora *lo, int layer, int mod, bt_lora_peft_mod *u) {
+    static const char *const gguf[BT_MOD_N] = {"attn_q", "attn_k", "attn_v", "attn_output",
+                                               "ffn_gate", "ffn_up", "ffn_down"};
+    const bt_lora_mod *x = bt_lora_get(lo, layer, mod);
+    if (!x || x->group != mod) return 0;
+    memset(u, 0, sizeof *u);
+    u->first_mod = mod;
+    u->n_mods = 1;
+    u->in = x->in;
+    u->out = x->out;
+    u->A = x->A, u->B = x->B, u->dA = x->dA, u->dB = x->dB;
+    u->name = bt_module_name(mod);
+    u->gguf = gguf[mod];
+    if (x->fused_out) { /* Phi-3 (convert_hf_to_gguf.py Phi3MiniModel: blk.N.attn_qkv / ffn_up) */
+        u->n_mods = mod == BT_MOD_Q ? 3 : 2;
+        u->out = x->fused_out;
+        u->name = mod == BT_MOD_Q ? "qkv_proj" : "gate_up_proj";
+        u->gguf = mod == BT_MOD_Q ? "attn_qkv" : "ffn_up";
+    }
+    return 1;
 }
 
 void bt_lora_zero_grad(bt_lora *lo) {

@@ -567,6 +567,24 @@ int bt_model_gguf_rope_scaling(const bt_gguf *g, const char *path, bt_llama_hpar
     return 0;
 }
 
+int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what) {
+    const int w = m->hp.sliding_window;
+    if (w <= 0) return 0;
+    const char *fam = m->hp.arch == BT_ARCH_PHI3 ? "Phi-3" : "Mistral";
+    if (max_T <= w) {
+        bt_log(BT_LOG_INFO, "model", "%s sliding_window %d >= %s %lld: every causal pair is "
+               "inside the window, so full causal attention is exact", fam, w, what,
+               (long long)max_T);
+        return 0;
+    }
+    return bt_fail(BT_ERR_UNSUPPORTED, "model: %s %lld exceeds the model's sliding_window %d (%s: "
+                   "config.json \"sliding_window\"%s): sliding-window attention is not implemented "
+                   "in the trainer's attention yet, and full attention would differ from the "
+                   "model's beyond %d tokens; set %s <= %d", what, (long long)max_T, w, fam,
+                   m->hp.arch == BT_ARCH_PHI3 ? ", GGUF phi3.attention.sliding_window" : "", w,
+                   what, w);
+}
+
 const char *bt_arch_name(int arch) {
     return arch == BT_ARCH_QWEN2 ? "qwen2" : arch == BT_ARCH_QWEN3 ? "qwen3"
          : arch == BT_ARCH_PHI3  ? "phi3"
@@ -664,10 +682,16 @@ static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp
      * by context length: not implemented here */
     if (hp->arch == BT_ARCH_PHI3) { /* Phi3MiniModel writes phi3.attention.sliding_window */
         int64_t sw = 0;
-        if (bt_gguf_get_i64(g, "phi3.attention.sliding_window", &sw) == 0 && sw > 0 && sw < hp->ctx)
-            bt_log(BT_LOG_WARN, "model", "%s: phi3.attention.sliding_window %lld: attention here is "
-                   "full causal, which equals Phi-3's only for documents of at most that many "
-                   "tokens", path, (long long)sw);
+        if (bt_gguf_get_i64(g, "phi3.attention.sliding_window", &sw) == 0 && sw > 0) {
+            if (sw > (1 << 30))
+                return bt_fail(BT_ERR_FORMAT, "model: %s: phi3.attention.sliding_window %lld is "
+                               "out of range", path, (long long)sw);
+            hp->sliding_window = (int)sw;
+            bt_log(BT_LOG_INFO, "model", "%s: phi3.attention.sliding_window %lld (Phi-3): "
+                   "attention is computed full causal, which is exactly the model's for rows of "
+                   "at most %lld tokens (longer rows are refused)", path, (long long)sw,
+                   (long long)sw);
+        }
     }
     if (bt_gguf_find_tensor(g, "rope_factors_long.weight") ||
         bt_gguf_find_tensor(g, "rope_factors_short.weight"))

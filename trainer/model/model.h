@@ -43,6 +43,12 @@ typedef struct {
     float rope_attn_factor;   /* yarn: rope_scaling.attention_factor (0 = 0.1 ln factor + 1) */
     int arch;          /* BT_ARCH_*: the family the weights came from (GGUF general.architecture,
                         * HF architectures[0]); Llama and Mistral are BT_ARCH_LLAMA */
+    int sliding_window; /* the config's attention window in tokens (0: none): HF config.json
+                        * "sliding_window" of MistralForCausalLM / Phi3ForCausalLM, GGUF
+                        * phi3.attention.sliding_window (a "llama" GGUF has no such key: llama.cpp
+                        * runs Mistral GGUFs with full attention, and so do we). The step computes
+                        * full causal attention, exact while no row is longer than the window:
+                        * bt_model_check_window */
     int qk_norm;       /* 1: RMSNorm over each head of q and k (bt_layer q_norm / k_norm, weights
                         * [head_dim], eps rms_eps) after q_proj / k_proj and before RoPE, as
                         * transformers Qwen3Attention (Qwen3); 0 otherwise */
@@ -132,6 +138,14 @@ typedef struct {
     int ctx_extended;      /* 1 when bt_model_extend_context scaled the RoPE (the job's
                             * context_extension, recorded with the adapter), else 0 */
 } bt_model;
+
+/* Sliding-window attention (hp.sliding_window) against the longest row `max_T` a command will
+ * run (`what` names the setting, e.g. "data.seq_len"): token i attends to j when
+ * 0 <= i - j < window (transformers' sliding_window mask), so with max_T <= window every
+ * causal pair is inside the window and full causal attention is exactly the model's: logged
+ * (INFO) and 0. max_T > window: BT_ERR_UNSUPPORTED naming the family's sliding_window, the value
+ * and the fix (the CPU attention has no window yet). No window: 0, nothing logged. */
+int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what);
 
 /* Fill m->inv_freq (allocated here, replacing any previous table) from m->hp. The model's own
  * table: rope_type BT_ROPE_DEFAULT -> bt_rope_inv_freq "default", BT_ROPE_LLAMA3 -> "llama3" with

@@ -889,7 +889,7 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
         *attn_bias_o = *attn_bias_qkv;
     } else if (a == ARCH_PHI3) {
         /* Phi3Attention: qkv_proj / o_proj Linear(bias=False); Phi3MLP: gate_up_proj / down_proj
-         * bias=False; sliding_window warned about below as Mistral's */
+         * bias=False; sliding_window read below as Mistral's */
         hp->arch = BT_ARCH_PHI3;
         if ((rc = phi3_rope_check(c))) return rc;
     }
@@ -916,11 +916,21 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
                                c->path, i, ty ? ty : "(not a string)");
         }
     } else {
+        /* MistralConfig / Phi3Config "sliding_window" (null = none): recorded, and checked
+         * against the rows run (bt_model_check_window) */
         json_t *sw = json_object_get(c->root, "sliding_window");
-        if (json_is_integer(sw) && json_integer_value(sw) < hp->ctx)
-            bt_log(BT_LOG_WARN, "model", "%s: sliding_window %lld: attention here is full causal, "
-                   "which equals Mistral's / Phi-3's only for documents of at most that many tokens",
-                   c->path, (long long)json_integer_value(sw));
+        if (sw && !json_is_null(sw) && (!json_is_integer(sw) || json_integer_value(sw) < 1 ||
+                                        json_integer_value(sw) > (1 << 30)))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: \"sliding_window\" must be null or an "
+                           "integer in [1, 2^30]", c->path);
+        if (json_is_integer(sw)) {
+            hp->sliding_window = (int)json_integer_value(sw);
+            bt_log(BT_LOG_INFO, "model", "%s: sliding_window %d (%s): attention is computed full "
+                   "causal, which is exactly the model's for rows of at most %d tokens (longer "
+                   "rows are refused)", c->path, hp->sliding_window,
+                   a == ARCH_PHI3 ? "Phi-3" : a == ARCH_MISTRAL ? "Mistral" : "Llama",
+                   hp->sliding_window);
+        }
     }
     if ((rc = parse_rope(c, hp, rope_freqs))) return rc;
     json_t *qc = json_object_get(c->root, "quantization_config");

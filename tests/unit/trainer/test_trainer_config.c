@@ -531,6 +531,22 @@ static void test_lora_limits(void **st) {
 }
 
 /* What loaderd would refuse is refused here, from proto/job_limits.h (issue 21 §9). */
+/* Phi-3's fused PEFT module names (trainer/model/lora.h): qkv_proj = q|k|v, gate_up_proj =
+ * gate|up; the dump lists the parts; an unknown name is still refused. */
+static void test_fused_target_names(void **st) {
+    (void)st;
+    const char *sets[] = {"lora.target_modules=[\"qkv_proj\",\"gate_up_proj\",\"o_proj\"]"};
+    bt_train_config c;
+    assert_int_equal(bt_config_parse(&c, "{\"model\": \"m\", \"data\": {\"shards\": [\"d\"]}}",
+                                     "t", sets, 1), 0);
+    assert_int_equal(c.lora.target_mask, (1u << BT_MOD_N) - 1 - (1u << BT_MOD_DOWN));
+    bt_config_free(&c);
+    const char *bad[] = {"lora.target_modules=[\"qkv\"]"};
+    assert_int_equal(bt_config_parse(&c, "{\"model\": \"m\", \"data\": {\"shards\": [\"d\"]}}",
+                                     "t", bad, 1), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "qkv_proj"));
+}
+
 static void test_loaderd_limits(void **st) {
     (void)st;
     expect_refused(MINIMAL, "data.seq_len=15", "data.seq_len: expected an integer in [16, 1048576], got 15");
@@ -569,6 +585,7 @@ int main(void) {
         cmocka_unit_test(test_output_dirs_not_nested),
         cmocka_unit_test(test_lora_limits),
         cmocka_unit_test(test_loaderd_limits),
+        cmocka_unit_test(test_fused_target_names),
         cmocka_unit_test(test_set_paths),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
