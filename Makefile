@@ -248,6 +248,7 @@ fixtures:
 	$(PYTHON) tests/reference/gen_preference_fixtures.py
 	$(PYTHON) tests/reference/gen_qwen_fixtures.py
 	$(PYTHON) tests/reference/gen_phi3_fixtures.py
+	$(PYTHON) tests/reference/gen_gemma3_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs

@@ -657,6 +657,9 @@ int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, int dtype
         return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Phi-3 (phi3) model is not supported "
                        "yet (its qkv_proj / gate_up_proj would have to be re-fused); export the "
                        "adapter (--format peft or gguf-lora)");
+    if (m->hp.arch == BT_ARCH_GEMMA3) /* its norms, window and RoPE keys are not written yet */
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Gemma 3 (gemma3) model is not "
+                       "supported yet; export the adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     uint64_t max_bytes = o && o->max_shard_bytes > 0 ? (uint64_t)o->max_shard_bytes
