@@ -170,6 +170,11 @@ static int prepend_bos(const char *model, const bt_tokenizer *tok, bt_ids *ids) 
     return 0;
 }
 
+int bt_gen_raw_prompt(const char *model, const bt_tokenizer *tok, const char *text, bt_ids *ids) {
+    int rc = bt_tokenize(tok, text, strlen(text), 1, ids);
+    return rc ? rc : prepend_bos(model, tok, ids);
+}
+
 int bt_gen_chat_prompt(const bt_tokenizer *t, const bt_chat_msg *msgs, int n, bt_ids *ids) {
     bt_ids mask = {0};
     size_t n0 = ids ? ids->n : 0;
@@ -394,8 +399,7 @@ int bt_generate_cli(int argc, char **argv) {
         msgs[n++] = (bt_chat_msg){"user", a.chat, strlen(a.chat)};
         rc = bt_gen_chat_prompt(tok, msgs, n, &ids);
     } else {
-        rc = bt_tokenize(tok, a.prompt, strlen(a.prompt), 1, &ids);
-        if (!rc) rc = prepend_bos(a.model, tok, &ids);
+        rc = bt_gen_raw_prompt(a.model, tok, a.prompt, &ids);
     }
     if (rc) goto fail;
     if (ids.n == 0) {
