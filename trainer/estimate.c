@@ -70,14 +70,14 @@ static int read_gguf(bt_est_model *em, const char *path) {
     /* the families bt_model_load_gguf reads (issue 24): keys under general.architecture's prefix */
     const char *an = NULL;
     if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
-        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_PHI3 && !an; a++)
+        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_GEMMA3 && !an; a++)
             if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len)) {
                 an = bt_arch_name(a);
                 hp->arch = a;
             }
     if (!an) {
         rc = bt_fail(BT_ERR_FORMAT, "estimate: %s: general.architecture is not \"llama\", "
-                     "\"qwen2\", \"qwen3\" or \"phi3\"", path);
+                     "\"qwen2\", \"qwen3\", \"phi3\" or \"gemma3\"", path);
         goto out;
     }
     char k[7][64];
@@ -98,7 +98,8 @@ static int read_gguf(bt_est_model *em, const char *path) {
     if ((rc = gguf_int(g, path, k[6], 0, 0, &hp->head_dim))) goto out;
     if (hp->head_dim == 0 && hp->n_head > 0 && hp->d_model % hp->n_head == 0)
         hp->head_dim = hp->d_model / hp->n_head;
-    hp->qk_norm = !strcmp(an, "qwen3");
+    hp->qk_norm = !strcmp(an, "qwen3") || !strcmp(an, "gemma3");
+    hp->sandwich_norm = !strcmp(an, "gemma3");
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb || emb->ne[1] > 0x7fffffff) {
         rc = bt_fail(BT_ERR_NOTFOUND, "estimate: %s: missing tensor token_embd.weight", path);
@@ -159,13 +160,16 @@ static int read_hf(bt_est_model *em, const char *path) {
     if (hp->head_dim == 0 && hp->n_head > 0 && hp->d_model % hp->n_head == 0)
         hp->head_dim = hp->d_model / hp->n_head;
     const json_t *ar = json_array_get(json_object_get(j, "architectures"), 0);
-    hp->qk_norm = json_is_string(ar) && !strcmp(json_string_value(ar), "Qwen3ForCausalLM");
-    hp->arch = hp->qk_norm ? BT_ARCH_QWEN3
+    const int gemma3 = json_is_string(ar) && !strcmp(json_string_value(ar), "Gemma3ForCausalLM");
+    hp->qk_norm = gemma3 || (json_is_string(ar) && !strcmp(json_string_value(ar), "Qwen3ForCausalLM"));
+    hp->sandwich_norm = gemma3;
+    hp->arch = gemma3 ? BT_ARCH_GEMMA3
+               : hp->qk_norm ? BT_ARCH_QWEN3
                : json_is_string(ar) && !strcmp(json_string_value(ar), "Phi3ForCausalLM") ? BT_ARCH_PHI3
                : json_is_string(ar) && !strcmp(json_string_value(ar), "Qwen2ForCausalLM") ? BT_ARCH_QWEN2
                                                                                        : BT_ARCH_LLAMA;
     json_t *tw = json_object_get(j, "tie_word_embeddings");
-    em->tied = tw ? json_is_true(tw) : 0;
+    em->tied = tw ? json_is_true(tw) : gemma3; /* Gemma3TextConfig ties by default */
     json_decref(j);
     char *pat = NULL;
     if (asprintf(&pat, "%s/*.safetensors", path) < 0) return bt_fail(BT_ERR_NOMEM, "out of memory");
@@ -221,6 +225,7 @@ static void est_plan(const bt_est_model *em, const bt_train_config *cfg, int dev
     o.target_mask = cfg->lora.target_mask;
     o.threads = threads;
     o.qk_norm = em->hp.qk_norm;
+    o.sandwich_norm = em->hp.sandwich_norm;
     /* a GGUF base of F16 / BF16 / F32 linears is dense on the GPU (bf16): no dequantisation */
     o.quant_base =
         bd == BT_BASE_NF4 || (bd == BT_BASE_GGUF && (dev == BT_EST_CPU || em->gguf_quant));

@@ -61,6 +61,13 @@ int bt_s2_group_end(int i, int G, int shifted)
     return ((i + G / 2) / G) * G + G / 2;
 }
 
+/* The first key a query at local position i sees with a sliding window of W keys (0: no window):
+ * max(0, i - W + 1), i.e. key j is visible iff i - W < j <= i. */
+static inline int win_lo(int i, int W)
+{
+    return W > 0 && i - W + 1 > 0 ? i - W + 1 : 0;
+}
+
 /* One unit of work: rows [start + i0, start + i0 + bq) of query head h attend to keys
  * [start, start + i0 + bq) (causally); len = the sub-segment's length. Backward tasks cover a whole
  * sub-segment (i0 = 0, bq = len). cost orders them (longest first). */
@@ -85,7 +92,7 @@ static int cmp_task(const void *a, const void *b)
  * Returns the count (>= 0) with *out malloc'd, or -1 when out of memory. Segments outside
  * [0, M] are clipped (a caller bug; bt_shift_targets refuses such batches in the trainer). */
 static int64_t make_tasks(att_task **out, const int32_t *cu, int n_seq, int M, int Hq, int G,
-                          int blocks)
+                          int W, int blocks)
 {
     int64_t n = 0, cap = 0;
     att_task *t = NULL;
@@ -106,7 +113,7 @@ static int64_t make_tasks(att_task **out, const int32_t *cu, int n_seq, int M, i
                         const int bq = !blocks ? len : len - i0 < BT_ATTN_BQ ? len - i0 : BT_ATTN_BQ;
                         if (pass == 1)
                             t[n] = (att_task){a + g0, len, h, i0, bq,
-                                              (int64_t)bq * (i0 + bq)};
+                                              (int64_t)bq * (i0 + bq - win_lo(i0, W))};
                         n++;
                     }
                     g0 = g1;
@@ -125,54 +132,61 @@ static int64_t make_tasks(att_task **out, const int32_t *cu, int n_seq, int M, i
     return n;
 }
 
-static int check_args(int n_seq, int M, int Hq, int Hkv, int D, int G, const char *what)
+static int check_args(int n_seq, int M, int Hq, int Hkv, int D, int G, int W, const char *what)
 {
-    if (M < 0 || n_seq < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || Hq % Hkv != 0 || G < 0 || (G & 1))
+    if (M < 0 || n_seq < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || Hq % Hkv != 0 || G < 0 || (G & 1) ||
+        W < 0)
         return bt_fail(BT_ERR_INVALID, "attention %s: bad arguments (M %d, segments %d, heads %d/%d, "
-                       "head_dim %d, s2_group %d: must be 0 or even)", what, M, n_seq, Hq, Hkv, D, G);
+                       "head_dim %d, s2_group %d: must be 0 or even, window %d: must be >= 0)", what,
+                       M, n_seq, Hq, Hkv, D, G, W);
     return 0;
 }
 
 /* Forward of one task (see the file comment). Q/K/V/O point at the sub-segment's first row for
  * this head (row strides ldq / ldk / ldq); lse at its first row (stride Hq). ws: BQ x KT + 2 BQ. */
 static void fwd_block(const att_task *tk, const float *Q, const float *K, const float *V, float *O,
-                      float *lse, int ldq, int ldk, int Hq, int D, float scale, float *ws)
+                      float *lse, int ldq, int ldk, int Hq, int D, float scale, int W, float *ws)
 {
     float *S = ws, *mrow = ws + BT_ATTN_BQ * BT_ATTN_KT, *lrow = mrow + BT_ATTN_BQ;
     const int i0 = tk->i0, bq = tk->bq, nk = i0 + bq;
+    const int jlo = win_lo(i0, W); /* no query of the block sees a key before it */
     const float *Qb = Q + (size_t)i0 * ldq;
     float *Ob = O + (size_t)i0 * ldq;
     for (int r = 0; r < bq; r++) {
         mrow[r] = -INFINITY;
         lrow[r] = 0.0f;
     }
-    for (int j0 = 0; j0 < nk; j0 += BT_ATTN_KT) {
+    for (int j0 = jlo; j0 < nk; j0 += BT_ATTN_KT) {
         const int kt = nk - j0 < BT_ATTN_KT ? nk - j0 : BT_ATTN_KT;
         bt_sgemm(0, 1, bq, kt, D, scale, Qb, ldq, K + (size_t)j0 * ldk, ldk, 0.0f, S, kt);
         for (int r = 0; r < bq; r++) {
             float *row = S + (size_t)r * kt;
-            int nv = i0 + r + 1 - j0; /* valid keys j < nv of this tile */
+            int nv = i0 + r + 1 - j0; /* valid keys ja <= j < nv of this tile */
             nv = nv < 0 ? 0 : (nv > kt ? kt : nv);
+            int ja = win_lo(i0 + r, W) - j0;
+            ja = ja < 0 ? 0 : (ja > nv ? nv : ja);
             float *orow = Ob + (size_t)r * ldq;
-            if (nv == 0) { /* the whole tile lies after this query */
+            if (nv == ja) { /* the whole tile lies after this query, or before its window */
                 memset(row, 0, (size_t)kt * sizeof(float));
                 continue;
             }
             float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-            for (int j = 0; j < nv; j++)
+            for (int j = ja; j < nv; j++)
                 mx = row[j] > mx ? row[j] : mx;
             const float mnew = mx > mrow[r] ? mx : mrow[r];
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < nv; j++) {
+            for (int j = ja; j < nv; j++) {
                 const float e = bt_expf(row[j] - mnew);
                 row[j] = e;
                 sum += e;
             }
+            for (int j = 0; j < ja; j++)
+                row[j] = 0.0f;
             for (int j = nv; j < kt; j++)
                 row[j] = 0.0f;
-            if (j0 > 0) { /* rescale what earlier tiles accumulated */
+            if (j0 > jlo) { /* rescale what earlier tiles accumulated */
                 const float corr = bt_expf(mrow[r] - mnew);
                 lrow[r] *= corr;
 #pragma omp simd
@@ -182,7 +196,7 @@ static void fwd_block(const att_task *tk, const float *Q, const float *K, const 
             lrow[r] += sum;
             mrow[r] = mnew;
         }
-        bt_sgemm(0, 0, bq, D, kt, 1.0f, S, kt, V + (size_t)j0 * ldk, ldk, j0 > 0 ? 1.0f : 0.0f, Ob,
+        bt_sgemm(0, 0, bq, D, kt, 1.0f, S, kt, V + (size_t)j0 * ldk, ldk, j0 > jlo ? 1.0f : 0.0f, Ob,
                  ldq);
     }
     for (int r = 0; r < bq; r++) {
@@ -195,11 +209,11 @@ static void fwd_block(const att_task *tk, const float *Q, const float *K, const 
     }
 }
 
-int bt_attn_fwd_s2(float *out, float *lse, const float *q, const float *k, const float *v,
-                   const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
-                   int s2_group)
+int bt_attn_fwd_win(float *out, float *lse, const float *q, const float *k, const float *v,
+                    const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                    int s2_group, int window)
 {
-    int rc = check_args(n_seq, M, Hq, Hkv, D, s2_group, "forward");
+    int rc = check_args(n_seq, M, Hq, Hkv, D, s2_group, window, "forward");
     if (rc)
         return rc;
     if (M == 0)
@@ -212,7 +226,7 @@ int bt_attn_fwd_s2(float *out, float *lse, const float *q, const float *k, const
     zero_uncovered(out, (int64_t)Hq * D, cu_seqlens, n_seq, M);
     zero_uncovered(lse, Hq, cu_seqlens, n_seq, M);
     att_task *tasks = NULL;
-    const int64_t nt = make_tasks(&tasks, cu_seqlens, n_seq, M, Hq, s2_group, 1);
+    const int64_t nt = make_tasks(&tasks, cu_seqlens, n_seq, M, Hq, s2_group, window, 1);
     if (nt < 0)
         return bt_fail(BT_ERR_NOMEM, "attention forward: out of memory (task list)");
     const int group = Hq / Hkv, ldq = Hq * D, ldk = Hkv * D;
@@ -242,7 +256,7 @@ int bt_attn_fwd_s2(float *out, float *lse, const float *q, const float *k, const
                       k + (size_t)tk->start * ldk + (size_t)g * D,
                       v + (size_t)tk->start * ldk + (size_t)g * D,
                       out + (size_t)tk->start * ldq + (size_t)h * D, lse + (size_t)tk->start * Hq + h,
-                      ldq, ldk, Hq, D, scale, my);
+                      ldq, ldk, Hq, D, scale, window, my);
         }
     }
     free(ws);
@@ -255,7 +269,8 @@ int bt_attn_fwd_s2(float *out, float *lse, const float *q, const float *k, const
  * caller). ws: 2 x BQ x KT + BQ floats. */
 static void bwd_segment(const att_task *tk, const float *Q, const float *K, const float *V,
                         const float *O, const float *dO, const float *LSE, float *dQ, float *dK,
-                        float *dV, int ldq, int ldk, int ldh, int Hq, int D, float scale, float *ws)
+                        float *dV, int ldq, int ldk, int ldh, int Hq, int D, float scale, int W,
+                        float *ws)
 {
     float *P = ws, *dP = ws + BT_ATTN_BQ * BT_ATTN_KT, *Di = dP + BT_ATTN_BQ * BT_ATTN_KT;
     const int L = tk->len;
@@ -271,7 +286,8 @@ static void bwd_segment(const att_task *tk, const float *Q, const float *K, cons
                 di += dor[d] * o[d];
             Di[r] = di;
         }
-        for (int j0 = 0; j0 < nk; j0 += BT_ATTN_KT) {
+        const int jlo = win_lo(i0, W);
+        for (int j0 = jlo; j0 < nk; j0 += BT_ATTN_KT) {
             const int kt = nk - j0 < BT_ATTN_KT ? nk - j0 : BT_ATTN_KT;
             const float *Kt = K + (size_t)j0 * ldk, *Vt = V + (size_t)j0 * ldk;
             /* P = exp(scale Q K^T - lse), masked */
@@ -280,9 +296,13 @@ static void bwd_segment(const att_task *tk, const float *Q, const float *K, cons
                 float *row = P + (size_t)r * kt;
                 int nv = i0 + r + 1 - j0;
                 nv = nv < 0 ? 0 : (nv > kt ? kt : nv);
+                int ja = win_lo(i0 + r, W) - j0;
+                ja = ja < 0 ? 0 : (ja > nv ? nv : ja);
                 const float l = LSE[(size_t)(i0 + r) * Hq];
+                for (int j = 0; j < ja; j++)
+                    row[j] = 0.0f;
 #pragma omp simd
-                for (int j = 0; j < nv; j++)
+                for (int j = ja; j < nv; j++)
                     row[j] = bt_expf(row[j] - l);
                 for (int j = nv; j < kt; j++)
                     row[j] = 0.0f;
@@ -300,18 +320,18 @@ static void bwd_segment(const att_task *tk, const float *Q, const float *K, cons
                     dpr[j] = pr[j] * (dpr[j] - di);
             }
             /* dQ_b (+)= scale dS K_tile ; dK[tile] += scale dS^T Q_b */
-            bt_sgemm(0, 0, bq, D, kt, scale, dP, kt, Kt, ldk, j0 > 0 ? 1.0f : 0.0f, dQb, ldq);
+            bt_sgemm(0, 0, bq, D, kt, scale, dP, kt, Kt, ldk, j0 > jlo ? 1.0f : 0.0f, dQb, ldq);
             bt_sgemm(1, 0, kt, D, bq, scale, dP, kt, Qb, ldq, 1.0f, dK + (size_t)j0 * ldh, ldh);
         }
     }
 }
 
-int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                   const float *lse, const float *q, const float *k, const float *v,
-                   const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
-                   int s2_group)
+int bt_attn_bwd_win(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                    const float *lse, const float *q, const float *k, const float *v,
+                    const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                    int s2_group, int window)
 {
-    int rc = check_args(n_seq, M, Hq, Hkv, D, s2_group, "backward");
+    int rc = check_args(n_seq, M, Hq, Hkv, D, s2_group, window, "backward");
     if (rc)
         return rc;
     const size_t nq = (size_t)M * Hq * D, nkv = (size_t)M * Hkv * D;
@@ -322,7 +342,7 @@ int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const flo
     if (M == 0 || n_seq == 0)
         return 0;
     att_task *tasks = NULL;
-    const int64_t nt = make_tasks(&tasks, cu_seqlens, n_seq, M, Hq, s2_group, 0);
+    const int64_t nt = make_tasks(&tasks, cu_seqlens, n_seq, M, Hq, s2_group, window, 0);
     if (nt < 0)
         return bt_fail(BT_ERR_NOMEM, "attention backward: out of memory (task list)");
     /* per-query-head dK/dV accumulators in the q layout [M, Hq, D] (dk/dv directly when
@@ -364,7 +384,7 @@ int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const flo
             const size_t qo = (size_t)st * ldq + (size_t)h * D, ko = (size_t)st * ldk + (size_t)g * D;
             const size_t ho = (size_t)st * ldh + (size_t)(group > 1 ? h : g) * D;
             bwd_segment(tk, q + qo, k + ko, v + ko, out + qo, dout + qo, lse + (size_t)st * Hq + h,
-                        dq + qo, dkh + ho, dvh + ho, ldq, ldk, ldh, Hq, D, scale, my);
+                        dq + qo, dkh + ho, dvh + ho, ldq, ldk, ldh, Hq, D, scale, window, my);
         }
     }
     if (group > 1) {
@@ -391,6 +411,22 @@ int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const flo
     free(ws);
     free(tasks);
     return 0;
+}
+
+int bt_attn_fwd_s2(float *out, float *lse, const float *q, const float *k, const float *v,
+                   const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                   int s2_group)
+{
+    return bt_attn_fwd_win(out, lse, q, k, v, cu_seqlens, n_seq, M, Hq, Hkv, D, scale, s2_group, 0);
+}
+
+int bt_attn_bwd_s2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                   const float *lse, const float *q, const float *k, const float *v,
+                   const int32_t *cu_seqlens, int n_seq, int M, int Hq, int Hkv, int D, float scale,
+                   int s2_group)
+{
+    return bt_attn_bwd_win(dq, dk, dv, dout, out, lse, q, k, v, cu_seqlens, n_seq, M, Hq, Hkv, D,
+                           scale, s2_group, 0);
 }
 
 int bt_attn_fwd(float *out, float *lse, const float *q, const float *k, const float *v,

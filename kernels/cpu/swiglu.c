@@ -42,6 +42,43 @@ void bt_swiglu_bwd(float *dgate, float *dup, const float *dh, const float *gate,
     }
 }
 
+#define BT_GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
+#define BT_GELU_A 0.044715f
+
+/* 1 + tanh(z) = 2 sigmoid(2z) (no cancellation where tanh(z) is near -1), so
+ * gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g * s with s = sigmoid(2z), z = c (g + a g^3). */
+static inline float gelu_sig(float g)
+{
+    const float z = BT_GELU_C * (g + BT_GELU_A * g * g * g);
+    return 1.0f / (1.0f + bt_expf(-2.0f * z));
+}
+
+/* h[i] = gelu_tanh(gate[i]) * up[i] (kernels.h). */
+void bt_geglu_fwd(float *h, const float *gate, const float *up, int64_t n)
+{
+#pragma omp parallel for simd schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        h[i] = g * gelu_sig(g) * up[i];
+    }
+}
+
+/* Backward of bt_geglu_fwd: with s = sigmoid(2z) (1 + t = 2s, 1 - t^2 = 4 s (1 - s)),
+ *   d gelu/dg = s + 2 g s (1 - s) c (1 + 3 a g^2),
+ *   dgate = dh * up * d gelu/dg,  dup = dh * g s. Aliasing as bt_swiglu_bwd. */
+void bt_geglu_bwd(float *dgate, float *dup, const float *dh, const float *gate, const float *up,
+                  int64_t n)
+{
+#pragma omp parallel for simd schedule(static) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i], u = up[i], d = dh[i];
+        const float s = gelu_sig(g);
+        const float dgelu = s + 2.0f * g * s * (1.0f - s) * BT_GELU_C * (1.0f + 3.0f * BT_GELU_A * g * g);
+        dgate[i] = d * u * dgelu;
+        dup[i] = d * (g * s);
+    }
+}
+
 /* out[m, :] = table[ids[m], :] for m < M; table [vocab, D] fp32. An id outside [0, vocab) is
  * refused before anything is written (BT_ERR_RANGE, bt_embedding_check_ids). Rows are copied in
  * parallel. */

@@ -542,6 +542,13 @@ static void test_phi3_refused(void)
     check_family_refused("tests/fixtures/hf/phi3/hf", (1u << BT_MOD_O) | (1u << BT_MOD_DOWN), "Phi-3");
 }
 
+/* Gemma 3, verified on the CPU backend only: the tiny fixture of
+ * tests/reference/gen_gemma3_fixtures.py, LoRA on every linear. */
+static void test_gemma3_refused(void)
+{
+    check_family_refused("tests/fixtures/hf/gemma3/hf", (1u << BT_MOD_N) - 1, "Gemma 3");
+}
+
 /* ------------------------------------------------------------------------ SmolLM2 */
 /* BT_MODEL: a GGUF file or HF directory (default models/SmolLM2-135M-Instruct.Q4_1.gguf), or
  * "random:smollm2-135m": the SmolLM2-135M shapes (30 layers of 576, 9 heads of 64 over 3 KV heads,
@@ -883,6 +890,7 @@ int main(int argc, char **argv)
     GT_CASE(test_tiny_gguf);
     GT_CASE(test_qwen3_refused);
     GT_CASE(test_phi3_refused);
+    GT_CASE(test_gemma3_refused);
     GT_CASE(test_tiny_long_context);
     GT_CASE(test_tiny_offload);
     GT_CASE(test_plan_matches_estimate);

@@ -96,6 +96,49 @@ def write_peft(d, model, r=8, alpha=16, seed=1, zero=False):
                    "target_modules": MODS, "lora_dropout": 0.0, "bias": "none"}, f)
 
 
+def gguf_arch(model):
+    import gguf
+    return bytes(gguf.GGUFReader(model).fields["general.architecture"].parts[-1]).decode()
+
+
+def unrepacked(model, tmp, every=False):
+    """The model llama.cpp is given with an adapter: `model` itself, or, when it holds Q4_K
+    tensors, a copy with those stored as their exact F32 dequantisation (gguf-py's, bit-identical
+    to ours). llama.cpp b4965 repacks Q4_K tensors into its CPU_AARCH64 buffer (q4_K_8x8) on AVX2
+    machines, and llama_adapter_lora_init then crashes writing the adapter's F32 tensors into that
+    buffer type (later llama.cpp keeps LoRA tensors out of repacked buffers); the weights are the
+    same, only llama.cpp's arithmetic on those tensors changes (F32 instead of Q8_K activations).
+    every: every quantised tensor as F32 (--dequantize for a family whose merged export is not
+    written yet, Gemma 3)."""
+    import gguf
+    r = gguf.GGUFReader(model)
+    F = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    conv = (lambda ty: ty not in F) if every else (lambda ty: ty == gguf.GGMLQuantizationType.Q4_K)
+    if not any(conv(t.tensor_type) for t in r.tensors):
+        return model
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    out = os.path.join(tmp, "base-f32.gguf" if every else "base-unrepacked.gguf")
+    w = gguf.GGUFWriter(out, arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+    for t in r.tensors:
+        shape = [int(x) for x in reversed(t.shape)]
+        if conv(t.tensor_type):
+            w.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+                         .reshape(shape))
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def bt_logits(build, model, ids, tmp, adapter=None):
     out = os.path.join(tmp, "logits.bin")
     args = [os.path.join(build, "tools", "bt_logits"), "--model", model, "--ids",
@@ -131,9 +174,10 @@ def measure(model, prompts, n_new, greedy, tmp, build, lib=None):
     lora = os.path.join(tmp, "lora.gguf")
     run([os.path.join(build, "trainer"), "export", "--model", model, "--adapter", peft,
          "--format", "gguf-lora", "--out", lora])
-    m = lc.load_model(model)
+    lmodel = unrepacked(model, tmp)
+    m = lc.load_model(lmodel)
     res = {"llama.cpp": f"b{lc.build_number} ({lc.commit})", "model": os.path.basename(model),
-           "n_new": n_new}
+           "n_new": n_new, "llama.cpp_base": "Q4_K tensors as F32" if lmodel != model else "as is"}
     for cond in ("base", "adapter"):
         a = m.lora(lora) if cond == "adapter" else None
         ctx = m.context(512, adapter=a)
@@ -175,7 +219,9 @@ def main():
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bt-llamacpp-") as tmp:
         model = a.model
-        if a.dequantize:
+        if a.dequantize and gguf_arch(model) == "gemma3":  # no merged gemma3 export yet
+            model = unrepacked(model, tmp, every=True)
+        elif a.dequantize:
             zero = os.path.join(tmp, "zero")
             write_peft(zero, model, zero=True)
             model = os.path.join(tmp, "base-f32.gguf")

@@ -91,6 +91,12 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
         add(p, BT_BUF_RQ, "QK-norm rstd of q", BT_DT_F32, BT_PG_ACTS, kept, M * d->Hq);
         add(p, BT_BUF_RK, "QK-norm rstd of k", BT_DT_F32, BT_PG_ACTS, kept, M * d->Hkv);
     }
+    if (o->sandwich_norm) {
+        add(p, BT_BUF_AO, "attention output before its norm", A, BT_PG_ACTS, kept, M * D);
+        add(p, BT_BUF_RPA, "post_attention_layernorm rstd", BT_DT_F32, BT_PG_ACTS, kept, M);
+        add(p, BT_BUF_FO, "MLP output before its norm", A, BT_PG_ACTS, kept, M * D);
+        add(p, BT_BUF_RPF, "post_feedforward_layernorm rstd", BT_DT_F32, BT_PG_ACTS, kept, M);
+    }
     if (o->r > 0)
         for (int mod = 0; mod < BT_MOD_N; mod++)
             if (o->target_mask & (1u << mod))

@@ -62,6 +62,8 @@ typedef enum {
     BT_BUF_XN2, BT_BUF_RSTD2, BT_BUF_G, BT_BUF_U,
     BT_BUF_QR, BT_BUF_KR, /* QK-norm (Qwen3): q and k before the per-head RMSNorm */
     BT_BUF_RQ, BT_BUF_RK, /* QK-norm: the per-head rstd of q and of k */
+    BT_BUF_AO, BT_BUF_RPA, /* sandwich norms (Gemma 3): o_proj's output before its norm, rstd */
+    BT_BUF_FO, BT_BUF_RPF, /* sandwich norms: down_proj's output before its norm, rstd */
     BT_BUF_XA, BT_BUF_XA_LAST = BT_BUF_XA + BT_MOD_N - 1,
     BT_BUF_XF, BT_BUF_RSTDF, BT_BUF_H, BT_BUF_DX, BT_BUF_DX2, BT_BUF_DXN, BT_BUF_DTMP, BT_BUF_DQ,
     BT_BUF_DK, BT_BUF_DV, BT_BUF_DATT, BT_BUF_DG, BT_BUF_DU, BT_BUF_DH, BT_BUF_DXA, BT_BUF_XD,
@@ -106,6 +108,8 @@ typedef struct {
     int qk_norm;          /* the model normalises q and k per head (hp.qk_norm, Qwen3): their
                            * pre-norm values and rstd are kept per layer (billed on both
                            * backends; the GPU trainer itself refuses Qwen3 for now) */
+    int sandwich_norm;    /* post-attention / post-FFN norms (hp.sandwich_norm, Gemma 3): the
+                           * o_proj and down_proj outputs and their rstd are kept per layer */
     /* CUDA only */
     int64_t n_params;     /* trainable parameters (bt_lora.n_params: LoRA + LoRA+), >= 1 */
     int trainable_norms;  /* LoRA+ trains the RMSNorm weights (dW partial sums) */
@@ -126,7 +130,8 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
  * (elements; M = max_M, r = o->r):
  *   ACTS  X_IN (L+1) x M*D (offload: XBUF 3 x M*D on the device, X_HOST (L+1)*M*D pinned host);
  *         per kept layer XN1, X2, XN2: M*D; Q, ATT: M*Dq; K, V: M*Dkv; G, U: M*F; RSTD1, RSTD2:
- *         M (fp32); LSE: M*Hq (fp32); XA + mod: M*r per targeted module
+ *         M (fp32); LSE: M*Hq (fp32); XA + mod: M*r per targeted module; qk_norm: QR M*Dq,
+ *         KR M*Dkv, RQ M*Hq, RK M*Hkv (fp32); sandwich_norm: AO, FO M*D, RPA, RPF M (fp32)
  *   WORK  XF, DX, DX2, DXN, DTMP: M*D; RSTDF: M (fp32); H, DG, DU, DH: M*F; DQ, DATT: M*Dq; DK, DV:
  *         M*Dkv; DXA: M*r; XD (dropout copy): M*max(D, F, Dq); CPU: TILES bt_tile_scratch_floats(
  *         threads, max cols) when quant_base (else 0), ROPE hd/2; CUDA: DEQUANT max_linear bf16

@@ -764,6 +764,11 @@ extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, con
     *out = nullptr;
     if (!m || !lo || max_M < 1)
         return bt_fail(BT_ERR_INVALID, "cuda: bad trainer arguments (max_M %d)", max_M);
+    if (m->hp.arch == BT_ARCH_GEMMA3) /* checked on the CPU path only (issue 24) */
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the Gemma 3 "
+                       "family (gemma3: sliding-window attention, GeGLU, sandwich norms, scaled "
+                       "embeddings) yet: it is verified on the CPU backend only; use device: "
+                       "\"cpu\"");
     if (m->hp.qk_norm) /* no GPU kernel for the per-head q/k RMSNorm yet: never silently skip it */
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the %s family "
                        "(Qwen3 QK-norm: RMSNorm on each head of q and k); use device: \"cpu\"",

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/bt_common.h"
+#include "common/gguf.h"
 #include "trainer/io/adapter_load.h"
 #include "trainer/config.h"
 #include "trainer/model/model.h"
@@ -145,6 +146,35 @@ int bt_generate(bt_infer *s, const int32_t *prompt, int n_prompt, const bt_gen_o
 
 /* ---- prompts ---- */
 
+/* A raw --prompt gets the BOS token in front when the model is a GGUF whose
+ * tokenizer.ggml.add_bos_token is true and the text did not start with BOS itself (llama.cpp's
+ * llama_tokenize with add_special; Hugging Face's add_bos_token): Gemma's and Llama 2's models
+ * are trained with it and degrade without it. A directory (HF tokenizer) is left as is. Errors:
+ * BT_ERR_NOMEM. */
+static int prepend_bos(const char *model, const bt_tokenizer *tok, bt_ids *ids) {
+    const int32_t bos = bt_tokenizer_bos(tok);
+    if (bos < 0 || (ids->n > 0 && ids->v[0] == bos)) return 0;
+    bt_gguf *g = NULL;
+    if (bt_gguf_open(&g, model) != 0) return 0; /* not a GGUF: nothing to read */
+    int add = 0;
+    if (bt_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add) != 0) add = 0;
+    bt_gguf_close(g);
+    if (!add) return 0;
+    bt_ids out = {0};
+    if (bt_ids_try_push(&out, bos) || bt_ids_try_append(&out, ids->v, ids->n)) {
+        bt_ids_free(&out);
+        return bt_fail(BT_ERR_NOMEM, "generate: out of memory (prompt)");
+    }
+    bt_ids_free(ids);
+    *ids = out;
+    return 0;
+}
+
+int bt_gen_raw_prompt(const char *model, const bt_tokenizer *tok, const char *text, bt_ids *ids) {
+    int rc = bt_tokenize(tok, text, strlen(text), 1, ids);
+    return rc ? rc : prepend_bos(model, tok, ids);
+}
+
 int bt_gen_chat_prompt(const bt_tokenizer *t, const bt_chat_msg *msgs, int n, bt_ids *ids) {
     bt_ids mask = {0};
     size_t n0 = ids ? ids->n : 0;
@@ -168,7 +198,9 @@ void bt_generate_usage(FILE *f) {
             "\n"
             "Generate a continuation with the base model (plus a PEFT LoRA adapter directory with\n"
             "--adapter) and stream it to stdout.\n"
-            "  --prompt TEXT        raw text (special-token strings such as <|im_start|> are parsed)\n"
+            "  --prompt TEXT        raw text (special-token strings such as <|im_start|> are parsed;\n"
+            "                       BOS in front when the GGUF sets tokenizer.ggml.add_bos_token,\n"
+            "                       as llama.cpp tokenizes a prompt: Gemma, Llama 2)\n"
             "  --chat TEXT          one user message rendered with the ChatML template (default\n"
             "                       system prompt unless --system) plus \"<|im_start|>assistant\\n\"\n"
             "  --max-new-tokens N   default 256\n"
@@ -367,7 +399,7 @@ int bt_generate_cli(int argc, char **argv) {
         msgs[n++] = (bt_chat_msg){"user", a.chat, strlen(a.chat)};
         rc = bt_gen_chat_prompt(tok, msgs, n, &ids);
     } else {
-        rc = bt_tokenize(tok, a.prompt, strlen(a.prompt), 1, &ids);
+        rc = bt_gen_raw_prompt(a.model, tok, a.prompt, &ids);
     }
     if (rc) goto fail;
     if (ids.n == 0) {

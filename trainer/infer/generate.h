@@ -66,6 +66,11 @@ int bt_generate(bt_infer *s, const int32_t *prompt, int n_prompt, const bt_gen_o
  * add_generation_prompt=True), appending the ids to *ids. Errors: those of bt_chat_encode and
  * bt_tokenize. */
 int bt_gen_chat_prompt(const bt_tokenizer *t, const bt_chat_msg *msgs, int n, bt_ids *ids);
+/* The ids of a raw --prompt: bt_tokenize(parse_special = 1) of text, with the BOS token in front
+ * when `model` is a GGUF whose tokenizer.ggml.add_bos_token is true and the text did not start
+ * with BOS (llama.cpp's llama_tokenize with add_special; HF add_bos_token). ids: appended to
+ * (caller-owned, bt_ids_free). Errors: those of bt_tokenize, BT_ERR_NOMEM. */
+int bt_gen_raw_prompt(const char *model, const bt_tokenizer *tok, const char *text, bt_ids *ids);
 
 /* `trainer generate ...`; argv[0] is "generate". Prints the usage on --help. Streams the decoded
  * continuation to stdout (flushed per token; control tokens such as <|im_end|> are not printed

@@ -21,6 +21,7 @@ struct bt_infer {
     float *rope_tab;         /* [hd/2] dynamic NTK: the table grown to dyn_len (0 = the model's) */
     int64_t dyn_len;
     bt_rope_cache rope;      /* cos/sin of the RoPE table by position (kernels.h), this state's own */
+    bt_rope_cache rope_local; /* the same for the local layers' table (m->inv_freq_local) */
     int32_t *pos_ids;        /* [max_chunk] */
     size_t bytes;
 };
@@ -51,6 +52,7 @@ void bt_infer_free(bt_infer *s) {
     free(s->pos_ids);
     free(s->rope_tab);
     bt_rope_cache_free(&s->rope);
+    bt_rope_cache_free(&s->rope_local);
     free(s);
 }
 
@@ -136,9 +138,10 @@ static void proj(bt_infer *s, int l, int mod, float *y, const float *x, int n, f
 }
 
 /* Causal attention of n new queries q[n, Hq, hd] (positions p0 .. p0+n-1, already in the cache)
- * over cached K/V [0, p0+n) of one layer: out[n, Hq, hd]. */
+ * over cached K/V [0, p0+n) of one layer: out[n, Hq, hd]; with a sliding window W > 0 query i
+ * sees keys (i - W, i] only (kernels.h bt_attn_fwd_win). */
 static void attn_cached(bt_infer *s, float *out, const float *q, const float *K, const float *Vv,
-                        int p0, int n) {
+                        int p0, int n, int W) {
     const int Hq = s->Hq, Hkv = s->Hkv, hd = s->hd, group = Hq / Hkv, ldk = Hkv * hd;
     const float scale = bt_model_attn_scale(&s->m->hp);
     const int ntask = n * Hq;
@@ -152,9 +155,10 @@ static void attn_cached(bt_infer *s, float *out, const float *q, const float *K,
         float *S = s->scores;
 #endif
         int i = t / Hq, h = t % Hq, kvh = h / group, len = p0 + i + 1;
+        const int j0 = W > 0 && len - W > 0 ? len - W : 0;
         const float *qi = q + ((size_t)i * Hq + h) * hd;
         float mx = -INFINITY;
-        for (int j = 0; j < len; j++) {
+        for (int j = j0; j < len; j++) {
             const float *kj = K + (size_t)j * ldk + (size_t)kvh * hd;
             float d = 0.f;
             for (int c = 0; c < hd; c++) d += qi[c] * kj[c];
@@ -162,13 +166,13 @@ static void attn_cached(bt_infer *s, float *out, const float *q, const float *K,
             if (S[j] > mx) mx = S[j];
         }
         float sum = 0.f;
-        for (int j = 0; j < len; j++) {
+        for (int j = j0; j < len; j++) {
             S[j] = expf(S[j] - mx);
             sum += S[j];
         }
         float *o = out + ((size_t)i * Hq + h) * hd;
         memset(o, 0, (size_t)hd * sizeof(float));
-        for (int j = 0; j < len; j++) {
+        for (int j = j0; j < len; j++) {
             const float *vj = Vv + (size_t)j * ldk + (size_t)kvh * hd;
             float w = S[j];
             for (int c = 0; c < hd; c++) o[c] += w * vj[c];
@@ -199,7 +203,12 @@ static int chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
     const float *inv = s->dyn_len > 0 ? s->rope_tab : m->inv_freq;
     int rc = bt_embedding_fwd(s->x, bt_lora_embed(lo, m), ids, n, D, s->V);
     if (rc) return rc;
+    if (m->hp.embed_scale > 0.f) bt_scale(s->x, (int64_t)n * D, m->hp.embed_scale); /* Gemma */
     for (int l = 0; l < s->n_layer; l++) {
+        const int W = bt_model_layer_window(&m->hp, l);
+        const float *linv = bt_model_layer_inv(m, l, inv);
+        bt_rope_cache *rcache = linv == inv ? &s->rope : &s->rope_local;
+        const bt_layer *Ly = &m->layers[l];
         float *kc = s->kc[l] + (size_t)p0 * s->Dkv, *vc = s->vc[l] + (size_t)p0 * s->Dkv;
         /* s->lse doubles as rstd scratch for the norms ([n] <= [n * Hq]). */
         bt_rmsnorm_fwd(s->xn, s->lse, s->x, bt_lora_norm(lo, m, l, 0), n, D, eps);
@@ -211,26 +220,30 @@ static int chunk_fwd(bt_infer *s, const int32_t *ids, int n) {
             bt_rmsnorm_fwd(s->q, s->lse, s->q, m->layers[l].q_norm, n * s->Hq, s->hd, eps);
             bt_rmsnorm_fwd(kc, s->lse, kc, m->layers[l].k_norm, n * s->Hkv, s->hd, eps);
         }
-        if ((rc = bt_rope_fwd_cached(&s->rope, s->q, s->pos_ids, n, s->Hq, s->hd, inv, 1.0f)) ||
-            (rc = bt_rope_fwd_cached(&s->rope, kc, s->pos_ids, n, s->Hkv, s->hd, inv, 1.0f)))
+        if ((rc = bt_rope_fwd_cached(rcache, s->q, s->pos_ids, n, s->Hq, s->hd, linv, 1.0f)) ||
+            (rc = bt_rope_fwd_cached(rcache, kc, s->pos_ids, n, s->Hkv, s->hd, linv, 1.0f)))
             return rc;
         if (p0 == 0) {
             int32_t cu[2] = {0, n};
-            if ((rc = bt_attn_fwd(s->att, s->lse, s->q, kc, vc, cu, 1, n, s->Hq, s->Hkv, s->hd,
-                                  bt_model_attn_scale(&m->hp))))
+            if ((rc = bt_attn_fwd_win(s->att, s->lse, s->q, kc, vc, cu, 1, n, s->Hq, s->Hkv, s->hd,
+                                      bt_model_attn_scale(&m->hp), 0, W)))
                 return rc;
         } else {
-            attn_cached(s, s->att, s->q, s->kc[l], s->vc[l], p0, n);
+            attn_cached(s, s->att, s->q, s->kc[l], s->vc[l], p0, n, W);
         }
         /* x += o_proj(att): the o_proj output goes to xn (free now), then the residual add, in
-         * the order HF adds (residual + attn_out). */
+         * the order HF adds (residual + attn_out). Gemma 3 normalises the o_proj output first
+         * (post_attention_layernorm), in place: bt_rmsnorm_fwd reads each row before writing it. */
         proj(s, l, BT_MOD_O, s->xn, s->att, n, 0.f);
+        if (Ly->post_attn_norm) bt_rmsnorm_fwd(s->xn, s->lse, s->xn, Ly->post_attn_norm, n, D, eps);
         add_inplace(s->x, s->xn, (int64_t)n * D);
         bt_rmsnorm_fwd(s->xn, s->lse, s->x, bt_lora_norm(lo, m, l, 1), n, D, eps);
         proj(s, l, BT_MOD_GATE, s->g, s->xn, n, 0.f);
         proj(s, l, BT_MOD_UP, s->u, s->xn, n, 0.f);
-        bt_swiglu_fwd(s->h, s->g, s->u, (int64_t)n * s->F);
+        if (m->hp.act == BT_ACT_GELU_TANH) bt_geglu_fwd(s->h, s->g, s->u, (int64_t)n * s->F);
+        else bt_swiglu_fwd(s->h, s->g, s->u, (int64_t)n * s->F);
         proj(s, l, BT_MOD_DOWN, s->xn, s->h, n, 0.f);
+        if (Ly->post_ffn_norm) bt_rmsnorm_fwd(s->xn, s->lse, s->xn, Ly->post_ffn_norm, n, D, eps);
         add_inplace(s->x, s->xn, (int64_t)n * D);
     }
     bt_rmsnorm_fwd(s->xn, s->lse, s->x, bt_lora_norm(lo, m, s->n_layer, 0), n, D, eps);

@@ -480,6 +480,9 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                           const char *out) {
     if (dtype < BT_EXPORT_F32 || dtype > BT_EXPORT_Q8_0)
         return bt_fail(BT_ERR_INVALID, "export: gguf: bad dtype %d", dtype);
+    if (m->hp.arch == BT_ARCH_GEMMA3) /* its norms, window and RoPE keys are not written yet */
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Gemma 3 (gemma3) model is not "
+                       "supported yet; export the adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     int rc = bt_export_lora_matches(m, lo);
@@ -628,17 +631,17 @@ static int shape_model(bt_model *m, const bt_gguf *g, const char *path) {
     bt_str arch;
     int fam = -1;
     if (bt_gguf_get_str(g, "general.architecture", &arch) == 0)
-        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_PHI3 && fam < 0; a++)
+        for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_GEMMA3 && fam < 0; a++)
             if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len))
                 fam = a;
     if (fam < 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "export: %s: general.architecture is not \"llama\", "
-                       "\"qwen2\", \"qwen3\" or \"phi3\"", path);
+                       "\"qwen2\", \"qwen3\", \"phi3\" or \"gemma3\"", path);
     for (int i = 0; i < 5; i++) snprintf(keys[i], sizeof keys[i], "%s.%s", bt_arch_name(fam), sfx[i]);
     snprintf(kctx, sizeof kctx, "%s.context_length", bt_arch_name(fam));
     snprintf(ktheta, sizeof ktheta, "%s.rope.freq_base", bt_arch_name(fam));
     m->hp.arch = fam;
-    m->hp.qk_norm = fam == BT_ARCH_QWEN3;
+    m->hp.qk_norm = fam == BT_ARCH_QWEN3 || fam == BT_ARCH_GEMMA3;
     for (int i = 0; i < 5; i++) {
         int rc = bt_gguf_get_i64(g, keys[i], &v[i]);
         if (rc == BT_ERR_NOTFOUND && i == 4) v[4] = v[2];

@@ -693,6 +693,9 @@ int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, int dtype
     if (dtype != BT_EXPORT_F32 && dtype != BT_EXPORT_F16 && dtype != BT_EXPORT_BF16)
         return bt_fail(BT_ERR_INVALID, "export: safetensors: dtype %s not supported (f32, f16, bf16)",
                        bt_export_dtype_name(dtype));
+    if (m->hp.arch == BT_ARCH_GEMMA3) /* its norms, window and RoPE keys are not written yet */
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Gemma 3 (gemma3) model is not "
+                       "supported yet; export the adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     uint64_t max_bytes = o && o->max_shard_bytes > 0 ? (uint64_t)o->max_shard_bytes

@@ -18,6 +18,9 @@ typedef struct {
     /* QK-norm (hp.qk_norm, Qwen3) only, else NULL: q / k before the per-head RMSNorm (its
      * backward input) [M, Dq] / [M, Dkv] and its rstd [M * Hq] / [M * Hkv] */
     float *qr, *kr, *rq, *rk;
+    /* sandwich norms (hp.sandwich_norm, Gemma 3) only, else NULL: o_proj's and down_proj's
+     * outputs before their RMSNorm [M, D] and its rstd [M] */
+    float *ao, *rpa, *fo, *rpf;
 } layer_acts;
 
 struct bt_step_ctx {
@@ -28,6 +31,7 @@ struct bt_step_ctx {
     float *rope_tab;   /* [hd/2] the pass's RoPE table when it differs from m->inv_freq (dynamic) */
     const float *inv;  /* the RoPE table of the pass in progress */
     bt_rope_cache rope; /* cos/sin of `inv` by position (kernels.h), this context's own */
+    bt_rope_cache rope_local; /* the same for the local layers' table (m->inv_freq_local) */
     int D, Dq, Dkv, F, V, r, Hq, Hkv, hd; /* bt_dims_of(&m->hp); r: the LoRA rank (1 without) */
     float **x_in;      /* [n_layer + 1][max_M * D]: input of each layer; [n_layer] = final hidden */
     layer_acts *acts;  /* [n_layer], or [1] shared when checkpointing */
@@ -104,6 +108,10 @@ static void bind(bt_step_ctx *c, int id, int i, void *p) {
     case BT_BUF_KR: A->kr = p; break;
     case BT_BUF_RQ: A->rq = p; break;
     case BT_BUF_RK: A->rk = p; break;
+    case BT_BUF_AO: A->ao = p; break;
+    case BT_BUF_RPA: A->rpa = p; break;
+    case BT_BUF_FO: A->fo = p; break;
+    case BT_BUF_RPF: A->rpf = p; break;
     case BT_BUF_XF: c->xf = p; break;
     case BT_BUF_RSTDF: c->rstdf = p; break;
     case BT_BUF_H: c->h = p; break;
@@ -137,6 +145,7 @@ void bt_step_ctx_free(bt_step_ctx *c) {
     free(c->x_in);
     free(c->acts);
     bt_rope_cache_free(&c->rope);
+    bt_rope_cache_free(&c->rope_local);
     free(c);
 }
 
@@ -168,6 +177,11 @@ int bt_step_ctx_new(bt_step_ctx **out, const bt_model *m, const bt_lora *lo, int
     po.quant_base = m->base_dtype == BT_BASE_NF4 || m->base_dtype == BT_BASE_GGUF;
     po.threads = omp_get_max_threads(); /* as bt_model_scratch_floats sizes the tiles */
     po.qk_norm = m->hp.qk_norm;
+    po.sandwich_norm = m->hp.sandwich_norm;
+    if (lo && lo->norms && m->hp.sandwich_norm)
+        return bt_fail(BT_ERR_UNSUPPORTED, "step: trainable RMSNorm weights (LoRA+ norms) are not "
+                       "supported for %s (its norms hold 1 + w); train LoRA only",
+                       bt_arch_name(m->hp.arch));
     int rc = bt_plan_step(&plan, &d, &po);
     if (rc) return rc;
     bt_step_ctx *c = bt_xcalloc(1, sizeof *c);
@@ -247,6 +261,17 @@ static void proj_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
                        bt_lora_drop_key(key, l, md->group)));
 }
 
+/* The MLP's gated activation: SwiGLU, or GeGLU with the tanh GELU (hp.act, Gemma 3). */
+static void glu_fwd(const bt_model *m, float *h, const float *g, const float *u, int64_t n) {
+    if (m->hp.act == BT_ACT_GELU_TANH) bt_geglu_fwd(h, g, u, n);
+    else bt_swiglu_fwd(h, g, u, n);
+}
+static void glu_bwd(const bt_model *m, float *dg, float *du, const float *dh, const float *g,
+                    const float *u, int64_t n) {
+    if (m->hp.act == BT_ACT_GELU_TANH) bt_geglu_bwd(dg, du, dh, g, u, n);
+    else bt_swiglu_bwd(dg, du, dh, g, u, n);
+}
+
 static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l,
                       const bt_microbatch *mb, uint64_t key) {
     int M = mb->B * mb->T;
@@ -267,24 +292,34 @@ static int layer_fwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
             bt_rmsnorm_fwd(A->k, A->rk, A->kr, L->k_norm, M * c->Hkv, c->hd, eps)));
     }
     int rc;
+    /* the layer's RoPE table and window (Gemma 3's local layers: their own base and window) */
+    const float *inv = bt_model_layer_inv(m, l, c->inv);
+    bt_rope_cache *rcache = inv == c->inv ? &c->rope : &c->rope_local;
+    const int win = bt_model_layer_window(&m->hp, l);
     OP(c, "rope fwd", F4((int64_t)M * c->Dq),
-       rc = bt_rope_fwd_cached(&c->rope, A->q, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+       rc = bt_rope_fwd_cached(rcache, A->q, mb->position_ids, M, c->Hq, c->hd, inv, 1.0f));
     if (rc) return rc;
     OP(c, "rope fwd", F4((int64_t)M * c->Dkv),
-       rc = bt_rope_fwd_cached(&c->rope, A->k, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+       rc = bt_rope_fwd_cached(rcache, A->k, mb->position_ids, M, c->Hkv, c->hd, inv, 1.0f));
     if (rc) return rc;
     OP(c, "attention fwd", F4((int64_t)M * (c->Dq + c->Hq)),
-       rc = bt_attn_fwd_s2(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M,
-                           c->Hq, c->Hkv, c->hd, c->attn_scale, c->s2_now));
+       rc = bt_attn_fwd_win(A->att, A->lse, A->q, A->k, A->v, mb->cu_seqlens, mb->n_cu - 1, M,
+                            c->Hq, c->Hkv, c->hd, c->attn_scale, c->s2_now, win));
     if (rc) return rc;
-    proj_fwd(c, m, lo, l, BT_MOD_O, A->x2, A->att, M, A, key);
+    proj_fwd(c, m, lo, l, BT_MOD_O, A->ao ? A->ao : A->x2, A->att, M, A, key);
+    if (A->ao) /* Gemma 3 post_attention_layernorm of the attention output */
+        OP(c, "rmsnorm fwd", F4(nD + M),
+           bt_rmsnorm_fwd(A->x2, A->rpa, A->ao, L->post_attn_norm, M, c->D, eps));
     OP(c, "residual add", F4(nD), add_into(A->x2, A->x2, x, nD));
     OP(c, "rmsnorm fwd", F4(nD + M),
        bt_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, bt_lora_norm(lo, m, l, 1), M, c->D, eps));
     proj_fwd(c, m, lo, l, BT_MOD_GATE, A->g, A->xn2, M, A, key);
     proj_fwd(c, m, lo, l, BT_MOD_UP, A->u, A->xn2, M, A, key);
-    OP(c, "swiglu fwd", F4((int64_t)M * c->F), bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
-    proj_fwd(c, m, lo, l, BT_MOD_DOWN, xout, c->h, M, A, key);
+    OP(c, "glu fwd", F4((int64_t)M * c->F), glu_fwd(m, c->h, A->g, A->u, (int64_t)M * c->F));
+    proj_fwd(c, m, lo, l, BT_MOD_DOWN, A->fo ? A->fo : xout, c->h, M, A, key);
+    if (A->fo) /* Gemma 3 post_feedforward_layernorm of the MLP output */
+        OP(c, "rmsnorm fwd", F4(nD + M),
+           bt_rmsnorm_fwd(xout, A->rpf, A->fo, L->post_ffn_norm, M, c->D, eps));
     OP(c, "residual add", F4(nD), add_into(xout, xout, A->x2, nD));
     return 0;
 }
@@ -301,30 +336,46 @@ static int layer_bwd(bt_step_ctx *c, const bt_model *m, const bt_lora *lo, int l
     if (c->ckpt) { /* recompute (rewrites x_in[l+1] identically) */
         if ((rc = layer_fwd(c, m, lo, l, mb, key))) return rc;
     } else /* h is not kept per layer */
-        OP(c, "swiglu fwd (recompute)", F4((int64_t)M * c->F),
-           bt_swiglu_fwd(c->h, A->g, A->u, (int64_t)M * c->F));
+        OP(c, "glu fwd (recompute)", F4((int64_t)M * c->F),
+           glu_fwd(m, c->h, A->g, A->u, (int64_t)M * c->F));
+    const bt_layer *Ly = &m->layers[l];
+    const int win = bt_model_layer_window(&m->hp, l);
+    const float *inv = bt_model_layer_inv(m, l, c->inv);
+    bt_rope_cache *rcache = inv == c->inv ? &c->rope : &c->rope_local;
 
-    /* MLP */
-    proj_bwd(c, m, lo, l, BT_MOD_DOWN, c->dh, c->dx, c->h, M, 0.f, A, key);
-    OP(c, "swiglu bwd", F4(2 * (int64_t)M * c->F),
-       bt_swiglu_bwd(c->dg, c->du, c->dh, A->g, A->u, (int64_t)M * c->F));
+    /* MLP (Gemma 3: first back through post_feedforward_layernorm, into dtmp) */
+    const float *dmlp = c->dx;
+    if (A->fo) {
+        OP(c, "rmsnorm bwd", F4(nD),
+           bt_rmsnorm_bwd(c->dtmp, NULL, c->dx, A->fo, Ly->post_ffn_norm, A->rpf, M, c->D));
+        dmlp = c->dtmp;
+    }
+    proj_bwd(c, m, lo, l, BT_MOD_DOWN, c->dh, dmlp, c->h, M, 0.f, A, key);
+    OP(c, "glu bwd", F4(2 * (int64_t)M * c->F),
+       glu_bwd(m, c->dg, c->du, c->dh, A->g, A->u, (int64_t)M * c->F));
     proj_bwd(c, m, lo, l, BT_MOD_GATE, c->dxn, c->dg, A->xn2, M, 0.f, A, key);
     proj_bwd(c, m, lo, l, BT_MOD_UP, c->dxn, c->du, A->xn2, M, 1.f, A, key);
     OP(c, "rmsnorm bwd", F4(nD), bt_rmsnorm_bwd(c->dtmp, bt_lora_dnorm(lo, l, 1), c->dxn, A->x2,
                                                 bt_lora_norm(lo, m, l, 1), A->rstd2, M, c->D));
     OP(c, "residual add", F4(nD), add_into(c->dx2, c->dx, c->dtmp, nD));
-    /* attention */
-    proj_bwd(c, m, lo, l, BT_MOD_O, c->datt, c->dx2, A->att, M, 0.f, A, key);
+    /* attention (Gemma 3: first back through post_attention_layernorm, into dtmp) */
+    const float *dattn = c->dx2;
+    if (A->ao) {
+        OP(c, "rmsnorm bwd", F4(nD),
+           bt_rmsnorm_bwd(c->dtmp, NULL, c->dx2, A->ao, Ly->post_attn_norm, A->rpa, M, c->D));
+        dattn = c->dtmp;
+    }
+    proj_bwd(c, m, lo, l, BT_MOD_O, c->datt, dattn, A->att, M, 0.f, A, key);
     OP(c, "attention bwd", F4((int64_t)M * (c->Dq + 2 * c->Dkv)),
-       rc = bt_attn_bwd_s2(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v,
-                           mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd, c->attn_scale,
-                           c->s2_now));
+       rc = bt_attn_bwd_win(c->dq, c->dk, c->dv, c->datt, A->att, A->lse, A->q, A->k, A->v,
+                            mb->cu_seqlens, mb->n_cu - 1, M, c->Hq, c->Hkv, c->hd, c->attn_scale,
+                            c->s2_now, win));
     if (rc) return rc;
     OP(c, "rope bwd", F4((int64_t)M * c->Dq),
-       rc = bt_rope_bwd_cached(&c->rope, c->dq, mb->position_ids, M, c->Hq, c->hd, c->inv, 1.0f));
+       rc = bt_rope_bwd_cached(rcache, c->dq, mb->position_ids, M, c->Hq, c->hd, inv, 1.0f));
     if (rc) return rc;
     OP(c, "rope bwd", F4((int64_t)M * c->Dkv),
-       rc = bt_rope_bwd_cached(&c->rope, c->dk, mb->position_ids, M, c->Hkv, c->hd, c->inv, 1.0f));
+       rc = bt_rope_bwd_cached(rcache, c->dk, mb->position_ids, M, c->Hkv, c->hd, inv, 1.0f));
     if (rc) return rc;
     if (A->qr) { /* QK-norm backward, in place (the norm weights are frozen: no dw) */
         const bt_layer *L = &m->layers[l];
@@ -363,6 +414,9 @@ static int forward_hidden(bt_step_ctx *c, const bt_model *m, const bt_lora *lo,
     OP(c, "embedding fwd", F4((int64_t)M * c->D),
        rc = bt_embedding_fwd(c->x_in[0], bt_lora_embed(lo, m), mb->input_ids, M, c->D, c->V));
     if (rc) return rc;
+    if (m->hp.embed_scale > 0.f) /* Gemma: Gemma3TextScaledWordEmbedding's sqrt(hidden_size) */
+        OP(c, "embedding scale", F4((int64_t)M * c->D),
+           bt_scale(c->x_in[0], (int64_t)M * c->D, m->hp.embed_scale));
     for (int l = 0; l < c->n_layer; l++) {
         if ((rc = asked_to_stop(c))) return rc;
         if ((rc = layer_fwd(c, m, lo, l, mb, drop_key))) return rc;
@@ -399,6 +453,8 @@ static int backward_from_final(bt_step_ctx *c, const bt_model *m, bt_lora *lo,
         if ((rc = layer_bwd(c, m, lo, l, mb, drop_key))) return rc;
     }
     /* c->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
+    if (bt_lora_dembed(lo) && m->hp.embed_scale > 0.f)
+        bt_scale(c->dx, (int64_t)M * c->D, m->hp.embed_scale);
     if (bt_lora_dembed(lo))
         OP(c, "embedding bwd", F4((int64_t)c->V * c->D),
            rc = bt_embedding_bwd(bt_lora_dembed(lo), c->dx, mb->input_ids, M, c->D, c->V));

@@ -138,6 +138,8 @@ void bt_model_free(bt_model *m) {
             free(m->layers[i].ffn_norm);
             free(m->layers[i].q_norm);
             free(m->layers[i].k_norm);
+            free(m->layers[i].post_attn_norm);
+            free(m->layers[i].post_ffn_norm);
             for (int j = 0; j < BT_MOD_N; j++) lin_free(&m->layers[i].lin[j]);
         }
         free(m->layers);
@@ -146,8 +148,19 @@ void bt_model_free(bt_model *m) {
     free(m->tok_embd);
     free(m->output_norm);
     free(m->inv_freq);
+    free(m->inv_freq_local);
     free(m->rope_freqs);
     memset(m, 0, sizeof *m);
+}
+
+int bt_model_layer_window(const bt_llama_hparams *hp, int l) {
+    if (hp->sliding_window <= 0) return 0;
+    if (hp->swa_pattern > 0 && (l + 1) % hp->swa_pattern == 0) return 0; /* a global layer */
+    return hp->sliding_window;
+}
+
+const float *bt_model_layer_inv(const bt_model *m, int l, const float *global) {
+    return m->inv_freq_local && bt_model_layer_window(&m->hp, l) > 0 ? m->inv_freq_local : global;
 }
 
 int bt_rope_ext_parse(const char *name) {
@@ -170,7 +183,9 @@ float bt_model_attn_factor(const bt_llama_hparams *hp) {
 }
 
 float bt_model_attn_scale(const bt_llama_hparams *hp) {
-    const float s = 1.0f / sqrtf((float)hp->head_dim), a = bt_model_attn_factor(hp);
+    /* Gemma's query_pre_attn_scalar (Gemma3Attention.scaling = query_pre_attn_scalar ** -0.5) */
+    const float s = 1.0f / sqrtf(hp->attn_scalar > 0.f ? hp->attn_scalar : (float)hp->head_dim);
+    const float a = bt_model_attn_factor(hp);
     return a == 1.0f ? s : s * (a * a);
 }
 
@@ -215,8 +230,9 @@ int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
         memcpy(ff, rope_freqs, (size_t)half * sizeof(float)); /* rope_freqs may be m->rope_freqs */
     }
     free(m->inv_freq);
+    free(m->inv_freq_local);
     free(m->rope_freqs);
-    m->inv_freq = m->rope_freqs = NULL;
+    m->inv_freq = m->rope_freqs = m->inv_freq_local = NULL;
     if (D < 2 || D % 2 != 0)
         return bt_fail(BT_ERR_INVALID, "model: RoPE head_dim %d must be even and >= 2", D);
     if (hp->rope_type == BT_ROPE_FREQS && !ff)
@@ -244,12 +260,23 @@ int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
                                   hp->rope_ext_orig_ctx, hp->rope_yarn_beta_fast,
                                   hp->rope_yarn_beta_slow);
     }
+    float *loc = NULL; /* the local layers' own table: plain default with their base (Gemma 3:
+                        * transformers' sliding_attention rope_parameters, llama.cpp's
+                        * rope_freq_base_train_swa with freq_scale 1) */
+    if (!rc && hp->rope_local_theta > 0.f) {
+        if (!(loc = malloc((size_t)half * sizeof(float))))
+            rc = bt_fail(BT_ERR_NOMEM, "model: out of memory (RoPE table)");
+        else
+            rc = bt_rope_inv_freq(loc, D, hp->rope_local_theta, "default", 0.f, 0.f, 0.f, 0);
+    }
     if (rc) {
         free(inv);
+        free(loc);
         free(ff);
         return rc;
     }
     m->inv_freq = inv;
+    m->inv_freq_local = loc;
     m->rope_freqs = ff;
     return 0;
 }
@@ -588,6 +615,7 @@ int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what) {
 const char *bt_arch_name(int arch) {
     return arch == BT_ARCH_QWEN2 ? "qwen2" : arch == BT_ARCH_QWEN3 ? "qwen3"
          : arch == BT_ARCH_PHI3  ? "phi3"
+         : arch == BT_ARCH_GEMMA3 ? "gemma3"
                                  : "llama";
 }
 
@@ -602,14 +630,14 @@ static int gguf_check_arch(const bt_gguf *g, const char *path, int *arch_out) {
         return bt_fail(rc == BT_ERR_NOTFOUND ? BT_ERR_NOTFOUND : BT_ERR_FORMAT,
                        "model: %s: general.architecture: %s", path,
                        rc == BT_ERR_NOTFOUND ? "missing" : bt_last_error());
-    for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_PHI3; a++)
+    for (int a = BT_ARCH_LLAMA; a <= BT_ARCH_GEMMA3; a++)
         if (arch.len == strlen(bt_arch_name(a)) && !memcmp(arch.ptr, bt_arch_name(a), arch.len)) {
             *arch_out = a;
             return 0;
         }
     return bt_fail(BT_ERR_UNSUPPORTED,
                    "model: %s: general.architecture is \"%.*s\"; the trainer supports \"llama\", "
-                   "\"qwen2\", \"qwen3\" and \"phi3\"",
+                   "\"qwen2\", \"qwen3\", \"phi3\" and \"gemma3\"",
                    path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
 }
 
@@ -659,6 +687,50 @@ static int gguf_shape_keys(const bt_gguf *g, const char *path, bt_llama_hparams 
     return 0;
 }
 
+/* Stage: Gemma 3's own keys and fixed choices, as llama.cpp b4965 llama-model.cpp load_hparams
+ * (LLM_ARCH_GEMMA3) and its gemma3 graph read them: gemma3.attention.sliding_window (required; the
+ * window of the local layers), every 6th layer global (set_swa_pattern(6) / n_swa_pattern 6: not in
+ * the file), local RoPE base 10000 with no scaling (rope_freq_base_train_swa), the softmax scale
+ * 1/sqrt(key_length) (1/sqrt(embedding_length / head_count) for the 62-layer 27B, as llama.cpp's
+ * f_attention_scale), embeddings times sqrt(embedding_length), QK-norm, the post-attention /
+ * post-FFN norms and GeGLU with the tanh GELU; gemma3.rope.scaling.type "linear" (Gemma 3 4B+)
+ * scales the global layers only. Norm weights are read as stored: convert_hf_to_gguf.py Gemma3Model
+ * writes HF's w + 1 (transformers' GGUF loader, Gemma2TensorProcessor, subtracts 1 back), which is
+ * what the trainer multiplies by. Reads g; writes hp. Errors: BT_ERR_NOTFOUND (no sliding_window),
+ * BT_ERR_FORMAT (bad value), BT_ERR_UNSUPPORTED (another RoPE scaling). */
+static int gemma3_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp) {
+    int rc;
+    if ((rc = kv_int(g, path, "gemma3.attention.sliding_window", 1, 0, &hp->sliding_window)))
+        return rc;
+    if (hp->sliding_window < 1)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: gemma3.attention.sliding_window must be >= 1",
+                       path);
+    hp->swa_pattern = 6;
+    hp->rope_local_theta = 10000.f;
+    hp->sandwich_norm = 1;
+    hp->act = BT_ACT_GELU_TANH;
+    hp->embed_scale = sqrtf((float)hp->d_model);
+    hp->attn_scalar = hp->n_layer == 62 ? (float)(hp->d_model / hp->n_head) : (float)hp->head_dim;
+    bt_str v = {"", 0};
+    if (bt_gguf_find_key(g, "gemma3.rope.scaling.type") < 0) return 0;
+    if (bt_gguf_get_str(g, "gemma3.rope.scaling.type", &v) != 0)
+        return bt_fail(BT_ERR_FORMAT, "model: %s: gemma3.rope.scaling.type is not a string", path);
+    if (v.len == 4 && !memcmp(v.ptr, "none", 4)) return 0;
+    if (!(v.len == 6 && !memcmp(v.ptr, "linear", 6)))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: gemma3.rope.scaling.type \"%.*s\" is not "
+                       "supported (none, linear)", path, (int)(v.len > 32 ? 32 : v.len), v.ptr);
+    float f = 0.f;
+    if ((rc = kv_float(g, path, "gemma3.rope.scaling.factor", 1, 0, &f))) return rc;
+    if (!(f > 0.f) || !isfinite(f))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: gemma3.rope.scaling.factor %g must be > 0", path,
+                       (double)f);
+    if (f != 1.f) {
+        hp->rope_ext = BT_ROPE_EXT_LINEAR;
+        hp->rope_ext_factor = f;
+    }
+    return 0;
+}
+
 /* Stage: every hyper-parameter: the shape keys, llama.rope.scaling.* (bt_model_gguf_rope_scaling),
  * rope_type BT_ROPE_FREQS when a rope_freqs.weight tensor exists, vocab = token_embd.weight
  * ne[1]; then bt_model_check_hparams. Reads g; writes hp. Errors: those of the stages named, in
@@ -667,7 +739,9 @@ static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp
     int rc;
     if ((rc = gguf_shape_keys(g, path, hp))) return rc;
     if (hp->arch == BT_ARCH_LLAMA && (rc = bt_model_gguf_rope_scaling(g, path, hp))) return rc;
-    if (hp->arch != BT_ARCH_LLAMA) { /* <arch>.rope.scaling.* : only "none" / absent here */
+    if (hp->arch == BT_ARCH_GEMMA3 && (rc = gemma3_hparams(g, path, hp))) return rc;
+    if (hp->arch != BT_ARCH_LLAMA && hp->arch != BT_ARCH_GEMMA3) {
+        /* <arch>.rope.scaling.* : only "none" / absent here */
         char st[64];
         snprintf(st, sizeof st, "%s.rope.scaling.type", bt_arch_name(hp->arch));
         bt_str v = {"", 0};
@@ -703,7 +777,7 @@ static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp
     const bt_gguf_tensor *emb = bt_gguf_find_tensor(g, "token_embd.weight");
     if (!emb) return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing tensor token_embd.weight", path);
     hp->vocab = (int)(emb->ne[1] > 0x7fffffff ? 0 : emb->ne[1]);
-    hp->qk_norm = hp->arch == BT_ARCH_QWEN3;
+    hp->qk_norm = hp->arch == BT_ARCH_QWEN3 || hp->arch == BT_ARCH_GEMMA3;
     /* Llama keeps head_dim = embedding_length / head_count; Qwen's key_length may differ (Phi-3:
      * llama.cpp LLM_ARCH_PHI3 uses NEOX RoPE, and Phi3MiniModel writes HF's q/k rows as-is) */
     return bt_model_check_hparams(hp, path, hp->arch != BT_ARCH_LLAMA);
@@ -843,7 +917,13 @@ static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
                                "supported (llama.cpp's phi3 has none)", path, name);
         }
     }
-    if (hp->qk_norm) { /* Qwen3: blk.N.attn_{q,k}_norm.weight [head_dim] */
+    if (hp->sandwich_norm) { /* Gemma 3: post_attention_layernorm, post_feedforward_layernorm */
+        snprintf(name, sizeof name, "blk.%d.post_attention_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->post_attn_norm))) return rc;
+        snprintf(name, sizeof name, "blk.%d.post_ffw_norm.weight", l);
+        if ((rc = load_tensor(g, path, name, 0, hp->d_model, &L->post_ffn_norm))) return rc;
+    }
+    if (hp->qk_norm) { /* Qwen3 / Gemma 3: blk.N.attn_{q,k}_norm.weight [head_dim] */
         snprintf(name, sizeof name, "blk.%d.attn_q_norm.weight", l);
         if ((rc = load_tensor(g, path, name, 0, hp->head_dim, &L->q_norm))) return rc;
         snprintf(name, sizeof name, "blk.%d.attn_k_norm.weight", l);

@@ -52,7 +52,34 @@ typedef struct {
     int qk_norm;       /* 1: RMSNorm over each head of q and k (bt_layer q_norm / k_norm, weights
                         * [head_dim], eps rms_eps) after q_proj / k_proj and before RoPE, as
                         * transformers Qwen3Attention (Qwen3); 0 otherwise */
+    /* Gemma 3 (BT_ARCH_GEMMA3; transformers 5.23 Gemma3ForCausalLM, llama.cpp LLM_ARCH_GEMMA3);
+     * every other family leaves these 0 */
+    int sandwich_norm; /* 1: RMSNorm of the attention output (bt_layer post_attn_norm) and of the
+                        * MLP output (post_ffn_norm) before each residual add, as
+                        * Gemma3DecoderLayer's post_attention_layernorm / post_feedforward_layernorm
+                        * (its pre_feedforward_layernorm is ffn_norm) */
+    int act;           /* the MLP's gate activation: BT_ACT_SILU (SwiGLU) | BT_ACT_GELU_TANH
+                        * (GeGLU, hidden_activation "gelu_pytorch_tanh") */
+    float embed_scale; /* the embedding rows are multiplied by it before layer 0 (Gemma:
+                        * sqrt(d_model), Gemma3TextScaledWordEmbedding); 0 = none */
+    float attn_scalar; /* the softmax scale is 1/sqrt(attn_scalar) (HF query_pre_attn_scalar);
+                        * 0 = head_dim */
+    int sliding_window; /* keys a local layer's query sees, itself included (HF sliding_window,
+                         * GGUF <arch>.attention.sliding_window); 0 = no local layers */
+    int swa_pattern;   /* with sliding_window: layer l is global iff (l + 1) % swa_pattern == 0
+                        * (HF sliding_window_pattern / layer_types, llama.cpp set_swa_pattern);
+                        * 0 = every layer is local */
+    float rope_local_theta; /* RoPE base of the local layers (HF rope_local_base_freq /
+                             * rope_parameters.sliding_attention.rope_theta; llama.cpp's 10000);
+                             * 0 = the same table as the global layers */
 } bt_llama_hparams;
+
+/* MLP activations (bt_llama_hparams.act). */
+enum { BT_ACT_SILU = 0, BT_ACT_GELU_TANH = 1 };
+
+/* The sliding window of layer l (0: full causal attention), from hp's sliding_window and
+ * swa_pattern. */
+int bt_model_layer_window(const bt_llama_hparams *hp, int l);
 
 /* The dimensions every buffer and linear of the model is sized by, derived once from its
  * hyper-parameters (bt_dims_of): what the step contexts (trainer/loop/step.c, trainer/cuda/),
@@ -83,9 +110,10 @@ int64_t bt_dims_max_linear(const bt_dims *d);
 int bt_dims_max_cols(const bt_dims *d);
 
 /* Model families (bt_llama_hparams.arch). */
-enum { BT_ARCH_LLAMA = 0, BT_ARCH_QWEN2 = 1, BT_ARCH_QWEN3 = 2, BT_ARCH_PHI3 = 3 };
-/* "llama" | "qwen2" | "qwen3" | "phi3": the GGUF general.architecture (and key prefix) of a
- * family. */
+enum { BT_ARCH_LLAMA = 0, BT_ARCH_QWEN2 = 1, BT_ARCH_QWEN3 = 2, BT_ARCH_PHI3 = 3,
+       BT_ARCH_GEMMA3 = 4 };
+/* "llama" | "qwen2" | "qwen3" | "phi3" | "gemma3": the GGUF general.architecture (and key prefix)
+ * of a family. */
 const char *bt_arch_name(int arch);
 
 enum { BT_ROPE_DEFAULT = 0, BT_ROPE_LLAMA3 = 1, BT_ROPE_FREQS = 2 };
@@ -120,6 +148,8 @@ typedef struct {
     float *ffn_norm;               /* [d_model] */
     float *q_norm, *k_norm;        /* [head_dim] fp32 (owned) when hp.qk_norm (Qwen3 q_norm /
                                     * k_norm, frozen), else NULL */
+    float *post_attn_norm;         /* [d_model] (owned) when hp.sandwich_norm, else NULL */
+    float *post_ffn_norm;          /* [d_model] (owned) when hp.sandwich_norm, else NULL */
     bt_base_linear lin[BT_MOD_N];  /* indexed by BT_MOD_Q .. BT_MOD_DOWN */
 } bt_layer;
 
@@ -133,6 +163,8 @@ typedef struct {
     bt_layer *layers;      /* [n_layer] */
     float *inv_freq;       /* [head_dim/2] fp32 RoPE inverse frequencies (owned; bt_model_rope_init):
                             * what bt_rope_fwd_freq / bt_rope_bwd_freq rotate with */
+    float *inv_freq_local; /* [head_dim/2] the local (sliding-window) layers' table when
+                            * hp.rope_local_theta > 0 (owned; bt_model_rope_init), else NULL */
     float *rope_freqs;     /* [head_dim/2] GGUF rope_freqs.weight factors (owned) for
                             * BT_ROPE_FREQS, else NULL */
     int ctx_extended;      /* 1 when bt_model_extend_context scaled the RoPE (the job's
@@ -146,6 +178,9 @@ typedef struct {
  * (INFO) and 0. max_T > window: BT_ERR_UNSUPPORTED naming the family's sliding_window, the value
  * and the fix (the CPU attention has no window yet). No window: 0, nothing logged. */
 int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what);
+/* The RoPE table of layer l: m->inv_freq_local for a local layer when the model has one, else
+ * `global` (m->inv_freq, or the pass's dynamic table). */
+const float *bt_model_layer_inv(const bt_model *m, int l, const float *global);
 
 /* Fill m->inv_freq (allocated here, replacing any previous table) from m->hp. The model's own
  * table: rope_type BT_ROPE_DEFAULT -> bt_rope_inv_freq "default", BT_ROPE_LLAMA3 -> "llama3" with

@@ -811,7 +811,7 @@ static int parse_rope(const cfgj *c, bt_llama_hparams *hp, float *rope_freqs) {
     return rope_extension(c, rs, ty, hp);
 }
 
-enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_PHI3 };
+enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_PHI3, ARCH_GEMMA3 };
 
 /* Phi-3's RoPE keys (transformers 5.23 Phi3Config: rope_parameters / rope_scaling "su" and
  * "yarn" are renamed "longrope", the only other kind it accepts being "default"; Phi3's
@@ -837,6 +837,130 @@ static int phi3_rope_check(const cfgj *c) {
     return 0;
 }
 
+/* Gemma 3 text (transformers 5.23 Gemma3TextConfig / Gemma3ForCausalLM): hidden_activation (and
+ * an older hidden_act) "gelu_pytorch_tanh" (GeGLU); query_pre_attn_scalar (256); sliding_window
+ * (required) with layer_types ("sliding_attention" / "full_attention" per layer, which must follow
+ * one period p: layer l global iff (l + 1) % p == 0, as Gemma3TextConfig builds it from
+ * sliding_window_pattern, default 6) or sliding_window_pattern itself; RoPE as rope_parameters
+ * {"full_attention": {rope_type, rope_theta, factor}, "sliding_attention": {rope_type,
+ * rope_theta}} (transformers 5) or rope_theta (1e6) / rope_local_base_freq (1e4) / rope_scaling
+ * (transformers 4): "default", or "linear" on the global layers (Gemma 3 4B+); the local layers
+ * take plain "default". attn_logit_softcapping / final_logit_softcapping must be null (Gemma 3's;
+ * Gemma 2's softcapping is not implemented), use_bidirectional_attention false. Fixed by the
+ * architecture: QK-norm, the post-attention / post-FFN norms, embeddings times sqrt(hidden_size)
+ * (Gemma3TextScaledWordEmbedding; fp32 here: the reference is the fp32 model). Errors:
+ * BT_ERR_FORMAT (bad values), BT_ERR_NOTFOUND (sliding_window), BT_ERR_UNSUPPORTED (naming the
+ * key). */
+static int gemma3_config(const cfgj *c, bt_llama_hparams *hp) {
+    static const char *const acts[2] = {"hidden_activation", "hidden_act"};
+    for (int i = 0; i < 2; i++) {
+        json_t *v = json_object_get(c->root, acts[i]);
+        const char *s = json_string_value(v);
+        if (v && !json_is_null(v) && (!s || strcmp(s, "gelu_pytorch_tanh") != 0))
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Gemma 3 %s \"%s\" is not supported "
+                           "(gelu_pytorch_tanh)", c->path, acts[i], s ? s : "(not a string)");
+    }
+    static const char *const caps[2] = {"attn_logit_softcapping", "final_logit_softcapping"};
+    for (int i = 0; i < 2; i++) {
+        json_t *v = json_object_get(c->root, caps[i]);
+        if (v && !json_is_null(v))
+            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s is set: logit soft-capping (Gemma 2) "
+                           "is not supported", c->path, caps[i]);
+    }
+    if (json_is_true(json_object_get(c->root, "use_bidirectional_attention")))
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: use_bidirectional_attention true is not "
+                       "supported (causal language models only)", c->path);
+    int rc, pattern = 6;
+    float qs = 256.f;
+    if ((rc = cfg_float(c, "query_pre_attn_scalar", 0, 256.0, &qs)) ||
+        (rc = cfg_int(c, "sliding_window", 1, 0, &hp->sliding_window)) ||
+        (rc = cfg_int(c, "sliding_window_pattern", 0, 6, &pattern)))
+        return rc;
+    json_t *lt = json_object_get(c->root, "layer_types");
+    if (json_is_array(lt)) {
+        if ((int)json_array_size(lt) != hp->n_layer)
+            return bt_fail(BT_ERR_FORMAT, "model: %s: layer_types has %zu entries for %d layers",
+                           c->path, json_array_size(lt), hp->n_layer);
+        int first_full = 0; /* the period: one past the first global layer (0: none) */
+        for (int l = 0; l < hp->n_layer && !first_full; l++)
+            if (!strcmp(json_string_value(json_array_get(lt, l)) ? json_string_value(json_array_get(lt, l)) : "", "full_attention"))
+                first_full = l + 1;
+        pattern = first_full;
+        for (int l = 0; l < hp->n_layer; l++) {
+            const char *ty = json_string_value(json_array_get(lt, l));
+            const int full = pattern > 0 && (l + 1) % pattern == 0;
+            if (!ty || strcmp(ty, full ? "full_attention" : "sliding_attention") != 0)
+                return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: layer_types[%d] is \"%s\": only a "
+                               "periodic pattern (every p-th layer \"full_attention\", the others "
+                               "\"sliding_attention\") is supported", c->path, l,
+                               ty ? ty : "(not a string)");
+        }
+    } else if (lt && !json_is_null(lt)) {
+        return bt_fail(BT_ERR_FORMAT, "model: %s: layer_types must be an array", c->path);
+    }
+    hp->swa_pattern = pattern;
+    hp->attn_scalar = qs;
+    hp->qk_norm = 1;
+    hp->sandwich_norm = 1;
+    hp->act = BT_ACT_GELU_TANH;
+    hp->embed_scale = sqrtf((float)hp->d_model);
+    hp->arch = BT_ARCH_GEMMA3;
+    /* RoPE: global table (rope_theta, optional linear factor) and local base */
+    double gth = 1000000.0, lth = 10000.0, factor = 1.0;
+    const char *gty = "default", *lty = "default";
+    json_t *rp = json_object_get(c->root, "rope_parameters");
+    json_t *full = json_is_object(rp) ? json_object_get(rp, "full_attention") : NULL;
+    json_t *slid = json_is_object(rp) ? json_object_get(rp, "sliding_attention") : NULL;
+    json_t *gs = full, *ls = slid;
+    if (!full && !slid) { /* transformers 4 keys */
+        json_t *v;
+        if ((v = json_object_get(c->root, "rope_theta")) && !json_is_null(v) && !json_num(v, &gth))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number", c->path);
+        if ((v = json_object_get(c->root, "rope_local_base_freq")) && !json_is_null(v) &&
+            !json_num(v, &lth))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_local_base_freq must be a number", c->path);
+        gs = json_object_get(c->root, "rope_scaling");
+        if (gs && json_is_null(gs)) gs = NULL;
+        if (!gs && json_is_object(rp)) gs = rp; /* a flat rope_parameters: the global layers' */
+        ls = NULL;
+    }
+    json_t *sets[2] = {gs, ls};
+    for (int i = 0; i < 2; i++) {
+        json_t *o = sets[i];
+        if (!o) continue;
+        if (!json_is_object(o))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: Gemma 3 RoPE parameters must be objects", c->path);
+        const char *ty = json_string_value(json_object_get(o, "rope_type"));
+        if (!ty) ty = json_string_value(json_object_get(o, "type"));
+        json_t *th = json_object_get(o, "rope_theta");
+        double t;
+        if (th && !json_is_null(th)) {
+            if (!json_num(th, &t) || !(t > 0) || !isfinite(t))
+                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number > 0", c->path);
+            if (i == 0) gth = t;
+            else lth = t;
+        }
+        if (i == 0) gty = ty ? ty : "default";
+        else lty = ty ? ty : "default";
+        if (i == 0 && !strcmp(gty, "linear") && (rc = rs_num(c, o, "factor", 1, &factor))) return rc;
+    }
+    if (strcmp(gty, "default") != 0 && strcmp(gty, "linear") != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Gemma 3 global-layer rope_type \"%s\" is "
+                       "not supported (default, linear)", c->path, gty);
+    if (strcmp(lty, "default") != 0)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Gemma 3 sliding-layer rope_type \"%s\" is "
+                       "not supported (default)", c->path, lty);
+    if (!(gth > 0) || !(lth > 0) || !isfinite(gth) || !isfinite(lth))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: RoPE bases must be > 0", c->path);
+    hp->rope_theta = (float)gth;
+    hp->rope_local_theta = (float)lth;
+    if (factor != 1.0) {
+        hp->rope_ext = BT_ROPE_EXT_LINEAR;
+        hp->rope_ext_factor = (float)factor;
+    }
+    return 0;
+}
+
 /* Fill hp and the bias flags from config.json. */
 static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *attn_bias_qkv,
                         int *attn_bias_o, int *mlp_bias, float *rope_freqs) {
@@ -856,12 +980,14 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
     else if (arch ? !strcmp(arch, "Qwen2ForCausalLM") : mt && !strcmp(mt, "qwen2")) a = ARCH_QWEN2;
     else if (arch ? !strcmp(arch, "Qwen3ForCausalLM") : mt && !strcmp(mt, "qwen3")) a = ARCH_QWEN3;
     else if (arch ? !strcmp(arch, "Phi3ForCausalLM") : mt && !strcmp(mt, "phi3")) a = ARCH_PHI3;
+    else if (arch ? !strcmp(arch, "Gemma3ForCausalLM") : mt && !strcmp(mt, "gemma3_text"))
+        a = ARCH_GEMMA3;
     else if (!arch && !mt)
         return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing key \"architectures\"", c->path);
     else
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: architecture \"%s\" is not supported "
                        "(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                       "Qwen3ForCausalLM, Phi3ForCausalLM)",
+                       "Qwen3ForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM)",
                        c->path, arch ? arch : mt);
     int rc;
     if ((rc = cfg_int(c, "hidden_size", 1, 0, &hp->d_model)) ||
@@ -874,8 +1000,12 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
         (rc = cfg_int(c, "max_position_embeddings", 0, 2048, &hp->ctx)) ||
         (rc = cfg_int(c, "num_key_value_heads", 0, hp->n_head, &hp->n_kv_head)) ||
         (rc = cfg_int(c, "head_dim", 0, hp->d_model / hp->n_head, &hp->head_dim)) ||
-        (rc = cfg_bool(c, "tie_word_embeddings", 0, tied)))
+        (rc = cfg_bool(c, "tie_word_embeddings", a == ARCH_GEMMA3, tied)))
         return rc;
+    if (a == ARCH_GEMMA3) { /* its own activation, RoPE, window and norm keys */
+        if ((rc = gemma3_config(c, hp))) return rc;
+        return bt_model_check_hparams(hp, c->path, 1);
+    }
     const char *act = json_string_value(json_object_get(c->root, "hidden_act"));
     json_t *actv = json_object_get(c->root, "hidden_act");
     if (actv && !json_is_null(actv) && (!act || strcmp(act, "silu") != 0))
@@ -947,6 +1077,12 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
 
 /* ---------------------------------------------------------------- loader */
 
+/* w[i] = 1 + w[i] in fp32, as Gemma3RMSNorm's output * (1.0 + self.weight.float()) forms the
+ * factor (and as convert_hf_to_gguf.py stores Gemma norms in a GGUF). */
+static void norm_plus_one(float *w, int n) {
+    for (int i = 0; w && i < n; i++) w[i] = 1.0f + w[i];
+}
+
 int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts_in) {
     memset(m, 0, sizeof *m);
     bt_model_load_opts opts_v = {BT_BASE_NF4, 0};
@@ -998,6 +1134,8 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
         }
         if ((rc = load_f32(&s, "lm_head.weight", hp->vocab, hp->d_model, &m->lm_head))) goto fail;
     }
+    const int gemma = hp->arch == BT_ARCH_GEMMA3;
+    if (gemma) norm_plus_one(m->output_norm, hp->d_model);
     m->layers = calloc((size_t)hp->n_layer, sizeof(bt_layer));
     if (!m->layers) {
         rc = bt_fail(BT_ERR_NOMEM, "model: out of memory");
@@ -1008,13 +1146,27 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
         bt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
         if ((rc = load_f32(&s, name, 0, hp->d_model, &L->attn_norm))) goto fail;
-        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        /* Gemma 3: post_attention_layernorm is the attention output's norm and
+         * pre_feedforward_layernorm the MLP input's (Gemma3DecoderLayer) */
+        snprintf(name, sizeof name, "model.layers.%d.%s.weight", l,
+                 gemma ? "pre_feedforward_layernorm" : "post_attention_layernorm");
         if ((rc = load_f32(&s, name, 0, hp->d_model, &L->ffn_norm))) goto fail;
+        if (hp->sandwich_norm) {
+            snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+            if ((rc = load_f32(&s, name, 0, hp->d_model, &L->post_attn_norm))) goto fail;
+            snprintf(name, sizeof name, "model.layers.%d.post_feedforward_layernorm.weight", l);
+            if ((rc = load_f32(&s, name, 0, hp->d_model, &L->post_ffn_norm))) goto fail;
+        }
         if (hp->qk_norm) {
             snprintf(name, sizeof name, "model.layers.%d.self_attn.q_norm.weight", l);
             if ((rc = load_f32(&s, name, 0, hp->head_dim, &L->q_norm))) goto fail;
             snprintf(name, sizeof name, "model.layers.%d.self_attn.k_norm.weight", l);
             if ((rc = load_f32(&s, name, 0, hp->head_dim, &L->k_norm))) goto fail;
+        }
+        if (gemma) { /* Gemma3RMSNorm multiplies by (1 + w): hold the factor itself */
+            float *nw[6] = {L->attn_norm, L->ffn_norm, L->post_attn_norm, L->post_ffn_norm,
+                            L->q_norm, L->k_norm};
+            for (int i = 0; i < 6; i++) norm_plus_one(nw[i], i < 4 ? hp->d_model : hp->head_dim);
         }
         for (int j = 0; j < BT_MOD_N; j++) {
             int rows, cols;

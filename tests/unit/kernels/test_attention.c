@@ -31,6 +31,7 @@ typedef struct {
     const int32_t *cu;
     double scale;
     int G; /* S^2 group (0 = full causal) */
+    int W; /* sliding window (0 = none): key j visible to query i iff i - W < j <= i */
 } shape;
 
 /* may query i attend key j (absolute rows, both in segment sg) under head h: the mask, written
@@ -38,6 +39,8 @@ typedef struct {
 static int visible(const shape *s, int sg, int h, int i, int j)
 {
     if (j > i)
+        return 0;
+    if (s->W > 0 && i - j >= s->W) /* outside the sliding window */
         return 0;
     if (s->G <= 0)
         return 1;
@@ -166,7 +169,12 @@ static void run(const shape *s, int fd_check)
     double *dqr = malloc(8 * nq), *dkr = malloc(8 * nkv), *dvr = malloc(8 * nkv);
     for (int i = 0; i < nkv; i++)
         dk[i] = dv[i] = NAN; /* must be overwritten */
-    if (s->G == 0) { /* the plain entry points */
+    if (s->W > 0) {
+        assert_int_equal(bt_attn_fwd_win(out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv,
+                                         s->D, (float)s->scale, s->G, s->W), 0);
+        assert_int_equal(bt_attn_bwd_win(dq, dk, dv, dout, out, lse, q, k, v, s->cu, s->n_seq, M,
+                                         s->Hq, s->Hkv, s->D, (float)s->scale, s->G, s->W), 0);
+    } else if (s->G == 0) { /* the plain entry points */
         bt_attn_fwd(out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv, s->D, (float)s->scale);
         bt_attn_bwd(dq, dk, dv, dout, out, lse, q, k, v, s->cu, s->n_seq, M, s->Hq, s->Hkv, s->D,
                     (float)s->scale);
@@ -225,8 +233,8 @@ static void check_pattern(const shape *s)
             for (int g = 0; g < Hkv; g++)
                 v[((size_t)j * Hkv + g) * D + (j - s->cu[sg])] = 1.0f;
     }
-    assert_int_equal(bt_attn_fwd_s2(out, lse, q, k, v, s->cu, s->n_seq, M, Hq, Hkv, D,
-                                    (float)s->scale, s->G), 0);
+    assert_int_equal(bt_attn_fwd_win(out, lse, q, k, v, s->cu, s->n_seq, M, Hq, Hkv, D,
+                                     (float)s->scale, s->G, s->W), 0);
     int n_vis = 0;
     for (int sg = 0; sg < s->n_seq; sg++)
         for (int h = 0; h < Hq; h++)
@@ -237,8 +245,8 @@ static void check_pattern(const shape *s)
                     const int j = s->cu[sg] + c, in_seg = j < s->cu[sg + 1];
                     const int vis = in_seg && visible(s, sg, h, i, j);
                     if (vis ? !(o[c] > 0.0f) : o[c] != 0.0f)
-                        fail_msg("G %d head %d (kv %d): query %d, key %d: P = %g but the mask says "
-                                 "%s", s->G, h, h / grp, i, j, o[c], vis ? "visible" : "hidden");
+                        fail_msg("W %d G %d head %d (kv %d): query %d, key %d: P = %g but the mask says "
+                                 "%s", s->W, s->G, h, h / grp, i, j, o[c], vis ? "visible" : "hidden");
                     n_vis += vis;
                     sum += o[c];
                 }
@@ -253,7 +261,7 @@ static void test_segments_gqa(void **state)
     (void)state;
     /* segments of 5, 1, 0, 4, 1 tokens; 4 query heads over 2 kv heads */
     static const int32_t cu[6] = {0, 5, 6, 6, 10, 11};
-    shape s = {11, 4, 2, 8, 5, cu, 1.0 / sqrt(8.0), 0};
+    shape s = {11, 4, 2, 8, 5, cu, 1.0 / sqrt(8.0), 0, 0};
     run(&s, 1);
 }
 
@@ -261,9 +269,9 @@ static void test_mha_and_mqa(void **state)
 {
     (void)state;
     static const int32_t cu[3] = {0, 7, 9};
-    shape mha = {9, 3, 3, 4, 2, cu, 0.5, 0};
+    shape mha = {9, 3, 3, 4, 2, cu, 0.5, 0, 0};
     run(&mha, 1);
-    shape mqa = {9, 3, 1, 4, 2, cu, 0.5, 0};
+    shape mqa = {9, 3, 1, 4, 2, cu, 0.5, 0, 0};
     run(&mqa, 1);
 }
 
@@ -273,7 +281,7 @@ static void test_long_segment_blocks(void **state)
     /* 300-token segment = query blocks of 128, 128, 44 and key tiles of 256, 44; SmolLM2-like head
      * ratio 3:1 */
     static const int32_t cu[3] = {0, 300, 301};
-    shape s = {301, 3, 1, 16, 2, cu, 0.25, 0};
+    shape s = {301, 3, 1, 16, 2, cu, 0.25, 0, 0};
     run(&s, 0);
 }
 
@@ -286,9 +294,9 @@ static void test_s2_small(void **state)
     (void)state;
     static const int32_t cu[5] = {0, 7, 8, 16, 19}; /* docs of 7, 1, 8 tokens; a second row of 3 */
     for (int G = 2; G <= 8; G *= 2) {
-        shape gqa = {19, 4, 2, 8, 4, cu, 1.0 / sqrt(8.0), G};
+        shape gqa = {19, 4, 2, 8, 4, cu, 1.0 / sqrt(8.0), G, 0};
         run(&gqa, 1);
-        shape odd = {19, 3, 1, 4, 4, cu, 0.5, G};
+        shape odd = {19, 3, 1, 4, 4, cu, 0.5, G, 0};
         run(&odd, G == 4);
     }
 }
@@ -300,9 +308,9 @@ static void test_s2_long(void **state)
 {
     (void)state;
     static const int32_t cu[3] = {0, 600, 731};
-    shape a = {731, 9, 3, 8, 2, cu, 0.35, 150};
+    shape a = {731, 9, 3, 8, 2, cu, 0.35, 150, 0};
     run(&a, 0);
-    shape b = {731, 9, 3, 8, 2, cu, 0.35, 400};
+    shape b = {731, 9, 3, 8, 2, cu, 0.35, 400, 0};
     run(&b, 0);
 }
 
@@ -311,14 +319,14 @@ static void test_s2_pattern(void **state)
     (void)state;
     static const int32_t cu[5] = {0, 13, 14, 40, 47}; /* docs of 13, 1, 26, 7 tokens */
     for (int G = 0; G <= 16; G += 2) {
-        shape gqa = {47, 6, 2, 32, 4, cu, 0.3, G};
+        shape gqa = {47, 6, 2, 32, 4, cu, 0.3, G, 0};
         check_pattern(&gqa);
-        shape odd = {47, 9, 3, 32, 4, cu, 0.3, G};
+        shape odd = {47, 9, 3, 32, 4, cu, 0.3, G, 0};
         check_pattern(&odd);
     }
     /* long enough for several query blocks and key tiles per group */
     static const int32_t cu2[3] = {0, 520, 600};
-    shape big = {600, 2, 1, 520, 2, cu2, 0.3, 300};
+    shape big = {600, 2, 1, 520, 2, cu2, 0.3, 300, 0};
     check_pattern(&big);
 }
 
@@ -341,9 +349,56 @@ static void test_s2_bad_group(void **state)
     assert_int_equal(bt_s2_group_end(11, 8, 1), 12);
 }
 
+/* Sliding-window attention (Mistral / Gemma 3 local layers): key j visible to query i iff
+ * i - W < j <= i inside its document; against the brute-force masked reference (and its gradient
+ * by central differences), windows of 1 (each token sees only itself), 2, 3, 5 and wider than the
+ * documents (= causal), with GQA / MQA, alone and with S^2 groups */
+static void test_window_small(void **state)
+{
+    (void)state;
+    static const int32_t cu[5] = {0, 7, 8, 16, 19};
+    const int ws[5] = {1, 2, 3, 5, 40};
+    for (int w = 0; w < 5; w++) {
+        shape gqa = {19, 4, 2, 8, 4, cu, 1.0 / sqrt(8.0), 0, ws[w]};
+        run(&gqa, ws[w] == 3);
+        shape mqa = {19, 3, 1, 4, 4, cu, 0.5, 0, ws[w]};
+        run(&mqa, 0);
+        shape s2 = {19, 4, 2, 8, 4, cu, 0.4, 4, ws[w]};
+        run(&s2, ws[w] == 2);
+    }
+}
+
+/* windows across query blocks (128) and key tiles (256): a 600-token document with windows of
+ * 100, 128, 300 and 512 (Gemma 3's 512), plus a second document; the pattern read back too */
+static void test_window_long(void **state)
+{
+    (void)state;
+    static const int32_t cu[3] = {0, 600, 731};
+    const int ws[4] = {100, 128, 300, 512};
+    for (int w = 0; w < 4; w++) {
+        shape a = {731, 4, 1, 8, 2, cu, 0.35, 0, ws[w]};
+        run(&a, 0);
+    }
+    static const int32_t cu2[5] = {0, 13, 14, 40, 47};
+    for (int W = 1; W <= 9; W += 4) {
+        shape p = {47, 6, 2, 32, 4, cu2, 0.3, 0, W};
+        check_pattern(&p);
+        shape p2 = {47, 6, 2, 32, 4, cu2, 0.3, 8, W};
+        check_pattern(&p2);
+    }
+    static const int32_t cu3[3] = {0, 520, 600};
+    shape big = {600, 2, 1, 520, 2, cu3, 0.3, 0, 300};
+    check_pattern(&big);
+    float x[4 * 2 * 4] = {0}, o[4 * 2 * 4], l[8];
+    static const int32_t c1[2] = {0, 4};
+    assert_int_equal(bt_attn_fwd_win(o, l, x, x, x, c1, 1, 4, 2, 2, 4, 1.0f, 0, -1), -6);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_window_small),
+        cmocka_unit_test(test_window_long),
         cmocka_unit_test(test_segments_gqa),
         cmocka_unit_test(test_mha_and_mqa),
         cmocka_unit_test(test_long_segment_blocks),

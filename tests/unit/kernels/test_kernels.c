@@ -366,6 +366,32 @@ static void test_swiglu(void **state)
     free(g), free(u), free(dh), free(h), free(dg), free(du);
 }
 
+/* GeGLU (tanh GELU, HF gelu_pytorch_tanh) against the formula in double, and its gradient
+ * against central differences */
+static void test_geglu(void **state)
+{
+    (void)state;
+    const int n = 1000;
+    float *g = rand_buf(n, 8), *u = rand_buf(n, 2), *dh = rand_buf(n, 1);
+    float *h = malloc(sizeof(float) * n), *dg = malloc(sizeof(float) * n), *du = malloc(sizeof(float) * n);
+    g[0] = 0.0f;
+    g[1] = -100.0f;
+    g[2] = 100.0f;
+    g[3] = 1e-4f;
+    bt_geglu_fwd(h, g, u, n);
+    bt_geglu_bwd(dg, du, dh, g, u, n);
+    for (int i = 0; i < n; i++) {
+        const double gd = g[i], c = 0.79788456080286535588; /* sqrt(2 / pi) */
+#define GELU(x) (0.5 * (x) * (1.0 + tanh(c * ((x) + 0.044715 * (x) * (x) * (x)))))
+        CLOSE(h[i], GELU(gd) * u[i], 1e-6, 1e-7);
+        const double e = 1e-6;
+        CLOSE(dg[i], dh[i] * u[i] * (GELU(gd + e) - GELU(gd - e)) / (2 * e), 1e-5, 1e-6);
+        CLOSE(du[i], dh[i] * GELU(gd), 1e-6, 1e-7);
+#undef GELU
+    }
+    free(g), free(u), free(dh), free(h), free(dg), free(du);
+}
+
 /* ---- embedding, sumsq, scale, expf ---- */
 
 static void test_embedding_sumsq_scale(void **state)
@@ -418,6 +444,7 @@ int main(void)
         cmocka_unit_test(test_rope_inverse_and_transpose),
         cmocka_unit_test(test_rope_cache_owned_and_exact),
         cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_geglu),
         cmocka_unit_test(test_embedding_sumsq_scale),
         cmocka_unit_test(test_expf),
     };

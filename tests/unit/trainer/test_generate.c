@@ -518,6 +518,37 @@ static void test_cli_usage_errors(void **st) {
     assert_int_equal(bt_generate_cli(5, a10), 1);
 }
 
+/* A raw prompt gets BOS in front exactly when the GGUF says tokenizer.ggml.add_bos_token: the
+ * real Gemma 3 270M (true; skipped when not fetched), once even if the text starts with <bos>;
+ * the Qwen2 fixture (false) is left as tokenized. */
+static void test_raw_prompt_bos(void **st) {
+    (void)st;
+    const char *q = "tests/fixtures/hf/qwen/qwen2/model.gguf";
+    bt_tokenizer *t = NULL;
+    assert_int_equal(bt_tokenizer_load(&t, q), 0);
+    bt_ids a = {0}, b = {0};
+    assert_int_equal(bt_gen_raw_prompt(q, t, "hello the cat", &a), 0);
+    assert_int_equal(bt_tokenize(t, "hello the cat", 13, 1, &b), 0);
+    assert_int_equal(a.n, b.n);
+    assert_memory_equal(a.v, b.v, a.n * sizeof(int32_t));
+    bt_ids_free(&a), bt_ids_free(&b);
+    bt_tokenizer_free(t);
+    const char *g = "models/gemma-3-270m-q4_k_m.gguf";
+    FILE *f = fopen(g, "rb");
+    if (!f) {
+        print_message("(%s not fetched: the add_bos_token case is skipped)\n", g);
+        return;
+    }
+    fclose(f);
+    assert_int_equal(bt_tokenizer_load(&t, g), 0);
+    assert_int_equal(bt_gen_raw_prompt(g, t, "<start_of_turn>user\nhi", &a), 0);
+    assert_true(a.n >= 2 && a.v[0] == bt_tokenizer_bos(t) && a.v[1] == 105);
+    assert_int_equal(bt_gen_raw_prompt(g, t, "<bos>hi", &b), 0);
+    assert_true(b.n >= 2 && b.v[0] == bt_tokenizer_bos(t) && b.v[1] != b.v[0]);
+    bt_ids_free(&a), bt_ids_free(&b);
+    bt_tokenizer_free(t);
+}
+
 /* SmolLM2 (fp32): prefill then decode a few tokens vs one full forward. */
 static void test_smollm2_decode(void **st) {
     (void)st;
@@ -551,6 +582,7 @@ int main(void) {
         cmocka_unit_test(test_sampler),
         cmocka_unit_test(test_generate_loop),
         cmocka_unit_test(test_cli_usage_errors),
+        cmocka_unit_test(test_raw_prompt_bos),
         cmocka_unit_test(test_smollm2_decode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -161,7 +161,7 @@ static void test_synthetic(void **st) {
         int rc;
         const char *needle;
     } bad[] = {
-        {{.arch = "gemma3"}, BT_ERR_UNSUPPORTED, "\"gemma3\"; the trainer supports \"llama\", \"qwen2\""},
+        {{.arch = "falcon"}, BT_ERR_UNSUPPORTED, "\"falcon\"; the trainer supports \"llama\", \"qwen2\""},
         /* a family's keys are read under its own prefix (issue 24) */
         {{.arch = "qwen2"}, BT_ERR_NOTFOUND, "qwen2.block_count"},
         {{.skip_tensor = "blk.1.attn_k.weight"}, BT_ERR_NOTFOUND, "blk.1.attn_k.weight"},

@@ -1,0 +1,283 @@
+/* Parity of the CPU (fp32) trainer with transformers 5.23 + PEFT 0.21 on a tiny random Gemma 3
+ * (tests/fixtures/hf/gemma3, made by tests/reference/gen_gemma3_fixtures.py; see its docstring for
+ * the files): 6 layers, 5 of them sliding-window (6 tokens, shorter than every document of the
+ * batch) with RoPE base 1e4 and the last global with base 1e6, head_dim 24 != hidden / heads,
+ * QK-norm, pre- and post-norms (stored 1 + w), GeGLU, embeddings times sqrt(hidden), tied
+ * embedding. Loaded from its Hugging Face directory and from its GGUF (general.architecture
+ * "gemma3", norms stored as w + 1 as convert_hf_to_gguf.py Gemma3Model writes them), dequantised to
+ * fp32 and kept as GGUF blocks (base_dtype "gguf"): logits and loss of the packed batch without and
+ * with the PEFT adapter, the LoRA gradients, with activation checkpointing, and the inference path
+ * (KV cache, two chunks) against the same logits. Each check can fail: without the window, the
+ * post-norms, the embedding scale or GeGLU (SwiGLU instead) the logits are far off.
+ * Tolerances: logits 1e-4 absolute, loss 1e-5, LoRA gradients 1e-4 relative to their max
+ * (the tiny-Llama parity's, tests/reference/README.md). Run from the repo root
+ * (BT_HF_FIXTURES overrides tests/fixtures/hf). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bt_common.h"
+#include "common/safetensors.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
+#include "trainer/infer/infer.h"
+#include "trainer/io/adapter.h"
+#include "trainer/io/adapter_load.h"
+#include "trainer/loop/step.h"
+#include "trainer/model/lora.h"
+#include "trainer/model/model.h"
+#include "tests/unit/util/test_util.h"
+
+enum { PB = TU_FIX_B, PT = TU_FIX_T, PM = TU_FIX_M, NV = 260 };
+
+static bt_st_file *open_fix(const char *rel) { return tu_fix_open("gemma3", rel); }
+
+static const float *fix_f32(const bt_st_file *f, const char *name, int64_t n) {
+    return tu_st_data((bt_st_file *)f, name, BT_ST_F32, n);
+}
+
+typedef tu_fix_batch batch;
+
+static bt_microbatch load_batch(batch *b) {
+    bt_st_file *f = open_fix("batch.safetensors");
+    memcpy(b->ids, tu_st_data(f, "input_ids", BT_ST_I32, PM), sizeof b->ids);
+    memcpy(b->lab, tu_st_data(f, "labels", BT_ST_I32, PM), sizeof b->lab);
+    memcpy(b->pos, tu_st_data(f, "position_ids", BT_ST_I32, PM), sizeof b->pos);
+    memcpy(b->cu, tu_st_data(f, "cu_seqlens", BT_ST_I32, 4), sizeof b->cu);
+    bt_st_close(f);
+    bt_microbatch mb = {PB, PT, b->ids, b->lab, b->pos, b->cu, 4};
+    return mb;
+}
+
+/* source: "hf" (the directory), "gguf" (model.gguf dequantised to fp32), "native" (model.gguf
+ * kept as BF16 blocks, base_dtype "gguf") */
+static void load_model(bt_model *m, const char *source) {
+    char p[512];
+    int gg = strcmp(source, "hf") != 0;
+    snprintf(p, sizeof p, "%s/gemma3/%s", tu_hf_fixdir(), gg ? "model.gguf" : "hf");
+    bt_model_load_opts o = {!strcmp(source, "native") ? BT_BASE_GGUF : BT_BASE_FP32, 0};
+    if (bt_model_load(m, p, &o)) fail_msg("loading %s: %s", p, bt_last_error());
+    const bt_llama_hparams *hp = &m->hp;
+    assert_int_equal(hp->arch, BT_ARCH_GEMMA3);
+    assert_int_equal(hp->qk_norm, 1);
+    assert_int_equal(hp->sandwich_norm, 1);
+    assert_int_equal(hp->act, BT_ACT_GELU_TANH);
+    assert_int_equal(hp->head_dim, 24);
+    assert_int_equal(hp->n_head, 2);
+    assert_int_equal(hp->n_kv_head, 1);
+    assert_int_equal(hp->d_model, 32);
+    assert_int_equal(hp->n_layer, 6);
+    assert_int_equal(hp->vocab, NV);
+    assert_int_equal(m->tied, 1);
+    assert_true(hp->rope_theta == 1000000.0f);
+    assert_true(hp->rope_local_theta == 10000.0f);
+    assert_true(hp->embed_scale == sqrtf(32.f));
+    assert_true(hp->attn_scalar == 24.f);
+    assert_int_equal(hp->sliding_window, 6);
+    for (int l = 0; l < hp->n_layer; l++) {
+        assert_int_equal(bt_model_layer_window(hp, l), l == 5 ? 0 : 6);
+        assert_true(bt_model_layer_inv(m, l, m->inv_freq) == (l == 5 ? m->inv_freq : m->inv_freq_local));
+        assert_non_null(m->layers[l].post_attn_norm);
+        assert_non_null(m->layers[l].post_ffn_norm);
+        assert_non_null(m->layers[l].q_norm);
+        for (int j = 0; j < BT_MOD_N; j++) assert_null(m->layers[l].lin[j].bias);
+    }
+}
+
+/* logits [PM, NV] and the training path's mean loss of the packed batch (LoRA gradients into lo
+ * when lo != NULL); ckpt: activation checkpointing (the layer forward recomputed in backward) */
+static double run_forward_ck(const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
+                             float *logits, int ckpt) {
+    bt_step_ctx *ctx;
+    assert_int_equal(bt_step_ctx_new(&ctx, m, lo, PM, ckpt), 0);
+    assert_int_equal(bt_forward_logits(ctx, m, lo, mb, logits), 0);
+    double s;
+    int nv;
+    if (lo) bt_lora_zero_grad(lo);
+    assert_int_equal(bt_forward_backward(ctx, m, lo, mb, lo != NULL, 1.f / 43.f, 0, &s, &nv), 0);
+    assert_int_equal(nv, 43); /* 48 tokens in 3 documents: 45 targets, 2 of them masked prompt */
+    bt_step_ctx_free(ctx);
+    return s / nv;
+}
+
+static double run_forward(const bt_model *m, bt_lora *lo, const bt_microbatch *mb, float *logits) {
+    return run_forward_ck(m, lo, mb, logits, 0);
+}
+
+/* The inference path (KV cache): row 1's document fed in two chunks, all logits. */
+static double infer_err(const bt_model *m, const bt_lora *lo, const batch *b, const float *ref) {
+    bt_infer *s;
+    assert_int_equal(bt_infer_new(&s, m, lo, 64, 16), 0);
+    float *lg = malloc((size_t)PT * NV * sizeof(float));
+    assert_int_equal(bt_infer_forward(s, b->ids + PT, 10, BT_INFER_LOGITS_ALL, lg), 0);
+    assert_int_equal(bt_infer_forward(s, b->ids + PT + 10, 14, BT_INFER_LOGITS_ALL, lg + 10 * NV), 0);
+    double e = tu_max_abs_diff(lg, ref + (size_t)PT * NV, (int64_t)PT * NV);
+    free(lg);
+    bt_infer_free(s);
+    return e;
+}
+
+static double grads_rel_err(const bt_lora *lo, const bt_st_file *f) {
+    double worst = 0;
+    char key[192];
+    for (int l = 0; l < lo->n_layer; l++)
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            const bt_lora_mod *md = bt_lora_get(lo, l, mod);
+            for (int isB = 0; isB < 2; isB++) {
+                bt_adapter_key(key, sizeof key, l, mod, isB);
+                int64_t n = isB ? (int64_t)md->out * lo->r : (int64_t)lo->r * md->in;
+                const float *rg = fix_f32(f, key, n);
+                double den = tu_max_abs(rg, n);
+                assert_true(den > 0);
+                worst = fmax(worst, tu_max_abs_diff(isB ? md->dB : md->dA, rg, n) / den);
+            }
+        }
+    return worst;
+}
+
+static void check_source(const char *source) {
+    batch b;
+    bt_microbatch mb = load_batch(&b);
+    bt_model m;
+    load_model(&m, source);
+    bt_st_file *ref = open_fix("ref.safetensors");
+    const float *rl_base = fix_f32(ref, "logits_base", (int64_t)PM * NV);
+    const float *rl = fix_f32(ref, "logits", (int64_t)PM * NV);
+    float *logits = malloc((size_t)PM * NV * sizeof(float));
+
+    /* base model */
+    double loss = run_forward(&m, NULL, &mb, logits);
+    double e_base = tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV);
+    double e_loss_base = fabs(loss - fix_f32(ref, "loss_base", 1)[0]);
+    double e_inf_base = infer_err(&m, NULL, &b, rl_base);
+
+    /* with the PEFT adapter: logits, loss, LoRA gradients */
+    bt_lora lo;
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/gemma3/adapter-init", tu_hf_fixdir());
+    if (bt_lora_load_peft(&lo, &m, dir)) fail_msg("%s", bt_last_error());
+    assert_int_equal(lo.target_mask, (1u << BT_MOD_N) - 1);
+    loss = run_forward(&m, &lo, &mb, logits);
+    double e_lora = tu_max_abs_diff(logits, rl, (int64_t)PM * NV);
+    double e_loss = fabs(loss - fix_f32(ref, "loss", 1)[0]);
+    double e_grad = grads_rel_err(&lo, ref);
+    double e_inf = infer_err(&m, &lo, &b, rl);
+    run_forward_ck(&m, &lo, &mb, logits, 1); /* activation checkpointing: the same gradients */
+    double e_grad_ck = grads_rel_err(&lo, ref);
+    print_message("parity: gemma3 from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
+                  "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
+                  "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", source,
+                  e_base, tu_max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
+                  e_inf_base, e_inf, e_grad_ck);
+    assert_true(e_base <= 1e-4);
+    assert_true(e_loss_base <= 1e-5);
+    assert_true(e_lora <= 1e-4);
+    assert_true(e_loss <= 1e-5);
+    assert_true(e_grad <= 1e-4);
+    assert_true(e_inf_base <= 1e-4);
+    assert_true(e_inf <= 1e-4);
+    assert_true(e_grad_ck <= 1e-4);
+
+    /* the checks can fail: without the window, the post-norms, the embedding scale or GeGLU the
+     * logits are far off */
+    for (int k = 0; k < 4; k++) {
+        bt_llama_hparams keep = m.hp;
+        if (k == 0) m.hp.sliding_window = 0;   /* full causal attention everywhere */
+        if (k == 1) m.hp.sandwich_norm = 0;    /* no post-attention / post-FFN norms */
+        if (k == 2) m.hp.embed_scale = 0.f;    /* unscaled embeddings */
+        if (k == 3) m.hp.act = BT_ACT_SILU;    /* SwiGLU instead of GeGLU */
+        run_forward(&m, NULL, &mb, logits);
+        m.hp = keep;
+        const double d = tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV);
+        if (!(d > 1e-2)) fail_msg("gemma3 variant %d: logits still match (%.3g)", k, d);
+    }
+
+    bt_lora_free(&lo);
+    free(logits);
+    bt_st_close(ref);
+    bt_model_free(&m);
+}
+
+static void test_gemma3_hf(void **st) { (void)st; check_source("hf"); }
+static void test_gemma3_gguf(void **st) { (void)st; check_source("gguf"); }
+static void test_gemma3_gguf_native(void **st) { (void)st; check_source("native"); }
+
+/* The HF directory (norms w, made 1 + w at load) and the GGUF (norms stored as w + 1) hold the
+ * same values: every base tensor equal. */
+static void test_gguf_equals_hf(void **st) {
+    (void)st;
+    bt_model a, g;
+    load_model(&a, "hf");
+    load_model(&g, "gguf");
+    const bt_llama_hparams *hp = &a.hp;
+    assert_int_equal(memcmp(a.tok_embd, g.tok_embd, (size_t)hp->vocab * hp->d_model * 4), 0);
+    assert_int_equal(memcmp(a.output_norm, g.output_norm, (size_t)hp->d_model * 4), 0);
+    for (int l = 0; l < hp->n_layer; l++) {
+        for (int j = 0; j < BT_MOD_N; j++) {
+            const bt_base_linear *x = &a.layers[l].lin[j], *y = &g.layers[l].lin[j];
+            assert_int_equal(memcmp(x->w, y->w, (size_t)x->rows * x->cols * 4), 0);
+        }
+        const bt_layer *x = &a.layers[l], *y = &g.layers[l];
+        assert_int_equal(memcmp(x->attn_norm, y->attn_norm, hp->d_model * 4), 0);
+        assert_int_equal(memcmp(x->ffn_norm, y->ffn_norm, hp->d_model * 4), 0);
+        assert_int_equal(memcmp(x->post_attn_norm, y->post_attn_norm, hp->d_model * 4), 0);
+        assert_int_equal(memcmp(x->post_ffn_norm, y->post_ffn_norm, hp->d_model * 4), 0);
+        assert_int_equal(memcmp(x->q_norm, y->q_norm, hp->head_dim * 4), 0);
+        assert_int_equal(memcmp(x->k_norm, y->k_norm, hp->head_dim * 4), 0);
+    }
+    bt_model_free(&a);
+    bt_model_free(&g);
+}
+
+/* The memory plan covers the QK-norm and sandwich-norm buffers: `trainer estimate` on the GGUF
+ * and the HF directory bills exactly the bytes the CPU step context allocates, with
+ * checkpointing and without. */
+static void test_estimate_is_the_plan(void **st) {
+    (void)st;
+    for (int src = 0; src < 2; src++)
+        for (int ck = 0; ck < 2; ck++) {
+            bt_model m;
+            load_model(&m, src ? "hf" : "gguf");
+            char p[512], txt[1024];
+            snprintf(p, sizeof p, "%s/gemma3/%s", tu_hf_fixdir(), src ? "hf" : "model.gguf");
+            snprintf(txt, sizeof txt, "{\"model\": \"%s\", \"base_dtype\": \"fp32\", \"data\": "
+                     "{\"shards\": [\"d\"], \"seq_len\": 32, \"micro_batch_size\": 2}, \"lora\": "
+                     "{\"r\": 4}, \"activation_checkpointing\": %s}", p, ck ? "true" : "false");
+            bt_train_config c;
+            assert_int_equal(bt_config_parse(&c, txt, "t", NULL, 0), 0);
+            bt_lora lo;
+            assert_int_equal(bt_lora_init(&lo, &m, 4, 8, 0, c.lora.target_mask, 0, 1), 0);
+            bt_step_ctx *ctx = NULL;
+            assert_int_equal(bt_step_ctx_new(&ctx, &m, &lo, 64, ck), 0);
+            bt_est_model em;
+            if (bt_est_model_read(&em, p)) fail_msg("%s: %s", p, bt_last_error());
+            assert_int_equal(em.hp.head_dim, 24);
+            assert_int_equal(em.hp.sandwich_norm, 1);
+            bt_mem_bill b;
+            bt_estimate_bill(&em, &c, BT_EST_CPU, omp_get_max_threads(), &b);
+            if (b.step != (double)bt_step_ctx_bytes(ctx))
+                fail_msg("%s, checkpointing %d: bill step %.0f bytes, bt_step_ctx_bytes %zu", p, ck,
+                         b.step, bt_step_ctx_bytes(ctx));
+            bt_step_ctx_free(ctx);
+            bt_lora_free(&lo);
+            bt_config_free(&c);
+            bt_model_free(&m);
+        }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_gemma3_hf),      cmocka_unit_test(test_gemma3_gguf),
+        cmocka_unit_test(test_gemma3_gguf_native), cmocka_unit_test(test_gguf_equals_hf),
+        cmocka_unit_test(test_estimate_is_the_plan),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
