@@ -147,6 +147,11 @@ typedef struct bt_backend_reg {
     /* Data-parallel start-up, before any backend exists: rank 0's id for the others. NULL: this
      * backend runs one process only. */
     int (*dist_unique_id)(uint8_t id[BT_BACKEND_DIST_ID_BYTES]);
+    /* 1 when the backend's step applies the model's sliding-window attention on the layers that
+     * have one (bt_model_layer_window: Gemma 3's local layers, Mistral / Phi-3 sliding_window),
+     * 0 when its attention is full causal only: rows longer than the window are then refused
+     * (bt_model_check_window) rather than trained on the wrong attention. */
+    int sliding_window;
 } bt_backend_reg;
 
 /* The CPU backend's entry (trainer/loop/backend_cpu.c); the CUDA one, bt_backend_cuda_reg, is

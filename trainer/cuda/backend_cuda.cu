@@ -153,5 +153,6 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
 
 } // namespace
 
+/* no window in the GPU attention yet: sliding_window 0 */
 extern "C" const bt_backend_reg bt_backend_cuda_reg = {"cuda", BT_DEVICE_CUDA, cuda_init,
-                                                       bt_cuda_dist_unique_id};
+                                                       bt_cuda_dist_unique_id, 0};

@@ -408,7 +408,8 @@ int bt_generate_cli(int argc, char **argv) {
         goto done;
     }
     if (ids.n + (size_t)a.max_new <= (size_t)1 << 24 &&
-        (rc = bt_model_check_window(&m, (int64_t)ids.n + a.max_new, "the prompt + --max-new-tokens")))
+        (rc = bt_model_check_window(&m, (int64_t)ids.n + a.max_new, "the prompt + --max-new-tokens",
+                                     1 /* trainer/infer/infer.c applies the window */)))
         goto fail;
     if (ids.n + (size_t)a.max_new > (size_t)1 << 24) {
         rc = bt_fail(BT_ERR_RANGE, "generate: %zu prompt + %ld new tokens is too long", ids.n,

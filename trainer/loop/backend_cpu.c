@@ -168,4 +168,5 @@ const bt_backend_reg bt_backend_cpu_reg = {
     .device = BT_DEVICE_CPU,
     .init = cpu_init,
     .dist_unique_id = NULL, /* one process only */
+    .sliding_window = 1,    /* kernels/cpu/attention.c bt_attn_fwd_win / bt_attn_bwd_win */
 };

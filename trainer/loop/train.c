@@ -262,12 +262,13 @@ static int run_load_model(bt_run *r) {
                "positions beyond it were never trained (set context_extension.target_length to "
                "extend the RoPE)", r->T, m->hp.ctx);
     }
-    { /* Mistral / Phi-3 sliding_window: full attention is exact for rows within it */
+    { /* Mistral / Phi-3 sliding_window: applied where the backend has windowed attention, else
+       * full attention is exact only for rows within it */
         int64_t max_T = r->T;
         const char *what = "data.seq_len";
         for (int i = 0; i < cfg->eval.n_lengths; i++)
             if (cfg->eval.lengths[i] > max_T) max_T = cfg->eval.lengths[i], what = "eval.lengths";
-        if ((rc = bt_model_check_window(m, max_T, what))) return rc;
+        if ((rc = bt_model_check_window(m, max_T, what, r->reg->sliding_window))) return rc;
     }
     r->s2_group = bt_config_s2_group(cfg);
     if (r->s2_group > 0 && !r->eval_only)

@@ -594,10 +594,18 @@ int bt_model_gguf_rope_scaling(const bt_gguf *g, const char *path, bt_llama_hpar
     return 0;
 }
 
-int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what) {
+int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what, int has_window) {
     const int w = m->hp.sliding_window;
     if (w <= 0) return 0;
-    const char *fam = m->hp.arch == BT_ARCH_PHI3 ? "Phi-3" : "Mistral";
+    const char *fam = m->hp.arch == BT_ARCH_PHI3     ? "Phi-3"
+                      : m->hp.arch == BT_ARCH_GEMMA3 ? "Gemma 3"
+                                                     : "Mistral";
+    if (has_window) {
+        if (max_T > w)
+            bt_log(BT_LOG_INFO, "model", "%s sliding_window %d < %s %lld: sliding-window attention "
+                   "on the layers that have it", fam, w, what, (long long)max_T);
+        return 0;
+    }
     if (max_T <= w) {
         bt_log(BT_LOG_INFO, "model", "%s sliding_window %d >= %s %lld: every causal pair is "
                "inside the window, so full causal attention is exact", fam, w, what,
@@ -605,9 +613,9 @@ int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what) {
         return 0;
     }
     return bt_fail(BT_ERR_UNSUPPORTED, "model: %s %lld exceeds the model's sliding_window %d (%s: "
-                   "config.json \"sliding_window\"%s): sliding-window attention is not implemented "
-                   "in the trainer's attention yet, and full attention would differ from the "
-                   "model's beyond %d tokens; set %s <= %d", what, (long long)max_T, w, fam,
+                   "config.json \"sliding_window\"%s): this backend's attention has no window yet "
+                   "(device \"cpu\" has), and full attention would differ from the model's beyond "
+                   "%d tokens; set %s <= %d or use device \"cpu\"", what, (long long)max_T, w, fam,
                    m->hp.arch == BT_ARCH_PHI3 ? ", GGUF phi3.attention.sliding_window" : "", w,
                    what, w);
 }
@@ -761,9 +769,7 @@ static int gguf_hparams(const bt_gguf *g, const char *path, bt_llama_hparams *hp
                 return bt_fail(BT_ERR_FORMAT, "model: %s: phi3.attention.sliding_window %lld is "
                                "out of range", path, (long long)sw);
             hp->sliding_window = (int)sw;
-            bt_log(BT_LOG_INFO, "model", "%s: phi3.attention.sliding_window %lld (Phi-3): "
-                   "attention is computed full causal, which is exactly the model's for rows of "
-                   "at most %lld tokens (longer rows are refused)", path, (long long)sw,
+            bt_log(BT_LOG_INFO, "model", "%s: phi3.attention.sliding_window %lld (Phi-3)", path,
                    (long long)sw);
         }
     }

@@ -46,8 +46,11 @@ typedef struct {
     int sliding_window; /* the config's attention window in tokens (0: none): HF config.json
                         * "sliding_window" of MistralForCausalLM / Phi3ForCausalLM, GGUF
                         * phi3.attention.sliding_window (a "llama" GGUF has no such key: llama.cpp
-                        * runs Mistral GGUFs with full attention, and so do we). The step computes
-                        * full causal attention, exact while no row is longer than the window:
+                        * runs Mistral GGUFs with full attention, and so do we), gemma3's
+                        * gemma3.attention.sliding_window. The CPU step and trainer/infer apply it on
+                        * every layer bt_model_layer_window names (keys a local layer's query sees,
+                        * itself included; swa_pattern says which layers are global); a backend
+                        * without windowed attention is held to rows within it:
                         * bt_model_check_window */
     int qk_norm;       /* 1: RMSNorm over each head of q and k (bt_layer q_norm / k_norm, weights
                         * [head_dim], eps rms_eps) after q_proj / k_proj and before RoPE, as
@@ -64,8 +67,6 @@ typedef struct {
                         * sqrt(d_model), Gemma3TextScaledWordEmbedding); 0 = none */
     float attn_scalar; /* the softmax scale is 1/sqrt(attn_scalar) (HF query_pre_attn_scalar);
                         * 0 = head_dim */
-    int sliding_window; /* keys a local layer's query sees, itself included (HF sliding_window,
-                         * GGUF <arch>.attention.sliding_window); 0 = no local layers */
     int swa_pattern;   /* with sliding_window: layer l is global iff (l + 1) % swa_pattern == 0
                         * (HF sliding_window_pattern / layer_types, llama.cpp set_swa_pattern);
                         * 0 = every layer is local */
@@ -172,12 +173,14 @@ typedef struct {
 } bt_model;
 
 /* Sliding-window attention (hp.sliding_window) against the longest row `max_T` a command will
- * run (`what` names the setting, e.g. "data.seq_len"): token i attends to j when
- * 0 <= i - j < window (transformers' sliding_window mask), so with max_T <= window every
- * causal pair is inside the window and full causal attention is exactly the model's: logged
- * (INFO) and 0. max_T > window: BT_ERR_UNSUPPORTED naming the family's sliding_window, the value
- * and the fix (the CPU attention has no window yet). No window: 0, nothing logged. */
-int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what);
+ * run (`what` names the setting, e.g. "data.seq_len") on a backend that applies the window
+ * (`has_window` 1: kernels/cpu/attention.c bt_attn_fwd_win, trainer/infer) or not (0: full causal
+ * attention only, e.g. the GPU step). Token i attends to j when 0 <= i - j < window
+ * (transformers' sliding_window mask). has_window: logged (INFO) and 0. Otherwise max_T <= window
+ * makes every causal pair fall inside the window, so full causal attention is exactly the model's:
+ * logged (INFO) and 0; max_T > window: BT_ERR_UNSUPPORTED naming the family's sliding_window, the
+ * value and the fix. No window: 0, nothing logged. */
+int bt_model_check_window(const bt_model *m, int64_t max_T, const char *what, int has_window);
 /* The RoPE table of layer l: m->inv_freq_local for a local layer when the model has one, else
  * `global` (m->inv_freq, or the pass's dynamic table). */
 const float *bt_model_layer_inv(const bt_model *m, int l, const float *global);

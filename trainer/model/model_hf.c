@@ -1046,8 +1046,8 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
                                c->path, i, ty ? ty : "(not a string)");
         }
     } else {
-        /* MistralConfig / Phi3Config "sliding_window" (null = none): recorded, and checked
-         * against the rows run (bt_model_check_window) */
+        /* MistralConfig / Phi3Config "sliding_window" (null = none): applied by the CPU step
+         * and trainer/infer, checked against the rows run elsewhere (bt_model_check_window) */
         json_t *sw = json_object_get(c->root, "sliding_window");
         if (sw && !json_is_null(sw) && (!json_is_integer(sw) || json_integer_value(sw) < 1 ||
                                         json_integer_value(sw) > (1 << 30)))
@@ -1055,11 +1055,8 @@ static int parse_config(const cfgj *c, bt_llama_hparams *hp, int *tied, int *att
                            "integer in [1, 2^30]", c->path);
         if (json_is_integer(sw)) {
             hp->sliding_window = (int)json_integer_value(sw);
-            bt_log(BT_LOG_INFO, "model", "%s: sliding_window %d (%s): attention is computed full "
-                   "causal, which is exactly the model's for rows of at most %d tokens (longer "
-                   "rows are refused)", c->path, hp->sliding_window,
-                   a == ARCH_PHI3 ? "Phi-3" : a == ARCH_MISTRAL ? "Mistral" : "Llama",
-                   hp->sliding_window);
+            bt_log(BT_LOG_INFO, "model", "%s: sliding_window %d (%s)", c->path, hp->sliding_window,
+                   a == ARCH_PHI3 ? "Phi-3" : a == ARCH_MISTRAL ? "Mistral" : "Llama");
         }
     }
     if ((rc = parse_rope(c, hp, rope_freqs))) return rc;

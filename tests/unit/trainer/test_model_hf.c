@@ -297,11 +297,12 @@ static void test_mistral_untied(void **st) {
     assert_false(m.tied);
     assert_true(m.lm_head != m.tok_embd);
     expect_values(m.lm_head, "lm_head.weight", V_ * D_, D_, BT_ST_F32);
-    /* Mistral's sliding_window: recorded; rows within it are exact full attention, longer ones
-     * refused naming it */
+    /* Mistral's sliding_window: recorded; a windowed backend takes any row; without a window,
+     * rows within it are exact full attention, longer ones refused naming it */
     assert_int_equal(m.hp.sliding_window, 4096);
-    assert_int_equal(bt_model_check_window(&m, 4096, "data.seq_len"), 0);
-    assert_int_equal(bt_model_check_window(&m, 4097, "eval.lengths"), BT_ERR_UNSUPPORTED);
+    assert_int_equal(bt_model_check_window(&m, 4096, "data.seq_len", 0), 0);
+    assert_int_equal(bt_model_check_window(&m, 4097, "eval.lengths", 1), 0); /* windowed backend */
+    assert_int_equal(bt_model_check_window(&m, 4097, "eval.lengths", 0), BT_ERR_UNSUPPORTED);
     assert_non_null(strstr(bt_last_error(), "eval.lengths 4097 exceeds the model's sliding_window 4096 (Mistral"));
     bt_model_free(&m);
     rm_dir(dir);
@@ -310,7 +311,7 @@ static void test_mistral_untied(void **st) {
     make_model(dir, &nw);
     if (bt_model_load_hf(&m, dir, &k_fp32)) fail_msg("%s", bt_last_error());
     assert_int_equal(m.hp.sliding_window, 0);
-    assert_int_equal(bt_model_check_window(&m, 1 << 20, "data.seq_len"), 0);
+    assert_int_equal(bt_model_check_window(&m, 1 << 20, "data.seq_len", 0), 0);
     bt_model_free(&m);
     rm_dir(dir);
     spec bw = {.arch = "MistralForCausalLM", .untied = 1, .extra = "{\"sliding_window\": \"4k\"}"};

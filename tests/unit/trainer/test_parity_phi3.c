@@ -478,16 +478,18 @@ static void test_phi3_checkpoint_round_trip(void **st) {
 }
 
 /* Phi-3's sliding_window (512 in the fixture, from config.json and from the GGUF's
- * phi3.attention.sliding_window): rows up to it are exact full attention; longer ones are refused
- * naming the key and the setting. */
+ * phi3.attention.sliding_window): a windowed backend (the CPU) takes any row; one without a
+ * window takes rows up to it (exact full attention) and refuses longer ones naming the key and
+ * the setting. */
 static void test_phi3_sliding_window(void **st) {
     (void)st;
     for (int i = 0; i < 2; i++) {
         bt_model m;
         load_model(&m, i ? "gguf" : "hf");
         assert_int_equal(m.hp.sliding_window, 512);
-        assert_int_equal(bt_model_check_window(&m, 512, "data.seq_len"), 0);
-        assert_int_equal(bt_model_check_window(&m, 513, "data.seq_len"), BT_ERR_UNSUPPORTED);
+        assert_int_equal(bt_model_check_window(&m, 512, "data.seq_len", 0), 0);
+        assert_int_equal(bt_model_check_window(&m, 513, "data.seq_len", 1), 0);
+        assert_int_equal(bt_model_check_window(&m, 513, "data.seq_len", 0), BT_ERR_UNSUPPORTED);
         assert_non_null(strstr(bt_last_error(), "sliding_window 512"));
         assert_non_null(strstr(bt_last_error(), "Phi-3"));
         assert_non_null(strstr(bt_last_error(), "data.seq_len"));
