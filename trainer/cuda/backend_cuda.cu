@@ -109,6 +109,14 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
     co.base_matmul_impl = cfg->cuda_base_matmul == BT_CUDA_BASE_FUSED;
     co.s2_group = p->s2_group;
     co.offload = cfg->cuda_offload;
+    if (cfg->dist.shard_base && p->world == 1)
+        bt_log(BT_LOG_INFO, "trainer", "dist.shard_base: one rank, nothing to shard: the whole base "
+               "stays on this GPU");
+    else if (cfg->dist.shard_base)
+        return bt_fail(BT_ERR_UNSUPPORTED, "dist.shard_base: sharding the frozen base across %d ranks "
+                       "is not in this trainer yet (`trainer estimate --world-size %d` bills it); "
+                       "drop dist.shard_base to train with the whole base on every GPU", p->world,
+                       p->world);
     int rc = bt_cuda_device_for_local_rank(p->local_rank, &co.device);
     if (rc)
         return rc;
