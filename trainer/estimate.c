@@ -206,8 +206,9 @@ static int est_base_dtype(const bt_est_model *em, const bt_train_config *cfg) {
 
 /* dist.shard_base on the GPU with W ranks (plan.h's cut): *shard = this rank's bytes of every base
  * linear (ceil(units / W) units of each), *layer = the largest layer's base linears as
- * all-gathered (W x that, padding included). Units: NF4 double-quantisation groups, GGUF rows
- * (the file's blocks, F16/BF16/F32 as bf16 rows), bf16 rows of an fp32 base. */
+ * all-gathered (plan.h bt_shard_cut: W x that, padding and 256-byte alignment included). Units:
+ * NF4 double-quantisation groups, GGUF rows (the file's blocks, F16/BF16/F32 as bf16 rows), bf16
+ * rows of an fp32 base: the cut the GPU trainer makes (trainer/cuda/cuda_model.cu). */
 static void est_shard(const bt_est_model *em, int bd, int W, double *shard, double *layer) {
     const bt_dims d = bt_dims_of(&em->hp);
     *shard = *layer = 0;
@@ -216,21 +217,18 @@ static void est_shard(const bt_est_model *em, int bd, int W, double *shard, doub
         for (int mod = 0; mod < BT_MOD_N; mod++) {
             int rows, cols;
             bt_dims_lin_shape(&d, mod, &rows, &cols);
-            double units, unit;
+            bt_shard_cut cut;
             if (bd == BT_BASE_NF4) {
-                units = (double)bt_shard_nf4_units((int64_t)rows * cols);
-                unit = BT_SHARD_NF4_UNIT;
+                bt_shard_cut_nf4(&cut, (int64_t)rows * cols, W);
             } else if (bd == BT_BASE_GGUF) {
-                units = rows;
-                unit = em->gguf_rows ? em->gguf_row_bytes[l][mod]
-                                     : (double)em->gguf_lin_bytes_cuda / ((double)d.L * BT_MOD_N * rows);
+                const double rb = em->gguf_rows ? em->gguf_row_bytes[l][mod]
+                                                : (double)em->gguf_lin_bytes_cuda / ((double)d.L * BT_MOD_N * rows);
+                bt_shard_cut_rows(&cut, rows, (int64_t)rb, W);
             } else {
-                units = rows;
-                unit = (double)cols * 2; /* bf16 */
+                bt_shard_cut_rows(&cut, rows, (int64_t)cols * 2, W); /* bf16 */
             }
-            const double per_rank = (double)bt_shard_units((int64_t)units, W) * unit;
-            *shard += per_rank;
-            lb += per_rank * W;
+            *shard += (double)bt_shard_cut_bytes(&cut);
+            lb += (double)bt_shard_cut_gathered(&cut, W);
         }
         if (lb > *layer) *layer = lb;
         /* NF4 and fp32 layers are all alike */

@@ -172,3 +172,35 @@ const bt_plan_buf *bt_plan_find(const bt_plan *p, int id) {
         if (p->buf[i].id == id) return &p->buf[i];
     return NULL;
 }
+
+void bt_shard_cut_nf4(bt_shard_cut *c, int64_t n, int W) {
+    memset(c, 0, sizeof *c);
+    c->nseg = 3;
+    c->units = bt_shard_nf4_units(n);
+    c->per = bt_shard_units(c->units, W);
+    c->unit[0] = BT_SHARD_NF4_WEIGHTS / 2; /* packed: two weights a byte */
+    c->unit[1] = BT_SHARD_NF4_WEIGHTS / 64; /* one absmax code per block of 64 */
+    c->unit[2] = 4;                         /* one fp32 nested absmax per 256 blocks */
+}
+
+void bt_shard_cut_rows(bt_shard_cut *c, int64_t rows, int64_t row_bytes, int W) {
+    memset(c, 0, sizeof *c);
+    c->nseg = 1;
+    c->units = rows;
+    c->per = bt_shard_units(rows, W);
+    c->unit[0] = row_bytes;
+}
+
+int64_t bt_shard_region(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+int64_t bt_shard_cut_bytes(const bt_shard_cut *c) {
+    int64_t s = 0;
+    for (int i = 0; i < c->nseg; i++) s += c->per * c->unit[i];
+    return s;
+}
+
+int64_t bt_shard_cut_gathered(const bt_shard_cut *c, int W) {
+    int64_t s = 0;
+    for (int i = 0; i < c->nseg; i++) s += bt_shard_region((int64_t)W * c->per * c->unit[i]);
+    return s;
+}

@@ -165,6 +165,25 @@ int64_t bt_shard_units(int64_t units, int W);
 /* NF4 units of a linear of n weights: ceil(n / BT_SHARD_NF4_WEIGHTS). */
 int64_t bt_shard_nf4_units(int64_t n);
 
+/* One linear's cut over W ranks: nseg byte arrays cut at the same units (NF4: the packed weights
+ * 8192 bytes a unit, the absmax codes 256, the nested fp32 absmax 4; GGUF / bf16: the rows,
+ * row_bytes a unit). A rank's shard is the segments' [per x unit[s]] slices one after another;
+ * gathered, segment s fills a region of bt_shard_region(W x per x unit[s]) bytes (256-byte
+ * aligned, as cudaMalloc'd tensors are) whose first units x unit[s] bytes are the whole array. */
+typedef struct {
+    int nseg;
+    int64_t units, per; /* units in all; per rank: bt_shard_units(units, W) */
+    int64_t unit[3];    /* bytes a unit, per segment */
+} bt_shard_cut;
+void bt_shard_cut_nf4(bt_shard_cut *c, int64_t n, int W);
+void bt_shard_cut_rows(bt_shard_cut *c, int64_t rows, int64_t row_bytes, int W);
+/* Bytes rounded up to 256. */
+int64_t bt_shard_region(int64_t bytes);
+/* One rank's shard: per x the sum of the units' bytes. */
+int64_t bt_shard_cut_bytes(const bt_shard_cut *c);
+/* The gathered linear: the sum over segments of bt_shard_region(W x per x unit[s]). */
+int64_t bt_shard_cut_gathered(const bt_shard_cut *c, int W);
+
 /* Bytes of one buffer (copies x count x dtype size). */
 uint64_t bt_plan_buf_bytes(const bt_plan_buf *b);
 /* Bytes of the plan's buffers in group g (bt_plan_group), or in every group but BT_PG_HOST

@@ -445,9 +445,12 @@ static void test_shard_base(void **st) {
     for (int mod = 0; mod < BT_MOD_N; mod++) {
         int rows, cols;
         bt_dims_lin_shape(&d, mod, &rows, &cols);
-        const int64_t u = bt_shard_nf4_units((int64_t)rows * cols);
-        want2 += (double)bt_shard_units(u, 2) * BT_SHARD_NF4_UNIT;
-        layer2 += 2.0 * (double)bt_shard_units(u, 2) * BT_SHARD_NF4_UNIT;
+        const int64_t u = bt_shard_nf4_units((int64_t)rows * cols), per = bt_shard_units(u, 2);
+        want2 += (double)per * BT_SHARD_NF4_UNIT;
+        layer2 += 2.0 * per * (8192 + 256) + (double)bt_shard_region(2 * per * 4);
+        bt_shard_cut cut;
+        bt_shard_cut_nf4(&cut, (int64_t)rows * cols, 2);
+        assert_true(bt_shard_cut_bytes(&cut) == per * BT_SHARD_NF4_UNIT);
     }
     assert_true(two.base == want2 * k_hp.n_layer);
     assert_true(two.gather == 2 * layer2);
