@@ -456,6 +456,9 @@ int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out) {
         snprintf(bl, sizeof bl, "base linears (NF4, %.2f bits/weight)", 4.0 + 8.0 / 64 + 32.0 / 64 / 256);
     else
         snprintf(bl, sizeof bl, "base linears (fp32 / bf16)");
+    if (cfg->dist.shard_base && !g.sharded)
+        fprintf(out, "  dist.shard_base: the bill of one rank holding the whole base; --world-size W gives one "
+                "rank's of W, --gpus-for GiB the W that fits\n");
     if (g.sharded) {
         fprintf(out, "  dist.shard_base over %d ranks: the CUDA column is one rank's (its 1/%d shard of the "
                 "base linears)\n", g.world, g.world);

@@ -213,6 +213,8 @@ def test_estimate_shard_base_gpus_for(tmp_path):
     assert "dist.shard_base over 2 ranks" in r2.stdout and "all-gathered base layers" in r2.stdout
     m = re.search(r"^\s+peak\s+[0-9.]+ MiB\s+([0-9.]+) MiB", r2.stdout, re.M)
     assert m and abs(float(m.group(1)) - tot2) < 0.11, r2.stdout
+    r5 = run("estimate", "--config", str(p), *lean, "--set", "dist.shard_base=true")
+    assert "--world-size W gives one rank's of W" in r5.stdout, r5.stdout
     # without the key, --world-size leaves the whole base on every rank
     r3 = run("estimate", "--config", str(p), *lean, "--world-size", "2")
     assert "dist.shard_base over" not in r3.stdout
