@@ -263,7 +263,7 @@ static const bt_key k_cuda[] = {
     BT_KEY_E("attention", C, cuda_attention, k_attn_impls, NULL, "\"wmma\"", 0,
              "attention kernels: \"wmma\" (kernels/cuda/attention.cu) or \"mma\" (attention_mma.cu, "
              "register-resident mma.sync FA2)"),
-    BT_KEY_E("base_matmul", C, cuda_base_matmul, k_matmul_impls, NULL, "\"dequant\"", ES,
+    BT_KEY_E("base_matmul", C, cuda_base_matmul, k_matmul_impls, NULL, "\"dequant\"", 0,
              "matmuls against the frozen quantised base, NF4 and GGUF-native alike: \"dequant\" (dequantise the "
              "weight, then cuBLAS) or \"fused\" (dequantise in the GEMM main loop: nf4_gemm.cu, the ggml blocks' "
              "own kernels)"),
