@@ -148,7 +148,7 @@ def test_distributed_environment_is_checked_before_anything_runs(tmp_path):
     assert r.returncode == 2 and 'unknown key "dist.rank"' in r.stderr, r.stderr
     eff = json.loads(run("config", "--check", str(p), "--set", "dist.master_port=29600").stdout)
     assert eff["dist"] == {"master_addr": "127.0.0.1", "master_port": 29600, "timeout_s": 600,
-                           "heartbeat_timeout_s": 60, "secret_file": None}
+                           "heartbeat_timeout_s": 60, "secret_file": None, "shard_base": False}
     for key, bad in (("dist.heartbeat_timeout_s", "0"), ("dist.secret_file", "3")):
         r = run("config", "--check", str(p), "--set", f"{key}={bad}")
         assert r.returncode == 2 and key in r.stderr, r.stderr
