@@ -307,7 +307,6 @@ static int shard_issue(bt_cuda_trainer *t, int l, int slot)
     const ncclResult_t e = ncclGroupEnd();
     if (r == ncclSuccess || r == ncclInProgress)
         r = e;
-    t->n_gathers++;
     if (r != ncclSuccess && r != ncclInProgress) {
         t->g_layer[slot] = -1;
         t->g_pending = -1;

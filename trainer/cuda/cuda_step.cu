@@ -551,7 +551,6 @@ extern "C" size_t bt_cuda_trainer_base_bytes(const bt_cuda_trainer *t, size_t *g
         *gathered = t && t->md.shards ? (size_t)t->md.gather_bytes : 0;
     return t ? t->md.lin_bytes : 0;
 }
-extern "C" uint64_t bt_cuda_trainer_gathers(const bt_cuda_trainer *t) { return t ? t->n_gathers : 0; }
 extern "C" const char *bt_cuda_trainer_device_name(const bt_cuda_trainer *t) { return t ? t->dev_name : ""; }
 extern "C" size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline)
 {

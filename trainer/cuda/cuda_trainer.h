@@ -151,8 +151,6 @@ void bt_cuda_trainer_set_hooks(bt_cuda_trainer *t, const bt_cuda_hooks *h);
 /* Device bytes of the frozen base linears this trainer holds (with dist.shard_base: its shards)
  * and, in *gathered (may be NULL), the bytes of one all-gathered layer (0 when not sharded). */
 size_t bt_cuda_trainer_base_bytes(const bt_cuda_trainer *t, size_t *gathered);
-/* Layer all-gathers issued so far (dist.shard_base; 0 when not sharded). */
-uint64_t bt_cuda_trainer_gathers(const bt_cuda_trainer *t);
 
 /* ---- Data-parallel: one process per GPU, NCCL (trainer/cuda/cuda_dist.cu) ----
  * Start-up: rank 0 makes the id (bt_cuda_dist_unique_id) and hands it to every rank

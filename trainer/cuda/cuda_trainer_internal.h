@@ -204,7 +204,6 @@ struct bt_cuda_trainer {
     int g_cur;                    /* the slot of the layer that runs */
     cudaStream_t gather_stream;
     cudaEvent_t g_free[2];        /* on stream: the last layer that read the slot is done */
-    uint64_t n_gathers;           /* layer gathers issued (tests: prefetch and reuse) */
 };
 /* cuda_dist.cu, dist.shard_base: make layer l's linears resident (wait for its gather, or issue and
  * wait), then issue the gather of layer `next` (-1: none) into the other slot without waiting:
