@@ -129,6 +129,9 @@ typedef struct {
         int timeout_s;              /* [1, 86400] */
         int heartbeat_timeout_s;    /* [1, 86400] */
         char *secret_file;          /* NULL: $BT_DIST_SECRET */
+        int shard_base;             /* bool: each of the W ranks holds 1/W of every frozen base
+                                     * linear, all-gathered per layer (device "cuda" only;
+                                     * one rank: nothing to shard, a no-op said in the log) */
     } dist;
     struct {
         char *dir;                  /* run report directory (owned; never NULL after parsing) */
@@ -156,6 +159,8 @@ typedef struct {
     int profile;                    /* `trainer train --profile` (command line only) */
     int force;                      /* `trainer train --force`: start even when the memory plan
                                      * exceeds what the process may use (command line only) */
+    int world_size;                 /* `trainer estimate --world-size W`: the data-parallel ranks
+                                     * the bill is per rank of (command line only; 0: one) */
 } bt_train_config;
 
 /* The key table of bt_train_config (common/keytab.h; trainer/config_keys.c). Its user flags say

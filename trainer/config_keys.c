@@ -403,7 +403,7 @@ static const bt_key k_cuda[] = {
              "weight, then cuBLAS) or \"fused\" (dequantise in the GEMM main loop: nf4_gemm.cu, the ggml blocks' "
              "own kernels)"),
     BT_KEY_ALIAS("nf4_matmul", "base_matmul", "the name before the GGUF-native path also took it"),
-    BT_KEY_B("offload_checkpoints", C, cuda_offload, "false", 0,
+    BT_KEY_B("offload_checkpoints", C, cuda_offload, "false", ES,
              "keep the checkpointed layer inputs in pinned host memory instead of on the GPU (copies overlap the "
              "compute; needs activation checkpointing)"),
     BT_KEY_END,
@@ -454,6 +454,10 @@ static const bt_key k_dist[] = {
     BT_KEY_S("secret_file", C, dist.secret_file, 1, 0, "null", BT_KEY_NULLABLE | EV,
              "a file only you can read (mode 0600) holding the job secret that authenticates the ranks; null: "
              "$BT_DIST_SECRET"),
+    BT_KEY_B("shard_base", C, dist.shard_base, "false", EV | ES,
+             "FSDP-QLoRA: each of the W ranks keeps 1/W of every frozen base linear (cut at its NF4 / GGUF "
+             "blocks) and all-gathers a layer before it runs; device \"cuda\" only, a no-op with one rank "
+             "(`trainer estimate --world-size W` bills it, `--gpus-for GiB` finds W)"),
     BT_KEY_END,
 };
 

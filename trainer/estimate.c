@@ -38,6 +38,7 @@ static void gguf_linears(bt_est_model *em, const bt_gguf *g) {
     const bt_dims d = bt_dims_of(&em->hp); /* head_dim set by read_gguf */
     int64_t per_type[BT_GGML_TYPE_SLOTS] = {0};
     char name[96];
+    em->gguf_rows = d.L <= BT_EST_MAX_LAYERS;
     for (int l = 0; l < d.L; l++)
         for (int mod = 0; mod < BT_MOD_N; mod++) {
             int rows, cols;
@@ -46,15 +47,19 @@ static void gguf_linears(bt_est_model *em, const bt_gguf *g) {
             em->lin_weights += n;
             snprintf(name, sizeof name, "blk.%d.%s.weight", l, names[mod]);
             const bt_gguf_tensor *t = bt_gguf_find_tensor(g, name);
+            uint64_t row_cuda = (uint64_t)cols * 2; /* bf16 */
             if (!t) { /* the loader will refuse it; count it at fp32 */
                 em->gguf_lin_bytes += (uint64_t)n * 4;
                 em->gguf_lin_bytes_cuda += (uint64_t)n * 2;
+                if (l < BT_EST_MAX_LAYERS) em->gguf_row_bytes[l][mod] = (uint32_t)row_cuda;
                 continue;
             }
             const int dense = t->type == BT_GGML_F32 || t->type == BT_GGML_F16 ||
                               t->type == BT_GGML_BF16;
             em->gguf_lin_bytes += t->nbytes;
             em->gguf_lin_bytes_cuda += dense ? (uint64_t)n * 2 : t->nbytes;
+            if (!dense && rows > 0) row_cuda = t->nbytes / (uint64_t)rows; /* whole blocks per row */
+            if (l < BT_EST_MAX_LAYERS) em->gguf_row_bytes[l][mod] = (uint32_t)row_cuda;
             if (!dense) em->gguf_quant = 1;
             if (t->type >= 0 && t->type < BT_GGML_TYPE_SLOTS) per_type[t->type] += n;
         }
@@ -209,11 +214,46 @@ static int est_base_dtype(const bt_est_model *em, const bt_train_config *cfg) {
     return em->gguf ? BT_BASE_GGUF : BT_BASE_NF4;
 }
 
+/* dist.shard_base on the GPU with W ranks (plan.h's cut): *shard = this rank's bytes of every base
+ * linear (ceil(units / W) units of each), *layer = the largest layer's base linears as
+ * all-gathered (plan.h bt_shard_cut: W x that, padding and 256-byte alignment included). Units:
+ * NF4 double-quantisation groups, GGUF rows (the file's blocks, F16/BF16/F32 as bf16 rows), bf16
+ * rows of an fp32 base: the cut the GPU trainer makes (trainer/cuda/cuda_model.cu). */
+static void est_shard(const bt_est_model *em, int bd, int W, double *shard, double *layer) {
+    const bt_dims d = bt_dims_of(&em->hp);
+    *shard = *layer = 0;
+    for (int l = 0; l < d.L; l++) {
+        double lb = 0;
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            int rows, cols;
+            bt_dims_lin_shape(&d, mod, &rows, &cols);
+            bt_shard_cut cut;
+            if (bd == BT_BASE_NF4) {
+                bt_shard_cut_nf4(&cut, (int64_t)rows * cols, W);
+            } else if (bd == BT_BASE_GGUF) {
+                const double rb = em->gguf_rows ? em->gguf_row_bytes[l][mod]
+                                                : (double)em->gguf_lin_bytes_cuda / ((double)d.L * BT_MOD_N * rows);
+                bt_shard_cut_rows(&cut, rows, (int64_t)rb, W);
+            } else {
+                bt_shard_cut_rows(&cut, rows, (int64_t)cols * 2, W); /* bf16 */
+            }
+            *shard += (double)bt_shard_cut_bytes(&cut);
+            lb += (double)bt_shard_cut_gathered(&cut, W);
+        }
+        if (lb > *layer) *layer = lb;
+        /* NF4 and fp32 layers are all alike */
+        if (bd != BT_BASE_GGUF && d.L > 1) {
+            *shard *= d.L;
+            break;
+        }
+    }
+}
+
 /* The memory plan of the step context the job's backend `dev` allocates for M tokens
  * (trainer/backend/plan.h; the same options bt_step_ctx_new and the GPU trainer derive from the
  * model, its LoRA and the run). n_params: LoRA + LoRA+ parameters. */
 static void est_plan(const bt_est_model *em, const bt_train_config *cfg, int dev, int threads,
-                     int M, int ckpt, int64_t n_params, bt_plan *p) {
+                     int M, int ckpt, int64_t n_params, int64_t gather_bytes, bt_plan *p) {
     const bt_dims d = bt_dims_of(&em->hp);
     const int bd = est_base_dtype(em, cfg);
     bt_plan_opts o;
@@ -236,6 +276,7 @@ static void est_plan(const bt_est_model *em, const bt_train_config *cfg, int dev
     o.offload = cfg->cuda_offload && ckpt;
     o.rope_table = 1; /* bt_model_rope_init: every model the trainer runs has its table */
     o.rope_dynamic = cfg->context_extension.method == BT_ROPE_EXT_DYNAMIC;
+    o.gather_bytes = dev == BT_EST_CUDA ? gather_bytes : 0;
     if (bt_plan_step(p, &d, &o)) memset(p, 0, sizeof *p); /* the config checks refuse it first */
 }
 
@@ -302,6 +343,11 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     }
     if (bd == BT_BASE_GGUF) /* the file's blocks, as read from its tensor table */
         b->base = (double)(cuda ? em->gguf_lin_bytes_cuda : em->gguf_lin_bytes);
+    /* dist.shard_base: this rank's shards; the two gathered layers are step buffers (the plan) */
+    b->world = cfg->world_size > 1 ? cfg->world_size : 1;
+    b->sharded = cuda && cfg->dist.shard_base && b->world > 1;
+    double gather_layer = 0;
+    if (b->sharded) est_shard(em, bd, b->world, &b->base, &gather_layer);
     /* embedding / lm_head (bf16 on the GPU), norms (fp32 on both: trainer/cuda/cuda_model.cu) */
     b->embed = V * D * (cuda ? 2.0 : 4.0) * (em->tied ? 1 : 2);
     b->norms = (2 * L + 1) * D * 4.0;
@@ -314,13 +360,15 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     /* the step context: its memory plan (trainer/backend/plan.h), exactly what bt_step_ctx_new
      * or the GPU trainer allocates */
     bt_plan p;
-    est_plan(em, cfg, dev, threads, M, cfg->activation_checkpointing, b->n_lora + b->n_dense, &p);
+    est_plan(em, cfg, dev, threads, M, cfg->activation_checkpointing, b->n_lora + b->n_dense,
+             (int64_t)gather_layer, &p);
     b->step = (double)bt_plan_bytes(&p, -1);
     b->acts = (double)bt_plan_bytes(&p, BT_PG_ACTS);
     b->loss_ws = (double)bt_plan_bytes(&p, BT_PG_LOSS);
     b->other = (double)(bt_plan_bytes(&p, BT_PG_WORK) + bt_plan_bytes(&p, BT_PG_BATCH) +
                         bt_plan_bytes(&p, BT_PG_OPTIM));
     b->host = (double)bt_plan_bytes(&p, BT_PG_HOST);
+    b->gather = (double)bt_plan_bytes(&p, BT_PG_GATHER);
     if (cuda) {
         /* LoRA (+ LoRA+): fp32 master, grad, m, v and the bf16 compute copy, in the plan */
         const double per_param = (double)bt_plan_bytes(&p, BT_PG_LORA) /
@@ -349,7 +397,7 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
             if (cfg->eval.lengths[i] > max_eval) max_eval = cfg->eval.lengths[i];
         if (cfg->eval.n_shards > 0 && max_eval > M) {
             bt_plan e;
-            est_plan(em, cfg, dev, threads, max_eval, 1, b->n_lora + b->n_dense, &e);
+            est_plan(em, cfg, dev, threads, max_eval, 1, b->n_lora + b->n_dense, 0, &e);
             b->eval = (double)bt_plan_bytes(&e, -1);
         }
     }
@@ -358,8 +406,10 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     /* adapter save: the writer's copy of every saved tensor (fp32 on both backends) */
     double saved = (double)b->n_lora + dense;
     if ((cfg->trainable_mask & (1u << BT_TRAINABLE_EMBED)) && em->tied) saved += V * D;
-    b->save = saved * 4.0;
-    b->total = b->base + b->embed + b->norms + b->lora + b->dense + b->acts + b->loss_ws +
+    /* on CUDA the adapter is copied back to the host LoRA state and written from there: host
+     * memory, not in the device bill */
+    b->save = cuda ? 0.0 : saved * 4.0;
+    b->total = b->base + b->gather + b->embed + b->norms + b->lora + b->dense + b->acts + b->loss_ws +
                b->other + b->attn + b->eval + b->save + b->runtime;
     if (!cuda) {
         /* loading: the mapped file's tensor pages + the model built so far + one fp32 matrix in
@@ -423,7 +473,17 @@ int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out) {
         snprintf(bl, sizeof bl, "base linears (NF4, %.2f bits/weight)", 4.0 + 8.0 / 64 + 32.0 / 64 / 256);
     else
         snprintf(bl, sizeof bl, "base linears (fp32 / bf16)");
+    if (cfg->dist.shard_base && !g.sharded)
+        fprintf(out, "  dist.shard_base: the bill of one rank holding the whole base; --world-size W gives one "
+                "rank's of W, --gpus-for GiB the W that fits\n");
+    if (g.sharded) {
+        fprintf(out, "  dist.shard_base over %d ranks: the CUDA column is one rank's (its 1/%d shard of the "
+                "base linears)\n", g.world, g.world);
+        const size_t n = strlen(bl) < 40 ? strlen(bl) : 40;
+        snprintf(bl + n, sizeof bl - n, "; CUDA: 1/%d", g.world);
+    }
     row(out, bl, c.base, g.base);
+    if (g.sharded) row(out, "all-gathered base layers (2: running, next)", 0, g.gather);
     row(out, em.tied ? "embedding (tied lm_head)" : "embedding + lm_head", c.embed, g.embed);
     row(out, "norms", c.norms, g.norms);
     row(out, "LoRA params + grads + AdamW m, v", c.lora, g.lora);
@@ -456,6 +516,60 @@ int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out) {
                 cfg->checkpointing_auto ? "checkpointing auto"
                 : cfg->activation_checkpointing ? "checkpointing" : "no checkpointing", tc, tg);
     }
+    return 0;
+}
+
+int bt_estimate_gpus_for(const bt_est_model *em, const bt_train_config *cfg, int threads, double bytes,
+                         bt_mem_bill *b) {
+    bt_train_config c = *cfg;
+    c.dist.shard_base = 1;
+    bt_mem_bill tmp;
+    if (!b) b = &tmp;
+    for (int W = 1; W <= BT_EST_MAX_WORLD; W++) {
+        c.world_size = W;
+        bt_estimate_bill(em, &c, BT_EST_CUDA, threads, b);
+        if (b->peak <= bytes) return W;
+    }
+    return 0;
+}
+
+int bt_estimate_print_gpus_for(const bt_train_config *cfg, double gpu_gib, FILE *out) {
+    bt_est_model em;
+    int rc = bt_est_model_read(&em, cfg->model);
+    if (rc) return rc;
+    const int threads = cfg->threads > 0 ? cfg->threads : omp_get_max_threads();
+    const double bytes = gpu_gib * 1024.0 * MIB;
+    bt_mem_bill b;
+    const int W = bt_estimate_gpus_for(&em, cfg, threads, bytes, &b);
+    const int bd = est_base_dtype(&em, cfg);
+    fprintf(out, "GPUs of %g GiB for %s (%s base, micro-batch %d x %d tokens per rank, LoRA r %d, %s), "
+            "dist.shard_base: per-rank CUDA bill\n", gpu_gib, cfg->model,
+            bd == BT_BASE_GGUF ? "GGUF" : bd == BT_BASE_NF4 ? "NF4" : "bf16", cfg->data.micro_batch_size,
+            cfg->data.seq_len, cfg->lora.r,
+            cfg->activation_checkpointing ? (cfg->cuda_offload ? "checkpointing, offloaded" : "checkpointing")
+                                          : "no checkpointing");
+    fprintf(out, "  %4s %16s %16s %16s %16s\n", "W", "base shard", "gathered layers", "rest per rank",
+            "total per rank");
+    const int last = W ? W : BT_EST_MAX_WORLD;
+    bt_train_config c = *cfg;
+    c.dist.shard_base = 1;
+    for (int w = 1; w <= last; w = w < 8 ? w + 1 : (w * 2 < last ? w * 2 : (w == last ? w + 1 : last))) {
+        c.world_size = w;
+        bt_mem_bill x;
+        bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &x);
+        fprintf(out, "  %4d %12.1f MiB %12.1f MiB %12.1f MiB %12.1f MiB%s\n", w, x.base / MIB, x.gather / MIB,
+                (x.peak - x.base - x.gather) / MIB, x.peak / MIB, x.peak <= bytes ? "  fits" : "");
+    }
+    if (W)
+        fprintf(out, "%d GPU%s of %g GiB fit%s this job (%.1f of %.1f GiB per rank)\n", W, W > 1 ? "s" : "",
+                gpu_gib, W > 1 ? "" : "s", b.peak / (1024.0 * MIB), gpu_gib);
+    else
+        fprintf(out, "no W up to %d fits %g GiB GPUs: with the base sharded %d ways a rank still needs %.1f GiB, "
+                "%.1f GiB of it besides the base (LoRA state %.1f GiB, activations and workspace %.1f GiB): "
+                "lower lora.r, data.seq_len or data.micro_batch_size, or set activation_checkpointing / "
+                "cuda.offload_checkpoints\n", BT_EST_MAX_WORLD, gpu_gib, BT_EST_MAX_WORLD,
+                b.peak / (1024.0 * MIB), (b.peak - b.base - b.gather) / (1024.0 * MIB),
+                (b.lora + b.dense) / (1024.0 * MIB), (b.acts + b.loss_ws + b.other) / (1024.0 * MIB));
     return 0;
 }
 

@@ -48,7 +48,12 @@
  * backward scratch, one dequantised bf16 base linear unless cuda.base_matmul is "fused", the
  * attention's fp32 delta [M, n_head], the device batch arrays, the gradient-norm scratch); the
  * attention kernels are tiled (no T x T memory, S^2 or not); runtime = CUDA context + cuBLAS
- * workspace (BT_EST_CUDA_CONTEXT_MIB, typical for an H100; not device-exact). */
+ * workspace (BT_EST_CUDA_CONTEXT_MIB, typical for an H100; not device-exact); the adapter save
+ * buffer is host memory (the LoRA state is copied back first), 0 in the device bill.
+ * dist.shard_base with cfg->world_size W > 1 (`trainer estimate --world-size W`): the CUDA bill is
+ * one rank's: base = its shard of every linear (plan.h's cut: ceil(units / W) NF4 groups or rows),
+ * gather = plan group BT_PG_GATHER (two copies of the largest layer's linears as all-gathered, the
+ * padding included); embedding, lm_head, norms, LoRA state and activations stay per rank. */
 #ifndef BT_TRAINER_ESTIMATE_H
 #define BT_TRAINER_ESTIMATE_H
 #include <stdint.h>
@@ -61,6 +66,8 @@
 #define BT_EST_RUNTIME_MIB 24.0
 #define BT_EST_THREAD_MIB 4.0
 #define BT_EST_CUDA_CONTEXT_MIB 600.0
+#define BT_EST_MAX_LAYERS 512 /* layers whose GGUF row sizes the estimate records (sharding) */
+#define BT_EST_MAX_WORLD 64   /* `trainer estimate --gpus-for` tries W = 1 .. this */
 
 /* What the estimate needs to know about a model (no weights). */
 typedef struct {
@@ -75,6 +82,10 @@ typedef struct {
     uint64_t gguf_lin_bytes;   /* their tensor bytes in the file */
     uint64_t gguf_lin_bytes_cuda; /* as the GPU trainer holds them (F16/BF16/F32 as bf16) */
     char gguf_types[64];       /* their ggml types, most weights first ("Q4_K+Q6_K") */
+    /* dist.shard_base on CUDA: bytes of one row of each base linear as the GPU holds it (ggml
+     * blocks; F16/BF16/F32 as bf16), layers past BT_EST_MAX_LAYERS not recorded (gguf_rows 0) */
+    int gguf_rows;             /* 1: gguf_row_bytes holds every layer */
+    uint32_t gguf_row_bytes[BT_EST_MAX_LAYERS][BT_MOD_N];
 } bt_est_model;
 
 /* Read the hyper-parameters of a llama-architecture .gguf (header and tensor table only: also the
@@ -93,6 +104,10 @@ typedef struct {
     double base, embed, norms, lora, dense, acts, loss_ws, other, save, runtime;
     double attn;      /* CPU attention scratch (score tiles; per-head dK/dV with GQA), transient */
     double eval;      /* CPU: a held-out length's own workspace (eval.lengths > the micro-batch) */
+    double gather;    /* CUDA with dist.shard_base and W > 1: the two all-gathered layers' base
+                       * linears (plan group BT_PG_GATHER); base is then this rank's shard */
+    int world;        /* the ranks the bill is per rank of (cfg->world_size, at least 1) */
+    int sharded;      /* the base is billed as 1/W shards (dist.shard_base, CUDA, W > 1) */
     double host;      /* CUDA with cuda.offload_checkpoints: pinned host memory of the layer inputs
                        * (not in total / peak, which are device bytes) */
     double total;     /* sum of the above: steady state while training */
@@ -121,6 +136,19 @@ int bt_estimate_max_seq_len(const bt_est_model *em, const bt_train_config *cfg, 
  * `out`; fit_gib > 0 also answers "the longest seq_len that fits in fit_gib GiB" for the CPU and
  * a GPU (bt_estimate_max_seq_len). Returns 0 or the error of bt_est_model_read. */
 int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out);
+
+/* `trainer estimate --gpus-for GiB`: the fewest data-parallel ranks W (1 .. BT_EST_MAX_WORLD)
+ * whose per-rank CUDA bill with dist.shard_base (the base / W in shards + two all-gathered
+ * layers + embedding, norms, LoRA state, activations and workspace, which stay per rank) fits in
+ * `bytes` of device memory; 0 when none does. *b (may be NULL) gets that W's bill, or W =
+ * BT_EST_MAX_WORLD's when none fits. */
+int bt_estimate_gpus_for(const bt_est_model *em, const bt_train_config *cfg, int threads, double bytes,
+                         bt_mem_bill *b);
+
+/* Print the answer of bt_estimate_gpus_for for gpu_gib GiB cards to `out`: a row per W tried
+ * with its shard, gathered layers and per-rank total, then "W GPUs of N GiB fit" or why none
+ * does. Returns 0 or the error of bt_est_model_read. */
+int bt_estimate_print_gpus_for(const bt_train_config *cfg, double gpu_gib, FILE *out);
 
 /* `trainer train`'s check before it allocates (issue 21 §7): the job's memory plan (this bill:
  * the CPU peak on device "cpu"; on "cuda" the host side, i.e. the CPU load-time peak plus pinned

@@ -29,6 +29,7 @@ static void usage(FILE *f) {
             "       trainer eval  --config JOB [--adapter DIR | --checkpoint DIR] [--set ...]\n"
             "                     [--device cpu|cuda]\n"
             "       trainer estimate --config JOB [--set key.path=value ...] [--max-seq-len-for GiB]\n"
+            "                        [--world-size W] [--gpus-for GiB]\n"
             "       trainer report RUN_DIR             (the plot of a run's metrics.jsonl)\n"
             "       trainer config --template default|qlora|long-context [--documented]\n"
             "                      [--format json|yaml]\n"
@@ -48,7 +49,10 @@ static void usage(FILE *f) {
             "       (--adapter DIR: ours or written by PEFT) or of a checkpoint (--checkpoint DIR,\n"
             "       config resume_from).\n"
             "estimate  memory bill (CPU fp32 and CUDA bf16) from the model's header and the job;\n"
-            "          --max-seq-len-for GiB: the longest data.seq_len that fits in that memory.\n"
+            "          --max-seq-len-for GiB: the longest data.seq_len that fits in that memory;\n"
+            "          --world-size W: the CUDA bill per rank of W (with dist.shard_base: 1/W of\n"
+            "          the base each); --gpus-for GiB: the fewest GPUs of that memory whose ranks\n"
+            "          fit the job with dist.shard_base.\n"
             "config    print a config template (--documented: with \"#\" comment keys, which the\n"
             "          parser ignores), or validate a job and print its effective config (--print\n"
             "          KEY: one key's value, e.g. --print socket).\n"
@@ -93,6 +97,8 @@ typedef struct {
     const char *config, *resume, *checkpoint, *adapter;
     int profile, force;
     double fit_gib; /* estimate --max-seq-len-for GiB; 0: not asked */
+    double gpus_gib; /* estimate --gpus-for GiB; 0: not asked */
+    int world_size;  /* estimate --world-size W; 0: not given */
     const char **sets;  /* "key=value" settings: --set, and --device X as device=X */
     const char **given; /* what each setting was given as on the command line, for refusals */
     int n_sets;
@@ -110,13 +116,15 @@ static int parse_run_args(int argc, char **argv, run_args *a) {
         fprintf(stderr, "trainer: out of memory\n");
         return 2;
     }
-    enum { O_CONFIG = 256, O_SET, O_DEVICE, O_RESUME, O_CHECKPOINT, O_ADAPTER, O_PROFILE, O_FORCE, O_FIT };
+    enum { O_CONFIG = 256, O_SET, O_DEVICE, O_RESUME, O_CHECKPOINT, O_ADAPTER, O_PROFILE, O_FORCE, O_FIT,
+           O_GPUS, O_WORLD };
     static const struct option opts[] = {
         {"help", no_argument, NULL, 'h'},           {"config", required_argument, NULL, O_CONFIG},
         {"set", required_argument, NULL, O_SET},    {"device", required_argument, NULL, O_DEVICE},
         {"resume", required_argument, NULL, O_RESUME}, {"checkpoint", required_argument, NULL, O_CHECKPOINT},
         {"adapter", required_argument, NULL, O_ADAPTER}, {"profile", no_argument, NULL, O_PROFILE},
         {"force", no_argument, NULL, O_FORCE},      {"max-seq-len-for", required_argument, NULL, O_FIT},
+        {"gpus-for", required_argument, NULL, O_GPUS}, {"world-size", required_argument, NULL, O_WORLD},
         {NULL, 0, NULL, 0},
     };
     /* argv[1] is the command: getopt_long reads argv[2..] as the options of argv + 1 */
@@ -167,6 +175,32 @@ static int parse_run_args(int argc, char **argv, run_args *a) {
                 fprintf(stderr, "trainer: --max-seq-len-for: expected a memory size in GiB > 0, "
                         "got \"%s\"\n", optarg);
                 return 2;
+            }
+            break;
+        }
+        case O_GPUS: {
+            char *end;
+            if (cmd != BT_CMD_ESTIMATE) {
+                opt = "--gpus-for (trainer estimate --gpus-for GiB)";
+            } else if (a->gpus_gib = strtod(optarg, &end), *end || !(a->gpus_gib > 0) || a->gpus_gib > 1e6) {
+                fprintf(stderr, "trainer: --gpus-for: expected a GPU memory size in GiB > 0, got \"%s\"\n",
+                        optarg);
+                return 2;
+            }
+            break;
+        }
+        case O_WORLD: {
+            char *end;
+            long w = strtol(optarg, &end, 10);
+            if (cmd != BT_CMD_ESTIMATE) {
+                opt = "--world-size (trainer estimate --world-size W; a job takes its ranks from Slurm or "
+                      "WORLD_SIZE)";
+            } else if (*end || end == optarg || w < 1 || w > 65536) {
+                fprintf(stderr, "trainer: --world-size: expected a number of ranks in [1, 65536], got "
+                        "\"%s\"\n", optarg);
+                return 2;
+            } else {
+                a->world_size = (int)w;
             }
             break;
         }
@@ -230,6 +264,12 @@ static int load_run_config(const run_args *a, bt_train_config *cfg) {
                 "evaluate: drop one\n", cfg->resume_from);
         rc = 2;
     }
+    if (!rc && a->cmd != BT_CMD_ESTIMATE && cfg->dist.shard_base && cfg->device != BT_DEVICE_CUDA) {
+        fprintf(stderr, "trainer %s: dist.shard_base shards the frozen base across the GPUs of a "
+                "data-parallel job (device \"cuda\"); the CPU backend runs one process holding the whole "
+                "base: set device \"cuda\" or drop dist.shard_base\n", a->name);
+        rc = 2;
+    }
     const bt_backend_reg *reg;
     if (!rc && a->cmd != BT_CMD_ESTIMATE && bt_backend_get(cfg->device, &reg)) {
         fprintf(stderr, "trainer: %s\n", bt_last_error()); /* a device this build has not */
@@ -243,7 +283,10 @@ static int load_run_config(const run_args *a, bt_train_config *cfg) {
 static int run_command(const run_args *a, const bt_train_config *cfg) {
     int rc;
     if (a->cmd == BT_CMD_ESTIMATE) {
-        rc = bt_estimate_print(cfg, a->fit_gib, stdout);
+        bt_train_config c = *cfg;
+        c.world_size = a->world_size;
+        rc = bt_estimate_print(&c, a->fit_gib, stdout);
+        if (!rc && a->gpus_gib > 0) rc = bt_estimate_print_gpus_for(&c, a->gpus_gib, stdout);
         if (rc) fprintf(stderr, "trainer: %s\n", bt_last_error());
         return rc ? BT_EXIT_FAILURE : BT_EXIT_OK;
     }

@@ -785,22 +785,28 @@ static void test_plan_matches_estimate(void)
         const char *name, *json; /* the job's keys beyond model / data / lora */
         int base_dtype, gguf_type, tied, ckpt, offload, fused;
         unsigned targets, trainable;
+        int world; /* > 1: dist.shard_base over `world` ranks, this trainer rank 1's */
     };
     const unsigned all = (1u << BT_MOD_N) - 1, qv = (1u << BT_MOD_Q) | (1u << BT_MOD_V);
     const PlanCase cases[] = {
         {"nf4 dequantise, all targets", "\"base_dtype\": \"nf4\"", BT_BASE_NF4, -1, 1, 0, 0, 0,
-         all, 0},
+         all, 0, 0},
         {"nf4 fused, checkpointing, LoRA+ untied",
          "\"base_dtype\": \"nf4\", \"activation_checkpointing\": true, \"cuda\": "
          "{\"nf4_matmul\": \"fused\"}, \"trainable_modules\": [\"embed_tokens\", \"norm\"]",
-         BT_BASE_NF4, -1, 0, 1, 0, 1, all, BT_TRAIN_EMBED | BT_TRAIN_NORM},
+         BT_BASE_NF4, -1, 0, 1, 0, 1, all, BT_TRAIN_EMBED | BT_TRAIN_NORM, 0},
         {"fp32, checkpointing + offload, q/v only",
          "\"base_dtype\": \"fp32\", \"activation_checkpointing\": true, \"cuda\": "
-         "{\"offload_checkpoints\": true}", BT_BASE_FP32, -1, 1, 1, 1, 0, qv, 0},
+         "{\"offload_checkpoints\": true}", BT_BASE_FP32, -1, 1, 1, 1, 0, qv, 0, 0},
         {"gguf Q4_K, LoRA+ norms", "\"base_dtype\": \"gguf\", \"trainable_modules\": [\"norm\"]",
-         BT_BASE_FP32, BT_GGML_Q4_K, 1, 0, 0, 0, all, BT_TRAIN_NORM},
+         BT_BASE_FP32, BT_GGML_Q4_K, 1, 0, 0, 0, all, BT_TRAIN_NORM, 0},
         {"gguf F16 (held as bf16: no dequantisation buffer)", "\"base_dtype\": \"gguf\"",
-         BT_BASE_FP32, BT_GGML_F16, 1, 0, 0, 0, all, 0},
+         BT_BASE_FP32, BT_GGML_F16, 1, 0, 0, 0, all, 0, 0},
+        {"nf4, dist.shard_base over 2 ranks (NF4 groups)",
+         "\"base_dtype\": \"nf4\", \"dist\": {\"shard_base\": true}", BT_BASE_NF4, -1, 1, 0, 0, 0, all, 0, 2},
+        {"fp32, dist.shard_base over 3 ranks (bf16 rows), checkpointing",
+         "\"base_dtype\": \"fp32\", \"activation_checkpointing\": true, \"dist\": {\"shard_base\": true}",
+         BT_BASE_FP32, -1, 1, 1, 0, 0, qv, 0, 3},
     };
     const bt_llama_hparams hp = tiny_hp(2);
     const bt_dims dims = bt_dims_of(&hp);
@@ -843,6 +849,7 @@ static void test_plan_matches_estimate(void)
         em.max_linear = bt_dims_max_linear(&dims);
         em.gguf = pc.gguf_type >= 0;
         em.gguf_quant = pc.gguf_type >= 0 && pc.gguf_type != BT_GGML_F16;
+        cfg.world_size = pc.world;
         bt_mem_bill g;
         bt_estimate_bill(&em, &cfg, BT_EST_CUDA, 1, &g);
         const int M = cfg.data.seq_len * cfg.data.micro_batch_size;
@@ -851,6 +858,10 @@ static void test_plan_matches_estimate(void)
         o.checkpointing = pc.ckpt;
         o.offload = pc.offload;
         o.base_matmul_impl = pc.fused;
+        if (pc.world > 1) {
+            o.shard_rank = 1;
+            o.shard_world = pc.world;
+        }
         bt_cuda_trainer *t = nullptr;
         if (bt_cuda_trainer_new(&t, &m, &lo, M, &o) != 0) {
             printf("    bt_cuda_trainer_new: %s\n", bt_last_error());
@@ -865,7 +876,17 @@ static void test_plan_matches_estimate(void)
             PLAN_CHECK((pc.offload != 0) == (host > 0));
             PLAN_CHECK(g.n_lora + g.n_dense == lo.n_params);
             /* the bill's rows are the plan's groups: they add up to the step */
-            PLAN_CHECK(g.lora + g.dense + g.acts + g.loss_ws + g.other == g.step);
+            PLAN_CHECK(g.lora + g.dense + g.acts + g.loss_ws + g.other + g.gather == g.step);
+            /* dist.shard_base: the shards held and the two gathered layers are the bill's */
+            size_t gathered = 0;
+            const size_t lin = bt_cuda_trainer_base_bytes(t, &gathered);
+            if (pc.world > 1) {
+                printf("    shard %zu bytes, gathered layer %zu; estimate %.0f, %.0f\n", lin, gathered,
+                       g.base, g.gather);
+                PLAN_CHECK(g.sharded && (double)lin == g.base && 2.0 * (double)gathered == g.gather);
+            } else {
+                PLAN_CHECK(!g.sharded && gathered == 0 && g.gather == 0);
+            }
             bt_cuda_trainer_free(t);
         }
         bt_config_free(&cfg);

@@ -314,3 +314,94 @@ def test_a_signal_on_one_rank_stops_every_rank_mid_step_and_keeps_the_last_step(
         assert rc == 0, f"resumed rank {rank}:\n{text}"
     got = dict((int(n), (l, g)) for n, l, g in exact.findall(res[0][1]))
     assert got == {2: want[2], 3: want[3]}, (got, want)
+
+
+
+@pytest.mark.parametrize("base,ckpt", [("nf4", False), ("Q8_0", True)])
+def test_shard_base_reproduces_the_whole_base(env, base, ckpt):
+    """dist.shard_base (issue 26): two ranks each holding half of every base linear (whole NF4
+    double-quantisation groups, or the GGUF's own Q8_0 rows), all-gathered per layer in forward and
+    again for backward / recompute (three layers and two gather slots: every step gathers in both
+    directions, the next layer's gather in flight while one computes), train exactly as two ranks
+    holding the whole base: the same gathered bytes feed the same kernels, so the losses (every
+    printed digit; NF4: and the held-out losses, over 3 rows the ranks share 2 / 1) and the
+    adapter are identical (tolerance 0). Each rank's counter shows its
+    shard: half the whole base's bytes for Q8_0 (rows cut in two); for NF4, ceil(groups / 2) whole
+    16384-weight groups of every linear (the last one padded)."""
+    model = env["tmp"] / f"tiny64-3l-{base}.gguf"
+    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(model), "--tokenizer-from",
+                    str(env["model"]), "--layers", "3", "--hidden", "128", "--heads", "2", "--kv-heads", "1",
+                    "--ffn", "256", "--seed", "11", "--type", "F32" if base == "nf4" else base], check=True)
+    data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
+            "micro_batch_size": 1, "seed": 5}
+    # held-out rows 3 (NF4): the ranks' shares are 2 and 1 batches, and every forward pass gathers,
+    # so the rank with fewer runs a label-free pass to stay level (trainer/loop/eval.c)
+    ev = {}
+    if base == "nf4":
+        write_shard(env["data"] / "eval3.jsonl.zst",
+                    [chat_line(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}.") for i in range(3)])
+        ev = {"shards": [str(env["data"] / "eval3.jsonl.zst")], "max_batches": 0}
+    runs = {}
+    for shard in (False, True):
+        cfg, out = job_config(env, f"shard-{base}-{int(shard)}", "cuda", {
+            "model": str(model), "data": data, "eval": ev, "steps": 2,
+            "base_dtype": "nf4" if base == "nf4" else "gguf", "activation_checkpointing": ckpt,
+            "dist": {"shard_base": shard}})
+        res = launch_ranks([cfg, cfg], free_port())
+        held = []
+        for rank, (rc, text) in enumerate(res):
+            assert rc == 0, f"rank {rank}:\n{text}\nrank {1 - rank}:\n{res[1 - rank][1]}"
+            m = re.search(r"dist.shard_base: rank \d holds (\d+) bytes of the base linears \(its 1/2 shard\) "
+                          r"and gathers each layer into (\d+) bytes" if shard else
+                          r"base linears: (\d+) bytes on this GPU", text)
+            assert m, text
+            held.append(int(m.group(1)))
+            if shard and base == "nf4":  # what `trainer estimate` bills (plan.h bt_shard_cut): 7 linears
+                # of 2 x 1 groups, packed + codes, and 2 nested absmax in a 256-byte region each
+                assert int(m.group(2)) == 7 * (2 * (8192 + 256) + 256), text
+        losses = [float(x) for x in re.findall(r"step \d/2 \| loss ([0-9.]+) \| lr ", res[0][1])]
+        assert len(losses) == 2, res[0][1]
+        losses += [float(x) for x in re.findall(r"held-out loss: before ([0-9.]+) -> after ([0-9.]+)",
+                                                 res[0][1])[0]] if ev else []
+        runs[shard] = (losses, read_safetensors(out / "adapter_model.safetensors"), held)
+    (l0, a0, h0), (l1, a1, h1) = runs[False], runs[True]
+    print(f"\nshard_base {base} ckpt={ckpt}: losses {l0} / {l1}; base bytes a rank {h0} -> {h1}")
+    assert l1 == l0
+    assert set(a1) == set(a0) and all(a1[k] == a0[k] for k in a0)
+    assert h1[0] == h1[1]
+    if base == "nf4":
+        groups = [1, 1, 1, 1, 2, 2, 2]  # q, k, v, o (<= 16384 weights), gate, up, down (32768)
+        assert h1[0] == 3 * sum((g + 1) // 2 for g in groups) * (8192 + 256 + 4)
+    else:
+        assert 2 * h1[0] == h0[0]
+
+
+def test_shard_base_a_lost_rank_ends_the_gathering_ranks_naming_it(env):
+    """dist.shard_base: rank 1 of two is SIGKILLed mid-run while the ranks all-gather a layer's base
+    every few milliseconds (three layers, two slots: gathers in forward and backward of every
+    step). NCCL's one-node behaviour (NCCL_EMU_PEER_LOSS=hang, no emulator timeout) leaves only the
+    watchdog to end rank 0's wait, in a layer gather or the gradient all-reduce: it must exit 1
+    naming rank 1 and its pid."""
+    model = env["tmp"] / "tiny64-3l-lost.gguf"
+    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(model), "--tokenizer-from",
+                    str(env["model"]), "--layers", "3", "--hidden", "128", "--heads", "2", "--kv-heads", "1",
+                    "--ffn", "256", "--seed", "11", "--type", "Q8_0"], check=True)
+    data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
+            "micro_batch_size": 1, "seed": 5}
+    cfg, _ = job_config(env, "shard-lost", "cuda", {"model": str(model), "data": data, "steps": 100000,
+                                                    "eval": {}, "base_dtype": "gguf", "dist": {"shard_base": True}})
+    outs = [env["tmp"] / f"shard-rank{r}.log" for r in range(2)]
+    procs = start_ranks([cfg] * 2, free_port(), 2,
+                        ("--set", "dist.timeout_s=600", "--set", "dist.heartbeat_timeout_s=3"),
+                        {"NCCL_EMU_PEER_LOSS": "hang", "NCCL_EMU_TIMEOUT_S": "0"}, outs)
+    try:
+        wait_for_line(procs, outs[0], r"^step 2/100000 ")
+        victim = procs[1]
+        victim.send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=180)  # the heartbeat timeout is 3 s: this is only a hang guard
+    finally:
+        end_all(procs)
+    text = outs[0].read_text(errors="replace")
+    print("\n" + "\n".join(l for l in text.splitlines() if "rank 1 (pid" in l)[-400:])
+    assert procs[0].returncode == 1, f"rank 0 exited {procs[0].returncode}:\n{text[-3000:]}"
+    assert f"rank 1 (pid {victim.pid} on " in text and "died" in text, text[-3000:]

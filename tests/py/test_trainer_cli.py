@@ -148,7 +148,7 @@ def test_distributed_environment_is_checked_before_anything_runs(tmp_path):
     assert r.returncode == 2 and 'unknown key "dist.rank"' in r.stderr, r.stderr
     eff = json.loads(run("config", "--check", str(p), "--set", "dist.master_port=29600").stdout)
     assert eff["dist"] == {"master_addr": "127.0.0.1", "master_port": 29600, "timeout_s": 600,
-                           "heartbeat_timeout_s": 60, "secret_file": None}
+                           "heartbeat_timeout_s": 60, "secret_file": None, "shard_base": False}
     for key, bad in (("dist.heartbeat_timeout_s", "0"), ("dist.secret_file", "3")):
         r = run("config", "--check", str(p), "--set", f"{key}={bad}")
         assert r.returncode == 2 and key in r.stderr, r.stderr
@@ -177,3 +177,64 @@ def test_distributed_environment_is_checked_before_anything_runs(tmp_path):
     assert r.returncode == 0 and r.stdout == "/tmp/y.sock\n", r.stdout + r.stderr
     r = run("config", "--check", str(y), "--format", "yaml", "--print", "dist.master_port")
     assert r.returncode == 0 and r.stdout == "29500\n", r.stdout + r.stderr
+
+
+LLAMA2_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+              "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8,
+              "vocab_size": 32000, "tie_word_embeddings": False}
+
+
+def test_estimate_shard_base_gpus_for(tmp_path):
+    """dist.shard_base (issue 26): `--world-size W` bills one rank's 1/W shard of the base plus two
+    all-gathered layers; `--gpus-for GiB` answers the fewest GPUs. Llama-2-70B NF4 at T = 2048 on
+    24 GiB cards fits on 2 with checkpointing, offloaded checkpoints and LoRA r 8 (the bill is
+    shown); the QLoRA recipe's r 64 does not (its LoRA state alone is ~14 GiB a rank)."""
+    model = tmp_path / "llama-2-70b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA2_70B))
+    p = tmp_path / "job.json"
+    p.write_text(run("config", "--template", "qlora").stdout)
+    lean = ["--set", f"model={model}", "--set", "data.seq_len=2048", "--set", "data.micro_batch_size=1",
+            "--set", "activation_checkpointing=true", "--set", "cuda.offload_checkpoints=true",
+            "--set", "lora.r=8"]
+    r = run("estimate", "--config", str(p), *lean, "--gpus-for", "24")
+    assert r.returncode == 0, r.stderr
+    assert "\n2 GPUs of 24 GiB fit this job" in r.stdout, r.stdout
+    rows = {int(m.group(1)): [float(x) for x in m.groups()[1:]] for m in re.finditer(
+        r"^\s+(\d+)\s+([0-9.]+) MiB\s+([0-9.]+) MiB\s+([0-9.]+) MiB\s+([0-9.]+) MiB", r.stdout, re.M)}
+    assert sorted(rows) == [1, 2], r.stdout
+    (b1, g1, rest1, tot1), (b2, g2, rest2, tot2) = rows[1], rows[2]
+    assert g1 == 0 and 0 < g2 < 0.1 * b2 and rest1 == rest2
+    assert abs(b2 - b1 / 2) < 0.01 * b1  # whole NF4 groups: half, up to the padding
+    assert tot1 > 24 * 1024 >= tot2
+    # the per-rank table of --world-size 2 with the key set is the same W = 2 bill
+    r2 = run("estimate", "--config", str(p), *lean, "--set", "dist.shard_base=true", "--world-size", "2")
+    assert r2.returncode == 0, r2.stderr
+    assert "dist.shard_base over 2 ranks" in r2.stdout and "all-gathered base layers" in r2.stdout
+    m = re.search(r"^\s+peak\s+[0-9.]+ MiB\s+([0-9.]+) MiB", r2.stdout, re.M)
+    assert m and abs(float(m.group(1)) - tot2) < 0.11, r2.stdout
+    r5 = run("estimate", "--config", str(p), *lean, "--set", "dist.shard_base=true")
+    assert "--world-size W gives one rank's of W" in r5.stdout, r5.stdout
+    # without the key, --world-size leaves the whole base on every rank
+    r3 = run("estimate", "--config", str(p), *lean, "--world-size", "2")
+    assert "dist.shard_base over" not in r3.stdout
+    # the QLoRA recipe's r 64: more GPUs, never 2
+    r4 = run("estimate", "--config", str(p), *lean[:-2], "--gpus-for", "24")
+    assert r4.returncode == 0 and "\n2 GPUs" not in r4.stdout, r4.stdout
+    assert re.search(r"^\d+ GPUs of 24 GiB fit this job", r4.stdout, re.M), r4.stdout
+    # bad values and other commands
+    for bad in (["--gpus-for", "0"], ["--gpus-for", "big"], ["--world-size", "0"], ["--world-size", "2x"]):
+        r = run("estimate", "--config", str(p), *bad)
+        assert r.returncode == 2 and bad[0] in r.stderr, (bad, r.stderr)
+    r = run("train", "--config", str(p), "--gpus-for", "24")
+    assert r.returncode == 2 and "not an option of this command" in r.stderr
+
+
+def test_shard_base_refused_on_cpu(tmp_path):
+    """dist.shard_base shards across GPUs: the CPU backend refuses it at start, naming the key."""
+    p = tmp_path / "job.json"
+    p.write_text(run("config", "--template", "default").stdout)
+    r = run("train", "--config", str(p), "--set", "dist.shard_base=true")
+    assert r.returncode == 2 and "dist.shard_base" in r.stderr and "device \"cuda\"" in r.stderr, r.stderr
+    r = run("config", "--check", str(p), "--set", "dist.shard_base=true")
+    assert r.returncode == 0 and json.loads(r.stdout)["dist"]["shard_base"] is True

@@ -42,6 +42,9 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
         return bt_fail(BT_ERR_INVALID, "plan: LoRA rank %d < %d", o->r, cuda ? 1 : 0);
     if (cuda && o->n_params < 1)
         return bt_fail(BT_ERR_INVALID, "plan: %lld trainable parameters", (long long)o->n_params);
+    if (o->gather_bytes < 0 || (!cuda && o->gather_bytes > 0))
+        return bt_fail(BT_ERR_INVALID, "plan: a sharded base (%lld gathered bytes) is for the CUDA "
+                       "backend only", (long long)o->gather_bytes);
     if (cuda && o->offload && !o->checkpointing)
         return bt_fail(BT_ERR_INVALID, "plan: offloading the checkpointed layer inputs needs "
                        "activation checkpointing");
@@ -145,8 +148,18 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
     add(p, BT_BUF_IDS, "input_ids", BT_DT_I32, BT_PG_BATCH, 1, M);
     add(p, BT_BUF_POS, "position_ids", BT_DT_I32, BT_PG_BATCH, 1, M);
     add(p, BT_BUF_CU, "cu_seqlens", BT_DT_I32, BT_PG_BATCH, 1, M + 1);
+    if (o->gather_bytes > 0) /* the layer that runs and the next one, gathered ahead of it */
+        add(p, BT_BUF_GATHER, "all-gathered base layers (dist.shard_base)", BT_DT_U8, BT_PG_GATHER, 2,
+            o->gather_bytes);
     return 0;
 }
+
+int64_t bt_shard_units(int64_t units, int W) {
+    if (W < 1) W = 1;
+    return (units + W - 1) / W;
+}
+
+int64_t bt_shard_nf4_units(int64_t n) { return (n + BT_SHARD_NF4_WEIGHTS - 1) / BT_SHARD_NF4_WEIGHTS; }
 
 uint64_t bt_plan_buf_bytes(const bt_plan_buf *b) {
     return (uint64_t)b->copies * (uint64_t)b->count * bt_dtype_size(b->dtype);
@@ -164,4 +177,36 @@ const bt_plan_buf *bt_plan_find(const bt_plan *p, int id) {
     for (int i = 0; i < p->n; i++)
         if (p->buf[i].id == id) return &p->buf[i];
     return NULL;
+}
+
+void bt_shard_cut_nf4(bt_shard_cut *c, int64_t n, int W) {
+    memset(c, 0, sizeof *c);
+    c->nseg = 3;
+    c->units = bt_shard_nf4_units(n);
+    c->per = bt_shard_units(c->units, W);
+    c->unit[0] = BT_SHARD_NF4_WEIGHTS / 2; /* packed: two weights a byte */
+    c->unit[1] = BT_SHARD_NF4_WEIGHTS / 64; /* one absmax code per block of 64 */
+    c->unit[2] = 4;                         /* one fp32 nested absmax per 256 blocks */
+}
+
+void bt_shard_cut_rows(bt_shard_cut *c, int64_t rows, int64_t row_bytes, int W) {
+    memset(c, 0, sizeof *c);
+    c->nseg = 1;
+    c->units = rows;
+    c->per = bt_shard_units(rows, W);
+    c->unit[0] = row_bytes;
+}
+
+int64_t bt_shard_region(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+int64_t bt_shard_cut_bytes(const bt_shard_cut *c) {
+    int64_t s = 0;
+    for (int i = 0; i < c->nseg; i++) s += c->per * c->unit[i];
+    return s;
+}
+
+int64_t bt_shard_cut_gathered(const bt_shard_cut *c, int W) {
+    int64_t s = 0;
+    for (int i = 0; i < c->nseg; i++) s += bt_shard_region((int64_t)W * c->per * c->unit[i]);
+    return s;
 }

@@ -47,6 +47,7 @@ typedef enum {
     BT_PG_LORA,  /* CUDA: LoRA (+ LoRA+) fp32 master, gradient, AdamW m, v and the bf16 copy */
     BT_PG_OPTIM, /* CUDA: AdamW descriptors, gradient-norm partial sums, loss scalars */
     BT_PG_HOST,  /* CUDA offload: the checkpointed layer inputs in pinned host memory */
+    BT_PG_GATHER, /* CUDA dist.shard_base: the all-gathered base linears of two layers */
     BT_PG_N
 } bt_plan_group;
 
@@ -75,6 +76,7 @@ typedef enum {
     BT_BUF_RMS_SCRATCH, /* CUDA, trainable norms: RMSNorm dW partial sums */
     BT_BUF_CE_WS, BT_BUF_ROW_LOSS,
     BT_BUF_TARGETS, BT_BUF_IDS, BT_BUF_POS, BT_BUF_CU,
+    BT_BUF_GATHER,      /* CUDA dist.shard_base: [2] one layer's base linears, all-gathered */
     BT_BUF_N
 } bt_buf_id;
 
@@ -119,6 +121,9 @@ typedef struct {
     int offload;          /* cuda.offload_checkpoints (needs checkpointing) */
     int rope_table;       /* the model has an inverse-frequency table (bt_model.inv_freq) */
     int rope_dynamic;     /* dynamic NTK scaling: a per-step table as well */
+    int64_t gather_bytes; /* dist.shard_base: bytes of one layer's base linears as all-gathered
+                           * (bt_shard_layer_bytes: the W shards, padded to equal size); 0: the
+                           * base is not sharded */
 } bt_plan_opts;
 
 /* The rows of the GPU's lm_head + CE chunk for opts o: o->ce_chunk_rows, or min(max_M, 1024). */
@@ -143,9 +148,46 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
  *   LORA  CUDA: P, G, M, V n_params fp32, P16 n_params bf16
  *   OPTIM CUDA: ADAM_DESC 2 descriptors, GNORM 1 and GNORM_PARTIAL bt_cuda_sumsq_scratch(n_params)
  *         doubles, LOSS_SUM 1 double, LOSS_COUNT 1 int32
+ *   GATHER CUDA, gather_bytes > 0 (dist.shard_base): GATHER 2 x gather_bytes bytes (the layer that
+ *         runs and the next one, all-gathered ahead of it)
  * Returns 0, or BT_ERR_INVALID (bt_last_error names it): max_M < 1, r < 0 (or < 1 on CUDA),
- * n_params < 1 on CUDA, offload without checkpointing, an unknown backend (*p then empty). */
+ * n_params < 1 on CUDA, offload without checkpointing, gather_bytes < 0 or > 0 on the CPU, an
+ * unknown backend (*p then empty). */
 int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o);
+
+/* ---- dist.shard_base: how a frozen base linear is cut across W data-parallel ranks ----
+ * A linear is cut at its storage format's block boundaries, never re-quantised: the unit is one
+ * double-quantisation group of NF4 (256 blocks of 64 weights: 8192 packed bytes + 256 absmax
+ * codes + one fp32 nested absmax = BT_SHARD_NF4_UNIT bytes; kernels.h bt_nf4_tensor, nested group
+ * as bitsandbytes' blocksize 256), or one row of a GGUF tensor (its ggml blocks: every type's
+ * blocks tile a row, gguf.h) or of a bf16 matrix. Rank k holds units [k c, (k + 1) c) with
+ * c = ceil(units / W) (the last rank's tail and any rank past the end are padding), so every
+ * rank's shard has the same size and NCCL all-gathers them into the whole matrix. */
+#define BT_SHARD_NF4_WEIGHTS (256 * 64)
+#define BT_SHARD_NF4_UNIT (BT_SHARD_NF4_WEIGHTS / 2 + 256 + 4)
+/* Units per rank for `units` units over W ranks: ceil(units / W) (W >= 1; units >= 0). */
+int64_t bt_shard_units(int64_t units, int W);
+/* NF4 units of a linear of n weights: ceil(n / BT_SHARD_NF4_WEIGHTS). */
+int64_t bt_shard_nf4_units(int64_t n);
+
+/* One linear's cut over W ranks: nseg byte arrays cut at the same units (NF4: the packed weights
+ * 8192 bytes a unit, the absmax codes 256, the nested fp32 absmax 4; GGUF / bf16: the rows,
+ * row_bytes a unit). A rank's shard is the segments' [per x unit[s]] slices one after another;
+ * gathered, segment s fills a region of bt_shard_region(W x per x unit[s]) bytes (256-byte
+ * aligned, as cudaMalloc'd tensors are) whose first units x unit[s] bytes are the whole array. */
+typedef struct {
+    int nseg;
+    int64_t units, per; /* units in all; per rank: bt_shard_units(units, W) */
+    int64_t unit[3];    /* bytes a unit, per segment */
+} bt_shard_cut;
+void bt_shard_cut_nf4(bt_shard_cut *c, int64_t n, int W);
+void bt_shard_cut_rows(bt_shard_cut *c, int64_t rows, int64_t row_bytes, int W);
+/* Bytes rounded up to 256. */
+int64_t bt_shard_region(int64_t bytes);
+/* One rank's shard: per x the sum of the units' bytes. */
+int64_t bt_shard_cut_bytes(const bt_shard_cut *c);
+/* The gathered linear: the sum over segments of bt_shard_region(W x per x unit[s]). */
+int64_t bt_shard_cut_gathered(const bt_shard_cut *c, int W);
 
 /* Bytes of one buffer (copies x count x dtype size). */
 uint64_t bt_plan_buf_bytes(const bt_plan_buf *b);

@@ -111,6 +111,13 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
     co.base_matmul_impl = cfg->cuda_base_matmul == BT_CUDA_BASE_FUSED;
     co.s2_group = p->s2_group;
     co.offload = cfg->cuda_offload;
+    if (cfg->dist.shard_base && p->world == 1)
+        bt_log(BT_LOG_INFO, "trainer", "dist.shard_base: one rank, nothing to shard: the whole base "
+               "stays on this GPU");
+    if (cfg->dist.shard_base && p->world > 1) {
+        co.shard_rank = p->rank;
+        co.shard_world = p->world;
+    }
     int rc = bt_cuda_device_for_local_rank(p->local_rank, &co.device);
     if (rc)
         return rc;
@@ -142,6 +149,14 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
     if (p->world > 1)
         bt_log(BT_LOG_INFO, "trainer", "NCCL: rank %d of %d on CUDA device %d", p->rank, p->world,
                co.device);
+    size_t gathered = 0;
+    const size_t lin = bt_cuda_trainer_base_bytes(t, &gathered);
+    if (co.shard_world > 1)
+        bt_log(BT_LOG_INFO, "trainer", "dist.shard_base: rank %d holds %zu bytes of the base linears "
+               "(its 1/%d shard) and gathers each layer into %zu bytes, twice (the next layer's ahead)",
+               p->rank, lin, co.shard_world, gathered);
+    else
+        bt_log(BT_LOG_INFO, "trainer", "base linears: %zu bytes on this GPU", lin);
     bt_log(BT_LOG_INFO, "trainer", "CUDA device %s: model + LoRA + workspace for %dx%d tokens: "
            "%.0f MiB%s; attention %s, NF4 matmul %s", bt_cuda_trainer_device_name(t),
            cfg->data.micro_batch_size, cfg->data.seq_len, bt_cuda_trainer_bytes(t) / 1048576.0,

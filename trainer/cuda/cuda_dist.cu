@@ -84,7 +84,16 @@ static int btc_dist_failed(bt_cuda_trainer *t, ncclResult_t r, const char *what)
  * ncclInProgress. Each round: an NCCL error, the hooks' check, and the timeout
  * (bt_cuda_hooks.timeout_s, counted from here) end the wait with ncclCommAbort. Sleeps grow from
  * 50 us to 2 ms, so a quick collective costs little and a long wait little CPU. */
+static int btc_dist_wait_on(bt_cuda_trainer *t, ncclResult_t issued, const char *what, cudaStream_t stream,
+                            int with_stream);
 static int btc_dist_wait(bt_cuda_trainer *t, ncclResult_t issued, const char *what, int with_stream)
+{
+    return btc_dist_wait_on(t, issued, what, t->stream, with_stream);
+}
+
+/* btc_dist_wait on `stream` (with_stream) instead of the trainer's. */
+static int btc_dist_wait_on(bt_cuda_trainer *t, ncclResult_t issued, const char *what, cudaStream_t stream,
+                            int with_stream)
 {
     if (issued != ncclSuccess && issued != ncclInProgress)
         return btc_dist_failed(t, issued, what);
@@ -103,7 +112,7 @@ static int btc_dist_wait(bt_cuda_trainer *t, ncclResult_t issued, const char *wh
         if (st == ncclSuccess) {
             if (!with_stream)
                 break;
-            const cudaError_t e = cudaStreamQuery(t->stream);
+            const cudaError_t e = cudaStreamQuery(stream);
             if (e == cudaSuccess)
                 break;
             if (e != cudaErrorNotReady) {
@@ -269,4 +278,85 @@ extern "C" int bt_cuda_trainer_allgather(bt_cuda_trainer *t, const void *mine, v
     BTC_TRY(BTC_CUDA(cudaMemcpyAsync(all, t->d_gather, (size_t)t->world * bytes,
                                      cudaMemcpyDeviceToHost, t->stream)));
     return BTC_CUDA(cudaStreamSynchronize(t->stream));
+}
+
+/* ---- dist.shard_base: the all-gather of a layer's base linears (FSDP's unshard + prefetch) ---- */
+
+/* Issue the all-gather of layer l's shards into slot `slot` on gather_stream, after the slot's
+ * last reader is done (g_free); not waited for. One ncclAllGather per segment of every linear
+ * (bytes, in place of nothing: each rank sends its own shard), grouped. */
+static int shard_issue(bt_cuda_trainer *t, int l, int slot)
+{
+    char what[96];
+    snprintf(what, sizeof what, "ncclAllGather (layer %d base, dist.shard_base)", l);
+    BTC_TRY(btc_dist_ready(t, what));
+    BTC_TRY(BTC_CUDA(cudaStreamWaitEvent(t->gather_stream, t->g_free[slot], 0)));
+    t->g_layer[slot] = l;
+    t->g_pending = slot;
+    ncclResult_t r = ncclGroupStart();
+    for (int mod = 0; mod < BT_MOD_N && (r == ncclSuccess || r == ncclInProgress); mod++) {
+        const btc_shard &sh = t->md.shards[l * BT_MOD_N + mod];
+        const uint8_t *src = sh.data;
+        for (int g = 0; g < sh.cut.nseg && (r == ncclSuccess || r == ncclInProgress); g++) {
+            const size_t n = (size_t)(sh.cut.per * sh.cut.unit[g]);
+            r = ncclAllGather(src, t->gbuf[slot] + sh.goff[g], n, ncclUint8, t->comm, t->gather_stream);
+            src += n;
+        }
+        btc_shard_view(&t->md, l, mod, t->gbuf[slot], &t->glin[slot][mod]);
+    }
+    const ncclResult_t e = ncclGroupEnd();
+    if (r == ncclSuccess || r == ncclInProgress)
+        r = e;
+    if (r != ncclSuccess && r != ncclInProgress) {
+        t->g_layer[slot] = -1;
+        t->g_pending = -1;
+        return btc_dist_failed(t, r, what);
+    }
+    return 0;
+}
+
+/* Wait for the pending gather (the fault-tolerant wait of every collective: a dead or stopped
+ * rank is named by the watchdog's check, the timeout ends it). */
+static int shard_wait(bt_cuda_trainer *t)
+{
+    if (t->g_pending < 0)
+        return 0;
+    char what[96];
+    snprintf(what, sizeof what, "ncclAllGather (layer %d base, dist.shard_base)", t->g_layer[t->g_pending]);
+    const int slot = t->g_pending;
+    const int rc = btc_dist_wait_on(t, ncclSuccess, what, t->gather_stream, 1);
+    if (rc) {
+        t->g_layer[slot] = -1;
+        t->g_pending = -1;
+        return rc;
+    }
+    t->g_pending = -1;
+    return 0;
+}
+
+int btc_shard_layer(bt_cuda_trainer *t, int l, int next)
+{
+    if (!t->md.shards)
+        return 0;
+    int slot = t->g_layer[0] == l ? 0 : t->g_layer[1] == l ? 1 : -1;
+    if (slot < 0) { /* not prefetched: into the slot the last layer did not use */
+        BTC_TRY(shard_wait(t));
+        slot = 1 - t->g_cur;
+        BTC_TRY(shard_issue(t, l, slot));
+    }
+    if (t->g_pending == slot)
+        BTC_TRY(shard_wait(t));
+    t->g_cur = slot;
+    if (next >= 0 && next < t->L && t->g_layer[0] != next && t->g_layer[1] != next) {
+        BTC_TRY(shard_wait(t)); /* one gather in flight at a time */
+        BTC_TRY(shard_issue(t, next, 1 - slot));
+    }
+    return 0;
+}
+
+int btc_shard_done(bt_cuda_trainer *t)
+{
+    if (!t->md.shards)
+        return 0;
+    return BTC_CUDA(cudaEventRecord(t->g_free[t->g_cur], t->stream));
 }

@@ -106,6 +106,75 @@ int upload_gguf_linear(btc_model *dm, btc_linear *d, const bt_base_linear *bl, i
     return rc ? rc : upload_bf16(d->w16, f.data(), n);
 }
 
+/* Copy bytes [k0, k1) of src (n bytes in all; past n: zeros) to dst. */
+void slice_bytes(uint8_t *dst, const uint8_t *src, int64_t n, int64_t k0, int64_t k1)
+{
+    const int64_t e = k1 < n ? k1 : n;
+    if (e > k0)
+        memcpy(dst, src + k0, (size_t)(e - k0));
+    if (k1 > (e > k0 ? e : k0))
+        memset(dst + (e > k0 ? e - k0 : 0), 0, (size_t)(k1 - (e > k0 ? e : k0)));
+}
+
+/* dist.shard_base: rank `rank`'s shard of one linear (plan.h bt_shard_cut), its segments one after
+ * another in one device allocation; the bytes are the host model's own (NF4 codes and absmax, the
+ * GGUF file's blocks), never re-quantised; F16/BF16/F32 GGUF rows and fp32 rows as bf16 (what the
+ * whole-base upload holds). *goff: the running offset in a gathered layer buffer. */
+int upload_shard(btc_model *dm, btc_shard *sh, const bt_base_linear *bl, int l, int mod, int rank,
+                 int W, int64_t *goff)
+{
+    const int64_t rows = bl->rows, cols = bl->cols, n = rows * cols;
+    sh->gtype = -1;
+    if (bl->is_nf4) {
+        bt_shard_cut_nf4(&sh->cut, n, W);
+        sh->offset = bl->q.offset;
+    } else if (bl->is_gguf && bt_cuda_ggml_supported(bl->g.type)) {
+        sh->gtype = bl->g.type;
+        bt_shard_cut_rows(&sh->cut, rows, (int64_t)bl->g.row_bytes, W);
+    } else if (bl->is_gguf && bl->g.type != BT_GGML_F32 && bl->g.type != BT_GGML_F16 &&
+               bl->g.type != BT_GGML_BF16) {
+        btc_linear tmp;
+        memset(&tmp, 0, sizeof tmp);
+        return upload_gguf_linear(dm, &tmp, bl, l, mod); /* refuses the type, naming it */
+    } else {
+        bt_shard_cut_rows(&sh->cut, rows, cols * 2, W); /* bf16 */
+    }
+    const bt_shard_cut &c = sh->cut;
+    const int64_t bytes = bt_shard_cut_bytes(&c);
+    std::vector<uint8_t> h((size_t)bytes, 0);
+    uint8_t *o = h.data();
+    const int64_t u0 = (int64_t)rank * c.per, u1 = u0 + c.per; /* my units [u0, u1) */
+    if (bl->is_nf4) {
+        slice_bytes(o, bl->q.packed, n / 2, u0 * c.unit[0], u1 * c.unit[0]);
+        o += c.per * c.unit[0];
+        slice_bytes(o, bl->q.absmax_q, n / 64, u0 * c.unit[1], u1 * c.unit[1]);
+        o += c.per * c.unit[1];
+        slice_bytes(o, (const uint8_t *)bl->q.nested_absmax, c.units * 4, u0 * 4, u1 * 4);
+    } else if (sh->gtype >= 0) {
+        slice_bytes(o, bl->g.data, rows * c.unit[0], u0 * c.unit[0], u1 * c.unit[0]);
+    } else { /* bf16 rows of my units */
+        const int64_t r1 = u1 < rows ? u1 : rows, nr = r1 > u0 ? r1 - u0 : 0;
+        std::vector<float> f((size_t)(nr * cols));
+        if (nr > 0 && bl->is_gguf) {
+            int rc = bt_ggml_mat_dequantize_rows(&bl->g, u0, nr, f.data());
+            if (rc)
+                return rc;
+        } else if (nr > 0) {
+            memcpy(f.data(), bl->w + u0 * cols, (size_t)(nr * cols) * sizeof(float));
+        }
+        bt_bf16 *b16 = reinterpret_cast<bt_bf16 *>(o);
+        for (int64_t i = 0; i < nr * cols; i++)
+            b16[i] = __float2bfloat16_rn(f[(size_t)i]);
+    }
+    for (int i = 0; i < c.nseg; i++) {
+        sh->goff[i] = *goff;
+        *goff += bt_shard_region((int64_t)W * c.per * c.unit[i]);
+    }
+    BTC_TRY(dmalloc(dm, (void **)&sh->data, (size_t)bytes, "a base shard"));
+    dm->shard_bytes += (size_t)bytes;
+    return BTC_CUDA(cudaMemcpy(sh->data, h.data(), (size_t)bytes, cudaMemcpyHostToDevice));
+}
+
 int fill_random(bt_bf16 *dst, int64_t n, uint64_t seed, float scale)
 {
     fill_rand_bf16_kernel<<<grid_of(n, 256), 256>>>(dst, n, seed, scale);
@@ -127,6 +196,12 @@ void btc_model_free(btc_model *dm)
 {
     if (!dm)
         return;
+    if (dm->shards) {
+        for (int i = 0; i < dm->hp.n_layer * BT_MOD_N; i++)
+            cudaFree(dm->shards[i].data);
+        free(dm->shards);
+    }
+    cudaFree(dm->code8);
     if (dm->lin) {
         for (int i = 0; i < dm->hp.n_layer * BT_MOD_N; i++) {
             btc_linear *l = &dm->lin[i];
@@ -146,7 +221,33 @@ void btc_model_free(btc_model *dm)
     memset(dm, 0, sizeof *dm);
 }
 
-int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint64_t seed)
+void btc_shard_view(const btc_model *dm, int l, int mod, uint8_t *buf, btc_linear *out)
+{
+    const int i = l * BT_MOD_N + mod;
+    const btc_shard &sh = dm->shards[i];
+    *out = dm->lin[i]; /* shape, flags, bias */
+    if (out->is_nf4) {
+        out->q.n = (int64_t)out->rows * out->cols;
+        out->q.rows = out->rows;
+        out->q.cols = out->cols;
+        out->q.packed = buf + sh.goff[0];
+        out->q.absmax_q = buf + sh.goff[1];
+        out->q.nested_absmax = reinterpret_cast<const float *>(buf + sh.goff[2]);
+        out->q.code8 = dm->code8;
+        out->q.offset = sh.offset;
+    } else if (out->is_gguf) {
+        out->g.type = sh.gtype;
+        out->g.rows = out->rows;
+        out->g.cols = out->cols;
+        out->g.row_bytes = sh.cut.unit[0];
+        out->g.data = buf + sh.goff[0];
+    } else {
+        out->w16 = reinterpret_cast<bt_bf16 *>(buf + sh.goff[0]);
+    }
+}
+
+int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint64_t seed,
+                     int shard_rank, int shard_world)
 {
     memset(dm, 0, sizeof *dm);
     dm->hp = m->hp;
@@ -160,10 +261,24 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
     dm->lin = (btc_linear *)calloc((size_t)L * BT_MOD_N, sizeof(btc_linear));
     if (!dm->lin)
         return bt_fail(BT_ERR_NOMEM, "cuda: out of host memory");
+    const bool shard = shard_world > 1;
+    if (shard && random_weights)
+        return bt_fail(BT_ERR_INVALID, "cuda: a sharded base needs the model's weights");
+    if (shard) {
+        dm->shard_rank = shard_rank;
+        dm->shard_world = shard_world;
+        dm->shards = (btc_shard *)calloc((size_t)L * BT_MOD_N, sizeof(btc_shard));
+        if (!dm->shards)
+            return bt_fail(BT_ERR_NOMEM, "cuda: out of host memory");
+        if (!(rc = dmalloc(dm, (void **)&dm->code8, sizeof code8, "the NF4 code map")))
+            rc = BTC_CUDA(cudaMemcpy(dm->code8, code8, sizeof code8, cudaMemcpyHostToDevice));
+    }
     /* random NF4 content, shared by every linear of one shape (benchmarks only) */
     std::vector<uint8_t> rnd_packed, rnd_absq;
     std::vector<float> rnd_nested;
-    for (int l = 0; l < L && !rc; l++)
+    const size_t bytes0 = dm->bytes;
+    for (int l = 0; l < L && !rc; l++) {
+        int64_t goff = 0; /* this layer's gathered buffer, linear after linear */
         for (int mod = 0; mod < BT_MOD_N && !rc; mod++) {
             const bt_base_linear *bl = &m->layers[l].lin[mod];
             btc_linear *d = &dm->lin[l * BT_MOD_N + mod];
@@ -178,7 +293,13 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
                              l, bt_module_name(mod), bl->rows, bl->cols);
                 break;
             }
-            if (random_weights) {
+            if (shard) {
+                d->is_gguf = bl->is_gguf && bt_cuda_ggml_supported(bl->g.type);
+                rc = upload_shard(dm, &dm->shards[l * BT_MOD_N + mod], bl, l, mod, shard_rank,
+                                  shard_world, &goff);
+                if (!rc && goff > dm->gather_bytes)
+                    dm->gather_bytes = goff;
+            } else if (random_weights) {
                 const size_t nb = (size_t)(n / 64), nn = (nb + 255) / 256;
                 if (rnd_packed.size() < (size_t)(n / 2)) {
                     bt_rng r;
@@ -212,7 +333,7 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
                 if (!(rc = dmalloc(dm, (void **)&d->w16, (size_t)n * sizeof(bt_bf16), "a linear")))
                     rc = upload_bf16(d->w16, bl->w, n);
             }
-            if (!rc && d->is_nf4)
+            if (!rc && d->is_nf4 && !shard)
                 dm->bytes += (size_t)n / 2 + (size_t)n / 64 + ((size_t)n / 64 / 256 + 1) * 4;
             if (!rc && bl->bias && !random_weights) {
                 if (!(rc = dmalloc(dm, (void **)&d->bias, (size_t)bl->rows * sizeof(float), "a bias")))
@@ -220,6 +341,8 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
                                              cudaMemcpyHostToDevice));
             }
         }
+    }
+    dm->lin_bytes = dm->bytes - bytes0;
     /* embedding, lm_head */
     const int64_t nVD = (int64_t)V * D;
     if (!rc && !(rc = dmalloc(dm, (void **)&dm->embd16, (size_t)nVD * sizeof(bt_bf16), "the embedding")))

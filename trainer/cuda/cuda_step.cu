@@ -121,7 +121,9 @@ static float *dhead(const bt_cuda_trainer *t)
 static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf16 *x, int M,
                     btc_acts *A, uint64_t key)
 {
-    const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
+    const btc_linear *bl = btc_lin(t, l, mod);
+    if (!bl)
+        return bt_fail(BT_ERR_INVALID, "cuda: layer %d's base is not gathered (dist.shard_base)", l);
     const int N = bl->rows, K = bl->cols;
     if (bl->is_nf4 && t->base_matmul_impl)
         BTC_TRY(BTC_L(bt_cuda_nf4_gemm_fwd(t->stream, y, x, &bl->q, M, K, N, 0.f)));
@@ -158,7 +160,9 @@ static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf1
 static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf16 *dy,
                     const bt_bf16 *x, int M, float beta, btc_acts *A, uint64_t key)
 {
-    const btc_linear *bl = &t->md.lin[l * BT_MOD_N + mod];
+    const btc_linear *bl = btc_lin(t, l, mod);
+    if (!bl)
+        return bt_fail(BT_ERR_INVALID, "cuda: layer %d's base is not gathered (dist.shard_base)", l);
     const int N = bl->rows, K = bl->cols;
     if (bl->is_nf4 && t->base_matmul_impl)
         BTC_TRY(BTC_L(bt_cuda_nf4_gemm_bwd_x(t->stream, dx, dy, &bl->q, M, K, N, beta)));
@@ -444,7 +448,10 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
         /* layer l writes the buffer that held input l-1: its copy to the host must be done */
         if (off && l >= 1)
             BTC_TRY(BTC_CUDA(cudaStreamWaitEvent(s, t->ev_copy[l - 1], 0)));
+        /* dist.shard_base: layer l's base resident, layer l+1's gathered while it computes */
+        BTC_TRY(btc_shard_layer(t, l, l + 1 < t->L ? l + 1 : -1));
         BTC_TRY(layer_fwd(t, l, M, &ap, drop_key, xin_dev(t, l), xin_dev(t, l + 1)));
+        BTC_TRY(btc_shard_done(t));
         if (off && l + 1 < t->L)
             BTC_TRY(offload_out(t, l + 1, M));
     }
@@ -472,8 +479,12 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
             }
             if (off && l + 1 < t->L) /* input l came back from the host (input L-1 never left) */
                 BTC_TRY(BTC_CUDA(cudaStreamWaitEvent(s, t->ev_copy[l], 0)));
+            /* the recompute and backward of layer l read its base again: resident (the last two
+             * forward layers still are), layer l-1's gathered meanwhile */
+            BTC_TRY(btc_shard_layer(t, l, l - 1));
             BTC_TRY(layer_bwd(t, l, M, &ap, drop_key, xin_dev(t, l),
                               t->offload ? t->xbuf[2] : t->x_in[l + 1]));
+            BTC_TRY(btc_shard_done(t));
             if (off)
                 BTC_TRY(BTC_CUDA(cudaEventRecord(t->ev_out[l], s)));
         }
@@ -499,6 +510,13 @@ extern "C" void bt_cuda_trainer_free(bt_cuda_trainer *t)
         cudaStreamSynchronize(t->copy_stream);
         cudaStreamDestroy(t->copy_stream);
     }
+    if (t->gather_stream) {
+        cudaStreamSynchronize(t->gather_stream);
+        cudaStreamDestroy(t->gather_stream);
+    }
+    for (cudaEvent_t e : t->g_free)
+        if (e)
+            cudaEventDestroy(e);
     for (cudaEvent_t e : t->ev_out)
         if (e)
             cudaEventDestroy(e);
@@ -526,6 +544,12 @@ extern "C" size_t bt_cuda_trainer_plan_bytes(const bt_cuda_trainer *t, size_t *h
     if (host)
         *host = t ? t->host_bytes : 0;
     return t ? t->plan_bytes : 0;
+}
+extern "C" size_t bt_cuda_trainer_base_bytes(const bt_cuda_trainer *t, size_t *gathered)
+{
+    if (gathered)
+        *gathered = t && t->md.shards ? (size_t)t->md.gather_bytes : 0;
+    return t ? t->md.lin_bytes : 0;
 }
 extern "C" const char *bt_cuda_trainer_device_name(const bt_cuda_trainer *t) { return t ? t->dev_name : ""; }
 extern "C" size_t bt_cuda_trainer_peak_used(const bt_cuda_trainer *t, size_t *baseline)
@@ -598,6 +622,7 @@ static void bind(bt_cuda_trainer *t, int id, int i, void *p)
     case BT_BUF_IDS: set_ptr(t->d_ids, p); break;
     case BT_BUF_POS: set_ptr(t->d_pos, p); break;
     case BT_BUF_CU: set_ptr(t->d_cu, p); break;
+    case BT_BUF_GATHER: set_ptr(t->gbuf[i], p); break;
     default: /* BT_BUF_XA + mod; the plan has no other id (BT_BUF_TILES is the CPU's) */
         set_ptr(A.xa[id - BT_BUF_XA], p);
         break;
@@ -672,7 +697,17 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
         return bt_fail(BT_ERR_IO, "cuda: cublasCreate failed");
     }
     cublasSetStream(t->blas, t->stream);
-    BTC_TRY(btc_model_upload(&t->md, m, o->random_weights, o->random_seed));
+    if (o->shard_world > 1 && (o->shard_rank < 0 || o->shard_rank >= o->shard_world))
+        return bt_fail(BT_ERR_INVALID, "cuda: shard rank %d of %d", o->shard_rank, o->shard_world);
+    BTC_TRY(btc_model_upload(&t->md, m, o->random_weights, o->random_seed, o->shard_rank,
+                             o->shard_world));
+    t->g_layer[0] = t->g_layer[1] = -1;
+    t->g_pending = -1;
+    if (t->md.shards) {
+        BTC_TRY(BTC_CUDA(cudaStreamCreateWithFlags(&t->gather_stream, cudaStreamNonBlocking)));
+        for (int i = 0; i < 2; i++)
+            BTC_TRY(BTC_CUDA(cudaEventCreateWithFlags(&t->g_free[i], cudaEventDisableTiming)));
+    }
 
     /* LoRA state */
     t->r = lo->r;
@@ -718,6 +753,7 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     po.n_params = t->n_params;
     po.trainable_norms = t->off_norms >= 0;
     po.ce_chunk_rows = o->ce_chunk_rows;
+    po.gather_bytes = t->md.shards ? t->md.gather_bytes : 0;
     po.offload = t->offload;
     po.rope_table = m->inv_freq != nullptr;
     po.rope_dynamic = hp->rope_ext == BT_ROPE_EXT_DYNAMIC;

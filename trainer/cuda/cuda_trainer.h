@@ -65,6 +65,11 @@ typedef struct {
      * norms 1). */
     int random_weights;
     uint64_t random_seed;
+    /* dist.shard_base: with shard_world W > 1 this rank (shard_rank) keeps its 1/W shard of
+     * every base linear (trainer/backend/plan.h bt_shard_cut) and each layer is all-gathered over
+     * NCCL before it runs (bt_cuda_trainer_dist_init must be called with the same rank and W
+     * before the first step); needs the model's weights (not random_weights) */
+    int shard_rank, shard_world;
 } bt_cuda_trainer_opts;
 
 /* Upload the model (NF4 linears as NF4; fp32 linears, embedding and lm_head as bf16; norms and
@@ -142,6 +147,10 @@ typedef struct {
     double timeout_s;
 } bt_cuda_hooks;
 void bt_cuda_trainer_set_hooks(bt_cuda_trainer *t, const bt_cuda_hooks *h);
+
+/* Device bytes of the frozen base linears this trainer holds (with dist.shard_base: its shards)
+ * and, in *gathered (may be NULL), the bytes of one all-gathered layer (0 when not sharded). */
+size_t bt_cuda_trainer_base_bytes(const bt_cuda_trainer *t, size_t *gathered);
 
 /* ---- Data-parallel: one process per GPU, NCCL (trainer/cuda/cuda_dist.cu) ----
  * Start-up: rank 0 makes the id (bt_cuda_dist_unique_id) and hands it to every rank

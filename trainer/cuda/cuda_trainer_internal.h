@@ -82,9 +82,29 @@ typedef struct {
     float *bias;
 } btc_linear;
 
+/* dist.shard_base: this rank's shard of one frozen linear (cuda_model.cu), cut at its storage
+ * format's units (trainer/backend/plan.h bt_shard_cut: NF4 double-quantisation groups, GGUF or
+ * bf16 rows; never re-quantised). */
+typedef struct {
+    bt_shard_cut cut;
+    uint8_t *data;   /* device: segment s's [cut.per x cut.unit[s]] bytes, one after another */
+    int64_t goff[3]; /* where segment s goes in a gathered layer buffer (256-byte aligned) */
+    float offset;    /* NF4: the absmax offset */
+    int gtype;       /* GGUF blocks: the ggml type; -1: bf16 rows; NF4: unused */
+} btc_shard;
+
 typedef struct {
     bt_llama_hparams hp;
     int tied;
+    /* dist.shard_base (shard_world > 1): lin[] keeps shapes, flags and biases but no weights; each
+     * linear's weights are shards[i] (this rank's 1/W), all-gathered per layer into a buffer of
+     * gather_bytes (cuda_dist.cu btc_shard_layer) whose views replace lin[] while it runs */
+    int shard_rank, shard_world;
+    btc_shard *shards;    /* [L * BT_MOD_N], NULL when not sharded */
+    int64_t gather_bytes; /* the largest layer's linears as gathered */
+    size_t shard_bytes;   /* this rank's base bytes (the shards) */
+    size_t lin_bytes;     /* device bytes of the base linears (and their biases), sharded or not */
+    float *code8;         /* device [256]: the NF4 absmax code map of the gathered views */
     bt_bf16 *embd16;   /* [V, D] */
     bt_bf16 *head16;   /* [V, D]; == embd16 when tied */
     float *norms;      /* [(2L+1) * D] fp32: layer l input_layernorm at 2l*D, post_attention at
@@ -95,7 +115,11 @@ typedef struct {
 } btc_model;
 
 /* cuda_model.cu */
-int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint64_t seed);
+/* shard_world > 1: keep only rank shard_rank's shard of every base linear (dist.shard_base). */
+int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint64_t seed,
+                     int shard_rank, int shard_world);
+/* The gathered view of linear mod of a layer whose shards fill `buf` (gather_bytes bytes). */
+void btc_shard_view(const btc_model *dm, int l, int mod, uint8_t *buf, btc_linear *out);
 void btc_model_free(btc_model *dm);
 /* y[m, n] += bias[n] (bf16 y [M, N], fp32 bias) */
 int btc_add_bias(bt_bf16 *y, const float *bias, int M, int N, cudaStream_t s);
@@ -171,7 +195,33 @@ struct bt_cuda_trainer {
     bt_cuda_hooks hooks;          /* bt_cuda_trainer_set_hooks (zeroed: none) */
     double *d_red;                /* [BTC_DIST_MAX_SUM] all-reduce scratch */
     uint8_t *d_gather;            /* [world * BTC_DIST_MAX_GATHER] all-gather scratch */
+    /* dist.shard_base (md.shards): two layer buffers (plan BT_BUF_GATHER); a layer's shards are
+     * all-gathered on gather_stream into a slot, the next layer's while this one computes */
+    uint8_t *gbuf[2];
+    btc_linear glin[2][BT_MOD_N]; /* the views of the layer in each slot */
+    int g_layer[2];               /* the layer a slot holds (-1: none) */
+    int g_pending;                /* the slot whose gather is issued and not yet waited for, or -1 */
+    int g_cur;                    /* the slot of the layer that runs */
+    cudaStream_t gather_stream;
+    cudaEvent_t g_free[2];        /* on stream: the last layer that read the slot is done */
 };
+/* cuda_dist.cu, dist.shard_base: make layer l's linears resident (wait for its gather, or issue and
+ * wait), then issue the gather of layer `next` (-1: none) into the other slot without waiting:
+ * it runs on gather_stream while layer l computes. btc_lin then returns layer l's views. */
+int btc_shard_layer(bt_cuda_trainer *t, int l, int next);
+/* cuda_dist.cu: after layer l's work is enqueued: its slot may be refilled once it is done. */
+int btc_shard_done(bt_cuda_trainer *t);
+/* Linear mod of layer l: the model's, or with dist.shard_base the gathered view (NULL when layer
+ * l is not resident: a bug, refused by the caller). */
+static inline const btc_linear *btc_lin(const bt_cuda_trainer *t, int l, int mod)
+{
+    if (!t->md.shards)
+        return &t->md.lin[l * BT_MOD_N + mod];
+    for (int s = 0; s < 2; s++)
+        if (t->g_layer[s] == l && t->g_pending != s)
+            return &t->glin[s][mod];
+    return nullptr;
+}
 #define BTC_DIST_MAX_SUM 16
 #define BTC_DIST_MAX_GATHER 512
 

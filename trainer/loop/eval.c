@@ -48,6 +48,36 @@ static int trim_unlabelled_rows(bt_microbatch *mb) {
     return rows;
 }
 
+/* dist.shard_base: every forward pass all-gathers the frozen base layer by layer (collectives),
+ * so the ranks, whose shares of the held-out stream differ by a batch (and whose batches without
+ * labels are skipped), run their passes in rounds: before each pass a rank says it has one (an
+ * all-reduce of 1); a rank out of batches says 0 and runs a 1-token pass without labels (no loss)
+ * in every round some rank still has a pass, until a round where none has. */
+static int shard_level(const bt_run *r, const bt_train_config *cfg) {
+    return r->dist.world > 1 && cfg->dist.shard_base && cfg->device == BT_DEVICE_CUDA;
+}
+
+/* One round: *any = some rank has a pass this round (have: this rank has). */
+static int shard_round(bt_run *r, int have, int *any) {
+    double v = have;
+    int rc = bt_run_dist_sum(r, &v, 1);
+    *any = v > 0;
+    return rc;
+}
+
+/* After this rank's last pass: label-free passes while the others still have theirs. */
+static int shard_catch_up(bt_run *r, bt_backend *be) {
+    static const int32_t ids[1] = {0}, labels[1] = {-100}, pos[1] = {0}, cu[2] = {0, 1};
+    const bt_microbatch mb = {1, 1, ids, labels, pos, cu, 2};
+    for (;;) {
+        int any, rc = shard_round(r, 0, &any);
+        if (rc || !any) return rc;
+        double ls;
+        int nv;
+        if ((rc = bt_backend_step(be, &mb, 0, 1.0f, 0, &ls, &nv))) return rc;
+    }
+}
+
 /* One pass over cfg's held-out stream (cfg->data.seq_len x micro_batch_size rows) on backend be.
  * full > 0: only segments of exactly `full` tokens carry loss (per-length evaluation). Sums (over
  * all ranks) into *sum / *cnt / *windows; *cut = interrupted by a signal. */
@@ -60,6 +90,7 @@ static int eval_stream(bt_run *r, const bt_train_config *cfg, bt_backend *be, in
     double sum = 0;
     long long cnt = 0, windows = 0;
     int nb = 0;
+    const int level = shard_level(r, cfg);
     const int B = cfg->data.micro_batch_size, T = cfg->data.seq_len;
     int rc = bt_run_attach(r, &cl, cfg, 1, NULL); /* the eval stream restarts every time */
     if (!rc) rc = bt_mb_alloc(&mc, B, T);
@@ -82,6 +113,8 @@ static int eval_stream(bt_run *r, const bt_train_config *cfg, bt_backend *be, in
         }
         double ls;
         int nv;
+        int any;
+        if (level && (rc = shard_round(r, 1, &any))) break;
         rc = bt_backend_step(be, &mb, 0, 1.0f, 0, &ls, &nv);
         if (rc == BT_ERR_CANCELLED) { /* mid-batch: that batch does not count */
             cut = 1;
@@ -108,6 +141,12 @@ static int eval_stream(bt_run *r, const bt_train_config *cfg, bt_backend *be, in
     if (cut && r->dist.world > 1) { /* every rank stops (relayed): no collective any more */
         rc = bt_run_stop_error(r);
         goto out;
+    }
+    if (rc) bt_log(BT_LOG_ERROR, "trainer", "held-out evaluation: %s", bt_last_error()); /* before a
+                                                                                          * collective's message */
+    if (level) { /* a rank whose evaluation failed catches up too, as it takes part in the sum below */
+        const int rc2 = shard_catch_up(r, be);
+        if (!rc) rc = rc2;
     }
     /* every rank evaluated its own share of the held-out stream: add them up (a collective; a
      * rank whose evaluation failed still takes part, so that none of the others waits forever) */

@@ -418,6 +418,81 @@ static void test_plan_refusals(void **st) {
     assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
 }
 
+/* dist.shard_base: a rank's base is its shard of whole NF4 double-quantisation groups (the last
+ * one padded), the plan gains two gathered layers, nothing else of the bill changes; the CPU bill
+ * and one rank ignore it; bt_estimate_gpus_for answers the fewest W that fit. */
+static void test_shard_base(void **st) {
+    (void)st;
+    bt_train_config c;
+    config(&c, ", \"base_dtype\": \"nf4\", \"dist\": {\"shard_base\": true}");
+    bt_est_model em = est_model(0);
+    const int threads = 2;
+    bt_mem_bill one, two, four, cpu;
+    c.world_size = 1;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &one);
+    assert_false(one.sharded);
+    assert_true(one.gather == 0);
+    c.world_size = 2;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &two);
+    c.world_size = 4;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &four);
+    bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &cpu);
+    assert_true(two.sharded && four.sharded && !cpu.sharded && cpu.gather == 0);
+    /* per linear: ceil(ceil(n / 16384) / W) units of 8452 bytes (k_hp's linears are each less
+     * than one unit of 16384 weights: rank 0 holds it, padded, and rank 1 padding) */
+    const bt_dims d = bt_dims_of(&k_hp);
+    double want2 = 0, layer2 = 0;
+    for (int mod = 0; mod < BT_MOD_N; mod++) {
+        int rows, cols;
+        bt_dims_lin_shape(&d, mod, &rows, &cols);
+        const int64_t u = bt_shard_nf4_units((int64_t)rows * cols), per = bt_shard_units(u, 2);
+        want2 += (double)per * BT_SHARD_NF4_UNIT;
+        layer2 += 2.0 * per * (8192 + 256) + (double)bt_shard_region(2 * per * 4);
+        bt_shard_cut cut;
+        bt_shard_cut_nf4(&cut, (int64_t)rows * cols, 2);
+        assert_true(bt_shard_cut_bytes(&cut) == per * BT_SHARD_NF4_UNIT);
+    }
+    assert_true(two.base == want2 * k_hp.n_layer);
+    assert_true(two.gather == 2 * layer2);
+    assert_true(two.total - two.base - two.gather == one.total - one.base);
+    assert_true(four.base <= two.base);
+    /* the shard cut: 10 units over 4 ranks is 3 each (the last rank: 1 and 2 of padding) */
+    assert_true(bt_shard_units(10, 4) == 3 && bt_shard_units(8, 4) == 2 && bt_shard_units(0, 4) == 0);
+    assert_true(bt_shard_nf4_units(16384) == 1 && bt_shard_nf4_units(16385) == 2);
+    /* fewest W: W = 1 fits its own bill exactly; a budget between the W = 2 and W = 1 bills
+     * (a model large enough that sharding pays for the gathered layers) gives 2 */
+    assert_int_equal(bt_estimate_gpus_for(&em, &c, threads, one.peak, NULL), 1);
+    assert_int_equal(bt_estimate_gpus_for(&em, &c, threads, 1.0, NULL), 0);
+    em.hp.n_layer = 64; /* 64 layers of whole groups (d_model 256, ffn 1024): the base dominates */
+    em.hp.d_model = 256;
+    em.hp.head_dim = 64;
+    em.hp.d_ff = 1024;
+    em.max_linear = 1024 * 256;
+    c.world_size = 1;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &one);
+    c.world_size = 2;
+    bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &two);
+    assert_true(two.peak < one.peak);
+    bt_mem_bill got;
+    assert_int_equal(bt_estimate_gpus_for(&em, &c, threads, (one.peak + two.peak) / 2, &got), 2);
+    assert_true(got.peak == two.peak && got.world == 2);
+    /* the plan: two copies of the gathered layer, refused on the CPU */
+    bt_plan p;
+    bt_plan_opts o;
+    memset(&o, 0, sizeof o);
+    o.backend = BT_PLAN_CUDA;
+    o.max_M = 16;
+    o.r = 4;
+    o.n_params = 100;
+    o.gather_bytes = 1000;
+    assert_int_equal(bt_plan_step(&p, &d, &o), 0);
+    assert_true(bt_plan_find(&p, BT_BUF_GATHER)->copies == 2);
+    assert_true(bt_plan_bytes(&p, BT_PG_GATHER) == 2000);
+    o.backend = BT_PLAN_CPU;
+    assert_int_equal(bt_plan_step(&p, &d, &o), BT_ERR_INVALID);
+    bt_config_free(&c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_nf4),     cmocka_unit_test(test_fp32_untied),
@@ -425,7 +500,7 @@ int main(void) {
         cmocka_unit_test(test_scaling),       cmocka_unit_test(test_read_gguf),
         cmocka_unit_test(test_wide_heads_nf4), cmocka_unit_test(test_gguf_base),
         cmocka_unit_test(test_long_rows),     cmocka_unit_test(test_plan_exact),
-        cmocka_unit_test(test_plan_refusals),
+        cmocka_unit_test(test_plan_refusals), cmocka_unit_test(test_shard_base),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
