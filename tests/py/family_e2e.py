@@ -1,7 +1,8 @@
 """`trainer train` through loaderd on a tiny fixture family (a GGUF with its own byte-level
-vocabulary: tests/reference/gen_qwen_fixtures.py / gen_phi3_fixtures.py), then the PEFT adapter it
-wrote loaded by peft on the fixture's Hugging Face directory (the same weights): used by
-tests/py/test_export_qwen.py and tests/py/test_export_phi3.py, which `make pytest-torch` runs with
+vocabulary: tests/reference/gen_qwen_fixtures.py / gen_phi3_fixtures.py / gen_gemma3_fixtures.py),
+then the PEFT adapter it wrote loaded by peft on the fixture's Hugging Face directory (the same
+weights): used by tests/py/test_export_qwen.py, test_export_phi3.py and test_export_gemma3.py,
+which `make pytest-torch` runs with
 .venv-torch's torch / transformers / peft.
 
 What it checks: the run goes through loaderd (text shards, the GGUF's tokenizer), logs 8 steps

@@ -202,7 +202,7 @@ def write_gguf(model, cfg, path):
     w.add_sliding_window(cfg.sliding_window)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre("qwen2")  # a pre-tokeniser loaderd serves (as the Qwen / Phi-3 fixtures)
     w.add_token_list(TOKENS)
     w.add_token_types([gguf.TokenType.NORMAL] * (len(TOKENS) - 1) + [gguf.TokenType.CONTROL])
     w.add_token_merges(MERGES)

@@ -1,11 +1,14 @@
 /* bench_train: CPU training-path benchmarks, measured side by side in one run.
  *
- *   bench_train MODEL.gguf [--tokens M] [--reps N]
+ *   bench_train MODEL.gguf [--tokens M] [--reps N] [--ce-only]
  *
  * Prints markdown tables:
  *  1. fused chunked linear + cross-entropy (bt_linear_ce, 256-row chunks) against the unfused
  *     path that materialises the full [M x V] logits (bt_linear_fwd, then softmax/CE/gradient,
- *     then bt_linear_bwd_x): time and the memory each needs for logits/workspace;
+ *     then bt_linear_bwd_x): time, the memory each allocates for logits/workspace and the
+ *     measured peak-RSS rise, at SmolLM2-135M's shape (hidden 576, vocab 49,152; M tokens) and
+ *     at Gemma 3 270M's (hidden 640, vocab 262,144; the same M) — random weights of each shape,
+ *     no model is loaded for this part; --ce-only stops after these two tables;
  *  2. NF4 (double-quantised) and GGUF Q4_1 (ggml blocks, the GGUF-native base) base linears
  *     against the fp32 linear on the same shape;
  *  3. one full training micro-batch (forward + backward, LoRA r=16 on all seven projections) of
@@ -121,19 +124,111 @@ static void train_step_times(const char *model_path, int base_dtype, int M, int 
     bt_model_free(&m);
 }
 
+/* VmRSS / VmHWM of this process in MiB (/proc/self/status), and a reset of VmHWM to the current
+ * RSS (writing "5" to /proc/self/clear_refs, Linux >= 4.0; proc(5)). Returns -1 if unreadable. */
+static double proc_status_mib(const char *key)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    double v = -1;
+    size_t kl = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, key, kl) == 0 && line[kl] == ':') { v = atof(line + kl + 1) / 1024.0; break; }
+    fclose(f);
+    return v;
+}
+static int reset_peak_rss(void)
+{
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (!f) return -1;
+    int ok = fputs("5", f) >= 0;
+    return (fclose(f) == 0 && ok) ? 0 : -1;
+}
+
+/* One fused-vs-unfused linear + cross-entropy comparison at M tokens, hidden D, vocabulary V
+ * (random X [M, D] in [-1, 1), W [V, D] in [-0.05, 0.05), every 7th target -100), printed as a
+ * markdown table: median wall time of `reps` runs after one warm-up (the two paths alternate in
+ * each round so that load changes hit both), the memory each path allocates for logits or
+ * workspace, and the measured peak-RSS rise of the warm-up run (VmHWM after the run minus VmRSS
+ * before, with VmHWM reset first; each path allocates, runs and frees its own buffer inside). */
+static void bench_ce(int M, int D, int V, int chunk, int reps, const char *model)
+{
+    float *X = bt_aligned_alloc(sizeof(float) * (size_t)M * D);
+    float *W = bt_aligned_alloc(sizeof(float) * (size_t)V * D);
+    float *dX1 = bt_aligned_alloc(sizeof(float) * (size_t)M * D);
+    float *dX2 = bt_aligned_alloc(sizeof(float) * (size_t)M * D);
+    int32_t *tg = malloc(sizeof(int32_t) * M);
+    if (!X || !W || !dX1 || !dX2 || !tg) exit(1);
+    for (size_t i = 0; i < (size_t)M * D; i++) X[i] = frand();
+    for (size_t i = 0; i < (size_t)V * D; i++) W[i] = 0.05f * frand();
+    for (int i = 0; i < M; i++) {
+        frand();
+        tg[i] = (i % 7 == 0) ? -100 : (int32_t)((g_rng >> 17) % V);
+    }
+    size_t ws_f = bt_linear_ce_workspace_floats(chunk, V);
+    double tf[16], tu[16], lf = 0, lu = 0, peak_f = -1, peak_u = -1;
+    int nvf = 0;
+    for (int r = 0; r <= reps && r < 15; r++) {
+        int measure = r == 0 && reset_peak_rss() == 0;
+        double rss0 = proc_status_mib("VmRSS");
+        double t0 = bt_now();
+        float *ws = bt_aligned_alloc(sizeof(float) * ws_f);
+        if (!ws) exit(1);
+        lf = bt_linear_ce(dX1, &nvf, X, W, tg, M, D, V, chunk, 1.0f, ws);
+        free(ws);
+        tf[r] = bt_now() - t0;
+        if (measure) peak_f = proc_status_mib("VmHWM") - rss0;
+        measure = r == 0 && reset_peak_rss() == 0;
+        rss0 = proc_status_mib("VmRSS");
+        t0 = bt_now();
+        float *logits = bt_aligned_alloc(sizeof(float) * (size_t)M * V);
+        if (!logits) exit(1);
+        lu = unfused_ce(dX2, logits, X, W, tg, M, D, V);
+        free(logits);
+        tu[r] = bt_now() - t0;
+        if (measure) peak_u = proc_status_mib("VmHWM") - rss0;
+    }
+    int n = reps < 15 ? reps : 15;
+    double mf = median(tf + 1, n), mu = median(tu + 1, n);
+    double maxdiff = 0;
+    for (size_t i = 0; i < (size_t)M * D; i++) {
+        double d = fabs((double)dX1[i] / (nvf ? nvf : 1) - (double)dX2[i]);
+        maxdiff = d > maxdiff ? d : maxdiff;
+    }
+    printf("### Fused linear + cross-entropy, %s shape (M=%d tokens, hidden %d, vocab %d; "
+           "median of %d)\n\n", model, M, D, V, n);
+    printf("| path | time (ms) | logits/workspace memory (MiB) | measured peak RSS rise (MiB) | loss sum |\n"
+           "|---|---|---|---|---|\n");
+    printf("| unfused: full [M x V] logits, softmax, dX | %.0f | %.1f | %.0f | %.4f |\n", mu * 1e3,
+           (double)M * V * 4 / 1048576.0, peak_u, lu);
+    printf("| fused chunked (bt_linear_ce, %d-row chunks) | %.0f | %.1f | %.0f | %.4f |\n", chunk,
+           mf * 1e3, (double)ws_f * 4 / 1048576.0, peak_f, lf);
+    printf("\nfused/unfused: time %.2fx, memory %.3fx (measured peak rise %.3fx); max |dX difference| "
+           "%.2e\n\n", mf / mu, (double)ws_f / ((double)M * V),
+           peak_u > 0 ? peak_f / peak_u : 0.0, maxdiff);
+    fflush(stdout);
+    free(X); free(W); free(dX1); free(dX2);
+    free(tg);
+}
+
 int main(int argc, char **argv)
 {
     bt_openblas_env_reexec(argv);
     static const struct option lopts[] = {{"tokens", required_argument, NULL, 'M'},
                                        {"reps", required_argument, NULL, 'r'},
+                                       {"ce-only", no_argument, NULL, 'c'},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
-    static const char usage[] = "usage: bench_train MODEL.gguf [--tokens M (>= 64)] [--reps N (>= 1)]\n";
-    int M = 2048, reps = 3, c;
+    static const char usage[] =
+        "usage: bench_train MODEL.gguf [--tokens M (>= 64)] [--reps N (>= 1)]\n"
+        "         [--ce-only (only the two linear + cross-entropy tables)]\n";
+    int M = 2048, reps = 3, ce_only = 0, c;
     while ((c = getopt_long(argc, argv, "", lopts, NULL)) != -1) {
         switch (c) {
         case 'M': M = atoi(optarg); break;
         case 'r': reps = atoi(optarg); break;
+        case 'c': ce_only = 1; break;
         case 'h': fputs(usage, stdout); return 0;
         default: fputs(usage, stderr); return 2;
         }
@@ -145,48 +240,14 @@ int main(int argc, char **argv)
     const char *model = argv[optind];
     const int D = 576, V = 49152, F = 1536, chunk = 256;
 
-    /* 1. fused vs unfused linear + CE */
+    /* 1. fused vs unfused linear + CE: SmolLM2's vocabulary, then Gemma 3 270M's */
+    bench_ce(M, D, V, chunk, reps, "SmolLM2-135M");
+    bench_ce(M, 640, 262144, chunk, reps, "Gemma 3 270M");
+    if (ce_only) return 0;
+    const int n = reps < 15 ? reps : 15;
     float *X = bt_aligned_alloc(sizeof(float) * (size_t)M * D);
-    float *W = bt_aligned_alloc(sizeof(float) * (size_t)V * D);
-    float *dX1 = bt_aligned_alloc(sizeof(float) * (size_t)M * D);
-    float *dX2 = bt_aligned_alloc(sizeof(float) * (size_t)M * D);
-    int32_t *tg = malloc(sizeof(int32_t) * M);
+    if (!X) return 1;
     for (size_t i = 0; i < (size_t)M * D; i++) X[i] = frand();
-    for (size_t i = 0; i < (size_t)V * D; i++) W[i] = 0.05f * frand();
-    for (int i = 0; i < M; i++) {
-        frand();
-        tg[i] = (i % 7 == 0) ? -100 : (int32_t)((g_rng >> 17) % V);
-    }
-    size_t ws_f = bt_linear_ce_workspace_floats(chunk, V);
-    float *ws = bt_aligned_alloc(sizeof(float) * ws_f);
-    float *logits = bt_aligned_alloc(sizeof(float) * (size_t)M * V);
-    if (!X || !W || !dX1 || !dX2 || !ws || !logits) return 1;
-    double tf[16], tu[16], lf = 0, lu = 0;
-    int nvf = 0;
-    for (int r = 0; r <= reps && r < 15; r++) {
-        double t0 = bt_now();
-        lf = bt_linear_ce(dX1, &nvf, X, W, tg, M, D, V, chunk, 1.0f, ws);
-        tf[r] = bt_now() - t0;
-        t0 = bt_now();
-        lu = unfused_ce(dX2, logits, X, W, tg, M, D, V);
-        tu[r] = bt_now() - t0;
-    }
-    int n = reps < 15 ? reps : 15;
-    double mf = median(tf + 1, n), mu = median(tu + 1, n);
-    double maxdiff = 0;
-    for (size_t i = 0; i < (size_t)M * D; i++) {
-        double d = fabs((double)dX1[i] / (nvf ? nvf : 1) - (double)dX2[i]);
-        maxdiff = d > maxdiff ? d : maxdiff;
-    }
-    printf("### Fused linear + cross-entropy (M=%d tokens, hidden %d, vocab %d)\n\n", M, D, V);
-    printf("| path | time (ms) | logits/workspace memory (MiB) | loss sum |\n|---|---|---|---|\n");
-    printf("| unfused: full [M x V] logits, softmax, dX | %.0f | %.1f | %.4f |\n", mu * 1e3,
-           (double)M * V * 4 / 1048576.0, lu);
-    printf("| fused chunked (bt_linear_ce, %d-row chunks) | %.0f | %.1f | %.4f |\n", chunk, mf * 1e3,
-           (double)ws_f * 4 / 1048576.0, lf);
-    printf("\nfused/unfused: time %.2fx, memory %.3fx; max |dX difference| %.2e\n\n", mf / mu,
-           (double)ws_f / ((double)M * V), maxdiff);
-    free(logits); free(ws); free(tg); free(dX1); free(dX2); free(W);
 
     /* 2. NF4 and GGUF Q4_1 vs fp32 base linear */
     float *Wd = bt_aligned_alloc(sizeof(float) * (size_t)F * D);
