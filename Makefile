@@ -202,7 +202,8 @@ FUZZ_FLAGS   := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno
 FUZZ_CFLAGS  := $(filter-out -Werror,$(WARN)) $(DEFS) -pthread -I. $(shell pkg-config --cflags libuv jansson libzstd libpcre2-8 2>/dev/null) $(FUZZ_FLAGS)
 FUZZ_LIB_SRC := $(wildcard common/*.c) $(wildcard proto/*.c) \
                 $(filter-out loaderd/main.c loaderd/loaderctl.c,$(wildcard loaderd/*.c)) \
-                trainer/config.c trainer/config_keys.c trainer/templates.c trainer/mem_limits.c
+                trainer/config.c trainer/config_keys.c trainer/templates.c trainer/mem_limits.c \
+                trainer/preference.c
 FUZZ_BINS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/bin/%,$(wildcard tests/fuzz/fuzz_*.c))
 
 $(BUILD)/fuzz/obj/%.o: %.c $(HDRS) $(wildcard tests/fuzz/*.h)

@@ -146,7 +146,8 @@ static int default_report_dir(bt_train_config *c) {
 
 /* objective and preference.*: the algorithm's TRL defaults (bt_pref_defaults; "simpo" is CPO with
  * loss_type simpo and cpo_alpha 0), then the keys given, checked by bt_pref_check; the data format
- * must carry what the objective trains on, and the GPU trainer has no log-prob pass yet. */
+ * must carry what the objective trains on. (A backend without the log-prob passes, the GPU
+ * trainer for now, is refused when the run starts: trainer/loop/train.c.) */
 static int resolve_objective(bt_train_config *c, bt_keypath *bad) {
     const int pref_fmt = !strcmp(c->data.format, "preference"), kto_fmt = !strcmp(c->data.format, "kto");
     c->pref_on = strcmp(c->objective, "sft") != 0;
@@ -212,9 +213,6 @@ static int resolve_objective(bt_train_config *c, bt_keypath *bad) {
         return fail_at(bad, "preference.precompute_ref_log_probs", "preference.precompute_ref_log_probs: true is not "
                        "available yet (the reference log-probs will come from loaderd's token cache); false computes "
                        "them with the adapter disabled every step");
-    if (c->device != BT_DEVICE_CPU)
-        return fail_at(bad, "device", "device: objective \"%s\" needs the log-prob passes of the preference "
-                       "losses, which the GPU trainer does not have yet: use device \"cpu\"", c->objective);
     return 0;
 }
 
@@ -507,5 +505,6 @@ void bt_config_reference_md(FILE *f) {
           "report.dir are three directories, none inside another; cuda.offload_checkpoints needs activation\n"
           "checkpointing; stop_at_step <= steps; eval.every needs eval.shards and no eval.lengths; objective\n"
           "\"dpo\", \"orpo\", \"simpo\" and \"cpo\" need data.format \"preference\", \"kto\" needs \"kto\", \"sft\" neither;\n"
-          "a preference objective runs on device \"cpu\" (the GPU trainer has no log-prob pass yet).\n", f);
+          "a preference objective runs on device \"cpu\" (the GPU trainer has no log-prob pass yet: refused\n"
+          "when the run starts).\n", f);
 }

@@ -9,7 +9,8 @@ loaderd's tokenizer matches), CPU backend.
   straight run's per-step losses and grad norms to the last of 17 digits, and its adapter bytes.
 - KTO, ORPO and SimPO train and log their own metrics (kl; nll_loss, log_odds_ratio).
 - Refusals name the key: a data format that does not match the objective, an unknown loss type,
-  a parameter out of TRL's range, device "cuda", precompute_ref_log_probs.
+  a parameter out of TRL's range, precompute_ref_log_probs; the GPU trainer (device "cuda") refuses a
+  preference objective by name.
 The losses themselves are checked against TRL 1.16.0 in tests/unit/trainer/test_pref_step.c.
 """
 import json
@@ -185,10 +186,21 @@ def test_other_objectives_train(env, objective, extra):
     ({"preference": {"beta": 0}}, "preference.beta"),
     ({"preference": {"loss_type": "robust", "label_smoothing": 0.5}}, "preference: "),
     ({"preference": {"precompute_ref_log_probs": True}}, "preference.precompute_ref_log_probs: true is not available yet"),
-    ({"device": "cuda"}, 'device: objective "dpo" needs the log-prob passes'),
     ({"objective": "ipo"}, "objective"),
 ])
 def test_refusals_name_the_key(env, over, msg):
     r = subprocess.run([os.path.join(BUILD, "trainer"), "config", "--check", job(env, "bad", **over)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and msg in r.stderr, r.stderr
+
+
+def test_gpu_trainer_refuses_by_name(env):
+    """The GPU trainer has no log-prob pass yet: a preference objective on device "cuda" is refused
+    before anything loads (the emulated CUDA trainer of make test-emu; a CPU-only trainer refuses
+    device "cuda" itself)."""
+    emu = os.path.join(BUILD, "emu", "trainer")
+    if not os.access(emu, os.X_OK):
+        pytest.skip(f"{emu} not built (make test-emu)")
+    r = subprocess.run([emu, "train", "--config", job(env, "gpu", device="cuda")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and 'objective "dpo": device "cuda" has no log-prob pass' in r.stderr, r.stderr

@@ -123,9 +123,11 @@ static const char *kind_name(int32_t k) {
  * objective; targets into s->tg. Returns the number of records, or a negative bt_err. */
 static int find_records(bt_pref_step *s, const bt_pref_batch *pb) {
     const bt_microbatch *mb = &pb->mb;
+    if (mb->B < 1 || mb->T < 1 || mb->B > s->M / mb->T) /* before anything is written */
+        return bt_fail(BT_ERR_INVALID, "preference step: a %dx%d micro-batch exceeds the step's %d tokens",
+                       mb->B, mb->T, s->M);
     int nv = bt_shift_targets(s->tg, mb, s->V);
     if (nv < 0) return nv;
-    if (mb->B * mb->T > s->M) return bt_fail(BT_ERR_INVALID, "preference step: micro-batch too large");
     const int nseg = mb->n_cu - 1;
     int n = 0;
     for (int k = 0; k < nseg; k++) {

@@ -902,6 +902,12 @@ int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const 
     const bt_backend_reg *reg;
     int rc = bt_backend_get(cfg->device, &reg); /* a device this trainer was built without */
     if (rc) return rc;
+    /* before anything loads: the GPU trainer has no log-prob pass yet (run_init_backend asks the
+     * backend itself too) */
+    if (cfg->pref_on && cfg->device != BT_DEVICE_CPU)
+        return bt_fail(BT_ERR_UNSUPPORTED, "config: objective \"%s\": device \"%s\" has no log-prob pass "
+                       "for the preference losses yet (the GPU path is separate work); use device \"cpu\"",
+                       cfg->objective, reg->name);
     set_threads(cfg->threads);
     bt_run_signals signals;
     bt_run_catch_signals(&signals);

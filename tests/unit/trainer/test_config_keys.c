@@ -151,6 +151,9 @@ static const struct {
     {"lora.target_modules", "[\"v_proj\", \"q_proj\"]", ""},
     {"trainable_modules", "[\"norm\"]", ""},
     {"activation_checkpointing", "true", ""},
+    {"preference.loss_type", "\"ipo\"", ""},
+    {"preference.loss_weights", "[0.5]", ""},
+    {"preference.cpo_alpha", "0.25", ""},
 };
 static const struct {
     const char *path, *also;
@@ -158,6 +161,8 @@ static const struct {
     {"cuda.offload_checkpoints", "activation_checkpointing=true"},
     {"context_extension.method", "context_extension.target_length=32768"},
     {"eval.every", "eval.shards=[\"x/*.jsonl\"]"},
+    {"objective", "data.format=\"kto\""}, /* a preference objective needs its data format */
+    {"data.format", "objective=\"kto\""},
 };
 
 /* A value for row k other than its default (JSON text into buf; *also: a setting it needs). */
