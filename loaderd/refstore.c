@@ -2,6 +2,7 @@
 #include "loaderd/refstore.h"
 
 #include <errno.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
@@ -43,6 +44,7 @@ struct ld_reftab {
     double *val;        /* [2n] */
     uint8_t *have;      /* [2n] */
     uint64_t n_have, n_slots;
+    uint64_t part_have; /* n_have when this process last wrote its part file */
     int written;
 };
 
@@ -87,7 +89,10 @@ void ld_reftab_put(ld_reftab *t) {
                 break;
             }
     pthread_mutex_unlock(&reg_mu);
-    if (last) tab_free(t);
+    if (last) {
+        ld_reftab_sync(t); /* what this loaderd's trainers put, for the other nodes and later jobs */
+        tab_free(t);
+    }
 }
 
 int ld_ref_side(int32_t seg_kind) { return seg_kind == BT_SEG_REJECTED ? 1 : 0; }
@@ -171,8 +176,11 @@ static double get_f64(const uint8_t *p) {
     return v;
 }
 
-/* The whole file image of t's values (under t->mu), malloc'd, file_bytes(t) long. */
-static uint8_t *image(const ld_reftab *t) {
+#define UNKNOWN_VALUE 1.0 /* a part file's slot with no value (never a valid log-probability) */
+
+/* The file image of t's values (under t->mu), malloc'd, file_bytes(t) long; partial: a part file
+ * (flags 1, unknown slots UNKNOWN_VALUE), else every value must be known. */
+static uint8_t *image(const ld_reftab *t, int partial) {
     size_t len = file_bytes(t), bl = strlen(t->base);
     uint8_t *b = bt_xcalloc(1, len);
     memcpy(b, REF_MAGIC, 8);
@@ -186,12 +194,15 @@ static uint8_t *image(const ld_reftab *t) {
     bt_put32(b + 92, (uint32_t)bl);
     bt_put64(b + 96, t->n);
     bt_put64(b + 104, t->n_slots);
+    bt_put32(b + 112, partial ? 1u : 0u);
     memcpy(b + REF_HEADER_BYTES, t->base, bl);
     uint8_t *r = b + REF_HEADER_BYTES + base_pad(bl);
     for (size_t i = 0; i < t->n; i++, r += REF_RECORD_BYTES) {
         bt_put64(r, t->line[i]);
-        put_f64(r + 8, t->val[2 * i]);
-        put_f64(r + 16, t->nside[i] == 2 ? t->val[2 * i + 1] : 0.0);
+        for (int k = 0; k < 2; k++) {
+            double v = k < t->nside[i] ? (t->have[2 * i + k] ? t->val[2 * i + k] : UNKNOWN_VALUE) : 0.0;
+            put_f64(r + 8 + 8 * k, v);
+        }
     }
     tc_sha s;
     if (tc_sha_init(&s) != BT_OK) {
@@ -203,29 +214,49 @@ static uint8_t *image(const ld_reftab *t) {
     return b;
 }
 
-/* Write the sidecar (under t->mu, every value known). */
-static void write_sidecar(ld_reftab *t) {
-    uint8_t *b = image(t);
-    if (!b) return;
+/* Write t's values to path atomically (under t->mu). BT_OK or BT_ERR_* (logged). */
+static int write_values(ld_reftab *t, const char *path, int partial) {
+    uint8_t *b = image(t, partial);
+    if (!b) return BT_ERR_NOMEM;
     bt_atomic_file af;
-    int rc = bt_atomic_open(&af, t->path, "reference log-probs");
+    int rc = bt_atomic_open(&af, path, "reference log-probs");
     if (rc == BT_OK) rc = bt_atomic_write(&af, b, file_bytes(t));
     if (rc == BT_OK) rc = bt_atomic_commit(&af);
     else bt_atomic_abort(&af);
     free(b);
-    if (rc != BT_OK) {
+    if (rc != BT_OK)
         bt_log(BT_LOG_WARN, "loaderd", "%s (the values stay in memory for this loaderd's jobs)", bt_last_error());
-        return;
-    }
-    t->written = 1;
-    ADD(t->st, ref_written, 1);
-    bt_log(BT_LOG_INFO, "loaderd", "reference log-probs: wrote %s (%zu records, %llu values, base %s)", t->path, t->n,
-           (unsigned long long)t->n_slots, t->base);
+    return rc;
 }
 
-/* Refuse the sidecar at t->path: log why, count, remove it (loaderd wrote it: a file it can no
- * longer use). */
-static void refuse(ld_reftab *t, const char *fmt, ...) {
+/* This process's part-file suffix: ".part-" + 16 hex digits of SHA-256(host name, pid). */
+static char g_part_suffix[32];
+static pthread_once_t g_part_once = PTHREAD_ONCE_INIT;
+static void part_init(void) {
+    char host[256] = "";
+    gethostname(host, sizeof host - 1);
+    long pid = (long)getpid();
+    uint8_t h[32];
+    tc_sha s;
+    if (tc_sha_init(&s) != BT_OK) {
+        snprintf(g_part_suffix, sizeof g_part_suffix, ".part-%016lx", (unsigned long)pid);
+        return;
+    }
+    tc_sha_update(&s, host, strlen(host) + 1);
+    tc_sha_update(&s, &pid, sizeof pid);
+    tc_sha_final(&s, h);
+    snprintf(g_part_suffix, sizeof g_part_suffix, ".part-%02x%02x%02x%02x%02x%02x%02x%02x", h[0], h[1], h[2], h[3], h[4],
+             h[5], h[6], h[7]);
+}
+static const char *part_suffix(void) {
+    pthread_once(&g_part_once, part_init);
+    return g_part_suffix;
+}
+
+/* Refuse the file at path: log why, count, remove it (loaderd wrote it: a file it can no longer
+ * use). */
+static void refuse(ld_reftab *t, const char *path, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void refuse(ld_reftab *t, const char *path, const char *fmt, ...) {
     char why[400];
     va_list ap;
     va_start(ap, fmt);
@@ -233,29 +264,29 @@ static void refuse(ld_reftab *t, const char *fmt, ...) {
     va_end(ap);
     ADD(t->st, ref_refused, 1);
     bt_log(BT_LOG_WARN, "loaderd", "reference log-probs: %s refused: %s; not used (removed), the values are computed "
-           "again", t->path, why);
-    unlink(t->path);
+           "again", path, why);
+    unlink(path);
 }
 
-/* Fill t from its sidecar when there is a valid one. */
-static void load_sidecar(ld_reftab *t) {
+static int valid_value(double v) { return isfinite(v) && v <= 0 && v >= LD_REF_MIN_VALUE; }
+
+/* Read the values file at path for t: 1 with val / have [2n] filled (partial: a part file, slots
+ * it lacks have 0), 0 when there is none, -1 when it was refused (logged, counted, removed). */
+static int read_values(ld_reftab *t, const char *path, int partial, double *val, uint8_t *have) {
     struct stat st;
-    int fd = bt_open_file(t->path, BT_OPEN_NO_LINKS, &st);
-    if (fd < 0) return; /* none (or not a regular file: never read) */
+    int fd = bt_open_file(path, BT_OPEN_NO_LINKS, &st);
+    if (fd < 0) return 0; /* none (or not a regular file: never read) */
     size_t want = file_bytes(t);
     if ((uint64_t)st.st_size != (uint64_t)want) {
-        close(fd);
-        /* the size follows from the records and the base: a file of another size is another table's */
         uint8_t h[REF_HEADER_BYTES];
-        int fd2 = bt_open_file(t->path, BT_OPEN_NO_LINKS, &st);
-        ssize_t got = fd2 >= 0 ? pread(fd2, h, sizeof h, 0) : -1;
-        if (fd2 >= 0) close(fd2);
+        ssize_t got = pread(fd, h, sizeof h, 0);
+        close(fd);
         if (got == (ssize_t)sizeof h && !memcmp(h, REF_MAGIC, 8) && bt_get64(h + 96) != t->n)
-            refuse(t, "it holds %llu records, this job packs %zu of the shard (same key, other records: damaged)",
+            refuse(t, path, "it holds %llu records, this job packs %zu of the shard (same key, other records: damaged)",
                    (unsigned long long)bt_get64(h + 96), t->n);
         else
-            refuse(t, "%lld bytes, %zu expected", (long long)st.st_size, want);
-        return;
+            refuse(t, path, "%lld bytes, %zu expected", (long long)st.st_size, want);
+        return -1;
     }
     uint8_t *b = bt_xmalloc(want);
     size_t off = 0;
@@ -266,58 +297,149 @@ static void load_sidecar(ld_reftab *t) {
         off += (size_t)r;
     }
     close(fd);
-    if (off != want) {
-        free(b);
-        refuse(t, "short read");
-        return;
-    }
+    int ok = -1;
     uint8_t h[32];
     tc_sha s;
-    if (tc_sha_init(&s) != BT_OK) {
-        free(b);
-        return;
-    }
-    tc_sha_update(&s, b, want - 32);
-    tc_sha_final(&s, h);
     size_t bl = strlen(t->base);
-    uint32_t fbl = bt_get32(b + 92);
-    if (memcmp(b, REF_MAGIC, 8) != 0 || bt_get32(b + 8) != REF_VERSION) refuse(t, "not a version-%u sidecar", REF_VERSION);
-    else if (memcmp(h, b + want - 32, 32) != 0) refuse(t, "checksum mismatch (damaged)");
+    uint32_t fbl = off == want ? bt_get32(b + 92) : 0;
+    int hashed = off == want && tc_sha_init(&s) == BT_OK;
+    if (hashed) {
+        tc_sha_update(&s, b, want - 32);
+        tc_sha_final(&s, h);
+    }
+    if (off != want) refuse(t, path, "short read");
+    else if (!hashed) ok = 0; /* out of memory: not used, kept */
+    else if (memcmp(b, REF_MAGIC, 8) != 0 || bt_get32(b + 8) != REF_VERSION)
+        refuse(t, path, "not a version-%u values file", REF_VERSION);
+    else if (memcmp(h, b + want - 32, 32) != 0) refuse(t, path, "checksum mismatch (damaged)");
+    else if (bt_get32(b + 112) != (partial ? 1u : 0u)) refuse(t, path, "%s", partial ? "not a part file" : "a part file");
     else if (fbl != bl || memcmp(b + REF_HEADER_BYTES, t->base, bl) != 0)
-        refuse(t, "its values are for base \"%.*s\" but this job's ref_base is \"%s\"",
-               (int)(fbl <= LD_REF_BASE_MAX && REF_HEADER_BYTES + (size_t)fbl <= want ? fbl : 0), (const char *)b + REF_HEADER_BYTES,
-               t->base);
+        refuse(t, path, "its values are for base \"%.*s\" but this job's ref_base is \"%s\"",
+               (int)(fbl <= LD_REF_BASE_MAX && REF_HEADER_BYTES + (size_t)fbl <= want ? fbl : 0),
+               (const char *)b + REF_HEADER_BYTES, t->base);
     else if (bt_get32(b + 80) != t->T || bt_get32(b + 84) != t->mpl || bt_get32(b + 88) != t->ml)
-        refuse(t, "its values are for seq_len %u, max_prompt_length %u, max_length %u but this job has %u, %u, %u",
+        refuse(t, path, "its values are for seq_len %u, max_prompt_length %u, max_length %u but this job has %u, %u, %u",
                bt_get32(b + 80), bt_get32(b + 84), bt_get32(b + 88), t->T, t->mpl, t->ml);
     else if (bt_get32(b + 12) != t->uid)
-        refuse(t, "its values were put by uid %u, this job's trainer is uid %u", bt_get32(b + 12), t->uid);
-    else if (memcmp(b + 48, t->entry_key, 32) != 0) refuse(t, "it belongs to another shard content or tokenizer");
-    else if (memcmp(b + 16, t->key, 32) != 0) refuse(t, "another reference key");
-    else if (bt_get64(b + 104) != t->n_slots) refuse(t, "value count differs");
+        refuse(t, path, "its values were put by uid %u, this job's trainer is uid %u", bt_get32(b + 12), t->uid);
+    else if (memcmp(b + 48, t->entry_key, 32) != 0) refuse(t, path, "it belongs to another shard content or tokenizer");
+    else if (memcmp(b + 16, t->key, 32) != 0) refuse(t, path, "another reference key");
+    else if (bt_get64(b + 104) != t->n_slots) refuse(t, path, "value count differs");
     else {
         const uint8_t *r = b + REF_HEADER_BYTES + base_pad(bl);
         size_t i;
         for (i = 0; i < t->n; i++, r += REF_RECORD_BYTES) {
-            double v0 = get_f64(r + 8), v1 = get_f64(r + 16);
-            if (bt_get64(r) != t->line[i] || !(isfinite(v0) && v0 <= 0 && v0 >= LD_REF_MIN_VALUE) ||
-                (t->nside[i] == 2 ? !(isfinite(v1) && v1 <= 0 && v1 >= LD_REF_MIN_VALUE) : v1 != 0.0))
-                break;
-            t->val[2 * i] = v0;
-            t->val[2 * i + 1] = t->nside[i] == 2 ? v1 : 0.0;
+            if (bt_get64(r) != t->line[i]) break;
+            int bad = 0;
+            for (int k = 0; k < 2; k++) {
+                double v = get_f64(r + 8 + 8 * k);
+                if (k >= t->nside[i]) bad |= v != 0.0;
+                else if (valid_value(v)) val[2 * i + k] = v, have[2 * i + k] = 1;
+                else bad |= !(partial && v == UNKNOWN_VALUE);
+            }
+            if (bad) break;
         }
-        if (i < t->n) {
-            memset(t->val, 0, 2 * t->n * sizeof *t->val);
-            refuse(t, "record %zu (line %llu) does not match the shard's or holds an invalid value", i,
+        if (i < t->n)
+            refuse(t, path, "record %zu (line %llu) does not match the shard's or holds an invalid value", i,
                    (unsigned long long)t->line[i]);
-        } else {
-            for (i = 0; i < t->n; i++) t->have[2 * i] = 1, t->have[2 * i + 1] = t->nside[i] == 2;
-            t->n_have = t->n_slots;
-            t->written = 1;
-            ADD(t->st, ref_loaded, 1);
-        }
+        else
+            ok = 1;
     }
     free(b);
+    return ok;
+}
+
+/* Every value known: write the sidecar (under t->mu) and remove the part files merged into it. */
+static void complete(ld_reftab *t) {
+    if (write_values(t, t->path, 0) != BT_OK) return;
+    t->written = 1;
+    ADD(t->st, ref_written, 1);
+    bt_log(BT_LOG_INFO, "loaderd", "reference log-probs: wrote %s (%zu records, %llu values, base %s)", t->path, t->n,
+           (unsigned long long)t->n_slots, t->base);
+}
+
+/* Merge the part files other loaderds (nodes) wrote for t into it (under t->mu); with own, first
+ * write this process's values as its own part file (when it has values the last one lacked).
+ * When every value is then known, the sidecar is written and the part files are removed. */
+static void sync_parts(ld_reftab *t, int own) {
+    if (t->written) return;
+    size_t plen = strlen(t->path);
+    char *own_path = bt_xmalloc(plen + 40);
+    snprintf(own_path, plen + 40, "%s%s", t->path, part_suffix());
+    if (own && t->n_have > t->part_have && write_values(t, own_path, 1) == BT_OK) t->part_have = t->n_have;
+    char *dir = bt_xstrdup(t->path);
+    char *slash = strrchr(dir, '/');
+    const char *base = slash ? slash + 1 : dir;
+    if (slash) *slash = 0;
+    size_t blen = strlen(base);
+    DIR *dd = opendir(dir);
+    struct dirent *e;
+    double *val = bt_xcalloc(2 * (t->n ? t->n : 1), sizeof *val);
+    uint8_t *have = bt_xcalloc(2 * (t->n ? t->n : 1), 1);
+    char **merged = NULL;
+    size_t n_merged = 0, cap = 0;
+    while (dd && (e = readdir(dd))) {
+        if (strncmp(e->d_name, base, blen) != 0 || strncmp(e->d_name + blen, ".part-", 6) != 0 ||
+            strchr(e->d_name + blen + 6, '.'))
+            continue; /* not a part file of t (its writers' temporaries have ".tmp." in their names) */
+        size_t pn = strlen(dir) + strlen(e->d_name) + 2;
+        char *pp = bt_xmalloc(pn);
+        snprintf(pp, pn, "%s/%s", dir, e->d_name);
+        int mine = strcmp(pp, own_path) == 0; /* ours: read too (an earlier table of this process wrote it) */
+        memset(have, 0, 2 * (t->n ? t->n : 1));
+        if (!(mine && own) && read_values(t, pp, 1, val, have) == 1) {
+            uint64_t added = 0, conflicts = 0;
+            for (size_t k = 0; k < 2 * t->n; k++) {
+                if (!have[k]) continue;
+                if (!t->have[k]) t->val[k] = val[k], t->have[k] = 1, t->n_have++, added++;
+                else if (fabs(t->val[k] - val[k]) > REF_REL_TOL * fmax(1.0, fabs(t->val[k]))) conflicts++;
+            }
+            ADD(t->st, ref_loaded, 1);
+            if (conflicts)
+                bt_log(BT_LOG_WARN, "loaderd", "reference log-probs: %s: %llu values differ from those already "
+                       "known (the first kept)", pp, (unsigned long long)conflicts);
+            bt_log(BT_LOG_INFO, "loaderd", "reference log-probs: merged %s (%llu new values, %llu of %llu known)", pp,
+                   (unsigned long long)added, (unsigned long long)t->n_have, (unsigned long long)t->n_slots);
+        }
+        if (mine || access(pp, F_OK) == 0) {
+            merged = bt_vec_xgrow(merged, &cap, n_merged + 1, sizeof *merged);
+            merged[n_merged++] = pp;
+        } else {
+            free(pp);
+        }
+    }
+    if (dd) closedir(dd);
+    if (t->n_have == t->n_slots) {
+        complete(t);
+        if (t->written)
+            for (size_t i = 0; i < n_merged; i++) unlink(merged[i]);
+    }
+    for (size_t i = 0; i < n_merged; i++) free(merged[i]);
+    free(merged);
+    free(val);
+    free(have);
+    free(dir);
+    free(own_path);
+}
+
+/* Fill t from its sidecar, or from the part files of other loaderds, when there are valid ones. */
+static void load_values(ld_reftab *t) {
+    if (read_values(t, t->path, 0, t->val, t->have) == 1) {
+        t->n_have = t->n_slots;
+        t->written = 1;
+        ADD(t->st, ref_loaded, 1);
+        return;
+    }
+    memset(t->val, 0, 2 * (t->n ? t->n : 1) * sizeof *t->val);
+    memset(t->have, 0, 2 * (t->n ? t->n : 1));
+    sync_parts(t, 0);
+}
+
+void ld_reftab_sync(ld_reftab *t) {
+    if (!t) return;
+    pthread_mutex_lock(&t->mu);
+    sync_parts(t, 1);
+    pthread_mutex_unlock(&t->mu);
 }
 
 /* ------------------------------------------------------------------ tables */
@@ -361,7 +483,7 @@ int ld_reftab_get(ld_tcache *c, const uint8_t entry_key[32], const ld_format_cfg
         tab_free(t);
         return rc;
     }
-    load_sidecar(t);
+    load_values(t);
     ADD(t->st, ref_tables, 1);
     pthread_mutex_lock(&reg_mu); /* another thread may have made the same table meanwhile: use it */
     for (ld_reftab *o = reg_head; o; o = o->next)
@@ -420,7 +542,7 @@ int ld_reftab_set(ld_reftab *t, uint64_t line, int side, double v, char *why, si
         t->val[2 * i + side] = v;
         t->have[2 * i + side] = 1;
         t->n_have++;
-        if (t->n_have == t->n_slots && !t->written) write_sidecar(t);
+        if (t->n_have == t->n_slots && !t->written) sync_parts(t, 0); /* writes it, removes merged parts */
     }
     pthread_mutex_unlock(&t->mu);
     if (rc == BT_OK) ADD(t->st, ref_accepted, 1);

@@ -28,6 +28,10 @@
  *   the base string, zero-padded to a multiple of 8
  *   records:      u64 line, f64 chosen (or kto) value, f64 rejected value (0 for kto)
  *   SHA-256 of everything before it.
+ * Several nodes: each loaderd's trainers put the values of the segments its ranks get, so a
+ * loaderd's table alone is complete only when it serves every rank; ld_reftab_sync exchanges the
+ * rest through part files in the same directory (at each epoch's reopening of the shard and at the
+ * end of the last job using the table), and whoever completes the table writes the sidecar.
  * Read with read(2); a file that fails any check (size, magic, hash, a key part that differs from
  * the job's, records that differ from the entry's, a value that is not finite or > 0) is refused
  * with a log line naming the file and what differs ("base ... but this job has ..."), counted
@@ -79,6 +83,14 @@ int ld_reftab_lookup(ld_reftab *t, uint64_t line, int side, double *v);
  * a conflict with the value already stored. When the last missing value arrives the sidecar is
  * written (its failure is logged and counted, the values stay in memory). */
 int ld_reftab_set(ld_reftab *t, uint64_t line, int side, double v, char *why, size_t cap);
+
+/* Share what this loaderd knows with the other nodes: write its values as its own part file
+ * ("<sidecar>.part-<16 hex digits of host and pid>", same format with flags 1 and unknown slots
+ * 1.0) when it knows values its last one lacked, then merge the part files of other loaderds
+ * (each checked like a sidecar; a value that differs from a known one is logged, the first kept).
+ * When every value is then known the sidecar is written and the part files are removed. Called
+ * when a shard is opened again (each epoch) and when the last job using the table ends. */
+void ld_reftab_sync(ld_reftab *t);
 
 /* Values known / values of the table (tests, status). */
 void ld_reftab_fill(ld_reftab *t, uint64_t *have, uint64_t *total);

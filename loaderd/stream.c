@@ -116,8 +116,10 @@ static int rd_open(ld_stream *s, rcur *cur, uint32_t d) {
     if (cfg->cache) {
         int rc = ld_tcache_acquire(cfg->cache, &cfg->shards[f], cfg->shards, cfg->n_paths, cfg->n_threads, &s->stop,
                                    &cur->tc);
-        if (rc == BT_OK && cfg->ref_tab && !atomic_load(&cfg->ref_tab[f]) &&
-            (cfg->ds[d].fcfg.format == LD_FMT_PREFERENCE || cfg->ds[d].fcfg.format == LD_FMT_KTO)) {
+        if (rc == BT_OK && cfg->ref_tab && atomic_load(&cfg->ref_tab[f])) /* reopened (next epoch): */
+            ld_reftab_sync(atomic_load(&cfg->ref_tab[f]));                 /* share with the other nodes */
+        else if (rc == BT_OK && cfg->ref_tab &&
+                 (cfg->ds[d].fcfg.format == LD_FMT_PREFERENCE || cfg->ds[d].fcfg.format == LD_FMT_KTO)) {
             ld_refparams rp = {cfg->ref_base, cfg->ref_uid};
             ld_reftab *t = NULL;
             int trc = ld_reftab_get(cfg->cache, ld_tc_key(cur->tc), &cfg->ds[d].fcfg, &rp, &t);

@@ -258,3 +258,52 @@ def test_kto_values_and_resume(env, loaderd, tmp_path):
             c.release()
     same_tokens(first + rest, want)
     assert all(s[6] == 1 for b in first + rest for s in segments(b) if s[3] != L.SEG_PLAIN)
+
+
+def test_nodes_share_values_through_part_files(env, loaderd, tmp_path):
+    """Two loaderds (nodes) on one cache directory, one rank each: each node's trainer puts the
+    values of its own rank's segments, so neither table is complete; at the end of the jobs each
+    node writes its part, and the next job (on either node) merges them, is served every value and
+    writes the sidecar (the parts are removed)."""
+    d, spec, data, cache, cfg = env
+    d2 = loaderd(dict(cfg, socket=str(tmp_path / "n2.sock")))
+    spec_r = dict(spec, ref_base="base-N", epochs=1, name="nodes")
+    import threading
+    res = [None, None]
+
+    def rank(i, node):
+        with bl.LoaderdClient(spec_r, socket_path=node.sock, rank=i, world_size=2) as c:
+            n = 0
+            while True:
+                b = c.next(timeout=120)
+                if b is None or b.end_of_data:
+                    break
+                vals = [(s[4], s[5], 1 if s[3] == L.SEG_REJECTED else 0, fake_ref(s[1], s[2]))
+                        for s in segments(b) if s[3] != L.SEG_PLAIN and not s[6]]
+                if vals:
+                    assert c.ref_put("base-N", vals)[1] == 0
+                    n += len(vals)
+                c.release()
+            res[i] = n
+    th = [threading.Thread(target=rank, args=(i, node)) for i, node in enumerate((d, d2))]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(timeout=120)
+    assert res[0] > 0 and res[1] > 0 and res[0] + res[1] == 2 * len(RECS), res
+    # each node writes its part when its job's teardown frees the table; the later one merges the
+    # earlier one's part, completes the table and writes the sidecar (or both parts stay, when they
+    # end together: the next job merges them)
+    import time
+    deadline = time.monotonic() + 20
+    side = lambda: glob.glob(str(cache / "v1" / "*" / "*.ref"))  # noqa: E731
+    parts = lambda: glob.glob(str(cache / "v1" / "*" / "*.ref.part-*"))  # noqa: E731
+    while not (side() or len(parts()) == 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert side() or len(parts()) == 2, (side(), parts())
+    _, served, missing, _ = run(d, dict(spec_r, name="after"))
+    assert (served, missing) == (2 * len(RECS), 0)
+    assert len(glob.glob(str(cache / "v1" / "*" / "*.ref"))) == 1
+    assert glob.glob(str(cache / "v1" / "*" / "*.ref.part-*")) == []
+    sts = [status(x) for x in (d, d2)]
+    assert sum(x["ref_written"] for x in sts) == 1, sts
