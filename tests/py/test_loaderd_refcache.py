@@ -134,6 +134,9 @@ def test_values_put_are_served_next_epoch_and_next_job(env, loaderd, tmp_path):
     assert len(side) == 1, side
     st = status(d)
     assert st["ref_written"] == 1 and st["ref_accepted"] == missing and st["ref_rejected"] == 0, st
+    text = d.ctl("status").stdout  # for people: one line
+    assert f"reference log-probs: 1 table(s), 0 file(s) read, 1 written, 0 refused; {missing} value(s) put and kept" \
+        in text, text
     # the next job with the same key: every value from the start
     _, served, missing, _ = run(d, dict(spec_r, epochs=1))
     assert (served, missing) == (n_seg, 0)
@@ -306,4 +309,4 @@ def test_nodes_share_values_through_part_files(env, loaderd, tmp_path):
     assert len(glob.glob(str(cache / "v1" / "*" / "*.ref"))) == 1
     assert glob.glob(str(cache / "v1" / "*" / "*.ref.part-*")) == []
     sts = [status(x) for x in (d, d2)]
-    assert sum(x["ref_written"] for x in sts) == 1, sts
+    assert sum(x["ref_written"] for x in sts) in (1, 2), sts  # two nodes ending together may both complete it
