@@ -73,7 +73,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
+.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards dpo-data test-slurm \
         test-systemd llamacpp-ref test-llamacpp
 .SECONDARY:
 
@@ -94,6 +94,11 @@ tokenizers:
 
 shards:
 	@$(PYTHON) scripts/make-shards data/demo
+
+# the FOLDOC preference data set of `make demo-dpo` (issue 25 §4): data/dpo/train-NNN.jsonl +
+# eval.jsonl, TRL's conversational {prompt, chosen, rejected} (scripts/make-dpo-data)
+dpo-data:
+	@$(PYTHON) scripts/make-dpo-data data/dpo
 
 unit: $(TESTS)
 	@bash tests/run-unit.sh $(BUILD)/tests $(TESTS)
