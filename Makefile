@@ -73,7 +73,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards dpo-data test-slurm \
+.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long demo-dpo install clean bench shards dpo-data test-slurm \
         test-systemd llamacpp-ref test-llamacpp
 .SECONDARY:
 
@@ -172,6 +172,16 @@ demo: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all
 	@bash scripts/demo.sh
+
+# `make demo-dpo`: DPO on `make dpo-data` (FOLDOC confusable definitions), held-out preference
+# accuracy and margin before / after, the PEFT adapter, then the run again with the reference
+# log-probs from loaderd's token cache (time saved printed; scripts/demo-dpo.sh; not part of
+# `make test`).
+demo-dpo: setup
+	@$(MAKE) --no-print-directory model
+	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory dpo-data
+	@bash scripts/demo-dpo.sh
 
 # `make demo-long`: SmolLM2 extended 8192 -> 16384 tokens (linear interpolation + S2-Attn) on
 # long real documents, held-out perplexity at 2K / 16K before and after, S2 vs full attention
