@@ -766,11 +766,6 @@ static int run_finish(bt_run *r) {
     if (r->dist.rank == 0)
         bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
                r->done_steps, bt_now() - r->train_t0, r->last_loss, bt_peak_rss_mib());
-    if (r->ref_base[0]) /* this rank's: each rank counts and puts its own segments */
-        bt_log(BT_LOG_INFO, "trainer", "reference log-probs (rank %d): training %lld from loaderd's cache, "
-               "%lld computed; held-out %lld cached, %lld computed; put: %lld accepted, %lld refused, "
-               "%lld failed puts", r->dist.rank, r->ref_hit, r->ref_miss, r->ref_eval_hit,
-               r->ref_eval_miss, r->ref_acc, r->ref_rej, r->ref_put_fail);
     if (cfg->eval.n_shards > 0) {
         int cut = 0;
         if ((rc = run_eval(r, &r->after, r->len_after, &cut)))
@@ -877,6 +872,11 @@ static int run_stream_failed(bt_run *r, int rc) {
 /* Teardown: the report (and its plot of what did run), buffers, the stream, the backend, the
  * LoRA weights and the model. */
 static void run_teardown(bt_run *r, int rc) {
+    if (r->ref_base[0]) /* this rank's, every evaluation included: each rank counts and puts its own */
+        bt_log(BT_LOG_INFO, "trainer", "reference log-probs (rank %d): training %lld from loaderd's cache, "
+               "%lld computed; held-out %lld cached, %lld computed; put: %lld accepted, %lld refused, "
+               "%lld failed puts", r->dist.rank, r->ref_hit, r->ref_miss, r->ref_eval_hit,
+               r->ref_eval_miss, r->ref_acc, r->ref_rej, r->ref_put_fail);
     bt_report_close(r->rep, r->cfg->report.plot && r->rep_steps > 0);
     bt_prof_free(r->prof);
     bt_pref_step_free(r->pref);
