@@ -79,7 +79,7 @@ TESTS_ASAN := $(patsubst tests/unit/%.c,$(BUILD)/asan/tests/%,$(TEST_SRC))
 TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
-.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long install clean bench shards test-slurm \
+.PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long demo-dpo install clean bench shards dpo-data test-slurm \
         test-systemd llamacpp-ref test-llamacpp test-llamacpp-gemma3
 .SECONDARY:
 
@@ -100,6 +100,11 @@ tokenizers:
 
 shards:
 	@$(PYTHON) scripts/make-shards data/demo
+
+# the FOLDOC preference data set of `make demo-dpo` (issue 25 §4): data/dpo/train-NNN.jsonl +
+# eval.jsonl, TRL's conversational {prompt, chosen, rejected} (scripts/make-dpo-data)
+dpo-data:
+	@$(PYTHON) scripts/make-dpo-data data/dpo
 
 unit: $(TESTS)
 	@bash tests/run-unit.sh $(BUILD)/tests $(TESTS)
@@ -178,6 +183,16 @@ demo: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all
 	@DEMO_MODEL=$(DEMO_MODEL) bash scripts/demo.sh
+
+# `make demo-dpo`: DPO on `make dpo-data` (FOLDOC confusable definitions), held-out preference
+# accuracy and margin before / after, the PEFT adapter, then the run again with the reference
+# log-probs from loaderd's token cache (time saved printed; scripts/demo-dpo.sh; not part of
+# `make test`).
+demo-dpo: setup
+	@$(MAKE) --no-print-directory model
+	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory dpo-data
+	@bash scripts/demo-dpo.sh
 
 # `make demo-long`: SmolLM2 extended 8192 -> 16384 tokens (linear interpolation + S2-Attn) on
 # long real documents, held-out perplexity at 2K / 16K before and after, S2 vs full attention

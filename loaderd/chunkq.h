@@ -37,6 +37,7 @@ typedef struct {
      * pref_len0 tokens long (a pair: chosen, then rejected); pref_label kto 1/0, else -1 */
     int pref_n, pref_label;
     uint32_t pref_len0;
+    uint32_t pref_prompt; /* tokens of the shared prompt prefix (the token cache stores it) */
     char msg[120];
 } ld_item;
 

@@ -176,6 +176,10 @@ static const bt_key job_keys[] = {
     BT_KEY_I("max_length", J, max_length, 0, BT_JOB_MAX_SEQ_LEN, "0", 0,
              "preference/kto: prompt + longer response, in tokens (TRL's name); 0: none. A pair always fits one "
              "row of seq_len or is skipped as overlong"),
+    BT_KEY_S("ref_base", J, ref_base, 1, 128, NULL, BT_KEY_SAFE_TEXT,
+             "preference/kto: the reference model's identifier (e.g. the SHA-256 of the base model's weights; "
+             "1..128 of A-Z a-z 0-9 . _ : + -); with a token cache, batches carry the reference log-probs trainers "
+             "put for it (seg_ref_ok / seg_ref_logp) and op ref_put is accepted"),
     {.name = "ring_slots", .type = BT_KEY_INT, .ilo = 1, .ihi = 1 << 16, .flags = BT_KEY_NO_FIELD,
      .doc = "batches buffered in the ring (loaderd: 1..1024, default from its config)"},
     BT_KEY_END,
@@ -216,6 +220,9 @@ int ld_job_spec_parse(ld_job_spec *spec, const char *json_text, bt_keypath *bad)
     if (rc == 0 && (uint64_t)spec->B * spec->T > BT_JOB_MAX_BATCH_TOKENS)
         rc = spec_err(bad, "micro_batch_size", "\"micro_batch_size\": %u x seq_len %u = %llu tokens exceeds %u", spec->B,
                       spec->T, (unsigned long long)spec->B * spec->T, BT_JOB_MAX_BATCH_TOKENS);
+    if (rc == 0 && spec->ref_base && spec->ref_base[strspn(spec->ref_base, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnop"
+                                                                    "qrstuvwxyz0123456789._:+-")])
+        rc = spec_err(bad, "ref_base", "\"ref_base\": 1..128 characters of A-Z a-z 0-9 . _ : + -");
     if (rc == 0 && spec->text_field && spec->format != LD_FMT_TEXT)
         rc = spec_err(bad, "text_field", "\"text_field\": only valid with \"format\": \"text\"");
     json_decref(root);

@@ -75,6 +75,10 @@ typedef struct {
     uint32_t rank, world_size;
     uint32_t epochs;    /* 0 = endless */
     uint32_t n_threads; /* tokenizer workers, >= 1 */
+    char *ref_base;     /* preference / kto with a token cache: the reference model's identifier (1..128 of
+                           [A-Za-z0-9._:+-]); batches then carry its cached log-probs (loaderd/refstore.h).
+                           NULL: none */
+    uint32_t ref_uid;   /* set by the server (never from JSON): the attaching trainer's uid, a key part */
 } ld_job_spec;
 
 /* Parse a job spec JSON object text into *spec (owned; free with ld_job_spec_free). Its keys,

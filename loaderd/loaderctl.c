@@ -236,6 +236,11 @@ static void print_status(json_t *r) {
                 num(tc, "bytes") / 1048576.0, num(tc, "max_bytes") / 1048576.0, num(tc, "built"), num(tc, "hits"),
                 num(tc, "waited"), num(tc, "damaged"), num(tc, "stale"), num(tc, "bypassed"), num(tc, "untrusted"),
                 num(tc, "evicted"), num(tc, "temps_removed"), num(r, "streams"));
+    if (json_is_object(tc) && num(tc, "ref_tables") > 0) /* reference log-probs (loaderd/refstore.h) */
+        fprintf(g_out, "reference log-probs: %.0f table(s), %.0f file(s) read, %.0f written, %.0f refused; %.0f value(s) "
+                "put and kept, %.0f refused; %.0f segment(s) served, %.0f without a value\n", num(tc, "ref_tables"),
+                num(tc, "ref_loaded"), num(tc, "ref_written"), num(tc, "ref_refused"), num(tc, "ref_accepted"),
+                num(tc, "ref_rejected"), num(tc, "ref_served"), num(tc, "ref_missed"));
     double mb = num(r, "memory_budget_bytes"), mu = num(r, "memory_used_bytes"), mt = num(r, "tokenizer_memory_bytes");
     if (isfinite(mb) && mb > 0)
         fprintf(g_out, "memory: %.1f MiB of %.1f MiB budget in use (%.1f%%; rings + pipeline buffers, and %.1f MiB of "

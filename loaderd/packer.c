@@ -187,7 +187,7 @@ int ld_pack_plan_build(ld_pack_plan *plan, const ld_pack_doc *docs, size_t n_doc
 void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *docs, uint32_t T,
                        int32_t pad_id, uint32_t base, int32_t *ids, int32_t *labels, int32_t *pos,
                        int32_t *cu, uint32_t *n_cu, ld_row_stats *st, int32_t *seg_pair, int32_t *seg_kind,
-                       int32_t *n_rec) {
+                       int32_t *n_rec, int32_t *seg_src, int32_t *seg_line) {
     const ld_row *rw = &plan->rows[r];
     uint32_t t = 0;
     memset(st, 0, sizeof *st);
@@ -197,6 +197,10 @@ void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *do
         if (seg_kind) {
             seg_kind[*n_cu] = d->kind;
             seg_pair[*n_cu] = d->kind == BT_SEG_PLAIN ? -1 : d->kind == BT_SEG_REJECTED ? *n_rec - 1 : (*n_rec)++;
+        }
+        if (seg_src) {
+            seg_src[*n_cu] = d->kind == BT_SEG_PLAIN ? -1 : d->src;
+            seg_line[*n_cu] = d->kind == BT_SEG_PLAIN ? -1 : d->line;
         }
         cu[(*n_cu)++] = (int32_t)(base + t);
         for (uint32_t k = 0; k < pc->len; k++, t++) {
@@ -215,6 +219,7 @@ void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *do
     st->real = t;
     if (t < T) {
         if (seg_kind) seg_kind[*n_cu] = BT_SEG_PLAIN, seg_pair[*n_cu] = -1;
+        if (seg_src) seg_src[*n_cu] = -1, seg_line[*n_cu] = -1;
         cu[(*n_cu)++] = (int32_t)(base + t);
         for (uint32_t k = 0; t < T; t++, k++) {
             ids[t] = pad_id;
@@ -226,8 +231,9 @@ void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *do
 
 void ld_pack_write_pad_row(uint32_t T, int32_t pad_id, uint32_t base, int32_t *ids,
                            int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu, int32_t *seg_pair,
-                           int32_t *seg_kind) {
+                           int32_t *seg_kind, int32_t *seg_src, int32_t *seg_line) {
     if (seg_kind) seg_kind[*n_cu] = BT_SEG_PLAIN, seg_pair[*n_cu] = -1;
+    if (seg_src) seg_src[*n_cu] = -1, seg_line[*n_cu] = -1;
     cu[(*n_cu)++] = (int32_t)base;
     for (uint32_t t = 0; t < T; t++) {
         ids[t] = pad_id;

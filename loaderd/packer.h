@@ -43,6 +43,9 @@ typedef struct {
                             counted in n_pairs_dropped. The next document's own with_next is ignored. */
     int32_t kind;        /* BT_SEG_* (proto/batch.h) of its segment(s): BT_SEG_PLAIN (0) for SFT
                             documents; a pair is CHOSEN (with_next) then REJECTED */
+    int32_t src, line;   /* a non-plain document's record: shard index in the job and 1-based line
+                            (-1 beyond INT32_MAX), written to seg_src / seg_line (layout 3); ignored
+                            for plain documents (-1 / -1 written) */
 } ld_pack_doc;
 
 typedef struct {
@@ -88,14 +91,16 @@ typedef struct {
  * pad_id: token id for padding. *st receives the row's counts. The segment metadata of layout 2
  * goes at the same index as its cu entry: seg_kind[k] = the piece's doc kind (padding:
  * BT_SEG_PLAIN), seg_pair[k] = -1 for plain, the partner's index for REJECTED, else *n_rec
- * (the batch's running record count, advanced). seg_pair / seg_kind may be NULL (not written). */
+ * (the batch's running record count, advanced). seg_pair / seg_kind may be NULL (not written).
+ * Layout 3: seg_src[k] / seg_line[k] = the doc's src / line (-1 / -1 for plain and padding);
+ * seg_src / seg_line may be NULL (not written). The ref fields are the caller's. */
 void ld_pack_write_row(const ld_pack_plan *plan, size_t r, const ld_pack_doc *docs, uint32_t T,
                        int32_t pad_id, uint32_t base, int32_t *ids, int32_t *labels, int32_t *pos,
                        int32_t *cu, uint32_t *n_cu, ld_row_stats *st, int32_t *seg_pair, int32_t *seg_kind,
-                       int32_t *n_rec);
+                       int32_t *n_rec, int32_t *seg_src, int32_t *seg_line);
 /* Write an all-padding row (one segment) the same way. */
 void ld_pack_write_pad_row(uint32_t T, int32_t pad_id, uint32_t base, int32_t *ids,
                            int32_t *labels, int32_t *pos, int32_t *cu, uint32_t *n_cu, int32_t *seg_pair,
-                           int32_t *seg_kind);
+                           int32_t *seg_kind, int32_t *seg_src, int32_t *seg_line);
 
 #endif

@@ -154,6 +154,10 @@ static void make_canon(ld_scfg *cfg) {
     }
     uint64_t v[7] = {cfg->T, cfg->B, cfg->world, cfg->epochs, cfg->win_tokens, cfg->seed, (uint64_t)cfg->pad_id};
     canon_put(cfg, &cap, v, sizeof v);
+    if (cfg->ref_base) { /* jobs of another reference key never share a stream (its tables) */
+        canon_put(cfg, &cap, &cfg->ref_uid, sizeof cfg->ref_uid);
+        canon_put(cfg, &cap, cfg->ref_base, strlen(cfg->ref_base) + 1);
+    }
 }
 
 /* tokenizer.ggml.add_bos_token of a .gguf tokenizer file (0 when absent or unreadable). */
@@ -231,6 +235,16 @@ static int scfg_new(ld_scfg **out, const ld_job_spec *spec, const bt_tokenizer *
         ld_scfg_put(cfg);
         *out = NULL;
         return rc;
+    }
+    if (cache && spec->ref_base) {
+        int pref = 0;
+        for (uint32_t d = 0; d < cfg->n_ds; d++)
+            pref |= cfg->ds[d].fcfg.format == LD_FMT_PREFERENCE || cfg->ds[d].fcfg.format == LD_FMT_KTO;
+        if (pref) {
+            cfg->ref_base = bt_xstrdup(spec->ref_base);
+            cfg->ref_uid = spec->ref_uid;
+            cfg->ref_tab = bt_xcalloc(cfg->n_paths ? cfg->n_paths : 1, sizeof *cfg->ref_tab);
+        }
     }
     make_canon(cfg);
     if (cache) {
@@ -687,18 +701,41 @@ static int fill_rows(ld_pipeline *p, bt_batch_view *v, uint32_t *n_cu, uint32_t 
         size_t pr = p->data_done ? SIZE_MAX : p->next_row++ * world + p->rank; /* plan row */
         if (p->data_done || pr >= w->plan.n_rows) {
             ld_pack_write_pad_row(T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                                  v->position_ids + o, v->cu_seqlens, n_cu, v->seg_pair, v->seg_kind);
+                                  v->position_ids + o, v->cu_seqlens, n_cu, v->seg_pair, v->seg_kind, v->seg_src,
+                                  v->seg_line);
             ADD(pad_rows, 1);
             continue;
         }
         ld_row_stats st;
         ld_pack_write_row(&w->plan, pr, w->docs, T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                          v->position_ids + o, v->cu_seqlens, n_cu, &st, v->seg_pair, v->seg_kind, n_rec);
+                          v->position_ids + o, v->cu_seqlens, n_cu, &st, v->seg_pair, v->seg_kind, n_rec,
+                          v->seg_src, v->seg_line);
         *real += st.real;
         *labelled += st.labelled;
         *docs += st.pieces;
     }
     return BT_OK;
+}
+
+/* Layout 3's reference fields of every segment: the cached value where the job has a reference key
+ * and the store holds one (loaderd/refstore.h), else 0 / 0.0. */
+static void fill_ref(ld_pipeline *p, bt_batch_view *v, uint32_t n_cu) {
+    const ld_scfg *cfg = p->s ? p->s->cfg : NULL;
+    for (uint32_t k = 0; k + 1 < n_cu; k++) {
+        v->seg_ref_ok[k] = 0;
+        v->seg_ref_logp[k] = 0.0;
+        int32_t src = v->seg_src[k], line = v->seg_line[k];
+        if (!cfg || !cfg->ref_tab || v->seg_kind[k] == BT_SEG_PLAIN || src < 0 || (size_t)src >= cfg->n_paths || line < 1)
+            continue;
+        ld_reftab *t = atomic_load(&cfg->ref_tab[src]);
+        double x;
+        if (t && ld_reftab_lookup(t, (uint64_t)line, ld_ref_side(v->seg_kind[k]), &x)) {
+            v->seg_ref_ok[k] = 1;
+            v->seg_ref_logp[k] = x;
+        } else if (!t) {
+            atomic_fetch_add_explicit(&ld_tcache_stats_of(cfg->cache)->ref_missed, 1, memory_order_relaxed);
+        }
+    }
 }
 
 int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
@@ -718,14 +755,17 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
         for (uint32_t r = 0; r < B; r++) {
             size_t o = (size_t)r * T;
             ld_pack_write_pad_row(T, p->cfg->pad_id, (uint32_t)o, v->input_ids + o, v->labels + o,
-                                  v->position_ids + o, v->cu_seqlens, &n_cu, v->seg_pair, v->seg_kind);
+                                  v->position_ids + o, v->cu_seqlens, &n_cu, v->seg_pair, v->seg_kind, v->seg_src,
+                                  v->seg_line);
         }
         v->cu_seqlens[n_cu++] = (int32_t)(B * T);
+        fill_ref(p, v, n_cu);
         encode_state(p, v->hdr->resume_state);
         write_header(p, v, job_id, n_cu, 0, 0, 0, BT_BATCH_F_END_OF_DATA, p->cfg->epochs);
         return 1;
     }
     v->cu_seqlens[n_cu++] = (int32_t)(B * T);
+    fill_ref(p, v, n_cu);
     p->step++;
     encode_state(p, v->hdr->resume_state);
     p->step--;
@@ -736,6 +776,27 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
     ADD(labelled, labelled);
     ADD(slot_tokens, (uint64_t)B * T);
     return 0;
+}
+
+int ld_pipeline_ref_put(ld_pipeline *p, int64_t src, int64_t line, int64_t side, double v, char *why, size_t cap) {
+    pthread_mutex_lock(&p->s_mu); /* p->s cannot change or go away meanwhile */
+    const ld_scfg *cfg = p->s ? p->s->cfg : p->cfg;
+    int rc = BT_ERR_INVALID;
+    ld_reftab *t = NULL;
+    if (!cfg->ref_tab) snprintf(why, cap, "this job has no reference key (job key \"ref_base\", a preference or kto "
+                                "dataset and loaderd's token_cache_dir)");
+    else if (src < 0 || (uint64_t)src >= cfg->n_paths)
+        snprintf(why, cap, "shard %lld: the job has %zu shard(s)", (long long)src, cfg->n_paths);
+    else if (line < 1 || line > INT32_MAX) snprintf(why, cap, "line %lld: outside [1, 2^31-1]", (long long)line);
+    else if (side < 0 || side > 1) snprintf(why, cap, "side %lld: 0 (chosen or kto) or 1 (rejected)", (long long)side);
+    else if (!(t = atomic_load(&cfg->ref_tab[src])))
+        snprintf(why, cap, "shard %lld has no reference table (not opened yet, or read without the token cache)",
+                 (long long)src);
+    else rc = ld_reftab_set(t, (uint64_t)line, (int)side, v, why, cap);
+    if (rc != BT_OK && !t && cfg->cache)
+        atomic_fetch_add_explicit(&ld_tcache_stats_of(cfg->cache)->ref_rejected, 1, memory_order_relaxed);
+    pthread_mutex_unlock(&p->s_mu);
+    return rc;
 }
 
 int ld_pipeline_sharing(ld_pipeline *p) { return p ? atomic_load(&p->sharing) : 0; }

@@ -117,4 +117,11 @@ void ld_pipeline_cancel(ld_pipeline *p);
  * estimate of what the limits allow, not a measurement; 0 for a spec with B or T of 0. */
 uint64_t ld_pipeline_mem_estimate(const ld_job_spec *spec);
 
+/* A trainer's reference log-prob for the record at line `line` (1-based) of the job's shard `src`
+ * (the batch's seg_src / seg_line), side 0 (chosen or kto) or 1 (rejected): stored in the job's
+ * reference table (loaderd/refstore.h ld_reftab_set). BT_OK, or BT_ERR_INVALID with the reason in
+ * why (cap bytes): no reference key, shard / line / side out of range, shard without a table, or
+ * ld_reftab_set's reasons. Counted in the token cache's ref_accepted / ref_rejected. Thread-safe. */
+int ld_pipeline_ref_put(ld_pipeline *p, int64_t src, int64_t line, int64_t side, double v, char *why, size_t cap);
+
 #endif

@@ -30,6 +30,7 @@ static const ld_command commands[] = {
     {"attach", ld_parse_attach, ld_op_attach, LD_ANYONE},
     {"detach", ld_parse_detach, ld_op_detach, LD_ANYONE},
     {"report", ld_parse_report, ld_op_report, LD_ANYONE},
+    {"ref_put", ld_parse_ref_put, ld_op_ref_put, LD_ANYONE}, /* the attaching connection's own job only */
     {"status", NULL, ld_op_status, LD_ANYONE},
     {"jobs", NULL, ld_op_jobs, LD_ANYONE},
     {"metrics", NULL, ld_op_metrics, LD_ANYONE},

@@ -13,6 +13,7 @@
 
 #include "common/bt_common.h"
 #include "loaderd/server_priv.h"
+#include "loaderd/tcache.h"
 #include "proto/client.h"
 
 const char *const ld_job_state_name[] = {"running", "done", "stopped", "failed"};
@@ -390,6 +391,7 @@ static void attach_work(uv_work_t *w) {
     }
     j->spec.rank = r->rank;
     j->spec.world_size = r->world;
+    j->spec.ref_uid = (uint32_t)r->c->cred.uid; /* a reference-key part: set at accept, never changes */
     if (!json_is_integer(tt) || j->spec.n_threads > cfg->tokenizer_threads) j->spec.n_threads = cfg->tokenizer_threads;
     j->B = j->spec.B;
     j->T = j->spec.T;
@@ -582,6 +584,57 @@ void ld_op_detach(conn *c, ld_request *rq) {
     uint32_t id = j->id;
     ld_job_teardown(j);
     ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", rq->cmd->name, "job_id", (json_int_t)id));
+}
+
+/* ref_put: a trainer hands back reference log-probs of its job's records (loaderd/refstore.h). The
+ * base must be the job's ref_base; each value is checked and stored or refused on its own. */
+void ld_op_ref_put(conn *c, ld_request *rq) {
+    job *j = find_own_job(c, rq);
+    if (!j) return;
+    size_t n = json_array_size(rq->ref_values);
+    ld_tcache_stats *st = c->s->tcache ? ld_tcache_stats_of(c->s->tcache) : NULL;
+    if (!j->spec.ref_base || strcmp(j->spec.ref_base, rq->ref_base) != 0) {
+        if (st) atomic_fetch_add_explicit(&st->ref_rejected, n, memory_order_relaxed);
+        if (!j->spec.ref_base)
+            ld_conn_reply_error(c, rq->cmd->name, "job %u has no \"ref_base\" (give it in the job spec to keep reference "
+                                "log-probs)", j->id);
+        else
+            ld_conn_reply_error(c, rq->cmd->name, "\"base\" \"%s\" does not match job %u's ref_base \"%s\": values "
+                                "computed with another reference model are refused", rq->ref_base, j->id, j->spec.ref_base);
+        return;
+    }
+    size_t accepted = 0, rejected = 0;
+    json_t *errors = json_array();
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(rq->ref_values, i);
+        char why[200];
+        int ok = 0;
+        if (!json_is_array(e) || json_array_size(e) != 4 || !json_is_integer(json_array_get(e, 0)) ||
+            !json_is_integer(json_array_get(e, 1)) || !json_is_integer(json_array_get(e, 2)) ||
+            !json_is_number(json_array_get(e, 3))) {
+            snprintf(why, sizeof why, "expected [shard, line, side, logp] (three integers and a number)");
+            if (st) atomic_fetch_add_explicit(&st->ref_rejected, 1, memory_order_relaxed);
+        } else {
+            ok = ld_pipeline_ref_put(j->pipe, json_integer_value(json_array_get(e, 0)),
+                                     json_integer_value(json_array_get(e, 1)), json_integer_value(json_array_get(e, 2)),
+                                     json_number_value(json_array_get(e, 3)), why, sizeof why) == BT_OK;
+        }
+        if (ok) {
+            accepted++;
+            continue;
+        }
+        rejected++;
+        if (json_array_size(errors) < 8) {
+            char m[260];
+            snprintf(m, sizeof m, "values[%zu]: %s", i, why);
+            json_array_append_new(errors, json_string(m));
+        }
+    }
+    if (rejected)
+        bt_log(BT_LOG_WARN, LOGC, "job %u ref_put from pid %d: %zu of %zu values refused, first: %s", j->id,
+               (int)c->cred.pid, rejected, n, json_string_value(json_array_get(errors, 0)));
+    ld_conn_send(c, json_pack("{s:b, s:s, s:I, s:I, s:o}", "ok", 1, "op", rq->cmd->name, "accepted",
+                              (json_int_t)accepted, "rejected", (json_int_t)rejected, "errors", errors));
 }
 
 void ld_op_report(conn *c, ld_request *rq) {

@@ -218,6 +218,7 @@ void ld_job_observe_consumer(job *j, double now);
 void ld_op_attach(conn *c, ld_request *rq);
 void ld_op_detach(conn *c, ld_request *rq);
 void ld_op_report(conn *c, ld_request *rq);
+void ld_op_ref_put(conn *c, ld_request *rq);
 
 /* ---- status of a training run's ranks (server_status.c) ---- */
 #define LD_BEHIND_MIN_S 30.0   /* a rank silent this much longer than the freshest one is behind */

@@ -138,6 +138,18 @@ int ld_parse_report(ld_request *r) {
     return ld_parse_detach(r); /* "job_id", as detach */
 }
 
+int ld_parse_ref_put(ld_request *r) {
+    json_t *b = NULL, *v = NULL;
+    json_unpack_ex(r->root, NULL, 0, "{s?o, s?o}", "base", &b, "values", &v);
+    if (!json_is_string(b) || json_string_length(b) < 1 || json_string_length(b) > 128)
+        return bad("\"base\": expected the job's ref_base (a string of 1..128 characters)");
+    if (!json_is_array(v) || json_array_size(v) > LD_REF_PUT_MAX)
+        return bad("\"values\": expected an array of at most %d [shard, line, side, logp] entries", LD_REF_PUT_MAX);
+    r->ref_base = json_string_value(b);
+    r->ref_values = v;
+    return ld_parse_detach(r); /* "job_id", as detach */
+}
+
 /* Client-chosen text reaches operators' terminals (loaderctl status / jobs / metrics labels),
  * loaderd's log and other clients' error messages: every string and every key of a request must
  * be safe text (bt_text_unsafe: no control characters, no bidirectional controls, valid

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "proto/batch.h"
+#include "proto/client.h"
 
 #define LD_RUN_MAX 64 /* bytes of an attach's "run" */
 
@@ -54,7 +55,12 @@ struct ld_request {
     char base_dtype[16], base_types[64];
     double base_bpw;
     uint64_t base_bytes;
+    /* ref_put */
+    const char *ref_base;     /* points into root */
+    json_t *ref_values;       /* borrowed from root: array of at most LD_REF_PUT_MAX entries */
 };
+
+#define LD_REF_PUT_MAX BT_REF_PUT_MAX /* values in one ref_put (proto/client.h) */
 
 /* Parse and check one request line p[0..n) (no '\n'; trailing '\r', blanks already removed by
  * the caller or not, both fine) against the command table `table` (rows up to a NULL name).
@@ -82,5 +88,8 @@ void ld_request_free(ld_request *r);
 int ld_parse_attach(ld_request *r);
 int ld_parse_detach(ld_request *r);
 int ld_parse_report(ld_request *r);
+/*   ref_put: "base" string (1..128 bytes); "values" array of 0..LD_REF_PUT_MAX entries (each checked
+ *           by the handler: [shard, line, side, logp]); "job_id" as detach. */
+int ld_parse_ref_put(ld_request *r);
 
 #endif

@@ -199,6 +199,14 @@ static const struct {
     F(hashed_bytes, "Shard bytes hashed for token-cache keys."),
     F(temps_removed, "Temporary files of token-cache builders that died, removed (at start and while evicting)."),
     F(untrusted, "Token-cache lookups that did without the cache: a level of its tree is not loaderd's alone."),
+    F(ref_tables, "Reference log-prob tables made (a shard under a job's reference key)."),
+    F(ref_loaded, "Reference log-prob sidecars read from the token cache."),
+    F(ref_refused, "Reference log-prob sidecars refused (damaged, or a key part differs; removed)."),
+    F(ref_written, "Reference log-prob sidecars written (every value of a shard known)."),
+    F(ref_accepted, "Reference log-probs put by trainers and kept."),
+    F(ref_rejected, "Reference log-probs put by trainers and refused (malformed, unknown record, conflict)."),
+    F(ref_served, "Preference segments given their cached reference log-prob in a batch."),
+    F(ref_missed, "Preference segments of jobs with ref_base that had no cached reference log-prob yet."),
 #undef F
 };
 

@@ -113,11 +113,24 @@ static int rd_open(ld_stream *s, rcur *cur, uint32_t d) {
     const ld_scfg *cfg = s->cfg;
     uint32_t f = cfg->ds[d].first + cur->file;
     cur->file_skip = 0;
-    ld_format fmt = cfg->ds[d].fcfg.format;
-    /* preference / kto records are not cached yet: the cache's records hold one document each */
-    if (cfg->cache && fmt != LD_FMT_PREFERENCE && fmt != LD_FMT_KTO) {
+    if (cfg->cache) {
         int rc = ld_tcache_acquire(cfg->cache, &cfg->shards[f], cfg->shards, cfg->n_paths, cfg->n_threads, &s->stop,
                                    &cur->tc);
+        if (rc == BT_OK && cfg->ref_tab && atomic_load(&cfg->ref_tab[f])) /* reopened (next epoch): */
+            ld_reftab_sync(atomic_load(&cfg->ref_tab[f]));                 /* share with the other nodes */
+        else if (rc == BT_OK && cfg->ref_tab &&
+                 (cfg->ds[d].fcfg.format == LD_FMT_PREFERENCE || cfg->ds[d].fcfg.format == LD_FMT_KTO)) {
+            ld_refparams rp = {cfg->ref_base, cfg->ref_uid};
+            ld_reftab *t = NULL;
+            int trc = ld_reftab_get(cfg->cache, ld_tc_key(cur->tc), &cfg->ds[d].fcfg, &rp, &t);
+            if (trc == BT_ERR_NOMEM) {
+                ld_tc_close(cur->tc);
+                cur->tc = NULL;
+                return trc;
+            }
+            struct ld_reftab *none = NULL;
+            if (t && !atomic_compare_exchange_strong(&cfg->ref_tab[f], &none, t)) ld_reftab_put(t);
+        }
         if (rc == BT_OK) return 0;
         if (rc < 0) return rc;
     }
@@ -176,6 +189,13 @@ static int rd_cached(ld_stream *s, rcur *cur, uint32_t d, ld_chunk *c) {
         it->line_no = rec.line_no;
         it->file = f;
         it->ready = 1;
+        int pref_fmt = cfg->ds[d].fcfg.format == LD_FMT_PREFERENCE || cfg->ds[d].fcfg.format == LD_FMT_KTO;
+        if (rec.kind != 1 && (rec.kind == 3) != pref_fmt) { /* only a forged entry can hold this */
+            rec.kind = 1;
+            rec.reason = LD_BAD_FIELD;
+            rec.msg = "token cache: record kind does not match the format";
+            rec.msg_len = strlen(rec.msg);
+        }
         if (rec.kind == 1) {
             it->bad = rec.reason;
             snprintf(it->msg, sizeof it->msg, "%.*s", (int)rec.msg_len, rec.msg);
@@ -185,8 +205,19 @@ static int rd_cached(ld_stream *s, rcur *cur, uint32_t d, ld_chunk *c) {
         }
         it->ids = ids;
         it->mask = mask;
-        int reason = -1;
-        int frc = ld_format_fit(&cfg->ds[d].fcfg, &it->ids, &it->mask, 0, &it->truncated, &reason);
+        int reason = -1, frc;
+        if (rec.kind == 3) { /* a preference / kto record: the job's truncation, as format_item */
+            ld_pref_rec pr = {rec.n_docs, {rec.len[0], rec.len[1]}, rec.prompt_len, rec.label, 0};
+            frc = ld_format_pref_fit(&cfg->ds[d].fcfg, &it->ids, &it->mask, 0, &pr, &reason);
+            if (frc == 0) {
+                it->truncated = pr.truncated;
+                it->pref_n = pr.n_docs;
+                it->pref_len0 = pr.len[0];
+                it->pref_label = pr.label;
+            }
+        } else {
+            frc = ld_format_fit(&cfg->ds[d].fcfg, &it->ids, &it->mask, 0, &it->truncated, &reason);
+        }
         if (frc < 0) return frc;
         it->bad = frc == 1 ? reason : -1;
         if (frc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error());
@@ -406,7 +437,9 @@ static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
     w->ids[k] = it->ids;
     w->mask[k] = it->mask;
     w->docs[k] = (ld_pack_doc){w->ids[k].v, w->mask[k].v, (uint32_t)w->ids[k].n,
-                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT, 0, BT_SEG_PLAIN};
+                               s->cfg->ds[it->ds].fcfg.format == LD_FMT_TEXT, 0, BT_SEG_PLAIN, -1, -1};
+    int32_t src = (int32_t)it->file, line = it->line_no <= INT32_MAX ? (int32_t)it->line_no : -1;
+    w->docs[k].src = src, w->docs[k].line = line;
     if (it->pref_n == 1) /* kto */
         w->docs[k].kind = it->pref_label ? BT_SEG_KTO_DESIRABLE : BT_SEG_KTO_UNDESIRABLE;
     if (it->pref_n == 2) { /* a pair: two documents over the one buffer (owned by entry k) */
@@ -414,8 +447,8 @@ static void window_add(ld_stream *s, ld_window *w, ld_item *it) {
         uint32_t n0 = it->pref_len0, n1 = (uint32_t)w->ids[k].n - n0;
         memset(&w->ids[k2], 0, sizeof w->ids[k2]);
         memset(&w->mask[k2], 0, sizeof w->mask[k2]);
-        w->docs[k] = (ld_pack_doc){w->ids[k].v, w->mask[k].v, n0, 0, 1, BT_SEG_CHOSEN};
-        w->docs[k2] = (ld_pack_doc){w->ids[k].v + n0, w->mask[k].v + n0, n1, 0, 0, BT_SEG_REJECTED};
+        w->docs[k] = (ld_pack_doc){w->ids[k].v, w->mask[k].v, n0, 0, 1, BT_SEG_CHOSEN, src, line};
+        w->docs[k2] = (ld_pack_doc){w->ids[k].v + n0, w->mask[k].v + n0, n1, 0, 0, BT_SEG_REJECTED, src, line};
     }
     memset(&it->ids, 0, sizeof it->ids);
     memset(&it->mask, 0, sizeof it->mask);
@@ -512,6 +545,10 @@ void ld_scfg_put(ld_scfg *cfg) {
     for (uint32_t d = 0; d < cfg->n_ds; d++) free(cfg->ds[d].text_field);
     free(cfg->shards);
     free(cfg->canon);
+    if (cfg->ref_tab)
+        for (size_t i = 0; i < cfg->n_paths; i++) ld_reftab_put(atomic_load(&cfg->ref_tab[i]));
+    free(cfg->ref_tab);
+    free(cfg->ref_base);
     free(cfg);
 }
 

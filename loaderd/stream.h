@@ -20,6 +20,7 @@
 #include "loaderd/format.h"
 #include "loaderd/packer.h"
 #include "loaderd/job.h"
+#include "loaderd/refstore.h"
 #include "loaderd/tcache.h"
 
 #define LD_WINDOW_ROWS 256u
@@ -62,6 +63,12 @@ typedef struct {
     ld_tcache *cache;        /* borrowed, NULL: no token cache */
     uint8_t tok_sha256[32];
     ld_tc_shard *shards;     /* [n_paths] for the token cache */
+    /* reference log-probs (loaderd/refstore.h): with a cache, a preference / kto dataset and the job's
+     * ref_base; NULL otherwise. ref_tab[f]: shard f's table, set once by the reader when it opens the
+     * shard's cache entry (NULL until then, or when the shard is read raw); owned references. */
+    char *ref_base;
+    uint32_t ref_uid;
+    _Atomic(struct ld_reftab *) *ref_tab;
     uint8_t *canon;          /* canonical description (datasets, paths, seed, T, B, world, ...) */
     size_t canon_len;
 } ld_scfg;

@@ -600,7 +600,19 @@ typedef struct {
 static int render_item(void *ctx, ld_item *it, const char *line) {
     const build_t *b = ctx;
     int reason = -1;
-    int rc = ld_format_render(b->sh->fcfg, line, it->len, &it->ids, &it->mask, &reason);
+    int rc;
+    if (b->sh->fcfg->format == LD_FMT_PREFERENCE || b->sh->fcfg->format == LD_FMT_KTO) {
+        ld_pref_rec rec;
+        rc = ld_format_pref_render(b->sh->fcfg, line, it->len, &it->ids, &it->mask, &rec, &reason);
+        if (rc == 0) {
+            it->pref_n = rec.n_docs;
+            it->pref_len0 = rec.len[0];
+            it->pref_label = rec.label;
+            it->pref_prompt = rec.prompt_len;
+        }
+    } else {
+        rc = ld_format_render(b->sh->fcfg, line, it->len, &it->ids, &it->mask, &reason);
+    }
     if (rc < 0) return rc;
     it->bad = rc == 1 ? reason : -1;
     if (rc == 1) snprintf(it->msg, sizeof it->msg, "%s", bt_last_error()); /* this worker's, made just now */
@@ -701,7 +713,12 @@ static int write_records(build_t *b, tc_writer *w, const _Atomic int *stop, uint
                              (unsigned long long)it->line_no, it->msg);
             else if (it->bad == LD_BAD_ZSTD) rc = tc_writer_bad(w, TC_SHARD_ERROR, it->line_no, it->bad, it->msg);
             else if (it->bad >= 0) rc = tc_writer_bad(w, TC_BAD, it->line_no, it->bad, it->msg);
-            else {
+            else if (it->pref_n) {
+                ld_pref_rec rec = {it->pref_n, {it->pref_len0, (uint32_t)it->ids.n - it->pref_len0}, it->pref_prompt,
+                                   it->pref_label, 0};
+                rc = tc_writer_pref(w, it->line_no, &rec, it->ids.v, it->mask.v);
+                *tokens += it->ids.n;
+            } else {
                 rc = tc_writer_doc(w, it->line_no, it->ids.v, it->mask.v, it->ids.n);
                 *tokens += it->ids.n;
             }

@@ -20,10 +20,15 @@
  *                records, or the raw records when that is not smaller)
  *   trailer 72 B: u32 "BTCE", u32 1, u64 records, u64 lines, u64 blank lines, u64 blocks,
  *                SHA-256(header, every block's SHA-256, these 40 bytes)
- *   record:      u8 kind (0 document, 1 bad line, 2 shard error), LEB128 line-number delta
- *                (> 0), then for a document LEB128 n, n LEB128 ids, LEB128 mask runs, run
- *                lengths (alternating 0-runs and 1-runs, starting with 0s); for a bad line or
- *                shard error u8 ld_bad_reason, LEB128 message length (< 120), the message.
+ *   record:      u8 kind (0 document, 1 bad line, 2 shard error, 3 preference / kto record),
+ *                LEB128 line-number delta (> 0), then for a document LEB128 n, n LEB128 ids,
+ *                LEB128 mask runs, run lengths (alternating 0-runs and 1-runs, starting with 0s);
+ *                for a preference / kto record (ld_format_pref_render's output, before
+ *                ld_format_pref_fit) u8 n_docs (2 pair, 1 kto), u8 label + 1 (0 preference, 1 kto
+ *                undesirable, 2 desirable), LEB128 prompt_len, LEB128 len0 (the first document's
+ *                tokens), then its documents as one document (n = len0 + len1) as above; for a
+ *                bad line or shard error u8 ld_bad_reason, LEB128 message length (< 120), the
+ *                message.
  * Written with common/atomic_io (temporary file, fsync, rename): readers see a whole entry or
  * none. Read with read(2) (no mmap: a file truncated under us cannot raise SIGBUS), each block
  * checked against its hash before use, the trailer hash at the end; ids are checked against the
@@ -89,6 +94,15 @@ typedef struct {
                                       the last scan, plus builds since */
     _Atomic uint64_t temps_removed; /* temporary files of builders that died, removed */
     _Atomic uint64_t untrusted;    /* lookups that bypassed the cache: its tree failed the check */
+    /* reference log-probs (loaderd/refstore.h) */
+    _Atomic uint64_t ref_tables;   /* tables made (a shard under a reference key, read from its entry) */
+    _Atomic uint64_t ref_loaded;   /* sidecars read (every value of a table at once) */
+    _Atomic uint64_t ref_refused;  /* sidecars refused: damaged, or a key part that differs (logged, removed) */
+    _Atomic uint64_t ref_written;  /* sidecars written (a table's last value arrived) */
+    _Atomic uint64_t ref_accepted; /* values put by trainers and kept */
+    _Atomic uint64_t ref_rejected; /* values put by trainers and refused (malformed, unknown record, conflict) */
+    _Atomic uint64_t ref_served;   /* segments given their cached value in a batch */
+    _Atomic uint64_t ref_missed;   /* segments of a job with ref_base that had none yet */
 } ld_tcache_stats;
 
 typedef struct ld_tcache ld_tcache;
@@ -127,14 +141,18 @@ int ld_tcache_acquire(ld_tcache *c, const ld_tc_shard *shard, const ld_tc_shard 
                       uint32_t n_threads, const _Atomic int *stop, ld_tc_reader **out);
 
 typedef struct {
-    int kind;                /* 0 document, 1 bad line, 2 shard error */
+    int kind;                /* 0 document, 1 bad line, 2 shard error, 3 preference / kto record */
     uint64_t line_no;        /* 1-based, in the shard */
     int reason;              /* kinds 1, 2: ld_bad_reason */
     const char *msg;         /* kinds 1, 2: message, msg_len bytes (not NUL-terminated) */
     size_t msg_len;
+    /* kind 3: ld_pref_rec's fields (truncated 0: stored before ld_format_pref_fit) */
+    int n_docs, label;
+    uint32_t prompt_len, len[2];
 } ld_tc_record;
 
 /* Next record: 1 with *rec (kind 0: the document is appended to ids and mask, same length,
+ * kind 3 likewise with its n_docs documents, len[0] + len[1] tokens,
  * mask 0/1; ids in [0, vocab); a document whose tokens do not fit in memory comes back as kind 1
  * with reason LD_BAD_MEMORY), 0 at the end of the entry (every check passed), LD_TC_DAMAGED
  * when the entry failed a check (it is removed; records already returned stay valid). A
@@ -144,6 +162,9 @@ int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask);
 uint64_t ld_tc_records(const ld_tc_reader *r);
 uint64_t ld_tc_lines(const ld_tc_reader *r);
 uint64_t ld_tc_blank(const ld_tc_reader *r);
+/* The entry's key (32 bytes, valid until ld_tc_close): the shard part of a reference key
+ * (loaderd/refstore.h). */
+const uint8_t *ld_tc_key(const ld_tc_reader *r);
 void ld_tc_close(ld_tc_reader *r);
 
 #endif

@@ -318,13 +318,31 @@ int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
     uint64_t delta;
     if (*o >= n) return damaged(r, "block ends early");
     int kind = p[(*o)++];
-    if (kind > TC_SHARD_ERROR || !uleb(p, n, o, &delta) || delta == 0 || delta > UINT64_MAX - r->line_no ||
+    if (kind > TC_PREF || !uleb(p, n, o, &delta) || delta == 0 || delta > UINT64_MAX - r->line_no ||
         r->line_no + delta > r->n_lines)
         return damaged(r, "bad record header");
     memset(rec, 0, sizeof *rec);
     rec->kind = kind;
     rec->line_no = r->line_no + delta;
-    if (kind == TC_DOC) {
+    if (kind == TC_DOC || kind == TC_PREF) {
+        if (kind == TC_PREF) { /* u8 n_docs, u8 label + 1, prompt_len, len0, then the documents as one */
+            uint64_t pl, l0;
+            if (n - *o < 2) return damaged(r, "block ends early");
+            rec->n_docs = p[(*o)++];
+            rec->label = (int)p[(*o)++] - 1;
+            if (rec->n_docs < 1 || rec->n_docs > 2 || rec->label > 1 || !uleb(p, n, o, &pl) ||
+                !uleb(p, n, o, &l0) || pl >= l0 || l0 > UINT32_MAX)
+                return damaged(r, "bad preference record");
+            size_t save = *o;
+            uint64_t tot;
+            if (!uleb(p, n, o, &tot) || l0 > tot || (rec->n_docs == 1) != (l0 == tot) || tot - l0 > UINT32_MAX ||
+                (rec->n_docs == 2 && tot - l0 <= pl))
+                return damaged(r, "bad preference record lengths");
+            *o = save;
+            rec->prompt_len = (uint32_t)pl;
+            rec->len[0] = (uint32_t)l0;
+            rec->len[1] = (uint32_t)(tot - l0);
+        }
         size_t i0 = ids ? ids->n : 0, m0 = mask ? mask->n : 0;
         int rc = parse_doc(r, ids, ids ? mask : NULL);
         if (rc == DOC_NO_MEMORY) { /* read, but its tokens did not fit: a bad line for the caller */
@@ -357,6 +375,7 @@ int ld_tc_next(ld_tc_reader *r, ld_tc_record *rec, bt_ids *ids, bt_ids *mask) {
 uint64_t ld_tc_records(const ld_tc_reader *r) { return r->records; }
 uint64_t ld_tc_lines(const ld_tc_reader *r) { return r->n_lines; }
 uint64_t ld_tc_blank(const ld_tc_reader *r) { return r->n_blank; }
+const uint8_t *ld_tc_key(const ld_tc_reader *r) { return r->key; }
 
 void ld_tc_close(ld_tc_reader *r) {
     if (!r) return;
@@ -482,6 +501,25 @@ static size_t mask_runs(tc_writer *w, const int32_t *mask, size_t n) {
 int tc_writer_doc(tc_writer *w, uint64_t line_no, const int32_t *ids, const int32_t *mask, size_t n) {
     int rc = record_head(w, TC_DOC, line_no);
     if (rc != BT_OK) return rc;
+    put_uleb(w, n);
+    for (size_t i = 0; i < n; i++) put_uleb(w, (uint32_t)ids[i]);
+    put_uleb(w, mask_runs(NULL, mask, n));
+    mask_runs(w, mask, n);
+    return record_done(w);
+}
+
+int tc_writer_pref(tc_writer *w, uint64_t line_no, const ld_pref_rec *rec, const int32_t *ids, const int32_t *mask) {
+    if (rec->n_docs < 1 || rec->n_docs > 2 || rec->label < -1 || rec->label > 1)
+        return w->failed = bt_fail(BT_ERR_INVALID, "token cache: bad preference record at line %llu",
+                                   (unsigned long long)line_no);
+    int rc = record_head(w, TC_PREF, line_no);
+    if (rc != BT_OK) return rc;
+    size_t n = rec->len[0] + (rec->n_docs == 2 ? rec->len[1] : 0);
+    raw_need(w, 2);
+    w->raw[w->raw_len++] = (uint8_t)rec->n_docs;
+    w->raw[w->raw_len++] = (uint8_t)(rec->label + 1);
+    put_uleb(w, rec->prompt_len);
+    put_uleb(w, rec->len[0]);
     put_uleb(w, n);
     for (size_t i = 0; i < n; i++) put_uleb(w, (uint32_t)ids[i]);
     put_uleb(w, mask_runs(NULL, mask, n));

@@ -22,7 +22,7 @@
 #define TC_VERSION 1u
 #define TC_MSG_MAX 119
 
-enum { TC_DOC = 0, TC_BAD = 1, TC_SHARD_ERROR = 2 };
+enum { TC_DOC = 0, TC_BAD = 1, TC_SHARD_ERROR = 2, TC_PREF = 3 };
 
 /* SHA-256 (OpenSSL EVP). */
 typedef struct {
@@ -65,6 +65,9 @@ int tc_writer_open(tc_writer *w, const char *path, const uint8_t key[32], uint64
  * reason, message truncated to TC_MSG_MAX bytes). line_no must increase. BT_OK or BT_ERR_*. */
 int tc_writer_doc(tc_writer *w, uint64_t line_no, const int32_t *ids, const int32_t *mask, size_t n);
 int tc_writer_bad(tc_writer *w, int kind, uint64_t line_no, int reason, const char *msg);
+/* Append a rendered preference / kto record (ld_format_pref_render's output: rec->n_docs documents
+ * concatenated in ids / mask, sum of rec->len tokens). BT_OK or BT_ERR_*. */
+int tc_writer_pref(tc_writer *w, uint64_t line_no, const ld_pref_rec *rec, const int32_t *ids, const int32_t *mask);
 /* Flush, write the trailer and put the file in place. BT_OK or BT_ERR_IO; releases w. */
 int tc_writer_commit(tc_writer *w, uint64_t n_lines, uint64_t n_blank);
 void tc_writer_abort(tc_writer *w);

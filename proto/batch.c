@@ -2,6 +2,7 @@
  * proto/PROTOCOL.md §4). */
 #include "proto/batch.h"
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -25,7 +26,7 @@ size_t bt_batch_slot_bytes(uint32_t B, uint32_t T) {
     if (bt > BT_BATCH_MAX_TOKENS) return 0;
     size_t arr = round64((size_t)bt * sizeof(int32_t));
     size_t cu = round64(((size_t)bt + 1) * sizeof(int32_t));
-    return round64(sizeof(bt_batch_header)) + 5 * arr + cu;
+    return round64(sizeof(bt_batch_header)) + 8 * arr + cu + round64((size_t)bt * sizeof(double));
 }
 
 void bt_batch_view_init(bt_batch_view *v, void *slot, uint32_t B, uint32_t T) {
@@ -41,6 +42,10 @@ void bt_batch_view_init(bt_batch_view *v, void *slot, uint32_t B, uint32_t T) {
     size_t cu = round64((bt + 1) * sizeof(int32_t));
     v->seg_pair = (int32_t *)(p + off + 3 * arr + cu);
     v->seg_kind = (int32_t *)(p + off + 4 * arr + cu);
+    v->seg_src = (int32_t *)(p + off + 5 * arr + cu);
+    v->seg_line = (int32_t *)(p + off + 6 * arr + cu);
+    v->seg_ref_ok = (int32_t *)(p + off + 7 * arr + cu);
+    v->seg_ref_logp = (double *)(p + off + 8 * arr + cu);
 }
 
 uint64_t bt_batch_checksum(const bt_batch_view *v) {
@@ -55,6 +60,10 @@ uint64_t bt_batch_checksum(const bt_batch_view *v) {
     size_t ns = n_cu ? n_cu - 1 : 0;
     h = bt_fnv1a64(h, v->seg_pair, ns * sizeof(int32_t));
     h = bt_fnv1a64(h, v->seg_kind, ns * sizeof(int32_t));
+    h = bt_fnv1a64(h, v->seg_src, ns * sizeof(int32_t));
+    h = bt_fnv1a64(h, v->seg_line, ns * sizeof(int32_t));
+    h = bt_fnv1a64(h, v->seg_ref_ok, ns * sizeof(int32_t));
+    h = bt_fnv1a64(h, v->seg_ref_logp, ns * sizeof(double));
     return h;
 }
 
@@ -126,14 +135,27 @@ int bt_batch_validate(const bt_batch_view *v, uint32_t B, uint32_t T, int32_t vo
         int32_t kind = v->seg_kind[k], pair = v->seg_pair[k];
         if (kind < 0 || kind >= BT_SEG_N)
             return bt_fail(BT_ERR_FORMAT, "batch step %llu: seg_kind[%u]=%d unknown", step, k, kind);
+        int32_t src = v->seg_src[k], line = v->seg_line[k], ok = v->seg_ref_ok[k];
+        double lp = v->seg_ref_logp[k];
+        if (ok != 0 && ok != 1)
+            return bt_fail(BT_ERR_FORMAT, "batch step %llu: seg_ref_ok[%u]=%d (want 0 or 1)", step, k, ok);
+        if (ok ? !(isfinite(lp) && lp <= 0.0) : lp != 0.0)
+            return bt_fail(BT_ERR_FORMAT, "batch step %llu: seg_ref_logp[%u]=%g with seg_ref_ok %d", step, k, lp, ok);
         if (kind == BT_SEG_PLAIN) {
             if (pair != -1)
                 return bt_fail(BT_ERR_FORMAT, "batch step %llu: plain segment %u has seg_pair %d (want -1)", step, k,
                                pair);
+            if (src != -1 || line != -1 || ok)
+                return bt_fail(BT_ERR_FORMAT, "batch step %llu: plain segment %u has seg_src %d, seg_line %d, "
+                               "seg_ref_ok %d (want -1, -1, 0)", step, k, src, line, ok);
             continue;
         }
+        if (src < 0 || (line < 1 && line != -1))
+            return bt_fail(BT_ERR_FORMAT, "batch step %llu: segment %u has seg_src %d, seg_line %d", step, k, src,
+                           line);
         if (kind == BT_SEG_REJECTED) {
-            if (k == 0 || v->seg_kind[k - 1] != BT_SEG_CHOSEN || v->seg_pair[k - 1] != pair)
+            if (k == 0 || v->seg_kind[k - 1] != BT_SEG_CHOSEN || v->seg_pair[k - 1] != pair ||
+                v->seg_src[k - 1] != src || v->seg_line[k - 1] != line)
                 return bt_fail(BT_ERR_FORMAT, "batch step %llu: rejected segment %u does not follow its chosen "
                                "segment", step, k);
             continue;

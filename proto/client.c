@@ -606,6 +606,59 @@ static int report_locked(bt_client *c, uint64_t step, double loss, double tokens
     return rc;
 }
 
+static int ref_put_locked(bt_client *c, const char *base, const bt_ref_value *v, size_t n, size_t *acc, size_t *rej) {
+    if (c->sock < 0) return bt_fail(BT_ERR_IO, "ref_put: not connected to loaderd");
+    json_t *vals = json_array();
+    for (size_t i = 0; i < n && vals; i++)
+        json_array_append_new(vals, json_pack("[i, i, i, f]", (int)v[i].src, (int)v[i].line, (int)v[i].side,
+                                              isfinite(v[i].logp) ? v[i].logp : 1.0 /* refused by loaderd */));
+    json_t *req = vals ? json_pack("{s:i, s:s, s:I, s:s, s:o}", "v", BT_PROTO_VERSION, "op", "ref_put", "job_id",
+                                   (json_int_t)c->job_id, "base", base ? base : "", "values", vals)
+                       : NULL;
+    if (!req) return bt_fail(BT_ERR_NOMEM, "ref_put: cannot encode");
+    int rc = send_json(c->sock, req);
+    json_decref(req);
+    if (rc) return rc;
+    char *line = NULL;
+    int fd = -1;
+    rc = read_line(c, CLIENT_REPLY_TIMEOUT_MS, &line, &fd);
+    if (fd >= 0) close(fd);
+    if (rc) return rc;
+    json_t *rep = NULL;
+    rc = parse_reply(line, &rep);
+    free(line);
+    if (rc) return rc;
+    json_t *a = json_object_get(rep, "accepted"), *r = json_object_get(rep, "rejected");
+    if (!json_is_integer(a) || !json_is_integer(r) || json_integer_value(a) < 0 || json_integer_value(r) < 0 ||
+        (uint64_t)json_integer_value(a) + (uint64_t)json_integer_value(r) != n) {
+        json_decref(rep);
+        return bt_fail(BT_ERR_FORMAT, "ref_put: reply does not account for the %zu values sent", n);
+    }
+    *acc += (size_t)json_integer_value(a);
+    *rej += (size_t)json_integer_value(r);
+    const char *first = json_string_value(json_array_get(json_object_get(rep, "errors"), 0));
+    if (json_integer_value(r) > 0)
+        bt_fail(BT_OK, "ref_put: loaderd refused %lld of %zu values, first: %s", (long long)json_integer_value(r), n,
+                first ? first : "?");
+    json_decref(rep);
+    return BT_OK;
+}
+
+int bt_client_ref_put(bt_client *c, const char *base, const bt_ref_value *v, size_t n, size_t *accepted,
+                      size_t *rejected) {
+    size_t acc = 0, rej = 0;
+    int rc = BT_OK;
+    pthread_mutex_lock(&c->mu);
+    for (size_t i = 0; i < n && rc == BT_OK; i += BT_REF_PUT_MAX)
+        rc = c->reconnecting ? bt_fail(BT_ERR_CLOSED, "ref_put: loaderd went away; reconnecting")
+                             : ref_put_locked(c, base, v + i, n - i < BT_REF_PUT_MAX ? n - i : BT_REF_PUT_MAX, &acc,
+                                              &rej);
+    pthread_mutex_unlock(&c->mu);
+    if (accepted) *accepted = acc;
+    if (rejected) *rejected = rej;
+    return rc;
+}
+
 uint32_t bt_client_job_id(const bt_client *c) { return c->job_id; }
 uint32_t bt_client_B(const bt_client *c) { return c->B; }
 uint32_t bt_client_T(const bt_client *c) { return c->T; }

@@ -11,6 +11,7 @@
  * report: {"v":1,"op":"report","job_id":N,"step":S,"loss":L,"tokens_per_s":X} -> {"ok":true} */
 #ifndef BT_PROTO_CLIENT_H
 #define BT_PROTO_CLIENT_H
+#include <stddef.h>
 #include <stdint.h>
 
 #include "batch.h"
@@ -74,6 +75,42 @@ int bt_client_report(bt_client *c, uint64_t step, double loss, double tokens_per
 #define BT_CLIENT_BASE_TYPES_MAX 63
 void bt_client_set_base(bt_client *c, const char *dtype, const char *types,
                         double bits_per_weight, uint64_t bytes);
+/* ---- reference log-probs kept in loaderd's token cache (issue 25 §2; loaderd/refstore.h) ----
+ * A preference / kto job whose spec has "ref_base" (the reference model's identifier, e.g. the hex
+ * SHA-256 of the base model's weights plus anything else that changes its outputs; 1..128 of
+ * [A-Za-z0-9._:+-]) and a loaderd with token_cache_dir gets, per segment, seg_ref_ok / seg_ref_logp
+ * (proto/batch.h layout 3): the reference log-prob some trainer computed earlier for the same shard
+ * content, tokenizer, format, ref_base, seq_len, max_prompt_length, max_length and uid. For every
+ * non-plain segment with seg_ref_ok 0 the trainer computes the value itself (the base with the
+ * adapter disabled) and hands it back here, keyed by the record (seg_src, seg_line) and the side
+ * (bt_seg_ref_side); once every value of a shard is known loaderd writes it to the cache, where
+ * later epochs, later jobs and the other ranks' and nodes' loaderds find it. */
+#define BT_REF_PUT_MAX 4096 /* values per ref_put request (bt_client_ref_put splits larger calls) */
+
+typedef struct {
+    int32_t src;  /* the segment's seg_src: shard index in the job */
+    int32_t line; /* its seg_line: 1-based line in that shard (segments with -1 cannot be kept) */
+    int32_t side; /* bt_seg_ref_side(seg_kind): 0 chosen or kto, 1 rejected */
+    double logp;  /* summed log-prob in nats over the segment's labelled tokens under the reference
+                     model (proto/batch.h seg_ref_logp): finite, in [-1e9, 0] */
+} bt_ref_value;
+
+/* side of a non-plain segment for bt_ref_value: 1 for BT_SEG_REJECTED, else 0 */
+static inline int32_t bt_seg_ref_side(int32_t seg_kind) { return seg_kind == BT_SEG_REJECTED ? 1 : 0; }
+
+/* Hand n computed reference values back to loaderd (op "ref_put", PROTOCOL.md), in requests of at
+ * most BT_REF_PUT_MAX values each, and wait (up to 5 s each) for the answers. base: the job's
+ * ref_base (loaderd refuses values for another). v[0..n) (borrowed) need not be sorted; a value
+ * already stored is accepted again when equal (relative 1e-6), refused when it differs (the first
+ * stays). *accepted / *rejected (either may be NULL): values loaderd kept / refused (a refused value
+ * is not an error: it is counted in loaderd's token_cache.ref_rejected and logged there with its
+ * reason; the first reasons come back in the reply and, when *rejected > 0, in bt_last_error()).
+ * Returns BT_OK; BT_ERR_INVALID when loaderd refused the request (no ref_base in the job, another
+ * base: the message says which), BT_ERR_CLOSED while bt_client_next is reconnecting, BT_ERR_IO /
+ * BT_ERR_TIMEOUT / BT_ERR_FORMAT on socket trouble. Thread-safe with bt_client_next / release (the
+ * socket is shared with bt_client_report under the client's lock). n = 0 is a no-op. */
+int bt_client_ref_put(bt_client *c, const char *base, const bt_ref_value *v, size_t n, size_t *accepted,
+                      size_t *rejected);
 /* Number of successful re-attaches after loaderd went away. */
 uint64_t bt_client_reconnects(const bt_client *c);
 /* Job id of the current attachment (changes after a re-attach). */

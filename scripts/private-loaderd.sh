@@ -1,12 +1,13 @@
 # A private loaderd for the demos (sourced by scripts/demo.sh and scripts/demo-long.sh; needs
 # `root` = the repository root): start_loaderd RUN_DIR writes RUN_DIR/loaderd.json (data_roots
 # root/data, model_roots root/models), starts build/loaderd in the foreground on
-# RUN_DIR/loaderd.sock with its log in RUN_DIR/loaderd.log, waits (up to 10 s, event by event)
+# RUN_DIR/loaderd.sock with its log in RUN_DIR/loaderd.log (EXTRA: more config lines, e.g.
+# '"token_cache_dir": "/x",'), waits (up to 10 s, event by event)
 # for the socket and sets `sock` and `ld_pid`; stop_loaderd sends SIGTERM and returns loaderd's
 # exit status. The EXIT trap stops it (and a status poller in `status_pid`) on any exit.
 
 start_loaderd() {
-  local run=$1
+  local run=$1 extra=${2:-}
   sock="$root/$run/loaderd.sock"
   cat > "$run/loaderd.json" <<JSON
 {
@@ -14,6 +15,7 @@ start_loaderd() {
   "socket_mode": "0660",
   "data_roots": ["$root/data"],
   "model_roots": ["$root/models"],
+  $extra
   "tokenizer_threads": 2
 }
 JSON

@@ -209,10 +209,9 @@ static int resolve_objective(bt_train_config *c, bt_keypath *bad) {
     char why[256];
     if (bt_pref_check(p, why, sizeof why))
         return fail_at(bad, "preference", "preference: %s (objective \"%s\")", why, c->objective);
-    if (c->preference.precompute_ref_log_probs)
-        return fail_at(bad, "preference.precompute_ref_log_probs", "preference.precompute_ref_log_probs: true is not "
-                       "available yet (the reference log-probs will come from loaderd's token cache); false computes "
-                       "them with the adapter disabled every step");
+    if (c->preference.precompute_ref_log_probs && p->algo != BT_PREF_DPO && p->algo != BT_PREF_KTO)
+        return fail_at(bad, "preference.precompute_ref_log_probs", "preference.precompute_ref_log_probs: objective "
+                       "\"%s\" has no reference model (only dpo and kto use one)", c->objective);
     return 0;
 }
 
@@ -444,7 +443,7 @@ static json_t *abs_strv_json(char *const *v, int n) {
     return a;
 }
 
-char *bt_config_job_json(const bt_train_config *c, int eval) {
+char *bt_config_job_json(const bt_train_config *c, int eval, const char *ref_base) {
     json_t *j = json_object();
     char name[512];
     snprintf(name, sizeof name, "%s%s", c->name, eval ? "-eval" : "");
@@ -459,6 +458,7 @@ char *bt_config_job_json(const bt_train_config *c, int eval) {
     if (c->data.max_prompt_length > 0) /* preference / kto truncation (TRL's names) */
         json_object_set_new(j, "max_prompt_length", json_integer(c->data.max_prompt_length));
     if (c->data.max_length > 0) json_object_set_new(j, "max_length", json_integer(c->data.max_length));
+    if (ref_base) json_object_set_new(j, "ref_base", json_string(ref_base));
     /* a Hugging Face model directory: its tokenizer.json (loaderd opens regular files only, and
      * reads the tokenizer_config.json beside it) */
     struct stat mst;

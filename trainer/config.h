@@ -224,8 +224,10 @@ const char *bt_config_default_socket(void);
  * epochs 1). Keys as proto/client.h lists; "tokenizer" is the model path (a GGUF file), or
  * <model>/tokenizer.json for a Hugging Face model directory. Relative shard globs
  * and the model path are made absolute against the current directory (loaderd runs elsewhere).
- * NULL on OOM. */
-char *bt_config_job_json(const bt_train_config *cfg, int eval);
+ * ref_base (NULL: none): the job key "ref_base" (proto/PROTOCOL.md), the reference model's
+ * identity (bt_model_ref_id) when preference.precompute_ref_log_probs asks for loaderd's cached
+ * reference log-probs. NULL on OOM. */
+char *bt_config_job_json(const bt_train_config *cfg, int eval, const char *ref_base);
 
 /* The effective configuration as JSON text (malloc'd, free()), for logs. */
 char *bt_config_dump(const bt_train_config *cfg);

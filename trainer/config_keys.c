@@ -358,8 +358,9 @@ static const bt_key k_preference[] = {
     BT_KEY_N("undesirable_weight", C, preference.undesirable_weight, 0, 1e6, "1.0", 0,
              "kto: weight of the undesirable (label false) examples' losses"),
     BT_KEY_B("precompute_ref_log_probs", C, preference.precompute_ref_log_probs, "false", 0,
-             "dpo / kto: take the reference log-probs from loaderd's token cache instead of a reference forward "
-             "every step (not available yet: must be false)"),
+             "dpo / kto: the reference log-probs kept in loaderd's token cache (job key ref_base: the base's "
+             "identity), computed once and handed back; a micro-batch whose values are all cached skips "
+             "the reference forward (needs loaderd's token_cache_dir; KTO's KL sequences are computed every step)"),
     BT_KEY_END,
 };
 

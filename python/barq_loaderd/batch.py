@@ -11,7 +11,14 @@ row start is one, and the unused tail of a row is a padding segment of its own. 
 2 rejected, 3 kto desirable, 4 kto undesirable) and seg_pair[k] (int32 [n_cu - 1]: the
 preference record's index within the batch, from 0 in order; -1 for plain segments). A pair is
 two adjacent segments of one row, chosen then rejected, with the same seg_pair.
+Layout 3 (issue 25 §2, reference log-probs in loaderd's token cache), per segment: seg_src /
+seg_line (int32: the record's shard index in the job and 1-based line; -1 for plain segments, line
+-1 past 2^31-1), seg_ref_ok (int32 0/1) and seg_ref_logp (float64: the reference model's summed
+log-prob in nats over the segment's labelled tokens, as cached for the job's ref_base; 0.0 when
+seg_ref_ok is 0). Hand computed values back with LoaderdClient.ref_put.
 """
+import math
+
 import numpy as np
 
 from . import layout as L
@@ -30,7 +37,8 @@ class Batch:
 
     __slots__ = ("step", "job_id", "rank", "B", "T", "n_real_tokens", "n_labelled_tokens", "n_cu",
                  "n_docs", "flags", "epoch", "checksum", "resume_state", "input_ids", "labels",
-                 "position_ids", "cu_seqlens", "seg_pair", "seg_kind", "_owned")
+                 "position_ids", "cu_seqlens", "seg_pair", "seg_kind", "seg_src", "seg_line", "seg_ref_ok",
+                 "seg_ref_logp", "_owned")
 
     @property
     def end_of_data(self):
@@ -76,10 +84,11 @@ def fnv1a64(chunks, h=L.FNV64_INIT):
 
 def batch_checksum(b):
     """bt_batch_checksum: FNV-1a 64 over input_ids, labels, position_ids (B*T int32 each, in
-    that order), cu_seqlens[0..n_cu), then seg_pair and seg_kind[0..n_cu-1)."""
-    return fnv1a64((np.ascontiguousarray(b.input_ids), np.ascontiguousarray(b.labels),
-                    np.ascontiguousarray(b.position_ids), np.ascontiguousarray(b.cu_seqlens),
-                    np.ascontiguousarray(b.seg_pair), np.ascontiguousarray(b.seg_kind)))
+    that order), cu_seqlens[0..n_cu), then seg_pair, seg_kind, seg_src, seg_line, seg_ref_ok and
+    seg_ref_logp [0..n_cu-1) (the float64 values as their little-endian bytes)."""
+    return fnv1a64(np.ascontiguousarray(a) for a in (
+        b.input_ids, b.labels, b.position_ids, b.cu_seqlens, b.seg_pair, b.seg_kind, b.seg_src, b.seg_line,
+        b.seg_ref_ok, b.seg_ref_logp))
 
 
 def read_batch(buf, off, B, T):
@@ -106,14 +115,15 @@ def read_batch(buf, off, B, T):
         raise LoaderdProtocolError(f"batch step {b.step}: unknown flags 0x{b.flags:x}")
     if b.flags & L.F_END_OF_DATA:
         b.input_ids = b.labels = b.position_ids = b.cu_seqlens = b.seg_pair = b.seg_kind = None
+        b.seg_src = b.seg_line = b.seg_ref_ok = b.seg_ref_logp = None
         return b
     n = B * T
     if not B + 1 <= b.n_cu <= n + 1:
         raise LoaderdProtocolError(f"batch step {b.step}: n_cu {b.n_cu} outside [{B + 1}, {n + 1}]")
-    o_ids, o_lab, o_pos, o_cu, o_sp, o_sk = (off + x for x in L.array_offsets(B, T))
+    o_ids, o_lab, o_pos, o_cu, o_sp, o_sk, o_src, o_line, o_ok, o_lp = (off + x for x in L.array_offsets(B, T))
 
-    def view(o, count, shape):
-        a = np.frombuffer(buf, dtype="<i4", count=count, offset=o).reshape(shape)
+    def view(o, count, shape, dtype="<i4"):
+        a = np.frombuffer(buf, dtype=dtype, count=count, offset=o).reshape(shape)
         a.flags.writeable = False
         return a
 
@@ -123,6 +133,10 @@ def read_batch(buf, off, B, T):
     b.cu_seqlens = view(o_cu, b.n_cu, (b.n_cu,))
     b.seg_pair = view(o_sp, b.n_cu - 1, (b.n_cu - 1,))
     b.seg_kind = view(o_sk, b.n_cu - 1, (b.n_cu - 1,))
+    b.seg_src = view(o_src, b.n_cu - 1, (b.n_cu - 1,))
+    b.seg_line = view(o_line, b.n_cu - 1, (b.n_cu - 1,))
+    b.seg_ref_ok = view(o_ok, b.n_cu - 1, (b.n_cu - 1,))
+    b.seg_ref_logp = view(o_lp, b.n_cu - 1, (b.n_cu - 1,), "<f8")
     return b
 
 
@@ -185,16 +199,27 @@ def validate(b, vocab=0, checksum=True):
     if int(lab.sum()) != b.n_labelled_tokens:
         bad(f"n_labelled_tokens {b.n_labelled_tokens} but {int(lab.sum())} labels present")
     kind, pair = b.seg_kind.tolist(), b.seg_pair.tolist()
+    src, line, ok, lp = b.seg_src.tolist(), b.seg_line.tolist(), b.seg_ref_ok.tolist(), b.seg_ref_logp.tolist()
     next_rec = 0
     for k, (kd, pr) in enumerate(zip(kind, pair)):
         if not 0 <= kd < L.SEG_N:
             bad(f"seg_kind[{k}]={kd} unknown")
+        if ok[k] not in (0, 1):
+            bad(f"seg_ref_ok[{k}]={ok[k]} (want 0 or 1)")
+        if (not (math.isfinite(lp[k]) and lp[k] <= 0.0)) if ok[k] else lp[k] != 0.0:
+            bad(f"seg_ref_logp[{k}]={lp[k]:g} with seg_ref_ok {ok[k]}")
         if kd == L.SEG_PLAIN:
             if pr != -1:
                 bad(f"plain segment {k} has seg_pair {pr} (want -1)")
+            if src[k] != -1 or line[k] != -1 or ok[k]:
+                bad(f"plain segment {k} has seg_src {src[k]}, seg_line {line[k]}, seg_ref_ok {ok[k]} "
+                    "(want -1, -1, 0)")
             continue
+        if src[k] < 0 or (line[k] < 1 and line[k] != -1):
+            bad(f"segment {k} has seg_src {src[k]}, seg_line {line[k]}")
         if kd == L.SEG_REJECTED:
-            if k == 0 or kind[k - 1] != L.SEG_CHOSEN or pair[k - 1] != pr:
+            if (k == 0 or kind[k - 1] != L.SEG_CHOSEN or pair[k - 1] != pr or src[k - 1] != src[k]
+                    or line[k - 1] != line[k]):
                 bad(f"rejected segment {k} does not follow its chosen segment")
             continue
         if pr != next_rec:

@@ -34,7 +34,7 @@ from .ring import Ring
 
 # Keys of a job spec that do not change which batches a rank receives (left out of the digest
 # that guards resume states).
-_NOT_DATA_KEYS = ("name", "ring_slots", "tokenizer_threads")
+_NOT_DATA_KEYS = ("name", "ring_slots", "tokenizer_threads", "ref_base")
 
 
 def _abs(p, cwd):
@@ -643,6 +643,38 @@ class LoaderdClient:
                 raise LoaderdConnectionError("report: not connected to loaderd")
             self._conn.request({"op": "report", "job_id": self.job_id, "step": step, "loss": num(loss),
                                 "tokens_per_s": num(tokens_per_s)})
+
+    # ---- reference log-probs (issue 25 §2; proto/PROTOCOL.md op ref_put) ----
+    REF_PUT_MAX = 4096
+
+    def ref_put(self, base, values):
+        """Hand computed reference log-probs back to loaderd, which keeps them in its token cache
+        for the job's ref_base (later epochs, later jobs, other ranks' batches then carry them in
+        seg_ref_ok / seg_ref_logp). values: iterable of (src, line, side, logp): the segment's
+        seg_src and seg_line, side 0 (chosen or kto) or 1 (rejected), logp the summed log-prob in
+        nats of the segment's labelled tokens under the reference model. Sent in requests of at most
+        REF_PUT_MAX values. Returns (accepted, rejected, errors): counts, and the first reasons loaderd
+        gave for refused values (a refused value is not an error). Raises LoaderdRefused when loaderd
+        refuses the request (the job has no ref_base, base is another), LoaderdClosed while next()
+        re-attaches, LoaderdConnectionError otherwise."""
+        vals = [[int(a), int(b), int(c), float(d) if math.isfinite(float(d)) else 1.0] for a, b, c, d in values]
+        acc = rej = 0
+        errors = []
+        for i in range(0, len(vals), self.REF_PUT_MAX):
+            chunk = vals[i:i + self.REF_PUT_MAX]
+            with self._mu:
+                if self._reconnecting:
+                    raise LoaderdClosed("ref_put: loaderd went away; reconnecting")
+                if self._conn is None:
+                    raise LoaderdConnectionError("ref_put: not connected to loaderd")
+                rep = self._conn.request({"op": "ref_put", "job_id": self.job_id, "base": str(base),
+                                          "values": chunk})
+            a, r = rep.get("accepted"), rep.get("rejected")
+            if not isinstance(a, int) or not isinstance(r, int) or a + r != len(chunk):
+                raise LoaderdProtocolError(f"ref_put: reply does not account for the {len(chunk)} values sent")
+            acc, rej = acc + a, rej + r
+            errors += [e for e in rep.get("errors", []) if isinstance(e, str)][:8 - len(errors)]
+        return acc, rej, errors
 
     # ---- teardown ----
     def close(self):

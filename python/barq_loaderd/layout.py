@@ -44,7 +44,8 @@ RING_OFF = {                            # byte offsets of the shared counters an
 
 # ---- batch slot (proto/batch.h, proto/PROTOCOL.md §4) ----
 BATCH_MAGIC = 0x41425442                # "BTBA" as a little-endian u32
-BATCH_LAYOUT_VERSION = 2               # 2: seg_pair / seg_kind after cu_seqlens (issue 25)
+BATCH_LAYOUT_VERSION = 3               # 2: seg_pair / seg_kind after cu_seqlens (issue 25);
+                                        # 3: seg_src, seg_line, seg_ref_ok, seg_ref_logp after them
 BATCH_HEADER_BYTES = 320
 RESUME_STATE_BYTES = 256
 LABEL_IGNORE = -100
@@ -76,20 +77,21 @@ def round64(n):
 def slot_bytes(B, T):
     """Bytes of one batch slot for B rows of T tokens (proto/batch.c bt_batch_slot_bytes):
     header (320, rounded to 64) + 3 arrays of B*T int32 (each rounded to 64) + cu_seqlens of
-    B*T+1 int32 (rounded to 64) + seg_pair and seg_kind, B*T int32 each (rounded to 64). 0 when B
-    or T is 0 or B*T exceeds 2^28."""
+    B*T+1 int32 (rounded to 64) + seg_pair, seg_kind, seg_src, seg_line, seg_ref_ok, B*T int32
+    each, + seg_ref_logp, B*T float64 (each rounded to 64). 0 when B or T is 0 or B*T exceeds 2^28."""
     if B <= 0 or T <= 0 or B * T > BATCH_MAX_TOKENS:
         return 0
-    return round64(BATCH_HEADER_BYTES) + 5 * round64(4 * B * T) + round64(4 * (B * T + 1))
+    return (round64(BATCH_HEADER_BYTES) + 8 * round64(4 * B * T) + round64(4 * (B * T + 1))
+            + round64(8 * B * T))
 
 
 def array_offsets(B, T):
     """Byte offsets within a slot of (input_ids, labels, position_ids, cu_seqlens, seg_pair,
-    seg_kind) (proto/batch.c bt_batch_view_init)."""
+    seg_kind, seg_src, seg_line, seg_ref_ok, seg_ref_logp) (proto/batch.c bt_batch_view_init)."""
     arr = round64(4 * B * T)
     base = round64(BATCH_HEADER_BYTES)
     cu = round64(4 * (B * T + 1))
-    return base, base + arr, base + 2 * arr, base + 3 * arr, base + 3 * arr + cu, base + 4 * arr + cu
+    return (base, base + arr, base + 2 * arr, base + 3 * arr) + tuple(base + (3 + i) * arr + cu for i in range(6))
 
 
 def ring_bytes(n_slots, B, T):

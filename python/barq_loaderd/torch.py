@@ -69,13 +69,21 @@ class LoaderdDataset(IterableDataset):
     processes are refused (loaderd already tokenizes and packs in its own threads; a copy of
     the dataset per worker would read the same rank twice).
 
+    segments=True adds "segments" to every item: the per-segment fields of the batch (layout 3,
+    proto/PROTOCOL.md §4) as torch tensors of [n_segments]: seg_kind, seg_pair, seg_src, seg_line,
+    seg_ref_ok (int32) and seg_ref_logp (float64), segment k being tokens cu_seq_lens_q[k] ..
+    cu_seq_lens_q[k+1] (off by default: a transformers model takes the item as its arguments).
+    ref_put(base, values) hands computed reference log-probs back (LoaderdClient.ref_put).
+
     report(step, loss, tokens_per_s=None) sends progress to loaderd (loaderctl status);
     tokens_per_s None = real tokens yielded per second over the time since the last report that
     followed new batches (a second report without new batches repeats that rate).
     """
 
-    def __init__(self, job, socket_path=None, rank=None, world_size=None, timeout_s=600.0, **client_kw):
+    def __init__(self, job, socket_path=None, rank=None, world_size=None, timeout_s=600.0, segments=False,
+                 **client_kw):
         super().__init__()
+        self.segments = segments
         self.spec = absolute_job_spec(job)
         self.socket_path = socket_path
         self._rank_world = None if rank is None and world_size is None else (rank, world_size)
@@ -127,6 +135,9 @@ class LoaderdDataset(IterableDataset):
                     self._restart = True
                     return
                 item = to_torch(flatten(b))
+                if self.segments:
+                    item["segments"] = {k: torch.from_numpy(np.array(getattr(b, k))) for k in (
+                        "seg_kind", "seg_pair", "seg_src", "seg_line", "seg_ref_ok", "seg_ref_logp")}
                 n_real = b.n_real_tokens
                 client.release()
                 self._state = client.state_dict()
@@ -136,6 +147,12 @@ class LoaderdDataset(IterableDataset):
         finally:
             if self._client is client:
                 self.close()
+
+    def ref_put(self, base, values):
+        """LoaderdClient.ref_put on the attached client (while iterating): (accepted, rejected, errors)."""
+        if self._client is None:
+            raise LoaderdError("ref_put: not attached (iterate first)")
+        return self._client.ref_put(base, values)
 
     def state_dict(self):
         """Position of the stream after the last batch yielded (JSON types; see

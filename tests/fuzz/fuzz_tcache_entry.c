@@ -5,7 +5,8 @@
  * raw (1) or zstd-compressed (2); byte 1 sets the block's record count (1..256), byte 2 the
  * trailer's line count slack. Every input is written to a file in a private temporary
  * directory and read with tc_reader_open + ld_tc_next to the end.
- * Invariants: ld_tc_next returns only 1, 0 or LD_TC_DAMAGED; a document has as many mask values
+ * Invariants: ld_tc_next returns only 1, 0 or LD_TC_DAMAGED; a preference record's lengths add up
+ * to its tokens (prompt shorter than the first document, kto: one document); a document has as many mask values
  * as ids, every id is in [0, vocab), every mask value is 0 or 1; line numbers strictly
  * increase; no more records than the trailer announces. */
 #include <stdint.h>
@@ -120,6 +121,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         for (size_t k = i0; k < ids.n; k++)
             if (ids.v[k] < 0 || ids.v[k] >= VOCAB || (mask.v[k] != 0 && mask.v[k] != 1)) fuzz_fail("bad id or mask");
         if (rec.kind != 0 && rec.msg_len > TC_MSG_MAX) fuzz_fail("message too long");
+        if (rec.kind == TC_PREF && (rec.n_docs < 1 || rec.n_docs > 2 || rec.label < -1 || rec.label > 1 ||
+                                    rec.prompt_len >= rec.len[0] || (rec.n_docs == 1) != (rec.len[1] == 0) ||
+                                    (uint64_t)rec.len[0] + rec.len[1] != ids.n - i0))
+            fuzz_fail("preference record lengths");
     }
     bt_ids_free(&ids);
     bt_ids_free(&mask);

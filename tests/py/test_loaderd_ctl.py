@@ -27,8 +27,8 @@ def test_hello_and_versioning(loaderd, dataset, model_path):
     d = loaderd(base_config(dataset, model_path))
     rep = d.request({"op": "hello"})
     assert rep["ok"] and rep["v"] == 1 and rep["proto"] == 1 and rep["min_proto"] == 1
-    assert rep["ring_version"] == 1 and rep["batch_layout_version"] == 2
-    assert set(rep["ops"]) == {"hello", "attach", "detach", "report", "status", "jobs", "metrics", "drain", "reload"}
+    assert rep["ring_version"] == 1 and rep["batch_layout_version"] == 3
+    assert set(rep["ops"]) == {"hello", "attach", "detach", "report", "ref_put", "status", "jobs", "metrics", "drain", "reload"}
     assert rep["uid"] == os.getuid() and rep["pid"] == d.proc.pid
     # every reply carries "v"; a request from a future version is refused with a message
     for v in (0, 2, "1", None):

@@ -96,6 +96,12 @@ def parse_batch(slot, B, T):
         # layout 2: seg_pair, seg_kind after cu_seqlens (B*T + 1 int32, rounded to 64)
         "seg_pair": ints(BATCH_HDR + 3 * arr + r64(4 * (n + 1)), n_cu - 1 if 0 < n_cu <= n + 1 else 0),
         "seg_kind": ints(BATCH_HDR + 4 * arr + r64(4 * (n + 1)), n_cu - 1 if 0 < n_cu <= n + 1 else 0),
+        # layout 3: seg_src, seg_line, seg_ref_ok (int32), seg_ref_logp (float64) after them
+        "seg_src": ints(BATCH_HDR + 5 * arr + r64(4 * (n + 1)), n_cu - 1 if 0 < n_cu <= n + 1 else 0),
+        "seg_line": ints(BATCH_HDR + 6 * arr + r64(4 * (n + 1)), n_cu - 1 if 0 < n_cu <= n + 1 else 0),
+        "seg_ref_ok": ints(BATCH_HDR + 7 * arr + r64(4 * (n + 1)), n_cu - 1 if 0 < n_cu <= n + 1 else 0),
+        "seg_ref_logp": list(struct.unpack_from("<%dd" % (n_cu - 1 if 0 < n_cu <= n + 1 else 0), slot,
+                                                BATCH_HDR + 8 * arr + r64(4 * (n + 1)))),
         "raw_arrays": slot[BATCH_HDR:BATCH_HDR + 3 * arr], "arr": arr,
     }
 
@@ -103,18 +109,22 @@ def parse_batch(slot, B, T):
 def check_batch(b, B, T, job_id, step):
     """The batch contract of proto/batch.h, checked independently of the C validator."""
     n = B * T
-    assert b["magic"] == BATCH_MAGIC and b["version"] == 2
+    assert b["magic"] == BATCH_MAGIC and b["version"] == 3
     assert (b["B"], b["T"], b["job_id"], b["step"]) == (B, T, job_id, step)
     assert b["flags"] == 0
     ids, labels, pos, cu = b["input_ids"], b["labels"], b["position_ids"], b["cu"]
     # checksum: FNV-1a 64 over the three arrays (B*T int32 each), cu_seqlens[0..n_cu), then
-    # seg_pair and seg_kind[0..n_cu-1)
+    # seg_pair, seg_kind, seg_src, seg_line, seg_ref_ok, seg_ref_logp [0..n_cu-1)
     arr = b["arr"]
     raw = b["raw_arrays"]
     sp, sk = b["seg_pair"], b["seg_kind"]
     data = (raw[0:4 * n] + raw[arr:arr + 4 * n] + raw[2 * arr:2 * arr + 4 * n] + struct.pack("<%di" % len(cu), *cu)
-            + struct.pack("<%di" % len(sp), *sp) + struct.pack("<%di" % len(sk), *sk))
+            + b"".join(struct.pack("<%di" % len(b[k]), *b[k]) for k in ("seg_pair", "seg_kind", "seg_src", "seg_line",
+                                                                          "seg_ref_ok"))
+            + struct.pack("<%dd" % len(b["seg_ref_logp"]), *b["seg_ref_logp"]))
     assert sk == [0] * (len(cu) - 1) and sp == [-1] * (len(cu) - 1), "an SFT job's segments are all plain"
+    assert b["seg_src"] == b["seg_line"] == [-1] * (len(cu) - 1) and b["seg_ref_ok"] == [0] * (len(cu) - 1)
+    assert b["seg_ref_logp"] == [0.0] * (len(cu) - 1)
     assert fnv1a64(data) == b["checksum"]
     assert cu[0] == 0 and cu[-1] == n
     assert all(a < c for a, c in zip(cu, cu[1:]))

@@ -9,7 +9,7 @@ loaderd's tokenizer matches), CPU backend.
   straight run's per-step losses and grad norms to the last of 17 digits, and its adapter bytes.
 - KTO, ORPO and SimPO train and log their own metrics (kl; nll_loss, log_odds_ratio).
 - Refusals name the key: a data format that does not match the objective, an unknown loss type,
-  a parameter out of TRL's range, precompute_ref_log_probs; the GPU trainer (device "cuda") refuses a
+  a parameter out of TRL's range, precompute_ref_log_probs without a reference model; the GPU trainer (device "cuda") refuses a
   preference objective by name.
 The losses themselves are checked against TRL 1.16.0 in tests/unit/trainer/test_pref_step.c.
 """
@@ -185,7 +185,8 @@ def test_other_objectives_train(env, objective, extra):
     ({"preference": {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]}}, "preference.loss_weights: 1 weights for 2 loss types"),
     ({"preference": {"beta": 0}}, "preference.beta"),
     ({"preference": {"loss_type": "robust", "label_smoothing": 0.5}}, "preference: "),
-    ({"preference": {"precompute_ref_log_probs": True}}, "preference.precompute_ref_log_probs: true is not available yet"),
+    ({"objective": "simpo", "preference": {"precompute_ref_log_probs": True}},
+     'preference.precompute_ref_log_probs: objective "simpo" has no reference model'),
     ({"objective": "ipo"}, "objective"),
 ])
 def test_refusals_name_the_key(env, over, msg):

@@ -290,7 +290,7 @@ def test_hostile_batches_are_refused_naming_the_violation(loaderd, dataset, mode
         good = c.next(timeout=60)
         slot = bytearray(c._ring.buffer[c._ring.slot_offset(good.step):][:c._ring.slot_bytes])
     B, T = 2, 64
-    o_ids, o_lab, o_pos, o_cu, o_sp, o_sk = L.array_offsets(B, T)
+    o_ids, o_lab, o_pos, o_cu, o_sp, o_sk, o_src, o_line, o_ok, o_lp = L.array_offsets(B, T)
 
     def put(buf, off, vals):
         buf[off:off + 4 * len(vals)] = np.asarray(vals, "<i4").tobytes()
@@ -325,8 +325,20 @@ def test_hostile_batches_are_refused_naming_the_violation(loaderd, dataset, mode
     check(lambda s: put(s, o_sk, [9]), r"seg_kind\[0\]=9 unknown")
     check(lambda s: put(s, o_sp, [0]), "plain segment 0 has seg_pair 0")
     check(lambda s: put(s, o_sp + 4, [7]), "checksum mismatch", checksum=True)
-    check(lambda s: (put(s, o_sk, [L.SEG_REJECTED]), put(s, o_sp, [0])), "rejected segment 0 does not follow")
-    check(lambda s: (put(s, o_sk, [L.SEG_CHOSEN]), put(s, o_sp, [0])), "chosen segment 0 is not followed")
+    rec = lambda s: (put(s, o_src, [0]), put(s, o_line, [1]))  # noqa: E731 (a record's shard and line)
+    check(lambda s: (put(s, o_sk, [L.SEG_REJECTED]), put(s, o_sp, [0]), rec(s)), "rejected segment 0 does not follow")
+    check(lambda s: (put(s, o_sk, [L.SEG_CHOSEN]), put(s, o_sp, [0]), rec(s)), "chosen segment 0 is not followed")
+    # layout 3: record identity and cached reference log-probs
+    b0 = read_batch(slot, 0, B, T)
+    assert b0.seg_src.tolist() == b0.seg_line.tolist() == [-1] * (len(cu) - 1)
+    assert b0.seg_ref_ok.tolist() == [0] * (len(cu) - 1) and b0.seg_ref_logp.tolist() == [0.0] * (len(cu) - 1)
+    check(lambda s: put(s, o_src, [2]), "plain segment 0 has seg_src 2")
+    check(lambda s: put(s, o_ok, [1]), r"seg_ref_logp\[0\]=0 with seg_ref_ok 1|plain segment 0 has seg_src -1, seg_line -1, seg_ref_ok 1")
+    check(lambda s: s.__setitem__(slice(o_lp, o_lp + 8), np.float64(-2.0).tobytes()), r"seg_ref_logp\[0\]=-2 with seg_ref_ok 0")
+    check(lambda s: (put(s, o_sk, [L.SEG_KTO_DESIRABLE]), put(s, o_sp, [0]), put(s, o_line, [0]), put(s, o_src, [0])),
+          "segment 0 has seg_src 0, seg_line 0")
+    check(lambda s: s.__setitem__(slice(o_lp + 8, o_lp + 16), np.float64(-1.0).tobytes()), "checksum mismatch",
+          checksum=True)
     lab = read_batch(slot, 0, B, T).labels.reshape(-1)
     t = int(np.argmax(lab != L.LABEL_IGNORE))
     check(lambda s: put(s, o_lab + 4 * t, [70000]), f"labels\\[{t}\\]=70000 outside")

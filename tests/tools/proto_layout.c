@@ -43,7 +43,7 @@ int main(void) {
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         uint32_t B = shapes[i][0], T = shapes[i][1];
         size_t sb = bt_batch_slot_bytes(B, T);
-        size_t o[6] = {0, 0, 0, 0, 0, 0};
+        size_t o[10] = {0};
         char *slot = sb && sb <= (64u << 20) ? malloc(sb) : NULL; /* offsets only where a slot fits */
         if (slot) {
             bt_batch_view v;
@@ -54,10 +54,15 @@ int main(void) {
             o[3] = (size_t)((char *)v.cu_seqlens - slot);
             o[4] = (size_t)((char *)v.seg_pair - slot);
             o[5] = (size_t)((char *)v.seg_kind - slot);
+            o[6] = (size_t)((char *)v.seg_src - slot);
+            o[7] = (size_t)((char *)v.seg_line - slot);
+            o[8] = (size_t)((char *)v.seg_ref_ok - slot);
+            o[9] = (size_t)((char *)v.seg_ref_logp - slot);
             free(slot);
         }
-        printf("%s{\"B\": %u, \"T\": %u, \"slot_bytes\": %zu, \"offsets\": [%zu, %zu, %zu, %zu, %zu, %zu]}", i ? ", " : "",
-               B, T, sb, o[0], o[1], o[2], o[3], o[4], o[5]);
+        printf("%s{\"B\": %u, \"T\": %u, \"slot_bytes\": %zu, \"offsets\": [", i ? ", " : "", B, T, sb);
+        for (size_t j = 0; j < sizeof o / sizeof o[0]; j++) printf("%s%zu", j ? ", " : "", o[j]);
+        printf("]}");
     }
     printf("]}\n");
     return 0;

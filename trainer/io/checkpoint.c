@@ -84,6 +84,51 @@ uint64_t bt_model_fingerprint(const bt_model *m) {
     return h;
 }
 
+/* bytes [0, n) of a frozen buffer: a 32-byte window every 2048 bytes (1/64 of them) and the last
+ * 256 bytes; every window when n < 2048 */
+static uint64_t h_bytes_sample(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = p;
+    h = h_i64(h, (int64_t)n);
+    if (!b) return h;
+    for (size_t i = 0; i < n; i += 2048) h = bt_fnv1a64(h, b + i, n - i < 32 ? n - i : 32);
+    return bt_fnv1a64(h, b + (n > 256 ? n - 256 : 0), n > 256 ? 256 : n);
+}
+
+static uint64_t h_linear(uint64_t h, const bt_base_linear *L) {
+    int64_t iv[] = {L->rows, L->cols, L->is_nf4, L->is_gguf, L->is_gguf ? L->g.type : -1};
+    for (size_t i = 0; i < sizeof iv / sizeof iv[0]; i++) h = h_i64(h, iv[i]);
+    const size_t n = (size_t)L->rows * (size_t)L->cols;
+    if (L->is_gguf) {
+        h = h_bytes_sample(h, L->g.data, (size_t)L->g.rows * L->g.row_bytes);
+    } else if (L->is_nf4) {
+        h = h_bytes_sample(h, L->q.packed, (size_t)L->q.n / 2);
+        h = h_bytes_sample(h, L->q.absmax_q, (size_t)L->q.n / BT_NF4_BLOCKSIZE);
+        const size_t nb = (size_t)L->q.n / BT_NF4_BLOCKSIZE;
+        h = h_bytes_sample(h, L->q.nested_absmax,
+                           (nb + BT_NF4_NESTED_BLOCKSIZE - 1) / BT_NF4_NESTED_BLOCKSIZE * sizeof(float));
+        h = h_f32(h, L->q.offset);
+    } else {
+        h = h_bytes_sample(h, L->w, n * sizeof(float));
+    }
+    if (L->bias) h = bt_fnv1a64(h, L->bias, (size_t)L->rows * sizeof(float));
+    return h;
+}
+
+void bt_model_ref_id(const bt_model *m, char out[BT_MODEL_REF_ID_LEN + 1]) {
+    uint64_t h = bt_model_fingerprint(m);
+    const uint64_t h1 = h;
+    const bt_llama_hparams *hp = &m->hp;
+    h = h_i64(h, hp->qk_norm);
+    for (int l = 0; m->layers && l < hp->n_layer; l++) {
+        const bt_layer *L = &m->layers[l];
+        if (L->q_norm) h = bt_fnv1a64(h, L->q_norm, (size_t)hp->head_dim * sizeof(float));
+        if (L->k_norm) h = bt_fnv1a64(h, L->k_norm, (size_t)hp->head_dim * sizeof(float));
+        for (int k = 0; k < BT_MOD_N; k++) h = h_linear(h, &L->lin[k]);
+    }
+    snprintf(out, BT_MODEL_REF_ID_LEN + 1, "btm1-%016llx%016llx", (unsigned long long)h1,
+             (unsigned long long)h);
+}
+
 uint64_t bt_config_data_fingerprint(const bt_train_config *c) {
     uint64_t h = BT_FNV64_INIT;
     h = h_i64(h, c->data.n_shards);

@@ -44,6 +44,21 @@
  * independent of the file format or path the model came from. */
 uint64_t bt_model_fingerprint(const bt_model *m);
 
+/* The reference model's identity for loaderd's reference log-prob cache (job key "ref_base",
+ * proto/PROTOCOL.md; issue 25): "btm1-" + 32 hex digits, NUL-terminated in out. The first 16
+ * digits are bt_model_fingerprint; the next 16 an FNV-1a 64 chain over it and every frozen linear
+ * of every layer (shape, storage: fp32 / NF4 / GGUF type; a 32-byte window every 2048 bytes of its
+ * stored values or blocks, 1/64 of them, plus its last 256 bytes; biases, Qwen3 q_norm / k_norm in
+ * full). Content-derived (the file's path and format do not enter), so the same weights loaded
+ * from a copy give the same id; cheap: it reads 1/64 of the weights in memory (about 60 MiB of a
+ * 4 GiB 7B GGUF), no file I/O. Strength: any change to the hyper-parameters, a norm, a bias, or
+ * one weight in a sampled window changes it, and so does a LoRA merge or a fine-tune, which
+ * change every element of the matrices they touch; a change confined to unsampled bytes (a few
+ * hand-edited weights) would not: a non-cryptographic identity, not a defence against a forged
+ * model (loaderd keys the values by the trainer's uid too, so a user only fools himself). */
+#define BT_MODEL_REF_ID_LEN 37
+void bt_model_ref_id(const bt_model *m, char out[BT_MODEL_REF_ID_LEN + 1]);
+
 /* 64-bit fingerprint of the training data stream's definition: shards (as written), format,
  * text_field, seq_len, micro_batch_size and data seed, and max_prompt_length / max_length when
  * either is set (preference / kto truncation). */

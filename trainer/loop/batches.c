@@ -63,6 +63,10 @@ static int mb_take(bt_mb_copy *c, const bt_batch_view *v, int B, int T) {
     memcpy(c->cu, v->cu_seqlens, (size_t)v->hdr->n_cu * 4);
     memcpy(c->seg_kind, v->seg_kind, (size_t)(v->hdr->n_cu - 1) * 4);
     memcpy(c->seg_pair, v->seg_pair, (size_t)(v->hdr->n_cu - 1) * 4);
+    memcpy(c->seg_src, v->seg_src, (size_t)(v->hdr->n_cu - 1) * 4);
+    memcpy(c->seg_line, v->seg_line, (size_t)(v->hdr->n_cu - 1) * 4);
+    memcpy(c->seg_ref_ok, v->seg_ref_ok, (size_t)(v->hdr->n_cu - 1) * 4);
+    memcpy(c->seg_ref_logp, v->seg_ref_logp, (size_t)(v->hdr->n_cu - 1) * sizeof(double));
     c->n_cu = (int)v->hdr->n_cu;
     int rc = seg_check(c, T, v->hdr->step);
     if (rc) return rc;
@@ -79,7 +83,12 @@ int bt_mb_alloc(bt_mb_copy *c, int B, int T) {
     c->cu = malloc((M + 1) * 4);
     c->seg_kind = malloc(M * 4);
     c->seg_pair = malloc(M * 4);
-    if (!c->ids || !c->labels || !c->pos || !c->cu || !c->seg_kind || !c->seg_pair)
+    c->seg_src = malloc(M * 4);
+    c->seg_line = malloc(M * 4);
+    c->seg_ref_ok = malloc(M * 4);
+    c->seg_ref_logp = malloc(M * sizeof(double));
+    if (!c->ids || !c->labels || !c->pos || !c->cu || !c->seg_kind || !c->seg_pair || !c->seg_src ||
+        !c->seg_line || !c->seg_ref_ok || !c->seg_ref_logp)
         return bt_fail(BT_ERR_NOMEM, "out of memory for batch copies");
     return 0;
 }
@@ -91,13 +100,17 @@ void bt_mb_free(bt_mb_copy *c) {
     free(c->cu);
     free(c->seg_kind);
     free(c->seg_pair);
+    free(c->seg_src);
+    free(c->seg_line);
+    free(c->seg_ref_ok);
+    free(c->seg_ref_logp);
     memset(c, 0, sizeof *c);
 }
 
 /* resume: NULL = from the start, else the BT_RESUME_STATE_BYTES state to continue after. */
 int bt_run_attach(bt_run *r, bt_client **cl, const bt_train_config *cfg, int eval,
                   const uint8_t *resume) {
-    char *job = bt_config_job_json(cfg, eval);
+    char *job = bt_config_job_json(cfg, eval, r->ref_base[0] ? r->ref_base : NULL);
     if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
     int rc = bt_client_attach_run(cl, cfg->socket, job, r->dist.rank, r->dist.world, resume, r->id);
     free(job);

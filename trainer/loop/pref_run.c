@@ -13,7 +13,56 @@ void bt_pref_view(const bt_mb_copy *c, int B, int T, bt_pref_batch *pb) {
     bt_mb_view(c, B, T, &pb->mb);
     pb->seg_kind = c->seg_kind;
     pb->seg_pair = c->seg_pair;
-    pb->ref_logps = NULL; /* loaderd's cached reference log-probs: not served yet (issue 25) */
+    /* loaderd's cached reference log-probs (layout 3): all 0 unless the job has ref_base */
+    pb->ref_logps = c->seg_ref_logp;
+    pb->ref_ok = c->seg_ref_ok;
+}
+
+/* After bt_pref_step_micro of c: count the reference values taken / computed (into *hit, *miss)
+ * and queue the computed ones of keyed segments (seg_line >= 1) for loaderd. */
+static int ref_collect(bt_run *r, const bt_mb_copy *c, long long *hit, long long *miss) {
+    const double *ref;
+    int computed = 0;
+    *hit += bt_pref_step_ref_used(r->pref, &ref, &computed);
+    *miss += computed;
+    if (!r->ref_base[0] || computed == 0) return 0;
+    for (int k = 0; k + 1 < c->n_cu; k++) {
+        if (c->seg_kind[k] == BT_SEG_PLAIN || c->seg_ref_ok[k] == 1 || c->seg_line[k] < 1 ||
+            c->seg_src[k] < 0 || !(ref[k] <= 0 && ref[k] >= -1e9))
+            continue; /* cached already, no key, or a value loaderd would refuse (not finite) */
+        if (r->ref_n == r->ref_cap) {
+            size_t cap = r->ref_cap ? 2 * r->ref_cap : 256;
+            bt_ref_value *v = realloc(r->ref_pend, cap * sizeof *v);
+            if (!v) return bt_fail(BT_ERR_NOMEM, "out of memory for reference log-probs");
+            r->ref_pend = v;
+            r->ref_cap = cap;
+        }
+        r->ref_pend[r->ref_n++] = (bt_ref_value){c->seg_src[k], c->seg_line[k],
+                                                 bt_seg_ref_side(c->seg_kind[k]), ref[k]};
+    }
+    return 0;
+}
+
+void bt_pref_run_ref_flush(bt_run *r, bt_client *cl, const char *what) {
+    if (r->ref_n == 0 || !cl) return;
+    size_t acc = 0, rej = 0;
+    int rc = bt_client_ref_put(cl, r->ref_base, r->ref_pend, r->ref_n, &acc, &rej);
+    r->ref_acc += (long long)acc;
+    r->ref_rej += (long long)rej;
+    const int first = r->ref_put_fail == 0 && r->ref_rej == (long long)rej;
+    if (rc) {
+        r->ref_put_fail++;
+        if (r->ref_put_fail == 1) /* once per run: the end-of-run line has the counts */
+            bt_log(BT_LOG_WARN, "trainer", "%s: handing %zu reference log-probs to loaderd failed (they "
+                   "are computed again when next needed; further failures are counted in the end-of-run "
+                   "line): %s", what, r->ref_n, bt_last_error());
+    } else if (rej > 0 && first) { /* once per run (without token_cache_dir loaderd keeps none) */
+        bt_log(BT_LOG_WARN, "trainer", "%s: loaderd refused %zu of %zu reference log-probs (%lld refused "
+               "so far; refused values are not kept; loaderd keeps values only for shards read through its "
+               "token_cache_dir; further refusals are counted in the end-of-run line): %s", what, rej, r->ref_n,
+               r->ref_rej, bt_last_error());
+    }
+    r->ref_n = 0;
 }
 
 int bt_pref_run_count(bt_run *r, const bt_mb_copy *c, bt_pref_counts *add) {
@@ -44,6 +93,7 @@ int bt_pref_run_backward(bt_run *r, int step) {
     const int G = r->cfg->grad_accum;
     double kl_mean = 0;
     r->at_mb = 1;
+    r->ref_hit_step = r->ref_miss_step = 0;
     int rc = kl_of(r, G, r->mbs, &kl_mean);
     if (rc) return rc;
     r->pref_kl = kl_mean;
@@ -54,7 +104,11 @@ int bt_pref_run_backward(bt_run *r, int step) {
         r->at_mb = i + 1;
         if ((rc = bt_pref_step_micro(r->pref, r->be, &pb, 1, bt_run_drop_key(r, step, i))))
             return rc;
+        if ((rc = ref_collect(r, &r->mbs[i], &r->ref_hit_step, &r->ref_miss_step))) return rc;
     }
+    r->ref_hit += r->ref_hit_step;
+    r->ref_miss += r->ref_miss_step;
+    bt_pref_run_ref_flush(r, r->cl, "train");
     return 0;
 }
 
@@ -92,6 +146,8 @@ int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *i
         bt_pref_view(&mc, B, T, &pb);
         if (cfg->pref.algo == BT_PREF_KTO) rc = bt_pref_step_kl(r->pref, r->be, &pb, kl);
         if (!rc) rc = bt_pref_step_micro(r->pref, r->be, &pb, 0, 0);
+        if (!rc && (rc = ref_collect(r, &mc, &r->ref_eval_hit, &r->ref_eval_miss)) == 0)
+            bt_pref_run_ref_flush(r, cl, "eval");
         if (rc == BT_ERR_CANCELLED) { /* mid-batch: the metrics cover the batches before it */
             cut = 1;
             rc = 0;
@@ -104,6 +160,7 @@ int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *i
             break;
         }
     }
+    r->ref_n = 0; /* values of a batch cut short are dropped with it */
     bt_mb_free(&mc);
     bt_client_close(cl);
     if (cut && r->dist.world > 1) return bt_run_stop_error(r); /* every rank stops: no collective */

@@ -33,6 +33,7 @@ struct bt_pref_step {
     /* KTO KL micro-batch */
     int32_t *kid, *klab, *kpos, *kcu; /* [M], cu [M + 1] */
     /* the step */
+    int ref_hit, ref_miss; /* the last micro-batch: record segments' reference values given / computed */
     bt_pref_counts global;
     double kl_mean, nll_sum, nll_tok;
     recs r;
@@ -202,18 +203,39 @@ static int seg_sums(const bt_pref_step *s, const bt_microbatch *mb, const int32_
 }
 
 /* The reference's summed log-prob of every segment of mb into s->seg_ref: the ones the batch
- * brings (ref_given, [n_cu - 1]: loaderd's cached reference log-probs, issue 25) or a forward of
- * the base with the adapter off (TRL's disable_adapter()), no dropout, no gradient. This is the
- * one place the reference comes from. */
-static int pref_ref_sums(bt_pref_step *s, bt_backend *be, const bt_microbatch *mb,
-                         const double *ref_given) {
-    if (ref_given) {
-        memcpy(s->seg_ref, ref_given, (size_t)(mb->n_cu - 1) * sizeof(double));
-        return 0;
+ * brings (pb->ref_logps where pb->ref_ok: loaderd's cached reference log-probs, issue 25), the
+ * others from a forward of the base with the adapter off (TRL's disable_adapter()), no dropout,
+ * no gradient, run only when some record segment has no value. This is the one place the
+ * reference comes from. Counts s->ref_hit / ref_miss over the record segments. */
+static int pref_ref_sums(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb) {
+    const bt_microbatch *mb = &pb->mb;
+    const int nseg = mb->n_cu - 1;
+    int hit = 0, miss = 0;
+    for (int k = 0; k < nseg; k++) {
+        const int32_t kind = pb->seg_kind ? pb->seg_kind[k] : BT_SEG_PLAIN;
+        if (kind == BT_SEG_PLAIN) continue;
+        if (pb->ref_logps && (!pb->ref_ok || pb->ref_ok[k] == 1)) hit++;
+        else miss++;
     }
-    int rc = bt_backend_logprobs(be, mb, 0, 0, 0, s->logp, NULL);
-    if (rc) return rc;
-    return seg_sums(s, mb, s->tg, NULL, s->seg_ref, NULL);
+    s->ref_hit = hit;
+    s->ref_miss = miss;
+    if (miss > 0) {
+        int rc = bt_backend_logprobs(be, mb, 0, 0, 0, s->logp, NULL);
+        if (rc) return rc;
+        if ((rc = seg_sums(s, mb, s->tg, NULL, s->seg_ref, NULL))) return rc;
+    } else {
+        memset(s->seg_ref, 0, (size_t)nseg * sizeof(double));
+    }
+    if (pb->ref_logps)
+        for (int k = 0; k < nseg; k++)
+            if (!pb->ref_ok || pb->ref_ok[k] == 1) s->seg_ref[k] = pb->ref_logps[k];
+    return 0;
+}
+
+int bt_pref_step_ref_used(const bt_pref_step *s, const double **seg_ref, int *computed) {
+    *seg_ref = s->seg_ref;
+    *computed = s->ref_miss;
+    return s->ref_hit;
 }
 
 int bt_pref_step_kl(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb, double kl[2]) {
@@ -334,11 +356,12 @@ int bt_pref_step_micro(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb,
                        uint64_t drop_key) {
     const bt_microbatch *mb = &pb->mb;
     const int n = find_records(s, pb);
+    s->ref_hit = s->ref_miss = 0;
     if (n <= 0) return n; /* no record (padding only): nothing to score */
     const int orpo = s->p.algo == BT_PREF_ORPO, kto = s->p.algo == BT_PREF_KTO;
     const int M = mb->B * mb->T;
     int rc = 0;
-    if (needs_ref(s) && (rc = pref_ref_sums(s, be, mb, pb->ref_logps))) return rc;
+    if (needs_ref(s) && (rc = pref_ref_sums(s, be, pb))) return rc;
     /* ORPO scores every token of the chosen sequences for its NLL (prompt included): a copy of
      * the micro-batch with labels on them; its odds ratio sums the response targets only */
     bt_microbatch pm = *mb;

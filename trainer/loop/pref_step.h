@@ -47,12 +47,14 @@ typedef struct bt_pref_step bt_pref_step;
 /* A micro-batch of preference records: the packed tokens (mb) and layout 2's per-segment fields
  * (proto/batch.h), [mb.n_cu - 1] each: seg_kind (BT_SEG_*) and seg_pair (record index, -1 plain;
  * NULL both: every segment plain). ref_logps: the reference's summed log-prob of each segment
- * brought with the batch (the hook for loaderd's cached reference log-probs, issue 25: TRL's
- * precompute_ref_log_probs), NULL: computed by the step with the adapter off. */
+ * brought with the batch (loaderd's cached reference log-probs, layout 3 seg_ref_logp, issue 25:
+ * TRL's precompute_ref_log_probs), used where ref_ok[k] is 1 (ref_ok NULL: every segment's);
+ * NULL: every value computed by the step with the adapter off. */
 typedef struct {
     bt_microbatch mb;
     const int32_t *seg_kind, *seg_pair;
     const double *ref_logps;
+    const int32_t *ref_ok;
 } bt_pref_batch;
 
 /* What the records of micro-batches hold (added up over micro-batches, then ranks). */
@@ -94,6 +96,12 @@ void bt_pref_step_begin(bt_pref_step *s, const bt_pref_counts *global, double kl
  * included: the gradients then hold a partial sum), BT_ERR_NOMEM. */
 int bt_pref_step_micro(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb, int backward,
                        uint64_t drop_key);
+
+/* After bt_pref_step_micro of a DPO / KTO micro-batch: *seg_ref <- the reference sums it used,
+ * [n_cu - 1] (valid until the next call on s). Returns the number of record segments whose value
+ * came with the batch (ref_ok) and sets *computed to those computed by a reference forward (0
+ * when every record segment's value came with the batch: the forward was skipped). */
+int bt_pref_step_ref_used(const bt_pref_step *s, const double **seg_ref, int *computed);
 
 /* The records since bt_pref_step_begin as weighted sums (loss and metrics of this rank's records
  * times their count, the NLL sum and targets, KTO's desirable / undesirable counts), kl_mean the

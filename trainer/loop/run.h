@@ -34,6 +34,8 @@
 typedef struct {
     int32_t *ids, *labels, *pos, *cu;
     int32_t *seg_kind, *seg_pair; /* layout 2: n_cu - 1 used (BT_SEG_*, record index or -1) */
+    int32_t *seg_src, *seg_line, *seg_ref_ok; /* layout 3: n_cu - 1 used (proto/batch.h) */
+    double *seg_ref_logp;                     /* layout 3: the cached reference value when ok */
     int n_cu;
     uint32_t n_real;
     uint8_t resume[BT_RESUME_STATE_BYTES]; /* loader state after this batch */
@@ -100,6 +102,16 @@ typedef struct {
     bt_pref_counts pref_global;
     double pref_kl;
     bt_pref_metrics pref_m, pref_eval_m, pref_before;
+    /* preference.precompute_ref_log_probs (DPO / KTO): the base's identity sent as the job's
+     * ref_base (bt_model_ref_id; "" when off), the values computed since the last put (rank-local,
+     * handed to loaderd with bt_client_ref_put at the end of each step / evaluation batch), and
+     * the counters: reference values taken from loaderd's cache / computed, this step and in the
+     * run, values loaderd accepted / refused, puts that failed */
+    char ref_base[48];
+    bt_ref_value *ref_pend;
+    size_t ref_n, ref_cap;
+    long long ref_hit_step, ref_miss_step, ref_hit, ref_miss, ref_eval_hit, ref_eval_miss;
+    long long ref_acc, ref_rej, ref_put_fail, ref_skipped_mb;
 } bt_run;
 
 /* ---- run.c: stop requests, signals, and the collectives every rank takes part in ---- */
@@ -179,8 +191,8 @@ int bt_run_next_batch(bt_run *r, bt_client *cl, const bt_train_config *cfg, bt_m
 
 /* ---- pref_run.c: a preference objective's step and evaluation (trainer/loop/pref_step.h) ---- */
 
-/* *pb <- c as a preference micro-batch (tokens, seg_kind / seg_pair; no reference log-probs from
- * loaderd yet: computed by the step). */
+/* *pb <- c as a preference micro-batch (tokens, seg_kind / seg_pair, and layout 3's cached
+ * reference log-probs seg_ref_logp where seg_ref_ok: all 0 unless the job has ref_base). */
 void bt_pref_view(const bt_mb_copy *c, int B, int T, bt_pref_batch *pb);
 /* bt_pref_step_count of c: checks its records against the objective, adds their counts. */
 int bt_pref_run_count(bt_run *r, const bt_mb_copy *c, bt_pref_counts *add);
@@ -189,6 +201,10 @@ int bt_pref_run_count(bt_run *r, const bt_mb_copy *c, bt_pref_counts *add);
  * gradients are those of the step's loss (the mean over its records on every rank, each rank
  * holding its share until the gradients are summed). Errors: the backend's, a collective's. */
 int bt_pref_run_backward(bt_run *r, int step);
+/* Hands the reference values computed since the last call to loaderd (bt_client_ref_put on cl, the
+ * stream they came from) and counts the answer: a failed put or refused values are warnings with
+ * counts (r->ref_rej, r->ref_put_fail), never an error: values are a cache. No-op without values. */
+void bt_pref_run_ref_flush(bt_run *r, bt_client *cl, const char *what);
 /* The loss and TRL's metrics of the records since the last bt_pref_step_begin, over all ranks
  * (collective); *records (may be NULL) = their number. */
 int bt_pref_run_metrics(bt_run *r, double kl_mean, bt_pref_metrics *m, double *records);

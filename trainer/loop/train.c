@@ -353,6 +353,17 @@ static int run_init_backend(bt_run *r) {
                        "the preference losses yet; use device \"cpu\"", r->cfg->objective, r->reg->name);
     if ((rc = bt_pref_step_new(&r->pref, &r->cfg->pref, r->B, r->T, r->model.hp.vocab))) return rc;
     const bt_pref_params *pp = &r->cfg->pref;
+    if (r->cfg->preference.precompute_ref_log_probs &&
+        (pp->algo == BT_PREF_DPO || pp->algo == BT_PREF_KTO)) {
+        const double t0 = bt_now();
+        bt_model_ref_id(&r->model, r->ref_base);
+        bt_log(BT_LOG_INFO, "trainer", "objective %s: loss_type %s%s, beta %g; reference: the base with "
+               "the adapter disabled, its log-probs kept in loaderd's token cache as ref_base %s "
+               "(identity in %.2f s)%s", r->cfg->objective, bt_pref_loss_type_name(pp->loss_type[0]),
+               pp->n_loss_types > 1 ? " (+ more)" : "", pp->beta, r->ref_base, bt_now() - t0,
+               pp->algo == BT_PREF_KTO ? "; KTO's KL sequences are computed every step" : "");
+        return 0;
+    }
     bt_log(BT_LOG_INFO, "trainer", "objective %s: loss_type %s%s, beta %g; reference: the base with "
            "the adapter disabled, computed every step", r->cfg->objective,
            bt_pref_loss_type_name(pp->loss_type[0]), pp->n_loss_types > 1 ? " (+ more)" : "", pp->beta);
@@ -597,8 +608,13 @@ static int step_record(bt_run *r, double ts, double loss, double lr, double gnor
         char e1[24], e2[24];
         bt_fmt_duration(e1, sizeof e1, el);
         bt_fmt_duration(e2, sizeof e2, el / (done - r->start_step) * (r->end_step - done));
-        char pm[96] = "";
+        char pm[160] = "";
         if (r->pref) bt_pref_short(pm, sizeof pm, cfg, &r->pref_m);
+        if (r->pref && r->ref_base[0]) {
+            size_t l = strlen(pm);
+            snprintf(pm + l, sizeof pm - l, " | ref cached %lld/%lld", r->ref_hit_step,
+                     r->ref_hit_step + r->ref_miss_step);
+        }
         fprintf(r->out, "step %d/%d | loss %.4f%s | lr %.2e | %.0f tok/s | elapsed %s | eta %s\n",
                 done, cfg->steps, loss, pm, lr, tps, e1, e2);
         fflush(r->out);
@@ -857,10 +873,17 @@ static int run_stream_failed(bt_run *r, int rc) {
 /* Teardown: the report (and its plot of what did run), buffers, the stream, the backend, the
  * LoRA weights and the model. */
 static void run_teardown(bt_run *r, int rc) {
+    if (r->ref_base[0]) /* this rank's, every evaluation included: each rank counts and puts its own */
+        bt_log(BT_LOG_INFO, "trainer", "reference log-probs (rank %d): training %lld from loaderd's cache, "
+               "%lld computed; held-out %lld cached, %lld computed; put: %lld accepted, %lld refused, "
+               "%lld failed puts", r->dist.rank, r->ref_hit, r->ref_miss, r->ref_eval_hit,
+               r->ref_eval_miss, r->ref_acc, r->ref_rej, r->ref_put_fail);
     bt_report_close(r->rep, r->cfg->report.plot && r->rep_steps > 0);
     bt_prof_free(r->prof);
     bt_pref_step_free(r->pref);
     r->pref = NULL;
+    free(r->ref_pend);
+    r->ref_pend = NULL;
     if (r->mbs)
         for (int i = 0; i < r->cfg->grad_accum; i++) bt_mb_free(&r->mbs[i]);
     free(r->mbs);

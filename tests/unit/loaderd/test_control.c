@@ -166,6 +166,42 @@ static void test_depth_limit(void **state) {
     ld_request_free(&r);
 }
 
+/* ref_put (issue 25 §2): "base" and "values" are checked here, each value by the handler; more
+ * than LD_REF_PUT_MAX values are refused before anything is looked at. */
+static void test_ref_put_parse(void **state) {
+    (void)state;
+    ld_request r;
+    char err[512];
+    assert_int_equal(parse("{\"v\":1,\"op\":\"ref_put\",\"job_id\":3,\"base\":\"b\",\"values\":[[0,1,0,-2.5]]}", &r, err), 0);
+    assert_string_equal(r.ref_base, "b");
+    assert_int_equal(json_array_size(r.ref_values), 1);
+    assert_true(r.has_job_id && r.job_id == 3);
+    ld_request_free(&r);
+    const char *bad[][2] = {
+        {"{\"v\":1,\"op\":\"ref_put\",\"values\":[]}", "\"base\": expected"},
+        {"{\"v\":1,\"op\":\"ref_put\",\"base\":\"\",\"values\":[]}", "\"base\": expected"},
+        {"{\"v\":1,\"op\":\"ref_put\",\"base\":5,\"values\":[]}", "\"base\": expected"},
+        {"{\"v\":1,\"op\":\"ref_put\",\"base\":\"b\"}", "\"values\": expected an array"},
+        {"{\"v\":1,\"op\":\"ref_put\",\"base\":\"b\",\"values\":{}}", "\"values\": expected an array"},
+        {"{\"v\":1,\"op\":\"ref_put\",\"base\":\"b\",\"values\":[],\"job_id\":-1}", "\"job_id\""},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(parse(bad[i][0], &r, err), 1);
+        assert_non_null(strstr(err, bad[i][1]));
+        ld_request_free(&r);
+    }
+    /* LD_REF_PUT_MAX + 1 values */
+    size_t cap = 64 + (LD_REF_PUT_MAX + 1) * 3;
+    char *big = malloc(cap);
+    size_t n = (size_t)snprintf(big, cap, "{\"v\":1,\"op\":\"ref_put\",\"base\":\"b\",\"values\":[");
+    for (int i = 0; i <= LD_REF_PUT_MAX; i++) n += (size_t)snprintf(big + n, cap - n, "%s[]", i ? "," : "");
+    snprintf(big + n, cap - n, "]}");
+    assert_int_equal(parse(big, &r, err), 1);
+    assert_non_null(strstr(err, "at most 4096"));
+    ld_request_free(&r);
+    free(big);
+}
+
 /* The command table is the one list of ops: every refusal that lists them, and who may call
  * what, come from its rows. */
 static void test_command_table(void **state) {
@@ -173,7 +209,7 @@ static void test_command_table(void **state) {
     const ld_command *t = ld_server_commands();
     char list[256];
     assert_string_equal(ld_command_list(t, list, sizeof list),
-                        "hello, attach, detach, report, status, jobs, metrics, drain, reload");
+                        "hello, attach, detach, report, ref_put, status, jobs, metrics, drain, reload");
     for (const ld_command *c = t; c->name; c++) {
         assert_non_null(c->handler);
         int ops_only = !strcmp(c->name, "drain") || !strcmp(c->name, "reload");
@@ -272,6 +308,7 @@ int main(void) {
         cmocka_unit_test(test_control_characters_refused),
         cmocka_unit_test(test_depth_limit),
         cmocka_unit_test(test_command_table),
+        cmocka_unit_test(test_ref_put_parse),
         cmocka_unit_test(test_report_base_shape),
         cmocka_unit_test(test_peer_allowed_and_config),
     };

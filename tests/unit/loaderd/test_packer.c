@@ -32,7 +32,7 @@ static docset make_docs(size_t n, uint32_t min_len, uint32_t max_len, int split_
             d.ids[i][k] = (int32_t)((i + 1) * TAG + k);
             d.mask[i][k] = rand() % 3 != 0;
         }
-        d.docs[i] = (ld_pack_doc){d.ids[i], d.mask[i], len, split_mode == 2 ? (int)(i & 1) : split_mode, 0, 0};
+        d.docs[i] = (ld_pack_doc){d.ids[i], d.mask[i], len, split_mode == 2 ? (int)(i & 1) : split_mode, 0, 0, -1, -1};
     }
     return d;
 }
@@ -54,7 +54,7 @@ static uint64_t check_plan(const ld_pack_plan *pl, const docset *d, uint32_t T) 
         ld_row_stats st;
         uint32_t before = n_cu;
         ld_pack_write_row(pl, r, d->docs, T, PAD, (uint32_t)(r * T), ids + r * T, lab + r * T,
-                          pos + r * T, cu, &n_cu, &st, NULL, NULL, NULL);
+                          pos + r * T, cu, &n_cu, &st, NULL, NULL, NULL, NULL, NULL);
         assert_int_equal(cu[before], (int32_t)(r * T)); /* row start is a boundary */
         assert_true(st.real <= T && st.real > 0);
         assert_int_equal(st.real, pl->rows[r].used);
@@ -139,7 +139,7 @@ static void test_bfd_small_exact(void **state) {
     ld_pack_doc docs[6];
     for (int i = 0; i < 6; i++) {
         for (uint32_t k = 0; k < lens[i]; k++) buf[i][k] = i * 10 + (int32_t)k;
-        docs[i] = (ld_pack_doc){buf[i], buf[i], lens[i], 0, 0, 0};
+        docs[i] = (ld_pack_doc){buf[i], buf[i], lens[i], 0, 0, 0, -1, -1};
     }
     ld_pack_plan pl;
     assert_int_equal(ld_pack_plan_build(&pl, docs, 6, 10, 1, 0), BT_OK);
@@ -230,7 +230,7 @@ static void test_pad_row(void **state) {
     (void)state;
     int32_t ids[8], lab[8], pos[8], cu[2];
     uint32_t n = 0;
-    ld_pack_write_pad_row(8, PAD, 16, ids, lab, pos, cu, &n, NULL, NULL);
+    ld_pack_write_pad_row(8, PAD, 16, ids, lab, pos, cu, &n, NULL, NULL, NULL, NULL);
     assert_int_equal(n, 1);
     assert_int_equal(cu[0], 16);
     for (int t = 0; t < 8; t++) {
@@ -252,6 +252,8 @@ static void test_pairs_whole(void **state) {
             d.docs[i].with_next = 1;
             d.docs[i].kind = BT_SEG_CHOSEN;
             d.docs[i + 1].kind = BT_SEG_REJECTED;
+            d.docs[i].src = d.docs[i + 1].src = 3; /* the record's shard and line (layout 3) */
+            d.docs[i].line = d.docs[i + 1].line = (int32_t)i + 1;
             pair_docs += 2;
             if (d.docs[i].n + d.docs[i + 1].n > T) want_dropped++;
         }
@@ -302,7 +304,8 @@ static void test_pairs_whole(void **state) {
         for (uint32_t r = 0; r < B; r++) {
             ld_row_stats st;
             ld_pack_write_row(&pl, r, d.docs, T, PAD, r * T, v.input_ids + r * T, v.labels + r * T,
-                              v.position_ids + r * T, v.cu_seqlens, &n_cu, &st, v.seg_pair, v.seg_kind, &n_rec);
+                              v.position_ids + r * T, v.cu_seqlens, &n_cu, &st, v.seg_pair, v.seg_kind, &n_rec,
+                              v.seg_src, v.seg_line);
             labelled += st.labelled;
         }
         v.cu_seqlens[n_cu++] = (int32_t)(B * T);
@@ -317,7 +320,7 @@ static void test_pairs_whole(void **state) {
         /* the validator catches a pair torn apart: swap a chosen with the segment before it */
         for (uint32_t k = 1; k + 1 < n_cu; k++)
             if (v.seg_kind[k] == BT_SEG_CHOSEN && v.seg_kind[k - 1] == BT_SEG_PLAIN) {
-                v.seg_kind[k] = BT_SEG_PLAIN, v.seg_pair[k] = -1;
+                v.seg_kind[k] = BT_SEG_PLAIN, v.seg_pair[k] = -1, v.seg_src[k] = v.seg_line[k] = -1;
                 v.hdr->checksum = bt_batch_checksum(&v);
                 assert_int_equal(bt_batch_validate(&v, B, T, 0), BT_ERR_FORMAT);
                 assert_non_null(strstr(bt_last_error(), "does not follow its chosen"));

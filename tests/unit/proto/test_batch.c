@@ -1,4 +1,5 @@
 /* proto/batch.c: slot layout, checksum and bt_batch_validate catching each kind of corruption. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -46,7 +47,10 @@ static void fill_valid(bt_batch_view *v) {
             if (v->labels[t] != BT_LABEL_IGNORE) labelled++;
         }
     }
-    for (uint32_t k = 0; k + 1 < h->n_cu; k++) v->seg_kind[k] = BT_SEG_PLAIN, v->seg_pair[k] = -1;
+    for (uint32_t k = 0; k + 1 < h->n_cu; k++) {
+        v->seg_kind[k] = BT_SEG_PLAIN, v->seg_pair[k] = -1;
+        v->seg_src[k] = v->seg_line[k] = -1, v->seg_ref_ok[k] = 0, v->seg_ref_logp[k] = 0.0;
+    }
     h->n_real_tokens = 14;
     h->n_labelled_tokens = labelled;
     h->checksum = bt_batch_checksum(v);
@@ -81,8 +85,9 @@ static void test_slot_layout(void **state) {
     (void)state;
     size_t n = bt_batch_slot_bytes(NB, NT);
     assert_int_equal(n % 64, 0);
-    /* header 320 + 3 arrays of 64 (16 ints) + cu 17 ints -> 128 + seg_pair, seg_kind 64 each */
-    assert_int_equal(n, 320 + 3 * 64 + 128 + 2 * 64);
+    /* header 320 + 3 arrays of 64 (16 ints) + cu 17 ints -> 128 + seg_pair, seg_kind, seg_src,
+     * seg_line, seg_ref_ok 64 each + seg_ref_logp 128 (16 doubles) */
+    assert_int_equal(n, 320 + 3 * 64 + 128 + 5 * 64 + 128);
     assert_int_equal(bt_batch_slot_bytes(0, 8), 0);
     assert_int_equal(bt_batch_slot_bytes(8, 0), 0);
     assert_int_equal(bt_batch_slot_bytes(1u << 16, 1u << 16), 0); /* 2^32 tokens: refused */
@@ -101,7 +106,12 @@ static void test_slot_layout(void **state) {
     assert_int_equal(((uintptr_t)v.seg_pair) % 64, 0);
     assert_int_equal(((uintptr_t)v.seg_kind) % 64, 0);
     assert_true((uint8_t *)(v.seg_pair + 15) < (uint8_t *)v.seg_kind);
-    assert_true((uint8_t *)(v.seg_kind + 15) < slot + bt_batch_slot_bytes(3, 5));
+    assert_true((uint8_t *)(v.seg_kind + 15) <= (uint8_t *)v.seg_src);
+    assert_true((uint8_t *)(v.seg_src + 15) <= (uint8_t *)v.seg_line);
+    assert_true((uint8_t *)(v.seg_line + 15) <= (uint8_t *)v.seg_ref_ok);
+    assert_true((uint8_t *)(v.seg_ref_ok + 15) <= (uint8_t *)v.seg_ref_logp);
+    assert_int_equal(((uintptr_t)v.seg_ref_logp) % 64, 0);
+    assert_true((uint8_t *)(v.seg_ref_logp + 15) <= slot + bt_batch_slot_bytes(3, 5));
     free(slot);
 }
 
@@ -215,13 +225,20 @@ static void test_structure_corruptions(void **state) {
     expect_bad(v, "labels[11]");
 }
 
+/* segment k's kind and record index; its record (layout 3) is shard 1, line 10 + pair (plain: -1) */
+static void seg(bt_batch_view *v, uint32_t k, int32_t kind, int32_t pair) {
+    v->seg_kind[k] = kind, v->seg_pair[k] = pair;
+    v->seg_src[k] = kind == BT_SEG_PLAIN ? -1 : 1;
+    v->seg_line[k] = kind == BT_SEG_PLAIN ? -1 : 10 + pair;
+}
+
 /* Layout 2's per-segment preference fields (issue 25): segments [0,5) [5,8) | [8,14) [14,16). */
 static void test_segment_meta(void **state) {
     fixture *f = *state;
     bt_batch_view *v = &f->v;
-    v->seg_kind[0] = BT_SEG_CHOSEN, v->seg_pair[0] = 0;
-    v->seg_kind[1] = BT_SEG_REJECTED, v->seg_pair[1] = 0;
-    v->seg_kind[2] = BT_SEG_KTO_UNDESIRABLE, v->seg_pair[2] = 1;
+    seg(v, 0, BT_SEG_CHOSEN, 0);
+    seg(v, 1, BT_SEG_REJECTED, 0);
+    seg(v, 2, BT_SEG_KTO_UNDESIRABLE, 1);
     reseal(v);
     assert_int_equal(bt_batch_validate(v, NB, NT, VOCAB), BT_OK);
     v->seg_pair[1] = 5; /* the checksum covers the fields */
@@ -236,20 +253,67 @@ static void test_segment_meta(void **state) {
     reseal(v);
     expect_bad(v, "plain segment 3 has seg_pair 0");
     v->seg_pair[3] = -1;
-    v->seg_pair[2] = 2; /* records count 0, 1, 2... */
+    seg(v, 2, BT_SEG_KTO_UNDESIRABLE, 2); /* records count 0, 1, 2... */
     reseal(v);
     expect_bad(v, "segment 2 has seg_pair 2 (want 1)");
     /* a pair across a row end: chosen in row 0, rejected in row 1 */
-    v->seg_kind[0] = BT_SEG_PLAIN, v->seg_pair[0] = -1;
-    v->seg_kind[1] = BT_SEG_CHOSEN, v->seg_pair[1] = 0;
-    v->seg_kind[2] = BT_SEG_REJECTED, v->seg_pair[2] = 0;
+    seg(v, 0, BT_SEG_PLAIN, -1);
+    seg(v, 1, BT_SEG_CHOSEN, 0);
+    seg(v, 2, BT_SEG_REJECTED, 0);
     reseal(v);
     expect_bad(v, "chosen segment 1 is not followed by its rejected segment in the same row");
     /* a chosen without its rejected */
-    v->seg_kind[1] = BT_SEG_PLAIN, v->seg_pair[1] = -1;
-    v->seg_kind[2] = BT_SEG_CHOSEN, v->seg_pair[2] = 0;
+    seg(v, 1, BT_SEG_PLAIN, -1);
+    seg(v, 2, BT_SEG_CHOSEN, 0);
     reseal(v);
     expect_bad(v, "chosen segment 2 is not followed");
+}
+
+/* Layout 3: each record's shard / line and the cached reference log-probs (issue 25 §2). */
+static void test_segment_ref(void **state) {
+    fixture *f = *state;
+    bt_batch_view *v = &f->v;
+    seg(v, 0, BT_SEG_CHOSEN, 0);
+    seg(v, 1, BT_SEG_REJECTED, 0);
+    seg(v, 2, BT_SEG_KTO_DESIRABLE, 1);
+    v->seg_ref_ok[0] = 1, v->seg_ref_logp[0] = -12.5;
+    v->seg_ref_ok[2] = 1, v->seg_ref_logp[2] = -0.0;
+    reseal(v);
+    assert_int_equal(bt_batch_validate(v, NB, NT, VOCAB), BT_OK);
+    v->seg_ref_logp[0] = -12.25; /* the checksum covers the values */
+    expect_bad(v, "checksum");
+    v->seg_ref_logp[0] = 0.5; /* a log-probability is <= 0 */
+    reseal(v);
+    expect_bad(v, "seg_ref_logp[0]=0.5");
+    v->seg_ref_logp[0] = (double)NAN;
+    reseal(v);
+    expect_bad(v, "seg_ref_logp[0]");
+    v->seg_ref_logp[0] = -1.0;
+    v->seg_ref_logp[1] = -3.0; /* a value without its flag */
+    reseal(v);
+    expect_bad(v, "seg_ref_logp[1]=-3 with seg_ref_ok 0");
+    v->seg_ref_logp[1] = 0.0;
+    v->seg_ref_ok[1] = 2;
+    reseal(v);
+    expect_bad(v, "seg_ref_ok[1]=2");
+    v->seg_ref_ok[1] = 0;
+    v->seg_line[1] = 11; /* the pair's two segments are one record */
+    reseal(v);
+    expect_bad(v, "rejected segment 1 does not follow its chosen");
+    v->seg_line[1] = 10;
+    v->seg_src[2] = -1;
+    reseal(v);
+    expect_bad(v, "segment 2 has seg_src -1");
+    v->seg_src[2] = 1;
+    v->seg_line[2] = 0;
+    reseal(v);
+    expect_bad(v, "seg_line 0");
+    v->seg_line[2] = -1; /* a line past INT32_MAX: known shard, unknown line */
+    reseal(v);
+    assert_int_equal(bt_batch_validate(v, NB, NT, VOCAB), BT_OK);
+    v->seg_ref_ok[3] = 1, v->seg_ref_logp[3] = -1.0; /* padding never has a value */
+    reseal(v);
+    expect_bad(v, "plain segment 3 has seg_src -1, seg_line -1, seg_ref_ok 1");
 }
 
 int main(void) {
@@ -260,6 +324,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_header_corruptions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_structure_corruptions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_segment_meta, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_segment_ref, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -20,6 +20,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include "common/bt_common.h"
 #include "proto/batch.h"
 #include "proto/client.h"
@@ -277,12 +279,86 @@ static void test_failed_job_reason(void **s) {
     fake_close(&f);
 }
 
+/* The fake's side of ref_put: read n_req request lines on the attach connection, keep the count
+ * of "values" of each, answer with replies[i] ("%zu" in it: that count, or a literal reply). */
+typedef struct {
+    fake *f;
+    int n_req;
+    const char *replies[4];
+    size_t counts[4];
+    char base[4][32];
+} put_arg;
+
+static void *put_serve(void *arg) {
+    put_arg *a = arg;
+    for (int i = 0; i < a->n_req; i++) {
+        size_t cap = 1 << 20, n = 0;
+        char *line = malloc(cap);
+        char ch;
+        while (n + 1 < cap && recv(a->f->cfd, &ch, 1, 0) == 1 && ch != '\n') line[n++] = ch;
+        line[n] = 0;
+        json_t *j = json_loads(line, 0, NULL);
+        free(line);
+        const char *op = json_string_value(json_object_get(j, "op")), *b = json_string_value(json_object_get(j, "base"));
+        a->counts[i] = op && !strcmp(op, "ref_put") ? json_array_size(json_object_get(j, "values")) : 0;
+        snprintf(a->base[i], sizeof a->base[i], "%s", b ? b : "");
+        json_decref(j);
+        char rep[512];
+        int k = strstr(a->replies[i], "%zu") ? snprintf(rep, sizeof rep, a->replies[i], a->counts[i])
+                                              : snprintf(rep, sizeof rep, "%s", a->replies[i]);
+        (void)send(a->f->cfd, rep, (size_t)k, MSG_NOSIGNAL);
+    }
+    return NULL;
+}
+
+/* bt_client_ref_put: requests of at most BT_REF_PUT_MAX values, the counts summed over the
+ * replies, a refused value is not an error (its reason in bt_last_error), a refused request is
+ * BT_ERR_INVALID with loaderd's reason, a reply that does not account for the values sent is
+ * BT_ERR_FORMAT. */
+static void test_ref_put(void **s) {
+    (void)s;
+    fake f;
+    bt_client *c = fake_attach(&f);
+    size_t n = BT_REF_PUT_MAX + 5, acc = 99, rej = 99;
+    bt_ref_value *v = calloc(n, sizeof *v);
+    for (size_t i = 0; i < n; i++) v[i] = (bt_ref_value){0, (int32_t)i + 1, (int32_t)(i & 1), -1.0 - (double)i};
+    assert_int_equal(bt_client_ref_put(c, "b", v, 0, &acc, &rej), BT_OK); /* nothing to send: no request */
+    assert_true(acc == 0 && rej == 0);
+    put_arg a = {.f = &f, .n_req = 2, .replies = {"{\"v\":1,\"ok\":true,\"op\":\"ref_put\",\"accepted\":%zu,\"rejected\":0,\"errors\":[]}\n",
+                         "{\"v\":1,\"ok\":true,\"op\":\"ref_put\",\"accepted\":4,\"rejected\":1,\"errors\":"
+                         "[\"values[3]: line 4 side 1 already has -2 (conflict: first value kept)\"]}\n"}};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, put_serve, &a), 0);
+    assert_int_equal(bt_client_ref_put(c, "sha256-x", v, n, &acc, &rej), BT_OK);
+    pthread_join(th, NULL);
+    assert_true(a.counts[0] == BT_REF_PUT_MAX && a.counts[1] == 5);
+    assert_string_equal(a.base[0], "sha256-x");
+    assert_true(acc == BT_REF_PUT_MAX + 4 && rej == 1);
+    assert_non_null(strstr(bt_last_error(), "refused 1 of 5 values, first: values[3]: line 4 side 1 already has"));
+    /* a refused request: loaderd's reason */
+    put_arg b = {.f = &f, .n_req = 1, .replies = {"{\"v\":1,\"ok\":false,\"op\":\"ref_put\",\"error\":\"\\\"base\\\" \\\"x\\\" does not match "
+                         "job 7's ref_base\"}\n"}};
+    assert_int_equal(pthread_create(&th, NULL, put_serve, &b), 0);
+    assert_int_equal(bt_client_ref_put(c, "x", v, 3, &acc, &rej), BT_ERR_INVALID);
+    pthread_join(th, NULL);
+    assert_non_null(strstr(bt_last_error(), "does not match job 7's ref_base"));
+    /* a reply that loses values */
+    put_arg d = {.f = &f, .n_req = 1, .replies = {"{\"v\":1,\"ok\":true,\"op\":\"ref_put\",\"accepted\":1,\"rejected\":0}\n"}};
+    assert_int_equal(pthread_create(&th, NULL, put_serve, &d), 0);
+    assert_int_equal(bt_client_ref_put(c, "x", v, 3, &acc, &rej), BT_ERR_FORMAT);
+    pthread_join(th, NULL);
+    free(v);
+    bt_client_close(c);
+    fake_close(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_end_of_data_checks_job_id, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_report_fails_fast_while_reconnecting, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_reconnect_gives_up, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_failed_job_reason, setup_dir, teardown_dir),
+        cmocka_unit_test_setup_teardown(test_ref_put, setup_dir, teardown_dir),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

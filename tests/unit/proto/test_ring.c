@@ -48,7 +48,10 @@ static void make_batch(void *slot, uint64_t step) {
         lab += v.labels[t] != BT_LABEL_IGNORE;
     }
     for (int r = 0; r <= RB; r++) v.cu_seqlens[r] = r * RT;
-    for (int r = 0; r < RB; r++) v.seg_kind[r] = BT_SEG_PLAIN, v.seg_pair[r] = -1;
+    for (int r = 0; r < RB; r++) {
+        v.seg_kind[r] = BT_SEG_PLAIN, v.seg_pair[r] = -1;
+        v.seg_src[r] = v.seg_line[r] = -1, v.seg_ref_ok[r] = 0, v.seg_ref_logp[r] = 0.0;
+    }
     h->n_cu = RB + 1;
     h->n_real_tokens = RB * RT;
     h->n_labelled_tokens = lab;

@@ -327,9 +327,25 @@ static void test_given_reference_is_the_computed_one(void **state) {
     run_step(s, be, pb, 1, &p, &m2);
     assert_memory_equal(&m1, &m2, sizeof m1);
     assert_memory_equal(g1, r.lo.grads, r.lo.n_params * sizeof(float));
+    const double *used;
+    int computed = -1;
+    assert_int_equal(bt_pref_step_ref_used(s, &used, &computed), 6); /* 3 pairs, no forward */
+    assert_int_equal(computed, 0);
     ref[0] += 1.0; /* a different reference changes the loss: the given values are used */
     run_step(s, be, pb, 1, &p, &m2);
     assert_true(fabs(m2.loss - m1.loss) > 1e-3);
+    /* layout 3's seg_ref_ok: a segment without a cached value is computed, the others taken; the
+     * wrong value of segment 0 is not used when its ok flag is 0 */
+    int32_t ok[MAXS];
+    for (int k = 0; k < b[0].nseg; k++) ok[k] = 1;
+    ok[0] = 0;
+    pb[0].ref_ok = ok;
+    run_step(s, be, pb, 1, &p, &m2);
+    assert_memory_equal(&m1, &m2, sizeof m1);
+    assert_memory_equal(g1, r.lo.grads, r.lo.n_params * sizeof(float));
+    assert_int_equal(bt_pref_step_ref_used(s, &used, &computed), 5);
+    assert_int_equal(computed, 1);
+    assert_true(used[0] == ref[0] - 1.0); /* the computed value, bit for bit the cached one */
     free(g1);
     bt_pref_step_free(s);
     bt_backend_free(be);

@@ -103,7 +103,7 @@ static void test_full_and_sets(void **st) {
     assert_int_equal(c.grad_accum, 2);
 
     /* job specs */
-    char *job = bt_config_job_json(&c, 0);
+    char *job = bt_config_job_json(&c, 0, NULL);
     json_error_t e;
     json_t *j = json_loads(job, 0, &e);
     assert_non_null(j);
@@ -120,7 +120,7 @@ static void test_full_and_sets(void **st) {
     assert_string_equal(json_string_value(json_array_get(json_object_get(j, "shards"), 0)), want);
     json_decref(j);
     free(job);
-    job = bt_config_job_json(&c, 1);
+    job = bt_config_job_json(&c, 1, NULL);
     j = json_loads(job, 0, &e);
     assert_non_null(j);
     assert_int_equal(json_integer_value(json_object_get(j, "epochs")), 1);
@@ -136,7 +136,7 @@ static void test_full_and_sets(void **st) {
     const char *tpl_set[] = {"data.chat_template=phi3"};
     for (int k = 0; k < 2; k++) {
         assert_int_equal(bt_config_parse(&c, chat, "t", tpl_set, k), 0);
-        job = bt_config_job_json(&c, 0);
+        job = bt_config_job_json(&c, 0, NULL);
         j = json_loads(job, 0, &e);
         assert_non_null(j);
         if (k) assert_string_equal(json_string_value(json_object_get(j, "chat_template")), "phi3");
