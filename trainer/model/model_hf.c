@@ -33,264 +33,6 @@ static const char *const k_hf_lin[BT_MOD_N] = {
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
 
-/* ---------------------------------------------------------------- bitsandbytes 4-bit */
-
-/* The pieces of one bnb 4-bit linear, validated; pointers borrow the mapped files. */
-typedef struct {
-    int64_t n;                  /* rows * cols */
-    const uint8_t *packed;      /* [ceil(n/2)] */
-    int fp4;                    /* quant_type "fp4" */
-    int blocksize;              /* 64 for every default bnb 4-bit checkpoint */
-    int nested;                 /* double quantisation (absmax U8) */
-    const void *absmax;         /* U8 [nb] (nested) or F32 [nb] (any alignment) */
-    int64_t nb;                 /* ceil(n / blocksize) */
-    float qmap[16];
-    const void *nested_absmax;  /* F32 [ceil(nb / nested_blocksize)] */
-    int64_t n_nested;
-    float nmap[256];
-    int nested_blocksize;
-    float offset;
-} bnb_parts;
-
-static const bt_st_tensor *find_any(bt_st_file *const *files, int n_files, const char *name) {
-    for (int i = 0; i < n_files; i++) {
-        const bt_st_tensor *t = bt_st_find(files[i], name);
-        if (t) return t;
-    }
-    return NULL;
-}
-
-static int64_t numel(const bt_st_tensor *t) {
-    int64_t n = 1;
-    for (int i = 0; i < t->n_dims; i++) n *= t->shape[i];
-    return n;
-}
-
-/* Fetch `<w><suffix>` with the given dtype and element count (shape otherwise free). */
-static int bnb_get(const bt_st_tensor **out, bt_st_file *const *files, int n_files,
-                   const char *w, const char *suffix, bt_st_dtype dtype, int64_t count,
-                   const char *path) {
-    char name[512];
-    snprintf(name, sizeof name, "%s%s", w, suffix);
-    const bt_st_tensor *t = find_any(files, n_files, name);
-    *out = t;
-    if (!t)
-        return bt_fail(BT_ERR_NOTFOUND, "model: %s: bitsandbytes tensor %s is missing", path, name);
-    if (t->dtype != dtype)
-        return bt_fail(BT_ERR_FORMAT, "model: %s: bitsandbytes tensor %s has dtype %s, expected %s",
-                       path, name, bt_st_dtype_name(t->dtype), bt_st_dtype_name(dtype));
-    if (count >= 0 && numel(t) != count)
-        return bt_fail(BT_ERR_FORMAT, "model: %s: bitsandbytes tensor %s has %lld elements, "
-                       "expected %lld", path, name, (long long)numel(t), (long long)count);
-    return 0;
-}
-
-static int json_num(json_t *v, double *out) {
-    if (!json_is_number(v)) return 0;
-    *out = json_number_value(v);
-    return 1;
-}
-
-/* Read and validate every piece of the bnb checkpoint of weight `w` [rows, cols]. */
-static int bnb_read(bnb_parts *p, bt_st_file *const *files, int n_files, const char *w,
-                    int64_t rows, int64_t cols, const char *path) {
-    memset(p, 0, sizeof *p);
-    p->n = rows * cols;
-    const bt_st_tensor *t, *qs;
-    char name[512];
-    snprintf(name, sizeof name, "%s.quant_state.bitsandbytes__nf4", w);
-    qs = find_any(files, n_files, name);
-    if (!qs) {
-        snprintf(name, sizeof name, "%s.quant_state.bitsandbytes__fp4", w);
-        qs = find_any(files, n_files, name);
-        p->fp4 = 1;
-    }
-    if (!qs)
-        return bt_fail(BT_ERR_NOTFOUND, "model: %s: %s.quant_state.bitsandbytes__nf4 is missing",
-                       path, w);
-    if (qs->dtype != BT_ST_U8)
-        return bt_fail(BT_ERR_FORMAT, "model: %s: %s has dtype %s, expected U8 (JSON bytes)", path,
-                       name, bt_st_dtype_name(qs->dtype));
-    json_t *js = NULL;
-    if (bt_json_loadb(&js, qs->data, qs->nbytes, 0, name) || !json_is_object(js)) {
-        const char *why = js ? "wrong type" : bt_last_error();
-        int frc = bt_fail(BT_ERR_FORMAT, "model: %s: %s is not a JSON object (%s)", path, name, why);
-        json_decref(js);
-        return frc;
-    }
-    int rc = 0;
-    double d;
-    const char *qt = json_string_value(json_object_get(js, "quant_type"));
-    json_t *shape = json_object_get(js, "shape");
-    if (!qt || strcmp(qt, p->fp4 ? "fp4" : "nf4") != 0) {
-        rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: quant_type is \"%s\", expected \"%s\"", path,
-                     name, qt ? qt : "(missing)", p->fp4 ? "fp4" : "nf4");
-        goto out;
-    }
-    if (!json_num(json_object_get(js, "blocksize"), &d) || d < 16 || d > 4096 ||
-        d != floor(d) || ((int)d & ((int)d - 1)) != 0) {
-        rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: blocksize missing or not a power of two in "
-                     "[16, 4096]", path, name);
-        goto out;
-    }
-    p->blocksize = (int)d;
-    if (!json_is_array(shape) || json_array_size(shape) != 2 ||
-        json_integer_value(json_array_get(shape, 0)) != rows ||
-        json_integer_value(json_array_get(shape, 1)) != cols) {
-        char *s = shape ? json_dumps(shape, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
-        rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: shape %s, expected [%lld, %lld]", path, name,
-                     s ? s : "(missing)", (long long)rows, (long long)cols);
-        free(s);
-        goto out;
-    }
-    p->nb = (p->n + p->blocksize - 1) / p->blocksize;
-    if ((rc = bnb_get(&t, files, n_files, w, "", BT_ST_U8, (p->n + 1) / 2, path))) goto out;
-    p->packed = t->data;
-    if ((rc = bnb_get(&t, files, n_files, w, ".quant_map", BT_ST_F32, 16, path))) goto out;
-    memcpy(p->qmap, t->data, sizeof p->qmap);
-    snprintf(name, sizeof name, "%s.absmax", w);
-    t = find_any(files, n_files, name);
-    if (!t) {
-        rc = bt_fail(BT_ERR_NOTFOUND, "model: %s: bitsandbytes tensor %s is missing", path, name);
-        goto out;
-    }
-    p->nested = t->dtype == BT_ST_U8;
-    if ((rc = bnb_get(&t, files, n_files, w, ".absmax", p->nested ? BT_ST_U8 : BT_ST_F32, p->nb,
-                      path)))
-        goto out;
-    p->absmax = t->data;
-    if (p->nested) {
-        if (!json_num(json_object_get(js, "nested_blocksize"), &d) || d < 1 || d > 65536 ||
-            d != floor(d)) {
-            rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: nested_blocksize missing or invalid", path,
-                         w);
-            goto out;
-        }
-        p->nested_blocksize = (int)d;
-        if (!json_num(json_object_get(js, "nested_offset"), &d) || !isfinite(d)) {
-            rc = bt_fail(BT_ERR_FORMAT, "model: %s: %s: nested_offset missing or not a finite "
-                         "number", path, w);
-            goto out;
-        }
-        p->offset = (float)d;
-        p->n_nested = (p->nb + p->nested_blocksize - 1) / p->nested_blocksize;
-        if ((rc = bnb_get(&t, files, n_files, w, ".nested_absmax", BT_ST_F32, p->n_nested, path)))
-            goto out;
-        p->nested_absmax = t->data;
-        if ((rc = bnb_get(&t, files, n_files, w, ".nested_quant_map", BT_ST_F32, 256, path)))
-            goto out;
-        memcpy(p->nmap, t->data, sizeof p->nmap);
-    }
-out:
-    json_decref(js);
-    return rc;
-}
-
-static float ld_f32(const void *base, int64_t i) {
-    float v;
-    memcpy(&v, (const uint8_t *)base + i * 4, 4);
-    return v;
-}
-
-/* Exact bitsandbytes dequantisation with the stored maps (functional.dequantize_4bit):
- * absmax[b] = nested ? nmap[q[b]] * nested_absmax[b / nbs] + offset : absmax_f32[b];
- * out[i] = qmap[nibble(i)] * absmax[i / blocksize], element 2j in the high nibble. */
-static int bnb_dequant(const bnb_parts *p, float **out, const char *w, const char *path) {
-    float *am = malloc((size_t)p->nb * sizeof(float));
-    float *o = bt_aligned_alloc((size_t)p->n * sizeof(float));
-    if (!am || !o) {
-        free(am);
-        free(o);
-        return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory dequantising %s", path, w);
-    }
-    for (int64_t b = 0; b < p->nb; b++)
-        am[b] = p->nested ? p->nmap[((const uint8_t *)p->absmax)[b]] *
-                                    ld_f32(p->nested_absmax, b / p->nested_blocksize) +
-                                p->offset
-                          : ld_f32(p->absmax, b);
-    for (int64_t i = 0; i < p->n; i++) {
-        uint8_t byte = p->packed[i / 2];
-        o[i] = p->qmap[(i & 1) ? (byte & 15) : (byte >> 4)] * am[i / p->blocksize];
-    }
-    free(am);
-    for (int64_t i = 0; i < p->n; i++)
-        if (!isfinite(o[i])) {
-            free(o);
-            return bt_fail(BT_ERR_FORMAT, "model: %s: %s: non-finite value at element %lld after "
-                           "dequantisation", path, w, (long long)i);
-        }
-    *out = o;
-    return 0;
-}
-
-/* Whether the checkpoint is exactly what bt_nf4 holds (and decodes with bt_nf4_code /
- * bt_dynamic_code8); on 0 the message says why not. */
-static int bnb_direct_ok(const bnb_parts *p, const char *w, const char *path) {
-    if (p->fp4) return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s: fp4 is not held as NF4", path, w);
-    if (!p->nested)
-        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s: no double quantisation (F32 absmax)",
-                       path, w);
-    if (p->blocksize != BT_NF4_BLOCKSIZE || p->nested_blocksize != BT_NF4_NESTED_BLOCKSIZE ||
-        p->n % BT_NF4_BLOCKSIZE != 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s: blocksize %d / nested %d / %lld "
-                       "elements (the NF4 base needs 64 / 256 / a multiple of 64)", path, w,
-                       p->blocksize, p->nested_blocksize, (long long)p->n);
-    for (int i = 0; i < 16; i++)
-        if (p->qmap[i] != bt_nf4_code[i])
-            return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s.quant_map[%d] = %.9g differs from "
-                           "the NF4 table (%.9g)", path, w, i, p->qmap[i], bt_nf4_code[i]);
-    int code0_used = 0;
-    for (int64_t b = 0; b < p->nb; b++) code0_used |= ((const uint8_t *)p->absmax)[b] == 0;
-    for (int i = 0; i < 256; i++) {
-        if (p->nmap[i] == bt_dynamic_code8(i)) continue;
-        /* bnb's CPU quantize_blockwise overwrites code[0] with -1.0 in its cached map; harmless
-         * when no block uses code 0 (tests/reference/README.md, NF4 CPU-path notes). */
-        if (i == 0 && p->nmap[0] == -1.0f && !code0_used) continue;
-        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: %s.nested_quant_map[%d] = %.9g differs "
-                       "from the signed dynamic 8-bit map (%.9g)", path, w, i, p->nmap[i],
-                       bt_dynamic_code8(i));
-    }
-    return 0;
-}
-
-static int bnb_to_nf4(bt_nf4 *q, const bnb_parts *p, int64_t rows, int64_t cols, const char *w,
-                      const char *path) {
-    memset(q, 0, sizeof *q);
-    q->n = p->n;
-    q->rows = rows;
-    q->cols = cols;
-    q->packed = bt_aligned_alloc((size_t)p->n / 2);
-    q->absmax_q = bt_aligned_alloc((size_t)p->nb);
-    q->nested_absmax = bt_aligned_alloc((size_t)p->n_nested * sizeof(float));
-    if (!q->packed || !q->absmax_q || !q->nested_absmax) {
-        bt_nf4_free(q);
-        return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", path, w);
-    }
-    memcpy(q->packed, p->packed, (size_t)p->n / 2);
-    memcpy(q->absmax_q, p->absmax, (size_t)p->nb);
-    memcpy(q->nested_absmax, p->nested_absmax, (size_t)p->n_nested * sizeof(float));
-    q->offset = p->offset;
-    for (int64_t i = 0; i < p->n_nested; i++)
-        if (!isfinite(q->nested_absmax[i])) {
-            bt_nf4_free(q);
-            return bt_fail(BT_ERR_FORMAT, "model: %s: %s.nested_absmax[%lld] is not finite", path,
-                           w, (long long)i);
-        }
-    return 0;
-}
-
-int bt_nf4_from_bnb(bt_nf4 *q, struct bt_st_file *const *files, int n_files,
-                    const char *weight_name, int64_t rows, int64_t cols, const char *path) {
-    memset(q, 0, sizeof *q);
-    if (!files || n_files < 1 || !weight_name || rows < 1 || cols < 1)
-        return bt_fail(BT_ERR_INVALID, "model: bt_nf4_from_bnb: bad arguments");
-    bnb_parts p;
-    int rc = bnb_read(&p, files, n_files, weight_name, rows, cols, path);
-    if (!rc) rc = bnb_direct_ok(&p, weight_name, path);
-    if (!rc) rc = bnb_to_nf4(q, &p, rows, cols, weight_name, path);
-    return rc;
-}
-
 /* ---------------------------------------------------------------- weight sources */
 
 typedef struct {
@@ -521,10 +263,10 @@ static int load_linear(const wsrc *s, bt_base_linear *l, const char *prefix, int
     bnb |= wsrc_has(s, name);
     int rc;
     if (bnb) {
-        bnb_parts p;
-        if ((rc = bnb_read(&p, s->files, s->n_files, w, rows, cols, s->dir))) return rc;
-        if (base_dtype == BT_BASE_NF4 && bnb_direct_ok(&p, w, s->dir) == 0) {
-            if ((rc = bnb_to_nf4(&l->q, &p, rows, cols, w, s->dir))) return rc;
+        bt_bnb_parts p;
+        if ((rc = bt_bnb_read(&p, s->files, s->n_files, w, rows, cols, s->dir))) return rc;
+        if (base_dtype == BT_BASE_NF4 && bt_bnb_direct_ok(&p, w, s->dir) == 0) {
+            if ((rc = bt_bnb_to_nf4(&l->q, &p, rows, cols, w, s->dir))) return rc;
             l->rows = rows;
             l->cols = cols;
             l->is_nf4 = 1;
@@ -533,7 +275,7 @@ static int load_linear(const wsrc *s, bt_base_linear *l, const char *prefix, int
                 bt_log(BT_LOG_WARN, "model", "%s; dequantising and re-quantising it to NF4 with "
                        "double quantisation (not bit-identical to the checkpoint)", bt_last_error());
             float *f = NULL;
-            if ((rc = bnb_dequant(&p, &f, w, s->dir))) return rc;
+            if ((rc = bt_bnb_dequant(&p, &f, w, s->dir))) return rc;
             if ((rc = bt_model_lin_set(l, f, rows, cols, base_dtype, w))) return rc;
         }
     } else {
@@ -594,7 +336,7 @@ static int cfg_float(const cfgj *c, const char *key, int required, double def, f
     if (!v || json_is_null(v)) {
         if (required)
             return bt_fail(BT_ERR_NOTFOUND, "model: %s: missing key \"%s\"", c->path, key);
-    } else if (!json_num(v, &d) || !isfinite(d) || !(d > 0)) {
+    } else if (!bt_model_json_num(v, &d) || !isfinite(d) || !(d > 0)) {
         return bt_fail(BT_ERR_FORMAT, "model: %s: \"%s\" must be a number > 0", c->path, key);
     }
     *out = (float)d;
@@ -624,7 +366,7 @@ static int rs_num(const cfgj *c, json_t *rs, const char *key, int required, doub
         return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s: required for rope_type \"%s\"",
                        c->path, key, ty ? ty : "?");
     }
-    if (!json_num(v, out) || !isfinite(*out) || !(*out > 0))
+    if (!bt_model_json_num(v, out) || !isfinite(*out) || !(*out > 0))
         return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a number > 0", c->path, key);
     return 0;
 }
@@ -644,7 +386,7 @@ static int rope_common(const cfgj *c, json_t **rs_out, const char **ty_out, bt_l
         return bt_fail(BT_ERR_FORMAT, "model: %s: \"rope_scaling\" must be null or an object", c->path);
     json_t *th = json_object_get(c->root, "rope_theta");
     double d;
-    if ((!th || json_is_null(th)) && json_num(json_object_get(rs, "rope_theta"), &d)) {
+    if ((!th || json_is_null(th)) && bt_model_json_num(json_object_get(rs, "rope_theta"), &d)) {
         if (!isfinite(d) || !(d > 0))
             return bt_fail(BT_ERR_FORMAT, "model: %s: rope_parameters.rope_theta must be > 0", c->path);
         hp->rope_theta = (float)d; /* transformers 5: rope_theta lives in rope_parameters */
@@ -678,7 +420,7 @@ static int rope_llama3(const cfgj *c, json_t *rs, bt_llama_hparams *hp) {
         if (!x)
             return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling type \"llama3\" lacks "
                            "\"%s\"", c->path, keys[i]);
-        if (!json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
+        if (!bt_model_json_num(x, &v[i]) || !isfinite(v[i]) || !(v[i] > 0) ||
             (i == 3 && (v[i] != floor(v[i]) || v[i] > 1e9)))
             return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling.%s must be a %s > 0",
                            c->path, keys[i], i == 3 ? "integer" : "number");
@@ -710,7 +452,7 @@ static int rope_longrope(const cfgj *c, json_t *rs, bt_llama_hparams *hp, float 
                        "long_factor arrays of head_dim / 2 = %zu numbers", c->path, half);
     for (size_t i = 0; i < half; i++) {
         double a, b;
-        if (!json_num(json_array_get(lf, i), &a) || !json_num(json_array_get(sf, i), &b) ||
+        if (!bt_model_json_num(json_array_get(lf, i), &a) || !bt_model_json_num(json_array_get(sf, i), &b) ||
             !isfinite(a) || !(a > 0) || !isfinite(b) || !(b > 0))
             return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling longrope factor %zu must be "
                            "a number > 0", c->path, i);
@@ -820,7 +562,7 @@ enum { ARCH_LLAMA, ARCH_MISTRAL, ARCH_QWEN2, ARCH_QWEN3, ARCH_PHI3, ARCH_GEMMA3 
 static int phi3_rope_check(const cfgj *c) {
     double prf = 1.0;
     json_t *pv = json_object_get(c->root, "partial_rotary_factor");
-    if (pv && !json_is_null(pv) && (!json_num(pv, &prf) || prf != 1.0))
+    if (pv && !json_is_null(pv) && (!bt_model_json_num(pv, &prf) || prf != 1.0))
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Phi-3 partial_rotary_factor %g is not "
                        "supported (RoPE over the whole head only)", c->path, prf);
     json_t *rs = json_object_get(c->root, "rope_scaling");
@@ -914,10 +656,10 @@ static int gemma3_config(const cfgj *c, bt_llama_hparams *hp) {
     json_t *gs = full, *ls = slid;
     if (!full && !slid) { /* transformers 4 keys */
         json_t *v;
-        if ((v = json_object_get(c->root, "rope_theta")) && !json_is_null(v) && !json_num(v, &gth))
+        if ((v = json_object_get(c->root, "rope_theta")) && !json_is_null(v) && !bt_model_json_num(v, &gth))
             return bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number", c->path);
         if ((v = json_object_get(c->root, "rope_local_base_freq")) && !json_is_null(v) &&
-            !json_num(v, &lth))
+            !bt_model_json_num(v, &lth))
             return bt_fail(BT_ERR_FORMAT, "model: %s: rope_local_base_freq must be a number", c->path);
         gs = json_object_get(c->root, "rope_scaling");
         if (gs && json_is_null(gs)) gs = NULL;
@@ -935,7 +677,7 @@ static int gemma3_config(const cfgj *c, bt_llama_hparams *hp) {
         json_t *th = json_object_get(o, "rope_theta");
         double t;
         if (th && !json_is_null(th)) {
-            if (!json_num(th, &t) || !(t > 0) || !isfinite(t))
+            if (!bt_model_json_num(th, &t) || !(t > 0) || !isfinite(t))
                 return bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number > 0", c->path);
             if (i == 0) gth = t;
             else lth = t;

@@ -35,4 +35,44 @@ int bt_model_lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_d
 struct bt_gguf;
 int bt_model_gguf_rope_scaling(const struct bt_gguf *g, const char *path, bt_llama_hparams *hp);
 
+/* 1 and *out = the value when v is a JSON number (integer or real), else 0 (config.json and
+ * bitsandbytes quant_state fields). */
+#include <jansson.h>
+static inline int bt_model_json_num(json_t *v, double *out) {
+    if (!json_is_number(v)) return 0;
+    *out = json_number_value(v);
+    return 1;
+}
+
+/* ---- bitsandbytes 4-bit (trainer/model/model_bnb.c) */
+struct bt_st_file;
+/* The pieces of one bnb 4-bit linear, validated; pointers borrow the mapped files. */
+typedef struct {
+    int64_t n;                  /* rows * cols */
+    const uint8_t *packed;      /* [ceil(n/2)] */
+    int fp4;                    /* quant_type "fp4" */
+    int blocksize;              /* 64 for every default bnb 4-bit checkpoint */
+    int nested;                 /* double quantisation (absmax U8) */
+    const void *absmax;         /* U8 [nb] (nested) or F32 [nb] (any alignment) */
+    int64_t nb;                 /* ceil(n / blocksize) */
+    float qmap[16];
+    const void *nested_absmax;  /* F32 [ceil(nb / nested_blocksize)] */
+    int64_t n_nested;
+    float nmap[256];
+    int nested_blocksize;
+    float offset;
+} bt_bnb_parts;
+
+/* Read and validate every piece of the bnb checkpoint of weight `w` [rows, cols] from files[n_files]
+ * (pointers in *p borrow the mapped files); errors name `path` and the tensor. */
+int bt_bnb_read(bt_bnb_parts *p, struct bt_st_file *const *files, int n_files, const char *w,
+                int64_t rows, int64_t cols, const char *path);
+/* Dequantise *p into *out (fp32 [n], caller frees). */
+int bt_bnb_dequant(const bt_bnb_parts *p, float **out, const char *w, const char *path);
+/* 0 when *p can be taken as NF4 blocks as they are (else the reason, BT_ERR_UNSUPPORTED). */
+int bt_bnb_direct_ok(const bt_bnb_parts *p, const char *w, const char *path);
+/* Take *p's blocks into q [rows, cols] without re-quantising. */
+int bt_bnb_to_nf4(bt_nf4 *q, const bt_bnb_parts *p, int64_t rows, int64_t cols, const char *w,
+                  const char *path);
+
 #endif
