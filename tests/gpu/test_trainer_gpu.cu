@@ -41,9 +41,12 @@ extern "C" {
 #include "trainer/estimate.h"
 }
 #include "trainer/cuda/cuda_trainer.h"
+#include "trainer/cuda/cuda_trainer_internal.h" /* the shards' device bytes */
 
 #include <algorithm>
 #include <string>
+
+#include <unistd.h>
 
 /* ------------------------------------------------------------------------ batch helpers */
 struct Batch {
@@ -895,6 +898,135 @@ static void test_plan_matches_estimate(void)
     }
 }
 
+/* dist.shard_base with the base cut at load (issue 26, model.h bt_model_load_gguf_shard): for
+ * every rank k of W, the trainer built from the cut load holds the same shard bytes, byte for byte,
+ * as the one built from a whole load (which cuts on upload), for GGUF blocks kept as they are
+ * (Q4_K, Q8_0) and rows converted to bf16 (F16); a cut load refused by a trainer of another rank or
+ * by an unsharded one. Llama q/k rows are un-permuted before the cut (random rows: the file's order
+ * is as good as any). */
+static void test_shard_cut_load(void)
+{
+    const int D = 256, H = 4, KV = 2, HD = 64, F = 512, V = 64, L = 2;
+    const int types[] = {BT_GGML_Q4_K, BT_GGML_Q8_0, BT_GGML_F16};
+    char path[] = "/tmp/bt_shard_cut_XXXXXX.gguf";
+    const int fd = mkstemps(path, 5);
+    if (fd < 0) {
+        printf("    mkstemps failed\n");
+        g_case_ok = false;
+        return;
+    }
+    close(fd);
+    for (int type : types) {
+        bt_gguf_writer *w = bt_gguf_writer_new();
+        BTOK(bt_gguf_w_str(w, "general.architecture", "llama", 5));
+        BTOK(bt_gguf_w_u32(w, "llama.block_count", L));
+        BTOK(bt_gguf_w_u32(w, "llama.embedding_length", D));
+        BTOK(bt_gguf_w_u32(w, "llama.attention.head_count", H));
+        BTOK(bt_gguf_w_u32(w, "llama.attention.head_count_kv", KV));
+        BTOK(bt_gguf_w_u32(w, "llama.feed_forward_length", F));
+        BTOK(bt_gguf_w_u32(w, "llama.context_length", 256));
+        BTOK(bt_gguf_w_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f));
+        std::vector<float> f((size_t)F * D);
+        std::vector<uint8_t> q((size_t)F * D * 4);
+        auto add = [&](const char *name, int rows, int cols, int t) {
+            for (auto &x : f)
+                x = (float)(rng_normal() * 0.02);
+            for (int i = 0; i < (rows ? rows : 1) * cols && !rows; i++)
+                f[(size_t)i] = 1.0f; /* norms */
+            const size_t nb = bt_ggml_row_size(t, cols) * (size_t)(rows ? rows : 1);
+            BTOK(bt_ggml_quantize(t, f.data(), q.data(), (int64_t)(rows ? rows : 1) * cols));
+            const uint64_t ne[2] = {(uint64_t)cols, (uint64_t)(rows ? rows : 1)};
+            BTOK(bt_gguf_w_tensor(w, name, t, rows ? 2 : 1, ne, q.data(), nb));
+        };
+        add("token_embd.weight", V, D, BT_GGML_F32);
+        add("output_norm.weight", 0, D, BT_GGML_F32);
+        static const char *const lin[7] = {"attn_q", "attn_k", "attn_v", "attn_output",
+                                           "ffn_gate", "ffn_up", "ffn_down"};
+        const int rows[7] = {D, KV * HD, KV * HD, D, F, F, D};
+        const int cols[7] = {D, D, D, D, D, D, F};
+        char name[64];
+        for (int l = 0; l < L; l++) {
+            snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
+            add(name, 0, D, BT_GGML_F32);
+            snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
+            add(name, 0, D, BT_GGML_F32);
+            for (int j = 0; j < 7; j++) {
+                snprintf(name, sizeof name, "blk.%d.%s.weight", l, lin[j]);
+                add(name, rows[j], cols[j], type);
+            }
+        }
+        BTOK(bt_gguf_writer_write(w, path));
+        bt_gguf_writer_free(w);
+        printf("    %s\n", bt_ggml_type_name(type));
+        bt_model_load_opts gg = {BT_BASE_GGUF, 0};
+        bt_model whole;
+        if (bt_model_load_gguf(&whole, path, &gg) != 0) {
+            printf("    whole load: %s\n", bt_last_error());
+            g_case_ok = false;
+            break;
+        }
+        bt_lora lo;
+        BTOK(bt_lora_init(&lo, &whole, 8, 16.0, 0.0, (1u << BT_MOD_N) - 1, 0, 7));
+        for (int W = 2; W <= 3; W++)
+            for (int k = 0; k < W; k++) {
+                bt_model cut;
+                bt_model_shard sh = {k, W};
+                if (bt_model_load_gguf_shard(&cut, path, &gg, &sh) != 0) {
+                    printf("    cut load: %s\n", bt_last_error());
+                    g_case_ok = false;
+                    continue;
+                }
+                bt_cuda_trainer_opts o;
+                memset(&o, 0, sizeof o);
+                o.shard_rank = k;
+                o.shard_world = W;
+                bt_cuda_trainer *ta = nullptr, *tb = nullptr;
+                BTOK(bt_cuda_trainer_new(&ta, &whole, &lo, 64, &o));
+                BTOK(bt_cuda_trainer_new(&tb, &cut, &lo, 64, &o));
+                size_t diff = 0, total = 0;
+                for (int i = 0; ta && tb && i < L * BT_MOD_N; i++) {
+                    const btc_shard &a = ta->md.shards[i], &b = tb->md.shards[i];
+                    const int64_t n = bt_shard_cut_bytes(&a.cut);
+                    if (n != bt_shard_cut_bytes(&b.cut) || a.gtype != b.gtype) {
+                        diff++;
+                        continue;
+                    }
+                    std::vector<uint8_t> ha((size_t)n), hb((size_t)n);
+                    CU(cudaMemcpy(ha.data(), a.data, (size_t)n, cudaMemcpyDeviceToHost));
+                    CU(cudaMemcpy(hb.data(), b.data, (size_t)n, cudaMemcpyDeviceToHost));
+                    diff += memcmp(ha.data(), hb.data(), (size_t)n) != 0;
+                    total += (size_t)n;
+                }
+                printf("      W %d rank %d: %zu shard bytes, %zu linears differ\n", W, k, total, diff);
+                if (!ta || !tb || diff || total == 0)
+                    g_case_ok = false;
+                bt_cuda_trainer_free(ta);
+                bt_cuda_trainer_free(tb);
+                /* another rank's cut, and an unsharded trainer, refuse it */
+                o.shard_rank = (k + 1) % W;
+                bt_cuda_trainer *tc = nullptr;
+                if (bt_cuda_trainer_new(&tc, &cut, &lo, 64, &o) == 0 ||
+                    !strstr(bt_last_error(), "loaded as rank")) {
+                    printf("      another rank's trainer took the cut: %s\n", bt_last_error());
+                    g_case_ok = false;
+                }
+                bt_cuda_trainer_free(tc);
+                tc = nullptr;
+                memset(&o, 0, sizeof o);
+                if (bt_cuda_trainer_new(&tc, &cut, &lo, 64, &o) == 0 ||
+                    !strstr(bt_last_error(), "keeps the whole base")) {
+                    printf("      an unsharded trainer took the cut: %s\n", bt_last_error());
+                    g_case_ok = false;
+                }
+                bt_cuda_trainer_free(tc);
+                bt_model_free(&cut);
+            }
+        bt_lora_free(&lo);
+        bt_model_free(&whole);
+    }
+    unlink(path);
+}
+
 int main(int argc, char **argv)
 {
     const char *prog = "test_trainer_gpu";
@@ -915,6 +1047,7 @@ int main(int argc, char **argv)
     GT_CASE(test_tiny_long_context);
     GT_CASE(test_tiny_offload);
     GT_CASE(test_plan_matches_estimate);
+    GT_CASE(test_shard_cut_load);
     GT_CASE(test_smollm2_step);
     GT_CASE(test_smollm2_gguf_step);
     GT_CASE(test_smollm2_10_steps);

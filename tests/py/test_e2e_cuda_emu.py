@@ -355,6 +355,9 @@ def test_shard_base_reproduces_the_whole_base(env, base, ckpt):
                           r"and gathers each layer into (\d+) bytes" if shard else
                           r"base linears: (\d+) bytes on this GPU", text)
             assert m, text
+            # a GGUF-native base is cut at load: each rank reads only its rows (issue 26)
+            assert (f"dist.shard_base: rank {rank} read only its 1/2 cut of the base linears" in text) == \
+                (shard and base != "nf4"), text
             held.append(int(m.group(1)))
             if shard and base == "nf4":  # what `trainer estimate` bills (plan.h bt_shard_cut): 7 linears
                 # of 2 x 1 groups, packed + codes, and 2 nested absmax in a 256-byte region each

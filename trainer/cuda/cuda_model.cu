@@ -119,11 +119,21 @@ void slice_bytes(uint8_t *dst, const uint8_t *src, int64_t n, int64_t k0, int64_
 /* dist.shard_base: rank `rank`'s shard of one linear (plan.h bt_shard_cut), its segments one after
  * another in one device allocation; the bytes are the host model's own (NF4 codes and absmax, the
  * GGUF file's blocks), never re-quantised; F16/BF16/F32 GGUF rows and fp32 rows as bf16 (what the
- * whole-base upload holds). *goff: the running offset in a gathered layer buffer. */
+ * whole-base upload holds). A host linear cut at load (model.h bt_model_load_gguf_shard:
+ * bl->shard_world == W) holds exactly this rank's rows [bl->shard_r0, + g.rows); one cut for
+ * another rank or W is refused (BT_ERR_INVALID). *goff: the running offset in a gathered layer
+ * buffer. */
 int upload_shard(btc_model *dm, btc_shard *sh, const bt_base_linear *bl, int l, int mod, int rank,
                  int W, int64_t *goff)
 {
     const int64_t rows = bl->rows, cols = bl->cols, n = rows * cols;
+    const bool cut = bl->shard_world > 1; /* the host holds my rows only, row 0 = row shard_r0 */
+    if (cut && (bl->shard_world != W || bl->shard_rank != rank || !bl->is_gguf))
+        return bt_fail(BT_ERR_INVALID, "cuda: layer %d %s was loaded as rank %d's shard of %d, but "
+                       "this trainer is rank %d of %d (dist.shard_base)", l, bt_module_name(mod),
+                       bl->shard_rank, bl->shard_world, rank, W);
+    const int64_t hr0 = cut ? bl->shard_r0 : 0;          /* first row the host holds */
+    const int64_t hrows = cut ? bl->g.rows : rows;       /* rows it holds */
     sh->gtype = -1;
     if (bl->is_nf4) {
         bt_shard_cut_nf4(&sh->cut, n, W);
@@ -151,12 +161,13 @@ int upload_shard(btc_model *dm, btc_shard *sh, const bt_base_linear *bl, int l, 
         o += c.per * c.unit[1];
         slice_bytes(o, (const uint8_t *)bl->q.nested_absmax, c.units * 4, u0 * 4, u1 * 4);
     } else if (sh->gtype >= 0) {
-        slice_bytes(o, bl->g.data, rows * c.unit[0], u0 * c.unit[0], u1 * c.unit[0]);
+        slice_bytes(o, bl->g.data, hrows * c.unit[0], (u0 - hr0) * c.unit[0],
+                    (u1 - hr0) * c.unit[0]);
     } else { /* bf16 rows of my units */
         const int64_t r1 = u1 < rows ? u1 : rows, nr = r1 > u0 ? r1 - u0 : 0;
         std::vector<float> f((size_t)(nr * cols));
         if (nr > 0 && bl->is_gguf) {
-            int rc = bt_ggml_mat_dequantize_rows(&bl->g, u0, nr, f.data());
+            int rc = bt_ggml_mat_dequantize_rows(&bl->g, u0 - hr0, nr, f.data());
             if (rc)
                 return rc;
         } else if (nr > 0) {
@@ -291,6 +302,13 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
             if (d->is_nf4 && (n % 64 != 0 || bl->cols % 64 != 0)) {
                 rc = bt_fail(BT_ERR_UNSUPPORTED, "cuda: layer %d %s: NF4 needs in %% 64 == 0 (%d x %d)",
                              l, bt_module_name(mod), bl->rows, bl->cols);
+                break;
+            }
+            if (!shard && bl->shard_world > 1) {
+                rc = bt_fail(BT_ERR_INVALID, "cuda: layer %d %s holds only rank %d's shard of %d "
+                             "(bt_model_load_gguf_shard), but this trainer keeps the whole base: "
+                             "set dist.shard_base with the same world size, or load it whole", l,
+                             bt_module_name(mod), bl->shard_rank, bl->shard_world);
                 break;
             }
             if (shard) {

@@ -233,8 +233,19 @@ static int run_load_model(bt_run *r) {
     bt_model *m = &r->model;
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};
-    int rc = bt_model_load(m, cfg->model, &lopts);
+    /* dist.shard_base on W > 1 GPUs with a GGUF-native base: this rank reads only its cut of every
+     * base linear from the mapped file (issue 26; model.h bt_model_load_gguf_shard), so the node's
+     * host memory holds the base once, not once per rank. NF4 / fp32 bases are still loaded whole
+     * and cut on upload (docs/ARCHITECTURE.md §Parallel). */
+    const int cut = cfg->device == BT_DEVICE_CUDA && cfg->dist.shard_base && r->dist.world > 1 &&
+                    bt_model_resolve_base_dtype(cfg->model, cfg->base_dtype) == BT_BASE_GGUF;
+    const bt_model_shard sh = {r->dist.rank, r->dist.world};
+    int rc = cut ? bt_model_load_gguf_shard(m, cfg->model, &lopts, &sh)
+                 : bt_model_load(m, cfg->model, &lopts);
     if (rc) return rc;
+    if (cut)
+        bt_log(BT_LOG_INFO, "trainer", "dist.shard_base: rank %d read only its 1/%d cut of the base "
+               "linears from %s", r->dist.rank, r->dist.world, cfg->model);
     r->have_model = 1;
     bt_model_base_info(m, &r->binfo);
     bt_log(BT_LOG_INFO, "trainer",

@@ -10,6 +10,7 @@
 #include "common/bt_common.h"
 #include "common/gguf.h"
 #include "common/quant.h"
+#include "trainer/backend/plan.h"
 #include "trainer/model/model_internal.h"
 #include "trainer/model/rng.h"
 
@@ -507,30 +508,58 @@ static int unpermute_rows(float *w, int nh, int hd, int cols) {
  * [total, cols] one (Phi-3 attn_qkv / ffn_up) and the linear is its rows [r0, r0 + rows) (ggml
  * blocks never span rows, so a row range is a byte range); total 0: the whole tensor. */
 static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name, int rows,
-                            int cols, int nh, int hd, int total, int r0, bt_base_linear *l) {
+                            int cols, int nh, int hd, int total, int r0, const bt_model_shard *sh,
+                            bt_base_linear *l) {
     const bt_gguf_tensor *t;
     int rc = find_tensor_checked(g, path, name, total ? total : rows, cols, &t);
     if (rc) return rc;
-    const uint8_t *src = (const uint8_t *)t->data + (size_t)r0 * bt_ggml_row_size(t->type, cols);
+    const size_t row_bytes = bt_ggml_row_size(t->type, cols);
+    const uint8_t *src = (const uint8_t *)t->data + (size_t)r0 * row_bytes;
+    /* this rank's HF rows [a, b) (dist.shard_base at load: bt_shard_cut_rows's cut), else all */
+    int64_t a = 0, b = rows;
+    if (sh && sh->world > 1) {
+        const int64_t per = bt_shard_units(rows, sh->world);
+        a = (int64_t)sh->rank * per < rows ? (int64_t)sh->rank * per : rows;
+        b = a + per < rows ? a + per : rows;
+        l->shard_rank = sh->rank;
+        l->shard_world = sh->world;
+        l->shard_r0 = a;
+    }
+    const int64_t nr = b - a;
     int32_t *perm = NULL;
-    if (nh > 0) {
-        perm = malloc((size_t)rows * sizeof *perm);
+    if (nr > 0 && nh > 0) { /* HF row a + i is file row perm[i] (unpermute_rows's map) */
+        perm = malloc((size_t)nr * sizeof *perm);
         if (!perm) return bt_fail(BT_ERR_NOMEM, "model: out of memory (un-permute)");
         const int half = hd / 2;
-        for (int h = 0; h < nh; h++)
-            for (int i = 0; i < half; i++)
-                for (int j = 0; j < 2; j++) perm[h * hd + j * half + i] = h * hd + 2 * i + j;
+        for (int64_t i = 0; i < nr; i++) {
+            const int r = (int)(a + i);
+            perm[i] = (r / hd) * hd + 2 * (r % hd % half) + (r % hd) / half;
+        }
     }
-    rc = bt_ggml_mat_init(&l->g, t->type, rows, cols, src, perm);
-    free(perm);
-    if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error_in("model"));
     l->rows = rows;
     l->cols = cols;
     l->is_gguf = 1;
+    if (nr == 0) { /* a rank past the end of a short matrix: padding only (plan.h) */
+        memset(&l->g, 0, sizeof l->g);
+        l->g.type = (int)t->type;
+        l->g.cols = cols;
+        l->g.row_bytes = row_bytes;
+        return 0;
+    }
+    if (nr == rows) { /* the whole matrix: the permutation applied by bt_ggml_mat_init */
+        rc = bt_ggml_mat_init(&l->g, t->type, nr, cols, src, perm);
+    } else { /* a cut: its rows, then (q/k) each moved from its file row; whole block rows, exact */
+        rc = bt_ggml_mat_init(&l->g, t->type, nr, cols, src + (size_t)a * row_bytes, NULL);
+        for (int64_t i = 0; !rc && perm && i < nr; i++)
+            memcpy(l->g.data + (size_t)i * row_bytes, src + (size_t)perm[i] * row_bytes, row_bytes);
+    }
+    free(perm);
+    if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error_in("model"));
     float *buf = malloc((size_t)cols * sizeof(float));
     if (!buf) return bt_fail(BT_ERR_NOMEM, "model: out of memory (%s)", name);
-    for (int r = 0; r < rows && !rc; r++) {
-        if ((rc = bt_ggml_mat_dequantize_rows(&l->g, r, 1, buf))) break;
+    for (int64_t i = 0; i < nr && !rc; i++) {
+        if ((rc = bt_ggml_mat_dequantize_rows(&l->g, i, 1, buf))) break;
+        const int r = (int)(a + i);
         for (int c = 0; c < cols; c++)
             if (!isfinite(buf[c])) {
                 /* report the element in the file's own (GGUF) order */
@@ -831,7 +860,7 @@ static int gguf_globals(bt_model *m, const bt_gguf *g, const char *path) {
  * the model). Errors: those of load_linear_gguf, load_tensor, unpermute_rows, bt_model_lin_set. */
 static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
                        const bt_llama_hparams *hp, int j, const bt_model_load_opts *opts,
-                       int total, int r0, bt_base_linear *l) {
+                       const bt_model_shard *sh, int total, int r0, bt_base_linear *l) {
     int rows, cols, rc;
     bt_model_lin_shape(hp, j, &rows, &cols);
     /* only LlamaModel.permute()s q/k; Qwen2Model / Qwen3Model write HF's rows (NEOX RoPE) */
@@ -839,7 +868,7 @@ static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
                    (j == BT_MOD_Q || j == BT_MOD_K);
     const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
     if (opts->base_dtype == BT_BASE_GGUF)
-        return load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim, total, r0, l);
+        return load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim, total, r0, sh, l);
     float *w;
     if ((rc = load_tensor(g, path, name, total ? total : rows, cols, &w))) return rc;
     if (total) { /* a fused tensor: keep rows [r0, r0 + rows) */
@@ -879,7 +908,7 @@ static int gguf_bias(const bt_gguf *g, const char *path, const bt_llama_hparams 
  * attn_k_norm [head_dim]. Reads g, m->hp; writes m->layers[l] (owned by m). Errors: those of
  * load_tensor and gguf_linear, the first in that order. */
 static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
-                      const bt_model_load_opts *opts) {
+                      const bt_model_load_opts *opts, const bt_model_shard *sh) {
     const bt_llama_hparams *hp = &m->hp;
     bt_layer *L = &m->layers[l];
     char name[96];
@@ -911,7 +940,7 @@ static int gguf_layer(bt_model *m, const bt_gguf *g, const char *path, int l,
             total = 2 * hp->d_ff;
             r0 = j == BT_MOD_GATE ? 0 : hp->d_ff;
         }
-        if ((rc = gguf_linear(g, path, name, hp, j, opts, total, r0, &L->lin[j]))) return rc;
+        if ((rc = gguf_linear(g, path, name, hp, j, opts, sh, total, r0, &L->lin[j]))) return rc;
         if (!total && (rc = gguf_bias(g, path, hp, l, j, opts, &L->lin[j]))) return rc;
     }
     if (phi3) { /* LLM_ARCH_PHI3 has no biases: refuse any rather than drop it */
@@ -953,7 +982,7 @@ int bt_model_layer_of(const char *name, const char *prefix) {
  * partly filled array is freed by bt_model_free). Errors: BT_ERR_FORMAT, BT_ERR_NOMEM, those of
  * gguf_layer. */
 static int gguf_layers(bt_model *m, const bt_gguf *g, const char *path,
-                       const bt_model_load_opts *opts) {
+                       const bt_model_load_opts *opts, const bt_model_shard *sh) {
     int top = -1;
     for (int64_t i = 0; i < bt_gguf_n_tensors(g); i++) {
         const bt_gguf_tensor *t = bt_gguf_tensor_at(g, i);
@@ -969,15 +998,28 @@ static int gguf_layers(bt_model *m, const bt_gguf *g, const char *path,
     m->layers = calloc((size_t)m->hp.n_layer, sizeof(bt_layer));
     if (!m->layers) return bt_fail(BT_ERR_NOMEM, "model: out of memory");
     int rc = 0;
-    for (int l = 0; l < m->hp.n_layer && !rc; l++) rc = gguf_layer(m, g, path, l, opts);
+    for (int l = 0; l < m->hp.n_layer && !rc; l++) rc = gguf_layer(m, g, path, l, opts, sh);
     return rc;
 }
 
 int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts_in) {
+    return bt_model_load_gguf_shard(m, path, opts_in, NULL);
+}
+
+int bt_model_load_gguf_shard(bt_model *m, const char *path, const bt_model_load_opts *opts_in,
+                             const bt_model_shard *sh) {
     memset(m, 0, sizeof *m);
     bt_model_load_opts opts = {BT_BASE_AUTO, 0};
     if (opts_in) opts = *opts_in;
     if (opts.base_dtype == BT_BASE_AUTO) opts.base_dtype = BT_BASE_GGUF;
+    if (sh && (sh->world < 1 || sh->rank < 0 || sh->rank >= sh->world))
+        return bt_fail(BT_ERR_INVALID, "model: %s: shard rank %d of %d ranks: the rank must be in "
+                       "[0, ranks)", path, sh->rank, sh->world);
+    if (sh && sh->world > 1 && opts.base_dtype != BT_BASE_GGUF)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: loading only this rank's shard of the base "
+                       "(dist.shard_base) needs base_dtype gguf (the file's own blocks); an %s base is "
+                       "loaded whole, then cut", path,
+                       opts.base_dtype == BT_BASE_NF4 ? "nf4" : "fp32");
     bt_gguf *g = NULL;
     int rc = bt_gguf_open(&g, path);
     if (rc) return bt_fail(rc, "model: %s", bt_last_error_in("model"));
@@ -985,7 +1027,7 @@ int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *
         goto fail;
     m->base_dtype = opts.base_dtype;
     if ((rc = gguf_rope_setup(m, g, path)) || (rc = gguf_globals(m, g, path)) ||
-        (rc = gguf_layers(m, g, path, &opts)))
+        (rc = gguf_layers(m, g, path, &opts, sh)))
         goto fail;
     if ((rc = bt_gguf_check(g, 0))) {
         rc = bt_fail(rc, "model: %s", bt_last_error_in("model"));

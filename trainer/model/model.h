@@ -142,6 +142,13 @@ typedef struct {
     bt_nf4 q;     /* when is_nf4 (owned) */
     bt_ggml_mat g; /* when is_gguf (owned): the GGUF tensor's blocks, HF row order */
     float *bias;  /* [rows] fp32 or NULL (owned): Qwen2 q/k/v, Llama attention_bias/mlp_bias */
+    /* shard_world > 1 (bt_model_load_gguf_shard, dist.shard_base): the linear holds only rank
+     * shard_rank's cut of it (trainer/backend/plan.h bt_shard_cut_rows: rows [shard_r0,
+     * shard_r0 + g.rows), g.rows possibly 0 past the end); rows / cols stay the whole matrix's
+     * shape. Such a linear is for the sharded GPU upload only (trainer/cuda/cuda_model.cu): the CPU
+     * step and bt_base_fwd / bt_base_bwd_x read rows x cols and must never be given one. 0: whole. */
+    int shard_rank, shard_world;
+    int64_t shard_r0;
 } bt_base_linear;
 
 typedef struct {
@@ -263,6 +270,24 @@ typedef struct {
  * mismatch, bad key value, non-finite weight), BT_ERR_INVALID (implausible hyper-parameters,
  * bt_model_check_hparams), BT_ERR_NOMEM; the message names the file and key/tensor. */
 int bt_model_load_gguf(bt_model *m, const char *path, const bt_model_load_opts *opts);
+
+/* dist.shard_base at load (issue 26): rank `rank` of `world` data-parallel ranks. */
+typedef struct {
+    int rank, world;
+} bt_model_shard;
+/* bt_model_load_gguf, but each frozen base linear keeps only this rank's cut of it
+ * (trainer/backend/plan.h bt_shard_cut_rows over its HF rows: rows [k c, min((k + 1) c, rows)),
+ * c = bt_shard_units(rows, world)), read from the mapped file (common/gguf.h bt_gguf_open mmaps
+ * it read-only): the other ranks' rows are never copied, decoded or checked here, so the host
+ * bytes of the base are about 1/world of the whole (the embedding, norms, biases and lm_head stay
+ * whole: every rank runs them). q/k rows are un-permuted before the cut (the cut is of the HF
+ * rows, as the GPU's gathered matrix holds them). shard NULL or world 1: bt_model_load_gguf.
+ * Only base_dtype BT_BASE_GGUF / AUTO (the file's own blocks) can be cut at load today; NF4 and
+ * fp32 are refused (BT_ERR_UNSUPPORTED): docs/ARCHITECTURE.md §Parallel says how NF4 is to be
+ * quantised per shard. Errors: those of bt_model_load_gguf; BT_ERR_INVALID (rank outside
+ * [0, world), world < 1). */
+int bt_model_load_gguf_shard(bt_model *m, const char *path, const bt_model_load_opts *opts,
+                             const bt_model_shard *shard);
 
 /* Load a Hugging Face model directory (trainer/model/model_hf.c): <dir>/config.json and either
  * <dir>/model.safetensors or <dir>/model.safetensors.index.json ("weight_map": tensor -> shard

@@ -189,6 +189,90 @@ static void test_synthetic(void **st) {
     g_wq_hf = g_wk_hf = NULL;
 }
 
+/* dist.shard_base at load (issue 26): each rank's linears hold exactly the rows of its
+ * bt_shard_cut_rows cut of a whole GGUF-native load (q/k un-permuted before the cut), the ranks'
+ * bytes add up to the whole base's and each is about 1/W of it; the embedding and norms stay
+ * whole. Fails on a loader that keeps every row, cuts the file's (permuted) rows, or drops a tail. */
+static void check_shards(const char *path, const int *worlds, int nw) {
+    bt_model_load_opts gg = {BT_BASE_GGUF, 0};
+    bt_model full;
+    assert_int_equal(bt_model_load_gguf(&full, path, &gg), 0);
+    bt_base_info whole;
+    bt_model_base_info(&full, &whole);
+    for (int wi = 0; wi < nw; wi++) {
+        const int W = worlds[wi];
+        uint64_t sum = 0, most = 0;
+        for (int k = 0; k < W; k++) {
+            bt_model m;
+            bt_model_shard sh = {k, W};
+            assert_int_equal(bt_model_load_gguf_shard(&m, path, &gg, &sh), 0);
+            for (int l = 0; l < full.hp.n_layer; l++)
+                for (int j = 0; j < BT_MOD_N; j++) {
+                    const bt_base_linear *f = &full.layers[l].lin[j], *s = &m.layers[l].lin[j];
+                    assert_int_equal(s->rows, f->rows);
+                    assert_int_equal(s->cols, f->cols);
+                    assert_int_equal(s->shard_world, W);
+                    assert_int_equal(s->shard_rank, k);
+                    const int64_t per = (f->rows + W - 1) / W;
+                    const int64_t a = k * per < f->rows ? k * per : f->rows;
+                    const int64_t b = a + per < f->rows ? a + per : f->rows;
+                    assert_int_equal(s->shard_r0, a);
+                    assert_int_equal(s->g.rows, b - a);
+                    assert_int_equal(s->g.row_bytes, f->g.row_bytes);
+                    if (b > a)
+                        assert_memory_equal(s->g.data, f->g.data + (size_t)a * f->g.row_bytes,
+                                            (size_t)(b - a) * f->g.row_bytes);
+                }
+            assert_memory_equal(m.tok_embd, full.tok_embd,
+                                (size_t)full.hp.vocab * full.hp.d_model * sizeof(float));
+            bt_base_info bi;
+            bt_model_base_info(&m, &bi);
+            sum += bi.bytes;
+            if (bi.bytes > most) most = bi.bytes;
+            bt_model_free(&m);
+        }
+        assert_int_equal(sum, whole.bytes);
+        /* the largest rank holds 1/W of the base, give or take one row per linear */
+        assert_true((double)most <= (double)whole.bytes / W * 1.10);
+        printf("shard_base at load: W %d: the largest rank holds %llu of %llu base bytes (%.3f)\n",
+               W, (unsigned long long)most, (unsigned long long)whole.bytes,
+               (double)most / (double)whole.bytes);
+    }
+    bt_model_free(&full);
+}
+
+static void test_shard_load(void **st) {
+    (void)st;
+    char path[] = "/tmp/bt_shard_XXXXXX.gguf";
+    int fd = mkstemps(path, 5);
+    assert_true(fd >= 0);
+    close(fd);
+    synth_opts o = {0};
+    make_synth(path, &o); /* F32 blocks; layer q/k permuted in the file */
+    static const int worlds[] = {2, 3, 4, 5};
+    check_shards(path, worlds, 4);
+    /* refusals: a base re-quantised at load, a rank outside [0, W) */
+    bt_model m;
+    bt_model_load_opts nf = {BT_BASE_NF4, 0}, gg = {BT_BASE_GGUF, 0};
+    bt_model_shard sh = {0, 2};
+    assert_int_equal(bt_model_load_gguf_shard(&m, path, &nf, &sh), BT_ERR_UNSUPPORTED);
+    assert_non_null(strstr(bt_last_error(), "base_dtype gguf"));
+    bt_model_shard bad = {2, 2};
+    assert_int_equal(bt_model_load_gguf_shard(&m, path, &gg, &bad), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "shard rank 2 of 2"));
+    unlink(path);
+    free(g_wq_hf);
+    free(g_wk_hf);
+    g_wq_hf = g_wk_hf = NULL;
+    /* a real file's own blocks (SmolLM2 Q4_1: Q4_1 + others), when the model is present */
+    const char *real = getenv("BT_MODEL") && *getenv("BT_MODEL")
+                           ? getenv("BT_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    if (access(real, R_OK) == 0) {
+        static const int w2[] = {2, 4};
+        check_shards(real, w2, 2);
+    }
+}
+
 /* ---- the real model ---- */
 
 /* "The capital of France is Paris. It is known for the Eiffel Tower, which was built in 1889
@@ -281,6 +365,7 @@ static void test_real_model(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_synthetic),
+        cmocka_unit_test(test_shard_load),
         cmocka_unit_test(test_real_model),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
