@@ -2,7 +2,10 @@
 # DPO on real preference data (issue 25 §4): `make dpo-data` (FOLDOC: each term's real definition
 # chosen, a confusable term's definition rejected, 200 held-out terms) -> loaderd with a token cache
 # -> trainer DPO-fine-tunes SmolLM2-135M-Instruct (GGUF-native Q4_1 base, CPU) -> held-out
-# rewards/accuracies and rewards/margins before / after, and the PEFT adapter. Then the same run
+# preference accuracy before / after: logps/accuracies (ours: the share of held-out pairs whose
+# POLICY log-prob of chosen > rejected; it must rise by at least 10 points, else the demo fails)
+# and logps/margins, next to TRL's rewards/accuracies and rewards/margins (0 before training by
+# construction: policy = reference), and the PEFT adapter. Then the same run
 # again: the reference log-probs come from loaderd's cache (precompute_ref_log_probs), the losses
 # are the same, and the time saved is printed. Run through `make demo-dpo`. Extra trainer
 # overrides: DEMO_SET="steps=30 optim.lr=5e-4".
@@ -50,12 +53,16 @@ print(f"demo-dpo: peft reads the adapter: r {cfg.r}, lora_alpha {cfg.lora_alpha}
 PY
 fi
 
-python3 - "$run/trainer.log" "$run/trainer2.log" <<'PY'
+ok=0
+python3 - "$run/trainer.log" "$run/trainer2.log" <<'PY' || ok=$?
 import re, sys
 a, b = (open(p).read() for p in sys.argv[1:3])
 def ev(t):
     m = re.search(r"held-out rewards/accuracies: before (\S+) -> after (\S+); rewards/margins:? before (\S+) -> after (\S+)", t)
     return m
+def lp(t):
+    return re.search(r"held-out logps/accuracies \(policy log-prob chosen > rejected\): before (\S+) -> after (\S+) "
+                     r"\(\S+ points\); logps/margins: before (\S+) -> after (\S+) \((\d+) pairs\)", t)
 def train_s(t):
     m = re.search(r"(\d+) steps in (\S+) s", t)
     return float(m.group(2)) if m else float("nan")
@@ -70,10 +77,25 @@ m = ev(a)
 if m:
     print(f"demo-dpo: held-out rewards/accuracies {float(m.group(1)):.3f} -> {float(m.group(2)):.3f}, "
           f"rewards/margins {float(m.group(3)):.4f} -> {float(m.group(4)):.4f}")
+p = lp(a)
+rise = 100.0 * (float(p.group(2)) - float(p.group(1))) if p else float("nan")
+if p:
+    print(f"demo-dpo: held-out preference accuracy (policy log-prob chosen > rejected, logps/accuracies) "
+          f"{float(p.group(1)):.3f} -> {float(p.group(2)):.3f} ({rise:+.1f} points, {p.group(5)} pairs); "
+          f"mean policy margin (logps/margins) {float(p.group(3)):.3f} -> {float(p.group(4)):.3f}")
 print(f"demo-dpo: run 1 (reference computed): training {train_s(a):.1f} s, held-out evaluations {heldout_s(a):.1f} s; {refs(a)}")
 print(f"demo-dpo: run 2 (reference cached):   training {train_s(b):.1f} s, held-out evaluations {heldout_s(b):.1f} s; {refs(b)}")
 print(f"demo-dpo: time saved by the cache: {train_s(a) + heldout_s(a) - train_s(b) - heldout_s(b):.1f} s; "
       f"printed losses / acc / margins identical: {losses(a) == losses(b) and len(losses(a)) > 0}")
+if not p:
+    print("demo-dpo: FAILED: no held-out logps/accuracies before / after line in " + sys.argv[1], file=sys.stderr)
+    sys.exit(1)
+if not rise >= 10.0:
+    print(f"demo-dpo: FAILED: held-out preference accuracy rose {rise:+.1f} points, the demo asks >= +10",
+          file=sys.stderr)
+    sys.exit(1)
+print(f"demo-dpo: held-out preference accuracy rose {rise:+.1f} points (>= +10: ok)")
 PY
 t4=$(date +%s)
 echo "demo-dpo: wall time $(( (t4 - t0) / 60 ))m$(( (t4 - t0) % 60 ))s"
+exit $ok

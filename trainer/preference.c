@@ -174,6 +174,7 @@ static void metrics_nan(bt_pref_metrics *m)
 {
     m->loss = m->rewards_chosen = m->rewards_rejected = m->rewards_accuracies = NAN;
     m->rewards_margins = m->logps_chosen = m->logps_rejected = NAN;
+    m->logps_accuracies = m->logps_margins = NAN;
     m->nll_loss = m->log_odds_ratio = m->log_odds_chosen = m->kl = NAN;
 }
 
@@ -258,9 +259,10 @@ static void dpo(const bt_pref_params *p, int n, const double *pc, const double *
         }
         loss += p->loss_weights[k] * (sum / n);
     }
-    double rch = 0, rrej = 0, acc = 0, mar = 0, lc = 0, lr = 0;
+    double rch = 0, rrej = 0, acc = 0, mar = 0, lc = 0, lr = 0, lacc = 0;
     for (int i = 0; i < n; i++) {
         const double a = beta * (pc[i] - rc[i]), b = beta * (pr[i] - rr[i]);
+        lacc += pc[i] > pr[i] ? 1.0 : 0.0;
         rch += a;
         rrej += b;
         acc += a > b ? 1.0 : 0.0;
@@ -275,6 +277,8 @@ static void dpo(const bt_pref_params *p, int n, const double *pc, const double *
     m->rewards_margins = mar / n;
     m->logps_chosen = lc / n;
     m->logps_rejected = lr / n;
+    m->logps_accuracies = lacc / n;
+    m->logps_margins = (lc - lr) / n;
 }
 
 /* ORPO, TRL 1.16.0 trl/experimental/orpo/orpo_trainer.py (odds_ratio_loss,
@@ -290,9 +294,10 @@ static void orpo(const bt_pref_params *p, int n, const double *pc, const double 
                  double *dnll, bt_pref_metrics *m)
 {
     const double beta = p->beta;
-    double sum_ratio = 0, sum_lo = 0, rch = 0, rrej = 0, acc = 0, mar = 0, la = 0, lb = 0;
+    double sum_ratio = 0, sum_lo = 0, rch = 0, rrej = 0, acc = 0, mar = 0, la = 0, lb = 0, lacc = 0;
     for (int i = 0; i < n; i++) {
         const double a = pc[i] / nc[i], b = pr[i] / nr[i];
+        lacc += a > b ? 1.0 : 0.0;
         la += a;
         lb += b;
         const double lo = (a - b) - (log1mexp(a) - log1mexp(b));
@@ -317,6 +322,8 @@ static void orpo(const bt_pref_params *p, int n, const double *pc, const double 
     m->rewards_margins = mar / n;
     m->logps_chosen = la / n;
     m->logps_rejected = lb / n;
+    m->logps_accuracies = lacc / n;
+    m->logps_margins = (la - lb) / n;
     m->nll_loss = nll;
     m->log_odds_ratio = sum_ratio / n;
     m->log_odds_chosen = sum_lo / n;
@@ -338,9 +345,10 @@ static void cpo(const bt_pref_params *p, int n, const double *pc, const double *
     const bt_pref_loss_type t = p->loss_type[0];
     const int avg = t == BT_PREF_LOSS_IPO || t == BT_PREF_LOSS_SIMPO;
     const double shift = t == BT_PREF_LOSS_SIMPO ? p->simpo_gamma / beta : 0.0;
-    double sum = 0, rch = 0, rrej = 0, acc = 0, mar = 0, la = 0, lb = 0;
+    double sum = 0, rch = 0, rrej = 0, acc = 0, mar = 0, la = 0, lb = 0, lacc = 0;
     for (int i = 0; i < n; i++) {
         const double a = avg ? pc[i] / nc[i] : pc[i], b = avg ? pr[i] / nr[i] : pr[i];
+        lacc += a > b ? 1.0 : 0.0;
         const double lg = (a - b) - shift, z = beta * lg;
         double L, dLdlg;
         if (t == BT_PREF_LOSS_HINGE) {
@@ -376,6 +384,8 @@ static void cpo(const bt_pref_params *p, int n, const double *pc, const double *
     m->rewards_margins = mar / n;
     m->logps_chosen = la / n;
     m->logps_rejected = lb / n;
+    m->logps_accuracies = lacc / n;
+    m->logps_margins = (la - lb) / n;
     m->nll_loss = nll_used;
 }
 

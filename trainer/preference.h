@@ -95,11 +95,19 @@ int bt_pref_check(const bt_pref_params *p, char *err, int errlen);
  * TRL trainer logs: nll_loss (ORPO, CPO), log_odds_ratio and log_odds_chosen (ORPO), kl (KTO).
  * A field that the algorithm does not log is NaN (rewards/accuracies for KTO; KTO's chosen-side
  * metrics when the batch has no desirable example, rejected-side ones when it has no undesirable
- * one, margins unless it has both: TRL appends nothing then). */
+ * one, margins unless it has both: TRL appends nothing then).
+ * Ours, not TRL's (paired algorithms only; NaN for KTO): logps/accuracies = share of pairs whose
+ * POLICY log-prob of the chosen response exceeds that of the rejected one, and logps/margins = mean
+ * over pairs of (chosen - rejected) policy log-prob, both on the log-probs as logps/chosen and
+ * logps/rejected log them (sums for DPO and CPO sigmoid / hinge; per-token averages for ORPO and
+ * CPO ipo / simpo). Unlike rewards/accuracies (0 at step 0 by construction, policy = reference)
+ * it says whether the model itself prefers the chosen answer, before training as after (issue 25
+ * §4). A tie counts as not preferred, like TRL's strict `>` for rewards/accuracies. */
 typedef struct {
     double loss;
     double rewards_chosen, rewards_rejected, rewards_accuracies, rewards_margins;
     double logps_chosen, logps_rejected;
+    double logps_accuracies, logps_margins; /* ours, see above */
     double nll_loss, log_odds_ratio, log_odds_chosen, kl;
 } bt_pref_metrics;
 

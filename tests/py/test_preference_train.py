@@ -107,11 +107,27 @@ def test_dpo_learns_and_logs_trl_metrics(env):
     assert tr[-1]["loss"] < tr[0]["loss"] - 0.05, [x["loss"] for x in tr]
     assert [e["step"] for e in ev] == [0, 4, 8] and ev[0]["records"] == 8 and all(k in e for e in ev for k in TRL)
     assert "perplexity" not in ev[0]
-    assert re.search(r"step 4/8 \| held-out loss \S+ \| acc \S+ \| margin \S+ \| 8 pairs", r.stdout), r.stdout
+    assert re.search(r"step 4/8 \| held-out loss \S+ \| acc \S+ \| margin \S+ \| lp-acc \S+ \| 8 pairs", r.stdout), r.stdout
     assert ev[-1]["rewards/accuracies"] > ev[0]["rewards/accuracies"]
     assert ev[-1]["rewards/margins"] > ev[0]["rewards/margins"]
     assert ev[-1]["rewards/accuracies"] >= 0.75, ev
     assert re.search(r"held-out rewards/accuracies: before \S+ -> after \S+; rewards/margins", r.stdout), r.stdout
+    # ours (not TRL's): the policy's own preference, chosen log-prob > rejected, in every line
+    OURS = ["logps/accuracies", "logps/margins"]
+    assert all(k in x for x in tr + ev for k in OURS), ev[0]
+    for x in tr + ev:
+        assert abs(x["logps/margins"] - (x["logps/chosen"] - x["logps/rejected"])) < 1e-3 * (1 + abs(x["logps/margins"])), x
+    assert all(abs(e["logps/accuracies"] * 8 - round(e["logps/accuracies"] * 8)) < 1e-9 for e in ev), ev
+    assert re.search(r"step \d+/8 \| loss \S+ \| acc \S+ \| margin \S+ \| lp-acc \S+", r.stdout), r.stdout
+    lp = re.search(r"held-out logps/accuracies \(policy log-prob chosen > rejected\): before (\S+) -> after (\S+) "
+                   r"\(\S+ points\); logps/margins: before (\S+) -> after (\S+) \(8 pairs\)", r.stdout)
+    assert lp, r.stdout
+    assert abs(float(lp.group(1)) - ev[0]["logps/accuracies"]) < 1e-4 and abs(float(lp.group(2)) - ev[-1]["logps/accuracies"]) < 1e-4
+    assert abs(float(lp.group(3)) - ev[0]["logps/margins"]) < 1e-4 * (1 + abs(ev[0]["logps/margins"]))
+    # the reference is fixed, so the policy margin's rise is the reward margin's rise over beta (0.1)
+    rise = ev[-1]["logps/margins"] - ev[0]["logps/margins"]
+    assert abs(0.1 * rise - (ev[-1]["rewards/margins"] - ev[0]["rewards/margins"])) < 1e-3 * (1 + abs(rise)), ev
+    print(f"dpo tiny: held-out logps/accuracies {lp.group(1)} -> {lp.group(2)}, logps/margins {lp.group(3)} -> {lp.group(4)}")
     assert (env["tmp"] / "dpo-report" / "report.png").stat().st_size > 1000  # with its accuracy panel
     card = (env["tmp"] / "dpo-adapter" / "README.md").read_text()
     assert "| objective | dpo (loss_type sigmoid, beta 0.1) |" in card and "8 pairs from" in card
@@ -175,6 +191,7 @@ def test_other_objectives_train(env, objective, extra):
     assert re.search(rf"step 4/4 \| loss \S+ \| {short} \S+ \| margin", r.stdout), r.stdout
     if objective == "kto":
         assert tr[0]["rewards/accuracies"] is None  # TRL's KTO logs no accuracy
+        assert "logps/accuracies" not in tr[0] and "logps/margins" not in tr[0]  # ours: pairs only
 
 
 @pytest.mark.parametrize("over,msg", [

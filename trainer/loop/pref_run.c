@@ -185,19 +185,20 @@ int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *i
                        "gives non-finite log-probs", cfg->objective, m->loss);
     if (r->dist.rank == 0 && recs > 0)
         bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld %s, loss %.4f, %s %.4f, "
-               "rewards/margins %.4f (%.1f s)", cut ? " (partial, interrupted)" : "", nb, *n_records,
+               "rewards/margins %.4f, logps/accuracies %.4f, logps/margins %.4f (%.1f s)", cut ? " (partial, interrupted)" : "", nb, *n_records,
                cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs", m->loss,
                cfg->pref.algo == BT_PREF_KTO ? "kl" : "rewards/accuracies",
                cfg->pref.algo == BT_PREF_KTO ? m->kl : m->rewards_accuracies, m->rewards_margins,
-               bt_now() - t0);
+               m->logps_accuracies, m->logps_margins, bt_now() - t0);
     return 0;
 }
 
-/* "| acc 0.62 | margin 0.031" (pairs) or "| kl 0.012 | margin 0.031" (KTO), TRL's
- * rewards/accuracies and rewards/margins, for the progress line. */
+/* "| acc 0.62 | margin 0.031 | lp-acc 0.71" (pairs) or "| kl 0.012 | margin 0.031" (KTO): TRL's
+ * rewards/accuracies and rewards/margins, then our logps/accuracies, for the progress line. */
 void bt_pref_short(char *buf, size_t n, const bt_train_config *cfg, const bt_pref_metrics *m) {
     if (cfg->pref.algo == BT_PREF_KTO)
         snprintf(buf, n, " | kl %.4f | margin %.4f", m->kl, m->rewards_margins);
     else
-        snprintf(buf, n, " | acc %.2f | margin %.4f", m->rewards_accuracies, m->rewards_margins);
+        snprintf(buf, n, " | acc %.2f | margin %.4f | lp-acc %.2f", m->rewards_accuracies,
+                 m->rewards_margins, m->logps_accuracies);
 }

@@ -438,8 +438,10 @@ int bt_pref_step_micro(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb,
 
 /* sums: [0] records, [1] records x loss (without the NLL term), [2..9] records x metric (KTO:
  * the chosen-side ones x desirable, rejected-side x undesirable), [10] NLL sum, [11] NLL targets,
- * [12] desirable, [13] undesirable */
-enum { S_N, S_LOSS, S_RC, S_RR, S_ACC, S_MAR, S_LC, S_LR, S_LOR, S_LOC, S_NLL, S_NLLT, S_DES, S_UND };
+ * [12] desirable, [13] undesirable, [14] records x logps/accuracies, [15] records x logps/margins
+ * (ours: policy chosen > rejected; pairs only) */
+enum { S_N, S_LOSS, S_RC, S_RR, S_ACC, S_MAR, S_LC, S_LR, S_LOR, S_LOC, S_NLL, S_NLLT, S_DES, S_UND,
+       S_LACC, S_LMAR };
 
 void bt_pref_step_sums(const bt_pref_step *s, double kl_mean, double sums[BT_PREF_NSUMS]) {
     memset(sums, 0, BT_PREF_NSUMS * sizeof(double));
@@ -473,6 +475,8 @@ void bt_pref_step_sums(const bt_pref_step *s, double kl_mean, double sums[BT_PRE
     sums[S_MAR] = n * m.rewards_margins;
     sums[S_LC] = n * m.logps_chosen;
     sums[S_LR] = n * m.logps_rejected;
+    sums[S_LACC] = n * m.logps_accuracies;
+    sums[S_LMAR] = n * m.logps_margins;
     if (s->p.algo == BT_PREF_ORPO) sums[S_LOR] = n * m.log_odds_ratio, sums[S_LOC] = n * m.log_odds_chosen;
 }
 
@@ -483,6 +487,7 @@ void bt_pref_metrics_of(const bt_pref_params *p, const double sums[BT_PREF_NSUMS
     const double n = sums[S_N];
     m->loss = m->rewards_chosen = m->rewards_rejected = m->rewards_accuracies = NAN;
     m->rewards_margins = m->logps_chosen = m->logps_rejected = NAN;
+    m->logps_accuracies = m->logps_margins = NAN;
     m->nll_loss = m->log_odds_ratio = m->log_odds_chosen = m->kl = NAN;
     if (!(n > 0)) return;
     m->loss = sums[S_LOSS] / n;
@@ -501,6 +506,8 @@ void bt_pref_metrics_of(const bt_pref_params *p, const double sums[BT_PREF_NSUMS
     m->rewards_margins = sums[S_MAR] / n;
     m->logps_chosen = sums[S_LC] / n;
     m->logps_rejected = sums[S_LR] / n;
+    m->logps_accuracies = sums[S_LACC] / n;
+    m->logps_margins = sums[S_LMAR] / n;
     const double coef = nll_coef(p);
     if (p->algo != BT_PREF_DPO) {
         const double nll = sums[S_NLLT] > 0 ? sums[S_NLL] / sums[S_NLLT] : 0.0;

@@ -65,7 +65,7 @@ typedef struct {
 
 /* Weighted sums bt_pref_step_sums writes and bt_pref_metrics_of reads (after the caller summed
  * them over ranks). */
-#define BT_PREF_NSUMS 14
+#define BT_PREF_NSUMS 16
 
 /* A step over micro-batches of B x T tokens, vocabulary `vocab`, the validated parameters p
  * (copied; bt_pref_check). Owned buffers (about 60 bytes per token). Errors: BT_ERR_INVALID (p

@@ -414,10 +414,12 @@ static int run_eval_only(bt_run *r) {
             fprintf(out, "held-out loss (partial, interrupted): no batch evaluated\n");
         else if (r->pref)
             fprintf(out, "held-out %s loss%s: %.6f, rewards/accuracies %.4f, rewards/margins %.4f, "
-                    "logps/chosen %.4f, logps/rejected %.4f (%lld %s)\n", cfg->objective,
+                    "logps/chosen %.4f, logps/rejected %.4f, logps/accuracies %.4f, logps/margins "
+                    "%.4f (%lld %s)\n", cfg->objective,
                     r->eval_cut ? " (partial, interrupted)" : "", r->before,
                     r->pref_before.rewards_accuracies, r->pref_before.rewards_margins,
-                    r->pref_before.logps_chosen, r->pref_before.logps_rejected, r->n_eval,
+                    r->pref_before.logps_chosen, r->pref_before.logps_rejected,
+                    r->pref_before.logps_accuracies, r->pref_before.logps_margins, r->n_eval,
                     cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs");
         else
             fprintf(out, "held-out loss%s: %.6f, perplexity %.3f (%lld tokens%s%s)\n",
@@ -805,6 +807,13 @@ static int run_finish(bt_run *r) {
                         kto ? r->pref_eval_m.kl : r->pref_eval_m.rewards_accuracies,
                         r->pref_before.rewards_margins, r->pref_eval_m.rewards_margins, r->n_eval,
                         kto ? "examples" : "pairs");
+            if (r->dist.rank == 0 && r->pref && !kto) /* ours: the policy's own preference */
+                fprintf(out, "held-out logps/accuracies (policy log-prob chosen > rejected): before "
+                        "%.4f -> after %.4f (%+.1f points); logps/margins: before %.4f -> after %.4f "
+                        "(%lld pairs)\n", r->pref_before.logps_accuracies,
+                        r->pref_eval_m.logps_accuracies,
+                        100.0 * (r->pref_eval_m.logps_accuracies - r->pref_before.logps_accuracies),
+                        r->pref_before.logps_margins, r->pref_eval_m.logps_margins, r->n_eval);
         }
     }
     if (r->dist.rank == 0) {

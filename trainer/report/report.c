@@ -137,16 +137,19 @@ static int put_line(bt_report *r, json_t *j) {
     return rc;
 }
 
-/* TRL's metric names (trainer/preference.h bt_pref_metrics), in its order */
-#define PREF_N 10
+/* TRL's metric names (trainer/preference.h bt_pref_metrics), in its order, then ours:
+ * logps/accuracies, logps/margins (the policy's own preference; pairs only) */
+#define PREF_N 12
 static const char *const k_pref_names[PREF_N] = {
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-    "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl"};
+    "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl", "logps/accuracies",
+    "logps/margins"};
 
 static void pref_values(const bt_pref_metrics *m, double v[PREF_N]) {
     const double x[PREF_N] = {m->rewards_chosen, m->rewards_rejected, m->rewards_accuracies,
                               m->rewards_margins, m->logps_chosen, m->logps_rejected, m->nll_loss,
-                              m->log_odds_ratio, m->log_odds_chosen, m->kl};
+                              m->log_odds_ratio, m->log_odds_chosen, m->kl, m->logps_accuracies,
+                              m->logps_margins};
     memcpy(v, x, sizeof x);
 }
 

@@ -10,7 +10,10 @@
  *                   lines: "rewards/chosen", "rewards/rejected", "rewards/accuracies",
  *                   "rewards/margins", "logps/chosen", "logps/rejected", and where the algorithm
  *                   logs them "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl" (null when
- *                   TRL logs nothing: KTO's accuracies); its eval lines carry the same and
+ *                   TRL logs nothing: KTO's accuracies), then ours for paired algorithms:
+ *                   "logps/accuracies" (share of pairs whose policy log-prob of chosen >
+ *                   rejected) and "logps/margins" (mean policy chosen - rejected log-prob;
+ *                   trainer/preference.h); its eval lines carry the same and
  *                   "records" instead of perplexity and tokens; TensorBoard train/<name> and
  *                   eval/<name>; report.png adds a panel of rewards/accuracies (train, held-out)
  *                     {"type": "eval", "step": 0, "loss": 2.91, "perplexity": 18.4,

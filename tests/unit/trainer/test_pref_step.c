@@ -241,6 +241,13 @@ static void test_pair_objectives_against_trl(void **state) {
         /* the same sequences in another packing: fp32 rounding of their log-probs only */
         assert_true(rel(m2.loss, m.loss) <= 1e-5);
         assert_true(fabs(m2.rewards_margins - m.rewards_margins) <= 1e-5 * (1.0 + fabs(m.rewards_margins)));
+        /* ours, through the step's sums: a share of the 3 pairs, the same in either packing, and
+         * logps/margins = logps/chosen - logps/rejected (both are means over the same pairs) */
+        assert_true(m.logps_accuracies == 0.0 || fabs(m.logps_accuracies - 1.0 / 3) < 1e-12 ||
+                    fabs(m.logps_accuracies - 2.0 / 3) < 1e-12 || m.logps_accuracies == 1.0);
+        assert_true(m2.logps_accuracies == m.logps_accuracies);
+        assert_true(fabs(m.logps_margins - (m.logps_chosen - m.logps_rejected)) <=
+                    1e-9 * (1.0 + fabs(m.logps_margins)));
         double mx = 0, d = 0;
         for (int64_t i = 0; i < r.lo.n_params; i++)
             mx = fmax(mx, fabs(g1[i])), d = fmax(d, fabs(g1[i] - r.lo.grads[i]));
@@ -285,6 +292,7 @@ static void test_kto_against_trl(void **state) {
     run_step(s, be, &pb, 1, &p, &m);
     const double e_loss = rel(m.loss, json_number_value(json_object_get(kc, "loss")));
     const double e_met = metrics_err(&m, json_object_get(kc, "metrics"));
+    assert_true(isnan(m.logps_accuracies) && isnan(m.logps_margins)); /* KTO: no pairs */
     const double e_grad = grads_rel_err(&r.lo, r.gf, "kto");
     print_message("preference step KTO vs TRL 1.16.0 (KL sequences built by the step): loss rel err %.3g, "
                   "metrics %.3g, LoRA grads %.3g\n", e_loss, e_met, e_grad);

@@ -415,6 +415,59 @@ static void test_bad_calls(void **state)
     assert_true(isnan(m.kl) && isnan(m.loss));
 }
 
+/* Our logps/accuracies and logps/margins (not TRL's): the share of pairs whose POLICY log-prob of
+ * chosen exceeds rejected, and the mean policy (chosen - rejected), on hand-computed pairs. They
+ * must not depend on the reference (rewards/accuracies does: 0 when policy = reference), a tie is
+ * not a win, and they use the log-probs as logps/chosen logs them (per-token averages for ORPO and
+ * CPO simpo, sums for DPO and CPO sigmoid). */
+static void test_logps_accuracies(void **state)
+{
+    (void)state;
+    bt_pref_params p;
+    bt_pref_metrics m;
+    /* DPO, 4 pairs: -10 > -12 yes, -20 > -15 no, -5 = -5 tie (no), -8 > -9 yes -> 2/4; margins
+     * 2, -5, 0, 1 -> mean -0.5 */
+    const double pc[4] = {-10, -20, -5, -8}, pr[4] = {-12, -15, -5, -9};
+    bt_pref_defaults(&p, BT_PREF_DPO);
+    assert_int_equal(bt_pref_pair_loss(&p, 4, pc, pr, pc, pr, NULL, NULL, 0, NULL, NULL, NULL, &m), 0);
+    assert_true(m.rewards_accuracies == 0.0); /* TRL's: 0 by construction, policy = reference */
+    assert_true(m.logps_accuracies == 0.5);
+    assert_true(fabs(m.logps_margins - (-0.5)) < 1e-15);
+    /* another reference: TRL's accuracy moves (only pair 0's reward margin is > 0), ours does not */
+    const double rc[4] = {-11, -20, -5, -8};
+    assert_int_equal(bt_pref_pair_loss(&p, 4, pc, pr, rc, pr, NULL, NULL, 0, NULL, NULL, NULL, &m), 0);
+    assert_true(m.rewards_accuracies == 0.25);
+    assert_true(m.logps_accuracies == 0.5);
+    assert_true(fabs(m.logps_margins - (-0.5)) < 1e-15);
+    /* per-token averages vs sums, 2 pairs: sums -10 > -9 no, -6 > -8 yes -> 0.5, margins -1, 2 ->
+     * 0.5; averages -10/5 = -2 > -9/3 = -3 yes, -6/3 = -2 > -8/2 = -4 yes -> 1, margins 1, 2 -> 1.5 */
+    const double qc[2] = {-10, -6}, qr[2] = {-9, -8};
+    const int32_t nc[2] = {5, 3}, nr[2] = {3, 2};
+    bt_pref_defaults(&p, BT_PREF_ORPO);
+    assert_int_equal(bt_pref_pair_loss(&p, 2, qc, qr, NULL, NULL, nc, nr, 0.5, NULL, NULL, NULL, &m), 0);
+    assert_true(m.logps_accuracies == 1.0);
+    assert_true(fabs(m.logps_margins - 1.5) < 1e-15);
+    bt_pref_defaults(&p, BT_PREF_CPO); /* sigmoid: sums */
+    assert_int_equal(bt_pref_pair_loss(&p, 2, qc, qr, NULL, NULL, nc, nr, 0.5, NULL, NULL, NULL, &m), 0);
+    assert_true(m.logps_accuracies == 0.5);
+    assert_true(fabs(m.logps_margins - 0.5) < 1e-15);
+    p.loss_type[0] = BT_PREF_LOSS_SIMPO; /* averages */
+    assert_int_equal(bt_pref_pair_loss(&p, 2, qc, qr, NULL, NULL, nc, nr, 0.5, NULL, NULL, NULL, &m), 0);
+    assert_true(m.logps_accuracies == 1.0);
+    assert_true(fabs(m.logps_margins - 1.5) < 1e-15);
+    /* DPO ipo logs summed logps (TRL), so ours uses the sums too */
+    bt_pref_defaults(&p, BT_PREF_DPO);
+    p.loss_type[0] = BT_PREF_LOSS_IPO;
+    assert_int_equal(bt_pref_pair_loss(&p, 2, qc, qr, qc, qr, nc, nr, 0, NULL, NULL, NULL, &m), 0);
+    assert_true(m.logps_accuracies == 0.5);
+    assert_true(fabs(m.logps_margins - 0.5) < 1e-15);
+    /* KTO has no pairs: NaN (not logged) */
+    const uint8_t d[2] = {1, 0};
+    bt_pref_defaults(&p, BT_PREF_KTO);
+    assert_int_equal(bt_kto_loss(&p, 2, qc, qr, d, 0.0, NULL, &m), 0);
+    assert_true(isnan(m.logps_accuracies) && isnan(m.logps_margins));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -422,6 +475,7 @@ int main(void)
         cmocka_unit_test(test_finite_differences),
         cmocka_unit_test(test_params_and_names),
         cmocka_unit_test(test_bad_calls),
+        cmocka_unit_test(test_logps_accuracies),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
