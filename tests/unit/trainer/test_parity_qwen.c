@@ -31,6 +31,7 @@
 #include "trainer/loop/step.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
+#include "tests/unit/util/parity_util.h"
 #include "tests/unit/util/test_util.h"
 
 enum { PB = TU_FIX_B, PT = TU_FIX_T, PM = TU_FIX_M, NV = 260 };
@@ -42,17 +43,6 @@ static const float *fix_f32(const bt_st_file *f, const char *name, int64_t n) {
 }
 
 typedef tu_fix_batch batch;
-
-static bt_microbatch load_batch(batch *b) {
-    bt_st_file *f = open_fix("batch.safetensors");
-    memcpy(b->ids, tu_st_data(f, "input_ids", BT_ST_I32, PM), sizeof b->ids);
-    memcpy(b->lab, tu_st_data(f, "labels", BT_ST_I32, PM), sizeof b->lab);
-    memcpy(b->pos, tu_st_data(f, "position_ids", BT_ST_I32, PM), sizeof b->pos);
-    memcpy(b->cu, tu_st_data(f, "cu_seqlens", BT_ST_I32, 4), sizeof b->cu);
-    bt_st_close(f);
-    bt_microbatch mb = {PB, PT, b->ids, b->lab, b->pos, b->cu, 4};
-    return mb;
-}
 
 /* source: "hf" (the directory), "gguf" (model.gguf dequantised to fp32), "native" (model.gguf
  * kept as BF16 blocks, base_dtype "gguf") */
@@ -79,60 +69,9 @@ static void load_model(bt_model *m, const char *fam, const char *source) {
     }
 }
 
-/* logits [PM, NV] and the training path's mean loss of the packed batch (LoRA gradients into lo
- * when lo != NULL); ckpt: activation checkpointing (the layer forward recomputed in backward) */
-static double run_forward_ck(const bt_model *m, bt_lora *lo, const bt_microbatch *mb,
-                             float *logits, int ckpt) {
-    bt_step_ctx *ctx;
-    assert_int_equal(bt_step_ctx_new(&ctx, m, lo, PM, ckpt), 0);
-    assert_int_equal(bt_forward_logits(ctx, m, lo, mb, logits), 0);
-    double s;
-    int nv;
-    if (lo) bt_lora_zero_grad(lo);
-    assert_int_equal(bt_forward_backward(ctx, m, lo, mb, lo != NULL, 1.f / 43.f, 0, &s, &nv), 0);
-    assert_int_equal(nv, 43); /* 48 tokens in 3 documents: 45 targets, 2 of them masked prompt */
-    bt_step_ctx_free(ctx);
-    return s / nv;
-}
-
-static double run_forward(const bt_model *m, bt_lora *lo, const bt_microbatch *mb, float *logits) {
-    return run_forward_ck(m, lo, mb, logits, 0);
-}
-
-/* The inference path (KV cache): row 1's document fed in two chunks, all logits. */
-static double infer_err(const bt_model *m, const bt_lora *lo, const batch *b, const float *ref) {
-    bt_infer *s;
-    assert_int_equal(bt_infer_new(&s, m, lo, 64, 16), 0);
-    float *lg = malloc((size_t)PT * NV * sizeof(float));
-    assert_int_equal(bt_infer_forward(s, b->ids + PT, 10, BT_INFER_LOGITS_ALL, lg), 0);
-    assert_int_equal(bt_infer_forward(s, b->ids + PT + 10, 14, BT_INFER_LOGITS_ALL, lg + 10 * NV), 0);
-    double e = tu_max_abs_diff(lg, ref + (size_t)PT * NV, (int64_t)PT * NV);
-    free(lg);
-    bt_infer_free(s);
-    return e;
-}
-
-static double grads_rel_err(const bt_lora *lo, const bt_st_file *f) {
-    double worst = 0;
-    char key[192];
-    for (int l = 0; l < lo->n_layer; l++)
-        for (int mod = 0; mod < BT_MOD_N; mod++) {
-            const bt_lora_mod *md = bt_lora_get(lo, l, mod);
-            for (int isB = 0; isB < 2; isB++) {
-                bt_adapter_key(key, sizeof key, l, mod, isB);
-                int64_t n = isB ? (int64_t)md->out * lo->r : (int64_t)lo->r * md->in;
-                const float *rg = fix_f32(f, key, n);
-                double den = tu_max_abs(rg, n);
-                assert_true(den > 0);
-                worst = fmax(worst, tu_max_abs_diff(isB ? md->dB : md->dA, rg, n) / den);
-            }
-        }
-    return worst;
-}
-
 static void check_family(const char *fam, const char *source) {
     batch b;
-    bt_microbatch mb = load_batch(&b);
+    bt_microbatch mb = tu_fix_load_batch("qwen", &b);
     bt_model m;
     load_model(&m, fam, source);
     char rel[128];
@@ -143,10 +82,10 @@ static void check_family(const char *fam, const char *source) {
     float *logits = malloc((size_t)PM * NV * sizeof(float));
 
     /* base model */
-    double loss = run_forward(&m, NULL, &mb, logits);
+    double loss = tu_fix_forward(&m, NULL, &mb, logits, 0);
     double e_base = tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV);
     double e_loss_base = fabs(loss - fix_f32(ref, "loss_base", 1)[0]);
-    double e_inf_base = infer_err(&m, NULL, &b, rl_base);
+    double e_inf_base = tu_fix_infer_err(&m, NULL, &b, rl_base);
 
     /* with the PEFT adapter: logits, loss, LoRA gradients */
     bt_lora lo;
@@ -154,13 +93,13 @@ static void check_family(const char *fam, const char *source) {
     snprintf(dir, sizeof dir, "%s/qwen/%s/adapter-init", tu_hf_fixdir(), fam);
     if (bt_lora_load_peft(&lo, &m, dir)) fail_msg("%s", bt_last_error());
     assert_int_equal(lo.target_mask, (1u << BT_MOD_N) - 1);
-    loss = run_forward(&m, &lo, &mb, logits);
+    loss = tu_fix_forward(&m, &lo, &mb, logits, 0);
     double e_lora = tu_max_abs_diff(logits, rl, (int64_t)PM * NV);
     double e_loss = fabs(loss - fix_f32(ref, "loss", 1)[0]);
-    double e_grad = grads_rel_err(&lo, ref);
-    double e_inf = infer_err(&m, &lo, &b, rl);
-    run_forward_ck(&m, &lo, &mb, logits, 1); /* activation checkpointing: the same gradients */
-    double e_grad_ck = grads_rel_err(&lo, ref);
+    double e_grad = tu_fix_grads_rel_err(&lo, ref);
+    double e_inf = tu_fix_infer_err(&m, &lo, &b, rl);
+    tu_fix_forward(&m, &lo, &mb, logits, 1); /* activation checkpointing: the same gradients */
+    double e_grad_ck = tu_fix_grads_rel_err(&lo, ref);
     print_message("parity: %s from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
                   "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
                   "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", fam, source,
@@ -178,12 +117,12 @@ static void check_family(const char *fam, const char *source) {
     /* the checks can fail: without Qwen2's biases / Qwen3's QK-norm the logits are far off */
     if (m.hp.qk_norm) {
         m.hp.qk_norm = 0;
-        run_forward(&m, NULL, &mb, logits);
+        tu_fix_forward(&m, NULL, &mb, logits, 0);
         m.hp.qk_norm = 1;
     } else {
         float *keep = m.layers[0].lin[BT_MOD_K].bias;
         m.layers[0].lin[BT_MOD_K].bias = NULL;
-        run_forward(&m, NULL, &mb, logits);
+        tu_fix_forward(&m, NULL, &mb, logits, 0);
         m.layers[0].lin[BT_MOD_K].bias = keep;
     }
     assert_true(tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV) > 1e-2);
