@@ -22,61 +22,54 @@ tests/fixtures/hf/phi3/:
                  down_proj -- with a seeded non-zero init
   ref.safetensors  logits_base [M, V], loss_base [1] (no adapter), logits [M, V], loss [1] (with
                  it), and d loss / d each LoRA tensor under its PEFT key
-  batch.safetensors  the packed batch of gen_qwen_fixtures.py (same seeds, same layout)
+  batch.safetensors  the packed batch of tiny_family.py (as the Qwen and Gemma 3 fixtures)
   longrope.gguf  the phi3 header of model.gguf plus the two tables Phi3MiniModel.
                  generate_extra_tensors writes for rope_scaling "longrope" / "su"
                  (rope_factors_long / rope_factors_short [head_dim / 2] F32) and nothing else: the
                  trainer must refuse it by name before reading any weight
 
-The packed batch, the loss and the byte-level vocabulary are gen_qwen_fixtures.py's (imported).
+The packed batch, the loss, the byte-level vocabulary and the reference run are tiny_family.py's,
+shared with gen_qwen_fixtures.py and gen_gemma3_fixtures.py.
 
 Usage (from the repo root; needs .venv-torch from `make venv-torch`):
     python3 tests/reference/gen_phi3_fixtures.py [--out tests/fixtures/hf/phi3]
 Deterministic: fixed seeds, fp32, CPU, 1 thread, torch.use_deterministic_algorithms(True).
 """
-import os
+import copy
+import shutil
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VENV_PY = REPO / ".venv-torch" / "bin" / "python"
+sys.path.insert(0, str(HERE))
+from venv_torch import reexec_in_venv_torch  # noqa: E402
 
-if os.environ.get("BT_QWEN_IN_VENV") != "1":
-    if not VENV_PY.exists():
-        sys.exit("gen_phi3_fixtures: .venv-torch is missing: run `make venv-torch` first")
-    env = dict(os.environ, BT_QWEN_IN_VENV="1", PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    os.execve(str(VENV_PY), [str(VENV_PY), str(Path(__file__).resolve())] + sys.argv[1:], env)
+reexec_in_venv_torch(__file__, "gen_phi3_fixtures")
 
 import argparse  # noqa: E402
-import copy  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import shutil  # noqa: E402
 
-sys.path.insert(0, str(HERE))
-import gen_qwen_fixtures as q  # noqa: E402  (same venv, seeds, batch and vocabulary)
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
-import peft  # noqa: E402
+import tiny_family as tf  # noqa: E402  (vocabulary, batch, reference run, GGUF tensors)
 import torch  # noqa: E402
-import transformers  # noqa: E402
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from peft import get_peft_model_state_dict  # noqa: E402
 from transformers import Phi3Config, Phi3ForCausalLM  # noqa: E402
 
 # Phi-3: untied lm_head (as Phi-3-mini), GQA (4 heads, 2 kv heads, head_dim 8), no rope_scaling;
 # sliding_window 512 = the whole context (Phi3MiniModel writes it, and llama.cpp's phi3 loader
 # refuses a file without one; no document here comes near it, so attention is full causal)
-CFG = dict(vocab_size=len(q.TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+CFG = dict(vocab_size=len(tf.TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
            max_position_embeddings=512, original_max_position_embeddings=512, hidden_act="silu",
            initializer_range=0.2, tie_word_embeddings=False, sliding_window=512,
            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-           bos_token_id=len(q.TOKENS) - 1, eos_token_id=len(q.TOKENS) - 1, pad_token_id=0)
+           bos_token_id=len(tf.TOKENS) - 1, eos_token_id=len(tf.TOKENS) - 1, pad_token_id=0)
 LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-LORA_R, LORA_ALPHA = 4, 8
+
+
+def log(msg):
+    print(f"[gen_phi3] {msg}", flush=True)
 
 
 def write_gguf(model, cfg, path):
@@ -102,32 +95,12 @@ def write_gguf(model, cfg, path):
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_sliding_window(cfg.sliding_window)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(q.TOKENS)
-    w.add_token_types([gguf.TokenType.NORMAL] * (len(q.TOKENS) - 1) + [gguf.TokenType.CONTROL])
-    w.add_token_merges(q.MERGES)
-    w.add_eos_token_id(len(q.TOKENS) - 1)
-    w.add_add_bos_token(False)
-    tmap = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    names = set()
-    for hf_name, t in model.state_dict().items():
-        new = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert new is not None, hf_name
-        names.add(new)
-        a = t.detach().float().numpy()
-        if a.ndim == 2:
-            w.add_tensor(new, gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16),
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            w.add_tensor(new, a.astype(np.float32))
+    tf.gguf_add_vocab(w)
+    names = tf.gguf_add_tensors(w, model, arch, cfg.num_hidden_layers)
     # the fused names, as gguf-py maps them (no separate q/k/v or gate tensor)
     assert "blk.0.attn_qkv.weight" in names and "blk.0.ffn_up.weight" in names, sorted(names)
     assert "blk.0.attn_q.weight" not in names and "blk.0.ffn_gate.weight" not in names
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tf.gguf_finish(w)
 
 
 def write_longrope_gguf(cfg, path):
@@ -148,10 +121,7 @@ def write_longrope_gguf(cfg, path):
                  np.linspace(1.0, 4.0, hd // 2, dtype=np.float32))
     w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight",
                  np.ones(hd // 2, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tf.gguf_finish(w)
 
 
 def build(out, batch):
@@ -174,58 +144,14 @@ def build(out, batch):
     write_gguf(model, cfg, d / "model.gguf")
     write_longrope_gguf(cfg, d / "longrope.gguf")
 
-    cu = batch["cu_seqlens"].tolist()
-    flat_ids = batch["input_ids"].reshape(-1)
+    def check_peft(pm):
+        sd = get_peft_model_state_dict(pm)  # the fused modules' names and shapes, as PEFT writes them
+        assert sd["base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight"].shape == (4, 32)
+        assert sd["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"].shape == (64, 4)
+        assert sd["base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"].shape == (128, 4)
 
-    def packed_logits(mdl):
-        parts = [mdl(input_ids=flat_ids[a:b][None]).logits.float()[0]
-                 for a, b in zip(cu[:-1], cu[1:])]
-        return torch.cat(parts).reshape(q.B, q.T, -1)
-
-    with torch.no_grad():
-        base_logits = packed_logits(model)
-    gen_base = q.greedy(model, q.encode(q.PROMPT), q.GEN_TOKENS)
-    base_loss = q.hf_loss(base_logits, batch["labels"], cu)
-
-    lcfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                      target_modules=LORA_TARGETS, bias="none", task_type="CAUSAL_LM")
-    pm = get_peft_model(model, lcfg)
-    pm.eval()
-    pm.peft_config["default"].base_model_name_or_path = "tests/fixtures/hf/phi3/hf"
-    g = torch.Generator().manual_seed(4242)
-    with torch.no_grad():
-        for n, p in sorted(pm.named_parameters()):
-            if "lora_A" in n:
-                p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) / math.sqrt(p.shape[1]))
-            elif "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    pm.save_pretrained(d / "adapter-init")
-    (d / "adapter-init" / "README.md").unlink(missing_ok=True)
-    trainable = [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
-    key = {n: n.replace(".default", "") for n, _ in trainable}
-    assert set(key.values()) == set(get_peft_model_state_dict(pm).keys())
-    assert len(trainable) == 2 * len(LORA_TARGETS) * cfg.num_hidden_layers
-    sd = get_peft_model_state_dict(pm)  # the fused modules' names and shapes, as PEFT writes them
-    assert sd["base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight"].shape == (4, 32)
-    assert sd["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"].shape == (64, 4)
-    assert sd["base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"].shape == (128, 4)
-    with torch.no_grad():
-        gen_lora = q.greedy(pm, q.encode(q.PROMPT), q.GEN_TOKENS)
-    out_logits = packed_logits(pm)
-    loss = q.hf_loss(out_logits, batch["labels"], cu)
-    loss.backward()
-    grads = {key[n]: p.grad.detach().float().contiguous() for n, p in trainable}
-    assert all(float(v.abs().max()) > 0 for v in grads.values()), "a LoRA gradient is all zero"
-    ref = {"logits_base": base_logits.reshape(q.B * q.T, -1).contiguous(),
-           "loss_base": base_loss.detach().reshape(1),
-           "logits": out_logits.detach().reshape(q.B * q.T, -1).contiguous(),
-           "loss": loss.detach().reshape(1)}
-    ref.update(grads)
-    save_file(ref, str(d / "ref.safetensors"))
-    q.log(f"phi3: loss base {base_loss.item():.6f}, with LoRA {loss.item():.6f}")
-    return dict(config=json.loads((d / "hf" / "config.json").read_text()),
-                loss_base=float(np.float32(base_loss.item())), loss=float(np.float32(loss.item())),
-                greedy_base=gen_base, greedy_lora=gen_lora)
+    return tf.reference(model, d, batch, LORA_TARGETS, "tests/fixtures/hf/phi3/hf", 4242,
+                        lambda m: log(f"phi3: {m}"), check_peft=check_peft)
 
 
 def main():
@@ -233,18 +159,11 @@ def main():
     ap.add_argument("--out", default=str(REPO / "tests/fixtures/hf/phi3"))
     a = ap.parse_args()
     out = Path(a.out)
-    batch = q.make_batch()
-    man = {"versions": {"torch": torch.__version__.split("+")[0],
-                        "transformers": transformers.__version__, "peft": peft.__version__,
-                        "gguf": "0.19.0", "numpy": np.__version__},
-           "batch": {"B": q.B, "T": q.T, "docs": q.DOCS, "n_prompt_masked": q.N_PROMPT},
-           "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": LORA_TARGETS},
-           "generate": {"prompt": q.PROMPT, "prompt_ids": q.encode(q.PROMPT),
-                        "new_tokens": q.GEN_TOKENS, "tokens": q.TOKENS}}
+    batch = tf.make_batch()
+    man = tf.manifest(LORA_TARGETS)
     man["phi3"] = build(out, batch)
-    save_file({k: v.to(torch.int32).contiguous() for k, v in batch.items()},
-              str(out / "batch.safetensors"))
-    (out / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True) + "\n")
+    tf.save_batch(batch, out / "batch.safetensors")
+    tf.write_manifest(man, out / "manifest.json")
 
 
 if __name__ == "__main__":
