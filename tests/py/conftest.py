@@ -126,6 +126,22 @@ def rel_l2(a, b, part):
     return (num / den) ** 0.5
 
 
+def run_trainer(cmd, cfg, *args, ok=True, timeout=300):
+    """build/trainer `cmd` --config cfg *args at debug log level (so every step's loss line is
+    printed at full precision); asserts exit 0 when ok. Returns the CompletedProcess."""
+    e = dict(os.environ, BT_LOG_LEVEL="debug")
+    r = subprocess.run([os.path.join(BUILD, "trainer"), cmd, "--config", cfg, *args],
+                       capture_output=True, text=True, timeout=timeout, env=e)
+    if ok:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def step_losses(text):
+    """{step: (loss, grad norm)} as the trainer printed them (strings: compared to the digit)."""
+    return {int(s): (l, g) for s, l, g in re.findall(r"step (\d+) loss (\S+) grad norm (\S+)", text)}
+
+
 def ckpt_step(d):
     """The optimiser step of the trainer checkpoint in directory d (trainer/io/checkpoint.h)."""
     raw = open(os.path.join(str(d), "trainer_state.bin"), "rb").read()

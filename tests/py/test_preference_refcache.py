@@ -14,11 +14,10 @@ import glob
 import json
 import os
 import re
-import subprocess
 
 import pytest
 
-from conftest import BUILD, tiny_model, write_shard
+from conftest import BUILD, run_trainer, step_losses, tiny_model, write_shard
 
 PAIRS = [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f"It is {2 * i}.",
           "rejected": f"Sorry, no idea about {i}. Ask later please."} for i in range(30)]
@@ -60,19 +59,6 @@ def job(env, name, model="tiny.gguf", **pref):
     return str(p)
 
 
-def train(cfg, ok=True):
-    e = dict(os.environ, BT_LOG_LEVEL="debug")
-    r = subprocess.run([os.path.join(BUILD, "trainer"), "train", "--config", cfg], capture_output=True, text=True,
-                       timeout=300, env=e)
-    if ok:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
-
-
-def exact_losses(r):
-    return re.findall(r"step (\d+) loss (\S+) grad norm (\S+)", r.stdout + r.stderr)
-
-
 def cached(r):
     """[(cached, total)] of the progress lines."""
     return [(int(a), int(b)) for a, b in re.findall(r"\| ref cached (\d+)/(\d+)", r.stdout)]
@@ -86,7 +72,7 @@ def summary(r):
 
 
 def test_cached_reference_gives_the_same_losses_and_skips_the_reference(env):
-    r1 = train(job(env, "first", precompute_ref_log_probs=True))
+    r1 = run_trainer("train", job(env, "first", precompute_ref_log_probs=True))
     base = re.search(r"ref_base (btm1-[0-9a-f]{32})", r1.stderr)
     assert base, r1.stderr[-3000:]
     c1 = cached(r1)
@@ -101,26 +87,26 @@ def test_cached_reference_gives_the_same_losses_and_skips_the_reference(env):
     assert glob.glob(str(env["cache"] / "v1" / "*" / "*.ref")), os.listdir(env["cache"])
 
     # the same base again: every value from the cache, no reference forward, the same losses
-    r2 = train(job(env, "second", precompute_ref_log_probs=True))
+    r2 = run_trainer("train", job(env, "second", precompute_ref_log_probs=True))
     assert f"ref_base {base.group(1)}" in r2.stderr
     c2 = cached(r2)
     assert [n for _, n in c2] == [n for _, n in c1] and all(h == n for h, n in c2), r2.stdout
     s2 = summary(r2)
     assert s2[1] == 0 and s2[3] == 0 and s2[0] == s1[1] and s2[2] == 2 * s1[3], (s1, s2)
     assert s2[4] == 0 and s2[5] == 0
-    l1, l2 = exact_losses(r1), exact_losses(r2)
+    l1, l2 = step_losses(r1.stdout + r1.stderr), step_losses(r2.stdout + r2.stderr)
     assert len(l1) == 4 and l1 == l2, (l1, l2)
     ev = re.compile(r"held-out rewards/accuracies: before .*")
     assert ev.findall(r1.stdout) == ev.findall(r2.stdout), (r1.stdout, r2.stdout)
 
     # recomputed every step (no cache): bit for bit the cached run
-    r3 = train(job(env, "recomputed"))
+    r3 = run_trainer("train", job(env, "recomputed"))
     assert "ref cached" not in r3.stdout and "ref_base" not in r3.stderr
-    assert exact_losses(r3) == l1
+    assert step_losses(r3.stdout + r3.stderr) == l1
     assert ev.findall(r3.stdout) == ev.findall(r1.stdout)
 
     # another base: its own ref_base, none of the first base's values
-    r4 = train(job(env, "other", model="other.gguf", precompute_ref_log_probs=True))
+    r4 = run_trainer("train", job(env, "other", model="other.gguf", precompute_ref_log_probs=True))
     b4 = re.search(r"ref_base (btm1-[0-9a-f]{32})", r4.stderr)
     assert b4 and b4.group(1) != base.group(1)
     assert all(h == 0 for h, _ in cached(r4)), r4.stdout
@@ -129,6 +115,6 @@ def test_cached_reference_gives_the_same_losses_and_skips_the_reference(env):
 
 
 def test_objective_without_reference_refuses_the_key(env):
-    r = train(job(env, "orpo", objective="orpo", precompute_ref_log_probs=True), ok=False)
+    r = run_trainer("train", job(env, "orpo", objective="orpo", precompute_ref_log_probs=True), ok=False)
     assert r.returncode != 0
     assert 'preference.precompute_ref_log_probs: objective "orpo" has no reference model' in r.stderr + r.stdout

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import BUILD, tiny_model, write_shard
+from conftest import BUILD, run_trainer, step_losses, tiny_model, write_shard
 
 PAIRS = [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f"It is {2 * i}.",
           "rejected": f"Sorry, no idea about {i}. Ask later please."} for i in range(48)]
@@ -71,20 +71,6 @@ def job(env, name, **over):
     return str(p)
 
 
-def train(cfg, *args, ok=True):
-    e = dict(os.environ)
-    e["BT_LOG_LEVEL"] = "debug"
-    r = subprocess.run([os.path.join(BUILD, "trainer"), "train", "--config", cfg, *args],
-                       capture_output=True, text=True, timeout=300, env=e)
-    if ok:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
-
-
-def losses(text):
-    return {int(s): (l, g) for s, l, g in re.findall(r"step (\d+) loss (\S+) grad norm (\S+)", text)}
-
-
 def metrics(env, name):
     lines = (env["tmp"] / f"{name}-report" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(l) for l in lines]
@@ -95,7 +81,7 @@ TRL = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/marg
 
 def test_dpo_learns_and_logs_trl_metrics(env):
     cfg = job(env, "dpo", eval={"every": 4}, report={"plot": True}, grad_accum=1)
-    r = train(cfg)
+    r = run_trainer("train", cfg)
     prog = re.findall(r"step (\d+)/8 \| loss (\S+) \| acc (\S+) \| margin (\S+) \|", r.stdout)
     assert len(prog) == 8, r.stdout
     assert abs(float(prog[0][1]) - 0.6931) < 2e-3  # log 2: the policy starts as the reference
@@ -142,7 +128,7 @@ def test_dpo_learns_and_logs_trl_metrics(env):
 
 def test_resume_after_sigkill_is_exact(env):
     short = {"eval": {"shards": []}, "steps": 6, "grad_accum": 1}
-    straight = losses((r := train(job(env, "straight", **short))).stdout + r.stderr)
+    straight = step_losses((r := run_trainer("train", job(env, "straight", **short))).stdout + r.stderr)
     assert sorted(straight) == list(range(1, 7))
     cfg = job(env, "killed", checkpoint_every=2, **short)
     e = dict(os.environ)
@@ -157,11 +143,11 @@ def test_resume_after_sigkill_is_exact(env):
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert p.returncode == -signal.SIGKILL
-    before = losses(log.read_text())
+    before = step_losses(log.read_text())
     ck = env["tmp"] / "killed-ckpt"
     assert (ck / "trainer_state.bin").exists()
-    r = train(job(env, "killed", checkpoint_every=2, **short), "--resume", str(ck))
-    after = losses(r.stdout + r.stderr)
+    r = run_trainer("train", job(env, "killed", checkpoint_every=2, **short), "--resume", str(ck))
+    after = step_losses(r.stdout + r.stderr)
     start = int(re.search(r"resumed from \S+ at step (\d+)", r.stderr).group(1))
     assert start >= 2 and sorted(after) == list(range(start + 1, 7)), r.stderr
     for s in range(1, 7):
@@ -179,7 +165,7 @@ def test_other_objectives_train(env, objective, extra):
     if objective == "kto":  # and its held-out evaluation (KL estimate over the eval batches)
         over["data"] = {"shards": [str(env["data"] / "kto.jsonl")], "format": "kto"}
         over["eval"] = {"shards": [str(env["data"] / "kto.jsonl")], "max_batches": 2}
-    r = train(job(env, objective, **over))
+    r = run_trainer("train", job(env, objective, **over))
     if objective == "kto":
         ev = [x for x in metrics(env, objective) if x["type"] == "eval"]
         assert len(ev) == 2 and ev[0]["records"] > 0 and ev[0]["kl"] is not None and ev[0]["rewards/accuracies"] is None

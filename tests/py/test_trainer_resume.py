@@ -11,13 +11,10 @@ Also: a corrupt checkpoint (checksum) and mismatched ones (lora.r, data.seq_len,
 refused with a message naming the problem; the LoRA+ variant (trainable embed_tokens + norm)
 resumes exactly too."""
 import json
-import os
-import re
-import subprocess
 
 import pytest
 
-from conftest import BUILD, chat_line, tiny_model, write_shard
+from conftest import chat_line, run_trainer, step_losses, tiny_model, write_shard
 
 
 @pytest.fixture
@@ -53,38 +50,22 @@ def job(env, name, **over):
     return str(p)
 
 
-def train(cfg, *args, ok=True):
-    e = dict(os.environ)
-    e["BT_LOG_LEVEL"] = "debug"
-    r = subprocess.run([os.path.join(BUILD, "trainer"), "train", "--config", cfg, *args],
-                       capture_output=True, text=True, timeout=300, env=e)
-    if ok:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
-
-
-def losses(r):
-    """{step: (loss, grad norm)} at full precision."""
-    return {int(s): (l, g) for s, l, g in
-            re.findall(r"step (\d+) loss (\S+) grad norm (\S+)", r.stdout + r.stderr)}
-
-
 @pytest.mark.parametrize("variant", ["lora", "lora_plus"])
 def test_resume_is_bit_identical(env, variant):
     extra = {"trainable_modules": ["embed_tokens", "norm"]} if variant == "lora_plus" else {}
-    straight = train(job(env, "straight", **extra))
-    full = losses(straight)
+    straight = run_trainer("train", job(env, "straight", **extra))
+    full = step_losses(straight.stdout + straight.stderr)
     assert sorted(full) == [1, 2, 3, 4, 5, 6], straight.stdout + straight.stderr
 
-    first = train(job(env, "first", checkpoint_every=3, stop_at_step=3, **extra))
-    part1 = losses(first)
+    first = run_trainer("train", job(env, "first", checkpoint_every=3, stop_at_step=3, **extra))
+    part1 = step_losses(first.stdout + first.stderr)
     assert sorted(part1) == [1, 2, 3]
     ck = env["tmp"] / "ckpt"
     assert (ck / "trainer_state.bin").exists() and (ck / "adapter_model.safetensors").exists()
     assert json.loads((ck / "adapter_config.json").read_text())["peft_type"] == "LORA"
 
-    second = train(job(env, "second", **extra), "--resume", str(ck))
-    part2 = losses(second)
+    second = run_trainer("train", job(env, "second", **extra), "--resume", str(ck))
+    part2 = step_losses(second.stdout + second.stderr)
     assert sorted(part2) == [4, 5, 6], second.stdout + second.stderr
     assert "resumed from" in second.stderr
     # bit-identical: the same 17-digit strings for every step
@@ -96,34 +77,34 @@ def test_resume_is_bit_identical(env, variant):
 
 
 def test_refuses_corrupt_and_mismatched_checkpoints(env):
-    train(job(env, "first", checkpoint_every=2, stop_at_step=2))
+    run_trainer("train", job(env, "first", checkpoint_every=2, stop_at_step=2))
     ck = env["tmp"] / "ckpt"
     base = job(env, "again")
     # mismatches, each named
-    r = train(base, "--resume", str(ck), "--set", "lora.r=8", ok=False)
+    r = run_trainer("train", base, "--resume", str(ck), "--set", "lora.r=8", ok=False)
     assert r.returncode == 1 and "lora.r: checkpoint 4, config 8" in r.stderr, r.stderr
-    r = train(base, "--resume", str(ck), "--set", "data.seq_len=32", ok=False)
+    r = run_trainer("train", base, "--resume", str(ck), "--set", "data.seq_len=32", ok=False)
     assert r.returncode == 1 and "data.seq_len: checkpoint 64, config 32" in r.stderr, r.stderr
-    r = train(base, "--resume", str(ck), "--set", f"model={env['tmp'] / 'other.gguf'}", ok=False)
+    r = run_trainer("train", base, "--resume", str(ck), "--set", f"model={env['tmp'] / 'other.gguf'}", ok=False)
     assert r.returncode == 1 and "base model weights differ" in r.stderr, r.stderr
     # missing
-    r = train(base, "--resume", str(env["tmp"] / "nope"), ok=False)
+    r = run_trainer("train", base, "--resume", str(env["tmp"] / "nope"), ok=False)
     assert r.returncode == 1 and "cannot read" in r.stderr, r.stderr
     # corrupt: flip one byte in the middle of the optimiser state
     st = ck / "trainer_state.bin"
     raw = bytearray(st.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     st.write_bytes(bytes(raw))
-    r = train(base, "--resume", str(ck), ok=False)
+    r = run_trainer("train", base, "--resume", str(ck), ok=False)
     assert r.returncode == 1 and "checksum mismatch" in r.stderr, r.stderr
     # truncated
     st.write_bytes(bytes(raw[:100]))
-    r = train(base, "--resume", str(ck), ok=False)
+    r = run_trainer("train", base, "--resume", str(ck), ok=False)
     assert r.returncode == 1 and "truncated" in r.stderr, r.stderr
 
 
 def test_lora_plus_adapter_is_peft_modules_to_save(env):
-    train(job(env, "plus", trainable_modules=["embed_tokens", "norm"], steps=2))
+    run_trainer("train", job(env, "plus", trainable_modules=["embed_tokens", "norm"], steps=2))
     out = env["tmp"] / "plus-adapter"
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["modules_to_save"] == ["embed_tokens", "lm_head", "input_layernorm",
