@@ -285,7 +285,8 @@ static const bt_key config_keys[] = {
              "absolute directory of the token cache (loaderd/tcache.h), created if missing; shared by every node's "
              "loaderd, a shard is tokenized once per cluster; default: none"),
     BT_KEY_I("token_cache_max_bytes", C, token_cache_max_bytes, 16ll << 20, INT64_MAX, "68719476736", RESTART,
-             "size bound of the token cache's entries; the least recently used go first"),
+             "size bound of the token cache's entries with their reference log-prob sidecars and part files; the "
+             "least recently used go first"),
     BT_KEY_I("token_cache_wait_s", C, token_cache_wait_s, 0, 86400, "1800", RESTART,
              "longest wait for another loaderd tokenizing a shard this one needs"),
     BT_KEY_END,

@@ -32,7 +32,8 @@
 struct ld_reftab {
     struct ld_reftab *next; /* registry list (under reg_mu) */
     int refs;               /* under reg_mu */
-    ld_tcache_stats *st;    /* the cache's counters (the cache outlives its jobs' tables) */
+    ld_tcache *c;           /* the cache (it outlives its jobs' tables) */
+    ld_tcache_stats *st;    /* its counters */
     char *path;             /* the sidecar */
     uint8_t key[32], entry_key[32];
     char base[LD_REF_BASE_MAX + 1];
@@ -224,6 +225,7 @@ static int write_values(ld_reftab *t, const char *path, int partial) {
     if (rc == BT_OK) rc = bt_atomic_commit(&af);
     else bt_atomic_abort(&af);
     free(b);
+    if (rc == BT_OK) ld_tcache_grew(t->c, t->entry_key, file_bytes(t)); /* counted against max_bytes */
     if (rc != BT_OK)
         bt_log(BT_LOG_WARN, "loaderd", "%s (the values stay in memory for this loaderd's jobs)", bt_last_error());
     return rc;
@@ -469,6 +471,7 @@ int ld_reftab_get(ld_tcache *c, const uint8_t entry_key[32], const ld_format_cfg
     ld_reftab *t = bt_xcalloc(1, sizeof *t);
     pthread_mutex_init(&t->mu, NULL);
     t->refs = 1;
+    t->c = c;
     t->st = ld_tcache_stats_of(c);
     t->path = path;
     memcpy(t->key, key, 32);

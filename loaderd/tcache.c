@@ -1,5 +1,6 @@
 /* loaderd token cache: directory, keys, locks, eviction, building an entry, acquire (contract:
  * loaderd/tcache.h; the entry format's reader and writer: tcache_entry.c). */
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -507,10 +508,30 @@ static int tmp_stale(const char *path, const struct stat *st, time_t now) {
     return stale;
 }
 
-/* Size of the entries and of the temporary files of live builders (they count against
- * max_bytes while they exist); temporary files of builders that died are removed (tmp_stale,
- * counted in temps_removed). With evict, remove the least recently used entries (never `keep`
- * nor one in use here) until the total fits in 90% of max_bytes. */
+/* What a v1/<k0k1>/ directory holds (k: an entry key's first 32 hex digits): the entries
+ * "<k>.btc", the reference log-prob sidecars "<k>-<r>.ref" and part files "<k>-<r>.ref.part-<h>"
+ * of loaderd/refstore.h (r: 32 hex digits of the reference key), and the temporary files
+ * "<name>.tmp.<pid>.<n>" of their writers (bt_atomic_open's names). */
+enum { TC_F_OTHER, TC_F_ENTRY, TC_F_REF, TC_F_TMP };
+static int tc_classify(const char *name) {
+    size_t len = strlen(name);
+    if (len < 36) return TC_F_OTHER;
+    for (int i = 0; i < 32; i++)
+        if (!isxdigit((unsigned char)name[i])) return TC_F_OTHER;
+    if (len == 36 && !strcmp(name + 32, ".btc")) return TC_F_ENTRY;
+    if (!strncmp(name + 32, ".btc.tmp.", 9)) return TC_F_TMP;
+    if (len < 69 || name[32] != '-' || strncmp(name + 65, ".ref", 4)) return TC_F_OTHER;
+    for (int i = 33; i < 65; i++)
+        if (!isxdigit((unsigned char)name[i])) return TC_F_OTHER;
+    if (strstr(name + 69, ".tmp.")) return TC_F_TMP;
+    return name[69] == 0 || !strncmp(name + 69, ".part-", 6) ? TC_F_REF : TC_F_OTHER;
+}
+
+/* Size of the entries, of their reference log-prob sidecars and part files, and of the temporary
+ * files of live writers (they all count against max_bytes while they exist); temporary files of
+ * writers that died are removed (tmp_stale, counted in temps_removed). With evict, remove the
+ * least recently used entries and sidecars (never those of entry `keep` nor of one in use here)
+ * until the total fits in 90% of max_bytes. */
 static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
     entry_info *v = NULL;
     size_t n = 0, cap = 0;
@@ -528,9 +549,9 @@ static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
         struct dirent *e;
         while (dd && (e = readdir(dd))) {
             size_t len = strlen(e->d_name);
-            int is_entry = len == 36 && strcmp(e->d_name + 32, ".btc") == 0;
-            int is_tmp = strstr(e->d_name, ".btc.tmp.") != NULL;
-            if (!is_entry && !is_tmp) continue;
+            int kind = tc_classify(e->d_name);
+            int is_tmp = kind == TC_F_TMP;
+            if (kind == TC_F_OTHER) continue;
             size_t pn = sn + len + 2;
             char *path = bt_xmalloc(pn);
             snprintf(path, pn, "%s/%s", sub, e->d_name);
@@ -542,7 +563,7 @@ static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
             if (is_tmp) { /* removed when nobody writes it any more, else counted as it is */
                 if (tmp_stale(path, &st, now)) {
                     ADD(temps_removed, 1);
-                    bt_log(BT_LOG_INFO, "loaderd", "token cache: removed %s (%.1f MiB): temporary file of a builder "
+                    bt_log(BT_LOG_INFO, "loaderd", "token cache: removed %s (%.1f MiB): temporary file of a writer "
                            "that was killed", path, (double)st.st_size / 1048576.0);
                 } else {
                     total += (uint64_t)st.st_size;
@@ -579,6 +600,12 @@ static uint64_t scan(ld_tcache *c, const uint8_t *keep, int evict) {
     for (size_t i = 0; i < n; i++) free(v[i].path);
     free(v);
     return total;
+}
+
+void ld_tcache_grew(ld_tcache *c, const uint8_t keep[32], uint64_t bytes) {
+    if (!c) return;
+    uint64_t now = atomic_fetch_add(&c->st.bytes, bytes) + bytes;
+    if (now > c->max_bytes) atomic_store(&c->st.bytes, scan(c, keep, 1));
 }
 
 /* ------------------------------------------------------------------ building an entry

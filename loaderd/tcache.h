@@ -117,6 +117,12 @@ int ld_tcache_open(ld_tcache **out, const char *dir, uint64_t max_bytes, uint32_
 void ld_tcache_free(ld_tcache *c);
 const char *ld_tcache_dir(const ld_tcache *c);
 uint64_t ld_tcache_max_bytes(const ld_tcache *c);
+/* A file of `bytes` bytes was written into the cache tree beside entry `keep` (a reference
+ * log-prob sidecar or part file, loaderd/refstore.h): counted in the stats' bytes, and when the
+ * total passes max_bytes the tree is rescanned and the least recently used entries and sidecars
+ * (never those of `keep` nor of an entry in use) removed until it fits in 90% of it, as after a
+ * build. c NULL: nothing. A rewritten part file is counted again until that rescan corrects it. */
+void ld_tcache_grew(ld_tcache *c, const uint8_t keep[32], uint64_t bytes);
 /* Live counters (atomics; read with atomic_load). */
 ld_tcache_stats *ld_tcache_stats_of(ld_tcache *c);
 

@@ -225,12 +225,51 @@ def test_stale_cache_temporaries_are_removed_and_counted(loaderd, shards, model_
         assert tc["temps_removed"] == 1, tc
         assert tc["bytes"] == sum(os.path.getsize(e) for e in entries) + (3 << 20), tc
         log = d2.log_text()
-        assert f"removed {stale} (1.0 MiB): temporary file of a builder that was killed" in log, log
+        assert f"removed {stale} (1.0 MiB): temporary file of a writer that was killed" in log, log
         assert "1 stale temporary file(s) of killed builders removed" in log, log
         m = d2.ctl("metrics").stdout
         assert "loaderd_token_cache_temps_removed_total 1" in m, m
     finally:
         os.close(held)
+
+
+def test_reference_sidecars_count_against_the_cache_bound(loaderd, shards, model_path, tmp_path):
+    """The reference log-prob sidecars and part files beside the entries (loaderd/refstore.h) are
+    counted in token_cache_max_bytes and evicted least recently used like entries; their writers'
+    stale temporaries are removed like builders'."""
+    cache = tmp_path / "cache"
+    cfg = cache_config(shards, model_path, cache, token_cache_max_bytes=16 << 20)
+    d = loaderd(cfg)
+    s, rep, ring = attach(d, job_spec(shards, model_path, shards=[str(shards / "*.jsonl")], epochs=1))
+    to_end(ring)
+    s.close()
+    ring.close()
+    entries = sorted(glob.glob(str(cache / "v1" / "??" / "*.btc")))
+    assert len(entries) == 3 and d.stop() == 0
+    k = os.path.basename(entries[0])[:32]
+    ref = os.path.join(os.path.dirname(entries[0]), f"{k}-{'ab' * 16}.ref")
+    part = ref + ".part-0123456789abcdef"
+    stale = ref + ".tmp.4194301.1"
+    for p, n in ((ref, 20 << 20), (part, 1 << 20), (stale, 1 << 20)):
+        with open(p, "wb") as f:
+            f.truncate(n)
+    past = time.time() - 3600
+    for p in (ref, stale):
+        os.utime(p, (past, past))
+    d2 = loaderd(cfg)
+    tc = status(d2)["token_cache"]
+    assert not os.path.exists(stale) and tc["temps_removed"] == 1, tc
+    assert tc["bytes"] == sum(os.path.getsize(e) for e in entries) + (21 << 20), tc
+    # a new entry takes the cache over its bound: the least recently used file, the sidecar, goes
+    write_shard(shards / "d.jsonl", [chat_line(f"d question {i}", f"d answer {i}") for i in range(40)])
+    s, rep, ring = attach(d2, job_spec(shards, model_path, shards=[str(shards / "d.jsonl")], epochs=1))
+    to_end(ring)
+    s.close()
+    ring.close()
+    wait_log(d2, f"token cache: evicted {ref} (20.0 MiB, least recently used)")
+    tc = status(d2)["token_cache"]
+    assert not os.path.exists(ref) and os.path.exists(part) and all(os.path.exists(e) for e in entries)
+    assert tc["evicted"] == 1 and tc["bytes"] < (16 << 20), tc
 
 
 # ---------------------------------------------------------------- §5 nothing blocks the event loop
