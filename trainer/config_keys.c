@@ -398,7 +398,8 @@ static const bt_key k_optim[] = {
 static const bt_key k_cuda[] = {
     BT_KEY_E("attention", C, cuda_attention, k_attn_impls, NULL, "\"wmma\"", 0,
              "attention kernels: \"wmma\" (kernels/cuda/attention.cu) or \"mma\" (attention_mma.cu, "
-             "register-resident mma.sync FA2)"),
+             "register-resident mma.sync FA2; head_dim 64 and 128 only, a head_dim 256 model "
+             "needs \"wmma\")"),
     BT_KEY_E("base_matmul", C, cuda_base_matmul, k_matmul_impls, NULL, "\"dequant\"", 0,
              "matmuls against the frozen quantised base, NF4 and GGUF-native alike: \"dequant\" (dequantise the "
              "weight, then cuBLAS) or \"fused\" (dequantise in the GEMM main loop: nf4_gemm.cu, the ggml blocks' "

@@ -6,7 +6,11 @@
  *
  * This is the first, correctness-first tensor-core version: nvcuda::wmma m16n16k16 bf16 -> fp32
  * fragments; every matrix product goes shared memory -> fragments -> shared memory (block_mma), the
- * softmax / dS element work runs on all threads in between. Tiles: 64 queries x 64 keys, 4 warps.
+ * softmax / dS element work runs on all threads in between. Tiles: 64 queries x 64 keys, 4 warps
+ * (head_dim 256: 16-query steps in the dK/dV pass, 32-query tiles in the dQ pass, to fit 227 KB).
+ * Sliding window (bt_cuda_attn_params.window, the CPU bt_attn_fwd_win rule): key tiles before a
+ * query tile's first window (forward, dQ) and query tiles past a key tile's last window (dK/dV)
+ * are never visited; the tiles that straddle a window edge are masked per element.
  * Later versions: register-resident accumulators with mma.sync / wgmma, cp.async double buffering.
  * Contracts: kernels/cuda/kernels_cuda.h. Reference: kernels/cpu/attention.c (+ kernels/cpu/rope.c). */
 #include "kernels/cuda/attention_common.h"
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(BtAttArgs a, bt_b
     const int row = threadIdx.x >> 1, half = threadIdx.x & 1;
     const int qi = q0 + row;
     float m_run = -INFINITY, l_run = 0.0f;
-    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
+    const int kfirst = bt_att_key_lo(q0, a.G, shifted, a.W); /* key tiles before it skipped */
     const int kt0 = kfirst / ATT_BC, kt1 = (q0 + nq - 1) / ATT_BC;
     for (int kt = kt0; kt <= kt1; kt++) {
         const int k0 = kt * ATT_BC, nk = min(ATT_BC, L - k0);
@@ -224,7 +228,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(BtAttArgs a, bt_b
 #pragma unroll
         for (int j = 0; j < 32; j++) {
             const int jj = half * 32 + j, kj = k0 + jj;
-            const bool ok = row < nq && jj < nk && bt_att_visible(qi, kj, a.G, shifted);
+            const bool ok = row < nq && jj < nk && bt_att_visible(qi, kj, a.G, shifted, a.W);
             sv[j] = ok ? sS[row * SM::LDS + jj] * sl2 : -INFINITY;
             mx = fmaxf(mx, sv[j]);
         }
@@ -263,7 +267,8 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_kernel(BtAttArgs a, bt_b
 
 template <int D>
 struct DkvSmem {
-    static constexpr int BR = D == 128 ? 32 : 64; /* query rows per step (fits sm_80's 163 KB) */
+    /* query rows per step: fits sm_80's 163 KB at D=128, sm_90's 227 KB at D=256 */
+    static constexpr int BR = D == 256 ? 16 : D == 128 ? 32 : 64;
     static constexpr int LDB = D + 8, LDS = ATT_BC + 4, LDP = ATT_BC + 8, LDA = D + 4;
     static constexpr size_t k = 0;
     static constexpr size_t v = bt_att_align(k + sizeof(bt_bf16) * ATT_BC * LDB);
@@ -326,9 +331,8 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
     for (int hi = 0; hi < grp; hi++) {
         const int h = g * grp + hi;
         const bool shifted = a.G > 0 && h >= a.Hq / 2;
-        int qend = L; /* rows that can see keys [k0, k0+nk) */
-        if (a.G > 0)
-            qend = min(L, bt_s2_group_end(k0 + nk - 1, a.G, shifted));
+        /* rows that can see keys [k0, k0+nk): query tiles past the S^2 group / window skipped */
+        const int qend = bt_att_query_end(k0 + nk - 1, a.G, shifted, a.W, L);
         for (int q0 = k0; q0 < qend; q0 += BR) {
             const int nq = min(BR, qend - q0);
             __syncthreads(); /* previous step done with sQ/sdO/stats */
@@ -347,7 +351,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
                                                                        sV, SM::LDB, false);
             for (int e = threadIdx.x; e < BR * ATT_BC; e += ATT_THREADS) {
                 const int r = e / ATT_BC, j = e % ATT_BC;
-                const bool ok = r < nq && j < nk && bt_att_visible(q0 + r, k0 + j, a.G, shifted);
+                const bool ok = r < nq && j < nk && bt_att_visible(q0 + r, k0 + j, a.G, shifted, a.W);
                 const float p = ok ? exp2f(sS[r * SM::LDS + j] * sl2 - sLse2[r]) : 0.0f;
                 sP[r * SM::LDP + j] = __float2bfloat16_rn(p);
                 sdS[r * SM::LDP + j] =
@@ -369,7 +373,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_kernel(
 
 template <int D>
 struct DqSmem {
-    static constexpr int BR = 64;
+    static constexpr int BR = D == 256 ? 32 : 64; /* query rows per CTA (227 KB at D=256) */
     static constexpr int LDB = D + 8, LDS = ATT_BC + 4, LDP = ATT_BC + 8, LDA = D + 4;
     static constexpr size_t q = 0;
     static constexpr size_t dO = bt_att_align(q + sizeof(bt_bf16) * BR * LDB);
@@ -383,7 +387,8 @@ struct DqSmem {
     static constexpr size_t bytes = bt_att_align(f + sizeof(float) * (D / 2 + 2 * BR));
 };
 
-/* One CTA per (64-query tile, query head, document): dQ = sum over key tiles of dS K. */
+/* One CTA per (BR-query tile, query head, document; BR = 64, 32 at D=256): dQ = sum over key
+ * tiles of dS K. */
 template <int D>
 __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
     BtAttArgs a, bt_bf16 *dq, const bt_bf16 *dout, const float *lse, const float *delta,
@@ -428,7 +433,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
     load_tile<D, BR>(sdO, SM::LDB, dout + (int64_t)(start + q0) * a.Hq * D + (int64_t)h * D,
                      (int64_t)a.Hq * D, nq, nullptr, nullptr, 0.0f);
     const float sl2 = a.scale * LOG2E;
-    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
+    const int kfirst = bt_att_key_lo(q0, a.G, shifted, a.W); /* key tiles before it skipped */
     const int kt0 = kfirst / ATT_BC, kt1 = (q0 + nq - 1) / ATT_BC;
     for (int kt = kt0; kt <= kt1; kt++) {
         const int k0 = kt * ATT_BC, nk = min(ATT_BC, L - k0);
@@ -443,7 +448,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
                                                                    SM::LDB, false);
         for (int e = threadIdx.x; e < BR * ATT_BC; e += ATT_THREADS) {
             const int r = e / ATT_BC, j = e % ATT_BC;
-            const bool ok = r < nq && j < nk && bt_att_visible(q0 + r, k0 + j, a.G, shifted);
+            const bool ok = r < nq && j < nk && bt_att_visible(q0 + r, k0 + j, a.G, shifted, a.W);
             const float p = ok ? exp2f(sS[r * SM::LDS + j] * sl2 - sLse2[r]) : 0.0f;
             sdS[r * SM::LDP + j] =
                 __float2bfloat16_rn(p * (sdP[r * SM::LDS + j] - sDelta[r]) * a.scale);
@@ -459,6 +464,43 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_kernel(
 
 /* --------------------------------------------------------------------------- launchers */
 
+template <int D>
+static int wa_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse, const bt_bf16 *q,
+                  const bt_bf16 *k, const bt_bf16 *v, cudaStream_t stream)
+{
+    const BtAttArgs a = bt_att_args(p, FwdSmem<D>::BR);
+    const int64_t gx = (int64_t)p->n_seq * a.nblk;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, gx > 0x7fffffff || p->Hq > 65535);
+    const dim3 grid((unsigned)gx, (unsigned)p->Hq);
+    BT_TRY(bt_att_smem(attn_fwd_kernel<D>, FwdSmem<D>::bytes, D));
+    attn_fwd_kernel<D><<<grid, ATT_THREADS, FwdSmem<D>::bytes, stream>>>(a, out, lse, q, k, v);
+    BT_LAUNCH_CHECK();
+    return BT_OK;
+}
+
+template <int D>
+static int wa_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
+                  const bt_bf16 *dout, const bt_bf16 *out, const float *lse, const bt_bf16 *q,
+                  const bt_bf16 *k, const bt_bf16 *v, float *delta, cudaStream_t stream)
+{
+    /* the shared-memory checks first: a device that cannot run a pass enqueues nothing */
+    BT_TRY(bt_att_smem(attn_bwd_dkdv_kernel<D>, DkvSmem<D>::bytes, D));
+    BT_TRY(bt_att_smem(attn_bwd_dq_kernel<D>, DqSmem<D>::bytes, D));
+    const BtAttArgs akv = bt_att_args(p, ATT_BC), aq = bt_att_args(p, DqSmem<D>::BR);
+    const int64_t gxkv = (int64_t)p->n_seq * akv.nblk, gxq = (int64_t)p->n_seq * aq.nblk;
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, gxkv > 0x7fffffff || gxq > 0x7fffffff || p->Hq > 65535);
+    const int64_t rows = (int64_t)p->M * p->Hq, nthr = rows * (D / 8);
+    bt_att_delta_kernel<D><<<(unsigned)((nthr + 255) / 256), 256, 0, stream>>>(delta, dout, out, rows);
+    BT_LAUNCH_CHECK();
+    const dim3 gkv((unsigned)gxkv, (unsigned)p->Hkv), gq((unsigned)gxq, (unsigned)p->Hq);
+    attn_bwd_dkdv_kernel<D><<<gkv, ATT_THREADS, DkvSmem<D>::bytes, stream>>>(akv, dk, dv, dout, lse,
+                                                                            delta, q, k, v);
+    BT_LAUNCH_CHECK();
+    attn_bwd_dq_kernel<D><<<gq, ATT_THREADS, DqSmem<D>::bytes, stream>>>(aq, dq, dout, lse, delta,
+                                                                        q, k, v);
+    BT_LAUNCH_CHECK();
+    return BT_OK;
+}
 
 extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse,
                                 const bt_bf16 *q, const bt_bf16 *k, const bt_bf16 *v,
@@ -468,19 +510,9 @@ extern "C" int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, floa
     const int e = bt_att_enter(__func__, p, ptrs, 5, false, lse, nullptr);
     if (e)
         return e > 0 ? BT_OK : e;
-    const BtAttArgs a = bt_att_args(p, 64);
-    const int64_t gx = (int64_t)p->n_seq * a.nblk;
-    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, gx > 0x7fffffff || p->Hq > 65535);
-    const dim3 grid((unsigned)gx, (unsigned)p->Hq);
-    if (p->D == 64) {
-        BT_TRY(bt_att_smem(attn_fwd_kernel<64>, FwdSmem<64>::bytes));
-        attn_fwd_kernel<64><<<grid, ATT_THREADS, FwdSmem<64>::bytes, stream>>>(a, out, lse, q, k, v);
-    } else {
-        BT_TRY(bt_att_smem(attn_fwd_kernel<128>, FwdSmem<128>::bytes));
-        attn_fwd_kernel<128><<<grid, ATT_THREADS, FwdSmem<128>::bytes, stream>>>(a, out, lse, q, k, v);
-    }
-    BT_LAUNCH_CHECK();
-    return BT_OK;
+    return p->D == 64    ? wa_fwd<64>(p, out, lse, q, k, v, stream)
+           : p->D == 128 ? wa_fwd<128>(p, out, lse, q, k, v, stream)
+                         : wa_fwd<256>(p, out, lse, q, k, v, stream);
 }
 
 extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk,
@@ -492,38 +524,21 @@ extern "C" int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf
     const int e = bt_att_enter(__func__, p, ptrs, 8, true, lse, delta);
     if (e)
         return e > 0 ? BT_OK : e;
-    const int64_t rows = (int64_t)p->M * p->Hq, nthr = rows * (p->D / 8);
-    if (p->D == 64)
-        bt_att_delta_kernel<64><<<(unsigned)((nthr + 255) / 256), 256, 0, stream>>>(delta, dout, out, rows);
-    else
-        bt_att_delta_kernel<128><<<(unsigned)((nthr + 255) / 256), 256, 0, stream>>>(delta, dout, out, rows);
-    BT_LAUNCH_CHECK();
-    const BtAttArgs a = bt_att_args(p, 64);
-    const int64_t gx = (int64_t)p->n_seq * a.nblk;
-    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, gx > 0x7fffffff || p->Hq > 65535);
-    const dim3 gkv((unsigned)gx, (unsigned)p->Hkv), gq((unsigned)gx, (unsigned)p->Hq);
-    if (p->D == 64) {
-        BT_TRY(bt_att_smem(attn_bwd_dkdv_kernel<64>, DkvSmem<64>::bytes));
-        attn_bwd_dkdv_kernel<64><<<gkv, ATT_THREADS, DkvSmem<64>::bytes, stream>>>(
-            a, dk, dv, dout, lse, delta, q, k, v);
-        BT_LAUNCH_CHECK();
-        BT_TRY(bt_att_smem(attn_bwd_dq_kernel<64>, DqSmem<64>::bytes));
-        attn_bwd_dq_kernel<64><<<gq, ATT_THREADS, DqSmem<64>::bytes, stream>>>(a, dq, dout, lse,
-                                                                              delta, q, k, v);
-    } else {
-        BT_TRY(bt_att_smem(attn_bwd_dkdv_kernel<128>, DkvSmem<128>::bytes));
-        attn_bwd_dkdv_kernel<128><<<gkv, ATT_THREADS, DkvSmem<128>::bytes, stream>>>(
-            a, dk, dv, dout, lse, delta, q, k, v);
-        BT_LAUNCH_CHECK();
-        BT_TRY(bt_att_smem(attn_bwd_dq_kernel<128>, DqSmem<128>::bytes));
-        attn_bwd_dq_kernel<128><<<gq, ATT_THREADS, DqSmem<128>::bytes, stream>>>(a, dq, dout, lse,
-                                                                                delta, q, k, v);
-    }
-    BT_LAUNCH_CHECK();
-    return BT_OK;
+    return p->D == 64 ? wa_bwd<64>(p, dq, dk, dv, dout, out, lse, q, k, v, delta, stream)
+           : p->D == 128
+               ? wa_bwd<128>(p, dq, dk, dv, dout, out, lse, q, k, v, delta, stream)
+               : wa_bwd<256>(p, dq, dk, dv, dout, out, lse, q, k, v, delta, stream);
 }
 
-/* Shared-memory budgets (bytes) must fit the smallest target, sm_80 (163 KB per block). */
+/* Shared-memory budgets (bytes): D = 64 and 128 fit the smallest target, sm_80 (163 KB per
+ * block); D = 256 fits sm_90 (227 KB, 232,448 B; checked on the host against the device's
+ * opt-in limit, bt_att_smem). */
 static_assert(FwdSmem<128>::bytes <= 166912, "attention fwd smem exceeds sm_80 limit");
 static_assert(DkvSmem<128>::bytes <= 166912, "attention dkdv smem exceeds sm_80 limit");
 static_assert(DqSmem<128>::bytes <= 166912, "attention dq smem exceeds sm_80 limit");
+static_assert(FwdSmem<256>::bytes == 195328 && FwdSmem<256>::bytes <= 232448,
+              "attention fwd smem (D=256) exceeds sm_90 limit / kernels_cuda.h figure");
+static_assert(DkvSmem<256>::bytes == 231552 && DkvSmem<256>::bytes <= 232448,
+              "attention dkdv smem (D=256) exceeds sm_90 limit / kernels_cuda.h figure");
+static_assert(DqSmem<256>::bytes == 157440 && DqSmem<256>::bytes <= 232448,
+              "attention dq smem (D=256) exceeds sm_90 limit / kernels_cuda.h figure");

@@ -25,13 +25,31 @@ static __device__ __forceinline__ int bt_s2_group_end(int j, int G, bool shifted
         return (j / G + 1) * G;
     return ((j + G / 2) / G) * G + G / 2;
 }
-/* query i may attend key j (local positions within one document): causal, and inside i's S^2
- * group when G > 0 */
-static __device__ __forceinline__ bool bt_att_visible(int i, int j, int G, bool shifted)
+/* The first key query i sees (local positions within one document): the start of its S^2 group
+ * when G > 0, and with a sliding window of W > 0 keys no earlier than i - W + 1 (transformers'
+ * sliding-window causal mask, kernels/cpu/attention.c win_lo: key j visible iff i - W < j <= i).
+ * Nondecreasing in i, so a tile's first row bounds the whole tile from below. */
+static __device__ __forceinline__ int bt_att_key_lo(int i, int G, bool shifted, int W)
 {
-    if (j > i)
-        return false;
-    return G <= 0 || j >= bt_s2_group_start(i, G, shifted);
+    int lo = G > 0 ? bt_s2_group_start(i, G, shifted) : 0;
+    if (W > 0 && i - W + 1 > lo)
+        lo = i - W + 1;
+    return lo;
+}
+/* One past the last query that sees key j in a document of L tokens: the end of j's S^2 group,
+ * j + W with a window, L otherwise. Nondecreasing in j (a tile's last key bounds it from above). */
+static __device__ __forceinline__ int bt_att_query_end(int j, int G, bool shifted, int W, int L)
+{
+    int e = G > 0 ? min(L, bt_s2_group_end(j, G, shifted)) : L;
+    if (W > 0 && W < e - j) /* j + W < e without overflow */
+        e = j + W;
+    return e;
+}
+/* query i may attend key j (local positions within one document): causal, inside i's S^2 group
+ * when G > 0, inside its window when W > 0 */
+static __device__ __forceinline__ bool bt_att_visible(int i, int j, int G, bool shifted, int W)
+{
+    return j <= i && j >= bt_att_key_lo(i, G, shifted, W);
 }
 
 /* The RoPE inverse frequencies into shared memory (all threads of the block take part): the
@@ -50,6 +68,7 @@ static __host__ __device__ constexpr size_t bt_att_align(size_t x) { return (x +
 /* The kernels' view of bt_cuda_attn_params (by value, in the kernel's parameter space). */
 struct BtAttArgs {
     int M, Hq, Hkv, n_seq, nblk, G; /* nblk = ceil(max_seqlen / tile); G = s2_group */
+    int W;                          /* sliding window (0: none) */
     const int32_t *cu;              /* cu_seqlens [n_seq + 1] */
     int64_t ldq, ldk, ldv;
     float scale, theta, pos_scale;
@@ -65,6 +84,7 @@ static inline BtAttArgs bt_att_args(const bt_cuda_attn_params *p, int tile)
     a.n_seq = p->n_seq;
     a.nblk = (p->max_seqlen + tile - 1) / tile;
     a.G = p->s2_group;
+    a.W = p->window;
     a.cu = p->cu_seqlens;
     a.ldq = p->ldq;
     a.ldk = p->ldk;
@@ -78,17 +98,18 @@ static inline BtAttArgs bt_att_args(const bt_cuda_attn_params *p, int tile)
 }
 
 /* Argument checks of bt_cuda_attn_fwd/bwd and their _mma twins (same codes; `who` the launcher, for
- * the message): BT_ERR_INVALID for bad shapes, strides or NULL pointers; BT_ERR_UNSUPPORTED for D
- * not in {64, 128}, strides not multiples of 8 or pointers not 16-byte aligned (the kernels use
- * 16-byte vector accesses). */
+ * the message): BT_ERR_INVALID for bad shapes, strides, a negative window or NULL pointers;
+ * BT_ERR_UNSUPPORTED for D not in {64, 128, 256} (the _mma launchers refuse 256 themselves),
+ * strides not multiples of 8 or pointers not 16-byte aligned (the kernels use 16-byte vector
+ * accesses). */
 static inline int bt_att_check(const char *who, const bt_cuda_attn_params *p,
                                const void *const *ptrs, int nptr)
 {
     BT_CU_REFUSE_AS(who, BT_ERR_INVALID, !p || p->M < 0 || p->Hq <= 0 || p->Hkv <= 0 ||
                                          p->Hq % p->Hkv != 0 || p->n_seq < 0 || p->max_seqlen < 0 ||
                                          (p->n_seq > 0 && !p->cu_seqlens) || p->s2_group < 0 ||
-                                         (p->s2_group & 1));
-    BT_CU_REFUSE_AS(who, BT_ERR_UNSUPPORTED, p->D != 64 && p->D != 128);
+                                         (p->s2_group & 1) || p->window < 0);
+    BT_CU_REFUSE_AS(who, BT_ERR_UNSUPPORTED, p->D != 64 && p->D != 128 && p->D != 256);
     const int64_t hd = (int64_t)p->D;
     BT_CU_REFUSE_AS(who, BT_ERR_INVALID, p->ldq < p->Hq * hd || p->ldk < p->Hkv * hd ||
                                          p->ldv < p->Hkv * hd);
@@ -148,27 +169,30 @@ static __global__ void bt_att_delta_kernel(float *delta, const bt_bf16 *dout, co
         delta[row] = s;
 }
 
-/* Raise a kernel's dynamic shared-memory limit above the 48 KB default (host call, cheap). A
- * device whose per-block opt-in limit is below `smem` (sm_86 / sm_89: 99 KB, which the sm_80
- * binary also runs on; sm_80: 163 KB; sm_90: 227 KB, CUDA C Programming Guide, "Compute
- * Capabilities") is BT_ERR_UNSUPPORTED with a message naming both sizes, instead of the bare
- * "invalid argument" of cudaFuncSetAttribute at the first launch. */
+/* Raise a kernel's dynamic shared-memory limit above the 48 KB default (host call, cheap; D the
+ * head_dim, for the message). A device whose per-block opt-in limit
+ * (cudaDevAttrMaxSharedMemoryPerBlockOptin: sm_86 / sm_89: 99 KB, which the sm_80 binary also
+ * runs on; sm_80: 163 KB; sm_90: 227 KB, CUDA C Programming Guide, "Compute Capabilities") is
+ * below `smem` is BT_ERR_UNSUPPORTED with a message naming head_dim and both sizes, instead of
+ * the bare "invalid argument" of cudaFuncSetAttribute at the first launch. */
 template <typename K>
-static int bt_att_smem(K kernel, size_t smem)
+static int bt_att_smem(K kernel, size_t smem, int D)
 {
-    static int optin = -1; /* cached: one device per process (the trainer's) */
-    if (optin < 0) {
-        int dev = 0;
-        cudaDeviceProp p;
-        optin = cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&p, dev) == cudaSuccess
-                    ? (int)p.sharedMemPerBlockOptin
-                    : 0;
+    /* the current device's limit, asked at every launch (an attribute read, not the slow
+     * cudaGetDeviceProperties): a process that switches devices is judged by the right one */
+    int dev = 0, optin = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    {
+        optin = 0; /* unknown: cudaFuncSetAttribute below reports what the runtime says */
+        (void)cudaGetLastError(); /* not left for the launch check to find */
     }
     if (optin > 0 && smem > (size_t)optin) {
-        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: attention kernel needs %zu bytes of shared memory "
-                       "per block; this device allows %d (for head_dim 128 use config "
-                       "cuda.attention \"wmma\" if it fits, or a GPU with more shared memory: "
-                       "sm_80, sm_90)", smem, optin);
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: attention kernel for head_dim %d needs %zu bytes "
+                       "of shared memory per block; this device allows %d (%s)", D, smem, optin,
+                       D == 256 ? "head_dim 256 needs an sm_90 GPU: H100 / H200, 227 KB"
+                                : "for head_dim 128 use config cuda.attention \"wmma\" if it "
+                                  "fits, or a GPU with more shared memory: sm_80, sm_90");
     }
     return BT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)smem));

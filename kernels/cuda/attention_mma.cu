@@ -27,7 +27,12 @@
  * fp32 (p = position_ids * pos_scale), reduced exactly modulo 2*pi (Cody-Waite, two constants;
  * the first fma is exact for |angle| < 2^24) and fed to __sincosf: about 1e-6 absolute error, far
  * below the bf16 rounding of the rotated values, and several times cheaper than sincosf, which
- * matters because every K tile is rotated once per query tile. */
+ * matters because every K tile is rotated once per query tile.
+ *
+ * Sliding window (bt_cuda_attn_params.window): each row's first visible key is bt_att_key_lo and
+ * each key's last query bt_att_query_end - 1 (attention_common.h), so key tiles before a query
+ * tile's first window and query steps past a key tile's last window are never visited, and the
+ * warp-level mask tests cover the tiles that straddle a window edge. */
 #include "kernels/cuda/attention_common.h"
 
 #define MA_LOG2E 1.4426950408889634f
@@ -422,7 +427,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
                 rot ? pos + q0 : nullptr, a.pos_scale);
         qt.store(sQ, sInvF, rot);
     }
-    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
+    const int kfirst = bt_att_key_lo(q0, a.G, shifted, a.W); /* key tiles before it skipped */
     const int kt0 = kfirst / BN, kt1 = (q0 + nq - 1) / BN;
     const bt_bf16 *kbase = k + (int64_t)start * a.ldk + (int64_t)g * D;
     const bt_bf16 *vbase = v + (int64_t)start * a.ldv + (int64_t)g * D;
@@ -445,10 +450,10 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     int qi[2], lo[2];
     for (int r = 0; r < 2; r++) {
         qi[r] = qw0 + gq + 8 * r;
-        lo[r] = a.G > 0 ? bt_s2_group_start(qi[r], a.G, shifted) : 0;
+        lo[r] = bt_att_key_lo(qi[r], a.G, shifted, a.W);
     }
-    const int lo_w0 = a.G > 0 ? bt_s2_group_start(qw0, a.G, shifted) : 0;       /* smallest in warp */
-    const int lo_w1 = a.G > 0 ? bt_s2_group_start(qw0 + 15, a.G, shifted) : 0;  /* largest in warp */
+    const int lo_w0 = bt_att_key_lo(qw0, a.G, shifted, a.W);      /* smallest in warp */
+    const int lo_w1 = bt_att_key_lo(qw0 + 15, a.G, shifted, a.W); /* largest in warp */
     const float sl2 = a.scale * MA_LOG2E;
     float o[D / 8][4];
     zero_acc<D / 8>(o);
@@ -625,7 +630,7 @@ __global__ void __launch_bounds__(MB_THREADS, 1)
     auto qend_of = [&](int hi) {
         const int hh = g * grp + hi;
         const bool sh = a.G > 0 && hh >= a.Hq / 2;
-        return a.G > 0 ? min(L, bt_s2_group_end(k0 + nk - 1, a.G, sh)) : L;
+        return bt_att_query_end(k0 + nk - 1, a.G, sh, a.W, L); /* S^2 group / window end */
     };
     const int64_t ldo = (int64_t)a.Hq * D;
     RotTile<D, BM, MB_THREADS, LD> qt;
@@ -694,9 +699,9 @@ __global__ void __launch_bounds__(MB_THREADS, 1)
         int qhi[2];
 #pragma unroll
         for (int r = 0; r < 2; r++)
-            qhi[r] = (a.G > 0 ? min(L, bt_s2_group_end(kj[r], a.G, sh)) : L) - 1;
-        const int qhi_w0 = (a.G > 0 ? min(L, bt_s2_group_end(kw0, a.G, sh)) : L) - 1; /* smallest */
-        const int qhi_w1 = (a.G > 0 ? min(L, bt_s2_group_end(kw0 + 15, a.G, sh)) : L) - 1;
+            qhi[r] = bt_att_query_end(kj[r], a.G, sh, a.W, L) - 1;
+        const int qhi_w0 = bt_att_query_end(kw0, a.G, sh, a.W, L) - 1; /* smallest */
+        const int qhi_w1 = bt_att_query_end(kw0 + 15, a.G, sh, a.W, L) - 1;
         const bool active = kw0 < L && q0 + BM - 1 >= kw0 && q0 <= qhi_w1;
         const bool need_mask = q0 < kw0 + 15 || q0 + BM - 1 > qhi_w0;
         float pt[BM / 8][4];
@@ -813,7 +818,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
                                        ldo, nq);
         qt.store(sQ, sInvF, rot);
     }
-    const int kfirst = a.G > 0 ? bt_s2_group_start(q0, a.G, shifted) : 0;
+    const int kfirst = bt_att_key_lo(q0, a.G, shifted, a.W); /* key tiles before it skipped */
     const int kt0 = kfirst / BN, kt1 = (q0 + nq - 1) / BN;
     const bt_bf16 *kbase = k + (int64_t)start * a.ldk + (int64_t)g * D;
     const bt_bf16 *vbase = v + (int64_t)start * a.ldv + (int64_t)g * D;
@@ -830,7 +835,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
     float lse2[2], dl[2];
     for (int r = 0; r < 2; r++) {
         qi[r] = qw0 + gq + 8 * r;
-        lo[r] = a.G > 0 ? bt_s2_group_start(qi[r], a.G, shifted) : 0;
+        lo[r] = bt_att_key_lo(qi[r], a.G, shifted, a.W);
         lse2[r] = 0.0f;
         dl[r] = 0.0f;
         if (qi[r] < L) {
@@ -839,8 +844,8 @@ __global__ void __launch_bounds__(MF_THREADS, 1)
             dl[r] = delta[idx];
         }
     }
-    const int lo_w0 = a.G > 0 ? bt_s2_group_start(qw0, a.G, shifted) : 0;
-    const int lo_w1 = a.G > 0 ? bt_s2_group_start(qw0 + 15, a.G, shifted) : 0;
+    const int lo_w0 = bt_att_key_lo(qw0, a.G, shifted, a.W);
+    const int lo_w1 = bt_att_key_lo(qw0 + 15, a.G, shifted, a.W);
     const float sl2 = a.scale * MA_LOG2E;
     const bt_bf16 *sQw = sQ + warp * 16 * LD, *sdOw = sdO + warp * 16 * LD;
     float dQ[D / 8][4];
@@ -915,7 +920,7 @@ template <int D>
 int ma_fwd(const BtAttArgs &a, unsigned grid, bt_bf16 *out, float *lse, const bt_bf16 *q,
            const bt_bf16 *k, const bt_bf16 *v, cudaStream_t stream)
 {
-    BT_TRY(bt_att_smem(mma_attn_fwd_kernel<D>, MFwdSmem<D>::bytes));
+    BT_TRY(bt_att_smem(mma_attn_fwd_kernel<D>, MFwdSmem<D>::bytes, D));
     mma_attn_fwd_kernel<D><<<grid, MF_THREADS, MFwdSmem<D>::bytes, stream>>>(a, out, lse, q, k, v);
     BT_LAUNCH_CHECK();
     return BT_OK;
@@ -933,11 +938,11 @@ int ma_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_bf16 *dv,
     BT_LAUNCH_CHECK();
     const BtAttArgs akv = bt_att_args(p, MB_BN), aq = bt_att_args(p, MF_BR);
     const unsigned gkv = ma_grid(p->Hkv, akv), gq = ma_grid(p->Hq, aq);
-    BT_TRY(bt_att_smem(mma_attn_bwd_dkdv_kernel<D>, MDkvSmem<D>::bytes));
+    BT_TRY(bt_att_smem(mma_attn_bwd_dkdv_kernel<D>, MDkvSmem<D>::bytes, D));
     mma_attn_bwd_dkdv_kernel<D><<<gkv, MB_THREADS, MDkvSmem<D>::bytes, stream>>>(
         akv, dk, dv, dout, lse, delta, q, k, v);
     BT_LAUNCH_CHECK();
-    BT_TRY(bt_att_smem(mma_attn_bwd_dq_kernel<D>, MDqSmem<D>::bytes));
+    BT_TRY(bt_att_smem(mma_attn_bwd_dq_kernel<D>, MDqSmem<D>::bytes, D));
     mma_attn_bwd_dq_kernel<D><<<gq, MF_THREADS, MDqSmem<D>::bytes, stream>>>(aq, dq, dout, lse,
                                                                            delta, q, k, v);
     BT_LAUNCH_CHECK();
@@ -949,6 +954,17 @@ static_assert(MFwdSmem<128>::bytes <= 166912, "mma attention fwd smem exceeds sm
 static_assert(MDkvSmem<128>::bytes <= 166912, "mma attention dkdv smem exceeds sm_80 limit");
 static_assert(MDqSmem<128>::bytes <= 166912, "mma attention dq smem exceeds sm_80 limit");
 
+/* head_dim 256 has no mma.sync kernel: the warp-resident dK/dV accumulators would take 2 x D/2 =
+ * 256 fp32 registers per lane, past the 255-register cap; the wmma kernels (attention.cu) run it */
+int ma_refuse_d256(const char *who, int D)
+{
+    if (D != 256)
+        return 0;
+    return bt_fail(BT_ERR_UNSUPPORTED, "cuda: %s: head_dim 256 has no mma.sync attention kernel "
+                   "(its register-resident dK/dV would need 256 registers per lane); use config "
+                   "cuda.attention \"wmma\"", who);
+}
+
 } // namespace
 
 extern "C" int bt_cuda_attn_fwd_mma(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse,
@@ -957,8 +973,11 @@ extern "C" int bt_cuda_attn_fwd_mma(const bt_cuda_attn_params *p, bt_bf16 *out, 
 {
     const void *ptrs[] = {out, lse, q, k, v};
     const int e = bt_att_enter(__func__, p, ptrs, 5, false, lse, nullptr);
+    if (e < 0)
+        return e;
+    BT_TRY(ma_refuse_d256(__func__, p->D));
     if (e)
-        return e > 0 ? BT_OK : e;
+        return BT_OK;
     BT_CU_REFUSE(BT_ERR_UNSUPPORTED, p->Hq > 65535);
     const BtAttArgs a = bt_att_args(p, MF_BR);
     const unsigned grid = ma_grid(p->Hq, a);
@@ -974,8 +993,11 @@ extern "C" int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, b
 {
     const void *ptrs[] = {dq, dk, dv, dout, out, q, k, v};
     const int e = bt_att_enter(__func__, p, ptrs, 8, true, lse, delta);
+    if (e < 0)
+        return e;
+    BT_TRY(ma_refuse_d256(__func__, p->D));
     if (e)
-        return e > 0 ? BT_OK : e;
+        return BT_OK;
     BT_CU_REFUSE(BT_ERR_UNSUPPORTED, p->Hq > 65535);
     BT_CU_REFUSE(BT_ERR_UNSUPPORTED, !ma_grid(p->Hq, bt_att_args(p, MF_BR)) ||
                                      !ma_grid(p->Hkv, bt_att_args(p, MB_BN)));

@@ -307,7 +307,8 @@ int bt_cuda_adamw_multi(const bt_cuda_adamw_tensor *tensors, int n_tensors, int6
 /* Parameters of the fused causal varlen GQA attention. */
 typedef struct {
     int M;            /* tokens */
-    int Hq, Hkv, D;   /* heads; Hq % Hkv == 0; D = 64 or 128 */
+    int Hq, Hkv, D;   /* heads; Hq % Hkv == 0; D = 64, 128 or 256 (256: the wmma launchers
+                       * only, Gemma 3's head_dim; needs 227 KB of shared memory per block, sm_90) */
     int n_seq;        /* documents; cu_seqlens has n_seq+1 entries (device) */
     int max_seqlen;   /* host value: >= the longest document (sizes the grid) */
     const int32_t *cu_seqlens; /* [n_seq+1], cu[0] = 0, nondecreasing, cu[n_seq] <= M */
@@ -328,6 +329,12 @@ typedef struct {
      * G/2: [0, G/2), [G/2, 3G/2), ... (half-size groups at both ends, no wrap-around). Causal inside
      * each group. G must be even. 0 = full causal attention. */
     int s2_group;
+    /* Sliding window of `window` keys (Mistral / Phi-3 sliding_window, Gemma 3's local layers;
+     * transformers' sliding-window causal mask, exactly the CPU bt_attn_fwd_win / bt_attn_bwd_win of
+     * kernels/kernels.h): a query at local position i sees key j of its own document (and S^2
+     * group) iff i - window < j <= i. 0 = no window; < 0 is BT_ERR_INVALID. Key tiles wholly outside
+     * every window of a query tile are skipped (cost per query O(window)), partial ones masked. */
+    int window;
 } bt_cuda_attn_params;
 
 /* Forward (FlashAttention-2, Dao 2023, arXiv 2307.08691, Algorithm 1): one CTA per (64-query tile,
@@ -337,9 +344,13 @@ typedef struct {
  * q [M, Hq, D] (row stride ldq), k, v [M, Hkv, D] (ldk, ldv), bf16, UNROTATED when position_ids is
  * set (RoPE is applied on load). out [M, Hq, D] bf16 contiguous; lse [M, Hq] fp32 (natural-log
  * log-sum-exp of the scaled scores, saved for backward). Rows outside [0, cu[n_seq]) are not written.
- * Requirements: D in {64, 128}; ldq/ldk/ldv multiples of 8 and every pointer 16-byte aligned (else
- * BT_ERR_UNSUPPORTED); grid n_seq*ceil(max_seqlen/64) x Hq. Shared memory per CTA: 72 KB (D=64),
- * 113 KB (D=128); the launcher raises the kernel's limit with cudaFuncSetAttribute (host call). */
+ * Requirements: D in {64, 128, 256}; ldq/ldk/ldv multiples of 8 and every pointer 16-byte aligned
+ * (else BT_ERR_UNSUPPORTED); grid n_seq*ceil(max_seqlen/64) x Hq. Shared memory per CTA: 72 KB
+ * (D=64), 113 KB (D=128), 195,328 B (D=256; its backward 231,552 B for dK/dV with 16-query steps
+ * and 157,440 B for dQ with 32-query tiles: sm_90's 227 KB opt-in); the launcher checks the
+ * device's per-block opt-in limit on the host (BT_ERR_UNSUPPORTED naming head_dim, the bytes
+ * needed and the device's limit when it is smaller) and raises the kernel's limit with
+ * cudaFuncSetAttribute. window: bt_cuda_attn_params. */
 int bt_cuda_attn_fwd(const bt_cuda_attn_params *p, bt_bf16 *out, float *lse, const bt_bf16 *q,
                      const bt_bf16 *k, const bt_bf16 *v, cudaStream_t stream);
 
@@ -356,7 +367,9 @@ int bt_cuda_attn_bwd(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk, bt_
 
 /* Second, fast implementation of the same two launchers (attention_mma.cu): identical semantics,
  * arguments, outputs (out, lse natural-log, dq/dk/dv w.r.t. the UNROTATED q/k, delta scratch
- * M*Hq floats), requirements (D in {64,128}; ldq/ldk/ldv multiples of 8; every pointer 16-byte
+ * M*Hq floats), requirements (D in {64,128}: D = 256 is BT_ERR_UNSUPPORTED, its 2 x D/2
+ * dK/dV accumulator registers per lane exceed the 255-register cap, use bt_cuda_attn_fwd/bwd;
+ * ldq/ldk/ldv multiples of 8; every pointer 16-byte
  * aligned) and return codes as bt_cuda_attn_fwd / bt_cuda_attn_bwd; results agree with them up to
  * fp32 summation order and bf16 rounding of P/dS (tests/gpu/test_attention_gpu.cu checks both
  * against the CPU reference and against each other).

@@ -347,6 +347,15 @@ const unsigned char *lane_data(const Slot &s, int src, const char *what)
 
 /* ------------------------------------------------------------------------------ shared memory */
 constexpr size_t MAX_DYN_SMEM = 232448; /* 227 KB: sm_90 opt-in maximum per block */
+/* The opt-in maximum the emulated device reports and enforces: MAX_DYN_SMEM, or a smaller
+ * BT_EMU_SMEM_OPTIN=BYTES (read at every call: a test emulates a smaller GPU, e.g. sm_80's
+ * 166912, around one call and sets it back) */
+size_t optin_smem()
+{
+    const char *e = getenv("BT_EMU_SMEM_OPTIN");
+    const long v = e ? atol(e) : 0;
+    return v > 0 && (size_t)v < MAX_DYN_SMEM ? (size_t)v : MAX_DYN_SMEM;
+}
 constexpr size_t DEFAULT_DYN_SMEM = 48 * 1024;
 unsigned char *g_dyn_area = nullptr, *g_dyn_guard = nullptr;
 unsigned char *g_dyn = nullptr;
@@ -1089,7 +1098,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
     snprintf(p->name, sizeof p->name, "CPU emulator");
     p->totalGlobalMem = (size_t)80 << 30;
     p->sharedMemPerBlock = DEFAULT_DYN_SMEM;
-    p->sharedMemPerBlockOptin = MAX_DYN_SMEM;
+    p->sharedMemPerBlockOptin = optin_smem();
     p->sharedMemPerMultiprocessor = 228 * 1024;
     p->regsPerBlock = 65536;
     p->warpSize = 32;
@@ -1107,6 +1116,21 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
     p->maxThreadsPerMultiProcessor = 2048;
     return cudaSuccess;
 }
+cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr attr, int d)
+{
+    if (d != 0)
+        return g_last_error = cudaErrorInvalidDevice;
+    switch (attr) {
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = (int)optin_smem(); break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *v = (int)DEFAULT_DYN_SMEM; break;
+    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
+    case cudaDevAttrMultiProcessorCount: *v = 132; break;
+    case cudaDevAttrWarpSize: *v = 32; break;
+    default: return g_last_error = cudaErrorInvalidValue; /* not emulated */
+    }
+    return cudaSuccess;
+}
 cudaError_t cudaMemGetInfo(size_t *fr, size_t *tot)
 {
     const size_t total = (size_t)80 << 30;
@@ -1119,7 +1143,7 @@ cudaError_t cudaMemGetInfo(size_t *fr, size_t *tot)
 cudaError_t cudaFuncSetAttribute(const void *func, enum cudaFuncAttribute attr, int value)
 {
     if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
-        if (value < 0 || (size_t)value > MAX_DYN_SMEM)
+        if (value < 0 || (size_t)value > optin_smem())
             return g_last_error = cudaErrorInvalidValue;
         g_func_max_dyn[func] = value;
     }

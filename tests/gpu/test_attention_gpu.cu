@@ -9,6 +9,11 @@
  * LongLoRA S^2-Attn (reference: the CPU S^2 kernel, kernels/cpu/attention.c),
  * including GQA groups whose query heads straddle Hq/2 (shifted and unshifted heads sharing one
  * KV head), and long documents (1000 tokens; 4096 tokens with D=128, Hq 8, Hkv 2).
+ * Head dim 256 (Gemma 3; the wmma kernels: the mma launchers must refuse it, naming "wmma") and
+ * sliding windows (Mistral / Phi-3 / Gemma 3 local layers; reference bt_attn_fwd_win /
+ * bt_attn_bwd_win, the window relative to each packed document): windows smaller than a tile and
+ * spanning several, one key (W = 1), windows longer than some of the packed documents, GQA / MQA,
+ * with S^2-Attn (W below the group size) and with packed QKV.
  * Every case runs once per implementation as its own cmocka test
  * ("attn/<case>/wmma", "attn/<case>/mma"); the 4096-token case also compares the two GPU
  * implementations with each other ("attn/<case>/cross") and checks that the mma backward is
@@ -66,6 +71,7 @@ struct AttCase {
     bool llama3;    /* RoPE with a "llama3" inv_freq table (p.inv_freq) instead of theta */
     int pos_offset; /* position_ids = pos_offset + index within the document */
     bool cross;     /* also compare mma against wmma and check mma determinism */
+    int W = 0;      /* sliding window in keys (0 = none; bt_cuda_attn_params.window) */
 };
 
 static const float k_theta = 10000.0f, k_pscale = 0.5f;
@@ -87,8 +93,8 @@ static void build_ref(const AttCase &c, AttRef &r)
         r.M += L;
         r.maxL = L > r.maxL ? L : r.maxL;
     }
-    printf("rope=%d%s pos_offset=%d G=%d packed=%d qscale=%g\n", c.rope,
-           c.llama3 ? "(llama3 inv_freq)" : "", c.pos_offset, c.G, c.packed, c.qscale);
+    printf("rope=%d%s pos_offset=%d G=%d window=%d packed=%d qscale=%g\n", c.rope,
+           c.llama3 ? "(llama3 inv_freq)" : "", c.pos_offset, c.G, c.W, c.packed, c.qscale);
     const int M = r.M, D = c.D, Hq = c.Hq, Hkv = c.Hkv;
     r.nq = (size_t)M * Hq * D;
     r.nk = (size_t)M * Hkv * D;
@@ -129,13 +135,13 @@ static void build_ref(const AttCase &c, AttRef &r)
     r.dk.assign(r.nk, 0.0f);
     r.dv.assign(r.nk, 0.0f);
     const int nseq = (int)c.lens.size();
-    /* kernels/cpu S^2-Attn (G = 0: full causal), itself checked against a naive masked reference
-     * in tests/unit/kernels/test_attention.c */
-    if (bt_attn_fwd_s2(r.out.data(), r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(),
-                       nseq, M, Hq, Hkv, D, scale, c.G) != 0 ||
-        bt_attn_bwd_s2(r.dq.data(), r.dk.data(), r.dv.data(), r.dout.data(), r.out.data(),
-                       r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(), nseq, M, Hq,
-                       Hkv, D, scale, c.G) != 0) {
+    /* kernels/cpu S^2-Attn with a sliding window (G = 0 and W = 0: full causal), itself checked
+     * against a naive masked reference in tests/unit/kernels/test_attention.c */
+    if (bt_attn_fwd_win(r.out.data(), r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(),
+                        nseq, M, Hq, Hkv, D, scale, c.G, c.W) != 0 ||
+        bt_attn_bwd_win(r.dq.data(), r.dk.data(), r.dv.data(), r.dout.data(), r.out.data(),
+                        r.lse.data(), qr.data(), kr.data(), r.v.data(), r.cu.data(), nseq, M, Hq,
+                        Hkv, D, scale, c.G, c.W) != 0) {
         printf("    CPU reference failed: %s  <-- FAIL\n", bt_last_error());
         g_case_ok = false;
     }
@@ -220,6 +226,7 @@ static void run_gpu(const AttCase &c, const AttRef &r, int impl, GpuOut &o)
     p.pos_scale = k_pscale;
     p.inv_freq = c.llama3 ? ginvf.p : nullptr;
     p.s2_group = c.G;
+    p.window = c.W;
     BTOK(attn_fwd(impl, &p, gout.p, glse.p, pq, pk, pv));
     BTOK(attn_bwd(impl, &p, pdq, pdk, pdv, gdout.p, gout.p, glse.p, pq, pk, pv, gdelta.p));
     CU(cudaStreamSynchronize(g_stream));
@@ -286,6 +293,37 @@ static void cross_check(AttState &s)
     check_exact("mma rerun dv", again.dv.data(), m.dv.data(), r.nk);
 }
 
+/* head_dim 256 has no mma kernel: both mma launchers refuse it (BT_ERR_UNSUPPORTED, the message
+ * pointing at "wmma") and write nothing */
+static void check_mma_refuses(const AttCase &c, const AttRef &r)
+{
+    bt_cuda_attn_params p;
+    memset(&p, 0, sizeof p);
+    DBuf<bt_bf16> b(r.nq + 8);
+    DBuf<float> l((size_t)r.M * c.Hq), dl((size_t)r.M * c.Hq);
+    DBuf<int32_t> cu(r.cu.size());
+    up(cu, r.cu);
+    p.M = r.M;
+    p.Hq = c.Hq;
+    p.Hkv = c.Hkv;
+    p.D = c.D;
+    p.n_seq = (int)c.lens.size();
+    p.max_seqlen = r.maxL;
+    p.cu_seqlens = cu.p;
+    p.ldq = (int64_t)c.Hq * c.D;
+    p.ldk = p.ldv = (int64_t)c.Hkv * c.D;
+    p.scale = 1.0f / sqrtf((float)c.D);
+    p.window = c.W;
+    check_true("mma fwd D=256 -> UNSUPPORTED",
+               attn_fwd(IMPL_MMA, &p, b.p, l.p, b.p, b.p, b.p) == BT_ERR_UNSUPPORTED);
+    printf("    bt_last_error: %s\n", bt_last_error());
+    check_true("the refusal names head_dim 256 and wmma", strstr(bt_last_error(), "head_dim 256") &&
+                                                              strstr(bt_last_error(), "wmma"));
+    check_true("mma bwd D=256 -> UNSUPPORTED",
+               attn_bwd(IMPL_MMA, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p) ==
+                   BT_ERR_UNSUPPORTED);
+}
+
 static void add_case(const AttCase &c)
 {
     const std::string base = std::string("attn/") + c.name;
@@ -297,7 +335,9 @@ static void add_case(const AttCase &c)
     std::vector<Part> parts;
     parts.emplace_back(base + "/reference", [s] { build_ref(s->c, s->r); });
     for (int impl = 0; impl < N_IMPL; impl++)
-        if (g_impl_on[impl])
+        if (g_impl_on[impl] && c.D == 256 && impl == IMPL_MMA)
+            parts.emplace_back(base + "/mma refuses", [s] { check_mma_refuses(s->c, s->r); });
+        else if (g_impl_on[impl])
             parts.emplace_back(base + "/" + k_impl_name[impl], [s, impl] {
                 run_gpu(s->c, s->r, impl, s->o[impl]);
                 check_all(s->o[impl], s->r);
@@ -335,6 +375,17 @@ static const AttCase k_cases[] = {
     {"long 1000 s2 d128 mqa llama3", 128, 4, 1, {1000, 23}, true, 256, false, 1.0f, true, 100,
      false},
     {"long 4096 d128 gqa llama3", 128, 8, 2, {4096}, true, 0, false, 1.0f, true, 0, true},
+    /* head_dim 256 (Gemma 3): wmma only; odd lengths, a one-token document, GQA */
+    {"d256 gqa", 256, 4, 2, {70, 1, 17}, true, 0, false, 1.0f, false, 0, false},
+    /* sliding windows: W spans several 64-key tiles (and skips whole tiles of the 150-token
+     * document) with GQA; W longer than the short packed documents (the window never crosses
+     * a document) with packed QKV; W = 1; W with S^2 on MQA; head_dim 256 */
+    {"win 48 d64 gqa", 64, 4, 2, {300, 3, 90}, true, 0, false, 1.0f, false, 0, false, 48},
+    {"win 100 d128 packed docs", 128, 2, 1, {30, 150, 7, 64}, true, 0, true, 1.0f, false, 0, false,
+     100},
+    {"win 1 d64", 64, 2, 2, {40, 5, 1}, true, 0, false, 1.0f, false, 0, false, 1},
+    {"win 12 s2 32 d64 mqa", 64, 4, 1, {130, 20}, true, 32, false, 1.0f, false, 0, false, 12},
+    {"win 40 d256 gqa", 256, 2, 1, {150, 9}, true, 0, false, 1.0f, false, 0, false, 40},
 };
 
 static void test_attn_errors(int impl)
@@ -363,6 +414,7 @@ static void test_attn_errors(int impl)
     p.D = 96;
     p.ldq = p.ldk = p.ldv = 2 * 96;
     check_true("D = 96 -> UNSUPPORTED", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -5);
+    check_true("D = 96 named", strstr(bt_last_error(), "p->D != 64") != nullptr);
     p.D = 64;
     p.ldq = p.ldk = p.ldv = 2 * 64;
     p.n_seq = 1;
@@ -371,6 +423,11 @@ static void test_attn_errors(int impl)
     p.s2_group = 3;
     check_true("odd s2_group -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6);
     p.s2_group = 0;
+    p.window = -1;
+    check_true("window < 0 -> INVALID", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -6 &&
+                                            attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p,
+                                                     b.p, b.p, dl.p) == -6);
+    p.window = 0;
     p.ldq = 2 * 64 + 4;
     check_true("ldq % 8 != 0 -> UNSUPPORTED", attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == -5);
     p.ldq = 64;
@@ -392,6 +449,56 @@ static void test_attn_errors(int impl)
     check_true("empty batch -> OK, nothing enqueued",
                attn_fwd(impl, &p, b.p, l.p, b.p, b.p, b.p) == 0 &&
                    attn_bwd(impl, &p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p) == 0);
+}
+
+/* The host's shared-memory check: head_dim 256 needs 195,328 B (forward) and 231,552 B (dK/dV)
+ * per block; a device that allows less (sm_80: 166,912) is refused before any launch, naming
+ * head_dim, the bytes and the device's limit, while head_dim 128 (113 KB) still runs there. The
+ * emulator plays the smaller device (BT_EMU_SMEM_OPTIN); a real GPU is judged by its own limit. */
+static void test_smem_limit(void)
+{
+    const char *emu = getenv("BT_GPU_EMU");
+    if (!emu || !atoi(emu)) {
+        printf("    real device: checked by the d256 cases against its own limit\n");
+        return;
+    }
+    const int M = 4;
+    DBuf<bt_bf16> b((size_t)M * 256 + 8);
+    DBuf<float> l(M), dl(M);
+    DBuf<int32_t> cu(2);
+    up(cu, std::vector<int32_t>{0, M});
+    bt_cuda_attn_params p;
+    memset(&p, 0, sizeof p);
+    p.M = M;
+    p.Hq = p.Hkv = 1;
+    p.D = 256;
+    p.n_seq = 1;
+    p.max_seqlen = M;
+    p.cu_seqlens = cu.p;
+    p.ldq = p.ldk = p.ldv = 256;
+    p.scale = 0.0625f;
+    setenv("BT_EMU_SMEM_OPTIN", "166912", 1); /* sm_80 */
+    check_true("fwd D=256 on a 163 KB device -> UNSUPPORTED",
+               bt_cuda_attn_fwd(&p, b.p, l.p, b.p, b.p, b.p, g_stream) == BT_ERR_UNSUPPORTED);
+    const std::string ef = bt_last_error();
+    printf("    bt_last_error: %s\n", ef.c_str());
+    check_true("names head_dim 256, 195328 bytes and the limit 166912",
+               ef.find("head_dim 256") != std::string::npos &&
+                   ef.find("195328") != std::string::npos && ef.find("166912") != std::string::npos);
+    check_true("bwd D=256 on a 163 KB device -> UNSUPPORTED",
+               bt_cuda_attn_bwd(&p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p, g_stream) ==
+                   BT_ERR_UNSUPPORTED);
+    check_true("bwd names the dK/dV pass's 231552 bytes",
+               strstr(bt_last_error(), "231552") != nullptr);
+    p.D = 128;
+    p.ldq = p.ldk = p.ldv = 128;
+    p.scale = 0.088f;
+    check_true("fwd + bwd D=128 still run on it",
+               bt_cuda_attn_fwd(&p, b.p, l.p, b.p, b.p, b.p, g_stream) == BT_OK &&
+                   bt_cuda_attn_bwd(&p, b.p, b.p, b.p, b.p, b.p, l.p, b.p, b.p, b.p, dl.p,
+                                    g_stream) == BT_OK);
+    unsetenv("BT_EMU_SMEM_OPTIN");
+    CU(cudaStreamSynchronize(g_stream));
 }
 
 int main(int argc, char **argv)
@@ -437,6 +544,8 @@ int main(int argc, char **argv)
             if (g_impl_on[impl])
                 gt_add_case(std::string("attn/errors/") + k_impl_name[impl],
                             [impl] { test_attn_errors(impl); });
+    if (gt_case_selected("attn/smem limit d256") && g_impl_on[IMPL_WMMA])
+        gt_add_case("attn/smem limit d256", test_smem_limit);
     const int rc = gt_run(prog);
     cudaStreamDestroy(g_stream);
     return rc;

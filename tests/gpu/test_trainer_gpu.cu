@@ -6,7 +6,8 @@
  *     without a CUDA decoder refused --, tied / untied, LoRA dropout, activation checkpointing,
  *     LoRA+ trainable embedding + norms, packed segments with reset position_ids, S^2-Attn in
  *     training with linear / YaRN / dynamic context extension and llama3 + YaRN, both attention
- *     kernels), and on
+ *     kernels; a Mistral-style sliding_window on both kernels, matching the windowed CPU step and
+ *     not the full-attention one; head_dim 256 on wmma, refused by name on mma), and on
  *     SmolLM2-135M (BT_MODEL, default models/SmolLM2-135M-Instruct.Q4_1.gguf; skipped if absent;
  *     BT_MODEL=random:smollm2-135m: its shapes with random weights, NF4 and GGUF-native Q4_1);
  *   - 10 optimiser steps on SmolLM2 with the GPU loss following the CPU loss curve;
@@ -146,6 +147,8 @@ struct Case {
     int B, T, docs;
     int s2 = 0;      /* S^2-Attn group in training (0 = full attention) */
     int offload = 0; /* offload the checkpointed layer inputs (needs ckpt) */
+    int window = 0;  /* the model's sliding_window (Mistral-style, every layer; 0 = none) */
+    int head_dim = 0; /* != 0: heads of this size (d_model / head_dim query heads, 1 KV head) */
 };
 
 /* Give B (zero at init) small random values so dA is not trivially zero. */
@@ -187,6 +190,20 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     std::vector<float> cg(lo->grads, lo->grads + lo->n_params);
     BTOK(bt_forward_backward(ctx, m, lo, &b.mb, 0, 1.0f, drop_key, &cpu_eval, nullptr));
     bt_step_ctx_free(ctx);
+    /* with a sliding window: the same step on the CPU with full causal attention, which the GPU
+     * must NOT match (so a GPU step that ignored the window fails below) */
+    double cpu_full = 0;
+    std::vector<float> cg_full;
+    if (cs.window > 0) {
+        bt_model mf = *m; /* shallow: the same weights, no window */
+        mf.hp.sliding_window = 0;
+        bt_step_ctx *cf = nullptr;
+        BTOK(bt_step_ctx_new(&cf, &mf, lo, M, cs.ckpt));
+        bt_lora_zero_grad(lo);
+        BTOK(bt_forward_backward(cf, &mf, lo, &b.mb, 1, gs, drop_key, &cpu_full, nullptr));
+        cg_full.assign(lo->grads, lo->grads + lo->n_params);
+        bt_step_ctx_free(cf);
+    }
     /* GPU */
     bt_cuda_trainer *t = nullptr;
     bt_cuda_trainer_opts o;
@@ -219,6 +236,15 @@ static void step_parity(const bt_model *m, bt_lora *lo, const Case &cs, uint64_t
     const double lrel = fabs(gpu_loss - cpu_loss) / fmax(fabs(cpu_loss), 1e-30);
     printf("    loss rel err %.3e (tol 1e-2)\n", lrel);
     check_true("loss within 1e-2", lrel <= 1e-2);
+    if (cs.window > 0) {
+        const Stat sw = compare(gg.data(), cg.data(), lo->n_lora);
+        const Stat sf = compare(gg.data(), cg_full.data(), lo->n_lora);
+        printf("    sliding_window %d: cpu full-attention loss %.6f; GPU grads vs windowed CPU rel_l2 "
+               "%.3e, vs full-attention CPU %.3e\n", cs.window, cpu_full, sw.rl2, sf.rl2);
+        check_true("the window changes the CPU gradients past the tolerance",
+                   compare(cg_full.data(), cg.data(), lo->n_lora).rl2 > 2 * 5e-2);
+        check_true("GPU grads match the windowed CPU, not full attention", sw.rl2 * 4 < sf.rl2);
+    }
     if (cs.s2 == 0) {
         check_true("eval loss == train loss", fabs(ev_loss - gpu_loss) <= 1e-6 * fabs(gpu_loss) + 1e-9);
     } else { /* S^2 in training only: the eval pass is full attention, as on the CPU */
@@ -291,6 +317,12 @@ static bt_llama_hparams tiny_hp(int n_layer)
 static void run_tiny_case(const Case &cs, bool llama3 = false, int ext = BT_ROPE_EXT_NONE)
 {
     bt_llama_hparams hp = tiny_hp(2);
+    hp.sliding_window = cs.window;
+    if (cs.head_dim) {
+        hp.head_dim = cs.head_dim;
+        hp.n_head = hp.d_model / cs.head_dim;
+        hp.n_kv_head = 1;
+    }
     if (llama3) {
         hp.rope_type = BT_ROPE_LLAMA3;
         hp.rope_theta = 500000.f;
@@ -355,6 +387,56 @@ static int long_T(void)
 static void test_tiny_long_doc(void)
 { /* one 1000-token document: several 64-key tiles, partial last tile */
     run_tiny_case({"nf4 tied, one 1000-token row", BT_BASE_NF4, 1, 0, 0.f, 0, 1, long_T(), 1});
+}
+
+/* Mistral-style sliding_window on every layer (bt_model_layer_window), rows of packed documents
+ * longer than the window: the CUDA step passes each layer's window to both attention kernels. */
+static void test_tiny_sliding_window(void)
+{
+    Case c = {"nf4 tied, sliding_window 16, packed documents", BT_BASE_NF4, 1, 0, 0.f, 0, 1, 96, 2};
+    c.window = 16;
+    run_tiny_case(c);
+    g_attn_impl = 1;
+    c.name = "[mma attention] fp32 untied, sliding_window 16, checkpointing";
+    c.base_dtype = BT_BASE_FP32;
+    c.tied = 0;
+    c.ckpt = 1;
+    run_tiny_case(c);
+    g_attn_impl = 0;
+}
+
+/* head_dim 256 (Gemma 3's) through the whole step on the wmma attention, with a sliding window;
+ * the mma attention has no head_dim 256 kernel and the trainer refuses it up front, naming it. */
+static void test_tiny_head_dim_256(void)
+{
+    Case c = {"fp32 untied, head_dim 256, sliding_window 16", BT_BASE_FP32, 0, 0, 0.f, 0, 1, 64, 2};
+    c.window = 16;
+    c.head_dim = 256;
+    run_tiny_case(c);
+    bt_llama_hparams hp = tiny_hp(1);
+    hp.head_dim = 256;
+    hp.n_head = 1;
+    hp.n_kv_head = 1;
+    bt_model m;
+    bt_lora lo;
+    if (bt_model_init_random(&m, &hp, BT_BASE_FP32, 1, 42) != 0 ||
+        bt_lora_init(&lo, &m, 8, 16.0, 0.f, (1u << BT_MOD_N) - 1, 0, 7) != 0) {
+        printf("    set-up: %s\n", bt_last_error());
+        g_case_ok = false;
+        return;
+    }
+    bt_cuda_trainer *t = nullptr;
+    bt_cuda_trainer_opts o;
+    memset(&o, 0, sizeof o);
+    o.attn_impl = 1;
+    check_true("mma attention + head_dim 256 refused",
+               bt_cuda_trainer_new(&t, &m, &lo, 64, &o) == BT_ERR_UNSUPPORTED);
+    printf("    bt_last_error: %s\n", bt_last_error());
+    check_true("the refusal names head_dim 256 and \"wmma\"",
+               strstr(bt_last_error(), "head_dim 256") && strstr(bt_last_error(), "\"wmma\""));
+    bt_cuda_trainer_free(t);
+    bt_lora_free(&lo);
+    bt_model_free(&m);
 }
 
 static void test_tiny_llama3_rope(void)
@@ -1039,6 +1121,8 @@ int main(int argc, char **argv)
     GT_CASE(test_tiny_loraplus);
     GT_CASE(test_tiny_long_doc);
     GT_CASE(test_tiny_llama3_rope);
+    GT_CASE(test_tiny_sliding_window);
+    GT_CASE(test_tiny_head_dim_256);
     GT_CASE(test_tiny_mma_fused);
     GT_CASE(test_tiny_gguf);
     GT_CASE(test_qwen3_refused);

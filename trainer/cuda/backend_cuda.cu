@@ -168,6 +168,7 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
 
 } // namespace
 
-/* no window in the GPU attention yet: sliding_window 0 */
+/* sliding_window 1: the attention kernels take the layer's window (bt_cuda_attn_params.window,
+ * passed per layer by trainer/cuda/cuda_step.cu) */
 extern "C" const bt_backend_reg bt_backend_cuda_reg = {"cuda", BT_DEVICE_CUDA, cuda_init,
-                                                       bt_cuda_dist_unique_id, 0};
+                                                       bt_cuda_dist_unique_id, 1};

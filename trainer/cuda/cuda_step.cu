@@ -220,9 +220,12 @@ static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params
     BTC_TRY(proj_fwd(t, l, BT_MOD_Q, A->q, A->xn1, M, A, key));
     BTC_TRY(proj_fwd(t, l, BT_MOD_K, A->k, A->xn1, M, A, key));
     BTC_TRY(proj_fwd(t, l, BT_MOD_V, A->v, A->xn1, M, A, key));
-    /* RoPE is applied inside the attention kernel as Q/K tiles load (position_ids, theta, scale) */
-    BTC_TRY(BTC_L(t->attn_impl ? bt_cuda_attn_fwd_mma(ap, A->att, A->lse, A->q, A->k, A->v, s)
-                               : bt_cuda_attn_fwd(ap, A->att, A->lse, A->q, A->k, A->v, s)));
+    /* RoPE is applied inside the attention kernel as Q/K tiles load (position_ids, theta, scale);
+     * the layer's sliding window (Mistral / Phi-3 sliding_window) as on the CPU step */
+    bt_cuda_attn_params apl = *ap;
+    apl.window = bt_model_layer_window(&t->md.hp, l);
+    BTC_TRY(BTC_L(t->attn_impl ? bt_cuda_attn_fwd_mma(&apl, A->att, A->lse, A->q, A->k, A->v, s)
+                               : bt_cuda_attn_fwd(&apl, A->att, A->lse, A->q, A->k, A->v, s)));
     BTC_TRY(proj_fwd(t, l, BT_MOD_O, A->x2, A->att, M, A, key));
     BTC_TRY(BTC_L(bt_cuda_add_bf16(A->x2, A->x2, x, nD, s)));
     BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, norm_w(t, l, 1), M, t->D, eps, s)));
@@ -256,8 +259,10 @@ static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params
     BTC_TRY(BTC_L(bt_cuda_add_bf16(t->dx2, t->dx, t->dtmp, nD, s)));
     /* attention */
     BTC_TRY(proj_bwd(t, l, BT_MOD_O, t->datt, t->dx2, A->att, M, 0.f, A, key));
+    bt_cuda_attn_params apl = *ap; /* the layer's sliding window, as in layer_fwd */
+    apl.window = bt_model_layer_window(&t->md.hp, l);
     BTC_TRY(BTC_L((t->attn_impl ? bt_cuda_attn_bwd_mma : bt_cuda_attn_bwd)(
-        ap, t->dq, t->dk, t->dv, t->datt, A->att, A->lse, A->q, A->k, A->v, t->delta, s)));
+        &apl, t->dq, t->dk, t->dv, t->datt, A->att, A->lse, A->q, A->k, A->v, t->delta, s)));
     /* dq, dk are already gradients w.r.t. the unrotated q, k (inverse RoPE inside the kernel) */
     BTC_TRY(proj_bwd(t, l, BT_MOD_Q, t->dxn, t->dq, A->xn1, M, 0.f, A, key));
     BTC_TRY(proj_bwd(t, l, BT_MOD_K, t->dxn, t->dk, A->xn1, M, 1.f, A, key));
@@ -679,9 +684,11 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     if (t->offload && !t->ckpt)
         return bt_fail(BT_ERR_INVALID, "cuda: offloading the checkpointed layer inputs needs "
                        "activation checkpointing");
-    if (t->hd != 64 && t->hd != 128)
-        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: head_dim %d is not supported by the attention "
-                       "kernels (64 or 128)", t->hd);
+    if (t->hd != 64 && t->hd != 128 && (t->hd != 256 || t->attn_impl))
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: head_dim %d is not supported by the %s attention "
+                       "kernels (%s)", t->hd, t->attn_impl ? "mma" : "wmma",
+                       t->attn_impl ? "64 or 128; head_dim 256 runs on config cuda.attention "
+                                      "\"wmma\"" : "64, 128 or 256");
     if (t->D % 8 != 0 || t->Dq % 8 != 0 || t->Dkv % 8 != 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: d_model %d / q %d / kv %d must be multiples of 8",
                        t->D, t->Dq, t->Dkv);

@@ -76,10 +76,11 @@ typedef struct {
  * biases fp32) and the LoRA state (params, grads zeroed, AdamW m and v: so a resumed run continues
  * from the host moments), and allocate the workspace for micro-batches of up to max_M tokens.
  * lo must stay valid (layout only) for the trainer's lifetime. Requirements checked here (else
- * BT_ERR_UNSUPPORTED with a message): head_dim 64 or 128; d_model % 8 == 0; NF4 linears have
- * cols % 64 == 0; GGUF-native linears have a type with a CUDA decoder or F16/BF16/F32 (others are
- * refused naming the supported types and base_dtype "nf4"). Errors also: BT_ERR_NOMEM (device
- * memory; the message gives the sizes), BT_ERR_IO (no device / CUDA error). */
+ * BT_ERR_UNSUPPORTED with a message): head_dim 64 or 128 (or 256 with the wmma attention);
+ * d_model % 8 == 0; NF4 linears have cols % 64 == 0; GGUF-native linears have a type with a CUDA
+ * decoder or F16/BF16/F32 (others are refused naming the supported types and base_dtype "nf4").
+ * A model's sliding window (bt_model_layer_window) is applied per layer. Errors also:
+ * BT_ERR_NOMEM (device memory; the message gives the sizes), BT_ERR_IO (no device / CUDA error). */
 int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
                         const bt_cuda_trainer_opts *opts);
 void bt_cuda_trainer_free(bt_cuda_trainer *t);
