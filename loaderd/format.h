@@ -131,9 +131,11 @@ int ld_format_pref_render(const ld_format_cfg *cfg, const char *line, size_t len
                           ld_pref_rec *rec, int *reason);
 /* Truncate a rendered record (its documents at ids/mask[n0..], described by *rec) as TRL's
  * DPOTrainer.tokenize_row does (trl/trainer/dpo_trainer.py, v0.11, truncation_mode "keep_end",
- * the default; KTOTrainer's _process_tokens does the same for one completion; TRL 1.16.0 instead
- * truncates in DataCollatorForPreference, per sequence, "keep_start" by default, and has no
- * max_prompt_length — not implemented here): with L the longer
+ * the default; KTOTrainer's _process_tokens does the same for one completion; TRL 1.16.0 has no
+ * max_prompt_length and cuts each prompt + response to its first max_length tokens in
+ * DataCollatorForPreference ("keep_start") / DataCollatorForUnpairedPreference after dropping
+ * records whose prompt fills max_length: with max_prompt_length 0 the rule below is exactly that,
+ * tests/fixtures/preference/trl_truncation.json): with L the longer
  * response, if prompt_len + L > max_length the prompt keeps its last max_prompt_length tokens
  * (cut from the left); if prompt + L still exceeds max_length every response keeps its first
  * max_length - max_prompt_length tokens (max_prompt_length 0: no prompt cut, responses keep

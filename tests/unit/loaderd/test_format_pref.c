@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <jansson.h>
+
 #include "common/bt_common.h"
 #include "common/tokenizer.h"
 #include "loaderd/format.h"
@@ -306,6 +308,79 @@ static void test_truncation(void **state) {
     bt_ids_free(&ids), bt_ids_free(&mask), bt_ids_free(&oi), bt_ids_free(&om);
 }
 
+/* Append the fixture's int array arr to a; returns its length. */
+static size_t json_ids(const json_t *arr, bt_ids *a) {
+    size_t i;
+    json_t *v;
+    json_array_foreach(arr, i, v) bt_ids_push(a, (int32_t)json_integer_value(v));
+    return json_array_size(arr);
+}
+
+/* TRL 1.16.0's truncation (tests/reference/gen_pref_truncation_fixtures.py ->
+ * tests/fixtures/preference/trl_truncation.json): with max_prompt_length 0, ld_format_pref_fit
+ * keeps what TRL's collators keep of each prompt + response sequence (its first max_length
+ * tokens, DataCollatorForPreference truncation_mode "keep_start" / DataCollatorForUnpairedPreference)
+ * and skips, as LD_BAD_EMPTY, the records TRL's _prepare_dataset drops (prompt alone fills
+ * max_length). */
+static void test_truncation_matches_trl(void **state) {
+    (void)state;
+    json_error_t jerr;
+    json_t *doc = json_load_file("tests/fixtures/preference/trl_truncation.json", 0, &jerr);
+    if (!doc) fail_msg("tests/fixtures/preference/trl_truncation.json: %s (line %d)", jerr.text, jerr.line);
+    int n_cases = 0, n_dropped = 0, n_cut = 0;
+    for (int kto = 0; kto < 2; kto++) {
+        size_t ci;
+        json_t *cs;
+        json_array_foreach(json_object_get(doc, kto ? "kto" : "dpo"), ci, cs) {
+            const char *sides[2] = {kto ? "completion_ids" : "chosen_ids", "rejected_ids"};
+            const char *outs[2] = {kto ? "completion" : "chosen", "rejected"};
+            int nd = kto ? 1 : 2;
+            bt_ids ids = {0}, mask = {0}, p = {0};
+            bt_ids_push(&ids, 42);
+            bt_ids_push(&mask, 0);
+            size_t P = json_ids(json_object_get(cs, "prompt_ids"), &p);
+            ld_pref_rec rec = {nd, {0, 0}, (uint32_t)P, kto ? 1 : -1, 0};
+            for (int d = 0; d < nd; d++) {
+                for (size_t i = 0; i < P; i++) bt_ids_push(&ids, p.v[i]), bt_ids_push(&mask, 0);
+                size_t L = json_ids(json_object_get(cs, sides[d]), &ids);
+                for (size_t i = 0; i < L; i++) bt_ids_push(&mask, 1);
+                rec.len[d] = (uint32_t)(P + L);
+            }
+            ld_format_cfg c = cfg_of(kto ? LD_FMT_KTO : LD_FMT_PREFERENCE);
+            c.max_length = (int)json_integer_value(json_object_get(cs, "max_length"));
+            int reason = -1, rc = ld_format_pref_fit(&c, &ids, &mask, 1, &rec, &reason);
+            n_cases++;
+            if (json_is_true(json_object_get(cs, "dropped"))) {
+                if (rc != 1 || reason != LD_BAD_EMPTY)
+                    fail_msg("%s case %zu (prompt %zu, max_length %d): TRL drops it, fit gave %d reason %d",
+                             kto ? "kto" : "dpo", ci, P, c.max_length, rc, reason);
+                assert_int_equal(ids.n, 1);
+                n_dropped++;
+            } else {
+                if (rc != 0) fail_msg("%s case %zu: fit gave %d reason %d", kto ? "kto" : "dpo", ci, rc, reason);
+                bt_ids want = {0}, wmask = {0};
+                bt_ids_push(&want, 42);
+                bt_ids_push(&wmask, 0);
+                for (int d = 0; d < nd; d++) {
+                    const json_t *o = json_object_get(cs, outs[d]);
+                    size_t n = json_ids(json_object_get(o, "input_ids"), &want);
+                    json_ids(json_object_get(o, "completion_mask"), &wmask);
+                    assert_int_equal(rec.len[d], n);
+                }
+                assert_int_equal(ids.n, want.n);
+                assert_memory_equal(ids.v, want.v, want.n * sizeof *ids.v);
+                assert_memory_equal(mask.v, wmask.v, wmask.n * sizeof *mask.v);
+                n_cut += rec.truncated;
+                bt_ids_free(&want), bt_ids_free(&wmask);
+            }
+            bt_ids_free(&ids), bt_ids_free(&mask), bt_ids_free(&p);
+        }
+    }
+    print_message("TRL 1.16.0 truncation: %d cases, %d dropped, %d cut, all equal\n", n_cases, n_dropped, n_cut);
+    assert_true(n_cases == 96 && n_dropped > 0 && n_cut > 0);
+    json_decref(doc);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_text_pair),
@@ -313,6 +388,7 @@ int main(void) {
         cmocka_unit_test(test_kto),
         cmocka_unit_test(test_bad_records),
         cmocka_unit_test(test_truncation),
+        cmocka_unit_test(test_truncation_matches_trl),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
