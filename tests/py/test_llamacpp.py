@@ -19,6 +19,10 @@ scripts/llamacpp-ref.sh installs into .llamacpp/, loaded with ctypes by llamacpp
     differ from Hugging Face (and so from us), the difference is named, counted and checked to be
     exactly that: invalid UTF-8 (llama.cpp tokenizes raw bytes; HF and we first replace them with
     U+FFFD, errors="replace"), and qwen2's NFC normaliser (llama.cpp has none);
+  - Qwen3: a tiny random Qwen3 (F32) trained 8 steps by `trainer train`, its gguf-lora and merged
+    f32 exports in llama.cpp give our logits within TOL f32 and our greedy text; Qwen2 and Phi-3
+    exports against transformers' logits (fixtures of tests/reference);
+  - a LoRA on a base whose Q4_K tensors llama.cpp repacks (CPU_REPACK), which b4965 crashed on;
   - the real SmolLM2 Q4_1 GGUF: the gap between our logits and llama.cpp's is measured and printed
     (run with -s), not asserted equal: llama.cpp's quantised matmuls round the activations to
     Q8_1 (ggml-cpu's vec_dot_type of Q4_1), we multiply them in fp32. A loose bound catches a
@@ -728,3 +732,111 @@ def test_phi3_gguf_and_lora_in_llamacpp(lc, tmp_path):
     assert err <= 1e-4
     assert mm.context(n_ctx=64).greedy(prompt, 8) == man["phi3"]["greedy_lora"]
 
+
+# ---- Qwen3 (issue 24) ----
+
+def f32_copy(src, dst):
+    """`src` GGUF rewritten with every F16 / BF16 tensor as its exact F32 value (gguf-py's
+    dequantisation, bit-identical to ours), metadata as is: a base on which llama.cpp's arithmetic
+    is fp32 like ours (on BF16 weights ggml-cpu rounds the activations to bf16)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, bytes(r.fields["general.architecture"].parts[-1]).decode())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+            continue
+        vt = f.types[0]
+        w.add_key_value(f.name, f.contents(), vt,
+                        sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    half = (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    for t in r.tensors:
+        if t.tensor_type in half:
+            w.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type)
+                         .astype(np.float32).reshape([int(x) for x in reversed(t.shape)]))
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen3_trained_exports_in_llamacpp(lc, trainer_stack, tmp_path):
+    """The tiny Qwen3 of tests/reference/gen_qwen_fixtures.py (general.architecture "qwen3":
+    per-head RMSNorm on q and k, head_dim 16 apart from hidden / heads = 8, tied embedding), as F32,
+    trained 8 steps by `trainer train` through loaderd (LoRA r 4 on the seven linears,
+    tests/py/family_e2e.py), exported as `gguf-lora` and as a merged GGUF (f32): llama.cpp b8929
+    loads both without a warning; with our LoRA GGUF on the base its logits equal ours (bt_logits
+    with the trained PEFT adapter) within TOL f32, and the adapter moves them well past it; the
+    merged GGUF gives the same logits within TOL f32; greedy texts equal `trainer generate`'s."""
+    from family_e2e import train
+    base = tmp_path / "model.gguf"  # inside trainer_stack's model_roots
+    f32_copy(os.path.join(ROOT, "tests/fixtures/hf/qwen/qwen3/model.gguf"), str(base))
+    peft_dir = str(train(trainer_stack, tmp_path, base, MODS, "qwen3 (llama.cpp)"))
+    trainer = os.path.join(BUILD, "trainer")
+    lora, merged = str(tmp_path / "lora.gguf"), str(tmp_path / "merged.gguf")
+    for fmt, out in (("gguf-lora", lora), ("gguf", merged)):
+        run([trainer, "export", "--model", str(base), "--adapter", peft_dir, "--format", fmt,
+             "--dtype", "f32", "--out", out])
+    m = lc.load_model(str(base))
+    assert m.meta("general.architecture") == "qwen3" and m.n_vocab == 260
+    assert m.load_problems == [], m.load_problems
+    a = m.lora(lora)
+    assert a.load_problems == [], f"llama.cpp warned on our Qwen3 LoRA GGUF: {a.load_problems}"
+    mm = lc.load_model(merged)
+    assert mm.meta("general.architecture") == "qwen3"
+    assert mm.load_problems == [], f"llama.cpp warned on our merged Qwen3 GGUF: {mm.load_problems}"
+    ctx, plain, mctx = m.context(128, adapter=a), m.context(128), mm.context(128)
+    prompt = "The quick brown fox jumps"
+    ids = m.tokenize(prompt, parse_special=True)
+    assert ids == mm.tokenize(prompt, parse_special=True) and len(ids) >= 10
+    want = bt_logits(str(base), ids, tmp_path, adapter=peft_dir)
+    check_logits("qwen3 lora f32", ctx.logits(ids), want, TOL["f32"])
+    assert np.max(np.abs(plain.logits(ids) - want)) > 4 * TOL["f32"]  # the adapter is applied
+    check_logits("qwen3 merged f32", mctx.logits(ids), bt_logits(merged, ids, tmp_path), TOL["f32"])
+    check_logits("qwen3 merged f32 vs adapter", mctx.logits(ids), want, TOL["f32"])
+    check_greedy("qwen3 lora f32", m, ctx, str(base), prompt, ids, TOL["f32"], tmp_path,
+                 adapter=peft_dir, strict=True)
+    check_greedy("qwen3 merged f32", mm, mctx, merged, prompt, ids, TOL["f32"], tmp_path,
+                 strict=True)
+    mm.close()
+    m.close()
+
+
+# ---- a LoRA on a base whose Q4_K tensors llama.cpp repacks ----
+
+def test_lora_on_repacked_q4_k(lc, tmp_path):
+    """llama.cpp repacks Q4_K tensors into its CPU_REPACK buffer (q4_K_8x8 on AVX2 machines, rows
+    a multiple of 8), as users' llama.cpp does by default (use_extra_bufts). b4965 crashed in
+    llama_adapter_lora_init on such a base; b8929 puts the LoRA tensors of those weights in the
+    plain CPU buffer, saying so per tensor ("cannot use buft 'CPU_REPACK', fallback to CPU"). A
+    tiny Llama (hidden 256, FFN 512: Q4_K rows are multiples of 256) with Q4_K linears and our
+    gguf-lora (f32) of a random adapter: the repacked base takes the adapter, and its logits equal
+    ours (bt_logits, fp32 activations on the dequantised Q4_K weights) within TOL q8_0 (llama.cpp
+    rounds the activations to Q8_K before a Q4_K matmul; measured ~0.015 of logits up to ~1.1),
+    as do those of the same file loaded without repacking; the adapter moves them far more."""
+    base = str(tmp_path / "q4k.gguf")
+    shape = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512}
+    run([tool("mk_tiny_gguf"), "--out", base, "--tokenizer-from",
+         os.path.join(ROOT, "tests/fixtures/hf/qwen/qwen3/model.gguf"), "--type", "Q4_K",
+         "--seed", "3", *[a for k, v in shape.items() for a in (f"--{k.replace('_', '-')}", str(v))]])
+    peft_dir = str(tmp_path / "peft")
+    make_peft(peft_dir, shape=shape)
+    lora = str(tmp_path / "lora.gguf")
+    run([os.path.join(BUILD, "trainer"), "export", "--model", base, "--adapter", peft_dir,
+         "--format", "gguf-lora", "--dtype", "f32", "--out", lora])
+    ids = [257, 108, 108, 111, 258, 32, 99, 97, 116, 100, 101, 102]
+    want = bt_logits(base, ids, tmp_path, adapter=peft_dir)
+    for repack in (True, False):
+        since = len(lc.log)
+        m = lc.load_model(base, repack=repack)
+        repacked = any("CPU_REPACK model buffer size" in t for _, t in lc.log[since:])
+        if repack and not repacked:  # ggml-cpu repacks Q4_K on AVX2 (and ARM NEON) CPUs only
+            pytest.skip("llama.cpp does not repack Q4_K on this CPU (no AVX2)")
+        assert repacked == repack, lc.log[since:]
+        a = m.lora(lora)
+        fallback = [p for p in a.load_problems if "cannot use buft 'CPU_REPACK', fallback to CPU" in p]
+        assert len(fallback) == (14 if repack else 0) and fallback == a.load_problems, a.load_problems
+        got = m.context(64, adapter=a).logits(ids)
+        check_logits(f"q4_k lora, repacked {repack}", got, want, TOL["q8_0"])
+        assert np.max(np.abs(m.context(64).logits(ids) - want)) > 4 * TOL["q8_0"]
+        m.close()
