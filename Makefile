@@ -125,8 +125,8 @@ pytest-torch: all
 	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py \
 		tests/py/test_export_qwen.py tests/py/test_export_phi3.py tests/py/test_export_gemma3.py
 
-# llama.cpp itself as a reference: scripts/llamacpp-ref.sh puts the CPU library of the pinned
-# llama-cpp-cffi wheel (sha256-checked; llama.cpp b4965) into .llamacpp/, and
+# llama.cpp itself as a reference: scripts/llamacpp-ref.sh puts the llama.cpp library of the pinned
+# xllamacpp wheel (sha256-checked; llama.cpp b8929) into .llamacpp/, and
 # tests/py/test_llamacpp.py loads it with ctypes (tests/py/llamacpp_ref.py) to check our LoRA GGUF
 # and merged GGUF exports (logits and greedy text against `trainer generate` / bt_logits) and our
 # tokenizers against llama.cpp's. SKIPPED, with the reason, only where the wheel cannot be had.

@@ -60,9 +60,9 @@ if [ "$run" = runs/demo-gemma3 ]; then
     --max-new-tokens 40 2>/dev/null
   build/trainer export --model "$model" --adapter "$run/adapter" --format gguf-lora \
     --out "$run/adapter-lora.gguf"
-  if [ -f .llamacpp/_llama_cpp_cpu.cpython-311-x86_64-linux-gnu.so ]; then
-    echo "demo: llama.cpp (b4965) with $run/adapter-lora.gguf, greedy, 40 tokens (its Q4_K tensors"
-    echo "      given to llama.cpp as their exact F32 values: b4965 cannot add a LoRA to repacked Q4_K):"
+  if [ -f .llamacpp/xllamacpp.abi3.so ]; then
+    echo "demo: llama.cpp (b8929) with $run/adapter-lora.gguf, greedy, 40 tokens (its Q4_K tensors"
+    echo "      given to llama.cpp as their exact F32 values, as in the README's figures):"
     BT_PROMPT="$prompt" BT_MODEL="$model" BT_LORA="$run/adapter-lora.gguf" python3 - <<'PY'
 import os, sys, tempfile
 sys.path[:0] = ["tests/py", "tests/reference"]

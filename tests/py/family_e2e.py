@@ -25,12 +25,14 @@ TEXT = ["The quick brown fox jumps over the lazy dog.", "A small model learns a 
         "Loaders pack rows of tokens for the trainer.", "Every step the loss should go down."]
 
 
-def train_then_peft(trainer_stack, tmp_path, gguf, hf_dir, targets, torch, transformers, peft):
+def train(trainer_stack, tmp_path, model, targets, name):
+    """`trainer train` through loaderd, 8 steps (the module docstring's run) on `model` (a GGUF
+    inside tmp_path, loaderd's model_roots) with a LoRA of r 4, alpha 8 on `targets`; asserts the
+    loss falls (losses printed under `name`) and returns the adapter directory it wrote
+    (tmp_path / "adapter")."""
     data = tmp_path / "data"
     data.mkdir()
     write_shard(data / "train.jsonl", [json.dumps({"text": t}) for t in TEXT * 40])
-    model = tmp_path / "model.gguf"
-    shutil.copyfile(gguf, model)  # inside loaderd's model_roots (trainer_stack)
     ld = trainer_stack(data)
     out = tmp_path / "adapter"
     job = {"model": str(model), "base_dtype": "fp32", "socket": str(ld.sock),
@@ -47,10 +49,17 @@ def train_then_peft(trainer_stack, tmp_path, gguf, hf_dir, targets, torch, trans
     steps = re.findall(r"step (\d+)/8 \| loss ([0-9.]+) \| lr ", text)
     assert [int(s) for s, _ in steps] == list(range(1, 9)), text[-3000:]
     losses = [float(l) for _, l in steps]
-    print(f"e2e {os.path.basename(os.path.dirname(str(gguf)))}: losses {losses}")
+    print(f"e2e {name}: losses {losses}")
     assert (losses[-1] + losses[-2]) / 2 < 0.95 * losses[0], losses
     assert " field: " not in ld.log_text()
+    return out
 
+
+def train_then_peft(trainer_stack, tmp_path, gguf, hf_dir, targets, torch, transformers, peft):
+    model = tmp_path / "model.gguf"
+    shutil.copyfile(gguf, model)  # inside loaderd's model_roots (trainer_stack)
+    out = train(trainer_stack, tmp_path, model, targets,
+                os.path.basename(os.path.dirname(str(gguf))))
     cfg = json.loads((out / "adapter_config.json").read_text())
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(base, out)

@@ -1,20 +1,22 @@
-"""llama.cpp itself, as a reference for the tests: a ctypes loader of the CPU library inside the
-pinned `llama-cpp-cffi` wheel (scripts/llamacpp-ref.sh downloads it, checks its sha256 and
+"""llama.cpp itself, as a reference for the tests: a ctypes loader of the llama.cpp library inside
+the pinned PyPI wheel `xllamacpp` (scripts/llamacpp-ref.sh downloads it, checks its sha256 and
 extracts that one library into .llamacpp/). No fork of llama.cpp and nothing of it in the
-repository; the wheel's own Python layer is never imported (it pins transformers < 5).
+repository; the wheel's own Python layer is never imported.
 
-Which llama.cpp: llama-cpp-cffi 0.4.42's `llama/_llama_cpp_cpu.cpython-311-x86_64-linux-gnu.so`
-is llama.cpp build b4965, commit b3298fa4 (its exported LLAMA_BUILD_NUMBER / LLAMA_COMMIT, checked
-by `LlamaCpp()`: the struct layouts below hold for that build only). The layouts and prototypes
-are those of that build's include/llama.h; the library is a cffi extension module compiled against
-that very header, so tests/py/test_llamacpp.py checks every field offset, struct size and
-prototype used here against the module's own `ffi` (cffi computed them with the C compiler).
+Which llama.cpp: xllamacpp 2026.4.8929's `xllamacpp/xllamacpp.abi3.so` is llama.cpp build b8929
+(April 2026; the wheel's version is the build number, and xllamacpp's commit 98c241b "Updata
+llama.cpp to b8929" pins its thirdparty/llama.cpp submodule at 9d34231b), statically linked into
+one CPU library (its only dependencies libstdc++ and libgomp). The library does not carry its
+version (its LLAMA_BUILD_NUMBER is 0, LLAMA_COMMIT "unknown"), so `LlamaCpp()` checks the file's
+sha256 against the pin in scripts/llamacpp-ref.sh instead: the struct layouts and prototypes below
+are those of that build's include/llama.h (the copy at xllamacpp 98c241b
+src/llama.cpp/include/llama.h) and hold for that build only. tests/py/test_llamacpp.py checks
+the layouts against the library itself (llama_*_default_params write exactly sizeof(struct)
+bytes, and the fields hold llama.cpp's documented defaults).
 
-Loading: dlopen with RTLD_LAZY | RTLD_LOCAL. The library was built with a newer libstdc++ than
-Debian 12's and references `__cxa_call_terminate` (GCC 14), which it calls only when an exception
-escapes a noexcept function; RTLD_NOW refuses the library for it, RTLD_LAZY binds functions on
-first call. Its Python-extension symbols (_Py_NoneStruct, ...) resolve against the running
-interpreter, so the library is loaded from Python (any CPython 3), never from a C program.
+Loading: dlopen with RTLD_LAZY | RTLD_LOCAL. The library is a Python extension module (Cython):
+its Python symbols resolve against the running interpreter, so it is loaded from Python (any
+CPython 3), never from a C program.
 
 Usage:
     lc = LlamaCpp.from_env()                            # or LlamaCpp(path of the .so)
@@ -28,18 +30,22 @@ Every object frees its llama.cpp handle on close() / garbage collection. Errors 
 LlamaCppError with llama.cpp's own log lines (warnings and errors) attached. Not thread-safe.
 """
 import ctypes
+import hashlib
 import os
+import re
 import weakref
 
 import numpy as np
 
-BUILD_NUMBER = 4965
-COMMIT = "b3298fa4"
+BUILD_NUMBER = 8929
+COMMIT = "9d34231b"  # llama.cpp's, as xllamacpp 98c241b's thirdparty/llama.cpp submodule names it
 
 # enum ggml_log_level (ggml.h); CONT continues the previous line at its level
 LOG_NONE, LOG_DEBUG, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_CONT = range(6)
 # enum ggml_type values used here (ggml.h)
 GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+# enum llama_flash_attn_type (llama.h)
+FLASH_ATTN_AUTO, FLASH_ATTN_DISABLED, FLASH_ATTN_ENABLED = -1, 0, 1
 
 c_i32, c_u32, c_f32, c_bool, c_vp = (ctypes.c_int32, ctypes.c_uint32, ctypes.c_float,
                                      ctypes.c_bool, ctypes.c_void_p)
@@ -47,9 +53,10 @@ c_enum = ctypes.c_int  # C enums with small values: int on x86-64 SysV
 
 
 class llama_model_params(ctypes.Structure):
-    """struct llama_model_params (llama.h, b4965): 64 bytes."""
+    """struct llama_model_params (llama.h, b8929): 72 bytes."""
     _fields_ = [
         ("devices", c_vp),                      # ggml_backend_dev_t *, NULL = all
+        ("tensor_buft_overrides", c_vp),        # const struct llama_model_tensor_buft_override *
         ("n_gpu_layers", c_i32),
         ("split_mode", c_enum),                 # enum llama_split_mode
         ("main_gpu", c_i32),
@@ -59,13 +66,17 @@ class llama_model_params(ctypes.Structure):
         ("kv_overrides", c_vp),                 # const struct llama_model_kv_override *
         ("vocab_only", c_bool),
         ("use_mmap", c_bool),
+        ("use_direct_io", c_bool),
         ("use_mlock", c_bool),
         ("check_tensors", c_bool),
+        ("use_extra_bufts", c_bool),            # weight repacking (e.g. Q4_K -> q4_K_8x8 on AVX2)
+        ("no_host", c_bool),
+        ("no_alloc", c_bool),
     ]
 
 
 class llama_context_params(ctypes.Structure):
-    """struct llama_context_params (llama.h, b4965): 120 bytes."""
+    """struct llama_context_params (llama.h, b8929): 136 bytes."""
     _fields_ = [
         ("n_ctx", c_u32),
         ("n_batch", c_u32),
@@ -76,6 +87,7 @@ class llama_context_params(ctypes.Structure):
         ("rope_scaling_type", c_enum),
         ("pooling_type", c_enum),
         ("attention_type", c_enum),
+        ("flash_attn_type", c_enum),            # enum llama_flash_attn_type
         ("rope_freq_base", c_f32),
         ("rope_freq_scale", c_f32),
         ("yarn_ext_factor", c_f32),
@@ -88,18 +100,21 @@ class llama_context_params(ctypes.Structure):
         ("cb_eval_user_data", c_vp),
         ("type_k", c_enum),                     # enum ggml_type of the K cache
         ("type_v", c_enum),
-        ("logits_all", c_bool),
-        ("embeddings", c_bool),
-        ("offload_kqv", c_bool),
-        ("flash_attn", c_bool),
-        ("no_perf", c_bool),
         ("abort_callback", c_vp),               # ggml_abort_callback
         ("abort_callback_data", c_vp),
+        ("embeddings", c_bool),
+        ("offload_kqv", c_bool),
+        ("no_perf", c_bool),
+        ("op_offload", c_bool),
+        ("swa_full", c_bool),
+        ("kv_unified", c_bool),
+        ("samplers", c_vp),                     # struct llama_sampler_seq_config *
+        ("n_samplers", ctypes.c_size_t),
     ]
 
 
 class llama_batch(ctypes.Structure):
-    """struct llama_batch (llama.h, b4965): 56 bytes; arrays of n_tokens entries."""
+    """struct llama_batch (llama.h, b8929): 56 bytes; arrays of n_tokens entries."""
     _fields_ = [
         ("n_tokens", c_i32),
         ("token", ctypes.POINTER(c_i32)),
@@ -115,7 +130,7 @@ class llama_batch(ctypes.Structure):
 LOG_CB_ARGS = (c_enum, ctypes.c_char_p, c_vp)
 LOG_CB = ctypes.CFUNCTYPE(None, *LOG_CB_ARGS)
 
-# name: (restype, argtypes), as declared in llama.h (b4965); `const` has no ctypes spelling
+# name: (restype, argtypes), as declared in llama.h (b8929); `const` has no ctypes spelling
 PROTOTYPES = {
     "llama_backend_init": (None, []),
     "llama_log_set": (None, [LOG_CB, c_vp]),
@@ -136,13 +151,29 @@ PROTOTYPES = {
     "llama_batch_free": (None, [llama_batch]),
     "llama_decode": (c_i32, [c_vp, llama_batch]),
     "llama_get_logits_ith": (ctypes.POINTER(c_f32), [c_vp, c_i32]),
-    "llama_kv_self_clear": (None, [c_vp]),
+    # llama_memory_t llama_get_memory(const struct llama_context *); the KV cache's handle
+    "llama_get_memory": (c_vp, [c_vp]),
+    # void llama_memory_clear(llama_memory_t mem, bool data): data = also zero the buffers
+    "llama_memory_clear": (None, [c_vp, c_bool]),
     "llama_adapter_lora_init": (c_vp, [c_vp, ctypes.c_char_p]),
     "llama_adapter_lora_free": (None, [c_vp]),
-    "llama_set_adapter_lora": (c_i32, [c_vp, c_vp, c_f32]),
+    # int32_t llama_set_adapters_lora(struct llama_context *, struct llama_adapter_lora **
+    # adapters, size_t n_adapters, float * scales): replaces the context's set of adapters
+    "llama_set_adapters_lora": (c_i32, [c_vp, ctypes.POINTER(c_vp), ctypes.c_size_t,
+                                        ctypes.POINTER(c_f32)]),
 }
 
-LIB_NAME = "_llama_cpp_cpu.cpython-311-x86_64-linux-gnu.so"
+LIB_NAME = "xllamacpp.abi3.so"
+
+
+def pinned_sha256():
+    """The sha256 of the library as scripts/llamacpp-ref.sh pins it (its MEMBER_SHA256 line): the
+    one source of the version, since the library does not carry it."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "llamacpp-ref.sh")
+    m = re.search(r'^MEMBER_SHA256="([0-9a-f]{64})"$', open(script).read(), re.M)
+    if not m:
+        raise LlamaCppError(f"{script}: no MEMBER_SHA256=\"<64 hex>\" line")
+    return m.group(1)
 
 
 class LlamaCppError(RuntimeError):
@@ -160,12 +191,16 @@ class LlamaCpp:
 
     def __init__(self, lib_path):
         self.path = os.path.abspath(lib_path)
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != pinned_sha256():
+            raise LlamaCppError(f"{self.path} has sha256 {h.hexdigest()}, not the pinned "
+                                f"{pinned_sha256()} of llama.cpp b{BUILD_NUMBER} (run `make "
+                                f"llamacpp-ref`): this loader's struct layouts are for that build")
+        self.build_number, self.commit = BUILD_NUMBER, COMMIT
         self.lib = ctypes.CDLL(self.path, mode=os.RTLD_LAZY | os.RTLD_LOCAL)
-        self.build_number = c_i32.in_dll(self.lib, "LLAMA_BUILD_NUMBER").value
-        self.commit = ctypes.c_char_p.in_dll(self.lib, "LLAMA_COMMIT").value.decode()
-        if (self.build_number, self.commit) != (BUILD_NUMBER, COMMIT):
-            raise LlamaCppError(f"{self.path} is llama.cpp b{self.build_number} ({self.commit}); "
-                                f"this loader's struct layouts are for b{BUILD_NUMBER} ({COMMIT})")
         for name, (res, args) in PROTOTYPES.items():
             f = getattr(self.lib, name)
             f.restype, f.argtypes = res, args
@@ -194,10 +229,14 @@ class LlamaCpp:
         msg = "\n".join(self.problems(since)) or "(llama.cpp logged no warning or error)"
         raise LlamaCppError(f"{what}\nllama.cpp said:\n{msg}")
 
-    def load_model(self, path, vocab_only=False):
+    def load_model(self, path, vocab_only=False, repack=True):
+        """llama_model_load_from_file on the CPU; repack: llama.cpp's default of repacking
+        quantised weights into its CPU "extra" buffer types (use_extra_bufts, e.g. Q4_K into
+        q4_K_8x8 on AVX2 machines), as a user's llama.cpp does."""
         p = self.lib.llama_model_default_params()
         p.n_gpu_layers = 0
         p.vocab_only = vocab_only
+        p.use_extra_bufts = repack
         since = len(self.log)
         h = self.lib.llama_model_load_from_file(os.fsencode(path), p)
         if not h:
@@ -267,7 +306,7 @@ class Model:
         p.n_seq_max = 1
         p.n_threads = p.n_threads_batch = n_threads
         p.type_k = p.type_v = kv_type
-        p.flash_attn = False
+        p.flash_attn_type = FLASH_ATTN_DISABLED
         p.no_perf = True
         since = len(self.lc.log)
         h = self.lc.lib.llama_init_from_model(self.h, p)
@@ -276,9 +315,10 @@ class Model:
         ctx = Context(self, h, n_ctx)
         self._contexts.add(ctx)
         if adapter is not None:
-            if self.lc.lib.llama_set_adapter_lora(h, adapter.h, scale) != 0:
+            one, sc = (c_vp * 1)(adapter.h), (c_f32 * 1)(scale)
+            if self.lc.lib.llama_set_adapters_lora(h, one, 1, sc) != 0:
                 ctx.close()
-                self.lc._fail("llama_set_adapter_lora failed", since)
+                self.lc._fail("llama_set_adapters_lora failed", since)
             ctx.adapter = adapter
         return ctx
 
@@ -337,12 +377,17 @@ class Context:
             raise LlamaCppError(f"llama_get_logits_ith({i}) returned NULL")
         return np.ctypeslib.as_array(p, shape=(self.model.n_vocab,)).copy()
 
+    def clear(self):
+        """Empties the KV cache (llama_memory_clear of llama_get_memory, data too)."""
+        lib = self.model.lc.lib
+        lib.llama_memory_clear(lib.llama_get_memory(self.h), True)
+
     def logits(self, ids):
         """Logits of every position of ids (one sequence from position 0; the cache is cleared
         first): numpy float32 [len(ids), n_vocab]."""
         if not 0 < len(ids) <= self.n_ctx:
             raise LlamaCppError(f"{len(ids)} tokens for a context of {self.n_ctx}")
-        self.model.lc.lib.llama_kv_self_clear(self.h)
+        self.clear()
         self._decode(list(ids), 0, True)
         return np.stack([self._row(i) for i in range(len(ids))])
 
@@ -352,7 +397,7 @@ class Context:
         new ids (no stop token: the caller compares fixed lengths)."""
         if len(prompt) + n_new > self.n_ctx:
             raise LlamaCppError(f"{len(prompt)} + {n_new} tokens for a context of {self.n_ctx}")
-        self.model.lc.lib.llama_kv_self_clear(self.h)
+        self.clear()
         self._decode(list(prompt), 0, False)
         out, pos = [], len(prompt)
         for _ in range(n_new):

@@ -6,7 +6,7 @@ with loose bounds).
     python3 tests/reference/llamacpp_agreement.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
         [--dequantize] [--prompts 7] [--n-new 32] [--no-greedy] [--json FILE]
 
-llama.cpp: the library of scripts/llamacpp-ref.sh (tests/py/llamacpp_ref.py; llama.cpp b4965),
+llama.cpp: the library of scripts/llamacpp-ref.sh (tests/py/llamacpp_ref.py; llama.cpp b8929),
 K/V cache in F32, 1 thread. Ours: build/trainer and build/tools/bt_logits (make all).
 The adapter: a seeded random PEFT adapter on the seven linears of every layer (r 8, alpha 16,
 A ~ U(-0.05, 0.05), B ~ N(0, 0.02)), given to us as the PEFT directory and to llama.cpp as our
@@ -102,14 +102,14 @@ def gguf_arch(model):
 
 
 def unrepacked(model, tmp, every=False):
-    """The model llama.cpp is given with an adapter: `model` itself, or, when it holds Q4_K
-    tensors, a copy with those stored as their exact F32 dequantisation (gguf-py's, bit-identical
-    to ours). llama.cpp b4965 repacks Q4_K tensors into its CPU_AARCH64 buffer (q4_K_8x8) on AVX2
-    machines, and llama_adapter_lora_init then crashes writing the adapter's F32 tensors into that
-    buffer type (later llama.cpp keeps LoRA tensors out of repacked buffers); the weights are the
-    same, only llama.cpp's arithmetic on those tensors changes (F32 instead of Q8_K activations).
-    every: every quantised tensor as F32 (--dequantize for a family whose merged export is not
-    written yet, Gemma 3)."""
+    """`model`, or a copy of it with some quantised tensors stored as their exact F32
+    dequantisation (gguf-py's, bit-identical to ours): every=True (--dequantize for a family whose
+    merged export is not written yet, Gemma 3) every quantised tensor; every=False the Q4_K ones
+    only, the way around llama.cpp b4965, which crashed adding a LoRA to the Q4_K tensors it
+    repacks on AVX2 machines (scripts/demo.sh keeps it so that its figures stay those the README
+    quotes). llama.cpp b8929 takes a LoRA on repacked Q4_K (it keeps the LoRA tensors of those
+    weights in the plain CPU buffer: tests/py/test_llamacpp.py::test_lora_on_repacked_q4_k), so
+    measure() gives llama.cpp the file as is, as users run it."""
     import gguf
     r = gguf.GGUFReader(model)
     F = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
@@ -174,10 +174,9 @@ def measure(model, prompts, n_new, greedy, tmp, build, lib=None):
     lora = os.path.join(tmp, "lora.gguf")
     run([os.path.join(build, "trainer"), "export", "--model", model, "--adapter", peft,
          "--format", "gguf-lora", "--out", lora])
-    lmodel = unrepacked(model, tmp)
-    m = lc.load_model(lmodel)
+    m = lc.load_model(model)  # repacked where llama.cpp repacks (its default), as users run it
     res = {"llama.cpp": f"b{lc.build_number} ({lc.commit})", "model": os.path.basename(model),
-           "n_new": n_new, "llama.cpp_base": "Q4_K tensors as F32" if lmodel != model else "as is"}
+           "n_new": n_new, "llama.cpp_base": "as is"}
     for cond in ("base", "adapter"):
         a = m.lora(lora) if cond == "adapter" else None
         ctx = m.context(512, adapter=a)
