@@ -778,7 +778,9 @@ int ld_pipeline_next(ld_pipeline *p, bt_batch_view *v, uint32_t job_id) {
     return 0;
 }
 
-int ld_pipeline_ref_put(ld_pipeline *p, int64_t src, int64_t line, int64_t side, double v, char *why, size_t cap) {
+int ld_pipeline_ref_put(ld_pipeline *p, int64_t src, int64_t line, int64_t side, double v, char *why, size_t cap,
+                        ld_reftab **done) {
+    if (done) *done = NULL;
     pthread_mutex_lock(&p->s_mu); /* p->s cannot change or go away meanwhile */
     const ld_scfg *cfg = p->s ? p->s->cfg : p->cfg;
     int rc = BT_ERR_INVALID;
@@ -792,7 +794,7 @@ int ld_pipeline_ref_put(ld_pipeline *p, int64_t src, int64_t line, int64_t side,
     else if (!(t = atomic_load(&cfg->ref_tab[src])))
         snprintf(why, cap, "shard %lld has no reference table (not opened yet, or read without the token cache)",
                  (long long)src);
-    else rc = ld_reftab_set(t, (uint64_t)line, (int)side, v, why, cap);
+    else rc = ld_reftab_set(t, (uint64_t)line, (int)side, v, why, cap, done);
     if (rc != BT_OK && !t && cfg->cache)
         atomic_fetch_add_explicit(&ld_tcache_stats_of(cfg->cache)->ref_rejected, 1, memory_order_relaxed);
     pthread_mutex_unlock(&p->s_mu);

@@ -39,6 +39,7 @@
 #include "common/tokenizer.h"
 #include "loaderd/job.h"
 #include "proto/batch.h"
+#include "loaderd/refstore.h"
 
 typedef struct ld_pipeline ld_pipeline;
 typedef struct ld_hub ld_hub;
@@ -121,7 +122,9 @@ uint64_t ld_pipeline_mem_estimate(const ld_job_spec *spec);
  * (the batch's seg_src / seg_line), side 0 (chosen or kto) or 1 (rejected): stored in the job's
  * reference table (loaderd/refstore.h ld_reftab_set). BT_OK, or BT_ERR_INVALID with the reason in
  * why (cap bytes): no reference key, shard / line / side out of range, shard without a table, or
- * ld_reftab_set's reasons. Counted in the token cache's ref_accepted / ref_rejected. Thread-safe. */
-int ld_pipeline_ref_put(ld_pipeline *p, int64_t src, int64_t line, int64_t side, double v, char *why, size_t cap);
+ * ld_reftab_set's reasons. Counted in the token cache's ref_accepted / ref_rejected. *done: the table whose last
+ * value this was, for ld_reftab_complete off the event loop (ld_reftab_set), else NULL. Thread-safe. */
+int ld_pipeline_ref_put(ld_pipeline *p, int64_t src, int64_t line, int64_t side, double v, char *why, size_t cap,
+                        ld_reftab **done);
 
 #endif

@@ -222,6 +222,7 @@ static int write_values(ld_reftab *t, const char *path, int partial) {
     bt_atomic_file af;
     int rc = bt_atomic_open(&af, path, "reference log-probs");
     if (rc == BT_OK) rc = bt_atomic_write(&af, b, file_bytes(t));
+    if (rc == BT_OK) bt_test_pause_point(path); /* tests probe the event loop meanwhile (bt_common.h) */
     if (rc == BT_OK) rc = bt_atomic_commit(&af);
     else bt_atomic_abort(&af);
     free(b);
@@ -518,13 +519,14 @@ int ld_reftab_lookup(ld_reftab *t, uint64_t line, int side, double *v) {
     return found;
 }
 
-int ld_reftab_set(ld_reftab *t, uint64_t line, int side, double v, char *why, size_t cap) {
+int ld_reftab_set(ld_reftab *t, uint64_t line, int side, double v, char *why, size_t cap, ld_reftab **done) {
+    if (done) *done = NULL;
     if (!isfinite(v) || v > 0.0 || v < LD_REF_MIN_VALUE) {
         snprintf(why, cap, "value %g: a summed log-probability must be finite and in [%g, 0]", v, LD_REF_MIN_VALUE);
         ADD(t->st, ref_rejected, 1);
         return BT_ERR_INVALID;
     }
-    int rc = BT_OK;
+    int rc = BT_OK, full = 0;
     pthread_mutex_lock(&t->mu);
     ptrdiff_t i = find_line(t, line);
     if (i < 0) {
@@ -545,9 +547,16 @@ int ld_reftab_set(ld_reftab *t, uint64_t line, int side, double v, char *why, si
         t->val[2 * i + side] = v;
         t->have[2 * i + side] = 1;
         t->n_have++;
-        if (t->n_have == t->n_slots && !t->written) sync_parts(t, 0); /* writes it, removes merged parts */
+        full = t->n_have == t->n_slots && !t->written;
+        if (full && !done) sync_parts(t, 0); /* writes it, removes merged parts */
     }
     pthread_mutex_unlock(&t->mu);
+    if (full && done) { /* the caller's thread writes it (ld_reftab_complete); the table stays alive until then */
+        pthread_mutex_lock(&reg_mu);
+        t->refs++;
+        pthread_mutex_unlock(&reg_mu);
+        *done = t;
+    }
     if (rc == BT_OK) ADD(t->st, ref_accepted, 1);
     else ADD(t->st, ref_rejected, 1);
     return rc;
@@ -558,4 +567,12 @@ void ld_reftab_fill(ld_reftab *t, uint64_t *have, uint64_t *total) {
     *have = t->n_have;
     *total = t->n_slots;
     pthread_mutex_unlock(&t->mu);
+}
+
+void ld_reftab_complete(ld_reftab *t) {
+    if (!t) return;
+    pthread_mutex_lock(&t->mu);
+    if (t->n_have == t->n_slots && !t->written) sync_parts(t, 0); /* writes it, removes merged parts */
+    pthread_mutex_unlock(&t->mu);
+    ld_reftab_put(t);
 }

@@ -80,9 +80,17 @@ int ld_reftab_lookup(ld_reftab *t, uint64_t line, int side, double *v);
 
 /* Store a value. BT_OK when stored (or equal to the one already there); BT_ERR_INVALID with `why`
  * (cap bytes) naming the reason: no such record or side, not finite, outside [LD_REF_MIN_VALUE, 0],
- * a conflict with the value already stored. When the last missing value arrives the sidecar is
- * written (its failure is logged and counted, the values stay in memory). */
-int ld_reftab_set(ld_reftab *t, uint64_t line, int side, double v, char *why, size_t cap);
+ * a conflict with the value already stored. When the last missing value arrives the sidecar is to
+ * be written (a file write, an fsync and a directory scan for part files): with done == NULL here
+ * and now; otherwise *done = t with a reference taken, and the caller hands it to
+ * ld_reftab_complete on a thread that may block (loaderd's event loop never writes files). *done
+ * is NULL when nothing is to be written. Its failure is logged and counted, the values stay in
+ * memory. */
+int ld_reftab_set(ld_reftab *t, uint64_t line, int side, double v, char *why, size_t cap, ld_reftab **done);
+
+/* Write the sidecar of a table whose every value is known (ld_reftab_set's *done), merging and
+ * removing the part files, then drop the reference ld_reftab_set took. Blocks on the file system. */
+void ld_reftab_complete(ld_reftab *t);
 
 /* Share what this loaderd knows with the other nodes: write its values as its own part file
  * ("<sidecar>.part-<16 hex digits of host and pid>", same format with flags 1 and unknown slots

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/bt_common.h"
+#include "loaderd/refstore.h"
 #include "loaderd/server_priv.h"
 #include "loaderd/tcache.h"
 #include "proto/client.h"
@@ -586,6 +587,30 @@ void ld_op_detach(conn *c, ld_request *rq) {
     ld_conn_send(c, json_pack("{s:b, s:s, s:I}", "ok", 1, "op", rq->cmd->name, "job_id", (json_int_t)id));
 }
 
+/* A reference table whose last value a ref_put brought: its sidecar is written on libuv's thread
+ * pool (a file write, fsync and directory scan never run on the event loop). */
+typedef struct {
+    uv_work_t w;
+    ld_reftab *t;
+} ref_write;
+
+static void ref_write_work(uv_work_t *w) { ld_reftab_complete(((ref_write *)w->data)->t); }
+
+static void ref_write_done(uv_work_t *w, int status) {
+    (void)status;
+    free(w->data);
+}
+
+static void ref_write_queue(server *s, ld_reftab *t) {
+    ref_write *r = bt_xcalloc(1, sizeof *r);
+    r->t = t;
+    r->w.data = r;
+    if (uv_queue_work(s->loop, &r->w, ref_write_work, ref_write_done) != 0) {
+        ref_write_work(&r->w); /* cannot happen with a live loop; stay correct anyway */
+        ref_write_done(&r->w, 0);
+    }
+}
+
 /* ref_put: a trainer hands back reference log-probs of its job's records (loaderd/refstore.h). The
  * base must be the job's ref_base; each value is checked and stored or refused on its own. */
 void ld_op_ref_put(conn *c, ld_request *rq) {
@@ -615,9 +640,11 @@ void ld_op_ref_put(conn *c, ld_request *rq) {
             snprintf(why, sizeof why, "expected [shard, line, side, logp] (three integers and a number)");
             if (st) atomic_fetch_add_explicit(&st->ref_rejected, 1, memory_order_relaxed);
         } else {
+            ld_reftab *done = NULL;
             ok = ld_pipeline_ref_put(j->pipe, json_integer_value(json_array_get(e, 0)),
                                      json_integer_value(json_array_get(e, 1)), json_integer_value(json_array_get(e, 2)),
-                                     json_number_value(json_array_get(e, 3)), why, sizeof why) == BT_OK;
+                                     json_number_value(json_array_get(e, 3)), why, sizeof why, &done) == BT_OK;
+            if (done) ref_write_queue(c->s, done);
         }
         if (ok) {
             accepted++;

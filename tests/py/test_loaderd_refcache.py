@@ -16,11 +16,12 @@ import json
 import os
 import struct
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, write_shard
+from conftest import ROOT, PauseHook, write_shard
 
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import barq_loaderd as bl  # noqa: E402
@@ -106,6 +107,43 @@ def same_tokens(a, b, state=True):
         assert all(np.array_equal(getattr(x, k), getattr(y, k)) for k in FIELDS)
 
 
+def wait_until(pred, timeout=30):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_sidecar_writes_never_block_the_event_loop(loaderd, tmp_path, model_path):
+    """The sidecar (and part file) writes -- a file write, fsync and a directory scan -- run off
+    loaderd's event loop: while one is held at its pause point, loaderctl status still answers."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "pref.jsonl", [json.dumps(r) for r in RECS])
+    answered, errors = [], []
+
+    def probe(path):
+        try:
+            r = d.ctl("status", "--json", timeout=10)
+            answered.append((path, r.returncode))
+        except Exception as e:  # noqa: BLE001 (a timeout is the failure this test is about)
+            errors.append(f"{path}: {e!r}")
+
+    hook = PauseHook(tmp_path, ".ref", probe)
+    cfg = {"data_roots": [str(data)], "model_roots": [os.path.dirname(os.path.abspath(model_path))],
+           "token_cache_dir": str(tmp_path / "cache")}
+    d = loaderd(cfg, env=hook.env)
+    spec = {"name": "ref", "shards": [str(data / "pref.jsonl")], "format": "preference",
+            "tokenizer": os.path.abspath(model_path), "seq_len": SEQ, "micro_batch_size": 2, "seed": 5,
+            "epochs": 1, "ring_slots": 1, "ref_base": "sha256-" + "cd" * 32}
+    _, _, missing, results = run(d, spec, put=spec["ref_base"])
+    assert missing == 2 * len(RECS) and all(r[1] == 0 for r in results), results
+    wait_until(lambda: any(p.endswith(".ref") for p, _ in answered) or errors)
+    hook.stop()
+    assert not errors and not hook.errors, (errors, hook.errors)
+    assert any(p.endswith(".ref") and rc == 0 for p, rc in answered), answered
+
+
 def test_values_put_are_served_next_epoch_and_next_job(env, loaderd, tmp_path):
     d, spec, data, cache, cfg = env
     plain, _, _, _ = run(d, spec)  # no ref_base: tokens through the cache, no reference fields
@@ -130,6 +168,8 @@ def test_values_put_are_served_next_epoch_and_next_job(env, loaderd, tmp_path):
     last = got[2 * per_epoch:]
     assert all(s[6] == 1 for b in last for s in segments(b) if s[3] != L.SEG_PLAIN)
     same_tokens(got[:per_epoch], plain, state=False)  # the reference fields change no token
+    # the sidecar is written on loaderd's thread pool once the last value arrived
+    wait_until(lambda: status(d)["ref_written"] == 1)
     side = glob.glob(str(cache / "v1" / "*" / "*.ref"))
     assert len(side) == 1, side
     st = status(d)
@@ -166,7 +206,7 @@ def test_forged_or_damaged_sidecar_is_refused(env, loaderd, tmp_path):
     spec_a = dict(spec, ref_base=base_a, epochs=1)
     run(d, spec_a, put=base_a)
     path_a, key_a = sidecar_key(cache, base_a, os.getuid(), SEQ, 0, 0)
-    assert os.path.exists(path_a)
+    wait_until(lambda: os.path.exists(path_a))  # written on loaderd's thread pool after the last put
     good = open(path_a, "rb").read()
     # 1. base A's values placed where base B's would be, checksum made valid: refused naming the base
     path_b, _ = sidecar_key(cache, base_b, os.getuid(), SEQ, 0, 0)

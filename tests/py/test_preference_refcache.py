@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -84,6 +85,9 @@ def test_cached_reference_gives_the_same_losses_and_skips_the_reference(env):
     assert s1[4] == s1[1] + s1[3]  # every computed value accepted
     assert s1[5] == 0 and s1[6] == 0, r1.stderr[-3000:]  # nothing refused, no failed put
     # loaderd wrote the completed shards' values next to their token cache entries
+    end = time.monotonic() + 30  # written on loaderd's thread pool after the last put
+    while not glob.glob(str(env["cache"] / "v1" / "*" / "*.ref")) and time.monotonic() < end:
+        time.sleep(0.05)
     assert glob.glob(str(env["cache"] / "v1" / "*" / "*.ref")), os.listdir(env["cache"])
 
     # the same base again: every value from the cache, no reference forward, the same losses
