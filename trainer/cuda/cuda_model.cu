@@ -1,6 +1,6 @@
 /* Upload of a bt_model (trainer/model/model.h) to the device: NF4 linears as NF4 (bt_cuda_nf4_upload),
- * GGUF-native linears as their ggml blocks (bt_cuda_ggml_upload: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
- * Q6_K; F16 / BF16 / F32 tensors as bf16, the value the decoders would give; other types are
+ * GGUF-native linears as their ggml blocks (bt_cuda_ggml_upload: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q4_K, Q5_K, Q6_K; F16 / BF16 / F32 tensors as bf16, the value the decoders would give; other types are
  * refused naming the supported ones and the base_dtype that converts them), fp32 linears /
  * embedding / lm_head as bf16 (round to nearest even), norms and biases fp32.
  * Also the random-weight variant used by the benchmarks (no host weights needed). */
@@ -94,9 +94,9 @@ int upload_gguf_linear(btc_model *dm, btc_linear *d, const bt_base_linear *bl, i
     }
     if (t != BT_GGML_F32 && t != BT_GGML_F16 && t != BT_GGML_BF16)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: layer %d %s is %s, which has no CUDA kernel for "
-                       "the GGUF-native base (on the GPU: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and "
-                       "F16/BF16/F32 held as bf16): set base_dtype \"nf4\" to re-quantise the base "
-                       "to NF4 (or \"fp32\"), or train on the CPU (device \"cpu\" supports every "
+                       "the GGUF-native base (on the GPU: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+                       "Q6_K, and F16/BF16/F32 held as bf16): set base_dtype \"nf4\" to re-quantise "
+                       "the base to NF4 (or \"fp32\"), or train on the CPU (device \"cpu\" supports every "
                        "type)", l, bt_module_name(mod), bt_ggml_type_name(t));
     std::vector<float> f((size_t)n);
     int rc = bt_ggml_mat_dequantize_rows(&bl->g, 0, bl->rows, f.data());

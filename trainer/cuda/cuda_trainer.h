@@ -5,7 +5,8 @@
  *
  * Numerics (docs/ARCHITECTURE.md §Numerics): activations and the frozen base are bf16 (NF4
  * linears stay NF4 and are dequantised to bf16 per layer; GGUF-native linears stay in their ggml
- * blocks likewise (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; F16/BF16/F32 ones are held as bf16);
+ * blocks likewise (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F16/BF16/F32 ones are held as
+ * bf16);
  * fp32 base linears are held as bf16),
  * norm weights fp32, accumulation fp32; LoRA master weights, their gradients and the AdamW moments
  * fp32 (with a bf16 copy of the LoRA weights that the AdamW kernel refreshes). The CPU fp32 step
