@@ -229,6 +229,9 @@ void btc_model_free(btc_model *dm)
         cudaFree(dm->head16);
     cudaFree(dm->embd16);
     cudaFree(dm->norms);
+    cudaFree(dm->qk_norms);
+    cudaFree(dm->post_norms);
+    cudaFree(dm->inv_local);
     memset(dm, 0, sizeof *dm);
 }
 
@@ -386,6 +389,33 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
         }
         rc = BTC_CUDA(cudaMemcpy(dm->norms, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
     }
+    /* QK-norm and sandwich norm weights (1 with random weights, as the norms above), the local
+     * layers' RoPE table */
+    const int hd = dims.hd;
+    if (!rc && m->hp.qk_norm && !(rc = dmalloc(dm, (void **)&dm->qk_norms,
+                                               (size_t)2 * L * hd * sizeof(float), "QK-norm weights"))) {
+        std::vector<float> h((size_t)2 * L * hd, 1.0f);
+        for (int l = 0; l < L && !random_weights; l++) {
+            memcpy(&h[(size_t)(2 * l) * hd], m->layers[l].q_norm, (size_t)hd * sizeof(float));
+            memcpy(&h[(size_t)(2 * l + 1) * hd], m->layers[l].k_norm, (size_t)hd * sizeof(float));
+        }
+        rc = BTC_CUDA(cudaMemcpy(dm->qk_norms, h.data(), h.size() * sizeof(float),
+                                 cudaMemcpyHostToDevice));
+    }
+    if (!rc && m->hp.sandwich_norm && !(rc = dmalloc(dm, (void **)&dm->post_norms,
+                                                     (size_t)2 * L * D * sizeof(float), "post-norms"))) {
+        std::vector<float> h((size_t)2 * L * D, 1.0f);
+        for (int l = 0; l < L && !random_weights; l++) {
+            memcpy(&h[(size_t)(2 * l) * D], m->layers[l].post_attn_norm, (size_t)D * 4);
+            memcpy(&h[(size_t)(2 * l + 1) * D], m->layers[l].post_ffn_norm, (size_t)D * 4);
+        }
+        rc = BTC_CUDA(cudaMemcpy(dm->post_norms, h.data(), h.size() * sizeof(float),
+                                 cudaMemcpyHostToDevice));
+    }
+    if (!rc && m->inv_freq_local &&
+        !(rc = dmalloc(dm, (void **)&dm->inv_local, (size_t)(hd / 2) * sizeof(float), "RoPE table")))
+        rc = BTC_CUDA(cudaMemcpy(dm->inv_local, m->inv_freq_local, (size_t)(hd / 2) * sizeof(float),
+                                 cudaMemcpyHostToDevice));
     if (!rc)
         rc = BTC_CUDA(cudaDeviceSynchronize());
     if (rc)
