@@ -13,6 +13,8 @@ static int ggml_block_bytes(int type, int *blck)
     switch (type) {
     case BT_CU_GGML_Q4_0: *blck = 32; return GgmlDec<BT_CU_GGML_Q4_0>::BYTES;
     case BT_CU_GGML_Q4_1: *blck = 32; return GgmlDec<BT_CU_GGML_Q4_1>::BYTES;
+    case BT_CU_GGML_Q5_0: *blck = 32; return GgmlDec<BT_CU_GGML_Q5_0>::BYTES;
+    case BT_CU_GGML_Q5_1: *blck = 32; return GgmlDec<BT_CU_GGML_Q5_1>::BYTES;
     case BT_CU_GGML_Q8_0: *blck = 32; return GgmlDec<BT_CU_GGML_Q8_0>::BYTES;
     case BT_CU_GGML_Q4_K: *blck = 256; return GgmlDec<BT_CU_GGML_Q4_K>::BYTES;
     case BT_CU_GGML_Q5_K: *blck = 256; return GgmlDec<BT_CU_GGML_Q5_K>::BYTES;
@@ -112,6 +114,8 @@ extern "C" int bt_cuda_ggml_dequant(bt_bf16 *out, const bt_cuda_ggml *w, int64_t
     switch (w->type) {
     case BT_CU_GGML_Q4_0: return launch_dequant<BT_CU_GGML_Q4_0>(out, w, r0, nr, stream);
     case BT_CU_GGML_Q4_1: return launch_dequant<BT_CU_GGML_Q4_1>(out, w, r0, nr, stream);
+    case BT_CU_GGML_Q5_0: return launch_dequant<BT_CU_GGML_Q5_0>(out, w, r0, nr, stream);
+    case BT_CU_GGML_Q5_1: return launch_dequant<BT_CU_GGML_Q5_1>(out, w, r0, nr, stream);
     case BT_CU_GGML_Q8_0: return launch_dequant<BT_CU_GGML_Q8_0>(out, w, r0, nr, stream);
     case BT_CU_GGML_Q4_K: return launch_dequant<BT_CU_GGML_Q4_K>(out, w, r0, nr, stream);
     case BT_CU_GGML_Q5_K: return launch_dequant<BT_CU_GGML_Q5_K>(out, w, r0, nr, stream);

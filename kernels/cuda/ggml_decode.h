@@ -1,13 +1,14 @@
 /* Device decoders of the ggml block formats the GPU trainer keeps as they are in the GGUF file
- * (the "GGUF-native" base): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K. Private to kernels/cuda (included
+ * (the "GGUF-native" base): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Private to
+ * kernels/cuda (included
  * by ggml.cu, the dequantise kernel, and nf4_gemm.cu, the fused GEMMs); device code only, no
  * shared memory, no launches (so the emulator needs no rewrite: tests/emu/cu2cpp.py --check).
  *
  * Unit of work: a CHUNK of 32 consecutive elements of one weight row starting at a column c0 that
  * is a multiple of 32 (one whole block of the 32-element types; one 32-element sub-block of the
  * 256-element K-quant super-blocks). Dec<T>::load fetches what the chunk needs from global memory
- * (16-bit / 32-bit / 128-bit loads as the block layout's alignment allows: block sizes 18, 20, 34,
- * 144, 176, 210 bytes keep every field 2-, 4- or 16-byte aligned when the row starts at a
+ * (16-bit / 32-bit / 128-bit loads as the block layout's alignment allows: block sizes 18, 20, 22,
+ * 24, 34, 144, 176, 210 bytes keep every field 2-, 4- or 16-byte aligned when the row starts at a
  * cudaMalloc'ed base) into registers, Dec<T>::decode turns them into 16 words of two bf16 each
  * (element 2i in the low half). Splitting the two lets the GEMM issue the loads of the next step
  * before the tensor-core work of the current one, as for NF4.
@@ -16,6 +17,7 @@
  * gguf-py quants.py), then rounded to bf16: the same fp32 operations in the same order, each
  * rounded on its own (__fmul_rn / __fadd_rn / __fsub_rn stop nvcc contracting them into FMAs):
  *   Q4_0  (q - 8) * d                   Q4_1  q * d + m              Q8_0  q * d
+ *   Q5_0  (q + 16 h - 16) * d           Q5_1  (q + 16 h) * d + m
  *   Q4_K  (d * sc) * q - dmin * m       Q5_K  (d * sc) * (q + 16 h) - dmin * m
  *   Q6_K  (d * sc) * (q - 32)
  * fp16 scales are widened exactly (ggml_h2f, the bit-level conversion of quant.c). */
@@ -26,7 +28,8 @@
 #include "kernels/cuda/kernels_cuda.h"
 
 /* ggml.h enum ggml_type values of the types with a device decoder */
-enum { BT_CU_GGML_Q4_0 = 2, BT_CU_GGML_Q4_1 = 3, BT_CU_GGML_Q8_0 = 8, BT_CU_GGML_Q4_K = 12,
+enum { BT_CU_GGML_Q4_0 = 2, BT_CU_GGML_Q4_1 = 3, BT_CU_GGML_Q5_0 = 6, BT_CU_GGML_Q5_1 = 7,
+       BT_CU_GGML_Q8_0 = 8, BT_CU_GGML_Q4_K = 12,
        BT_CU_GGML_Q5_K = 13, BT_CU_GGML_Q6_K = 14 };
 
 /* IEEE half bits -> float, exact (subnormals, inf, NaN payload: common/quant.c bt_fp16_to_fp32) */
@@ -128,6 +131,64 @@ template <> struct GgmlDec<BT_CU_GGML_Q4_1> {
     {
         ggml_emit(out, [&](int e) {
             return __fadd_rn(__fmul_rn((float)ggml_nib32(r.qs, e), r.d), r.m);
+        });
+    }
+};
+
+/* Element e (0..31) of a Q5 block: its 4-bit ggml_nib32 value plus bit e of qh as bit 4
+ * (ggml-quants.c dequantize_row_q5_0: xh_0 = ((qh >> j) << 4) & 0x10 for j < 16,
+ * xh_1 = (qh >> (j + 12)) & 0x10 for element j + 16). */
+__device__ __forceinline__ uint32_t ggml_q5(const uint32_t qs[4], uint32_t qh, int e)
+{
+    return ggml_nib32(qs, e) | (((qh >> e) & 1u) << 4);
+}
+
+/* block_q5_0 {half d; uint8 qh[4]; uint8 qs[16]} (22 bytes: 2-byte aligned fields) */
+template <> struct GgmlDec<BT_CU_GGML_Q5_0> {
+    static constexpr int BLCK = 32, BYTES = 22;
+    struct Raw {
+        float d;
+        uint32_t qh;
+        uint32_t qs[4];
+    };
+    __device__ static void load(Raw &r, const uint8_t *row, int c0)
+    {
+        const uint8_t *b = row + (size_t)(c0 / 32) * BYTES;
+        r.d = ggml_h2f(ggml_ld16(b));
+        r.qh = ggml_ld16(b + 2) | (ggml_ld16(b + 4) << 16);
+        ggml_ld_words16<4>(r.qs, b + 6);
+    }
+    __device__ static void decode(const Raw &r, uint32_t out[16])
+    {
+        ggml_emit(out, [&](int e) {
+            return __fmul_rn((float)((int)ggml_q5(r.qs, r.qh, e) - 16), r.d);
+        });
+    }
+};
+
+/* block_q5_1 {half d, m; uint8 qh[4]; uint8 qs[16]} (24 bytes) */
+template <> struct GgmlDec<BT_CU_GGML_Q5_1> {
+    static constexpr int BLCK = 32, BYTES = 24;
+    struct Raw {
+        float d, m;
+        uint32_t qh;
+        uint32_t qs[4];
+    };
+    __device__ static void load(Raw &r, const uint8_t *row, int c0)
+    {
+        const uint8_t *b = row + (size_t)(c0 / 32) * BYTES;
+        const uint32_t dm = ggml_ld32(b);
+        r.d = ggml_h2f(dm & 0xffffu);
+        r.m = ggml_h2f(dm >> 16);
+        r.qh = ggml_ld32(b + 4);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            r.qs[i] = ggml_ld32(b + 8 + 4 * i);
+    }
+    __device__ static void decode(const Raw &r, uint32_t out[16])
+    {
+        ggml_emit(out, [&](int e) {
+            return __fadd_rn(__fmul_rn((float)ggml_q5(r.qs, r.qh, e), r.d), r.m);
         });
     }
 };

@@ -53,6 +53,10 @@ int bt_cuda_device_count(void);
 int bt_cuda_f32_to_bf16(bt_bf16 *out, const float *in, int64_t n, cudaStream_t stream);
 /* y[i] = bf16(float(a[i]) + float(b[i])) (residual add); y may alias a or b. */
 int bt_cuda_add_bf16(bt_bf16 *y, const bt_bf16 *a, const bt_bf16 *b, int64_t n, cudaStream_t stream);
+/* x[i] = bf16(x[i] * s) in place, n elements (convert.cu): Gemma's embedding scale sqrt(d_model)
+ * (Gemma3TextScaledWordEmbedding; kernels/cpu/optim.c bt_scale on the CPU), forward and, on a
+ * trainable embedding's gradient, backward. */
+int bt_cuda_scale_bf16(bt_bf16 *x, int64_t n, float s, cudaStream_t stream);
 
 /* Deterministic sum of squares over n fp32 values: out[0] (device double) = sum x[i]^2,
  * accumulated in double. Two passes (fixed 1024-block partials, then one block adds them in
@@ -201,7 +205,7 @@ int bt_cuda_ggml_upload(bt_cuda_ggml *dst, int type, int64_t rows, int64_t cols,
 void bt_cuda_ggml_free(bt_cuda_ggml *w);
 
 /* Dequantise rows [r0, r0+nr) of W into out[nr, cols] bf16 (16-byte aligned): one thread per 32
- * elements (a Q4_0/Q4_1/Q8_0 block or a K-quant sub-block), value = bf16_rn(the fp32 value
+ * elements (a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 block or a K-quant sub-block), value = bf16_rn(the fp32 value
  * bt_ggml_dequantize gives). Errors: BT_ERR_INVALID (NULL, range), BT_ERR_UNSUPPORTED (type,
  * misaligned out). */
 int bt_cuda_ggml_dequant(bt_bf16 *out, const bt_cuda_ggml *w, int64_t r0, int64_t nr,
@@ -244,6 +248,17 @@ int bt_cuda_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, const float *
  * scratch may be NULL when dw == NULL. */
 int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, const bt_bf16 *x, const float *w,
                         const float *rstd, int M, int D, float *scratch, cudaStream_t stream);
+/* Per-head RMSNorm (QK-norm: transformers Qwen3Attention / Gemma3Attention q_norm, k_norm, before
+ * RoPE; the CPU step runs bt_rmsnorm_fwd / _bwd over M * H rows of head_dim): x, y [rows, D] bf16
+ * (rows = tokens * heads, D = head_dim), w [D] fp32 (as stored: Gemma's GGUF holds 1 + w already,
+ * the HF loader adds the 1), rstd [rows] fp32 saved for backward; the same fp32 math as
+ * bt_cuda_rmsnorm_fwd / _bwd (y = w * (x * rstd); dx = rstd * (g - xh * mean(g * xh)), g = dy * w).
+ * The weight is frozen: no dw. One warp per row. dx may alias dy (in place on dq / dk); y must not
+ * alias x. D % 32 == 0 and D <= 512 (else BT_ERR_UNSUPPORTED); no alignment needed. */
+int bt_cuda_head_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, const float *w,
+                             int64_t rows, int D, float eps, cudaStream_t stream);
+int bt_cuda_head_rmsnorm_bwd(bt_bf16 *dx, const bt_bf16 *dy, const bt_bf16 *x, const float *w,
+                             const float *rstd, int64_t rows, int D, cudaStream_t stream);
 
 /* ========================================================================= RoPE (rope.cu) */
 
@@ -268,6 +283,14 @@ int bt_cuda_rope_freq(bt_bf16 *x, const int32_t *position_ids, int M, int H, int
 int bt_cuda_swiglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, cudaStream_t stream);
 int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
                        const bt_bf16 *u, int64_t n, cudaStream_t stream);
+/* GeGLU with the tanh GELU (Gemma 3's MLP, hidden_activation "gelu_pytorch_tanh";
+ * kernels/cpu/swiglu.c bt_geglu_fwd / _bwd): h = gelu_tanh(g) * u, gelu_tanh(g) = g * s,
+ * s = sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3). Backward: dg = dh * u * (s + 2 g s (1 - s)
+ * sqrt(2/pi) (1 + 3 * 0.044715 g^2)), du = dh * g * s. fp32 math, bf16 in/out, aliasing as
+ * SwiGLU's. */
+int bt_cuda_geglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, cudaStream_t stream);
+int bt_cuda_geglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                      const bt_bf16 *u, int64_t n, cudaStream_t stream);
 
 /* ================================================================ embedding (embedding.cu) */
 

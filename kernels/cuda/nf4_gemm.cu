@@ -2,7 +2,7 @@
  * main loop (never written to global memory as bf16). The tiled kernel is a template over the
  * weight source (NF4, or one of the ggml block formats of the GGUF-native base, ggml_decode.h);
  * everything below describes it with NF4, the ggml sources differ only in what a thread loads and
- * decodes per step (one 32-element chunk of a weight row: a Q4_0/Q4_1/Q8_0 block or a K-quant
+ * decodes per step (one 32-element chunk of a weight row: a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 block or a K-quant
  * sub-block, decoded by GgmlDec<T>, see the end of this file). Two kernels:
  *
  *  1. Tiled tensor-core kernel (any M): CTA tile 128 x 128 outputs, reduction step 64, 256 threads
@@ -579,6 +579,10 @@ int ggml_launch(cudaStream_t stream, bt_bf16 *C, const bt_bf16 *A, const bt_cuda
         return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q4_0>{d, rb}, M, Nout, Kred, beta);
     case BT_CU_GGML_Q4_1:
         return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q4_1>{d, rb}, M, Nout, Kred, beta);
+    case BT_CU_GGML_Q5_0:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q5_0>{d, rb}, M, Nout, Kred, beta);
+    case BT_CU_GGML_Q5_1:
+        return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q5_1>{d, rb}, M, Nout, Kred, beta);
     case BT_CU_GGML_Q8_0:
         return launch_tiled<BWD>(stream, C, A, GgmlSrc<BT_CU_GGML_Q8_0>{d, rb}, M, Nout, Kred, beta);
     case BT_CU_GGML_Q4_K:

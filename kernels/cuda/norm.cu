@@ -1,4 +1,5 @@
-/* RMSNorm forward and backward of the CUDA backend, with 16-byte (8 x bf16) accesses. Contracts:
+/* RMSNorm forward and backward of the CUDA backend, with 16-byte (8 x bf16) accesses, and the
+ * per-head RMSNorm of q and k (QK-norm), one warp per head. Contracts:
  * kernels/cuda/kernels_cuda.h; the fp32 reference is kernels/cpu/norm.c. */
 #include "kernels/cuda/cuda_internal.h"
 
@@ -190,5 +191,93 @@ extern "C" int bt_cuda_rmsnorm_bwd(bt_bf16 *dx, float *dw, const bt_bf16 *dy, co
         rmsnorm_dw_reduce_kernel<<<(D + 255) / 256, 256, 0, stream>>>(dw, scratch, nbu, D);
         BT_LAUNCH_CHECK();
     }
+    return BT_OK;
+}
+
+/* ------------------------------------------------- per-head RMSNorm (QK-norm: Qwen3, Gemma 3) */
+
+/* One warp per row of D (= head_dim) values, each lane holds D/32 of them (D % 32 == 0,
+ * D <= 32 * HN_MAX). Same fp32 operations as rmsnorm_fwd_kernel / rmsnorm_bwd_kernel. */
+#define HN_WARPS 8
+#define HN_MAX 16
+__global__ void __launch_bounds__(HN_WARPS * 32) head_rmsnorm_fwd_kernel(
+    bt_bf16 *y, float *rstd, const bt_bf16 *x, const float *w, int64_t rows, int D, float eps)
+{
+    const int64_t row = (int64_t)blockIdx.x * HN_WARPS + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31, per = D / 32;
+    if (row >= rows)
+        return;
+    const bt_bf16 *xr = x + row * D;
+    float f[HN_MAX];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < HN_MAX; j++)
+        if (j < per) {
+            f[j] = __bfloat162float(xr[j * 32 + lane]);
+            ss += f[j] * f[j];
+        }
+    ss = bt_warp_sum(ss);
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);
+    if (lane == 0)
+        rstd[row] = r;
+    bt_bf16 *yr = y + row * D;
+#pragma unroll
+    for (int j = 0; j < HN_MAX; j++)
+        if (j < per)
+            yr[j * 32 + lane] = __float2bfloat16_rn(w[j * 32 + lane] * (f[j] * r));
+}
+__global__ void __launch_bounds__(HN_WARPS * 32) head_rmsnorm_bwd_kernel(
+    bt_bf16 *dx, const bt_bf16 *dy, const bt_bf16 *x, const float *w, const float *rstd,
+    int64_t rows, int D)
+{
+    const int64_t row = (int64_t)blockIdx.x * HN_WARPS + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31, per = D / 32;
+    if (row >= rows)
+        return;
+    const bt_bf16 *xr = x + row * D, *dyr = dy + row * D;
+    const float r = rstd[row];
+    float fx[HN_MAX], fg[HN_MAX];
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < HN_MAX; j++)
+        if (j < per) {
+            fx[j] = __bfloat162float(xr[j * 32 + lane]) * r; /* xh */
+            fg[j] = __bfloat162float(dyr[j * 32 + lane]) * w[j * 32 + lane];
+            dot += fg[j] * fx[j];
+        }
+    const float cm = bt_warp_sum(dot) / (float)D;
+    bt_bf16 *dxr = dx + row * D; /* may alias dy: this lane read its dy values above */
+#pragma unroll
+    for (int j = 0; j < HN_MAX; j++)
+        if (j < per)
+            dxr[j * 32 + lane] = __float2bfloat16_rn(r * (fg[j] - fx[j] * cm));
+}
+
+extern "C" int bt_cuda_head_rmsnorm_fwd(bt_bf16 *y, float *rstd, const bt_bf16 *x, const float *w,
+                                        int64_t rows, int D, float eps, cudaStream_t stream)
+{
+    BT_CU_REFUSE(BT_ERR_INVALID, !y || !rstd || !x || !w || rows < 0 || D <= 0);
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, D % 32 != 0 || D > 32 * HN_MAX);
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, (rows + HN_WARPS - 1) / HN_WARPS > 0x7fffffffLL);
+    if (rows == 0)
+        return BT_OK;
+    head_rmsnorm_fwd_kernel<<<(unsigned)((rows + HN_WARPS - 1) / HN_WARPS), HN_WARPS * 32, 0,
+                              stream>>>(y, rstd, x, w, rows, D, eps);
+    BT_LAUNCH_CHECK();
+    return BT_OK;
+}
+
+extern "C" int bt_cuda_head_rmsnorm_bwd(bt_bf16 *dx, const bt_bf16 *dy, const bt_bf16 *x,
+                                        const float *w, const float *rstd, int64_t rows, int D,
+                                        cudaStream_t stream)
+{
+    BT_CU_REFUSE(BT_ERR_INVALID, !dx || !dy || !x || !w || !rstd || rows < 0 || D <= 0);
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, D % 32 != 0 || D > 32 * HN_MAX);
+    BT_CU_REFUSE(BT_ERR_UNSUPPORTED, (rows + HN_WARPS - 1) / HN_WARPS > 0x7fffffffLL);
+    if (rows == 0)
+        return BT_OK;
+    head_rmsnorm_bwd_kernel<<<(unsigned)((rows + HN_WARPS - 1) / HN_WARPS), HN_WARPS * 32, 0,
+                              stream>>>(dx, dy, x, w, rstd, rows, D);
+    BT_LAUNCH_CHECK();
     return BT_OK;
 }

@@ -1,5 +1,6 @@
-/* SwiGLU forward and backward of the CUDA backend, 16-byte (8 x bf16) accesses where the layout
- * allows. Contracts: kernels/cuda/kernels_cuda.h; the fp32 reference is kernels/cpu/swiglu.c. */
+/* SwiGLU and GeGLU (tanh GELU) forward and backward of the CUDA backend, 16-byte (8 x bf16)
+ * accesses where the layout allows. Contracts: kernels/cuda/kernels_cuda.h; the fp32 reference is
+ * kernels/cpu/swiglu.c. */
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cmath>
@@ -82,6 +83,93 @@ extern "C" int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, c
         return BT_OK;
     const int vec = vec8_ok(n, dg, du, dh, g, u);
     swiglu_bwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(dg, du, dh, g, u, n, vec);
+    BT_LAUNCH_CHECK();
+    return BT_OK;
+}
+
+/* ------------------------------------------------------------- GeGLU, tanh GELU (Gemma 3) */
+
+/* gelu_tanh(g) = g * s, s = sigmoid(2 z), z = c (g + a g^3): kernels/cpu/swiglu.c gelu_sig */
+#define GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_A 0.044715f
+__device__ __forceinline__ float gelu_sig(float g)
+{
+    const float z = GELU_C * (g + GELU_A * g * g * g);
+    return 1.0f / (1.0f + expf(-2.0f * z));
+}
+__device__ __forceinline__ void geglu_grad(float g, float u, float d, float *dg, float *du)
+{
+    const float s = gelu_sig(g);
+    const float dgelu = s + 2.0f * g * s * (1.0f - s) * GELU_C * (1.0f + 3.0f * GELU_A * g * g);
+    *dg = d * u * dgelu;
+    *du = d * (g * s);
+}
+__global__ void geglu_fwd_kernel(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, int vec)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    if (vec) {
+        const int64_t nv = n / 8;
+        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nv; t += stride) {
+            float fg[8], fu[8], fh[8];
+            bt_unpack8(reinterpret_cast<const uint4 *>(g)[t], fg);
+            bt_unpack8(reinterpret_cast<const uint4 *>(u)[t], fu);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                fh[j] = fg[j] * gelu_sig(fg[j]) * fu[j];
+            reinterpret_cast<uint4 *>(h)[t] = bt_pack8(fh);
+        }
+        return;
+    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float gv = __bfloat162float(g[i]);
+        h[i] = __float2bfloat16_rn(gv * gelu_sig(gv) * __bfloat162float(u[i]));
+    }
+}
+__global__ void geglu_bwd_kernel(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                                 const bt_bf16 *u, int64_t n, int vec)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    if (vec) {
+        const int64_t nv = n / 8;
+        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nv; t += stride) {
+            float fg[8], fu[8], fd[8], og[8], ou[8];
+            bt_unpack8(reinterpret_cast<const uint4 *>(g)[t], fg);
+            bt_unpack8(reinterpret_cast<const uint4 *>(u)[t], fu);
+            bt_unpack8(reinterpret_cast<const uint4 *>(dh)[t], fd);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                geglu_grad(fg[j], fu[j], fd[j], &og[j], &ou[j]);
+            reinterpret_cast<uint4 *>(dg)[t] = bt_pack8(og);
+            reinterpret_cast<uint4 *>(du)[t] = bt_pack8(ou);
+        }
+        return;
+    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float og, ou;
+        geglu_grad(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(dh[i]), &og, &ou);
+        dg[i] = __float2bfloat16_rn(og);
+        du[i] = __float2bfloat16_rn(ou);
+    }
+}
+extern "C" int bt_cuda_geglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n,
+                                 cudaStream_t stream)
+{
+    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!h || !g || !u)));
+    if (n == 0)
+        return BT_OK;
+    const int vec = vec8_ok(n, h, g, u);
+    geglu_fwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(h, g, u, n, vec);
+    BT_LAUNCH_CHECK();
+    return BT_OK;
+}
+extern "C" int bt_cuda_geglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                                 const bt_bf16 *u, int64_t n, cudaStream_t stream)
+{
+    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!dg || !du || !dh || !g || !u)));
+    if (n == 0)
+        return BT_OK;
+    const int vec = vec8_ok(n, dg, du, dh, g, u);
+    geglu_bwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(dg, du, dh, g, u, n, vec);
     BT_LAUNCH_CHECK();
     return BT_OK;
 }

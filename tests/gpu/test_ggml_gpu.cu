@@ -1,6 +1,6 @@
 /* GPU parity tests of the GGUF-native base kernels (kernels/cuda/ggml.cu, ggml_decode.h and the
  * ggml sources of the fused GEMMs in nf4_gemm.cu), per type with a device decoder: Q4_0, Q4_1,
- * Q8_0, Q4_K, Q5_K, Q6_K.
+ * Q5_0, Q5_1 (Gemma 3 270M Q4_K_M's 640-wide rows), Q8_0, Q4_K, Q5_K, Q6_K.
  *
  * Reference: a random weight is encoded by the CPU library (common/quant.h bt_ggml_quantize),
  * dequantised by the CPU library (bt_ggml_dequantize, bit-identical to gguf-py) and rounded to
@@ -29,8 +29,8 @@ static cublasHandle_t g_cublas;
 static cudaStream_t g_stream;
 static bool g_quick = false;
 
-static const int k_types[] = {BT_GGML_Q4_0, BT_GGML_Q4_1, BT_GGML_Q8_0,
-                              BT_GGML_Q4_K, BT_GGML_Q5_K, BT_GGML_Q6_K};
+static const int k_types[] = {BT_GGML_Q4_0, BT_GGML_Q4_1, BT_GGML_Q5_0, BT_GGML_Q5_1,
+                              BT_GGML_Q8_0, BT_GGML_Q4_K, BT_GGML_Q5_K, BT_GGML_Q6_K};
 
 /* A random ggml weight [rows, cols] (N(0, scale^2) before encoding): its blocks, device copy and
  * the bf16-rounded CPU dequantisation. */
@@ -207,11 +207,11 @@ static void test_ggml_errors(void)
     std::vector<uint8_t> host(4096, 0);
     bt_cuda_ggml tmp;
     bt_cuda_ggml bad = w.d;
-    bad.type = BT_GGML_Q5_0; /* a type without a device decoder */
+    bad.type = BT_GGML_Q3_K; /* a type without a device decoder */
     bt_cuda_ggml nodata = w.d;
     nodata.data = nullptr;
     const CodeCase cs[] = {
-        {"upload Q5_0", bt_cuda_ggml_upload(&tmp, BT_GGML_Q5_0, 2, 32, host.data()), -5},
+        {"upload Q3_K", bt_cuda_ggml_upload(&tmp, BT_GGML_Q3_K, 2, 256, host.data()), -5},
         {"upload Q2_K", bt_cuda_ggml_upload(&tmp, BT_GGML_Q2_K, 2, 256, host.data()), -5},
         {"upload F16", bt_cuda_ggml_upload(&tmp, BT_GGML_F16, 2, 32, host.data()), -5},
         {"upload Q4_K cols 128", bt_cuda_ggml_upload(&tmp, BT_GGML_Q4_K, 2, 128, host.data()), -6},
@@ -220,7 +220,7 @@ static void test_ggml_errors(void)
         {"dequant NULL out", bt_cuda_ggml_dequant(nullptr, &w.d, 0, 1, g_stream), -6},
         {"dequant past rows", bt_cuda_ggml_dequant(o.p, &w.d, 10, 7, g_stream), -6},
         {"dequant misaligned", bt_cuda_ggml_dequant(o.p + 1, &w.d, 0, 1, g_stream), -5},
-        {"dequant Q5_0", bt_cuda_ggml_dequant(o.p, &bad, 0, 1, g_stream), -5},
+        {"dequant Q3_K", bt_cuda_ggml_dequant(o.p, &bad, 0, 1, g_stream), -5},
         {"fwd Y NULL", bt_cuda_ggml_gemm_fwd(g_stream, nullptr, a.p, &w.d, M, K, N, 0.f), -6},
         {"fwd W NULL", bt_cuda_ggml_gemm_fwd(g_stream, o.p, a.p, nullptr, M, K, N, 0.f), -6},
         {"fwd W->data NULL", bt_cuda_ggml_gemm_fwd(g_stream, o.p, a.p, &nodata, M, K, N, 0.f), -6},
@@ -228,7 +228,7 @@ static void test_ggml_errors(void)
         {"fwd N != W rows", bt_cuda_ggml_gemm_fwd(g_stream, o.p, a.p, &w.d, M, K, N + 1, 0.f), -6},
         {"fwd K != W cols", bt_cuda_ggml_gemm_fwd(g_stream, o.p, a.p, &w.d, M, K - 32, N, 0.f), -6},
         {"fwd X misaligned", bt_cuda_ggml_gemm_fwd(g_stream, o.p, a.p + 1, &w.d, M, K, N, 0.f), -5},
-        {"fwd Q5_0", bt_cuda_ggml_gemm_fwd(g_stream, o.p, a.p, &bad, M, K, N, 0.f), -5},
+        {"fwd Q3_K", bt_cuda_ggml_gemm_fwd(g_stream, o.p, a.p, &bad, M, K, N, 0.f), -5},
         {"bwd dX NULL", bt_cuda_ggml_gemm_bwd_x(g_stream, nullptr, a.p, &w.d, M, K, N, 0.f), -6},
         {"bwd N=0", bt_cuda_ggml_gemm_bwd_x(g_stream, o.p, a.p, &w.d, M, K, 0, 0.f), -6},
         {"bwd dX misaligned", bt_cuda_ggml_gemm_bwd_x(g_stream, o.p + 4, a.p, &w.d, M, K, N, 0.f), -5},
@@ -242,11 +242,12 @@ static void test_ggml_errors(void)
     check_true("refusal names launcher + check",
                !strncmp(err, "cuda: bt_cuda_ggml_linear_fwd: invalid arguments: ", 50) &&
                    strstr(err, "!wbuf"));
-    check_true("supported: Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K only",
+    check_true("supported: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K only",
                bt_cuda_ggml_supported(BT_GGML_Q4_0) && bt_cuda_ggml_supported(BT_GGML_Q4_1) &&
+                   bt_cuda_ggml_supported(BT_GGML_Q5_0) && bt_cuda_ggml_supported(BT_GGML_Q5_1) &&
                    bt_cuda_ggml_supported(BT_GGML_Q8_0) && bt_cuda_ggml_supported(BT_GGML_Q4_K) &&
                    bt_cuda_ggml_supported(BT_GGML_Q5_K) && bt_cuda_ggml_supported(BT_GGML_Q6_K) &&
-                   !bt_cuda_ggml_supported(BT_GGML_Q5_1) && !bt_cuda_ggml_supported(BT_GGML_Q3_K) &&
+                   !bt_cuda_ggml_supported(BT_GGML_Q2_K) && !bt_cuda_ggml_supported(BT_GGML_Q3_K) &&
                    !bt_cuda_ggml_supported(BT_GGML_BF16));
     CU(cudaStreamSynchronize(g_stream));
     check_untouched(o.p, o.n);

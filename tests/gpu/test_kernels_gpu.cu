@@ -307,6 +307,89 @@ static void test_swiglu(void)
     }
 }
 
+/* GeGLU with the tanh GELU (Gemma 3) vs bt_geglu_fwd / _bwd: vectorised (n % 8 == 0), scalar
+ * tail and one element; gates up to |30| (both tails of the GELU). bf16 outputs: rel_l2 1e-2,
+ * max 1e-2; backward in place (dg, du alias g, u). */
+static void test_geglu(void)
+{
+    for (int64_t n : {4096, 1001, 1}) {
+        auto g = randv(n, 30.0f), u = randv(n, 3.0f), dh = randv(n, 1.0f);
+        std::vector<float> h(n), dg(n), du(n);
+        bt_geglu_fwd(h.data(), g.data(), u.data(), n);
+        bt_geglu_bwd(dg.data(), du.data(), dh.data(), g.data(), u.data(), n);
+        DBuf<bt_bf16> gg(n), gu(n), gh(n), gdh(n);
+        up_bf16(gg, g);
+        up_bf16(gu, u);
+        up_bf16(gdh, dh);
+        BTOK(bt_cuda_geglu_fwd(gh.p, gg.p, gu.p, n, g_stream));
+        BTOK(bt_cuda_geglu_bwd(gg.p, gu.p, gdh.p, gg.p, gu.p, n, g_stream));
+        CU(cudaStreamSynchronize(g_stream));
+        auto a = down_bf16(gh.p, n), b = down_bf16(gg.p, n), c = down_bf16(gu.p, n);
+        check("geglu h", a.data(), h.data(), n, 1e-2, 1e-2);
+        check("geglu dgate (in place)", b.data(), dg.data(), n, 1e-2, 1e-2);
+        check("geglu dup (in place)", c.data(), du.data(), n, 1e-2, 1e-2);
+    }
+    check_true("geglu n < 0 -> INVALID", bt_cuda_geglu_fwd(nullptr, nullptr, nullptr, -1, g_stream) == -6);
+}
+
+/* Per-head RMSNorm (QK-norm, bt_cuda_head_rmsnorm_*) vs the CPU step's bt_rmsnorm_fwd / _bwd over
+ * rows = tokens * heads of head_dim (dw not wanted: frozen weights), head_dim 64 / 128 / 256 and
+ * large magnitudes; backward in place (dx aliases dy), as the step runs it on dq / dk. bf16 y and
+ * dx: rel_l2 1e-2, max 2e-2; rstd: 1e-3. */
+static void test_head_rmsnorm(void)
+{
+    const int cases[][2] = {{37 * 4, 64}, {9 * 2, 128}, {5 * 8, 256}};
+    const float mags[] = {1.0f, 300.0f, 0.02f};
+    for (int c = 0; c < 3; c++) {
+        const int rows = cases[c][0], D = cases[c][1];
+        auto x = randv((size_t)rows * D, mags[c]), dy = randv((size_t)rows * D, 1.0f);
+        std::vector<float> w(D);
+        for (auto &v : w)
+            v = 1.0f + rng_sym(0.5f);
+        std::vector<float> y((size_t)rows * D), rstd(rows), dx((size_t)rows * D);
+        bt_rmsnorm_fwd(y.data(), rstd.data(), x.data(), w.data(), rows, D, 1e-6f);
+        bt_rmsnorm_bwd(dx.data(), nullptr, dy.data(), x.data(), w.data(), rstd.data(), rows, D);
+        DBuf<bt_bf16> gx(x.size()), gy(x.size()), gdy(x.size());
+        DBuf<float> gw(D), grstd(rows);
+        up_bf16(gx, x);
+        up_bf16(gdy, dy);
+        up(gw, w);
+        BTOK(bt_cuda_head_rmsnorm_fwd(gy.p, grstd.p, gx.p, gw.p, rows, D, 1e-6f, g_stream));
+        BTOK(bt_cuda_head_rmsnorm_bwd(gdy.p, gdy.p, gx.p, gw.p, grstd.p, rows, D, g_stream));
+        CU(cudaStreamSynchronize(g_stream));
+        char name[64];
+        auto gyv = down_bf16(gy.p, y.size());
+        snprintf(name, sizeof name, "qk-norm y rows=%d head_dim=%d", rows, D);
+        check(name, gyv.data(), y.data(), y.size(), 1e-2, 2e-2);
+        auto gr = down(grstd.p, rows);
+        check("qk-norm rstd", gr.data(), rstd.data(), rows, 1e-3, 1e-3);
+        auto gdx = down_bf16(gdy.p, dx.size());
+        check("qk-norm dx (in place)", gdx.data(), dx.data(), dx.size(), 1e-2, 2e-2);
+    }
+    DBuf<bt_bf16> a(96), b(96);
+    DBuf<float> r(4), w(96);
+    check_true("qk-norm head_dim 24 -> UNSUPPORTED",
+               bt_cuda_head_rmsnorm_fwd(b.p, r.p, a.p, w.p, 4, 24, 1e-6f, g_stream) == -5);
+    check_true("qk-norm NULL w -> INVALID",
+               bt_cuda_head_rmsnorm_bwd(b.p, b.p, a.p, nullptr, r.p, 1, 64, g_stream) == -6);
+}
+
+/* In-place bf16 scale (Gemma's embedding scale sqrt(d_model)) vs bt_scale: rel_l2 1e-2, max 1e-2. */
+static void test_scale_bf16(void)
+{
+    const int64_t n = 1003;
+    const float sc = sqrtf(640.0f);
+    auto x = randv(n, 2.0f);
+    std::vector<float> ref = x;
+    bt_scale(ref.data(), n, sc);
+    DBuf<bt_bf16> gx(n);
+    up_bf16(gx, x);
+    BTOK(bt_cuda_scale_bf16(gx.p, n, sc, g_stream));
+    CU(cudaStreamSynchronize(g_stream));
+    auto g = down_bf16(gx.p, n);
+    check("scale x sqrt(640)", g.data(), ref.data(), n, 1e-2, 1e-2);
+}
+
 /* Embedding gather (exact) and scatter-add backward (fp32 atomics; tol 1e-5) with repeated and
  * out-of-range ids. */
 static void test_embedding(void)
@@ -507,6 +590,9 @@ int main(int argc, char **argv)
     GT_CASE(test_rope);
     GT_CASE(test_rope_freq);
     GT_CASE(test_swiglu);
+    GT_CASE(test_geglu);
+    GT_CASE(test_head_rmsnorm);
+    GT_CASE(test_scale_bf16);
     GT_CASE(test_embedding);
     GT_CASE(test_adamw);
     GT_CASE(test_sumsq);

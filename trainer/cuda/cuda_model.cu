@@ -1,6 +1,6 @@
 /* Upload of a bt_model (trainer/model/model.h) to the device: NF4 linears as NF4 (bt_cuda_nf4_upload),
- * GGUF-native linears as their ggml blocks (bt_cuda_ggml_upload: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
- * Q6_K; F16 / BF16 / F32 tensors as bf16, the value the decoders would give; other types are
+ * GGUF-native linears as their ggml blocks (bt_cuda_ggml_upload: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q4_K, Q5_K, Q6_K; F16 / BF16 / F32 tensors as bf16, the value the decoders would give; other types are
  * refused naming the supported ones and the base_dtype that converts them), fp32 linears /
  * embedding / lm_head as bf16 (round to nearest even), norms and biases fp32.
  * Also the random-weight variant used by the benchmarks (no host weights needed). */
@@ -94,9 +94,9 @@ int upload_gguf_linear(btc_model *dm, btc_linear *d, const bt_base_linear *bl, i
     }
     if (t != BT_GGML_F32 && t != BT_GGML_F16 && t != BT_GGML_BF16)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: layer %d %s is %s, which has no CUDA kernel for "
-                       "the GGUF-native base (on the GPU: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and "
-                       "F16/BF16/F32 held as bf16): set base_dtype \"nf4\" to re-quantise the base "
-                       "to NF4 (or \"fp32\"), or train on the CPU (device \"cpu\" supports every "
+                       "the GGUF-native base (on the GPU: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+                       "Q6_K, and F16/BF16/F32 held as bf16): set base_dtype \"nf4\" to re-quantise "
+                       "the base to NF4 (or \"fp32\"), or train on the CPU (device \"cpu\" supports every "
                        "type)", l, bt_module_name(mod), bt_ggml_type_name(t));
     std::vector<float> f((size_t)n);
     int rc = bt_ggml_mat_dequantize_rows(&bl->g, 0, bl->rows, f.data());
@@ -229,6 +229,9 @@ void btc_model_free(btc_model *dm)
         cudaFree(dm->head16);
     cudaFree(dm->embd16);
     cudaFree(dm->norms);
+    cudaFree(dm->qk_norms);
+    cudaFree(dm->post_norms);
+    cudaFree(dm->inv_local);
     memset(dm, 0, sizeof *dm);
 }
 
@@ -386,6 +389,33 @@ int btc_model_upload(btc_model *dm, const bt_model *m, int random_weights, uint6
         }
         rc = BTC_CUDA(cudaMemcpy(dm->norms, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
     }
+    /* QK-norm and sandwich norm weights (1 with random weights, as the norms above), the local
+     * layers' RoPE table */
+    const int hd = dims.hd;
+    if (!rc && m->hp.qk_norm && !(rc = dmalloc(dm, (void **)&dm->qk_norms,
+                                               (size_t)2 * L * hd * sizeof(float), "QK-norm weights"))) {
+        std::vector<float> h((size_t)2 * L * hd, 1.0f);
+        for (int l = 0; l < L && !random_weights; l++) {
+            memcpy(&h[(size_t)(2 * l) * hd], m->layers[l].q_norm, (size_t)hd * sizeof(float));
+            memcpy(&h[(size_t)(2 * l + 1) * hd], m->layers[l].k_norm, (size_t)hd * sizeof(float));
+        }
+        rc = BTC_CUDA(cudaMemcpy(dm->qk_norms, h.data(), h.size() * sizeof(float),
+                                 cudaMemcpyHostToDevice));
+    }
+    if (!rc && m->hp.sandwich_norm && !(rc = dmalloc(dm, (void **)&dm->post_norms,
+                                                     (size_t)2 * L * D * sizeof(float), "post-norms"))) {
+        std::vector<float> h((size_t)2 * L * D, 1.0f);
+        for (int l = 0; l < L && !random_weights; l++) {
+            memcpy(&h[(size_t)(2 * l) * D], m->layers[l].post_attn_norm, (size_t)D * 4);
+            memcpy(&h[(size_t)(2 * l + 1) * D], m->layers[l].post_ffn_norm, (size_t)D * 4);
+        }
+        rc = BTC_CUDA(cudaMemcpy(dm->post_norms, h.data(), h.size() * sizeof(float),
+                                 cudaMemcpyHostToDevice));
+    }
+    if (!rc && m->inv_freq_local &&
+        !(rc = dmalloc(dm, (void **)&dm->inv_local, (size_t)(hd / 2) * sizeof(float), "RoPE table")))
+        rc = BTC_CUDA(cudaMemcpy(dm->inv_local, m->inv_freq_local, (size_t)(hd / 2) * sizeof(float),
+                                 cudaMemcpyHostToDevice));
     if (!rc)
         rc = BTC_CUDA(cudaDeviceSynchronize());
     if (rc)

@@ -7,6 +7,11 @@
  * cuBLAS), and in the optional offload of the checkpointed layer inputs to host memory. */
 #include "common/rng.h"
 #include "trainer/cuda/cuda_trainer_internal.h"
+extern "C" {
+#include "trainer/backend/backend.h"
+/* backend_cuda.cu: its sliding_window flag says whether the GPU attention applies windows */
+extern const bt_backend_reg bt_backend_cuda_reg;
+}
 
 #include <cmath>
 #include <cstring>
@@ -102,6 +107,16 @@ static float *dnorm_w(const bt_cuda_trainer *t, int l, int which)
     const size_t idx = l == t->L ? (size_t)(2 * l) : (size_t)(2 * l + (which ? 1 : 0));
     return t->g + t->off_norms + idx * (size_t)t->D;
 }
+/* QK-norm weight [hd] of layer l (which 0: q_norm, 1: k_norm); sandwich post-norm weight [D]
+ * (0: post_attention_layernorm, 1: post_feedforward_layernorm). Frozen. */
+static const float *qk_w(const bt_cuda_trainer *t, int l, int which)
+{
+    return t->md.qk_norms + (size_t)(2 * l + which) * t->hd;
+}
+static const float *post_w(const bt_cuda_trainer *t, int l, int which)
+{
+    return t->md.post_norms + (size_t)(2 * l + which) * t->D;
+}
 static const bt_bf16 *embed16(const bt_cuda_trainer *t)
 {
     return t->off_embed >= 0 ? t->p16 + t->off_embed : t->md.embd16;
@@ -143,7 +158,7 @@ static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf1
     if (lm->offA < 0)
         return 0;
     const bt_bf16 *xin = x;
-    const uint64_t dk = bt_lora_drop_key(key, l, mod);
+    const uint64_t dk = bt_lora_drop_key(key, l, lm->group);
     if (dk && t->dropout > 0) {
         const drop_params d = drop_of(t->dropout);
         const int64_t n = (int64_t)M * K;
@@ -180,7 +195,7 @@ static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf
     const btc_lmod *lm = &t->lmods[(size_t)l * BT_MOD_N + mod];
     if (lm->offA < 0)
         return 0;
-    const uint64_t dk = bt_lora_drop_key(key, l, mod);
+    const uint64_t dk = bt_lora_drop_key(key, l, lm->group);
     const bool drop = dk && t->dropout > 0;
     const bt_bf16 *xin = x;
     const int64_t n = (int64_t)M * K;
@@ -207,63 +222,114 @@ static int proj_bwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *dx, const bt_bf
 
 static btc_acts *acts_of(bt_cuda_trainer *t, int l) { return &t->acts[t->ckpt ? 0 : (size_t)l]; }
 
+/* The MLP's gated activation: SwiGLU, or GeGLU with the tanh GELU (hp.act, Gemma 3; step.c glu_fwd) */
+static int glu_fwd(bt_cuda_trainer *t, bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n)
+{
+    if (t->md.hp.act == BT_ACT_GELU_TANH)
+        return BTC_L(bt_cuda_geglu_fwd(h, g, u, n, t->stream));
+    return BTC_L(bt_cuda_swiglu_fwd(h, g, u, n, t->stream));
+}
+static int glu_bwd(bt_cuda_trainer *t, bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                   const bt_bf16 *u, int64_t n)
+{
+    if (t->md.hp.act == BT_ACT_GELU_TANH)
+        return BTC_L(bt_cuda_geglu_bwd(dg, du, dh, g, u, n, t->stream));
+    return BTC_L(bt_cuda_swiglu_bwd(dg, du, dh, g, u, n, t->stream));
+}
+
+/* The attention parameters of layer l: the step's, with the local layers' own RoPE table (Gemma 3
+ * rope_local_base_freq; step.c bt_model_layer_inv) where the model has one. */
+static bt_cuda_attn_params layer_attn(const bt_cuda_trainer *t, int l, const bt_cuda_attn_params *ap)
+{
+    bt_cuda_attn_params a = *ap;
+    a.window = bt_model_layer_window(&t->md.hp, l); /* Mistral / Phi-3 sliding_window, Gemma 3's local layers */
+    if (t->md.inv_local && a.window > 0)
+        a.inv_freq = t->md.inv_local;
+    return a;
+}
+
 /* Layer l from its input x [M, D] into xout [M, D] (the next layer's input). */
-static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key,
+static int layer_fwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap0, uint64_t key,
                      const bt_bf16 *x, bt_bf16 *xout)
 {
     btc_acts *A = acts_of(t, l);
+    const bt_cuda_attn_params lap = layer_attn(t, l, ap0), *ap = &lap;
     const int64_t nD = (int64_t)M * t->D;
     const float eps = t->md.hp.rms_eps;
     cudaStream_t s = t->stream;
 
     BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(A->xn1, A->rstd1, x, norm_w(t, l, 0), M, t->D, eps, s)));
-    BTC_TRY(proj_fwd(t, l, BT_MOD_Q, A->q, A->xn1, M, A, key));
-    BTC_TRY(proj_fwd(t, l, BT_MOD_K, A->k, A->xn1, M, A, key));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_Q, A->qr ? A->qr : A->q, A->xn1, M, A, key));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_K, A->kr ? A->kr : A->k, A->xn1, M, A, key));
     BTC_TRY(proj_fwd(t, l, BT_MOD_V, A->v, A->xn1, M, A, key));
-    /* RoPE is applied inside the attention kernel as Q/K tiles load (position_ids, theta, scale);
-     * the layer's sliding window (Mistral / Phi-3 sliding_window) as on the CPU step */
-    bt_cuda_attn_params apl = *ap;
-    apl.window = bt_model_layer_window(&t->md.hp, l);
-    BTC_TRY(BTC_L(t->attn_impl ? bt_cuda_attn_fwd_mma(&apl, A->att, A->lse, A->q, A->k, A->v, s)
-                               : bt_cuda_attn_fwd(&apl, A->att, A->lse, A->q, A->k, A->v, s)));
-    BTC_TRY(proj_fwd(t, l, BT_MOD_O, A->x2, A->att, M, A, key));
+    if (A->qr) { /* QK-norm (Qwen3 / Gemma 3): RMSNorm over each head's head_dim values, before RoPE */
+        BTC_TRY(BTC_L(bt_cuda_head_rmsnorm_fwd(A->q, A->rq, A->qr, qk_w(t, l, 0), (int64_t)M * t->Hq,
+                                               t->hd, eps, s)));
+        BTC_TRY(BTC_L(bt_cuda_head_rmsnorm_fwd(A->k, A->rk, A->kr, qk_w(t, l, 1), (int64_t)M * t->Hkv,
+                                               t->hd, eps, s)));
+    }
+    /* RoPE is applied inside the attention kernel as Q/K tiles load (position_ids, theta, scale) */
+    BTC_TRY(BTC_L(t->attn_impl ? bt_cuda_attn_fwd_mma(ap, A->att, A->lse, A->q, A->k, A->v, s)
+                               : bt_cuda_attn_fwd(ap, A->att, A->lse, A->q, A->k, A->v, s)));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_O, A->ao ? A->ao : A->x2, A->att, M, A, key));
+    if (A->ao) /* Gemma 3 post_attention_layernorm of the attention output */
+        BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(A->x2, A->rpa, A->ao, post_w(t, l, 0), M, t->D, eps, s)));
     BTC_TRY(BTC_L(bt_cuda_add_bf16(A->x2, A->x2, x, nD, s)));
     BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(A->xn2, A->rstd2, A->x2, norm_w(t, l, 1), M, t->D, eps, s)));
     BTC_TRY(proj_fwd(t, l, BT_MOD_GATE, A->g, A->xn2, M, A, key));
     BTC_TRY(proj_fwd(t, l, BT_MOD_UP, A->u, A->xn2, M, A, key));
-    BTC_TRY(BTC_L(bt_cuda_swiglu_fwd(t->h, A->g, A->u, (int64_t)M * t->F, s)));
-    BTC_TRY(proj_fwd(t, l, BT_MOD_DOWN, xout, t->h, M, A, key));
+    BTC_TRY(glu_fwd(t, t->h, A->g, A->u, (int64_t)M * t->F));
+    BTC_TRY(proj_fwd(t, l, BT_MOD_DOWN, A->fo ? A->fo : xout, t->h, M, A, key));
+    if (A->fo) /* Gemma 3 post_feedforward_layernorm of the MLP output */
+        BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(xout, A->rpf, A->fo, post_w(t, l, 1), M, t->D, eps, s)));
     return BTC_L(bt_cuda_add_bf16(xout, xout, A->x2, nD, s));
 }
 
 /* On entry t->dx = dLoss/d(layer output); on exit t->dx = dLoss/d(layer input). x: the layer's
  * input; recompute_out: where checkpointing's recomputed forward writes its (unused) output. */
-static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap, uint64_t key,
+static int layer_bwd(bt_cuda_trainer *t, int l, int M, const bt_cuda_attn_params *ap0, uint64_t key,
                      const bt_bf16 *x, bt_bf16 *recompute_out)
 {
     btc_acts *A = acts_of(t, l);
+    const bt_cuda_attn_params lap = layer_attn(t, l, ap0), *ap = &lap;
     const int64_t nD = (int64_t)M * t->D;
     cudaStream_t s = t->stream;
 
     if (t->ckpt)
-        BTC_TRY(layer_fwd(t, l, M, ap, key, x, recompute_out)); /* recompute, same values */
+        BTC_TRY(layer_fwd(t, l, M, ap0, key, x, recompute_out)); /* recompute, same values */
     else
-        BTC_TRY(BTC_L(bt_cuda_swiglu_fwd(t->h, A->g, A->u, (int64_t)M * t->F, s)));
-    /* MLP */
-    BTC_TRY(proj_bwd(t, l, BT_MOD_DOWN, t->dh, t->dx, t->h, M, 0.f, A, key));
-    BTC_TRY(BTC_L(bt_cuda_swiglu_bwd(t->dg, t->du, t->dh, A->g, A->u, (int64_t)M * t->F, s)));
+        BTC_TRY(glu_fwd(t, t->h, A->g, A->u, (int64_t)M * t->F));
+    /* MLP (Gemma 3: first back through post_feedforward_layernorm, into dtmp) */
+    const bt_bf16 *dmlp = t->dx;
+    if (A->fo) {
+        BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dtmp, nullptr, t->dx, A->fo, post_w(t, l, 1), A->rpf, M,
+                                          t->D, nullptr, s)));
+        dmlp = t->dtmp;
+    }
+    BTC_TRY(proj_bwd(t, l, BT_MOD_DOWN, t->dh, dmlp, t->h, M, 0.f, A, key));
+    BTC_TRY(glu_bwd(t, t->dg, t->du, t->dh, A->g, A->u, (int64_t)M * t->F));
     BTC_TRY(proj_bwd(t, l, BT_MOD_GATE, t->dxn, t->dg, A->xn2, M, 0.f, A, key));
     BTC_TRY(proj_bwd(t, l, BT_MOD_UP, t->dxn, t->du, A->xn2, M, 1.f, A, key));
     BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dtmp, dnorm_w(t, l, 1), t->dxn, A->x2, norm_w(t, l, 1),
                                       A->rstd2, M, t->D, t->rms_scratch, s)));
     BTC_TRY(BTC_L(bt_cuda_add_bf16(t->dx2, t->dx, t->dtmp, nD, s)));
-    /* attention */
-    BTC_TRY(proj_bwd(t, l, BT_MOD_O, t->datt, t->dx2, A->att, M, 0.f, A, key));
-    bt_cuda_attn_params apl = *ap; /* the layer's sliding window, as in layer_fwd */
-    apl.window = bt_model_layer_window(&t->md.hp, l);
+    /* attention (Gemma 3: first back through post_attention_layernorm, into dtmp) */
+    const bt_bf16 *dattn = t->dx2;
+    if (A->ao) {
+        BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dtmp, nullptr, t->dx2, A->ao, post_w(t, l, 0), A->rpa, M,
+                                          t->D, nullptr, s)));
+        dattn = t->dtmp;
+    }
+    BTC_TRY(proj_bwd(t, l, BT_MOD_O, t->datt, dattn, A->att, M, 0.f, A, key));
     BTC_TRY(BTC_L((t->attn_impl ? bt_cuda_attn_bwd_mma : bt_cuda_attn_bwd)(
-        &apl, t->dq, t->dk, t->dv, t->datt, A->att, A->lse, A->q, A->k, A->v, t->delta, s)));
+        ap, t->dq, t->dk, t->dv, t->datt, A->att, A->lse, A->q, A->k, A->v, t->delta, s)));
     /* dq, dk are already gradients w.r.t. the unrotated q, k (inverse RoPE inside the kernel) */
+    if (A->qr) { /* QK-norm backward, in place (the norm weights are frozen: no dw) */
+        BTC_TRY(BTC_L(bt_cuda_head_rmsnorm_bwd(t->dq, t->dq, A->qr, qk_w(t, l, 0), A->rq,
+                                               (int64_t)M * t->Hq, t->hd, s)));
+        BTC_TRY(BTC_L(bt_cuda_head_rmsnorm_bwd(t->dk, t->dk, A->kr, qk_w(t, l, 1), A->rk,
+                                               (int64_t)M * t->Hkv, t->hd, s)));
+    }
     BTC_TRY(proj_bwd(t, l, BT_MOD_Q, t->dxn, t->dq, A->xn1, M, 0.f, A, key));
     BTC_TRY(proj_bwd(t, l, BT_MOD_K, t->dxn, t->dk, A->xn1, M, 1.f, A, key));
     BTC_TRY(proj_bwd(t, l, BT_MOD_V, t->dxn, t->dv, A->xn1, M, 1.f, A, key));
@@ -446,6 +512,8 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
 
     const bool off = t->offload && backward; /* evaluation passes keep nothing for backward */
     BTC_TRY(BTC_L(bt_cuda_embedding_fwd(xin_dev(t, 0), embed16(t), t->d_ids, M, t->D, t->V, s)));
+    if (t->md.hp.embed_scale > 0.f) /* Gemma: Gemma3TextScaledWordEmbedding's sqrt(hidden_size) */
+        BTC_TRY(BTC_L(bt_cuda_scale_bf16(xin_dev(t, 0), (int64_t)M * t->D, t->md.hp.embed_scale, s)));
     if (off)
         BTC_TRY(offload_out(t, 0, M));
     for (int l = 0; l < t->L; l++) {
@@ -494,6 +562,8 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
                 BTC_TRY(BTC_CUDA(cudaEventRecord(t->ev_out[l], s)));
         }
         /* t->dx = dLoss/d(embedding output): scatter-add into a trainable embedding (LoRA+) */
+        if (t->off_embed >= 0 && t->md.hp.embed_scale > 0.f)
+            BTC_TRY(BTC_L(bt_cuda_scale_bf16(t->dx, (int64_t)M * t->D, t->md.hp.embed_scale, s)));
         if (t->off_embed >= 0)
             BTC_TRY(BTC_L(bt_cuda_embedding_bwd(t->g + t->off_embed, t->dx, t->d_ids, M, t->D, t->V, s)));
     }
@@ -600,6 +670,14 @@ static void bind(bt_cuda_trainer *t, int id, int i, void *p)
     case BT_BUF_RSTD2: set_ptr(A.rstd2, p); break;
     case BT_BUF_G: set_ptr(A.g, p); break;
     case BT_BUF_U: set_ptr(A.u, p); break;
+    case BT_BUF_QR: set_ptr(A.qr, p); break;
+    case BT_BUF_KR: set_ptr(A.kr, p); break;
+    case BT_BUF_RQ: set_ptr(A.rq, p); break;
+    case BT_BUF_RK: set_ptr(A.rk, p); break;
+    case BT_BUF_AO: set_ptr(A.ao, p); break;
+    case BT_BUF_RPA: set_ptr(A.rpa, p); break;
+    case BT_BUF_FO: set_ptr(A.fo, p); break;
+    case BT_BUF_RPF: set_ptr(A.rpf, p); break;
     case BT_BUF_XF: set_ptr(t->xf, p); break;
     case BT_BUF_RSTDF: set_ptr(t->rstdf, p); break;
     case BT_BUF_H: set_ptr(t->h, p); break;
@@ -685,10 +763,11 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
         return bt_fail(BT_ERR_INVALID, "cuda: offloading the checkpointed layer inputs needs "
                        "activation checkpointing");
     if (t->hd != 64 && t->hd != 128 && (t->hd != 256 || t->attn_impl))
-        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: head_dim %d is not supported by the %s attention "
-                       "kernels (%s)", t->hd, t->attn_impl ? "mma" : "wmma",
-                       t->attn_impl ? "64 or 128; head_dim 256 runs on config cuda.attention "
-                                      "\"wmma\"" : "64, 128 or 256");
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: head_dim %d (%s) is not supported by the %s attention "
+                       "kernels (%s); use device: \"cpu\"", t->hd, bt_arch_name(hp->arch),
+                       t->attn_impl ? "mma" : "wmma",
+                       t->attn_impl ? "64 or 128; head_dim 256 runs on config cuda.attention \"wmma\""
+                                    : "64, 128 or 256");
     if (t->D % 8 != 0 || t->Dq % 8 != 0 || t->Dkv % 8 != 0)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: d_model %d / q %d / kv %d must be multiples of 8",
                        t->D, t->Dq, t->Dkv);
@@ -726,7 +805,7 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     t->n_decay = lo->n_decay;
     t->off_embed = lo->embed ? (int64_t)(lo->embed - lo->params) : -1;
     t->off_norms = lo->norms ? (int64_t)(lo->norms - lo->params) : -1;
-    t->lmods.assign((size_t)t->L * BT_MOD_N, btc_lmod{-1, -1, 0, 0});
+    t->lmods.assign((size_t)t->L * BT_MOD_N, btc_lmod{-1, -1, 0, 0, 0});
     for (int l = 0; l < t->L; l++)
         for (int mod = 0; mod < BT_MOD_N; mod++) {
             const bt_lora_mod *x = bt_lora_get(lo, l, mod);
@@ -741,6 +820,7 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
             dl.offB = (int64_t)(x->B - lo->params);
             dl.in = x->in;
             dl.out = x->out;
+            dl.group = x->group;
         }
 
     /* every buffer of the step: the memory plan `trainer estimate` bills (trainer/backend/plan.h) */
@@ -764,6 +844,8 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     po.offload = t->offload;
     po.rope_table = m->inv_freq != nullptr;
     po.rope_dynamic = hp->rope_ext == BT_ROPE_EXT_DYNAMIC;
+    po.qk_norm = hp->qk_norm;
+    po.sandwich_norm = hp->sandwich_norm;
     t->ce_chunk = bt_plan_ce_chunk(&po);
     bt_plan plan;
     BTC_TRY(bt_plan_step(&plan, &d, &po));
@@ -807,19 +889,19 @@ extern "C" int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, con
     *out = nullptr;
     if (!m || !lo || max_M < 1)
         return bt_fail(BT_ERR_INVALID, "cuda: bad trainer arguments (max_M %d)", max_M);
-    if (m->hp.arch == BT_ARCH_GEMMA3) /* checked on the CPU path only (issue 24) */
+    /* Gemma 3's GeGLU, sandwich norms, QK-norm, scaled embeddings and local RoPE table are here;
+     * its sliding-window layers need the GPU attention's window (the backend's sliding_window
+     * flag), and its head_dim 256 the attention kernels' (checked in trainer_init) */
+    if (m->hp.arch == BT_ARCH_GEMMA3 && !bt_backend_cuda_reg.sliding_window)
         return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the Gemma 3 "
-                       "family (gemma3: sliding-window attention, GeGLU, sandwich norms, scaled "
-                       "embeddings) yet: it is verified on the CPU backend only; use device: "
-                       "\"cpu\"");
-    if (m->hp.qk_norm) /* no GPU kernel for the per-head q/k RMSNorm yet: never silently skip it */
-        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the %s family "
-                       "(Qwen3 QK-norm: RMSNorm on each head of q and k); use device: \"cpu\"",
-                       m->hp.arch == BT_ARCH_QWEN3 ? "Qwen3" : bt_arch_name(m->hp.arch));
-    if (m->hp.arch == BT_ARCH_PHI3) /* checked on the CPU path only (issue 24) */
-        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: device \"cuda\" does not implement the Phi-3 "
-                       "family (phi3) yet: it is verified on the CPU backend only; use device: "
-                       "\"cpu\"");
+                       "family (gemma3) yet: its sliding-window attention has no GPU kernel in this "
+                       "build; it is verified on the CPU backend only; use device: \"cpu\"");
+    if (m->hp.act != BT_ACT_SILU && m->hp.act != BT_ACT_GELU_TANH)
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: MLP activation %d has no GPU kernel", m->hp.act);
+    if (lo->norms && m->hp.sandwich_norm) /* as the CPU step (trainer/loop/step.c) */
+        return bt_fail(BT_ERR_UNSUPPORTED, "cuda: trainable RMSNorm weights (LoRA+ norms) are not "
+                       "supported for %s (its norms hold 1 + w); train LoRA only",
+                       bt_arch_name(m->hp.arch));
     bt_cuda_trainer_opts o;
     memset(&o, 0, sizeof o);
     if (opts)

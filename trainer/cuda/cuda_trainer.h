@@ -5,7 +5,8 @@
  *
  * Numerics (docs/ARCHITECTURE.md §Numerics): activations and the frozen base are bf16 (NF4
  * linears stay NF4 and are dequantised to bf16 per layer; GGUF-native linears stay in their ggml
- * blocks likewise (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; F16/BF16/F32 ones are held as bf16);
+ * blocks likewise (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F16/BF16/F32 ones are held as
+ * bf16);
  * fp32 base linears are held as bf16),
  * norm weights fp32, accumulation fp32; LoRA master weights, their gradients and the AdamW moments
  * fp32 (with a bf16 copy of the LoRA weights that the AdamW kernel refreshes). The CPU fp32 step
@@ -78,8 +79,13 @@ typedef struct {
  * lo must stay valid (layout only) for the trainer's lifetime. Requirements checked here (else
  * BT_ERR_UNSUPPORTED with a message): head_dim 64 or 128 (or 256 with the wmma attention);
  * d_model % 8 == 0; NF4 linears have cols % 64 == 0; GGUF-native linears have a type with a CUDA
- * decoder or F16/BF16/F32 (others are refused naming the supported types and base_dtype "nf4").
- * A model's sliding window (bt_model_layer_window) is applied per layer. Errors also:
+ * decoder or F16/BF16/F32 (others are refused naming the supported types and base_dtype "nf4");
+ * Gemma 3 (BT_ARCH_GEMMA3) only where the GPU attention applies sliding windows
+ * (bt_backend_cuda_reg.sliding_window), else refused naming the family; trainable norms (LoRA+
+ * "norm") not with sandwich norms (as the CPU step). A model's sliding window
+ * (bt_model_layer_window) is applied per layer. The families' pieces run as step.c runs them:
+ * Qwen2's q/k/v biases, QK-norm (Qwen3, Gemma 3), Phi-3's fused LoRA groups (one A and one dropout
+ * mask per group), Gemma's post-norms, GeGLU, embedding scale and local RoPE table. Errors also:
  * BT_ERR_NOMEM (device memory; the message gives the sizes), BT_ERR_IO (no device / CUDA error). */
 int bt_cuda_trainer_new(bt_cuda_trainer **out, const bt_model *m, const bt_lora *lo, int max_M,
                         const bt_cuda_trainer_opts *opts);

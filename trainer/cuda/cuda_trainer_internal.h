@@ -109,6 +109,12 @@ typedef struct {
     bt_bf16 *head16;   /* [V, D]; == embd16 when tied */
     float *norms;      /* [(2L+1) * D] fp32: layer l input_layernorm at 2l*D, post_attention at
                         * (2l+1)*D, final norm at 2L*D (the bt_lora.norms layout) */
+    float *qk_norms;   /* [2L * head_dim] fp32 when hp.qk_norm (Qwen3 / Gemma 3 q_norm, k_norm; frozen):
+                        * layer l's q_norm at 2l*hd, k_norm at (2l+1)*hd; else NULL */
+    float *post_norms; /* [2L * D] fp32 when hp.sandwich_norm (Gemma 3 post_attention_layernorm,
+                        * post_feedforward_layernorm; frozen) at 2l*D, (2l+1)*D; else NULL */
+    float *inv_local;  /* [hd/2] the local (sliding-window) layers' RoPE table (bt_model
+                        * inv_freq_local, Gemma 3's rope_local_base_freq); else NULL */
     btc_linear *lin;   /* [L * BT_MOD_N] */
     int64_t max_nk;    /* largest rows*cols of a linear (dequantisation buffer) */
     size_t bytes;
@@ -129,12 +135,19 @@ typedef struct {
     bt_bf16 *xn1, *q, *k, *v, *att, *x2, *xn2, *g, *u;
     float *rstd1, *rstd2, *lse;
     bt_bf16 *xa[BT_MOD_N]; /* X @ A^T per targeted module [M, r] */
+    /* QK-norm (hp.qk_norm) only: q / k before the per-head RMSNorm [M, Dq] / [M, Dkv] and its
+     * rstd [M * Hq] / [M * Hkv]; sandwich norms (hp.sandwich_norm) only: o_proj's and down_proj's
+     * outputs before their RMSNorm [M, D] and its rstd [M] (step.c layer_acts) */
+    bt_bf16 *qr, *kr, *ao, *fo;
+    float *rq, *rk, *rpa, *rpf;
 } btc_acts;
 
 /* a LoRA module's place in the parameter buffer (offsets in elements; -1 = not targeted) */
 typedef struct {
     int64_t offA, offB;
     int in, out;
+    int group; /* bt_lora_mod.group: the dropout key's module (Phi-3's fused q/k/v, gate/up share
+                * one mask and one A) */
 } btc_lmod;
 
 struct bt_cuda_trainer {
