@@ -644,8 +644,9 @@ static void run_family_case(const char *family, int base_dtype, int ckpt, float 
 {
     bt_llama_hparams hp = tiny_hp(2);
     const bool q2 = !strcmp(family, "qwen2"), q3 = !strcmp(family, "qwen3"),
-               phi3 = !strcmp(family, "phi3"), gemma = !strcmp(family, "gemma");
-    hp.arch = q2 ? BT_ARCH_QWEN2 : q3 ? BT_ARCH_QWEN3 : phi3 ? BT_ARCH_PHI3 : BT_ARCH_LLAMA;
+               phi3 = !strcmp(family, "phi3"), gemma3 = !strcmp(family, "gemma3"),
+               gemma = gemma3 || !strcmp(family, "gemma");
+    hp.arch = q2 ? BT_ARCH_QWEN2 : q3 ? BT_ARCH_QWEN3 : phi3 ? BT_ARCH_PHI3 : gemma3 ? BT_ARCH_GEMMA3 : BT_ARCH_LLAMA;
     hp.qk_norm = q3 || gemma;
     if (gemma) {
         hp.sandwich_norm = 1;
@@ -656,6 +657,14 @@ static void run_family_case(const char *family, int base_dtype, int ckpt, float 
         hp.rope_local_theta = 10000.f;
         hp.sliding_window = 256;
         hp.swa_pattern = 2;
+    }
+    if (gemma3) { /* Gemma 3 itself: head_dim 256 (one query and one KV head: bt_model_init_random
+                   * makes heads x head_dim = hidden) and a 24-token window on the local layer,
+                   * shorter than both documents of the row, so the window changes the result */
+        hp.head_dim = 256;
+        hp.n_head = 1;
+        hp.n_kv_head = 1;
+        hp.sliding_window = 24;
     }
     bt_model m;
     if (bt_model_init_random(&m, &hp, base_dtype, 1, 42) != 0) {
@@ -702,6 +711,18 @@ static void test_qwen2_bias(void) { run_family_case("qwen2", BT_BASE_NF4, 0, 0.f
 static void test_qwen3_qk_norm(void) { run_family_case("qwen3", BT_BASE_NF4, 1, 0.f); }
 static void test_phi3_fused(void) { run_family_case("phi3", BT_BASE_FP32, 0, 0.1f); }
 static void test_gemma_pieces(void) { run_family_case("gemma", BT_BASE_NF4, 0, 0.f); }
+
+/* Gemma 3 as a whole on the GPU (where its attention has windows): arch gemma3, head_dim 256 on
+ * the wmma attention, a local layer with a window shorter than the documents, QK-norm, sandwich
+ * norms, GeGLU, embedding scale, local RoPE base; checkpointing on. */
+static void test_gemma3_step(void)
+{
+    if (!bt_backend_cuda_reg.sliding_window) {
+        gt_skip("this build's GPU attention has no windows: Gemma 3 is refused (test_gemma3_refused)");
+        return;
+    }
+    run_family_case("gemma3", BT_BASE_NF4, 1, 0.f);
+}
 
 /* Gemma 3 without windowed GPU attention in this build (bt_backend_cuda_reg.sliding_window 0):
  * refused by name. The tiny fixture of tests/reference/gen_gemma3_fixtures.py, LoRA on every
@@ -1211,6 +1232,7 @@ int main(int argc, char **argv)
     GT_CASE(test_phi3_fused);
     GT_CASE(test_gemma_pieces);
     GT_CASE(test_gemma3_refused);
+    GT_CASE(test_gemma3_step);
     GT_CASE(test_tiny_long_context);
     GT_CASE(test_tiny_offload);
     GT_CASE(test_plan_matches_estimate);
