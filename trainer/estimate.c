@@ -277,6 +277,7 @@ static void est_plan(const bt_est_model *em, const bt_train_config *cfg, int dev
     o.rope_table = 1; /* bt_model_rope_init: every model the trainer runs has its table */
     o.rope_dynamic = cfg->context_extension.method == BT_ROPE_EXT_DYNAMIC;
     o.gather_bytes = dev == BT_EST_CUDA ? gather_bytes : 0;
+    o.preference = cfg->pref_on;
     if (bt_plan_step(p, &d, &o)) memset(p, 0, sizeof *p); /* the config checks refuse it first */
 }
 

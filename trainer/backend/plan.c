@@ -144,6 +144,8 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
     add(p, BT_BUF_CE_WS, "CE workspace", BT_DT_U8, BT_PG_LOSS, 1,
         (int64_t)bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), d->V));
     add(p, BT_BUF_ROW_LOSS, "per-row loss", BT_DT_F32, BT_PG_LOSS, 1, M);
+    if (o->preference)
+        add(p, BT_BUF_ROW_W, "per-row dlogp (preference)", BT_DT_F32, BT_PG_LOSS, 1, M);
     add(p, BT_BUF_TARGETS, "targets", BT_DT_I32, BT_PG_BATCH, 1, M);
     add(p, BT_BUF_IDS, "input_ids", BT_DT_I32, BT_PG_BATCH, 1, M);
     add(p, BT_BUF_POS, "position_ids", BT_DT_I32, BT_PG_BATCH, 1, M);

@@ -75,6 +75,7 @@ typedef enum {
     BT_BUF_DELTA,       /* CUDA: attention backward's rowsum(dO * O) per head */
     BT_BUF_RMS_SCRATCH, /* CUDA, trainable norms: RMSNorm dW partial sums */
     BT_BUF_CE_WS, BT_BUF_ROW_LOSS,
+    BT_BUF_ROW_W,       /* CUDA, preference: the per-token dlogp of the log-prob backward */
     BT_BUF_TARGETS, BT_BUF_IDS, BT_BUF_POS, BT_BUF_CU,
     BT_BUF_GATHER,      /* CUDA dist.shard_base: [2] one layer's base linears, all-gathered */
     BT_BUF_N
@@ -121,6 +122,7 @@ typedef struct {
     int offload;          /* cuda.offload_checkpoints (needs checkpointing) */
     int rope_table;       /* the model has an inverse-frequency table (bt_model.inv_freq) */
     int rope_dynamic;     /* dynamic NTK scaling: a per-step table as well */
+    int preference;       /* a preference objective (CUDA: the log-prob backward's dlogp rows) */
     int64_t gather_bytes; /* dist.shard_base: bytes of one layer's base linears as all-gathered
                            * (bt_shard_layer_bytes: the W shards, padded to equal size); 0: the
                            * base is not sharded */
@@ -143,7 +145,8 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
  *         (quant_base && !fused_quant), ROPE / ROPE_DYN hd/2, DELTA M*Hq fp32, RMS_SCRATCH
  *         bt_cuda_rmsnorm_bwd_scratch_floats(M, D) (trainable_norms)
  *   LOSS  CPU: CE_WS bt_linear_ce_workspace_floats(BT_PLAN_CPU_CE_ROWS, V); CUDA: CE_WS
- *         bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), V) bytes, ROW_LOSS M fp32
+ *         bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), V) bytes, ROW_LOSS M fp32,
+ *         preference: ROW_W M fp32
  *   BATCH TARGETS M int32; CUDA: IDS, POS M, CU M+1 int32
  *   LORA  CUDA: P, G, M, V n_params fp32, P16 n_params bf16
  *   OPTIM CUDA: ADAM_DESC 2 descriptors, GNORM 1 and GNORM_PARTIAL bt_cuda_sumsq_scratch(n_params)
