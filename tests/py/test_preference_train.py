@@ -235,3 +235,28 @@ def test_gpu_trainer_trains_dpo_like_the_cpu(env):
     print(f"dpo cpu {cpu} gpu {gpu}")
     assert abs(float(cpu[1][0]) - 0.6931) < 2e-3 and abs(float(gpu[1][0]) - 0.6931) < 2e-3, (cpu, gpu)
     assert abs(float(gpu[1][1]) - float(cpu[1][1])) <= 2e-2 * float(cpu[1][1]), (cpu, gpu)
+
+def test_gpu_ranks_refuse_a_reference_cache_over_a_cut_base(env):
+    """precompute_ref_log_probs keys loaderd's cache by the base's hash (bt_model_ref_id over the
+    linears); with dist.shard_base over 2 GPU ranks of a GGUF base each rank reads only its cut, so
+    the run is refused naming both keys, before the model loads (two emulated CUDA ranks)."""
+    emu = os.path.join(BUILD, "emu", "trainer")
+    if not os.access(emu, os.X_OK):
+        pytest.skip(f"{emu} not built (make test-emu)")
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cfg = job(env, "cut", device="cuda", model=str(tiny_model_hd64(env["tmp"] / "hd64.gguf")), base_dtype="gguf",
+              dist={"shard_base": True}, preference={"beta": 0.1, "precompute_ref_log_probs": True})
+    base = {k: v for k, v in os.environ.items() if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")}
+    secret = os.urandom(16).hex()  # the job's, the same on both ranks
+    procs = [subprocess.Popen([emu, "train", "--config", cfg, "--set", "dist.timeout_s=60"],
+                              env={**base, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_EMU_TIMEOUT_S": "60",
+                                   "BT_DIST_SECRET": secret},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0, f"rank {r}:\n{o}"
+    assert "preference.precompute_ref_log_probs: with dist.shard_base over 2 ranks" in outs[0], outs[0]
