@@ -8,7 +8,6 @@
  * its upstream), then the step's backward runs (btc_step_backward). */
 #include "trainer/cuda/cuda_trainer_internal.h"
 
-#include <cstring>
 
 namespace {
 
@@ -25,19 +24,11 @@ int profiled(bt_cuda_trainer *t, F fn)
     if (!t->prof)
         return rc;
     btc_prof_cur = nullptr;
+    if (rc == 0) {
+        btc_prof_resolve(t, &ps);
+        return 0;
+    }
     for (btc_prof_rec &r : ps.recs) {
-        float ms = 0.f;
-        if (rc == 0 && r.what && r.b && cudaEventElapsedTime(&ms, r.a, r.b) == cudaSuccess) {
-            const char *w = r.what;
-            while (*w == ' ' || *w == '(')
-                w++;
-            size_t n = strcspn(w, "( ");
-            if (!strncmp(w, "bt_cuda_", 8))
-                w += 8, n -= 8;
-            char name[64];
-            snprintf(name, sizeof name, "%.*s", (int)(n < 48 ? n : 48), w);
-            bt_prof_add(t->prof, name, ms / 1e3, 0.0);
-        }
         if (r.a)
             cudaEventDestroy(r.a);
         if (r.b)

@@ -531,6 +531,7 @@ int btc_step_sync(bt_cuda_trainer *t, int backward)
     return 0;
 }
 
+void btc_prof_resolve(bt_cuda_trainer *t, btc_prof_state *ps) { prof_resolve(t, ps); }
 const bt_bf16 *btc_head16(const bt_cuda_trainer *t) { return head16(t); }
 float *btc_dhead(const bt_cuda_trainer *t) { return dhead(t); }
 

@@ -255,6 +255,9 @@ int btc_step_backward(bt_cuda_trainer *t, int M, const bt_cuda_attn_params *ap, 
 int btc_step_sync(bt_cuda_trainer *t, int backward);
 const bt_bf16 *btc_head16(const bt_cuda_trainer *t);
 float *btc_dhead(const bt_cuda_trainer *t);
+/* After a profiled pass has synchronised: its launches' times into t->prof (the op names
+ * bt_cuda_trainer_step gives them), the events freed. */
+void btc_prof_resolve(bt_cuda_trainer *t, btc_prof_state *ps);
 
 /* cuda_step.cu: device allocation owned by the trainer (freed by bt_cuda_trainer_free) */
 int btc_alloc(bt_cuda_trainer *t, void **p, size_t bytes, const char *what);
