@@ -146,8 +146,8 @@ static int default_report_dir(bt_train_config *c) {
 
 /* objective and preference.*: the algorithm's TRL defaults (bt_pref_defaults; "simpo" is CPO with
  * loss_type simpo and cpo_alpha 0), then the keys given, checked by bt_pref_check; the data format
- * must carry what the objective trains on. (A backend without the log-prob passes, the GPU
- * trainer for now, is refused when the run starts: trainer/loop/train.c.) */
+ * must carry what the objective trains on. (A backend without the log-prob passes is refused when
+ * the run starts: trainer/loop/train.c, keyed off the backend's ops.) */
 static int resolve_objective(bt_train_config *c, bt_keypath *bad) {
     const int pref_fmt = !strcmp(c->data.format, "preference"), kto_fmt = !strcmp(c->data.format, "kto");
     c->pref_on = strcmp(c->objective, "sft") != 0;
@@ -505,6 +505,6 @@ void bt_config_reference_md(FILE *f) {
           "report.dir are three directories, none inside another; cuda.offload_checkpoints needs activation\n"
           "checkpointing; stop_at_step <= steps; eval.every needs eval.shards and no eval.lengths; objective\n"
           "\"dpo\", \"orpo\", \"simpo\" and \"cpo\" need data.format \"preference\", \"kto\" needs \"kto\", \"sft\" neither;\n"
-          "a preference objective runs on device \"cpu\" (the GPU trainer has no log-prob pass yet: refused\n"
-          "when the run starts).\n", f);
+          "a preference objective needs a backend with the log-prob passes (device \"cpu\" and \"cuda\" both\n"
+          "have them; one without is refused when the run starts).\n", f);
 }

@@ -277,6 +277,7 @@ static void est_plan(const bt_est_model *em, const bt_train_config *cfg, int dev
     o.rope_table = 1; /* bt_model_rope_init: every model the trainer runs has its table */
     o.rope_dynamic = cfg->context_extension.method == BT_ROPE_EXT_DYNAMIC;
     o.gather_bytes = dev == BT_EST_CUDA ? gather_bytes : 0;
+    o.preference = cfg->pref_on;
     if (bt_plan_step(p, &d, &o)) memset(p, 0, sizeof *p); /* the config checks refuse it first */
 }
 
@@ -369,6 +370,10 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
                         bt_plan_bytes(&p, BT_PG_OPTIM));
     b->host = (double)bt_plan_bytes(&p, BT_PG_HOST);
     b->gather = (double)bt_plan_bytes(&p, BT_PG_GATHER);
+    if (cfg->pref_on) { /* the preference step's host buffers (trainer/loop/pref_step.c) */
+        bt_plan pp;
+        if (bt_plan_pref(&pp, M, cfg->pref.algo) == 0) b->pref = (double)bt_plan_bytes(&pp, BT_PG_PREF);
+    }
     if (cuda) {
         /* LoRA (+ LoRA+): fp32 master, grad, m, v and the bf16 compute copy, in the plan */
         const double per_param = (double)bt_plan_bytes(&p, BT_PG_LORA) /
@@ -410,7 +415,7 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
      * memory, not in the device bill */
     b->save = cuda ? 0.0 : saved * 4.0;
     b->total = b->base + b->gather + b->embed + b->norms + b->lora + b->dense + b->acts + b->loss_ws +
-               b->other + b->attn + b->eval + b->save + b->runtime;
+               b->other + b->attn + b->eval + b->save + b->runtime + (cuda ? 0.0 : b->pref);
     if (!cuda) {
         /* loading: the mapped file's tensor pages + the model built so far + one fp32 matrix in
          * flight (plus its NF4 copy; a GGUF base copies blocks and needs no fp32 matrix) + the
@@ -498,6 +503,8 @@ int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out) {
     row(out, "loss chunk workspace (CE rows x vocab)", c.loss_ws, g.loss_ws);
     row(out, "other workspace (backward, NF4 tiles, batches)", c.other, g.other);
     if (c.eval > 0) row(out, "held-out workspace (eval.lengths > micro-batch)", c.eval, g.eval);
+    if (c.pref > 0) /* host memory on both: in the CPU total only */
+        fprintf(out, "  %-44s %10.1f MiB %14s\n", "preference step buffers (host)", c.pref / MIB, "-");
     row(out, "adapter save buffer (safetensors writer copy)", c.save, g.save);
     row(out, "runtime (libraries, threads / CUDA context)", c.runtime, g.runtime);
     row(out, "total while training", c.total, g.total);
@@ -507,6 +514,9 @@ int bt_estimate_print(const bt_train_config *cfg, double fit_gib, FILE *out) {
     if (g.host > 0)
         fprintf(out, "  %-44s %14s %10.1f MiB\n", "pinned host memory (offloaded inputs)", "-",
                 g.host / MIB);
+    if (g.pref > 0)
+        fprintf(out, "  %-44s %14s %10.1f MiB\n", "host memory (preference step buffers)", "-",
+                g.pref / MIB);
     if (fit_gib > 0) {
         const double bytes = fit_gib * 1024.0 * MIB;
         const int tc = bt_estimate_max_seq_len(&em, cfg, BT_EST_CPU, threads, bytes);

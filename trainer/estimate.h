@@ -110,6 +110,10 @@ typedef struct {
     int sharded;      /* the base is billed as 1/W shards (dist.shard_base, CUDA, W > 1) */
     double host;      /* CUDA with cuda.offload_checkpoints: pinned host memory of the layer inputs
                        * (not in total / peak, which are device bytes) */
+    double pref;      /* a preference objective: the preference step's buffers (plan.h
+                       * bt_plan_pref, exactly bt_pref_step_bytes), host memory on both backends
+                       * (CPU: in total; CUDA: not in the device total; its device dlogp rows are
+                       * in loss_ws) */
     double total;     /* sum of the above: steady state while training */
     double step;      /* the step context's plan (trainer/backend/plan.h), device bytes on CUDA:
                        * exactly bt_step_ctx_bytes / the GPU trainer's workspace bytes; it is

@@ -436,6 +436,19 @@ int bt_cuda_attn_bwd_mma(const bt_cuda_attn_params *p, bt_bf16 *dq, bt_bf16 *dk,
 int bt_cuda_linear_ce(cublasHandle_t h, cudaStream_t stream, float *row_loss, bt_bf16 *dX, float *dW,
                       const bt_bf16 *X, const bt_bf16 *W, const int32_t *targets, int M, int D, int V,
                       int chunk_rows, float grad_scale, void *workspace);
+/* The label log-probs of a preference loss by the same chunked pass (TRL's get_batch_logps
+ * without a [M x V] logits tensor; CPU reference: kernels.h bt_linear_logprob): logp [M] fp32 =
+ * log softmax(X W^T)[target] per row (0 for ignored rows). dX [M,D] bf16 (NULL: forward only) =
+ * d(sum_r w_r logp_r)/dX with w_r = row_w[r] (row_w [M] fp32 on the device; NULL: 1, the
+ * unit-upstream gradient that a later bt_cuda_scale_rows_bf16 turns into any weights), and dW
+ * (fp32 [V,D], needs dX) += d(sum_r w_r logp_r)/dW for a trainable lm_head. Other arguments and
+ * the workspace as bt_cuda_linear_ce. */
+int bt_cuda_linear_logprob(cublasHandle_t h, cudaStream_t stream, float *logp, bt_bf16 *dX,
+                           float *dW, const bt_bf16 *X, const bt_bf16 *W, const int32_t *targets,
+                           const float *row_w, int M, int D, int V, int chunk_rows,
+                           void *workspace);
+/* x[m, :] *= w[m] for m < M (x [M,D] bf16 in place, w [M] fp32, product in fp32). */
+int bt_cuda_scale_rows_bf16(bt_bf16 *x, const float *w, int M, int D, cudaStream_t stream);
 /* out_sum[0] (double) = sum of row_loss over rows with targets in [0,V), out_count[0] = their count;
  * one block, fixed order (deterministic). */
 int bt_cuda_ce_reduce(double *out_sum, int *out_count, const float *row_loss, const int32_t *targets,

@@ -25,11 +25,15 @@ __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2
     }
 }
 
-/* One CTA per row of the chunk: logits row (fp32, V) -> row loss, dlogits row (bf16, V). */
+/* One CTA per row of the chunk: logits row (fp32, V) -> row loss, dlogits row (bf16, V).
+ * out_sign 1: row_out = loss = lse - logit[target] (cross-entropy); -1: row_out = logit[target] -
+ * lse, the label log-prob (bt_cuda_linear_logprob). row_scale (NULL: 1) multiplies grad_scale per
+ * row: the per-token upstream weights of a preference loss. */
 __global__ void __launch_bounds__(CE_THREADS) ce_row_kernel(float *row_loss, bt_bf16 *dlogits,
                                                             const float *logits,
                                                             const int32_t *targets, int V,
-                                                            float grad_scale)
+                                                            float grad_scale, float out_sign,
+                                                            const float *row_scale)
 {
     __shared__ float sm[32], ss[32];
     const int64_t r = blockIdx.x;
@@ -73,10 +77,12 @@ __global__ void __launch_bounds__(CE_THREADS) ce_row_kernel(float *row_loss, bt_
         lse_merge(m, s, sm[w], ss[w]);
     const float lse = m + logf(s);
     if (threadIdx.x == 0)
-        row_loss[r] = lse - x[t];
+        row_loss[r] = out_sign * (lse - x[t]);
     if (!dl)
         return;
     /* pass 2: dlogits = grad_scale * (softmax - onehot) */
+    if (row_scale)
+        grad_scale *= row_scale[r];
     const float c = grad_scale / s;
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
         float d = expf(x[j] - m) * c;
@@ -104,7 +110,7 @@ extern "C" int bt_cuda_linear_ce(cublasHandle_t h, cudaStream_t stream, float *r
         /* logits[cr,V] (fp32) = X_c[cr,D] @ W[V,D]^T */
         BT_TRY(bt_cuda_gemm(h, stream, 0, 1, cr, V, D, 1.0f, Xc, D, W, D, 0.0f, logits, V, 1));
         ce_row_kernel<<<cr, CE_THREADS, 0, stream>>>(row_loss + r0, grad ? dlog : nullptr, logits,
-                                                     targets + r0, V, grad_scale);
+                                                     targets + r0, V, grad_scale, 1.0f, nullptr);
         BT_LAUNCH_CHECK();
         if (dX) /* dX_c[cr,D] = dlogits[cr,V] @ W[V,D] */
             BT_TRY(bt_cuda_gemm(h, stream, 0, 0, cr, D, V, 1.0f, dlog, V, W, D, 0.0f,
@@ -112,6 +118,59 @@ extern "C" int bt_cuda_linear_ce(cublasHandle_t h, cudaStream_t stream, float *r
         if (dW) /* dW[V,D] += dlogits^T @ X_c (fp32 accumulation across chunks) */
             BT_TRY(bt_cuda_gemm(h, stream, 1, 0, V, D, cr, 1.0f, dlog, V, Xc, D, 1.0f, dW, D, 1));
     }
+    return BT_OK;
+}
+
+/* The label log-probs by the same chunked pass (preference training: TRL's get_batch_logps
+ * without the [tokens x vocab] logits): ce_row_kernel with out_sign -1 and the gradient of
+ * sum_r w_r * logp_r, i.e. dlogits = -w_r * (softmax - onehot). */
+extern "C" int bt_cuda_linear_logprob(cublasHandle_t h, cudaStream_t stream, float *logp, bt_bf16 *dX,
+                                      float *dW, const bt_bf16 *X, const bt_bf16 *W,
+                                      const int32_t *targets, const float *row_w, int M, int D,
+                                      int V, int chunk_rows, void *workspace)
+{
+    BT_CU_REFUSE(BT_ERR_INVALID, !logp || !X || !W || !targets || !workspace || M < 0 || D <= 0 ||
+                                 V <= 0 || chunk_rows <= 0 || (dW && !dX));
+    float *logits = static_cast<float *>(workspace);
+    const size_t n = (size_t)chunk_rows * (size_t)V;
+    bt_bf16 *dlog = reinterpret_cast<bt_bf16 *>(static_cast<unsigned char *>(workspace) +
+                                                ((n * sizeof(float) + 255) / 256) * 256);
+    for (int r0 = 0; r0 < M; r0 += chunk_rows) {
+        const int cr = M - r0 < chunk_rows ? M - r0 : chunk_rows;
+        const bt_bf16 *Xc = X + (int64_t)r0 * D;
+        BT_TRY(bt_cuda_gemm(h, stream, 0, 1, cr, V, D, 1.0f, Xc, D, W, D, 0.0f, logits, V, 1));
+        ce_row_kernel<<<cr, CE_THREADS, 0, stream>>>(logp + r0, dX ? dlog : nullptr, logits,
+                                                     targets + r0, V, -1.0f, -1.0f,
+                                                     row_w ? row_w + r0 : nullptr);
+        BT_LAUNCH_CHECK();
+        if (dX)
+            BT_TRY(bt_cuda_gemm(h, stream, 0, 0, cr, D, V, 1.0f, dlog, V, W, D, 0.0f,
+                                dX + (int64_t)r0 * D, D, 0));
+        if (dW)
+            BT_TRY(bt_cuda_gemm(h, stream, 1, 0, V, D, cr, 1.0f, dlog, V, Xc, D, 1.0f, dW, D, 1));
+    }
+    return BT_OK;
+}
+
+/* x[m, :] *= w[m] (bf16 rows, fp32 product) */
+__global__ void scale_rows_kernel(bt_bf16 *x, const float *w, int64_t n, int D)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = __float2bfloat16_rn(__bfloat162float(x[i]) * w[i / D]);
+}
+
+extern "C" int bt_cuda_scale_rows_bf16(bt_bf16 *x, const float *w, int M, int D, cudaStream_t stream)
+{
+    BT_CU_REFUSE(BT_ERR_INVALID, M < 0 || D <= 0 || (M > 0 && (!x || !w)));
+    if (M == 0)
+        return BT_OK;
+    const int64_t n = (int64_t)M * D;
+    int64_t blocks = (n + 255) / 256;
+    if (blocks > 65535LL * 8)
+        blocks = 65535LL * 8;
+    scale_rows_kernel<<<(unsigned)blocks, 256, 0, stream>>>(x, w, n, D);
+    BT_LAUNCH_CHECK();
     return BT_OK;
 }
 

@@ -9,8 +9,9 @@ loaderd's tokenizer matches), CPU backend.
   straight run's per-step losses and grad norms to the last of 17 digits, and its adapter bytes.
 - KTO, ORPO and SimPO train and log their own metrics (kl; nll_loss, log_odds_ratio).
 - Refusals name the key: a data format that does not match the objective, an unknown loss type,
-  a parameter out of TRL's range, precompute_ref_log_probs without a reference model; the GPU trainer (device "cuda") refuses a
-  preference objective by name.
+  a parameter out of TRL's range, precompute_ref_log_probs without a reference model.
+- device "cuda" (the emulated CUDA trainer of `make test-emu`) trains DPO as the CPU does: the same
+  loss and gradient norm within bf16's tolerance.
 The losses themselves are checked against TRL 1.16.0 in tests/unit/trainer/test_pref_step.c.
 """
 import json
@@ -22,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import BUILD, run_trainer, step_losses, tiny_model, write_shard
+from conftest import BUILD, run_trainer, step_losses, tiny_model, tiny_model_hd64, write_shard
 
 PAIRS = [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f"It is {2 * i}.",
           "rejected": f"Sorry, no idea about {i}. Ask later please."} for i in range(48)]
@@ -198,13 +199,51 @@ def test_refusals_name_the_key(env, over, msg):
     assert r.returncode != 0 and msg in r.stderr, r.stderr
 
 
-def test_gpu_trainer_refuses_by_name(env):
-    """The GPU trainer has no log-prob pass yet: a preference objective on device "cuda" is refused
-    before anything loads (the emulated CUDA trainer of make test-emu; a CPU-only trainer refuses
-    device "cuda" itself)."""
+def test_gpu_trainer_trains_dpo_like_the_cpu(env):
+    """device "cuda" has the log-prob passes (trainer/cuda/cuda_logprobs.cu; it was refused by name
+    before): the emulated CUDA trainer of `make test-emu` runs the same DPO job as the CPU trainer,
+    reference from the adapter-off pass, and follows it: step 1's loss is log 2 on both (the policy
+    starts as the reference) and its gradient norm within 2e-2 (bf16 activations vs fp32; 1e-3
+    seen). The tiny model has head_dim 64 (the GPU attention's)."""
     emu = os.path.join(BUILD, "emu", "trainer")
     if not os.access(emu, os.X_OK):
         pytest.skip(f"{emu} not built (make test-emu)")
-    r = subprocess.run([emu, "train", "--config", job(env, "gpu", device="cuda")], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode != 0 and 'objective "dpo": device "cuda" has no log-prob pass' in r.stderr, r.stderr
+    model = str(tiny_model_hd64(env["tmp"] / "hd64.gguf"))
+    over = {"model": model, "steps": 1, "grad_accum": 1, "eval": {"shards": []}}
+    cpu = step_losses((r := run_trainer("train", job(env, "dpo-cpu", **over))).stdout + r.stderr)
+    e = dict(os.environ)
+    e["BT_LOG_LEVEL"] = "debug"
+    g = subprocess.run([emu, "train", "--config", job(env, "dpo-gpu", device="cuda", **over)], capture_output=True,
+                       text=True, timeout=300, env=e)
+    assert g.returncode == 0, g.stdout + g.stderr
+    gpu = step_losses(g.stdout + g.stderr)
+    assert sorted(cpu) == sorted(gpu) == [1], (cpu, gpu)
+    print(f"dpo cpu {cpu} gpu {gpu}")
+    assert abs(float(cpu[1][0]) - 0.6931) < 2e-3 and abs(float(gpu[1][0]) - 0.6931) < 2e-3, (cpu, gpu)
+    assert abs(float(gpu[1][1]) - float(cpu[1][1])) <= 2e-2 * float(cpu[1][1]), (cpu, gpu)
+
+
+def test_gpu_ranks_refuse_a_reference_cache_over_a_cut_base(env):
+    """precompute_ref_log_probs keys loaderd's cache by the base's hash (bt_model_ref_id over the
+    linears); with dist.shard_base over 2 GPU ranks of a GGUF base each rank reads only its cut, so
+    the run is refused naming both keys, before the model loads (two emulated CUDA ranks)."""
+    emu = os.path.join(BUILD, "emu", "trainer")
+    if not os.access(emu, os.X_OK):
+        pytest.skip(f"{emu} not built (make test-emu)")
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cfg = job(env, "cut", device="cuda", model=str(tiny_model_hd64(env["tmp"] / "hd64.gguf")), base_dtype="gguf",
+              dist={"shard_base": True}, preference={"beta": 0.1, "precompute_ref_log_probs": True})
+    base = {k: v for k, v in os.environ.items() if k not in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")}
+    secret = os.urandom(16).hex()  # the job's, the same on both ranks
+    procs = [subprocess.Popen([emu, "train", "--config", cfg, "--set", "dist.timeout_s=60"],
+                              env={**base, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NCCL_EMU_TIMEOUT_S": "60",
+                                   "BT_DIST_SECRET": secret},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0, f"rank {r}:\n{o}"
+    assert "preference.precompute_ref_log_probs: with dist.shard_base over 2 ranks" in outs[0], outs[0]

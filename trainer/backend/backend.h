@@ -125,7 +125,8 @@ typedef struct bt_backend_i {
      * keeps what backward_logprobs needs) or, policy == 0, of the reference (adapter off, never
      * with backward); backward_logprobs accumulates the LoRA gradients of sum_t dlogp[t] * logp[t]
      * and must directly follow logprobs with backward on the same mb and drop_key. NULL: a backend
-     * without these passes (the GPU trainer for now): a preference objective is refused. */
+     * without these passes: a preference objective is refused (both "cpu" and "cuda" have them;
+     * the GPU's are trainer/cuda/cuda_logprobs.cu). */
     int (*logprobs)(bt_backend *b, const bt_microbatch *mb, int policy, int backward,
                     uint64_t drop_key, float *logp, int *n_valid);
     int (*backward_logprobs)(bt_backend *b, const bt_microbatch *mb, const float *dlogp,

@@ -6,6 +6,7 @@
 #include "common/bt_common.h"
 #include "kernels/cuda/sizes.h"
 #include "kernels/kernels.h"
+#include "trainer/preference.h"
 
 size_t bt_dtype_size(int t) {
     switch (t) {
@@ -144,6 +145,8 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
     add(p, BT_BUF_CE_WS, "CE workspace", BT_DT_U8, BT_PG_LOSS, 1,
         (int64_t)bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), d->V));
     add(p, BT_BUF_ROW_LOSS, "per-row loss", BT_DT_F32, BT_PG_LOSS, 1, M);
+    if (o->preference)
+        add(p, BT_BUF_ROW_W, "per-row dlogp (preference)", BT_DT_F32, BT_PG_LOSS, 1, M);
     add(p, BT_BUF_TARGETS, "targets", BT_DT_I32, BT_PG_BATCH, 1, M);
     add(p, BT_BUF_IDS, "input_ids", BT_DT_I32, BT_PG_BATCH, 1, M);
     add(p, BT_BUF_POS, "position_ids", BT_DT_I32, BT_PG_BATCH, 1, M);
@@ -151,6 +154,44 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
     if (o->gather_bytes > 0) /* the layer that runs and the next one, gathered ahead of it */
         add(p, BT_BUF_GATHER, "all-gathered base layers (dist.shard_base)", BT_DT_U8, BT_PG_GATHER, 2,
             o->gather_bytes);
+    return 0;
+}
+
+int bt_plan_pref(bt_plan *p, int max_M, int algo) {
+    memset(p, 0, sizeof *p);
+    if (max_M < 1) return bt_fail(BT_ERR_INVALID, "plan: max_M %d < 1", max_M);
+    if (algo < BT_PREF_DPO || algo > BT_PREF_KTO)
+        return bt_fail(BT_ERR_INVALID, "plan: unknown preference objective %d", algo);
+    const int64_t M = max_M;
+    const int G = BT_PG_PREF;
+    add(p, BT_BUF_PREF_TG, "preference targets", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_TG2, "preference targets (ORPO / KL)", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_LAB2, "ORPO labels", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_LOGP, "log-probs", BT_DT_F32, G, 1, M);
+    add(p, BT_BUF_PREF_DLOGP, "dlogp", BT_DT_F32, G, 1, M);
+    add(p, BT_BUF_PREF_RESP, "response mask", BT_DT_U8, G, 1, M);
+    add(p, BT_BUF_PREF_SEG_SUM, "segment sums", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_SEG_ALL, "segment sums (all targets)", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_SEG_REF, "segment reference sums", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_SEG_CNT, "segment targets", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_SEG_CNTA, "segment targets (all)", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_REC_C, "record chosen segment", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_REC_R, "record rejected segment", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_MPC, "record policy chosen", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_MPR, "record policy rejected", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_MRC, "record reference chosen", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_MRR, "record reference rejected", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_DC, "record dloss/dchosen", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_DR, "record dloss/drejected", BT_DT_F64, G, 1, M);
+    add(p, BT_BUF_PREF_MNC, "record chosen targets", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_MNR, "record rejected targets", BT_DT_I32, G, 1, M);
+    add(p, BT_BUF_PREF_MDES, "record desirable (KTO)", BT_DT_U8, G, 1, M);
+    if (algo == BT_PREF_KTO) {
+        add(p, BT_BUF_PREF_KID, "KL input_ids", BT_DT_I32, G, 1, M);
+        add(p, BT_BUF_PREF_KLAB, "KL labels", BT_DT_I32, G, 1, M);
+        add(p, BT_BUF_PREF_KPOS, "KL position_ids", BT_DT_I32, G, 1, M);
+        add(p, BT_BUF_PREF_KCU, "KL cu_seqlens", BT_DT_I32, G, 1, M + 1);
+    }
     return 0;
 }
 

@@ -48,6 +48,7 @@ typedef enum {
     BT_PG_OPTIM, /* CUDA: AdamW descriptors, gradient-norm partial sums, loss scalars */
     BT_PG_HOST,  /* CUDA offload: the checkpointed layer inputs in pinned host memory */
     BT_PG_GATHER, /* CUDA dist.shard_base: the all-gathered base linears of two layers */
+    BT_PG_PREF,   /* the preference step's host buffers (bt_plan_pref; never in a step plan) */
     BT_PG_N
 } bt_plan_group;
 
@@ -75,8 +76,16 @@ typedef enum {
     BT_BUF_DELTA,       /* CUDA: attention backward's rowsum(dO * O) per head */
     BT_BUF_RMS_SCRATCH, /* CUDA, trainable norms: RMSNorm dW partial sums */
     BT_BUF_CE_WS, BT_BUF_ROW_LOSS,
+    BT_BUF_ROW_W,       /* CUDA, preference: the per-token dlogp of the log-prob backward */
     BT_BUF_TARGETS, BT_BUF_IDS, BT_BUF_POS, BT_BUF_CU,
     BT_BUF_GATHER,      /* CUDA dist.shard_base: [2] one layer's base linears, all-gathered */
+    /* the preference step (bt_plan_pref, trainer/loop/pref_step.c): host buffers of M tokens */
+    BT_BUF_PREF_TG, BT_BUF_PREF_TG2, BT_BUF_PREF_LAB2, BT_BUF_PREF_LOGP, BT_BUF_PREF_DLOGP,
+    BT_BUF_PREF_RESP, BT_BUF_PREF_SEG_SUM, BT_BUF_PREF_SEG_ALL, BT_BUF_PREF_SEG_REF,
+    BT_BUF_PREF_SEG_CNT, BT_BUF_PREF_SEG_CNTA, BT_BUF_PREF_REC_C, BT_BUF_PREF_REC_R,
+    BT_BUF_PREF_MPC, BT_BUF_PREF_MPR, BT_BUF_PREF_MRC, BT_BUF_PREF_MRR, BT_BUF_PREF_DC,
+    BT_BUF_PREF_DR, BT_BUF_PREF_MNC, BT_BUF_PREF_MNR, BT_BUF_PREF_MDES,
+    BT_BUF_PREF_KID, BT_BUF_PREF_KLAB, BT_BUF_PREF_KPOS, BT_BUF_PREF_KCU,
     BT_BUF_N
 } bt_buf_id;
 
@@ -121,6 +130,7 @@ typedef struct {
     int offload;          /* cuda.offload_checkpoints (needs checkpointing) */
     int rope_table;       /* the model has an inverse-frequency table (bt_model.inv_freq) */
     int rope_dynamic;     /* dynamic NTK scaling: a per-step table as well */
+    int preference;       /* a preference objective (CUDA: the log-prob backward's dlogp rows) */
     int64_t gather_bytes; /* dist.shard_base: bytes of one layer's base linears as all-gathered
                            * (bt_shard_layer_bytes: the W shards, padded to equal size); 0: the
                            * base is not sharded */
@@ -143,7 +153,8 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
  *         (quant_base && !fused_quant), ROPE / ROPE_DYN hd/2, DELTA M*Hq fp32, RMS_SCRATCH
  *         bt_cuda_rmsnorm_bwd_scratch_floats(M, D) (trainable_norms)
  *   LOSS  CPU: CE_WS bt_linear_ce_workspace_floats(BT_PLAN_CPU_CE_ROWS, V); CUDA: CE_WS
- *         bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), V) bytes, ROW_LOSS M fp32
+ *         bt_cuda_linear_ce_workspace_bytes(bt_plan_ce_chunk(o), V) bytes, ROW_LOSS M fp32,
+ *         preference: ROW_W M fp32
  *   BATCH TARGETS M int32; CUDA: IDS, POS M, CU M+1 int32
  *   LORA  CUDA: P, G, M, V n_params fp32, P16 n_params bf16
  *   OPTIM CUDA: ADAM_DESC 2 descriptors, GNORM 1 and GNORM_PARTIAL bt_cuda_sumsq_scratch(n_params)
@@ -154,6 +165,18 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
  * n_params < 1 on CUDA, offload without checkpointing, gather_bytes < 0 or > 0 on the CPU, an
  * unknown backend (*p then empty). */
 int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o);
+
+/* The preference step's buffers (trainer/loop/pref_step.c, on the host with either backend) for
+ * micro-batches of max_M tokens and objective `algo` (trainer/preference.h bt_pref_algo), group
+ * BT_PG_PREF, one copy each (M = max_M):
+ *   I32 M: TG (shifted targets), TG2 and LAB2 (ORPO's all-labels copy: its targets and labels;
+ *     TG2 also the KL batch's targets), SEG_CNT, SEG_CNTA, REC_C, REC_R, MNC, MNR;
+ *   F32 M: LOGP, DLOGP; U8 M: RESP, MDES;
+ *   F64 M: SEG_SUM, SEG_ALL, SEG_REF (per segment), MPC, MPR, MRC, MRR, DC, DR (per record);
+ *   KTO only: KID, KLAB, KPOS I32 M and KCU I32 M + 1 (the KL micro-batch).
+ * (The records kept for the step's metrics grow with the step's records, not its tokens, and are
+ * not in the plan.) Returns 0, or BT_ERR_INVALID for max_M < 1 or an unknown algo (*p empty). */
+int bt_plan_pref(bt_plan *p, int max_M, int algo);
 
 /* ---- dist.shard_base: how a frozen base linear is cut across W data-parallel ranks ----
  * A linear is cut at its storage format's block boundaries, never re-quantised: the unit is one

@@ -78,6 +78,19 @@ int cuda_sync_lora(bt_backend *b, int moments)
 
 void cuda_set_profile(bt_backend *b, struct bt_prof *p) { bt_cuda_trainer_set_profile(cuda_of(b)->t, p); }
 
+/* The preference passes (backend.h logprobs / backward_logprobs): trainer/cuda/cuda_logprobs.cu. */
+int cuda_logprobs(bt_backend *b, const bt_microbatch *mb, int policy, int backward,
+                  uint64_t drop_key, float *logp, int *n_valid)
+{
+    return bt_cuda_trainer_logprobs(cuda_of(b)->t, mb, policy, backward, drop_key, logp, n_valid);
+}
+
+int cuda_backward_logprobs(bt_backend *b, const bt_microbatch *mb, const float *dlogp,
+                           uint64_t drop_key)
+{
+    return bt_cuda_trainer_backward_logprobs(cuda_of(b)->t, mb, dlogp, drop_key);
+}
+
 /* the device workspace is sized once, for data.seq_len x data.micro_batch_size tokens */
 int cuda_eval_workspace(bt_backend *b, int max_M, bt_backend **out)
 {
@@ -91,9 +104,7 @@ const bt_backend_i k_cuda_iface = {
     cuda_free,          cuda_bytes,          cuda_device_memory, cuda_zero_grad,
     cuda_step,          cuda_update,         cuda_allreduce_grads, cuda_allreduce_sum,
     cuda_allgather,     cuda_abort,          cuda_sync_lora,     cuda_set_profile,
-    cuda_eval_workspace,
-    nullptr,            /* logprobs: the preference passes are CPU-only for now (issue 25); */
-    nullptr,            /* backward_logprobs: config.c refuses a preference objective on cuda */
+    cuda_eval_workspace, cuda_logprobs,       cuda_backward_logprobs,
 };
 
 /* The GPU trainer on this rank's device (config cuda.*), its hooks (a collective waits at most
@@ -111,6 +122,7 @@ int cuda_init(bt_backend **out, const bt_backend_params *p)
     co.base_matmul_impl = cfg->cuda_base_matmul == BT_CUDA_BASE_FUSED;
     co.s2_group = p->s2_group;
     co.offload = cfg->cuda_offload;
+    co.preference = cfg->pref_on; /* the log-prob backward's dlogp rows (plan BT_BUF_ROW_W) */
     if (cfg->dist.shard_base && p->world == 1)
         bt_log(BT_LOG_INFO, "trainer", "dist.shard_base: one rank, nothing to shard: the whole base "
                "stays on this GPU");

@@ -98,7 +98,8 @@ static int talloc(bt_cuda_trainer *t, T **p, size_t n, const char *what)
 static const float *norm_w(const bt_cuda_trainer *t, int l, int which)
 {
     const size_t idx = l == t->L ? (size_t)(2 * l) : (size_t)(2 * l + (which ? 1 : 0));
-    return (t->off_norms >= 0 ? t->p + t->off_norms : t->md.norms) + idx * (size_t)t->D;
+    return (t->off_norms >= 0 && !t->adapter_off ? t->p + t->off_norms : t->md.norms) +
+           idx * (size_t)t->D;
 }
 static float *dnorm_w(const bt_cuda_trainer *t, int l, int which)
 {
@@ -119,11 +120,11 @@ static const float *post_w(const bt_cuda_trainer *t, int l, int which)
 }
 static const bt_bf16 *embed16(const bt_cuda_trainer *t)
 {
-    return t->off_embed >= 0 ? t->p16 + t->off_embed : t->md.embd16;
+    return t->off_embed >= 0 && !t->adapter_off ? t->p16 + t->off_embed : t->md.embd16;
 }
 static const bt_bf16 *head16(const bt_cuda_trainer *t)
 {
-    return t->off_embed >= 0 && t->md.tied ? t->p16 + t->off_embed : t->md.head16;
+    return t->off_embed >= 0 && t->md.tied && !t->adapter_off ? t->p16 + t->off_embed : t->md.head16;
 }
 static float *dhead(const bt_cuda_trainer *t)
 {
@@ -155,7 +156,7 @@ static int proj_fwd(bt_cuda_trainer *t, int l, int mod, bt_bf16 *y, const bt_bf1
     if (bl->bias)
         BTC_TRY(btc_add_bias(y, bl->bias, M, N, t->stream));
     const btc_lmod *lm = &t->lmods[(size_t)l * BT_MOD_N + mod];
-    if (lm->offA < 0)
+    if (lm->offA < 0 || t->adapter_off) /* adapter_off: the reference pass (base only) */
         return 0;
     const bt_bf16 *xin = x;
     const uint64_t dk = bt_lora_drop_key(key, l, lm->group);
@@ -441,6 +442,7 @@ extern "C" int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb,
 {
     if (!t || !mb)
         return bt_fail(BT_ERR_INVALID, "cuda step: NULL argument");
+    t->lp_mb = nullptr; /* a log-prob pass awaiting its backward is void now (cuda_logprobs.cu) */
     if ((int64_t)mb->B * mb->T > t->max_M)
         return bt_fail(BT_ERR_RANGE, "cuda step: micro-batch of %d x %d tokens exceeds the workspace (%d)",
                        mb->B, mb->T, t->max_M);
@@ -481,16 +483,27 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
 {
     (void)nv;
     cudaStream_t s = t->stream;
+    bt_cuda_attn_params ap;
+    BTC_TRY(btc_step_forward(t, mb, backward, drop_key, M, &ap));
+    /* dLoss/dxf goes into t->dtmp (free until the first layer's backward) */
+    BTC_TRY(BTC_L(bt_cuda_linear_ce(t->blas, s, t->row_loss, backward ? t->dtmp : nullptr,
+                                    backward ? dhead(t) : nullptr, t->xf, head16(t), t->d_tgt, M,
+                                    t->D, t->V, t->ce_chunk, grad_scale, t->ce_ws)));
+    BTC_TRY(BTC_L(bt_cuda_ce_reduce(t->d_loss, t->d_count, t->row_loss, t->d_tgt, M, t->V, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->h_loss, t->d_loss, sizeof(double), cudaMemcpyDeviceToHost, s)));
+    if (backward)
+        BTC_TRY(btc_step_backward(t, M, &ap, drop_key));
+    return btc_step_sync(t, backward);
+}
+
+int btc_step_attn(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, int M,
+                  bt_cuda_attn_params *pap)
+{
     int max_len = 1;
     for (int i = 0; i + 1 < mb->n_cu; i++)
         if (mb->cu_seqlens[i + 1] - mb->cu_seqlens[i] > max_len)
             max_len = mb->cu_seqlens[i + 1] - mb->cu_seqlens[i];
-    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_ids, mb->input_ids, (size_t)M * 4, cudaMemcpyHostToDevice, s)));
-    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_pos, mb->position_ids, (size_t)M * 4, cudaMemcpyHostToDevice, s)));
-    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_cu, mb->cu_seqlens, (size_t)mb->n_cu * 4, cudaMemcpyHostToDevice, s)));
-    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_tgt, t->h_tgt.data(), (size_t)M * 4, cudaMemcpyHostToDevice, s)));
-
-    bt_cuda_attn_params ap;
+    bt_cuda_attn_params &ap = *pap;
     memset(&ap, 0, sizeof ap);
     ap.M = M;
     ap.Hq = t->Hq;
@@ -508,7 +521,19 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
     ap.pos_scale = 1.0f; /* every scaling is in the table */
     ap.inv_freq = t->d_inv_freq; /* NULL only for a model without a table (derived from theta) */
     ap.s2_group = backward ? t->s2_group : 0; /* S^2-Attn in training, full attention to evaluate */
-    BTC_TRY(dynamic_table(t, mb, &ap));
+    return dynamic_table(t, mb, &ap);
+}
+
+int btc_step_forward(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, uint64_t drop_key,
+                     int M, bt_cuda_attn_params *pap)
+{
+    cudaStream_t s = t->stream;
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_ids, mb->input_ids, (size_t)M * 4, cudaMemcpyHostToDevice, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_pos, mb->position_ids, (size_t)M * 4, cudaMemcpyHostToDevice, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_cu, mb->cu_seqlens, (size_t)mb->n_cu * 4, cudaMemcpyHostToDevice, s)));
+    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->d_tgt, t->h_tgt.data(), (size_t)M * 4, cudaMemcpyHostToDevice, s)));
+    BTC_TRY(btc_step_attn(t, mb, backward, M, pap));
+    const bt_cuda_attn_params &ap = *pap;
 
     const bool off = t->offload && backward; /* evaluation passes keep nothing for backward */
     BTC_TRY(BTC_L(bt_cuda_embedding_fwd(xin_dev(t, 0), embed16(t), t->d_ids, M, t->D, t->V, s)));
@@ -528,15 +553,16 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
         if (off && l + 1 < t->L)
             BTC_TRY(offload_out(t, l + 1, M));
     }
-    BTC_TRY(BTC_L(bt_cuda_rmsnorm_fwd(t->xf, t->rstdf, xin_dev(t, t->L), norm_w(t, t->L, 0), M, t->D,
-                                      t->md.hp.rms_eps, s)));
-    /* dLoss/dxf goes into t->dtmp (free until the first layer's backward) */
-    BTC_TRY(BTC_L(bt_cuda_linear_ce(t->blas, s, t->row_loss, backward ? t->dtmp : nullptr,
-                                    backward ? dhead(t) : nullptr, t->xf, head16(t), t->d_tgt, M,
-                                    t->D, t->V, t->ce_chunk, grad_scale, t->ce_ws)));
-    BTC_TRY(BTC_L(bt_cuda_ce_reduce(t->d_loss, t->d_count, t->row_loss, t->d_tgt, M, t->V, s)));
-    BTC_TRY(BTC_CUDA(cudaMemcpyAsync(t->h_loss, t->d_loss, sizeof(double), cudaMemcpyDeviceToHost, s)));
-    if (backward) {
+    return BTC_L(bt_cuda_rmsnorm_fwd(t->xf, t->rstdf, xin_dev(t, t->L), norm_w(t, t->L, 0), M, t->D,
+                                     t->md.hp.rms_eps, s));
+}
+
+int btc_step_backward(bt_cuda_trainer *t, int M, const bt_cuda_attn_params *pap, uint64_t drop_key)
+{
+    cudaStream_t s = t->stream;
+    const bt_cuda_attn_params &ap = *pap;
+    const bool off = t->offload;
+    { /* from dLoss/dxf in t->dtmp */
         BTC_TRY(BTC_L(bt_cuda_rmsnorm_bwd(t->dx, dnorm_w(t, t->L, 0), t->dtmp, xin_dev(t, t->L),
                                           norm_w(t, t->L, 0), t->rstdf, M, t->D, t->rms_scratch, s)));
         if (off) /* the buffer of x_in[L] is free from here */
@@ -567,12 +593,22 @@ static int step_run(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, f
         if (t->off_embed >= 0)
             BTC_TRY(BTC_L(bt_cuda_embedding_bwd(t->g + t->off_embed, t->dx, t->d_ids, M, t->D, t->V, s)));
     }
-    BTC_TRY(BTC_CUDA(cudaStreamSynchronize(s)));
+    return 0;
+}
+
+int btc_step_sync(bt_cuda_trainer *t, int backward)
+{
+    const bool off = t->offload && backward;
+    BTC_TRY(BTC_CUDA(cudaStreamSynchronize(t->stream)));
     if (off) /* the last copies out (of inputs no backward needed back) */
         BTC_TRY(BTC_CUDA(cudaStreamSynchronize(t->copy_stream)));
     sample_mem(t);
     return 0;
 }
+
+void btc_prof_resolve(bt_cuda_trainer *t, btc_prof_state *ps) { prof_resolve(t, ps); }
+const bt_bf16 *btc_head16(const bt_cuda_trainer *t) { return head16(t); }
+float *btc_dhead(const bt_cuda_trainer *t) { return dhead(t); }
 
 extern "C" void bt_cuda_trainer_free(bt_cuda_trainer *t)
 {
@@ -701,6 +737,7 @@ static void bind(bt_cuda_trainer *t, int id, int i, void *p)
     case BT_BUF_RMS_SCRATCH: set_ptr(t->rms_scratch, p); break;
     case BT_BUF_CE_WS: set_ptr(t->ce_ws, p); break;
     case BT_BUF_ROW_LOSS: set_ptr(t->row_loss, p); break;
+    case BT_BUF_ROW_W: set_ptr(t->d_roww, p); break;
     case BT_BUF_TARGETS: set_ptr(t->d_tgt, p); break;
     case BT_BUF_IDS: set_ptr(t->d_ids, p); break;
     case BT_BUF_POS: set_ptr(t->d_pos, p); break;
@@ -846,6 +883,7 @@ static int trainer_init(bt_cuda_trainer *t, const bt_model *m, const bt_lora *lo
     po.rope_dynamic = hp->rope_ext == BT_ROPE_EXT_DYNAMIC;
     po.qk_norm = hp->qk_norm;
     po.sandwich_norm = hp->sandwich_norm;
+    po.preference = o->preference;
     t->ce_chunk = bt_plan_ce_chunk(&po);
     bt_plan plan;
     BTC_TRY(bt_plan_step(&plan, &d, &po));

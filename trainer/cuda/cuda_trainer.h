@@ -71,6 +71,9 @@ typedef struct {
      * NCCL before it runs (bt_cuda_trainer_dist_init must be called with the same rank and W
      * before the first step); needs the model's weights (not random_weights) */
     int shard_rank, shard_world;
+    /* a preference objective: the plan adds the dlogp rows bt_cuda_trainer_backward_logprobs
+     * uploads (without it that call is refused; the forward log-prob pass works either way) */
+    int preference;
 } bt_cuda_trainer_opts;
 
 /* Upload the model (NF4 linears as NF4; fp32 linears, embedding and lm_head as bf16; norms and
@@ -110,6 +113,22 @@ int bt_cuda_trainer_zero_grad(bt_cuda_trainer *t);
  * targets) may be NULL. Synchronises with the device once (to return the loss). */
 int bt_cuda_trainer_step(bt_cuda_trainer *t, const bt_microbatch *mb, int backward,
                          float grad_scale, uint64_t drop_key, double *loss_sum, int *n_valid);
+
+/* Preference training, step.h bt_forward_logprobs / bt_backward_logprobs' contract on the device
+ * (trainer/cuda/cuda_logprobs.cu): bt_cuda_trainer_logprobs writes logp[M] (host fp32, M = B*T:
+ * the label log-prob of every labelled shifted target, 0 elsewhere) from the fused chunked
+ * lm_head pass (kernels_cuda.h bt_cuda_linear_logprob: no [M x vocab] logits), of the policy
+ * (policy != 0: adapter on) or of the reference (policy == 0: the frozen base, LoRA and LoRA+
+ * off: TRL's disable_adapter(); never with backward). With `backward` the pass keeps the
+ * activations and the unit-upstream gradient d logp / d xf. bt_cuda_trainer_backward_logprobs
+ * accumulates the gradients of sum_t dlogp[t] * logp[t] (dlogp host fp32 [M]); it must directly
+ * follow a logprobs call with backward on the same mb (else BT_ERR_INVALID), with the same
+ * drop_key, and needs opts.preference. A trainable tied lm_head (LoRA+) costs one more vocabulary
+ * pass, as on the CPU. Both synchronise with the device. */
+int bt_cuda_trainer_logprobs(bt_cuda_trainer *t, const bt_microbatch *mb, int policy, int backward,
+                             uint64_t drop_key, float *logp, int *n_valid);
+int bt_cuda_trainer_backward_logprobs(bt_cuda_trainer *t, const bt_microbatch *mb,
+                                      const float *dlogp, uint64_t drop_key);
 
 /* ||grads||_2 over all n_params gradient entries (double accumulation, deterministic). Synchronous. */
 int bt_cuda_trainer_grad_norm(bt_cuda_trainer *t, double *norm);

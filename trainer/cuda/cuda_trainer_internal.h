@@ -217,6 +217,11 @@ struct bt_cuda_trainer {
     int g_cur;                    /* the slot of the layer that runs */
     cudaStream_t gather_stream;
     cudaEvent_t g_free[2];        /* on stream: the last layer that read the slot is done */
+    /* preference log-prob passes (cuda_logprobs.cu) */
+    int adapter_off;              /* 1 during a reference pass: base only (no LoRA, no LoRA+) */
+    const bt_microbatch *lp_mb;   /* the training log-prob pass awaiting its backward, or NULL */
+    float *d_roww;                /* [max_M] dlogp rows (plan BT_BUF_ROW_W; NULL without
+                                   * opts.preference) */
 };
 /* cuda_dist.cu, dist.shard_base: make layer l's linears resident (wait for its gather, or issue and
  * wait), then issue the gather of layer `next` (-1: none) into the other slot without waiting:
@@ -242,6 +247,30 @@ static inline const btc_linear *btc_lin(const bt_cuda_trainer *t, int l, int mod
 void btc_dist_free(bt_cuda_trainer *t);
 /* cuda_dist.cu: the hooks' check (0 without hooks): cuda_step.cu asks it between layers */
 int btc_check(bt_cuda_trainer *t);
+
+/* cuda_step.cu, the step in parts (bt_cuda_trainer_step runs them in this order; the preference
+ * passes of cuda_logprobs.cu put their own lm_head pass between forward and backward):
+ *   btc_step_attn: *ap <- the attention parameters of mb (S^2-Attn when backward), the dynamic
+ *     NTK table uploaded if the model scales so (no batch upload);
+ *   btc_step_forward: upload mb (ids, positions, cu_seqlens, t->h_tgt as targets), btc_step_attn,
+ *     embedding, every layer, the final norm into t->xf (keeping what backward needs when
+ *     `backward`); asynchronous;
+ *   btc_step_backward: from dLoss/dxf in t->dtmp (bf16 [M, D]) through the final norm, every
+ *     layer and a trainable embedding; gradients accumulate into t->g; asynchronous;
+ *   btc_step_sync: wait for the stream (and the offload copies after a training pass).
+ * btc_head16 / btc_dhead: the lm_head the pass uses (LoRA+ tied embedding unless adapter_off) and
+ * its gradient (NULL when it is frozen). */
+int btc_step_attn(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, int M,
+                  bt_cuda_attn_params *ap);
+int btc_step_forward(bt_cuda_trainer *t, const bt_microbatch *mb, int backward, uint64_t drop_key,
+                     int M, bt_cuda_attn_params *ap);
+int btc_step_backward(bt_cuda_trainer *t, int M, const bt_cuda_attn_params *ap, uint64_t drop_key);
+int btc_step_sync(bt_cuda_trainer *t, int backward);
+const bt_bf16 *btc_head16(const bt_cuda_trainer *t);
+float *btc_dhead(const bt_cuda_trainer *t);
+/* After a profiled pass has synchronised: its launches' times into t->prof (the op names
+ * bt_cuda_trainer_step gives them), the events freed. */
+void btc_prof_resolve(bt_cuda_trainer *t, btc_prof_state *ps);
 
 /* cuda_step.cu: device allocation owned by the trainer (freed by bt_cuda_trainer_free) */
 int btc_alloc(bt_cuda_trainer *t, void **p, size_t bytes, const char *what);

@@ -8,6 +8,7 @@
 #include "common/bt_common.h"
 #include "kernels/kernels.h"
 #include "proto/batch.h"
+#include "trainer/backend/plan.h"
 
 /* the records kept since bt_pref_step_begin (this rank's), for the metrics */
 typedef struct {
@@ -20,6 +21,8 @@ typedef struct {
 struct bt_pref_step {
     bt_pref_params p;
     int B, T, M, V;
+    void *block;  /* every buffer below: the memory plan's (plan.h bt_plan_pref), one allocation */
+    size_t bytes; /* its bytes */
     int32_t *tg, *tg2, *lab2;   /* [M] targets; ORPO's all-labels copy and its targets */
     float *logp, *dlogp;        /* [M] */
     uint8_t *resp;              /* [M] position t predicts a response token */
@@ -50,13 +53,44 @@ static double nll_coef(const bt_pref_params *p) {
 
 void bt_pref_step_free(bt_pref_step *s) {
     if (!s) return;
-    void *bufs[] = {s->tg, s->tg2, s->lab2, s->logp, s->dlogp, s->resp, s->seg_sum, s->seg_all,
-                    s->seg_ref, s->seg_cnt, s->seg_cnta, s->rec_c, s->rec_r, s->mpc, s->mpr,
-                    s->mrc, s->mrr, s->dc, s->dr, s->mnc, s->mnr, s->mdes, s->kid, s->klab,
-                    s->kpos, s->kcu, s->r.pc, s->r.pr, s->r.rc, s->r.rr, s->r.nc, s->r.nr,
-                    s->r.des};
+    void *bufs[] = {s->block, s->r.pc, s->r.pr, s->r.rc, s->r.rr, s->r.nc, s->r.nr, s->r.des};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(s);
+}
+
+size_t bt_pref_step_bytes(const bt_pref_step *s) { return s ? s->bytes : 0; }
+
+/* Point plan buffer `id` at p (the step's field for it). */
+static void pref_bind(bt_pref_step *s, int id, void *p) {
+    switch (id) {
+    case BT_BUF_PREF_TG: s->tg = p; break;
+    case BT_BUF_PREF_TG2: s->tg2 = p; break;
+    case BT_BUF_PREF_LAB2: s->lab2 = p; break;
+    case BT_BUF_PREF_LOGP: s->logp = p; break;
+    case BT_BUF_PREF_DLOGP: s->dlogp = p; break;
+    case BT_BUF_PREF_RESP: s->resp = p; break;
+    case BT_BUF_PREF_SEG_SUM: s->seg_sum = p; break;
+    case BT_BUF_PREF_SEG_ALL: s->seg_all = p; break;
+    case BT_BUF_PREF_SEG_REF: s->seg_ref = p; break;
+    case BT_BUF_PREF_SEG_CNT: s->seg_cnt = p; break;
+    case BT_BUF_PREF_SEG_CNTA: s->seg_cnta = p; break;
+    case BT_BUF_PREF_REC_C: s->rec_c = p; break;
+    case BT_BUF_PREF_REC_R: s->rec_r = p; break;
+    case BT_BUF_PREF_MPC: s->mpc = p; break;
+    case BT_BUF_PREF_MPR: s->mpr = p; break;
+    case BT_BUF_PREF_MRC: s->mrc = p; break;
+    case BT_BUF_PREF_MRR: s->mrr = p; break;
+    case BT_BUF_PREF_DC: s->dc = p; break;
+    case BT_BUF_PREF_DR: s->dr = p; break;
+    case BT_BUF_PREF_MNC: s->mnc = p; break;
+    case BT_BUF_PREF_MNR: s->mnr = p; break;
+    case BT_BUF_PREF_MDES: s->mdes = p; break;
+    case BT_BUF_PREF_KID: s->kid = p; break;
+    case BT_BUF_PREF_KLAB: s->klab = p; break;
+    case BT_BUF_PREF_KPOS: s->kpos = p; break;
+    case BT_BUF_PREF_KCU: s->kcu = p; break;
+    default: break; /* bt_plan_pref holds no other id */
+    }
 }
 
 int bt_pref_step_new(bt_pref_step **out, const bt_pref_params *p, int B, int T, int vocab) {
@@ -71,40 +105,29 @@ int bt_pref_step_new(bt_pref_step **out, const bt_pref_params *p, int B, int T, 
     s->T = T;
     s->M = B * T;
     s->V = vocab;
-    const size_t M = (size_t)s->M;
-    s->tg = malloc(M * 4);
-    s->tg2 = malloc(M * 4);
-    s->lab2 = malloc(M * 4);
-    s->logp = malloc(M * 4);
-    s->dlogp = malloc(M * 4);
-    s->resp = malloc(M);
-    s->seg_sum = malloc(M * 8);
-    s->seg_all = malloc(M * 8);
-    s->seg_ref = malloc(M * 8);
-    s->seg_cnt = malloc(M * sizeof(int));
-    s->seg_cnta = malloc(M * sizeof(int));
-    s->rec_c = malloc(M * sizeof(int));
-    s->rec_r = malloc(M * sizeof(int));
-    s->mpc = malloc(M * 8);
-    s->mpr = malloc(M * 8);
-    s->mrc = malloc(M * 8);
-    s->mrr = malloc(M * 8);
-    s->dc = malloc(M * 8);
-    s->dr = malloc(M * 8);
-    s->mnc = malloc(M * 4);
-    s->mnr = malloc(M * 4);
-    s->mdes = malloc(M);
-    s->kid = malloc(M * 4);
-    s->klab = malloc(M * 4);
-    s->kpos = malloc(M * 4);
-    s->kcu = malloc((M + 1) * 4);
-    if (!s->tg || !s->tg2 || !s->lab2 || !s->logp || !s->dlogp || !s->resp || !s->seg_sum ||
-        !s->seg_all || !s->seg_ref || !s->seg_cnt || !s->seg_cnta || !s->rec_c || !s->rec_r ||
-        !s->mpc || !s->mpr || !s->mrc || !s->mrr || !s->dc || !s->dr || !s->mnc || !s->mnr ||
-        !s->mdes || !s->kid || !s->klab || !s->kpos || !s->kcu) {
+    /* every buffer from the memory plan `trainer estimate` bills (plan.h bt_plan_pref), carved
+     * out of one allocation of exactly the plan's bytes: the 8-byte elements first, then the
+     * 4-byte, then the 1-byte ones, so every buffer is aligned to its element */
+    bt_plan plan;
+    int rc = bt_plan_pref(&plan, s->M, p->algo);
+    if (rc) {
         bt_pref_step_free(s);
-        return bt_fail(BT_ERR_NOMEM, "out of memory for the preference step");
+        return rc;
     }
+    const size_t total = (size_t)bt_plan_bytes(&plan, BT_PG_PREF);
+    s->block = calloc(1, total);
+    if (!s->block) {
+        bt_pref_step_free(s);
+        return bt_fail(BT_ERR_NOMEM, "out of memory for the preference step (%zu bytes)", total);
+    }
+    s->bytes = total;
+    size_t at = 0;
+    for (size_t es = 8; es >= 1; es /= 2)
+        for (int i = 0; i < plan.n; i++)
+            if (bt_dtype_size(plan.buf[i].dtype) == es) {
+                pref_bind(s, plan.buf[i].id, (char *)s->block + at);
+                at += (size_t)bt_plan_buf_bytes(&plan.buf[i]);
+            }
     *out = s;
     return 0;
 }

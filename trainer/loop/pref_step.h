@@ -68,10 +68,15 @@ typedef struct {
 #define BT_PREF_NSUMS 16
 
 /* A step over micro-batches of B x T tokens, vocabulary `vocab`, the validated parameters p
- * (copied; bt_pref_check). Owned buffers (about 60 bytes per token). Errors: BT_ERR_INVALID (p
+ * (copied; bt_pref_check). Owned buffers: the memory plan trainer/backend/plan.h bt_plan_pref
+ * (118 bytes per token, 134 for KTO; `trainer estimate` bills the same), one allocation, plus
+ * the step's records for its metrics (41 bytes per record). Errors: BT_ERR_INVALID (p
  * fails bt_pref_check), BT_ERR_NOMEM. */
 int bt_pref_step_new(bt_pref_step **out, const bt_pref_params *p, int B, int T, int vocab);
 void bt_pref_step_free(bt_pref_step *s); /* NULL: no-op */
+/* Bytes of the step's planned buffers (= bt_plan_bytes of bt_plan_pref for B * T tokens); 0 for
+ * NULL. */
+size_t bt_pref_step_bytes(const bt_pref_step *s);
 
 /* Checks mb's segments against the objective (pairs for dpo / orpo / cpo, KTO examples for kto,
  * plain segments without labels; bt_shift_targets' checks) and adds its records and NLL targets

@@ -239,6 +239,14 @@ static int run_load_model(bt_run *r) {
      * and cut on upload (docs/ARCHITECTURE.md §Parallel). */
     const int cut = cfg->device == BT_DEVICE_CUDA && cfg->dist.shard_base && r->dist.world > 1 &&
                     bt_model_resolve_base_dtype(cfg->model, cfg->base_dtype) == BT_BASE_GGUF;
+    /* the cached reference log-probs are keyed by bt_model_ref_id, a hash of the base linears: a
+     * rank that holds only its cut cannot compute it (the reference pass itself runs fine) */
+    if (cut && cfg->pref_on && cfg->preference.precompute_ref_log_probs)
+        return bt_fail(BT_ERR_UNSUPPORTED, "config: preference.precompute_ref_log_probs: with "
+                       "dist.shard_base over %d ranks each rank reads only its cut of the GGUF base, so "
+                       "the reference cache's key (the base's hash) cannot be computed; set "
+                       "preference.precompute_ref_log_probs false (the reference is then computed every "
+                       "step) or dist.shard_base false", r->dist.world);
     const bt_model_shard sh = {r->dist.rank, r->dist.world};
     int rc = cut ? bt_model_load_gguf_shard(m, cfg->model, &lopts, &sh)
                  : bt_model_load(m, cfg->model, &lopts);
@@ -357,8 +365,8 @@ static int run_init_backend(bt_run *r) {
     };
     int rc = r->reg->init(&r->be, &p);
     if (rc || !r->cfg->pref_on) return rc;
-    /* a preference objective: the backend's log-prob passes (config.c refuses device "cuda"
-     * already; this is the backend's own word) and the step's buffers */
+    /* a preference objective: the backend's log-prob passes (keyed off its ops, not its name)
+     * and the step's buffers */
     if (!bt_backend_has_logprobs(r->be))
         return bt_fail(BT_ERR_UNSUPPORTED, "objective \"%s\": device \"%s\" has no log-prob pass for "
                        "the preference losses yet; use device \"cpu\"", r->cfg->objective, r->reg->name);
@@ -946,12 +954,6 @@ int bt_train_run_ex(const bt_train_config *cfg, int eval_only, FILE *out, const 
     const bt_backend_reg *reg;
     int rc = bt_backend_get(cfg->device, &reg); /* a device this trainer was built without */
     if (rc) return rc;
-    /* before anything loads: the GPU trainer has no log-prob pass yet (run_init_backend asks the
-     * backend itself too) */
-    if (cfg->pref_on && cfg->device != BT_DEVICE_CPU)
-        return bt_fail(BT_ERR_UNSUPPORTED, "config: objective \"%s\": device \"%s\" has no log-prob pass "
-                       "for the preference losses yet (the GPU path is separate work); use device \"cpu\"",
-                       cfg->objective, reg->name);
     set_threads(cfg->threads);
     bt_run_signals signals;
     bt_run_catch_signals(&signals);

@@ -29,6 +29,7 @@
 #include "trainer/estimate.h"
 #include "trainer/model/lora.h"
 #include "trainer/model/model.h"
+#include "trainer/loop/pref_step.h"
 #include "trainer/loop/step.h"
 #include "tests/unit/util/test_util.h"
 #include "tests/unit/util/tiny_gguf.h"
@@ -381,6 +382,54 @@ static void test_plan_exact(void **st) {
     }
 }
 
+/* A preference objective bills the preference step's buffers (plan.h bt_plan_pref), exactly what
+ * bt_pref_step_new allocates: dpo vs sft, the CPU total grows by them, the CUDA device total by
+ * the log-prob backward's dlogp rows only (the step's buffers are host memory there); kto adds
+ * its KL micro-batch. */
+static void test_pref_buffers(void **st) {
+    (void)st;
+    const int threads = omp_get_max_threads();
+    bt_est_model em = est_model(1);
+    bt_train_config sft;
+    config(&sft, NULL);
+    bt_mem_bill cs, gs;
+    bt_estimate_bill(&em, &sft, BT_EST_CPU, threads, &cs);
+    bt_estimate_bill(&em, &sft, BT_EST_CUDA, threads, &gs);
+    assert_true(cs.pref == 0 && gs.pref == 0);
+    static const struct {
+        const char *objective, *format;
+        double per_token, extra; /* bytes of the plan: per token, plus */
+    } k[] = {{"dpo", "preference", 118, 0}, {"orpo", "preference", 118, 0}, {"kto", "kto", 134, 4}};
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        char txt[512];
+        snprintf(txt, sizeof txt,
+                 "{\"model\": \"m.gguf\", \"data\": {\"shards\": [\"d\"], \"seq_len\": 48,"
+                 " \"micro_batch_size\": 3, \"format\": \"%s\"}, \"objective\": \"%s\", \"lora\": {\"r\": 4,"
+                 " \"target_modules\": [\"q_proj\", \"v_proj\", \"down_proj\"]}}",
+                 k[i].format, k[i].objective);
+        bt_train_config c;
+        if (bt_config_parse(&c, txt, "t", NULL, 0) != 0) fail_msg("%s: %s", k[i].objective, bt_last_error());
+        const int M = c.data.seq_len * c.data.micro_batch_size;
+        bt_mem_bill b, g;
+        bt_estimate_bill(&em, &c, BT_EST_CPU, threads, &b);
+        bt_estimate_bill(&em, &c, BT_EST_CUDA, threads, &g);
+        bt_pref_step *s = NULL;
+        assert_int_equal(bt_pref_step_new(&s, &c.pref, c.data.micro_batch_size, c.data.seq_len,
+                                          k_hp.vocab), 0);
+        if (b.pref != (double)bt_pref_step_bytes(s) || g.pref != b.pref ||
+            b.pref != k[i].per_token * M + k[i].extra)
+            fail_msg("%s: bill %.0f (CUDA %.0f) bytes, bt_pref_step_bytes %zu, plan %.0f x %d + %.0f",
+                     k[i].objective, b.pref, g.pref, bt_pref_step_bytes(s), k[i].per_token, M,
+                     k[i].extra);
+        /* CPU: host memory, in the total; CUDA: only the dlogp rows on the device */
+        assert_true(b.total - cs.total == b.pref);
+        assert_true(g.total - gs.total == 4.0 * M && g.loss_ws - gs.loss_ws == 4.0 * M);
+        bt_pref_step_free(s);
+        bt_config_free(&c);
+    }
+    bt_config_free(&sft);
+}
+
 /* The plan refuses options no context can hold, naming them; sizes follow the dims. */
 static void test_plan_refusals(void **st) {
     (void)st;
@@ -501,6 +550,7 @@ int main(void) {
         cmocka_unit_test(test_wide_heads_nf4), cmocka_unit_test(test_gguf_base),
         cmocka_unit_test(test_long_rows),     cmocka_unit_test(test_plan_exact),
         cmocka_unit_test(test_plan_refusals), cmocka_unit_test(test_shard_base),
+        cmocka_unit_test(test_pref_buffers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
