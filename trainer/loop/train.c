@@ -315,9 +315,14 @@ static int run_init_lora(bt_run *r) {
     if (cfg->resume_from && !cfg->eval_adapter) {
         int64_t st = 0;
         int ck_steps = 0;
-        if ((rc = bt_checkpoint_load(cfg->resume_from, cfg, &r->model, lo, &st, r->resume,
-                                        &r->has_resume, &ck_steps, r->dist.rank, r->dist.world)))
+        if ((rc = bt_checkpoint_load_from(cfg->resume_from, cfg, &r->model, lo, &st, r->resume, &r->has_resume,
+                                          &ck_steps, r->dist.rank, r->dist.world, &r->resume_world)))
             return rc;
+        if (r->resume_world && !r->eval_only)
+            bt_log(BT_LOG_INFO, "trainer", "checkpoint %s was written by %d rank(s), this run has %d: the data "
+                   "continue at the same row (rank r of W takes rows r, r + W, ...; grad_accum %d x %d ranks keeps "
+                   "the global batch)", cfg->resume_from, r->resume_world, r->dist.world, cfg->grad_accum,
+                   r->dist.world);
         if (r->eval_only)
             bt_log(BT_LOG_INFO, "trainer", "evaluating checkpoint %s (step %lld)", cfg->resume_from,
                    (long long)st);
@@ -530,6 +535,7 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
                                               "batches for step %d (see its log)", step + 1));
     memcpy(r->resume, r->mbs[cfg->grad_accum - 1].resume, BT_RESUME_STATE_BYTES);
     r->has_resume = 1;
+    r->resume_world = 0; /* this run's own state from now on */
     rc = bt_run_gather_resume(r, r->resume, r->all_next);
     return rc ? run_end_with(r, RUN_END_STOP_OR_FAIL, rc) : 0;
 }
