@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
@@ -233,12 +234,16 @@ static int run_load_model(bt_run *r) {
     bt_model *m = &r->model;
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};
-    /* dist.shard_base on W > 1 GPUs with a GGUF-native base: this rank reads only its cut of every
-     * base linear from the mapped file (issue 26; model.h bt_model_load_gguf_shard), so the node's
-     * host memory holds the base once, not once per rank. NF4 / fp32 bases are still loaded whole
-     * and cut on upload (docs/ARCHITECTURE.md §Parallel). */
+    /* dist.shard_base on W > 1 GPUs with a GGUF file, its blocks kept or quantised to NF4: this
+     * rank reads only its cut of every base linear from the mapped file (NF4: quantises only its
+     * groups, with the whole matrix's offset), issue 26, model.h bt_model_load_gguf_shard, so the
+     * node's host memory holds the base about once, not once per rank. An fp32 base, or a Hugging
+     * Face directory, is still loaded whole and cut on upload (docs/ARCHITECTURE.md §Parallel). */
+    struct stat mst;
+    const int bd = bt_model_resolve_base_dtype(cfg->model, cfg->base_dtype);
     const int cut = cfg->device == BT_DEVICE_CUDA && cfg->dist.shard_base && r->dist.world > 1 &&
-                    bt_model_resolve_base_dtype(cfg->model, cfg->base_dtype) == BT_BASE_GGUF;
+                    (bd == BT_BASE_GGUF || bd == BT_BASE_NF4) && stat(cfg->model, &mst) == 0 &&
+                    !S_ISDIR(mst.st_mode);
     const bt_model_shard sh = {r->dist.rank, r->dist.world};
     int rc = cut ? bt_model_load_gguf_shard(m, cfg->model, &lopts, &sh)
                  : bt_model_load(m, cfg->model, &lopts);
