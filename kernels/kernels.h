@@ -47,6 +47,20 @@ float bt_dynamic_code8(int idx);            /* create_dynamic_map(signed=True)[i
 /* Quantise W[rows, cols] (rows*cols multiple of 64). Allocates q's buffers (free with
  * bt_nf4_free). Reproduces bitsandbytes quantize_4bit(nf4, blocksize=64, compress_statistics=True). */
 int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols);
+/* One data-parallel rank's part of bt_nf4_quantize (dist.shard_base loading only its cut,
+ * trainer/backend/plan.h bt_shard_cut_nf4): the double quantisation subtracts one offset per
+ * matrix (the mean of ALL its 64-block absmaxes), so a part alone cannot find it. Pass 1:
+ * bt_nf4_block_absmax over the whole matrix (streamed, any number of calls, blocks in order) and
+ * bt_nf4_absmax_offset of the result (bitsandbytes' torch.sum order, fp32, / nblocks); pass 2:
+ * bt_nf4_quantize_part on the part's x[n] (n a multiple of 64; it must start at a 256-block
+ * nested-group boundary of the whole matrix, 16384 weights) with that offset. q then holds
+ * exactly the whole quantisation's bytes of those elements (packed [n/2], absmax_q [n/64],
+ * nested_absmax [ceil(n/64/256)], offset): the parts concatenate to bt_nf4_quantize's arrays bit
+ * for bit. q->n = n; q->rows / cols = the whole matrix's shape (a part is never a CPU operand).
+ * n = 0 (a rank past the end): no buffers. BT_ERR_INVALID / BT_ERR_NOMEM. */
+void bt_nf4_block_absmax(const float *x, int64_t nblocks, float *absmax);
+float bt_nf4_absmax_offset(const float *absmax, int64_t nblocks);
+int bt_nf4_quantize_part(bt_nf4 *q, const float *x, int64_t n, float offset, int64_t rows, int64_t cols);
 /* Dequantise rows [r0, r0+nr) into out[nr, cols]. BT_ERR_INVALID (nothing written) for a range
  * outside [0, rows) or NULL q / out. */
 int bt_nf4_dequantize_rows(const bt_nf4 *q, int64_t r0, int64_t nr, float *out);

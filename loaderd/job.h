@@ -73,6 +73,8 @@ typedef struct {
     uint32_t T, B;
     uint64_t seed;
     uint32_t rank, world_size;
+    uint32_t resume_world; /* the world size a resume state was written by (0: world_size): a state of
+                              rank 0 of another world size continues at the same row (pipeline.h) */
     uint32_t epochs;    /* 0 = endless */
     uint32_t n_threads; /* tokenizer workers, >= 1 */
     char *ref_base;     /* preference / kto with a token cache: the reference model's identifier (1..128 of

@@ -110,8 +110,8 @@ static int expand_shards(ld_scfg *cfg, char *const *shards, int n_shards, uint32
     return BT_OK;
 }
 
-/* The resume-state hash of the spec for `rank` (unchanged since state version 2). */
-static uint64_t hash_spec(const ld_scfg *cfg, uint32_t rank) {
+/* The resume-state hash of the spec for `rank` of `world` ranks (unchanged since state version 2). */
+static uint64_t hash_spec(const ld_scfg *cfg, uint32_t rank, uint32_t world) {
     uint64_t h = BT_FNV64_INIT;
     for (uint32_t d = 0; d < cfg->n_ds; d++) {
         const ld_dataset *ds = &cfg->ds[d];
@@ -125,7 +125,7 @@ static uint64_t hash_spec(const ld_scfg *cfg, uint32_t rank) {
             h = bt_fnv1a64(h, m, sizeof m);
         }
     }
-    uint32_t v[9] = {cfg->T, cfg->B, rank, cfg->world, LD_STATE_VERSION, (uint32_t)cfg->ds[0].fcfg.overlong_drop,
+    uint32_t v[9] = {cfg->T, cfg->B, rank, world, LD_STATE_VERSION, (uint32_t)cfg->ds[0].fcfg.overlong_drop,
                      (uint32_t)cfg->ds[0].fcfg.add_bos, (uint32_t)cfg->win_tokens, LD_WINDOW_DOCS};
     h = bt_fnv1a64(h, v, sizeof v);
     return bt_fnv1a64(h, &cfg->seed, sizeof cfg->seed);
@@ -311,15 +311,23 @@ static void encode_state(const ld_pipeline *p, uint8_t *out) {
     }
 }
 
-static int decode_state(ld_pipeline *p, const uint8_t *st) {
+/* p's start from state st. from_world (0: p's world): the world size st was written by; another
+ * than p's is a state of rank 0 of that world, and p continues at the same row of the same window
+ * (pipeline.h, the world-size change). */
+static int decode_state(ld_pipeline *p, const uint8_t *st, uint32_t from_world) {
     size_t o = 0;
     const ld_scfg *cfg = p->cfg;
     uint32_t magic = get32(st, &o), ver = get32(st, &o);
     uint64_t hash = get64(st, &o);
+    int rewrap = from_world && from_world != cfg->world;
     if (magic != LD_STATE_MAGIC || ver != LD_STATE_VERSION)
         return bt_fail(BT_ERR_INVALID, "resume state: bad magic/version (0x%08x v%u, want v%u)", magic, ver,
                        LD_STATE_VERSION);
-    if (hash != p->spec_hash)
+    if (rewrap && hash != hash_spec(cfg, 0, from_world))
+        return bt_fail(BT_ERR_INVALID, "resume state: not rank 0's state of a job of world size %u with this spec "
+                       "(datasets, shards, formats, weights, chat_template, overlong, seq_len, micro_batch_size or "
+                       "seed changed)", from_world);
+    if (!rewrap && hash != p->spec_hash)
         return bt_fail(BT_ERR_INVALID, "resume state: written for a different job spec (datasets, shards, formats, "
                        "weights, chat_template, overlong, seq_len, micro_batch_size, seed, rank or world size changed)");
     p->step = get64(st, &o);
@@ -340,6 +348,17 @@ static int decode_state(ld_pipeline *p, const uint8_t *st) {
     if (!(flags & LD_STATE_F_FINISHED) && p->start.pos[0].pass != p->start.epoch)
         return bt_fail(BT_ERR_INVALID, "resume state: inconsistent (epoch %u, first dataset pass %u)",
                        p->start.epoch, p->start.pos[0].pass);
+    if (rewrap && !(flags & LD_STATE_F_FINISHED)) {
+        /* rank r of W ranks takes rows r, r + W, ... of a window: rank 0 of from_world ranks having
+         * emitted `rows` of its rows, every rank of that run had, so rows x from_world of the window
+         * are consumed; here they are rows x from_world / W rows of each of W ranks */
+        uint64_t g = rows * from_world;
+        if (g % cfg->world)
+            return bt_fail(BT_ERR_INVALID, "resume state: %u rank(s) stopped %llu rows into a window, not a multiple "
+                           "of this run's %u rank(s): resume with a world size that divides %llu", from_world,
+                           (unsigned long long)g, cfg->world, (unsigned long long)g);
+        rows = g / cfg->world;
+    }
     p->skip_rows = (size_t)rows;
     if ((flags & LD_STATE_F_FINISHED) || (cfg->epochs && p->start.epoch >= cfg->epochs)) p->finished = 1;
     return BT_OK;
@@ -605,9 +624,9 @@ int ld_pipeline_attach(ld_pipeline **out, ld_hub *hub, const ld_job_spec *spec, 
     p->stats = stats ? stats : &p->own_stats;
     int rc = scfg_new(&p->cfg, spec, tok, hub ? hub->cache : NULL);
     if (rc == BT_OK) {
-        p->spec_hash = hash_spec(p->cfg, p->rank);
+        p->spec_hash = hash_spec(p->cfg, p->rank, p->cfg->world);
         for (uint32_t d = 0; d < p->cfg->n_ds; d++) p->start.pos[d].pass = 0;
-        if (resume_state) rc = decode_state(p, resume_state);
+        if (resume_state) rc = decode_state(p, resume_state, spec->resume_world);
     }
     if (rc == BT_OK && !p->finished) rc = join_stream(p, &p->start, hub != NULL);
     if (rc != BT_OK) {

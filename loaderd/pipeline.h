@@ -68,7 +68,14 @@ void ld_hub_counts(ld_hub *h, uint32_t *streams, uint32_t *cursors);
  * (BT_RESUME_STATE_BYTES): the next batches are exactly those that followed that batch in the
  * original run, whatever the thread count. BT_ERR_INVALID if it was written for another spec
  * (datasets, shards, formats, text fields, weights, template, overlong policy, T, B, seed, rank
- * or world size differ). Resuming reopens every dataset at its recorded pass and line, decoding
+ * or world size differ). A world-size change: with spec->resume_world = W0 (not 0, not the spec's
+ * world size W), resume_state is rank 0's state of the same spec run with W0 ranks, and rank r
+ * continues at the same row: rank r of W ranks takes rows r, r + W, ... of each window (ceil(rows/W)
+ * of them, the tail padded), so W0 ranks that each emitted k rows of the window consumed its rows
+ * [0, k W0) and rank r goes on at row k W0 + r; BT_ERR_INVALID when W does not divide k W0. A
+ * training step of micro_batch_size B and grad_accum A consumes B A W consecutive rows whatever
+ * the split, so keeping B and W x A gives the uninterrupted run's steps up to the end of the window
+ * (windows after it are padded to a multiple of W instead of W0). Resuming reopens every dataset at its recorded pass and line, decoding
  * but not parsing the lines before them, and rebuilds the window that holds the next row.
  * stats is borrowed and updated live (NULL: internal counters). BT_ERR_* with message in
  * bt_last_error. */

@@ -30,6 +30,7 @@ typedef struct {
     char run[LD_RUN_MAX + 1];
     int has_resume;
     uint8_t resume[BT_RESUME_STATE_BYTES];
+    uint32_t resume_world; /* 0: world */
     job *j; /* result */
     char err[512]; /* the failure's message (bt_last_error is per thread: made on the pool, read on the loop) */
 } attach_req;
@@ -392,6 +393,7 @@ static void attach_work(uv_work_t *w) {
     }
     j->spec.rank = r->rank;
     j->spec.world_size = r->world;
+    j->spec.resume_world = r->resume_world;
     j->spec.ref_uid = (uint32_t)r->c->cred.uid; /* a reference-key part: set at accept, never changes */
     if (!json_is_integer(tt) || j->spec.n_threads > cfg->tokenizer_threads) j->spec.n_threads = cfg->tokenizer_threads;
     j->B = j->spec.B;
@@ -555,6 +557,7 @@ void ld_op_attach(conn *c, ld_request *rq) {
     memcpy(r->run, rq->run, sizeof r->run);
     r->has_resume = rq->has_resume;
     memcpy(r->resume, rq->resume, sizeof r->resume);
+    r->resume_world = rq->resume_world;
     if (!r->job_obj || uv_queue_work(s->loop, &r->w, attach_work, attach_done) != 0) {
         json_decref(r->job_obj);
         ld_cfg_put(r->cfg);

@@ -51,9 +51,9 @@ int ld_parse_detach(ld_request *r) {
 }
 
 int ld_parse_attach(ld_request *r) {
-    json_t *jo = NULL, *rk = NULL, *ws = NULL, *rs = NULL, *run = NULL; /* the shape: all optional here */
-    json_unpack_ex(r->root, NULL, 0, "{s?o, s?o, s?o, s?o, s?o}", "job", &jo, "rank", &rk, "world_size", &ws, "resume",
-                   &rs, "run", &run);
+    json_t *jo = NULL, *rk = NULL, *ws = NULL, *rs = NULL, *run = NULL, *rw = NULL; /* the shape: all optional here */
+    json_unpack_ex(r->root, NULL, 0, "{s?o, s?o, s?o, s?o, s?o, s?o}", "job", &jo, "rank", &rk, "world_size", &ws,
+                   "resume", &rs, "run", &run, "resume_world", &rw);
     if (!json_is_object(jo)) return bad("\"job\": expected the job spec object");
     if (run && !json_is_null(run)) {
         const char *t = json_string_value(run);
@@ -80,6 +80,12 @@ int ld_parse_attach(ld_request *r) {
             r->resume[i] = (uint8_t)(hi << 4 | lo);
         }
         r->has_resume = 1;
+    }
+    if (rw && !json_is_null(rw)) {
+        if (!json_is_integer(rw) || json_integer_value(rw) < 1 || json_integer_value(rw) > 65536)
+            return bad("\"resume_world\": expected an integer in [1, 65536]");
+        if (!r->has_resume) return bad("\"resume_world\" needs a \"resume\" state");
+        r->resume_world = (uint32_t)json_integer_value(rw);
     }
     r->job = jo;
     return BT_OK;

@@ -45,6 +45,7 @@ struct ld_request {
     char run[LD_RUN_MAX + 1]; /* "run": the training run the rank belongs to; "" when absent */
     int has_resume;
     uint8_t resume[BT_RESUME_STATE_BYTES];
+    uint32_t resume_world; /* "resume_world" (0: absent) */
     /* detach / report */
     int has_job_id;
     uint32_t job_id;

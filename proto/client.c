@@ -48,6 +48,7 @@ struct bt_client {
     char *run;        /* the attach's "run", or NULL */
     int have_resume;  /* resume holds the state to re-attach with (else: from the start) */
     uint8_t resume[BT_RESUME_STATE_BYTES];
+    int resume_world; /* the world size resume was written by, until a batch replaces it (0: world) */
     double reconnect_s;
     uint64_t reconnects;
     pthread_mutex_t mu; /* the socket and buf: report vs. reconnect vs. close */
@@ -248,6 +249,8 @@ static int do_attach(bt_client *c) {
         char hex[2 * BT_RESUME_STATE_BYTES + 1];
         for (unsigned i = 0; i < BT_RESUME_STATE_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", c->resume[i]);
         json_object_set_new(req, "resume", json_string(hex));
+        if (c->resume_world && c->resume_world != c->world)
+            json_object_set_new(req, "resume_world", json_integer(c->resume_world));
     }
     rc = send_json(c->sock, req);
     json_decref(req);
@@ -317,6 +320,11 @@ int bt_client_attach(bt_client **out, const char *socket_path, const char *job_j
 
 int bt_client_attach_run(bt_client **out, const char *socket_path, const char *job_json, int rank, int world_size,
                          const uint8_t *resume_state, const char *run) {
+    return bt_client_attach_from(out, socket_path, job_json, rank, world_size, resume_state, 0, run);
+}
+
+int bt_client_attach_from(bt_client **out, const char *socket_path, const char *job_json, int rank, int world_size,
+                          const uint8_t *resume_state, int resume_world, const char *run) {
     *out = NULL;
     if (!socket_path) socket_path = getenv("LOADERD_SOCKET") ? getenv("LOADERD_SOCKET") : BT_DEFAULT_SOCKET;
     struct sockaddr_un sa;
@@ -346,6 +354,7 @@ int bt_client_attach_run(bt_client **out, const char *socket_path, const char *j
     if (resume_state) {
         memcpy(c->resume, resume_state, BT_RESUME_STATE_BYTES);
         c->have_resume = 1;
+        c->resume_world = resume_world;
     }
     c->reconnect_s = CLIENT_RECONNECT_DEFAULT_S;
     const char *env = getenv("LOADERD_RECONNECT_S");
@@ -533,6 +542,7 @@ int bt_client_next(bt_client *c, bt_batch_view *v, int timeout_ms) {
     /* the state to re-attach with if loaderd goes away after this batch */
     memcpy(c->resume, v->hdr->resume_state, BT_RESUME_STATE_BYTES);
     c->have_resume = 1;
+    c->resume_world = 0; /* a state of this world from now on */
     return 0;
 }
 

@@ -39,6 +39,13 @@ int bt_client_attach(bt_client **out, const char *socket_path, const char *job_j
  * [A-Za-z0-9._:-] (loaderd refuses anything else). Re-attaches send it too. */
 int bt_client_attach_run(bt_client **out, const char *socket_path, const char *job_json, int rank,
                          int world_size, const uint8_t *resume_state, const char *run);
+/* bt_client_attach_run with a resume state written by a run of another world size: resume_world
+ * (0 or world_size: the same) is that run's size and resume_state its rank 0's state; loaderd
+ * continues this rank at the same row of the data (the attach's "resume_world", PROTOCOL.md; it
+ * refuses when world_size does not divide the rows the old ranks took of the current window).
+ * A re-attach before the first batch sends it again; after, the last batch's own state. */
+int bt_client_attach_from(bt_client **out, const char *socket_path, const char *job_json, int rank,
+                          int world_size, const uint8_t *resume_state, int resume_world, const char *run);
 /* Wait for the next batch (timeout_ms, -1 forever). 0: *v points at it (valid until release;
  * a next without release releases the previous batch), already checked with bt_batch_validate
  * (against B, T and the vocabulary), job id and consecutive step numbers;

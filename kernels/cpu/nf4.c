@@ -257,13 +257,28 @@ void bt_nf4_free(bt_nf4 *q)
  *     (quant_state nested_offset), so loading a checkpoint uses the stored value and stays exact;
  *   c[b] = absmax[b] - offset (fp32); nested_absmax[k] = max |c| over the 256-block k;
  *   absmax_q[b] = dQuantize<0>(code8, c[b] * (1.0f / nested_absmax[b/256])). */
-int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols)
+void bt_nf4_block_absmax(const float *x, int64_t nblocks, float *absmax)
 {
-    if (!q || !W || rows <= 0 || cols <= 0)
-        return bt_fail(BT_ERR_INVALID, "nf4_quantize: bad arguments (rows=%lld cols=%lld)",
-                       (long long)rows, (long long)cols);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        float am = 0.0f;
+        for (int i = 0; i < BT_NF4_BLOCKSIZE; i++)
+            am = fmaxf(am, fabsf(x[b * BT_NF4_BLOCKSIZE + i]));
+        absmax[b] = am;
+    }
+}
+
+float bt_nf4_absmax_offset(const float *absmax, int64_t nblocks)
+{
+    return nblocks > 0 ? torch_sum_f32(absmax, nblocks) / (float)nblocks : 0.0f;
+}
+
+/* bt_nf4_quantize over n elements (a multiple of 64) of W; offset NULL: the mean of W's block
+ * absmaxes (the whole matrix), else *offset (bt_nf4_quantize_part). */
+static int quantize_core(bt_nf4 *q, const float *W, int64_t n, int64_t rows, int64_t cols,
+                         const float *offset_in)
+{
     memset(q, 0, sizeof *q);
-    const int64_t n = rows * cols;
     if (n % BT_NF4_BLOCKSIZE != 0)
         return bt_fail(BT_ERR_INVALID, "nf4_quantize: rows*cols=%lld is not a multiple of %d",
                        (long long)n, BT_NF4_BLOCKSIZE);
@@ -295,7 +310,7 @@ int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols)
             p[j] = (uint8_t)((nf4_encode(x[2 * j] * inv) << 4) | nf4_encode(x[2 * j + 1] * inv));
     }
 
-    const float offset = torch_sum_f32(absmax, nb) / (float)nb;
+    const float offset = offset_in ? *offset_in : torch_sum_f32(absmax, nb) / (float)nb;
     q->offset = offset;
 
     const float *code = code8_table();
@@ -315,6 +330,29 @@ int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols)
     }
     free(absmax);
     return BT_OK;
+}
+
+int bt_nf4_quantize(bt_nf4 *q, const float *W, int64_t rows, int64_t cols)
+{
+    if (!q || !W || rows <= 0 || cols <= 0)
+        return bt_fail(BT_ERR_INVALID, "nf4_quantize: bad arguments (rows=%lld cols=%lld)",
+                       (long long)rows, (long long)cols);
+    return quantize_core(q, W, rows * cols, rows, cols, NULL);
+}
+
+int bt_nf4_quantize_part(bt_nf4 *q, const float *x, int64_t n, float offset, int64_t rows, int64_t cols)
+{
+    if (!q || (!x && n) || n < 0 || rows <= 0 || cols <= 0 || n > rows * cols)
+        return bt_fail(BT_ERR_INVALID, "nf4_quantize_part: bad arguments (n=%lld of %lld x %lld)",
+                       (long long)n, (long long)rows, (long long)cols);
+    if (n == 0) { /* a rank past the end of a short matrix: nothing held */
+        memset(q, 0, sizeof *q);
+        q->rows = rows;
+        q->cols = cols;
+        q->offset = offset;
+        return BT_OK;
+    }
+    return quantize_core(q, x, n, rows, cols, &offset);
 }
 
 /* absmax of 64-block b as bitsandbytes dequantize_4bit reconstructs it: dequantize_blockwise gives

@@ -167,15 +167,22 @@ def test_two_ranks_reproduce_one_process_with_both_rows(env):
 
 
 def test_two_ranks_resume_bit_identically(env):
-    """stop after 2 of 3 steps with a checkpoint (every rank's loader state gathered to rank 0),
-    resume both ranks: step 3 is bit-identical to the uninterrupted run's; resuming with one
-    process is refused (the loader positions belong to two ranks)."""
+    """Two ranks with dist.shard_base (issue 26: each holds half of every NF4 base linear) stop after
+    2 of 3 steps with a checkpoint (every rank's loader state gathered to rank 0); both resume: step
+    3 is bit-identical to the uninterrupted run's. The checkpoint is one PEFT adapter + AdamW state,
+    whatever W: one process resumes it with grad_accum 2, the same global batch of 2 rows (rank r of
+    W takes window rows r, r + W, ..., so step k is rows 2k - 2 and 2k - 1 either way; loaderd
+    continues rank 0's state at the same row, proto/PROTOCOL.md "resume_world"): step 3's loss
+    equals the uninterrupted run's to every printed digit and the adapter is within rel_l2 1e-4
+    (lora_A) / 1e-3 (lora_B), the data-parallel tolerance above (fp32 summation order; 0 seen). One
+    process with grad_accum 1 (half the global batch) is refused, naming it."""
     data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
             "micro_batch_size": 1, "seed": 5}
-    full, _ = job_config(env, "dp-full", "cuda", {"data": data})
+    shard = {"data": data, "dist": {"shard_base": True}}
+    full, out_full = job_config(env, "dp-full", "cuda", shard)
     ck = env["tmp"] / "dp-ckpt"
-    part, _ = job_config(env, "dp-part", "cuda", {"data": data, "checkpoint_every": 1,
-                                                  "checkpoint_dir": str(ck), "stop_at_step": 2})
+    part, out_part = job_config(env, "dp-part", "cuda", {**shard, "checkpoint_every": 1,
+                                                         "checkpoint_dir": str(ck), "stop_at_step": 2})
     dbg = {"BT_LOG_LEVEL": "debug"}
     exact = re.compile(r"step (\d+) loss ([0-9.e+-]+) grad norm ([0-9.e+-]+)")
     a = launch_ranks([full, full], free_port(), extra_env=dbg)
@@ -185,6 +192,7 @@ def test_two_ranks_resume_bit_identically(env):
     for name, res in (("full", a), ("stopped", b), ("resumed", c)):
         for rank, (rc, text) in enumerate(res):
             assert rc == 0, f"{name} rank {rank}:\n{text}"
+    assert "dist.shard_base: rank 1 holds " in a[1][1], a[1][1]
     want = dict((int(n), (l, g)) for n, l, g in exact.findall(a[0][1]))
     got_b = dict((int(n), (l, g)) for n, l, g in exact.findall(b[0][1]))
     got_c = dict((int(n), (l, g)) for n, l, g in exact.findall(c[0][1]))
@@ -192,11 +200,27 @@ def test_two_ranks_resume_bit_identically(env):
     assert got_b[1] == want[1] and got_b[2] == want[2]
     assert got_c[3] == want[3], f"resumed step 3 {got_c[3]} vs uninterrupted {want[3]}"
     assert "resumed from" in c[1][1], c[1][1]
+    # the same checkpoint on one process (W = 1: the whole base) with twice the grad_accum
+    one_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    r = subprocess.run([EMU_TRAINER, "train", "--config", str(part), "--set", "stop_at_step=0", "--set",
+                        "grad_accum=2", "--resume", str(ck)], capture_output=True, text=True, timeout=600,
+                       env={**one_env, **dbg})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "written by 2 rank(s), this run has 1: the data continue at the same row" in r.stderr, r.stderr
+    printed = re.compile(r"step (\d+)/3 \| loss ([0-9.]+) \| lr ")
+    want_p, got_1 = dict(printed.findall(a[0][1])), dict(printed.findall(r.stdout + r.stderr))
+    got_exact = dict((int(n), (l, g)) for n, l, g in exact.findall(r.stdout + r.stderr))
+    print(f"\nresume W=2 -> W=1: uninterrupted step 3 {want[3]}, resumed on one process {got_exact.get(3)}")
+    assert sorted(got_1) == ["3"] and got_1["3"] == want_p["3"], (got_1, want_p)
+    fa = read_safetensors(out_full / "adapter_model.safetensors")
+    fc = read_safetensors(out_part / "adapter_model.safetensors")
+    ea, eb = rel_l2(fc, fa, "lora_A"), rel_l2(fc, fa, "lora_B")
+    print(f"resume W=2 -> W=1: adapter rel_l2 lora_A {ea:.3e} lora_B {eb:.3e}")
+    assert set(fc) == set(fa) and ea <= 1e-4 and eb <= 1e-3, (ea, eb)
     r = subprocess.run([EMU_TRAINER, "train", "--config", str(part), "--set", "stop_at_step=0",
-                        "--resume", str(ck)], capture_output=True, text=True, timeout=600,
-                       env={k: v for k, v in os.environ.items()
-                            if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")})
-    assert r.returncode != 0 and "written by 2 rank(s), this run has 1" in r.stderr, r.stderr
+                        "--resume", str(ck)], capture_output=True, text=True, timeout=600, env=one_env)
+    assert r.returncode != 0 and "global batch: checkpoint written by 2 rank(s) x grad_accum 1, this run has 1 x 1" \
+        in r.stderr, r.stderr
 
 
 def test_rendezvous_refuses_ranks_of_different_jobs(env):
@@ -317,21 +341,30 @@ def test_a_signal_on_one_rank_stops_every_rank_mid_step_and_keeps_the_last_step(
 
 
 
-@pytest.mark.parametrize("base,ckpt", [("nf4", False), ("Q8_0", True)])
+def tiny_3l(env, name, base):
+    """The 3-layer hidden-128 model of the shard_base tests: F32 linears (base "nf4": quantised at
+    load), or "A+B": attention linears in GGUF type A, FFN ones in B (two block types in one file,
+    as llama.cpp's _M mixes)."""
+    model = env["tmp"] / f"tiny64-3l-{name}.gguf"
+    types = ["--type", "F32"] if base == "nf4" else ["--type", base.split("+")[0], "--ffn-type", base.split("+")[-1]]
+    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(model), "--tokenizer-from",
+                    str(env["model"]), "--layers", "3", "--hidden", "128", "--heads", "2", "--kv-heads", "1",
+                    "--ffn", "256", "--seed", "11", *types], check=True)
+    return model
+
+
+@pytest.mark.parametrize("base,ckpt", [("nf4", False), ("Q8_0+Q4_0", True)])
 def test_shard_base_reproduces_the_whole_base(env, base, ckpt):
     """dist.shard_base (issue 26): two ranks each holding half of every base linear (whole NF4
-    double-quantisation groups, or the GGUF's own Q8_0 rows), all-gathered per layer in forward and
+    double-quantisation groups, or the GGUF's own Q8_0 / Q4_0 rows), all-gathered per layer in forward and
     again for backward / recompute (three layers and two gather slots: every step gathers in both
     directions, the next layer's gather in flight while one computes), train exactly as two ranks
     holding the whole base: the same gathered bytes feed the same kernels, so the losses (every
     printed digit; NF4: and the held-out losses, over 3 rows the ranks share 2 / 1) and the
     adapter are identical (tolerance 0). Each rank's counter shows its
-    shard: half the whole base's bytes for Q8_0 (rows cut in two); for NF4, ceil(groups / 2) whole
+    shard: half the whole base's bytes for GGUF (rows cut in two); for NF4, ceil(groups / 2) whole
     16384-weight groups of every linear (the last one padded)."""
-    model = env["tmp"] / f"tiny64-3l-{base}.gguf"
-    subprocess.run([os.path.join(BUILD, "tools", "mk_tiny_gguf"), "--out", str(model), "--tokenizer-from",
-                    str(env["model"]), "--layers", "3", "--hidden", "128", "--heads", "2", "--kv-heads", "1",
-                    "--ffn", "256", "--seed", "11", "--type", "F32" if base == "nf4" else base], check=True)
+    model = tiny_3l(env, base, base)
     data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 64,
             "micro_batch_size": 1, "seed": 5}
     # held-out rows 3 (NF4): the ranks' shares are 2 and 1 batches, and every forward pass gathers,
@@ -355,9 +388,9 @@ def test_shard_base_reproduces_the_whole_base(env, base, ckpt):
                           r"and gathers each layer into (\d+) bytes" if shard else
                           r"base linears: (\d+) bytes on this GPU", text)
             assert m, text
-            # a GGUF-native base is cut at load: each rank reads only its rows (issue 26)
-            assert (f"dist.shard_base: rank {rank} read only its 1/2 cut of the base linears" in text) == \
-                (shard and base != "nf4"), text
+            # the base is cut at load: each rank reads only its GGUF rows, or quantises only its NF4
+            # groups (with the whole matrix's offset: the same bytes), issue 26
+            assert (f"dist.shard_base: rank {rank} read only its 1/2 cut of the base linears" in text) == shard, text
             held.append(int(m.group(1)))
             if shard and base == "nf4":  # what `trainer estimate` bills (plan.h bt_shard_cut): 7 linears
                 # of 2 x 1 groups, packed + codes, and 2 nested absmax in a 256-byte region each
@@ -377,6 +410,51 @@ def test_shard_base_reproduces_the_whole_base(env, base, ckpt):
         assert h1[0] == 3 * sum((g + 1) // 2 for g in groups) * (8192 + 256 + 4)
     else:
         assert 2 * h1[0] == h0[0]
+
+
+@pytest.mark.parametrize("base,ckpt", [("nf4", True), ("Q8_0+Q4_0", False)])
+def test_shard_base_four_ranks_reproduce_one_process(env, base, ckpt):
+    """dist.shard_base on W = 4 (issue 26; W = 2 above, with checkpointing the other way round): four
+    ranks, micro-batch 1, each holding a quarter of every base linear, read alone from the file
+    (GGUF: a quarter of the rows of Q8_0 attention and Q4_0 FFN linears; NF4: one whole 16384-weight
+    group of every linear, quantised alone with the whole matrix's offset, the last ones padded) train as one process holding the whole base with
+    grad_accum 4 (the same 4 rows a step: rank r of 4 takes rows r, r + 4, ...; loss the mean over all
+    labelled tokens): the same loss to every printed digit, the adapter within rel_l2 1e-4 (lora_A)
+    / 1e-3 (lora_B), the data-parallel tolerance above (fp32 summation order; 0 seen). Kept cheap for
+    `make test`: one step (the adapter after it holds the gradients of the backward's gathers) of
+    rows of 40 tokens (the emulated cross-entropy over the 49152-token vocabulary is most of the time)."""
+    model = tiny_3l(env, f"w4-{base}", base)
+    data = {"shards": [str(env["data"] / "train-*.jsonl.zst")], "format": "chat", "seq_len": 40,
+            "micro_batch_size": 1, "seed": 5}
+    over = {"model": str(model), "data": data, "eval": {}, "steps": 1, "activation_checkpointing": ckpt,
+            "base_dtype": "nf4" if base == "nf4" else "gguf"}
+    cfg4, out4 = job_config(env, f"w4-{base}", "cuda", {**over, "dist": {"shard_base": True}})
+    cfg1, out1 = job_config(env, f"w1-{base}", "cuda", {**over, "grad_accum": 4})
+    res = launch_ranks([cfg4] * 4, free_port(), 4)
+    for rank, (rc, text) in enumerate(res):
+        assert rc == 0, f"rank {rank}:\n{text}"
+    one_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    r = subprocess.run([EMU_TRAINER, "train", "--config", str(cfg1)], capture_output=True, text=True, timeout=600,
+                       env=one_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    printed = re.compile(r"step \d/1 \| loss ([0-9.]+) \| lr ")
+    l4, l1 = printed.findall(res[0][1]), printed.findall(r.stdout + r.stderr)
+    whole = int(re.search(r"base linears: (\d+) bytes on this GPU", r.stdout + r.stderr).group(1))
+    held = [int(re.search(r"dist.shard_base: rank \d holds (\d+) bytes of the base linears \(its 1/4 shard\)",
+                          t).group(1)) for _, t in res]
+    a4, a1 = read_safetensors(out4 / "adapter_model.safetensors"), read_safetensors(out1 / "adapter_model.safetensors")
+    ea, eb = rel_l2(a4, a1, "lora_A"), rel_l2(a4, a1, "lora_B")
+    print(f"\nshard_base W=4 {base} ckpt={ckpt}: losses {l4} / one process {l1}; base bytes a rank {held} "
+          f"(whole {whole}); adapter rel_l2 lora_A {ea:.3e} lora_B {eb:.3e}")
+    assert len(l4) == 1 and l4 == l1, (l4, l1)
+    assert set(a4) == set(a1) and ea <= 1e-4 and eb <= 1e-3, (ea, eb)
+    assert len(set(held)) == 1
+    for rank, (_, text) in enumerate(res):
+        assert f"dist.shard_base: rank {rank} read only its 1/4 cut of the base linears" in text, text
+    if base == "nf4":  # one whole group of each of the 7 linears of 3 layers (1 or 2 groups: plan.h bt_shard_cut)
+        assert held[0] == 3 * 7 * (8192 + 256 + 4)
+    else:
+        assert 4 * held[0] == whole
 
 
 def test_shard_base_a_lost_rank_ends_the_gathering_ranks_naming_it(env):
@@ -408,3 +486,4 @@ def test_shard_base_a_lost_rank_ends_the_gathering_ranks_naming_it(env):
     print("\n" + "\n".join(l for l in text.splitlines() if "rank 1 (pid" in l)[-400:])
     assert procs[0].returncode == 1, f"rank 0 exited {procs[0].returncode}:\n{text[-3000:]}"
     assert f"rank 1 (pid {victim.pid} on " in text and "died" in text, text[-3000:]
+

@@ -2,7 +2,7 @@
  *
  *   mk_tiny_gguf --out PATH --tokenizer-from MODEL.gguf [--layers 2] [--hidden 64] [--heads 4]
  *                [--kv-heads 2] [--ffn 128] [--seed 1] [--tied 1] [--ctx 2048]
- *                [--rope-base 10000] [--eps 1e-5] [--type F32] [--embd-type F32]
+ *                [--rope-base 10000] [--eps 1e-5] [--type F32] [--embd-type F32] [--ffn-type T]
  *
  * The file (metadata, tensor names and shapes, values) is tests/unit/util/tiny_gguf.h's: every
  * "tokenizer.*" key of MODEL.gguf is copied verbatim, so the vocabulary is the real one (49152
@@ -10,7 +10,8 @@
  * 10000). --type is the ggml type of the seven linears of every layer, --embd-type that of
  * token_embd (and output): F32 (default), F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
  * Q4_K, Q5_K, Q6_K (common/quant.h bt_ggml_quantize; K-quants need hidden and ffn multiples of
- * 256, the others multiples of 32). Norms stay F32, as llama.cpp keeps them. */
+ * 256, the others multiples of 32); --ffn-type (default --type's) that of ffn_gate / ffn_up /
+ * ffn_down, for a file mixing two block types as llama.cpp's _M files do. Norms stay F32, as llama.cpp keeps them. */
 #include <getopt.h>
 #include <errno.h>
 #include <math.h>
@@ -52,7 +53,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: mk_tiny_gguf --out PATH --tokenizer-from MODEL.gguf [--layers 2] "
             "[--hidden 64] [--heads 4] [--kv-heads 2] [--ffn 128] [--seed 1] [--tied 1] "
-            "[--ctx 2048] [--rope-base F] [--eps 1e-5] [--type F32] [--embd-type F32]\n");
+            "[--ctx 2048] [--rope-base F] [--eps 1e-5] [--type F32] [--embd-type F32] [--ffn-type T]\n");
 }
 
 /* a ggml type name with an encoder ("Q4_K") -> BT_GGML_*; -1 (message printed) otherwise */
@@ -73,7 +74,7 @@ int main(int argc, char **argv) {
     long long layers = 2, hidden = 64, heads = 4, kv_heads = 2, ffn = 128, seed = 1, tied = 1,
               ctx = 2048;
     double rope_base = 0, eps = 1e-5;
-    int type = BT_GGML_F32, embd_type = BT_GGML_F32;
+    int type = BT_GGML_F32, embd_type = BT_GGML_F32, ffn_type = -1;
     static const struct option lopts[] = {
         {"out", required_argument, NULL, 'o'},       {"tokenizer-from", required_argument, NULL, 'k'},
         {"layers", required_argument, NULL, 'L'},    {"hidden", required_argument, NULL, 'D'},
@@ -82,7 +83,8 @@ int main(int argc, char **argv) {
         {"tied", required_argument, NULL, 't'},      {"ctx", required_argument, NULL, 'c'},
         {"rope-base", required_argument, NULL, 'r'}, {"eps", required_argument, NULL, 'e'},
         {"type", required_argument, NULL, 'y'},      {"embd-type", required_argument, NULL, 'E'},
-        {"help", no_argument, NULL, 'h'},            {NULL, 0, NULL, 0}};
+        {"ffn-type", required_argument, NULL, 'f'},  {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
     int c, li = 0;
     while ((c = getopt_long(argc, argv, "h", lopts, &li)) != -1) {
         char a[32]; /* the flag as typed in full, for the value checks' messages */
@@ -104,6 +106,7 @@ int main(int argc, char **argv) {
         case 'e': bad = parse_float(a, v, &eps); break;
         case 'y': bad = (type = parse_type(a, v)) < 0; break;
         case 'E': bad = (embd_type = parse_type(a, v)) < 0; break;
+        case 'f': bad = (ffn_type = parse_type(a, v)) < 0; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -116,6 +119,10 @@ int main(int argc, char **argv) {
     }
     if (!out || !tok) {
         usage(stderr);
+        return 2;
+    }
+    if (ffn_type == BT_GGML_F32 && type != BT_GGML_F32) { /* tu_tiny_spec's 0 means "as --type" */
+        fprintf(stderr, "mk_tiny_gguf: --ffn-type F32 needs --type F32\n");
         return 2;
     }
     bt_gguf *src;
@@ -134,6 +141,7 @@ int main(int argc, char **argv) {
     sp.ctx = (int)ctx;
     sp.type = type;
     sp.embd_type = embd_type;
+    sp.ffn_type = ffn_type < 0 ? type : ffn_type;
     sp.seed = (uint64_t)seed;
     sp.rope_base = rope_base;
     sp.eps = eps;

@@ -128,12 +128,12 @@ int upload_shard(btc_model *dm, btc_shard *sh, const bt_base_linear *bl, int l, 
 {
     const int64_t rows = bl->rows, cols = bl->cols, n = rows * cols;
     const bool cut = bl->shard_world > 1; /* the host holds my rows only, row 0 = row shard_r0 */
-    if (cut && (bl->shard_world != W || bl->shard_rank != rank || !bl->is_gguf))
+    if (cut && (bl->shard_world != W || bl->shard_rank != rank || !(bl->is_gguf || bl->is_nf4)))
         return bt_fail(BT_ERR_INVALID, "cuda: layer %d %s was loaded as rank %d's shard of %d, but "
                        "this trainer is rank %d of %d (dist.shard_base)", l, bt_module_name(mod),
                        bl->shard_rank, bl->shard_world, rank, W);
-    const int64_t hr0 = cut ? bl->shard_r0 : 0;          /* first row the host holds */
-    const int64_t hrows = cut ? bl->g.rows : rows;       /* rows it holds */
+    const int64_t hr0 = cut ? bl->shard_r0 : 0;          /* first row (NF4: unit) the host holds */
+    const int64_t hrows = cut && bl->is_gguf ? bl->g.rows : rows; /* rows it holds (GGUF) */
     sh->gtype = -1;
     if (bl->is_nf4) {
         bt_shard_cut_nf4(&sh->cut, n, W);
@@ -154,12 +154,14 @@ int upload_shard(btc_model *dm, btc_shard *sh, const bt_base_linear *bl, int l, 
     std::vector<uint8_t> h((size_t)bytes, 0);
     uint8_t *o = h.data();
     const int64_t u0 = (int64_t)rank * c.per, u1 = u0 + c.per; /* my units [u0, u1) */
-    if (bl->is_nf4) {
-        slice_bytes(o, bl->q.packed, n / 2, u0 * c.unit[0], u1 * c.unit[0]);
+    if (bl->is_nf4) { /* a cut (bt_model_nf4_cut) holds units [shard_r0, ...): q.n weights */
+        const int64_t hn = cut ? bl->q.n : n, hu = cut ? (hn + BT_SHARD_NF4_WEIGHTS - 1) / BT_SHARD_NF4_WEIGHTS
+                                                      : c.units;
+        slice_bytes(o, bl->q.packed, hn / 2, (u0 - hr0) * c.unit[0], (u1 - hr0) * c.unit[0]);
         o += c.per * c.unit[0];
-        slice_bytes(o, bl->q.absmax_q, n / 64, u0 * c.unit[1], u1 * c.unit[1]);
+        slice_bytes(o, bl->q.absmax_q, hn / 64, (u0 - hr0) * c.unit[1], (u1 - hr0) * c.unit[1]);
         o += c.per * c.unit[1];
-        slice_bytes(o, (const uint8_t *)bl->q.nested_absmax, c.units * 4, u0 * 4, u1 * 4);
+        slice_bytes(o, (const uint8_t *)bl->q.nested_absmax, hu * 4, (u0 - hr0) * 4, (u1 - hr0) * 4);
     } else if (sh->gtype >= 0) {
         slice_bytes(o, bl->g.data, hrows * c.unit[0], (u0 - hr0) * c.unit[0],
                     (u1 - hr0) * c.unit[0]);

@@ -314,7 +314,7 @@ out:
 /* The identity fields of header H (checkpoint.h) against the running job; 0 or BT_ERR_INVALID naming
  * the first that differs. */
 static int check_identity(const char *dir, const ckpt_header *hp, const bt_train_config *cfg, const bt_model *m,
-                          const bt_lora *lo, int world) {
+                          const bt_lora *lo, int world, int rewrap) {
     const ckpt_header H = *hp;
     int rc = 0;
     uint64_t mfp = bt_model_fingerprint(m);
@@ -344,7 +344,14 @@ static int check_identity(const char *dir, const ckpt_header *hp, const bt_train
         rc = MISMATCH("data.seq_len", "%d", H.seq_len, cfg->data.seq_len);
     } else if (H.micro_batch != cfg->data.micro_batch_size) {
         rc = MISMATCH("data.micro_batch_size", "%d", H.micro_batch, cfg->data.micro_batch_size);
-    } else if (H.grad_accum != cfg->grad_accum) {
+    } else if (H.world != world && H.has_resume && rewrap &&
+               (int64_t)H.world * H.grad_accum != (int64_t)world * cfg->grad_accum) {
+        /* another world size continues the same rows only with the same global batch */
+        rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: global batch: checkpoint written "
+                     "by %d rank(s) x grad_accum %d, this run has %d x %d (resume on another number of ranks "
+                     "with world size x grad_accum = %lld)", dir, H.world, H.grad_accum, world, cfg->grad_accum,
+                     (long long)H.world * H.grad_accum);
+    } else if (H.grad_accum != cfg->grad_accum && !(rewrap && H.world != world && H.has_resume)) {
         rc = MISMATCH("grad_accum", "%d", H.grad_accum, cfg->grad_accum);
     } else if (H.data_fp != bt_config_data_fingerprint(cfg)) {
         rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: data: shards, format, "
@@ -354,7 +361,7 @@ static int check_identity(const char *dir, const ckpt_header *hp, const bt_train
         rc = MISMATCH("seed", "%llu", (unsigned long long)H.seed, (unsigned long long)cfg->seed);
     } else if (H.n_params != lo->n_params) {
         rc = MISMATCH("parameter count", "%lld", (long long)H.n_params, (long long)lo->n_params);
-    } else if (H.world != world && H.has_resume) {
+    } else if (H.world != world && H.has_resume && !rewrap) {
         /* every rank's loader stream depends on the world size (proto/batch.h resume state) */
         rc = bt_fail(BT_ERR_INVALID, "checkpoint %s does not match this job: world size: "
                      "checkpoint written by %d rank(s), this run has %d (resume with the same "
@@ -383,7 +390,7 @@ static int size_limit(int fd, const char *dir, const bt_train_config *cfg, const
         H.world = 1;
         if (H.version == CKPT_VERSION && pread(fd, &H, sizeof H, 0) != (ssize_t)sizeof H) H.world = 1;
         if (H.world < 1 || H.world > BT_CKPT_MAX_WORLD) H.world = 1;
-        rc = check_identity(dir, &H, cfg, m, lo, world);
+        rc = check_identity(dir, &H, cfg, m, lo, world, 0);
     }
     if (!rc)
         rc = bt_fail(BT_ERR_FORMAT, "checkpoint %s: " CKPT_STATE " is %lld bytes, more than a checkpoint of this "
@@ -395,6 +402,13 @@ static int size_limit(int fd, const char *dir, const bt_train_config *cfg, const
 int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
                        bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
                        int *ckpt_steps, int rank, int world) {
+    return bt_checkpoint_load_from(dir, cfg, m, lo, step, resume_state, has_resume, ckpt_steps, rank, world, NULL);
+}
+
+int bt_checkpoint_load_from(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                            bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
+                            int *ckpt_steps, int rank, int world, int *resume_world) {
+    if (resume_world) *resume_world = 0;
     if (world < 1 || rank < 0 || rank >= world)
         return bt_fail(BT_ERR_INVALID, "checkpoint: rank %d of world size %d", rank, world);
     char *path = NULL;
@@ -471,7 +485,7 @@ int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_mod
                      mp.size, (long long)H.n_params);
         goto out;
     }
-    if ((rc = check_identity(dir, &H, cfg, m, lo, world))) goto out;
+    if ((rc = check_identity(dir, &H, cfg, m, lo, world, resume_world != NULL))) goto out;
     size_t nb = (size_t)H.n_params * sizeof(float);
     const uint8_t *arr = b + hb;
     memcpy(lo->params, arr, nb);
@@ -479,10 +493,11 @@ int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_mod
     memcpy(lo->v, arr + 2 * nb, nb);
     *step = H.step;
     *has_resume = H.has_resume != 0;
-    if (rank == 0) memcpy(resume_state, H.resume, BT_RESUME_STATE_BYTES);
+    if (rank == 0 || H.world != world) memcpy(resume_state, H.resume, BT_RESUME_STATE_BYTES);
     else memcpy(resume_state, b + H.header_bytes + (size_t)(rank - 1) * BT_RESUME_STATE_BYTES,
                 BT_RESUME_STATE_BYTES);
     if (ckpt_steps) *ckpt_steps = H.steps;
+    if (resume_world && H.world != world && H.has_resume) *resume_world = H.world; /* rank 0's state */
 out:
     free(mp.data);
     return rc;

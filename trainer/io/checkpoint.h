@@ -91,5 +91,16 @@ int bt_checkpoint_save(const char *dir, const bt_train_config *cfg, const bt_mod
 int bt_checkpoint_load(const char *dir, const bt_train_config *cfg, const bt_model *m,
                        bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
                        int *ckpt_steps, int rank, int world);
+/* bt_checkpoint_load that also takes a checkpoint written by another number of ranks (resume_world
+ * not NULL): the adapter and AdamW moments are the same on every rank whatever W, and the data
+ * continue at the same row when the global batch is kept: micro_batch_size equal (checked as
+ * before) and world x grad_accum equal (else BT_ERR_INVALID "global batch: checkpoint written by 2
+ * rank(s) x grad_accum 1, this run has 1 x 1 (...)"). Then *resume_world = the writing run's world
+ * size and resume_state = its rank 0's state on every rank, to attach with bt_client_attach_from
+ * (proto/client.h; loaderd continues rank r at that row + r); else *resume_world = 0 and each rank
+ * gets its own state as with bt_checkpoint_load. */
+int bt_checkpoint_load_from(const char *dir, const bt_train_config *cfg, const bt_model *m,
+                            bt_lora *lo, int64_t *step, uint8_t *resume_state, int *has_resume,
+                            int *ckpt_steps, int rank, int world, int *resume_world);
 
 #endif

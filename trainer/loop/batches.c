@@ -112,7 +112,8 @@ int bt_run_attach(bt_run *r, bt_client **cl, const bt_train_config *cfg, int eva
                   const uint8_t *resume) {
     char *job = bt_config_job_json(cfg, eval, r->ref_base[0] ? r->ref_base : NULL);
     if (!job) return bt_fail(BT_ERR_NOMEM, "out of memory");
-    int rc = bt_client_attach_run(cl, cfg->socket, job, r->dist.rank, r->dist.world, resume, r->id);
+    int rc = bt_client_attach_from(cl, cfg->socket, job, r->dist.rank, r->dist.world, resume,
+                                   resume && !eval ? r->resume_world : 0, r->id);
     free(job);
     if (rc) return bt_fail(rc, "attach to loaderd at %s (%s stream): %s", cfg->socket,
                            eval ? "eval" : "train", bt_last_error());

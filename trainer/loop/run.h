@@ -76,6 +76,7 @@ typedef struct {
     /* resume: parameters, AdamW moments, step and the loader position */
     int has_resume;
     uint8_t resume[BT_RESUME_STATE_BYTES];
+    int resume_world; /* resume is rank 0's state of a checkpoint of this many ranks (0: this run's own) */
     int start_step, done_steps;
     int at_mb; /* the micro-batch of the step in progress (for the stop message) */
     /* held-out evaluation: before and after training */
@@ -174,7 +175,8 @@ void bt_mb_free(bt_mb_copy *c);
 
 /* Attaches cfg's job to loaderd (the train stream, or with eval != 0 the held-out one) as rank
  * r->dist.rank of r->dist.world under the run's id, resumed after `resume`
- * (BT_RESUME_STATE_BYTES; NULL: from the start). Checks that loaderd serves micro_batch_size x
+ * (BT_RESUME_STATE_BYTES; NULL: from the start; the train stream with r->resume_world set: rank 0's
+ * state of a run of that many ranks, bt_client_attach_from). Checks that loaderd serves micro_batch_size x
  * seq_len batches. *cl is owned by the caller (bt_client_close). Errors name the socket and the
  * stream. */
 int bt_run_attach(bt_run *r, bt_client **cl, const bt_train_config *cfg, int eval,

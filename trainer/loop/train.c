@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
@@ -233,17 +234,21 @@ static int run_load_model(bt_run *r) {
     bt_model *m = &r->model;
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};
-    /* dist.shard_base on W > 1 GPUs with a GGUF-native base: this rank reads only its cut of every
-     * base linear from the mapped file (issue 26; model.h bt_model_load_gguf_shard), so the node's
-     * host memory holds the base once, not once per rank. NF4 / fp32 bases are still loaded whole
-     * and cut on upload (docs/ARCHITECTURE.md §Parallel). */
+    /* dist.shard_base on W > 1 GPUs with a GGUF file, its blocks kept or quantised to NF4: this
+     * rank reads only its cut of every base linear from the mapped file (NF4: quantises only its
+     * groups, with the whole matrix's offset), issue 26, model.h bt_model_load_gguf_shard, so the
+     * node's host memory holds the base about once, not once per rank. An fp32 base, or a Hugging
+     * Face directory, is still loaded whole and cut on upload (docs/ARCHITECTURE.md §Parallel). */
+    struct stat mst;
+    const int bd = bt_model_resolve_base_dtype(cfg->model, cfg->base_dtype);
     const int cut = cfg->device == BT_DEVICE_CUDA && cfg->dist.shard_base && r->dist.world > 1 &&
-                    bt_model_resolve_base_dtype(cfg->model, cfg->base_dtype) == BT_BASE_GGUF;
+                    (bd == BT_BASE_GGUF || bd == BT_BASE_NF4) && stat(cfg->model, &mst) == 0 &&
+                    !S_ISDIR(mst.st_mode);
     /* the cached reference log-probs are keyed by bt_model_ref_id, a hash of the base linears: a
      * rank that holds only its cut cannot compute it (the reference pass itself runs fine) */
     if (cut && cfg->pref_on && cfg->preference.precompute_ref_log_probs)
         return bt_fail(BT_ERR_UNSUPPORTED, "config: preference.precompute_ref_log_probs: with "
-                       "dist.shard_base over %d ranks each rank reads only its cut of the GGUF base, so "
+                       "dist.shard_base over %d ranks each rank reads only its cut of the base, so "
                        "the reference cache's key (the base's hash) cannot be computed; set "
                        "preference.precompute_ref_log_probs false (the reference is then computed every "
                        "step) or dist.shard_base false", r->dist.world);
@@ -323,9 +328,14 @@ static int run_init_lora(bt_run *r) {
     if (cfg->resume_from && !cfg->eval_adapter) {
         int64_t st = 0;
         int ck_steps = 0;
-        if ((rc = bt_checkpoint_load(cfg->resume_from, cfg, &r->model, lo, &st, r->resume,
-                                        &r->has_resume, &ck_steps, r->dist.rank, r->dist.world)))
+        if ((rc = bt_checkpoint_load_from(cfg->resume_from, cfg, &r->model, lo, &st, r->resume, &r->has_resume,
+                                          &ck_steps, r->dist.rank, r->dist.world, &r->resume_world)))
             return rc;
+        if (r->resume_world && !r->eval_only)
+            bt_log(BT_LOG_INFO, "trainer", "checkpoint %s was written by %d rank(s), this run has %d: the data "
+                   "continue at the same row (rank r of W takes rows r, r + W, ...; grad_accum %d x %d ranks keeps "
+                   "the global batch)", cfg->resume_from, r->resume_world, r->dist.world, cfg->grad_accum,
+                   r->dist.world);
         if (r->eval_only)
             bt_log(BT_LOG_INFO, "trainer", "evaluating checkpoint %s (step %lld)", cfg->resume_from,
                    (long long)st);
@@ -538,6 +548,7 @@ static int step_gather(bt_run *r, int step, step_batches *sb) {
                                               "batches for step %d (see its log)", step + 1));
     memcpy(r->resume, r->mbs[cfg->grad_accum - 1].resume, BT_RESUME_STATE_BYTES);
     r->has_resume = 1;
+    r->resume_world = 0; /* this run's own state from now on */
     rc = bt_run_gather_resume(r, r->resume, r->all_next);
     return rc ? run_end_with(r, RUN_END_STOP_OR_FAIL, rc) : 0;
 }

@@ -284,7 +284,7 @@ int bt_model_rope_init(bt_model *m, const float *rope_freqs) {
 
 /* Bytes of one base linear's weight (no bias). */
 static size_t lin_bytes(const bt_base_linear *l) {
-    size_t n = (size_t)l->rows * l->cols;
+    size_t n = l->is_nf4 && l->shard_world > 1 ? (size_t)l->q.n : (size_t)l->rows * l->cols; /* a cut: its part */
     if (l->is_nf4) return n / 2 + n / 64 + (n / 64 / 256 + 1) * 4;
     if (l->is_gguf) return bt_ggml_mat_bytes(&l->g);
     return n * 4;
@@ -869,6 +869,11 @@ static int gguf_linear(const bt_gguf *g, const char *path, const char *name,
     const int nh = !qk ? 0 : j == BT_MOD_Q ? hp->n_head : hp->n_kv_head;
     if (opts->base_dtype == BT_BASE_GGUF)
         return load_linear_gguf(g, path, name, rows, cols, nh, hp->head_dim, total, r0, sh, l);
+    if (opts->base_dtype == BT_BASE_NF4 && sh && sh->world > 1) { /* only this rank's NF4 groups */
+        const bt_gguf_tensor *t;
+        if ((rc = find_tensor_checked(g, path, name, total ? total : rows, cols, &t))) return rc;
+        return bt_model_nf4_cut(l, t, rows, cols, nh, hp->head_dim, r0, sh, path, name);
+    }
     float *w;
     if ((rc = load_tensor(g, path, name, total ? total : rows, cols, &w))) return rc;
     if (total) { /* a fused tensor: keep rows [r0, r0 + rows) */
@@ -1015,11 +1020,10 @@ int bt_model_load_gguf_shard(bt_model *m, const char *path, const bt_model_load_
     if (sh && (sh->world < 1 || sh->rank < 0 || sh->rank >= sh->world))
         return bt_fail(BT_ERR_INVALID, "model: %s: shard rank %d of %d ranks: the rank must be in "
                        "[0, ranks)", path, sh->rank, sh->world);
-    if (sh && sh->world > 1 && opts.base_dtype != BT_BASE_GGUF)
+    if (sh && sh->world > 1 && opts.base_dtype != BT_BASE_GGUF && opts.base_dtype != BT_BASE_NF4)
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: loading only this rank's shard of the base "
-                       "(dist.shard_base) needs base_dtype gguf (the file's own blocks); an %s base is "
-                       "loaded whole, then cut", path,
-                       opts.base_dtype == BT_BASE_NF4 ? "nf4" : "fp32");
+                       "(dist.shard_base) needs base_dtype gguf (the file's own blocks) or nf4 (this "
+                       "rank's groups quantised); an fp32 base is loaded whole, then cut", path);
     bt_gguf *g = NULL;
     int rc = bt_gguf_open(&g, path);
     if (rc) return bt_fail(rc, "model: %s", bt_last_error_in("model"));

@@ -144,7 +144,8 @@ typedef struct {
     float *bias;  /* [rows] fp32 or NULL (owned): Qwen2 q/k/v, Llama attention_bias/mlp_bias */
     /* shard_world > 1 (bt_model_load_gguf_shard, dist.shard_base): the linear holds only rank
      * shard_rank's cut of it (trainer/backend/plan.h bt_shard_cut_rows: rows [shard_r0,
-     * shard_r0 + g.rows), g.rows possibly 0 past the end); rows / cols stay the whole matrix's
+     * shard_r0 + g.rows), g.rows possibly 0 past the end; NF4, bt_shard_cut_nf4: the q.n weights
+     * of units [shard_r0, ...), 16384 a unit, q.n possibly 0); rows / cols stay the whole matrix's
      * shape. Such a linear is for the sharded GPU upload only (trainer/cuda/cuda_model.cu): the CPU
      * step and bt_base_fwd / bt_base_bwd_x read rows x cols and must never be given one. 0: whole. */
     int shard_rank, shard_world;
@@ -282,9 +283,11 @@ typedef struct {
  * bytes of the base are about 1/world of the whole (the embedding, norms, biases and lm_head stay
  * whole: every rank runs them). q/k rows are un-permuted before the cut (the cut is of the HF
  * rows, as the GPU's gathered matrix holds them). shard NULL or world 1: bt_model_load_gguf.
- * Only base_dtype BT_BASE_GGUF / AUTO (the file's own blocks) can be cut at load today; NF4 and
- * fp32 are refused (BT_ERR_UNSUPPORTED): docs/ARCHITECTURE.md §Parallel says how NF4 is to be
- * quantised per shard. Errors: those of bt_model_load_gguf; BT_ERR_INVALID (rank outside
+ * base_dtype BT_BASE_GGUF / AUTO keeps the file's blocks of its rows; BT_BASE_NF4 quantises only
+ * this rank's whole double-quantisation groups of the HF-order matrix (bt_shard_cut_nf4), with the
+ * offset of the whole matrix found in a first pass over its rows (model_internal.h
+ * bt_model_nf4_cut), so the ranks' bytes concatenate to bt_nf4_quantize's exactly; fp32 is refused
+ * (BT_ERR_UNSUPPORTED). Errors: those of bt_model_load_gguf; BT_ERR_INVALID (rank outside
  * [0, world), world < 1). */
 int bt_model_load_gguf_shard(bt_model *m, const char *path, const bt_model_load_opts *opts,
                              const bt_model_shard *shard);

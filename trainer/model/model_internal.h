@@ -3,6 +3,7 @@
 #ifndef BT_TRAINER_MODEL_INTERNAL_H
 #define BT_TRAINER_MODEL_INTERNAL_H
 
+#include "common/gguf.h"
 #include "trainer/model/model.h"
 
 /* Shape [rows = out, cols = in] of linear `mod` (BT_MOD_*) under hp (q: n_head*head_dim x
@@ -33,6 +34,18 @@ int bt_model_lin_set(bt_base_linear *l, float *w, int rows, int cols, int base_d
  * friends (hp->ctx must already hold llama.context_length). Errors: BT_ERR_FORMAT /
  * BT_ERR_UNSUPPORTED / BT_ERR_NOTFOUND naming the key. */
 struct bt_gguf;
+/* dist.shard_base loading an NF4 base quantised at load (bt_model_load_gguf_shard with base_dtype
+ * nf4 and sh->world > 1): *l gets only rank sh->rank's NF4 units of the [rows, cols] linear
+ * (plan.h bt_shard_cut_nf4: whole 16384-weight double-quantisation groups, ceil(groups / W) a
+ * rank), quantised with the offset of the whole matrix (kernels.h bt_nf4_quantize_part), so its
+ * bytes are exactly the whole quantisation's of those groups. The matrix is HF rows of tensor t's
+ * file rows r0 + perm(r) (llama q/k: nh heads of hd, unpermute_rows's map; nh 0: none), decoded a
+ * row at a time: one pass reads every row (for the offset), host memory is the n/64 absmaxes, one
+ * row and the cut. l->q.n = the weights held (0 past the end); l->shard_r0 = the first unit;
+ * rows / cols stay the whole matrix's. Errors: BT_ERR_UNSUPPORTED (rows x cols not a multiple of
+ * 64), BT_ERR_FORMAT (a non-finite value, named), BT_ERR_NOMEM, a decoding error. */
+int bt_model_nf4_cut(bt_base_linear *l, const bt_gguf_tensor *t, int rows, int cols, int nh, int hd,
+                     int r0, const bt_model_shard *sh, const char *path, const char *name);
 int bt_model_gguf_rope_scaling(const struct bt_gguf *g, const char *path, bt_llama_hparams *hp);
 
 /* 1 and *out = the value when v is a JSON number (integer or real), else 0 (config.json and

@@ -340,6 +340,64 @@ static void test_dequantize_row_ranges(void **state)
 
 /* ---- fused GEMM ---- */
 
+/* dist.shard_base loading NF4 per rank (issue 26): the W parts of a matrix quantised apart, with
+ * the offset of the whole matrix's absmaxes (streamed in uneven pieces), cut at 16384-weight
+ * nested groups (plan.h bt_shard_cut_nf4: ceil(groups / W) a rank), concatenate to
+ * bt_nf4_quantize's packed codes, absmax codes and nested absmax bit for bit; with the part's own
+ * offset instead (quantised alone), they would not. 5.5 groups: a short last group. */
+static void test_quantize_parts_concatenate(void **state)
+{
+    (void)state;
+    const int64_t rows = 88, cols = 1024, n = rows * cols, G = 256 * 64, nb = n / 64;
+    float *w = malloc((size_t)n * sizeof(float)), *am = malloc((size_t)nb * sizeof(float));
+    uint64_t s = 7;
+    for (int64_t i = 0; i < n; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        w[i] = ((float)(s >> 40) / (float)(1 << 24) - 0.5f) * (i % 977 == 0 ? 9.0f : 0.05f);
+    }
+    bt_nf4 whole;
+    assert_int_equal(bt_nf4_quantize(&whole, w, rows, cols), 0);
+    for (int64_t b = 0; b < nb;) { /* pass 1 in uneven pieces, as a row-tile stream gives them */
+        int64_t k = nb - b < 37 ? nb - b : 37;
+        bt_nf4_block_absmax(w + b * 64, k, am + b);
+        b += k;
+    }
+    const float off = bt_nf4_absmax_offset(am, nb);
+    assert_memory_equal(&off, &whole.offset, sizeof off);
+    for (int W = 2; W <= 7; W++) {
+        const int64_t groups = (n + G - 1) / G, per = (groups + W - 1) / W;
+        int64_t at = 0;
+        int differs_alone = 0;
+        for (int r = 0; r < W; r++) {
+            int64_t a = r * per * G < n ? r * per * G : n, e = a + per * G < n ? a + per * G : n;
+            bt_nf4 p;
+            assert_int_equal(bt_nf4_quantize_part(&p, w + a, e - a, off, rows, cols), 0);
+            assert_int_equal(p.n, e - a);
+            assert_memory_equal(&p.offset, &whole.offset, sizeof off);
+            if (e > a) {
+                assert_memory_equal(p.packed, whole.packed + a / 2, (size_t)(e - a) / 2);
+                assert_memory_equal(p.absmax_q, whole.absmax_q + a / 64, (size_t)(e - a) / 64);
+                assert_memory_equal(p.nested_absmax, whole.nested_absmax + a / G,
+                                    (size_t)((e - a + G - 1) / G) * sizeof(float));
+                bt_nf4 alone; /* the part quantised as a matrix of its own: its own offset */
+                assert_int_equal(bt_nf4_quantize(&alone, w + a, 1, e - a), 0);
+                differs_alone |= memcmp(alone.absmax_q, whole.absmax_q + a / 64, (size_t)(e - a) / 64) != 0;
+                bt_nf4_free(&alone);
+            }
+            at = e;
+            bt_nf4_free(&p);
+        }
+        assert_int_equal(at, n);
+        assert_true(differs_alone);
+    }
+    bt_nf4 z;
+    assert_int_equal(bt_nf4_quantize_part(&z, NULL, 0, off, rows, cols), 0);
+    assert_null(z.packed);
+    assert_int_equal(bt_nf4_quantize_part(&z, w, n + 64, off, rows, cols), BT_ERR_INVALID);
+    bt_nf4_free(&whole);
+    free(w), free(am);
+}
+
 static void test_nf4_linear_vs_dense(void **state)
 {
     (void)state;
@@ -406,6 +464,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_code8_matches_bitsandbytes),
+        cmocka_unit_test(test_quantize_parts_concatenate),
         cmocka_unit_test(test_code8_properties),
         cmocka_unit_test(test_fixture_small),
         cmocka_unit_test(test_fixture_576),

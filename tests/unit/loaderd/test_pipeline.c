@@ -450,6 +450,70 @@ static void test_resume_and_epochs(void **state) {
     ld_job_spec_free(&spec), ld_job_spec_free(&s3);
 }
 
+/* Row i (over batches: batch i / B, row i % B) of run r: its input_ids, labels and position_ids
+ * equal row j of run s. */
+static void assert_same_row(const run_t *r, size_t i, const run_t *s, size_t j) {
+    bt_batch_view a, b;
+    assert_true(i / B_TEST < r->n && j / B_TEST < s->n);
+    bt_batch_view_init(&a, r->slots[i / B_TEST], B_TEST, T_TEST);
+    bt_batch_view_init(&b, s->slots[j / B_TEST], B_TEST, T_TEST);
+    size_t oa = i % B_TEST * T_TEST, ob = j % B_TEST * T_TEST;
+    assert_memory_equal(a.input_ids + oa, b.input_ids + ob, T_TEST * sizeof *a.input_ids);
+    assert_memory_equal(a.labels + oa, b.labels + ob, T_TEST * sizeof *a.labels);
+    assert_memory_equal(a.position_ids + oa, b.position_ids + ob, T_TEST * sizeof *a.position_ids);
+}
+
+/* A job resumed on another number of ranks (issue 26, spec.resume_world): rank 0's state of two
+ * ranks after one batch each (rows 0 .. 2B-1 of the window consumed) continues one rank at row 2B
+ * (then 2B+1, ...: the two ranks' rows interleaved) and rank r of four at row 2B + r; three ranks
+ * (2B = 8 not a multiple of 3) and a rank-1 state are refused. */
+static void test_resume_on_another_world_size(void **state) {
+    (void)state;
+    run_t two[2];
+    uint8_t st0[BT_RESUME_STATE_BYTES], st1[BT_RESUME_STATE_BYTES];
+    for (uint32_t q = 0; q < 2; q++) {
+        ld_job_spec spec;
+        make_spec(&spec, 2, 1, NULL);
+        spec.rank = q;
+        spec.world_size = 2;
+        two[q] = run_pipeline(&spec, NULL, NULL, 3, 0);
+        assert_int_equal(two[q].n, 3);
+        bt_batch_view v;
+        bt_batch_view_init(&v, two[q].slots[0], B_TEST, T_TEST);
+        memcpy(q ? st1 : st0, v.hdr->resume_state, BT_RESUME_STATE_BYTES);
+        ld_job_spec_free(&spec);
+    }
+    ld_job_spec one;
+    make_spec(&one, 1, 1, NULL);
+    one.resume_world = 2;
+    run_t r1 = run_pipeline(&one, st0, NULL, 2, 1);
+    for (size_t j = 0; j < 2 * B_TEST; j++) assert_same_row(&r1, j, &two[j % 2], B_TEST + j / 2);
+    ld_job_spec four;
+    make_spec(&four, 1, 1, NULL);
+    four.world_size = 4;
+    four.resume_world = 2;
+    for (uint32_t q = 0; q < 4; q++) {
+        four.rank = q;
+        run_t r4 = run_pipeline(&four, st0, NULL, 1, 1);
+        for (size_t j = 0; j < B_TEST; j++) { /* global row 2B + 4j + q: rank (q % 2), its row B + 2j + q/2 */
+            if (B_TEST + 2 * j + q / 2 < 3 * B_TEST) assert_same_row(&r4, j, &two[q % 2], B_TEST + 2 * j + q / 2);
+        }
+        free_run(&r4);
+    }
+    ld_pipeline *p = NULL;
+    four.rank = 0;
+    four.world_size = 3;
+    assert_int_equal(ld_pipeline_new(&p, &four, g_tok, st0, NULL), BT_ERR_INVALID);
+    assert_non_null(strstr(bt_last_error(), "2 rank(s) stopped 8 rows into a window, not a multiple of this run's 3"));
+    assert_null(p);
+    assert_int_equal(ld_pipeline_new(&p, &one, g_tok, st1, NULL), BT_ERR_INVALID); /* rank 1's state */
+    assert_non_null(strstr(bt_last_error(), "not rank 0's state of a job of world size 2"));
+    one.resume_world = 0; /* without it, rank 0 of two's state is another spec's */
+    assert_int_equal(ld_pipeline_new(&p, &one, g_tok, st0, NULL), BT_ERR_INVALID);
+    free_run(&r1), free_run(&two[0]), free_run(&two[1]);
+    ld_job_spec_free(&one), ld_job_spec_free(&four);
+}
+
 static void test_endless(void **state) {
     (void)state;
     ld_job_spec spec;
@@ -572,6 +636,7 @@ int main(void) {
         cmocka_unit_test(test_threads_identical),
         cmocka_unit_test(test_ranks_partition),
         cmocka_unit_test(test_resume_and_epochs),
+        cmocka_unit_test(test_resume_on_another_world_size),
         cmocka_unit_test(test_endless),
         cmocka_unit_test(test_text_split),
         cmocka_unit_test(test_no_valid_docs),

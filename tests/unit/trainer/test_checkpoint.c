@@ -427,6 +427,27 @@ static void test_world(void **st) {
     assert_non_null(strstr(bt_last_error(), "world size"));
     assert_int_equal(bt_checkpoint_load(dir, &c, &m, &b, &step, got, &has, NULL, 2, 2),
                      BT_ERR_INVALID); /* rank outside the world */
+    /* another world size with the same global batch (issue 26): every rank gets rank 0's state and
+     * the writing world size, for loaderd to continue at the same row; a different global batch is
+     * refused naming it */
+    {
+        int rw = -1, ga = c.grad_accum;
+        assert_int_equal(bt_checkpoint_load_from(dir, &c, &m, &b, &step, got, &has, NULL, 0, 1, &rw),
+                         BT_ERR_INVALID);
+        assert_non_null(strstr(bt_last_error(), "global batch: checkpoint written by 3 rank(s) x grad_accum"));
+        c.grad_accum = 3 * ga;
+        memset(got, 0, sizeof got);
+        memset(b.params, 0, (size_t)b.n_params * 4);
+        assert_int_equal(bt_checkpoint_load_from(dir, &c, &m, &b, &step, got, &has, NULL, 0, 1, &rw), 0);
+        assert_int_equal(rw, 3);
+        assert_int_equal(has, 1);
+        assert_memory_equal(got, rs, sizeof got);
+        assert_memory_equal(b.params, a.params, (size_t)a.n_params * 4);
+        c.grad_accum = ga;
+        assert_int_equal(bt_checkpoint_load_from(dir, &c, &m, &b, &step, got, &has, NULL, 2, 3, &rw), 0);
+        assert_int_equal(rw, 0); /* the same world: rank 2's own state */
+        assert_memory_equal(got, rs + 2 * BT_RESUME_STATE_BYTES, sizeof got);
+    }
     assert_int_equal(bt_checkpoint_save(dir, &c, &m, &a, 5, rs, 0), BT_ERR_INVALID);
     /* a lying world field (checksum fixed up) is refused, not read past the end */
     {

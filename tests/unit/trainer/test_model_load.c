@@ -16,6 +16,7 @@
 
 #include "common/bt_common.h"
 #include "common/gguf.h"
+#include "trainer/backend/plan.h"
 #include "trainer/model/model.h"
 #include "trainer/model/rng.h"
 #include "trainer/loop/step.h"
@@ -241,6 +242,49 @@ static void check_shards(const char *path, const int *worlds, int nw) {
     bt_model_free(&full);
 }
 
+/* base_dtype nf4 cut at load (bt_model_nf4_cut): every rank's NF4 bytes are the whole load's bytes
+ * of its 16384-weight groups (plan.h bt_shard_cut_nf4), the same offset, and the ranks' groups
+ * concatenate to the whole quantisation (q/k un-permuted first in both). */
+static void check_shards_nf4(const char *path, const int *worlds, int nw) {
+    bt_model_load_opts nf = {BT_BASE_NF4, 0};
+    bt_model full;
+    assert_int_equal(bt_model_load_gguf(&full, path, &nf), 0);
+    const int64_t G = BT_SHARD_NF4_WEIGHTS;
+    for (int wi = 0; wi < nw; wi++) {
+        const int W = worlds[wi];
+        int64_t held[BT_MOD_N * 64] = {0};
+        for (int k = 0; k < W; k++) {
+            bt_model m;
+            bt_model_shard sh = {k, W};
+            assert_int_equal(bt_model_load_gguf_shard(&m, path, &nf, &sh), 0);
+            for (int l = 0; l < full.hp.n_layer; l++)
+                for (int j = 0; j < BT_MOD_N; j++) {
+                    const bt_base_linear *f = &full.layers[l].lin[j], *s = &m.layers[l].lin[j];
+                    assert_true(s->is_nf4 && s->shard_world == W && s->shard_rank == k);
+                    assert_int_equal(s->rows, f->rows);
+                    assert_int_equal(s->cols, f->cols);
+                    assert_memory_equal(&s->q.offset, &f->q.offset, sizeof(float));
+                    const int64_t n = f->q.n, per = ((n + G - 1) / G + W - 1) / W;
+                    const int64_t a = k * per * G < n ? k * per * G : n, e = a + per * G < n ? a + per * G : n;
+                    assert_int_equal(s->shard_r0, k * per);
+                    assert_int_equal(s->q.n, e - a);
+                    if (e > a) {
+                        assert_memory_equal(s->q.packed, f->q.packed + a / 2, (size_t)(e - a) / 2);
+                        assert_memory_equal(s->q.absmax_q, f->q.absmax_q + a / 64, (size_t)(e - a) / 64);
+                        assert_memory_equal(s->q.nested_absmax, f->q.nested_absmax + a / G,
+                                            (size_t)((e - a + G - 1) / G) * sizeof(float));
+                    }
+                    if (l < 64) held[l * BT_MOD_N + j] += e - a;
+                }
+            bt_model_free(&m);
+        }
+        for (int l = 0; l < full.hp.n_layer && l < 64; l++) /* the ranks' groups make the whole */
+            for (int j = 0; j < BT_MOD_N; j++) assert_int_equal(held[l * BT_MOD_N + j], full.layers[l].lin[j].q.n);
+        printf("shard_base at load, NF4: W %d: every rank's groups equal the whole quantisation's\n", W);
+    }
+    bt_model_free(&full);
+}
+
 static void test_shard_load(void **st) {
     (void)st;
     char path[] = "/tmp/bt_shard_XXXXXX.gguf";
@@ -251,11 +295,12 @@ static void test_shard_load(void **st) {
     make_synth(path, &o); /* F32 blocks; layer q/k permuted in the file */
     static const int worlds[] = {2, 3, 4, 5};
     check_shards(path, worlds, 4);
-    /* refusals: a base re-quantised at load, a rank outside [0, W) */
+    check_shards_nf4(path, worlds, 2);
+    /* refusals: an fp32 base, a rank outside [0, W) */
     bt_model m;
-    bt_model_load_opts nf = {BT_BASE_NF4, 0}, gg = {BT_BASE_GGUF, 0};
+    bt_model_load_opts fp = {BT_BASE_FP32, 0}, gg = {BT_BASE_GGUF, 0};
     bt_model_shard sh = {0, 2};
-    assert_int_equal(bt_model_load_gguf_shard(&m, path, &nf, &sh), BT_ERR_UNSUPPORTED);
+    assert_int_equal(bt_model_load_gguf_shard(&m, path, &fp, &sh), BT_ERR_UNSUPPORTED);
     assert_non_null(strstr(bt_last_error(), "base_dtype gguf"));
     bt_model_shard bad = {2, 2};
     assert_int_equal(bt_model_load_gguf_shard(&m, path, &gg, &bad), BT_ERR_INVALID);
@@ -270,6 +315,7 @@ static void test_shard_load(void **st) {
     if (access(real, R_OK) == 0) {
         static const int w2[] = {2, 4};
         check_shards(real, w2, 2);
+        check_shards_nf4(real, w2, 1); /* 20 to 54 groups a linear, q/k permuted in the file */
     }
 }
 

@@ -91,7 +91,7 @@ static uint32_t file_type(int type) {
 }
 
 tu_tiny_spec tu_tiny_default(void) {
-    tu_tiny_spec s = {2, 64, 4, 2, 128, 1, 2048, 256, BT_GGML_F32, BT_GGML_F32, 1, 0.0, 1e-5};
+    tu_tiny_spec s = {2, 64, 4, 2, 128, 1, 2048, 256, BT_GGML_F32, BT_GGML_F32, 1, 0.0, 1e-5, 0};
     return s;
 }
 
@@ -164,7 +164,8 @@ int tu_tiny_gguf_write(const char *path, const tu_tiny_spec *s, const bt_gguf *t
             case 3: ne1 = 1; break;
             default: ne0 = ffn; ne1 = hidden; break;
             }
-            rc = add_tensor(w, &r, tn, ne0, ne1, parts[p].out_kind == 3, s->type);
+            int ty = parts[p].out_kind >= 2 && parts[p].out_kind != 3 && s->ffn_type ? s->ffn_type : s->type;
+            rc = add_tensor(w, &r, tn, ne0, ne1, parts[p].out_kind == 3, ty);
         }
     }
     if (!rc) rc = add_tensor(w, &r, "output_norm.weight", hidden, 1, 1, BT_GGML_F32);

@@ -36,6 +36,9 @@ typedef struct {
     int embd_type;                            /* ggml type of token_embd / output */
     uint64_t seed;
     double rope_base, eps;                    /* rope_base 0: tok_src's, else 10000 */
+    int ffn_type;                             /* ffn_gate / ffn_up / ffn_down when not 0 (BT_GGML_F32
+                                                 is 0: then `type`): two block types in one file,
+                                                 as llama.cpp's _M mixes */
 } tu_tiny_spec;
 
 /* The defaults: 2 layers, hidden 64, 4 heads, 2 kv heads, ffn 128, tied, ctx 2048, vocab 256,
