@@ -356,7 +356,10 @@ class LoaderdClient:
     socket_path: None = $LOADERD_SOCKET, else /run/loaderd/loaderd.sock.
     rank, world_size: None = from torch.distributed / the environment (dist.resolve_rank_world).
     resume: None (from the start), the 256-byte resume_state of the last batch consumed (bytes
-        or hex), or a dict from state_dict() (checked against this job, rank and world size).
+        or hex), or a dict from state_dict() (checked against this job and rank; a state of
+        another world size W0 must be W0's rank 0, and every rank of this world continues at the
+        row of the data the W0 ranks reached, PROTOCOL.md attach "resume_world": keep
+        micro_batch_size and the global batch world size x grad_accum the same).
     verify_checksum: check the batches' FNV-1a checksums: True = every batch, "first" (default)
         = the first batch after each attach (catches a producer that fills slots differently),
         False = never. It is pure Python (a few MB/s: ~7 ms for 4 x 512 tokens, ~0.1 s for
@@ -367,7 +370,7 @@ class LoaderdClient:
 
     Errors: LoaderdConnectionError (socket), LoaderdRefused (loaderd said no: its message),
     LoaderdProtocolError, LoaderdTimeout, LoaderdClosed; ValueError for a bad rank/world or a
-    resume state of another job.
+    resume state of another job or rank.
     """
 
     def __init__(self, job, socket_path=None, rank=None, world_size=None, resume=None, verify_checksum="first",
@@ -405,6 +408,7 @@ class LoaderdClient:
                 except ValueError:
                     warnings.warn(f"{L.RECONNECT_ENV}={env} is not seconds in [0, 604800]: using {reconnect_s:.0f}")
         self.reconnect_s = reconnect_s
+        self._resume_world = None  # the world size the resume state was written by, when it differs
         self._resume, self._next_step = self._resume_arg(resume)
         self._have_step = self._next_step is not None
         self._conn = None
@@ -442,10 +446,22 @@ class LoaderdClient:
         if sd.get("job_digest") != self.digest:
             raise ValueError("resume: the state belongs to another job (shards, format, tokenizer, seq_len, "
                              "micro_batch_size, seed, epochs or datasets differ)")
-        if sd.get("world_size") != self.world_size or sd.get("rank") != self.rank:
-            raise ValueError(f"resume: the state is rank {sd.get('rank')} of {sd.get('world_size')}, this client is "
-                             f"rank {self.rank} of {self.world_size}; resuming with another rank or world size is "
-                             f"refused (each rank's stream depends on the world size)")
+        w0 = sd.get("world_size")
+        if not isinstance(w0, int) or isinstance(w0, bool) or not 1 <= w0 <= 65536:
+            raise ValueError(f"resume: world_size {w0!r} is not an integer in [1, 65536]")
+        if w0 != self.world_size:
+            # another number of ranks (PROTOCOL.md attach "resume_world"): every new rank resumes from
+            # the old run's rank-0 state and loaderd continues it at the row the old ranks reached
+            if sd.get("rank") != 0:
+                raise ValueError(f"resume: the state is rank {sd.get('rank')} of {w0}, this client is rank "
+                                 f"{self.rank} of {self.world_size}: with another world size every rank "
+                                 f"resumes from rank 0's state (and the global batch, world size x "
+                                 f"grad_accum, must stay the same)")
+            self._resume_world = w0
+        elif sd.get("rank") != self.rank:
+            raise ValueError(f"resume: the state is rank {sd.get('rank')} of {w0}, this client is rank "
+                             f"{self.rank} of {self.world_size}; resuming with another rank is refused (each "
+                             f"rank's stream is its own)")
         st = sd.get("resume")
         step = sd.get("next_step")
         if not isinstance(step, int) or step < 0:
@@ -470,6 +486,8 @@ class LoaderdClient:
             req = {"op": "attach", "job": self.spec, "rank": self.rank, "world_size": self.world_size}
             if self._resume is not None:
                 req["resume"] = self._resume.hex()
+                if self._resume_world is not None:
+                    req["resume_world"] = self._resume_world
             conn.send(req)
             line, fd = conn.read_line(self.attach_timeout_s, "attach", want_fd=True)
             try:
@@ -593,6 +611,7 @@ class LoaderdClient:
         self._have_step = True
         self._next_step = b.step + 1
         self._resume = b.resume_state
+        self._resume_world = None  # the state is this world's from now on
         return b
 
     def _job_outcome(self):

@@ -165,7 +165,10 @@ class LoaderdDataset(IterableDataset):
 
     def load_state_dict(self, state):
         """Continue from `state` (a state_dict(), or its JSON text) at the next iteration. The
-        state must be of this job, rank and world size (checked at attach: ValueError)."""
+        state must be of this job and rank, or rank 0's of a run with another world size (every
+        rank then loads rank 0's state and continues at the row that run reached; keep
+        micro_batch_size and the global batch, world size x gradient accumulation, the same);
+        checked at attach: ValueError, or LoaderdRefused from loaderd."""
         if isinstance(state, (str, bytes)):
             state = json.loads(state)
         if not isinstance(state, dict) or state.get("format") != "barq-loaderd-state":

@@ -131,15 +131,54 @@ def test_resumed_client_yields_the_uninterrupted_batches(loaderd, dataset, model
     # the raw resume_state of the last batch works too (steps are then not checked against K)
     with client(d, spec, rank=rank, world_size=world, resume=first[-1].resume_state) as c:
         assert same(take(c, 1)[0], want[K])
-    # a state of another rank / world / job is refused before anything is read
-    with pytest.raises(ValueError, match="another rank or world size"):
-        client(d, spec, rank=0, world_size=world + 1, resume=state)
+    # a state of another rank / job is refused before anything is read; another world size only
+    # from rank 0's state
+    if world == 2:
+        with pytest.raises(ValueError, match="every rank resumes from rank 0's state"):
+            client(d, spec, rank=0, world_size=world + 1, resume=state)
+        with pytest.raises(ValueError, match="another rank is refused"):
+            client(d, spec, rank=0, world_size=world, resume=state)
     with pytest.raises(ValueError, match="another job"):
         client(d, dict(spec, seed=99), rank=rank, world_size=world, resume=state)
     other = job_spec(dataset, model_path)
     other["name"] = "renamed"  # the name does not change the batches: accepted
     with client(d, other, rank=rank, world_size=world, resume=state) as c:
         assert same(take(c, 1)[0], want[K])
+
+
+def test_resume_on_another_world_size(loaderd, dataset, model_path):
+    """A state of 2 ranks resumed by 1 and by 4 clients (attach "resume_world", PROTOCOL.md): rank r
+    of W takes rows r, r+W, ... of each data window (B rows a batch), so after 2 ranks took K
+    batches each (2KB rows), one client goes on with the uninterrupted 1-rank stream's rows 2KB,
+    2KB+1, ... and rank r of 4 with rows 2KB+r, 2KB+r+4."""
+    d = loaderd(base_config(dataset, model_path))
+    spec = job_spec(dataset, model_path)
+    K = 2
+
+    def rows(batches):
+        return [(b.input_ids[i].tobytes(), b.labels[i].tobytes()) for b in batches for i in range(b.B)]
+
+    with client(d, spec, rank=0, world_size=1) as c:
+        one = rows(take(c, 8))
+        B = c.B
+    n = 2 * K * B  # rows the two ranks took
+    states = []
+    for r in range(2):
+        with client(d, spec, rank=r, world_size=2) as c:
+            assert rows(take(c, K)) == one[r:n:2]
+            states.append(json.loads(json.dumps(c.state_dict())))
+    with client(d, spec, rank=0, world_size=1, resume=states[0]) as c:
+        b = take(c, 1)
+        assert rows(b) == one[n:n + B] and b[0].step == K
+        assert c.state_dict()["world_size"] == 1  # the state is this world's from now on
+    for r in range(4):
+        with client(d, spec, rank=r, world_size=4, resume=states[0]) as c:
+            assert rows(take(c, 1)) == one[n + r:n + r + 4 * B:4], r
+    with pytest.raises(ValueError, match="every rank resumes from rank 0's state"):
+        client(d, spec, rank=0, world_size=1, resume=states[1])
+    # 3 does not divide the 2KB rows the old ranks took: loaderd refuses
+    with pytest.raises(bl.LoaderdRefused):
+        client(d, spec, rank=0, world_size=3, resume=states[0])
 
 
 def test_loaderd_errors_are_python_exceptions(loaderd, dataset, model_path, tmp_path):
