@@ -2,8 +2,10 @@
 
 One real build (FOLDOC, installed by scripts/setup.sh; ~6 s) checked for: loaderd's `preference`
 format in TRL's conversational form, chosen != rejected, no held-out term anywhere in training,
-every pair's confusable really linked (cross-reference, shared headword word or shared definition
-words, checked against the raw FOLDOC text), counts. Determinism: a second build of a small dictd
+every pair's confusable really linked (cross-reference, shared headword word or shared gloss
+words, checked against the raw FOLDOC text), both sides of comparable length (the shorter side
+must not be the chosen one in most pairs: a summed log-prob would prefer it for its length),
+glosses cut at sentence ends, counts. Determinism: a second build of a small dictd
 fixture under another PYTHONHASHSEED gives the same bytes.
 """
 import gzip
@@ -82,13 +84,7 @@ def test_confusables_really_linked(foldoc_build):
     _, _, _, train, held = foldoc_build
     recs = train + held
     # the raw FOLDOC text of each term: cross-references as written ({...})
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    import importlib.machinery
-    import importlib.util
-    loader = importlib.machinery.SourceFileLoader("mk_dpo", SCRIPT)
-    spec = importlib.util.spec_from_loader("mk_dpo", loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
+    mod = _module()
     xrefs = {t["head"]: t["xrefs"] for t in mod.read_terms(FOLDOC_INDEX, FOLDOC_DICT)}
     defs = {term_of(r): r["chosen"][0]["content"] for r in recs}
     for r in recs:
@@ -105,8 +101,43 @@ def test_confusables_really_linked(foldoc_build):
             wx = set(WORD.findall(r["chosen"][0]["content"].lower()))
             wy = set(WORD.findall(r["rejected"][0]["content"].lower()))
             assert m["shared"] and set(m["shared"]) <= wx & wy, m
-        if y in defs:  # the rejected text is the confusable term's own definition
+        if y in defs:  # the rejected text is the confusable term's own gloss
             assert r["rejected"][0]["content"] == defs[y]
+
+
+def _module():
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("mk_dpo", SCRIPT)
+    spec = importlib.util.spec_from_loader("mk_dpo", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def test_comparable_lengths_and_glosses(foldoc_build):
+    _, _, man, train, held = foldoc_build
+    assert man["length_ratio"] == 1.15 and man["max_words"] == 32 and man["min_words"] == 8
+    for r in train + held:
+        c, j = r["chosen"][0]["content"], r["rejected"][0]["content"]
+        assert max(len(c), len(j)) <= 1.15 * min(len(c), len(j)), r["meta"]
+        for t in (c, j):
+            assert 8 <= len(t.split()) <= 32 and "\n" not in t, t
+    # length is no shortcut: the chosen side is the shorter one in about half the pairs (the old
+    # full definitions: 139 of 200 held-out pairs)
+    for recs in (train, held):
+        shorter = sum(len(r["chosen"][0]["content"]) < len(r["rejected"][0]["content"]) for r in recs)
+        assert 0.4 * len(recs) <= shorter <= 0.6 * len(recs), (shorter, len(recs))
+
+
+def test_gloss_cuts_at_sentence_ends():
+    g = _module().gloss
+    d = "A compiler for Foo, e.g. Bar. It runs on J. Random's PC. Third one here is long.\n\nMore."
+    assert g(d, 6) == "A compiler for Foo, e.g. Bar."
+    assert g(d, 12) == "A compiler for Foo, e.g. Bar. It runs on J. Random's PC."
+    assert g(d, 32) == "A compiler for Foo, e.g. Bar. It runs on J. Random's PC. Third one here is long."
+    assert g(d, 3) == "A compiler for"  # a first sentence longer than the limit: its first words
+    assert g("One. two. Three 3.5 four.", 2) == "One. two."  # "two" is no sentence start
 
 
 def _dictd(tmp_path, entries):
