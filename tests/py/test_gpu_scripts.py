@@ -129,7 +129,8 @@ def test_pack_sizes_within_the_call_limit(packs):
         with tarfile.open(d / "one" / "payload.tar.xz") as t:
             names = set(t.getnames())
         want = {"A": ["build/cuda/tests/test_kernels_gpu", "build/cuda/tests/test_attention_gpu",
-                      "build/cuda/tests/test_trainer_gpu", "build/lib/libopenblas.so.0"],
+                      "build/cuda/tests/test_trainer_gpu", "build/cuda/tests/test_pref_gpu",
+                      "build/lib/libopenblas.so.0"],
                 "B": ["build/cuda/tests/test_trainer_gpu", "build/trainer", "build/loaderd", "build/loaderctl",
                       "data/demo/MANIFEST.json", "build/gpu-site/gguf/__init__.py"],
                 "C": ["build/cuda/bench/bench_kernels_gpu", "build/gpu-site/bitsandbytes/__init__.py",
@@ -255,7 +256,9 @@ def test_piece_A_deadline_cuts_a_binary_and_skips_the_sanitizers(packs, work):
     assert set(files) == {"summary.txt", "info.txt", "tests.log", "sanitizer.log"}
     assert "gpu-run: sanitize SKIPPED: the deadline is near" in files["sanitizer.log"]
     log = files["tests.log"]
-    assert "test_kernels_gpu: 12 passed, 0 failed" in log
+    n_kernels = len(subprocess.run([os.path.join(EMU, "tests", "test_kernels_gpu"), "--list"], capture_output=True,
+                                   text=True, timeout=60).stdout.split())
+    assert f"test_kernels_gpu: {n_kernels} passed, 0 failed" in log
     assert re.search(r"^TIMEOUT test_trainer_gpu plain", log, re.M), log[-3000:]
     assert re.search(r"^\[       OK \] test_tiny_nf4$", log, re.M)  # what ran before the cut came back
     info = files["info.txt"]
@@ -298,7 +301,7 @@ def test_no_device_fails_under_bt_gpu_require(packs, work):
 def test_crashing_case_is_followed_by_a_restart_after_it(work):
     logdir = work / "crash-logs"
     e = dict(os.environ, BT_GPU_EMU="1", BT_GPU_SANITIZE="0", BT_GPU_LOGDIR=str(logdir),
-             BT_EMU_CRASH_KERNEL="rmsnorm", OMP_NUM_THREADS="1")
+             BT_EMU_CRASH_KERNEL="rmsnorm_dw_reduce", OMP_NUM_THREADS="1")  # test_rmsnorm only (not the per-head norm)
     # a log beside the binaries (as an earlier run left them; even executable) is never taken for one
     bindir = work / "crash-bins"
     bindir.mkdir()
@@ -316,7 +319,8 @@ def test_crashing_case_is_followed_by_a_restart_after_it(work):
     assert "test-gpu: FAILED: test_kernels_gpu (crash in test_rmsnorm)" in out
     assert "== test_kernels_gpu.memcheck.log" not in out and out.count("== test_kernels_gpu") == 2
     # --case on every binary; --list; --after of no case is an error
-    for b in ("test_kernels_gpu", "test_nf4_gemm_gpu", "test_ggml_gpu", "test_attention_gpu", "test_trainer_gpu"):
+    for b in ("test_kernels_gpu", "test_nf4_gemm_gpu", "test_ggml_gpu", "test_attention_gpu", "test_trainer_gpu",
+              "test_pref_gpu"):
         rc, out = sh([os.path.join(EMU, "tests", b), "--list"])
         names = out.split()
         assert rc == 0 and len(names) >= 4, (b, out)
@@ -342,13 +346,13 @@ def test_sanitizer_plan_timeouts_and_log_tarball(packs, work):
     runs = [(t, b) for t, b, q in got[1:]]
     assert runs == [("memcheck", "test_kernels_gpu"), ("memcheck", "test_nf4_gemm_gpu"), ("memcheck", "test_ggml_gpu"),
                     ("memcheck", "test_attention_gpu"), ("memcheck", "test_trainer_gpu"),
-                    ("racecheck", "test_nf4_gemm_gpu"), ("racecheck", "test_ggml_gpu"),
+                    ("memcheck", "test_pref_gpu"), ("racecheck", "test_nf4_gemm_gpu"), ("racecheck", "test_ggml_gpu"),
                     ("racecheck", "test_attention_gpu"), ("synccheck", "test_attention_gpu"),
                     ("initcheck", "test_kernels_gpu")], runs
     assert all(q == "1" for _, _, q in got[1:])  # BT_GPU_QUICK under every sanitizer run
     log = files["sanitizer.log"]
     assert re.search(r"^TIMEOUT test_attention_gpu synccheck", log, re.M), log
-    assert log.count("ERROR SUMMARY: 0 errors") == 9
+    assert log.count("ERROR SUMMARY: 0 errors") == 10
     tar = work / "san.tar.gz"
     tar.write_bytes(files["sanitizer-logs.tar.gz"])
     with tarfile.open(tar) as t:
