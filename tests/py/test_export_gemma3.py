@@ -11,6 +11,15 @@ GeGLU, tied 260-token embedding), loaded from the Hugging Face directory and fro
 - trained: `trainer train` through loaderd on the Gemma 3 GGUF (8 steps, seq_len 64, well past
   the window) writes an adapter that peft loads with every LoRA tensor taken and that gives our own
   logits with the adapter (build/tools/bt_logits) (tests/py/family_e2e.py).
+- safetensors (merged): `trainer export --format safetensors` from either source loads in
+  transformers unchanged as Gemma3ForCausalLM (gemma3_text config.json with layer_types,
+  rope_parameters per attention type, query_pre_attn_scalar, sliding_window; norms written as HF's
+  w, Gemma3RMSNorm's factor being 1 + w) and gives the reference logits of base + adapter;
+- gguf (merged): general.architecture "gemma3", the fixture GGUF's tensor names (convert_hf_to_
+  gguf.py's: post_attention_norm / post_ffw_norm, no output.weight), its gemma3.* keys, norms
+  stored as 1 + w and every other tensor equal to the merged safetensors'; transformers' own GGUF
+  reader loads it as Gemma3ForCausalLM (given query_pre_attn_scalar = key_length, which its GGUF
+  mapping lacks) with the reference logits.
 Tolerance: logits 1e-4 absolute (the fp32 parity tolerance of tests/reference/README.md).
 Takes a few seconds."""
 import json
@@ -23,6 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+gguf = pytest.importorskip("gguf")
 from safetensors.torch import load_file  # noqa: E402
 
 from conftest import ROOT as _ROOT  # noqa: E402
@@ -65,6 +75,82 @@ def test_peft_adapter_in_peft(tmp_path, src):
     assert err <= 1e-4
     # can fail: the base alone is far from base + adapter
     assert float((ref["logits_base"] - ref["logits"]).abs().max()) > 1e-2
+
+
+def export(src, fmt, out):
+    r = subprocess.run([str(TRAINER), "export", "--model", str(FIX / src), "--adapter",
+                        str(FIX / "adapter-init"), "--format", fmt, "--dtype", "f32",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("src", ["hf", "model.gguf"])
+def test_merged_safetensors_in_transformers(tmp_path, src):
+    d = export(src, "safetensors", tmp_path / "merged")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "gemma3_text" and cfg["architectures"] == ["Gemma3ForCausalLM"]
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    assert type(m).__name__ == "Gemma3ForCausalLM"
+    fc = json.loads((FIX / "hf" / "config.json").read_text())
+    for k in ("layer_types", "sliding_window", "head_dim", "query_pre_attn_scalar",
+              "rope_parameters", "tie_word_embeddings", "hidden_activation"):
+        assert getattr(m.config, k) == fc[k], k
+    names = set(load_file(str(d / "model.safetensors")))
+    base = set(load_file(str(FIX / "hf" / "model.safetensors")))
+    assert names == base, sorted(names ^ base)[:6]  # the fixture's names, no lm_head (tied)
+    ref = load_file(str(FIX / "ref.safetensors"))
+    err = float((packed_logits(m) - ref["logits"]).abs().max())
+    print(f"export gemma3: from {src}: merged safetensors logits max abs err {err:.3g}")
+    assert err <= 1e-4
+
+
+def gguf_tensors(path):
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        shape = [int(x) for x in reversed(t.shape.tolist())]
+        data = gguf.quants.dequantize(t.data, t.tensor_type)  # BF16 comes as raw bytes
+        out[t.name] = torch.from_numpy(data.copy()).float().reshape(shape)
+    return r, out
+
+
+def field(r, k):
+    f = r.fields[k]
+    v = f.parts[-1]
+    return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else v[0].item()
+
+
+@pytest.mark.parametrize("src", ["hf", "model.gguf"])
+def test_merged_gguf(tmp_path, src):
+    p = export(src, "gguf", tmp_path / "merged.gguf")
+    r, ts = gguf_tensors(p)
+    assert field(r, "general.architecture") == "gemma3"
+    fr, fixture = gguf_tensors(FIX / "model.gguf")
+    assert set(ts) == set(fixture)  # convert_hf_to_gguf.py's names, no output.weight (tied)
+    for k in fr.fields:  # Gemma3Model's keys, as the fixture (converted) has them
+        if k.startswith("gemma3."):
+            assert field(r, k) == pytest.approx(field(fr, k), rel=1e-6), k
+    # the values: the merged safetensors' (norms as 1 + w, as Gemma3Model writes them)
+    hf = load_file(str(export(src, "safetensors", tmp_path / "st") / "model.safetensors"))
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 6)
+    for k, v in hf.items():
+        g = tmap.get_name(k, try_suffixes=(".weight",))
+        if "norm" in k:
+            assert torch.allclose(ts[g].reshape(v.shape), v.float() + 1, rtol=0, atol=1e-6), k
+        else:
+            assert torch.equal(ts[g].reshape(v.shape), v.float()), k
+    # transformers' GGUF reader has no key for query_pre_attn_scalar and leaves Gemma3TextConfig's
+    # 256 (Gemma 3's real head_dim; llama.cpp scales by 1/sqrt(key_length)): this 24-wide fixture
+    # gives it, as it does the fixture GGUF itself
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="merged.gguf", dtype=torch.float32, attn_implementation="eager",
+        query_pre_attn_scalar=field(r, "gemma3.attention.key_length"))
+    assert type(m).__name__ == "Gemma3ForCausalLM"
+    err = float((packed_logits(m) - load_file(str(FIX / "ref.safetensors"))["logits"]).abs().max())
+    print(f"export gemma3: from {src}: merged GGUF in transformers, logits max abs err {err:.3g}")
+    assert err <= 1e-4
 
 
 def test_gemma3_lora_trains_through_loaderd_and_peft_loads_it(trainer_stack, tmp_path):

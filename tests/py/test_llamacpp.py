@@ -21,7 +21,9 @@ scripts/llamacpp-ref.sh installs into .llamacpp/, loaded with ctypes by llamacpp
     U+FFFD, errors="replace"), and qwen2's NFC normaliser (llama.cpp has none);
   - Qwen3: a tiny random Qwen3 (F32) trained 8 steps by `trainer train`, its gguf-lora and merged
     f32 exports in llama.cpp give our logits within TOL f32 and our greedy text; Qwen2 and Phi-3
-    exports against transformers' logits (fixtures of tests/reference);
+    exports against transformers' logits (fixtures of tests/reference); the Gemma 3 fixture's
+    merged f32 export against transformers + PEFT's logits and ours (TOL f16: ggml-cpu's GELU is
+    an F16 table);
   - a LoRA on a base whose Q4_K tensors llama.cpp repacks (CPU_REPACK), which b4965 crashed on;
   - the real SmolLM2 Q4_1 GGUF: the gap between our logits and llama.cpp's is measured and printed
     (run with -s), not asserted equal: llama.cpp's quantised matmuls round the activations to
@@ -731,6 +733,45 @@ def test_phi3_gguf_and_lora_in_llamacpp(lc, tmp_path):
     print(f"llama.cpp: phi3 merged f32 export, logits max abs err vs transformers + PEFT {err:.3g}")
     assert err <= 1e-4
     assert mm.context(n_ctx=64).greedy(prompt, 8) == man["phi3"]["greedy_lora"]
+
+
+# ---- Gemma 3 (issue 24) ----
+
+def test_gemma3_merged_gguf_in_llamacpp(lc, tmp_path):
+    """The tiny Gemma 3 of tests/reference/gen_gemma3_fixtures.py (6 layers, window 6, every 6th
+    layer global, QK-norm, sandwich norms, GeGLU, tied) merged with the fixture's adapter by
+    `trainer export --format gguf --dtype f32`: llama.cpp b8929 loads it without a warning as
+    "gemma3" and, on the fixture's longest document (longer than the window, so the local layers'
+    window counts), gives transformers + PEFT's logits and ours (bt_logits on the merged file)
+    within TOL f16, not f32: ggml-cpu computes GELU (GeGLU's gate) from a table of F16 values
+    (GGML_GELU_FP16: the input rounded to F16, the result an F16), so on F32 weights this model's
+    logits (up to ~4.6) differ from the fp32 GELU's by ~3e-3 (measured 3.2e-3; with that table
+    emulated in transformers, 3.1e-4). The adapter moves these logits by 5.1, the base alone is
+    far outside the tolerance."""
+    fix = os.path.join(ROOT, "tests/fixtures/hf/gemma3")
+    merged = str(tmp_path / "merged.gguf")
+    r = subprocess.run([os.path.join(BUILD, "trainer"), "export", "--model",
+                        os.path.join(fix, "model.gguf"), "--adapter",
+                        os.path.join(fix, "adapter-init"), "--format", "gguf", "--dtype", "f32",
+                        "--out", merged], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    b = st_read(os.path.join(fix, "batch.safetensors"))[0]
+    ids = np.frombuffer(b["input_ids"][2], dtype=np.int32).reshape(-1)
+    cu = np.frombuffer(b["cu_seqlens"][2], dtype=np.int32).tolist()
+    a, e = max(zip(cu[:-1], cu[1:]), key=lambda x: x[1] - x[0])
+    assert e - a > 6  # past the window
+    t = st_read(os.path.join(fix, "ref.safetensors"))[0]["logits"]
+    want = np.frombuffer(t[2], dtype=np.float32).reshape(t[1])[a:e]
+    mm = lc.load_model(merged)
+    assert mm.meta("general.architecture") == "gemma3"
+    assert mm.load_problems == [], f"llama.cpp warned on our merged Gemma 3 GGUF: {mm.load_problems}"
+    got = mm.context(n_ctx=64).logits(ids[a:e].tolist())
+    check_logits("gemma3 merged f32 vs transformers + PEFT", got, want, TOL["f16"])
+    check_logits("gemma3 merged f32 vs ours", got, bt_logits(merged, ids[a:e].tolist(), tmp_path),
+                 TOL["f16"])
+    t = st_read(os.path.join(fix, "ref.safetensors"))[0]["logits_base"]
+    base = np.frombuffer(t[2], dtype=np.float32).reshape(t[1])[a:e]
+    assert float(np.abs(base - want).max()) > 10 * TOL["f16"]  # can fail: unmerged is far
 
 
 # ---- Qwen3 (issue 24) ----

@@ -218,7 +218,7 @@ def main():
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bt-llamacpp-") as tmp:
         model = a.model
-        if a.dequantize and gguf_arch(model) == "gemma3":  # no merged gemma3 export yet
+        if a.dequantize and gguf_arch(model) == "gemma3":  # as the README's gemma3 figures were measured
             model = unrepacked(model, tmp, every=True)
         elif a.dequantize:
             zero = os.path.join(tmp, "zero")

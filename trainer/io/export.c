@@ -422,8 +422,9 @@ int bt_export_llama3_from_freqs(const bt_model *m, float *factor, float *low, fl
 static int own_key(const char *k, size_t n) {
     for (size_t i = 0; i < sizeof k_own_keys / sizeof *k_own_keys; i++)
         if (strlen(k_own_keys[i]) == n && !memcmp(k_own_keys[i], k, n)) return 1;
-    /* "qwen2.<x>" / "qwen3.<x>" / "phi3.<x>" of such a base: ours when "llama.<x>" is */
-    for (int a = BT_ARCH_QWEN2; a <= BT_ARCH_PHI3; a++) {
+    /* "qwen2.<x>" / "qwen3.<x>" / "phi3.<x>" / "gemma3.<x>" of such a base: ours when
+     * "llama.<x>" is */
+    for (int a = BT_ARCH_QWEN2; a <= BT_ARCH_GEMMA3; a++) {
         const size_t an = strlen(bt_arch_name(a));
         if (n > an + 1 && n < 120 && !memcmp(k, bt_arch_name(a), an) && k[an] == '.') {
             char ll[128];
@@ -450,6 +451,29 @@ static int bias_gguf_order(const bt_model *m, int l, int mod, float **out) {
         return rc;
     }
     *out = x;
+    return 0;
+}
+
+/* 0 if a merged gemma3 GGUF can say everything hp holds, as llama.cpp's gemma3 loader
+ * (llama-model.cpp load_hparams LLM_ARCH_GEMMA3) reads it: every 6th layer global
+ * (set_swa_pattern(6)), local RoPE base 10000 unscaled, softmax scale 1/sqrt(key_length) (the
+ * 62-layer 27B: 1/sqrt(embedding_length / head_count)), RoPE scaling linear or none. Otherwise
+ * BT_ERR_UNSUPPORTED naming the value (export --format safetensors keeps it). */
+static int gemma3_gguf_expressible(const bt_llama_hparams *hp) {
+    const float scalar = hp->n_layer == 62 ? (float)(hp->d_model / hp->n_head) : (float)hp->head_dim;
+    const char *what = hp->sliding_window < 1              ? "no sliding window"
+                       : hp->swa_pattern != 6              ? "a global layer period other than 6"
+                       : hp->rope_local_theta != 10000.f  ? "a local RoPE base other than 10000"
+                       : (hp->attn_scalar > 0.f ? hp->attn_scalar : (float)hp->head_dim) != scalar
+                           ? "a query_pre_attn_scalar other than llama.cpp's"
+                       : hp->rope_ext != BT_ROPE_EXT_NONE && hp->rope_ext != BT_ROPE_EXT_LINEAR
+                           ? "RoPE scaling other than linear"
+                       : hp->rope_type != BT_ROPE_DEFAULT ? "a RoPE frequency table"
+                                                          : NULL;
+    if (what)
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: gguf: this Gemma 3 model has %s, which a "
+                       "gemma3 GGUF cannot express (llama.cpp fixes it); export --format "
+                       "safetensors", what);
     return 0;
 }
 
@@ -480,14 +504,12 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
                           const char *out) {
     if (dtype < BT_EXPORT_F32 || dtype > BT_EXPORT_Q8_0)
         return bt_fail(BT_ERR_INVALID, "export: gguf: bad dtype %d", dtype);
-    if (m->hp.arch == BT_ARCH_GEMMA3) /* its norms, window and RoPE keys are not written yet */
-        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Gemma 3 (gemma3) model is not "
-                       "supported yet; export the adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     int rc = bt_export_lora_matches(m, lo);
     if (rc) return rc;
     const bt_llama_hparams *hp = &m->hp;
+    if (hp->arch == BT_ARCH_GEMMA3 && (rc = gemma3_gguf_expressible(hp))) return rc;
     bt_gguf_writer *w = bt_gguf_writer_new();
     if (!w) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
     /* <arch>.* keys, <arch> = the model's family ("llama", "qwen2", "qwen3": what
@@ -517,17 +539,30 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         (rc = bt_gguf_w_f32(w, kk[8], hp->rms_eps)) ||
         (rc = bt_gguf_w_u32(w, kk[9], (uint32_t)hp->vocab)))
         goto out;
-    if (hp->head_dim * hp->n_head != hp->d_model && /* llama.cpp: n_embd_head_k / _v */
+    if ((hp->head_dim * hp->n_head != hp->d_model || hp->arch == BT_ARCH_GEMMA3) &&
+        /* llama.cpp: n_embd_head_k / _v (convert_hf_to_gguf.py Gemma3Model always writes them) */
         ((rc = bt_gguf_w_u32(w, kk[10], (uint32_t)hp->head_dim)) ||
          (rc = bt_gguf_w_u32(w, kk[11], (uint32_t)hp->head_dim))))
         goto out;
-    if (hp->arch != BT_ARCH_LLAMA && (hp->rope_ext || hp->rope_type != BT_ROPE_DEFAULT)) {
+    if (hp->arch == BT_ARCH_GEMMA3) {
+        /* convert_hf_to_gguf.py Gemma3Model.set_gguf_parameters: the local layers' window, and
+         * a linear rope_scaling (global layers only) as type + factor */
+        char k1[64], k2[64], k3[64];
+        snprintf(k1, sizeof k1, "%s.attention.sliding_window", an);
+        snprintf(k2, sizeof k2, "%s.rope.scaling.type", an);
+        snprintf(k3, sizeof k3, "%s.rope.scaling.factor", an);
+        if ((rc = bt_gguf_w_u32(w, k1, (uint32_t)hp->sliding_window)) ||
+            (hp->rope_ext == BT_ROPE_EXT_LINEAR &&
+             ((rc = bt_gguf_w_str(w, k2, "linear", 6)) ||
+              (rc = bt_gguf_w_f32(w, k3, hp->rope_ext_factor)))))
+            goto out;
+    } else if (hp->arch != BT_ARCH_LLAMA && (hp->rope_ext || hp->rope_type != BT_ROPE_DEFAULT)) {
         rc = bt_fail(BT_ERR_UNSUPPORTED, "export: gguf: RoPE scaling of a %s model has no GGUF "
                      "keys here (only \"llama\" GGUFs carry them); export --format safetensors",
                      an);
         goto out;
     }
-    if ((rc = gguf_rope_keys(w, m, 0))) goto out;
+    if (hp->arch != BT_ARCH_GEMMA3 && (rc = gguf_rope_keys(w, m, 0))) goto out;
     if (hp->arch == BT_ARCH_PHI3) {
         /* convert_hf_to_gguf.py Phi3MiniModel.set_gguf_parameters writes both; llama.cpp's phi3
          * loader (llama-model.cpp load_hparams) refuses a file without the sliding window
@@ -573,7 +608,13 @@ int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *b
         const bt_layer *L = &m->layers[l];
         snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
         if ((rc = add_gguf(w, name, bt_lora_norm(lo, m, l, 0), 0, hp->d_model, dtype))) break;
-        if (hp->qk_norm) { /* Qwen3: blk.N.attn_{q,k}_norm.weight [head_dim] (frozen) */
+        if (hp->sandwich_norm) { /* Gemma 3: stored as HF's 1 + w, the factor we hold */
+            snprintf(name, sizeof name, "blk.%d.post_attention_norm.weight", l);
+            if ((rc = add_gguf(w, name, L->post_attn_norm, 0, hp->d_model, dtype))) break;
+            snprintf(name, sizeof name, "blk.%d.post_ffw_norm.weight", l);
+            if ((rc = add_gguf(w, name, L->post_ffn_norm, 0, hp->d_model, dtype))) break;
+        }
+        if (hp->qk_norm) { /* Qwen3 / Gemma 3: blk.N.attn_{q,k}_norm.weight [head_dim] (frozen) */
             snprintf(name, sizeof name, "blk.%d.attn_q_norm.weight", l);
             if ((rc = add_gguf(w, name, L->q_norm, 0, hp->head_dim, dtype))) break;
             snprintf(name, sizeof name, "blk.%d.attn_k_norm.weight", l);

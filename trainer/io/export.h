@@ -142,7 +142,18 @@ int bt_export_hf_rope(const bt_model *m, struct json_t **rs, int *max_pos);
  * [q; k; v] and blk.N.ffn_up [gate; up] plus phi3.attention.sliding_window and
  * phi3.rope.scaling.original_context_length (Phi3MiniModel.set_gguf_parameters), merged
  * safetensors model.layers.N.self_attn.qkv_proj / mlp.gate_up_proj with a Phi3ForCausalLM
- * config.json (a Llama-family base with a sliding_window: MistralForCausalLM). */
+ * config.json (a Llama-family base with a sliding_window: MistralForCausalLM). Gemma 3
+ * (BT_ARCH_GEMMA3): merged GGUF general.architecture "gemma3" with the keys
+ * convert_hf_to_gguf.py Gemma3Model writes (key_length / value_length, rope.freq_base,
+ * attention.sliding_window, rope.scaling linear), blk.N.post_attention_norm / post_ffw_norm
+ * beside attn_norm / ffn_norm / attn_{q,k}_norm, every norm stored as HF's 1 + w (the factor the
+ * model holds), no output.weight (tied); a model llama.cpp's fixed gemma3 choices cannot express
+ * (global period 6, local base 10000, scale 1/sqrt(key_length)) is refused (BT_ERR_UNSUPPORTED).
+ * Merged safetensors: Gemma3ForCausalLM (gemma3_text config.json as transformers 5.23 writes it:
+ * layer_types, rope_parameters per attention type, query_pre_attn_scalar, sliding_window), norms
+ * input_layernorm / post_attention_layernorm / pre_feedforward_layernorm /
+ * post_feedforward_layernorm / self_attn.{q,k}_norm / model.norm written as w (factor - 1), since
+ * Gemma3RMSNorm multiplies by 1 + w. */
 int bt_export_gguf_lora(const bt_model *m, const bt_lora *lo, int dtype, const char *out);
 int bt_export_gguf_merged(const bt_model *m, const bt_lora *lo, const bt_gguf *base_gguf, int dtype,
                           const char *out);

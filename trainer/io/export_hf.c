@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -175,11 +176,85 @@ static int bias_state(const bt_model *m, int mod) {
     return n == 0 ? 0 : n == m->hp.n_layer ? 1 : -1;
 }
 
+/* config.json of a transformers 5.23 Gemma3ForCausalLM (model_type "gemma3_text", keys as its
+ * save_pretrained writes them, e.g. tests/fixtures/hf/gemma3/hf/config.json): layer_types from
+ * bt_model_layer_window, rope_parameters {full_attention: {rope_theta, rope_type "default" |
+ * "linear" + factor}, sliding_attention: {rope_theta = the local base, "default"}},
+ * query_pre_attn_scalar, sliding_window, hidden_activation gelu_pytorch_tanh, no softcapping.
+ * RoPE scaling other than linear, or a frequency table, has no Gemma 3 config key:
+ * BT_ERR_UNSUPPORTED. */
+static int write_gemma3_config(const bt_model *m, const hf_ids *ids, int dtype, const char *path) {
+    const bt_llama_hparams *hp = &m->hp;
+    for (int mod = 0; mod < BT_MOD_N; mod++)
+        if (bias_state(m, mod) != 0)
+            return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: Gemma 3 has no linear biases");
+    if ((hp->rope_ext != BT_ROPE_EXT_NONE && hp->rope_ext != BT_ROPE_EXT_LINEAR) ||
+        hp->rope_type != BT_ROPE_DEFAULT)
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: Gemma 3's config knows linear "
+                       "RoPE scaling only (rope_parameters.full_attention); this model has %s",
+                       hp->rope_type != BT_ROPE_DEFAULT ? "a RoPE frequency table"
+                                                        : bt_rope_ext_name(hp->rope_ext));
+    const float qs = hp->attn_scalar > 0.f ? hp->attn_scalar : (float)hp->head_dim;
+    if (qs != floorf(qs) || qs > 1e9f) /* Gemma3TextConfig.query_pre_attn_scalar: int */
+        return bt_fail(BT_ERR_UNSUPPORTED, "export: safetensors: query_pre_attn_scalar %g is not "
+                       "an integer, which Gemma3TextConfig requires", (double)qs);
+    json_t *j = json_object(), *arch = json_array(), *lt = json_array();
+    json_array_append_new(arch, json_string("Gemma3ForCausalLM"));
+    for (int l = 0; l < hp->n_layer; l++)
+        json_array_append_new(lt, json_string(bt_model_layer_window(hp, l) > 0 ? "sliding_attention"
+                                                                                : "full_attention"));
+    json_t *full = json_object(), *slid = json_object(), *rp = json_object();
+    if (hp->rope_ext == BT_ROPE_EXT_LINEAR)
+        json_object_set_new(full, "factor", json_float(hp->rope_ext_factor));
+    json_object_set_new(full, "rope_theta", json_float(hp->rope_theta));
+    json_object_set_new(full, "rope_type",
+                        json_string(hp->rope_ext == BT_ROPE_EXT_LINEAR ? "linear" : "default"));
+    json_object_set_new(slid, "rope_theta", json_float(hp->rope_local_theta > 0.f
+                                                           ? hp->rope_local_theta
+                                                           : hp->rope_theta));
+    json_object_set_new(slid, "rope_type", json_string("default"));
+    json_object_set_new(rp, "full_attention", full);
+    json_object_set_new(rp, "sliding_attention", slid);
+    json_object_set_new(j, "architectures", arch);
+    json_object_set_new(j, "attention_bias", json_false());
+    json_object_set_new(j, "attention_dropout", json_real(0.0));
+    json_object_set_new(j, "attn_logit_softcapping", json_null());
+    /* unknown ids are null: Gemma3TextConfig's defaults (bos 2, eos 1) are Gemma's vocabulary */
+    json_object_set_new(j, "bos_token_id", ids->bos >= 0 ? json_integer(ids->bos) : json_null());
+    json_object_set_new(j, "dtype", json_string(dtype == BT_EXPORT_F32   ? "float32"
+                                                : dtype == BT_EXPORT_F16 ? "float16"
+                                                                         : "bfloat16"));
+    json_object_set_new(j, "eos_token_id", ids->eos >= 0 ? json_integer(ids->eos) : json_null());
+    json_object_set_new(j, "final_logit_softcapping", json_null());
+    json_object_set_new(j, "head_dim", json_integer(hp->head_dim));
+    json_object_set_new(j, "hidden_activation", json_string("gelu_pytorch_tanh"));
+    json_object_set_new(j, "hidden_size", json_integer(hp->d_model));
+    json_object_set_new(j, "initializer_range", json_real(0.02));
+    json_object_set_new(j, "intermediate_size", json_integer(hp->d_ff));
+    json_object_set_new(j, "layer_types", lt);
+    json_object_set_new(j, "max_position_embeddings", json_integer(hp->ctx));
+    json_object_set_new(j, "model_type", json_string("gemma3_text"));
+    json_object_set_new(j, "num_attention_heads", json_integer(hp->n_head));
+    json_object_set_new(j, "num_hidden_layers", json_integer(hp->n_layer));
+    json_object_set_new(j, "num_key_value_heads", json_integer(hp->n_kv_head));
+    json_object_set_new(j, "pad_token_id", ids->pad >= 0 ? json_integer(ids->pad) : json_null());
+    json_object_set_new(j, "query_pre_attn_scalar", json_integer((json_int_t)qs));
+    json_object_set_new(j, "rms_norm_eps", json_float(hp->rms_eps));
+    json_object_set_new(j, "rope_parameters", rp);
+    json_object_set_new(j, "sliding_window", json_integer(hp->sliding_window));
+    json_object_set_new(j, "tie_word_embeddings", json_boolean(m->tied));
+    json_object_set_new(j, "use_bidirectional_attention", json_false());
+    json_object_set_new(j, "use_cache", json_true());
+    json_object_set_new(j, "vocab_size", json_integer(hp->vocab));
+    return write_json(path, j);
+}
+
 /* config.json of a transformers LlamaForCausalLM (or Qwen2ForCausalLM when exactly q/k/v carry
  * biases, Qwen2's layout; Qwen3ForCausalLM for a QK-norm model, hp.qk_norm, with
  * attention_bias when q/k/v/o all carry biases) for the merged weights. */
 static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, const char *path) {
     const bt_llama_hparams *hp = &m->hp;
+    if (hp->arch == BT_ARCH_GEMMA3) return write_gemma3_config(m, ids, dtype, path);
     int bq = bias_state(m, BT_MOD_Q), bk = bias_state(m, BT_MOD_K), bv = bias_state(m, BT_MOD_V),
         bo = bias_state(m, BT_MOD_O), bg = bias_state(m, BT_MOD_GATE),
         bu = bias_state(m, BT_MOD_UP), bd = bias_state(m, BT_MOD_DOWN);
@@ -257,12 +332,14 @@ static int write_hf_config(const bt_model *m, const hf_ids *ids, int dtype, cons
 
 /* ---- weights, sharded as transformers' save_pretrained does ---- */
 
-enum { T_EMBED, T_WEIGHT, T_BIAS, T_NORM_IN, T_NORM_POST, T_NORM, T_LM_HEAD, T_QNORM, T_KNORM, T_FUSED };
+enum { T_EMBED, T_WEIGHT, T_BIAS, T_NORM_IN, T_NORM_POST, T_NORM, T_LM_HEAD, T_QNORM, T_KNORM,
+       T_FUSED, T_POST_ATTN, T_POST_FFN };
 
-/* One tensor of the merged checkpoint: rows 0 = 1-D [cols]. */
+/* One tensor of the merged checkpoint: rows 0 = 1-D [cols]. minus1: written as x - 1 (a Gemma
+ * norm: the model holds Gemma3RMSNorm's factor 1 + w, HF stores w). */
 typedef struct {
     char name[96];
-    int kind, layer, mod, shard;
+    int kind, layer, mod, shard, minus1;
     int64_t rows, cols;
     uint64_t nbytes;
 } hf_tensor;
@@ -326,13 +403,16 @@ static int cmp_dot_natural(const void *va, const void *vb) {
 static int plan_tensors(const bt_model *m, int dtype, hf_tensor **out, int *n_out) {
     const bt_llama_hparams *hp = &m->hp;
     const size_t es = dtype == BT_EXPORT_F32 ? 4 : 2;
-    int cap = 3 + hp->n_layer * (2 * BT_MOD_N + 4), n = 0;
+    const int gemma = hp->arch == BT_ARCH_GEMMA3;
+    int cap = 3 + hp->n_layer * (2 * BT_MOD_N + 6), n = 0;
     hf_tensor *t = calloc((size_t)cap, sizeof *t);
     if (!t) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
 #define ADD(k, l, md, r, c, ...)                                                                    \
     do {                                                                                           \
         hf_tensor *x = &t[n++];                                                                    \
         x->kind = (k), x->layer = (l), x->mod = (md), x->rows = (r), x->cols = (c);                \
+        x->minus1 = gemma && (k) != T_EMBED && (k) != T_WEIGHT && (k) != T_BIAS &&                 \
+                    (k) != T_LM_HEAD && (k) != T_FUSED;                                             \
         x->nbytes = (uint64_t)((r) ? (r) : 1) * (uint64_t)(c) * es;                                \
         snprintf(x->name, sizeof x->name, __VA_ARGS__);                                            \
     } while (0)
@@ -357,8 +437,15 @@ static int plan_tensors(const bt_model *m, int dtype, hf_tensor **out, int *n_ou
                     bt_module_name(mod));
         }
         ADD(T_NORM_IN, l, -1, 0, hp->d_model, "model.layers.%d.input_layernorm.weight", l);
-        ADD(T_NORM_POST, l, -1, 0, hp->d_model, "model.layers.%d.post_attention_layernorm.weight", l);
-        if (hp->qk_norm) { /* Qwen3Attention q_norm / k_norm [head_dim] */
+        if (gemma) { /* Gemma3DecoderLayer: pre_feedforward_layernorm is the MLP input's norm
+                      * (ffn_norm), post_attention / post_feedforward the sandwich norms */
+            ADD(T_NORM_POST, l, -1, 0, hp->d_model, "model.layers.%d.pre_feedforward_layernorm.weight", l);
+            ADD(T_POST_ATTN, l, -1, 0, hp->d_model, "model.layers.%d.post_attention_layernorm.weight", l);
+            ADD(T_POST_FFN, l, -1, 0, hp->d_model, "model.layers.%d.post_feedforward_layernorm.weight", l);
+        } else {
+            ADD(T_NORM_POST, l, -1, 0, hp->d_model, "model.layers.%d.post_attention_layernorm.weight", l);
+        }
+        if (hp->qk_norm) { /* Qwen3Attention / Gemma3Attention q_norm / k_norm [head_dim] */
             ADD(T_QNORM, l, -1, 0, hp->head_dim, "model.layers.%d.self_attn.q_norm.weight", l);
             ADD(T_KNORM, l, -1, 0, hp->head_dim, "model.layers.%d.self_attn.k_norm.weight", l);
         }
@@ -414,8 +501,8 @@ static int assign_shards(hf_tensor *t, int n, uint64_t max_bytes) {
 
 /* fp32 data of tensor x: the merged weight (in *scratch, grown as needed) or a pointer into the
  * model / adapter (LoRA+ embedding and norms replace the base's). */
-static int tensor_data(const bt_model *m, const bt_lora *lo, const hf_tensor *x, float **scratch,
-                       size_t *cap, const float **data) {
+static int tensor_data_raw(const bt_model *m, const bt_lora *lo, const hf_tensor *x,
+                           float **scratch, size_t *cap, const float **data) {
     switch (x->kind) {
     case T_EMBED: *data = bt_lora_embed(lo, m); return 0;
     case T_BIAS: *data = m->layers[x->layer].lin[x->mod].bias; return 0;
@@ -425,6 +512,8 @@ static int tensor_data(const bt_model *m, const bt_lora *lo, const hf_tensor *x,
     case T_LM_HEAD: *data = bt_lora_lm_head(lo, m); return 0;
     case T_QNORM: *data = m->layers[x->layer].q_norm; return 0;
     case T_KNORM: *data = m->layers[x->layer].k_norm; return 0;
+    case T_POST_ATTN: *data = m->layers[x->layer].post_attn_norm; return 0;
+    case T_POST_FFN: *data = m->layers[x->layer].post_ffn_norm; return 0;
     default: break;
     }
     if (x->kind == T_FUSED) { /* q; k; v or gate; up, merged, stacked */
@@ -446,6 +535,24 @@ static int tensor_data(const bt_model *m, const bt_lora *lo, const hf_tensor *x,
     int rc = bt_export_merged_weight(m, lo, x->layer, x->mod, *scratch);
     *data = *scratch;
     return rc;
+}
+
+/* tensor_data_raw, then a Gemma norm (x->minus1, 1-D) turned back into HF's w = factor - 1 in
+ * *scratch. */
+static int tensor_data(const bt_model *m, const bt_lora *lo, const hf_tensor *x, float **scratch,
+                       size_t *cap, const float **data) {
+    int rc = tensor_data_raw(m, lo, x, scratch, cap, data);
+    if (rc || !x->minus1) return rc;
+    if (!*data) return bt_fail(BT_ERR_INVALID, "export: %s: the model lacks it", x->name);
+    const float *src = *data;
+    if ((size_t)x->cols > *cap) {
+        float *p = realloc(*scratch, (size_t)x->cols * sizeof(float));
+        if (!p) return bt_fail(BT_ERR_NOMEM, "export: out of memory");
+        *scratch = p, *cap = (size_t)x->cols;
+    }
+    for (int64_t i = 0; i < x->cols; i++) (*scratch)[i] = src[i] - 1.0f;
+    *data = *scratch;
+    return 0;
 }
 
 static void shard_name(char *buf, size_t n, int shard, int n_shards) {
@@ -693,9 +800,6 @@ int bt_export_safetensors_merged(const bt_model *m, const bt_lora *lo, int dtype
     if (dtype != BT_EXPORT_F32 && dtype != BT_EXPORT_F16 && dtype != BT_EXPORT_BF16)
         return bt_fail(BT_ERR_INVALID, "export: safetensors: dtype %s not supported (f32, f16, bf16)",
                        bt_export_dtype_name(dtype));
-    if (m->hp.arch == BT_ARCH_GEMMA3) /* its norms, window and RoPE keys are not written yet */
-        return bt_fail(BT_ERR_UNSUPPORTED, "export: a merged Gemma 3 (gemma3) model is not "
-                       "supported yet; export the adapter (--format peft or gguf-lora)");
     if (m->base_dtype != BT_BASE_FP32 || !m->tok_embd)
         return bt_fail(BT_ERR_INVALID, "export: merging needs the fp32 base (base_dtype fp32)");
     uint64_t max_bytes = o && o->max_shard_bytes > 0 ? (uint64_t)o->max_shard_bytes

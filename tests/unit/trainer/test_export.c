@@ -9,7 +9,8 @@
  *  - merged safetensors: names, shapes, dtypes, values; config.json.
  *  - PEFT: our writer's output against an independent schema check; the loader on it, on a
  *    real PEFT 0.13.2 adapter (tests/fixtures/hf/lora/adapter-init), and on broken adapters.
- *  - bt_export_run / bt_export_main on files. */
+ *  - bt_export_run / bt_export_main on files.
+ *  - Gemma 3's merged GGUF and safetensors read back as the same model; its GGUF refusals. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -975,6 +976,62 @@ static void test_run_and_main(void **st) {
     bt_model_free(&m);
 }
 
+/* Gemma 3 (tests/fixtures/hf/gemma3/model.gguf, fp32): the merged GGUF and the merged
+ * safetensors directory of the base alone read back by our own loaders as the same model: the
+ * hyper-parameters llama.cpp and Gemma3TextConfig need (window, period, local RoPE base,
+ * query_pre_attn_scalar), every norm factor 1 + w (the GGUF stores it, the directory stores w and
+ * the HF loader adds 1 back: 1 ulp), the post-attention / post-FFN norms, tied embedding. A model
+ * whose period, local base or RoPE scaling a gemma3 GGUF cannot say is refused there. */
+static void check_same_gemma(const bt_model *a, const bt_model *b, float tol) {
+    assert_int_equal(b->hp.arch, BT_ARCH_GEMMA3);
+    assert_int_equal(b->hp.sliding_window, a->hp.sliding_window);
+    assert_int_equal(b->hp.swa_pattern, a->hp.swa_pattern);
+    assert_true(b->hp.rope_local_theta == a->hp.rope_local_theta);
+    assert_true(b->hp.rope_theta == a->hp.rope_theta);
+    assert_true(b->hp.attn_scalar == a->hp.attn_scalar);
+    assert_int_equal(b->tied, 1);
+    const int D = a->hp.d_model, hd = a->hp.head_dim;
+    for (int l = 0; l < a->hp.n_layer; l++) {
+        const bt_layer *x = &a->layers[l], *y = &b->layers[l];
+        const float *nx[6] = {x->attn_norm, x->ffn_norm, x->post_attn_norm, x->post_ffn_norm,
+                              x->q_norm, x->k_norm};
+        const float *ny[6] = {y->attn_norm, y->ffn_norm, y->post_attn_norm, y->post_ffn_norm,
+                              y->q_norm, y->k_norm};
+        for (int k = 0; k < 6; k++)
+            for (int i = 0; i < (k < 4 ? D : hd); i++) assert_true(fabsf(nx[k][i] - ny[k][i]) <= tol);
+        const int64_t n = (int64_t)x->lin[BT_MOD_DOWN].rows * x->lin[BT_MOD_DOWN].cols;
+        for (int64_t i = 0; i < n; i++) assert_true(x->lin[BT_MOD_DOWN].w[i] == y->lin[BT_MOD_DOWN].w[i]);
+    }
+    for (int i = 0; i < D; i++) assert_true(fabsf(a->output_norm[i] - b->output_norm[i]) <= tol);
+}
+
+static void test_gemma3_merged(void **st) {
+    (void)st;
+    bt_model m, m2;
+    bt_model_load_opts lopt = {BT_BASE_FP32, 0};
+    assert_int_equal(bt_model_load(&m, "tests/fixtures/hf/gemma3/model.gguf", &lopt), 0);
+    char *out = tpath("gemma3.gguf");
+    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), 0);
+    assert_int_equal(bt_model_load(&m2, out, &lopt), 0);
+    check_same_gemma(&m, &m2, 0.f);
+    bt_model_free(&m2);
+    char *dir = tpath("gemma3-hf");
+    assert_int_equal(bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, dir), 0);
+    assert_int_equal(bt_model_load(&m2, dir, &lopt), 0);
+    check_same_gemma(&m, &m2, 2.5e-7f);
+    bt_model_free(&m2);
+    /* what llama.cpp's gemma3 loader fixes cannot be written into a gemma3 GGUF */
+    m.hp.swa_pattern = 4;
+    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), BT_ERR_UNSUPPORTED);
+    m.hp.swa_pattern = 6, m.hp.rope_local_theta = 5000.f;
+    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), BT_ERR_UNSUPPORTED);
+    m.hp.rope_local_theta = 10000.f, m.hp.rope_ext = BT_ROPE_EXT_YARN, m.hp.rope_ext_factor = 2.f;
+    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), BT_ERR_UNSUPPORTED);
+    assert_int_equal(bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, dir),
+                     BT_ERR_UNSUPPORTED);
+    bt_model_free(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_q8_0),
@@ -995,6 +1052,7 @@ int main(void) {
         cmocka_unit_test(test_peft_bad_inputs),
         cmocka_unit_test(test_rslora_normalised),
         cmocka_unit_test(test_run_and_main),
+        cmocka_unit_test(test_gemma3_merged),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
