@@ -219,13 +219,22 @@ static int load_f32(const wsrc *s, const char *name, int rows, int cols, float *
     float *w = bt_aligned_alloc((size_t)n * sizeof(float));
     if (!w) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", s->dir, name);
     const uint8_t *src = t->data;
-    if (t->dtype == BT_ST_F32) memcpy(w, src, (size_t)n * 4);
-    else
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, src + 2 * i, 2);
-            w[i] = t->dtype == BT_ST_F16 ? bt_fp16_to_fp32(h) : bt_bf16_to_fp32(h);
-        }
+    const size_t es = bt_st_dtype_size(t->dtype);
+    /* in chunks, each chunk's file pages given back once decoded (bt_model_drop_pages): the
+     * resident set holds the fp32 copy, not the copy and the file's bytes (the embedding of a
+     * large vocabulary: VmHWM) */
+    const int64_t chunk = 1 << 18;
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < n ? c0 + chunk : n;
+        if (t->dtype == BT_ST_F32) memcpy(w + c0, src + 4 * c0, (size_t)(c1 - c0) * 4);
+        else
+            for (int64_t i = c0; i < c1; i++) {
+                uint16_t h;
+                memcpy(&h, src + 2 * i, 2);
+                w[i] = t->dtype == BT_ST_F16 ? bt_fp16_to_fp32(h) : bt_bf16_to_fp32(h);
+            }
+        bt_model_drop_pages(src + (size_t)c0 * es, (size_t)(c1 - c0) * es);
+    }
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(w[i])) {
             free(w);

@@ -36,7 +36,7 @@ static int gguf_row(const void *ctx, int64_t r, float *out) {
 /* Give back the whole pages of the read-only private file mapping inside [p, p + n): pass 1 read
  * them once; unwritten, they are re-read from the file if ever touched again (never here), so the
  * rank's resident set does not keep the whole matrix's file pages (VmHWM, README). */
-static void drop_pages(const void *p, size_t n) {
+void bt_model_drop_pages(const void *p, size_t n) {
     const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
     const uintptr_t a = ((uintptr_t)p + pg - 1) & ~(pg - 1), e = ((uintptr_t)p + n) & ~(pg - 1);
     if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED);
@@ -80,7 +80,7 @@ int bt_model_nf4_cut_rows(bt_base_linear *l, const bt_nf4_row_src *src, int rows
             }
         }
     }
-    if (!rc) drop_pages(src->map, src->map_bytes);
+    if (!rc) bt_model_drop_pages(src->map, src->map_bytes);
     /* pass 2: my groups with the whole matrix's offset: the bytes of a whole quantisation */
     if (!rc && (rc = bt_nf4_quantize_part(&l->q, part, e - a, bt_nf4_absmax_offset(am, nb), rows, cols)))
         rc = bt_fail(rc, "model: %s: NF4 quantisation failed: %s", name, bt_last_error_in("model"));
