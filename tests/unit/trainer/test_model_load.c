@@ -327,6 +327,9 @@ static void test_shard_load(void **st) {
  * groups: hidden 256, 4 heads of 64 (2 kv heads), intermediate 384, 2 layers, tied; linears in
  * `dt` (BF16 / F16 / F32), q/k/v/o with a bias (attention_bias true); q 4, k/v 2, o 4, gate/up/down
  * 6 groups of 16384 weights. */
+static const char *g_hf_nan; /* make_hf_dir writes 1234.5f at element 100 of this tensor (the
+                              * writer refuses a NaN: the test patches it into the file) */
+
 static void make_hf_dir(const char *dir, bt_st_dtype dt) {
     enum { D = 256, F = 384, V = 48, L = 2, KV = 128 };
     char p[512];
@@ -352,6 +355,7 @@ static void make_hf_dir(const char *dir, bt_st_dtype dt) {
         const int64_t n_ = (int64_t)((rows) ? (rows) : 1) * (cols);                                          \
         for (int64_t i = 0; i < n_; i++) x[i] = (sd) > 0 ? (sd) * bt_rng_normal(&r) : 1.0f;                 \
         if (i_ == 7) x[5] = 3.5f; /* an outlier block: absmaxes differ */                                     \
+        if (g_hf_nan && !strcmp(nm, g_hf_nan)) x[100] = 1234.5f;                                            \
         const int64_t sh_[2] = {(rows), (cols)};                                                             \
         const int nd_ = (rows) ? 2 : 1;                                                                      \
         if ((d) == BT_ST_F32)                                                                                \
@@ -440,6 +444,40 @@ static void test_shard_load_hf(void **st) {
         }
         rm_hf_dir(dir);
     }
+    /* a NaN in another rank's rows: every rank reads all rows (pass 1), so every rank refuses it */
+    char dir[] = "/tmp/bt_hfshard_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    g_hf_nan = "model.layers.1.mlp.down_proj.weight";
+    make_hf_dir(dir, BT_ST_F32);
+    g_hf_nan = NULL;
+    {
+        char p[512];
+        snprintf(p, sizeof p, "%s/model.safetensors", dir);
+        FILE *f = fopen(p, "r+b");
+        assert_non_null(f);
+        assert_int_equal(fseek(f, 0, SEEK_END), 0);
+        const long len = ftell(f);
+        uint8_t *b = malloc((size_t)len);
+        rewind(f);
+        assert_int_equal(fread(b, 1, (size_t)len, f), (size_t)len);
+        const float mark = 1234.5f, nan = NAN;
+        long at = -1;
+        for (long i = 0; i + 4 <= len; i += 4) /* the buffer's F32 values sit 4-aligned here */
+            if (!memcmp(b + i, &mark, 4)) at = i;
+        assert_true(at > 0);
+        assert_int_equal(fseek(f, at, SEEK_SET), 0);
+        assert_int_equal(fwrite(&nan, 4, 1, f), 1);
+        fclose(f);
+        free(b);
+    }
+    bt_model_load_opts nf = {BT_BASE_NF4, 0};
+    for (int k = 0; k < 2; k++) {
+        bt_model m;
+        bt_model_shard sh = {k, 2};
+        assert_int_equal(bt_model_load_hf_shard(&m, dir, &nf, &sh), BT_ERR_FORMAT);
+        assert_non_null(strstr(bt_last_error(), "model.layers.1.mlp.down_proj.weight: non-finite value at element 100"));
+    }
+    rm_hf_dir(dir);
     /* the fixtures (one group a linear: rank 0 holds it, the others nothing) */
     check_shards_nf4("tests/fixtures/hf/tiny-llama-tied", worlds, 2);
     check_shards_nf4("tests/fixtures/hf/qwen/qwen2/hf", worlds, 1);
