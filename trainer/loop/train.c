@@ -234,16 +234,15 @@ static int run_load_model(bt_run *r) {
     bt_model *m = &r->model;
     double t0 = bt_now();
     bt_model_load_opts lopts = {cfg->base_dtype, 0};
-    /* dist.shard_base on W > 1 GPUs with a GGUF file, its blocks kept or quantised to NF4: this
-     * rank reads only its cut of every base linear from the mapped file (NF4: quantises only its
-     * groups, with the whole matrix's offset), issue 26, model.h bt_model_load_gguf_shard, so the
-     * node's host memory holds the base about once, not once per rank. An fp32 base, or a Hugging
-     * Face directory, is still loaded whole and cut on upload (docs/ARCHITECTURE.md §Parallel). */
-    struct stat mst;
+    /* dist.shard_base on W > 1 GPUs with a GGUF file (its blocks kept or quantised to NF4) or a
+     * Hugging Face directory (quantised to NF4): this rank reads only its cut of every base linear
+     * from the mapped file (NF4: quantises only its groups, with the whole matrix's offset), issue
+     * 26, model.h bt_model_load_shard, so the node's host memory holds the base about once, not
+     * once per rank. An fp32 base (and a bitsandbytes 4-bit linear) is still loaded whole and cut
+     * on upload (docs/ARCHITECTURE.md §Parallel). */
     const int bd = bt_model_resolve_base_dtype(cfg->model, cfg->base_dtype);
     const int cut = cfg->device == BT_DEVICE_CUDA && cfg->dist.shard_base && r->dist.world > 1 &&
-                    (bd == BT_BASE_GGUF || bd == BT_BASE_NF4) && stat(cfg->model, &mst) == 0 &&
-                    !S_ISDIR(mst.st_mode);
+                    (bd == BT_BASE_GGUF || bd == BT_BASE_NF4);
     /* the cached reference log-probs are keyed by bt_model_ref_id, a hash of the base linears: a
      * rank that holds only its cut cannot compute it (the reference pass itself runs fine) */
     if (cut && cfg->pref_on && cfg->preference.precompute_ref_log_probs)
@@ -253,7 +252,7 @@ static int run_load_model(bt_run *r) {
                        "preference.precompute_ref_log_probs false (the reference is then computed every "
                        "step) or dist.shard_base false", r->dist.world);
     const bt_model_shard sh = {r->dist.rank, r->dist.world};
-    int rc = cut ? bt_model_load_gguf_shard(m, cfg->model, &lopts, &sh)
+    int rc = cut ? bt_model_load_shard(m, cfg->model, &lopts, &sh)
                  : bt_model_load(m, cfg->model, &lopts);
     if (rc) return rc;
     if (cut)

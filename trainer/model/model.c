@@ -472,6 +472,9 @@ static int load_tensor(const bt_gguf *g, const char *path, const char *name, int
         free(w);
         return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error_in("model"));
     }
+    /* decoded: the tensor's file pages are given back, so the resident set keeps the fp32 copy,
+     * not the copy and the file (model_internal.h bt_model_drop_pages) */
+    bt_model_drop_pages(t->data, bt_ggml_row_size(t->type, n));
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(w[i])) {
             free(w);
@@ -555,6 +558,8 @@ static int load_linear_gguf(const bt_gguf *g, const char *path, const char *name
     }
     free(perm);
     if (rc) return bt_fail(rc, "model: %s: tensor %s: %s", path, name, bt_last_error_in("model"));
+    /* copied: the file pages of the linear's rows are given back (bt_model_drop_pages) */
+    bt_model_drop_pages(src, (size_t)rows * row_bytes);
     float *buf = malloc((size_t)cols * sizeof(float));
     if (!buf) return bt_fail(BT_ERR_NOMEM, "model: out of memory (%s)", name);
     for (int64_t i = 0; i < nr && !rc; i++) {

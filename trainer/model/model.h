@@ -331,6 +331,23 @@ int bt_model_load_gguf_shard(bt_model *m, const char *path, const bt_model_load_
  * rope_scaling, dtype, activation, bnb variant), BT_ERR_INVALID (implausible hyper-parameters),
  * BT_ERR_NOMEM. */
 int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts);
+/* dist.shard_base at load for a Hugging Face directory (issue 26): bt_model_load_hf, but each
+ * frozen base linear stored as F32 / F16 / BF16 (a Phi-3 fused qkv_proj / gate_up_proj part
+ * included) keeps only rank shard->rank's NF4 groups of the HF-order matrix (bt_shard_cut_nf4),
+ * read a row at a time from the mapped safetensors (common/safetensors.h bt_st_open mmaps it
+ * read-only; pass 1's pages given back) and quantised with the whole matrix's offset
+ * (model_internal.h bt_model_nf4_cut_rows): the ranks' bytes concatenate to bt_model_load_hf's
+ * NF4 bytes exactly, and host memory per rank is about 1/world of the base's (the embedding,
+ * norms, biases and lm_head stay whole: every rank runs them). A bitsandbytes 4-bit linear is
+ * still held whole (shard_world 0; the GPU upload cuts it). shard NULL or world 1:
+ * bt_model_load_hf. Only base_dtype nf4 (or auto) is cut: fp32 is refused (BT_ERR_UNSUPPORTED).
+ * Errors: those of bt_model_load_hf; BT_ERR_INVALID (rank outside [0, world), world < 1). */
+int bt_model_load_hf_shard(bt_model *m, const char *dir, const bt_model_load_opts *opts,
+                           const bt_model_shard *shard);
+/* dist.shard_base at load, whatever `path` is: a directory bt_model_load_hf_shard, anything else
+ * bt_model_load_gguf_shard. Errors: theirs; BT_ERR_IO when `path` does not exist. */
+int bt_model_load_shard(bt_model *m, const char *path, const bt_model_load_opts *opts,
+                        const bt_model_shard *shard);
 
 /* The trainer's `model` key: a directory is a Hugging Face model (bt_model_load_hf), anything
  * else a GGUF file (bt_model_load_gguf); opts->base_dtype BT_BASE_AUTO becomes BT_BASE_GGUF for

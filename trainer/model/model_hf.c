@@ -176,8 +176,10 @@ static const char *wsrc_where(const wsrc *s) {
     return s->index_path ? s->index_path : s->names[0];
 }
 
-/* Tensor `name` as new fp32 [rows, cols] (rows 0: 1-D [cols]); F32/F16/BF16. */
-static int load_f32(const wsrc *s, const char *name, int rows, int cols, float **out) {
+/* Tensor `name` of shape [rows, cols] (rows 0: 1-D [cols]) and dtype F32/F16/BF16 into *out
+ * (borrowed from the mapping). Errors: BT_ERR_NOTFOUND, BT_ERR_FORMAT (shape), BT_ERR_UNSUPPORTED
+ * (dtype), the index's (wsrc_find). */
+static int find_checked(const wsrc *s, const char *name, int rows, int cols, const bt_st_tensor **out) {
     *out = NULL;
     int err;
     const bt_st_tensor *t = wsrc_find(s, name, &err);
@@ -203,17 +205,36 @@ static int load_f32(const wsrc *s, const char *name, int rows, int cols, float *
         return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: tensor %s has dtype %s (supported: F32, "
                        "F16, BF16, and bitsandbytes 4-bit linears)", s->dir, name,
                        bt_st_dtype_name(t->dtype));
+    *out = t;
+    return 0;
+}
+
+/* Tensor `name` as new fp32 [rows, cols] (rows 0: 1-D [cols]); F32/F16/BF16. */
+static int load_f32(const wsrc *s, const char *name, int rows, int cols, float **out) {
+    *out = NULL;
+    const bt_st_tensor *t;
+    int rc = find_checked(s, name, rows, cols, &t);
+    if (rc) return rc;
     int64_t n = (int64_t)(rows ? rows : 1) * cols;
     float *w = bt_aligned_alloc((size_t)n * sizeof(float));
     if (!w) return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory for %s", s->dir, name);
     const uint8_t *src = t->data;
-    if (t->dtype == BT_ST_F32) memcpy(w, src, (size_t)n * 4);
-    else
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, src + 2 * i, 2);
-            w[i] = t->dtype == BT_ST_F16 ? bt_fp16_to_fp32(h) : bt_bf16_to_fp32(h);
-        }
+    const size_t es = bt_st_dtype_size(t->dtype);
+    /* in chunks, each chunk's file pages given back once decoded (bt_model_drop_pages): the
+     * resident set holds the fp32 copy, not the copy and the file's bytes (the embedding of a
+     * large vocabulary: VmHWM) */
+    const int64_t chunk = 1 << 18;
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < n ? c0 + chunk : n;
+        if (t->dtype == BT_ST_F32) memcpy(w + c0, src + 4 * c0, (size_t)(c1 - c0) * 4);
+        else
+            for (int64_t i = c0; i < c1; i++) {
+                uint16_t h;
+                memcpy(&h, src + 2 * i, 2);
+                w[i] = t->dtype == BT_ST_F16 ? bt_fp16_to_fp32(h) : bt_bf16_to_fp32(h);
+            }
+        bt_model_drop_pages(src + (size_t)c0 * es, (size_t)(c1 - c0) * es);
+    }
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(w[i])) {
             free(w);
@@ -252,9 +273,45 @@ static int wsrc_has(const wsrc *s, const char *name) {
     return wsrc_find(s, name, &err) != NULL || err;
 }
 
+/* dist.shard_base's row source for bt_model_nf4_cut_rows: row r of a linear is row r0 + r of
+ * the F32 / F16 / BF16 safetensors tensor t (HF's own row order: no q/k permutation). */
+typedef struct {
+    const bt_st_tensor *t;
+    int cols, r0;
+} st_rows;
+
+static int st_row(const void *ctx, int64_t r, float *out) {
+    const st_rows *q = ctx;
+    const size_t es = bt_st_dtype_size(q->t->dtype);
+    const uint8_t *src = (const uint8_t *)q->t->data + (size_t)(q->r0 + r) * q->cols * es;
+    if (q->t->dtype == BT_ST_F32) memcpy(out, src, (size_t)q->cols * 4);
+    else
+        for (int i = 0; i < q->cols; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            out[i] = q->t->dtype == BT_ST_F16 ? bt_fp16_to_fp32(h) : bt_bf16_to_fp32(h);
+        }
+    return 0;
+}
+
+/* Only rank sh->rank's NF4 groups of rows [r0, r0 + rows) of `<w>` [total, cols] (total 0: rows),
+ * read from the mapped file a row at a time (model_internal.h bt_model_nf4_cut_rows). Errors:
+ * those of find_checked and bt_model_nf4_cut_rows. */
+static int cut_linear(const wsrc *s, bt_base_linear *l, const char *w, int total, int r0, int rows,
+                      int cols, const bt_model_shard *sh) {
+    const bt_st_tensor *t;
+    int rc = find_checked(s, w, total ? total : rows, cols, &t);
+    if (rc) return rc;
+    const st_rows q = {t, cols, r0};
+    const size_t es = bt_st_dtype_size(t->dtype);
+    const bt_nf4_row_src src = {st_row, &q, (const uint8_t *)t->data + (size_t)r0 * cols * es,
+                                (size_t)rows * cols * es, (int64_t)r0 * cols};
+    return bt_model_nf4_cut_rows(l, &src, rows, cols, sh, s->dir, w);
+}
+
 /* One frozen linear `<prefix>.weight` (+ `<prefix>.bias` when with_bias). */
 static int load_linear(const wsrc *s, bt_base_linear *l, const char *prefix, int rows, int cols,
-                       int with_bias, int base_dtype) {
+                       int with_bias, int base_dtype, const bt_model_shard *sh) {
     char w[400], name[480];
     snprintf(w, sizeof w, "%s.weight", prefix);
     snprintf(name, sizeof name, "%s.quant_state.bitsandbytes__nf4", w);
@@ -278,6 +335,8 @@ static int load_linear(const wsrc *s, bt_base_linear *l, const char *prefix, int
             if ((rc = bt_bnb_dequant(&p, &f, w, s->dir))) return rc;
             if ((rc = bt_model_lin_set(l, f, rows, cols, base_dtype, w))) return rc;
         }
+    } else if (sh && sh->world > 1) { /* dist.shard_base: only this rank's NF4 groups */
+        if ((rc = cut_linear(s, l, w, 0, 0, rows, cols, sh))) return rc;
     } else {
         float *f = NULL;
         if ((rc = load_f32(s, w, rows, cols, &f))) return rc;
@@ -296,9 +355,10 @@ static int load_linear(const wsrc *s, bt_base_linear *l, const char *prefix, int
  * bitsandbytes-quantised fused tensor is refused there by its dtype), BT_ERR_NOMEM, those of
  * bt_model_lin_set. */
 static int load_linear_part(const wsrc *s, bt_base_linear *l, const char *prefix, int total,
-                            int r0, int rows, int cols, int base_dtype) {
+                            int r0, int rows, int cols, int base_dtype, const bt_model_shard *sh) {
     char w[400];
     snprintf(w, sizeof w, "%s.weight", prefix);
+    if (sh && sh->world > 1) return cut_linear(s, l, w, total, r0, rows, cols, sh);
     float *f = NULL;
     int rc = load_f32(s, w, total, cols, &f);
     if (rc) return rc;
@@ -823,6 +883,11 @@ static void norm_plus_one(float *w, int n) {
 }
 
 int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opts_in) {
+    return bt_model_load_hf_shard(m, dir, opts_in, NULL);
+}
+
+int bt_model_load_hf_shard(bt_model *m, const char *dir, const bt_model_load_opts *opts_in,
+                           const bt_model_shard *sh) {
     memset(m, 0, sizeof *m);
     bt_model_load_opts opts_v = {BT_BASE_NF4, 0};
     if (opts_in) opts_v = *opts_in;
@@ -833,6 +898,13 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
         return bt_fail(BT_ERR_INVALID, "model: %s is a Hugging Face directory: base_dtype \"gguf\" "
                        "keeps a GGUF file's own blocks and needs a .gguf model (use \"nf4\", "
                        "\"fp32\" or \"auto\")", dir);
+    if (sh && (sh->world < 1 || sh->rank < 0 || sh->rank >= sh->world))
+        return bt_fail(BT_ERR_INVALID, "model: %s: shard rank %d of %d ranks: the rank must be in "
+                       "[0, ranks)", dir, sh->rank, sh->world);
+    if (sh && sh->world > 1 && opts_v.base_dtype != BT_BASE_NF4)
+        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: loading only this rank's shard of a Hugging "
+                       "Face base (dist.shard_base) needs base_dtype nf4 (this rank's groups "
+                       "quantised); an fp32 base is loaded whole, then cut", dir);
     char *cpath = path_join(dir, "config.json");
     cfgj c = {NULL, cpath};
     wsrc s;
@@ -923,12 +995,12 @@ int bt_model_load_hf(bt_model *m, const char *dir, const bt_model_load_opts *opt
                              : j == BT_MOD_V                     ? Dq + Dkv
                                                                  : hp->d_ff;
                 if ((rc = load_linear_part(&s, &L->lin[j], name, total, r0, rows, cols,
-                                           opts->base_dtype)))
+                                           opts->base_dtype, sh)))
                     goto fail;
                 continue;
             }
             snprintf(name, sizeof name, "model.layers.%d.%s", l, k_hf_lin[j]);
-            if ((rc = load_linear(&s, &L->lin[j], name, rows, cols, bias, opts->base_dtype)))
+            if ((rc = load_linear(&s, &L->lin[j], name, rows, cols, bias, opts->base_dtype, sh)))
                 goto fail;
         }
     }
@@ -954,6 +1026,17 @@ int bt_model_load(bt_model *m, const char *path, const bt_model_load_opts *opts)
         return bt_fail(BT_ERR_IO, "model: %s: %s", path, strerror(errno));
     if (S_ISDIR(st.st_mode)) return bt_model_load_hf(m, path, opts);
     return bt_model_load_gguf(m, path, opts);
+}
+
+int bt_model_load_shard(bt_model *m, const char *path, const bt_model_load_opts *opts,
+                        const bt_model_shard *shard) {
+    memset(m, 0, sizeof *m);
+    if (!path) return bt_fail(BT_ERR_INVALID, "model: NULL path");
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return bt_fail(BT_ERR_IO, "model: %s: %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode)) return bt_model_load_hf_shard(m, path, opts, shard);
+    return bt_model_load_gguf_shard(m, path, opts, shard);
 }
 
 int bt_model_resolve_base_dtype(const char *path, int base_dtype) {

@@ -46,6 +46,27 @@ struct bt_gguf;
  * 64), BT_ERR_FORMAT (a non-finite value, named), BT_ERR_NOMEM, a decoding error. */
 int bt_model_nf4_cut(bt_base_linear *l, const bt_gguf_tensor *t, int rows, int cols, int nh, int hd,
                      int r0, const bt_model_shard *sh, const char *path, const char *name);
+/* Give back (madvise MADV_DONTNEED) the whole pages inside [p, p + n) of a read-only private file
+ * mapping whose bytes were read and decoded into memory of our own: unwritten, they are re-read
+ * from the file if touched again, so the resident set (VmHWM) does not keep a copy of tensors
+ * already decoded. Pages only partly inside are kept. Errors: none (advice only). */
+void bt_model_drop_pages(const void *p, size_t n);
+/* The rows bt_model_nf4_cut_rows quantises, whatever the file: row(ctx, r, out) writes HF row r
+ * (0 <= r < rows) of the linear as fp32 into out[cols] (returns 0 or a decoding error, set with
+ * bt_fail); map / map_bytes: the read-only file mapping's bytes those rows are read from, given
+ * back (madvise MADV_DONTNEED) once pass 1 has read them all; elem0: the tensor's element index
+ * of row 0's first weight (a fused tensor's part starts past 0), for the non-finite error. */
+typedef struct {
+    int (*row)(const void *ctx, int64_t r, float *out);
+    const void *ctx;
+    const void *map;
+    size_t map_bytes;
+    int64_t elem0;
+} bt_nf4_row_src;
+/* bt_model_nf4_cut over any row source (a GGUF tensor: bt_model_nf4_cut; a safetensors F32 / F16
+ * / BF16 tensor: model_hf.c): the same two passes and the same contract, errors and bytes. */
+int bt_model_nf4_cut_rows(bt_base_linear *l, const bt_nf4_row_src *src, int rows, int cols,
+                          const bt_model_shard *sh, const char *path, const char *name);
 int bt_model_gguf_rope_scaling(const struct bt_gguf *g, const char *path, bt_llama_hparams *hp);
 
 /* 1 and *out = the value when v is a JSON number (integer or real), else 0 (config.json and

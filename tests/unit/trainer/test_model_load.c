@@ -16,6 +16,8 @@
 
 #include "common/bt_common.h"
 #include "common/gguf.h"
+#include "common/quant.h"
+#include "common/safetensors.h"
 #include "trainer/backend/plan.h"
 #include "trainer/model/model.h"
 #include "trainer/model/rng.h"
@@ -242,13 +244,15 @@ static void check_shards(const char *path, const int *worlds, int nw) {
     bt_model_free(&full);
 }
 
-/* base_dtype nf4 cut at load (bt_model_nf4_cut): every rank's NF4 bytes are the whole load's bytes
+/* base_dtype nf4 cut at load (bt_model_nf4_cut, bt_model_load_hf_shard): every rank's NF4 bytes are the whole load's bytes
  * of its 16384-weight groups (plan.h bt_shard_cut_nf4), the same offset, and the ranks' groups
  * concatenate to the whole quantisation (q/k un-permuted first in both). */
 static void check_shards_nf4(const char *path, const int *worlds, int nw) {
     bt_model_load_opts nf = {BT_BASE_NF4, 0};
     bt_model full;
-    assert_int_equal(bt_model_load_gguf(&full, path, &nf), 0);
+    int lrc = bt_model_load(&full, path, &nf); /* a .gguf file or a Hugging Face directory */
+    if (lrc) fprintf(stderr, "%s\n", bt_last_error());
+    assert_int_equal(lrc, 0);
     const int64_t G = BT_SHARD_NF4_WEIGHTS;
     for (int wi = 0; wi < nw; wi++) {
         const int W = worlds[wi];
@@ -256,7 +260,7 @@ static void check_shards_nf4(const char *path, const int *worlds, int nw) {
         for (int k = 0; k < W; k++) {
             bt_model m;
             bt_model_shard sh = {k, W};
-            assert_int_equal(bt_model_load_gguf_shard(&m, path, &nf, &sh), 0);
+            assert_int_equal(bt_model_load_shard(&m, path, &nf, &sh), 0);
             for (int l = 0; l < full.hp.n_layer; l++)
                 for (int j = 0; j < BT_MOD_N; j++) {
                     const bt_base_linear *f = &full.layers[l].lin[j], *s = &m.layers[l].lin[j];
@@ -317,6 +321,167 @@ static void test_shard_load(void **st) {
         check_shards(real, w2, 2);
         check_shards_nf4(real, w2, 1); /* 20 to 54 groups a linear, q/k permuted in the file */
     }
+}
+
+/* A Hugging Face llama directory (config.json + model.safetensors) with linears of several NF4
+ * groups: hidden 256, 4 heads of 64 (2 kv heads), intermediate 384, 2 layers, tied; linears in
+ * `dt` (BF16 / F16 / F32), q/k/v/o with a bias (attention_bias true); q 4, k/v 2, o 4, gate/up/down
+ * 6 groups of 16384 weights. */
+static const char *g_hf_nan; /* make_hf_dir writes 1234.5f at element 100 of this tensor (the
+                              * writer refuses a NaN: the test patches it into the file) */
+
+static void make_hf_dir(const char *dir, bt_st_dtype dt) {
+    enum { D = 256, F = 384, V = 48, L = 2, KV = 128 };
+    char p[512];
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    FILE *f = fopen(p, "w");
+    assert_non_null(f);
+    fprintf(f, "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": %d, \"intermediate_size\": %d, "
+               "\"num_hidden_layers\": %d, \"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
+               "\"head_dim\": 64, \"rms_norm_eps\": 1e-5, \"vocab_size\": %d, \"rope_theta\": 10000.0, "
+               "\"tie_word_embeddings\": true, \"attention_bias\": true, \"hidden_act\": \"silu\", "
+               "\"max_position_embeddings\": 256}\n", D, F, L, V);
+    fclose(f);
+    bt_st_writer *w = bt_st_writer_new();
+    assert_non_null(w);
+    bt_rng r;
+    bt_rng_seed(&r, 11);
+    float *x = malloc((size_t)F * D * sizeof(float));
+    uint16_t *h = malloc((size_t)F * D * sizeof(uint16_t));
+    char name[128];
+    /* one tensor [rows, cols] (rows 0: [cols]) of normal(0, sd) values in dtype d (norms: F32 ones) */
+#define HF_T(nm, rows, cols, sd, d)                                                                         \
+    do {                                                                                                     \
+        const int64_t n_ = (int64_t)((rows) ? (rows) : 1) * (cols);                                          \
+        for (int64_t i = 0; i < n_; i++) x[i] = (sd) > 0 ? (sd) * bt_rng_normal(&r) : 1.0f;                 \
+        if (i_ == 7) x[5] = 3.5f; /* an outlier block: absmaxes differ */                                     \
+        if (g_hf_nan && !strcmp(nm, g_hf_nan)) x[100] = 1234.5f;                                            \
+        const int64_t sh_[2] = {(rows), (cols)};                                                             \
+        const int nd_ = (rows) ? 2 : 1;                                                                      \
+        if ((d) == BT_ST_F32)                                                                                \
+            assert_int_equal(bt_st_w_tensor(w, nm, d, nd_, (rows) ? sh_ : sh_ + 1, x, (size_t)n_ * 4), 0);  \
+        else {                                                                                               \
+            for (int64_t i = 0; i < n_; i++) h[i] = (d) == BT_ST_BF16 ? bt_fp32_to_bf16(x[i]) : bt_fp32_to_fp16(x[i]); \
+            assert_int_equal(bt_st_w_tensor(w, nm, d, nd_, (rows) ? sh_ : sh_ + 1, h, (size_t)n_ * 2), 0);  \
+        }                                                                                                    \
+        i_++;                                                                                                \
+    } while (0)
+    int i_ = 0;
+    HF_T("model.embed_tokens.weight", V, D, 0.02f, dt);
+    HF_T("model.norm.weight", 0, D, 0.0f, BT_ST_F32);
+    static const char *const lin[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+    const int rows[7] = {D, KV, KV, D, F, F, D}, cols[7] = {D, D, D, D, D, D, F};
+    for (int l = 0; l < L; l++) {
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        HF_T(name, 0, D, 0.0f, BT_ST_F32);
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        HF_T(name, 0, D, 0.0f, BT_ST_F32);
+        for (int j = 0; j < 7; j++) {
+            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, lin[j]);
+            HF_T(name, rows[j], cols[j], 0.05f, dt);
+            if (j < 4) { /* LlamaAttention: bias=config.attention_bias on q/k/v/o */
+                snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, lin[j]);
+                HF_T(name, 0, rows[j], 0.01f, dt);
+            }
+        }
+    }
+#undef HF_T
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    assert_int_equal(bt_st_writer_write(w, p), 0);
+    bt_st_writer_free(w);
+    free(x);
+    free(h);
+}
+
+static void rm_hf_dir(const char *dir) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    unlink(p);
+    rmdir(dir);
+}
+
+/* dist.shard_base at load from a Hugging Face directory (bt_model_load_hf_shard): with base_dtype
+ * nf4 every rank quantises only its groups of the mapped BF16 / F16 / F32 rows, with the whole
+ * matrix's offset, so the ranks' bytes are the whole NF4 load's (W = 2, 3; a synthetic llama of 2
+ * to 6 groups a linear in each dtype, and the fixtures: sharded tiny-llama-tied, Qwen2 with q/k/v
+ * biases, Phi-3's fused qkv_proj / gate_up_proj parts); the embedding, norms and biases stay
+ * whole; fp32 and a rank outside [0, W) are refused. */
+static void test_shard_load_hf(void **st) {
+    (void)st;
+    static const int worlds[] = {2, 3};
+    static const bt_st_dtype dts[] = {BT_ST_BF16, BT_ST_F16, BT_ST_F32};
+    for (int d = 0; d < 3; d++) {
+        char dir[] = "/tmp/bt_hfshard_XXXXXX";
+        assert_non_null(mkdtemp(dir));
+        make_hf_dir(dir, dts[d]);
+        check_shards_nf4(dir, worlds, 2);
+        if (d == 0) {
+            bt_model whole, m;
+            bt_model_load_opts nf = {BT_BASE_NF4, 0}, fp = {BT_BASE_FP32, 0};
+            bt_model_shard sh = {1, 3};
+            assert_int_equal(bt_model_load(&whole, dir, &nf), 0);
+            assert_int_equal(bt_model_load_hf_shard(&m, dir, &nf, &sh), 0);
+            const size_t D = (size_t)whole.hp.d_model;
+            assert_memory_equal(m.tok_embd, whole.tok_embd, (size_t)whole.hp.vocab * D * sizeof(float));
+            assert_memory_equal(m.layers[1].attn_norm, whole.layers[1].attn_norm, D * sizeof(float));
+            assert_non_null(m.layers[1].lin[BT_MOD_K].bias);
+            assert_memory_equal(m.layers[1].lin[BT_MOD_K].bias, whole.layers[1].lin[BT_MOD_K].bias,
+                                (size_t)whole.layers[1].lin[BT_MOD_K].rows * sizeof(float));
+            bt_base_info bi, bw;
+            bt_model_base_info(&m, &bi);
+            bt_model_base_info(&whole, &bw);
+            assert_true(bi.bytes * 2 < bw.bytes); /* a third of the groups, rounded up a linear */
+            bt_model_free(&m);
+            bt_model_free(&whole);
+            assert_int_equal(bt_model_load_hf_shard(&m, dir, &fp, &sh), BT_ERR_UNSUPPORTED);
+            assert_non_null(strstr(bt_last_error(), "base_dtype nf4"));
+            bt_model_shard bad = {3, 3};
+            assert_int_equal(bt_model_load_hf_shard(&m, dir, &nf, &bad), BT_ERR_INVALID);
+            assert_non_null(strstr(bt_last_error(), "shard rank 3 of 3"));
+        }
+        rm_hf_dir(dir);
+    }
+    /* a NaN in another rank's rows: every rank reads all rows (pass 1), so every rank refuses it */
+    char dir[] = "/tmp/bt_hfshard_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    g_hf_nan = "model.layers.1.mlp.down_proj.weight";
+    make_hf_dir(dir, BT_ST_F32);
+    g_hf_nan = NULL;
+    {
+        char p[512];
+        snprintf(p, sizeof p, "%s/model.safetensors", dir);
+        FILE *f = fopen(p, "r+b");
+        assert_non_null(f);
+        assert_int_equal(fseek(f, 0, SEEK_END), 0);
+        const long len = ftell(f);
+        uint8_t *b = malloc((size_t)len);
+        rewind(f);
+        assert_int_equal(fread(b, 1, (size_t)len, f), (size_t)len);
+        const float mark = 1234.5f, nan = NAN;
+        long at = -1;
+        for (long i = 0; i + 4 <= len; i += 4) /* the buffer's F32 values sit 4-aligned here */
+            if (!memcmp(b + i, &mark, 4)) at = i;
+        assert_true(at > 0);
+        assert_int_equal(fseek(f, at, SEEK_SET), 0);
+        assert_int_equal(fwrite(&nan, 4, 1, f), 1);
+        fclose(f);
+        free(b);
+    }
+    bt_model_load_opts nf = {BT_BASE_NF4, 0};
+    for (int k = 0; k < 2; k++) {
+        bt_model m;
+        bt_model_shard sh = {k, 2};
+        assert_int_equal(bt_model_load_hf_shard(&m, dir, &nf, &sh), BT_ERR_FORMAT);
+        assert_non_null(strstr(bt_last_error(), "model.layers.1.mlp.down_proj.weight: non-finite value at element 100"));
+    }
+    rm_hf_dir(dir);
+    /* the fixtures (one group a linear: rank 0 holds it, the others nothing) */
+    check_shards_nf4("tests/fixtures/hf/tiny-llama-tied", worlds, 2);
+    check_shards_nf4("tests/fixtures/hf/qwen/qwen2/hf", worlds, 1);
+    check_shards_nf4("tests/fixtures/hf/phi3/hf", worlds, 2);
 }
 
 /* ---- the real model ---- */
@@ -412,7 +577,9 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_synthetic),
         cmocka_unit_test(test_shard_load),
+        cmocka_unit_test(test_shard_load_hf),
         cmocka_unit_test(test_real_model),
     };
+    if (getenv("BT_TEST_FILTER")) cmocka_set_test_filter(getenv("BT_TEST_FILTER")); /* one test by name */
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
