@@ -356,7 +356,8 @@ def tiny_3l(env, name, base):
 @pytest.mark.parametrize("base,ckpt", [("nf4", False), ("Q8_0+Q4_0", True)])
 def test_shard_base_reproduces_the_whole_base(env, base, ckpt):
     """dist.shard_base (issue 26): two ranks each holding half of every base linear (whole NF4
-    double-quantisation groups, or the GGUF's own Q8_0 / Q4_0 rows), all-gathered per layer in forward and
+    double-quantisation groups, or the GGUF's own Q8_0 / Q4_0 rows; the latter with checkpointing,
+    offloaded checkpoints and S²-Attn), all-gathered per layer in forward and
     again for backward / recompute (three layers and two gather slots: every step gathers in both
     directions, the next layer's gather in flight while one computes), train exactly as two ranks
     holding the whole base: the same gathered bytes feed the same kernels, so the losses (every
@@ -374,12 +375,15 @@ def test_shard_base_reproduces_the_whole_base(env, base, ckpt):
         write_shard(env["data"] / "eval3.jsonl.zst",
                     [chat_line(f"What is item {i}?", f"Item {i} is a thing with number {i * 7}.") for i in range(3)])
         ev = {"shards": [str(env["data"] / "eval3.jsonl.zst")], "max_batches": 0}
+    # with checkpointing also the layer inputs offloaded to host memory and S²-Attn in training
+    # (groups of 16 tokens), which the shards must not change either
+    extra = {"cuda": {"offload_checkpoints": True}, "attention": {"s2": {"group_fraction": 0.25}}} if ckpt else {}
     runs = {}
     for shard in (False, True):
         cfg, out = job_config(env, f"shard-{base}-{int(shard)}", "cuda", {
             "model": str(model), "data": data, "eval": ev, "steps": 2,
             "base_dtype": "nf4" if base == "nf4" else "gguf", "activation_checkpointing": ckpt,
-            "dist": {"shard_base": shard}})
+            "dist": {"shard_base": shard}, **extra})
         res = launch_ranks([cfg, cfg], free_port())
         held = []
         for rank, (rc, text) in enumerate(res):
