@@ -11,7 +11,7 @@ Fixtures:
   notify_socket  -> NotifySocket: an AF_UNIX datagram socket standing in for systemd's
                     $NOTIFY_SOCKET (.path, .wait_for("READY=1", timeout))
   loaderd        -> factory: loaderd(config: dict, asan=None, notify=True, args=(), wait=True,
-                    env=None, preexec=None) -> Loaderd (asan=None: the ASan build when it exists;
+                    env=None, preexec=None) -> Loaderd (asan=None: the ASan build when it exists and is not older than the plain one;
                     preexec: run in the child before exec, e.g. to set a resource limit),
                     started and READY; every daemon still running at the end is stopped with
                     SIGTERM and must exit 0
@@ -229,7 +229,17 @@ class Bins:
         return os.path.join(self.build, "asan", name) if asan else os.path.join(self.build, name)
 
     def have(self, name, asan=False):
-        return os.access(self.path(name, asan), os.X_OK)
+        """An executable of that name; the ASan one only when it is not older than the plain build's
+        (a stale ASan binary from an earlier build would test old code: then the plain one is used)."""
+        p = self.path(name, asan)
+        if not os.access(p, os.X_OK):
+            return False
+        plain = self.path(name)
+        if asan and os.access(plain, os.X_OK) and os.path.getmtime(p) < os.path.getmtime(plain):
+            import warnings
+            warnings.warn(f"{p} is older than {plain}: using the plain build (make the ASan one again)")
+            return False
+        return True
 
 
 @pytest.fixture(scope="session")
