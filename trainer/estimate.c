@@ -372,7 +372,7 @@ void bt_estimate_bill(const bt_est_model *em, const bt_train_config *cfg, int de
     b->gather = (double)bt_plan_bytes(&p, BT_PG_GATHER);
     if (cfg->pref_on) { /* the preference step's host buffers (trainer/loop/pref_step.c) */
         bt_plan pp;
-        if (bt_plan_pref(&pp, M, cfg->pref.algo) == 0) b->pref = (double)bt_plan_bytes(&pp, BT_PG_PREF);
+        if (bt_plan_pref(&pp, M, cfg->pref.algo == BT_PREF_KTO) == 0) b->pref = (double)bt_plan_bytes(&pp, BT_PG_PREF);
     }
     if (cuda) {
         /* LoRA (+ LoRA+): fp32 master, grad, m, v and the bf16 compute copy, in the plan */

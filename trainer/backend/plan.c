@@ -6,7 +6,6 @@
 #include "common/bt_common.h"
 #include "kernels/cuda/sizes.h"
 #include "kernels/kernels.h"
-#include "trainer/preference.h"
 
 size_t bt_dtype_size(int t) {
     switch (t) {
@@ -157,11 +156,9 @@ int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o) {
     return 0;
 }
 
-int bt_plan_pref(bt_plan *p, int max_M, int algo) {
+int bt_plan_pref(bt_plan *p, int max_M, int kl_batch) {
     memset(p, 0, sizeof *p);
     if (max_M < 1) return bt_fail(BT_ERR_INVALID, "plan: max_M %d < 1", max_M);
-    if (algo < BT_PREF_DPO || algo > BT_PREF_KTO)
-        return bt_fail(BT_ERR_INVALID, "plan: unknown preference objective %d", algo);
     const int64_t M = max_M;
     const int G = BT_PG_PREF;
     add(p, BT_BUF_PREF_TG, "preference targets", BT_DT_I32, G, 1, M);
@@ -186,7 +183,7 @@ int bt_plan_pref(bt_plan *p, int max_M, int algo) {
     add(p, BT_BUF_PREF_MNC, "record chosen targets", BT_DT_I32, G, 1, M);
     add(p, BT_BUF_PREF_MNR, "record rejected targets", BT_DT_I32, G, 1, M);
     add(p, BT_BUF_PREF_MDES, "record desirable (KTO)", BT_DT_U8, G, 1, M);
-    if (algo == BT_PREF_KTO) {
+    if (kl_batch) {
         add(p, BT_BUF_PREF_KID, "KL input_ids", BT_DT_I32, G, 1, M);
         add(p, BT_BUF_PREF_KLAB, "KL labels", BT_DT_I32, G, 1, M);
         add(p, BT_BUF_PREF_KPOS, "KL position_ids", BT_DT_I32, G, 1, M);

@@ -167,16 +167,17 @@ int bt_plan_ce_chunk(const bt_plan_opts *o);
 int bt_plan_step(bt_plan *p, const bt_dims *d, const bt_plan_opts *o);
 
 /* The preference step's buffers (trainer/loop/pref_step.c, on the host with either backend) for
- * micro-batches of max_M tokens and objective `algo` (trainer/preference.h bt_pref_algo), group
+ * micro-batches of max_M tokens, with kl_batch != 0 for an objective that builds a KL micro-batch
+ * (KTO: trainer/preference.h BT_PREF_KTO; the caller decides, this layer sits below it), group
  * BT_PG_PREF, one copy each (M = max_M):
  *   I32 M: TG (shifted targets), TG2 and LAB2 (ORPO's all-labels copy: its targets and labels;
  *     TG2 also the KL batch's targets), SEG_CNT, SEG_CNTA, REC_C, REC_R, MNC, MNR;
  *   F32 M: LOGP, DLOGP; U8 M: RESP, MDES;
  *   F64 M: SEG_SUM, SEG_ALL, SEG_REF (per segment), MPC, MPR, MRC, MRR, DC, DR (per record);
- *   KTO only: KID, KLAB, KPOS I32 M and KCU I32 M + 1 (the KL micro-batch).
+ *   kl_batch only: KID, KLAB, KPOS I32 M and KCU I32 M + 1 (the KL micro-batch).
  * (The records kept for the step's metrics grow with the step's records, not its tokens, and are
- * not in the plan.) Returns 0, or BT_ERR_INVALID for max_M < 1 or an unknown algo (*p empty). */
-int bt_plan_pref(bt_plan *p, int max_M, int algo);
+ * not in the plan.) Returns 0, or BT_ERR_INVALID for max_M < 1 (*p empty). */
+int bt_plan_pref(bt_plan *p, int max_M, int kl_batch);
 
 /* ---- dist.shard_base: how a frozen base linear is cut across W data-parallel ranks ----
  * A linear is cut at its storage format's block boundaries, never re-quantised: the unit is one

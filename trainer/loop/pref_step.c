@@ -109,7 +109,7 @@ int bt_pref_step_new(bt_pref_step **out, const bt_pref_params *p, int B, int T, 
      * out of one allocation of exactly the plan's bytes: the 8-byte elements first, then the
      * 4-byte, then the 1-byte ones, so every buffer is aligned to its element */
     bt_plan plan;
-    int rc = bt_plan_pref(&plan, s->M, p->algo);
+    int rc = bt_plan_pref(&plan, s->M, p->algo == BT_PREF_KTO);
     if (rc) {
         bt_pref_step_free(s);
         return rc;
