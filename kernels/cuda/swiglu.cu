@@ -5,89 +5,11 @@
 
 #include <cmath>
 
+/* The gated linear units share one pair of kernels; ACT picks the activation a(g) = g * sig(g):
+ * GLU_SILU (SwiGLU: sig = sigmoid(g)) or GLU_GELU_TANH (GeGLU with the tanh GELU, Gemma 3). */
+enum { GLU_SILU = 0, GLU_GELU_TANH = 1 };
+
 __device__ __forceinline__ float silu_sig(float g) { return 1.0f / (1.0f + expf(-g)); }
-
-__global__ void swiglu_fwd_kernel(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, int vec)
-{
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    if (vec) { /* n % 8 == 0 and all pointers 16-byte aligned */
-        const int64_t nv = n / 8;
-        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nv; t += stride) {
-            float fg[8], fu[8], fh[8];
-            bt_unpack8(reinterpret_cast<const uint4 *>(g)[t], fg);
-            bt_unpack8(reinterpret_cast<const uint4 *>(u)[t], fu);
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                fh[j] = fg[j] * silu_sig(fg[j]) * fu[j];
-            reinterpret_cast<uint4 *>(h)[t] = bt_pack8(fh);
-        }
-        return;
-    }
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float gv = __bfloat162float(g[i]);
-        h[i] = __float2bfloat16_rn(gv * silu_sig(gv) * __bfloat162float(u[i]));
-    }
-}
-__global__ void swiglu_bwd_kernel(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
-                                  const bt_bf16 *u, int64_t n, int vec)
-{
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    if (vec) {
-        const int64_t nv = n / 8;
-        for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nv; t += stride) {
-            float fg[8], fu[8], fd[8], og[8], ou[8];
-            bt_unpack8(reinterpret_cast<const uint4 *>(g)[t], fg);
-            bt_unpack8(reinterpret_cast<const uint4 *>(u)[t], fu);
-            bt_unpack8(reinterpret_cast<const uint4 *>(dh)[t], fd);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const float s = silu_sig(fg[j]);
-                og[j] = fd[j] * fu[j] * (s * (1.0f + fg[j] * (1.0f - s)));
-                ou[j] = fd[j] * (fg[j] * s);
-            }
-            reinterpret_cast<uint4 *>(dg)[t] = bt_pack8(og);
-            reinterpret_cast<uint4 *>(du)[t] = bt_pack8(ou);
-        }
-        return;
-    }
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float gv = __bfloat162float(g[i]), uv = __bfloat162float(u[i]),
-                    d = __bfloat162float(dh[i]);
-        const float s = silu_sig(gv);
-        dg[i] = __float2bfloat16_rn(d * uv * (s * (1.0f + gv * (1.0f - s))));
-        du[i] = __float2bfloat16_rn(d * (gv * s));
-    }
-}
-static int vec8_ok(int64_t n, const void *a, const void *b, const void *c, const void *d = nullptr,
-                   const void *e = nullptr)
-{
-    uintptr_t o = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e;
-    return n % 8 == 0 && (o & 15) == 0;
-}
-extern "C" int bt_cuda_swiglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n,
-                                  cudaStream_t stream)
-{
-    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!h || !g || !u)));
-    if (n == 0)
-        return BT_OK;
-    const int vec = vec8_ok(n, h, g, u);
-    swiglu_fwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(h, g, u, n, vec);
-    BT_LAUNCH_CHECK();
-    return BT_OK;
-}
-extern "C" int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
-                                  const bt_bf16 *u, int64_t n, cudaStream_t stream)
-{
-    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!dg || !du || !dh || !g || !u)));
-    if (n == 0)
-        return BT_OK;
-    const int vec = vec8_ok(n, dg, du, dh, g, u);
-    swiglu_bwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(dg, du, dh, g, u, n, vec);
-    BT_LAUNCH_CHECK();
-    return BT_OK;
-}
-
-/* ------------------------------------------------------------- GeGLU, tanh GELU (Gemma 3) */
 
 /* gelu_tanh(g) = g * s, s = sigmoid(2 z), z = c (g + a g^3): kernels/cpu/swiglu.c gelu_sig */
 #define GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
@@ -104,10 +26,29 @@ __device__ __forceinline__ void geglu_grad(float g, float u, float d, float *dg,
     *dg = d * u * dgelu;
     *du = d * (g * s);
 }
-__global__ void geglu_fwd_kernel(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, int vec)
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float *dg, float *du)
+{
+    const float s = silu_sig(g);
+    *dg = d * u * (s * (1.0f + g * (1.0f - s)));
+    *du = d * (g * s);
+}
+template <int ACT> __device__ __forceinline__ float glu_sig(float g)
+{
+    return ACT == GLU_SILU ? silu_sig(g) : gelu_sig(g);
+}
+template <int ACT> __device__ __forceinline__ void glu_grad(float g, float u, float d, float *dg, float *du)
+{
+    if (ACT == GLU_SILU)
+        swiglu_grad(g, u, d, dg, du);
+    else
+        geglu_grad(g, u, d, dg, du);
+}
+
+template <int ACT>
+__global__ void glu_fwd_kernel(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, int vec)
 {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    if (vec) {
+    if (vec) { /* n % 8 == 0 and all pointers 16-byte aligned */
         const int64_t nv = n / 8;
         for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < nv; t += stride) {
             float fg[8], fu[8], fh[8];
@@ -115,18 +56,19 @@ __global__ void geglu_fwd_kernel(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u,
             bt_unpack8(reinterpret_cast<const uint4 *>(u)[t], fu);
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                fh[j] = fg[j] * gelu_sig(fg[j]) * fu[j];
+                fh[j] = fg[j] * glu_sig<ACT>(fg[j]) * fu[j];
             reinterpret_cast<uint4 *>(h)[t] = bt_pack8(fh);
         }
         return;
     }
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const float gv = __bfloat162float(g[i]);
-        h[i] = __float2bfloat16_rn(gv * gelu_sig(gv) * __bfloat162float(u[i]));
+        h[i] = __float2bfloat16_rn(gv * glu_sig<ACT>(gv) * __bfloat162float(u[i]));
     }
 }
-__global__ void geglu_bwd_kernel(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
-                                 const bt_bf16 *u, int64_t n, int vec)
+template <int ACT>
+__global__ void glu_bwd_kernel(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                               const bt_bf16 *u, int64_t n, int vec)
 {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     if (vec) {
@@ -138,7 +80,7 @@ __global__ void geglu_bwd_kernel(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, co
             bt_unpack8(reinterpret_cast<const uint4 *>(dh)[t], fd);
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                geglu_grad(fg[j], fu[j], fd[j], &og[j], &ou[j]);
+                glu_grad<ACT>(fg[j], fu[j], fd[j], &og[j], &ou[j]);
             reinterpret_cast<uint4 *>(dg)[t] = bt_pack8(og);
             reinterpret_cast<uint4 *>(du)[t] = bt_pack8(ou);
         }
@@ -146,30 +88,58 @@ __global__ void geglu_bwd_kernel(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, co
     }
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float og, ou;
-        geglu_grad(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(dh[i]), &og, &ou);
+        glu_grad<ACT>(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(dh[i]), &og, &ou);
         dg[i] = __float2bfloat16_rn(og);
         du[i] = __float2bfloat16_rn(ou);
     }
 }
-extern "C" int bt_cuda_geglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n,
-                                 cudaStream_t stream)
+static int vec8_ok(int64_t n, const void *a, const void *b, const void *c, const void *d = nullptr,
+                   const void *e = nullptr)
 {
-    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!h || !g || !u)));
+    uintptr_t o = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e;
+    return n % 8 == 0 && (o & 15) == 0;
+}
+template <int ACT>
+static int glu_fwd(const char *who, bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n, cudaStream_t stream)
+{
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, n < 0 || (n > 0 && (!h || !g || !u)));
     if (n == 0)
         return BT_OK;
     const int vec = vec8_ok(n, h, g, u);
-    geglu_fwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(h, g, u, n, vec);
+    glu_fwd_kernel<ACT><<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(h, g, u, n, vec);
     BT_LAUNCH_CHECK();
     return BT_OK;
+}
+template <int ACT>
+static int glu_bwd(const char *who, bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                   const bt_bf16 *u, int64_t n, cudaStream_t stream)
+{
+    BT_CU_REFUSE_AS(who, BT_ERR_INVALID, n < 0 || (n > 0 && (!dg || !du || !dh || !g || !u)));
+    if (n == 0)
+        return BT_OK;
+    const int vec = vec8_ok(n, dg, du, dh, g, u);
+    glu_bwd_kernel<ACT><<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(dg, du, dh, g, u, n, vec);
+    BT_LAUNCH_CHECK();
+    return BT_OK;
+}
+
+extern "C" int bt_cuda_swiglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n,
+                                  cudaStream_t stream)
+{
+    return glu_fwd<GLU_SILU>(__func__, h, g, u, n, stream);
+}
+extern "C" int bt_cuda_swiglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
+                                  const bt_bf16 *u, int64_t n, cudaStream_t stream)
+{
+    return glu_bwd<GLU_SILU>(__func__, dg, du, dh, g, u, n, stream);
+}
+extern "C" int bt_cuda_geglu_fwd(bt_bf16 *h, const bt_bf16 *g, const bt_bf16 *u, int64_t n,
+                                 cudaStream_t stream)
+{
+    return glu_fwd<GLU_GELU_TANH>(__func__, h, g, u, n, stream);
 }
 extern "C" int bt_cuda_geglu_bwd(bt_bf16 *dg, bt_bf16 *du, const bt_bf16 *dh, const bt_bf16 *g,
                                  const bt_bf16 *u, int64_t n, cudaStream_t stream)
 {
-    BT_CU_REFUSE(BT_ERR_INVALID, n < 0 || (n > 0 && (!dg || !du || !dh || !g || !u)));
-    if (n == 0)
-        return BT_OK;
-    const int vec = vec8_ok(n, dg, du, dh, g, u);
-    geglu_bwd_kernel<<<bt_grid_for(vec ? n / 8 : n, 256), 256, 0, stream>>>(dg, du, dh, g, u, n, vec);
-    BT_LAUNCH_CHECK();
-    return BT_OK;
+    return glu_bwd<GLU_GELU_TANH>(__func__, dg, du, dh, g, u, n, stream);
 }
