@@ -89,13 +89,7 @@ static void check_source(const char *source) {
     load_model(&m, source);
     bt_st_file *ref = open_fix("ref.safetensors");
     const float *rl_base = fix_f32(ref, "logits_base", (int64_t)PM * NV);
-    const float *rl = fix_f32(ref, "logits", (int64_t)PM * NV);
     float *logits = malloc((size_t)PM * NV * sizeof(float));
-
-    double loss = tu_fix_forward(&m, NULL, &mb, logits, 0);
-    double e_base = tu_max_abs_diff(logits, rl_base, (int64_t)PM * NV);
-    double e_loss_base = fabs(loss - fix_f32(ref, "loss_base", 1)[0]);
-    double e_inf_base = tu_fix_infer_err(&m, NULL, &b, rl_base);
 
     bt_lora lo;
     char dir[512];
@@ -103,26 +97,7 @@ static void check_source(const char *source) {
     if (bt_lora_load_peft(&lo, &m, dir)) fail_msg("%s", bt_last_error());
     assert_int_equal(lo.target_mask, (1u << BT_MOD_N) - 1);
     assert_int_equal(lo.fused, 1);
-    loss = tu_fix_forward(&m, &lo, &mb, logits, 0);
-    double e_lora = tu_max_abs_diff(logits, rl, (int64_t)PM * NV);
-    double e_loss = fabs(loss - fix_f32(ref, "loss", 1)[0]);
-    double e_grad = tu_fix_grads_rel_err(&lo, ref);
-    double e_inf = tu_fix_infer_err(&m, &lo, &b, rl);
-    tu_fix_forward(&m, &lo, &mb, logits, 1);
-    double e_grad_ck = tu_fix_grads_rel_err(&lo, ref);
-    print_message("parity: phi3 from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
-                  "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
-                  "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", source,
-                  e_base, tu_max_abs(rl_base, (int64_t)PM * NV), e_loss_base, e_lora, e_loss, e_grad,
-                  e_inf_base, e_inf, e_grad_ck);
-    assert_true(e_base <= 1e-4);
-    assert_true(e_loss_base <= 1e-5);
-    assert_true(e_lora <= 1e-4);
-    assert_true(e_loss <= 1e-5);
-    assert_true(e_grad <= 1e-4);
-    assert_true(e_inf_base <= 1e-4);
-    assert_true(e_inf <= 1e-4);
-    assert_true(e_grad_ck <= 1e-4);
+    tu_fix_parity("phi3", source, &m, &lo, &mb, &b, ref, logits);
 
     /* the checks can fail: gate and up exchanged (gate_up_proj split the wrong way round) */
     bt_base_linear t = m.layers[0].lin[BT_MOD_GATE];

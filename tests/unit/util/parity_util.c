@@ -79,3 +79,36 @@ double tu_fix_grads_rel_err(const bt_lora *lo, struct bt_st_file *f) {
     }
     return worst;
 }
+
+void tu_fix_parity(const char *fam, const char *source, const bt_model *m, bt_lora *lo,
+                   const bt_microbatch *mb, const tu_fix_batch *b, struct bt_st_file *ref, float *logits) {
+    const int64_t n = (int64_t)TU_FIX_M * m->hp.vocab;
+    const float *rl_base = tu_st_data(ref, "logits_base", BT_ST_F32, n);
+    const float *rl = tu_st_data(ref, "logits", BT_ST_F32, n);
+    /* base model */
+    double loss = tu_fix_forward(m, NULL, mb, logits, 0);
+    double e_base = tu_max_abs_diff(logits, rl_base, n);
+    double e_loss_base = fabs(loss - ((const float *)tu_st_data(ref, "loss_base", BT_ST_F32, 1))[0]);
+    double e_inf_base = tu_fix_infer_err(m, NULL, b, rl_base);
+    /* with the PEFT adapter: logits, loss, LoRA gradients */
+    loss = tu_fix_forward(m, lo, mb, logits, 0);
+    double e_lora = tu_max_abs_diff(logits, rl, n);
+    double e_loss = fabs(loss - ((const float *)tu_st_data(ref, "loss", BT_ST_F32, 1))[0]);
+    double e_grad = tu_fix_grads_rel_err(lo, ref);
+    double e_inf = tu_fix_infer_err(m, lo, b, rl);
+    tu_fix_forward(m, lo, mb, logits, 1); /* activation checkpointing: the same gradients */
+    double e_grad_ck = tu_fix_grads_rel_err(lo, ref);
+    print_message("parity: %s from %s: logits max abs err %.3g (max |logit| %.3g), loss %.3g; "
+                  "with LoRA: logits %.3g, loss %.3g, grads max rel err %.3g; inference (KV cache) "
+                  "logits %.3g / %.3g; grads with activation checkpointing %.3g\n", fam, source,
+                  e_base, tu_max_abs(rl_base, n), e_loss_base, e_lora, e_loss, e_grad, e_inf_base, e_inf,
+                  e_grad_ck);
+    assert_true(e_base <= 1e-4);
+    assert_true(e_loss_base <= 1e-5);
+    assert_true(e_lora <= 1e-4);
+    assert_true(e_loss <= 1e-5);
+    assert_true(e_grad <= 1e-4);
+    assert_true(e_inf_base <= 1e-4);
+    assert_true(e_inf <= 1e-4);
+    assert_true(e_grad_ck <= 1e-4);
+}

@@ -42,4 +42,13 @@ double tu_fix_infer_err(const bt_model *m, const bt_lora *lo, const tu_fix_batch
  * at least one targeted module. */
 double tu_fix_grads_rel_err(const bt_lora *lo, struct bt_st_file *f);
 
+/* The whole parity check of one loaded model against its fixture file ref (ref.safetensors:
+ * logits_base / loss_base without the adapter, logits / loss and the LoRA gradients with the PEFT
+ * adapter lo, already loaded): the training path's logits and loss, the inference path (KV cache)
+ * and the LoRA gradients, also with activation checkpointing; printed as "parity: <fam> from
+ * <source>: ..." and asserted (logits 1e-4 absolute, loss 1e-5, gradients 1e-4 relative to their
+ * max: tests/reference/README.md). logits: the caller's [TU_FIX_M, vocab] buffer (overwritten). */
+void tu_fix_parity(const char *fam, const char *source, const bt_model *m, bt_lora *lo,
+                   const bt_microbatch *mb, const tu_fix_batch *b, struct bt_st_file *ref, float *logits);
+
 #endif
