@@ -80,8 +80,11 @@ TOOLS      := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BINS_ASAN  := $(BUILD)/asan/loaderd $(BUILD)/asan/loaderctl $(BUILD)/asan/trainer
 
 .PHONY: all setup model tokenizers test unit unit-asan pytest pytest-torch demo demo-long demo-dpo install clean bench shards dpo-data test-slurm \
-        test-systemd llamacpp-ref test-llamacpp test-llamacpp-gemma3
+        test-systemd llamacpp-ref test-llamacpp test-llamacpp-gemma3 test-early test-prefetch
 .SECONDARY:
+
+# the slowest tests of each pytest stage, listed after it (where `make test`'s time goes)
+PYTEST_DURATIONS ?= --durations=8 --durations-min=5
 
 all: $(BINS) $(TOOLS)
 
@@ -114,7 +117,7 @@ unit-asan: $(TESTS_ASAN)
 		bash tests/run-unit.sh $(BUILD)/asan/tests $(TESTS_ASAN)
 
 pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
-	@BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py
+	@BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q $(PYTEST_DURATIONS) tests/py
 
 # The loaderd Python client (python/) with torch, transformers and PEFT: scripts/venv-torch.sh
 # makes .venv-torch/ from the complete lock python/requirements-torch.txt (no pip cache, ~5.2 GB free
@@ -122,7 +125,7 @@ pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 # `pip install ./python`; tests/py/test_python_client_hf.py runs in it.
 pytest-torch: all
 	@bash scripts/venv-torch.sh
-	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q tests/py/test_python_client_hf.py tests/py/test_export_hf.py \
+	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q $(PYTEST_DURATIONS) tests/py/test_python_client_hf.py tests/py/test_export_hf.py \
 		tests/py/test_export_qwen.py tests/py/test_export_phi3.py tests/py/test_export_gemma3.py
 
 # llama.cpp itself as a reference: scripts/llamacpp-ref.sh puts the llama.cpp library of the pinned
@@ -151,17 +154,26 @@ test: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory tokenizers
 	@$(MAKE) --no-print-directory all
-	@$(MAKE) --no-print-directory unit
-	@$(MAKE) --no-print-directory unit-asan
-	@$(MAKE) --no-print-directory fuzz-short
-	@$(MAKE) --no-print-directory shards
-	@$(MAKE) --no-print-directory pytest
+	@$(MAKE) --no-print-directory -j2 test-early test-prefetch
 	@$(MAKE) --no-print-directory pytest-torch
 	@$(MAKE) --no-print-directory test-llamacpp
 	@if [ -f $(CUDA_HOME)/include/cuda_bf16.h ]; then $(MAKE) --no-print-directory test-emu; \
 	 else echo "test-emu: SKIPPED: CUDA headers not found in $(CUDA_HOME)/include"; fi
 	@$(MAKE) --no-print-directory test-slurm
 	@$(MAKE) --no-print-directory test-systemd
+
+# The CPU-bound first stages of `make test`, in order; `make test` runs them beside test-prefetch
+# (scripts/test-prefetch.sh: the venv-torch, systemd-root and llama.cpp downloads of the later
+# stages), so that the downloads overlap the testing instead of adding to it.
+test-early:
+	@$(MAKE) --no-print-directory unit
+	@$(MAKE) --no-print-directory unit-asan
+	@$(MAKE) --no-print-directory fuzz-short
+	@$(MAKE) --no-print-directory shards
+	@$(MAKE) --no-print-directory pytest
+
+test-prefetch: all
+	@bash scripts/test-prefetch.sh $(BUILD)
 
 # `make test-slurm`: tests/py/test_slurm.py brings up a private one-node Slurm (installing Debian's
 # slurmctld, slurmd, slurm-client and munge through tests/slurm/install.sh; needs root) and
@@ -433,7 +445,7 @@ $(EMU_TRAINER): $(BUILD)/obj/trainer/main.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 test-emu: $(EMU_TESTS) $(EMU_NCCL_TEST) $(EMU_TRAINER) $(EMU_BENCHES) all
 	@$(PYTHON) tests/emu/cu2cpp.py --check $(CUDA_HDRS) $(wildcard trainer/cuda/*.h) $(GPU_TEST_HDRS)
 	@bash tests/emu/run.sh $(EMU_BUILD)/logs $(EMU_TESTS) $(EMU_NCCL_TEST)
-	@BT_EMU_TRAINER=$(EMU_TRAINER) BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q tests/py/test_e2e_cuda_emu.py \
+	@BT_EMU_TRAINER=$(EMU_TRAINER) BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q $(PYTEST_DURATIONS) tests/py/test_e2e_cuda_emu.py \
 		tests/py/test_gpu_scripts.py tests/py/test_tools_cli.py
 # ---- END test-emu -------------------------------------------------------------------------------
 
