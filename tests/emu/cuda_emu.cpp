@@ -16,6 +16,7 @@
  * cudaMalloc buffer (guard pages, reported by a SIGSEGV handler), stack overflow of a thread. */
 #include "tests/emu/cuda_emu.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -1227,6 +1228,15 @@ const char *cublasGetStatusString(cublasStatus_t s)
     }
 }
 
+/* c[i] += a[i] * b, i < m: one step of m independent sums (each element's own order is kept;
+ * vectorised across i, which -O2's cost model leaves scalar) */
+__attribute__((optimize("O3"))) static void gemm_axpy(float *__restrict c, const float *__restrict a,
+                                                      float b, int m)
+{
+    for (int i = 0; i < m; i++)
+        c[i] += a[i] * b;
+}
+
 /* column-major: C(m x n) = alpha op(A)(m x k) op(B)(k x n) + beta C; fp32 accumulation in k order */
 cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
                             int n, int k, const void *alpha, const void *A, cudaDataType Atype,
@@ -1257,28 +1267,47 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
     auto ld = [](const void *p, bool bf, int64_t i) -> float {
         return bf ? __bfloat162float(((const __nv_bfloat16 *)p)[i]) : ((const float *)p)[i];
     };
-    std::vector<float> Am((size_t)m * k), Bt((size_t)n * k); /* op(A) rows, op(B) columns */
-    for (int i = 0; i < m; i++)
+    /* op(A) stored k-major (column l of op(A) contiguous) and op(B) column by column. Each C(i, j)
+     * is still ((0 + a_i0 b_0j) + a_i1 b_1j) + ... in k order, exactly as one dot product per
+     * element; but a tile of TI rows of up to 4 columns advances together (an axpy per l over
+     * sums held in L1: independent chains the CPU vectorises, instead of one latency-bound chain
+     * per element), which is what makes the emulated vocabulary-sized GEMMs affordable. */
+    std::vector<float> Ac((size_t)m * k), Bt((size_t)n * k);
+    if (tA) /* A(i, l) at i * lda + l: read along l */
+        for (int i = 0; i < m; i++)
+            for (int l = 0; l < k; l++)
+                Ac[(size_t)l * m + i] = ld(A, a16, (int64_t)i * lda + l);
+    else
         for (int l = 0; l < k; l++)
-            Am[(size_t)i * k + l] = ld(A, a16, tA ? (int64_t)i * lda + l : (int64_t)l * lda + i);
+            for (int i = 0; i < m; i++)
+                Ac[(size_t)l * m + i] = ld(A, a16, (int64_t)l * lda + i);
     for (int j = 0; j < n; j++)
         for (int l = 0; l < k; l++)
             Bt[(size_t)j * k + l] = ld(B, b16, tB ? (int64_t)l * ldb + j : (int64_t)j * ldb + l);
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < m; i++) {
-            const float *a = &Am[(size_t)i * k], *b = &Bt[(size_t)j * k];
-            float acc = 0.0f;
+    enum { TI = 256, TJ = 4 };
+    float acc[TJ][TI];
+    for (int i0 = 0; i0 < m; i0 += TI) {
+        const int mi = m - i0 < TI ? m - i0 : TI;
+        for (int j0 = 0; j0 < n; j0 += TJ) {
+            const int nj = n - j0 < TJ ? n - j0 : TJ;
+            for (int jj = 0; jj < nj; jj++)
+                std::fill(acc[jj], acc[jj] + mi, 0.0f);
             for (int l = 0; l < k; l++)
-                acc += a[l] * b[l];
-            const int64_t ci = (int64_t)j * ldc + i;
-            float v = al * acc;
-            if (be != 0.0f) /* beta == 0: C is not read (may hold NaN) */
-                v += be * ld(C, c16, ci);
-            if (c16)
-                ((__nv_bfloat16 *)C)[ci] = __float2bfloat16_rn(v);
-            else
-                ((float *)C)[ci] = v;
+                for (int jj = 0; jj < nj; jj++)
+                    gemm_axpy(acc[jj], &Ac[(size_t)l * m + i0], Bt[(size_t)(j0 + jj) * k + l], mi);
+            for (int jj = 0; jj < nj; jj++)
+                for (int i = 0; i < mi; i++) {
+                    const int64_t ci = (int64_t)(j0 + jj) * ldc + i0 + i;
+                    float v = al * acc[jj][i];
+                    if (be != 0.0f) /* beta == 0: C is not read (may hold NaN) */
+                        v += be * ld(C, c16, ci);
+                    if (c16)
+                        ((__nv_bfloat16 *)C)[ci] = __float2bfloat16_rn(v);
+                    else
+                        ((float *)C)[ci] = v;
+                }
         }
+    }
     return CUBLAS_STATUS_SUCCESS;
 }
 
