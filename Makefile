@@ -322,7 +322,7 @@ GPU_TEST_SRC := $(wildcard tests/gpu/test_*.cu)
 GPU_TEST_HDRS := $(wildcard tests/gpu/*.h)
 GPU_TESTS   := $(patsubst tests/gpu/%.cu,$(CUDA_BUILD)/tests/%,$(GPU_TEST_SRC))
 
-$(CUDA_BUILD)/obj/%.o: %.cu $(CUDA_HDRS) $(GPU_TEST_HDRS)
+$(CUDA_BUILD)/obj/%.o: %.cu $(CUDA_HDRS)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
@@ -338,9 +338,14 @@ CUDA_TRAINER_LIB := $(CUDA_BUILD)/libbarq_cuda_trainer.a
 GPU_BENCH_SRC := $(wildcard tests/bench/gpu/*.cu)
 GPU_BENCHES := $(patsubst tests/bench/gpu/%.cu,$(CUDA_BUILD)/bench/%,$(GPU_BENCH_SRC))
 
-# the trainer, its GPU test and the benchmarks also include the C trainer headers
-$(CUDA_TRAINER_OBJ) $(CUDA_BUILD)/obj/tests/gpu/test_trainer_gpu.o \
+# the trainer, its GPU tests (the step parity of tests/gpu/gpu_step_util.h) and the benchmarks
+# also include the C trainer headers
+GPU_STEP_TESTS := test_trainer_gpu test_families_gpu test_pref_gpu
+$(CUDA_TRAINER_OBJ) $(patsubst %,$(CUDA_BUILD)/obj/tests/gpu/%.o,$(GPU_STEP_TESTS)) \
   $(patsubst %.cu,$(CUDA_BUILD)/obj/%.o,$(GPU_BENCH_SRC)): $(HDRS) $(wildcard trainer/cuda/*.h)
+# only the GPU tests and benchmarks include tests/gpu's headers (gpu_test.h, gpu_step_util.h,
+# gpu_probe.h): a change there rebuilds neither the kernels nor the trainer
+$(patsubst %.cu,$(CUDA_BUILD)/obj/%.o,$(GPU_TEST_SRC) $(GPU_BENCH_SRC)): $(GPU_TEST_HDRS)
 
 $(CUDA_TRAINER_LIB): $(CUDA_TRAINER_OBJ)
 	@mkdir -p $(dir $@)
@@ -415,10 +420,12 @@ $(EMU_NCCL_TEST): $(EMU_BUILD)/obj/tests/emu/test_nccl_emu.o $(EMU_BUILD)/obj/te
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) -o $@ $^ -lrt -lpthread $(TESTLIBS)
 
-$(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) $(GPU_TEST_HDRS) \
+$(EMU_BUILD)/obj/%.o: $(EMU_BUILD)/src/%.cpp tests/emu/cuda_emu.h $(CUDA_HDRS) \
                       $(HDRS) $(wildcard trainer/cuda/*.h)
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) $(EMU_CXXFLAGS) -include tests/emu/cuda_emu.h -c $< -o $@
+
+$(patsubst %.cu,$(EMU_BUILD)/obj/%.o,$(GPU_TEST_SRC) $(GPU_BENCH_SRC)): $(GPU_TEST_HDRS)
 
 $(EMU_BUILD)/tests/%: $(EMU_BUILD)/obj/tests/gpu/%.o $(EMU_LIB_OBJ) $(BUILD)/libbarq.a
 	@mkdir -p $(dir $@)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU parity tests (make test-gpu; scripts/gpu-run steps quick, sanitize, test):
 #   tests/gpu/run.sh [BIN...]     (default: every build/cuda/tests/test_* executable, the kernels,
-#                                  NF4 GEMM, GGUF GEMM, attention and trainer tests in that order)
+#                                  NF4 GEMM, GGUF GEMM, attention, trainer and model-family tests in
+#                                  that order, then the others)
 # 1. Device check: the first binary's --probe-only (device query + a one-kernel probe). Without a
 #    usable device: "test-gpu: SKIPPED: no CUDA device (<reason>)", exit 0 and no pass line; under
 #    BT_GPU_REQUIRE=1 (scripts/gpu-run sets it) "test-gpu: FAILED: no CUDA device ...", exit 1.
@@ -31,7 +32,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 if [ $# -eq 0 ]; then # the quick binaries first, so that a deadline leaves the most results
-    for n in kernels nf4_gemm ggml attention trainer; do
+    for n in kernels nf4_gemm ggml attention trainer families; do
         [ -e "build/cuda/tests/test_${n}_gpu" ] && set -- "$@" "build/cuda/tests/test_${n}_gpu"
     done
     for f in build/cuda/tests/test_*; do

@@ -1,8 +1,8 @@
 /* GPU preference passes (trainer/cuda/cuda_trainer.h bt_cuda_trainer_logprobs /
  * _backward_logprobs, issue 25) against the CPU fp32 reference (trainer/loop/step.h
  * bt_forward_logprobs / bt_backward_logprobs), both driven by the real preference step
- * (trainer/loop/pref_step.h) on a tiny random Llama (bt_model_init_random: 2 layers of 128, 2
- * heads of 64, FFN 256, vocab 512) with LoRA on every linear:
+ * (trainer/loop/pref_step.h) on a tiny random Llama (tests/gpu/gpu_step_util.h tiny_model_lora: 2
+ * layers of 128, 2 heads of 64 over 1 KV head, FFN 256, vocab 512) with LoRA on every linear:
  *   - one case per objective family: DPO sigmoid, ORPO, SimPO (CPO loss_type simpo), KTO (with
  *     its KL sequences; activation checkpointing on both backends), and DPO again with LoRA+ (trainable tied embedding = lm_head, norms:
  *     the extra vocabulary pass of the backward) and LoRA dropout;
@@ -21,21 +21,14 @@
  * Options: those of every GPU test binary (tests/gpu/gpu_test.h gt_init). Without a CUDA device it
  * prints "SKIPPED" and exits 77. */
 #include "tests/gpu/gpu_test.h"
+#include "tests/gpu/gpu_step_util.h"
 
 extern "C" {
-#include "common/bt_common.h"
 #include "kernels/kernels.h"
 #include "proto/batch.h"
 #include "trainer/backend/backend.h"
 #include "trainer/loop/pref_step.h"
-#include "trainer/loop/step.h"
-#include "trainer/model/lora.h"
-#include "trainer/model/model.h"
-#include "trainer/model/rng.h"
 }
-#include "trainer/cuda/cuda_trainer.h"
-
-#include <vector>
 
 /* ------------------------------------------------------------------ the two backends */
 /* Minimal bt_backend tables over a CPU step context and a GPU trainer: the preference step only
@@ -133,27 +126,10 @@ static PrefBatch make_pref_batch(int kto, int V)
 }
 
 /* ------------------------------------------------------------------ comparisons */
-static double cosine_rl2(const float *g, const float *c, int64_t n, double *rl2)
-{
-    double dot = 0, gg = 0, cc = 0, dd = 0;
-    for (int64_t i = 0; i < n; i++) {
-        dot += (double)g[i] * c[i];
-        gg += (double)g[i] * g[i];
-        cc += (double)c[i] * c[i];
-        dd += ((double)g[i] - c[i]) * ((double)g[i] - c[i]);
-    }
-    *rl2 = cc > 0 ? sqrt(dd / cc) : sqrt(dd);
-    return gg > 0 && cc > 0 ? dot / sqrt(gg * cc) : 0.0;
-}
+/* the step's LoRA (+ LoRA+) gradient blocks: cosine >= 0.99, rel-L2 <= 5e-2 (gpu_step_util.h) */
 static void check_grads(const char *what, const float *g, const float *c, int64_t n)
 {
-    double rl2 = 0;
-    const double cs = cosine_rl2(g, c, n, &rl2);
-    const bool ok = std::isfinite(cs) && cs >= 0.99 && rl2 <= 5e-2;
-    printf("    %-24s n=%-7lld cos=%.5f (>= 0.99) rel_l2=%.3e (<= 5e-2)%s\n", what, (long long)n, cs,
-           rl2, ok ? "" : "  <-- FAIL");
-    if (!ok)
-        g_case_ok = false;
+    check_grad_block(what, g, c, n, 0.99, 5e-2);
 }
 static bool close_to(double gpu, double cpu, double floor_)
 {
@@ -209,46 +185,23 @@ static int pref_step(bt_backend *be, const bt_pref_params *p, const PrefBatch &b
 /* ------------------------------------------------------------------ one case */
 static void pref_case(bt_pref_algo algo, int simpo, unsigned trainable, float dropout, int ckpt)
 {
-    bt_llama_hparams hp;
-    memset(&hp, 0, sizeof hp);
-    hp.n_layer = 2;
-    hp.d_model = 128;
-    hp.n_head = 2;
-    hp.n_kv_head = 1;
-    hp.head_dim = 64;
-    hp.d_ff = 256;
-    hp.vocab = 512;
-    hp.ctx = 256;
-    hp.rope_theta = 10000.f;
-    hp.rms_eps = 1e-5f;
+    const bt_llama_hparams hp = llama_hp(2, 128, 2, 1, 64, 256, 512, 256);
     const int V = hp.vocab, tied = trainable != 0;
     bt_model m;
     bt_lora lo;
-    if (bt_model_init_random(&m, &hp, BT_BASE_FP32, tied, 42) != 0) {
-        printf("    model: %s\n", bt_last_error());
-        g_case_ok = false;
-        return;
-    }
     /* a tied N(0, 1) embedding as lm_head gives logits far sharper than a trained model's (sums of
      * hundreds of nats a token); scaled down, the log-probs are a real model's few nats a token */
-    if (tied)
-        for (int64_t i = 0; i < (int64_t)V * hp.d_model; i++)
-            m.tok_embd[i] *= 0.1f;
-    if (bt_lora_init(&lo, &m, 8, 16.0, dropout, (1u << BT_MOD_N) - 1, trainable, 7) != 0) {
-        printf("    bt_lora_init: %s\n", bt_last_error());
-        g_case_ok = false;
-        bt_model_free(&m);
+    const auto scale_embd = [&](bt_model *pm) {
+        for (int64_t i = 0; tied && i < (int64_t)V * hp.d_model; i++)
+            pm->tok_embd[i] *= 0.1f;
+        return 0;
+    };
+    if (tiny_model_lora(&m, &lo, hp, BT_BASE_FP32, tied, dropout, (1u << BT_MOD_N) - 1, trainable,
+                        scale_embd) != 0)
         return;
-    }
     /* B away from 0 (and LoRA+ weights away from the base), so the policy differs from the
      * reference and every gradient is non-trivial */
-    for (int l = 0; l < lo.n_layer; l++)
-        for (int mod = 0; mod < BT_MOD_N; mod++) {
-            const bt_lora_mod *x = bt_lora_get(&lo, l, mod);
-            if (x)
-                for (int64_t i = 0; i < (int64_t)x->out * lo.r; i++)
-                    x->B[i] = rng_normal() * 0.2f;
-        }
+    randomise_B(&lo, 0.2f);
     if (lo.embed)
         for (int64_t i = 0; i < (int64_t)V * hp.d_model; i++)
             lo.embed[i] += rng_normal() * 0.01f;

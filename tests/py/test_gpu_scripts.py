@@ -129,7 +129,8 @@ def test_pack_sizes_within_the_call_limit(packs):
         with tarfile.open(d / "one" / "payload.tar.xz") as t:
             names = set(t.getnames())
         want = {"A": ["build/cuda/tests/test_kernels_gpu", "build/cuda/tests/test_attention_gpu",
-                      "build/cuda/tests/test_trainer_gpu", "build/cuda/tests/test_pref_gpu",
+                      "build/cuda/tests/test_trainer_gpu", "build/cuda/tests/test_families_gpu",
+                      "build/cuda/tests/test_pref_gpu",
                       "build/lib/libopenblas.so.0"],
                 "B": ["build/cuda/tests/test_trainer_gpu", "build/trainer", "build/loaderd", "build/loaderctl",
                       "data/demo/MANIFEST.json", "build/gpu-site/gguf/__init__.py"],
@@ -140,6 +141,8 @@ def test_pack_sizes_within_the_call_limit(packs):
             assert w in names, (piece, w)
         # only what the piece needs; bitsandbytes' other CUDA libraries never travel
         assert not any("libbitsandbytes_cuda132" in n or "libbitsandbytes_cuda12" in n for n in names)
+        if piece == "B":  # its call runs test_trainer_gpu's SmolLM2 cases only (tests/gpu/README.md)
+            assert "build/cuda/tests/test_families_gpu" not in names
         if piece != "B":
             assert not any(n.startswith("data/") or n == "build/trainer" for n in names), piece
         if piece in "CD":
@@ -319,15 +322,20 @@ def test_crashing_case_is_followed_by_a_restart_after_it(work):
     assert "test-gpu: FAILED: test_kernels_gpu (crash in test_rmsnorm)" in out
     assert "== test_kernels_gpu.memcheck.log" not in out and out.count("== test_kernels_gpu") == 2
     # --case on every binary; --list; --after of no case is an error
+    listed = {}
     for b in ("test_kernels_gpu", "test_nf4_gemm_gpu", "test_ggml_gpu", "test_attention_gpu", "test_trainer_gpu",
-              "test_pref_gpu"):
+              "test_families_gpu", "test_pref_gpu"):
         rc, out = sh([os.path.join(EMU, "tests", b), "--list"])
         names = out.split()
         assert rc == 0 and len(names) >= 4, (b, out)
+        listed[b] = set(names)
         rc, out = sh([os.path.join(EMU, "tests", b), "--case", "no such case"], env=dict(os.environ, BT_GPU_EMU="1"))
         assert rc == 0 and f"{b}: 0 passed, 0 failed, 0 skipped" in out, out
         rc, out = sh([os.path.join(EMU, "tests", b), "--after", "no such case"], env=dict(os.environ, BT_GPU_EMU="1"))
         assert rc == 2 and "--after no such case: no such case" in out, out
+    # the model-family cases left test_trainer_gpu for test_families_gpu: each case in one binary
+    assert not listed["test_trainer_gpu"] & listed["test_families_gpu"]
+    assert {"test_tiny_sliding_window", "test_qwen2_bias", "test_gemma3_step"} <= listed["test_families_gpu"]
 
 
 def test_sanitizer_plan_timeouts_and_log_tarball(packs, work):
@@ -346,13 +354,13 @@ def test_sanitizer_plan_timeouts_and_log_tarball(packs, work):
     runs = [(t, b) for t, b, q in got[1:]]
     assert runs == [("memcheck", "test_kernels_gpu"), ("memcheck", "test_nf4_gemm_gpu"), ("memcheck", "test_ggml_gpu"),
                     ("memcheck", "test_attention_gpu"), ("memcheck", "test_trainer_gpu"),
-                    ("memcheck", "test_pref_gpu"), ("racecheck", "test_nf4_gemm_gpu"), ("racecheck", "test_ggml_gpu"),
+                    ("memcheck", "test_families_gpu"), ("memcheck", "test_pref_gpu"), ("racecheck", "test_nf4_gemm_gpu"), ("racecheck", "test_ggml_gpu"),
                     ("racecheck", "test_attention_gpu"), ("synccheck", "test_attention_gpu"),
                     ("initcheck", "test_kernels_gpu")], runs
     assert all(q == "1" for _, _, q in got[1:])  # BT_GPU_QUICK under every sanitizer run
     log = files["sanitizer.log"]
     assert re.search(r"^TIMEOUT test_attention_gpu synccheck", log, re.M), log
-    assert log.count("ERROR SUMMARY: 0 errors") == 10
+    assert log.count("ERROR SUMMARY: 0 errors") == 11
     tar = work / "san.tar.gz"
     tar.write_bytes(files["sanitizer-logs.tar.gz"])
     with tarfile.open(tar) as t:
