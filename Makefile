@@ -191,9 +191,12 @@ test-slurm: all
 test-systemd: all
 	@BT_SYSTEMD=1 BT_BUILD=$(BUILD) $(PYTHON) -m pytest -q -rs tests/py/test_systemd.py
 
+# the demo builds only the three programs it runs, on every core unless make was given -j; the
+# Gemma 3 demo also installs llama.cpp (make llamacpp-ref) to run its adapter there
 demo: setup
 	@$(MAKE) --no-print-directory model
-	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j$(shell nproc)) $(BINS)
+	$(if $(DEMO_MODEL),@$(MAKE) --no-print-directory llamacpp-ref)
 	@DEMO_MODEL=$(DEMO_MODEL) bash scripts/demo.sh
 
 # `make demo-dpo`: DPO on `make dpo-data` (FOLDOC confusable definitions), held-out preference

@@ -8,6 +8,12 @@
 # runs/demo-gemma3), then the adapter in `trainer generate` and exported for llama.cpp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# OpenMP threads sleep when idle instead of spinning (libgomp's default spins): on the shared 2-core
+# machine, a spinning thread burns the core its partner needs whenever another process holds one.
+# Measured there under a load average of 9 (2026-11-27, Gemma 3 270M, same losses to the last
+# digit): 2 training steps + 2 held-out batches 193 s wall / 74.6 s CPU spinning, 94 s / 43.9 s
+# passive; `trainer generate` 40 tokens 110 s / 40.0 s against 47 s / 15.8 s, the same text.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 root=$(pwd)
 run=runs/demo
 job=scripts/job.demo.json
@@ -61,18 +67,18 @@ if [ "$run" = runs/demo-gemma3 ]; then
   build/trainer export --model "$model" --adapter "$run/adapter" --format gguf-lora \
     --out "$run/adapter-lora.gguf"
   if [ -f .llamacpp/xllamacpp.abi3.so ]; then
-    echo "demo: llama.cpp (b8929) with $run/adapter-lora.gguf, greedy, 40 tokens (its Q4_K tensors"
-    echo "      given to llama.cpp as their exact F32 values, as in the README's figures):"
+    # the GGUF as is: llama.cpp b8929 takes a LoRA on the Q4_K tensors it repacks
+    # (tests/py/test_llamacpp.py::test_lora_on_repacked_q4_k), so no F32 copy is written
+    echo "demo: llama.cpp (b8929) with $run/adapter-lora.gguf on $model, greedy, 40 tokens:"
     BT_PROMPT="$prompt" BT_MODEL="$model" BT_LORA="$run/adapter-lora.gguf" python3 - <<'PY'
-import os, sys, tempfile
-sys.path[:0] = ["tests/py", "tests/reference"]
-import llamacpp_agreement, llamacpp_ref
-with tempfile.TemporaryDirectory(prefix="bt-demo-") as tmp:
-    lc = llamacpp_ref.LlamaCpp.from_env()
-    m = lc.load_model(llamacpp_agreement.unrepacked(os.environ["BT_MODEL"], tmp))
-    ctx = m.context(512, adapter=m.lora(os.environ["BT_LORA"]))
-    ids = m.tokenize(os.environ["BT_PROMPT"].encode(), add_special=True, parse_special=True)
-    print(m.detokenize(ctx.greedy(ids, 40)).decode(errors="replace"))
+import os, sys
+sys.path[:0] = ["tests/py"]
+import llamacpp_ref
+lc = llamacpp_ref.LlamaCpp.from_env()
+m = lc.load_model(os.environ["BT_MODEL"])
+ctx = m.context(512, adapter=m.lora(os.environ["BT_LORA"]))
+ids = m.tokenize(os.environ["BT_PROMPT"].encode(), add_special=True, parse_special=True)
+print(m.detokenize(ctx.greedy(ids, 40)).decode(errors="replace"))
 PY
   else
     echo "demo: llama.cpp reference not installed (scripts/llamacpp-ref.sh): skipping its run"

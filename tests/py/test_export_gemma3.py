@@ -45,7 +45,11 @@ TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v
 
 
 def packed_logits(model):
-    b = load_file(str(FIX / "batch.safetensors"))
+    return packed_logits_of(model, FIX)
+
+
+def packed_logits_of(model, fix):
+    b = load_file(str(fix / "batch.safetensors"))
     ids = b["input_ids"].reshape(-1).long()
     cu = b["cu_seqlens"].tolist()
     with torch.no_grad():
@@ -158,3 +162,63 @@ def test_gemma3_lora_trains_through_loaderd_and_peft_loads_it(trainer_stack, tmp
     cfg = train_then_peft(trainer_stack, tmp_path, FIX / "model.gguf", FIX / "hf", TARGETS,
                           torch, transformers, peft)
     assert sorted(cfg["target_modules"]) == TARGETS
+
+
+# ---- linear RoPE scaling (Gemma 3 4B and larger) ----
+
+LIN = ROOT / "tests/fixtures/hf/gemma3-linear"
+
+
+def test_linear_rope_exports(tmp_path):
+    """tests/fixtures/hf/gemma3-linear (gen_gemma3_fixtures.py --variant linear): the fixture's
+    weights with linear RoPE scaling, factor 8, on the global layer only (Gemma 3 4B+), its HF
+    config in the transformers 4.x form (rope_scaling, rope_local_base_freq) and its GGUF with
+    gemma3.rope.scaling.type / factor. Every export keeps the scaling where transformers and
+    llama.cpp apply it:
+    - merged safetensors (from the GGUF): config.json rope_parameters {full_attention: linear,
+      factor 8, sliding_attention: default} loads in transformers with the fixture config's own
+      rope_parameters and gives the reference logits of base + adapter;
+    - merged GGUF (from the HF directory): gemma3.rope.scaling.type "linear" / .factor 8 and every
+      other gemma3.* key as the fixture GGUF (convert_hf_to_gguf.py's) has them (transformers' GGUF
+      reader has no gemma3 rope.scaling key, so llama.cpp checks its logits:
+      test_llamacpp.py::test_gemma3_merged_gguf_in_llamacpp[gemma3-linear]; our loader reads both
+      merged files back with the same RoPE tables: test_export.c test_gemma3_merged);
+    - the PEFT adapter carries no RoPE: exported from the scaled GGUF it is the fixture's adapter
+      tensor for tensor (test_peft_adapter_in_peft loads that adapter in peft).
+    The reference logits are 0.36 away from the unscaled model's and 2.8 from the model with the
+    sliding layers scaled too (the generator asserts > 1e-2), so a dropped or misplaced scaling
+    fails each check."""
+    ref = load_file(str(LIN / "ref.safetensors"))
+
+    def exp(src, fmt, out):
+        r = subprocess.run([str(TRAINER), "export", "--model", str(LIN / src), "--adapter",
+                            str(LIN / "adapter-init"), "--format", fmt, "--dtype", "f32",
+                            "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return out
+
+    fixture_cfg = transformers.AutoConfig.from_pretrained(LIN / "hf")
+    assert fixture_cfg.rope_parameters["full_attention"]["rope_type"] == "linear"
+    d = exp("model.gguf", "safetensors", tmp_path / "st")
+    rp = json.loads((d / "config.json").read_text())["rope_parameters"]
+    assert rp == {"full_attention": {"factor": 8.0, "rope_theta": 1000000.0, "rope_type": "linear"},
+                  "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}, rp
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    assert m.config.rope_parameters == fixture_cfg.rope_parameters
+    err = float((packed_logits_of(m, LIN) - ref["logits"]).abs().max())
+    print(f"export gemma3-linear: merged safetensors in transformers, logits max abs err {err:.3g}")
+    assert err <= 1e-4
+
+    p = exp("hf", "gguf", tmp_path / "merged.gguf")
+    r, fr = gguf.GGUFReader(str(p)), gguf.GGUFReader(str(LIN / "model.gguf"))
+    assert field(r, "gemma3.rope.scaling.type") == "linear"
+    assert field(r, "gemma3.rope.scaling.factor") == 8.0
+    for k in fr.fields:
+        if k.startswith("gemma3."):
+            assert field(r, k) == pytest.approx(field(fr, k), rel=1e-6), k
+
+    a = exp("model.gguf", "peft", tmp_path / "adapter")
+    assert "rope" not in (a / "adapter_config.json").read_text()
+    got, src = (load_file(str(x / "adapter_model.safetensors")) for x in (a, LIN / "adapter-init"))
+    assert set(got) == set(src) and all(torch.equal(got[k], src[k].float()) for k in src)

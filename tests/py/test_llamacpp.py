@@ -737,7 +737,8 @@ def test_phi3_gguf_and_lora_in_llamacpp(lc, tmp_path):
 
 # ---- Gemma 3 (issue 24) ----
 
-def test_gemma3_merged_gguf_in_llamacpp(lc, tmp_path):
+@pytest.mark.parametrize("fam", ["gemma3", "gemma3-linear"])
+def test_gemma3_merged_gguf_in_llamacpp(lc, tmp_path, fam):
     """The tiny Gemma 3 of tests/reference/gen_gemma3_fixtures.py (6 layers, window 6, every 6th
     layer global, QK-norm, sandwich norms, GeGLU, tied) merged with the fixture's adapter by
     `trainer export --format gguf --dtype f32`: llama.cpp b8929 loads it without a warning as
@@ -747,8 +748,13 @@ def test_gemma3_merged_gguf_in_llamacpp(lc, tmp_path):
     (GGML_GELU_FP16: the input rounded to F16, the result an F16), so on F32 weights this model's
     logits (up to ~4.6) differ from the fp32 GELU's by ~3e-3 (measured 3.2e-3; with that table
     emulated in transformers, 3.1e-4). The adapter moves these logits by 5.1, the base alone is
-    far outside the tolerance."""
-    fix = os.path.join(ROOT, "tests/fixtures/hf/gemma3")
+    far outside the tolerance.
+    gemma3-linear (gen_gemma3_fixtures.py --variant linear): the same weights and adapter with
+    Gemma 3 4B+'s linear RoPE scaling (factor 8, global layer only); our merged GGUF carries it as
+    gemma3.rope.scaling.type / .factor and llama.cpp, applying it to the global layers only
+    (rope_freq_scale_train_swa 1), gives the scaled reference, which is far from the unscaled
+    one: a dropped key fails here."""
+    fix = os.path.join(ROOT, "tests/fixtures/hf", fam)
     merged = str(tmp_path / "merged.gguf")
     r = subprocess.run([os.path.join(BUILD, "trainer"), "export", "--model",
                         os.path.join(fix, "model.gguf"), "--adapter",
@@ -772,6 +778,13 @@ def test_gemma3_merged_gguf_in_llamacpp(lc, tmp_path):
     t = st_read(os.path.join(fix, "ref.safetensors"))[0]["logits_base"]
     base = np.frombuffer(t[2], dtype=np.float32).reshape(t[1])[a:e]
     assert float(np.abs(base - want).max()) > 10 * TOL["f16"]  # can fail: unmerged is far
+    if fam == "gemma3-linear":
+        assert mm.meta("gemma3.rope.scaling.type") == "linear"
+        t = st_read(os.path.join(ROOT, "tests/fixtures/hf/gemma3/ref.safetensors"))[0]["logits"]
+        unscaled = np.frombuffer(t[2], dtype=np.float32).reshape(t[1])[a:e]
+        d = float(np.abs(unscaled - want).max())
+        print(f"gemma3-linear: the unscaled model's logits are {d:.3g} away")
+        assert d > 10 * TOL["f16"]  # can fail: llama.cpp without the scaling is far
 
 
 # ---- Qwen3 (issue 24) ----

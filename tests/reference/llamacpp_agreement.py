@@ -106,10 +106,9 @@ def unrepacked(model, tmp, every=False):
     dequantisation (gguf-py's, bit-identical to ours): every=True (--dequantize for a family whose
     merged export is not written yet, Gemma 3) every quantised tensor; every=False the Q4_K ones
     only, the way around llama.cpp b4965, which crashed adding a LoRA to the Q4_K tensors it
-    repacks on AVX2 machines (scripts/demo.sh keeps it so that its figures stay those the README
-    quotes). llama.cpp b8929 takes a LoRA on repacked Q4_K (it keeps the LoRA tensors of those
+    repacks on AVX2 machines. llama.cpp b8929 takes a LoRA on repacked Q4_K (it keeps the LoRA tensors of those
     weights in the plain CPU buffer: tests/py/test_llamacpp.py::test_lora_on_repacked_q4_k), so
-    measure() gives llama.cpp the file as is, as users run it."""
+    measure() and scripts/demo.sh give llama.cpp the file as is, as users run it."""
     import gguf
     r = gguf.GGUFReader(model)
     F = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)

@@ -639,6 +639,87 @@ static int phi3_rope_check(const cfgj *c) {
     return 0;
 }
 
+/* Gemma 3's RoPE as transformers 5.23 Gemma3TextConfig.convert_rope_params_to_dict builds it:
+ * rope_parameters {"full_attention": {...}, "sliding_attention": {...}} (transformers 5; a flat
+ * object is taken as the global layers'), else the defaults {rope_type "default"} for both; a
+ * "rope_scaling" object (transformers 4, e.g. google/gemma-3-4b-it's {"rope_type": "linear",
+ * "factor": 8.0}) is merged over the global layers' set (dict.update: its keys win); a set without
+ * rope_theta takes the top-level rope_theta (global, default 1e6) / rope_local_base_freq (local,
+ * default 1e4). Each set's kind: "rope_type", else "type". The global layers take "default" or
+ * "linear" (its "factor" required); the local layers "default" only: the scaling never reaches
+ * them. Writes hp->rope_theta, rope_local_theta and, for a factor != 1, rope_ext LINEAR /
+ * rope_ext_factor. Errors: BT_ERR_FORMAT (bad values), BT_ERR_UNSUPPORTED (another kind). */
+static int gemma3_rope(const cfgj *c, bt_llama_hparams *hp) {
+    double gth = 1000000.0, lth = 10000.0, factor = 1.0;
+    const char *gty = "default", *lty = "default";
+    json_t *v;
+    if ((v = json_object_get(c->root, "rope_theta")) && !json_is_null(v) && !bt_model_json_num(v, &gth))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number", c->path);
+    if ((v = json_object_get(c->root, "rope_local_base_freq")) && !json_is_null(v) &&
+        !bt_model_json_num(v, &lth))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_local_base_freq must be a number", c->path);
+    json_t *rp = json_object_get(c->root, "rope_parameters");
+    if (rp && !json_is_null(rp) && !json_is_object(rp))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: rope_parameters must be null or an object", c->path);
+    json_t *gs = json_is_object(rp) ? json_object_get(rp, "full_attention") : NULL;
+    json_t *ls = json_is_object(rp) ? json_object_get(rp, "sliding_attention") : NULL;
+    if (!gs && !ls && json_is_object(rp)) gs = rp; /* a flat rope_parameters: the global layers' */
+    json_t *rs = json_object_get(c->root, "rope_scaling"), *merged = NULL;
+    if (rs && !json_is_null(rs)) {
+        if (!json_is_object(rs))
+            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_scaling must be null or an object", c->path);
+        merged = json_is_object(gs) ? json_deep_copy(gs) : json_object();
+        if (!merged || json_object_update(merged, rs) != 0) {
+            json_decref(merged);
+            return bt_fail(BT_ERR_NOMEM, "model: %s: out of memory (rope_scaling)", c->path);
+        }
+        gs = merged;
+    }
+    json_t *sets[2] = {gs, ls};
+    int rc = 0;
+    for (int i = 0; i < 2 && !rc; i++) {
+        json_t *o = sets[i];
+        if (!o || json_is_null(o)) continue;
+        if (!json_is_object(o)) {
+            rc = bt_fail(BT_ERR_FORMAT, "model: %s: Gemma 3 RoPE parameters must be objects", c->path);
+            break;
+        }
+        const char *ty = json_string_value(json_object_get(o, "rope_type"));
+        if (!ty) ty = json_string_value(json_object_get(o, "type"));
+        json_t *th = json_object_get(o, "rope_theta");
+        double t;
+        if (th && !json_is_null(th)) {
+            if (!bt_model_json_num(th, &t) || !(t > 0) || !isfinite(t)) {
+                rc = bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number > 0", c->path);
+                break;
+            }
+            if (i == 0) gth = t;
+            else lth = t;
+        }
+        if (i == 0) gty = ty ? ty : "default";
+        else lty = ty ? ty : "default";
+        if (i == 0 && !strcmp(gty, "linear")) rc = rs_num(c, o, "factor", 1, &factor);
+    }
+    /* the messages name gty / lty, which may point into merged: fail before freeing it */
+    if (!rc && strcmp(gty, "default") != 0 && strcmp(gty, "linear") != 0)
+        rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Gemma 3 global-layer rope_type \"%s\" is "
+                     "not supported (default, linear)", c->path, gty);
+    if (!rc && strcmp(lty, "default") != 0)
+        rc = bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Gemma 3 sliding-layer rope_type \"%s\" is "
+                     "not supported (default)", c->path, lty);
+    json_decref(merged);
+    if (rc) return rc;
+    if (!(gth > 0) || !(lth > 0) || !isfinite(gth) || !isfinite(lth))
+        return bt_fail(BT_ERR_FORMAT, "model: %s: RoPE bases must be > 0", c->path);
+    hp->rope_theta = (float)gth;
+    hp->rope_local_theta = (float)lth;
+    if (factor != 1.0) {
+        hp->rope_ext = BT_ROPE_EXT_LINEAR;
+        hp->rope_ext_factor = (float)factor;
+    }
+    return 0;
+}
+
 /* Gemma 3 text (transformers 5.23 Gemma3TextConfig / Gemma3ForCausalLM): hidden_activation (and
  * an older hidden_act) "gelu_pytorch_tanh" (GeGLU); query_pre_attn_scalar (256); sliding_window
  * (required) with layer_types ("sliding_attention" / "full_attention" per layer, which must follow
@@ -707,60 +788,7 @@ static int gemma3_config(const cfgj *c, bt_llama_hparams *hp) {
     hp->act = BT_ACT_GELU_TANH;
     hp->embed_scale = sqrtf((float)hp->d_model);
     hp->arch = BT_ARCH_GEMMA3;
-    /* RoPE: global table (rope_theta, optional linear factor) and local base */
-    double gth = 1000000.0, lth = 10000.0, factor = 1.0;
-    const char *gty = "default", *lty = "default";
-    json_t *rp = json_object_get(c->root, "rope_parameters");
-    json_t *full = json_is_object(rp) ? json_object_get(rp, "full_attention") : NULL;
-    json_t *slid = json_is_object(rp) ? json_object_get(rp, "sliding_attention") : NULL;
-    json_t *gs = full, *ls = slid;
-    if (!full && !slid) { /* transformers 4 keys */
-        json_t *v;
-        if ((v = json_object_get(c->root, "rope_theta")) && !json_is_null(v) && !bt_model_json_num(v, &gth))
-            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number", c->path);
-        if ((v = json_object_get(c->root, "rope_local_base_freq")) && !json_is_null(v) &&
-            !bt_model_json_num(v, &lth))
-            return bt_fail(BT_ERR_FORMAT, "model: %s: rope_local_base_freq must be a number", c->path);
-        gs = json_object_get(c->root, "rope_scaling");
-        if (gs && json_is_null(gs)) gs = NULL;
-        if (!gs && json_is_object(rp)) gs = rp; /* a flat rope_parameters: the global layers' */
-        ls = NULL;
-    }
-    json_t *sets[2] = {gs, ls};
-    for (int i = 0; i < 2; i++) {
-        json_t *o = sets[i];
-        if (!o) continue;
-        if (!json_is_object(o))
-            return bt_fail(BT_ERR_FORMAT, "model: %s: Gemma 3 RoPE parameters must be objects", c->path);
-        const char *ty = json_string_value(json_object_get(o, "rope_type"));
-        if (!ty) ty = json_string_value(json_object_get(o, "type"));
-        json_t *th = json_object_get(o, "rope_theta");
-        double t;
-        if (th && !json_is_null(th)) {
-            if (!bt_model_json_num(th, &t) || !(t > 0) || !isfinite(t))
-                return bt_fail(BT_ERR_FORMAT, "model: %s: rope_theta must be a number > 0", c->path);
-            if (i == 0) gth = t;
-            else lth = t;
-        }
-        if (i == 0) gty = ty ? ty : "default";
-        else lty = ty ? ty : "default";
-        if (i == 0 && !strcmp(gty, "linear") && (rc = rs_num(c, o, "factor", 1, &factor))) return rc;
-    }
-    if (strcmp(gty, "default") != 0 && strcmp(gty, "linear") != 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Gemma 3 global-layer rope_type \"%s\" is "
-                       "not supported (default, linear)", c->path, gty);
-    if (strcmp(lty, "default") != 0)
-        return bt_fail(BT_ERR_UNSUPPORTED, "model: %s: Gemma 3 sliding-layer rope_type \"%s\" is "
-                       "not supported (default)", c->path, lty);
-    if (!(gth > 0) || !(lth > 0) || !isfinite(gth) || !isfinite(lth))
-        return bt_fail(BT_ERR_FORMAT, "model: %s: RoPE bases must be > 0", c->path);
-    hp->rope_theta = (float)gth;
-    hp->rope_local_theta = (float)lth;
-    if (factor != 1.0) {
-        hp->rope_ext = BT_ROPE_EXT_LINEAR;
-        hp->rope_ext_factor = (float)factor;
-    }
-    return 0;
+    return gemma3_rope(c, hp);
 }
 
 /* Fill hp and the bias flags from config.json. */

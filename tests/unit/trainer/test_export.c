@@ -988,6 +988,10 @@ static void check_same_gemma(const bt_model *a, const bt_model *b, float tol) {
     assert_int_equal(b->hp.swa_pattern, a->hp.swa_pattern);
     assert_true(b->hp.rope_local_theta == a->hp.rope_local_theta);
     assert_true(b->hp.rope_theta == a->hp.rope_theta);
+    assert_int_equal(b->hp.rope_ext, a->hp.rope_ext); /* Gemma 3 4B+'s linear scaling kept */
+    assert_true(b->hp.rope_ext_factor == a->hp.rope_ext_factor);
+    for (int i = 0; i < a->hp.head_dim / 2; i++) /* the global and local tables themselves */
+        assert_true(b->inv_freq[i] == a->inv_freq[i] && b->inv_freq_local[i] == a->inv_freq_local[i]);
     assert_true(b->hp.attn_scalar == a->hp.attn_scalar);
     assert_int_equal(b->tied, 1);
     const int D = a->hp.d_model, hd = a->hp.head_dim;
@@ -1009,13 +1013,26 @@ static void test_gemma3_merged(void **st) {
     (void)st;
     bt_model m, m2;
     bt_model_load_opts lopt = {BT_BASE_FP32, 0};
-    assert_int_equal(bt_model_load(&m, "tests/fixtures/hf/gemma3/model.gguf", &lopt), 0);
-    char *out = tpath("gemma3.gguf");
+    char *out = tpath("gemma3.gguf"), *dir = tpath("gemma3-hf");
+    /* the plain fixture and its linear-RoPE twin (gemma3.rope.scaling.* in the GGUF, then
+     * rope_parameters.full_attention in config.json): both read back the same */
+    assert_int_equal(bt_model_load(&m, "tests/fixtures/hf/gemma3-linear/model.gguf", &lopt), 0);
+    assert_true(m.hp.rope_ext == BT_ROPE_EXT_LINEAR && m.hp.rope_ext_factor == 8.f);
     assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), 0);
     assert_int_equal(bt_model_load(&m2, out, &lopt), 0);
     check_same_gemma(&m, &m2, 0.f);
     bt_model_free(&m2);
-    char *dir = tpath("gemma3-hf");
+    assert_int_equal(bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, dir), 0);
+    assert_int_equal(bt_model_load(&m2, dir, &lopt), 0);
+    check_same_gemma(&m, &m2, 2.5e-7f);
+    bt_model_free(&m2);
+    bt_model_free(&m);
+    assert_int_equal(bt_model_load(&m, "tests/fixtures/hf/gemma3/model.gguf", &lopt), 0);
+    assert_int_equal(m.hp.rope_ext, BT_ROPE_EXT_NONE);
+    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), 0);
+    assert_int_equal(bt_model_load(&m2, out, &lopt), 0);
+    check_same_gemma(&m, &m2, 0.f);
+    bt_model_free(&m2);
     assert_int_equal(bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, dir), 0);
     assert_int_equal(bt_model_load(&m2, dir, &lopt), 0);
     check_same_gemma(&m, &m2, 2.5e-7f);
