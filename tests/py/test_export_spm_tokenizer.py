@@ -9,9 +9,9 @@ a tiny random model carrying that vocabulary (build/tools/mk_tiny_gguf copies ev
 key) and a LoRA adapter are exported; then
   - AutoTokenizer.from_pretrained(export) keeps tokenizer.json's pipeline unchanged (its backend
     serialises to the same JSON as tokenizers.Tokenizer.from_file);
-  - its ids equal llama.cpp's (tests/fixtures/tokenizer/<family>_ids.bin.zst, which bt_tokenize
-    matches: tests/unit/common/test_tokenizer_spm.c) on every valid UTF-8 document of the parity
-    corpus and of the stress corpus (leading / trailing / repeated spaces, newlines, tabs, emoji,
+  - its ids equal llama.cpp's (tests/fixtures/tokenizer/<family>_stress_ids.bin.zst, which
+    bt_tokenize matches: tests/unit/common/test_tokenizer_spm.c) on every valid UTF-8 document of
+    the stress corpus (leading / trailing / repeated spaces, newlines, tabs, emoji,
     astral chars, long words, every family's special strings in text), special-token strings
     parsed where the corpus says so (split_special_tokens otherwise: user-defined tokens are still
     split out, as llama.cpp does);
@@ -135,9 +135,12 @@ def export(family, tmp_path):
     return tiny, out
 
 
-# what each family runs, to keep the test at a few seconds: Phi-3 (Llama 2's vocabulary plus RSTRIP
-# chat tokens) the stress corpus only; Gemma 3 (a 20 MB tokenizer.json) ids and decode only
-SKIP_CORPUS = {"phi-3": 1}
+# To keep `make test` within its budget the parity corpus (2,512 valid UTF-8 documents, 1 MB) is not
+# run here: on it, when this was written (2026-11-27, transformers 5.23.0, tokenizers 0.23.3), the
+# exports of all three vocabularies gave llama.cpp's ids and decode on every document (0 of 2,512
+# differ); BT_SPM_EXPORT_CORPUS=1 runs it. Gemma 3 (a 20 MB tokenizer.json) runs lean: ids and
+# decode, not the Python-API checks.
+SKIP_CORPUS = {} if os.environ.get("BT_SPM_EXPORT_CORPUS") == "1" else {"llama-spm": 1, "phi-3": 1, "gemma3": 1}
 LEAN = {"gemma3"}
 
 
@@ -147,13 +150,12 @@ def test_spm_export_tokenizer_in_transformers(family, tmp_path):
     tiny, out = export(family, tmp_path)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (out / f).exists(), f
-    tj = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
-    m = tj["model"]
-    assert m["type"] == "BPE" and m["byte_fallback"] and m["fuse_unk"]
     t0 = time.time()
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     print(f"{family}: AutoTokenizer {type(tok).__name__} loaded in {time.time() - t0:.2f} s")
     backend = tok.backend_tokenizer
+    m = backend.model
+    assert type(m).__name__ == "BPE" and m.byte_fallback and m.fuse_unk and m.unk_token == SPECIALS[family][2]
     if not lean:  # the pipeline is tokenizer.json's, unchanged
         assert json.loads(backend.to_str()) == json.loads(
             tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).to_str())
@@ -175,8 +177,7 @@ def test_spm_export_tokenizer_in_transformers(family, tmp_path):
         bad = [i for i, _, _ in valid if got[i] != want[i][1]]
         assert not bad, (family, cname, len(bad), [(docs[i][1][:80], got[i][:20], want[i][1][:20])
                                                    for i in bad[:3]])
-        dec = [i for i, _, _ in valid
-               if fnv1a64(backend.decode(want[i][1], skip_special_tokens=False).encode()) != want[i][0]]
+        dec = [i for i, _, _ in valid if fnv1a64(backend.decode(want[i][1], skip_special_tokens=False).encode()) != want[i][0]]
         assert not dec, (family, cname, "decode differs from llama.cpp", [docs[i][1][:80] for i in dec[:3]])
         total += len(valid)
         if cname == "stress.bin.zst" and not lean:  # the Python API as users call it, round trip
@@ -186,7 +187,7 @@ def test_spm_export_tokenizer_in_transformers(family, tmp_path):
                 # no round trip for U+2581 (the space's spelling) nor around Phi-3's RSTRIP tokens
                 if not f and "\u2581" not in text and family not in NAMES:
                     assert tok.decode(want[i][1]) == text, (text, tok.decode(want[i][1]))
-    print(f"{family}: {total} documents equal to llama.cpp (ids and decode) in {time.time() - t0:.2f} s")
+    print(f"{family}: {total} documents equal to llama.cpp in {time.time() - t0:.2f} s")
 
     tok.split_special_tokens = False
     backend.encode_special_tokens = False
