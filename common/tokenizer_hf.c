@@ -7,7 +7,10 @@
  * tokenizer.json on digits, contractions and whitespace runs. Here the pipeline is the one the
  * model family's tokenizer.json has (the same table tokenizer_gguf.c builds ours from, with the
  * same Oniguruma patterns), so AutoTokenizer on the result encodes exactly like bt_tokenize on
- * the GGUF (checked on the parity corpora by tests/reference/check_exports.py). */
+ * the GGUF (checked on the parity corpora by tests/reference/check_exports.py).
+ * A SentencePiece ("llama") GGUF gets the form of Llama 2's / Gemma's tokenizer.json, with merges
+ * derived from the piece scores (tokenizer_hf_spm.c), equal to llama.cpp's ids and decode on the
+ * parity and stress corpora (tests/py/test_export_spm_tokenizer.py). */
 #include "common/tokenizer_internal.h"
 
 #include <jansson.h>
