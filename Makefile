@@ -126,7 +126,8 @@ pytest: all $(BINS_ASAN) $(BUILD)/asan/tools/ld_consume
 pytest-torch: all
 	@bash scripts/venv-torch.sh
 	@BT_BUILD=$(BUILD) BT_VENV_TORCH=1 .venv-torch/bin/python -m pytest -q $(PYTEST_DURATIONS) tests/py/test_python_client_hf.py tests/py/test_export_hf.py \
-		tests/py/test_export_qwen.py tests/py/test_export_phi3.py tests/py/test_export_gemma3.py
+		tests/py/test_export_qwen.py tests/py/test_export_phi3.py tests/py/test_export_gemma3.py \
+		tests/py/test_export_spm_tokenizer.py
 
 # llama.cpp itself as a reference: scripts/llamacpp-ref.sh puts the llama.cpp library of the pinned
 # xllamacpp wheel (sha256-checked; llama.cpp b8929) into .llamacpp/, and

@@ -111,20 +111,33 @@ typedef struct {
     int32_t bos, eos, pad, unk;    /* tokenizer.ggml.*_token_id, -1 if none */
 } bt_hf_tokenizer_files;
 /* Build the three files from the tokenizer.ggml.* keys of an open GGUF: the vocabulary (every
- * token at its GGUF id; a duplicated string keeps its first id), merges in rank order ("a b"
- * strings), control tokens (type 3) as special added tokens and user-defined ones (type 4) as
- * non-special, none normalized or stripped; and the pre-tokeniser pipeline of the model family's
- * own tokenizer.json for tokenizer.ggml.pre (the table of bt_tokenizer_from_gguf: gpt2 ByteLevel;
- * smollm Digits + ByteLevel; llama-bpe / llama3 cl100k Split + ByteLevel, ignore_merges; qwen2
- * NFC + Split), a ByteLevel decoder, and a ByteLevel post-processor (plus TemplateProcessing
- * adding BOS / EOS when tokenizer.ggml.add_bos_token / add_eos_token are true). So
- * AutoTokenizer.from_pretrained on the result encodes exactly as bt_tokenize does on the GGUF
- * (transformers' own GGUF conversion, integrations/ggml.py, does not: it gives every "gpt2" GGUF
- * plain ByteLevel). tokenizer_config.json lists every other control token as
- * additional_special_tokens and sets model_max_length (when > 0) and chat_template
- * (tokenizer.chat_template). Errors: those of bt_tokenizer_from_gguf; BT_ERR_UNSUPPORTED for a
- * token, merge or chat template that is not valid UTF-8 (JSON cannot carry it); BT_ERR_NOMEM.
- * *f is zeroed on failure; free with bt_hf_tokenizer_files_free. */
+ * token at its GGUF id; a duplicated string keeps the id our tokenizer reads it as), control
+ * tokens (type 3) as special added tokens and user-defined ones (type 4) as non-special, none
+ * normalized. So AutoTokenizer.from_pretrained on the result encodes exactly as bt_tokenize does
+ * on the GGUF.
+ * Byte-level ("gpt2") vocabularies: merges in rank order ("a b" strings); the pre-tokeniser
+ * pipeline of the model family's own tokenizer.json for tokenizer.ggml.pre (the table of
+ * bt_tokenizer_from_gguf: gpt2 ByteLevel; smollm Digits + ByteLevel; llama-bpe / llama3 cl100k
+ * Split + ByteLevel, ignore_merges; qwen2 NFC + Split), a ByteLevel decoder, and a ByteLevel
+ * post-processor (plus TemplateProcessing adding BOS / EOS when tokenizer.ggml.add_bos_token /
+ * add_eos_token are true). transformers' own GGUF conversion (integrations/ggml.py) does not: it
+ * gives every "gpt2" GGUF plain ByteLevel.
+ * SentencePiece ("llama": Llama 2, Mistral, TinyLlama, Phi-3, Gemma) vocabularies: the HF form of
+ * llama.cpp's tokenizer (Llama 2's / Gemma's tokenizer.json layout): BPE with byte_fallback,
+ * fuse_unk and the unknown token; merges = every split of a piece into two pieces, ranked by the
+ * merged piece's score (tokenizer_hf_spm.c; transformers' generate_merges order), as ["a", "b"]
+ * pairs; normalizer Prepend("\u2581") (only with tokenizer.ggml.add_space_prefix, default true)
+ * + Replace(" ", "\u2581"), no pre-tokenizer; decoder Replace("\u2581", " ") + ByteFallback +
+ * Fuse (+ Strip(" ", 1, 0) with the space prefix); unknown-type tokens special too; llama.cpp's
+ * LSTRIP / RSTRIP attributes (Phi-3) on the added tokens; TemplateProcessing adding BOS / EOS
+ * per add_bos_token (default true, as llama.cpp) / add_eos_token. Checked against llama.cpp's
+ * ids and detokenizer on the parity and stress corpora (tests/py/test_export_spm_tokenizer.py).
+ * tokenizer_config.json lists every other control token as additional_special_tokens and sets
+ * model_max_length (when > 0) and chat_template (tokenizer.chat_template). Errors: those of
+ * bt_tokenizer_from_gguf; BT_ERR_UNSUPPORTED for a token, merge or chat template that is not
+ * valid UTF-8 (JSON cannot carry it); BT_ERR_RANGE for a SentencePiece vocabulary implying more
+ * than BT_TOKENIZER_MAX_MERGES merges; BT_ERR_NOMEM. *f is zeroed on failure; free with
+ * bt_hf_tokenizer_files_free. */
 int bt_tokenizer_hf_from_gguf(const bt_gguf *g, int64_t model_max_length, bt_hf_tokenizer_files *f);
 void bt_hf_tokenizer_files_free(bt_hf_tokenizer_files *f);
 

@@ -3,6 +3,8 @@
  *   tokenizer_pre.c   normalizers (utf8proc), regex translation (Oniguruma -> PCRE2), pre-tokenizers
  *   tokenizer_gguf.c  builder from GGUF tokenizer.ggml.* metadata
  *   tokenizer_json.c  builder from a Hugging Face tokenizer.json (+ tokenizer_config.json)
+ *   tokenizer_hf.c    Hugging Face tokenizer files for a GGUF vocabulary (tokenizer_hf_spm.c:
+ *                     the merges of a SentencePiece one)
  * Reference implementation everywhere: Hugging Face tokenizers 0.20.3 (tokenizers/src/...). */
 #ifndef BT_TOKENIZER_INTERNAL_H
 #define BT_TOKENIZER_INTERNAL_H
@@ -231,6 +233,19 @@ int bt_tok_spm_from_gguf(bt_tokenizer *t, const bt_gguf *g);
 int bt_tok_spm_encode(bt_enc_ctx *c, const char *text, size_t len, int parse_special);
 void bt_tok_spm_free(bt_tokenizer *t);
 uint64_t bt_tok_spm_mem(const bt_tokenizer *t);
+
+/* ---- tokenizer_hf_spm.c ---- */
+/* Pieces longer than this (bytes) are not split into merges (real SentencePiece pieces: at most
+ * 48 bytes in Llama 2 and Gemma 3); bounds the cost at one hash lookup per byte of token text. */
+#define BT_HF_SPM_SPLIT_MAX 256
+/* MODEL_SPM: model.merges of the HF BPE form of the vocabulary, as JSON array text ([["L", "R"],
+ * ...], malloc'd, NUL-terminated, *out_len bytes): every split of a piece P (at most
+ * BT_HF_SPM_SPLIT_MAX bytes, the id the piece lookup gives) into two pieces L + R, ranked by P's
+ * score descending, then code points of L, of R descending, then P's id (transformers
+ * generate_merges). *n_merges: their count; *n_long: pieces too long to be split. BT_ERR_RANGE
+ * past BT_TOKENIZER_MAX_MERGES, BT_ERR_NOMEM (*out NULL). */
+int bt_tok_hf_spm_merges(const bt_tokenizer *t, char **out, size_t *out_len, uint64_t *n_merges,
+                         int32_t *n_long);
 
 /* ---- tokenizer_pre.c ---- */
 /* Compiles an Oniguruma pattern (HF Split / ByteLevel) into PCRE2 with Oniguruma semantics

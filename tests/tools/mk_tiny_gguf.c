@@ -3,6 +3,7 @@
  *   mk_tiny_gguf --out PATH --tokenizer-from MODEL.gguf [--layers 2] [--hidden 64] [--heads 4]
  *                [--kv-heads 2] [--ffn 128] [--seed 1] [--tied 1] [--ctx 2048]
  *                [--rope-base 10000] [--eps 1e-5] [--type F32] [--embd-type F32] [--ffn-type T]
+ *                [--name NAME]
  *
  * The file (metadata, tensor names and shapes, values) is tests/unit/util/tiny_gguf.h's: every
  * "tokenizer.*" key of MODEL.gguf is copied verbatim, so the vocabulary is the real one (49152
@@ -11,7 +12,8 @@
  * token_embd (and output): F32 (default), F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
  * Q4_K, Q5_K, Q6_K (common/quant.h bt_ggml_quantize; K-quants need hidden and ffn multiples of
  * 256, the others multiples of 32); --ffn-type (default --type's) that of ffn_gate / ffn_up /
- * ffn_down, for a file mixing two block types as llama.cpp's _M files do. Norms stay F32, as llama.cpp keeps them. */
+ * ffn_down, for a file mixing two block types as llama.cpp's _M files do. --name sets
+ * general.name (default barq-tiny-llama): llama.cpp gives a "phi-3" name's special tokens RSTRIP. Norms stay F32, as llama.cpp keeps them. */
 #include <getopt.h>
 #include <errno.h>
 #include <math.h>
@@ -53,7 +55,7 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: mk_tiny_gguf --out PATH --tokenizer-from MODEL.gguf [--layers 2] "
             "[--hidden 64] [--heads 4] [--kv-heads 2] [--ffn 128] [--seed 1] [--tied 1] "
-            "[--ctx 2048] [--rope-base F] [--eps 1e-5] [--type F32] [--embd-type F32] [--ffn-type T]\n");
+            "[--ctx 2048] [--rope-base F] [--eps 1e-5] [--type F32] [--embd-type F32] [--ffn-type T] [--name NAME]\n");
 }
 
 /* a ggml type name with an encoder ("Q4_K") -> BT_GGML_*; -1 (message printed) otherwise */
@@ -70,7 +72,7 @@ static int parse_type(const char *flag, const char *v) {
 }
 
 int main(int argc, char **argv) {
-    const char *out = NULL, *tok = NULL;
+    const char *out = NULL, *tok = NULL, *name = NULL;
     long long layers = 2, hidden = 64, heads = 4, kv_heads = 2, ffn = 128, seed = 1, tied = 1,
               ctx = 2048;
     double rope_base = 0, eps = 1e-5;
@@ -84,6 +86,7 @@ int main(int argc, char **argv) {
         {"rope-base", required_argument, NULL, 'r'}, {"eps", required_argument, NULL, 'e'},
         {"type", required_argument, NULL, 'y'},      {"embd-type", required_argument, NULL, 'E'},
         {"ffn-type", required_argument, NULL, 'f'},  {"help", no_argument, NULL, 'h'},
+        {"name", required_argument, NULL, 'n'},
         {NULL, 0, NULL, 0}};
     int c, li = 0;
     while ((c = getopt_long(argc, argv, "h", lopts, &li)) != -1) {
@@ -107,6 +110,7 @@ int main(int argc, char **argv) {
         case 'y': bad = (type = parse_type(a, v)) < 0; break;
         case 'E': bad = (embd_type = parse_type(a, v)) < 0; break;
         case 'f': bad = (ffn_type = parse_type(a, v)) < 0; break;
+        case 'n': name = v; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -145,6 +149,7 @@ int main(int argc, char **argv) {
     sp.seed = (uint64_t)seed;
     sp.rope_base = rope_base;
     sp.eps = eps;
+    sp.name = name;
     rc = tu_tiny_gguf_write(out, &sp, src);
     if (rc) fprintf(stderr, "mk_tiny_gguf: %s\n", bt_last_error());
     bt_gguf_close(src);

@@ -33,7 +33,8 @@
  *                generation_config.json (bos / eos / pad ids; eos also lists <|im_end|> when that
  *                is another token); tokenizer.json, tokenizer_config.json (chat template, special
  *                tokens) and special_tokens_map.json built from a GGUF base's tokenizer.ggml.*
- *                (common/tokenizer.h bt_tokenizer_hf_from_gguf), or the tokenizer and generation
+ *                (byte-level or SentencePiece vocabularies: common/tokenizer.h
+ *                bt_tokenizer_hf_from_gguf), or the tokenizer and generation
  *                files of a Hugging Face base directory copied verbatim.
  *
  * Families (model.h hp.arch): the GGUF formats write general.architecture and the <arch>.* keys

@@ -27,6 +27,7 @@
 
 #include "common/bt_common.h"
 #include "common/bt_le.h"
+#include "common/gguf.h"
 #include "common/tokenizer.h"
 #include "tests/unit/util/test_util.h"
 
@@ -115,6 +116,8 @@ static size_t utf8_lossy(const uint8_t *s, size_t n, uint8_t *d) {
 
 /* Every document of c through t against the BTTKIDS1 file: returns id + decode mismatches.
  * strip: the reference decode drops one leading " " (llama.cpp with add_space_prefix; HF Strip). */
+static int g_valid_only; /* check_family: skip documents that are not valid UTF-8 */
+
 static size_t check_family(const char *name, const bt_tokenizer *t, const corpus_t *c, const char *ids_path, int strip,
                            size_t *n_tokens) {
     size_t len;
@@ -135,6 +138,13 @@ static size_t check_family(const char *name, const bt_tokenizer *t, const corpus
         }
         for (size_t k = 0; k < n; k++) want[k] = (int32_t)varint(p, len, &off);
         ntok += n;
+        if (g_valid_only) {
+            uint8_t *tmp = malloc(c->docs[i].len * 3 + 1);
+            size_t tl = utf8_lossy(c->docs[i].text, c->docs[i].len, tmp);
+            int valid = tl == c->docs[i].len && !memcmp(tmp, c->docs[i].text, tl);
+            free(tmp);
+            if (!valid) continue;
+        }
         got.n = 0;
         int rc = bt_tokenize(t, (const char *)c->docs[i].text, c->docs[i].len, c->docs[i].special, &got);
         if (rc != 0 || got.n != n || (n && memcmp(got.v, want, n * sizeof *want) != 0)) {
@@ -401,6 +411,57 @@ static void test_json_options(void **state) {
     bt_ids_free(&ids);
 }
 
+/* The Hugging Face files bt_tokenizer_hf_from_gguf writes for a SentencePiece GGUF (issue 24:
+ * the merged safetensors export carries them), read back by our tokenizer.json engine (HF
+ * tokenizers semantics: MODEL_CHARS): the ids and decode of llama.cpp on every valid UTF-8 stress
+ * document (invalid bytes: HF reads text, llama.cpp bytes). The comparison with transformers
+ * itself is tests/py/test_export_spm_tokenizer.py. */
+static void hf_export_case(const char *name, const char *file) {
+    char p[512], why[512], dir[128], path[256];
+    snprintf(p, sizeof p, "%s/%s", tok_dir(), file);
+    const char *src = fetched(p, why, sizeof why);
+    bt_gguf *g = NULL;
+    assert_int_equal(bt_gguf_open(&g, src), 0);
+    bt_hf_tokenizer_files f;
+    int rc = bt_tokenizer_hf_from_gguf(g, 4096, &f);
+    if (rc) fail_msg("%s: %s", name, bt_last_error());
+    bt_gguf_close(g);
+    assert_int_equal(f.bos, 1);
+    assert_int_equal(f.unk, 0);
+    assert_non_null(strstr(f.tokenizer_json, "\"byte_fallback\": true"));
+    assert_non_null(strstr(f.tokenizer_json, "\"type\": \"Prepend\""));
+    assert_non_null(strstr(f.tokenizer_config_json, "\"add_bos_token\": true"));
+    assert_int_equal(tu_make_tmpdir(dir, sizeof dir, "hfspm"), 0);
+    tu_write_file(dir, "tokenizer.json", f.tokenizer_json, strlen(f.tokenizer_json));
+    tu_write_file(dir, "tokenizer_config.json", f.tokenizer_config_json, strlen(f.tokenizer_config_json));
+    bt_hf_tokenizer_files_free(&f);
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    bt_tokenizer *t = load(path);
+    assert_int_equal(bt_tokenizer_vocab_size(t), 32000 + (strcmp(name, "phi-3") ? 0 : 64));
+    assert_int_equal(bt_tokenizer_bos(t), 1);
+    char ids[256], label[64];
+    snprintf(ids, sizeof ids, FIX "%s_stress_ids.bin.zst", name);
+    snprintf(label, sizeof label, "%s/hf-export", name);
+    g_valid_only = 1;
+    size_t bad = check_family(label, t, &g_stress, ids, 1, NULL);
+    g_valid_only = 0;
+    assert_int_equal(bad, 0);
+    bt_tokenizer_free(t);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
+static void test_hf_export_llama_spm(void **state) {
+    (void)state;
+    hf_export_case("llama-spm", "ggml-vocab-llama-spm.gguf");
+}
+
+static void test_hf_export_phi3(void **state) {
+    (void)state;
+    hf_export_case("phi-3", "ggml-vocab-phi-3.gguf");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_llama_spm),
@@ -408,6 +469,8 @@ int main(void) {
         cmocka_unit_test(test_gemma3),
         cmocka_unit_test(test_mistral_json),
         cmocka_unit_test(test_json_options),
+        cmocka_unit_test(test_hf_export_llama_spm),
+        cmocka_unit_test(test_hf_export_phi3),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

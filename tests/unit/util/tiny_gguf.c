@@ -91,7 +91,7 @@ static uint32_t file_type(int type) {
 }
 
 tu_tiny_spec tu_tiny_default(void) {
-    tu_tiny_spec s = {2, 64, 4, 2, 128, 1, 2048, 256, BT_GGML_F32, BT_GGML_F32, 1, 0.0, 1e-5, 0};
+    tu_tiny_spec s = {2, 64, 4, 2, 128, 1, 2048, 256, BT_GGML_F32, BT_GGML_F32, 1, 0.0, 1e-5, 0, NULL};
     return s;
 }
 
@@ -120,7 +120,7 @@ int tu_tiny_gguf_write(const char *path, const tu_tiny_spec *s, const bt_gguf *t
 
     bt_gguf_writer *w = bt_gguf_writer_new();
     if (!w) return bt_fail(BT_ERR_NOMEM, "tiny gguf: out of memory");
-    const char *arch = "llama", *name = "barq-tiny-llama";
+    const char *arch = "llama", *name = s->name ? s->name : "barq-tiny-llama";
     int rc = bt_gguf_w_str(w, "general.architecture", arch, strlen(arch));
     if (!rc) rc = bt_gguf_w_str(w, "general.name", name, strlen(name));
     if (!rc) rc = bt_gguf_w_u32(w, "general.file_type", file_type(s->type));

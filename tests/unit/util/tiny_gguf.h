@@ -39,6 +39,8 @@ typedef struct {
     int ffn_type;                             /* ffn_gate / ffn_up / ffn_down when not 0 (BT_GGML_F32
                                                  is 0: then `type`): two block types in one file,
                                                  as llama.cpp's _M mixes */
+    const char *name;                         /* general.name (NULL: "barq-tiny-llama"); llama.cpp
+                                                 reads some tokenizer attributes from it (Phi-3) */
 } tu_tiny_spec;
 
 /* The defaults: 2 layers, hidden 64, 4 heads, 2 kv heads, ffn 128, tied, ctx 2048, vocab 256,
