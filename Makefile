@@ -201,9 +201,9 @@ demo: setup
 	@DEMO_MODEL=$(DEMO_MODEL) bash scripts/demo.sh
 
 # `make demo-dpo`: DPO on `make dpo-data` (FOLDOC confusable definitions), held-out preference
-# accuracy and margin before / after, the PEFT adapter, then the run again with the reference
-# log-probs from loaderd's token cache (time saved printed; scripts/demo-dpo.sh; not part of
-# `make test`).
+# accuracy and margin before / after, the PEFT adapter, then its first steps again with the
+# reference log-probs from loaderd's token cache (time saved per step printed, wall and CPU, and
+# every phase's times; scripts/demo-dpo.sh; not part of `make test`).
 demo-dpo: setup
 	@$(MAKE) --no-print-directory model
 	@$(MAKE) --no-print-directory all

@@ -3,7 +3,9 @@ job key ref_base, batch layout 3 seg_ref_ok / seg_ref_logp, op ref_put), end to 
 Llama through a loaderd with token_cache_dir, CPU backend.
 
 - A first DPO run computes every reference value (progress line `ref cached 0/N`) and hands the
-  values back (accepted, none refused); loaderd keeps them in the cache (sidecars).
+  values back (accepted, none refused); loaderd keeps them in the cache (sidecars). Its evaluation
+  before training skips the policy forward (the fresh adapter is the identity), the one after
+  training does not.
 - A second run with the same base takes every value from the cache (`ref cached N/N`: the
   reference forward is skipped) and prints the same losses, bit for bit (%.17g), as the first one
   and as a run that recomputes the reference every step (precompute_ref_log_probs false).
@@ -84,6 +86,11 @@ def test_cached_reference_gives_the_same_losses_and_skips_the_reference(env):
     assert s1[0] == 0 and s1[1] == sum(n for _, n in c1) and s1[3] > 0 and s1[2] == s1[3], s1
     assert s1[4] == s1[1] + s1[3]  # every computed value accepted
     assert s1[5] == 0 and s1[6] == 0, r1.stderr[-3000:]  # nothing refused, no failed put
+    # the evaluation before training runs one forward per batch (the fresh adapter is the identity:
+    # policy = reference), the one after training its policy forward; both print wall and CPU time
+    ho = re.findall(r"held-out: .*\(\S+ s, CPU \S+ s(; the adapter is the identity)?", r1.stderr)
+    assert [bool(x) for x in ho] == [True, False], r1.stderr[-3000:]
+    assert re.search(r"4 steps in \S+ s \(CPU \S+ s\)", r1.stderr), r1.stderr[-3000:]
     # loaderd wrote the completed shards' values next to their token cache entries
     end = time.monotonic() + 30  # written on loaderd's thread pool after the last put
     while not glob.glob(str(env["cache"] / "v1" / "*" / "*.ref")) and time.monotonic() < end:

@@ -8,6 +8,7 @@
 
 #include "common/bt_common.h"
 #include "trainer/loop/run.h"
+#include "trainer/loop/train.h"
 
 void bt_pref_view(const bt_mb_copy *c, int B, int T, bt_pref_batch *pb) {
     bt_mb_view(c, B, T, &pb->mb);
@@ -122,16 +123,39 @@ int bt_pref_run_metrics(bt_run *r, double kl_mean, bt_pref_metrics *m, double *r
     return 0;
 }
 
+/* 1 when lo adds nothing to the base: every targeted module's lora_B [out, r] is all zeros
+ * (PEFT's init: B = 0, so scale * B A x = 0 whatever A) and nothing else is trainable (LoRA+
+ * copies of the embedding / norms may have been trained); then the policy's log-probs are the
+ * reference's (the base with the adapter disabled). */
+static int lora_is_identity(const bt_lora *lo) {
+    if (!lo->mods || lo->trainable) return 0;
+    for (int l = 0; l < lo->n_layer; l++)
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            const bt_lora_mod *md = bt_lora_get(lo, l, mod);
+            if (!md || !md->B) continue;
+            for (size_t i = 0; i < (size_t)md->out * (size_t)lo->r; i++)
+                if (md->B[i] != 0.0f) return 0;
+        }
+    return 1;
+}
+
 int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *interrupted) {
     const bt_train_config *cfg = r->cfg;
     const int B = cfg->data.micro_batch_size, T = cfg->data.seq_len;
     bt_client *cl = NULL;
     bt_mb_copy mc = {0};
     int cut = 0, nb = 0;
-    double kl[2] = {0, 0}, t0 = bt_now();
+    double kl[2] = {0, 0}, t0 = bt_now(), c0 = bt_cpu_s();
     *n_records = 0;
     if (interrupted) *interrupted = 0;
     bt_pref_step_begin(r->pref, NULL, 0.0);
+    /* before any update of this process (the evaluation before training, `trainer eval` of the
+     * base): a fresh adapter is the identity and the reference's log-probs are the policy's, so
+     * each batch costs one forward (none with cached reference values). Checked on the host's
+     * LoRA, which is the backend's until the first step. */
+    const long long skip0 = bt_pref_step_policy_skipped(r->pref);
+    const int ident = r->done_steps == r->start_step && r->start_step == 0 && lora_is_identity(&r->lora);
+    bt_pref_step_set_policy_is_ref(r->pref, ident);
     int rc = bt_run_attach(r, &cl, cfg, 1, NULL); /* the eval stream restarts every time */
     if (!rc) rc = bt_mb_alloc(&mc, B, T);
     while (!rc && (cfg->eval.max_batches == 0 || nb < cfg->eval.max_batches)) {
@@ -161,6 +185,8 @@ int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *i
         }
     }
     r->ref_n = 0; /* values of a batch cut short are dropped with it */
+    bt_pref_step_set_policy_is_ref(r->pref, 0);
+    const long long skipped = bt_pref_step_policy_skipped(r->pref) - skip0;
     bt_mb_free(&mc);
     bt_client_close(cl);
     if (cut && r->dist.world > 1) return bt_run_stop_error(r); /* every rank stops: no collective */
@@ -185,11 +211,13 @@ int bt_pref_run_eval(bt_run *r, bt_pref_metrics *m, long long *n_records, int *i
                        "gives non-finite log-probs", cfg->objective, m->loss);
     if (r->dist.rank == 0 && recs > 0)
         bt_log(BT_LOG_INFO, "trainer", "held-out%s: %d batches, %lld %s, loss %.4f, %s %.4f, "
-               "rewards/margins %.4f, logps/accuracies %.4f, logps/margins %.4f (%.1f s)", cut ? " (partial, interrupted)" : "", nb, *n_records,
+               "rewards/margins %.4f, logps/accuracies %.4f, logps/margins %.4f (%.1f s, CPU %.1f s%s)",
+               cut ? " (partial, interrupted)" : "", nb, *n_records,
                cfg->pref.algo == BT_PREF_KTO ? "examples" : "pairs", m->loss,
                cfg->pref.algo == BT_PREF_KTO ? "kl" : "rewards/accuracies",
                cfg->pref.algo == BT_PREF_KTO ? m->kl : m->rewards_accuracies, m->rewards_margins,
-               m->logps_accuracies, m->logps_margins, bt_now() - t0);
+               m->logps_accuracies, m->logps_margins, bt_now() - t0, bt_cpu_s() - c0,
+               skipped > 0 ? "; the adapter is the identity: policy = reference, its forward skipped" : "");
     return 0;
 }
 

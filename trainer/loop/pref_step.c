@@ -37,6 +37,8 @@ struct bt_pref_step {
     int32_t *kid, *klab, *kpos, *kcu; /* [M], cu [M + 1] */
     /* the step */
     int ref_hit, ref_miss; /* the last micro-batch: record segments' reference values given / computed */
+    int policy_is_ref;     /* bt_pref_step_set_policy_is_ref */
+    long long policy_skipped;
     bt_pref_counts global;
     double kl_mean, nll_sum, nll_tok;
     recs r;
@@ -255,6 +257,10 @@ static int pref_ref_sums(bt_pref_step *s, bt_backend *be, const bt_pref_batch *p
     return 0;
 }
 
+void bt_pref_step_set_policy_is_ref(bt_pref_step *s, int on) { s->policy_is_ref = on != 0; }
+
+long long bt_pref_step_policy_skipped(const bt_pref_step *s) { return s ? s->policy_skipped : 0; }
+
 int bt_pref_step_ref_used(const bt_pref_step *s, const double **seg_ref, int *computed) {
     *seg_ref = s->seg_ref;
     *computed = s->ref_miss;
@@ -266,6 +272,11 @@ int bt_pref_step_kl(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb, do
     const int n = find_records(s, pb);
     if (n < 0) return n;
     if (s->p.algo != BT_PREF_KTO || n == 0) return 0;
+    if (s->policy_is_ref) { /* policy - reference = 0 for each of the n KL sequences (one per example) */
+        kl[1] += n;
+        s->policy_skipped++;
+        return 0;
+    }
     const int T = s->T;
     int *is_kl = s->seg_cnta; /* per KL-batch segment: 1 a KL sequence, 0 padding */
     int j = 0;
@@ -401,8 +412,19 @@ int bt_pref_step_micro(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb,
         if (nv < 0) return nv;
         ptg = s->tg2;
     }
-    if ((rc = bt_backend_logprobs(be, &pm, 1, backward, drop_key, s->logp, NULL))) return rc;
-    if ((rc = seg_sums(s, &pm, ptg, orpo ? s->resp : NULL, s->seg_sum, s->seg_cnt))) return rc;
+    if (!backward && s->policy_is_ref && needs_ref(s)) {
+        /* the adapter is the identity: the policy's sums are the reference's (pref_ref_sums);
+         * only the response-target counts are needed */
+        const int nseg = mb->n_cu - 1;
+        for (int k = 0; k < nseg; k++) {
+            s->seg_sum[k] = s->seg_ref[k];
+            s->seg_cnt[k] = seg_targets(s, mb, k);
+        }
+        s->policy_skipped++;
+    } else {
+        if ((rc = bt_backend_logprobs(be, &pm, 1, backward, drop_key, s->logp, NULL))) return rc;
+        if ((rc = seg_sums(s, &pm, ptg, orpo ? s->resp : NULL, s->seg_sum, s->seg_cnt))) return rc;
+    }
     if (orpo && (rc = seg_sums(s, &pm, ptg, NULL, s->seg_all, s->seg_cnta))) return rc;
     /* this micro-batch's records, and the NLL of its chosen sequences */
     for (int j = 0; j < n; j++) {

@@ -102,6 +102,19 @@ void bt_pref_step_begin(bt_pref_step *s, const bt_pref_counts *global, double kl
 int bt_pref_step_micro(bt_pref_step *s, bt_backend *be, const bt_pref_batch *pb, int backward,
                        uint64_t drop_key);
 
+/* Declares the policy equal to the reference (on: the adapter is the identity, as a fresh LoRA
+ * is before its first update: every lora_B zero, PEFT's init, nothing else trainable): from then
+ * on until it is called with 0, bt_pref_step_micro without backward runs no policy forward for
+ * DPO / KTO and scores each record with its reference sums as the policy's (the evaluation
+ * before training: one forward per micro-batch instead of two, none when loaderd brought every
+ * reference value), and bt_pref_step_kl adds 0 for each KL sequence without a forward (policy -
+ * reference = 0). The caller vouches for the identity (pref_run.c checks the LoRA); a
+ * training pass (backward) always runs the policy forward. Other objectives: no effect. */
+void bt_pref_step_set_policy_is_ref(bt_pref_step *s, int on);
+/* Policy forwards bt_pref_step_micro / bt_pref_step_kl skipped under
+ * bt_pref_step_set_policy_is_ref since bt_pref_step_new. */
+long long bt_pref_step_policy_skipped(const bt_pref_step *s);
+
 /* After bt_pref_step_micro of a DPO / KTO micro-batch: *seg_ref <- the reference sums it used,
  * [n_cu - 1] (valid until the next call on s). Returns the number of record segments whose value
  * came with the batch (ref_ok) and sets *computed to those computed by a reference forward (0

@@ -92,7 +92,7 @@ typedef struct {
     bt_mb_copy *mbs;              /* grad_accum micro-batch copies */
     uint8_t *all_done, *all_next; /* every rank's loader state after the last / this step */
     bt_schedule sched;
-    double train_t0, last_loss;
+    double train_t0, train_cpu0, last_loss; /* bt_now / bt_cpu_s at the first step */
     int end_step;     /* steps, or stop_at_step */
     int ck_step;      /* the step of the last checkpoint written, -1: none */
     int adapter_step; /* the step of the last adapter written by this run (save_every), -1: none */

@@ -13,6 +13,7 @@
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "common/atomic_io.h"
 #include "common/bt_common.h"
@@ -78,6 +79,12 @@ double bt_peak_rss_mib(void) {
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
     return (double)ru.ru_maxrss / 1024.0; /* ru_maxrss is in KiB on Linux */
+}
+
+double bt_cpu_s(void) {
+    struct timespec ts;
+    if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts) != 0) return 0;
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 
@@ -481,6 +488,7 @@ static int run_begin_training(bt_run *r) {
     r->sched = (bt_schedule){cfg->schedule, cfg->optim.lr, cfg->min_lr_ratio,
                              cfg->optim.warmup_steps, cfg->steps};
     r->train_t0 = bt_now();
+    r->train_cpu0 = bt_cpu_s();
     r->end_step = cfg->stop_at_step > 0 ? cfg->stop_at_step : cfg->steps;
     r->last_loss = NAN;
     r->ck_step = -1;
@@ -796,8 +804,9 @@ static int run_finish(bt_run *r) {
     }
     if ((rc = bt_run_agree(r, rc, "saving the adapter"))) return run_end_with(r, RUN_END_STOP_OR_FAIL, rc);
     if (r->dist.rank == 0)
-        bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s, last loss %.4f, peak RSS %.0f MiB",
-               r->done_steps, bt_now() - r->train_t0, r->last_loss, bt_peak_rss_mib());
+        bt_log(BT_LOG_INFO, "trainer", "%d steps in %.1f s (CPU %.1f s), last loss %.4f, peak RSS %.0f MiB",
+               r->done_steps, bt_now() - r->train_t0, bt_cpu_s() - r->train_cpu0,
+               r->last_loss, bt_peak_rss_mib());
     if (cfg->eval.n_shards > 0) {
         int cut = 0;
         if ((rc = run_eval(r, &r->after, r->len_after, &cut)))

@@ -360,6 +360,84 @@ static void test_given_reference_is_the_computed_one(void **state) {
     rig_free(&r);
 }
 
+/* An evaluation (no backward) with the adapter the identity (adapter-init's lora_A, every lora_B
+ * zeroed: PEFT's init) declared by bt_pref_step_set_policy_is_ref: no policy forward (counted), the reference's
+ * sums scored as the policy's, and the same loss and metrics as the evaluation with both forwards
+ * (relative 1e-12: B = 0 adds exact zeros, so the two forwards agree); a training pass still runs
+ * its policy forward; KTO's KL sequences add 0 each without a forward. */
+static void eval_pass(bt_pref_step *s, bt_backend *be, bt_pref_batch *pb, const bt_pref_params *p,
+                      bt_pref_metrics *m) {
+    bt_pref_step_begin(s, NULL, 0.0);
+    assert_int_equal(bt_pref_step_micro(s, be, pb, 0, 0), 0);
+    double sums[BT_PREF_NSUMS];
+    bt_pref_step_sums(s, 0.0, sums);
+    bt_pref_metrics_of(p, sums, 0.0, m);
+}
+
+static void test_identity_adapter_skips_the_policy_forward(void **state) {
+    (void)state;
+    rig r;
+    rig_init(&r);
+    for (int l = 0; l < r.lo.n_layer; l++)
+        for (int mod = 0; mod < BT_MOD_N; mod++) {
+            const bt_lora_mod *md = bt_lora_get(&r.lo, l, mod);
+            for (int i = 0; md && i < md->out * r.lo.r; i++) md->B[i] = 0.0f; /* a fresh PEFT adapter */
+        }
+    bt_backend *be = backend(&r);
+    pbatch b[2];
+    bt_pref_batch pb[2];
+    pair_batches(&r, b, pb, 0);
+    bt_pref_params p;
+    bt_pref_defaults(&p, BT_PREF_DPO);
+    bt_pref_step *s = NULL;
+    assert_int_equal(bt_pref_step_new(&s, &p, 1, MAXT, r.m.hp.vocab), 0);
+    bt_pref_metrics m1, m2;
+    eval_pass(s, be, pb, &p, &m1);
+    assert_int_equal(bt_pref_step_policy_skipped(s), 0);
+    bt_pref_step_set_policy_is_ref(s, 1);
+    eval_pass(s, be, pb, &p, &m2);
+    assert_int_equal(bt_pref_step_policy_skipped(s), 1);
+    const double a[] = {m1.loss, m1.rewards_accuracies, m1.rewards_margins, m1.logps_chosen, m1.logps_rejected,
+                        m1.logps_accuracies, m1.logps_margins};
+    const double c[] = {m2.loss, m2.rewards_accuracies, m2.rewards_margins, m2.logps_chosen, m2.logps_rejected,
+                        m2.logps_accuracies, m2.logps_margins};
+    for (int i = 0; i < 7; i++) assert_true(fabs(a[i] - c[i]) <= 1e-12 * (1.0 + fabs(a[i])));
+    assert_true(m2.rewards_margins == 0.0 && fabs(m1.loss - log(2.0)) < 1e-9); /* policy = reference */
+    /* a different policy shows: the skipped pass would have mattered had B not been zero */
+    r.lo.mods[0].B[0] = 0.5f;
+    bt_pref_step_set_policy_is_ref(s, 0);
+    eval_pass(s, be, pb, &p, &m1);
+    assert_true(fabs(m1.logps_chosen - m2.logps_chosen) > 1e-6);
+    r.lo.mods[0].B[0] = 0.0f;
+    /* training (backward) always runs the policy forward */
+    bt_pref_step_set_policy_is_ref(s, 1);
+    run_step(s, be, pb, 1, &p, &m1);
+    assert_int_equal(bt_pref_step_policy_skipped(s), 1);
+    bt_pref_step_free(s);
+    /* KTO: each KL sequence adds 0 (policy - reference), counted, no forward */
+    bt_pref_defaults(&p, BT_PREF_KTO);
+    assert_int_equal(bt_pref_step_new(&s, &p, 1, MAXT, r.m.hp.vocab), 0);
+    pbatch kb;
+    bt_pref_batch kpb;
+    memset(&kb, 0, sizeof kb);
+    json_t *pairs = json_object_get(r.doc, "pairs");
+    for (size_t i = 0; i < 2; i++) {
+        json_t *pr = json_array_get(pairs, i);
+        add_seq(&kb, json_object_get(pr, "prompt_ids"), json_object_get(pr, "chosen_ids"),
+                i ? BT_SEG_KTO_UNDESIRABLE : BT_SEG_KTO_DESIRABLE);
+    }
+    finish(&kb, 2, &kpb);
+    double kl0[2] = {0, 0}, kl1[2] = {0, 0};
+    assert_int_equal(bt_pref_step_kl(s, be, &kpb, kl0), 0);
+    bt_pref_step_set_policy_is_ref(s, 1);
+    assert_int_equal(bt_pref_step_kl(s, be, &kpb, kl1), 0);
+    assert_true(kl1[1] == kl0[1] && kl1[1] == 2 && kl1[0] == 0.0 && fabs(kl0[0]) < 1e-9);
+    assert_int_equal(bt_pref_step_policy_skipped(s), 1);
+    bt_pref_step_free(s);
+    bt_backend_free(be);
+    rig_free(&r);
+}
+
 static void test_malformed_batches_are_refused(void **state) {
     (void)state;
     rig r;
@@ -411,6 +489,7 @@ int main(void) {
         cmocka_unit_test(test_pair_objectives_against_trl),
         cmocka_unit_test(test_kto_against_trl),
         cmocka_unit_test(test_given_reference_is_the_computed_one),
+        cmocka_unit_test(test_identity_adapter_skips_the_policy_forward),
         cmocka_unit_test(test_malformed_batches_are_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
