@@ -342,8 +342,10 @@ void bt_scale(float *x, int64_t n, float s);
 /* "SkylakeX" on AVX-512 CPUs, "Haswell" on AVX2+FMA, NULL otherwise (leave OpenBLAS's choice). */
 const char *bt_openblas_coretype_for_cpu(void);
 /* Call first thing in main(): if OPENBLAS_CORETYPE is unset and the CPU has a better kernel
- * family, set it and re-exec /proc/self/exe with the same argv (returns only when nothing needs
- * doing, or when the exec fails, with a warning). BT_NO_BLAS_REEXEC=1 disables it. */
+ * family, set it; if OMP_WAIT_POLICY is unset, set it to "passive" (OpenMP threads sleep at
+ * barriers instead of spinning: blas_env.c says why); if either was set, re-exec
+ * /proc/self/exe with the same argv (returns only when nothing needs doing, or when the exec
+ * fails, with a warning). A value the user set is kept. BT_NO_BLAS_REEXEC=1 disables it. */
 void bt_openblas_env_reexec(char **argv);
 
 #endif
