@@ -213,20 +213,19 @@ static void deq_q4_1(const uint8_t *b, float *y) {
     }
 }
 
-/* block_q5_0 {half d; uint8 qh[4]; uint8 qs[16]}: 5th bit of element j is bit j of qh */
+/* block_q5_0 {half d; uint8 qh[4]; uint8 qs[16]}: 5th bit of element j is bit j of qh; element j
+ * < 16 takes the low nibble of qs[j], element j + 16 its high nibble (one loop over the 32: it
+ * vectorises to full-width vectors) */
 static void deq_q5_0(const uint8_t *b, float *y) {
     const float d = h2f(b);
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     const uint8_t *qs = b + 6;
 #pragma omp simd
-    for (int j = 0; j < 16; j++) {
-        const uint8_t xh_0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
-        const uint8_t xh_1 = (uint8_t)(((qh >> (j + 12))) & 0x10);
-        const int32_t x0 = ((qs[j] & 0x0F) | xh_0) - 16;
-        const int32_t x1 = ((qs[j] >> 4) | xh_1) - 16;
-        y[j] = (float)x0 * d;
-        y[j + 16] = (float)x1 * d;
+    for (int j = 0; j < 32; j++) {
+        const int lo = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+        const int32_t x = (lo | (int)(((qh >> j) & 1u) << 4)) - 16;
+        y[j] = (float)x * d;
     }
 }
 
