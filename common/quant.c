@@ -191,6 +191,7 @@ static inline float h2f(const uint8_t *p) {
 static void deq_q4_0(const uint8_t *b, float *y) {
     const float d = h2f(b);
     const uint8_t *qs = b + 2;
+#pragma omp simd
     for (int j = 0; j < 16; j++) {
         const int x0 = (qs[j] & 0x0F) - 8;
         const int x1 = (qs[j] >> 4) - 8;
@@ -203,6 +204,7 @@ static void deq_q4_0(const uint8_t *b, float *y) {
 static void deq_q4_1(const uint8_t *b, float *y) {
     const float d = h2f(b), m = h2f(b + 2);
     const uint8_t *qs = b + 4;
+#pragma omp simd
     for (int j = 0; j < 16; j++) {
         const int x0 = qs[j] & 0x0F;
         const int x1 = qs[j] >> 4;
@@ -211,19 +213,19 @@ static void deq_q4_1(const uint8_t *b, float *y) {
     }
 }
 
-/* block_q5_0 {half d; uint8 qh[4]; uint8 qs[16]}: 5th bit of element j is bit j of qh */
+/* block_q5_0 {half d; uint8 qh[4]; uint8 qs[16]}: 5th bit of element j is bit j of qh; element j
+ * < 16 takes the low nibble of qs[j], element j + 16 its high nibble (one loop over the 32: it
+ * vectorises to full-width vectors) */
 static void deq_q5_0(const uint8_t *b, float *y) {
     const float d = h2f(b);
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     const uint8_t *qs = b + 6;
-    for (int j = 0; j < 16; j++) {
-        const uint8_t xh_0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
-        const uint8_t xh_1 = (uint8_t)(((qh >> (j + 12))) & 0x10);
-        const int32_t x0 = ((qs[j] & 0x0F) | xh_0) - 16;
-        const int32_t x1 = ((qs[j] >> 4) | xh_1) - 16;
-        y[j] = (float)x0 * d;
-        y[j + 16] = (float)x1 * d;
+#pragma omp simd
+    for (int j = 0; j < 32; j++) {
+        const int lo = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+        const int32_t x = (lo | (int)(((qh >> j) & 1u) << 4)) - 16;
+        y[j] = (float)x * d;
     }
 }
 
@@ -233,6 +235,7 @@ static void deq_q5_1(const uint8_t *b, float *y) {
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     const uint8_t *qs = b + 8;
+#pragma omp simd
     for (int j = 0; j < 16; j++) {
         const uint8_t xh_0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
         const uint8_t xh_1 = (uint8_t)(((qh >> (j + 12))) & 0x10);
@@ -247,6 +250,7 @@ static void deq_q5_1(const uint8_t *b, float *y) {
 static void deq_q8_0(const uint8_t *b, float *y) {
     const float d = h2f(b);
     const int8_t *qs = (const int8_t *)(b + 2);
+#pragma omp simd
     for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
 }
 
@@ -273,7 +277,9 @@ static void deq_q4_k(const uint8_t *b, float *y) {
         const float d1 = d * sc, m1 = min * m;
         get_scale_min_k4(is + 1, scales, &sc, &m);
         const float d2 = d * sc, m2 = min * m;
+#pragma omp simd
         for (int l = 0; l < 32; ++l) *y++ = d1 * (q[l] & 0xF) - m1;
+#pragma omp simd
         for (int l = 0; l < 32; ++l) *y++ = d2 * (q[l] >> 4) - m2;
         q += 32;
         is += 2;
@@ -294,7 +300,9 @@ static void deq_q5_k(const uint8_t *b, float *y) {
         const float d1 = d * sc, m1 = min * m;
         get_scale_min_k4(is + 1, scales, &sc, &m);
         const float d2 = d * sc, m2 = min * m;
+#pragma omp simd
         for (int l = 0; l < 32; ++l) *y++ = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+#pragma omp simd
         for (int l = 0; l < 32; ++l) *y++ = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
         ql += 32;
         is += 2;
@@ -310,16 +318,19 @@ static void deq_q6_k(const uint8_t *b, float *y) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = h2f(b + 208);
     for (int n = 0; n < 256; n += 128) {
-        for (int l = 0; l < 32; ++l) {
-            const int is = l / 16;
-            const int8_t q1 = (int8_t)((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int8_t q2 = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int8_t q3 = (int8_t)((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int8_t q4 = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            y[l + 0] = d * sc[is + 0] * q1;
-            y[l + 32] = d * sc[is + 2] * q2;
-            y[l + 64] = d * sc[is + 4] * q3;
-            y[l + 96] = d * sc[is + 6] * q4;
+        for (int l0 = 0; l0 < 32; l0 += 16) { /* is = l / 16 constant: the loop vectorises */
+            const int is = l0 / 16;
+#pragma omp simd
+            for (int l = l0; l < l0 + 16; ++l) {
+                const int8_t q1 = (int8_t)((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int8_t q2 = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int8_t q3 = (int8_t)((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int8_t q4 = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l + 0] = d * sc[is + 0] * q1;
+                y[l + 32] = d * sc[is + 2] * q2;
+                y[l + 64] = d * sc[is + 4] * q3;
+                y[l + 96] = d * sc[is + 6] * q4;
+            }
         }
         y += 128;
         ql += 64;

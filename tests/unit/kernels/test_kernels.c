@@ -83,6 +83,53 @@ static void test_linear(void **state)
     free(X), free(W), free(dY), free(Y), free(dX), free(dW), free(Y0), free(dX0), free(dW0);
 }
 
+/* bt_sgemm on the matrix-vector shapes (one row, M == 1: a decode token; one column, N == 1),
+ * which take the sgemv path (blas_par.c), for every transpose combination, with row strides
+ * wider than the rows, beta 0 over nan garbage and beta 0.5, and sizes on both sides of the
+ * threading threshold; C's padding between rows (ldc > 1 with N == 1) stays untouched. */
+static void test_sgemm_vector_shapes(void **state)
+{
+    (void)state;
+    static const int shapes[][3] = {{1, 3001, 97}, {2999, 1, 101}, {1, 1, 50}, {1, 37, 9},
+                                    {23, 1, 7}, {1, 19, 0}, {5, 1, 0}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int tA = 0; tA < 2; tA++)
+            for (int tB = 0; tB < 2; tB++)
+                for (int bi = 0; bi < 2; bi++) {
+                    const int M = shapes[si][0], N = shapes[si][1], K = shapes[si][2];
+                    const float beta = bi ? 0.5f : 0.0f;
+                    /* A is [M,K] or [K,M]; B is [K,N] or [N,K]; each row padded by 3 */
+                    const int ar = tA ? K : M, ac = tA ? M : K, br = tB ? N : K, bc = tB ? K : N;
+                    const int lda = ac + 3, ldb = bc + 3, ldc = N + 3;
+                    float *A = rand_buf((size_t)(ar > 0 ? ar : 1) * lda, 1);
+                    float *B = rand_buf((size_t)(br > 0 ? br : 1) * ldb, 1);
+                    float *C = rand_buf((size_t)M * ldc, 1), *C0 = malloc(sizeof(float) * M * ldc);
+                    assert_non_null(C0);
+                    if (beta == 0.0f)
+                        for (int m = 0; m < M; m++)
+                            for (int n = 0; n < N; n++)
+                                C[(size_t)m * ldc + n] = NAN;
+                    memcpy(C0, C, sizeof(float) * M * ldc);
+                    bt_sgemm(tA, tB, M, N, K, 1.5f, A, lda, B, ldb, beta, C, ldc);
+                    for (int m = 0; m < M; m++)
+                        for (int n = 0; n < ldc; n++) {
+                            const size_t at = (size_t)m * ldc + n;
+                            if (n >= N) { /* padding */
+                                assert_memory_equal(&C[at], &C0[at], sizeof(float));
+                                continue;
+                            }
+                            double r = beta != 0.0f ? beta * (double)C0[at] : 0.0;
+                            for (int k = 0; k < K; k++) {
+                                double a = tA ? A[(size_t)k * lda + m] : A[(size_t)m * lda + k];
+                                double b = tB ? B[(size_t)n * ldb + k] : B[(size_t)k * ldb + n];
+                                r += 1.5 * a * b;
+                            }
+                            CLOSE(C[at], r, 1e-5, 1e-4);
+                        }
+                    free(A), free(B), free(C), free(C0);
+                }
+}
+
 /* ---- RMSNorm ---- */
 
 static double rms_ref_loss(const double *x, const double *w, const double *dy, int M, int D, double eps)
@@ -438,6 +485,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_linear),
+        cmocka_unit_test(test_sgemm_vector_shapes),
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope_hand_value),
         cmocka_unit_test(test_rope_refuses_bad_shapes),
