@@ -195,6 +195,12 @@ double bt_now(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+double bt_cpu_s(void) {
+    struct timespec ts;
+    if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts) != 0) return 0;
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static void oom(size_t n) {
     fprintf(stderr, "fatal: out of memory allocating %zu bytes\n", n);
     abort();

@@ -67,6 +67,10 @@ void bt_log(int level, const char *component, const char *fmt, ...) __attribute_
 
 /* Monotonic clock in seconds (CLOCK_MONOTONIC). */
 double bt_now(void);
+/* CPU seconds this process has used so far, user + system, all threads (clock_gettime
+ * CLOCK_PROCESS_CPUTIME_ID); 0 when the clock fails. Beside a wall time it tells what a phase
+ * cost when other processes share the CPUs (its wall time grows with their load, this much less). */
+double bt_cpu_s(void);
 
 /* Allocation helpers that abort with a message on OOM (use for small bookkeeping only;
  * large tensors use bt_aligned_alloc and check for NULL). */

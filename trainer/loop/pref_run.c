@@ -8,7 +8,6 @@
 
 #include "common/bt_common.h"
 #include "trainer/loop/run.h"
-#include "trainer/loop/train.h"
 
 void bt_pref_view(const bt_mb_copy *c, int B, int T, bt_pref_batch *pb) {
     bt_mb_view(c, B, T, &pb->mb);

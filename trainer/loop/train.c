@@ -81,12 +81,6 @@ double bt_peak_rss_mib(void) {
     return (double)ru.ru_maxrss / 1024.0; /* ru_maxrss is in KiB on Linux */
 }
 
-double bt_cpu_s(void) {
-    struct timespec ts;
-    if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts) != 0) return 0;
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 
 
 /* kernels/cpu keeps OpenBLAS at one thread and parallelises everything (GEMMs included) with

@@ -56,9 +56,4 @@ void bt_fmt_duration(char *buf, size_t n, double seconds);
 /* Peak resident set size of this process in MiB (getrusage ru_maxrss). */
 double bt_peak_rss_mib(void);
 
-/* CPU seconds this process has used so far, user + system, all threads (clock_gettime
- * CLOCK_PROCESS_CPUTIME_ID); 0 when the clock fails. Beside a wall time it tells what a phase
- * cost when other processes share the CPUs (its wall time grows with their load, this much less). */
-double bt_cpu_s(void);
-
 #endif
