@@ -147,24 +147,6 @@ static json_t *spm_decoder(const bt_tokenizer *t) {
     return json_pack("{s:s, s:o}", "type", "Sequence", "decoders", seq);
 }
 
-/* Replaces the `"merges": []` placeholder (the last one: the model object is written last) of the
- * dumped tokenizer.json *js by the merges array text. 0 or BT_ERR_NOMEM (*js unchanged). */
-static int splice_merges(char **js, const char *merges, size_t mlen) {
-    static const char ph[] = "\"merges\": []";
-    char *at = NULL;
-    for (char *q = strstr(*js, ph); q; q = strstr(q + 1, ph)) at = q;
-    if (!at) return bt_fail(BT_ERR_INVALID, "tokenizer.json: no merges placeholder (internal)");
-    size_t head = (size_t)(at - *js) + sizeof ph - 3, tail = strlen(at + sizeof ph - 1);
-    char *o = malloc(head + mlen + tail + 1);
-    if (!o) return bt_fail(BT_ERR_NOMEM, "tokenizer.json: out of memory");
-    memcpy(o, *js, head);
-    memcpy(o + head, merges, mlen);
-    memcpy(o + head + mlen, at + sizeof ph - 1, tail + 1);
-    free(*js);
-    *js = o;
-    return 0;
-}
-
 /* tokenizer.json: vocabulary (the id our piece lookup gives a duplicated string: the first one
  * for byte-level, the last for SentencePiece, as llama.cpp), merges, added tokens.
  * Byte-level: the GGUF's merges as "a b" strings (readable by every tokenizers release), the
@@ -204,10 +186,14 @@ static int tokenizer_json(const bt_tokenizer *t, const bt_gguf *g, int add_bos, 
         else json_array_append_new(jm, s);
     }
     free(merges);
-    char *spm_merges = NULL;
-    size_t spm_mlen = 0;
-    int32_t n_long = 0;
-    if (!rc && spm) rc = bt_tok_hf_spm_merges(t, &spm_merges, &spm_mlen, &n_merge, &n_long);
+    int32_t *pairs = NULL, n_long = 0;
+    if (!rc && spm) rc = bt_tok_hf_spm_merges(t, &pairs, &n_merge, &n_long);
+    for (uint64_t m = 0; spm && m < n_merge && !rc; m++) {
+        const int32_t l = pairs[2 * m], r = pairs[2 * m + 1];
+        json_t *pr = json_pack("[s, s]", bt_tokenizer_piece(t, l), bt_tokenizer_piece(t, r)); /* no NUL inside */
+        if (!pr || json_array_append_new(jm, pr)) rc = bt_fail(BT_ERR_NOMEM, "tokenizer.json: out of memory");
+    }
+    free(pairs);
     if (rc) {
         json_decref(vocab), json_decref(jm), json_decref(added);
         return rc;
@@ -239,11 +225,7 @@ static int tokenizer_json(const bt_tokenizer *t, const bt_gguf *g, int add_bos, 
                              "post_processor", post_processor(t, add_bos, add_eos), "decoder",
                              spm ? spm_decoder(t) : byte_level(1, 1, 1), "model", model);
     *out = dumps(root);
-    if (!*out) rc = bt_fail(BT_ERR_NOMEM, "tokenizer.json: out of memory");
-    else if (spm) rc = splice_merges(out, spm_merges, spm_mlen);
-    free(spm_merges);
-    if (rc) free(*out), *out = NULL;
-    return rc;
+    return *out ? 0 : bt_fail(BT_ERR_NOMEM, "tokenizer.json: out of memory");
 }
 
 int bt_tokenizer_hf_from_gguf(const bt_gguf *g, int64_t model_max_length, bt_hf_tokenizer_files *f) {

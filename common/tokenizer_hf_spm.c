@@ -17,11 +17,10 @@
  * tests/unit/common/test_tokenizer_spm.c check the ids against llama.cpp's on the parity and
  * stress corpora (0 differences for Llama 2, Phi-3 and Gemma 3).
  * Cost: one hash lookup per split point of every piece (Gemma 3: 262,144 pieces, 514,847
- * merges); memory 24 bytes per merge plus the JSON text. */
+ * merges); memory 24 bytes per merge while sorting. */
 #include "common/tokenizer_internal.h"
 
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -42,51 +41,8 @@ static int merge_cmp(const void *pa, const void *pb) {
 
 static size_t piece_len(const bt_tokenizer *t, int32_t id) { return t->piece_off[id + 1] - t->piece_off[id] - 1; }
 
-typedef struct {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-/* Room for `extra` more bytes (and a NUL). 0 or BT_ERR_NOMEM. */
-static int sb_room(sbuf *b, size_t extra) {
-    if (b->len + extra + 1 <= b->cap) return 0;
-    size_t nc = b->cap ? b->cap : 1 << 16;
-    while (b->len + extra + 1 > nc) nc *= 2;
-    char *np = realloc(b->p, nc);
-    if (!np) return BT_ERR_NOMEM;
-    b->p = np, b->cap = nc;
-    return 0;
-}
-
-static int sb_raw(sbuf *b, const char *s) {
-    size_t n = strlen(s);
-    if (sb_room(b, n)) return BT_ERR_NOMEM;
-    memcpy(b->p + b->len, s, n + 1);
-    b->len += n;
-    return 0;
-}
-
-/* JSON string of s[0..n) (valid UTF-8): '"' and '\\' escaped, control bytes as \uXXXX
- * (RFC 8259 section 7). */
-static int sb_str(sbuf *b, const char *s, size_t n) {
-    if (sb_room(b, 6 * n + 2)) return BT_ERR_NOMEM;
-    char *o = b->p + b->len;
-    *o++ = '"';
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\') *o++ = '\\', *o++ = (char)c;
-        else if (c < 0x20) o += snprintf(o, 7, "\\u%04x", c);
-        else *o++ = (char)c;
-    }
-    *o++ = '"';
-    *o = 0;
-    b->len = (size_t)(o - b->p);
-    return 0;
-}
-
-int bt_tok_hf_spm_merges(const bt_tokenizer *t, char **out, size_t *out_len, uint64_t *n_merges,
-                         int32_t *n_long) {
-    *out = NULL, *out_len = 0, *n_merges = 0, *n_long = 0;
+int bt_tok_hf_spm_merges(const bt_tokenizer *t, int32_t **pairs, uint64_t *n_merges, int32_t *n_long) {
+    *pairs = NULL, *n_merges = 0, *n_long = 0;
     spm_merge *m = NULL;
     size_t n = 0, cap = 0;
     int rc = 0;
@@ -128,22 +84,11 @@ int bt_tok_hf_spm_merges(const bt_tokenizer *t, char **out, size_t *out_len, uin
         }
     }
     if (!rc && n) qsort(m, n, sizeof *m, merge_cmp);
-    sbuf b = {0};
-    if (!rc) rc = sb_raw(&b, "[");
-    for (size_t i = 0; i < n && !rc; i++) {
-        rc = sb_raw(&b, i ? ",\n    [" : "\n    [");
-        if (!rc) rc = sb_str(&b, t->pieces + t->piece_off[m[i].l], piece_len(t, m[i].l));
-        if (!rc) rc = sb_raw(&b, ", ");
-        if (!rc) rc = sb_str(&b, t->pieces + t->piece_off[m[i].r], piece_len(t, m[i].r));
-        if (!rc) rc = sb_raw(&b, "]");
-    }
-    if (!rc && n) rc = sb_raw(&b, "\n  ");
-    if (!rc) rc = sb_raw(&b, "]");
+    int32_t *lr = rc ? NULL : malloc((n ? n : 1) * 2 * sizeof *lr);
+    if (!rc && !lr) rc = bt_fail(BT_ERR_NOMEM, "tokenizer.json: out of memory for the merges");
+    for (size_t i = 0; i < n && !rc; i++) lr[2 * i] = m[i].l, lr[2 * i + 1] = m[i].r;
     free(m);
-    if (rc) {
-        free(b.p);
-        return rc == BT_ERR_NOMEM ? bt_fail(rc, "tokenizer.json: out of memory for the merges") : rc;
-    }
-    *out = b.p, *out_len = b.len, *n_merges = n;
+    if (rc) return rc;
+    *pairs = lr, *n_merges = n;
     return 0;
 }

@@ -238,14 +238,13 @@ uint64_t bt_tok_spm_mem(const bt_tokenizer *t);
 /* Pieces longer than this (bytes) are not split into merges (real SentencePiece pieces: at most
  * 48 bytes in Llama 2 and Gemma 3); bounds the cost at one hash lookup per byte of token text. */
 #define BT_HF_SPM_SPLIT_MAX 256
-/* MODEL_SPM: model.merges of the HF BPE form of the vocabulary, as JSON array text ([["L", "R"],
- * ...], malloc'd, NUL-terminated, *out_len bytes): every split of a piece P (at most
+/* MODEL_SPM: model.merges of the HF BPE form of the vocabulary, as id pairs (*pairs: malloc'd,
+ * 2 * *n_merges int32, L then R, best first): every split of a piece P (at most
  * BT_HF_SPM_SPLIT_MAX bytes, the id the piece lookup gives) into two pieces L + R, ranked by P's
  * score descending, then code points of L, of R descending, then P's id (transformers
- * generate_merges). *n_merges: their count; *n_long: pieces too long to be split. BT_ERR_RANGE
- * past BT_TOKENIZER_MAX_MERGES, BT_ERR_NOMEM (*out NULL). */
-int bt_tok_hf_spm_merges(const bt_tokenizer *t, char **out, size_t *out_len, uint64_t *n_merges,
-                         int32_t *n_long);
+ * generate_merges). *n_long: pieces too long to be split. BT_ERR_RANGE past
+ * BT_TOKENIZER_MAX_MERGES, BT_ERR_NOMEM (*pairs NULL). */
+int bt_tok_hf_spm_merges(const bt_tokenizer *t, int32_t **pairs, uint64_t *n_merges, int32_t *n_long);
 
 /* ---- tokenizer_pre.c ---- */
 /* Compiles an Oniguruma pattern (HF Split / ByteLevel) into PCRE2 with Oniguruma semantics
