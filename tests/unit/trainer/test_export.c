@@ -1009,34 +1009,34 @@ static void check_same_gemma(const bt_model *a, const bt_model *b, float tol) {
     for (int i = 0; i < D; i++) assert_true(fabsf(a->output_norm[i] - b->output_norm[i]) <= tol);
 }
 
+/* m merged (no adapter) to a GGUF and to a safetensors directory, each read back as m */
+static void gemma_round_trips(const bt_model *m, const char *out, const char *dir) {
+    bt_model m2;
+    bt_model_load_opts lopt = {BT_BASE_FP32, 0};
+    assert_int_equal(bt_export_gguf_merged(m, NULL, NULL, BT_EXPORT_F32, out), 0);
+    assert_int_equal(bt_model_load(&m2, out, &lopt), 0);
+    check_same_gemma(m, &m2, 0.f);
+    bt_model_free(&m2);
+    assert_int_equal(bt_export_safetensors_merged(m, NULL, BT_EXPORT_F32, NULL, dir), 0);
+    assert_int_equal(bt_model_load(&m2, dir, &lopt), 0);
+    check_same_gemma(m, &m2, 2.5e-7f);
+    bt_model_free(&m2);
+}
+
 static void test_gemma3_merged(void **st) {
     (void)st;
-    bt_model m, m2;
+    bt_model m;
     bt_model_load_opts lopt = {BT_BASE_FP32, 0};
     char *out = tpath("gemma3.gguf"), *dir = tpath("gemma3-hf");
     /* the plain fixture and its linear-RoPE twin (gemma3.rope.scaling.* in the GGUF, then
      * rope_parameters.full_attention in config.json): both read back the same */
     assert_int_equal(bt_model_load(&m, "tests/fixtures/hf/gemma3-linear/model.gguf", &lopt), 0);
     assert_true(m.hp.rope_ext == BT_ROPE_EXT_LINEAR && m.hp.rope_ext_factor == 8.f);
-    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), 0);
-    assert_int_equal(bt_model_load(&m2, out, &lopt), 0);
-    check_same_gemma(&m, &m2, 0.f);
-    bt_model_free(&m2);
-    assert_int_equal(bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, dir), 0);
-    assert_int_equal(bt_model_load(&m2, dir, &lopt), 0);
-    check_same_gemma(&m, &m2, 2.5e-7f);
-    bt_model_free(&m2);
+    gemma_round_trips(&m, out, dir);
     bt_model_free(&m);
     assert_int_equal(bt_model_load(&m, "tests/fixtures/hf/gemma3/model.gguf", &lopt), 0);
     assert_int_equal(m.hp.rope_ext, BT_ROPE_EXT_NONE);
-    assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), 0);
-    assert_int_equal(bt_model_load(&m2, out, &lopt), 0);
-    check_same_gemma(&m, &m2, 0.f);
-    bt_model_free(&m2);
-    assert_int_equal(bt_export_safetensors_merged(&m, NULL, BT_EXPORT_F32, NULL, dir), 0);
-    assert_int_equal(bt_model_load(&m2, dir, &lopt), 0);
-    check_same_gemma(&m, &m2, 2.5e-7f);
-    bt_model_free(&m2);
+    gemma_round_trips(&m, out, dir);
     /* what llama.cpp's gemma3 loader fixes cannot be written into a gemma3 GGUF */
     m.hp.swa_pattern = 4;
     assert_int_equal(bt_export_gguf_merged(&m, NULL, NULL, BT_EXPORT_F32, out), BT_ERR_UNSUPPORTED);
