@@ -25,7 +25,6 @@ key) and a LoRA adapter are exported; then
 Before issue 24 the export wrote no tokenizer files for these bases: every check here failed."""
 import json
 import os
-import struct
 import subprocess
 import time
 
@@ -37,6 +36,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from safetensors.numpy import save_file  # noqa: E402
 
 from conftest import BUILD, ROOT  # noqa: E402
+from tok_fixtures import fnv1a64, read_corpus, read_ids  # noqa: E402
 
 TOKDIR = os.path.join(ROOT, os.environ.get("BT_TOKENIZERS_DIR", "models/tokenizers"))
 GEMMA = os.path.join(ROOT, os.environ.get("BT_GEMMA", "models/gemma-3-270m-q4_k_m.gguf"))
@@ -60,52 +60,6 @@ def fetched(path):
     if path == GEMMA:
         pytest.skip(f"{path} not present (make model MODEL=gemma3-270m)")
     pytest.fail(f"{path} missing: run `make tokenizers` (scripts/fetch-tokenizers)")
-
-
-def zstd(path):
-    return subprocess.run(["zstd", "-dc", path], capture_output=True, check=True).stdout
-
-
-def corpus(name):
-    """BTTKCORP: [(parse_special, raw bytes)] (gen_tokenizer_fixtures.py write_corpus)."""
-    b = zstd(os.path.join(FIX, name))
-    assert b[:8] == b"BTTKCORP"
-    n, off, docs = struct.unpack_from("<I", b, 8)[0], 12, []
-    for _ in range(n):
-        f, ln = struct.unpack_from("<BI", b, off)
-        docs.append((f & 1, b[off + 5:off + 5 + ln]))
-        off += 5 + ln
-    return docs
-
-
-def ref_ids(name):
-    """BTTKIDS1: [(FNV-1a-64 of the reference decode, ids)] (gen_tokenizer_spm_fixtures.py)."""
-    b = zstd(os.path.join(FIX, f"{name}_ids.bin.zst"))
-    assert b[:8] == b"BTTKIDS1"
-    n, off, out = struct.unpack_from("<I", b, 8)[0], 12, []
-
-    def varint():
-        nonlocal off
-        v = shift = 0
-        while True:
-            c = b[off]
-            off += 1
-            v |= (c & 0x7F) << shift
-            shift += 7
-            if not c & 0x80:
-                return v
-    for _ in range(n):
-        h = struct.unpack_from("<Q", b, off)[0]
-        off += 8
-        out.append((h, [varint() for _ in range(varint())]))
-    return out
-
-
-def fnv1a64(b):
-    h = 0xcbf29ce484222325
-    for x in b:
-        h = ((h ^ x) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
-    return h
 
 
 def export(family, tmp_path):
@@ -165,7 +119,7 @@ def test_spm_export_tokenizer_in_transformers(family, tmp_path):
     t0 = time.time()
     total = 0
     for cname, iname in (("corpus.bin.zst", family), ("stress.bin.zst", family + "_stress"))[skip_corpus:]:
-        docs, want = corpus(cname), ref_ids(iname)
+        docs, want = read_corpus(os.path.join(FIX, cname)), read_ids(os.path.join(FIX, f"{iname}_ids.bin.zst"))
         assert len(docs) == len(want)
         valid = [(i, f, raw.decode("utf-8")) for i, (f, raw) in enumerate(docs) if is_utf8(raw)]
         got = {}

@@ -55,6 +55,7 @@ gguf = pytest.importorskip("gguf")
 sys.path.insert(0, os.path.dirname(__file__))
 import llamacpp_ref  # noqa: E402
 from test_export import st_read, st_write  # noqa: E402
+from tok_fixtures import fnv1a64, read_corpus, read_ids, zstd_bytes  # noqa: E402
 
 FIX = os.path.join(ROOT, "tests", "fixtures", "tokenizer")
 MODS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -155,23 +156,6 @@ def test_layouts_match_the_library(lc):
 
 
 # ---- tokenizer corpus helpers ----
-
-def zst(path):
-    return subprocess.run(["zstd", "-dc", path], capture_output=True, check=True).stdout
-
-
-def read_corpus(path):
-    """[(special, bytes)] of a BTTKCORP file (gen_tokenizer_fixtures.py write_corpus)."""
-    b = zst(path)
-    assert b[:8] == b"BTTKCORP"
-    (n,), off, docs = struct.unpack_from("<I", b, 8), 12, []
-    for _ in range(n):
-        (ln,) = struct.unpack_from("<I", b, off + 1)
-        docs.append((bool(b[off] & 1), b[off + 5:off + 5 + ln]))
-        off += 5 + ln
-    assert off == len(b)
-    return docs
-
 
 def our_ids(tokenizer, docs, tmp_path):
     """Our ids of docs [(special, bytes)]: build/tools/bench_tok --special-flags (bt_tokenize with
@@ -360,7 +344,7 @@ def gguf_from_tokenizer_json(tj_path, pre, out):
     names become "[PAD<id>]", user-defined), token types normal (1) for the model's vocabulary,
     control (3) for special added tokens and those that look special, user-defined (4) for the
     other added tokens; merges "a b"; tokenizer.ggml.model "gpt2" and the given pre."""
-    tj = json.loads(zst(tj_path))
+    tj = json.loads(zstd_bytes(tj_path))
     vocab = {i: t for t, i in tj["model"]["vocab"].items()}
     added = {a["id"]: a for a in tj["added_tokens"]}
     n = max([*vocab, *added]) + 1
@@ -553,39 +537,17 @@ def test_spm_tokenizer_matches_llamacpp(lc, family, tmp_path):
         print(f"spm tokenizer {family}: {len(cases)} of llama.cpp's own test strings equal")
 
 
-def fnv1a64(b):
-    h = 0xCBF29CE484222325
-    for c in b:
-        h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
 def check_decode(m, family, docs):
     """llama_detokenize (control tokens rendered) of the fixture's ids, read with errors="replace",
     hashes to the fixture's FNV-1a-64 of Hugging Face's decode (skip_special_tokens=False): the
     ids are ours too (tests/unit/common/test_tokenizer_hf.c), so this is our decode as well."""
-    b = zst(os.path.join(FIX, f"{family}_ids.bin.zst"))
-    assert b[:8] == b"BTTKIDS1" and struct.unpack_from("<I", b, 8)[0] == len(docs)
-    off, bad = 12, []
-
-    def varint():
-        nonlocal off
-        v, sh = 0, 0
-        while True:
-            c = b[off]
-            off += 1
-            v |= (c & 0x7F) << sh
-            sh += 7
-            if not c & 0x80:
-                return v
-    for i in range(len(docs)):
-        (h,) = struct.unpack_from("<Q", b, off)
-        off += 8
-        ids = [varint() for _ in range(varint())]
+    want = read_ids(os.path.join(FIX, f"{family}_ids.bin.zst"))
+    assert len(want) == len(docs)
+    bad = []
+    for i, (h, ids) in enumerate(want):
         text = m.detokenize(ids, special=True).decode("utf-8", "replace").encode()
         if fnv1a64(text) != h:
             bad.append(i)
-    assert off == len(b)
     assert not bad, f"{family}: llama.cpp decodes {len(bad)} documents differently, e.g. #{bad[0]}"
 
 
