@@ -24,13 +24,6 @@ rm -rf "$run/adapter" "$run/adapter2" "$run/report" "$run/report2" "$run/tcache"
 mkdir -p "$run"
 t0=$(date +%s)
 cached_steps=${DEMO_CACHED_STEPS:-4}
-# The trainer's 2 OpenMP threads meet at every parallel region (1,809 timed ops in a DPO step).
-# OpenMP's default wait spins: on CPUs other processes share, a thread spins while its partner is
-# descheduled, burning the CPU time the partner needs. Passive waits (sleep) measured 2026-11-27,
-# the same 2 cached steps, load 2.7-5: 15.0-17.8 CPU s and 10.5-25.5 s wall, against 31.3-38.9 CPU
-# s and 33.8-54.8 s wall spinning (4 runs each, alternated); the whole demo 4m16s / 5m07s user
-# CPU at load 3.4-4.6, against 17m44s / 8m42s spinning at load 8-10. OMP_WAIT_POLICY overrides.
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 load0=$(cut -d' ' -f1-3 /proc/loadavg)
 TIMEFORMAT="%R %U %S" # bash's `time`: wall, user, system seconds
 
@@ -42,7 +35,7 @@ fi
 
 . scripts/private-loaderd.sh
 start_loaderd "$run" "\"token_cache_dir\": \"$root/$run/tcache\","
-echo "demo-dpo: loaderd listening on $sock, token cache in $run/tcache; OMP_WAIT_POLICY=$OMP_WAIT_POLICY"
+echo "demo-dpo: loaderd listening on $sock, token cache in $run/tcache"
 
 sets=(--set "socket=$sock")
 for kv in ${DEMO_SET:-}; do sets+=(--set "$kv"); done

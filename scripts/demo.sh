@@ -8,12 +8,6 @@
 # runs/demo-gemma3), then the adapter in `trainer generate` and exported for llama.cpp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# OpenMP threads sleep when idle instead of spinning (libgomp's default spins): on the shared 2-core
-# machine, a spinning thread burns the core its partner needs whenever another process holds one.
-# Measured there under a load average of 9 (2026-11-27, Gemma 3 270M, same losses to the last
-# digit): 2 training steps + 2 held-out batches 193 s wall / 74.6 s CPU spinning, 94 s / 43.9 s
-# passive; `trainer generate` 40 tokens 110 s / 40.0 s against 47 s / 15.8 s, the same text.
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 root=$(pwd)
 run=runs/demo
 job=scripts/job.demo.json
